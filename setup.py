@@ -1,0 +1,1 @@
+from setuptools import setup; setup(cffi_modules=["ludo_c/build_ludo.py:ffibuilder"])
