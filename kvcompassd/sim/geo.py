@@ -1,0 +1,334 @@
+"""Geography of the simulated deployments: regions, great-circle latencies, config generator.
+
+The paper gives worker counts per region for every deployment but latencies only for the
+testbeds (and ranges for the simulated ones). Missing one-way latencies are derived as
+
+    one_way_ms = great_circle_km / 200 * 1.5 + 2
+
+i.e. light in fibre at ~2/3 c (200 km per ms), a 1.5x route-inflation factor over the great
+circle, and 2 ms of fixed switching/queueing. Where the paper gives a measured range for a
+group of links (appendix B), the derived latencies of that group are mapped linearly onto the
+paper's range, anchored at its shortest and longest link.
+
+Run ``python -m kvcompassd.sim.geo --out config`` to regenerate the deployment files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+EARTH_RADIUS_KM = 6371.0088
+FIBRE_KM_PER_MS = 200.0
+ROUTE_INFLATION = 1.5
+FIXED_MS = 2.0
+
+# Worker calibration: A100-80GB SXM serving Llama-3.1-8B-Instruct in BF16.
+# Prefill: SGLang/vLLM report ~12k prompt tokens/s for Llama-3-8B on one A100 at 1-4K-token
+# prompts (SGLang v0.2 blog benchmarks, Jul 2024; vLLM perf dashboard), so beta ~ 0.083 ms/token.
+# Decode: a decode step streams 16 GB of weights at ~1.6-2.0 TB/s (HBM2e) plus KV reads, so
+# ~10-12 ms per step at moderate batch; one output token per running request per step.
+A100_PREFILL_MS_PER_TOKEN = 0.083
+A100_DECODE_MS_PER_TOKEN = 12.0
+# KV per token: 32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes = 128 KiB.
+KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+A100_VRAM_KV_TOKENS = (32 << 30) // KV_BYTES_PER_TOKEN  # 32 GiB of VRAM for KV cache
+A100_DRAM_KV_TOKENS = (128 << 30) // KV_BYTES_PER_TOKEN  # 128 GiB of host DRAM
+A100_MAX_RUNNING = 64
+
+
+class GeoError(ValueError):
+    """A deployment specification is inconsistent (unknown region, bad count, bad range)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """A region's location; ``population_m`` (millions, metro or country served) weights users."""
+
+    name: str
+    latitude: float
+    longitude: float
+    population_m: float
+    label: str = ""
+
+
+# AWS-like region sites (CloudPing.co measures between these). Populations are of the
+# country (or, for the two US regions, the half of the US population each serves), in millions
+# (UN World Population Prospects 2024, rounded).
+SITES: dict[str, Site] = {
+    s.name: s
+    for s in (
+        Site("us", 38.95, -77.45, 340.0, "US (N. Virginia)"),
+        Site("us-east", 38.95, -77.45, 200.0, "US East (N. Virginia)"),
+        Site("us-west", 45.84, -119.70, 140.0, "US West (Oregon)"),
+        Site("cn", 39.90, 116.40, 1410.0, "China (Beijing)"),
+        Site("de", 50.11, 8.68, 84.0, "Germany (Frankfurt)"),
+        Site("ie", 53.35, -6.26, 5.3, "Ireland (Dublin)"),
+        Site("jp", 35.68, 139.69, 124.0, "Japan (Tokyo)"),
+        Site("sg", 1.35, 103.82, 5.9, "Singapore"),
+        Site("gb", 51.51, -0.13, 68.0, "United Kingdom (London)"),
+        Site("kr", 37.57, 126.98, 51.7, "South Korea (Seoul)"),
+        Site("au", -33.87, 151.21, 26.6, "Australia (Sydney)"),
+        Site("in", 19.08, 72.88, 1440.0, "India (Mumbai)"),
+        Site("br", -23.55, -46.63, 212.0, "Brazil (Sao Paulo)"),
+        Site("ca", 45.50, -73.57, 39.7, "Canada (Montreal)"),
+        Site("it", 45.46, 9.19, 59.0, "Italy (Milan)"),
+        Site("bh", 26.07, 50.56, 1.6, "Bahrain"),
+        Site("za", -33.92, 18.42, 63.0, "South Africa (Cape Town)"),
+        # Appendix B testbed: four North-American sites.
+        Site("pa", 39.95, -75.17, 13.0, "Pennsylvania (Philadelphia)"),
+        Site("oh", 39.96, -82.99, 11.8, "Ohio (Columbus)"),
+        Site("ny", 40.71, -74.01, 19.6, "New York (New York City)"),
+        Site("calgary", 51.05, -114.07, 1.6, "Calgary"),
+    )
+}
+
+# Appendix D: 16 North-American regions for the cross-region reuse analysis, weighted by
+# metropolitan-area population (US Census 2023 / Statistics Canada 2021, millions).
+NORTH_AMERICA_16: tuple[Site, ...] = (
+    Site("na-newyork", 40.71, -74.01, 19.5),
+    Site("na-losangeles", 34.05, -118.24, 12.8),
+    Site("na-chicago", 41.88, -87.63, 9.3),
+    Site("na-dallas", 32.78, -96.80, 8.1),
+    Site("na-houston", 29.76, -95.37, 7.5),
+    Site("na-toronto", 43.65, -79.38, 6.7),
+    Site("na-washington", 38.91, -77.04, 6.3),
+    Site("na-philadelphia", 39.95, -75.17, 6.2),
+    Site("na-atlanta", 33.75, -84.39, 6.3),
+    Site("na-miami", 25.76, -80.19, 6.2),
+    Site("na-phoenix", 33.45, -112.07, 5.1),
+    Site("na-boston", 42.36, -71.06, 4.9),
+    Site("na-sanfrancisco", 37.77, -122.42, 4.6),
+    Site("na-seattle", 47.61, -122.33, 4.0),
+    Site("na-montreal", 45.50, -73.57, 4.3),
+    Site("na-denver", 39.74, -104.99, 3.0),
+)
+
+
+def great_circle_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
+    """Haversine distance on a spherical Earth."""
+    p1, p2 = math.radians(lat1), math.radians(lat2)
+    dp, dl = p2 - p1, math.radians(lon2 - lon1)
+    h = math.sin(dp / 2) ** 2 + math.cos(p1) * math.cos(p2) * math.sin(dl / 2) ** 2
+    return 2 * EARTH_RADIUS_KM * math.asin(min(1.0, math.sqrt(h)))
+
+
+def derived_one_way_ms(a: Site, b: Site) -> float:
+    """The documented formula: fibre at 2/3 c, 1.5x route inflation, 2 ms fixed."""
+    km = great_circle_km(a.latitude, a.longitude, b.latitude, b.longitude)
+    return km / FIBRE_KM_PER_MS * ROUTE_INFLATION + FIXED_MS
+
+
+def population_weights(sites: Sequence[Site]) -> dict[str, float]:
+    """Share of users per site, proportional to population (appendix D)."""
+    total = sum(s.population_m for s in sites)
+    if total <= 0:
+        raise GeoError("population weights need a positive total population")
+    return {s.name: s.population_m / total for s in sites}
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRange:
+    """Map the derived latencies of ``pairs`` linearly onto [lo_ms, hi_ms] (measured range)."""
+
+    pairs: tuple[tuple[str, str], ...]
+    lo_ms: float
+    hi_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSpec:
+    """Everything needed to write one deployment's cluster config."""
+
+    name: str
+    description: str
+    workers: tuple[tuple[str, int], ...]  # (site name, worker count), in config order
+    fixed_links: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    link_ranges: tuple[LinkRange, ...] = ()
+    value_bits: int = 32
+    shards: int = 8
+    prefill_ms_per_token: float = A100_PREFILL_MS_PER_TOKEN
+    decode_ms_per_token: float = A100_DECODE_MS_PER_TOKEN
+    vram_kv_tokens: int = A100_VRAM_KV_TOKENS
+    dram_kv_tokens: int = A100_DRAM_KV_TOKENS
+    max_running: int = A100_MAX_RUNNING
+    source: str = ""
+
+    def region_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.workers)
+
+    def worker_count(self) -> int:
+        return sum(n for _, n in self.workers)
+
+
+def link_matrix(spec: DeploymentSpec) -> dict[tuple[str, str], float]:
+    """One-way latency for every unordered region pair (keys sorted by config order)."""
+    names = spec.region_names()
+    for name in names:
+        if name not in SITES:
+            raise GeoError(f"deployment {spec.name}: unknown region {name!r}")
+    if len(set(names)) != len(names):
+        raise GeoError(f"deployment {spec.name}: a region is listed twice")
+    order = {n: i for i, n in enumerate(names)}
+
+    def key(a: str, b: str) -> tuple[str, str]:
+        return (a, b) if order[a] < order[b] else (b, a)
+
+    links = {
+        key(a, b): derived_one_way_ms(SITES[a], SITES[b])
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    }
+    for rng in spec.link_ranges:
+        pairs = [key(a, b) for a, b in rng.pairs]
+        derived = np.array([links[p] for p in pairs])
+        span = derived.max() - derived.min()
+        for p, d in zip(pairs, derived):
+            frac = 0.5 if span == 0 else (d - derived.min()) / span
+            links[p] = rng.lo_ms + frac * (rng.hi_ms - rng.lo_ms)
+    for (a, b), ms in spec.fixed_links.items():
+        links[key(a, b)] = float(ms)
+    return links
+
+
+DEPLOYMENTS: dict[str, DeploymentSpec] = {
+    "census-64x8": DeploymentSpec(
+        name="census-64x8",
+        description="64 A100 workers in 8 regions, per-region counts from the LLM-deployment census (paper 5.3)",
+        workers=(("us", 30), ("cn", 13), ("de", 8), ("jp", 3), ("sg", 3), ("gb", 3), ("kr", 2), ("au", 2)),
+        value_bits=64,  # the 30-worker US region needs 64-bit values (32 workers per group)
+        shards=8,
+        source="paper 5.3: US 30, CN 13, DE 8, 2-3 each in JP, SG, GB, KR, AU; 12-150 ms RTT",
+    ),
+    "census-128x16": DeploymentSpec(
+        name="census-128x16",
+        description="128 A100 workers in 16 regions (paper appendix A)",
+        workers=(
+            ("us-east", 26), ("us-west", 14), ("cn", 12), ("de", 10), ("ie", 10), ("jp", 8), ("gb", 8),
+            ("sg", 7), ("in", 6), ("kr", 5), ("ca", 5), ("au", 4), ("br", 4), ("it", 4), ("za", 3), ("bh", 2),
+        ),
+        value_bits=64,  # the 26-worker US-East region needs 64-bit values
+        shards=16,
+        source="appendix A: US 26 + 14, CN 12, DE 10, IE 10, JP 8, GB 8, 2-7 each in SG, KR, IN, AU, BR, CA, "
+        "IT, BH, ZA (split of the remaining 40 is ours); one-way 9-144 ms",
+    ),
+    "northamerica-11": DeploymentSpec(
+        name="northamerica-11",
+        description="11 RTX 5090 workers in four North-American regions (paper appendix B)",
+        workers=(("pa", 2), ("oh", 4), ("ny", 1), ("calgary", 4)),
+        link_ranges=(
+            LinkRange((("pa", "oh"), ("pa", "ny"), ("oh", "ny")), 5.8, 16.6),
+            LinkRange((("calgary", "pa"), ("calgary", "oh"), ("calgary", "ny")), 24.9, 37.4),
+        ),
+        value_bits=32,
+        shards=4,
+        prefill_ms_per_token=0.085,  # the testbeds' calibrated RTX 5090 prefill speed (paper 5.2)
+        source="appendix B: PA 2, OH 4, NY 1, Calgary 4; one-way 5.8-16.6 ms east, 24.9-37.4 ms to Calgary",
+    ),
+}
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_toml(spec: DeploymentSpec) -> str:
+    """The cluster config for ``spec`` (format: the shared config contract)."""
+    links = link_matrix(spec)
+    lo, hi = min(links.values()), max(links.values())
+    lines = [
+        f"# {spec.description}.",
+        f"# Generated by `python -m kvcompassd.sim.geo --out config` (kvcompassd/sim/geo.py).",
+        f"# Paper: {spec.source}.",
+        "# Latencies the paper does not give are derived from great-circle distance:",
+        "#   one_way_ms = great_circle_km / 200 * 1.5 + 2   (fibre at 2/3 c, 1.5x route inflation, 2 ms fixed)",
+    ]
+    if spec.link_ranges:
+        lines.append("# then each measured group of links is mapped linearly onto the paper's measured range.")
+    lines += [
+        f"# One-way WAN latencies here span {lo:.1f}-{hi:.1f} ms (RTT {2 * lo:.1f}-{2 * hi:.1f} ms).",
+        "# Workers: A100-80GB / Llama-3.1-8B BF16 unless noted; 32 GiB VRAM and 128 GiB DRAM of KV at",
+        "# 128 KiB per token; prefill and decode calibration and sources are in kvcompassd/sim/geo.py.",
+        "",
+        "[cluster]",
+        f"name = {_toml_str(spec.name)}",
+        'model = "meta-llama/Llama-3.1-8B-Instruct"',
+        'tenant = ""',
+        f"shards = {spec.shards}",
+        "intra_region_one_way_ms = 0.25",
+        "",
+        "[index]",
+        "block_size = 16",
+        "levels = 6",
+        "same_region_min_tokens = 64",
+        f"value_bits = {spec.value_bits}",
+        "fingerprint_bits = 0",
+        "max_load = 0.95",
+        "initial_capacity = 65536",
+        "",
+        "[score]",
+        "lambda_max = 8.0",
+        "tau_ms = 100.0",
+        "gamma_ms_per_token = 0.00524   # 128 KiB per token / 25 GB/s PCIe 4.0",
+        'wan = "rtt"',
+        "belief_weight = 0.2",
+        "queue_ewma_weight = 0.5",
+        "broadcast_period_ms = 100.0",
+        "hot_prefix_misses = 3",
+        "hot_prefix_window_ms = 1000.0",
+        "idle_period_ms = 1000.0",
+    ]
+    for name in spec.region_names():
+        site = SITES[name]
+        lines += [
+            "",
+            "[[regions]]",
+            f"name = {_toml_str(name)}   # {site.label}",
+            f"latitude = {site.latitude}",
+            f"longitude = {site.longitude}",
+        ]
+    for (a, b), ms in links.items():
+        lines += ["", "[[links]]", f"between = [{_toml_str(a)}, {_toml_str(b)}]", f"one_way_ms = {ms:.2f}"]
+    for name, count in spec.workers:
+        if count <= 0:
+            raise GeoError(f"deployment {spec.name}: region {name!r} has {count} workers")
+        for i in range(count):
+            lines += [
+                "",
+                "[[workers]]",
+                f'id = "{name}-{i}"',
+                f"region = {_toml_str(name)}",
+                f"prefill_ms_per_token = {spec.prefill_ms_per_token}",
+                f"decode_ms_per_token = {spec.decode_ms_per_token}",
+                f"vram_kv_tokens = {spec.vram_kv_tokens}",
+                f"dram_kv_tokens = {spec.dram_kv_tokens}",
+                f"max_running = {spec.max_running}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcompassd.sim.geo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("config"), help="directory for the TOML files")
+    parser.add_argument("names", nargs="*", help=f"deployments to write (default: all of {sorted(DEPLOYMENTS)})")
+    args = parser.parse_args(argv)
+    names = args.names or list(DEPLOYMENTS)
+    unknown = [n for n in names if n not in DEPLOYMENTS]
+    if unknown:
+        parser.error(f"unknown deployment(s) {unknown}; known: {sorted(DEPLOYMENTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = args.out / f"{name}.toml"
+        path.write_text(render_toml(DEPLOYMENTS[name]))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
