@@ -1,0 +1,760 @@
+"""The kvcompass wire protocol: every message between daemons, and its one codec.
+
+Each message is a frozen slotted dataclass with a past-tense name, validated on construction
+(so a bad message is refused where it is made, whether by local code or by the decoder).
+
+Encoding (msgpack): one array ``[PROTOCOL_VERSION, tag, field_1, ..., field_n]``, fields in
+declaration order. Token id sequences travel as packed little-endian uint32 bytes; index events
+as ``[kind, key, tier]`` triples (see :func:`encode_index_event`). :data:`MESSAGE_SPECS` is the
+single dispatch table (tag -> class, field schema, size bound); :data:`SENDER_ROLES` says which
+node role may send each message, enforced by :func:`check_sender`.
+
+Errors: :class:`WireError` (a peer sent something malformed: wrong types, missing or extra
+fields, unknown tag, bad version, oversize, trailing bytes) and :class:`WireForbidden` (a peer's
+role may not send that message). Both subclass ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Final
+
+import msgpack
+
+from kvcompassd.core.events import MAX_KEY, IndexEvent, PrefixCached, PrefixEvicted, Tier, TierChanged
+
+PROTOCOL_VERSION: Final = 1
+KiB: Final = 1024
+MiB: Final = 1024 * KiB
+MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all: a shard snapshot
+MAX_ID_CHARS: Final = 128
+U32_MAX: Final = (1 << 32) - 1
+U64_MAX: Final = (1 << 64) - 1
+I64_MIN: Final = -(1 << 63)
+I64_MAX: Final = (1 << 63) - 1
+
+
+class WireError(ValueError):
+    """A message is malformed: the sender broke the protocol (or local code built a bad one)."""
+
+
+class WireForbidden(WireError):
+    """A message was sent by a node whose role may not send it."""
+
+
+class Role(str, enum.Enum):
+    """What a node is; carried in its certificate (see :mod:`kvcompassd.certs`)."""
+
+    EDGE = "edge"
+    MAINTENANCE = "maintenance"
+    AGENT = "agent"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeIdentity:
+    """Who a peer is, as proven by its CA-signed certificate."""
+
+    role: Role
+    node_id: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        if not isinstance(self.node_id, str) or not 0 < len(self.node_id) <= MAX_ID_CHARS:
+            raise ValueError(f"node id must be a 1-{MAX_ID_CHARS} character string, got {self.node_id!r}")
+
+    def __str__(self) -> str:
+        return f"{self.role.value}:{self.node_id}"
+
+
+# --------------------------------------------------------------------------------------------
+# Field types: each checks/normalises a Python value and converts it to and from its wire form.
+# --------------------------------------------------------------------------------------------
+
+
+class FieldType:
+    """How one message field is validated and represented on the wire."""
+
+    def check(self, value: Any, where: str) -> Any:
+        """Validate ``value`` and return its canonical form; raise WireError naming ``where``."""
+        raise NotImplementedError
+
+    def to_wire(self, value: Any) -> Any:
+        return value
+
+    def from_wire(self, raw: Any, where: str) -> Any:
+        return self.check(raw, where)
+
+
+def _fail(where: str, expected: str, value: Any) -> WireError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return WireError(f"{where}: expected {expected}, got {type(value).__name__} {shown}")
+
+
+class Text(FieldType):
+    def __init__(self, max_chars: int = MAX_ID_CHARS, *, allow_empty: bool = False) -> None:
+        self.max_chars = max_chars
+        self.allow_empty = allow_empty
+
+    def check(self, value: Any, where: str) -> str:
+        if not isinstance(value, str):
+            raise _fail(where, "a string", value)
+        if not self.allow_empty and not value:
+            raise WireError(f"{where}: must not be empty")
+        if len(value) > self.max_chars:
+            raise WireError(f"{where}: longer than {self.max_chars} characters ({len(value)})")
+        return value
+
+
+class Choice(Text):
+    def __init__(self, *choices: str) -> None:
+        super().__init__(max(len(c) for c in choices))
+        self.choices = frozenset(choices)
+
+    def check(self, value: Any, where: str) -> str:
+        value = super().check(value, where)
+        if value not in self.choices:
+            raise WireError(f"{where}: must be one of {sorted(self.choices)}, got {value!r}")
+        return value
+
+
+class Int(FieldType):
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def check(self, value: Any, where: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _fail(where, "an integer", value)
+        if not self.lo <= value <= self.hi:
+            raise WireError(f"{where}: {value} outside [{self.lo}, {self.hi}]")
+        return int(value)
+
+
+class Float(FieldType):
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf) -> None:
+        self.lo, self.hi = lo, hi
+
+    def check(self, value: Any, where: str) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _fail(where, "a number", value)
+        value = float(value)
+        if not math.isfinite(value) or not self.lo <= value <= self.hi:
+            raise WireError(f"{where}: {value} is not a finite number in [{self.lo}, {self.hi}]")
+        return value
+
+
+class Bool(FieldType):
+    def check(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise _fail(where, "a boolean", value)
+        return value
+
+
+class Blob(FieldType):
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+
+    def check(self, value: Any, where: str) -> bytes:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise _fail(where, "bytes", value)
+        value = bytes(value)
+        if len(value) > self.max_bytes:
+            raise WireError(f"{where}: {len(value)} bytes exceeds {self.max_bytes}")
+        return value
+
+
+class TokenIds(FieldType):
+    """A sequence of token ids (uint32); packed little-endian on the wire, 4 bytes per token."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+
+    def check(self, value: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(value, (tuple, list)):
+            raise _fail(where, "a tuple of token ids", value)
+        if len(value) > self.max_tokens:
+            raise WireError(f"{where}: {len(value)} tokens exceeds {self.max_tokens}")
+        for i, token in enumerate(value):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= U32_MAX:
+                raise _fail(f"{where}[{i}]", "a token id in [0, 2^32)", token)
+        return tuple(value)
+
+    def to_wire(self, value: tuple[int, ...]) -> bytes:
+        packed = array.array("I", value)
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return packed.tobytes()
+
+    def from_wire(self, raw: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(raw, bytes):
+            raise _fail(where, "packed uint32 token ids (bytes)", raw)
+        if len(raw) % 4:
+            raise WireError(f"{where}: packed token ids length {len(raw)} is not a multiple of 4")
+        if len(raw) // 4 > self.max_tokens:
+            raise WireError(f"{where}: {len(raw) // 4} tokens exceeds {self.max_tokens}")
+        unpacked = array.array("I")
+        unpacked.frombytes(raw)
+        if sys.byteorder == "big":
+            unpacked.byteswap()
+        return tuple(unpacked)
+
+
+class Pairs(FieldType):
+    """A tuple of 2-tuples, e.g. ``((group, blob), ...)`` or ``((worker, queue_ms), ...)``."""
+
+    def __init__(self, first: FieldType, second: FieldType, max_items: int) -> None:
+        self.first, self.second, self.max_items = first, second, max_items
+
+    def check(self, value: Any, where: str) -> tuple[tuple[Any, Any], ...]:
+        if not isinstance(value, (tuple, list)):
+            raise _fail(where, "a sequence of pairs", value)
+        if len(value) > self.max_items:
+            raise WireError(f"{where}: {len(value)} items exceeds {self.max_items}")
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise _fail(f"{where}[{i}]", "a pair", item)
+            out.append((self.first.check(item[0], f"{where}[{i}][0]"), self.second.check(item[1], f"{where}[{i}][1]")))
+        return tuple(out)
+
+    def to_wire(self, value: tuple[tuple[Any, Any], ...]) -> list[list[Any]]:
+        return [[self.first.to_wire(a), self.second.to_wire(b)] for a, b in value]
+
+
+class Params(FieldType):
+    """A JSON-like mapping with string keys (sampling parameters, admin arguments and answers)."""
+
+    def __init__(self, max_depth: int = 6, max_items: int = 4096) -> None:
+        self.max_depth, self.max_items = max_depth, max_items
+
+    def check(self, value: Any, where: str) -> dict[str, Any]:
+        if not isinstance(value, Mapping):
+            raise _fail(where, "a mapping with string keys", value)
+        budget = [self.max_items]
+        return self._mapping(value, where, 0, budget)
+
+    def _mapping(self, value: Mapping[Any, Any], where: str, depth: int, budget: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _fail(f"{where} key", "a string", key)
+            out[key] = self._value(item, f"{where}[{key!r}]", depth + 1, budget)
+        return out
+
+    def _value(self, value: Any, where: str, depth: int, budget: list[int]) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise WireError(f"{where}: more than {self.max_items} values")
+        if depth > self.max_depth:
+            raise WireError(f"{where}: nested deeper than {self.max_depth}")
+        if value is None or isinstance(value, (bool, str, bytes)):
+            return value
+        if isinstance(value, int):
+            if not I64_MIN <= value <= U64_MAX:
+                raise WireError(f"{where}: integer {value} does not fit 64 bits")
+            return value
+        if isinstance(value, float):
+            return value
+        if isinstance(value, (list, tuple)):
+            return [self._value(v, f"{where}[{i}]", depth + 1, budget) for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            return self._mapping(value, where, depth, budget)
+        raise _fail(where, "null, bool, number, string, bytes, list or mapping", value)
+
+
+_EVENT_KINDS: Final = {PrefixCached: 0, TierChanged: 1, PrefixEvicted: 2}
+
+
+def encode_index_event(event: IndexEvent) -> list[int]:
+    """``[kind, key, tier]``: kind 0 cached, 1 tier changed, 2 evicted (tier 0). Worker omitted:
+    it is the enclosing report's worker."""
+    kind = _EVENT_KINDS[type(event)]
+    tier = 0 if isinstance(event, PrefixEvicted) else int(event.tier)
+    return [kind, event.key, tier]
+
+
+def decode_index_event(raw: Any, worker: str, where: str = "event") -> IndexEvent:
+    """Inverse of :func:`encode_index_event` for events of ``worker``."""
+    if not isinstance(raw, list) or len(raw) != 3:
+        raise _fail(where, "[kind, key, tier]", raw)
+    kind, key, tier = raw
+    Int(0, MAX_KEY).check(key, f"{where} key")
+    if kind in (0, 1):
+        tier = Int(1, 2).check(tier, f"{where} tier")
+        cls = PrefixCached if kind == 0 else TierChanged
+        return cls(worker=worker, key=key, tier=Tier(tier))
+    if kind == 2:
+        if tier != 0:
+            raise WireError(f"{where}: an eviction carries tier 0, got {tier!r}")
+        return PrefixEvicted(worker=worker, key=key)
+    raise WireError(f"{where}: unknown event kind {kind!r}")
+
+
+class IndexEvents(FieldType):
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+
+    def check(self, value: Any, where: str) -> tuple[IndexEvent, ...]:
+        if not isinstance(value, (tuple, list)):
+            raise _fail(where, "a tuple of index events", value)
+        if len(value) > self.max_items:
+            raise WireError(f"{where}: {len(value)} events exceeds {self.max_items}")
+        for i, event in enumerate(value):
+            if type(event) not in _EVENT_KINDS:
+                raise _fail(f"{where}[{i}]", "PrefixCached, TierChanged or PrefixEvicted", event)
+        return tuple(value)
+
+    def to_wire(self, value: tuple[IndexEvent, ...]) -> list[list[int]]:
+        return [encode_index_event(e) for e in value]
+
+    def from_wire(self, raw: Any, where: str) -> tuple[IndexEvent, ...]:
+        # Decoded by PrefixEventsReported itself, which knows the worker.
+        raise AssertionError("IndexEvents are decoded by their message")
+
+
+# Shared field types.
+ID = Text()
+REQUEST_ID = Text(MAX_ID_CHARS)
+REGION = Text()
+SHARD = Int(0, 65535)
+EPOCH = Int(0, U64_MAX)
+SEQ = Int(-1, I64_MAX)  # -1 = "nothing yet"
+COUNT = Int(0, U32_MAX)
+MILLIS = Float(0.0, 1e9)
+TABLES = Pairs(Int(0, 65535), Blob(MAX_FRAME_BYTES), 4096)
+QUEUE_VECTOR = Pairs(ID, MILLIS, 8192)
+MAX_PROMPT_TOKENS: Final = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Messages.
+# --------------------------------------------------------------------------------------------
+
+
+class WireMessage:
+    """Base of every message: validates and normalises fields against the class's ``WIRE``."""
+
+    __slots__ = ()
+    WIRE: ClassVar[dict[str, FieldType]]
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for field_name, field_type in self.WIRE.items():
+            value = getattr(self, field_name)
+            object.__setattr__(self, field_name, field_type.check(value, f"{name}.{field_name}"))
+        self._check()
+
+    def _check(self) -> None:
+        """Cross-field checks; override where needed."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixEventsReported(WireMessage):
+    """agent -> maintenance: a worker's index events, numbered per worker incarnation."""
+
+    worker: str
+    seq: int
+    events: tuple[IndexEvent, ...]
+    WIRE: ClassVar = {"worker": ID, "seq": Int(0, I64_MAX), "events": IndexEvents(1 << 20)}
+
+    def _check(self) -> None:
+        for i, event in enumerate(self.events):
+            if event.worker != self.worker:
+                raise WireError(
+                    f"PrefixEventsReported.events[{i}]: worker {event.worker!r} is not the "
+                    f"report's worker {self.worker!r}"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerWithdrawn(WireMessage):
+    """agent -> maintenance: the worker is gone; drop every prefix it holds."""
+
+    worker: str
+    WIRE: ClassVar = {"worker": ID}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRegistered(WireMessage):
+    """agent -> maintenance: the worker (re)started; ``incarnation`` grows with every restart."""
+
+    worker: str
+    incarnation: int
+    WIRE: ClassVar = {"worker": ID, "incarnation": Int(0, U64_MAX)}
+
+
+@dataclass(frozen=True, slots=True)
+class UpdatesSubscribed(WireMessage):
+    """edge -> maintenance: send me updates of ``shard`` after (epoch, seq); 0/-1 = I have none."""
+
+    edge: str
+    shard: int
+    epoch: int
+    seq: int
+    WIRE: ClassVar = {"edge": ID, "shard": SHARD, "epoch": EPOCH, "seq": SEQ}
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncRequested(WireMessage):
+    """edge -> maintenance: I saw a gap; replay ``shard`` from ``from_seq`` or send a snapshot."""
+
+    edge: str
+    shard: int
+    epoch: int
+    from_seq: int
+    WIRE: ClassVar = {"edge": ID, "shard": SHARD, "epoch": EPOCH, "from_seq": SEQ}
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateBatchPublished(WireMessage):
+    """maintenance -> edge: update records for ``shard`` numbered (epoch, seq), per region group."""
+
+    shard: int
+    epoch: int
+    seq: int
+    tables: tuple[tuple[int, bytes], ...]
+    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": Int(0, I64_MAX), "tables": TABLES}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSnapshotSent(WireMessage):
+    """maintenance (or a peer edge) -> edge: the whole shard view as of (epoch, seq)."""
+
+    shard: int
+    epoch: int
+    seq: int
+    tables: tuple[tuple[int, bytes], ...]
+    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": SEQ, "tables": TABLES}
+
+
+@dataclass(frozen=True, slots=True)
+class QueueVectorBroadcast(WireMessage):
+    """edge -> edge (datagram): the queue estimates of ``from_region``'s workers at ``sent_at``."""
+
+    from_region: str
+    to_region: str
+    sent_at: float
+    vector: tuple[tuple[str, float], ...]
+    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR}
+
+
+@dataclass(frozen=True, slots=True)
+class ViewCopyRequested(WireMessage):
+    """edge -> edge: send me your views (answered with ShardSnapshotSent on the same exchange)."""
+
+    edge: str
+    WIRE: ClassVar = {"edge": ID}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestForwarded(WireMessage):
+    """edge -> agent: run this prompt; ``claimed_tokens`` is the prefix match the edge assumed."""
+
+    request_id: str
+    edge: str
+    origin_region: str
+    input_ids: tuple[int, ...]
+    sampling_params: dict[str, Any]
+    stream: bool
+    claimed_tokens: int
+    WIRE: ClassVar = {
+        "request_id": REQUEST_ID,
+        "edge": ID,
+        "origin_region": REGION,
+        "input_ids": TokenIds(MAX_PROMPT_TOKENS),
+        "sampling_params": Params(),
+        "stream": Bool(),
+        "claimed_tokens": Int(0, MAX_PROMPT_TOKENS),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationRequested(WireMessage):
+    """edge -> agent: load this prompt's prefix onto ``destination_worker`` (copy or recompute)."""
+
+    request_id: str
+    input_ids: tuple[int, ...]
+    source_worker: str
+    destination_worker: str
+    mode: str
+    WIRE: ClassVar = {
+        "request_id": REQUEST_ID,
+        "input_ids": TokenIds(MAX_PROMPT_TOKENS),
+        "source_worker": ID,
+        "destination_worker": ID,
+        "mode": Choice("copy", "recompute"),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseChunked(WireMessage):
+    """agent -> edge: the next piece of a streamed response."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    WIRE: ClassVar = {
+        "request_id": REQUEST_ID,
+        "token_ids": TokenIds(1 << 18),
+        "text": Text(4 * MiB, allow_empty=True),
+        "finished": Bool(),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseCompleted(WireMessage):
+    """agent -> edge: the request finished; reuse figures feed the edge's cache belief."""
+
+    request_id: str
+    worker: str
+    cached_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    queue_vector: tuple[tuple[str, float], ...]
+    WIRE: ClassVar = {
+        "request_id": REQUEST_ID,
+        "worker": ID,
+        "cached_tokens": COUNT,
+        "prompt_tokens": COUNT,
+        "completion_tokens": COUNT,
+        "finish_reason": Text(64, allow_empty=True),
+        "queue_vector": QUEUE_VECTOR,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed(WireMessage):
+    """agent -> edge: the request failed; retryable elsewhere if ``before_first_token``."""
+
+    request_id: str
+    worker: str
+    reason: str
+    before_first_token: bool
+    WIRE: ClassVar = {
+        "request_id": REQUEST_ID,
+        "worker": ID,
+        "reason": Text(4 * KiB, allow_empty=True),
+        "before_first_token": Bool(),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoadReported(WireMessage):
+    """agent -> edge: a worker's current queueing delay and batch occupancy."""
+
+    worker: str
+    queue_ms: float
+    running: int
+    waiting: int
+    WIRE: ClassVar = {"worker": ID, "queue_ms": MILLIS, "running": COUNT, "waiting": COUNT}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReported(WireMessage):
+    """any -> any: your frame was rejected (``code`` is one of :data:`ERROR_CODES`)."""
+
+    code: str
+    detail: str
+    WIRE: ClassVar = {"code": Text(64), "detail": Text(4 * KiB, allow_empty=True)}
+
+
+@dataclass(frozen=True, slots=True)
+class AdminQueried(WireMessage):
+    """admin -> any daemon: a kvcompassctl query (``what`` names it, ``args`` parameterise it)."""
+
+    what: str
+    args: dict[str, Any]
+    WIRE: ClassVar = {"what": Text(64), "args": Params()}
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAnswered(WireMessage):
+    """daemon -> admin: the answer to an AdminQueried."""
+
+    what: str
+    body: dict[str, Any]
+    WIRE: ClassVar = {"what": Text(64), "body": Params(max_depth=8, max_items=1 << 20)}
+
+
+Message = (
+    PrefixEventsReported
+    | WorkerWithdrawn
+    | WorkerRegistered
+    | UpdatesSubscribed
+    | ResyncRequested
+    | UpdateBatchPublished
+    | ShardSnapshotSent
+    | QueueVectorBroadcast
+    | ViewCopyRequested
+    | RequestForwarded
+    | MigrationRequested
+    | ResponseChunked
+    | ResponseCompleted
+    | RequestFailed
+    | WorkerLoadReported
+    | ErrorReported
+    | AdminQueried
+    | AdminAnswered
+)
+
+# Codes used in ErrorReported.code.
+ERROR_CODES: Final = ("malformed", "forbidden", "oversize", "unavailable", "internal")
+
+
+# --------------------------------------------------------------------------------------------
+# The dispatch table, the sender table, and the codec.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MessageSpec:
+    """One row of the dispatch table."""
+
+    tag: int
+    cls: type
+    fields: tuple[tuple[str, FieldType], ...]
+    max_bytes: int
+
+
+def _spec(tag: int, cls: type, max_bytes: int) -> MessageSpec:
+    declared = tuple(f.name for f in fields(cls))
+    if declared != tuple(cls.WIRE):
+        raise AssertionError(f"{cls.__name__}: WIRE keys {tuple(cls.WIRE)} != fields {declared}")
+    return MessageSpec(tag, cls, tuple(cls.WIRE.items()), max_bytes)
+
+
+MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
+    spec.tag: spec
+    for spec in (
+        _spec(1, PrefixEventsReported, 16 * MiB),
+        _spec(2, WorkerWithdrawn, 1 * KiB),
+        _spec(3, WorkerRegistered, 1 * KiB),
+        _spec(10, UpdatesSubscribed, 1 * KiB),
+        _spec(11, ResyncRequested, 1 * KiB),
+        _spec(12, UpdateBatchPublished, MAX_FRAME_BYTES),
+        _spec(13, ShardSnapshotSent, MAX_FRAME_BYTES),
+        _spec(20, QueueVectorBroadcast, 1 * MiB),
+        _spec(21, ViewCopyRequested, 1 * KiB),
+        _spec(30, RequestForwarded, 8 * MiB),
+        _spec(31, MigrationRequested, 8 * MiB),
+        _spec(40, ResponseChunked, 8 * MiB),
+        _spec(41, ResponseCompleted, 1 * MiB),
+        _spec(42, RequestFailed, 16 * KiB),
+        _spec(43, WorkerLoadReported, 1 * KiB),
+        _spec(50, ErrorReported, 16 * KiB),
+        _spec(60, AdminQueried, 1 * MiB),
+        _spec(61, AdminAnswered, MAX_FRAME_BYTES),
+    )
+}
+_SPEC_BY_CLASS: Final = {spec.cls: spec for spec in MESSAGE_SPECS.values()}
+
+_ANY_DAEMON = frozenset({Role.EDGE, Role.MAINTENANCE, Role.AGENT})
+SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
+    PrefixEventsReported: frozenset({Role.AGENT}),
+    WorkerWithdrawn: frozenset({Role.AGENT}),
+    WorkerRegistered: frozenset({Role.AGENT}),
+    UpdatesSubscribed: frozenset({Role.EDGE}),
+    ResyncRequested: frozenset({Role.EDGE}),
+    UpdateBatchPublished: frozenset({Role.MAINTENANCE}),
+    # A peer edge answers ViewCopyRequested with snapshots; the receiving edge must accept
+    # snapshots from an edge only on an exchange it opened itself.
+    ShardSnapshotSent: frozenset({Role.MAINTENANCE, Role.EDGE}),
+    QueueVectorBroadcast: frozenset({Role.EDGE}),
+    ViewCopyRequested: frozenset({Role.EDGE}),
+    RequestForwarded: frozenset({Role.EDGE}),
+    MigrationRequested: frozenset({Role.EDGE}),
+    ResponseChunked: frozenset({Role.AGENT}),
+    ResponseCompleted: frozenset({Role.AGENT}),
+    RequestFailed: frozenset({Role.AGENT}),
+    WorkerLoadReported: frozenset({Role.AGENT}),
+    ErrorReported: frozenset(Role),
+    AdminQueried: frozenset({Role.ADMIN}),
+    AdminAnswered: _ANY_DAEMON,
+}
+assert set(SENDER_ROLES) == set(_SPEC_BY_CLASS), "every message needs a sender rule"
+
+
+def check_sender(role: Role | str, message: WireMessage) -> None:
+    """Raise :class:`WireForbidden` unless a node of ``role`` may send ``message``."""
+    allowed = SENDER_ROLES.get(type(message))
+    if allowed is None:
+        raise WireError(f"{type(message).__name__} is not a wire message")
+    if Role(role) not in allowed:
+        raise WireForbidden(
+            f"a {Role(role).value} node may not send {type(message).__name__} "
+            f"(allowed: {', '.join(sorted(r.value for r in allowed))})"
+        )
+
+
+def max_bytes_of(message_type: type) -> int:
+    """The size bound of one encoded message of ``message_type``."""
+    return _SPEC_BY_CLASS[message_type].max_bytes
+
+
+def encode(message: WireMessage) -> bytes:
+    """Encode a message as ``[version, tag, *fields]`` msgpack; raise WireError if oversize."""
+    spec = _SPEC_BY_CLASS.get(type(message))
+    if spec is None:
+        raise WireError(f"cannot encode {type(message).__name__}: not a wire message")
+    body = [PROTOCOL_VERSION, spec.tag]
+    body.extend(field_type.to_wire(getattr(message, name)) for name, field_type in spec.fields)
+    data = msgpack.packb(body, use_bin_type=True)
+    if len(data) > spec.max_bytes:
+        raise WireError(f"{spec.cls.__name__} encodes to {len(data)} bytes, over its bound {spec.max_bytes}")
+    return data
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Decode one message; raise :class:`WireError` (and only that) on any malformed input."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame bound")
+    if not data:
+        raise WireError("empty message")
+    try:
+        raw = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+    except msgpack.ExtraData:
+        raise WireError("trailing bytes after the message") from None
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise WireError(f"expected [version, tag, fields...], got {type(raw).__name__}")
+    version, tag = raw[0], raw[1]
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise WireError(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})")
+    spec = MESSAGE_SPECS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
+    if spec is None:
+        raise WireError(f"unknown message tag {tag!r}")
+    name = spec.cls.__name__
+    if len(data) > spec.max_bytes:
+        raise WireError(f"{name} of {len(data)} bytes exceeds its bound {spec.max_bytes}")
+    values = raw[2:]
+    if len(values) != len(spec.fields):
+        expected = [n for n, _ in spec.fields]
+        raise WireError(f"{name}: expected {len(expected)} fields {expected}, got {len(values)}")
+    try:
+        kwargs: dict[str, Any] = {}
+        for (field_name, field_type), value in zip(spec.fields, values):
+            if isinstance(field_type, IndexEvents):
+                events = value
+                if not isinstance(events, list):
+                    raise _fail(f"{name}.{field_name}", "a list of [kind, key, tier]", events)
+                kwargs[field_name] = tuple(
+                    decode_index_event(e, kwargs["worker"], f"{name}.{field_name}[{i}]")
+                    for i, e in enumerate(events)
+                )
+            else:
+                kwargs[field_name] = field_type.from_wire(value, f"{name}.{field_name}")
+        return spec.cls(**kwargs)
+    except WireError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise WireError(f"{name}: {exc}") from None
