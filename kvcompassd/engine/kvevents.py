@@ -1,0 +1,525 @@
+"""Sans-IO codec for the KV-cache event stream of SGLang and vLLM (identical wire format).
+
+One ZMQ message is three frames ``[topic, seq, payload]``: ``seq`` is an 8-byte big-endian
+integer counting batches from 0 per publisher start, ``payload`` is msgpack. The payload is a
+batch: ``[ts, events]`` (SGLang <= 0.4, old vLLM, msgspec ``array_like``), ``[ts, events,
+dp_rank]`` (SGLang 0.5.23 and vLLM 0.33.0 as captured in ``shared/wire-samples``) or a map
+``{"ts", "events", "data_parallel_rank"}`` (current vLLM main: its ``EventBatch`` dropped
+``array_like``). Events are tagged either positionally (``["BlockStored", block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium, ...]``) or as maps with a ``"type"``
+key. Older SGLang omits ``lora_id``/``medium``; newer vLLM appends ``lora_name``,
+``extra_keys``, ``group_idx``...: trailing positional fields and unknown keys are ignored.
+
+Block hashes are canonicalised: integers to signed int64 (SGLang's convention; a uint64 such as
+vLLM's 17000000000000000001 becomes the int64 with the same 64 bits), bytes stay bytes.
+
+A batch is decoded completely or rejected with :class:`KvEventError`: one malformed event
+rejects the whole batch, so a consumer never applies half a batch (the block tree would
+otherwise hold a state the engine never had). The sequence number is kept so the caller can
+still account for the batch in its gap tracking.
+
+Replay (``ZmqEventPublisher._service_replay`` in both engines): a client sends
+``[b"", start_seq(8 bytes)]`` from a DEALER (a REQ adds the empty delimiter itself); the ROUTER
+sees ``[identity, b"", start_seq]`` and answers every buffered batch with ``seq >= start_seq``
+as ``[identity, b"", seq, payload]``, then ``[identity, b"", seq=-1, b""]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+
+from kvcompassd.core.events import Tier
+
+BlockHash = int | bytes
+
+INT64_MIN = -(1 << 63)
+UINT64_LIMIT = 1 << 64
+MAX_HASH_BYTES = 64
+MAX_TOKEN_ID = (1 << 32) - 1
+MAX_PAYLOAD_BYTES = 64 << 20
+SEQ_BYTES = 8
+END_SEQ = -1
+
+
+class KvEventError(ValueError):
+    """A KV-event message (or replay frame) from the engine is malformed."""
+
+
+class StorageTier(enum.IntEnum):
+    """Where a block lives, ordered so that ``max`` is the worst tier of a path."""
+
+    VRAM = 1
+    DRAM = 2
+    UNINDEXED = 3  # SSD, remote storage, LoRA blocks: kept in the mirror, never registered
+
+    def index_tier(self) -> Tier | None:
+        """The index tier to register, or None when this tier is not indexed."""
+        if self is StorageTier.VRAM:
+            return Tier.VRAM
+        if self is StorageTier.DRAM:
+            return Tier.DRAM
+        return None
+
+
+GPU_MEDIUM = "GPU"
+_DRAM_MEDIA = frozenset({"CPU", "CPU_PINNED", "CPU_TIER1"})
+
+
+def canonical_medium(medium: str | None) -> str:
+    """Engines send None for GPU (older SGLang has no field at all); upper-case the rest."""
+    return GPU_MEDIUM if medium is None else medium.upper()
+
+
+def tier_of_medium(medium: str | None) -> StorageTier:
+    """``GPU``/None -> VRAM; host memory -> DRAM; disk, FS, object store, anything else -> not
+    indexed (the paper excludes SSD: fetching it costs more than recomputing)."""
+    name = canonical_medium(medium)
+    if name == GPU_MEDIUM:
+        return StorageTier.VRAM
+    if name in _DRAM_MEDIA:
+        return StorageTier.DRAM
+    return StorageTier.UNINDEXED
+
+
+def canonical_hash(value: object, what: str = "block hash") -> BlockHash:
+    """int64/uint64 -> signed int64; bytes -> bytes (bounded). Anything else is an error."""
+    if isinstance(value, bool):
+        raise KvEventError(f"{what} must be an int or bytes, got bool")
+    if isinstance(value, int):
+        if not INT64_MIN <= value < UINT64_LIMIT:
+            raise KvEventError(f"{what} {value} is outside the int64/uint64 range")
+        return value - UINT64_LIMIT if value >= (1 << 63) else value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        if not 0 < len(data) <= MAX_HASH_BYTES:
+            raise KvEventError(f"{what} has {len(data)} bytes (1..{MAX_HASH_BYTES} allowed)")
+        return data
+    raise KvEventError(f"{what} must be an int or bytes, got {type(value).__name__}")
+
+
+def _hash_tuple(values: object, what: str) -> tuple[BlockHash, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise KvEventError(f"{what} must be an array, got {type(values).__name__}")
+    return tuple(canonical_hash(v, what) for v in values)
+
+
+def _token(value: object) -> int:
+    # EAGLE bigram pages carry (token, next_token) pairs: the first is the token at that slot.
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_ID:
+        raise KvEventError(f"token id must be an int in [0, 2^32), got {value!r}")
+    return value
+
+
+def _optional_str(value: object, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise KvEventError(f"{what} must be a string or null, got {type(value).__name__}")
+
+
+def _optional_int(value: object, what: str) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise KvEventError(f"{what} must be an int or null, got {type(value).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks ``block_hashes`` (a chain: each one's parent is the previous) now hold
+    ``token_ids`` (``block_size`` per block, the last block may be shorter) in ``medium``."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_hashes", tuple(canonical_hash(h) for h in self.block_hashes))
+        if self.parent_block_hash is not None:
+            object.__setattr__(
+                self, "parent_block_hash", canonical_hash(self.parent_block_hash, "parent_block_hash")
+            )
+        object.__setattr__(self, "token_ids", tuple(_token(t) for t in self.token_ids))
+        if not self.block_hashes:
+            raise KvEventError("BlockStored has no block hashes")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise KvEventError(f"block_size must be a positive int, got {self.block_size!r}")
+        n = len(self.block_hashes)
+        if not (n - 1) * self.block_size < len(self.token_ids) <= n * self.block_size:
+            raise KvEventError(
+                f"BlockStored has {len(self.token_ids)} token ids for {n} blocks of "
+                f"{self.block_size}: expected ({(n - 1) * self.block_size}, {n * self.block_size}]"
+            )
+        _optional_int(self.lora_id, "lora_id")
+        _optional_str(self.medium, "medium")
+
+    @property
+    def tier(self) -> StorageTier:
+        return tier_of_medium(self.medium)
+
+    def blocks(self) -> Iterable[tuple[BlockHash, BlockHash | None, tuple[int, ...]]]:
+        """Each block as (hash, parent hash, its tokens), parents chained through the event."""
+        parent = self.parent_block_hash
+        for i, block_hash in enumerate(self.block_hashes):
+            yield block_hash, parent, self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = block_hash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks ``block_hashes`` left ``medium`` (None means GPU)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_hashes", tuple(canonical_hash(h) for h in self.block_hashes))
+        _optional_str(self.medium, "medium")
+
+    @property
+    def tier(self) -> StorageTier:
+        return tier_of_medium(self.medium)
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine dropped its whole cache (flush, reset)."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One published message: batch number ``seq``, engine timestamp ``ts`` (s), events."""
+
+    seq: int
+    ts: float
+    events: tuple[KvEvent, ...]
+    dp_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or not 0 <= self.seq < (1 << 63):
+            raise KvEventError(f"batch seq must be an int in [0, 2^63), got {self.seq!r}")
+        if isinstance(self.ts, bool) or not isinstance(self.ts, (int, float)) or self.ts != self.ts:
+            raise KvEventError(f"batch ts must be a number, got {self.ts!r}")
+        object.__setattr__(self, "ts", float(self.ts))
+        object.__setattr__(self, "events", tuple(self.events))
+        for event in self.events:
+            if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+                raise KvEventError(f"not a KV event: {type(event).__name__}")
+        _optional_int(self.dp_rank, "dp_rank")
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+def decode_seq(frame: bytes) -> int:
+    """The 8-byte big-endian sequence frame (signed: the replay end marker is -1)."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)) or len(frame) != SEQ_BYTES:
+        size = len(frame) if isinstance(frame, (bytes, bytearray, memoryview)) else "?"
+        raise KvEventError(f"sequence frame must be {SEQ_BYTES} bytes, got {size}")
+    return int.from_bytes(bytes(frame), "big", signed=True)
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+def _unpack(payload: bytes) -> Any:
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise KvEventError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        return msgpack.unpackb(bytes(payload), raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises many types (ExtraData, FormatError, Unicode...)
+        raise KvEventError(f"payload is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
+
+
+def _decode_event(raw: object, index: int) -> KvEvent:
+    try:
+        if isinstance(raw, (list, tuple)):
+            return _decode_positional(raw)
+        if isinstance(raw, Mapping):
+            return _decode_map(raw)
+        raise KvEventError(f"event must be an array or a map, got {type(raw).__name__}")
+    except KvEventError as exc:
+        raise KvEventError(f"event #{index}: {exc}") from None
+
+
+def _decode_positional(raw: Sequence[Any]) -> KvEvent:
+    if not raw or not isinstance(raw[0], str):
+        raise KvEventError("positional event must start with its type name")
+    kind = raw[0]
+    if kind == "BlockStored":
+        if len(raw) < 5:
+            raise KvEventError(f"positional BlockStored needs >= 5 fields, got {len(raw)}")
+        return _stored(
+            raw[1], raw[2], raw[3], raw[4],
+            raw[5] if len(raw) > 5 else None,
+            raw[6] if len(raw) > 6 else None,
+        )
+    if kind == "BlockRemoved":
+        if len(raw) < 2:
+            raise KvEventError("positional BlockRemoved needs block_hashes")
+        return _removed(raw[1], raw[2] if len(raw) > 2 else None)
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise KvEventError(f"unknown event type {kind!r}")
+
+
+def _decode_map(raw: Mapping[Any, Any]) -> KvEvent:
+    kind = raw.get("type")
+    if kind == "BlockStored":
+        missing = [k for k in ("block_hashes", "token_ids", "block_size") if k not in raw]
+        if missing:
+            raise KvEventError(f"BlockStored map lacks {', '.join(missing)}")
+        return _stored(
+            raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"], raw["block_size"],
+            raw.get("lora_id"), raw.get("medium"),
+        )
+    if kind == "BlockRemoved":
+        if "block_hashes" not in raw:
+            raise KvEventError("BlockRemoved map lacks block_hashes")
+        return _removed(raw["block_hashes"], raw.get("medium"))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise KvEventError(f"unknown event type {kind!r}")
+
+
+def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any) -> BlockStored:
+    if not isinstance(tokens, (list, tuple)):
+        raise KvEventError(f"token_ids must be an array, got {type(tokens).__name__}")
+    return BlockStored(
+        block_hashes=_hash_tuple(hashes, "block_hashes"),
+        parent_block_hash=None if parent is None else canonical_hash(parent, "parent_block_hash"),
+        token_ids=tuple(tokens),
+        block_size=block_size,
+        lora_id=_optional_int(lora_id, "lora_id"),
+        medium=_optional_str(medium, "medium"),
+    )
+
+
+def _removed(hashes: Any, medium: Any) -> BlockRemoved:
+    return BlockRemoved(block_hashes=_hash_tuple(hashes, "block_hashes"), medium=_optional_str(medium, "medium"))
+
+
+def decode_payload(payload: bytes, seq: int) -> EventBatch:
+    """Decode one msgpack batch published under ``seq``; all or nothing."""
+    raw = _unpack(payload)
+    dp_rank: Any = None
+    if isinstance(raw, (list, tuple)):
+        if len(raw) < 2:
+            raise KvEventError(f"batch array needs [ts, events, (dp_rank)], got {len(raw)} fields")
+        ts, events = raw[0], raw[1]
+        if len(raw) > 2:
+            dp_rank = raw[2]
+    elif isinstance(raw, Mapping):
+        if "ts" not in raw or "events" not in raw:
+            raise KvEventError("batch map lacks ts or events")
+        ts, events = raw["ts"], raw["events"]
+        dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
+    else:
+        raise KvEventError(f"batch must be an array or a map, got {type(raw).__name__}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise KvEventError(f"batch ts must be a number, got {type(ts).__name__}")
+    if not isinstance(events, (list, tuple)):
+        raise KvEventError(f"batch events must be an array, got {type(events).__name__}")
+    decoded = tuple(_decode_event(event, i) for i, event in enumerate(events))
+    return EventBatch(seq=seq, ts=ts, events=decoded, dp_rank=_optional_int(dp_rank, "dp_rank"))
+
+
+def decode_message(frames: Sequence[bytes], *, topic: bytes | None = None) -> EventBatch:
+    """Decode ``[topic, seq, payload]`` as received on a SUB socket."""
+    if len(frames) != 3:
+        raise KvEventError(f"KV-event message must have 3 frames, got {len(frames)}")
+    if topic is not None and bytes(frames[0]) != topic:
+        raise KvEventError(f"unexpected topic {bytes(frames[0])!r} (want {topic!r})")
+    seq = decode_seq(frames[1])
+    if seq < 0:
+        raise KvEventError(f"published batch has negative seq {seq}")
+    return decode_payload(frames[2], seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding (the emulated worker publishes exactly what the engines publish)
+
+
+def _event_to_wire(event: KvEvent, style: Literal["map", "positional"]) -> Any:
+    if isinstance(event, BlockStored):
+        fields = [
+            ("block_hashes", list(event.block_hashes)),
+            ("parent_block_hash", event.parent_block_hash),
+            ("token_ids", list(event.token_ids)),
+            ("block_size", event.block_size),
+            ("lora_id", event.lora_id),
+            ("medium", event.medium),
+        ]
+        kind = "BlockStored"
+    elif isinstance(event, BlockRemoved):
+        fields = [("block_hashes", list(event.block_hashes)), ("medium", event.medium)]
+        kind = "BlockRemoved"
+    elif isinstance(event, AllBlocksCleared):
+        fields = []
+        kind = "AllBlocksCleared"
+    else:
+        raise TypeError(f"not a KV event: {event!r}")
+    if style == "map":
+        return {"type": kind, **dict(fields)}
+    if style == "positional":
+        return [kind, *(value for _, value in fields)]
+    raise ValueError(f"style must be 'map' or 'positional', got {style!r}")
+
+
+def encode_payload(
+    ts: float, events: Iterable[KvEvent], *, dp_rank: int | None = 0, style: Literal["map", "positional"] = "map"
+) -> bytes:
+    """The msgpack payload as SGLang 0.5.23 sends it: ``[ts, events, dp_rank]``."""
+    wire_events = [_event_to_wire(e, style) for e in events]
+    return msgpack.packb([float(ts), wire_events, dp_rank], use_bin_type=True)
+
+
+def encode_batch(
+    seq: int,
+    ts: float,
+    events: Iterable[KvEvent],
+    *,
+    style: Literal["map", "positional"] = "map",
+    topic: bytes = b"kv-events",
+    dp_rank: int | None = 0,
+) -> list[bytes]:
+    """The three frames of one published message."""
+    if seq < 0:
+        raise ValueError(f"seq must be >= 0, got {seq}")
+    return [topic, encode_seq(seq), encode_payload(ts, events, dp_rank=dp_rank, style=style)]
+
+
+# ---------------------------------------------------------------------------------------------
+# replay framing
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayedBatch:
+    """One buffered batch answered by the replay socket."""
+
+    seq: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayEnded:
+    """The replay socket's end marker (seq -1, empty payload)."""
+
+
+def replay_request_frames(start_seq: int) -> list[bytes]:
+    """What a DEALER sends: the empty delimiter a REQ socket would add, then the start seq."""
+    if start_seq < 0:
+        raise ValueError(f"start_seq must be >= 0, got {start_seq}")
+    return [b"", encode_seq(start_seq)]
+
+
+def decode_replay_reply(frames: Sequence[bytes]) -> ReplayedBatch | ReplayEnded:
+    """A reply as received on a DEALER: ``[b"", seq, payload]`` (REQ strips the delimiter)."""
+    parts = list(frames)
+    if len(parts) == 3 and len(parts[0]) == 0:
+        parts = parts[1:]
+    if len(parts) != 2:
+        raise KvEventError(f"replay reply must be [seq, payload], got {len(frames)} frames")
+    seq = decode_seq(parts[0])
+    if seq == END_SEQ:
+        return ReplayEnded()
+    if seq < 0:
+        raise KvEventError(f"replay reply has negative seq {seq}")
+    return ReplayedBatch(seq=seq, payload=bytes(parts[1]))
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
+    """What a ROUTER receives: ``[identity, b"", start_seq]`` -> (identity, start_seq)."""
+    if len(frames) != 3:
+        raise KvEventError(f"replay request must be [identity, '', start_seq], got {len(frames)} frames")
+    start = decode_seq(frames[2])
+    if start < 0:
+        raise KvEventError(f"replay start seq must be >= 0, got {start}")
+    return bytes(frames[0]), start
+
+
+def replay_reply_frames(identity: bytes, seq: int, payload: bytes) -> list[bytes]:
+    return [identity, b"", encode_seq(seq), payload]
+
+
+def replay_end_frames(identity: bytes) -> list[bytes]:
+    return [identity, b"", encode_seq(END_SEQ), b""]
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence tracking
+
+
+class SeqVerdict(enum.Enum):
+    NEXT = "next"            # apply it
+    DUPLICATE = "duplicate"  # already applied (or older): ignore
+    GAP = "gap"              # batches [missing_from, missing_to] were not seen: replay them first
+    RESTART = "restart"      # the live counter went back: a new publisher (engine restart)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqCheck:
+    verdict: SeqVerdict
+    missing_from: int = -1
+    missing_to: int = -1
+
+
+class SequenceTracker:
+    """Orders batches from a live SUB stream and a replay stream.
+
+    A PUB socket never reorders or repeats, so a live seq below the last live seq means the
+    publisher started over (both engines count from 0 per process). Duplicates arise only when
+    replayed batches overlap live ones. The caller applies a batch and then calls
+    :meth:`applied`; a GAP leaves the state unchanged until the missing range is applied or
+    declared lost with :meth:`skip_to`.
+    """
+
+    __slots__ = ("last_applied", "last_live")
+
+    def __init__(self) -> None:
+        self.last_applied: int | None = None
+        self.last_live: int | None = None
+
+    def check_live(self, seq: int) -> SeqCheck:
+        if self.last_live is not None and seq < self.last_live:
+            self.last_live = seq
+            self.last_applied = None
+            return SeqCheck(SeqVerdict.RESTART)
+        self.last_live = seq
+        return self._against_applied(seq)
+
+    def check_replayed(self, seq: int) -> SeqCheck:
+        return self._against_applied(seq)
+
+    def _against_applied(self, seq: int) -> SeqCheck:
+        expected = 0 if self.last_applied is None else self.last_applied + 1
+        if seq < expected:
+            return SeqCheck(SeqVerdict.DUPLICATE)
+        if seq == expected:
+            return SeqCheck(SeqVerdict.NEXT)
+        return SeqCheck(SeqVerdict.GAP, expected, seq - 1)
+
+    def applied(self, seq: int) -> None:
+        if self.last_applied is None or seq > self.last_applied:
+            self.last_applied = seq
+
+    def skip_to(self, seq: int) -> None:
+        """Give up on everything before ``seq`` (replay could not supply it)."""
+        self.last_applied = seq - 1 if seq > 0 else None
+
+    def reset(self) -> None:
+        self.last_applied = None
+        self.last_live = None
