@@ -1,0 +1,293 @@
+"""Synthetic workload generators: Mixed (§5.1), WildChat-like and LMSYS-like chat, Azure-shaped.
+
+Every generator is a lazy, seeded iterator of ``Request`` in arrival order. A *session* is a
+conversation or an agent trajectory; its turns arrive after think times, and every turn's
+prompt extends the previous one (history + the model's previous answer + the new user text),
+so follow-up turns can reuse the KV cache of the earlier turn. 50 tenants each replay the
+workload behind a private system prompt (§5.3, appendix A), so nothing is shared across tenants.
+
+Parameter sources (means of the public datasets the paper uses):
+- ToolBench / StableToolBench (Guo et al. 2024): tool-use trajectories average ~4 API calls, tool
+  documentation of 1-3K tokens per tool set at the head of the prompt; observations ~200 tokens.
+- LooGLE (Li et al. 2024): 776 long documents, ~20K words on average; several questions per
+  document. We cap documents at 32K tokens (Llama-3.1-8B serves 128K, but the heavy tail would
+  dominate the work of a 5 % share) and use a 10K-token median.
+- APPS (Hendrycks et al. 2021): 10,000 problems, median statement ~450 tokens, solutions ~250.
+- WildChat (Zhao et al. 2024, Table 1): 2.52 turns per conversation, user turns 295 tokens mean
+  (heavy-tailed), assistant turns 441 tokens mean; many first turns repeat popular templates
+  (the source of the paper's cross-region reuse, §2.1).
+- LMSYS-Chat-1M (Zheng et al. 2024, Table 1): 2.0 turns, 69.5 tokens per prompt, 214.5 per response.
+Think time between turns is compressed to a few seconds, as in the Mooncake synthetic trace
+(Poisson replay that keeps turn order), so follow-ups fall inside simulation windows.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .workloads import ArrivalProcess, AzureTrace, Request, SegmentTokens, WorkloadError, segment_key, weighted_choice
+
+Segment = tuple[int, int, bool]  # (segment key, length, shared?)
+
+
+class ZipfSampler:
+    """Ranks 0..n-1 with P(rank k) ∝ 1 / (k+1)^s."""
+
+    def __init__(self, n: int, s: float) -> None:
+        if n < 1 or s < 0:
+            raise WorkloadError(f"Zipf needs n >= 1 and s >= 0, got n={n}, s={s}")
+        w = 1.0 / np.arange(1, n + 1, dtype=float) ** s
+        self._cdf = np.cumsum(w / w.sum())
+
+    def sample(self, rng: np.random.Generator) -> int:
+        return int(min(np.searchsorted(self._cdf, rng.random(), side="right"), len(self._cdf) - 1))
+
+
+def lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
+    return int(np.clip(round(median * np.exp(sigma * rng.standard_normal())), lo, hi))
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    segments: tuple[Segment, ...]
+    output_tokens: int
+
+
+@dataclass(slots=True)
+class _Session:
+    sid: int
+    region: str
+    tenant: str
+    turns: list[Turn]
+    next_turn: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CommonParams:
+    tenants: int = 50
+    system_prompt_tokens: tuple[int, int] = (200, 800)  # uniform range per tenant
+    think_time_mean_s: float = 3.0
+
+
+class SessionWorkload:
+    """Base: Poisson (or Azure-shaped) session starts, follow-up turns after think times."""
+
+    name = "base"
+
+    def __init__(self, rate: float, region_weights: Mapping[str, float], *, seed: int = 0,
+                 common: CommonParams = CommonParams(), azure: AzureTrace | None = None) -> None:
+        if common.tenants < 1:
+            raise WorkloadError("tenants must be >= 1")
+        self.rate = rate
+        self.region_weights = dict(region_weights)
+        self.seed = seed
+        self.common = common
+        self._azure = azure
+        weighted_choice(np.random.default_rng(0), self.region_weights)  # validates the weights
+
+    # Subclasses: expected turns per session, and a session plan.
+    def mean_turns(self) -> float:
+        raise NotImplementedError
+
+    def plan(self, rng: np.random.Generator, tenant: int, sid: int) -> list[Turn]:
+        raise NotImplementedError
+
+    def system_prompt(self, tenant: int) -> Segment:
+        lo, hi = self.common.system_prompt_tokens
+        length = lo + segment_key(self.name, "sys-len", tenant) % (hi - lo + 1)
+        return (segment_key(self.name, "system", tenant), int(length), True)
+
+    def __iter__(self) -> Iterator[Request]:
+        rng = np.random.default_rng(self.seed)
+        starts = ArrivalProcess(self.rate / self.mean_turns(), seed=self.seed + 1, azure=self._azure).times()
+        segs = SegmentTokens()
+        heap: list[tuple[float, int, _Session]] = []
+        next_start = next(starts)
+        sid = 0
+        rid = 0
+        while True:
+            if not heap or next_start < heap[0][0]:
+                tenant = int(rng.integers(self.common.tenants))
+                session = _Session(sid, weighted_choice(rng, self.region_weights), f"t{tenant}",
+                                   self.plan(rng, tenant, sid))
+                heapq.heappush(heap, (next_start, sid, session))
+                sid += 1
+                next_start = next(starts)
+                continue
+            t, _, session = heapq.heappop(heap)
+            turn = session.turns[session.next_turn]
+            tokens = np.concatenate([segs.get(k, n, shared=shared) for k, n, shared in turn.segments])
+            yield Request(rid, t, session.region, session.sid, tokens, turn.output_tokens, session.tenant)
+            rid += 1
+            session.next_turn += 1
+            if session.next_turn < len(session.turns):
+                gap = float(rng.exponential(self.common.think_time_mean_s))
+                heapq.heappush(heap, (t + gap, session.sid, session))
+
+
+def _chat_turns(prefix: list[Segment], user_lengths: list[int], answer_lengths: list[int],
+                 name: str, sid: int, first_user: list[Segment] | None = None) -> list[Turn]:
+    """History-accumulating turns: turn k = prefix + u1 + a1 + ... + uk."""
+    turns: list[Turn] = []
+    history = list(prefix)
+    for k, (u, a) in enumerate(zip(user_lengths, answer_lengths)):
+        if k == 0 and first_user is not None:
+            history.extend(first_user)
+        else:
+            history.append((segment_key(name, "user", sid, k), u, False))
+        turns.append(Turn(tuple(history), a))
+        history.append((segment_key(name, "answer", sid, k), a, True))
+    return turns
+
+
+@dataclass(frozen=True, slots=True)
+class MixedParams:
+    tool_share: float = 0.50        # ToolBench agents
+    qa_share: float = 0.05          # LooGLE long-document QA
+    # APPS programming problems take the rest (0.45)
+    toolsets_per_tenant: int = 2000
+    toolset_zipf: float = 1.0
+    toolset_tokens_median: float = 1500.0
+    agent_steps_mean: float = 4.0
+    observation_tokens_median: float = 200.0
+    agent_output_median: float = 100.0
+    documents_per_tenant: int = 400
+    document_zipf: float = 1.0
+    document_tokens_median: float = 10_000.0
+    questions_mean: float = 2.0
+    problems_per_tenant: int = 5000
+    problem_zipf: float = 0.8
+    problem_tokens_median: float = 450.0
+    solution_tokens_median: float = 250.0
+
+
+class MixedWorkload(SessionWorkload):
+    """Mixed (§5.1): tool-calling agents 50 %, long-document QA 5 %, programming problems 45 %."""
+
+    name = "mixed"
+
+    def __init__(self, rate: float, region_weights: Mapping[str, float], *, seed: int = 0,
+                 params: MixedParams = MixedParams(), common: CommonParams = CommonParams(),
+                 azure: AzureTrace | None = None) -> None:
+        super().__init__(rate, region_weights, seed=seed, common=common, azure=azure)
+        if not (0 <= params.tool_share and 0 <= params.qa_share and params.tool_share + params.qa_share <= 1):
+            raise WorkloadError("Mixed shares must be non-negative and sum to at most 1")
+        self.params = params
+        self._toolsets = ZipfSampler(params.toolsets_per_tenant, params.toolset_zipf)
+        self._documents = ZipfSampler(params.documents_per_tenant, params.document_zipf)
+        self._problems = ZipfSampler(params.problems_per_tenant, params.problem_zipf)
+
+    def mean_turns(self) -> float:
+        p = self.params
+        return p.tool_share * p.agent_steps_mean + p.qa_share * p.questions_mean + (1 - p.tool_share - p.qa_share)
+
+    def _item(self, kind: str, tenant: int, rank: int, median: float, sigma: float, lo: int, hi: int) -> Segment:
+        # An item's length is a property of the item, so every request for it has the same prefix.
+        item_rng = np.random.default_rng(segment_key(self.name, kind, "len", tenant, rank))
+        return (segment_key(self.name, kind, tenant, rank), lognormal_int(item_rng, median, sigma, lo, hi), True)
+
+    def plan(self, rng: np.random.Generator, tenant: int, sid: int) -> list[Turn]:
+        p = self.params
+        system = self.system_prompt(tenant)
+        u = rng.random()
+        if u < p.tool_share:
+            toolset = self._item("toolset", tenant, self._toolsets.sample(rng), p.toolset_tokens_median, 0.5, 300, 6000)
+            query = (segment_key(self.name, "query", sid), lognormal_int(rng, 80, 0.6, 10, 800), False)
+            steps = int(rng.geometric(1.0 / p.agent_steps_mean))
+            observations = [lognormal_int(rng, p.observation_tokens_median, 0.8, 10, 4000) for _ in range(steps)]
+            outputs = [lognormal_int(rng, p.agent_output_median, 0.6, 8, 1024) for _ in range(steps)]
+            first = [query]
+            return _chat_turns([system, toolset], [first[0][1]] + observations[1:], outputs, self.name, sid, first)
+        if u < p.tool_share + p.qa_share:
+            doc = self._item("document", tenant, self._documents.sample(rng), p.document_tokens_median, 0.7, 2000, 32_000)
+            questions = int(rng.geometric(1.0 / p.questions_mean))
+            qs = [lognormal_int(rng, 40, 0.5, 5, 300) for _ in range(questions)]
+            outs = [lognormal_int(rng, 60, 0.6, 4, 512) for _ in range(questions)]
+            return _chat_turns([system, doc], qs, outs, self.name, sid)
+        problem = self._item("problem", tenant, self._problems.sample(rng), p.problem_tokens_median, 0.6, 100, 2500)
+        return [Turn((system, problem), lognormal_int(rng, p.solution_tokens_median, 0.6, 16, 2048))]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatParams:
+    turns_mean: float
+    template_share: float           # first turns that repeat a popular template
+    templates_per_tenant: int
+    template_zipf: float
+    template_tokens_median: float
+    first_user_median: float
+    first_user_sigma: float
+    later_user_median: float
+    answer_median: float
+    answer_sigma: float
+    system_prompt_tokens: tuple[int, int] = field(default=(100, 400))
+
+
+WILDCHAT = ChatParams(turns_mean=2.52, template_share=0.25, templates_per_tenant=3000, template_zipf=1.1,
+                      template_tokens_median=600, first_user_median=120, first_user_sigma=1.2,
+                      later_user_median=80, answer_median=350, answer_sigma=0.7)
+LMSYS = ChatParams(turns_mean=2.0, template_share=0.15, templates_per_tenant=2000, template_zipf=1.1,
+                   template_tokens_median=40, first_user_median=35, first_user_sigma=1.2,
+                   later_user_median=35, answer_median=150, answer_sigma=0.9)
+
+
+class ChatWorkload(SessionWorkload):
+    """Multi-turn chat shaped like WildChat or LMSYS-Chat-1M (see module docstring)."""
+
+    def __init__(self, rate: float, region_weights: Mapping[str, float], *, flavour: str = "wildchat",
+                 seed: int = 0, common: CommonParams | None = None, azure: AzureTrace | None = None) -> None:
+        presets = {"wildchat": WILDCHAT, "lmsys": LMSYS}
+        if flavour not in presets:
+            raise WorkloadError(f"chat flavour must be one of {sorted(presets)}, got {flavour!r}")
+        self.params = presets[flavour]
+        self.name = flavour
+        common = common or CommonParams(system_prompt_tokens=self.params.system_prompt_tokens)
+        super().__init__(rate, region_weights, seed=seed, common=common, azure=azure)
+        self._templates = ZipfSampler(self.params.templates_per_tenant, self.params.template_zipf)
+
+    def mean_turns(self) -> float:
+        return self.params.turns_mean
+
+    def plan(self, rng: np.random.Generator, tenant: int, sid: int) -> list[Turn]:
+        p = self.params
+        turns = int(rng.geometric(1.0 / p.turns_mean))
+        first: list[Segment]
+        if rng.random() < p.template_share:
+            rank = self._templates.sample(rng)
+            t_rng = np.random.default_rng(segment_key(self.name, "template-len", tenant, rank))
+            template = (segment_key(self.name, "template", tenant, rank),
+                        lognormal_int(t_rng, p.template_tokens_median, 0.8, 8, 4000), True)
+            tail = (segment_key(self.name, "tail", sid), lognormal_int(rng, 30, 1.0, 1, 2000), False)
+            first = [template, tail]
+        else:
+            first = [(segment_key(self.name, "user", sid, 0),
+                      lognormal_int(rng, p.first_user_median, p.first_user_sigma, 2, 8000), False)]
+        users = [sum(s[1] for s in first)] + [lognormal_int(rng, p.later_user_median, 1.0, 2, 4000) for _ in range(turns - 1)]
+        answers = [lognormal_int(rng, p.answer_median, p.answer_sigma, 1, 2048) for _ in range(turns)]
+        return _chat_turns([self.system_prompt(tenant)], users, answers, self.name, sid, first)
+
+
+class AzureWorkload(SessionWorkload):
+    """Single-turn requests with context/output lengths and arrival burstiness of an Azure 2023
+    trace; the prompt is the tenant's system prompt followed by unique text."""
+
+    name = "azure"
+
+    def __init__(self, rate: float, region_weights: Mapping[str, float], trace: AzureTrace, *, seed: int = 0,
+                 common: CommonParams = CommonParams()) -> None:
+        super().__init__(rate, region_weights, seed=seed, common=common, azure=trace)
+        self.trace = trace
+
+    def mean_turns(self) -> float:
+        return 1.0
+
+    def plan(self, rng: np.random.Generator, tenant: int, sid: int) -> list[Turn]:
+        i = int(rng.integers(len(self.trace.context_tokens)))
+        system = self.system_prompt(tenant)
+        body = max(1, int(self.trace.context_tokens[i]) - system[1])
+        return [Turn((system, (segment_key(self.name, "body", sid), body, False)),
+                     max(1, int(self.trace.generated_tokens[i])))]
