@@ -1,0 +1,329 @@
+"""Mirror of an engine's KV block tree, turned into index registrations (sans-IO).
+
+Each block is hash -> (parent hash, its tokens, the media holding it). A block is *attached*
+when its whole chain reaches the root; only attached blocks count, because an engine reuses a
+prefix only up to its first missing block. An indexed length ``L`` (a token count) is realised
+by the attached block holding token ``L - 1``; its prefix key is ``key_fn(path_tokens, [L])``
+and its tier is the WORST tier on the path from the root to that block (a prefix half in VRAM
+and half in DRAM must be reloaded: it is a DRAM hit). The block's own tier is the best medium
+holding it (a block copied to host and still on the GPU is a VRAM hit). A key realised by
+several blocks (the same tokens under two LoRA ids, say) takes the best of them.
+
+Blocks whose parent is unknown (stored after a gap, or orphaned because their parent was
+removed) are kept *detached*: they are attached, and registered, as soon as the parent is
+stored (again). Detached blocks are bounded; the oldest are dropped with a log line.
+
+Only changes are emitted: PrefixCached when a key gains its first indexed tier, TierChanged
+when that tier changes, PrefixEvicted when it loses the last one. LoRA blocks and blocks only on
+disk/remote media are mirrored but never registered.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.engine.kvevents import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+    StorageTier,
+    canonical_medium,
+    tier_of_medium,
+)
+
+log = logging.getLogger(__name__)
+
+KeyFn = Callable[[np.ndarray, Sequence[int]], Sequence[int]]
+"""``key_fn(tokens, lengths) -> keys``: ``tokens`` is a uint32 array holding at least
+``max(lengths)`` tokens, ``lengths`` ascending; one 63-bit key per length."""
+
+_AnchorId = tuple[BlockHash, int]
+
+
+class _Block:
+    __slots__ = ("hash", "parent", "tokens", "media", "lora", "attached", "start", "path_tier", "anchors")
+
+    def __init__(self, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple[int, ...], lora: bool) -> None:
+        self.hash = block_hash
+        self.parent = parent
+        self.tokens = tokens
+        self.media: set[str] = set()
+        self.lora = lora
+        self.attached = False
+        self.start = 0  # tokens before this block (valid while attached)
+        self.path_tier = StorageTier.VRAM
+        self.anchors: list[tuple[int, int]] = []  # (indexed length, key) realised by this block
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def own_tier(self) -> StorageTier:
+        if self.lora:
+            return StorageTier.UNINDEXED
+        return min(tier_of_medium(m) for m in self.media)
+
+
+class BlockTree:
+    """One worker's block mirror; feed it decoded events, get index events back."""
+
+    def __init__(
+        self,
+        worker: str,
+        indexed_lengths: Sequence[int],
+        key_fn: KeyFn,
+        *,
+        max_detached_blocks: int = 100_000,
+    ) -> None:
+        lengths = list(indexed_lengths)
+        if any(not isinstance(n, int) or n <= 0 for n in lengths) or lengths != sorted(set(lengths)):
+            raise ValueError(f"indexed_lengths must be ascending distinct positive ints, got {lengths}")
+        if max_detached_blocks < 0:
+            raise ValueError("max_detached_blocks must be >= 0")
+        self.worker = worker
+        self.indexed_lengths = lengths
+        self._key_fn = key_fn
+        self._max_detached = max_detached_blocks
+        self._blocks: dict[BlockHash, _Block] = {}
+        self._children: dict[BlockHash | None, set[BlockHash]] = {}
+        self._detached: OrderedDict[BlockHash, None] = OrderedDict()
+        self._holders: dict[int, dict[_AnchorId, StorageTier]] = {}
+        self._registered: dict[int, Tier] = {}
+        self.dropped_blocks = 0
+        self.ignored_removals = 0
+
+    # ----------------------------------------------------------------------------- queries
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+    @property
+    def detached_count(self) -> int:
+        return len(self._detached)
+
+    def registered(self) -> dict[int, Tier]:
+        """Key -> tier as announced so far (a copy)."""
+        return dict(self._registered)
+
+    def is_attached(self, block_hash: BlockHash) -> bool:
+        block = self._blocks.get(block_hash)
+        return block is not None and block.attached
+
+    # ----------------------------------------------------------------------------- updates
+
+    def apply_batch(self, batch: EventBatch) -> list[IndexEvent]:
+        out: list[IndexEvent] = []
+        for event in batch.events:
+            out.extend(self.apply(event))
+        return out
+
+    def apply(self, event: KvEvent) -> list[IndexEvent]:
+        touched: set[int] = set()
+        if isinstance(event, BlockStored):
+            self._store(event, touched)
+        elif isinstance(event, BlockRemoved):
+            self._remove(event, touched)
+        elif isinstance(event, AllBlocksCleared):
+            return self.withdraw_all()
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+        return self._diff(touched)
+
+    def withdraw_all(self) -> list[IndexEvent]:
+        """Forget every block; PrefixEvicted for every registered key (AllBlocksCleared, restart)."""
+        out: list[IndexEvent] = [PrefixEvicted(self.worker, key) for key in self._registered]
+        self._blocks.clear()
+        self._children.clear()
+        self._detached.clear()
+        self._holders.clear()
+        self._registered.clear()
+        return out
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _store(self, event: BlockStored, touched: set[int]) -> None:
+        medium = canonical_medium(event.medium)
+        lora = event.lora_id is not None
+        for block_hash, parent, tokens in event.blocks():
+            block = self._blocks.get(block_hash)
+            if block is not None:
+                if block.parent != parent or block.tokens != tokens:
+                    # Same hash, different content: engines hash content, so this is a
+                    # collision or a reused id. Keep what we mirror; the engine's next removal
+                    # of this hash still applies.
+                    log.warning("block %r re-stored with a different parent or tokens; kept the first", block_hash)
+                before = block.own_tier()
+                block.media.add(medium)
+                if block.attached and block.own_tier() != before:
+                    self._refresh_subtree(block, touched)
+                continue
+            block = _Block(block_hash, parent, tokens, lora)
+            block.media.add(medium)
+            self._blocks[block_hash] = block
+            self._children.setdefault(parent, set()).add(block_hash)
+            parent_block = self._blocks.get(parent) if parent is not None else None
+            if parent is None or (parent_block is not None and parent_block.attached):
+                self._attach(block, touched)
+            else:
+                self._mark_detached(block)
+
+    def _remove(self, event: BlockRemoved, touched: set[int]) -> None:
+        medium = canonical_medium(event.medium)
+        for block_hash in event.block_hashes:
+            block = self._blocks.get(block_hash)
+            if block is None or medium not in block.media:
+                self.ignored_removals += 1
+                continue
+            before = block.own_tier()
+            block.media.discard(medium)
+            if block.media:
+                if block.attached and block.own_tier() != before:
+                    self._refresh_subtree(block, touched)
+                continue
+            # Gone from every medium: its descendants stay mirrored but detached, waiting
+            # for the block to be stored again.
+            if block.attached:
+                for child_hash in self._children.get(block_hash, ()):
+                    self._detach_subtree(self._blocks[child_hash], touched)
+                self._withdraw_anchors(block, touched)
+            self._forget(block)
+
+    def _forget(self, block: _Block) -> None:
+        del self._blocks[block.hash]
+        self._detached.pop(block.hash, None)
+        siblings = self._children.get(block.parent)
+        if siblings is not None:
+            siblings.discard(block.hash)
+            if not siblings:
+                del self._children[block.parent]
+
+    def _mark_detached(self, block: _Block) -> None:
+        self._detached[block.hash] = None
+        self._trim_detached()
+
+    def _attach(self, root: _Block, touched: set[int]) -> None:
+        """Attach ``root`` (its parent is attached or it is a root) and every detached
+        descendant waiting under it."""
+        stack = [root]
+        while stack:
+            block = stack.pop()
+            parent = self._blocks.get(block.parent) if block.parent is not None else None
+            block.start = parent.end if parent is not None else 0
+            parent_tier = parent.path_tier if parent is not None else StorageTier.VRAM
+            block.path_tier = max(parent_tier, block.own_tier())
+            block.attached = True
+            self._detached.pop(block.hash, None)
+            self._register_anchors(block, touched)
+            for child_hash in self._children.get(block.hash, ()):
+                child = self._blocks.get(child_hash)
+                if child is not None and not child.attached:
+                    stack.append(child)
+
+    def _detach_subtree(self, root: _Block, touched: set[int]) -> None:
+        stack = [root]
+        while stack:
+            block = stack.pop()
+            if not block.attached:
+                continue
+            self._withdraw_anchors(block, touched)
+            block.attached = False
+            self._detached[block.hash] = None
+            for child_hash in self._children.get(block.hash, ()):
+                stack.append(self._blocks[child_hash])
+        self._trim_detached()
+
+    def _trim_detached(self) -> None:
+        while len(self._detached) > self._max_detached:
+            oldest, _ = self._detached.popitem(last=False)
+            log.warning("dropping detached block %r: its parent never arrived (limit %d)", oldest, self._max_detached)
+            self.dropped_blocks += 1
+            self._forget(self._blocks[oldest])
+
+    def _refresh_subtree(self, root: _Block, touched: set[int]) -> None:
+        """Recompute path tiers below ``root`` after its own tier changed."""
+        stack = [root]
+        while stack:
+            block = stack.pop()
+            parent = self._blocks.get(block.parent) if block.parent is not None else None
+            parent_tier = parent.path_tier if parent is not None else StorageTier.VRAM
+            new_tier = max(parent_tier, block.own_tier())
+            if new_tier == block.path_tier and block is not root:
+                continue  # unchanged here, so unchanged below
+            block.path_tier = new_tier
+            for length, key in block.anchors:
+                self._holders[key][(block.hash, length)] = new_tier
+                touched.add(key)
+            for child_hash in self._children.get(block.hash, ()):
+                child = self._blocks[child_hash]
+                if child.attached:
+                    stack.append(child)
+
+    def _register_anchors(self, block: _Block, touched: set[int]) -> None:
+        lo = bisect_right(self.indexed_lengths, block.start)
+        hi = bisect_right(self.indexed_lengths, block.end)
+        lengths = self.indexed_lengths[lo:hi]
+        if not lengths:
+            block.anchors = []
+            return
+        tokens = self._path_tokens(block)
+        keys = self._key_fn(tokens, lengths)
+        block.anchors = [(length, int(key)) for length, key in zip(lengths, keys, strict=True)]
+        for length, key in block.anchors:
+            self._holders.setdefault(key, {})[(block.hash, length)] = block.path_tier
+            touched.add(key)
+
+    def _withdraw_anchors(self, block: _Block, touched: set[int]) -> None:
+        for length, key in block.anchors:
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.pop((block.hash, length), None)
+                if not holders:
+                    del self._holders[key]
+            touched.add(key)
+        block.anchors = []
+
+    def _path_tokens(self, block: _Block) -> np.ndarray:
+        parts: list[tuple[int, ...]] = []
+        node: _Block | None = block
+        while node is not None:
+            parts.append(node.tokens)
+            node = self._blocks.get(node.parent) if node.parent is not None else None
+        parts.reverse()
+        return np.fromiter((t for part in parts for t in part), dtype=np.uint32, count=block.end)
+
+    def _diff(self, touched: Iterable[int]) -> list[IndexEvent]:
+        out: list[IndexEvent] = []
+        for key in sorted(touched):
+            holders = self._holders.get(key)
+            best = min(holders.values()) if holders else StorageTier.UNINDEXED
+            new = best.index_tier()
+            old = self._registered.get(key)
+            if new == old:
+                continue
+            if new is None:
+                del self._registered[key]
+                out.append(PrefixEvicted(self.worker, key))
+            elif old is None:
+                self._registered[key] = new
+                out.append(PrefixCached(self.worker, key, new))
+            else:
+                self._registered[key] = new
+                out.append(TierChanged(self.worker, key, new))
+        return out
+
+
+def lengths_covered(indexed_lengths: Sequence[int], tokens: int) -> list[int]:
+    """The indexed lengths a prefix of ``tokens`` tokens covers."""
+    return list(indexed_lengths[: bisect_left(indexed_lengths, tokens + 1)])
