@@ -1,0 +1,373 @@
+"""A paged prefix cache with a VRAM and a DRAM tier, as an engine keeps it (sans-IO).
+
+Pages hold ``block_size`` tokens; only full pages are cached (SGLang with a page size > 1 and
+vLLM cache page-aligned prefixes only). A page's id is SGLang's block hash: SHA-256 over the
+parent page's digest followed by the page's tokens as 4-byte little-endian integers; the event
+id is the digest's first 8 bytes as a signed big-endian int64 (``hash_str_to_int64``).
+
+Invariants, as in SGLang's HiCache: the VRAM pages form a rooted subtree (a prefix is loaded
+whole), and so do the present pages (VRAM or DRAM). VRAM overflow demotes the least valuable
+VRAM leaf to DRAM (``BlockStored`` medium ``CPU_PINNED`` then ``BlockRemoved`` medium ``GPU``,
+the order SGLang's publisher was captured sending); DRAM overflow drops a DRAM copy. Pages
+pinned by running requests are never demoted. Every change is returned as the engine's own
+:mod:`kvcompassd.engine.kvevents` events, so the emulator can publish them and the simulator
+can feed them straight to the block tree.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+GPU = "GPU"
+CPU = "CPU_PINNED"
+_ROOT_DIGEST = b""
+
+
+class EvictionPolicy(str, enum.Enum):
+    LRU = "lru"
+    LFU = "lfu"
+
+
+def page_digest(parent_digest: bytes, tokens: Sequence[int]) -> bytes:
+    """SGLang's ``get_hash_str``: SHA-256 of the parent's digest then uint32-LE tokens."""
+    hasher = hashlib.sha256(parent_digest)
+    hasher.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return hasher.digest()
+
+
+def digest_to_int64(digest: bytes) -> int:
+    """SGLang's ``hash_str_to_int64``: the first 64 bits, big-endian, as a signed int."""
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMatch:
+    """A cached prefix: ``vram_tokens`` usable at once, then ``dram_tokens`` to reload."""
+
+    vram_tokens: int
+    dram_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.vram_tokens + self.dram_tokens
+
+
+@dataclass(slots=True)
+class CacheLease:
+    """Pages pinned for one running request; give it back with :meth:`PrefixCache.unlock`."""
+
+    pages: list[int] = field(default_factory=list)
+    released: bool = False
+
+
+class _Page:
+    __slots__ = ("id", "digest", "parent", "tokens", "in_vram", "in_dram", "children", "vram_children",
+                 "pins", "last_access", "hits", "stamp")
+
+    def __init__(self, page_id: int, digest: bytes, parent: _Page | None, tokens: tuple[int, ...]) -> None:
+        self.id = page_id
+        self.digest = digest
+        self.parent = parent
+        self.tokens = tokens
+        self.in_vram = False
+        self.in_dram = False
+        self.children = 0       # present children
+        self.vram_children = 0  # children in VRAM
+        self.pins = 0
+        self.last_access = 0.0
+        self.hits = 0
+        self.stamp = 0
+
+
+class PrefixCacheError(ValueError):
+    """Misuse of the prefix cache (bad capacities, releasing a lease twice)."""
+
+
+class PrefixCache:
+    """Paged two-tier prefix cache emitting the engine's KV events."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        vram_tokens: int,
+        dram_tokens: int = 0,
+        policy: EvictionPolicy | str = EvictionPolicy.LRU,
+    ) -> None:
+        if block_size <= 0:
+            raise PrefixCacheError(f"block_size must be positive, got {block_size}")
+        if vram_tokens < 0 or dram_tokens < 0:
+            raise PrefixCacheError("capacities must be >= 0 tokens")
+        self.block_size = block_size
+        self.vram_pages_max = vram_tokens // block_size
+        self.dram_pages_max = dram_tokens // block_size
+        self.policy = EvictionPolicy(policy)
+        self._pages: dict[int, _Page] = {}
+        self._by_digest: dict[bytes, _Page] = {}
+        self.vram_pages = 0
+        self.dram_pages = 0
+        self._vram_heap: list[tuple[tuple[float, ...], int, int, int]] = []
+        self._dram_heap: list[tuple[tuple[float, ...], int, int, int]] = []
+        self._order = itertools.count()
+        self.demotions = 0
+        self.evictions = 0
+
+    # ------------------------------------------------------------------------------ queries
+
+    @property
+    def vram_used_tokens(self) -> int:
+        return self.vram_pages * self.block_size
+
+    @property
+    def dram_used_tokens(self) -> int:
+        return self.dram_pages * self.block_size
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def match(self, tokens: Sequence[int]) -> CacheMatch:
+        """Longest cached prefix of ``tokens`` in full pages, split by tier. No side effects."""
+        vram = dram = 0
+        for page in self._walk(tokens):
+            if page.in_vram and dram == 0:
+                vram += self.block_size
+            else:
+                dram += self.block_size
+        return CacheMatch(vram, dram)
+
+    def page_ids(self, tokens: Sequence[int]) -> list[int]:
+        """The event ids of the cached pages prefixing ``tokens``."""
+        return [page.id for page in self._walk(tokens)]
+
+    # ------------------------------------------------------------------------------ updates
+
+    def lock(self, tokens: Sequence[int], *, now: float) -> tuple[CacheLease, CacheMatch, list[KvEvent]]:
+        """Start a request: match, reload its DRAM pages into VRAM, pin the prefix."""
+        found = self.match(tokens)
+        lease = CacheLease()
+        events: list[KvEvent] = []
+        for page in list(self._walk(tokens)):
+            if not page.in_vram and not self._load_into_vram(page, events):
+                break
+            self._touch(page, now)
+            page.pins += 1
+            lease.pages.append(page.id)
+            self._changed(page)
+        return lease, found, events
+
+    def insert(self, tokens: Sequence[int], *, now: float, lease: CacheLease | None = None) -> list[KvEvent]:
+        """Cache every full page of ``tokens`` in VRAM (making room by demotion/eviction)."""
+        events: list[KvEvent] = []
+        pinned = set(lease.pages) if lease is not None else set()
+        parent: _Page | None = None
+        digest = _ROOT_DIGEST
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            page_tokens = tuple(int(t) for t in tokens[start : start + self.block_size])
+            digest = page_digest(digest, page_tokens)
+            page = self._by_digest.get(digest)
+            if page is None:
+                page = self._new_page(digest, parent, page_tokens)
+                if not self._add_vram(page, events, new=True):
+                    self._discard_new(page)
+                    break
+            elif not page.in_vram and not self._load_into_vram(page, events):
+                break
+            self._touch(page, now)
+            if lease is not None and page.id not in pinned:
+                page.pins += 1
+                lease.pages.append(page.id)
+                pinned.add(page.id)
+            self._changed(page)
+            parent = page
+        return events
+
+    def unlock(self, lease: CacheLease) -> None:
+        if lease.released:
+            raise PrefixCacheError("lease released twice")
+        lease.released = True
+        for page_id in lease.pages:
+            page = self._pages.get(page_id)
+            if page is not None and page.pins > 0:
+                page.pins -= 1
+                self._changed(page)
+
+    def flush(self) -> list[KvEvent]:
+        """Drop everything (SGLang's /flush_cache). Pins survive nothing: callers flush idle."""
+        self._pages.clear()
+        self._by_digest.clear()
+        self.vram_pages = self.dram_pages = 0
+        self._vram_heap.clear()
+        self._dram_heap.clear()
+        return [AllBlocksCleared()]
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _walk(self, tokens: Sequence[int]):
+        digest = _ROOT_DIGEST
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            digest = page_digest(digest, tokens[start : start + self.block_size])
+            page = self._by_digest.get(digest)
+            if page is None:
+                return
+            yield page
+
+    def _new_page(self, digest: bytes, parent: _Page | None, tokens: tuple[int, ...]) -> _Page:
+        page = _Page(digest_to_int64(digest), digest, parent, tokens)
+        self._by_digest[digest] = page
+        self._pages[page.id] = page
+        if parent is not None:
+            parent.children += 1
+            self._changed(parent)
+        return page
+
+    def _discard_new(self, page: _Page) -> None:
+        del self._by_digest[page.digest]
+        del self._pages[page.id]
+        if page.parent is not None:
+            page.parent.children -= 1
+            self._changed(page.parent)
+
+    def _stored(self, page: _Page, medium: str) -> BlockStored:
+        parent = page.parent.id if page.parent is not None else None
+        return BlockStored((page.id,), parent, page.tokens, self.block_size, None, medium)
+
+    def _add_vram(self, page: _Page, events: list[KvEvent], *, new: bool = False) -> bool:
+        # Pin the page (it may be a DRAM leaf) and its parent (a VRAM leaf until the page
+        # lands) so that making room cannot take either away.
+        guarded = [page] if page.parent is None else [page, page.parent]
+        for p in guarded:
+            p.pins += 1
+        try:
+            if not self._make_vram_room(events):
+                return False
+        finally:
+            for p in guarded:
+                p.pins -= 1
+                self._changed(p)  # re-queue: a heap entry popped while pinned was dropped
+        page.in_vram = True
+        self.vram_pages += 1
+        if page.parent is not None:
+            page.parent.vram_children += 1
+            self._changed(page.parent)
+        events.append(self._stored(page, GPU))
+        return True
+
+    def _load_into_vram(self, page: _Page, events: list[KvEvent]) -> bool:
+        # reloading keeps the DRAM copy (HiCache write-back keeps host pages)
+        return self._add_vram(page, events)
+
+    def _make_vram_room(self, events: list[KvEvent]) -> bool:
+        while self.vram_pages >= self.vram_pages_max:
+            victim = self._pop(self._vram_heap, self._vram_candidate)
+            if victim is None:
+                return False
+            self._demote(victim, events)
+        return True
+
+    def _demote(self, page: _Page, events: list[KvEvent]) -> None:
+        if not page.in_dram and self.dram_pages_max > 0:
+            page.pins += 1
+            try:
+                has_room = self._make_dram_room(events)
+            finally:
+                page.pins -= 1
+            if has_room:
+                page.in_dram = True
+                self.dram_pages += 1
+                events.append(self._stored(page, CPU))
+        if not page.in_dram and page.children:
+            # nowhere to put it and it has DRAM-only children: drop them first (leaf-first)
+            self._drop_dram_subtree(page, events)
+        page.in_vram = False
+        self.vram_pages -= 1
+        if page.parent is not None:
+            page.parent.vram_children -= 1
+            self._changed(page.parent)
+        events.append(BlockRemoved((page.id,), GPU))
+        self.demotions += 1
+        if not page.in_dram:
+            self._forget(page)
+        else:
+            self._changed(page)
+
+    def _drop_dram_subtree(self, page: _Page, events: list[KvEvent]) -> None:
+        children = [p for p in self._pages.values() if p.parent is page]
+        for child in children:
+            self._drop_dram_subtree(child, events)
+            if child.in_dram:
+                child.in_dram = False
+                self.dram_pages -= 1
+                events.append(BlockRemoved((child.id,), CPU))
+                self.evictions += 1
+            self._forget(child)
+
+    def _make_dram_room(self, events: list[KvEvent]) -> bool:
+        while self.dram_pages >= self.dram_pages_max:
+            victim = self._pop(self._dram_heap, self._dram_candidate)
+            if victim is None:
+                return False
+            victim.in_dram = False
+            self.dram_pages -= 1
+            events.append(BlockRemoved((victim.id,), CPU))
+            self.evictions += 1
+            if not victim.in_vram:
+                self._forget(victim)
+            else:
+                self._changed(victim)
+        return True
+
+    def _forget(self, page: _Page) -> None:
+        del self._pages[page.id]
+        del self._by_digest[page.digest]
+        if page.parent is not None:
+            page.parent.children -= 1
+            self._changed(page.parent)
+
+    def _touch(self, page: _Page, now: float) -> None:
+        page.last_access = now
+        page.hits += 1
+
+    def _vram_candidate(self, page: _Page) -> bool:
+        return page.in_vram and page.pins == 0 and page.vram_children == 0
+
+    def _dram_candidate(self, page: _Page) -> bool:
+        return page.in_dram and page.pins == 0 and (page.in_vram or page.children == 0)
+
+    def _priority(self, page: _Page) -> tuple[float, ...]:
+        if self.policy is EvictionPolicy.LFU:
+            return (page.hits, page.last_access)
+        return (page.last_access,)
+
+    def _changed(self, page: _Page) -> None:
+        """Re-queue ``page`` in the eviction heaps it now qualifies for (old entries go stale)."""
+        page.stamp += 1
+        if page.id not in self._pages:
+            return
+        if self._vram_candidate(page):
+            heapq.heappush(self._vram_heap, (self._priority(page), next(self._order), page.id, page.stamp))
+        if self._dram_candidate(page):
+            heapq.heappush(self._dram_heap, (self._priority(page), next(self._order), page.id, page.stamp))
+        if len(self._vram_heap) > 4 * (len(self._pages) + 64):
+            self._vram_heap = self._rebuild(self._vram_candidate)
+        if len(self._dram_heap) > 4 * (len(self._pages) + 64):
+            self._dram_heap = self._rebuild(self._dram_candidate)
+
+    def _rebuild(self, candidate) -> list[tuple[tuple[float, ...], int, int, int]]:
+        heap = [(self._priority(p), next(self._order), p.id, p.stamp) for p in self._pages.values() if candidate(p)]
+        heapq.heapify(heap)
+        return heap
+
+    def _pop(self, heap: list, candidate) -> _Page | None:
+        while heap:
+            _, _, page_id, stamp = heapq.heappop(heap)
+            page = self._pages.get(page_id)
+            if page is not None and page.stamp == stamp and candidate(page):
+                return page
+        return None
