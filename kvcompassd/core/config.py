@@ -1,0 +1,664 @@
+"""Cluster configuration: a TOML file loaded into validated, frozen dataclasses.
+
+Every error is a :class:`ConfigError` whose message names the file, the table and the field,
+e.g. ``testbed.toml: [[workers]] #3 field 'region': unknown region 'xx'`` (entries of an
+array of tables are numbered from 1, as an operator counts them in the file).
+
+Each dataclass validates its own fields on construction, so a config built in code (by the
+simulator or a tool) is checked exactly like one read from disk; cross-references (regions
+named by workers, shard coverage, the latency matrix) are checked by :class:`ClusterConfig`.
+:func:`dump_config` writes a config back as TOML text, so tools can generate configs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "EdgeConfig",
+    "IndexParams",
+    "LinkConfig",
+    "MaintenanceConfig",
+    "RegionConfig",
+    "ScoreParams",
+    "WorkerConfig",
+    "derive_one_way_ms",
+    "dump_config",
+    "great_circle_km",
+    "load_config",
+    "parse_config",
+]
+
+EARTH_RADIUS_KM = 6371.0
+FIBRE_KM_PER_MS = 200.0  # light in fibre travels at about 2/3 c
+ROUTE_INFLATION = 1.5  # real routes are longer than the great circle
+PER_PATH_OVERHEAD_MS = 2.0  # switching, serialisation and last-mile hops
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message names file, table and field."""
+
+    def __init__(self, detail: str, *, source: str = "<config>", table: str = "", field: str = "") -> None:
+        self.detail = detail
+        self.source = source
+        self.table = table
+        self.field = field
+        where = source
+        if table:
+            where += f": {table}"
+        if field:
+            where += f" field '{field}'"
+        super().__init__(f"{where}: {detail}")
+
+    def located(self, *, source: str | None = None, table: str | None = None) -> ConfigError:
+        """The same error with the file and/or table filled in (keeps what is already set)."""
+        return ConfigError(
+            self.detail,
+            source=source if source is not None and self.source == "<config>" else self.source,
+            table=table if table is not None and not self.table else self.table,
+            field=self.field,
+        )
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _fail(name: str, detail: str) -> None:
+    raise ConfigError(detail, field=name)
+
+
+def _check_str(name: str, value: Any, *, pattern: re.Pattern[str] | None = _NAME_RE, allow_empty: bool = False) -> None:
+    if not isinstance(value, str):
+        _fail(name, f"expected a string, got {type(value).__name__} {value!r}")
+    if not value and allow_empty:
+        return
+    if not value:
+        _fail(name, "must not be empty")
+    if pattern is not None and not pattern.match(value):
+        _fail(name, f"invalid name {value!r} (letters, digits, '_', '-', '.'; no spaces)")
+
+
+def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(name, f"expected an integer, got {type(value).__name__} {value!r}")
+    if lo is not None and value < lo:
+        _fail(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        _fail(name, f"must be <= {hi}, got {value}")
+
+
+def _check_float(
+    name: str, value: Any, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        _fail(name, f"expected a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        _fail(name, f"must be finite, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        _fail(name, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        _fail(name, f"must be <= {hi}, got {value}")
+
+
+def _check_optional_address(name: str, value: Any, schemes: tuple[str, ...] | None) -> None:
+    """``None`` or an address: ``scheme://...`` when schemes are given, else ``host:port``."""
+    if value is None:
+        return
+    _check_str(name, value, pattern=None)
+    if schemes is not None:
+        if not value.startswith(tuple(f"{s}://" for s in schemes)) or value.endswith("://"):
+            _fail(name, f"expected a {'/'.join(schemes)}:// address, got {value!r}")
+        return
+    match = _HOST_PORT_RE.match(value)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        _fail(name, f"expected host:port, got {value!r}")
+
+
+def _as_float(obj: Any, name: str) -> None:
+    # TOML integers are accepted for float fields; store floats so equality and dumps are stable.
+    object.__setattr__(obj, name, float(getattr(obj, name)))
+
+
+# ---------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True, slots=True)
+class RegionConfig:
+    """A region; latitude/longitude (degrees) are optional and only used to derive latencies."""
+
+    name: str
+    latitude: float | None = None
+    longitude: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_str("name", self.name)
+        if (self.latitude is None) != (self.longitude is None):
+            _fail("latitude" if self.latitude is None else "longitude", "latitude and longitude go together")
+        if self.latitude is not None:
+            _check_float("latitude", self.latitude, lo=-90.0, hi=90.0)
+            _check_float("longitude", self.longitude, lo=-180.0, hi=180.0)
+            _as_float(self, "latitude")
+            _as_float(self, "longitude")
+
+    @property
+    def has_position(self) -> bool:
+        return self.latitude is not None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """One-way WAN latency between two distinct regions (symmetric).
+
+    ``derived`` marks a latency computed by :func:`derive_one_way_ms` rather than configured;
+    it is informational and does not take part in equality.
+    """
+
+    between: tuple[str, str]
+    one_way_ms: float
+    derived: bool = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        pair = self.between
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            _fail("between", f"expected two region names, got {pair!r}")
+        for name in pair:
+            _check_str("between", name)
+        if pair[0] == pair[1]:
+            _fail("between", f"a link joins two different regions, got {list(pair)!r}")
+        object.__setattr__(self, "between", (pair[0], pair[1]))
+        _check_float("one_way_ms", self.one_way_ms, lo=0.0)
+        _as_float(self, "one_way_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One inference worker (a model replica) and how to reach its engine and agent."""
+
+    id: str
+    region: str
+    prefill_ms_per_token: float
+    decode_ms_per_token: float
+    vram_kv_tokens: int
+    dram_kv_tokens: int
+    max_running: int = 64
+    http: str | None = None
+    kv_events: str | None = None
+    agent: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_str("id", self.id)
+        _check_str("region", self.region)
+        _check_float("prefill_ms_per_token", self.prefill_ms_per_token, lo=0.0, lo_open=True)
+        _check_float("decode_ms_per_token", self.decode_ms_per_token, lo=0.0, lo_open=True)
+        _as_float(self, "prefill_ms_per_token")
+        _as_float(self, "decode_ms_per_token")
+        _check_int("vram_kv_tokens", self.vram_kv_tokens, lo=0)
+        _check_int("dram_kv_tokens", self.dram_kv_tokens, lo=0)
+        _check_int("max_running", self.max_running, lo=1)
+        _check_optional_address("http", self.http, ("http", "https"))
+        _check_optional_address("kv_events", self.kv_events, ("tcp", "ipc", "inproc"))
+        _check_optional_address("agent", self.agent, None)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    """An edge node of a region: the HTTP front door and its QUIC endpoint."""
+
+    id: str
+    region: str
+    http: str | None = None
+    quic: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_str("id", self.id)
+        _check_str("region", self.region)
+        _check_optional_address("http", self.http, None)
+        _check_optional_address("quic", self.quic, None)
+
+
+@dataclass(frozen=True, slots=True)
+class MaintenanceConfig:
+    """A maintenance unit: the single writer of index shard ``shard``."""
+
+    id: str
+    shard: int
+    quic: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_str("id", self.id)
+        _check_int("shard", self.shard, lo=0)
+        _check_optional_address("quic", self.quic, None)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexParams:
+    """Shape of the discovery index (paper §3.2)."""
+
+    block_size: int = 16
+    levels: int = 6
+    same_region_min_tokens: int = 64
+    value_bits: int = 32
+    fingerprint_bits: int = 0
+    max_load: float = 0.95
+    initial_capacity: int = 65536
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, lo=1, hi=1 << 20)
+        _check_int("levels", self.levels, lo=1, hi=64)
+        _check_int("same_region_min_tokens", self.same_region_min_tokens, lo=1)
+        if self.same_region_min_tokens % self.block_size:
+            _fail(
+                "same_region_min_tokens",
+                f"must be a multiple of block_size {self.block_size}, got {self.same_region_min_tokens}",
+            )
+        _check_int("value_bits", self.value_bits)
+        if self.value_bits not in (32, 64):
+            _fail("value_bits", f"must be 32 or 64, got {self.value_bits}")
+        _check_int("fingerprint_bits", self.fingerprint_bits, lo=0, hi=16)
+        _check_float("max_load", self.max_load, lo=0.0, hi=1.0, lo_open=True)
+        if self.max_load >= 1.0:
+            _fail("max_load", f"must be < 1, got {self.max_load}")
+        _as_float(self, "max_load")
+        _check_int("initial_capacity", self.initial_capacity, lo=1)
+
+    @property
+    def workers_per_group(self) -> int:
+        """Workers per region group: one 2-bit tier field each in a value."""
+        return self.value_bits // 2
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreParams:
+    """Joint score, queue estimates, cache belief and hot-prefix parameters (paper §3.4)."""
+
+    lambda_max: float = 8.0
+    tau_ms: float = 100.0
+    gamma_ms_per_token: float = 0.00524
+    wan: str = "rtt"
+    belief_weight: float = 0.2
+    queue_ewma_weight: float = 0.5
+    broadcast_period_ms: float = 100.0
+    hot_prefix_misses: int = 3
+    hot_prefix_window_ms: float = 1000.0
+    idle_period_ms: float = 1000.0
+
+    def __post_init__(self) -> None:
+        _check_float("lambda_max", self.lambda_max, lo=0.0)
+        _check_float("tau_ms", self.tau_ms, lo=0.0, lo_open=True)
+        _check_float("gamma_ms_per_token", self.gamma_ms_per_token, lo=0.0)
+        if self.wan not in ("rtt", "one_way"):
+            _fail("wan", f"must be 'rtt' or 'one_way', got {self.wan!r}")
+        _check_float("belief_weight", self.belief_weight, lo=0.0, hi=1.0, lo_open=True)
+        _check_float("queue_ewma_weight", self.queue_ewma_weight, lo=0.0, hi=1.0, lo_open=True)
+        _check_float("broadcast_period_ms", self.broadcast_period_ms, lo=0.0, lo_open=True)
+        _check_int("hot_prefix_misses", self.hot_prefix_misses, lo=1)
+        _check_float("hot_prefix_window_ms", self.hot_prefix_window_ms, lo=0.0, lo_open=True)
+        _check_float("idle_period_ms", self.idle_period_ms, lo=0.0)
+        for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
+                     "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms"):
+            _as_float(self, name)
+
+
+# ---------------------------------------------------------------- latency derivation
+
+
+def great_circle_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
+    """Haversine distance in km on a sphere of radius 6371 km."""
+    p1, p2 = math.radians(lat1), math.radians(lat2)
+    dp, dl = p2 - p1, math.radians(lon2 - lon1)
+    h = math.sin(dp / 2) ** 2 + math.cos(p1) * math.cos(p2) * math.sin(dl / 2) ** 2
+    return 2 * EARTH_RADIUS_KM * math.asin(min(1.0, math.sqrt(h)))
+
+
+def derive_one_way_ms(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
+    """One-way WAN latency estimated from geography, for region pairs without a configured link.
+
+    ``one_way_ms = great_circle_km / 200 km-per-ms * 1.5 + 2 ms``: light in fibre covers about
+    200 km per ms (2/3 c); real routes are about 1.5x the great circle; 2 ms covers switching and
+    the hops at each end. Checked against the paper's testbed: Virginia-Frankfurt (6,500 km)
+    gives 51 ms, the public Internet measured 160 ms there, so measured links should be
+    configured whenever they are known; the derivation is a floor for planning.
+    """
+    return great_circle_km(lat1, lon1, lat2, lon2) / FIBRE_KM_PER_MS * ROUTE_INFLATION + PER_PATH_OVERHEAD_MS
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """A whole deployment. ``links`` is complete after construction: configured links plus
+    those derived from region coordinates, one per unordered pair, in region order."""
+
+    name: str
+    model: str
+    tenant: str = ""
+    shards: int = 1
+    intra_region_one_way_ms: float = 0.25
+    regions: tuple[RegionConfig, ...] = ()
+    workers: tuple[WorkerConfig, ...] = ()
+    edges: tuple[EdgeConfig, ...] = ()
+    maintenance: tuple[MaintenanceConfig, ...] = ()
+    index: IndexParams = field(default_factory=IndexParams)
+    score: ScoreParams = field(default_factory=ScoreParams)
+    links: tuple[LinkConfig, ...] = ()
+    _one_way: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
+    _workers_by_id: dict[str, WorkerConfig] = field(init=False, repr=False, compare=False)
+    _workers_by_region: dict[str, tuple[WorkerConfig, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def located(table: str, check: Any) -> None:
+            try:
+                check()
+            except ConfigError as exc:
+                raise exc.located(table=table) from None
+
+        for name in ("regions", "workers", "edges", "maintenance", "links"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        located("[cluster]", lambda: _check_str("name", self.name, pattern=None))
+        located("[cluster]", lambda: _check_str("model", self.model, pattern=None))
+        located("[cluster]", lambda: _check_str("tenant", self.tenant, pattern=None, allow_empty=True))
+        located("[cluster]", lambda: _check_int("shards", self.shards, lo=1, hi=1 << 16))
+        located("[cluster]", lambda: _check_float("intra_region_one_way_ms", self.intra_region_one_way_ms, lo=0.0))
+        object.__setattr__(self, "intra_region_one_way_ms", float(self.intra_region_one_way_ms))
+        if not isinstance(self.index, IndexParams):
+            raise ConfigError(f"expected IndexParams, got {type(self.index).__name__}", table="[index]")
+        if not isinstance(self.score, ScoreParams):
+            raise ConfigError(f"expected ScoreParams, got {type(self.score).__name__}", table="[score]")
+
+        self._check_entries("[[regions]]", self.regions, RegionConfig)
+        self._check_entries("[[workers]]", self.workers, WorkerConfig)
+        self._check_entries("[[edges]]", self.edges, EdgeConfig)
+        self._check_entries("[[maintenance]]", self.maintenance, MaintenanceConfig)
+        self._check_entries("[[links]]", self.links, LinkConfig)
+        if not self.regions:
+            raise ConfigError("at least one region is required", table="[[regions]]")
+        if not self.workers:
+            raise ConfigError("at least one worker is required", table="[[workers]]")
+
+        region_names: dict[str, int] = {}
+        for i, region in enumerate(self.regions, 1):
+            if region.name in region_names:
+                raise ConfigError(f"duplicate region {region.name!r}", table=f"[[regions]] #{i}", field="name")
+            region_names[region.name] = i
+
+        # Node ids name certificates and log lines, so they are unique across all roles.
+        seen_ids: dict[str, str] = {}
+        for table, entries in (("[[workers]]", self.workers), ("[[edges]]", self.edges),
+                               ("[[maintenance]]", self.maintenance)):
+            for i, entry in enumerate(entries, 1):
+                here = f"{table} #{i}"
+                if entry.id in seen_ids:
+                    raise ConfigError(f"duplicate id {entry.id!r} (also {seen_ids[entry.id]})", table=here, field="id")
+                seen_ids[entry.id] = here
+                region = getattr(entry, "region", None)
+                if region is not None and region not in region_names:
+                    raise ConfigError(f"unknown region {region!r}", table=here, field="region")
+
+        if self.maintenance:
+            by_shard: dict[int, int] = {}
+            for i, unit in enumerate(self.maintenance, 1):
+                here = f"[[maintenance]] #{i}"
+                if unit.shard >= self.shards:
+                    raise ConfigError(f"shard {unit.shard} out of range 0..{self.shards - 1}", table=here, field="shard")
+                if unit.shard in by_shard:
+                    raise ConfigError(f"shard {unit.shard} already owned by [[maintenance]] #{by_shard[unit.shard]}",
+                                      table=here, field="shard")
+                by_shard[unit.shard] = i
+            missing = sorted(set(range(self.shards)) - set(by_shard))
+            if missing:
+                raise ConfigError(f"shards {missing} have no maintenance unit (cluster.shards = {self.shards})",
+                                  table="[[maintenance]]", field="shard")
+
+        object.__setattr__(self, "links", self._complete_links(region_names))
+        one_way: dict[tuple[str, str], float] = {}
+        for link in self.links:
+            a, b = link.between
+            one_way[(a, b)] = one_way[(b, a)] = link.one_way_ms
+        for region in self.regions:
+            one_way[(region.name, region.name)] = self.intra_region_one_way_ms
+        object.__setattr__(self, "_one_way", one_way)
+        object.__setattr__(self, "_workers_by_id", {w.id: w for w in self.workers})
+        object.__setattr__(
+            self,
+            "_workers_by_region",
+            {r.name: tuple(w for w in self.workers if w.region == r.name) for r in self.regions},
+        )
+
+    @staticmethod
+    def _check_entries(table: str, entries: tuple[Any, ...], cls: type) -> None:
+        for i, entry in enumerate(entries, 1):
+            if not isinstance(entry, cls):
+                raise ConfigError(f"expected {cls.__name__}, got {type(entry).__name__}", table=f"{table} #{i}")
+
+    def _complete_links(self, region_names: dict[str, int]) -> tuple[LinkConfig, ...]:
+        order = {name: i for i, name in enumerate(region_names)}
+        configured: dict[tuple[str, str], LinkConfig] = {}
+        for i, link in enumerate(self.links, 1):
+            here = f"[[links]] #{i}"
+            for name in link.between:
+                if name not in order:
+                    raise ConfigError(f"unknown region {name!r}", table=here, field="between")
+            a, b = sorted(link.between, key=order.__getitem__)
+            if (a, b) in configured:
+                raise ConfigError(f"duplicate link between {a!r} and {b!r} (links are symmetric: one entry per pair)",
+                                  table=here, field="between")
+            configured[(a, b)] = LinkConfig((a, b), link.one_way_ms, link.derived)
+        complete: list[LinkConfig] = []
+        for i, ra in enumerate(self.regions):
+            for rb in self.regions[i + 1:]:
+                pair = (ra.name, rb.name)
+                if pair in configured:
+                    complete.append(configured[pair])
+                elif ra.has_position and rb.has_position:
+                    ms = derive_one_way_ms(ra.latitude, ra.longitude, rb.latitude, rb.longitude)  # type: ignore[arg-type]
+                    complete.append(LinkConfig(pair, round(ms, 3), derived=True))
+                else:
+                    raise ConfigError(
+                        f"no link between {ra.name!r} and {rb.name!r}, and latitude/longitude of both are needed "
+                        "to derive one",
+                        table="[[links]]",
+                        field="between",
+                    )
+        return tuple(complete)
+
+    # ------------------------------------------------------------ queries
+
+    def one_way_ms(self, a: str, b: str) -> float:
+        """One-way latency between regions ``a`` and ``b`` (intra-region latency when equal)."""
+        try:
+            return self._one_way[(a, b)]
+        except KeyError:
+            unknown = a if a not in self._workers_by_region else b
+            raise KeyError(f"unknown region {unknown!r}") from None
+
+    def rtt_ms(self, a: str, b: str) -> float:
+        return 2.0 * self.one_way_ms(a, b)
+
+    def region_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.regions)
+
+    def region(self, name: str) -> RegionConfig:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise KeyError(f"unknown region {name!r}")
+
+    def workers_in(self, region: str) -> tuple[WorkerConfig, ...]:
+        try:
+            return self._workers_by_region[region]
+        except KeyError:
+            raise KeyError(f"unknown region {region!r}") from None
+
+    def worker(self, worker_id: str) -> WorkerConfig:
+        try:
+            return self._workers_by_id[worker_id]
+        except KeyError:
+            raise KeyError(f"unknown worker {worker_id!r}") from None
+
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(w.id for w in self.workers)
+
+    def edges_in(self, region: str) -> tuple[EdgeConfig, ...]:
+        return tuple(e for e in self.edges if e.region == region)
+
+
+# ---------------------------------------------------------------- parsing
+
+_TOP_LEVEL = ("cluster", "index", "score", "regions", "links", "workers", "edges", "maintenance")
+_CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms")
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.init and not f.name.startswith("_"))
+
+
+def _table(data: Mapping[str, Any], key: str, label: str) -> Mapping[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a table, got {type(value).__name__}", table=label)
+    return value
+
+
+def _array(data: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise ConfigError("expected an array of tables", table=f"[[{key}]]")
+    return value
+
+
+def _build(cls: type, raw: Mapping[str, Any], table: str, *, allowed: tuple[str, ...] | None = None) -> Any:
+    names = allowed if allowed is not None else _field_names(cls)
+    for key in raw:
+        if key not in names:
+            raise ConfigError(f"unknown field (expected one of: {', '.join(names)})", table=table, field=key)
+    try:
+        return cls(**{k: raw[k] for k in raw})
+    except ConfigError as exc:
+        raise exc.located(table=table) from None
+    except TypeError as exc:  # a required field is missing
+        missing = [f.name for f in fields(cls) if f.init and f.name not in raw
+                   and f.default is MISSING and f.default_factory is MISSING]
+        raise ConfigError("missing required field", table=table, field=missing[0] if missing else "") from exc
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<config>") -> ClusterConfig:
+    """Validate a parsed TOML document (a dict) into a :class:`ClusterConfig`."""
+    try:
+        return _parse(data)
+    except ConfigError as exc:
+        raise exc.located(source=source) from None
+
+
+def _parse(data: Mapping[str, Any]) -> ClusterConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a TOML document (table), got {type(data).__name__}")
+    for key in data:
+        if key not in _TOP_LEVEL:
+            raise ConfigError(f"unknown top-level table {key!r} (expected one of: {', '.join(_TOP_LEVEL)})")
+    if "cluster" not in data:
+        raise ConfigError("missing table", table="[cluster]")
+    cluster = _table(data, "cluster", "[cluster]")
+    for key in cluster:
+        if key not in _CLUSTER_KEYS:
+            raise ConfigError(f"unknown field (expected one of: {', '.join(_CLUSTER_KEYS)})",
+                              table="[cluster]", field=key)
+    for key in ("name", "model"):
+        if key not in cluster:
+            raise ConfigError("missing required field", table="[cluster]", field=key)
+
+    index = _build(IndexParams, _table(data, "index", "[index]"), "[index]")
+    score = _build(ScoreParams, _table(data, "score", "[score]"), "[score]")
+    regions = [_build(RegionConfig, raw, f"[[regions]] #{i}") for i, raw in enumerate(_array(data, "regions"), 1)]
+    links = [_build(LinkConfig, raw, f"[[links]] #{i}", allowed=("between", "one_way_ms"))
+             for i, raw in enumerate(_array(data, "links"), 1)]
+    workers = [_build(WorkerConfig, raw, f"[[workers]] #{i}") for i, raw in enumerate(_array(data, "workers"), 1)]
+    edges = [_build(EdgeConfig, raw, f"[[edges]] #{i}") for i, raw in enumerate(_array(data, "edges"), 1)]
+    maintenance = [_build(MaintenanceConfig, raw, f"[[maintenance]] #{i}")
+                   for i, raw in enumerate(_array(data, "maintenance"), 1)]
+    return ClusterConfig(
+        name=cluster["name"],
+        model=cluster["model"],
+        tenant=cluster.get("tenant", ""),
+        shards=cluster.get("shards", 1),
+        intra_region_one_way_ms=cluster.get("intra_region_one_way_ms", 0.25),
+        regions=tuple(regions),
+        workers=tuple(workers),
+        edges=tuple(edges),
+        maintenance=tuple(maintenance),
+        index=index,
+        score=score,
+        links=tuple(links),
+    )
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a TOML cluster config; errors name ``path``."""
+    source = str(path)
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror or exc}", source=source) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}", source=source) from None
+    return parse_config(data, source)
+
+
+# ---------------------------------------------------------------- dumping
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic strings
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _emit(lines: list[str], obj: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None:
+            lines.append(f"{name} = {_toml_value(value)}")
+
+
+def dump_config(cfg: ClusterConfig) -> str:
+    """TOML text that :func:`parse_config` reads back into an equal config.
+
+    Derived links are written out explicitly (with a comment), so the dump pins the latencies.
+    """
+    lines = ["[cluster]"]
+    _emit(lines, cfg, _CLUSTER_KEYS)
+    for title, obj in (("index", cfg.index), ("score", cfg.score)):
+        lines += ["", f"[{title}]"]
+        _emit(lines, obj, _field_names(type(obj)))
+    for region in cfg.regions:
+        lines += ["", "[[regions]]"]
+        _emit(lines, region, _field_names(RegionConfig))
+    for link in cfg.links:
+        lines += ["", "[[links]]" + ("  # derived from great-circle distance" if link.derived else "")]
+        _emit(lines, link, ("between", "one_way_ms"))
+    for table, entries in (("workers", cfg.workers), ("edges", cfg.edges), ("maintenance", cfg.maintenance)):
+        for entry in entries:
+            lines += ["", f"[[{table}]]"]
+            _emit(lines, entry, _field_names(type(entry)))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,248 @@
+"""Cluster config: the testbed file, validation errors naming file/table/field, dump round trip."""
+
+from __future__ import annotations
+
+import copy
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.config import (
+    ClusterConfig,
+    ConfigError,
+    IndexParams,
+    RegionConfig,
+    ScoreParams,
+    WorkerConfig,
+    derive_one_way_ms,
+    dump_config,
+    load_config,
+    parse_config,
+)
+
+TESTBED = Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml"
+
+
+def minimal() -> dict:
+    return {
+        "cluster": {"name": "t", "model": "m", "shards": 2},
+        "regions": [{"name": "a"}, {"name": "b"}],
+        "links": [{"between": ["a", "b"], "one_way_ms": 40.0}],
+        "workers": [
+            {"id": "a-0", "region": "a", "prefill_ms_per_token": 0.1, "decode_ms_per_token": 10.0,
+             "vram_kv_tokens": 1000, "dram_kv_tokens": 4000},
+            {"id": "b-0", "region": "b", "prefill_ms_per_token": 0.2, "decode_ms_per_token": 10.0,
+             "vram_kv_tokens": 1000, "dram_kv_tokens": 4000},
+        ],
+    }
+
+
+def error_of(data: dict, source: str = "x.toml") -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- the testbed
+
+
+def test_testbed_matches_the_paper() -> None:
+    cfg = load_config(TESTBED)
+    assert cfg.region_names() == ("us", "eu", "asia")
+    assert [len(cfg.workers_in(r)) for r in cfg.region_names()] == [8, 2, 4]
+    assert cfg.one_way_ms("us", "eu") == 160.0 and cfg.one_way_ms("eu", "us") == 160.0
+    assert cfg.one_way_ms("us", "asia") == 126.0
+    assert cfg.rtt_ms("eu", "asia") == 298.0
+    assert cfg.one_way_ms("eu", "eu") == cfg.intra_region_one_way_ms == 0.25
+    for worker in cfg.workers:
+        assert worker.prefill_ms_per_token == 0.085
+        assert worker.vram_kv_tokens == 32 * 2**30 // (128 * 2**10) == 262144
+        assert worker.dram_kv_tokens == 128 * 2**30 // (128 * 2**10) == 1048576
+    assert [e.region for e in cfg.edges] == ["us", "eu", "asia"]
+    assert sorted(m.shard for m in cfg.maintenance) == [0, 1, 2, 3] and cfg.shards == 4
+    assert cfg.score.gamma_ms_per_token == pytest.approx(128 * 1024 / 25e9 * 1e3, rel=1e-3)
+    assert cfg.worker("eu-1").region == "eu"
+    assert cfg.worker_ids()[:2] == ("us-0", "us-1")
+    assert all(not link.derived for link in cfg.links)
+
+
+def test_testbed_round_trips_through_dump() -> None:
+    cfg = load_config(TESTBED)
+    assert parse_config(tomllib.loads(dump_config(cfg)), "dump") == cfg
+
+
+def test_defaults_fill_optional_tables() -> None:
+    cfg = parse_config(minimal(), "x")
+    assert cfg.index == IndexParams() and cfg.score == ScoreParams()
+    assert cfg.tenant == "" and cfg.edges == () and cfg.maintenance == ()
+
+
+def test_queries_reject_unknown_names() -> None:
+    cfg = parse_config(minimal(), "x")
+    with pytest.raises(KeyError, match="zz"):
+        cfg.one_way_ms("a", "zz")
+    with pytest.raises(KeyError, match="nope"):
+        cfg.worker("nope")
+    with pytest.raises(KeyError):
+        cfg.workers_in("zz")
+
+
+# ---------------------------------------------------------------- errors name file, table and field
+
+
+def test_unknown_region_names_file_table_and_field(tmp_path: Path) -> None:
+    text = TESTBED.read_text().replace('id = "us-2"                    # unique node id (also in its certificate)\n'
+                                       'region = "us"', 'id = "us-2"\nregion = "xx"', 1)
+    assert 'region = "xx"' in text
+    path = tmp_path / "testbed.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: [[workers]] #3 field 'region': unknown region 'xx'"
+    assert (info.value.table, info.value.field) == ("[[workers]] #3", "region")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d["cluster"].update(colour="red"), "x.toml: [cluster] field 'colour': unknown field"),
+        (lambda d: d.update(extra={}), "x.toml: unknown top-level table 'extra'"),
+        (lambda d: d.__setitem__("index", {"block_size": 16, "levelz": 3}), "x.toml: [index] field 'levelz': unknown field"),
+        (lambda d: d.__setitem__("index", {"value_bits": 48}), "x.toml: [index] field 'value_bits': must be 32 or 64"),
+        (lambda d: d.__setitem__("index", {"same_region_min_tokens": 40}), "[index] field 'same_region_min_tokens': must be a multiple"),
+        (lambda d: d.__setitem__("index", {"block_size": True}), "[index] field 'block_size': expected an integer"),
+        (lambda d: d.__setitem__("index", {"levels": 6.0}), "[index] field 'levels': expected an integer"),
+        (lambda d: d.__setitem__("index", {"max_load": 1.0}), "[index] field 'max_load': must be < 1"),
+        (lambda d: d.__setitem__("score", {"wan": "half"}), "[score] field 'wan': must be 'rtt' or 'one_way'"),
+        (lambda d: d.__setitem__("score", {"tau_ms": 0}), "[score] field 'tau_ms': must be > 0"),
+        (lambda d: d.__setitem__("score", {"queue_ewma_weight": 1.5}), "[score] field 'queue_ewma_weight': must be <= 1"),
+        (lambda d: d.__setitem__("score", {"lambda_max": math.nan}), "[score] field 'lambda_max': must be finite"),
+        (lambda d: d["cluster"].pop("model"), "x.toml: [cluster] field 'model': missing required field"),
+        (lambda d: d["cluster"].update(shards=0), "[cluster] field 'shards': must be >= 1"),
+        (lambda d: d["workers"][1].pop("prefill_ms_per_token"), "[[workers]] #2 field 'prefill_ms_per_token': missing"),
+        (lambda d: d["workers"][1].update(prefill_ms_per_token=0), "[[workers]] #2 field 'prefill_ms_per_token': must be > 0"),
+        (lambda d: d["workers"][0].update(vram_kv_tokens=-1), "[[workers]] #1 field 'vram_kv_tokens': must be >= 0"),
+        (lambda d: d["workers"][0].update(http="127.0.0.1:1"), "[[workers]] #1 field 'http': expected a http/https://"),
+        (lambda d: d["workers"][0].update(agent="localhost"), "[[workers]] #1 field 'agent': expected host:port"),
+        (lambda d: d["workers"][1].update(id="a-0"), "[[workers]] #2 field 'id': duplicate id 'a-0'"),
+        (lambda d: d.__setitem__("workers", []), "[[workers]]: at least one worker is required"),
+        (lambda d: d["regions"].append({"name": "a"}), "[[regions]] #3 field 'name': duplicate region 'a'"),
+        (lambda d: d["regions"][0].update(latitude=10.0), "[[regions]] #1 field 'longitude': latitude and longitude go together"),
+        (lambda d: d["regions"][0].update(latitude=91.0, longitude=0.0), "[[regions]] #1 field 'latitude': must be <= 90"),
+        (lambda d: d.__setitem__("links", []), "[[links]] field 'between': no link between 'a' and 'b'"),
+        (lambda d: d["links"].append({"between": ["b", "a"], "one_way_ms": 40.0}), "[[links]] #2 field 'between': duplicate link"),
+        (lambda d: d["links"][0].update(one_way_ms=-1.0), "[[links]] #1 field 'one_way_ms': must be >= 0"),
+        (lambda d: d["links"][0].update(between=["a", "a"]), "[[links]] #1 field 'between': a link joins two different regions"),
+        (lambda d: d["links"][0].update(between=["a", "c"]), "[[links]] #1 field 'between': unknown region 'c'"),
+        (lambda d: d["links"][0].update(derived=True), "[[links]] #1 field 'derived': unknown field"),
+        (lambda d: d.__setitem__("edges", [{"id": "a-0", "region": "a"}]), "[[edges]] #1 field 'id': duplicate id 'a-0'"),
+        (lambda d: d.__setitem__("edges", [{"id": "e", "region": "q"}]), "[[edges]] #1 field 'region': unknown region 'q'"),
+        (lambda d: d.__setitem__("maintenance", [{"id": "m0", "shard": 0}]), "[[maintenance]] field 'shard': shards [1] have no maintenance unit"),
+        (lambda d: d.__setitem__("maintenance", [{"id": "m0", "shard": 0}, {"id": "m1", "shard": 0}]),
+         "[[maintenance]] #2 field 'shard': shard 0 already owned by [[maintenance]] #1"),
+        (lambda d: d.__setitem__("maintenance", [{"id": "m0", "shard": 0}, {"id": "m1", "shard": 2}]),
+         "[[maintenance]] #2 field 'shard': shard 2 out of range 0..1"),
+        (lambda d: d.__setitem__("workers", {"id": "x"}), "x.toml: [[workers]]: expected an array of tables"),
+    ],
+)
+def test_errors_name_file_table_and_field(mutate, expected: str) -> None:
+    data = copy.deepcopy(minimal())
+    mutate(data)
+    message = error_of(data)
+    assert message.startswith("x.toml: ")
+    assert expected in message
+
+
+def test_errors_are_value_errors_and_report_syntax(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[cluster\nname = 1\n")
+    with pytest.raises(ValueError, match=r"bad\.toml: invalid TOML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"missing\.toml: cannot read"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_direct_construction_is_validated() -> None:
+    worker = WorkerConfig("w", "nowhere", 0.1, 10.0, 1, 1)
+    with pytest.raises(ConfigError, match=r"\[\[workers\]\] #1 field 'region': unknown region 'nowhere'"):
+        ClusterConfig(name="c", model="m", regions=(RegionConfig("a"),), workers=(worker,))
+    with pytest.raises(ConfigError, match="field 'decode_ms_per_token'"):
+        WorkerConfig("w", "a", 0.1, -1.0, 1, 1)
+
+
+# ---------------------------------------------------------------- derived latencies
+
+
+def test_derive_one_way_ms_formula() -> None:
+    assert derive_one_way_ms(10.0, 20.0, 10.0, 20.0) == pytest.approx(2.0)
+    # A quarter of the equator: 2*pi*6371/4 km, at 200 km/ms, inflated 1.5x, plus 2 ms.
+    quarter = 2 * math.pi * 6371.0 / 4
+    assert derive_one_way_ms(0.0, 0.0, 0.0, 90.0) == pytest.approx(quarter / 200 * 1.5 + 2)
+    assert derive_one_way_ms(0.0, 0.0, 0.0, 90.0) == pytest.approx(derive_one_way_ms(0.0, 90.0, 0.0, 0.0))
+
+
+def test_missing_link_is_derived_from_coordinates_and_dumped_explicitly() -> None:
+    data = minimal()
+    data["links"] = []
+    data["regions"] = [{"name": "a", "latitude": 0.0, "longitude": 0.0},
+                       {"name": "b", "latitude": 0.0, "longitude": 90.0}]
+    cfg = parse_config(data, "x")
+    (link,) = cfg.links
+    assert link.derived and link.between == ("a", "b")
+    assert cfg.one_way_ms("b", "a") == pytest.approx(derive_one_way_ms(0, 0, 0, 90), abs=1e-3)
+    text = dump_config(cfg)
+    assert "derived from great-circle distance" in text
+    assert parse_config(tomllib.loads(text), "dump") == cfg
+
+
+# ---------------------------------------------------------------- generated configs round-trip
+
+_names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=8).filter(
+    lambda s: s[0].isalnum())
+
+
+@st.composite
+def configs(draw) -> dict:
+    regions = draw(st.lists(_names, min_size=1, max_size=4, unique=True))
+    data: dict = {"cluster": {"name": draw(_names), "model": draw(st.text(min_size=1, max_size=12)),
+                              "tenant": draw(st.text(max_size=6)), "shards": draw(st.integers(1, 4))},
+                  "regions": [], "links": [], "workers": []}
+    positioned = draw(st.booleans())
+    for name in regions:
+        region = {"name": name}
+        if positioned:
+            region.update(latitude=draw(st.floats(-90, 90)), longitude=draw(st.floats(-180, 180)))
+        data["regions"].append(region)
+    for i, a in enumerate(regions):
+        for b in regions[i + 1:]:
+            if not positioned or draw(st.booleans()):
+                data["links"].append({"between": [a, b], "one_way_ms": draw(st.floats(0, 300))})
+    for i in range(draw(st.integers(1, 6))):
+        data["workers"].append({
+            "id": f"w{i}", "region": draw(st.sampled_from(regions)),
+            "prefill_ms_per_token": draw(st.floats(0.001, 1.0)), "decode_ms_per_token": 10,
+            "vram_kv_tokens": draw(st.integers(0, 10**7)), "dram_kv_tokens": 5,
+            "http": draw(st.none() | st.just("http://127.0.0.1:1")),
+        })
+    if draw(st.booleans()):
+        data["maintenance"] = [{"id": f"m{s}", "shard": s, "quic": "127.0.0.1:7450"}
+                               for s in range(data["cluster"]["shards"])]
+    data["score"] = {"wan": draw(st.sampled_from(["rtt", "one_way"])), "tau_ms": draw(st.floats(1, 1000))}
+    return data
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs())
+def test_generated_configs_round_trip_and_matrix_is_complete_and_symmetric(data: dict) -> None:
+    cfg = parse_config(data, "gen")
+    assert parse_config(tomllib.loads(dump_config(cfg)), "dump") == cfg
+    names = cfg.region_names()
+    assert len(cfg.links) == len(names) * (len(names) - 1) // 2
+    for a in names:
+        for b in names:
+            assert cfg.one_way_ms(a, b) == cfg.one_way_ms(b, a) >= 0
+            assert cfg.rtt_ms(a, b) == 2 * cfg.one_way_ms(a, b)
