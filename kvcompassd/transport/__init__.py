@@ -1,0 +1,51 @@
+"""QUIC transport between kvcompass daemons (aioquic, mutual TLS with the cluster CA).
+
+Public API::
+
+    node = QuicNode(identity, tls_files, on_message=handler, on_peer_state=None, options=None)
+    await node.listen(host, port)                 # -> bound (host, port)
+    peer = node.peer((host, port), expected_role=Role.MAINTENANCE)   # persistent, reconnects
+    peer = await node.connect((host, port))       # same, waiting for the first connection
+    await peer.send(message)                      # ordered control channel
+    peer.send_datagram(message)                   # unordered, may be lost (falls back if large)
+    async with peer.open_stream() as exchange:    # request/response exchange
+        await exchange.send(request)
+        async for reply in exchange: ...
+    # accepting side: on_message(peer, message, channel); reply with channel.stream.send(...)
+
+Every message passes ``wire.check_sender`` for the peer's certified role before delivery; a
+malformed or forbidden frame is answered with ``ErrorReported`` (and logged) and the
+connection carries on. See ``connection.py`` for the stream budget and ``aioquic_tweaks.py``
+for the pacing fix and the client-certificate handling.
+"""
+
+from kvcompassd.transport.connection import (
+    ALPN,
+    MAX_DATAGRAM_PAYLOAD,
+    ChannelInfo,
+    FrameStream,
+    HandshakeFailed,
+    OnMessage,
+    PeerUnavailable,
+    StreamClosed,
+    TransportError,
+    TransportOptions,
+)
+from kvcompassd.transport.node import Address, OnPeerState, Peer, QuicNode
+
+__all__ = [
+    "ALPN",
+    "MAX_DATAGRAM_PAYLOAD",
+    "Address",
+    "ChannelInfo",
+    "FrameStream",
+    "HandshakeFailed",
+    "OnMessage",
+    "OnPeerState",
+    "Peer",
+    "PeerUnavailable",
+    "QuicNode",
+    "StreamClosed",
+    "TransportError",
+    "TransportOptions",
+]

@@ -1,0 +1,528 @@
+"""One authenticated QUIC connection: identity check, framing, dispatch, exchanges.
+
+Stream budget (DESIGN §6): aioquic walks *every open stream* for every packet it builds, so a
+connection with hundreds of open streams is CPU-bound. Exchanges (request/response
+conversations such as a forwarded prompt and its streamed answer) therefore do not get a QUIC
+stream each: a node multiplexes all the exchanges it opens on a connection over a small pool of
+long-lived streams (``TransportOptions.exchange_streams``, default 4), round-robin, with the
+exchange id in every frame. Each side also keeps one ordered control stream. So a connection
+never has more than ``2 * (exchange_streams + 1)`` open streams however many requests are in
+flight, and long streamed responses cannot exhaust a stream budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import structlog
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+
+from kvcompassd.certs import CertError, peer_identity
+from kvcompassd.transport.aioquic_tweaks import (
+    PacingMode,
+    install_pacer,
+    peer_certificate,
+    request_client_certificate,
+    verify_peer_chain,
+)
+from kvcompassd.transport.framing import CONTROL_EXCHANGE, MAX_EXCHANGE_ID, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
+from kvcompassd.wire import (
+    ErrorReported,
+    Message,
+    NodeIdentity,
+    Role,
+    WireError,
+    WireForbidden,
+    check_sender,
+    decode,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from kvcompassd.transport.node import Peer, QuicNode
+
+log = structlog.get_logger(__name__)
+
+ALPN = "kvcompass/1"
+# A DATAGRAM frame must fit in one QUIC packet (>= 1200 bytes on every path); keep headroom for
+# the packet header and AEAD tag. Larger "datagram" messages fall back to the control stream.
+MAX_DATAGRAM_PAYLOAD = 1000
+APP_ERROR_REFUSED = 0x10  # QUIC application error code when a peer's identity is refused
+STREAM_ERROR_CORRUPT = 0x11
+
+
+class TransportError(ConnectionError):
+    """Base of transport failures (not bad input: those are WireError)."""
+
+
+class PeerUnavailable(TransportError):
+    """There is no live connection to the peer (not yet, or it was lost)."""
+
+
+class HandshakeFailed(PeerUnavailable):
+    """TLS failed, or the peer's certificate / identity was refused (by us or by the peer)."""
+
+
+class StreamClosed(TransportError):
+    """This side already ended the exchange."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportOptions:
+    """Knobs of a QuicNode; the defaults suit production."""
+
+    pacing: PacingMode = "auto"  # see aioquic_tweaks.CoarsePacer
+    exchange_streams: int = 4  # QUIC streams shared by the exchanges this node opens per connection
+    idle_timeout: float = 10.0  # a silent peer is declared dead after this; keepalive at 1/3
+    handshake_timeout: float = 5.0
+    reconnect_initial: float = 0.05
+    reconnect_max: float = 5.0
+    verify_hostname: bool = False  # identity comes from the CA-signed kvc:// URI, not the host name
+    max_stream_data: int = 16 * 1024 * 1024
+    max_data: int = 64 * 1024 * 1024
+    check_outgoing_roles: bool = True  # refuse locally to send what our role may not (tests disable)
+
+    def __post_init__(self) -> None:
+        if self.pacing not in ("auto", "aioquic", "off"):
+            raise ValueError(f"pacing must be 'auto', 'aioquic' or 'off', got {self.pacing!r}")
+        if not 1 <= self.exchange_streams <= 64:
+            raise ValueError(f"exchange_streams must be in [1, 64], got {self.exchange_streams}")
+        for name in ("idle_timeout", "handshake_timeout", "reconnect_initial", "reconnect_max"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelInfo:
+    """How a message arrived: on the peer's ordered control channel, on an exchange (reply with
+    ``stream.send``), or as an unordered, possibly lost datagram."""
+
+    kind: Literal["control", "exchange", "datagram"]
+    stream: FrameStream | None = None
+
+
+OnMessage = Callable[["Peer", Message, ChannelInfo], Awaitable[None] | None]
+
+
+class _SerialDispatcher:
+    """Hands one channel's messages to the handler in arrival order, awaiting async handlers,
+    so that a slow handler on one exchange never delays another exchange."""
+
+    __slots__ = ("_handler", "_queue", "_task", "_on_failure")
+
+    def __init__(self, handler: OnMessage, on_failure: Callable[[Exception], None] | None = None) -> None:
+        self._handler = handler
+        self._queue: deque[tuple[Any, Message, ChannelInfo]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._on_failure = on_failure
+
+    def put(self, peer: Peer, message: Message, channel: ChannelInfo) -> None:
+        self._queue.append((peer, message, channel))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                peer, message, channel = self._queue.popleft()
+                try:
+                    result = self._handler(peer, message, channel)
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception as exc:  # a handler bug must not take the connection down
+                    log.exception("message_handler_failed", peer=str(peer.identity), message=type(message).__name__)
+                    if self._on_failure is not None:
+                        self._on_failure(exc)
+        finally:
+            self._task = None
+
+    def cancel(self) -> None:
+        self._queue.clear()
+        if self._task is not None:
+            self._task.cancel()
+
+
+_END = object()
+
+
+class FrameStream:
+    """One exchange with a peer: an ordered conversation multiplexed on a shared QUIC stream.
+
+    The side that opened it (``peer.open_stream()``) sends and reads replies with
+    ``async for message in stream``; the accepting side receives each message through the
+    node's ``on_message`` callback (``channel.stream is`` this object) and answers with
+    ``send``. Either side calls ``close()`` when it has nothing more to send; the exchange is
+    forgotten once both have. Iteration ends when the peer closes its side, and raises
+    :class:`PeerUnavailable` if the connection is lost first.
+    """
+
+    def __init__(self, connection: QuicConnectionTransport, exchange: int, *, incoming: bool, stream_id: int | None) -> None:
+        self._connection = connection
+        self.exchange = exchange
+        self.incoming = incoming
+        self._stream_id = stream_id
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.local_closed = False
+        self.remote_closed = False
+        self.dispatcher: _SerialDispatcher | None = None
+
+    @property
+    def peer(self) -> Peer:
+        return self._connection.peer
+
+    async def send(self, message: Message, *, end: bool = False) -> None:
+        """Send ``message`` (and close our side if ``end``)."""
+        self._connection.check_outgoing(message)
+        self.send_encoded(encode(message), end=end)
+
+    def send_encoded(self, body: bytes, *, end: bool = False) -> None:
+        """Send a message already encoded with ``wire.encode`` (encode once, send to many)."""
+        if self.local_closed:
+            raise StreamClosed(f"exchange {self.exchange} already closed by this side")
+        if self._stream_id is None:
+            self._stream_id = self._connection.pick_exchange_stream()
+            self._connection.register_outgoing(self._stream_id, self)
+        self._connection.send_frame(self._stream_id, self.exchange, body, end=end)
+        if end:
+            self._mark_local_closed()
+
+    async def close(self) -> None:
+        """Tell the peer we will send nothing more (idempotent; a no-op once the link is gone)."""
+        if self.local_closed:
+            return
+        if self._stream_id is None:  # never sent anything: nothing to tell the peer
+            self._mark_local_closed()
+            return
+        try:
+            self._connection.send_frame(self._stream_id, self.exchange, b"", end=True)
+        except PeerUnavailable:
+            pass
+        self._mark_local_closed()
+
+    async def receive(self) -> Message | None:
+        """The next message, or None once the peer closed its side."""
+        if self.incoming:
+            raise RuntimeError("an accepted exchange delivers its messages to on_message")
+        item = await self._inbox.get()
+        if item is _END:
+            self._inbox.put_nowait(_END)  # keep returning None
+            return None
+        if isinstance(item, Exception):
+            self._inbox.put_nowait(item)
+            raise item
+        return item
+
+    def __aiter__(self) -> FrameStream:
+        return self
+
+    async def __anext__(self) -> Message:
+        message = await self.receive()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    async def __aenter__(self) -> FrameStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # Called by the connection.
+    def _deliver(self, message: Message) -> None:
+        self._inbox.put_nowait(message)
+
+    def _mark_remote_closed(self) -> None:
+        if not self.remote_closed:
+            self.remote_closed = True
+            self._inbox.put_nowait(_END)
+            self._connection.forget_if_done(self)
+
+    def _mark_local_closed(self) -> None:
+        self.local_closed = True
+        self._connection.forget_if_done(self)
+
+    def _fail(self, error: Exception) -> None:
+        if not self.remote_closed:
+            self.remote_closed = True
+            self._inbox.put_nowait(error)
+        self.local_closed = True
+
+
+class QuicConnectionTransport(QuicConnectionProtocol):
+    """asyncio protocol of one kvcompass QUIC connection (client or server side)."""
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        stream_handler: Any = None,
+        *,
+        node: QuicNode,
+        outbound: bool,
+        expected_role: Role | None = None,
+        expected_id: str | None = None,
+    ) -> None:
+        super().__init__(quic)
+        install_pacer(quic, node.options.pacing)
+        if not outbound:
+            request_client_certificate(quic)
+        self.node = node
+        self.outbound = outbound
+        self.expected_role = expected_role
+        self.expected_id = expected_id
+        self.identity: NodeIdentity | None = None
+        self.peer: Peer = None  # type: ignore[assignment]  # set by the node once identified
+        self.refusal: str | None = None
+        self.close_reason = ""
+        self.terminated = False
+        self._decoders: dict[int, FrameDecoder] = {}
+        self._control_stream: int | None = None
+        self._exchange_pool: list[int] = []
+        self._round_robin = 0
+        self._next_exchange = 1
+        self._outgoing: dict[tuple[int, int], FrameStream] = {}
+        self._incoming: dict[tuple[int, int], FrameStream] = {}
+        self._control = _SerialDispatcher(node.deliver)
+        self._datagrams = _SerialDispatcher(node.deliver)
+
+    # ---- identity ---------------------------------------------------------------------------
+
+    def _verify_peer(self) -> None:
+        cert, chain = peer_certificate(self._quic)
+        try:
+            if cert is None:
+                raise ValueError("the peer presented no certificate")
+            if not self.outbound:  # aioquic verified the server's chain for us (client side)
+                verify_peer_chain(cert, chain, self.node.ca_pem)
+            identity = peer_identity(cert)
+        except (ValueError, CertError) as exc:
+            self._refuse(f"certificate refused: {exc}")
+            return
+        if self.expected_role is not None and identity.role != self.expected_role:
+            self._refuse(f"expected a {self.expected_role.value} node, peer is {identity}")
+            return
+        if self.expected_id is not None and identity.node_id != self.expected_id:
+            self._refuse(f"expected node {self.expected_id!r}, peer is {identity}")
+            return
+        self.identity = identity
+        if not self.outbound:
+            self.node.accept_inbound(self)
+
+    def _refuse(self, reason: str) -> None:
+        self.refusal = reason
+        log.warning("peer_refused", reason=reason, address=str(self._quic.get_peer_address()), outbound=self.outbound)
+        self.close(error_code=APP_ERROR_REFUSED, reason_phrase=reason[:256])
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        # Deliberately not calling super(): its asyncio StreamReader plumbing is unused here.
+        if isinstance(event, events.HandshakeCompleted):
+            self._verify_peer()
+        elif isinstance(event, events.StreamDataReceived):
+            if self.identity is not None:  # nothing is read from a peer we have not identified
+                self._on_stream_data(event.stream_id, event.data, event.end_stream)
+        elif isinstance(event, events.DatagramFrameReceived):
+            if self.identity is not None:
+                message = self._decode_checked(event.data, reply_stream=None, reply_exchange=CONTROL_EXCHANGE)
+                if message is not None:
+                    self._datagrams.put(self.peer, message, ChannelInfo("datagram"))
+        elif isinstance(event, events.StreamReset):
+            self._abandon_stream(event.stream_id, f"peer reset the stream (code {event.error_code})")
+        elif isinstance(event, events.ConnectionTerminated):
+            self.close_reason = event.reason_phrase or f"error code {event.error_code}"
+            self.on_terminated()
+
+    def on_terminated(self) -> None:
+        """Fail everything waiting on this connection (idempotent)."""
+        if self.terminated:
+            return
+        self.terminated = True
+        error = PeerUnavailable(f"connection to {self.identity or 'peer'} lost: {self.refusal or self.close_reason}")
+        for stream in (*self._outgoing.values(), *self._incoming.values()):
+            stream._fail(error)
+            if stream.dispatcher is not None:
+                stream.dispatcher.cancel()
+        self._outgoing.clear()
+        self._incoming.clear()
+        self._control.cancel()
+        self._datagrams.cancel()
+        if self.outbound:
+            if self._timer is not None:  # nothing more to send once our socket is gone
+                self._timer.cancel()
+                self._timer = None
+            if self._transport is not None:
+                self._transport.close()
+        self._closed.set()
+        self.node.connection_lost(self)
+
+    def _on_stream_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        decoder = self._decoders.get(stream_id)
+        if decoder is None:
+            decoder = self._decoders[stream_id] = FrameDecoder()
+        try:
+            for item in decoder.feed(data):
+                if isinstance(item, FrameError):
+                    reply_stream = stream_id if item.exchange != CONTROL_EXCHANGE else None
+                    self._reject("malformed", str(item), reply_stream, item.exchange)
+                else:
+                    self._on_frame(stream_id, item)
+        except StreamCorrupt as exc:
+            self._reject("oversize", f"stream {stream_id} abandoned: {exc}", None, CONTROL_EXCHANGE)
+            try:
+                self._quic.stop_stream(stream_id, STREAM_ERROR_CORRUPT)
+            except ValueError:
+                pass
+            self._abandon_stream(stream_id, str(exc))
+            self._transmit_soon()
+        if end_stream:
+            self._abandon_stream(stream_id, "peer ended the stream")
+
+    def _on_frame(self, stream_id: int, frame: Frame) -> None:
+        if frame.exchange == CONTROL_EXCHANGE:
+            if frame.body:
+                message = self._decode_checked(frame.body, reply_stream=None, reply_exchange=CONTROL_EXCHANGE)
+                if message is not None:
+                    self._control.put(self.peer, message, ChannelInfo("control"))
+            return
+        key = (stream_id, frame.exchange)
+        stream = self._outgoing.get(key)
+        if stream is not None:  # a reply on an exchange we opened
+            if frame.body:
+                message = self._decode_checked(frame.body, reply_stream=stream_id, reply_exchange=frame.exchange)
+                if message is not None:
+                    stream._deliver(message)
+            if frame.end:
+                stream._mark_remote_closed()
+            return
+        stream = self._incoming.get(key)
+        if stream is None:
+            if self._is_local_stream(stream_id):
+                return  # late frame for an exchange of ours that is already finished
+            stream = FrameStream(self, frame.exchange, incoming=True, stream_id=stream_id)
+            stream.dispatcher = _SerialDispatcher(self.node.deliver, lambda exc, s=stream: self._handler_failed(s, exc))
+            self._incoming[key] = stream
+        if frame.body:
+            message = self._decode_checked(frame.body, reply_stream=stream_id, reply_exchange=frame.exchange)
+            if message is not None:
+                stream.dispatcher.put(self.peer, message, ChannelInfo("exchange", stream))
+        if frame.end:
+            stream._mark_remote_closed()
+
+    def _handler_failed(self, stream: FrameStream, exc: Exception) -> None:
+        if not stream.local_closed and not self.terminated:
+            body = encode(ErrorReported(code="internal", detail=f"handler failed: {type(exc).__name__}"))
+            try:
+                stream.send_encoded(body, end=True)
+            except TransportError:
+                pass
+
+    def _decode_checked(self, body: bytes, *, reply_stream: int | None, reply_exchange: int) -> Message | None:
+        try:
+            message = decode(body)
+            check_sender(self.identity.role, message)  # type: ignore[union-attr]
+        except WireForbidden as exc:
+            self._reject("forbidden", str(exc), reply_stream, reply_exchange)
+            return None
+        except WireError as exc:
+            self._reject("malformed", str(exc), reply_stream, reply_exchange)
+            return None
+        return message
+
+    def _reject(self, code: str, detail: str, reply_stream: int | None, reply_exchange: int) -> None:
+        log.warning("frame_rejected", peer=str(self.identity), code=code, detail=detail[:300], exchange=reply_exchange)
+        body = encode(ErrorReported(code=code, detail=detail[:4000]))
+        if reply_stream is None or reply_exchange == CONTROL_EXCHANGE:
+            self.send_frame(self.control_stream(), CONTROL_EXCHANGE, body)
+        else:
+            self.send_frame(reply_stream, reply_exchange, body)
+
+    def _abandon_stream(self, stream_id: int, reason: str) -> None:
+        self._decoders.pop(stream_id, None)
+        error = PeerUnavailable(f"stream {stream_id} to {self.identity}: {reason}")
+        for table in (self._outgoing, self._incoming):
+            for key in [k for k in table if k[0] == stream_id]:
+                table.pop(key)._fail(error)
+        if stream_id == self._control_stream:
+            self._control_stream = None
+        if stream_id in self._exchange_pool:
+            self._exchange_pool.remove(stream_id)
+
+    # ---- sending ----------------------------------------------------------------------------
+
+    def _is_local_stream(self, stream_id: int) -> bool:
+        # Bit 0 of a QUIC stream id is 0 for client-initiated streams.
+        return (stream_id & 1) == (0 if self._quic.configuration.is_client else 1)
+
+    def check_outgoing(self, message: Message) -> None:
+        if self.node.options.check_outgoing_roles:
+            check_sender(self.node.identity.role, message)
+
+    def control_stream(self) -> int:
+        if self._control_stream is None:
+            # Only reserved by the first send, which every caller does immediately.
+            self._control_stream = self._quic.get_next_available_stream_id()
+        return self._control_stream
+
+    def pick_exchange_stream(self) -> int:
+        if self.terminated:
+            raise PeerUnavailable(f"connection to {self.identity} is closed")
+        self._round_robin = (self._round_robin + 1) % self.node.options.exchange_streams
+        if self._round_robin < len(self._exchange_pool):
+            return self._exchange_pool[self._round_robin]
+        stream_id = self._quic.get_next_available_stream_id()
+        self._exchange_pool.append(stream_id)
+        return stream_id
+
+    def new_exchange_id(self) -> int:
+        exchange = self._next_exchange
+        self._next_exchange = exchange + 1 if exchange < MAX_EXCHANGE_ID else 1
+        return exchange
+
+    def register_outgoing(self, stream_id: int, stream: FrameStream) -> None:
+        self._outgoing[(stream_id, stream.exchange)] = stream
+
+    def forget_if_done(self, stream: FrameStream) -> None:
+        if stream.local_closed and stream.remote_closed and stream._stream_id is not None:
+            table = self._incoming if stream.incoming else self._outgoing
+            table.pop((stream._stream_id, stream.exchange), None)
+
+    def send_frame(self, stream_id: int, exchange: int, body: bytes, *, end: bool = False) -> None:
+        if self.terminated or self.identity is None:
+            raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
+        self._quic.send_stream_data(stream_id, encode_frame(exchange, body, end=end))
+        self._transmit_soon()
+
+    def send_control(self, body: bytes) -> None:
+        self.send_frame(self.control_stream(), CONTROL_EXCHANGE, body)
+
+    def send_datagram(self, body: bytes) -> bool:
+        if len(body) > MAX_DATAGRAM_PAYLOAD:
+            self.send_control(body)  # too big for one packet: ordered delivery is fine too
+            return False
+        if self.terminated or self.identity is None:
+            raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
+        self._quic.send_datagram_frame(body)
+        self._transmit_soon()
+        return True
+
+    def open_exchange(self) -> FrameStream:
+        if self.terminated or self.identity is None:
+            raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
+        return FrameStream(self, self.new_exchange_id(), incoming=False, stream_id=None)
+
+    def send_keepalive(self) -> None:
+        if not self.terminated:
+            self._quic.send_ping(0)
+            self._transmit_soon()
+
+    @property
+    def open_streams(self) -> int:
+        """QUIC streams aioquic currently tracks on this connection (for tests and metrics)."""
+        return len(self._quic._streams)

@@ -1,0 +1,350 @@
+"""QuicNode and Peer: the API the daemons use to talk to each other.
+
+A :class:`QuicNode` is one daemon's endpoint: it listens, dials, authenticates every peer by
+its CA-signed certificate, and hands each accepted message to one ``on_message`` callback.
+A :class:`Peer` is the remote end of a connection: outbound peers (``node.peer(addr)``) are
+persistent handles that reconnect by themselves; inbound peers live as long as their
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import ssl
+from collections.abc import Callable
+
+import structlog
+from aioquic.asyncio.server import QuicServer, serve
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
+from kvcompassd.certs import CertError, TlsFiles, load_certificate, peer_identity
+from kvcompassd.transport.connection import (
+    ALPN,
+    ChannelInfo,
+    FrameStream,
+    HandshakeFailed,
+    OnMessage,
+    PeerUnavailable,
+    QuicConnectionTransport,
+    TransportOptions,
+)
+from kvcompassd.wire import Message, NodeIdentity, Role, encode
+
+log = structlog.get_logger(__name__)
+
+Address = tuple[str, int]
+OnPeerState = Callable[["Peer", bool], None]
+
+
+class Peer:
+    """The remote end of a connection; all sends are synchronous enqueues, so two sends made
+    one after the other by one task arrive in that order on the control channel."""
+
+    def __init__(
+        self,
+        node: QuicNode,
+        address: Address,
+        *,
+        outbound: bool,
+        expected_role: Role | None = None,
+        expected_id: str | None = None,
+    ) -> None:
+        self.node = node
+        self.address = address
+        self.outbound = outbound
+        self.expected_role = expected_role
+        self.expected_id = expected_id
+        self.identity: NodeIdentity | None = None
+        self.last_error: Exception | None = None
+        self._connection: QuicConnectionTransport | None = None
+        self._connected = asyncio.Event()
+        self._attempt: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def __repr__(self) -> str:
+        direction = "to" if self.outbound else "from"
+        return f"<Peer {self.identity or '?'} {direction} {self.address[0]}:{self.address[1]}>"
+
+    @property
+    def is_connected(self) -> bool:
+        return self._connection is not None and not self._connection.terminated
+
+    def _live(self) -> QuicConnectionTransport:
+        connection = self._connection
+        if connection is None or connection.terminated:
+            raise PeerUnavailable(f"no connection to {self.identity or self.address}: {self.last_error or 'not connected'}")
+        return connection
+
+    async def send(self, message: Message) -> None:
+        """Send on the ordered control channel. Raises PeerUnavailable when disconnected (the
+        message is not queued: the caller's sequence numbers and resync logic decide)."""
+        connection = self._live()
+        connection.check_outgoing(message)
+        connection.send_control(encode(message))
+
+    def send_encoded(self, body: bytes) -> None:
+        """Send a message already encoded with ``wire.encode`` on the control channel (encode a
+        large batch once and send it to many peers). The body is not re-validated here."""
+        self._live().send_control(body)
+
+    def send_datagram(self, message: Message) -> bool:
+        """Send unordered and unreliably; returns False if the message was too large for a
+        datagram and went on the control channel instead."""
+        connection = self._live()
+        connection.check_outgoing(message)
+        return connection.send_datagram(encode(message))
+
+    def open_stream(self) -> FrameStream:
+        """Open an exchange (request/response) on the current connection."""
+        return self._live().open_exchange()
+
+    async def wait_connected(self, timeout: float | None = None, *, fail_fast: bool = False) -> None:
+        """Wait until connected; with ``fail_fast`` raise the next failed attempt's error."""
+        async with asyncio.timeout(timeout):
+            while not self.is_connected:
+                if not fail_fast:
+                    await self._connected.wait()
+                    continue
+                await asyncio.shield(self._attempt)  # raises the attempt's error
+
+    async def close(self) -> None:
+        """Close the connection; an outbound peer stops reconnecting."""
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        connection = self._connection
+        if connection is not None:
+            connection.close()
+            connection.on_terminated()
+        self.node._forget(self)
+
+    # ---- reconnection (outbound peers) ------------------------------------------------------
+
+    def _start(self) -> None:
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    def _settle_attempt(self, error: Exception | None) -> None:
+        if not self._attempt.done():
+            if error is None:
+                self._attempt.set_result(None)
+            else:
+                self._attempt.set_exception(error)
+                self._attempt.exception()  # mark retrieved: nobody may be waiting
+        self._attempt = asyncio.get_running_loop().create_future()
+
+    async def _supervise(self) -> None:
+        options = self.node.options
+        failures = 0
+        while not self._closing:
+            try:
+                connection = await self.node._dial(self)
+            except (OSError, PeerUnavailable, TimeoutError) as exc:
+                self.last_error = exc
+                self._settle_attempt(exc if isinstance(exc, PeerUnavailable) else PeerUnavailable(str(exc)))
+                # Exponential backoff with jitter, so that many edges do not reconnect in step.
+                ceiling = min(options.reconnect_max, options.reconnect_initial * 2**failures)
+                failures += 1
+                log.info("peer_connect_failed", address=self.address, error=str(exc), retry_in=round(ceiling, 3))
+                await asyncio.sleep(random.uniform(ceiling / 2, ceiling))
+                continue
+            failures = 0
+            self._attach(connection)
+            self._settle_attempt(None)
+            while not connection.terminated:
+                try:
+                    await asyncio.wait_for(connection.wait_closed(), options.idle_timeout / 3)
+                except TimeoutError:
+                    connection.send_keepalive()
+            connection.on_terminated()
+
+    def _attach(self, connection: QuicConnectionTransport) -> None:
+        self._connection = connection
+        connection.peer = self
+        self.identity = connection.identity
+        self._connected.set()
+        log.info("peer_up", peer=str(self.identity), address=self.address, outbound=self.outbound)
+        self.node._notify(self, True)
+
+    def _detach(self, connection: QuicConnectionTransport) -> None:
+        if self._connection is not connection:
+            return
+        self._connection = None
+        self._connected.clear()
+        self.last_error = PeerUnavailable(connection.refusal or connection.close_reason or "connection lost")
+        log.info("peer_down", peer=str(self.identity), address=self.address, reason=str(self.last_error))
+        self.node._notify(self, False)
+
+
+class QuicNode:
+    """One daemon's QUIC endpoint.
+
+    ``on_message(peer, message, channel)`` receives every accepted message (sync or async;
+    messages of one channel are delivered in order, an async handler is awaited before the
+    next message of *that* channel). ``on_peer_state(peer, connected)`` hears about peers going
+    up and down, e.g. to re-subscribe after a reconnection.
+    """
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        tls: TlsFiles,
+        *,
+        on_message: OnMessage,
+        on_peer_state: OnPeerState | None = None,
+        options: TransportOptions | None = None,
+    ) -> None:
+        own = peer_identity(load_certificate(tls.cert))
+        if own != identity:
+            raise CertError(f"{tls.cert} is issued to {own}, not to {identity}")
+        self.identity = identity
+        self.tls = tls
+        self.options = options or TransportOptions()
+        self.ca_pem = tls.ca.read_bytes()
+        self._on_message = on_message
+        self._on_peer_state = on_peer_state
+        self._server: QuicServer | None = None
+        self._outbound: dict[Address, Peer] = {}
+        self._inbound: set[Peer] = set()
+
+    # ---- configuration ----------------------------------------------------------------------
+
+    def _configuration(self, *, is_client: bool, server_name: str | None = None) -> QuicConfiguration:
+        options = self.options
+        configuration = QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=[ALPN],
+            idle_timeout=options.idle_timeout,
+            max_datagram_frame_size=65536,
+            max_data=options.max_data,
+            max_stream_data=options.max_stream_data,
+            server_name=server_name,
+            verify_mode=ssl.CERT_REQUIRED,
+        )
+        configuration.cadata = self.ca_pem
+        configuration.load_cert_chain(self.tls.cert, self.tls.key)
+        return configuration
+
+    # ---- listening --------------------------------------------------------------------------
+
+    async def listen(self, host: str, port: int) -> Address:
+        """Accept peers on ``host:port`` (port 0 = ephemeral); returns the bound address."""
+        if self._server is not None:
+            raise RuntimeError("this node is already listening")
+        self._server = await serve(
+            host,
+            port,
+            configuration=self._configuration(is_client=False),
+            create_protocol=lambda quic, stream_handler=None: QuicConnectionTransport(quic, node=self, outbound=False),
+        )
+        sockname = self._server._transport.get_extra_info("sockname")
+        log.info("listening", node=str(self.identity), address=f"{sockname[0]}:{sockname[1]}")
+        return sockname[0], sockname[1]
+
+    def accept_inbound(self, connection: QuicConnectionTransport) -> None:
+        peer = Peer(self, connection._quic.get_peer_address()[:2], outbound=False)
+        self._inbound.add(peer)
+        peer._attach(connection)
+
+    # ---- dialing ----------------------------------------------------------------------------
+
+    def peer(self, address: Address, *, expected_role: Role | None = None, expected_id: str | None = None) -> Peer:
+        """The persistent outbound peer for ``address`` (one connection per address), created
+        and connecting in the background on first use; it reconnects with backoff forever."""
+        address = (address[0], int(address[1]))
+        peer = self._outbound.get(address)
+        if peer is None:
+            peer = Peer(self, address, outbound=True, expected_role=expected_role, expected_id=expected_id)
+            self._outbound[address] = peer
+            peer._start()
+        elif (expected_role, expected_id) != (peer.expected_role, peer.expected_id) and (expected_role or expected_id):
+            raise ValueError(f"{address} is already dialed expecting {peer.expected_role}/{peer.expected_id}")
+        return peer
+
+    async def connect(
+        self,
+        address: Address,
+        *,
+        expected_role: Role | None = None,
+        expected_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Peer:
+        """``peer(address)``, waiting for it to be connected; raises the first failed attempt's
+        error (HandshakeFailed or PeerUnavailable). The peer keeps retrying in the background."""
+        peer = self.peer(address, expected_role=expected_role, expected_id=expected_id)
+        await peer.wait_connected(timeout if timeout is not None else self.options.handshake_timeout * 2, fail_fast=True)
+        return peer
+
+    async def _dial(self, peer: Peer) -> QuicConnectionTransport:
+        loop = asyncio.get_running_loop()
+        host, port = peer.address
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        family, remote = infos[0][0], infos[0][4]
+        server_name = host if self.options.verify_hostname else None
+        quic = QuicConnection(configuration=self._configuration(is_client=True, server_name=server_name))
+        local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
+        transport, connection = await loop.create_datagram_endpoint(
+            lambda: QuicConnectionTransport(
+                quic, node=self, outbound=True, expected_role=peer.expected_role, expected_id=peer.expected_id
+            ),
+            local_addr=local,
+        )
+        connection.peer = peer
+        try:
+            async with asyncio.timeout(self.options.handshake_timeout):
+                connection.connect(remote)
+                await connection.wait_connected()
+                if connection.identity is None:
+                    raise HandshakeFailed(connection.refusal or "peer identity not verified")
+                # A server checks our certificate only after our handshake completed; one round
+                # trip more tells us whether it accepted us (a refusal closes the connection).
+                await connection.ping()
+        except (ConnectionError, TimeoutError) as exc:
+            connection.close()
+            transport.close()
+            reason = connection.refusal or connection.close_reason or type(exc).__name__
+            raise HandshakeFailed(f"connecting to {host}:{port} failed: {reason}") from None
+        return connection
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def deliver(self, peer: Peer, message: Message, channel: ChannelInfo) -> object:
+        return self._on_message(peer, message, channel)
+
+    def connection_lost(self, connection: QuicConnectionTransport) -> None:
+        peer = connection.peer
+        if peer is None:
+            return
+        peer._detach(connection)
+        if not peer.outbound:
+            self._inbound.discard(peer)
+
+    def _notify(self, peer: Peer, connected: bool) -> None:
+        if self._on_peer_state is not None:
+            try:
+                self._on_peer_state(peer, connected)
+            except Exception:
+                log.exception("peer_state_handler_failed", peer=str(peer.identity))
+
+    def _forget(self, peer: Peer) -> None:
+        if peer.outbound and self._outbound.get(peer.address) is peer:
+            del self._outbound[peer.address]
+        self._inbound.discard(peer)
+
+    @property
+    def peers(self) -> tuple[Peer, ...]:
+        """Connected peers, inbound and outbound."""
+        return tuple(p for p in (*self._outbound.values(), *self._inbound) if p.is_connected)
+
+    async def close(self) -> None:
+        """Close every connection and stop listening."""
+        for peer in (*self._outbound.values(), *self._inbound):
+            await peer.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        # Let the CONNECTION_CLOSE frames leave before the sockets go.
+        await asyncio.sleep(0)
