@@ -1,0 +1,309 @@
+"""Timing model of one inference worker: A100-80GB serving Llama-3.1-8B in BF16 (sans-IO).
+
+Shared by the simulator and the emulated worker. Event-driven and exact: state changes only at
+arrivals, prefill completions and decode completions, and :meth:`WorkerQueueModel.next_event_time`
+says when the next one is due, so a shell sleeps exactly that long and never polls.
+
+The scheduler is SGLang's default one, simplified to what matters for time-to-first-token:
+- a FIFO waiting queue; at most ``max_running`` requests hold a slot (``--max-running-requests``);
+- the GPU does one thing at a time: a pending prefill runs first (prefill-first scheduling) and
+  pauses decoding; prefills run one after another in admission order;
+- a prefill costs ``beta`` per uncached token plus ``gamma`` per token reloaded from DRAM and
+  produces the first output token;
+- otherwise all decoding requests advance one token per step, and a step takes
+  ``decode_ms_per_token * (1 + decode_batch_slope * (batch - 1))`` (continuous batching: a
+  step reads the weights once for the whole batch, plus each sequence's KV).
+
+Calibration (A100-80GB SXM, Llama-3.1-8B BF16), all in milliseconds:
+- beta = 0.085 ms/token: the KVCompass paper's testbed figure (paper section 5). Cross-check:
+  prefill costs ~2 * 8.0e9 = 16 GFLOP/token; at 312 TFLOP/s BF16 peak and ~60 % MFU that is
+  0.085 ms/token (~11.8k tokens/s), in line with SGLang's and vLLM's published A100 prefill
+  throughput for 8B models (roughly 10-14k input tokens/s at long prompts).
+- gamma = 0.00524 ms/token: KV per token = 32 layers * 8 KV heads * 128 dims * 2 (K, V) *
+  2 bytes = 128 KiB; over PCIe 4.0 x16 at ~25 GB/s effective: 131072 B / 25e9 B/s = 5.24 us.
+- decode_ms_per_token = 12 ms at batch 1: a decode step streams the 16 GB of weights from HBM
+  (2.0 TB/s -> 8 ms) plus kernel and sampling overheads; vLLM/SGLang report 10-13 ms
+  inter-token latency for Llama-3-8B on one A100 at low load.
+- decode_batch_slope = 0.01 (ASSUMPTION): each extra sequence adds ~1 % to a step (its KV
+  reads and attention), so a batch of 64 steps in ~19.6 ms, i.e. ~3.3k output tokens/s, the
+  order of the published A100 Llama-3-8B output throughput at high concurrency (2.5-4k tok/s).
+- max_running = 64 (ASSUMPTION, the cluster config's default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+_EPS = 1e-12
+
+
+class WorkerModelError(ValueError):
+    """Misuse of the worker model (time going backwards, a duplicate request id, bad params)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTiming:
+    """Timing parameters in milliseconds (see the module docstring for their sources)."""
+
+    prefill_ms_per_token: float = 0.085
+    reload_ms_per_token: float = 0.00524
+    decode_ms_per_token: float = 12.0
+    decode_batch_slope: float = 0.01
+    max_running: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_ms_per_token", "reload_ms_per_token", "decode_ms_per_token", "decode_batch_slope"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise WorkerModelError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.max_running, int) or self.max_running < 1:
+            raise WorkerModelError(f"max_running must be an int >= 1, got {self.max_running!r}")
+
+    @classmethod
+    def from_worker_config(cls, worker: object, **overrides: float) -> WorkerTiming:
+        """From a ``WorkerConfig`` (prefill_ms_per_token, decode_ms_per_token, max_running)."""
+        values = {
+            "prefill_ms_per_token": float(getattr(worker, "prefill_ms_per_token")),
+            "decode_ms_per_token": float(getattr(worker, "decode_ms_per_token")),
+            "max_running": int(getattr(worker, "max_running")),
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def prefill_ms(self, uncached_tokens: int, dram_tokens: int = 0) -> float:
+        return self.prefill_ms_per_token * uncached_tokens + self.reload_ms_per_token * dram_tokens
+
+    def decode_step_ms(self, batch: int) -> float:
+        return self.decode_ms_per_token * (1.0 + self.decode_batch_slope * max(batch - 1, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenProduced:
+    request_id: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    request_id: str
+    at: float
+
+
+WorkerEvent = FirstTokenProduced | RequestFinished
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    uncached: int
+    dram: int
+    output_tokens: int
+    arrived: float
+    prefill_s: float
+    remaining: float = 0.0  # decode tokens still to produce
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Prefill:
+    request: _Request
+    started: float
+    ends: float
+
+
+class WorkerQueueModel:
+    """One worker's queue; times (``now``, event times) are seconds on the caller's clock."""
+
+    def __init__(self, timing: WorkerTiming | None = None, *, start: float = 0.0) -> None:
+        self.timing = timing or WorkerTiming()
+        self._now = start
+        self._waiting: deque[_Request] = deque()   # no slot yet
+        self._admitted: deque[_Request] = deque()  # hold a slot, prefill not started
+        self._prefill: _Prefill | None = None
+        self._decoding: dict[str, _Request] = {}
+        self._ids: set[str] = set()
+        self._outbox: list[WorkerEvent] = []
+        self.completed = 0
+
+    # ------------------------------------------------------------------------------ inputs
+
+    def admit(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        cached_vram: int,
+        cached_dram: int,
+        output_tokens: int,
+        *,
+        now: float,
+    ) -> None:
+        """A request arrives at ``now``; ``cached_*`` are prompt tokens found in each tier."""
+        if request_id in self._ids:
+            raise WorkerModelError(f"request {request_id!r} is already in the model")
+        if min(prompt_tokens, cached_vram, cached_dram) < 0 or cached_vram + cached_dram > prompt_tokens:
+            raise WorkerModelError(
+                f"need 0 <= cached_vram + cached_dram <= prompt_tokens, got {cached_vram}+{cached_dram}/{prompt_tokens}"
+            )
+        if output_tokens < 1:
+            raise WorkerModelError(f"output_tokens must be >= 1, got {output_tokens}")
+        self._run_until(now)
+        uncached = prompt_tokens - cached_vram - cached_dram
+        request = _Request(
+            request_id, uncached, cached_dram, output_tokens, now,
+            self.timing.prefill_ms(uncached, cached_dram) / 1000.0,
+        )
+        self._ids.add(request_id)
+        self._waiting.append(request)
+        self._run_until(now)
+
+    def advance(self, *, now: float) -> list[WorkerEvent]:
+        """Run the model up to ``now``; return the events that happened, in time order."""
+        self._run_until(now)
+        out, self._outbox = self._outbox, []
+        return out
+
+    # ------------------------------------------------------------------------------ queries
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot (prefill pending, in prefill, or decoding)."""
+        return len(self._admitted) + (self._prefill is not None) + len(self._decoding)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def decoding(self) -> int:
+        return len(self._decoding)
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Uncached prompt tokens not yet prefilled (queued, admitted, and the rest of the
+        current prefill)."""
+        total = sum(r.uncached for r in self._waiting) + sum(r.uncached for r in self._admitted)
+        if self._prefill is not None:
+            span = self._prefill.ends - self._prefill.started
+            left = 1.0 if span <= 0 else max(0.0, (self._prefill.ends - self._now) / span)
+            total += math.ceil(self._prefill.request.uncached * left)
+        return total
+
+    def next_event_time(self) -> float | None:
+        """When the next state change is due, or ``now`` while events await :meth:`advance`
+        (None when idle)."""
+        if self._outbox:
+            return self._now
+        if self._prefill is not None:
+            return self._prefill.ends
+        if self._admitted or (self._waiting and self.running < self.timing.max_running):
+            return self._now
+        if self._decoding:
+            return self._now + min(r.remaining for r in self._decoding.values()) * self._step_s()
+        return None
+
+    def queue_ms(self, *, now: float) -> float:
+        """Exact wait before a request arriving at ``now`` would start its prefill, assuming
+        no later arrivals. With a free slot that is the prefill backlog (prefills are serial
+        and go first); with all slots taken, a copy of the model is run forward."""
+        self._run_until(now)
+        if not self._waiting and self.running < self.timing.max_running:
+            backlog = sum(r.prefill_s for r in self._admitted)
+            if self._prefill is not None:
+                backlog += self._prefill.ends - self._now
+            return 1000.0 * backlog
+        probe = self._copy()
+        probe._outbox = []
+        phantom = _Request("\x00probe", 0, 0, 1, now, 0.0)
+        probe._waiting.append(phantom)
+        while True:
+            due = probe.next_event_time()
+            assert due is not None, "the probe request always completes"
+            probe._run_until(due)
+            for event in probe._outbox:
+                if event.request_id == phantom.request_id:
+                    return 1000.0 * (event.at - now)
+            probe._outbox.clear()
+
+    def _copy(self) -> WorkerQueueModel:
+        clone = WorkerQueueModel.__new__(WorkerQueueModel)
+        clone.timing = self.timing
+        clone._now = self._now
+        copies = {id(r): _Request(r.request_id, r.uncached, r.dram, r.output_tokens, r.arrived, r.prefill_s,
+                                  r.remaining, r.first_token_at)
+                  for r in [*self._waiting, *self._admitted, *self._decoding.values()]
+                  + ([self._prefill.request] if self._prefill else [])}
+        clone._waiting = deque(copies[id(r)] for r in self._waiting)
+        clone._admitted = deque(copies[id(r)] for r in self._admitted)
+        clone._prefill = (None if self._prefill is None else
+                          _Prefill(copies[id(self._prefill.request)], self._prefill.started, self._prefill.ends))
+        clone._decoding = {k: copies[id(r)] for k, r in self._decoding.items()}
+        clone._ids = set(self._ids)
+        clone._outbox = []
+        clone.completed = self.completed
+        return clone
+
+    # ------------------------------------------------------------------------------ engine
+
+    def _step_s(self) -> float:
+        return self.timing.decode_step_ms(len(self._decoding)) / 1000.0
+
+    def _run_until(self, t: float) -> None:
+        if t < self._now - 1e-9:
+            raise WorkerModelError(f"time went backwards: {t} < {self._now}")
+        t = max(t, self._now)
+        while True:
+            while self._waiting and self.running < self.timing.max_running:
+                self._admitted.append(self._waiting.popleft())
+            if self._prefill is None and self._admitted:
+                request = self._admitted.popleft()
+                self._prefill = _Prefill(request, self._now, self._now + request.prefill_s)
+            if self._prefill is not None:
+                if self._prefill.ends > t:
+                    self._now = t  # decoding is paused while the GPU prefills
+                    return
+                self._now = self._prefill.ends
+                self._finish_prefill()
+                continue
+            if not self._decoding:
+                self._now = t
+                return
+            step = self._step_s()
+            soonest = min(self._decoding.values(), key=lambda r: (r.remaining, r.arrived))
+            due = self._now + soonest.remaining * step
+            if due > t:
+                self._progress((t - self._now) / step)
+                self._now = t
+                return
+            self._progress(soonest.remaining)
+            self._now = due
+            for request in sorted(self._decoding.values(), key=lambda r: r.arrived):
+                if request.remaining <= 1e-9:
+                    self._finish(request)
+
+    def _progress(self, tokens: float) -> None:
+        for request in self._decoding.values():
+            request.remaining = max(0.0, request.remaining - tokens)
+
+    def _finish_prefill(self) -> None:
+        assert self._prefill is not None
+        request = self._prefill.request
+        self._prefill = None
+        request.first_token_at = self._now
+        self._outbox.append(FirstTokenProduced(request.request_id, self._now))
+        if request.output_tokens <= 1:
+            self._finish(request)
+        else:
+            request.remaining = float(request.output_tokens - 1)
+            self._decoding[request.request_id] = request
+
+    def _finish(self, request: _Request) -> None:
+        self._decoding.pop(request.request_id, None)
+        self._ids.discard(request.request_id)
+        self.completed += 1
+        self._outbox.append(RequestFinished(request.request_id, self._now))

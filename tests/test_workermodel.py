@@ -1,0 +1,141 @@
+"""Worker timing model: exact event times, FIFO and slots, prefill-first, batch-dependent decode."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.workermodel import (
+    FirstTokenProduced,
+    RequestFinished,
+    WorkerModelError,
+    WorkerQueueModel,
+    WorkerTiming,
+)
+
+SIMPLE = WorkerTiming(prefill_ms_per_token=0.1, reload_ms_per_token=0.01, decode_ms_per_token=10.0,
+                      decode_batch_slope=0.0, max_running=4)
+
+
+def drain(model: WorkerQueueModel) -> list:
+    """Drive the model only at the times it asks for."""
+    out = []
+    while (t := model.next_event_time()) is not None:
+        out += model.advance(now=t)
+    return out
+
+
+def test_calibration_defaults() -> None:
+    timing = WorkerTiming()
+    assert timing.prefill_ms(1000) == pytest.approx(85.0)
+    assert timing.reload_ms_per_token == pytest.approx(131072 / 25e9 * 1000, rel=1e-3)
+    assert timing.decode_step_ms(1) == 12.0
+    assert 19.0 < timing.decode_step_ms(64) < 20.0
+
+
+def test_single_request_times_with_cache_tiers() -> None:
+    model = WorkerQueueModel(SIMPLE)
+    model.admit("a", 1000, cached_vram=400, cached_dram=100, output_tokens=3, now=0.0)
+    assert model.running == 1 and model.pending_prefill_tokens == 500
+    events = drain(model)
+    prefill = (500 * 0.1 + 100 * 0.01) / 1000
+    assert events == [FirstTokenProduced("a", pytest.approx(prefill)), RequestFinished("a", pytest.approx(prefill + 0.020))]
+    assert model.running == 0 and model.next_event_time() is None
+
+
+def test_fifo_and_slot_limit() -> None:
+    timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.0, max_running=1)
+    model = WorkerQueueModel(timing)
+    model.admit("a", 10, 0, 0, 2, now=0.0)
+    model.admit("b", 10, 0, 0, 1, now=0.0)
+    assert (model.running, model.waiting) == (1, 1)
+    assert model.queue_ms(now=0.0) == pytest.approx(30.0)  # a: 10 ms prefill + 10 ms decode, then b 10 ms
+    events = drain(model)
+    assert [(type(e).__name__, e.request_id, round(e.at, 6)) for e in events] == [
+        ("FirstTokenProduced", "a", 0.01), ("RequestFinished", "a", 0.02),
+        ("FirstTokenProduced", "b", 0.03), ("RequestFinished", "b", 0.03),
+    ]
+
+
+def test_prefill_pauses_decoding_and_batch_slows_steps() -> None:
+    timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.5, max_running=8)
+    model = WorkerQueueModel(timing)
+    model.admit("a", 5, 0, 0, 11, now=0.0)     # first token at 5 ms, then 10 steps
+    model.advance(now=0.025)                   # 2 tokens decoded alone (10 ms each)
+    model.admit("b", 5, 0, 0, 2, now=0.025)    # prefill 25..30 ms pauses a
+    events = drain(model)
+    # from 30 ms both decode with 15 ms steps; b needs 1 token -> 45 ms; a had 8 left, 1 done by 45
+    # then alone again: 7 tokens * 10 ms -> 115 ms
+    times = {(type(e).__name__, e.request_id): round(e.at * 1000, 6) for e in events}
+    assert times[("FirstTokenProduced", "b")] == 30.0
+    assert times[("RequestFinished", "b")] == 45.0
+    assert times[("RequestFinished", "a")] == 115.0
+
+
+def test_errors() -> None:
+    model = WorkerQueueModel(SIMPLE)
+    model.admit("a", 10, 0, 0, 1, now=1.0)
+    with pytest.raises(WorkerModelError, match="already"):
+        model.admit("a", 10, 0, 0, 1, now=1.0)
+    with pytest.raises(WorkerModelError, match="backwards"):
+        model.advance(now=0.5)
+    with pytest.raises(WorkerModelError):
+        model.admit("b", 10, 8, 8, 1, now=1.0)
+    with pytest.raises(WorkerModelError):
+        model.admit("c", 10, 0, 0, 0, now=1.0)
+    with pytest.raises(WorkerModelError):
+        WorkerTiming(max_running=0)
+    with pytest.raises(WorkerModelError):
+        WorkerTiming(prefill_ms_per_token=float("nan"))
+
+
+arrivals = st.lists(
+    st.tuples(st.floats(0, 0.5), st.integers(1, 3000), st.integers(0, 100), st.integers(1, 30)),
+    min_size=1, max_size=25,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(arrivals, st.integers(1, 5), st.lists(st.floats(0, 2.0), max_size=20))
+def test_results_do_not_depend_on_how_often_the_shell_looks(reqs, max_running, probes) -> None:
+    timing = WorkerTiming(max_running=max_running)
+
+    def run(probe_times: list[float]) -> list:
+        model = WorkerQueueModel(timing)
+        schedule = sorted([(t, 0, i) for i, (t, *_rest) in enumerate(sorted(reqs))] + [(p, 1, -1) for p in probe_times])
+        out = []
+        for t, kind, i in schedule:
+            if kind == 0:
+                _, prompt, cached, output = sorted(reqs)[i]
+                model.admit(f"r{i}", prompt, min(cached, prompt), 0, output, now=t)
+            else:
+                out += model.advance(now=t)
+                model.queue_ms(now=t)
+        return out + drain(model)
+
+    baseline = run([])
+    probed = run(probes)
+    assert [(type(e), e.request_id) for e in baseline] == [(type(e), e.request_id) for e in probed]
+    assert [e.at for e in baseline] == pytest.approx([e.at for e in probed], abs=1e-9)
+    firsts = {e.request_id: e.at for e in baseline if isinstance(e, FirstTokenProduced)}
+    finished = {e.request_id: e.at for e in baseline if isinstance(e, RequestFinished)}
+    assert firsts.keys() == finished.keys() == {f"r{i}" for i in range(len(reqs))}
+    assert all(finished[r] >= firsts[r] for r in firsts)
+    assert [e.at for e in baseline] == sorted(e.at for e in baseline)
+    # FIFO: first tokens come in arrival order (prefills are serial)
+    order = [e.request_id for e in baseline if isinstance(e, FirstTokenProduced)]
+    assert order == [f"r{i}" for i in range(len(reqs))]
+
+
+@settings(max_examples=80, deadline=None)
+@given(arrivals, st.integers(1, 4), st.floats(0, 0.6), st.integers(1, 2000))
+def test_queue_ms_is_the_exact_wait_of_the_next_arrival(reqs, max_running, at, prompt) -> None:
+    model = WorkerQueueModel(WorkerTiming(max_running=max_running))
+    for i, (t, p, cached, output) in enumerate(sorted(reqs)):
+        model.admit(f"r{i}", p, min(cached, p), 0, output, now=t)
+    now = max(at, model.now)
+    wait_ms = model.queue_ms(now=now)
+    model.admit("new", prompt, 0, 0, 1, now=now)
+    first = next(e.at for e in drain(model) if e.request_id == "new")
+    assert first == pytest.approx(now + wait_ms / 1000 + WorkerTiming().prefill_ms(prompt) / 1000, abs=1e-9)
