@@ -1,0 +1,105 @@
+"""Latency-derived indexed lengths (paper §3.2; DESIGN.md §3).
+
+Toward a remote region ``g`` from edge region ``o`` the first length is the shortest match whose
+saved prefill pays for the detour: ``n1 = ceil(RTT(o, g) / beta_g)`` rounded up to a multiple
+of the block size, then ``n1, 1.5 n1, 2 n1, ...`` (``index.levels`` lengths, each rounded up
+to the block size). Inside the edge's own region the round trip is negligible, so lengths
+double from ``index.same_region_min_tokens``. Everything is computed once from the static
+latency matrix and prefill rates. Workers register each cached prefix at every length of the
+union over all (edge, target) pairs, so every edge's view is identical.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .config import ClusterConfig
+
+__all__ = ["LevelPlan", "LevelError"]
+
+
+class LevelError(ValueError):
+    """A level query named an unknown region."""
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def remote_lengths(rtt_ms: float, beta_ms_per_token: float, block_size: int, levels: int) -> tuple[int, ...]:
+    """``n1 = ceil(rtt / beta)`` block-aligned (at least one block), then steps of ``n1 / 2``."""
+    n1 = max(block_size, _round_up(math.ceil(rtt_ms / beta_ms_per_token - 1e-9), block_size))
+    lengths: list[int] = []
+    for k in range(levels):
+        # (1 + k/2) * n1 in integers, rounded up to the block size; a one-block n1 makes two
+        # consecutive steps round to the same block, so bump to keep lengths strictly increasing.
+        length = _round_up(-(-n1 * (2 + k) // 2), block_size)
+        if lengths and length <= lengths[-1]:
+            length = lengths[-1] + block_size
+        lengths.append(length)
+    return tuple(lengths)
+
+
+def same_region_lengths(min_tokens: int, levels: int) -> tuple[int, ...]:
+    return tuple(min_tokens << k for k in range(levels))
+
+
+@dataclass(frozen=True, slots=True)
+class LevelPlan:
+    """Indexed lengths for every (edge region, target region) pair."""
+
+    toward: dict[tuple[str, str], tuple[int, ...]]
+    block_size: int
+    _registration: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        union = sorted({c for lengths in self.toward.values() for c in lengths})
+        object.__setattr__(self, "_registration", tuple(union))
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig) -> LevelPlan:
+        index = cfg.index
+        toward: dict[tuple[str, str], tuple[int, ...]] = {}
+        for origin in cfg.region_names():
+            for target in cfg.region_names():
+                workers = cfg.workers_in(target)
+                if not workers:
+                    toward[(origin, target)] = ()  # nothing to find there
+                elif origin == target:
+                    toward[(origin, target)] = same_region_lengths(index.same_region_min_tokens, index.levels)
+                else:
+                    # The slowest worker of g sets beta_g: n1 must pay off for every worker the
+                    # lookup may name there; with a faster beta some holders would be reported
+                    # at lengths whose saved prefill does not cover the round trip.
+                    beta = max(w.prefill_ms_per_token for w in workers)
+                    toward[(origin, target)] = remote_lengths(
+                        cfg.rtt_ms(origin, target), beta, index.block_size, index.levels
+                    )
+        return cls(toward=toward, block_size=index.block_size)
+
+    def lengths_toward(self, origin: str, target: str) -> tuple[int, ...]:
+        try:
+            return self.toward[(origin, target)]
+        except KeyError:
+            raise LevelError(f"unknown region pair ({origin!r}, {target!r})") from None
+
+    def first_length_toward(self, origin: str, target: str) -> int | None:
+        """``n1`` toward ``target`` (the own-region minimum when equal); None if it has no workers."""
+        lengths = self.lengths_toward(origin, target)
+        return lengths[0] if lengths else None
+
+    def lengths_toward_upto(self, origin: str, target: str, n: int) -> tuple[int, ...]:
+        """The lengths toward ``target`` that fit a prompt of ``n`` tokens."""
+        return tuple(c for c in self.lengths_toward(origin, target) if c <= n)
+
+    def registration_lengths(self) -> tuple[int, ...]:
+        """Sorted union of every edge's lengths toward every region: what workers register."""
+        return self._registration
+
+    def registration_lengths_upto(self, n: int) -> tuple[int, ...]:
+        return tuple(c for c in self._registration if c <= n)
+
+    @property
+    def max_length(self) -> int:
+        return self._registration[-1] if self._registration else 0

@@ -1,0 +1,105 @@
+"""Latency-derived levels: the testbed's n1 by hand, block alignment, monotonicity, the union."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.config import ClusterConfig, IndexParams, LinkConfig, RegionConfig, WorkerConfig, load_config
+from kvcompassd.core.levels import LevelError, LevelPlan, remote_lengths
+
+TESTBED = Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml"
+
+
+def test_testbed_first_lengths_by_hand() -> None:
+    plan = LevelPlan.from_config(load_config(TESTBED))
+    # US-EU: RTT 320 ms / 0.085 ms/token = 3764.7 -> 3765 -> next multiple of 16 = 3776.
+    assert plan.lengths_toward("us", "eu") == (3776, 5664, 7552, 9440, 11328, 13216)
+    # US-Asia: 252 / 0.085 = 2964.7 -> 2965 -> 2976; EU-Asia: 298 / 0.085 = 3505.9 -> 3506 -> 3520.
+    assert plan.lengths_toward("asia", "us")[0] == 2976
+    assert plan.lengths_toward("eu", "asia")[:3] == (3520, 5280, 7040)
+    assert plan.lengths_toward("eu", "us") == plan.lengths_toward("us", "eu")  # symmetric links
+    for region in ("us", "eu", "asia"):
+        assert plan.lengths_toward(region, region) == (64, 128, 256, 512, 1024, 2048)
+    assert plan.first_length_toward("us", "eu") == 3776
+
+
+def test_registration_is_the_sorted_union() -> None:
+    plan = LevelPlan.from_config(load_config(TESTBED))
+    union = set()
+    for o in ("us", "eu", "asia"):
+        for g in ("us", "eu", "asia"):
+            union.update(plan.lengths_toward(o, g))
+    assert plan.registration_lengths() == tuple(sorted(union))
+    assert len(plan.registration_lengths()) == 6 + 3 * 6
+    assert plan.registration_lengths_upto(4000) == (64, 128, 256, 512, 1024, 2048, 2976, 3520, 3776)
+    assert plan.registration_lengths_upto(10) == ()
+    assert plan.max_length == 13216
+    assert plan.lengths_toward_upto("us", "eu", 6000) == (3776, 5664)
+
+
+def test_unknown_pair_is_rejected() -> None:
+    plan = LevelPlan.from_config(load_config(TESTBED))
+    with pytest.raises(LevelError):
+        plan.lengths_toward("us", "mars")
+
+
+def test_one_block_n1_stays_strictly_increasing() -> None:
+    # n1 = one block: 1.5 and 2 blocks would round to the same length; the plan bumps it.
+    assert remote_lengths(0.0, 0.1, 16, 5) == (16, 32, 48, 64, 80)
+    assert remote_lengths(1.6, 0.1, 16, 4) == (16, 32, 48, 64)
+
+
+def test_slowest_worker_sets_beta_and_empty_regions_have_no_levels() -> None:
+    workers = (
+        WorkerConfig("a0", "a", 0.1, 10.0, 1, 1),
+        WorkerConfig("b0", "b", 0.05, 10.0, 1, 1),
+        WorkerConfig("b1", "b", 0.2, 10.0, 1, 1),
+    )
+    cfg = ClusterConfig(
+        name="c", model="m",
+        regions=(RegionConfig("a"), RegionConfig("b"), RegionConfig("c")),
+        workers=workers,
+        links=(LinkConfig(("a", "b"), 50.0), LinkConfig(("a", "c"), 5.0), LinkConfig(("b", "c"), 5.0)),
+    )
+    plan = LevelPlan.from_config(cfg)
+    assert plan.lengths_toward("a", "b")[0] == 512  # 100 ms / 0.2 = 500 -> 512
+    assert plan.lengths_toward("a", "c") == ()  # region c has no workers
+    assert plan.lengths_toward("c", "a")[0] == 112  # 10 ms / 0.1 = 100 -> 112
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rtt=st.floats(0.0, 1000.0),
+    beta=st.floats(0.001, 2.0),
+    block=st.sampled_from([1, 8, 16, 32, 64, 256]),
+    levels=st.integers(1, 12),
+)
+def test_remote_lengths_are_block_aligned_increasing_and_profitable(rtt, beta, block, levels) -> None:
+    lengths = remote_lengths(rtt, beta, block, levels)
+    assert len(lengths) == levels
+    assert all(c % block == 0 and c > 0 for c in lengths)
+    assert all(b > a for a, b in zip(lengths, lengths[1:]))
+    n1 = lengths[0]
+    # n1 saves at least the round trip, and one block less would not (unless n1 is one block).
+    assert n1 * beta >= rtt - 1e-6
+    assert n1 == block or (n1 - block) * beta < rtt + 1e-6
+    # Equal steps of n1/2, each rounded up to a block (bumped only when rounding collides).
+    for k, c in enumerate(lengths):
+        assert c >= math.ceil(n1 * (2 + k) / 2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(min_tokens=st.sampled_from([16, 32, 64, 128]), levels=st.integers(1, 8))
+def test_same_region_lengths_double(min_tokens, levels) -> None:
+    cfg = load_config(TESTBED)
+    index = IndexParams(same_region_min_tokens=min_tokens, levels=levels)
+    cfg = ClusterConfig(name=cfg.name, model=cfg.model, regions=cfg.regions, workers=cfg.workers,
+                        links=cfg.links, index=index)
+    plan = LevelPlan.from_config(cfg)
+    assert plan.lengths_toward("eu", "eu") == tuple(min_tokens * 2**k for k in range(levels))
+    assert all(len(plan.lengths_toward(o, g)) == levels for o in ("us", "eu") for g in ("asia", "us"))
