@@ -1,0 +1,306 @@
+"""The sharded multi-level discovery index: the writer side of one shard and the edge's view.
+
+``MaintenanceShard`` is the single writer of one shard (keys with ``key % N == shard``). It keeps
+one full-key Ludo table per region group, turns index events into 2-bit tier-field edits, and
+emits the resulting Ludo update records as ordered batches numbered ``(epoch, seq)``, with a
+bounded replay log and full snapshots for edges that are new or found a gap.
+
+``EdgeIndexView`` holds a keyless view of every (shard, group) table. It applies batches in
+order, asks for a resync on a gap, ignores stale and duplicate batches, and is read by the
+lookup (``kvcompassd.core.lookup``).
+
+The batch, snapshot and resync messages are the wire protocol's own (``kvcompassd.wire``): the
+shard's output goes on the wire unchanged, and the simulator moves the same objects.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
+
+from .events import IndexEvent, PrefixCached, PrefixEvicted, Tier, TierChanged
+from .layout import IndexLayout
+from .ludo import LudoError, LudoTable, LudoView
+
+TIER_MASK = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyOutcome:
+    """What one ``MaintenanceShard.apply`` call did: counts, and why events were ignored."""
+
+    applied: int = 0
+    unchanged: int = 0
+    ignored: tuple[str, ...] = field(default_factory=tuple)
+
+
+class WrongShardError(ValueError):
+    """An event for a key that another shard owns."""
+
+
+class MaintenanceShard:
+    """Single writer of one shard: full-key tables per region group, ordered update batches."""
+
+    def __init__(
+        self,
+        layout: IndexLayout,
+        shard: int,
+        shards: int,
+        *,
+        epoch: int,
+        initial_capacity: int = 65536,
+        fingerprint_bits: int = 0,
+        max_load: float = 0.95,
+        replay_batches: int = 4096,
+    ):
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} out of range for {shards} shards")
+        self.layout = layout
+        self.shard = shard
+        self.shards = shards
+        self.epoch = epoch
+        self.seq = 0
+        self._tables = [
+            LudoTable(
+                initial_capacity,
+                value_bits=layout.value_bits,
+                fingerprint_bits=fingerprint_bits,
+                max_load=max_load,
+                seed=(shard << 16) ^ g.group,
+            )
+            for g in layout.groups
+        ]
+        for table in self._tables:
+            table.take_updates()  # the initial state travels as a snapshot, not as records
+        self._dirty: list[int] = []
+        self._replay: deque[UpdateBatchPublished] = deque(maxlen=replay_batches)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def apply(self, events: Iterable[IndexEvent]) -> ApplyOutcome:
+        """Apply index events; events that make no sense are ignored with a reason, never raised.
+
+        Unknown workers and keys of other shards are a caller's error of routing, but one bad
+        event must not stop the rest of a batch from an agent, so they are reported, not raised.
+        """
+        applied = unchanged = 0
+        ignored: list[str] = []
+        for event in events:
+            reason = self._apply_one(event)
+            if reason is None:
+                applied += 1
+            elif reason == "":
+                unchanged += 1
+            else:
+                ignored.append(reason)
+        return ApplyOutcome(applied, unchanged, tuple(ignored))
+
+    def _apply_one(self, event: IndexEvent) -> str | None:
+        if event.key % self.shards != self.shard:
+            return f"key {event.key} belongs to shard {event.key % self.shards}, not {self.shard}"
+        try:
+            slot = self.layout.slot(event.worker)
+        except ValueError as exc:
+            return str(exc)
+        table = self._tables[slot.group]
+        shift = 2 * slot.field
+        old = table.get(event.key)
+        old_value = 0 if old is None else old
+        old_tier = (old_value >> shift) & TIER_MASK
+        if isinstance(event, PrefixCached):
+            new_tier = int(event.tier)
+        elif isinstance(event, TierChanged):
+            if old_tier == Tier.ABSENT:
+                return f"tier change for a prefix {event.worker} never registered (key {event.key})"
+            new_tier = int(event.tier)
+        elif isinstance(event, PrefixEvicted):
+            if old_tier == Tier.ABSENT:
+                return f"eviction of a prefix {event.worker} does not hold (key {event.key})"
+            new_tier = Tier.ABSENT
+        else:
+            return f"not an index event: {type(event).__name__}"
+        if new_tier == old_tier:
+            return ""
+        new_value = (old_value & ~(TIER_MASK << shift)) | (new_tier << shift)
+        if old is None:
+            table.insert(event.key, new_value)
+        elif new_value == 0:
+            table.remove(event.key)
+        else:
+            table.update(event.key, new_value)
+        self._dirty.append(slot.group)
+        return None
+
+    def withdraw_worker(self, worker: str) -> ApplyOutcome:
+        """Clear every field of ``worker`` in this shard (its engine restarted or it died)."""
+        slot = self.layout.slot(worker)
+        keys, values = self._tables[slot.group].items()
+        shift = 2 * slot.field
+        held = keys[((values >> shift) & TIER_MASK) != 0]
+        return self.apply(PrefixEvicted(worker, int(k)) for k in held)
+
+    def flush(self) -> UpdateBatchPublished | None:
+        """The batch of everything applied since the last flush, or None if nothing changed."""
+        if not self._dirty:
+            return None
+        touched = sorted(set(self._dirty))
+        self._dirty.clear()
+        tables = tuple((g, blob) for g in touched for blob in self._tables[g].take_updates())
+        if not tables:
+            return None
+        self.seq += 1
+        batch = UpdateBatchPublished(self.shard, self.epoch, self.seq, tables)
+        self._replay.append(batch)
+        return batch
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def snapshot(self) -> ShardSnapshotSent:
+        """Full state at the current (epoch, seq); call ``flush`` first to include pending edits."""
+        if self._dirty:
+            raise RuntimeError("flush() pending edits before taking a snapshot")
+        return ShardSnapshotSent(
+            self.shard, self.epoch, self.seq, tuple((g.group, self._tables[g.group].snapshot()) for g in self.layout.groups)
+        )
+
+    def resync(self, epoch: int, from_seq: int) -> list[UpdateBatchPublished] | ShardSnapshotSent:
+        """Batches from ``from_seq`` on if the replay log still has them, else a snapshot."""
+        if epoch == self.epoch and from_seq >= 1:
+            if from_seq > self.seq:
+                return []
+            if self._replay and self._replay[0].seq <= from_seq:
+                start = from_seq - self._replay[0].seq
+                return [self._replay[i] for i in range(start, len(self._replay))]
+        return self.snapshot()
+
+    def holders(self, key: int) -> dict[str, Tier]:
+        """Exact holders of ``key`` in this shard (full keys make this exact)."""
+        out: dict[str, Tier] = {}
+        for g in self.layout.groups:
+            value = self._tables[g.group].get(key)
+            if value is None:
+                continue
+            for f, worker in enumerate(g.workers):
+                tier = (value >> (2 * f)) & TIER_MASK
+                if tier:
+                    out[worker] = Tier(tier)
+        return out
+
+    def entries(self) -> int:
+        return sum(len(t) for t in self._tables)
+
+    def table_stats(self) -> list[dict]:
+        return [
+            {"group": g.group, "region": g.region, "entries": len(t), "memory_bytes": t.memory_bytes, "epoch": t.epoch}
+            for g, t in zip(self.layout.groups, self._tables)
+        ]
+
+
+class ShardViewState:
+    """The edge's keyless copy of one shard and where it stands in that shard's stream."""
+
+    __slots__ = ("epoch", "seq", "views")
+
+    def __init__(self) -> None:
+        self.epoch = -1
+        self.seq = -1
+        self.views: dict[int, LudoView] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self.seq >= 0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What the edge did with a batch: applied, ignored (stale/duplicate), or needs a resync."""
+
+    applied: bool
+    resync: ResyncRequested | None = None
+    reason: str = ""
+
+
+class EdgeIndexView:
+    """Keyless views of every shard's tables, kept in sync from the ordered update streams."""
+
+    def __init__(self, layout: IndexLayout, shards: int, *, edge: str):
+        self.layout = layout
+        self.shards = shards
+        self.edge = edge
+        self.state = [ShardViewState() for _ in range(shards)]
+        self.resyncs = 0
+        self.batches_applied = 0
+
+    @property
+    def ready(self) -> bool:
+        return all(s.ready for s in self.state)
+
+    def install_snapshot(self, snap: ShardSnapshotSent) -> BatchOutcome:
+        """Replace a shard's views with a snapshot (bootstrap, or after a gap or new epoch)."""
+        if not 0 <= snap.shard < self.shards:
+            return BatchOutcome(False, reason=f"snapshot for unknown shard {snap.shard}")
+        st = self.state[snap.shard]
+        if snap.epoch == st.epoch and snap.seq <= st.seq:
+            return BatchOutcome(False, reason=f"stale snapshot seq {snap.seq} <= {st.seq}")
+        groups = {g for g, _ in snap.tables}
+        if groups != {g.group for g in self.layout.groups}:
+            return BatchOutcome(False, reason="snapshot does not cover this cluster's region groups")
+        try:
+            views = {g: LudoView.from_snapshot(blob) for g, blob in snap.tables}
+        except LudoError as exc:
+            return BatchOutcome(False, reason=f"corrupt snapshot: {exc}")
+        st.views, st.epoch, st.seq = views, snap.epoch, snap.seq
+        return BatchOutcome(True)
+
+    def apply_batch(self, batch: UpdateBatchPublished) -> BatchOutcome:
+        """Apply the next batch of a shard; ignore stale ones; ask for a resync on a gap."""
+        if not 0 <= batch.shard < self.shards:
+            return BatchOutcome(False, reason=f"batch for unknown shard {batch.shard}")
+        st = self.state[batch.shard]
+        if not st.ready or batch.epoch != st.epoch:
+            return self._resync(batch.shard, batch.epoch, 0, "no state for this epoch")
+        if batch.seq <= st.seq:
+            return BatchOutcome(False, reason=f"stale or duplicate batch seq {batch.seq} <= {st.seq}")
+        if batch.seq > st.seq + 1:
+            return self._resync(batch.shard, st.epoch, st.seq + 1, f"gap: got {batch.seq}, expected {st.seq + 1}")
+        for group, _ in batch.tables:
+            if group not in st.views:
+                return self._resync(batch.shard, st.epoch, 0, f"batch names unknown group {group}")
+        # Ludo blobs carry absolute state, so a blob that fails validation part-way through
+        # leaves earlier blobs applied harmlessly; the resync repairs the rest.
+        try:
+            for group, blob in batch.tables:
+                st.views[group].apply(blob)
+        except LudoError as exc:
+            return self._resync(batch.shard, st.epoch, 0, f"batch rejected by the view: {exc}")
+        st.seq = batch.seq
+        self.batches_applied += 1
+        return BatchOutcome(True)
+
+    def _resync(self, shard: int, epoch: int, from_seq: int, reason: str) -> BatchOutcome:
+        self.resyncs += 1
+        return BatchOutcome(False, ResyncRequested(self.edge, shard, max(epoch, 0), from_seq), reason)
+
+    def position(self, shard: int) -> tuple[int, int]:
+        st = self.state[shard]
+        return st.epoch, st.seq
+
+    def view(self, shard: int, group: int) -> LudoView | None:
+        return self.state[shard].views.get(group)
+
+    def snapshot(self, shard: int) -> ShardSnapshotSent:
+        """Export this edge's copy of a shard so a peer edge can bootstrap from it."""
+        st = self.state[shard]
+        if not st.ready:
+            raise RuntimeError(f"shard {shard} has no state yet")
+        return ShardSnapshotSent(shard, st.epoch, st.seq, tuple((g, v.snapshot()) for g, v in sorted(st.views.items())))
+
+    def stats(self) -> list[dict]:
+        out = []
+        for shard, st in enumerate(self.state):
+            for g, v in sorted(st.views.items()):
+                out.append({"shard": shard, "group": g, "epoch": st.epoch, "seq": st.seq, "memory_bytes": v.memory_bytes})
+        return out
