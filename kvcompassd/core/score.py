@@ -1,0 +1,225 @@
+"""The joint score of paper §3.4 (DESIGN.md §5), vectorised over every worker of every region.
+
+    score(r) = WAN(o, r) + Tq(r) + (1 + lambda) * beta_r * (L - b_r * m_r)
+               + gamma * b_r * m_r * [t_r = DRAM]
+    lambda   = min(lambda_max, min_r' Tq(r') / tau)
+
+``o`` is the edge's region, ``L`` the prompt length, ``m_r``/``t_r`` worker r's longest indexed
+match and its tier, ``b_r`` its cache belief, ``Tq`` the queue estimate. The request goes to
+the minimum over all workers (ties: the first in config order). ``WAN`` is the round trip by
+default (the request goes there and the first token comes back) or the one-way latency when
+``score.wan = "one_way"``.
+
+The per-worker constants (WAN, beta) are precomputed in config worker order, so one decision is
+a dozen numpy operations on short arrays, with no per-worker Python loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ablation import FULL, Ablation
+from .config import ClusterConfig
+from .events import Tier
+
+__all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms"]
+
+_DRAM = np.uint8(Tier.DRAM)
+
+
+class ScoreInputError(ValueError):
+    """Arrays passed to the scorer do not match the worker list, or the prompt length is bad."""
+
+
+class NoEligibleWorkerError(ScoreInputError):
+    """Every worker was excluded from the decision."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreTerms:
+    """One worker's score broken into its terms (ms), for logs and inspection."""
+
+    worker: str
+    region: str
+    wan_ms: float
+    queue_ms: float
+    prefill_ms: float
+    reload_ms: float
+    matched: int
+    tier: Tier
+    belief: float
+    total: float
+
+
+class ScoreResult:
+    """A scored decision; read-only. Arrays are in config worker order.
+
+    The result keeps references to the arrays it was scored from (copying them would cost more
+    than the rest of the decision): pass arrays nobody mutates afterwards. ``CacheBelief.values``
+    and ``QueueEstimates.queue_ms()`` return immutable snapshots; the Router's per-request
+    match and tier arrays are fresh.
+    """
+
+    __slots__ = ("chosen", "worker", "lam", "scores", "_scorer", "_prompt_len", "_matched", "_tier",
+                 "_queue", "_belief", "_ablation")
+
+    def __init__(self, chosen: int, worker: str, lam: float, scores: np.ndarray, scorer: JointScorer,
+                 prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue: np.ndarray,
+                 belief: np.ndarray, ablation: Ablation) -> None:
+        setter = object.__setattr__
+        setter(self, "chosen", chosen)
+        setter(self, "worker", worker)
+        setter(self, "lam", lam)
+        setter(self, "scores", scores)
+        setter(self, "_scorer", scorer)
+        setter(self, "_prompt_len", prompt_len)
+        setter(self, "_matched", matched)
+        setter(self, "_tier", tier)
+        setter(self, "_queue", queue)
+        setter(self, "_belief", belief)
+        setter(self, "_ablation", ablation)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("ScoreResult is read-only")
+
+    def __repr__(self) -> str:
+        return f"ScoreResult(worker={self.worker!r}, chosen={self.chosen}, lam={self.lam:.4g}, total={self.total:.4g})"
+
+    @property
+    def total(self) -> float:
+        return float(self.scores[self.chosen])
+
+    def terms(self, index: int) -> ScoreTerms:
+        """Worker ``index``'s score split into its terms (recomputed here, off the hot path)."""
+        s, ab = self._scorer, self._ablation
+        matched = int(self._matched[index])
+        belief = float(self._belief[index])
+        tier = Tier(int(self._tier[index]))
+        effective = 0.0 if not ab.cross_region and not s.is_local[index] else min(belief * matched, self._prompt_len)
+        reload = s.gamma * effective if ab.tier_aware and tier == Tier.DRAM else 0.0
+        return ScoreTerms(
+            worker=s.worker_ids[index],
+            region=s.worker_regions[index],
+            wan_ms=float(s.wan_ms[index]),
+            queue_ms=float(self._queue[index]) if ab.load_aware else 0.0,
+            prefill_ms=(1.0 + self.lam) * float(s.beta[index]) * (self._prompt_len - effective),
+            reload_ms=reload,
+            matched=matched,
+            tier=tier,
+            belief=belief,
+            total=float(self.scores[index]),
+        )
+
+    def top(self, k: int = 3) -> tuple[ScoreTerms, ...]:
+        """The ``k`` best-scoring eligible workers, best first (ties in config order)."""
+        order = np.argsort(self.scores, kind="stable")[: max(0, k)]
+        return tuple(self.terms(int(i)) for i in order if math.isfinite(self.scores[i]))
+
+
+class JointScorer:
+    """Scores every worker for requests entering at an edge of ``origin_region``."""
+
+    def __init__(self, cfg: ClusterConfig, origin_region: str) -> None:
+        if origin_region not in cfg.region_names():
+            raise ScoreInputError(f"unknown origin region {origin_region!r}")
+        self.origin_region = origin_region
+        self.worker_ids: tuple[str, ...] = cfg.worker_ids()
+        self.worker_regions: tuple[str, ...] = tuple(w.region for w in cfg.workers)
+        self.n_workers = len(self.worker_ids)
+        self._shape = (self.n_workers,)
+        params = cfg.score
+        latency = cfg.rtt_ms if params.wan == "rtt" else cfg.one_way_ms
+        self.wan_ms = _frozen(np.array([latency(origin_region, r) for r in self.worker_regions], dtype=np.float64))
+        self.beta = _frozen(np.array([w.prefill_ms_per_token for w in cfg.workers], dtype=np.float64))
+        local = np.array([r == origin_region for r in self.worker_regions], dtype=bool)
+        self.is_local = _frozen(local)
+        self.lambda_max = params.lambda_max
+        self.tau_ms = params.tau_ms
+        self.gamma = params.gamma_ms_per_token
+        # Reload cost per effective matched token, indexed by tier (only DRAM pays).
+        self._reload_by_tier = _frozen(np.array([0.0, 0.0, self.gamma], dtype=np.float64))
+        self._local_factor = _frozen(local.astype(np.float64))
+        # Without cross-region reuse remote workers are not eligible, unless there is no local one.
+        penalty = np.where(local, 0.0, np.inf) if local.any() else np.zeros(self.n_workers)
+        self._remote_penalty = _frozen(penalty)
+
+    def _bad_shape(self, name: str, array: object) -> ScoreInputError:
+        shape = getattr(array, "shape", type(array).__name__)
+        return ScoreInputError(f"{name} must be a numpy array of shape {self._shape}, got {shape}")
+
+    def score(
+        self,
+        prompt_len: int,
+        matched: np.ndarray,
+        tier: np.ndarray,
+        queue_ms: np.ndarray,
+        belief: np.ndarray,
+        *,
+        ablation: Ablation = FULL,
+        eligible: np.ndarray | None = None,
+    ) -> ScoreResult:
+        """Score all workers and pick the minimum.
+
+        ``matched`` (tokens, <= prompt_len), ``tier`` (uint8 ``Tier`` values), ``queue_ms`` and
+        ``belief`` are arrays in config worker order; ``eligible`` (bool) can exclude workers,
+        e.g. unreachable ones.
+        """
+        shape = self._shape
+        if matched.__class__ is not np.ndarray or matched.shape != shape:
+            raise self._bad_shape("matched", matched)
+        if tier.__class__ is not np.ndarray or tier.shape != shape:
+            raise self._bad_shape("tier", tier)
+        if queue_ms.__class__ is not np.ndarray or queue_ms.shape != shape:
+            raise self._bad_shape("queue_ms", queue_ms)
+        if belief.__class__ is not np.ndarray or belief.shape != shape:
+            raise self._bad_shape("belief", belief)
+        if prompt_len.__class__ is not int:
+            if not isinstance(prompt_len, (int, np.integer)) or isinstance(prompt_len, bool):
+                raise ScoreInputError(f"prompt_len must be an integer, got {prompt_len!r}")
+            prompt_len = int(prompt_len)
+        if prompt_len < 0:
+            raise ScoreInputError(f"prompt_len must be >= 0, got {prompt_len}")
+
+        length = float(prompt_len)
+        # Rearranged to touch each array once: with c = (1 + lam) * beta and e = min(b * m, L),
+        #   score = WAN + Tq + c * L + e * (gamma * [DRAM] - c)
+        if ablation.load_aware:
+            lam = min(self.lambda_max, min(queue_ms.tolist()) / self.tau_ms)
+            scores = _add(self.wan_ms, queue_ms)
+        else:
+            lam = 0.0
+            scores = self.wan_ms.copy()
+        cost = _mul(self.beta, 1.0 + lam) if lam else self.beta
+        _add(scores, _mul(cost, length), out=scores)
+        if ablation.tier_aware:
+            coef = self._reload_by_tier.take(tier)
+            _sub(coef, cost, out=coef)
+        else:
+            coef = _neg(cost)
+        effective = _mul(belief, matched)
+        _min(effective, length, out=effective)
+        if not ablation.cross_region:
+            _mul(effective, self._local_factor, out=effective)
+            _add(scores, self._remote_penalty, out=scores)
+        _mul(effective, coef, out=effective)
+        _add(scores, effective, out=scores)
+        if eligible is not None:
+            if eligible.__class__ is not np.ndarray or eligible.shape != shape:
+                raise self._bad_shape("eligible", eligible)
+            scores[~eligible.astype(bool)] = np.inf
+        chosen = int(scores.argmin())
+        if not math.isfinite(scores[chosen]):
+            raise NoEligibleWorkerError("no eligible worker for this request")
+        return ScoreResult(chosen, self.worker_ids[chosen], lam, scores, self, prompt_len,
+                           matched, tier, queue_ms, belief, ablation)
+
+
+_add, _sub, _mul, _min, _neg = np.add, np.subtract, np.multiply, np.minimum, np.negative
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
