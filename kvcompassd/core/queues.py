@@ -1,0 +1,246 @@
+"""Per-worker queue-delay estimates kept by an edge (paper §3.4; DESIGN.md §5).
+
+An edge sees its own region's workers directly (``set_local``, live values read from agents).
+Remote regions reach it through two channels:
+
+- a cross-region *response* from region g carries g's queue vector to the requesting edge,
+  which folds it in with an EWMA of weight w (``on_piggyback``); responses are frequent and
+  noisy samples, hence the smoothing;
+- every region broadcasts its vector to every other region each Delta (``due_broadcasts``),
+  suppressed toward a region that already got this region's vector within Delta, i.e. a region
+  one of our agents answered (``note_piggyback_sent``) or that we broadcast to. A received
+  broadcast *replaces* the estimate (``on_broadcast``): it is the sender's own live view at
+  ``sent_at``, newer than anything we hold, and averaging it with older values would only add lag.
+
+All times are seconds (``now``); queue values and periods are milliseconds, as in the config.
+The arrays returned by ``queue_ms()`` are immutable snapshots: updates replace the array (a
+copy of a few dozen floats), so a decision scored from a snapshot never sees it change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ClusterConfig
+
+__all__ = ["QueueEstimateError", "QueueEstimates", "QueueVectorBroadcast", "QueueVectorError"]
+
+
+class QueueEstimateError(ValueError):
+    """Local misuse: an unknown worker, a worker of the wrong region, a bad value."""
+
+
+class QueueVectorError(QueueEstimateError):
+    """A peer sent a queue vector that breaks the protocol (wrong region, bad values)."""
+
+
+def _check_ms(value: object, what: str, error: type[QueueEstimateError]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise error(f"{what}: queue delay must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0:
+        raise error(f"{what}: queue delay must be finite and >= 0, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class QueueVectorBroadcast:
+    """Region ``from_region``'s per-worker queue delays (ms), sent to ``to_region`` at ``sent_at`` (s)."""
+
+    from_region: str
+    to_region: str
+    vector: tuple[tuple[str, float], ...]
+    sent_at: float
+
+    def __post_init__(self) -> None:
+        for name in ("from_region", "to_region"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise QueueVectorError(f"{name} must be a non-empty string, got {value!r}")
+        if self.from_region == self.to_region:
+            raise QueueVectorError(f"a broadcast goes to another region, got {self.from_region!r} twice")
+        if isinstance(self.sent_at, bool) or not isinstance(self.sent_at, (int, float)) or not math.isfinite(self.sent_at):
+            raise QueueVectorError(f"sent_at must be a finite number, got {self.sent_at!r}")
+        entries = []
+        seen: set[str] = set()
+        for entry in self.vector:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise QueueVectorError(f"vector entries are (worker, ms) pairs, got {entry!r}")
+            worker, ms = entry
+            if not isinstance(worker, str) or not worker:
+                raise QueueVectorError(f"worker id must be a non-empty string, got {worker!r}")
+            if worker in seen:
+                raise QueueVectorError(f"worker {worker!r} appears twice in the vector")
+            seen.add(worker)
+            entries.append((worker, _check_ms(ms, f"worker {worker!r}", QueueVectorError)))
+        object.__setattr__(self, "vector", tuple(entries))
+        object.__setattr__(self, "sent_at", float(self.sent_at))
+
+
+class QueueEstimates:
+    """The queue-delay table of one edge of ``region``, in config worker order."""
+
+    def __init__(self, cfg: ClusterConfig, region: str, *, now: float) -> None:
+        if region not in cfg.region_names():
+            raise QueueEstimateError(f"unknown region {region!r}")
+        self.region = region
+        self.worker_ids: tuple[str, ...] = cfg.worker_ids()
+        self._index = {w: i for i, w in enumerate(self.worker_ids)}
+        self._region_of = {w.id: w.region for w in cfg.workers}
+        self._local_ids = tuple(w.id for w in cfg.workers_in(region))
+        self._remote_regions = tuple(r for r in cfg.region_names() if r != region)
+        self._weight = cfg.score.queue_ewma_weight
+        self._period_s = cfg.score.broadcast_period_ms / 1000.0
+        self._idle_s = cfg.score.idle_period_ms / 1000.0
+        n = len(self.worker_ids)
+        # Unknown workers start at 0 ms (optimistic) until the first report; ages say "never".
+        self._ms = _snapshot(np.zeros(n, dtype=np.float64))
+        self._refreshed_at = [-math.inf] * n
+        self._zero_since = [math.inf] * n  # when the queue last became 0; inf while busy or unknown
+        self._last_sent_to = {r: -math.inf for r in self._remote_regions}
+        self._last_broadcast_from = {r: -math.inf for r in self._remote_regions}  # sender's clock
+        self._last_heard_from = {r: -math.inf for r in self._remote_regions}
+
+    # ------------------------------------------------------------ updates
+
+    def _worker_index(self, worker: str, error: type[QueueEstimateError]) -> int:
+        try:
+            return self._index[worker]
+        except (KeyError, TypeError):
+            raise error(f"unknown worker {worker!r}") from None
+
+    def _store(self, updates: list[tuple[int, float]], now: float) -> None:
+        values = self._ms.copy()
+        for i, ms in updates:
+            values[i] = ms
+            self._refreshed_at[i] = now
+            if ms > 0.0:
+                self._zero_since[i] = math.inf
+            elif self._zero_since[i] == math.inf:
+                self._zero_since[i] = now
+        self._ms = _snapshot(values)
+
+    def set_local(self, worker_id: str, queue_ms: float, *, now: float) -> None:
+        """A live reading for a worker of this edge's own region."""
+        i = self._worker_index(worker_id, QueueEstimateError)
+        if self._region_of[worker_id] != self.region:
+            raise QueueEstimateError(f"worker {worker_id!r} is in region {self._region_of[worker_id]!r}, not {self.region!r}")
+        self._store([(i, _check_ms(queue_ms, f"worker {worker_id!r}", QueueEstimateError))], float(now))
+
+    def _remote_updates(self, from_region: str, vector: Mapping[str, float] | tuple[tuple[str, float], ...]
+                        ) -> list[tuple[int, float]]:
+        if from_region not in self._last_heard_from:
+            raise QueueVectorError(f"queue vector from unknown or own region {from_region!r}")
+        items = vector.items() if isinstance(vector, Mapping) else vector
+        updates = []
+        for worker, ms in items:
+            i = self._worker_index(worker, QueueVectorError)
+            if self._region_of[worker] != from_region:
+                raise QueueVectorError(f"region {from_region!r} reported worker {worker!r} of region "
+                                       f"{self._region_of[worker]!r}")
+            updates.append((i, _check_ms(ms, f"worker {worker!r}", QueueVectorError)))
+        return updates
+
+    def on_piggyback(self, from_region: str, vector: Mapping[str, float], *, now: float) -> None:
+        """Fold the vector a response from ``from_region`` carried (EWMA weight w).
+
+        The whole vector is validated before anything changes. A worker never heard of before
+        takes the reported value as is (there is nothing to average with).
+        """
+        updates = self._remote_updates(from_region, vector)
+        w = self._weight
+        folded = [(i, ms if self._refreshed_at[i] == -math.inf else w * ms + (1.0 - w) * float(self._ms[i]))
+                  for i, ms in updates]
+        now = float(now)
+        self._store(folded, now)
+        self._last_heard_from[from_region] = now
+
+    def on_broadcast(self, msg: QueueVectorBroadcast, *, now: float) -> bool:
+        """Replace the sender's workers with a broadcast vector; False if it was stale or reordered."""
+        if msg.to_region != self.region:
+            raise QueueVectorError(f"broadcast for region {msg.to_region!r} delivered to {self.region!r}")
+        updates = self._remote_updates(msg.from_region, msg.vector)
+        # Datagrams may arrive out of order; sent_at is on the sender's clock, so compare only
+        # with the same sender's earlier broadcasts.
+        if msg.sent_at <= self._last_broadcast_from[msg.from_region]:
+            return False
+        self._last_broadcast_from[msg.from_region] = msg.sent_at
+        now = float(now)
+        self._store(updates, now)
+        self._last_heard_from[msg.from_region] = now
+        return True
+
+    def note_piggyback_sent(self, to_region: str, *, now: float) -> None:
+        """One of this region's agents answered a request from ``to_region`` with our vector."""
+        if to_region not in self._last_sent_to:
+            raise QueueEstimateError(f"unknown or own region {to_region!r}")
+        self._last_sent_to[to_region] = max(self._last_sent_to[to_region], float(now))
+
+    def due_broadcasts(self, *, now: float) -> tuple[QueueVectorBroadcast, ...]:
+        """Broadcasts to send now: to every remote region that got no vector from us within Delta.
+
+        Returned broadcasts count as sent (the shell sends them all).
+        """
+        now = float(now)
+        # Same expression as next_deadline, so a timer armed there always finds the broadcast due.
+        due = [r for r in self._remote_regions if now >= self._last_sent_to[r] + self._period_s]
+        if not due:
+            return ()
+        vector = self.local_vector()
+        for r in due:
+            self._last_sent_to[r] = now
+        return tuple(QueueVectorBroadcast(self.region, r, vector, now) for r in due)
+
+    def next_deadline(self, *, now: float) -> float | None:
+        """When ``due_broadcasts`` will next have something (now if overdue); None with one region."""
+        if not self._remote_regions:
+            return None
+        earliest = min(self._last_sent_to.values()) + self._period_s
+        return max(float(now), earliest)
+
+    # ------------------------------------------------------------ queries
+
+    def queue_ms(self) -> np.ndarray:
+        """Estimated queue delays (ms) in config worker order: an immutable snapshot."""
+        return self._ms
+
+    def get(self, worker_id: str) -> float:
+        return float(self._ms[self._worker_index(worker_id, QueueEstimateError)])
+
+    def ages(self, *, now: float) -> np.ndarray:
+        """Seconds since each worker's estimate was refreshed (inf: never)."""
+        return float(now) - np.array(self._refreshed_at, dtype=np.float64)
+
+    def last_heard_from(self, region: str) -> float:
+        """When a piggyback or broadcast from ``region`` last arrived (-inf: never)."""
+        try:
+            return self._last_heard_from[region]
+        except KeyError:
+            raise QueueEstimateError(f"unknown or own region {region!r}") from None
+
+    def local_vector(self) -> tuple[tuple[str, float], ...]:
+        """This region's own workers and their live values, to piggyback or broadcast."""
+        return tuple((w, float(self._ms[self._index[w]])) for w in self._local_ids)
+
+    def is_persistently_idle(self, worker_id: str, *, now: float) -> bool:
+        """True if the worker's queue has stayed at 0 for ``idle_period_ms`` up to ``now``."""
+        i = self._worker_index(worker_id, QueueEstimateError)
+        return float(now) - self._zero_since[i] >= self._idle_s
+
+    def idle_since(self, worker_id: str) -> float:
+        """When the worker's queue last became 0 (inf while busy or never reported)."""
+        return self._zero_since[self._worker_index(worker_id, QueueEstimateError)]
+
+    def persistently_idle_local(self, *, now: float) -> tuple[str, ...]:
+        """Own-region workers idle for ``idle_period_ms``, longest idle first (ties: config order)."""
+        idle = [w for w in self._local_ids if self.is_persistently_idle(w, now=now)]
+        return tuple(sorted(idle, key=lambda w: self._zero_since[self._index[w]]))
+
+
+def _snapshot(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array

@@ -1,0 +1,164 @@
+"""Queue estimates: live local values, EWMA piggybacks, broadcasts and their suppression, idleness."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.config import load_config
+from kvcompassd.core.queues import QueueEstimateError, QueueEstimates, QueueVectorBroadcast, QueueVectorError
+
+CFG = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
+EU0 = CFG.worker_ids().index("eu-0")
+
+
+def us_edge(now: float = 0.0) -> QueueEstimates:
+    return QueueEstimates(CFG, "us", now=now)
+
+
+def test_starts_unknown_at_zero() -> None:
+    q = us_edge()
+    assert q.queue_ms().tolist() == [0.0] * len(CFG.workers)
+    assert np.isinf(q.ages(now=1.0)).all()
+    assert q.last_heard_from("eu") == -math.inf
+
+
+def test_local_values_are_live_and_checked() -> None:
+    q = us_edge()
+    q.set_local("us-3", 42.0, now=1.0)
+    q.set_local("us-3", 7.0, now=2.0)
+    assert q.get("us-3") == 7.0
+    assert q.ages(now=2.5)[CFG.worker_ids().index("us-3")] == pytest.approx(0.5)
+    with pytest.raises(QueueEstimateError, match="region 'eu'"):
+        q.set_local("eu-0", 1.0, now=2.0)
+    with pytest.raises(QueueEstimateError, match="unknown worker"):
+        q.set_local("zz", 1.0, now=2.0)
+    for bad in (-1.0, math.nan, math.inf, "3", True):
+        with pytest.raises(QueueEstimateError):
+            q.set_local("us-0", bad, now=2.0)  # type: ignore[arg-type]
+    assert q.local_vector()[3] == ("us-3", 7.0) and len(q.local_vector()) == 8
+
+
+def test_piggyback_is_folded_with_ewma_weight() -> None:
+    q = us_edge()
+    q.on_piggyback("eu", {"eu-0": 100.0, "eu-1": 10.0}, now=1.0)
+    assert q.get("eu-0") == 100.0  # first report: nothing to average with
+    q.on_piggyback("eu", {"eu-0": 200.0}, now=2.0)
+    assert q.get("eu-0") == pytest.approx(0.5 * 200 + 0.5 * 100)
+    assert q.get("eu-1") == 10.0
+    assert q.last_heard_from("eu") == 2.0
+
+
+def test_piggyback_from_a_peer_is_validated_before_anything_changes() -> None:
+    q = us_edge()
+    with pytest.raises(QueueVectorError, match="reported worker 'asia-0'"):
+        q.on_piggyback("eu", {"eu-0": 5.0, "asia-0": 1.0}, now=1.0)
+    assert q.get("eu-0") == 0.0
+    with pytest.raises(QueueVectorError):
+        q.on_piggyback("us", {"us-0": 1.0}, now=1.0)  # own region comes live, not piggybacked
+    with pytest.raises(QueueVectorError):
+        q.on_piggyback("eu", {"eu-0": -5.0}, now=1.0)
+    with pytest.raises(QueueVectorError):
+        q.on_piggyback("eu", {"nobody": 5.0}, now=1.0)
+
+
+def test_broadcasts_every_period_and_suppressed_after_a_piggyback_was_sent() -> None:
+    q = us_edge()
+    q.set_local("us-0", 12.0, now=0.0)
+    first = q.due_broadcasts(now=0.0)
+    assert {(b.from_region, b.to_region) for b in first} == {("us", "eu"), ("us", "asia")}
+    assert first[0].vector == q.local_vector() and first[0].sent_at == 0.0
+    assert q.due_broadcasts(now=0.05) == ()
+    assert q.next_deadline(now=0.05) == pytest.approx(0.1)
+    # One of our agents answered a request from eu at 0.15: eu has our vector, asia does not.
+    q.due_broadcasts(now=0.1)
+    q.note_piggyback_sent("eu", now=0.15)
+    assert [b.to_region for b in q.due_broadcasts(now=0.2)] == ["asia"]
+    assert q.next_deadline(now=0.2) == pytest.approx(0.25)
+    assert [b.to_region for b in q.due_broadcasts(now=0.25)] == ["eu"]
+    assert q.next_deadline(now=1.0) == 1.0  # overdue: now
+    with pytest.raises(QueueEstimateError):
+        q.note_piggyback_sent("us", now=1.0)
+
+
+def test_broadcast_replaces_and_ignores_reordered_datagrams() -> None:
+    q = us_edge()
+    q.on_piggyback("eu", {"eu-0": 100.0}, now=1.0)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 10.0), ("eu-1", 0.0)), 50.0), now=1.1)
+    assert q.get("eu-0") == 10.0
+    late = QueueVectorBroadcast("eu", "us", (("eu-0", 999.0),), 49.9)
+    assert not q.on_broadcast(late, now=1.2)
+    assert q.get("eu-0") == 10.0
+    with pytest.raises(QueueVectorError, match="delivered to 'us'"):
+        q.on_broadcast(QueueVectorBroadcast("eu", "asia", (("eu-0", 1.0),), 60.0), now=1.3)
+    with pytest.raises(QueueVectorError):
+        q.on_broadcast(QueueVectorBroadcast("asia", "us", (("eu-0", 1.0),), 60.0), now=1.3)
+
+
+def test_broadcast_message_validation() -> None:
+    with pytest.raises(QueueVectorError):
+        QueueVectorBroadcast("eu", "eu", (), 0.0)
+    with pytest.raises(QueueVectorError, match="twice"):
+        QueueVectorBroadcast("eu", "us", (("eu-0", 1.0), ("eu-0", 2.0)), 0.0)
+    with pytest.raises(QueueVectorError):
+        QueueVectorBroadcast("eu", "us", (("eu-0", math.nan),), 0.0)
+    with pytest.raises(QueueVectorError):
+        QueueVectorBroadcast("eu", "us", (("eu-0",),), 0.0)  # type: ignore[arg-type]
+    with pytest.raises(QueueVectorError):
+        QueueVectorBroadcast("eu", "us", (), math.inf)
+
+
+def test_persistent_idleness_needs_the_whole_idle_period() -> None:
+    q = us_edge()
+    assert not q.is_persistently_idle("us-0", now=5.0)  # never reported
+    q.set_local("us-0", 0.0, now=0.0)
+    q.set_local("us-0", 0.0, now=0.5)  # still idle: the period keeps running from 0.0
+    assert not q.is_persistently_idle("us-0", now=0.9)
+    assert q.is_persistently_idle("us-0", now=1.0)
+    q.set_local("us-0", 3.0, now=1.1)
+    assert not q.is_persistently_idle("us-0", now=1.5)
+    q.set_local("us-0", 0.0, now=1.2)
+    q.set_local("us-1", 0.0, now=0.2)
+    assert not q.is_persistently_idle("us-0", now=2.1)
+    assert q.persistently_idle_local(now=2.2) == ("us-1", "us-0")  # longest idle first
+    assert q.idle_since("us-0") == 1.2
+
+
+def test_snapshots_do_not_change_under_updates() -> None:
+    q = us_edge()
+    snapshot = q.queue_ms()
+    q.set_local("us-0", 9.0, now=1.0)
+    assert snapshot[0] == 0.0 and q.queue_ms()[0] == 9.0
+    with pytest.raises(ValueError):
+        snapshot[0] = 1.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 5000), min_size=1, max_size=30))
+def test_piggyback_sequence_equals_reference_ewma(samples: list[float]) -> None:
+    q = us_edge()
+    expected = None
+    for t, ms in enumerate(samples):
+        q.on_piggyback("eu", {"eu-0": ms}, now=float(t))
+        expected = ms if expected is None else 0.5 * ms + 0.5 * expected
+    assert q.queue_ms()[EU0] == pytest.approx(expected)
+    assert min(samples) - 1e-9 <= q.get("eu-0") <= max(samples) + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.0, 0.5), min_size=1, max_size=20), st.sampled_from(["eu", "asia"]))
+def test_the_deadline_always_finds_a_broadcast_due(steps: list[float], piggy_region: str) -> None:
+    q = us_edge()
+    now = 0.0
+    for step in steps:
+        now += step
+        q.note_piggyback_sent(piggy_region, now=now)
+        q.due_broadcasts(now=now)
+        deadline = q.next_deadline(now=now)
+        assert deadline is not None and deadline >= now
+        assert q.due_broadcasts(now=deadline) != ()
