@@ -1,0 +1,249 @@
+"""The wire codec: every message round-trips; malformed input raises WireError and only that."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcompassd import wire
+from kvcompassd.core.events import MAX_KEY, PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.wire import (
+    MESSAGE_SPECS,
+    SENDER_ROLES,
+    ErrorReported,
+    PrefixEventsReported,
+    RequestForwarded,
+    Role,
+    UpdateBatchPublished,
+    WireError,
+    WireForbidden,
+    WorkerRegistered,
+    check_sender,
+    decode,
+    encode,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A dedicated fuzz run sets KVC_FUZZ_EXAMPLES=100000 (issue 8); CI keeps the default.
+FUZZ = settings(
+    max_examples=int(os.environ.get("KVC_FUZZ_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+# ---- strategies derived from each field's declared type ------------------------------------
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+def strategy_for(field_type: wire.FieldType) -> st.SearchStrategy:
+    if isinstance(field_type, wire.Choice):
+        return st.sampled_from(sorted(field_type.choices))
+    if isinstance(field_type, wire.Text):
+        return st.text(min_size=0 if field_type.allow_empty else 1, max_size=min(field_type.max_chars, 20))
+    if isinstance(field_type, wire.Int):
+        return st.integers(field_type.lo, field_type.hi)
+    if isinstance(field_type, wire.Float):
+        return st.floats(max(field_type.lo, -1e12), min(field_type.hi, 1e12), allow_nan=False)
+    if isinstance(field_type, wire.Bool):
+        return st.booleans()
+    if isinstance(field_type, wire.Blob):
+        return st.binary(max_size=64)
+    if isinstance(field_type, wire.TokenIds):
+        return st.lists(st.integers(0, 2**32 - 1), max_size=40).map(tuple)
+    if isinstance(field_type, wire.Pairs):
+        pair = st.tuples(strategy_for(field_type.first), strategy_for(field_type.second))
+        return st.lists(pair, max_size=5).map(tuple)
+    if isinstance(field_type, wire.Params):
+        return st.dictionaries(st.text(max_size=8), json_values, max_size=4)
+    raise AssertionError(f"no strategy for {field_type!r}")
+
+
+def index_events_for(worker: str) -> st.SearchStrategy:
+    keys = st.integers(0, MAX_KEY)
+    tiers = st.sampled_from([Tier.VRAM, Tier.DRAM])
+    event = (
+        st.builds(PrefixCached, st.just(worker), keys, tiers)
+        | st.builds(TierChanged, st.just(worker), keys, tiers)
+        | st.builds(PrefixEvicted, st.just(worker), keys)
+    )
+    return st.lists(event, max_size=20).map(tuple)
+
+
+def message_strategy(spec: wire.MessageSpec) -> st.SearchStrategy:
+    if spec.cls is PrefixEventsReported:
+        worker = strategy_for(wire.ID)
+        return worker.flatmap(
+            lambda w: st.builds(PrefixEventsReported, st.just(w), st.integers(0, 2**63 - 1), index_events_for(w))
+        )
+    return st.builds(spec.cls, **{name: strategy_for(ft) for name, ft in spec.fields})
+
+
+any_message = st.one_of([message_strategy(spec) for spec in MESSAGE_SPECS.values()])
+
+
+@pytest.mark.parametrize("tag", sorted(MESSAGE_SPECS), ids=lambda t: MESSAGE_SPECS[t].cls.__name__)
+def test_every_message_type_round_trips(tag):
+    @SETTINGS
+    @given(message_strategy(MESSAGE_SPECS[tag]))
+    def round_trip(message):
+        data = encode(message)
+        assert decode(data) == message
+        assert len(data) <= MESSAGE_SPECS[tag].max_bytes
+
+    round_trip()
+
+
+def test_every_message_class_has_sender_rule_and_past_tense_name():
+    classes = {spec.cls for spec in MESSAGE_SPECS.values()}
+    assert classes == set(SENDER_ROLES)
+    for cls in classes:
+        assert cls.__name__.endswith(("ed", "Sent", "Withdrawn", "Broadcast")), cls.__name__
+
+
+def test_index_events_encode_compactly():
+    report = PrefixEventsReported("us-0", 7, (PrefixCached("us-0", 5, Tier.DRAM), PrefixEvicted("us-0", 9)))
+    raw = msgpack.unpackb(encode(report))
+    assert raw == [wire.PROTOCOL_VERSION, 1, "us-0", 7, [[0, 5, 2], [2, 9, 0]]]
+
+
+def test_tokens_are_packed_as_uint32_le():
+    message = RequestForwarded("r", "edge-us", "us", (1, 2**32 - 1), {}, False, 0)
+    raw = msgpack.unpackb(encode(message))
+    assert raw[5] == b"\x01\x00\x00\x00\xff\xff\xff\xff"
+
+
+# ---- validation on construction ------------------------------------------------------------
+
+
+def test_events_of_another_worker_are_refused():
+    with pytest.raises(WireError, match="not the report's worker"):
+        PrefixEventsReported("us-0", 0, (PrefixCached("us-1", 5, Tier.VRAM),))
+
+
+@pytest.mark.parametrize(
+    "build, fragment",
+    [
+        (lambda: WorkerRegistered("", 0), "must not be empty"),
+        (lambda: WorkerRegistered("w", -1), "outside"),
+        (lambda: WorkerRegistered("w", True), "an integer"),
+        (lambda: RequestForwarded("r", "e", "us", (2**32,), {}, False, 0), "token id"),
+        (lambda: RequestForwarded("r", "e", "us", (), {1: 2}, False, 0), "string"),
+        (lambda: RequestForwarded("r", "e", "us", (), {"a": object()}, False, 0), "null, bool"),
+        (lambda: UpdateBatchPublished(0, 0, 0, ((0, "not bytes"),)), "bytes"),
+        (lambda: wire.QueueVectorBroadcast("us", "eu", math.nan, ()), "finite"),
+        (lambda: wire.MigrationRequested("r", (), "a", "b", "teleport"), "one of"),
+    ],
+)
+def test_invalid_messages_are_refused_on_construction(build, fragment):
+    with pytest.raises(WireError, match=fragment):
+        build()
+
+
+# ---- malformed input -----------------------------------------------------------------------
+
+
+def packed(*items) -> bytes:
+    return msgpack.packb(list(items), use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"", "empty"),
+        (b"\xc1", "not valid msgpack"),
+        (packed(1), "expected \\[version"),
+        (msgpack.packb({"a": 1}), "expected \\[version"),
+        (packed(2, 3, "w", 0), "unsupported protocol version"),
+        (packed(1, 999), "unknown message tag"),
+        (packed(1, 3, "w"), "expected 2 fields"),
+        (packed(1, 3, "w", 0, "extra"), "expected 2 fields"),
+        (packed(1, 3, 5, 0), "WorkerRegistered.worker: expected a string"),
+        (packed(1, 3, "w", 0) + b"\x00", "trailing bytes"),
+        (packed(1, 1, "w", 0, [[7, 1, 1]]), "unknown event kind"),
+        (packed(1, 1, "w", 0, [[2, 1, 1]]), "eviction carries tier 0"),
+        (packed(1, 30, "r", "e", "us", b"\x00\x00\x00", {}, False, 0), "multiple of 4"),
+        (packed(1, 2, "w" * 600), "exceeds its bound|longer than"),
+        (packed(1, 3, "w", 0)[:-1], "not valid msgpack"),
+    ],
+)
+def test_malformed_input_raises_wire_error(data, fragment):
+    with pytest.raises(WireError, match=fragment):
+        decode(data)
+
+
+def test_oversize_input_is_refused_before_parsing():
+    with pytest.raises(WireError, match="exceeds"):
+        decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
+
+
+def test_encode_refuses_oversize_message():
+    huge = ErrorReported("malformed", "x" * 4000)
+    assert decode(encode(huge)) == huge
+    big = wire.ResponseChunked("r", (), "\u20ac" * (3 * wire.MiB), False)  # 9 MiB of UTF-8
+    with pytest.raises(WireError, match="over its bound"):
+        encode(big)
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_fuzzed_bytes_raise_only_wire_error(data):
+    try:
+        decode(data)
+    except WireError:
+        pass
+
+
+@FUZZ
+@given(any_message, st.data())
+def test_mutated_encodings_raise_only_wire_error(message, data):
+    encoded = bytearray(encode(message))
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, len(encoded) - 1))
+        encoded[position] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(encoded)))
+    try:
+        decoded = decode(bytes(encoded[:cut]))
+    except WireError:
+        return
+    assert type(decoded) in SENDER_ROLES
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6) | st.binary(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@FUZZ
+@given(st.sampled_from(sorted(MESSAGE_SPECS)), st.lists(msgpack_values, max_size=9))
+def test_well_framed_garbage_fields_raise_only_wire_error(tag, fields):
+    try:
+        decode(packed(wire.PROTOCOL_VERSION, tag, *fields))
+    except WireError:
+        pass
+
+
+# ---- sender roles --------------------------------------------------------------------------
+
+
+def test_check_sender_enforces_roles():
+    batch = UpdateBatchPublished(0, 1, 1, ())
+    check_sender(Role.MAINTENANCE, batch)
+    with pytest.raises(WireForbidden, match="edge node may not send UpdateBatchPublished"):
+        check_sender("edge", batch)
+    with pytest.raises(WireForbidden):
+        check_sender(Role.EDGE, WorkerRegistered("us-0", 1))
+    for role in Role:
+        check_sender(role, ErrorReported("malformed", ""))
