@@ -1,0 +1,427 @@
+"""Ludo hashing tables (Shi & Qian, SIGMETRICS 2020): the index's storage, from Python.
+
+``LudoTable`` is the maintenance side of one table: it keeps the full 63-bit keys (exact ``get``)
+and is the only writer. Every mutation leaves update records carrying the *absolute* new state of
+what it touched; ``take_updates()`` hands them out as wire-ready ``bytes`` blobs (or one snapshot
+after the table was rebuilt under a new epoch). ``LudoView`` is the keyless edge side: built from a
+snapshot and kept identical by ``apply``-ing those blobs. It answers every query, so a key never
+inserted may return a non-zero value (a false hit) unless fingerprint bits reject it.
+
+This module hides cffi: batches go in and out as numpy ``uint64`` arrays, one C call per batch.
+Value 0 means "no holder": a value may not be 0 (remove the key instead).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from kvcompassd.core._ludo_cffi import ffi, lib
+
+KEY_LIMIT = 1 << 63
+_U64_LIMIT = 1 << 64
+
+
+class LudoError(ValueError):
+    """Base class of every error raised by the Ludo wrapper."""
+
+
+class LudoKeyRangeError(LudoError):
+    """A key outside [0, 2^63)."""
+
+
+class LudoValueRangeError(LudoError):
+    """A value that is 0 or wider than the table's value bits."""
+
+
+class LudoDuplicateKeyError(LudoError):
+    """``insert`` of a key that is already present."""
+
+
+class LudoMissingKeyError(LudoError):
+    """``update`` or ``remove`` of a key that is not present."""
+
+
+class LudoCapacityError(LudoError):
+    """The table cannot grow any further."""
+
+
+class LudoBlobError(LudoError):
+    """A record or snapshot blob was rejected; the view it was applied to is unchanged."""
+
+
+class LudoCorruptError(LudoBlobError):
+    """Truncated, damaged (checksum), malformed, or not a Ludo blob at all."""
+
+
+class LudoVersionError(LudoCorruptError):
+    """A blob in a format version or of a kind this build does not understand."""
+
+
+class LudoForeignError(LudoBlobError):
+    """A blob made by another table (different table id)."""
+
+
+class LudoEpochError(LudoBlobError):
+    """Records for another epoch, or a snapshot older than the view: resync from a snapshot."""
+
+
+_ERRORS: dict[int, tuple[type[Exception], str]] = {
+    lib.KVC_ERR_NOMEM: (MemoryError, "out of memory"),
+    lib.KVC_ERR_KEY_RANGE: (LudoKeyRangeError, "key must be in [0, 2^63)"),
+    lib.KVC_ERR_VALUE_RANGE: (LudoValueRangeError, "value must be non-zero and fit the value bits"),
+    lib.KVC_ERR_PRESENT: (LudoDuplicateKeyError, "key is already present"),
+    lib.KVC_ERR_ABSENT: (LudoMissingKeyError, "key is not present"),
+    lib.KVC_ERR_ARG: (LudoError, "invalid argument"),
+    lib.KVC_ERR_TRUNCATED: (LudoCorruptError, "blob is truncated"),
+    lib.KVC_ERR_MAGIC: (LudoCorruptError, "not a Ludo blob (bad magic)"),
+    lib.KVC_ERR_VERSION: (LudoVersionError, "unknown blob format version or kind"),
+    lib.KVC_ERR_CHECKSUM: (LudoCorruptError, "blob checksum mismatch (corrupted)"),
+    lib.KVC_ERR_FOREIGN: (LudoForeignError, "blob belongs to another table"),
+    lib.KVC_ERR_EPOCH: (LudoEpochError, "blob epoch does not match the view"),
+    lib.KVC_ERR_GEOMETRY: (LudoCorruptError, "blob geometry is invalid or not the view's"),
+    lib.KVC_ERR_MALFORMED: (LudoCorruptError, "blob payload is malformed"),
+    lib.KVC_ERR_FULL: (LudoCapacityError, "table cannot grow any further"),
+}
+
+
+def _raise(rc: int, context: str) -> None:
+    cls, text = _ERRORS.get(rc, (LudoError, f"unknown error code {rc}"))
+    raise cls(f"{context}: {text}")
+
+
+def _check_key(key: Any) -> int:
+    if type(key) is not int:
+        if isinstance(key, bool):
+            raise LudoKeyRangeError(f"key must be an int in [0, 2^63), got {key!r}")
+        try:
+            key = operator.index(key)
+        except TypeError:
+            raise LudoKeyRangeError(f"key must be an int in [0, 2^63), got {key!r}") from None
+    if not 0 <= key < KEY_LIMIT:
+        raise LudoKeyRangeError(f"key must be in [0, 2^63), got {key}")
+    return key
+
+
+def _as_uint64(values: Any, what: str, limit: int, error: type[LudoError]) -> np.ndarray:
+    """Contiguous uint64 copy-or-view of an integer sequence, every element in [0, limit)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise error(f"{what} must be a 1-D sequence of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if arr.dtype == object:  # Python ints beyond 64 bits, or mixed types
+        try:
+            items = [operator.index(x) for x in arr]
+        except TypeError:
+            raise error(f"{what} must be integers") from None
+        bad = next((x for x in items if not 0 <= x < limit), None)
+        if bad is not None:
+            raise error(f"{what} must be in [0, {limit:#x}), got {bad}")
+        return np.array(items, dtype=np.uint64)
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise error(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise error(f"{what} must be non-negative, got {int(arr.min())}")
+    arr = np.ascontiguousarray(arr, dtype=np.uint64)
+    if limit < _U64_LIMIT and int(arr.max()) >= limit:
+        raise error(f"{what} must be below {limit:#x}, got {int(arr.max())}")
+    return arr
+
+
+def _blob_buffer(blob: Any) -> Any:
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise LudoCorruptError(f"blob must be bytes, got {type(blob).__name__}")
+    return ffi.from_buffer("uint8_t[]", blob)
+
+
+def _u64_ptr(arr: np.ndarray) -> Any:
+    return ffi.cast("uint64_t *", arr.ctypes.data)
+
+
+class LudoTable:
+    """Maintenance side of one Ludo table (full keys; the single writer)."""
+
+    __slots__ = ("_ptr", "_value_bits", "_fingerprint_bits", "_max_load", "_seed")
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        value_bits: int = 32,
+        fingerprint_bits: int = 0,
+        max_load: float = 0.95,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity < 1 << 33:
+            raise LudoError(f"capacity must be an int in (0, 2^33), got {capacity!r}")
+        if value_bits not in (32, 64):
+            raise LudoError(f"value_bits must be 32 or 64, got {value_bits!r}")
+        if isinstance(fingerprint_bits, bool) or not isinstance(fingerprint_bits, int) or not 0 <= fingerprint_bits <= 16:
+            raise LudoError(f"fingerprint_bits must be an int in [0, 16], got {fingerprint_bits!r}")
+        if not isinstance(max_load, (int, float)) or not 0.0 < float(max_load) <= 0.98:
+            raise LudoError(f"max_load must be in (0, 0.98], got {max_load!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _U64_LIMIT:
+            raise LudoError(f"seed (the table id) must be an int in [0, 2^64), got {seed!r}")
+        out = ffi.new("kvc_table **")
+        rc = lib.kvc_table_new(out, capacity, value_bits, fingerprint_bits, float(max_load), seed)
+        if rc != lib.KVC_OK:
+            _raise(rc, "creating a Ludo table")
+        self._ptr = ffi.gc(out[0], lib.kvc_table_free, size=int(lib.kvc_table_memory_bytes(out[0])))
+        self._value_bits = value_bits
+        self._fingerprint_bits = fingerprint_bits
+        self._max_load = float(max_load)
+        self._seed = seed
+
+    # -- single-key operations --------------------------------------------------------------
+
+    def _check_value(self, value: Any) -> int:
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise LudoValueRangeError(f"value must be an int, got {value!r}") from None
+        if not 0 < value < 1 << self._value_bits:
+            raise LudoValueRangeError(
+                f"value must be in [1, 2^{self._value_bits}), got {value} (remove the key instead of storing 0)"
+            )
+        return value
+
+    def insert(self, key: int, value: int) -> None:
+        """Add a key that is not present (LudoDuplicateKeyError otherwise)."""
+        rc = lib.kvc_table_insert(self._ptr, _check_key(key), self._check_value(value))
+        if rc != lib.KVC_OK:
+            _raise(rc, f"insert of key {key}")
+
+    def update(self, key: int, value: int) -> None:
+        """Replace the value of a present key (LudoMissingKeyError otherwise)."""
+        rc = lib.kvc_table_update(self._ptr, _check_key(key), self._check_value(value))
+        if rc != lib.KVC_OK:
+            _raise(rc, f"update of key {key}")
+
+    def remove(self, key: int) -> None:
+        """Remove a present key (LudoMissingKeyError otherwise)."""
+        rc = lib.kvc_table_remove(self._ptr, _check_key(key))
+        if rc != lib.KVC_OK:
+            _raise(rc, f"remove of key {key}")
+
+    def get(self, key: int) -> int | None:
+        """Exact lookup: the value, or None if the key is absent."""
+        out = ffi.new("uint64_t *")
+        return int(out[0]) if lib.kvc_table_get(self._ptr, _check_key(key), out) == 1 else None
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            key = _check_key(key)
+        except LudoKeyRangeError:
+            return False
+        return lib.kvc_table_get(self._ptr, key, ffi.NULL) == 1
+
+    def __len__(self) -> int:
+        return int(lib.kvc_table_size(self._ptr))
+
+    # -- batches: one C call each; applied in order, stopping at the first failure -------------
+
+    def _keys_values(self, keys: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+        k = _as_uint64(keys, "keys", KEY_LIMIT, LudoKeyRangeError)
+        v = _as_uint64(values, "values", 1 << self._value_bits, LudoValueRangeError)
+        if k.shape != v.shape:
+            raise LudoError(f"keys and values differ in length: {k.size} vs {v.size}")
+        if v.size and int(v.min()) == 0:
+            raise LudoValueRangeError("values must be non-zero (remove the key instead of storing 0)")
+        return k, v
+
+    def _batch_result(self, rc: int, done: Any, keys: np.ndarray, op: str) -> None:
+        if rc != lib.KVC_OK:
+            i = int(done[0])
+            _raise(rc, f"{op} stopped at index {i} (key {int(keys[i])}); the {i} before it were applied")
+
+    def insert_many(self, keys: Any, values: Any) -> None:
+        """Insert keys[i] -> values[i] in order (all validated for range before any is applied)."""
+        k, v = self._keys_values(keys, values)
+        done = ffi.new("size_t *")
+        rc = lib.kvc_table_insert_many(self._ptr, _u64_ptr(k), _u64_ptr(v), k.size, done)
+        self._batch_result(rc, done, k, "insert_many")
+
+    def update_many(self, keys: Any, values: Any) -> None:
+        """Update keys[i] -> values[i] in order."""
+        k, v = self._keys_values(keys, values)
+        done = ffi.new("size_t *")
+        rc = lib.kvc_table_update_many(self._ptr, _u64_ptr(k), _u64_ptr(v), k.size, done)
+        self._batch_result(rc, done, k, "update_many")
+
+    def remove_many(self, keys: Any) -> None:
+        """Remove keys in order."""
+        k = _as_uint64(keys, "keys", KEY_LIMIT, LudoKeyRangeError)
+        done = ffi.new("size_t *")
+        rc = lib.kvc_table_remove_many(self._ptr, _u64_ptr(k), k.size, done)
+        self._batch_result(rc, done, k, "remove_many")
+
+    def get_many(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Exact batch lookup: (values with 0 for absent keys, boolean presence mask)."""
+        k = _as_uint64(keys, "keys", KEY_LIMIT, LudoKeyRangeError)
+        values = np.zeros(k.size, dtype=np.uint64)
+        found = np.zeros(k.size, dtype=np.uint8)
+        lib.kvc_table_get_many(self._ptr, _u64_ptr(k), k.size, _u64_ptr(values), ffi.cast("uint8_t *", found.ctypes.data))
+        return values, found.astype(bool)
+
+    # -- update stream -----------------------------------------------------------------------
+
+    def take_updates(self) -> list[bytes]:
+        """Blobs to ship since the last call: one record blob, or one snapshot after a rebuild."""
+        if lib.kvc_table_needs_snapshot(self._ptr):
+            blob = self.snapshot()
+            lib.kvc_table_clear_pending(self._ptr)
+            return [blob]
+        size = lib.kvc_table_records_size(self._ptr)
+        if size == 0:
+            return []
+        buf = bytearray(size)
+        rc = lib.kvc_table_records_drain(self._ptr, ffi.from_buffer("uint8_t[]", buf), size)
+        if rc != lib.KVC_OK:
+            _raise(rc, "draining update records")
+        return [bytes(buf)]
+
+    def snapshot(self) -> bytes:
+        """A full snapshot of the current state (does not consume pending records)."""
+        size = lib.kvc_table_snapshot_size(self._ptr)
+        buf = bytearray(size)
+        rc = lib.kvc_table_snapshot_write(self._ptr, ffi.from_buffer("uint8_t[]", buf), size)
+        if rc != lib.KVC_OK:
+            _raise(rc, "writing a snapshot")
+        return bytes(buf)
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return int(lib.kvc_table_epoch(self._ptr))
+
+    @property
+    def table_id(self) -> int:
+        return self._seed
+
+    @property
+    def value_bits(self) -> int:
+        return self._value_bits
+
+    @property
+    def fingerprint_bits(self) -> int:
+        return self._fingerprint_bits
+
+    @property
+    def slots(self) -> int:
+        return int(lib.kvc_table_slots(self._ptr))
+
+    @property
+    def load(self) -> float:
+        return len(self) / self.slots
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(lib.kvc_table_memory_bytes(self._ptr))
+
+    @property
+    def overflow_buckets(self) -> int:
+        """Buckets whose slot seed exceeds the view's 5 bits (they live in its overflow map)."""
+        return int(lib.kvc_table_overflow_buckets(self._ptr))
+
+    def __repr__(self) -> str:
+        return f"LudoTable(id={self._seed}, entries={len(self)}, slots={self.slots}, epoch={self.epoch})"
+
+
+class LudoView:
+    """Keyless edge-side replica of one Ludo table."""
+
+    __slots__ = ("_ptr",)
+
+    def __init__(self) -> None:
+        raise TypeError("use LudoView.from_snapshot(blob)")
+
+    @classmethod
+    def from_snapshot(cls, blob: bytes) -> LudoView:
+        buf = _blob_buffer(blob)
+        out = ffi.new("kvc_view **")
+        rc = lib.kvc_view_new(out, buf, len(buf))
+        if rc != lib.KVC_OK:
+            _raise(rc, "building a view from a snapshot")
+        view = object.__new__(cls)
+        view._ptr = ffi.gc(out[0], lib.kvc_view_free, size=int(lib.kvc_view_memory_bytes(out[0])))
+        return view
+
+    def apply(self, blob: bytes) -> None:
+        """Apply a record blob or a snapshot; on any error the view is left unchanged."""
+        buf = _blob_buffer(blob)
+        rc = lib.kvc_view_apply(self._ptr, buf, len(buf))
+        if rc != lib.KVC_OK:
+            _raise(rc, f"applying a blob to the view of table {self.table_id} at epoch {self.epoch}")
+
+    def lookup(self, key: int) -> int:
+        """The value stored for key, 0 if none (or if fingerprints reject it)."""
+        if type(key) is not int or not 0 <= key < KEY_LIMIT:
+            key = _check_key(key)
+        return int(lib.kvc_view_lookup(self._ptr, key))
+
+    def lookup_many(self, keys: Any) -> np.ndarray:
+        """Batch lookup (prefetching across the batch): a uint64 array aligned with keys."""
+        k = _as_uint64(keys, "keys", KEY_LIMIT, LudoKeyRangeError)
+        out = np.empty(k.size, dtype=np.uint64)
+        if k.size:
+            lib.kvc_view_lookup_many(self._ptr, _u64_ptr(k), k.size, _u64_ptr(out))
+        return out
+
+    @property
+    def epoch(self) -> int:
+        return int(lib.kvc_view_epoch(self._ptr))
+
+    @property
+    def table_id(self) -> int:
+        return int(lib.kvc_view_table_id(self._ptr))
+
+    @property
+    def slots(self) -> int:
+        return int(lib.kvc_view_slots(self._ptr))
+
+    @property
+    def value_bits(self) -> int:
+        return int(lib.kvc_view_value_bits(self._ptr))
+
+    @property
+    def fingerprint_bits(self) -> int:
+        return int(lib.kvc_view_fingerprint_bits(self._ptr))
+
+    @property
+    def snapshot_entries(self) -> int:
+        """Entries in the table when this view's last snapshot was taken."""
+        return int(lib.kvc_view_snapshot_entries(self._ptr))
+
+    @property
+    def overflow_count(self) -> int:
+        return int(lib.kvc_view_overflow_count(self._ptr))
+
+    @property
+    def overflow_capacity(self) -> int:
+        return int(lib.kvc_view_overflow_capacity(self._ptr))
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(lib.kvc_view_memory_bytes(self._ptr))
+
+    def __repr__(self) -> str:
+        return f"LudoView(id={self.table_id}, slots={self.slots}, epoch={self.epoch})"
+
+
+def peek_blob(blob: bytes) -> tuple[str, int, int]:
+    """(kind "snapshot"/"records", table id, epoch) from a blob's header, for routing.
+
+    Checks the header's shape only; ``LudoView.apply`` validates the whole blob.
+    """
+    buf = _blob_buffer(blob)
+    kind = ffi.new("unsigned *")
+    table_id = ffi.new("uint64_t *")
+    epoch = ffi.new("uint64_t *")
+    rc = lib.kvc_blob_peek(buf, len(buf), kind, table_id, epoch)
+    if rc != lib.KVC_OK:
+        _raise(rc, "reading a blob header")
+    return ("snapshot" if kind[0] == lib.KVC_BLOB_SNAPSHOT else "records"), int(table_id[0]), int(epoch[0])

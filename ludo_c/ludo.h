@@ -1,0 +1,186 @@
+/*
+ * ludo.h -- a Ludo hashing table (Shi & Qian, SIGMETRICS 2020) for kvcompassd.
+ *
+ * Two halves:
+ *   kvc_table  the maintenance side: stores full 63-bit keys next to their values, so `get` is
+ *              exact; the single writer of a shard. Every mutation appends update records that
+ *              carry the ABSOLUTE new state of what it touched (bucket seed + 4 slot values
+ *              [+ fingerprints], 64-bit locator words), so applying a record twice is harmless.
+ *   kvc_view   the keyless edge side: built from a snapshot, kept identical by applying record
+ *              blobs; answers lookup(key) in about three memory reads.
+ *
+ * Records and snapshots are plain little-endian bytes ("blobs") with a 72-byte header (magic,
+ * format version, kind, table id, epoch, geometry, hash seeds, payload length, CRC-32). A view
+ * validates a whole blob before changing anything, so a rejected blob leaves it untouched.
+ *
+ * There is no global mutable state: any number of tables and views may live side by side. None of
+ * the functions is thread-safe on the same object; different objects may be used concurrently.
+ *
+ * Everything between CDEF-BEGIN and CDEF-END is also fed to cffi's cdef: plain declarations only.
+ */
+#ifndef KVC_LUDO_H
+#define KVC_LUDO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* CDEF-BEGIN */
+
+/* Result codes: 0 is success, negatives are errors. Lookups of presence return 1/0. */
+enum kvc_status {
+    KVC_OK = 0,
+    KVC_ERR_NOMEM = -1,        /* an allocation failed; the object is unchanged */
+    KVC_ERR_KEY_RANGE = -2,    /* key >= 2^63 */
+    KVC_ERR_VALUE_RANGE = -3,  /* value is 0 or wider than the table's value bits */
+    KVC_ERR_PRESENT = -4,      /* insert of a key that is already present */
+    KVC_ERR_ABSENT = -5,       /* update/remove of a key that is not present */
+    KVC_ERR_ARG = -6,          /* bad creation parameter or output buffer size */
+    KVC_ERR_TRUNCATED = -7,    /* blob shorter than its header or its declared length */
+    KVC_ERR_MAGIC = -8,        /* blob does not start with the Ludo magic */
+    KVC_ERR_VERSION = -9,      /* unknown format version or blob kind */
+    KVC_ERR_CHECKSUM = -10,    /* CRC-32 mismatch: the blob was corrupted */
+    KVC_ERR_FOREIGN = -11,     /* blob belongs to another table (table id differs) */
+    KVC_ERR_EPOCH = -12,       /* records for another epoch, or a snapshot older than the view */
+    KVC_ERR_GEOMETRY = -13,    /* header geometry impossible or not the view's */
+    KVC_ERR_MALFORMED = -14,   /* payload fields out of range (index, fingerprint, length) */
+    KVC_ERR_FULL = -15         /* the table cannot grow any further (2^31 buckets) */
+};
+
+/* Blob kinds (header field). */
+enum kvc_blob_kind {
+    KVC_BLOB_SNAPSHOT = 1,
+    KVC_BLOB_RECORDS = 2
+};
+
+typedef struct kvc_table kvc_table;
+typedef struct kvc_view kvc_view;
+
+/* ---- maintenance table ---------------------------------------------------------------- */
+
+/* Create a table sized for `capacity` entries at `max_load` occupancy (buckets =
+ * ceil(capacity / (4 * max_load))). value_bits is 32 or 64; fingerprint_bits 0..16 (0 = paper);
+ * max_load in (0, 0.98]; `seed` is also the table id carried in every blob (give each table its
+ * own). Returns KVC_OK and sets *out, or KVC_ERR_ARG / KVC_ERR_NOMEM. */
+int kvc_table_new(kvc_table **out, uint64_t capacity, unsigned value_bits,
+                  unsigned fingerprint_bits, double max_load, uint64_t seed);
+
+/* Free a table (NULL is allowed). */
+void kvc_table_free(kvc_table *table);
+
+/* Insert a new key. Errors: KEY_RANGE, VALUE_RANGE (0 or too wide), PRESENT, NOMEM, FULL.
+ * May grow the table (new epoch; the next take yields a snapshot). */
+int kvc_table_insert(kvc_table *table, uint64_t key, uint64_t value);
+
+/* Replace the value of a present key. Errors: KEY_RANGE, VALUE_RANGE, ABSENT, NOMEM. */
+int kvc_table_update(kvc_table *table, uint64_t key, uint64_t value);
+
+/* Remove a present key. Errors: KEY_RANGE, ABSENT, NOMEM. */
+int kvc_table_remove(kvc_table *table, uint64_t key);
+
+/* Exact lookup: returns 1 and sets *value_out if present, 0 if absent, KEY_RANGE if key >= 2^63. */
+int kvc_table_get(const kvc_table *table, uint64_t key, uint64_t *value_out);
+
+/* Batch forms: apply in order, stop at the first failing element. *done is set to the number of
+ * elements applied; the return value is KVC_OK or the failing element's error. */
+int kvc_table_insert_many(kvc_table *table, const uint64_t *keys, const uint64_t *values,
+                          size_t n, size_t *done);
+int kvc_table_update_many(kvc_table *table, const uint64_t *keys, const uint64_t *values,
+                          size_t n, size_t *done);
+int kvc_table_remove_many(kvc_table *table, const uint64_t *keys, size_t n, size_t *done);
+
+/* Batch exact lookup: values_out[i] = value or 0, found_out[i] = 1/0 (0 for keys >= 2^63). */
+void kvc_table_get_many(const kvc_table *table, const uint64_t *keys, size_t n,
+                        uint64_t *values_out, uint8_t *found_out);
+
+/* Number of keys stored. */
+uint64_t kvc_table_size(const kvc_table *table);
+
+/* Current epoch (starts at 1; +1 on every grow or locator reseed). */
+uint64_t kvc_table_epoch(const kvc_table *table);
+
+/* Number of slots (4 x buckets). */
+uint64_t kvc_table_slots(const kvc_table *table);
+
+/* Bytes allocated by the table, everything included. */
+uint64_t kvc_table_memory_bytes(const kvc_table *table);
+
+/* Number of buckets whose slot seed does not fit in the view's 5 bits (go to its overflow map). */
+uint64_t kvc_table_overflow_buckets(const kvc_table *table);
+
+/* Size in bytes of a snapshot blob of the current state. */
+size_t kvc_table_snapshot_size(const kvc_table *table);
+
+/* Write a snapshot blob of the current state into buf (len must equal kvc_table_snapshot_size). */
+int kvc_table_snapshot_write(const kvc_table *table, uint8_t *buf, size_t len);
+
+/* 1 if the table was rebuilt (grow or locator reseed) since the last kvc_table_clear_pending:
+ * pending records are then meaningless and a snapshot must be shipped instead. */
+int kvc_table_needs_snapshot(const kvc_table *table);
+
+/* Size of the record blob that kvc_table_records_drain would write now (0 = nothing pending). */
+size_t kvc_table_records_size(const kvc_table *table);
+
+/* Write all pending records as one blob into buf (len must equal kvc_table_records_size) and
+ * forget them. */
+int kvc_table_records_drain(kvc_table *table, uint8_t *buf, size_t len);
+
+/* Forget pending records and the needs-snapshot flag (call after shipping a snapshot). */
+void kvc_table_clear_pending(kvc_table *table);
+
+/* ---- keyless view ---------------------------------------------------------------------- */
+
+/* Build a view from a snapshot blob. Returns KVC_OK and sets *out, or a blob error code. */
+int kvc_view_new(kvc_view **out, const uint8_t *blob, size_t len);
+
+/* Free a view (NULL is allowed). */
+void kvc_view_free(kvc_view *view);
+
+/* Apply a record blob (same table, same epoch) or a snapshot blob (same table, epoch not older).
+ * The whole blob is validated first; on any error the view is unchanged. */
+int kvc_view_apply(kvc_view *view, const uint8_t *blob, size_t len);
+
+/* Value stored for key; 0 for an empty slot, a fingerprint mismatch, or key >= 2^63. A key never
+ * inserted may return a non-zero value (a false hit) unless fingerprints reject it. */
+uint64_t kvc_view_lookup(const kvc_view *view, uint64_t key);
+
+/* Batch lookup with software prefetching across the batch; values_out[i] as kvc_view_lookup. */
+void kvc_view_lookup_many(const kvc_view *view, const uint64_t *keys, size_t n,
+                          uint64_t *values_out);
+
+/* Epoch, table id, geometry and accounting of the view. */
+uint64_t kvc_view_epoch(const kvc_view *view);
+uint64_t kvc_view_table_id(const kvc_view *view);
+uint64_t kvc_view_slots(const kvc_view *view);
+unsigned kvc_view_value_bits(const kvc_view *view);
+unsigned kvc_view_fingerprint_bits(const kvc_view *view);
+/* Entries the table held when the view's snapshot was taken (records do not carry counts). */
+uint64_t kvc_view_snapshot_entries(const kvc_view *view);
+/* Buckets currently in the overflow map, and the map's capacity (it grows as needed). */
+uint64_t kvc_view_overflow_count(const kvc_view *view);
+uint64_t kvc_view_overflow_capacity(const kvc_view *view);
+/* Bytes allocated by the view, everything included (struct, arrays, overflow map). */
+uint64_t kvc_view_memory_bytes(const kvc_view *view);
+
+/* ---- blobs ------------------------------------------------------------------------------ */
+
+/* Read a blob's header without the checksum: sets kind, table id and epoch. Returns KVC_OK or a
+ * header error (TRUNCATED, MAGIC, VERSION). Use for routing; kvc_view_apply validates fully. */
+int kvc_blob_peek(const uint8_t *blob, size_t len, unsigned *kind, uint64_t *table_id,
+                  uint64_t *epoch);
+
+/* ---- benchmark helpers (read the monotonic clock; not used by the index itself) ------------ */
+
+/* Run n single operations (op 1 = insert, 2 = update, 3 = remove) one at a time; after each one
+ * drain its records (or a snapshot after a rebuild) into `view` so it stays in sync, and store the
+ * elapsed nanoseconds of op + sync in ns_out[i]. values may be NULL for remove. Returns KVC_OK or
+ * the first error (ns_out filled up to it). */
+int kvc_bench_table_ops(kvc_table *table, kvc_view *view, int op, const uint64_t *keys,
+                        const uint64_t *values, size_t n, uint64_t *ns_out);
+
+/* Time n single kvc_view_lookup calls; ns_out[i] = elapsed ns, sink receives the XOR of values. */
+void kvc_bench_view_lookups(const kvc_view *view, const uint64_t *keys, size_t n,
+                            uint64_t *ns_out, uint64_t *sink);
+
+/* CDEF-END */
+
+#endif /* KVC_LUDO_H */

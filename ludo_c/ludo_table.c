@@ -1,0 +1,710 @@
+/*
+ * ludo_table.c -- the maintenance side of a Ludo table: full keys, cuckoo placement, per-bucket
+ * slot seeds, an Othello locator kept acyclic, and the absolute-state update record stream.
+ */
+#include <stdlib.h>
+#include <math.h>
+
+#include "ludo_internal.h"
+#include "ludo_locator.h"
+
+#define EMPTY_KEY UINT64_MAX
+#define MAX_CUCKOO_DEPTH 5
+#define BFS_CAP 4096 /* 2 roots x (1 + 4 + ... + 4^5) = 2730 nodes at most */
+#define MAX_REBUILD_ATTEMPTS 64
+
+/* Buckets of 4 slots; a key sits at the slot its bucket's seed sends it to. */
+typedef struct kvc_store {
+    uint32_t nb;
+    uint64_t bucket_seed, slot_base;
+    uint64_t *keys, *vals; /* 4 * nb */
+    uint32_t *edge;        /* locator edge of the key in each slot */
+    uint16_t *seed;        /* nb */
+    uint64_t overflow;     /* buckets with seed > KVC_SEED_INLINE_MAX */
+} kvc_store;
+
+typedef struct bfs_node {
+    uint64_t key;   /* key moved from the parent bucket into this one */
+    uint32_t bucket;
+    int32_t parent;
+    uint32_t depth;
+} bfs_node;
+
+typedef struct byte_buf {
+    uint8_t *p;
+    size_t len, cap;
+} byte_buf;
+
+struct kvc_table {
+    uint64_t table_id, epoch;
+    unsigned value_bits, fp_bits;
+    double max_load;
+    uint64_t fp_seed;
+    uint64_t size, max_size;
+    kvc_store st;
+    kvc_locator loc;
+    bfs_node *bfs;
+    uint32_t moved_edges[MAX_CUCKOO_DEPTH + 1];
+    unsigned moved_n;
+    uint32_t touched_buckets[2 * MAX_CUCKOO_DEPTH + 4];
+    unsigned touched_n;
+    byte_buf rec_buckets, rec_words;
+    uint32_t rec_bucket_n, rec_word_n;
+    int needs_snapshot;
+};
+
+/* ---------------------------------------------------------------- store */
+
+static void store_free(kvc_store *s)
+{
+    free(s->keys);
+    free(s->vals);
+    free(s->edge);
+    free(s->seed);
+    memset(s, 0, sizeof *s);
+}
+
+static int store_alloc(kvc_store *s, uint32_t nb, uint64_t bucket_seed)
+{
+    memset(s, 0, sizeof *s);
+    size_t slots = (size_t)nb * 4u;
+    s->nb = nb;
+    s->bucket_seed = bucket_seed;
+    s->slot_base = kvc_slot_base(bucket_seed);
+    s->keys = malloc(slots * sizeof *s->keys);
+    s->vals = calloc(slots, sizeof *s->vals);
+    s->edge = malloc(slots * sizeof *s->edge);
+    s->seed = calloc(nb, sizeof *s->seed);
+    if (!s->keys || !s->vals || !s->edge || !s->seed) {
+        store_free(s);
+        return KVC_ERR_NOMEM;
+    }
+    for (size_t i = 0; i < slots; i++) {
+        s->keys[i] = EMPTY_KEY;
+        s->edge[i] = KVC_NO_EDGE;
+    }
+    return KVC_OK;
+}
+
+static inline unsigned bucket_count(const kvc_store *s, uint32_t b)
+{
+    const uint64_t *k = s->keys + (size_t)b * 4u;
+    return (k[0] != EMPTY_KEY) + (k[1] != EMPTY_KEY) + (k[2] != EMPTY_KEY) + (k[3] != EMPTY_KEY);
+}
+
+static inline int64_t store_find(const kvc_store *s, uint64_t key)
+{
+    uint32_t b0, b1;
+    kvc_buckets(key, s->bucket_seed, s->nb, &b0, &b1);
+    const uint64_t *k0 = s->keys + (size_t)b0 * 4u, *k1 = s->keys + (size_t)b1 * 4u;
+    for (unsigned i = 0; i < 4; i++) {
+        if (k0[i] == key)
+            return (int64_t)b0 * 4 + i;
+        if (k1[i] == key)
+            return (int64_t)b1 * 4 + i;
+    }
+    return -1;
+}
+
+/* Find the smallest seed sending the bucket's keys to distinct slots and lay them out by it. */
+static int store_reseed(kvc_store *s, uint32_t b)
+{
+    size_t base = (size_t)b * 4u;
+    uint64_t k[4], v[4];
+    uint32_t e[4];
+    unsigned n = 0;
+    for (unsigned i = 0; i < 4; i++) {
+        if (s->keys[base + i] != EMPTY_KEY) {
+            k[n] = s->keys[base + i];
+            v[n] = s->vals[base + i];
+            e[n] = s->edge[base + i];
+            n++;
+        }
+    }
+    unsigned slot[4];
+    unsigned seed = 0;
+    for (;; seed++) {
+        if (seed > KVC_SEED_LIMIT)
+            return KVC_ERR_FULL; /* astronomically unlikely; the caller rebuilds */
+        unsigned used = 0, ok = 1;
+        for (unsigned i = 0; i < n && ok; i++) {
+            slot[i] = kvc_slot(k[i], s->slot_base, seed);
+            ok = !(used & (1u << slot[i]));
+            used |= 1u << slot[i];
+        }
+        if (ok)
+            break;
+    }
+    for (unsigned i = 0; i < 4; i++) {
+        s->keys[base + i] = EMPTY_KEY;
+        s->vals[base + i] = 0;
+        s->edge[base + i] = KVC_NO_EDGE;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        s->keys[base + slot[i]] = k[i];
+        s->vals[base + slot[i]] = v[i];
+        s->edge[base + slot[i]] = e[i];
+    }
+    s->overflow -= s->seed[b] > KVC_SEED_INLINE_MAX;
+    s->overflow += seed > KVC_SEED_INLINE_MAX;
+    s->seed[b] = (uint16_t)seed;
+    return KVC_OK;
+}
+
+static void store_put_any(kvc_store *s, uint32_t b, uint64_t key, uint64_t val, uint32_t edge)
+{
+    size_t base = (size_t)b * 4u;
+    for (unsigned i = 0; i < 4; i++) {
+        if (s->keys[base + i] == EMPTY_KEY) {
+            s->keys[base + i] = key;
+            s->vals[base + i] = val;
+            s->edge[base + i] = edge;
+            return;
+        }
+    }
+}
+
+static void touch_bucket(kvc_table *t, uint32_t b)
+{
+    for (unsigned i = 0; i < t->touched_n; i++)
+        if (t->touched_buckets[i] == b)
+            return;
+    t->touched_buckets[t->touched_n++] = b;
+}
+
+static int path_has(const bfs_node *q, int32_t i, uint32_t bucket)
+{
+    for (; i >= 0; i = q[i].parent)
+        if (q[i].bucket == bucket)
+            return 1;
+    return 0;
+}
+
+/* Place a new key in store s: a free slot of b0/b1, else a BFS cuckoo path of depth <= 5.
+ * Records touched buckets and the locator edges of moved keys in t's scratch lists.
+ * Returns KVC_OK, or KVC_ERR_FULL with s unchanged when there is no path. */
+static int store_place(kvc_table *t, kvc_store *s, uint64_t key, uint64_t val, uint32_t *bucket_out)
+{
+    uint32_t b0, b1;
+    kvc_buckets(key, s->bucket_seed, s->nb, &b0, &b1);
+    unsigned c0 = bucket_count(s, b0), c1 = bucket_count(s, b1);
+    t->moved_n = 0;
+    t->touched_n = 0;
+    if (c0 < 4 || c1 < 4) {
+        uint32_t target = (c0 <= c1) ? b0 : b1;
+        store_put_any(s, target, key, val, KVC_NO_EDGE);
+        touch_bucket(t, target);
+        *bucket_out = target;
+        return store_reseed(s, target);
+    }
+    bfs_node *q = t->bfs;
+    int32_t qn = 2, found = -1;
+    q[0] = (bfs_node){key, b0, -1, 0};
+    q[1] = (bfs_node){key, b1, -1, 0};
+    for (int32_t head = 0; head < qn && found < 0; head++) {
+        if (q[head].depth >= MAX_CUCKOO_DEPTH)
+            continue;
+        uint32_t b = q[head].bucket;
+        for (unsigned i = 0; i < 4 && found < 0; i++) {
+            uint64_t k = s->keys[(size_t)b * 4u + i];
+            uint32_t kb0, kb1;
+            kvc_buckets(k, s->bucket_seed, s->nb, &kb0, &kb1);
+            uint32_t alt = (kb0 == b) ? kb1 : kb0;
+            if (path_has(q, head, alt) || qn >= BFS_CAP)
+                continue;
+            q[qn] = (bfs_node){k, alt, head, q[head].depth + 1};
+            if (bucket_count(s, alt) < 4)
+                found = qn;
+            qn++;
+        }
+    }
+    if (found < 0)
+        return KVC_ERR_FULL;
+    int32_t i = found;
+    while (q[i].parent >= 0) {
+        int32_t p = q[i].parent;
+        size_t from = (size_t)q[p].bucket * 4u;
+        unsigned j = 0;
+        while (s->keys[from + j] != q[i].key)
+            j++;
+        uint32_t e = s->edge[from + j];
+        store_put_any(s, q[i].bucket, s->keys[from + j], s->vals[from + j], e);
+        s->keys[from + j] = EMPTY_KEY;
+        s->vals[from + j] = 0;
+        s->edge[from + j] = KVC_NO_EDGE;
+        if (e != KVC_NO_EDGE)
+            t->moved_edges[t->moved_n++] = e;
+        touch_bucket(t, q[i].bucket);
+        i = p;
+    }
+    store_put_any(s, q[i].bucket, key, val, KVC_NO_EDGE);
+    touch_bucket(t, q[i].bucket);
+    *bucket_out = q[i].bucket;
+    for (unsigned k = 0; k < t->touched_n; k++) {
+        int rc = store_reseed(s, t->touched_buckets[k]);
+        if (rc != KVC_OK)
+            return rc;
+    }
+    return KVC_OK;
+}
+
+/* ---------------------------------------------------------------- records */
+
+static int buf_reserve(byte_buf *b, size_t extra)
+{
+    if (b->len + extra <= b->cap)
+        return KVC_OK;
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap < b->len + extra)
+        cap *= 2;
+    uint8_t *p = realloc(b->p, cap);
+    if (!p)
+        return KVC_ERR_NOMEM;
+    b->p = p;
+    b->cap = cap;
+    return KVC_OK;
+}
+
+static void write_bucket_state(const kvc_table *t, uint32_t b, uint8_t *p)
+{
+    const kvc_store *s = &t->st;
+    size_t base = (size_t)b * 4u;
+    kvc_put32(p, b);
+    kvc_put16(p + 4, s->seed[b]);
+    p += 6;
+    for (unsigned i = 0; i < 4; i++) {
+        if (t->value_bits == 32) {
+            kvc_put32(p, (uint32_t)s->vals[base + i]);
+            p += 4;
+        } else {
+            kvc_put64(p, s->vals[base + i]);
+            p += 8;
+        }
+    }
+    if (t->fp_bits)
+        for (unsigned i = 0; i < 4; i++) {
+            uint64_t k = s->keys[base + i];
+            kvc_put16(p + 2 * i, k == EMPTY_KEY ? 0 : (uint16_t)kvc_fingerprint(k, t->fp_seed, t->fp_bits));
+        }
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Append the absolute state of everything the last operation touched. */
+static int emit_touched(kvc_table *t)
+{
+    kvc_locator *L = &t->loc;
+    if (t->needs_snapshot) { /* a snapshot will carry it all */
+        t->touched_n = 0;
+        L->touched_n = 0;
+        return KVC_OK;
+    }
+    size_t bsize = kvc_record_bucket_size(t->value_bits, t->fp_bits);
+    if (L->touched_n > 1)
+        qsort(L->touched, L->touched_n, sizeof *L->touched, cmp_u32);
+    if (buf_reserve(&t->rec_buckets, bsize * t->touched_n) != KVC_OK ||
+        buf_reserve(&t->rec_words, KVC_RECORD_WORD_SIZE * (size_t)L->touched_n) != KVC_OK)
+        return KVC_ERR_NOMEM;
+    for (unsigned i = 0; i < t->touched_n; i++) {
+        write_bucket_state(t, t->touched_buckets[i], t->rec_buckets.p + t->rec_buckets.len);
+        t->rec_buckets.len += bsize;
+        t->rec_bucket_n++;
+    }
+    for (size_t i = 0; i < L->touched_n; i++) {
+        if (i > 0 && L->touched[i] == L->touched[i - 1])
+            continue;
+        uint8_t *p = t->rec_words.p + t->rec_words.len;
+        kvc_put32(p, L->touched[i]);
+        kvc_put64(p + 4, L->words[L->touched[i]]);
+        t->rec_words.len += KVC_RECORD_WORD_SIZE;
+        t->rec_word_n++;
+    }
+    t->touched_n = 0;
+    L->touched_n = 0;
+    return KVC_OK;
+}
+
+/* ---------------------------------------------------------------- rebuilds */
+
+static uint32_t locator_cells_a(uint32_t nb) { return (uint32_t)ceil(1.33 * 4.0 * nb) + 64u; }
+static uint32_t locator_cells_b(uint32_t nb) { return 4u * nb + 64u; }
+
+/* Build a fresh acyclic locator for store s, reseeding until the key graph has no cycle. */
+static int build_locator_for(kvc_table *t, kvc_store *s, uint64_t epoch, kvc_locator *out)
+{
+    for (uint64_t attempt = 0; attempt < MAX_REBUILD_ATTEMPTS; attempt++) {
+        uint64_t seed = kvc_derive(t->table_id, epoch * 1000003u + attempt + 0x10000u);
+        int rc = kvc_locator_build(out, locator_cells_a(s->nb), locator_cells_b(s->nb), seed,
+                                   s->keys, s->edge, s->nb, s->bucket_seed);
+        if (rc != KVC_LOC_CYCLE)
+            return rc;
+    }
+    return KVC_ERR_FULL;
+}
+
+static int locator_rebuild(kvc_table *t)
+{
+    kvc_locator fresh;
+    int rc = build_locator_for(t, &t->st, t->epoch + 1, &fresh);
+    if (rc != KVC_OK)
+        return rc;
+    kvc_locator_free(&t->loc);
+    t->loc = fresh;
+    t->epoch++;
+    t->needs_snapshot = 1;
+    return KVC_OK;
+}
+
+static void set_max_size(kvc_table *t)
+{
+    t->max_size = (uint64_t)floor(t->max_load * 4.0 * (double)t->st.nb);
+}
+
+/* Rebuild into at least `nb` buckets under a new epoch: new bucket seed, new locator. */
+static int grow(kvc_table *t, uint64_t nb)
+{
+    for (uint64_t attempt = 0;; attempt++) {
+        if (nb >= KVC_MAX_BUCKETS)
+            return KVC_ERR_FULL;
+        kvc_store s;
+        uint64_t bseed = kvc_derive(t->table_id, (t->epoch + 1) * 1000003u + attempt);
+        int rc = store_alloc(&s, (uint32_t)nb, bseed);
+        if (rc != KVC_OK)
+            return rc;
+        size_t slots = (size_t)t->st.nb * 4u;
+        for (size_t i = 0; i < slots && rc == KVC_OK; i++) {
+            uint32_t b;
+            if (t->st.keys[i] != EMPTY_KEY)
+                rc = store_place(t, &s, t->st.keys[i], t->st.vals[i], &b);
+        }
+        t->touched_n = 0;
+        if (rc == KVC_ERR_FULL) {
+            store_free(&s);
+            nb = nb + nb / 4u + 1u;
+            continue;
+        }
+        kvc_locator fresh;
+        if (rc == KVC_OK)
+            rc = build_locator_for(t, &s, t->epoch + 1, &fresh);
+        if (rc != KVC_OK) {
+            store_free(&s);
+            return rc;
+        }
+        store_free(&t->st);
+        kvc_locator_free(&t->loc);
+        t->st = s;
+        t->loc = fresh;
+        t->epoch++;
+        t->needs_snapshot = 1;
+        set_max_size(t);
+        return KVC_OK;
+    }
+}
+
+/* ---------------------------------------------------------------- public: lifecycle */
+
+int kvc_table_new(kvc_table **out, uint64_t capacity, unsigned value_bits,
+                  unsigned fingerprint_bits, double max_load, uint64_t seed)
+{
+    if (!out || (value_bits != 32 && value_bits != 64) || fingerprint_bits > 16 ||
+        !(max_load > 0.0 && max_load <= 0.98))
+        return KVC_ERR_ARG;
+    double want = ceil((double)(capacity ? capacity : 1) / (4.0 * max_load));
+    if (want >= (double)KVC_MAX_BUCKETS)
+        return KVC_ERR_ARG;
+    uint32_t nb = want < 2.0 ? 2u : (uint32_t)want;
+    kvc_table *t = calloc(1, sizeof *t);
+    if (!t)
+        return KVC_ERR_NOMEM;
+    t->table_id = seed;
+    t->epoch = 1;
+    t->value_bits = value_bits;
+    t->fp_bits = fingerprint_bits;
+    t->max_load = max_load;
+    t->bfs = malloc(BFS_CAP * sizeof *t->bfs);
+    int rc = t->bfs ? store_alloc(&t->st, nb, kvc_derive(seed, t->epoch * 1000003u)) : KVC_ERR_NOMEM;
+    if (rc == KVC_OK)
+        rc = build_locator_for(t, &t->st, t->epoch, &t->loc);
+    if (rc != KVC_OK) {
+        kvc_table_free(t);
+        return rc;
+    }
+    t->fp_seed = kvc_fp_seed(t->table_id);
+    set_max_size(t);
+    *out = t;
+    return KVC_OK;
+}
+
+void kvc_table_free(kvc_table *t)
+{
+    if (!t)
+        return;
+    store_free(&t->st);
+    kvc_locator_free(&t->loc);
+    free(t->bfs);
+    free(t->rec_buckets.p);
+    free(t->rec_words.p);
+    free(t);
+}
+
+/* ---------------------------------------------------------------- public: operations */
+
+static int check_value(const kvc_table *t, uint64_t value)
+{
+    if (value == 0 || (t->value_bits == 32 && value > UINT32_MAX))
+        return KVC_ERR_VALUE_RANGE;
+    return KVC_OK;
+}
+
+int kvc_table_insert(kvc_table *t, uint64_t key, uint64_t value)
+{
+    if (key >= KVC_KEY_LIMIT)
+        return KVC_ERR_KEY_RANGE;
+    int rc = check_value(t, value);
+    if (rc != KVC_OK)
+        return rc;
+    if (store_find(&t->st, key) >= 0)
+        return KVC_ERR_PRESENT;
+    if (t->size + 1 > t->max_size) {
+        rc = grow(t, (uint64_t)t->st.nb + t->st.nb / 2u + 1u);
+        if (rc != KVC_OK)
+            return rc;
+    }
+    uint32_t bucket;
+    for (;;) {
+        rc = store_place(t, &t->st, key, value, &bucket);
+        if (rc != KVC_ERR_FULL)
+            break;
+        /* No cuckoo path (or, never in practice, no slot seed): rebuild larger. A failed reseed
+         * may have left a bucket unordered; the rebuild re-places every key from scratch. */
+        t->touched_n = 0;
+        int64_t at = store_find(&t->st, key);
+        rc = grow(t, (uint64_t)t->st.nb + t->st.nb / 2u + 1u);
+        if (rc != KVC_OK)
+            return rc;
+        if (at >= 0) { /* the key made it in before the reseed failure; the rebuild kept it */
+            t->size++;
+            return KVC_OK;
+        }
+    }
+    if (rc != KVC_OK)
+        return rc;
+    kvc_locator *L = &t->loc;
+    for (unsigned i = 0; i < t->moved_n; i++)
+        kvc_locator_flip(L, t->moved_edges[i]);
+    uint32_t b0, b1;
+    kvc_buckets(key, t->st.bucket_seed, t->st.nb, &b0, &b1);
+    uint32_t edge;
+    rc = kvc_locator_add(L, key, bucket == b1, &edge);
+    t->size++;
+    if (rc == KVC_LOC_CYCLE) {
+        rc = locator_rebuild(t);
+    } else if (rc == KVC_OK) {
+        int64_t at = store_find(&t->st, key);
+        t->st.edge[at] = edge;
+    }
+    if (rc != KVC_OK)
+        return rc;
+    return emit_touched(t);
+}
+
+int kvc_table_update(kvc_table *t, uint64_t key, uint64_t value)
+{
+    if (key >= KVC_KEY_LIMIT)
+        return KVC_ERR_KEY_RANGE;
+    int rc = check_value(t, value);
+    if (rc != KVC_OK)
+        return rc;
+    int64_t at = store_find(&t->st, key);
+    if (at < 0)
+        return KVC_ERR_ABSENT;
+    t->st.vals[at] = value;
+    t->touched_n = 0;
+    touch_bucket(t, (uint32_t)(at / 4));
+    return emit_touched(t);
+}
+
+int kvc_table_remove(kvc_table *t, uint64_t key)
+{
+    if (key >= KVC_KEY_LIMIT)
+        return KVC_ERR_KEY_RANGE;
+    int64_t at = store_find(&t->st, key);
+    if (at < 0)
+        return KVC_ERR_ABSENT;
+    kvc_locator_remove(&t->loc, t->st.edge[at]);
+    t->st.keys[at] = EMPTY_KEY;
+    t->st.vals[at] = 0;
+    t->st.edge[at] = KVC_NO_EDGE;
+    uint32_t b = (uint32_t)(at / 4);
+    int rc = store_reseed(&t->st, b); /* fewer keys always fit: seed search ends quickly */
+    t->size--;
+    if (rc != KVC_OK)
+        return rc;
+    t->touched_n = 0;
+    touch_bucket(t, b);
+    return emit_touched(t);
+}
+
+int kvc_table_get(const kvc_table *t, uint64_t key, uint64_t *value_out)
+{
+    if (key >= KVC_KEY_LIMIT)
+        return KVC_ERR_KEY_RANGE;
+    int64_t at = store_find(&t->st, key);
+    if (at < 0)
+        return 0;
+    if (value_out)
+        *value_out = t->st.vals[at];
+    return 1;
+}
+
+int kvc_table_insert_many(kvc_table *t, const uint64_t *keys, const uint64_t *values,
+                          size_t n, size_t *done)
+{
+    size_t i = 0;
+    int rc = KVC_OK;
+    for (; i < n && rc == KVC_OK; i++)
+        rc = kvc_table_insert(t, keys[i], values[i]);
+    *done = rc == KVC_OK ? i : i - 1;
+    return rc;
+}
+
+int kvc_table_update_many(kvc_table *t, const uint64_t *keys, const uint64_t *values,
+                          size_t n, size_t *done)
+{
+    size_t i = 0;
+    int rc = KVC_OK;
+    for (; i < n && rc == KVC_OK; i++)
+        rc = kvc_table_update(t, keys[i], values[i]);
+    *done = rc == KVC_OK ? i : i - 1;
+    return rc;
+}
+
+int kvc_table_remove_many(kvc_table *t, const uint64_t *keys, size_t n, size_t *done)
+{
+    size_t i = 0;
+    int rc = KVC_OK;
+    for (; i < n && rc == KVC_OK; i++)
+        rc = kvc_table_remove(t, keys[i]);
+    *done = rc == KVC_OK ? i : i - 1;
+    return rc;
+}
+
+void kvc_table_get_many(const kvc_table *t, const uint64_t *keys, size_t n,
+                        uint64_t *values_out, uint8_t *found_out)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint64_t v = 0;
+        int r = kvc_table_get(t, keys[i], &v);
+        values_out[i] = r == 1 ? v : 0;
+        found_out[i] = r == 1;
+    }
+}
+
+/* ---------------------------------------------------------------- public: accounting */
+
+uint64_t kvc_table_size(const kvc_table *t) { return t->size; }
+uint64_t kvc_table_epoch(const kvc_table *t) { return t->epoch; }
+uint64_t kvc_table_slots(const kvc_table *t) { return (uint64_t)t->st.nb * 4u; }
+uint64_t kvc_table_overflow_buckets(const kvc_table *t) { return t->st.overflow; }
+
+uint64_t kvc_table_memory_bytes(const kvc_table *t)
+{
+    uint64_t slots = (uint64_t)t->st.nb * 4u;
+    return sizeof *t + slots * (8u + 8u + 4u) + (uint64_t)t->st.nb * 2u +
+           kvc_locator_memory_bytes(&t->loc) + BFS_CAP * sizeof(bfs_node) +
+           t->rec_buckets.cap + t->rec_words.cap;
+}
+
+/* ---------------------------------------------------------------- public: blobs */
+
+static void table_geometry(const kvc_table *t, kvc_geometry *g)
+{
+    g->table_id = t->table_id;
+    g->epoch = t->epoch;
+    g->nb = t->st.nb;
+    g->ma = t->loc.ma;
+    g->mb = t->loc.mb;
+    g->value_bits = t->value_bits;
+    g->fp_bits = t->fp_bits;
+    g->bucket_seed = t->st.bucket_seed;
+    g->locator_seed = t->loc.seed;
+}
+
+size_t kvc_table_snapshot_size(const kvc_table *t)
+{
+    kvc_geometry g;
+    table_geometry(t, &g);
+    return KVC_HEADER_SIZE + kvc_snapshot_payload_size(&g);
+}
+
+int kvc_table_snapshot_write(const kvc_table *t, uint8_t *buf, size_t len)
+{
+    kvc_geometry g;
+    table_geometry(t, &g);
+    size_t payload = kvc_snapshot_payload_size(&g);
+    if (!buf || len != KVC_HEADER_SIZE + payload)
+        return KVC_ERR_ARG;
+    const kvc_store *s = &t->st;
+    size_t slots = (size_t)s->nb * 4u;
+    uint8_t *p = buf + KVC_HEADER_SIZE;
+    kvc_put64(p, t->size);
+    p += 8;
+    for (uint32_t b = 0; b < s->nb; b++, p += 2)
+        kvc_put16(p, s->seed[b]);
+    for (size_t i = 0; i < slots; i++) {
+        if (t->value_bits == 32) {
+            kvc_put32(p, (uint32_t)s->vals[i]);
+            p += 4;
+        } else {
+            kvc_put64(p, s->vals[i]);
+            p += 8;
+        }
+    }
+    if (t->fp_bits)
+        for (size_t i = 0; i < slots; i++, p += 2)
+            kvc_put16(p, s->keys[i] == EMPTY_KEY ? 0
+                                                 : (uint16_t)kvc_fingerprint(s->keys[i], t->fp_seed, t->fp_bits));
+    size_t words = (size_t)t->loc.wa + t->loc.wb;
+    for (size_t i = 0; i < words; i++, p += 8)
+        kvc_put64(p, t->loc.words[i]);
+    kvc_header_write(buf, KVC_BLOB_SNAPSHOT, &g, payload);
+    return KVC_OK;
+}
+
+int kvc_table_needs_snapshot(const kvc_table *t) { return t->needs_snapshot; }
+
+size_t kvc_table_records_size(const kvc_table *t)
+{
+    if (t->rec_bucket_n == 0 && t->rec_word_n == 0)
+        return 0;
+    return KVC_HEADER_SIZE + 8u + t->rec_buckets.len + t->rec_words.len;
+}
+
+void kvc_table_clear_pending(kvc_table *t)
+{
+    t->rec_buckets.len = t->rec_words.len = 0;
+    t->rec_bucket_n = t->rec_word_n = 0;
+    t->needs_snapshot = 0;
+}
+
+int kvc_table_records_drain(kvc_table *t, uint8_t *buf, size_t len)
+{
+    size_t want = kvc_table_records_size(t);
+    if (!buf || want == 0 || len != want)
+        return KVC_ERR_ARG;
+    kvc_geometry g;
+    table_geometry(t, &g);
+    uint8_t *p = buf + KVC_HEADER_SIZE;
+    kvc_put32(p, t->rec_bucket_n);
+    kvc_put32(p + 4, t->rec_word_n);
+    memcpy(p + 8, t->rec_buckets.p, t->rec_buckets.len);
+    memcpy(p + 8 + t->rec_buckets.len, t->rec_words.p, t->rec_words.len);
+    kvc_header_write(buf, KVC_BLOB_RECORDS, &g, want - KVC_HEADER_SIZE);
+    t->rec_buckets.len = t->rec_words.len = 0;
+    t->rec_bucket_n = t->rec_word_n = 0;
+    return KVC_OK;
+}

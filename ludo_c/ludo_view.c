@@ -1,0 +1,444 @@
+/*
+ * ludo_view.c -- the keyless edge side: 5-bit packed slot seeds (31 = look in the overflow map,
+ * which grows as needed), 4 values per bucket, optional d-bit fingerprints, locator words.
+ * Every blob is validated completely before the view changes.
+ */
+#include <stdlib.h>
+
+#include "ludo_internal.h"
+
+#define SEEDS_PER_WORD 12u /* 12 x 5 bits in a 64-bit word */
+#define LOOKUP_BLOCK 32u
+
+struct kvc_view {
+    kvc_geometry geo;
+    uint64_t entries;
+    uint64_t slot_base, fp_seed;
+    uint32_t wa, wb;
+    uint64_t *words;   /* wa + wb locator words */
+    uint64_t *seeds;   /* ceil(nb / 12) words of packed 5-bit seeds */
+    uint32_t *vals32;  /* 4 nb values when value_bits == 32 */
+    uint64_t *vals64;  /* 4 nb values when value_bits == 64 */
+    uint8_t *fps;      /* 4 nb x d bits, packed, + 8 bytes of slack for unaligned reads */
+    uint32_t *ov_bucket; /* overflow map, open addressing, bucket + 1 (0 = empty) */
+    uint16_t *ov_seed;
+    uint32_t ov_cap, ov_n;
+};
+
+/* ---------------------------------------------------------------- small helpers */
+
+static inline unsigned seed5_get(const uint64_t *seeds, uint32_t b)
+{
+    return (unsigned)(seeds[b / SEEDS_PER_WORD] >> (5u * (b % SEEDS_PER_WORD))) & 31u;
+}
+
+static inline void seed5_set(uint64_t *seeds, uint32_t b, unsigned s)
+{
+    unsigned shift = 5u * (b % SEEDS_PER_WORD);
+    uint64_t *w = &seeds[b / SEEDS_PER_WORD];
+    *w = (*w & ~(UINT64_C(31) << shift)) | ((uint64_t)s << shift);
+}
+
+static inline unsigned fp_get(const uint8_t *fps, unsigned d, uint64_t slot)
+{
+    uint64_t bit = slot * d, w;
+    memcpy(&w, fps + (bit >> 3), 8);
+    return (unsigned)(w >> (bit & 7)) & ((1u << d) - 1u);
+}
+
+static inline void fp_set(uint8_t *fps, unsigned d, uint64_t slot, unsigned fp)
+{
+    uint64_t bit = slot * d, w;
+    memcpy(&w, fps + (bit >> 3), 8);
+    uint64_t mask = (uint64_t)((1u << d) - 1u) << (bit & 7);
+    w = (w & ~mask) | ((uint64_t)fp << (bit & 7));
+    memcpy(fps + (bit >> 3), &w, 8);
+}
+
+static inline uint32_t ov_hash(uint32_t bucket, uint32_t cap)
+{
+    return (uint32_t)(kvc_fmix64(bucket) & (cap - 1u));
+}
+
+static unsigned ov_get(const kvc_view *v, uint32_t bucket)
+{
+    uint32_t mask = v->ov_cap - 1u;
+    for (uint32_t i = ov_hash(bucket, v->ov_cap);; i = (i + 1u) & mask) {
+        if (v->ov_bucket[i] == bucket + 1u)
+            return v->ov_seed[i];
+        if (v->ov_bucket[i] == 0)
+            return 0; /* cannot happen for a sentinel bucket; seed 0 keeps lookup defined */
+    }
+}
+
+static void ov_put_nogrow(kvc_view *v, uint32_t bucket, unsigned seed)
+{
+    uint32_t mask = v->ov_cap - 1u;
+    for (uint32_t i = ov_hash(bucket, v->ov_cap);; i = (i + 1u) & mask) {
+        if (v->ov_bucket[i] == bucket + 1u) {
+            v->ov_seed[i] = (uint16_t)seed;
+            return;
+        }
+        if (v->ov_bucket[i] == 0) {
+            v->ov_bucket[i] = bucket + 1u;
+            v->ov_seed[i] = (uint16_t)seed;
+            v->ov_n++;
+            return;
+        }
+    }
+}
+
+/* Backward-shift deletion keeps linear probing chains intact without tombstones. */
+static void ov_remove(kvc_view *v, uint32_t bucket)
+{
+    uint32_t mask = v->ov_cap - 1u, i = ov_hash(bucket, v->ov_cap);
+    while (v->ov_bucket[i] != bucket + 1u) {
+        if (v->ov_bucket[i] == 0)
+            return;
+        i = (i + 1u) & mask;
+    }
+    for (uint32_t j = (i + 1u) & mask; v->ov_bucket[j] != 0; j = (j + 1u) & mask) {
+        uint32_t home = ov_hash(v->ov_bucket[j] - 1u, v->ov_cap);
+        /* move j back into the hole at i if its home is not in (i, j] cyclically */
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            v->ov_bucket[i] = v->ov_bucket[j];
+            v->ov_seed[i] = v->ov_seed[j];
+            i = j;
+        }
+    }
+    v->ov_bucket[i] = 0;
+    v->ov_n--;
+}
+
+/* Make room for `extra` more overflow entries at load <= 1/2 (rehash into a bigger array). */
+static int ov_reserve(kvc_view *v, uint64_t extra)
+{
+    uint64_t need = (uint64_t)v->ov_n + extra;
+    if (v->ov_cap && need * 2u <= v->ov_cap)
+        return KVC_OK;
+    uint64_t cap = v->ov_cap ? v->ov_cap : 16u;
+    while (need * 2u > cap)
+        cap *= 2u;
+    if (cap > (UINT64_C(1) << 31))
+        return KVC_ERR_NOMEM;
+    uint32_t *nbk = calloc(cap, sizeof *nbk);
+    uint16_t *nsd = calloc(cap, sizeof *nsd);
+    if (!nbk || !nsd) {
+        free(nbk);
+        free(nsd);
+        return KVC_ERR_NOMEM;
+    }
+    uint32_t *obk = v->ov_bucket, ocap = v->ov_cap;
+    uint16_t *osd = v->ov_seed;
+    v->ov_bucket = nbk;
+    v->ov_seed = nsd;
+    v->ov_cap = (uint32_t)cap;
+    v->ov_n = 0;
+    for (uint32_t i = 0; i < ocap; i++)
+        if (obk[i])
+            ov_put_nogrow(v, obk[i] - 1u, osd[i]);
+    free(obk);
+    free(osd);
+    return KVC_OK;
+}
+
+/* Set a bucket's seed; the overflow map must already have room (ov_reserve). */
+static void set_seed(kvc_view *v, uint32_t b, unsigned seed)
+{
+    unsigned old = seed5_get(v->seeds, b);
+    if (seed <= KVC_SEED_INLINE_MAX) {
+        if (old == KVC_SEED_SENTINEL)
+            ov_remove(v, b);
+        seed5_set(v->seeds, b, seed);
+    } else {
+        ov_put_nogrow(v, b, seed);
+        seed5_set(v->seeds, b, KVC_SEED_SENTINEL);
+    }
+}
+
+static void view_release(kvc_view *v)
+{
+    free(v->words);
+    free(v->seeds);
+    free(v->vals32);
+    free(v->vals64);
+    free(v->fps);
+    free(v->ov_bucket);
+    free(v->ov_seed);
+}
+
+static inline uint64_t get_value(const kvc_view *v, uint64_t slot)
+{
+    return v->geo.value_bits == 32 ? v->vals32[slot] : v->vals64[slot];
+}
+
+static inline void set_value(kvc_view *v, uint64_t slot, uint64_t value)
+{
+    if (v->geo.value_bits == 32)
+        v->vals32[slot] = (uint32_t)value;
+    else
+        v->vals64[slot] = value;
+}
+
+/* ---------------------------------------------------------------- building from a snapshot */
+
+/* Build a complete view from a header-checked, CRC-checked snapshot into *v (zeroed first). */
+static int build_from_snapshot(kvc_view *v, const uint8_t *blob, const kvc_header *hdr)
+{
+    memset(v, 0, sizeof *v);
+    const kvc_geometry *g = &hdr->geo;
+    unsigned d = g->fp_bits;
+    size_t nb = g->nb, slots = nb * 4u;
+    v->geo = *g;
+    v->slot_base = kvc_slot_base(g->bucket_seed);
+    v->fp_seed = kvc_fp_seed(g->table_id);
+    v->wa = kvc_words_for(g->ma);
+    v->wb = kvc_words_for(g->mb);
+    const uint8_t *p = blob + KVC_HEADER_SIZE;
+    const uint8_t *pseeds = p + 8, *pvals = pseeds + 2 * nb;
+    const uint8_t *pfps = pvals + slots * (g->value_bits / 8u);
+    const uint8_t *pwords = pfps + (d ? slots * 2u : 0u);
+    /* validate payload fields before allocating anything large */
+    uint64_t overflow = 0;
+    for (size_t b = 0; b < nb; b++)
+        overflow += kvc_get16(pseeds + 2 * b) > KVC_SEED_INLINE_MAX;
+    if (d)
+        for (size_t i = 0; i < slots; i++)
+            if (kvc_get16(pfps + 2 * i) >> d)
+                return KVC_ERR_MALFORMED;
+    v->entries = kvc_get64(p);
+    if (v->entries > slots)
+        return KVC_ERR_MALFORMED;
+    v->words = malloc(((size_t)v->wa + v->wb) * sizeof *v->words);
+    v->seeds = calloc((nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD, sizeof *v->seeds);
+    if (g->value_bits == 32)
+        v->vals32 = malloc(slots * sizeof *v->vals32);
+    else
+        v->vals64 = malloc(slots * sizeof *v->vals64);
+    if (d)
+        v->fps = calloc((slots * d + 7) / 8 + 8, 1);
+    if (!v->words || !v->seeds || (!v->vals32 && !v->vals64) || (d && !v->fps) ||
+        ov_reserve(v, overflow) != KVC_OK) {
+        view_release(v);
+        return KVC_ERR_NOMEM;
+    }
+    for (size_t b = 0; b < nb; b++)
+        set_seed(v, (uint32_t)b, kvc_get16(pseeds + 2 * b));
+    if (g->value_bits == 32)
+        for (size_t i = 0; i < slots; i++)
+            v->vals32[i] = kvc_get32(pvals + 4 * i);
+    else
+        for (size_t i = 0; i < slots; i++)
+            v->vals64[i] = kvc_get64(pvals + 8 * i);
+    if (d)
+        for (size_t i = 0; i < slots; i++)
+            fp_set(v->fps, d, i, kvc_get16(pfps + 2 * i));
+    for (size_t i = 0; i < (size_t)v->wa + v->wb; i++)
+        v->words[i] = kvc_get64(pwords + 8 * i);
+    return KVC_OK;
+}
+
+static int read_checked(const uint8_t *blob, size_t len, kvc_header *hdr)
+{
+    int rc = kvc_header_read(blob, len, hdr);
+    if (rc != KVC_OK)
+        return rc;
+    return kvc_blob_check_crc(blob, hdr);
+}
+
+int kvc_view_new(kvc_view **out, const uint8_t *blob, size_t len)
+{
+    if (!out)
+        return KVC_ERR_ARG;
+    kvc_header hdr;
+    int rc = read_checked(blob, len, &hdr);
+    if (rc != KVC_OK)
+        return rc;
+    if (hdr.kind != KVC_BLOB_SNAPSHOT)
+        return KVC_ERR_VERSION;
+    kvc_view *v = malloc(sizeof *v);
+    if (!v)
+        return KVC_ERR_NOMEM;
+    rc = build_from_snapshot(v, blob, &hdr);
+    if (rc != KVC_OK) {
+        free(v);
+        return rc;
+    }
+    *out = v;
+    return KVC_OK;
+}
+
+void kvc_view_free(kvc_view *v)
+{
+    if (!v)
+        return;
+    view_release(v);
+    free(v);
+}
+
+/* ---------------------------------------------------------------- applying blobs */
+
+static int same_geometry(const kvc_geometry *a, const kvc_geometry *b)
+{
+    return a->nb == b->nb && a->ma == b->ma && a->mb == b->mb && a->value_bits == b->value_bits &&
+           a->fp_bits == b->fp_bits && a->bucket_seed == b->bucket_seed &&
+           a->locator_seed == b->locator_seed;
+}
+
+static int apply_records(kvc_view *v, const uint8_t *blob, const kvc_header *hdr)
+{
+    const kvc_geometry *g = &v->geo;
+    const uint8_t *p = blob + KVC_HEADER_SIZE;
+    uint64_t nbk = kvc_get32(p), nw = kvc_get32(p + 4);
+    size_t bsize = kvc_record_bucket_size(g->value_bits, g->fp_bits);
+    if (hdr->payload_len != 8u + nbk * bsize + nw * KVC_RECORD_WORD_SIZE)
+        return KVC_ERR_MALFORMED;
+    const uint8_t *pb = p + 8, *pw = pb + nbk * bsize;
+    unsigned d = g->fp_bits, vbytes = g->value_bits / 8u;
+    uint64_t big_seeds = 0;
+    for (uint64_t i = 0; i < nbk; i++) { /* validate everything first */
+        const uint8_t *r = pb + i * bsize;
+        if (kvc_get32(r) >= g->nb)
+            return KVC_ERR_MALFORMED;
+        /* room is needed only for buckets not in the map yet (over-counts repeats: harmless) */
+        big_seeds += kvc_get16(r + 4) > KVC_SEED_INLINE_MAX &&
+                     seed5_get(v->seeds, kvc_get32(r)) != KVC_SEED_SENTINEL;
+        if (d)
+            for (unsigned s = 0; s < 4; s++)
+                if (kvc_get16(r + 6 + 4 * vbytes + 2 * s) >> d)
+                    return KVC_ERR_MALFORMED;
+    }
+    for (uint64_t i = 0; i < nw; i++)
+        if (kvc_get32(pw + i * KVC_RECORD_WORD_SIZE) >= (uint64_t)v->wa + v->wb)
+            return KVC_ERR_MALFORMED;
+    if (ov_reserve(v, big_seeds) != KVC_OK) /* the only step that can fail; nothing changed yet */
+        return KVC_ERR_NOMEM;
+    for (uint64_t i = 0; i < nbk; i++) {
+        const uint8_t *r = pb + i * bsize;
+        uint32_t b = kvc_get32(r);
+        set_seed(v, b, kvc_get16(r + 4));
+        for (unsigned s = 0; s < 4; s++) {
+            uint64_t slot = (uint64_t)b * 4u + s;
+            set_value(v, slot, vbytes == 4 ? kvc_get32(r + 6 + 4 * s) : kvc_get64(r + 6 + 8 * s));
+            if (d)
+                fp_set(v->fps, d, slot, kvc_get16(r + 6 + 4 * vbytes + 2 * s));
+        }
+    }
+    for (uint64_t i = 0; i < nw; i++) {
+        const uint8_t *r = pw + i * KVC_RECORD_WORD_SIZE;
+        v->words[kvc_get32(r)] = kvc_get64(r + 4);
+    }
+    return KVC_OK;
+}
+
+int kvc_view_apply(kvc_view *v, const uint8_t *blob, size_t len)
+{
+    kvc_header hdr;
+    int rc = kvc_header_read(blob, len, &hdr);
+    if (rc != KVC_OK)
+        return rc;
+    if ((rc = kvc_blob_check_crc(blob, &hdr)) != KVC_OK)
+        return rc;
+    if (hdr.geo.table_id != v->geo.table_id)
+        return KVC_ERR_FOREIGN;
+    if (hdr.kind == KVC_BLOB_RECORDS) {
+        if (hdr.geo.epoch != v->geo.epoch)
+            return KVC_ERR_EPOCH;
+        if (!same_geometry(&hdr.geo, &v->geo))
+            return KVC_ERR_GEOMETRY;
+    } else if (hdr.geo.epoch < v->geo.epoch) {
+        return KVC_ERR_EPOCH; /* a stale snapshot would roll the view back */
+    }
+    if (hdr.kind == KVC_BLOB_RECORDS)
+        return apply_records(v, blob, &hdr);
+    kvc_view fresh;
+    if ((rc = build_from_snapshot(&fresh, blob, &hdr)) != KVC_OK)
+        return rc;
+    view_release(v);
+    *v = fresh;
+    return KVC_OK;
+}
+
+/* ---------------------------------------------------------------- lookups */
+
+static inline uint32_t locate_bucket(const kvc_view *v, uint64_t key)
+{
+    uint32_t b0, b1, a, b;
+    kvc_buckets(key, v->geo.bucket_seed, v->geo.nb, &b0, &b1);
+    kvc_cells(key, v->geo.locator_seed, v->geo.ma, v->geo.mb, &a, &b);
+    unsigned bit = (unsigned)((v->words[a >> 6] >> (a & 63)) ^ (v->words[v->wa + (b >> 6)] >> (b & 63))) & 1u;
+    return bit ? b1 : b0;
+}
+
+static inline uint64_t finish_lookup(const kvc_view *v, uint64_t key, uint32_t bucket)
+{
+    unsigned seed = seed5_get(v->seeds, bucket);
+    if (seed == KVC_SEED_SENTINEL)
+        seed = ov_get(v, bucket);
+    uint64_t slot = (uint64_t)bucket * 4u + kvc_slot(key, v->slot_base, seed);
+    unsigned d = v->geo.fp_bits;
+    if (d && fp_get(v->fps, d, slot) != kvc_fingerprint(key, v->fp_seed, d))
+        return 0;
+    return get_value(v, slot);
+}
+
+uint64_t kvc_view_lookup(const kvc_view *v, uint64_t key)
+{
+    if (key >= KVC_KEY_LIMIT)
+        return 0;
+    return finish_lookup(v, key, locate_bucket(v, key));
+}
+
+/* Three passes over blocks of keys: prefetch locator words, then the bucket's seed word and
+ * values, then finish. Each pass issues independent misses so their latencies overlap. */
+void kvc_view_lookup_many(const kvc_view *v, const uint64_t *keys, size_t n, uint64_t *out)
+{
+    uint32_t bucket[LOOKUP_BLOCK];
+    for (size_t base = 0; base < n; base += LOOKUP_BLOCK) {
+        size_t m = n - base < LOOKUP_BLOCK ? n - base : LOOKUP_BLOCK;
+        const uint64_t *k = keys + base;
+        for (size_t i = 0; i < m; i++) {
+            uint32_t a, b;
+            kvc_cells(k[i], v->geo.locator_seed, v->geo.ma, v->geo.mb, &a, &b);
+            __builtin_prefetch(&v->words[a >> 6]);
+            __builtin_prefetch(&v->words[v->wa + (b >> 6)]);
+        }
+        for (size_t i = 0; i < m; i++) {
+            uint32_t bk = locate_bucket(v, k[i]);
+            bucket[i] = bk;
+            __builtin_prefetch(&v->seeds[bk / SEEDS_PER_WORD]);
+            if (v->vals32)
+                __builtin_prefetch(&v->vals32[(uint64_t)bk * 4u]);
+            else
+                __builtin_prefetch(&v->vals64[(uint64_t)bk * 4u]);
+            if (v->fps)
+                __builtin_prefetch(&v->fps[((uint64_t)bk * 4u * v->geo.fp_bits) >> 3]);
+        }
+        for (size_t i = 0; i < m; i++)
+            out[base + i] = k[i] >= KVC_KEY_LIMIT ? 0 : finish_lookup(v, k[i], bucket[i]);
+    }
+}
+
+/* ---------------------------------------------------------------- accounting */
+
+uint64_t kvc_view_epoch(const kvc_view *v) { return v->geo.epoch; }
+uint64_t kvc_view_table_id(const kvc_view *v) { return v->geo.table_id; }
+uint64_t kvc_view_slots(const kvc_view *v) { return (uint64_t)v->geo.nb * 4u; }
+unsigned kvc_view_value_bits(const kvc_view *v) { return v->geo.value_bits; }
+unsigned kvc_view_fingerprint_bits(const kvc_view *v) { return v->geo.fp_bits; }
+uint64_t kvc_view_snapshot_entries(const kvc_view *v) { return v->entries; }
+uint64_t kvc_view_overflow_count(const kvc_view *v) { return v->ov_n; }
+uint64_t kvc_view_overflow_capacity(const kvc_view *v) { return v->ov_cap; }
+
+uint64_t kvc_view_memory_bytes(const kvc_view *v)
+{
+    uint64_t slots = (uint64_t)v->geo.nb * 4u;
+    uint64_t bytes = sizeof *v;
+    bytes += 8u * ((uint64_t)v->wa + v->wb);
+    bytes += 8u * (((uint64_t)v->geo.nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD);
+    bytes += slots * (v->geo.value_bits / 8u);
+    if (v->fps)
+        bytes += (slots * v->geo.fp_bits + 7) / 8 + 8;
+    bytes += (uint64_t)v->ov_cap * (sizeof *v->ov_bucket + sizeof *v->ov_seed);
+    return bytes;
+}
