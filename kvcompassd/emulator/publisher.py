@@ -1,0 +1,119 @@
+"""ZMQ KV-event publisher of the emulated worker: the engines' ``ZmqEventPublisher``, in asyncio.
+
+PUB socket: each batch is ``[topic, seq (8-byte big-endian), msgpack payload]``, seq counting
+from 0 per process (a restarted engine starts again at 0, without an ``AllBlocksCleared``: its
+cache is simply empty). ROUTER replay socket: ``[identity, "", start_seq]`` is answered with
+every buffered batch ``seq >= start_seq`` as ``[identity, "", seq, payload]`` and then the end
+marker ``[identity, "", -1, ""]``; the buffer keeps the last ``buffer_steps`` batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Literal
+
+import zmq
+import zmq.asyncio
+
+from kvcompassd.engine.kvevents import (
+    KvEvent,
+    KvEventError,
+    encode_payload,
+    encode_seq,
+    parse_replay_request,
+    replay_end_frames,
+    replay_reply_frames,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KvEventPublisher:
+    """Publishes KV-event batches and answers replay requests."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None,
+        *,
+        topic: str = "kv-events",
+        buffer_steps: int = 10_000,
+        style: Literal["map", "positional"] = "map",
+        dp_rank: int | None = 0,
+        hwm: int = 100_000,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._topic = topic.encode()
+        self._style = style
+        self._dp_rank = dp_rank
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replay: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replay_task: asyncio.Task[None] | None = None
+        self.published = 0
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def start(self) -> None:
+        if self._replay is not None and self._replay_task is None:
+            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    def publish(self, events: Iterable[KvEvent], *, ts: float | None = None) -> int | None:
+        """Publish one batch (nothing for an empty one); returns its seq. Never blocks: a PUB
+        socket drops at its high-water mark, and the replay buffer covers that."""
+        events = list(events)
+        if not events:
+            return None
+        seq = self._next_seq
+        self._next_seq += 1
+        payload = encode_payload(time.time() if ts is None else ts, events, dp_rank=self._dp_rank, style=self._style)
+        self._buffer.append((seq, payload))
+        try:
+            self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("PUB high-water mark reached; batch %d only in the replay buffer", seq)
+        self.published += 1
+        return seq
+
+    async def _serve_replay(self) -> None:
+        assert self._replay is not None
+        while True:
+            frames = await self._replay.recv_multipart()
+            try:
+                identity, start = parse_replay_request(frames)
+            except KvEventError as exc:
+                log.warning("bad replay request: %s", exc)
+                continue
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    await self._replay.send_multipart(replay_reply_frames(identity, seq, payload))
+            await self._replay.send_multipart(replay_end_frames(identity))
+
+    async def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+            self._replay_task = None
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)

@@ -1,0 +1,103 @@
+"""Subscriber against the emulator's publisher on loopback: order, gaps, replay, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from kvcompassd.emulator.publisher import KvEventPublisher
+from kvcompassd.engine.kvevents import BlockStored, EventBatch, encode_batch
+from kvcompassd.engine.subscriber import BatchesLost, BatchRejected, KvEventSubscriber, PublisherRestarted
+
+
+def stored(i: int) -> BlockStored:
+    return BlockStored((i,), None, (i,), 16, None, "GPU")
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+async def test_in_order_delivery_gap_recovery_and_restart() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx, buffer_steps=100)
+    pub.start()
+    got: list = []
+    dropped: set[int] = set()
+    sub = KvEventSubscriber(pub.endpoint, pub.replay_endpoint, got.append, context=ctx,
+                            drop=lambda seq: seq in dropped and not dropped.discard(seq))
+    task = asyncio.create_task(sub.run())
+    try:
+        # batches published before the SUB joined are recovered by replaying the gap from 0
+        sub.connect()
+        async with asyncio.timeout(10):
+            while not got:
+                pub.publish([stored(pub.next_seq)])
+                await asyncio.sleep(0.02)
+        joined = pub.next_seq
+        dropped.update({joined + 1, joined + 2, joined + 5})  # lost on the subscriber side
+        for _ in range(8):
+            pub.publish([stored(pub.next_seq)])
+        total = pub.next_seq
+        await wait_for(lambda: len([g for g in got if isinstance(g, EventBatch)]) >= total)
+        await asyncio.sleep(0.05)
+        batches = [g for g in got if isinstance(g, EventBatch)]
+        assert [b.seq for b in batches] == list(range(total))
+        assert [b.events[0].block_hashes[0] for b in batches] == list(range(total))
+        assert sub.replays >= 2 and not dropped
+        assert not any(isinstance(g, BatchesLost) for g in got)
+
+        # restart: a new publisher on the same endpoints starts again at seq 0
+        endpoint, replay = pub.endpoint, pub.replay_endpoint
+        await pub.close()
+        pub = KvEventPublisher(endpoint, replay, context=ctx)
+        pub.start()
+        got.clear()
+        async with asyncio.timeout(10):  # until the SUB has reconnected
+            while not got:
+                pub.publish([stored(100 + pub.next_seq)])
+                await asyncio.sleep(0.02)
+        await wait_for(lambda: len([g for g in got if isinstance(g, EventBatch)]) >= pub.next_seq)
+        assert isinstance(got[0], PublisherRestarted) and got[0].previous_seq == total - 1
+        assert [g.seq for g in got if isinstance(g, EventBatch)] == list(range(pub.next_seq))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+        ctx.destroy(linger=0)
+
+
+async def test_lost_batches_and_rejected_payloads_are_reported() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:*")
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    got: list = []
+    sub = KvEventSubscriber(endpoint, None, got.append, context=ctx)
+    task = asyncio.create_task(sub.run())
+    try:
+        sub.connect()
+        async with asyncio.timeout(10):
+            while not got:  # join: keep sending seq 0 (duplicates are ignored)
+                await pub.send_multipart(encode_batch(0, 1.0, [stored(0)]))
+                await asyncio.sleep(0.02)
+        await pub.send_multipart(encode_batch(5, 1.0, [stored(5)]))
+        frames = encode_batch(6, 1.0, [stored(6)])
+        await pub.send_multipart([frames[0], frames[1], b"\xc1garbage"])
+        await pub.send_multipart(encode_batch(7, 1.0, [stored(7)]))
+        await wait_for(lambda: any(isinstance(g, EventBatch) and g.seq == 7 for g in got))
+        kinds = [(type(g).__name__, getattr(g, "seq", getattr(g, "first_seq", None))) for g in got]
+        assert kinds == [("EventBatch", 0), ("BatchesLost", 1), ("EventBatch", 5), ("BatchRejected", 6),
+                         ("EventBatch", 7)]
+        lost = got[1]
+        assert isinstance(lost, BatchesLost) and (lost.first_seq, lost.last_seq) == (1, 4)
+        assert isinstance(got[3], BatchRejected)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
