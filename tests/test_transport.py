@@ -1,0 +1,425 @@
+"""The QUIC transport over real sockets on 127.0.0.1, under asyncio and uvloop.
+
+No test asserts an upper bound on time; ``asyncio.timeout`` only guards against hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import uvloop
+from aioquic.asyncio.client import connect as aioquic_connect
+from aioquic.quic.configuration import QuicConfiguration
+
+from kvcompassd.certs import CertError, TlsFiles, init_ca, issue
+from kvcompassd.transport import (
+    ALPN,
+    ChannelInfo,
+    HandshakeFailed,
+    Peer,
+    PeerUnavailable,
+    QuicNode,
+    TransportOptions,
+)
+from kvcompassd.transport.framing import FLAG_END, HEADER, encode_frame
+from kvcompassd.wanemu import WanRelay
+from kvcompassd.wire import (
+    ErrorReported,
+    Message,
+    NodeIdentity,
+    QueueVectorBroadcast,
+    RequestForwarded,
+    ResponseChunked,
+    ResponseCompleted,
+    Role,
+    UpdateBatchPublished,
+    UpdatesSubscribed,
+    WireForbidden,
+    WorkerLoadReported,
+    encode,
+)
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+GUARD_S = 30.0  # hang guard only
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request):
+    def runner(coroutine):
+        async def guarded():
+            async with asyncio.timeout(GUARD_S):
+                return await coroutine
+
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as loop_runner:
+            return loop_runner.run(guarded())
+
+    return runner
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> dict[str, TlsFiles]:
+    root = tmp_path_factory.mktemp("pki")
+    init_ca(root / "ca", cluster_name="test")
+    files = {
+        node_id: issue(root / "ca", root / "nodes", role=role, node_id=node_id)
+        for node_id, role in [("mnt-0", "maintenance"), ("edge-us", "edge"), ("edge-eu", "edge"), ("us-0", "agent")]
+    }
+    init_ca(root / "rogue-ca", cluster_name="rogue")
+    rogue = issue(root / "rogue-ca", root / "rogue", role="edge", node_id="edge-rogue")
+    # The rogue node trusts the real CA (so it can verify the server) but its own certificate
+    # is signed by another CA: the server must refuse it.
+    files["edge-rogue"] = TlsFiles(ca=root / "ca" / "ca.pem", cert=rogue.cert, key=rogue.key)
+    rogue_server = issue(root / "rogue-ca", root / "rogue", role="maintenance", node_id="mnt-rogue")
+    files["mnt-rogue"] = TlsFiles(ca=root / "rogue-ca" / "ca.pem", cert=rogue_server.cert, key=rogue_server.key)
+    return files
+
+
+ROLES = {"mnt-0": Role.MAINTENANCE, "edge-us": Role.EDGE, "edge-eu": Role.EDGE, "us-0": Role.AGENT,
+         "edge-rogue": Role.EDGE, "mnt-rogue": Role.MAINTENANCE}
+
+
+class Recorder:
+    """An on_message handler that queues what arrives and optionally answers exchanges."""
+
+    def __init__(self, reply=None) -> None:
+        self.messages: asyncio.Queue[tuple[Peer, Message, ChannelInfo]] = asyncio.Queue()
+        self.reply = reply
+
+    async def __call__(self, peer: Peer, message: Message, channel: ChannelInfo) -> None:
+        await self.messages.put((peer, message, channel))
+        if self.reply is not None and channel.stream is not None:
+            await self.reply(message, channel.stream)
+
+    async def next(self) -> tuple[Peer, Message, ChannelInfo]:
+        return await self.messages.get()
+
+
+@asynccontextmanager
+async def node(pki, node_id: str, handler=None, *, listen: bool = False, port: int = 0, **options) -> AsyncIterator[QuicNode]:
+    quic_node = QuicNode(
+        NodeIdentity(ROLES[node_id], node_id),
+        pki[node_id],
+        on_message=handler or Recorder(),
+        options=TransportOptions(**options),
+    )
+    if listen:
+        quic_node.address = await quic_node.listen("127.0.0.1", port)
+    try:
+        yield quic_node
+    finally:
+        await quic_node.close()
+
+
+async def answer_with_chunks(message: Message, stream) -> None:
+    if isinstance(message, RequestForwarded):
+        for token in message.input_ids:
+            await stream.send(ResponseChunked(message.request_id, (token,), str(token), False))
+        await stream.send(
+            ResponseCompleted(message.request_id, "us-0", 0, len(message.input_ids), len(message.input_ids), "stop", ()),
+            end=True,
+        )
+
+
+# ---- round trips ---------------------------------------------------------------------------
+
+
+def test_control_exchange_and_datagram_round_trips(run, pki):
+    async def scenario():
+        agent_inbox = Recorder(reply=answer_with_chunks)
+        async with node(pki, "us-0", agent_inbox, listen=True) as agent, node(pki, "edge-us") as edge:
+            peer = await edge.connect(agent.address, expected_role=Role.AGENT)
+            assert peer.identity == NodeIdentity(Role.AGENT, "us-0")
+
+            await peer.send(QueueVectorBroadcast("us", "us", 1.5, (("us-0", 3.0),)))
+            got_peer, message, channel = await agent_inbox.next()
+            assert got_peer.identity == NodeIdentity(Role.EDGE, "edge-us")
+            assert message == QueueVectorBroadcast("us", "us", 1.5, (("us-0", 3.0),)) and channel.kind == "control"
+
+            request = RequestForwarded("r1", "edge-us", "us", (5, 6, 7), {"max_new_tokens": 3}, True, 0)
+            async with peer.open_stream() as exchange:
+                await exchange.send(request, end=True)
+                replies = [reply async for reply in exchange]
+            assert [r.token_ids for r in replies[:-1]] == [(5,), (6,), (7,)]
+            assert isinstance(replies[-1], ResponseCompleted) and replies[-1].prompt_tokens == 3
+            _, delivered, channel = await agent_inbox.next()
+            assert delivered == request and channel.kind == "exchange"
+
+            vector = QueueVectorBroadcast("us", "eu", 2.0, (("us-0", 1.0),))
+            assert peer.send_datagram(vector) is True
+            _, message, channel = await agent_inbox.next()
+            assert message == vector and channel.kind == "datagram"
+
+    run(scenario())
+
+
+def test_large_datagram_falls_back_to_control_stream(run, pki):
+    async def scenario():
+        inbox = Recorder()
+        async with node(pki, "edge-eu", inbox, listen=True) as far, node(pki, "edge-us") as edge:
+            peer = await edge.connect(far.address)
+            vector = QueueVectorBroadcast("us", "eu", 2.0, tuple((f"us-{i}", float(i)) for i in range(200)))
+            assert peer.send_datagram(vector) is False
+            _, message, channel = await inbox.next()
+            assert message == vector and channel.kind == "control"
+
+    run(scenario())
+
+
+def test_agent_can_push_to_connected_edge_over_inbound_peer(run, pki):
+    async def scenario():
+        edge_inbox, agent_inbox = Recorder(), Recorder()
+        async with node(pki, "us-0", agent_inbox, listen=True) as agent, node(pki, "edge-us", edge_inbox) as edge:
+            peer = await edge.connect(agent.address)
+            await peer.send(UpdatesSubscribed("edge-us", 0, 0, -1))  # any traffic: the agent learns the peer
+            inbound, _, _ = await agent_inbox.next()
+            await inbound.send(WorkerLoadReported("us-0", 12.5, 3, 1))
+            _, message, _ = await edge_inbox.next()
+            assert message == WorkerLoadReported("us-0", 12.5, 3, 1)
+            assert [p.identity for p in agent.peers] == [NodeIdentity(Role.EDGE, "edge-us")]
+
+    run(scenario())
+
+
+def test_concurrent_exchanges_share_a_bounded_set_of_streams(run, pki):
+    async def scenario():
+        async with node(pki, "us-0", Recorder(reply=answer_with_chunks), listen=True) as agent, node(
+            pki, "edge-us", exchange_streams=3
+        ) as edge:
+            peer = await edge.connect(agent.address)
+
+            async def one(i: int) -> list[Message]:
+                async with peer.open_stream() as exchange:
+                    await exchange.send(RequestForwarded(f"r{i}", "edge-us", "us", (i, i + 1), {}, True, 0), end=True)
+                    return [m async for m in exchange]
+
+            results = await asyncio.gather(*(one(i) for i in range(60)))
+            for i, replies in enumerate(results):
+                assert [r.token_ids for r in replies[:-1]] == [(i,), (i + 1,)]
+            # 3 exchange streams + 1 control stream per side, however many exchanges ran.
+            assert peer._connection.open_streams <= 2 * (3 + 1)
+
+    run(scenario())
+
+
+# ---- identity and refusal ------------------------------------------------------------------
+
+
+def test_client_certificate_from_another_ca_is_refused(run, pki):
+    async def scenario():
+        inbox = Recorder()
+        async with node(pki, "mnt-0", inbox, listen=True) as server, node(pki, "edge-rogue") as rogue:
+            with pytest.raises(HandshakeFailed, match="certificate refused"):
+                await rogue.connect(server.address)
+            assert server.peers == () and inbox.messages.empty()
+
+    run(scenario())
+
+
+def test_client_without_certificate_is_refused(run, pki):
+    async def scenario():
+        inbox = Recorder()
+        async with node(pki, "mnt-0", inbox, listen=True) as server:
+            configuration = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_REQUIRED)
+            configuration.cadata = pki["mnt-0"].ca.read_bytes()
+            async with aioquic_connect(*server.address, configuration=configuration) as client:
+                with pytest.raises(ConnectionError):
+                    await client.ping()
+            assert server.peers == () and inbox.messages.empty()
+
+    run(scenario())
+
+
+def test_server_certificate_from_another_ca_is_refused(run, pki):
+    async def scenario():
+        async with node(pki, "mnt-rogue", listen=True) as rogue, node(pki, "edge-us") as edge:
+            with pytest.raises(HandshakeFailed):
+                await edge.connect(rogue.address)
+
+    run(scenario())
+
+
+def test_unexpected_peer_role_is_refused(run, pki):
+    async def scenario():
+        async with node(pki, "us-0", listen=True) as agent, node(pki, "edge-us") as edge:
+            with pytest.raises(HandshakeFailed, match="expected a maintenance node"):
+                await edge.connect(agent.address, expected_role=Role.MAINTENANCE)
+
+    run(scenario())
+
+
+def test_node_refuses_certificate_of_another_identity(pki):
+    with pytest.raises(CertError, match="issued to"):
+        QuicNode(NodeIdentity(Role.MAINTENANCE, "edge-us"), pki["edge-us"], on_message=Recorder())
+
+
+# ---- rejected frames keep the connection -----------------------------------------------------
+
+
+def test_forbidden_message_gets_error_and_connection_carries_on(run, pki):
+    async def scenario():
+        server_inbox, edge_inbox = Recorder(reply=answer_with_chunks), Recorder()
+        async with node(pki, "us-0", server_inbox, listen=True) as agent, node(
+            pki, "edge-us", edge_inbox, check_outgoing_roles=False
+        ) as edge:
+            peer = await edge.connect(agent.address)
+            # An edge may not write the index: refused on the control channel...
+            await peer.send(UpdateBatchPublished(0, 1, 1, ((0, b"evil"),)))
+            _, error, channel = await edge_inbox.next()
+            assert isinstance(error, ErrorReported) and error.code == "forbidden" and channel.kind == "control"
+            assert "UpdateBatchPublished" in error.detail
+            # ...and on an exchange, which stays usable.
+            async with peer.open_stream() as exchange:
+                await exchange.send(UpdateBatchPublished(0, 1, 2, ()))
+                reply = await exchange.receive()
+                assert isinstance(reply, ErrorReported) and reply.code == "forbidden"
+                await exchange.send(RequestForwarded("r1", "edge-us", "us", (1,), {}, True, 0), end=True)
+                assert [type(m).__name__ async for m in exchange] == ["ResponseChunked", "ResponseCompleted"]
+            # Only the allowed message reached the agent.
+            _, message, _ = await server_inbox.next()
+            assert isinstance(message, RequestForwarded) and server_inbox.messages.empty()
+
+    run(scenario())
+
+
+def test_sending_a_forbidden_message_fails_locally(run, pki):
+    async def scenario():
+        async with node(pki, "us-0", listen=True) as agent, node(pki, "edge-us") as edge:
+            peer = await edge.connect(agent.address)
+            with pytest.raises(WireForbidden):
+                await peer.send(UpdateBatchPublished(0, 1, 1, ()))
+
+    run(scenario())
+
+
+def test_malformed_frames_get_errors_and_connection_carries_on(run, pki):
+    async def scenario():
+        server_inbox, edge_inbox = Recorder(), Recorder()
+        async with node(pki, "mnt-0", server_inbox, listen=True) as server, node(pki, "edge-us", edge_inbox) as edge:
+            peer = await edge.connect(server.address)
+            connection = peer._connection
+            good = UpdatesSubscribed("edge-us", 0, 0, -1)
+
+            peer.send_encoded(b"\xc1 not msgpack")  # bad body on the control stream
+            _, error, _ = await edge_inbox.next()
+            assert error.code == "malformed" and "msgpack" in error.detail
+
+            control = connection.control_stream()  # unknown flag bits: one frame refused
+            connection._quic.send_stream_data(control, HEADER.pack(5 + 1, 0, 0x80) + b"\x00")
+            connection.transmit()
+            _, error, _ = await edge_inbox.next()
+            assert error.code == "malformed" and "flags" in error.detail
+
+            await peer.send(good)
+            _, message, _ = await server_inbox.next()
+            assert message == good
+
+            # A length beyond every bound on another stream: that stream is abandoned, not the link.
+            stray = connection._quic.get_next_available_stream_id()
+            connection._quic.send_stream_data(stray, (2**31).to_bytes(4, "big") + b"\x00" * 16)
+            connection.transmit()
+            _, error, _ = await edge_inbox.next()
+            assert error.code == "oversize"
+
+            await peer.send(good)
+            _, message, _ = await server_inbox.next()
+            assert message == good and peer.is_connected
+
+    run(scenario())
+
+
+def test_handler_failure_is_reported_on_the_exchange(run, pki):
+    async def scenario():
+        async def broken(message, stream):
+            raise RuntimeError("boom")
+
+        async with node(pki, "us-0", Recorder(reply=broken), listen=True) as agent, node(pki, "edge-us") as edge:
+            peer = await edge.connect(agent.address)
+            async with peer.open_stream() as exchange:
+                await exchange.send(RequestForwarded("r1", "edge-us", "us", (1,), {}, True, 0))
+                replies = [m async for m in exchange]
+            assert len(replies) == 1 and replies[0].code == "internal"
+
+    run(scenario())
+
+
+# ---- connection loss and reconnection --------------------------------------------------------
+
+
+def test_reconnects_after_server_restart(run, pki):
+    async def scenario():
+        states: list[bool] = []
+        edge = QuicNode(
+            NodeIdentity(Role.EDGE, "edge-us"),
+            pki["edge-us"],
+            on_message=Recorder(),
+            on_peer_state=lambda peer, up: states.append(up),
+            options=TransportOptions(reconnect_initial=0.02, reconnect_max=0.2),
+        )
+        try:
+            async with node(pki, "mnt-0", listen=True) as first:
+                address = first.address
+                peer = await edge.connect(address, expected_role=Role.MAINTENANCE)
+                async with peer.open_stream() as exchange:  # stays open across the restart
+                    await exchange.send(UpdatesSubscribed("edge-us", 0, 0, -1))
+                    await first.close()
+                    with pytest.raises(PeerUnavailable):
+                        await exchange.receive()
+            while peer.is_connected:
+                await asyncio.sleep(0.01)
+            with pytest.raises(PeerUnavailable):
+                await peer.send(UpdatesSubscribed("edge-us", 0, 0, -1))
+
+            inbox = Recorder()
+            async with node(pki, "mnt-0", inbox, listen=True, port=address[1]):
+                await peer.wait_connected()
+                await peer.send(UpdatesSubscribed("edge-us", 1, 0, -1))
+                _, message, _ = await inbox.next()
+                assert message.shard == 1
+            assert states[:3] == [True, False, True]
+        finally:
+            await edge.close()
+
+    run(scenario())
+
+
+def test_silent_server_is_detected_by_idle_timeout(run, pki):
+    async def scenario():
+        async with node(pki, "mnt-0", listen=True) as server, node(pki, "edge-us", idle_timeout=0.5) as edge:
+            peer = await edge.connect(server.address)
+            server._server._transport.close()  # vanish without a CONNECTION_CLOSE (like SIGKILL)
+            while peer.is_connected:
+                await asyncio.sleep(0.02)
+            assert isinstance(peer.last_error, PeerUnavailable)
+
+    run(scenario())
+
+
+# ---- WAN delay ---------------------------------------------------------------------------------
+
+
+def test_wan_relay_adds_its_delay_to_round_trips(run, pki):
+    async def scenario():
+        delay_ms = 40.0
+        async with node(pki, "us-0", Recorder(reply=answer_with_chunks), listen=True) as agent, node(pki, "edge-eu") as edge:
+            relay = WanRelay(("127.0.0.1", 0), agent.address, delay_ms)
+            relay_address = await relay.start()
+            try:
+                peer = await edge.connect(relay_address)
+                loop = asyncio.get_running_loop()
+                for i in range(3):
+                    started = loop.time()
+                    async with peer.open_stream() as exchange:
+                        await exchange.send(RequestForwarded(f"r{i}", "edge-eu", "eu", (1,), {}, True, 0), end=True)
+                        replies = [m async for m in exchange]
+                    assert loop.time() - started >= 2 * delay_ms / 1000.0
+                    assert isinstance(replies[-1], ResponseCompleted)
+                assert relay.forward_stats.sent > 0 and relay.backward_stats.sent > 0
+            finally:
+                await relay.stop()
+
+    run(scenario())
