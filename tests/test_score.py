@@ -207,3 +207,12 @@ def test_ablation_switches() -> None:
         Ablation.without("magic")
     with pytest.raises(ValueError):
         Ablation(load_aware=1)  # type: ignore[arg-type]
+
+
+def test_an_invalid_tier_code_is_not_charged_and_does_not_crash() -> None:
+    scorer = JointScorer(CFG, "us")
+    matched, tier, queue, belief = inputs()
+    matched[US0], tier[US0] = 64, 3  # the 2-bit field 11 is never written
+    result = scorer.score(64, matched, tier, queue, belief)
+    assert result.scores[US0] == pytest.approx(0.5)
+    assert result.terms(US0).tier is Tier.ABSENT and result.terms(US0).reload_ms == 0.0

@@ -27,7 +27,7 @@ from .events import Tier
 
 __all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms"]
 
-_DRAM = np.uint8(Tier.DRAM)
+_TIERS = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
 
 
 class ScoreInputError(ValueError):
@@ -94,29 +94,41 @@ class ScoreResult:
 
     def terms(self, index: int) -> ScoreTerms:
         """Worker ``index``'s score split into its terms (recomputed here, off the hot path)."""
+        return self._terms(int(index), float(self.scores.item(index)))
+
+    def _terms(self, index: int, total: float) -> ScoreTerms:
         s, ab = self._scorer, self._ablation
-        matched = int(self._matched[index])
-        belief = float(self._belief[index])
-        tier = Tier(int(self._tier[index]))
-        effective = 0.0 if not ab.cross_region and not s.is_local[index] else min(belief * matched, self._prompt_len)
-        reload = s.gamma * effective if ab.tier_aware and tier == Tier.DRAM else 0.0
+        matched = int(self._matched.item(index))
+        belief = float(self._belief.item(index))
+        raw_tier = self._tier.item(index)
+        tier = _TIERS[raw_tier] if 0 <= raw_tier < 3 else Tier.ABSENT  # the invalid field 11: no tier
+        if not ab.cross_region and not s.local_list[index]:
+            effective = 0.0
+        else:
+            effective = min(belief * matched, self._prompt_len)
         return ScoreTerms(
-            worker=s.worker_ids[index],
-            region=s.worker_regions[index],
-            wan_ms=float(s.wan_ms[index]),
-            queue_ms=float(self._queue[index]) if ab.load_aware else 0.0,
-            prefill_ms=(1.0 + self.lam) * float(s.beta[index]) * (self._prompt_len - effective),
-            reload_ms=reload,
-            matched=matched,
-            tier=tier,
-            belief=belief,
-            total=float(self.scores[index]),
+            s.worker_ids[index],
+            s.worker_regions[index],
+            s.wan_list[index],
+            float(self._queue.item(index)) if ab.load_aware else 0.0,
+            (1.0 + self.lam) * s.beta_list[index] * (self._prompt_len - effective),
+            s.gamma * effective if ab.tier_aware and tier is Tier.DRAM else 0.0,
+            matched,
+            tier,
+            belief,
+            total,
         )
 
     def top(self, k: int = 3) -> tuple[ScoreTerms, ...]:
         """The ``k`` best-scoring eligible workers, best first (ties in config order)."""
-        order = np.argsort(self.scores, kind="stable")[: max(0, k)]
-        return tuple(self.terms(int(i)) for i in order if math.isfinite(self.scores[i]))
+        if k <= 0:
+            return ()
+        scores = self.scores.tolist()
+        if k == 1:
+            order = [self.chosen]
+        else:
+            order = self.scores.argsort(kind="stable")[:k].tolist()
+        return tuple(self._terms(i, scores[i]) for i in order if math.isfinite(scores[i]))
 
 
 class JointScorer:
@@ -136,11 +148,18 @@ class JointScorer:
         self.beta = _frozen(np.array([w.prefill_ms_per_token for w in cfg.workers], dtype=np.float64))
         local = np.array([r == origin_region for r in self.worker_regions], dtype=bool)
         self.is_local = _frozen(local)
+        # Plain-Python copies for the per-candidate breakdown (top-k), where numpy scalars cost more.
+        self.wan_list: tuple[float, ...] = tuple(self.wan_ms.tolist())
+        self.beta_list: tuple[float, ...] = tuple(self.beta.tolist())
+        self.local_list: tuple[bool, ...] = tuple(local.tolist())
         self.lambda_max = params.lambda_max
         self.tau_ms = params.tau_ms
         self.gamma = params.gamma_ms_per_token
         # Reload cost per effective matched token, indexed by tier (only DRAM pays).
-        self._reload_by_tier = _frozen(np.array([0.0, 0.0, self.gamma], dtype=np.float64))
+        # 256 entries so any uint8 is a valid index: only DRAM (2) pays, other codes never do.
+        reload_by_tier = np.zeros(256, dtype=np.float64)
+        reload_by_tier[Tier.DRAM] = self.gamma
+        self._reload_by_tier = _frozen(reload_by_tier)
         self._local_factor = _frozen(local.astype(np.float64))
         # Without cross-region reuse remote workers are not eligible, unless there is no local one.
         penalty = np.where(local, 0.0, np.inf) if local.any() else np.zeros(self.n_workers)
