@@ -246,3 +246,10 @@ def test_generated_configs_round_trip_and_matrix_is_complete_and_symmetric(data:
         for b in names:
             assert cfg.one_way_ms(a, b) == cfg.one_way_ms(b, a) >= 0
             assert cfg.rtt_ms(a, b) == 2 * cfg.one_way_ms(a, b)
+
+
+def test_dump_escapes_strings_toml_would_reject() -> None:
+    data = minimal()
+    data["cluster"].update(model='we"ird\\model\x7f\x01\n', tenant="tën\tant")
+    cfg = parse_config(data, "x")
+    assert parse_config(tomllib.loads(dump_config(cfg)), "dump") == cfg

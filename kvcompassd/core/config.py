@@ -12,7 +12,6 @@ named by workers, shard coverage, the latency matrix) are checked by :class:`Clu
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import tomllib
@@ -620,6 +619,20 @@ def load_config(path: str | Path) -> ClusterConfig:
 # ---------------------------------------------------------------- dumping
 
 
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and every control character escaped."""
+    out = ['"']
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -628,7 +641,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic strings
+        return _toml_string(value)
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
