@@ -1,0 +1,159 @@
+"""The edge's forwarding decision: lookup, joint score, cache belief, queue estimates, migration.
+
+``Router`` is what an edge (daemon or simulator) drives per request: ``decide(tokens, now=...)``
+returns a ``ForwardDecided`` naming the winner and the score terms of the top candidates;
+``on_response`` feeds back what the chosen worker actually reused and its region's queue vector.
+It owns no sockets and reads no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Mapping
+
+import numpy as np
+
+from .ablation import Ablation
+from .belief import CacheBelief
+from .config import ClusterConfig
+from .events import Tier
+from .index import EdgeIndexView
+from .keys import namespace_salt
+from .layout import IndexLayout
+from .levels import LevelPlan
+from .lookup import LookupResult, PrefixLookup
+from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
+from .queues import QueueEstimates
+from .score import JointScorer, ScoreTerms
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardDecided:
+    """Where one request goes, and why (score terms of the best candidates, for logs)."""
+
+    worker: str
+    worker_index: int
+    region: str
+    claimed_tokens: int  # the indexed match the edge credits the winner with (m_r)
+    tier: Tier
+    lam: float
+    prompt_len: int
+    candidates: tuple[ScoreTerms, ...]
+    local: bool  # the winner is in the edge's own region
+    migration: MigrationPlanned | None = None
+
+    @property
+    def outcome(self) -> str:
+        """``local_hit``, ``remote_hit`` or ``recompute``: for metrics."""
+        if self.claimed_tokens == 0:
+            return "recompute"
+        return "local_hit" if self.local else "remote_hit"
+
+
+class Router:
+    """Forwarding decisions for requests entering at an edge of ``region``."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        region: str,
+        view: EdgeIndexView,
+        *,
+        now: float,
+        ablation: Ablation | None = None,
+        consistency: bool = True,
+        tenant: str | None = None,
+        top_k: int = 3,
+    ):
+        self.cfg = cfg
+        self.region = region
+        self.ablation = ablation or Ablation()
+        self.layout: IndexLayout = view.layout
+        self.plan = LevelPlan.from_config(cfg)
+        salt = namespace_salt(cfg.model, cfg.tenant if tenant is None else tenant)
+        self.lookup = PrefixLookup(self.layout, self.plan, region, salt, view, consistency=consistency)
+        self.scorer = JointScorer(cfg, region)
+        self.queues = QueueEstimates(cfg, region, now=now)
+        self.belief = CacheBelief(len(self.layout.worker_ids), cfg.score.belief_weight)
+        self.hot = HotPrefixDetector(cfg, region, self.plan, queues=self.queues, ablation=self.ablation)
+        self.worker_regions = tuple(w.region for w in cfg.workers)
+        self._local = np.array([r == region for r in self.worker_regions], dtype=bool)
+        self.top_k = top_k
+
+    def decide(self, tokens, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
+        """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
+        found = self.lookup.lookup(tokens)
+        return self.decide_from(found, now=now, exclude=exclude)
+
+    def decide_from(self, found: LookupResult, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
+        eligible = None
+        if exclude:
+            eligible = np.ones(len(self.layout.worker_ids), dtype=bool)
+            eligible[list(exclude)] = False
+        result = self.scorer.score(
+            found.prompt_len,
+            found.matched,
+            found.tier,
+            self.queues.queue_ms(),
+            self.belief.values,
+            ablation=self.ablation,
+            eligible=eligible,
+        )
+        chosen = result.chosen
+        migration = None
+        if self.ablation.migration and found.family_key is not None:
+            migration = self.hot.observe(self._observation(found, result.scores, chosen), now=now)
+        return ForwardDecided(
+            worker=result.worker,
+            worker_index=chosen,
+            region=self.worker_regions[chosen],
+            claimed_tokens=int(found.matched[chosen]),
+            tier=Tier(int(found.tier[chosen])),
+            lam=result.lam,
+            prompt_len=found.prompt_len,
+            candidates=result.top(self.top_k),
+            local=bool(self._local[chosen]),
+            migration=migration,
+        )
+
+    def _observation(self, found: LookupResult, scores: np.ndarray, chosen: int) -> DecisionObserved:
+        matched = found.matched
+        ids = self.layout.worker_ids
+        local_idx = np.flatnonzero(self._local & (matched > 0))
+        remote_idx = np.flatnonzero(~self._local & (matched > 0))
+        remote_best = None
+        if remote_idx.size:
+            best = int(remote_idx[np.argmax(matched[remote_idx])])
+            remote_best = (ids[best], self.worker_regions[best], int(matched[best]))
+        # Every local holder lost to load: each would have won with the winner's queue term.
+        lost_to_load = False
+        if local_idx.size and chosen not in set(local_idx.tolist()):
+            queue = self.queues.queue_ms()
+            unloaded = scores[local_idx] - queue[local_idx] + queue[chosen]
+            lost_to_load = bool(np.all(unloaded < scores[chosen]))
+        return DecisionObserved(
+            family_key=found.family_key,
+            prompt_len=found.prompt_len,
+            chosen_worker=ids[chosen],
+            local_holders=tuple((ids[i], int(matched[i])) for i in local_idx.tolist()),
+            remote_best=remote_best,
+            local_holders_lost_to_load=lost_to_load,
+        )
+
+    # -- feedback -----------------------------------------------------------------------------
+
+    def on_response(
+        self,
+        worker: str,
+        *,
+        claimed_tokens: int,
+        reused_tokens: int,
+        queue_vector: Mapping[str, float] | None = None,
+        now: float,
+    ) -> None:
+        """Fold a response into the cache belief and (for a remote region) the queue estimates."""
+        index = self.layout.worker_index(worker)
+        self.belief.observe(index, claimed_tokens, reused_tokens)
+        region = self.worker_regions[index]
+        if queue_vector and region != self.region:
+            self.queues.on_piggyback(region, queue_vector, now=now)

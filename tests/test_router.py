@@ -1,0 +1,109 @@
+"""The edge's decision end to end in-process: lookup + score + belief + queues + migration."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from clusters import make_cluster
+from kvcompassd.core.ablation import Ablation
+from kvcompassd.core.events import PrefixCached, Tier
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.keys import namespace_salt, prefix_keys
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.router import Router
+
+SHARDS = 2
+
+
+def _world(**score):
+    cfg = make_cluster({"us": 3, "eu": 2}, shards=SHARDS, one_way_ms=20.0, prefill_ms_per_token=0.1,
+                       levels=4, same_region_min_tokens=32, **score)
+    layout = IndexLayout.from_config(cfg)
+    shards = [MaintenanceShard(layout, s, SHARDS, epoch=1, initial_capacity=64) for s in range(SHARDS)]
+    view = EdgeIndexView(layout, SHARDS, edge="edge-us")
+    for s in shards:
+        view.install_snapshot(s.snapshot())
+    return cfg, layout, shards, view
+
+
+def _register(cfg, shards, view, worker, tokens, cached, tier=Tier.VRAM):
+    plan = LevelPlan.from_config(cfg)
+    keys = prefix_keys(tokens, plan.registration_lengths_upto(cached), namespace_salt(cfg.model))
+    for k in keys:
+        shards[int(k) % SHARDS].apply([PrefixCached(worker, int(k), tier)])
+    for s in shards:
+        if (b := s.flush()) is not None:
+            assert view.apply_batch(b).applied
+
+
+PROMPT = np.random.default_rng(5).integers(0, 30000, 2000, dtype=np.uint32)
+
+
+def test_idle_cluster_prefers_the_local_holder():
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker == "us-1" and d.local and d.outcome == "local_hit"
+    assert d.claimed_tokens == LevelPlan.from_config(cfg).lengths_toward("us", "us")[-1]
+    assert d.candidates[0].worker == "us-1" and len(d.candidates) == 3
+
+
+def test_loaded_holder_loses_to_an_idle_recompute_only_when_the_formula_says_so():
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    # Saving of the holder: beta * 256 = 25.6 ms (lambda = 0 while an idle worker exists).
+    router.queues.set_local("us-1", 20.0, now=0.0)
+    assert router.decide(PROMPT, now=0.0).worker == "us-1"
+    router.queues.set_local("us-1", 30.0, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker in ("us-0", "us-2") and d.outcome == "recompute"
+
+
+def test_long_remote_match_beats_local_recompute_and_belief_discounts_false_claims():
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "eu-0", PROMPT, 2000, Tier.VRAM)
+    router = Router(cfg, "us", view, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    # n1 toward eu = ceil(40 ms / 0.1) = 400 tokens; then block-aligned steps of n1/2.
+    assert LevelPlan.from_config(cfg).lengths_toward("us", "eu") == (400, 608, 800, 1008)
+    assert d.worker == "eu-0" and d.outcome == "remote_hit" and d.claimed_tokens == 1008
+    # The worker keeps reusing nothing of what the edge credits it with: belief decays.
+    for t in range(20):
+        router.on_response("eu-0", claimed_tokens=1000, reused_tokens=0, queue_vector={"eu-0": 0.0, "eu-1": 0.0}, now=t)
+    assert router.belief.get(layout.worker_index("eu-0")) < 0.1
+    assert router.decide(PROMPT, now=30.0).region == "us"
+
+
+def test_excluded_workers_are_skipped_for_the_next_best():
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(PROMPT, now=0.0)
+    second = router.decide(PROMPT, now=0.0, exclude={first.worker_index})
+    assert second.worker != first.worker
+
+
+def test_tier_blind_ablation_ignores_the_dram_reload_cost():
+    cfg, layout, shards, view = _world(gamma_ms_per_token=1.0)
+    _register(cfg, shards, view, "us-1", PROMPT, 2000, Tier.DRAM)
+    aware = Router(cfg, "us", view, now=0.0)
+    blind = Router(cfg, "us", view, now=0.0, ablation=Ablation(tier_aware=False))
+    assert aware.decide(PROMPT, now=0.0).worker != "us-1"  # reloading 256 tokens costs 256 ms
+    assert blind.decide(PROMPT, now=0.0).worker == "us-1"
+
+
+def test_hot_remote_prefix_migrates_to_a_persistently_idle_local_worker():
+    cfg, layout, shards, view = _world(hot_prefix_misses=3, hot_prefix_window_ms=1000.0, idle_period_ms=100.0)
+    _register(cfg, shards, view, "eu-0", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    for w in ("us-0", "us-1", "us-2"):
+        router.queues.set_local(w, 0.0, now=0.0)
+    plans = [router.decide(PROMPT, now=1.0 + 0.1 * i).migration for i in range(3)]
+    assert plans[:2] == [None, None]
+    plan = plans[2]
+    assert plan is not None and plan.mode == "recompute" and plan.source_worker == "eu-0"
+    assert plan.destination_worker.startswith("us-") and plan.tier == Tier.DRAM
+    assert Router(cfg, "us", view, now=0.0, ablation=Ablation(migration=False)).decide(PROMPT, now=1.0).migration is None
