@@ -108,6 +108,9 @@ def _check_key(key: Any) -> int:
 def _as_uint64(values: Any, what: str, limit: int, error: type[LudoError]) -> np.ndarray:
     """Contiguous uint64 copy-or-view of an integer sequence, every element in [0, limit)."""
     arr = np.asarray(values)
+    if not isinstance(values, np.ndarray) and arr.dtype.kind == "f":
+        # numpy turns a list mixing ints below 2^63 and at/above it into float64: check exactly
+        arr = np.array(values, dtype=object)
     if arr.ndim != 1:
         raise error(f"{what} must be a 1-D sequence of integers, got shape {arr.shape}")
     if arr.size == 0:

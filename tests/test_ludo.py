@@ -1,0 +1,439 @@
+"""Ludo table and view (kvcompassd.core.ludo) against a dict oracle.
+
+The view must return the oracle's value for every present key whatever snapshot it started from,
+as long as it was then fed every blob taken after that snapshot; bad input must raise a LudoError
+subclass and leave the view exactly as it was.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.ludo import (
+    KEY_LIMIT,
+    LudoCorruptError,
+    LudoDuplicateKeyError,
+    LudoEpochError,
+    LudoError,
+    LudoForeignError,
+    LudoKeyRangeError,
+    LudoMissingKeyError,
+    LudoTable,
+    LudoValueRangeError,
+    LudoVersionError,
+    LudoView,
+    peek_blob,
+)
+
+HEADER = 72
+KEYS = st.integers(0, KEY_LIMIT - 1)
+OPS = st.lists(
+    st.tuples(st.sampled_from(["insert", "insert", "insert", "update", "remove", "snapshot", "take"]), KEYS,
+              st.integers(1, 2**32 - 1)),
+    max_size=250,
+)
+
+
+def fill(table: LudoTable, n: int, rng: random.Random, value_bits: int = 32) -> dict[int, int]:
+    oracle: dict[int, int] = {}
+    while len(oracle) < n:
+        key = rng.randrange(KEY_LIMIT)
+        if key not in oracle:
+            oracle[key] = rng.randrange(1, 1 << value_bits)
+    table.insert_many(list(oracle), list(oracle.values()))
+    return oracle
+
+
+def view_matches(view: LudoView, oracle: dict[int, int]) -> bool:
+    keys = np.array(list(oracle), dtype=np.uint64)
+    want = np.array(list(oracle.values()), dtype=np.uint64)
+    return bool(np.array_equal(view.lookup_many(keys), want))
+
+
+def synced_view(table: LudoTable) -> LudoView:
+    view = LudoView.from_snapshot(table.snapshot())
+    table.take_updates()  # everything pending is already in the snapshot
+    return view
+
+
+def reseal(blob: bytes) -> bytes:
+    """Recompute a blob's CRC-32 after deliberately editing it (bytes [0,64) + payload)."""
+    crc = zlib.crc32(blob[64:64] + blob[:64] + blob[HEADER:])
+    return blob[:64] + struct.pack("<I", crc) + blob[68:]
+
+
+# ---------------------------------------------------------------------------- oracle properties
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, fingerprint_bits=st.sampled_from([0, 6]), value_bits=st.sampled_from([32, 64]))
+def test_views_from_any_snapshot_follow_the_oracle(ops, fingerprint_bits, value_bits):
+    table = LudoTable(8, value_bits=value_bits, fingerprint_bits=fingerprint_bits, seed=99)
+    oracle: dict[int, int] = {}
+    blobs: list[bytes] = []
+    starts: list[tuple[bytes, int, dict[int, int]]] = [(table.snapshot(), 0, {})]  # (snapshot, blobs before it)
+    for op, key, value in ops:
+        present = list(oracle)
+        if op == "insert":
+            if key in oracle:
+                with pytest.raises(LudoDuplicateKeyError):
+                    table.insert(key, value)
+            else:
+                table.insert(key, value)
+                oracle[key] = value
+        elif op in ("update", "remove") and present:
+            target = present[key % len(present)]
+            if op == "update":
+                table.update(target, value)
+                oracle[target] = value
+            else:
+                table.remove(target)
+                del oracle[target]
+        elif op == "snapshot":
+            starts.append((table.snapshot(), len(blobs), dict(oracle)))
+        elif op == "take":
+            blobs.extend(table.take_updates())
+    blobs.extend(table.take_updates())
+
+    assert len(table) == len(oracle)
+    for key, value in oracle.items():
+        assert table.get(key) == value and key in table
+    for snapshot, first, oracle_then in starts:
+        view = LudoView.from_snapshot(snapshot)
+        assert view_matches(view, oracle_then)  # the snapshot alone is its moment's state
+        for blob in blobs[first:]:
+            view.apply(blob)
+        assert view.epoch == table.epoch
+        assert view_matches(view, oracle)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS)
+def test_reapplying_any_blob_is_harmless(ops):
+    table = LudoTable(16, seed=5)
+    view = synced_view(table)
+    oracle: dict[int, int] = {}
+    seen: list[bytes] = []
+    for op, key, value in ops:
+        if op == "insert" and key not in oracle:
+            table.insert(key, value)
+            oracle[key] = value
+        elif op == "remove" and oracle:
+            target = list(oracle)[key % len(oracle)]
+            table.remove(target)
+            del oracle[target]
+        elif op == "update" and oracle:
+            target = list(oracle)[key % len(oracle)]
+            table.update(target, value)
+            oracle[target] = value
+        for blob in table.take_updates():
+            view.apply(blob)
+            view.apply(blob)  # twice in a row
+            seen.append(blob)
+        if seen and op == "take":  # an old blob of the current epoch again, then catch up
+            current = [b for b in seen if peek_blob(b)[2] == view.epoch]
+            view.apply(current[key % len(current)])
+            for blob in current[current.index(current[key % len(current)]) + 1:]:
+                view.apply(blob)
+    assert view_matches(view, oracle)
+
+
+@settings(max_examples=60, deadline=None)
+@given(present=st.sets(KEYS, max_size=300), probes=st.lists(KEYS, max_size=100))
+def test_get_is_exact_for_present_and_absent_keys(present, probes):
+    table = LudoTable(4, seed=1)
+    for key in present:
+        table.insert(key, (key % 1000) + 1)
+    for key in present:
+        assert table.get(key) == (key % 1000) + 1
+    for key in probes:
+        assert table.get(key) == ((key % 1000) + 1 if key in present else None)
+        assert (key in table) == (key in present)
+    values, found = table.get_many(np.array(probes + sorted(present), dtype=np.uint64))
+    assert found.tolist() == [k in present for k in probes + sorted(present)]
+    assert [int(v) for v, f in zip(values, found) if f] == [(k % 1000) + 1 for k in probes + sorted(present) if k in present]
+
+
+def test_batches_match_single_operations_and_lookup_many_matches_lookup():
+    rng = random.Random(3)
+    table = LudoTable(1000, seed=4)
+    view = synced_view(table)
+    oracle = fill(table, 3000, rng)
+    keys = list(oracle)
+    table.update_many(keys[:500], [7] * 500)
+    table.remove_many(keys[500:1000])
+    for key in keys[:500]:
+        oracle[key] = 7
+    for key in keys[500:1000]:
+        del oracle[key]
+    for blob in table.take_updates():
+        view.apply(blob)
+    assert view_matches(view, oracle)
+    probe = np.array(keys + [rng.randrange(KEY_LIMIT) for _ in range(500)], dtype=np.uint64)
+    assert view.lookup_many(probe).tolist() == [view.lookup(int(k)) for k in probe]
+    assert view.lookup_many(np.zeros(0, dtype=np.uint64)).size == 0
+
+
+def test_growth_bumps_epoch_ships_a_snapshot_and_old_epoch_records_are_refused():
+    rng = random.Random(8)
+    table = LudoTable(32, seed=12)
+    view = synced_view(table)
+    oracle = fill(table, 20, rng)
+    (records,) = table.take_updates()
+    assert peek_blob(records)[0] == "records"
+    view.apply(records)
+    epoch = table.epoch
+    oracle.update(fill(table, 400, rng))  # far past capacity: grows
+    assert table.epoch > epoch
+    (snapshot,) = table.take_updates()
+    assert peek_blob(snapshot) == ("snapshot", 12, table.epoch)
+    view.apply(snapshot)
+    assert view.epoch == table.epoch and view_matches(view, oracle)
+    assert_rejected_unchanged(view, records, LudoEpochError)  # records of the epoch before the grow
+    old_view_snapshot = snapshot
+    oracle.update(fill(table, 2000, rng))
+    for blob in table.take_updates():
+        view.apply(blob)
+    with pytest.raises(LudoEpochError):
+        view.apply(old_view_snapshot)  # stale snapshot would roll the view back
+    assert view_matches(view, oracle)
+
+
+def test_overflow_map_grows_with_online_inserts():
+    """Seeds above 30 live in the view's overflow map; it must grow, not lose entries."""
+    rng = random.Random(21)
+    table = LudoTable(40000, max_load=0.95, seed=77)
+    view = synced_view(table)
+    assert view.overflow_count == 0
+    small_capacity = view.overflow_capacity
+    memory_before = view.memory_bytes
+    oracle = fill(table, 37000, rng)
+    for blob in table.take_updates():
+        view.apply(blob)
+    assert view.epoch == 1  # no rebuild: the map grew through records alone
+    assert table.overflow_buckets > small_capacity
+    assert view.overflow_count == table.overflow_buckets
+    assert view.overflow_capacity > small_capacity
+    assert view.memory_bytes > memory_before
+    assert view_matches(view, oracle)
+    removed = list(oracle)[:20000]  # emptier buckets need smaller seeds: entries leave the map
+    table.remove_many(removed)
+    for key in removed:
+        del oracle[key]
+    for blob in table.take_updates():
+        view.apply(blob)
+    assert view.overflow_count == table.overflow_buckets
+    assert view_matches(view, oracle)
+
+
+def test_tables_side_by_side_do_not_interfere():
+    rng = random.Random(2)
+    a, b = LudoTable(100, seed=1), LudoTable(100, seed=2, value_bits=64)
+    va, vb = synced_view(a), synced_view(b)
+    oa, ob = fill(a, 300, rng), fill(b, 300, rng, value_bits=64)
+    for blob in a.take_updates():
+        va.apply(blob)
+        with pytest.raises(LudoForeignError):
+            vb.apply(blob)
+    for blob in b.take_updates():
+        vb.apply(blob)
+    assert view_matches(va, oa) and view_matches(vb, ob)
+
+
+# ---------------------------------------------------------------------------- fingerprints
+
+
+def false_hit_rate(view: LudoView, present: set[int], rng: np.random.Generator, n: int) -> float:
+    probes = rng.integers(0, KEY_LIMIT, size=n, dtype=np.uint64)
+    probes = probes[~np.isin(probes, np.array(sorted(present), dtype=np.uint64))]
+    return float(np.count_nonzero(view.lookup_many(probes))) / probes.size
+
+
+def test_fingerprints_reject_absent_keys_at_about_two_to_the_minus_d():
+    rates = {}
+    for bits in (0, 4, 8):
+        table = LudoTable(50000, fingerprint_bits=bits, max_load=0.95, seed=31)
+        oracle = fill(table, 45000, random.Random(bits))
+        view = synced_view(table)
+        assert view_matches(view, oracle)  # fingerprints never reject a present key
+        rates[bits] = false_hit_rate(view, set(oracle), np.random.default_rng(bits), 400_000)
+    load = 45000 / table.slots
+    assert 0.8 * load < rates[0] < 1.05 * load  # without fingerprints: any occupied slot answers
+    for bits in (4, 8):
+        expected = rates[0] * 2.0**-bits
+        assert 0.5 * expected < rates[bits] < 2.0 * expected, (bits, rates)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("key", [KEY_LIMIT, 2**64, -1, 1.5, "7", None, True])
+def test_out_of_range_keys_are_refused(key):
+    table = LudoTable(10)
+    table.insert(5, 1)
+    view = synced_view(table)
+    for call in (lambda: table.insert(key, 1), lambda: table.update(key, 1), lambda: table.remove(key),
+                 lambda: table.get(key), lambda: view.lookup(key)):
+        with pytest.raises(LudoKeyRangeError):
+            call()
+    assert key not in table and len(table) == 1
+
+
+def test_bad_values_and_presence_errors():
+    table = LudoTable(10, value_bits=32)
+    table.insert(1, 2**32 - 1)
+    for value in (0, 2**32, -3, 1.0):
+        with pytest.raises(LudoValueRangeError):
+            table.insert(2, value)
+        with pytest.raises(LudoValueRangeError):
+            table.update(1, value)
+    with pytest.raises(LudoDuplicateKeyError):
+        table.insert(1, 5)
+    with pytest.raises(LudoMissingKeyError):
+        table.update(2, 5)
+    with pytest.raises(LudoMissingKeyError):
+        table.remove(2)
+    wide = LudoTable(10, value_bits=64)
+    wide.insert(1, 2**64 - 1)
+    assert wide.get(1) == 2**64 - 1 and table.get(1) == 2**32 - 1
+
+
+def test_batches_validate_ranges_before_applying_anything():
+    table = LudoTable(10)
+    table.insert(1, 1)
+    table.take_updates()
+    for keys, values in (([2, 3, KEY_LIMIT], [1, 1, 1]), ([2, 3, -1], [1, 1, 1]), ([2, 3, 4], [1, 0, 1]),
+                         ([2, 3, 4], [1, 1, 2**32]), ([2, 3], [1]), ([[2]], [[1]])):
+        with pytest.raises(LudoError):
+            table.insert_many(keys, values)
+    assert len(table) == 1 and table.take_updates() == []
+    with pytest.raises(LudoDuplicateKeyError, match="index 1"):
+        table.insert_many([2, 1, 3], [1, 1, 1])
+    assert 2 in table and 3 not in table  # applied in order up to the failure
+    with pytest.raises(LudoMissingKeyError):
+        table.remove_many([2, 2])
+    with pytest.raises(LudoKeyRangeError):
+        synced_view(table).lookup_many(np.array([1, 2**63], dtype=np.uint64))
+
+
+@pytest.mark.parametrize("args", [dict(value_bits=16), dict(fingerprint_bits=17), dict(max_load=0.99),
+                                  dict(max_load=0), dict(seed=-1)])
+def test_bad_table_parameters(args):
+    with pytest.raises(LudoError):
+        LudoTable(100, **args)
+    with pytest.raises(LudoError):
+        LudoTable(0)
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A table, a view in sync with it, a snapshot and a record blob of the current epoch."""
+    rng = random.Random(13)
+    table = LudoTable(400, fingerprint_bits=5, seed=42)
+    oracle = fill(table, 300, rng)
+    snapshot = table.snapshot()
+    table.take_updates()
+    more = fill(table, 50, rng)
+    (records,) = table.take_updates()
+    oracle.update(more)
+    return table, oracle, snapshot, records
+
+
+def probe_answers(view: LudoView) -> np.ndarray:
+    return view.lookup_many(np.random.default_rng(0).integers(0, KEY_LIMIT, 3000, dtype=np.uint64))
+
+
+def assert_rejected_unchanged(view: LudoView, blob: object, error: type[Exception] = LudoError) -> None:
+    before, epoch, memory = probe_answers(view), view.epoch, view.memory_bytes
+    with pytest.raises(error):
+        view.apply(blob)  # type: ignore[arg-type]
+    assert np.array_equal(probe_answers(view), before)
+    assert (view.epoch, view.memory_bytes) == (epoch, memory)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_corrupted_or_truncated_blobs_are_refused_without_damage(world, data):
+    table, oracle, snapshot, records = world
+    view = LudoView.from_snapshot(snapshot)
+    blob = data.draw(st.sampled_from([snapshot, records]))
+    damage = data.draw(st.sampled_from(["flip", "truncate", "extend"]))
+    if damage == "flip":
+        at = data.draw(st.integers(0, len(blob) - 1))
+        bit = data.draw(st.integers(0, 7))
+        bad = blob[:at] + bytes([blob[at] ^ (1 << bit)]) + blob[at + 1:]
+    elif damage == "truncate":
+        bad = blob[: data.draw(st.integers(0, len(blob) - 1))]
+    else:
+        bad = blob + data.draw(st.binary(min_size=1, max_size=16))
+    assert_rejected_unchanged(view, bad)
+    with pytest.raises(LudoError):
+        LudoView.from_snapshot(bad)
+    view.apply(records)
+    assert view_matches(view, oracle)
+
+
+def test_specific_bad_blobs_raise_clear_errors(world):
+    table, oracle, snapshot, records = world
+    view = LudoView.from_snapshot(snapshot)
+    assert_rejected_unchanged(view, b"", LudoCorruptError)
+    assert_rejected_unchanged(view, b"NOPE" + records[4:], LudoCorruptError)
+    assert_rejected_unchanged(view, "not bytes", LudoCorruptError)
+    assert_rejected_unchanged(view, records[:HEADER + 3], LudoCorruptError)
+    version = bytearray(records)
+    version[4] = 9
+    assert_rejected_unchanged(view, reseal(bytes(version)), LudoVersionError)
+    future = bytearray(records)
+    future[16:24] = struct.pack("<Q", view.epoch + 1)
+    assert_rejected_unchanged(view, reseal(bytes(future)), LudoEpochError)
+    geometry = bytearray(records)
+    geometry[24:28] = struct.pack("<I", struct.unpack("<I", records[24:28])[0] + 1)
+    assert_rejected_unchanged(view, reseal(bytes(geometry)), LudoCorruptError)
+    other = LudoTable(400, fingerprint_bits=5, seed=43)
+    other.insert(1, 1)
+    assert_rejected_unchanged(view, other.take_updates()[0], LudoForeignError)
+    assert_rejected_unchanged(view, other.snapshot(), LudoForeignError)
+    with pytest.raises(LudoCorruptError):
+        LudoView.from_snapshot(records)  # a view starts from a snapshot only
+    view.apply(records)
+    assert view_matches(view, oracle)
+
+
+def test_payload_errors_behind_a_valid_checksum_change_nothing(world):
+    """A well-sealed blob whose LAST entry is bad must not have its earlier entries applied."""
+    table, oracle, snapshot, records = world
+    view = LudoView.from_snapshot(snapshot)
+    nbk, nw = struct.unpack("<II", records[HEADER:HEADER + 8])
+    assert nbk > 1
+    entry = 4 + 2 + 16 + 8  # bucket index, seed, 4 x 32-bit values, 4 x 16-bit fingerprints
+    last = HEADER + 8 + (nbk - 1) * entry
+    bad_index = records[:last] + struct.pack("<I", 2**31) + records[last + 4:]
+    assert_rejected_unchanged(view, reseal(bad_index), LudoCorruptError)
+    bad_fp = bytearray(records)
+    bad_fp[last + 22:last + 24] = struct.pack("<H", 1 << 5)  # wider than the 5 fingerprint bits
+    assert_rejected_unchanged(view, reseal(bytes(bad_fp)), LudoCorruptError)
+    if nw:
+        words_at = HEADER + 8 + nbk * entry + (nw - 1) * 12
+        bad_word = records[:words_at] + struct.pack("<I", 2**31) + records[words_at + 4:]
+        assert_rejected_unchanged(view, reseal(bad_word), LudoCorruptError)
+    short_count = records[:HEADER] + struct.pack("<II", nbk - 1, nw) + records[HEADER + 8:]
+    assert_rejected_unchanged(view, reseal(short_count), LudoCorruptError)
+    view.apply(records)
+    assert view_matches(view, oracle)
+
+
+def test_memory_accounting_counts_every_array():
+    table = LudoTable(10000, seed=3)
+    fill(table, 9000, random.Random(1))
+    view = LudoView.from_snapshot(table.snapshot())
+    assert view.snapshot_entries == 9000
+    values_bytes = view.slots * 4
+    assert values_bytes < view.memory_bytes < values_bytes * 1.3
+    assert table.memory_bytes > view.memory_bytes + 9000 * 8  # the table also stores the keys
