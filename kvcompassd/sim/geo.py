@@ -30,11 +30,11 @@ ROUTE_INFLATION = 1.5
 FIXED_MS = 2.0
 
 # Worker calibration: A100-80GB SXM serving Llama-3.1-8B-Instruct in BF16.
-# Prefill: SGLang/vLLM report ~12k prompt tokens/s for Llama-3-8B on one A100 at 1-4K-token
-# prompts (SGLang v0.2 blog benchmarks, Jul 2024; vLLM perf dashboard), so beta ~ 0.083 ms/token.
+# Prefill: ~11.8k prompt tokens/s for Llama-3-8B on one A100 (16 GFLOP/token at ~60 % of 312 TFLOP/s;
+# SGLang/vLLM publish 10-14k tokens/s), so beta = 0.085 ms/token, as in kvcompassd/core/workermodel.py.
 # Decode: a decode step streams 16 GB of weights at ~1.6-2.0 TB/s (HBM2e) plus KV reads, so
 # ~10-12 ms per step at moderate batch; one output token per running request per step.
-A100_PREFILL_MS_PER_TOKEN = 0.083
+A100_PREFILL_MS_PER_TOKEN = 0.085
 A100_DECODE_MS_PER_TOKEN = 12.0
 # KV per token: 32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes = 128 KiB.
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2

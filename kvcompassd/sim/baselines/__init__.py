@@ -1,0 +1,37 @@
+"""The paper's baselines (§5.1) and the Oracle, each a ``RoutingPolicy`` (see each module's
+docstring for what its design lets it see)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..policy import PolicyError, Topology
+from .directory import CentralDirectoryPolicy
+from .dynamo import DynamoPolicy
+from .hashing import ChordPolicy, ConsistentHashPolicy
+from .oracle import OraclePolicy
+from .planetserve import PlanetServePolicy
+from .skywalker import SkyWalkerPolicy
+
+BASELINES: dict[str, Callable[..., Any]] = {
+    "consistent-hash": ConsistentHashPolicy,
+    "chord": ChordPolicy,
+    "planetserve": PlanetServePolicy,
+    "central-directory": CentralDirectoryPolicy,
+    "skywalker": SkyWalkerPolicy,
+    "dynamo": DynamoPolicy,
+    "oracle": OraclePolicy,
+}
+
+# Short names as in the paper's figures.
+SHORT = {"central-directory": "CD", "planetserve": "PS", "consistent-hash": "CH", "chord": "ChD",
+         "skywalker": "SW", "dynamo": "Dyn", "kvcompass": "KVC", "oracle": "Oracle"}
+
+
+def make_baseline(name: str, topo: Topology, **options: Any):
+    try:
+        cls = BASELINES[name]
+    except KeyError:
+        raise PolicyError(f"unknown baseline {name!r}; known: {sorted(BASELINES)}") from None
+    return cls(topo, **options)

@@ -1,0 +1,41 @@
+"""Helpers shared by the cache-aware baselines: per-worker match vectors and the TTFT estimate
+they all minimise (WAN round trip + queueing + residual prefill + DRAM reload)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcompassd.engine.kvevents import StorageTier
+
+from ..blockmirror import GlobalBlockMap, chain_keys
+from ..policy import Topology
+
+
+def match_vectors(topo: Topology, bmap: GlobalBlockMap, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(matched tokens per worker, 1.0 where that match sits in DRAM)."""
+    matched = np.zeros(topo.n_workers)
+    dram = np.zeros(topo.n_workers)
+    for w, (n, tier) in bmap.longest(chain_keys(tokens, topo.block_size)).items():
+        matched[w] = n
+        dram[w] = 1.0 if tier is StorageTier.DRAM else 0.0
+    return matched, dram
+
+
+def expected_ttft_ms(topo: Topology, region: int, prompt_tokens: int, queue_ms: np.ndarray,
+                     matched: np.ndarray, dram: np.ndarray, *, include_wan: bool = True) -> np.ndarray:
+    """Per worker: the TTFT a request would see if the view were exact."""
+    residual = topo.prefill_ms_per_token * np.maximum(0.0, prompt_tokens - matched)
+    reload = topo.gamma_ms_per_token * matched * dram
+    cost = queue_ms + residual + reload
+    if include_wan:
+        cost = cost + topo.rtt_to_workers(region)
+    return cost
+
+
+def argmin_tiebreak(cost: np.ndarray, secondary: np.ndarray) -> int:
+    """Lowest cost; among (near-)equal costs the lowest secondary value, then lowest index."""
+    best = cost.min()
+    tied = np.flatnonzero(cost <= best + 1e-9)
+    if len(tied) == 1:
+        return int(tied[0])
+    return int(tied[np.argmin(secondary[tied])])

@@ -1,0 +1,30 @@
+"""Oracle: every request goes to the globally least-loaded worker, read from the true worker
+state with no delay and no discovery cost. It ignores KV-cache reuse and WAN distance, so its
+load factor is the floor any scheme can reach (paper §5.3, Fig. 14).
+Sees: true load of every worker, instantly."""
+
+from __future__ import annotations
+
+from ..policy import BasePolicy, LoadView, RouteDecision, Topology
+from ..workloads import Request
+from .common import argmin_tiebreak
+
+
+class OraclePolicy(BasePolicy):
+    name = "oracle"
+
+    def __init__(self, topo: Topology) -> None:
+        super().__init__(topo)
+        self.loads = LoadView(topo.n_workers)
+        self._assigned = [0] * topo.n_workers  # tie-break: spread equal loads round-robin-like
+
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+        self.loads.set(worker_index, queue_ms, now)
+
+    def route(self, req: Request, *, now: float) -> RouteDecision:
+        import numpy as np
+
+        q = self.loads.current(now)
+        w = argmin_tiebreak(q, np.asarray(self._assigned, dtype=float))
+        self._assigned[w] += 1
+        return RouteDecision(w, 0.0, 0)

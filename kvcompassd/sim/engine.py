@@ -1,0 +1,344 @@
+"""The event-driven simulation loop on a virtual clock.
+
+Per request: arrival at its region's edge -> ``policy.route`` (plus the policy's discovery
+delay) -> WAN one-way to the worker's region -> the worker's prefix cache is matched and the
+prefix pinned (DRAM pages reload at gamma) -> the worker's queue model (FIFO prefill, continuous
+batch decode) -> first token back over the WAN (TTFT is measured at the user) -> decode -> last
+token back (end-to-end). Each worker's prefix cache emits the engine's block events; they reach
+the policy after ``update_delay_ms`` unless lost (``update_loss``, §5.7). Actual WAN latencies
+can jitter around the static matrix the policies know (``wan_jitter``, §5.7).
+
+Worker timing is ``kvcompassd.core.workermodel.WorkerQueueModel``; caches are
+``kvcompassd.core.prefixcache.PrefixCache`` — the same code the emulated worker runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcompassd.core.prefixcache import PrefixCache
+from kvcompassd.core.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
+
+from .blockmirror import GlobalBlockMap, chain_keys
+from .policy import PolicyError, RoutingPolicy, Topology
+from .workloads import Request
+
+_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER = range(5)
+REMOTE_ONLY_MIN_TOKENS = 1024  # appendix D / Fig. 19 threshold
+
+
+class SimulationError(ValueError):
+    """Bad simulation settings or a policy decision the deployment cannot carry out."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimSettings:
+    eviction: str = "lru"            # worker KV-cache eviction: "lru" or "lfu" (§5.1)
+    update_delay_ms: float = 0.0     # extra delay of cache events on their way to the policy
+    update_loss: float = 0.0         # probability a batch of cache events is lost
+    wan_jitter: float = 0.0          # actual one-way = static * (1 + U(-j, +j))
+    load_bin_s: float = 1.0          # time bins of the per-worker load factor
+    seed: int = 0
+    track_truth: bool = False        # keep an exact global cache map for the cross-region-only share
+    progress: bool = False           # tqdm progress bar
+    decode_batch_slope: float | None = None  # override the worker model's assumption
+
+    def __post_init__(self) -> None:
+        if self.eviction not in ("lru", "lfu"):
+            raise SimulationError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+        if not 0 <= self.update_loss < 1:
+            raise SimulationError(f"update_loss must be in [0, 1), got {self.update_loss}")
+        if self.update_delay_ms < 0 or self.wan_jitter < 0 or self.load_bin_s <= 0:
+            raise SimulationError("update_delay_ms and wan_jitter must be >= 0, load_bin_s > 0")
+
+
+@dataclass(slots=True)
+class _InFlight:
+    req: Request
+    worker: int
+    claimed: int
+    lookup_ms: float
+    edge_region: int
+    lease: Any = None
+    cached_vram: int = 0
+    cached_dram: int = 0
+    at_worker: float = 0.0
+    first_token_at: float = -1.0
+    ttft_s: float = -1.0
+    remote_only: int = -1
+
+
+RECORD_FIELDS = (
+    "id", "arrival_s", "edge_region", "worker", "worker_region", "session", "prompt_tokens", "output_tokens",
+    "claimed_tokens", "reused_tokens", "dram_tokens", "lookup_ms", "ttft_ms", "e2e_ms", "finish_s",
+    "compute_ms", "remote_only",
+)
+
+
+@dataclass
+class SimResult:
+    """Per-request records (numpy columns, ordered by request id) and run-level counters."""
+
+    scheme: str
+    records: dict[str, np.ndarray]
+    load_bins: np.ndarray            # workers x bins, GPU compute ms sent to each worker per bin
+    load_bin_s: float
+    wall_s: float
+    events_delivered: int = 0
+    events_lost: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def completed(self) -> int:
+        return len(self.records["id"])
+
+
+class Simulation:
+    def __init__(self, topo: Topology, policy: RoutingPolicy, settings: SimSettings = SimSettings()) -> None:
+        self.topo = topo
+        self.policy = policy
+        self.s = settings
+        self.rng = np.random.default_rng(settings.seed)
+        overrides = {} if settings.decode_batch_slope is None else {"decode_batch_slope": settings.decode_batch_slope}
+        cfg = topo.config
+        self.timings = [
+            WorkerTiming.from_worker_config(cfg.worker(w), reload_ms_per_token=topo.gamma_ms_per_token, **overrides)
+            for w in topo.worker_ids
+        ]
+        self.models = [WorkerQueueModel(t) for t in self.timings]
+        self.caches = [
+            PrefixCache(block_size=topo.block_size, vram_tokens=cfg.worker(w).vram_kv_tokens,
+                        dram_tokens=cfg.worker(w).dram_kv_tokens, policy=settings.eviction)
+            for w in topo.worker_ids
+        ]
+        self.truth = GlobalBlockMap(topo.n_workers, topo.block_size) if settings.track_truth else None
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._wake_version = [0] * topo.n_workers
+        self._wake_at = [float("inf")] * topo.n_workers
+        self._inflight: dict[int, _InFlight] = {}
+        self._last_q = np.zeros(topo.n_workers)
+        self._last_q_at = np.zeros(topo.n_workers)
+        self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
+        self._load: dict[tuple[int, int], float] = {}
+        self.events_delivered = 0
+        self.events_lost = 0
+        self.now = 0.0
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+        self._seq += 1
+
+    def _one_way_s(self, a: int, b: int) -> float:
+        ms = self.topo.one_way_ms[a, b]
+        if self.s.wan_jitter > 0 and a != b:
+            ms *= max(0.0, 1.0 + self.rng.uniform(-self.s.wan_jitter, self.s.wan_jitter))
+        return ms / 1000.0
+
+    def _emit_cache_events(self, w: int, events: list, now: float) -> None:
+        if not events:
+            return
+        if self.truth is not None:
+            self.truth.apply(w, events)
+        if self.s.update_loss > 0 and self.rng.random() < self.s.update_loss:
+            self.events_lost += len(events)
+            return
+        if self.s.update_delay_ms > 0:
+            self._push(now + self.s.update_delay_ms / 1000.0, _DELIVER, (w, events))
+        else:
+            self.events_delivered += len(events)
+            self.policy.on_cache_events(w, events, now=now)
+
+    def _notify_load(self, w: int, now: float) -> None:
+        q = self.models[w].queue_ms(now=now)
+        self._last_q[w] = q
+        self._last_q_at[w] = now
+        self.policy.on_worker_load(w, q, now=now)
+
+    def _schedule_wake(self, w: int) -> None:
+        t = self.models[w].next_event_time()
+        if t is None:
+            self._wake_at[w] = float("inf")
+            return
+        if t < self._wake_at[w] - 1e-12 or self._wake_at[w] < self.now:
+            self._wake_version[w] += 1
+            self._wake_at[w] = t
+            self._push(t, _WAKE, (w, self._wake_version[w]))
+
+    def _remote_only(self, req: Request, region: int) -> int:
+        assert self.truth is not None
+        best = self.truth.longest(chain_keys(req.tokens, self.topo.block_size))
+        local = max((n for w, (n, _) in best.items() if self.topo.worker_region[w] == region), default=0)
+        remote = max((n for w, (n, _) in best.items() if self.topo.worker_region[w] != region), default=0)
+        if max(local, remote) < REMOTE_ONLY_MIN_TOKENS:
+            return -1  # no reusable prefix of the threshold length
+        return int(local < REMOTE_ONLY_MIN_TOKENS)
+
+    # ------------------------------------------------------------------------------ handlers
+
+    def _arrive(self, req: Request, now: float) -> None:
+        topo = self.topo
+        region = topo.region_index(req.region)
+        decision = self.policy.route(req, now=now)
+        w = decision.worker_index
+        if not 0 <= w < topo.n_workers:
+            raise PolicyError(f"{getattr(self.policy, 'name', self.policy)} routed to worker {w} of {topo.n_workers}")
+        st = _InFlight(req, w, decision.claimed_tokens, decision.lookup_delay_ms, region)
+        if self.truth is not None:
+            st.remote_only = self._remote_only(req, region)
+        self._inflight[req.id] = st
+        t = now + decision.lookup_delay_ms / 1000.0 + self._one_way_s(region, int(topo.worker_region[w]))
+        self._push(t, _AT_WORKER, req.id)
+
+    def _at_worker(self, rid: int, now: float) -> None:
+        st = self._inflight[rid]
+        w, req = st.worker, st.req
+        tokens = req.tokens.tolist()
+        lease, match, events = self.caches[w].lock(tokens, now=now)
+        # An engine always computes at least the last prompt token.
+        vram = min(match.vram_tokens, req.prompt_tokens - 1)
+        dram = min(match.dram_tokens, req.prompt_tokens - 1 - vram)
+        st.lease, st.cached_vram, st.cached_dram, st.at_worker = lease, vram, dram, now
+        self._emit_cache_events(w, events, now)
+        self.models[w].admit(str(rid), req.prompt_tokens, vram, dram, req.output_tokens, now=now)
+        self._account_load(w, now, st)
+        self._process_worker(w, now)
+
+    def _account_load(self, w: int, now: float, st: _InFlight) -> None:
+        timing = self.timings[w]
+        prefill = timing.prefill_ms(st.req.prompt_tokens - st.cached_vram - st.cached_dram, st.cached_dram)
+        # A request's share of decode: its output tokens at a full batch's per-sequence step cost.
+        decode = (st.req.output_tokens - 1) * timing.decode_step_ms(timing.max_running) / timing.max_running
+        key = (w, int(now // self.s.load_bin_s))
+        self._load[key] = self._load.get(key, 0.0) + prefill + decode
+
+    def _process_worker(self, w: int, now: float) -> None:
+        for ev in self.models[w].advance(now=now):
+            rid = int(ev.request_id)
+            st = self._inflight[rid]
+            if isinstance(ev, FirstTokenProduced):
+                st.first_token_at = ev.at
+                back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
+                st.ttft_s = ev.at + back - st.req.arrival_s
+                self._emit_cache_events(w, self.caches[w].insert(st.req.tokens.tolist(), now=ev.at, lease=st.lease), ev.at)
+                region = int(self.topo.worker_region[w])
+                members = self.topo.workers_in(region)
+                qv = np.maximum(0.0, self._last_q[members] - (ev.at - self._last_q_at[members]) * 1000.0)
+                reused = st.cached_vram + st.cached_dram
+                self._push(ev.at + back, _RESPONSE, (st.req, w, reused, dict(zip(members.tolist(), qv.tolist()))))
+            elif isinstance(ev, RequestFinished):
+                self.caches[w].unlock(st.lease)
+                back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
+                self._record(st, ev.at + back)
+                del self._inflight[rid]
+        self._notify_load(w, now)
+        self._schedule_wake(w)
+
+    def _record(self, st: _InFlight, done_at_user: float) -> None:
+        req, rows = st.req, self._rows
+        timing = self.timings[st.worker]
+        prefill = timing.prefill_ms(req.prompt_tokens - st.cached_vram - st.cached_dram, st.cached_dram)
+        decode = (req.output_tokens - 1) * timing.decode_step_ms(timing.max_running) / timing.max_running
+        values = (
+            req.id, req.arrival_s, st.edge_region, st.worker, int(self.topo.worker_region[st.worker]), req.session,
+            req.prompt_tokens, req.output_tokens, st.claimed, st.cached_vram + st.cached_dram, st.cached_dram,
+            st.lookup_ms, st.ttft_s * 1000.0, (done_at_user - req.arrival_s) * 1000.0, done_at_user,
+            prefill + decode, st.remote_only,
+        )
+        for f, v in zip(RECORD_FIELDS, values):
+            rows[f].append(v)
+
+    # ------------------------------------------------------------------------------ loop
+
+    def run(self, requests: Iterable[Request], *, max_requests: int | None = None,
+            duration_s: float | None = None) -> SimResult:
+        """Replay ``requests`` (arrival-ordered) until ``max_requests`` arrived or ``duration_s``
+        of virtual time passed, then drain every admitted request to completion."""
+        it: Iterator[Request] = iter(requests)
+        started = time.perf_counter()
+        bar = None
+        if self.s.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=max_requests, unit="req", desc=getattr(self.policy, "name", "sim"), leave=False)
+        arrived = 0
+        last_arrival = -1.0
+
+        def pull() -> None:
+            nonlocal arrived, last_arrival
+            if max_requests is not None and arrived >= max_requests:
+                return
+            req = next(it, None)
+            if req is None or (duration_s is not None and req.arrival_s >= duration_s):
+                return
+            if req.arrival_s < last_arrival:
+                raise SimulationError(f"requests must arrive in order: {req.arrival_s} after {last_arrival}")
+            last_arrival = req.arrival_s
+            arrived += 1
+            self._push(req.arrival_s, _ARRIVE, req)
+
+        pull()
+        policy = self.policy
+        while self._heap:
+            t_next = self._heap[0][0]
+            timer = policy.next_timer()
+            if timer is not None and timer <= t_next:
+                self.now = max(self.now, timer)
+                policy.on_timer(now=self.now)
+                continue
+            t, _, kind, payload = heapq.heappop(self._heap)
+            self.now = t
+            if kind == _ARRIVE:
+                self._arrive(payload, t)
+                pull()
+                if bar is not None:
+                    bar.update(1)
+            elif kind == _AT_WORKER:
+                self._at_worker(payload, t)
+            elif kind == _WAKE:
+                w, version = payload
+                if version == self._wake_version[w]:
+                    self._wake_at[w] = float("inf")
+                    self._process_worker(w, t)
+            elif kind == _RESPONSE:
+                req, w, reused, qv = payload
+                policy.on_response(w, req, reused, qv, now=t)
+            elif kind == _DELIVER:
+                w, events = payload
+                self.events_delivered += len(events)
+                policy.on_cache_events(w, events, now=t)
+        if bar is not None:
+            bar.close()
+        if self._inflight:
+            raise SimulationError(f"{len(self._inflight)} requests never completed")
+        return self._result(time.perf_counter() - started)
+
+    def _result(self, wall_s: float) -> SimResult:
+        records = {f: np.asarray(v) for f, v in self._rows.items()}
+        order = np.argsort(records["id"], kind="stable")
+        records = {f: v[order] for f, v in records.items()}
+        n_bins = 1 + max((b for _, b in self._load), default=0)
+        bins = np.zeros((self.topo.n_workers, n_bins))
+        for (w, b), ms in self._load.items():
+            bins[w, b] += ms
+        extra: dict[str, Any] = {}
+        for attr in ("hops_total", "lookups"):
+            if hasattr(self.policy, attr):
+                extra[attr] = getattr(self.policy, attr)
+        return SimResult(getattr(self.policy, "name", type(self.policy).__name__), records, bins,
+                         self.s.load_bin_s, wall_s, self.events_delivered, self.events_lost, extra)
+
+
+def simulate(topo: Topology, policy: RoutingPolicy, requests: Iterable[Request], *,
+             settings: SimSettings = SimSettings(), max_requests: int | None = None,
+             duration_s: float | None = None) -> SimResult:
+    """One run of ``policy`` over ``requests`` on a fresh set of workers."""
+    return Simulation(topo, policy, settings).run(requests, max_requests=max_requests, duration_s=duration_s)
