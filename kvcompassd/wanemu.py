@@ -9,6 +9,7 @@ at the earliest due time: no task or sleep per packet. A packet is never sent be
 time (the timer re-arms if the loop wakes early); it may leave up to one timer tick late.
 With jitter, packets keep their order by default (each due time is at least the previous
 one, as on a real path with a single queue); ``allow_reorder=True`` lets jitter reorder them.
+Due times are taken on the monotonic clock, so a packet's real delay is never below its setting.
 
 A :class:`WanEmulator` builds one relay per (source region, destination node) from a
 ClusterConfig's latency matrix, so "a node in region A reaching node Y in region B" dials the
@@ -21,6 +22,7 @@ import asyncio
 import heapq
 import itertools
 import random
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,7 +88,9 @@ class _DelayLine:
         delay = self._delay_s
         if self._jitter:
             delay *= 1.0 + self._rng.uniform(-self._jitter, self._jitter)
-        due = self._loop.time() + delay
+        # Due times use the real monotonic clock: uvloop's loop.time() is cached per loop
+        # iteration at 1 ms resolution, which could release a packet slightly *before* its delay.
+        due = time.monotonic() + delay
         if not self._allow_reorder:
             due = max(due, self._last_due)
             self._last_due = due
@@ -94,16 +98,16 @@ class _DelayLine:
         if due < self._timer_at:
             self._arm(due)
 
-    def _arm(self, at: float) -> None:
+    def _arm(self, due: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer_at = at
-        self._timer = self._loop.call_at(at, self._release)
+        self._timer_at = due
+        self._timer = self._loop.call_at(self._loop.time() + (due - time.monotonic()), self._release)
 
     def _release(self) -> None:
         self._timer = None
         self._timer_at = float("inf")
-        now = self._loop.time()
+        now = time.monotonic()
         heap = self._heap
         while heap and heap[0][0] <= now:
             _, _, data, destination = heapq.heappop(heap)
@@ -204,10 +208,15 @@ class WanRelay:
     async def start(self) -> Address:
         """Bind the listening port (0 = ephemeral) and return the address peers should dial."""
         loop = asyncio.get_running_loop()
-        rng = random.Random(self.seed)
-        common = dict(jitter=self.jitter, loss=self.loss, rng=rng, allow_reorder=self.allow_reorder)
-        self._forward = _DelayLine(loop, self._to_target, delay_s=self.delay_ms / 1000.0, **common)
-        self._backward = _DelayLine(loop, self._to_client, delay_s=self.return_delay_ms / 1000.0, **common)
+        # One random stream per direction, so that one direction's traffic does not change
+        # which packets the other drops.
+        common = dict(jitter=self.jitter, loss=self.loss, allow_reorder=self.allow_reorder)
+        self._forward = _DelayLine(
+            loop, self._to_target, delay_s=self.delay_ms / 1000.0, rng=random.Random(f"{self.seed}/forward"), **common
+        )
+        self._backward = _DelayLine(
+            loop, self._to_client, delay_s=self.return_delay_ms / 1000.0, rng=random.Random(f"{self.seed}/backward"), **common
+        )
         transport, _ = await loop.create_datagram_endpoint(lambda: _Listener(self), local_addr=self.listen_address)
         self._listener = transport  # type: ignore[assignment]
         host, port = transport.get_extra_info("sockname")[:2]

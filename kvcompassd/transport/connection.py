@@ -336,7 +336,9 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         elif isinstance(event, events.StreamReset):
             self._abandon_stream(event.stream_id, f"peer reset the stream (code {event.error_code})")
         elif isinstance(event, events.ConnectionTerminated):
-            self.close_reason = event.reason_phrase or f"error code {event.error_code}"
+            self.close_reason = event.reason_phrase or (
+                "closed without error" if event.error_code == 0 else f"error code {event.error_code:#x}"
+            )
             self.on_terminated()
 
     def on_terminated(self) -> None:
