@@ -26,11 +26,13 @@ from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.core.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
 
 from .blockmirror import GlobalBlockMap, chain_keys
-from .policy import PolicyError, RoutingPolicy, Topology
+from .policy import MigrationOrdered, PolicyError, RoutingPolicy, Topology
 from .workloads import Request
 
-_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER = range(5)
+_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY = range(6)
 REMOTE_ONLY_MIN_TOKENS = 1024  # appendix D / Fig. 19 threshold
+INTRA_REGION_GBPS = 100.0  # regional network for KV-tensor copies (paper §3.5: tens to hundreds of Gbps)
+KV_BYTES_PER_TOKEN = 128 * 1024
 
 
 class SimulationError(ValueError):
@@ -72,6 +74,7 @@ class _InFlight:
     first_token_at: float = -1.0
     ttft_s: float = -1.0
     remote_only: int = -1
+    migration: bool = False
 
 
 RECORD_FIELDS = (
@@ -129,6 +132,7 @@ class Simulation:
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
         self.events_lost = 0
+        self.migrations = 0
         self.now = 0.0
 
     # ------------------------------------------------------------------------------ helpers
@@ -194,11 +198,32 @@ class Simulation:
         st = _InFlight(req, w, decision.claimed_tokens, decision.lookup_delay_ms, region)
         if self.truth is not None:
             st.remote_only = self._remote_only(req, region)
-        self._inflight[req.id] = st
+        self._inflight[str(req.id)] = st
         t = now + decision.lookup_delay_ms / 1000.0 + self._one_way_s(region, int(topo.worker_region[w]))
-        self._push(t, _AT_WORKER, req.id)
+        self._push(t, _AT_WORKER, str(req.id))
+        self._take_migrations(now)
 
-    def _at_worker(self, rid: int, now: float) -> None:
+    def _take_migrations(self, now: float) -> None:
+        take = getattr(self.policy, "take_migrations", None)
+        if take is None:
+            return
+        for order in take():
+            if not isinstance(order, MigrationOrdered) or not 0 <= order.dest_worker < self.topo.n_workers:
+                raise PolicyError(f"bad migration order {order!r}")
+            self.migrations += 1
+            dest_region = int(self.topo.worker_region[order.dest_worker])
+            src = order.source_worker
+            if 0 <= src < self.topo.n_workers and int(self.topo.worker_region[src]) == dest_region:
+                transfer_s = len(order.tokens) * KV_BYTES_PER_TOKEN * 8 / (INTRA_REGION_GBPS * 1e9)
+                self._push(now + transfer_s + self._one_way_s(dest_region, dest_region), _COPY, order)
+            else:
+                src_region = int(self.topo.worker_region[src]) if 0 <= src < self.topo.n_workers else dest_region
+                key = f"m{self.migrations}"
+                req = Request(0, 0.0, self.topo.regions[dest_region], -1, order.tokens.astype(np.uint32), 1, "")
+                self._inflight[key] = _InFlight(req, order.dest_worker, 0, 0.0, dest_region, migration=True)
+                self._push(now + self._one_way_s(src_region, dest_region), _AT_WORKER, key)
+
+    def _at_worker(self, rid: str, now: float) -> None:
         st = self._inflight[rid]
         w, req = st.worker, st.req
         tokens = req.tokens.tolist()
@@ -208,7 +233,7 @@ class Simulation:
         dram = min(match.dram_tokens, req.prompt_tokens - 1 - vram)
         st.lease, st.cached_vram, st.cached_dram, st.at_worker = lease, vram, dram, now
         self._emit_cache_events(w, events, now)
-        self.models[w].admit(str(rid), req.prompt_tokens, vram, dram, req.output_tokens, now=now)
+        self.models[w].admit(rid, req.prompt_tokens, vram, dram, req.output_tokens, now=now)
         self._account_load(w, now, st)
         self._process_worker(w, now)
 
@@ -222,8 +247,15 @@ class Simulation:
 
     def _process_worker(self, w: int, now: float) -> None:
         for ev in self.models[w].advance(now=now):
-            rid = int(ev.request_id)
+            rid = ev.request_id
             st = self._inflight[rid]
+            if st.migration:
+                if isinstance(ev, FirstTokenProduced):
+                    self._emit_cache_events(w, self.caches[w].insert(st.req.tokens.tolist(), now=ev.at, lease=st.lease), ev.at)
+                else:
+                    self.caches[w].unlock(st.lease)
+                    del self._inflight[rid]
+                continue
             if isinstance(ev, FirstTokenProduced):
                 st.first_token_at = ev.at
                 back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
@@ -293,6 +325,7 @@ class Simulation:
             if timer is not None and timer <= t_next:
                 self.now = max(self.now, timer)
                 policy.on_timer(now=self.now)
+                self._take_migrations(self.now)
                 continue
             t, _, kind, payload = heapq.heappop(self._heap)
             self.now = t
@@ -311,6 +344,9 @@ class Simulation:
             elif kind == _RESPONSE:
                 req, w, reused, qv = payload
                 policy.on_response(w, req, reused, qv, now=t)
+            elif kind == _COPY:
+                order = payload
+                self._emit_cache_events(order.dest_worker, self.caches[order.dest_worker].insert(order.tokens.tolist(), now=t), t)
             elif kind == _DELIVER:
                 w, events = payload
                 self.events_delivered += len(events)
@@ -329,7 +365,7 @@ class Simulation:
         bins = np.zeros((self.topo.n_workers, n_bins))
         for (w, b), ms in self._load.items():
             bins[w, b] += ms
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"migrations": self.migrations}
         for attr in ("hops_total", "lookups"):
             if hasattr(self.policy, attr):
                 extra[attr] = getattr(self.policy, attr)

@@ -14,6 +14,9 @@ feeds; each policy documents which of them it reads:
   Only designs that read live load (a region's own balancer reading its local workers, the
   Oracle) may use it, and only for the workers they could see.
 - ``next_timer()/on_timer(now)``: periodic work such as broadcasts.
+- optional ``take_migrations() -> list[MigrationOrdered]``: polled after every route and timer;
+  the engine carries the orders out (intra-region copy at ``INTRA_REGION_GBPS``, or shipping the
+  prompt over the WAN and recomputing it on the destination's GPU).
 """
 
 from __future__ import annotations
@@ -49,6 +52,22 @@ class RouteDecision:
             raise PolicyError(f"lookup_delay_ms must be finite and >= 0, got {self.lookup_delay_ms!r}")
         if self.claimed_tokens < 0:
             raise PolicyError(f"claimed_tokens must be >= 0, got {self.claimed_tokens!r}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MigrationOrdered:
+    """Make ``dest_worker`` hold ``tokens``' prefix: copied from ``source_worker`` when both are
+    in one region (tensor transfer), else the prompt is shipped and recomputed (§3.4)."""
+
+    dest_worker: int
+    tokens: np.ndarray
+    source_worker: int = -1
+
+    def __post_init__(self) -> None:
+        if self.dest_worker < 0:
+            raise PolicyError(f"dest_worker must be >= 0, got {self.dest_worker}")
+        if not isinstance(self.tokens, np.ndarray) or self.tokens.ndim != 1 or len(self.tokens) == 0:
+            raise PolicyError("migration tokens must be a non-empty 1-D array")
 
 
 @runtime_checkable

@@ -1,0 +1,101 @@
+"""Metrics of one simulation run (paper §5.1-5.8): latency percentiles, throughput, load factor,
+reuse, false lookups and the cross-region-only share."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .engine import SimResult
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    scheme: str
+    requests: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    ttft_mean_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    throughput_tok_s: float          # (prompt + output) tokens finished within the arrival window, per second
+    output_tok_s: float
+    reused_tokens: int
+    recomputed_tokens: int
+    hit_rate: float                  # reused / prompt tokens
+    dram_share_of_reuse: float
+    false_lookup_rate: float         # requests whose worker reused less than the policy claimed
+    false_lookup_rate_claimed: float  # ... among requests with a positive claim
+    cross_region_share: float        # requests served outside their edge's region
+    remote_only_share: float         # of requests with a >=1024-token reusable prefix, held only remotely (NaN if untracked)
+    load_factor_peak: float          # hottest worker's time-averaged load / mean
+    lookup_ms_mean: float
+    wall_s: float
+    sim_requests_per_wall_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measured_mask(result: SimResult, warmup_s: float = 0.0) -> np.ndarray:
+    return result.records["arrival_s"] >= warmup_s
+
+
+def load_factors(result: SimResult, warmup_s: float = 0.0) -> np.ndarray:
+    """Workers x bins: each worker's GPU compute sent per bin over that bin's mean over workers
+    (NaN for empty bins). Bins before ``warmup_s`` are dropped."""
+    bins = result.load_bins[:, int(warmup_s // result.load_bin_s):]
+    mean = bins.mean(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, bins / mean, np.nan)
+
+
+def load_factor_peak(result: SimResult, warmup_s: float = 0.0) -> float:
+    """Paper Fig. 14: the hottest worker's time-averaged load factor relative to the balanced
+    mean, i.e. max over workers of (its total compute) / (mean total compute)."""
+    totals = result.load_bins[:, int(warmup_s // result.load_bin_s):].sum(axis=1)
+    return float(totals.max() / totals.mean()) if totals.mean() > 0 else float("nan")
+
+
+def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
+    r = result.records
+    m = measured_mask(result, warmup_s)
+    if not m.any():
+        m = np.ones_like(r["id"], dtype=bool)
+    ttft, e2e = r["ttft_ms"][m], r["e2e_ms"][m]
+    prompt, out = r["prompt_tokens"][m], r["output_tokens"][m]
+    reused, claimed, dram = r["reused_tokens"][m], r["claimed_tokens"][m], r["dram_tokens"][m]
+    # Sustained throughput: tokens of the measured requests that finished inside the arrival
+    # window, over the window (an overloaded scheme's backlog drains after it and does not count).
+    start, end = float(r["arrival_s"][m].min()), float(r["arrival_s"][m].max())
+    span = max(end - start, 1e-9)
+    done = r["finish_s"][m] <= end
+    false = claimed > reused
+    has_claim = claimed > 0
+    remote_only = r["remote_only"][m]
+    tracked = remote_only >= 0
+    n = int(m.sum())
+    return Summary(
+        scheme=result.scheme,
+        requests=n,
+        ttft_p50_ms=float(np.percentile(ttft, 50)),
+        ttft_p99_ms=float(np.percentile(ttft, 99)),
+        ttft_mean_ms=float(ttft.mean()),
+        e2e_p50_ms=float(np.percentile(e2e, 50)),
+        e2e_p99_ms=float(np.percentile(e2e, 99)),
+        throughput_tok_s=float((prompt[done].sum() + out[done].sum()) / span),
+        output_tok_s=float(out[done].sum() / span),
+        reused_tokens=int(reused.sum()),
+        recomputed_tokens=int((prompt - reused).sum()),
+        hit_rate=float(reused.sum() / prompt.sum()),
+        dram_share_of_reuse=float(dram.sum() / reused.sum()) if reused.sum() else 0.0,
+        false_lookup_rate=float(false.mean()),
+        false_lookup_rate_claimed=float(false[has_claim].mean()) if has_claim.any() else 0.0,
+        cross_region_share=float((r["edge_region"][m] != r["worker_region"][m]).mean()),
+        remote_only_share=float((remote_only[tracked] == 1).mean()) if tracked.any() else float("nan"),
+        load_factor_peak=load_factor_peak(result, warmup_s),
+        lookup_ms_mean=float(r["lookup_ms"][m].mean()),
+        wall_s=result.wall_s,
+        sim_requests_per_wall_s=result.completed / result.wall_s if result.wall_s > 0 else float("inf"),
+    )

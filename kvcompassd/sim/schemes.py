@@ -1,0 +1,86 @@
+"""Scheme names -> routing policies, and workload names -> request streams, for the CLI and
+the experiments.
+
+KVCompass comes from ``kvcompassd.sim.kvcompass_policy`` (the adapter that drives the real core),
+constructed as ``KVCompassPolicy(topo, ablation=Ablation, seed=int)``. Ablations (Fig. 15) are
+the scheme names ``kvcompass-no-load``, ``kvcompass-no-xregion``, ``kvcompass-tier-blind`` and
+``kvcompass-no-migration``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvcompassd.core.ablation import Ablation
+
+from .baselines import BASELINES, make_baseline
+from .policy import PolicyError, Topology
+from .synthetic import AzureWorkload, ChatWorkload, MixedWorkload
+from .workloads import Request, WorkloadError, mooncake_requests, read_azure, read_mooncake, rescale
+
+KVCOMPASS_VARIANTS: dict[str, Ablation] = {
+    "kvcompass": Ablation(),
+    "kvcompass-no-load": Ablation.without("load_aware"),
+    "kvcompass-no-xregion": Ablation.without("cross_region"),
+    "kvcompass-tier-blind": Ablation.without("tier_aware"),
+    "kvcompass-no-migration": Ablation.without("migration"),
+}
+PAPER_SCHEMES = ("central-directory", "planetserve", "consistent-hash", "chord", "skywalker", "dynamo", "kvcompass")
+ALL_SCHEMES = tuple(KVCOMPASS_VARIANTS) + tuple(BASELINES)
+
+# §5.1: LFU for Mixed, LRU for WildChat and LMSYS (the best policy for each workload).
+DEFAULT_EVICTION = {"mixed": "lfu", "wildchat": "lru", "lmsys": "lru", "mooncake": "lru",
+                    "azure-conv": "lru", "azure-code": "lru"}
+WORKLOADS = tuple(DEFAULT_EVICTION)
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+
+
+def make_policy(name: str, topo: Topology, *, seed: int = 0, **options: Any):
+    if name in KVCOMPASS_VARIANTS:
+        try:
+            from .kvcompass_policy import KVCompassPolicy  # the lead's adapter over the real core
+        except ImportError as exc:
+            raise PolicyError(f"scheme {name!r} needs kvcompassd.sim.kvcompass_policy ({exc})") from None
+        return KVCompassPolicy(topo, ablation=KVCOMPASS_VARIANTS[name], seed=seed, **options)
+    if name == "chord":
+        options.setdefault("seed", seed)
+    return make_baseline(name, topo, **options)
+
+
+def region_weights(topo: Topology, how: str = "workers") -> dict[str, float]:
+    """Users per region: proportional to worker count (the census measures deployed capacity,
+    which follows demand) or, with ``how="population"``, to the regions' populations."""
+    if how == "workers":
+        return {r: float(len(topo.workers_in(i))) for i, r in enumerate(topo.regions)}
+    if how == "population":
+        from .geo import SITES
+
+        return {r: SITES[r].population_m if r in SITES else 1.0 for r in topo.regions}
+    raise WorkloadError(f"region weighting must be 'workers' or 'population', got {how!r}")
+
+
+def traces_dir(override: str | Path | None = None) -> Path:
+    for cand in (override, TRACES, Path("/work/shared/traces")):
+        if cand is not None and Path(cand).is_dir():
+            return Path(cand)
+    raise WorkloadError("cannot find the shared traces directory; pass --traces")
+
+
+def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed: int = 0,
+                  traces: str | Path | None = None) -> Iterator[Request]:
+    if name == "mixed":
+        return iter(MixedWorkload(rate, weights, seed=seed))
+    if name in ("wildchat", "lmsys"):
+        return iter(ChatWorkload(rate, weights, flavour=name, seed=seed))
+    if name in ("azure-conv", "azure-code"):
+        kind = name.split("-")[1]
+        trace = read_azure(traces_dir(traces) / "azure_llm_2023" / f"AzureLLMInferenceTrace_{kind}.csv")
+        return iter(AzureWorkload(rate, weights, trace, seed=seed))
+    if name == "mooncake":
+        path = traces_dir(traces) / "mooncake" / "synthetic_trace.jsonl"
+        recs = read_mooncake(path)
+        native = (len(recs) - 1) / ((recs[-1].timestamp_ms - recs[0].timestamp_ms) / 1000.0)
+        return rescale(mooncake_requests(path, weights, seed=seed), rate, native)
+    raise WorkloadError(f"unknown workload {name!r}; known: {WORKLOADS}")
