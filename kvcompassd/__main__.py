@@ -1,0 +1,5 @@
+import sys
+
+from kvcompassd.cli import main
+
+sys.exit(main())

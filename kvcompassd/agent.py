@@ -1,0 +1,356 @@
+"""``kvcompassd agent``: beside one inference engine (SGLang, or the emulated worker).
+
+- Follows the engine's KV-event stream (ZMQ SUB + replay), mirrors its block tree, and reports
+  the resulting index events to the maintenance units owning their keys.
+- Reads the engine's load and reports it to its region's edges (QUIC datagrams).
+- Runs prompts forwarded by edges on the engine with ``/generate`` and ``input_ids``, streams the
+  output back, and closes with the reused-token count and the region's queue vector.
+- Executes migrations: recomputes a hot prefix on its idle engine.
+
+Each (re)registration with the maintenance units uses a new incarnation: the unit drops what
+it held for this worker and the agent re-sends everything its engine holds now, so nothing
+missed while disconnected can linger in the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import aiohttp
+import structlog
+
+from kvcompassd.certs import TlsFiles
+from kvcompassd.core.config import ClusterConfig, WorkerConfig
+from kvcompassd.core.events import IndexEvent, PrefixCached
+from kvcompassd.core.keys import namespace_salt, prefix_keys
+from kvcompassd.core.levels import LevelPlan
+from kvcompassd.daemon import split_address
+from kvcompassd.engine.blocktree import BlockTree
+from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput
+from kvcompassd.engine.kvevents import EventBatch
+from kvcompassd.engine.subscriber import BatchesLost, BatchRejected, KvEventSubscriber, PublisherRestarted
+from kvcompassd.metrics import AgentMetrics
+from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
+from kvcompassd.wire import (
+    AdminAnswered,
+    AdminQueried,
+    ErrorReported,
+    MigrationRequested,
+    NodeIdentity,
+    PrefixEventsReported,
+    QueueVectorBroadcast,
+    RequestFailed,
+    RequestForwarded,
+    ResponseChunked,
+    ResponseCompleted,
+    Role,
+    WorkerLoadReported,
+    WorkerRegistered,
+    WorkerWithdrawn,
+    encode,
+)
+
+log = structlog.get_logger(__name__)
+
+EVENTS_PER_REPORT = 4096
+ENGINE_DOWN_AFTER = 5  # consecutive failed load readings
+
+
+class AgentNode:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        worker: WorkerConfig,
+        tls: TlsFiles,
+        *,
+        replay_endpoint: str | None = None,
+        load_interval: float = 0.02,
+    ):
+        if not worker.agent or not worker.http:
+            raise ValueError(f"worker {worker.id} needs 'agent' and 'http' addresses in the config to run an agent")
+        self.cfg = cfg
+        self.worker = worker
+        self.plan = LevelPlan.from_config(cfg)
+        salt = namespace_salt(cfg.model, cfg.tenant)
+        self.tree = BlockTree(worker.id, self.plan.registration_lengths(), lambda toks, lengths: prefix_keys(toks, lengths, salt))
+        self.node = QuicNode(NodeIdentity(Role.AGENT, worker.id), tls, on_message=self._on_message,
+                             on_peer_state=self._on_peer_state)
+        self.metrics = AgentMetrics()
+        self.replay_endpoint = replay_endpoint
+        self.load_interval = load_interval
+        self.incarnation = 0
+        self._seq = 0
+        self._pending: dict[int, list[IndexEvent]] = defaultdict(list)
+        self._flush_scheduled = False
+        self._shard_peers: dict[int, Peer] = {}
+        self._edge_peers: dict[str, Peer] = {}
+        self.region_vector: dict[str, float] = {}
+        self.queue_ms = 0.0
+        self.engine_up = False
+        self._load_failures = 0
+        self._tasks: list[asyncio.Task] = []
+        self.migrations: list[dict] = []
+        self.address: tuple[str, int] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, port = split_address(self.worker.agent, f"[[workers]] {self.worker.id} agent")
+        self.address = await self.node.listen(host, port)
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                           connector=aiohttp.TCPConnector(limit=0))
+        self.engine = EngineClient(self.worker.http, self._http)
+        for m in self.cfg.maintenance:
+            self._shard_peers[m.shard] = self.node.peer(split_address(m.quic, m.id), expected_role=Role.MAINTENANCE,
+                                                        expected_id=m.id)
+        for e in self.cfg.edges_in(self.worker.region):
+            self._edge_peers[e.id] = self.node.peer(split_address(e.quic, e.id), expected_role=Role.EDGE,
+                                                    expected_id=e.id)
+        if self.worker.kv_events:
+            replay = self.replay_endpoint or await self._replay_endpoint_from_engine()
+            self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events)
+            self.subscriber.connect()
+            self._tasks.append(asyncio.create_task(self._run_subscriber()))
+        else:
+            log.warning("no kv_events endpoint configured: this worker's caches will not be indexed")
+        self._tasks.append(asyncio.create_task(self._load_loop()))
+        log.info("agent started", worker=self.worker.id, quic=self.address, engine=self.worker.http)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._http.close()
+        await self.node.close()
+
+    def status(self) -> str:
+        return f"worker {self.worker.id}, engine {'up' if self.engine_up else 'down'}, {len(self.tree.registered())} keys"
+
+    async def _replay_endpoint_from_engine(self) -> str | None:
+        """SGLang's ``/server_info`` carries the ``--kv-events-config`` JSON with the replay endpoint."""
+        try:
+            info = await self.engine.server_info()
+        except EngineError as exc:
+            log.warning("no replay endpoint: /server_info unavailable", error=str(exc))
+            return None
+        config = info.get("kv_events_config")
+        if isinstance(config, str):
+            import json
+
+            try:
+                config = json.loads(config)
+            except ValueError:
+                config = None
+        replay = config.get("replay_endpoint") if isinstance(config, dict) else None
+        if isinstance(replay, str) and replay:
+            # SGLang reports its bind address ("tcp://*:5558"); dial the engine's host instead.
+            host = split_address(self.worker.kv_events.removeprefix("tcp://"), "kv_events")[0]
+            return replay.replace("*", host).replace("0.0.0.0", host)
+        return None
+
+    async def _run_subscriber(self) -> None:
+        try:
+            await self.subscriber.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kv-event subscriber failed")
+
+    # -- index registration -------------------------------------------------------------------
+
+    def _on_engine_events(self, item) -> None:
+        if isinstance(item, EventBatch):
+            self.metrics.engine_batches.labels("applied").inc()
+            self._enqueue(self.tree.apply_batch(item))
+        elif isinstance(item, PublisherRestarted):
+            log.warning("engine restarted: withdrawing its registrations", previous_seq=item.previous_seq)
+            self.metrics.engine_batches.labels("restart").inc()
+            self._enqueue(self.tree.withdraw_all())
+        elif isinstance(item, BatchesLost):
+            # The engine's replay buffer no longer has them: entries may be stale until the
+            # engine reports those blocks again; the edges' cache belief absorbs the difference.
+            log.warning("engine batches lost beyond replay", first=item.first_seq, last=item.last_seq)
+            self.metrics.engine_batches.labels("lost").inc()
+        elif isinstance(item, BatchRejected):
+            log.warning("malformed engine batch rejected", seq=item.seq, reason=item.reason)
+            self.metrics.engine_batches.labels("rejected").inc()
+
+    def _enqueue(self, events: list[IndexEvent]) -> None:
+        if not events:
+            return
+        shards = self.cfg.shards
+        for e in events:
+            self._pending[e.key % shards].append(e)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, defaultdict(list)
+        for shard, events in pending.items():
+            peer = self._shard_peers.get(shard)
+            if peer is None or not peer.is_connected or peer.identity is None:
+                continue  # the re-registration on reconnection sends the current state
+            self._send_events(peer, events)
+
+    def _send_events(self, peer: Peer, events: list[IndexEvent]) -> None:
+        for i in range(0, len(events), EVENTS_PER_REPORT):
+            chunk = tuple(events[i : i + EVENTS_PER_REPORT])
+            self._seq += 1
+            try:
+                peer.send_encoded(encode(PrefixEventsReported(self.worker.id, self._seq, chunk)))
+            except TransportError:
+                return
+            self.metrics.index_events.inc(len(chunk))
+
+    def _register_with(self, shard: int, peer: Peer) -> None:
+        """New incarnation, then everything the engine holds now for this shard."""
+        self.incarnation = max(self.incarnation + 1, time.time_ns())
+        self._seq = 0
+        peer.send_encoded(encode(WorkerRegistered(self.worker.id, self.incarnation)))
+        events = [PrefixCached(self.worker.id, key, tier) for key, tier in self.tree.registered().items()
+                  if key % self.cfg.shards == shard]
+        self._pending.pop(shard, None)
+        self._send_events(peer, events)
+        log.info("registered with maintenance", shard=shard, incarnation=self.incarnation, keys=len(events))
+
+    def _on_peer_state(self, peer: Peer, connected: bool) -> None:
+        if not connected or peer.identity is None or peer.identity.role != Role.MAINTENANCE:
+            return
+        for shard, p in self._shard_peers.items():
+            if p is peer:
+                self._register_with(shard, peer)
+
+    # -- load ---------------------------------------------------------------------------------
+
+    async def _load_loop(self) -> None:
+        while True:
+            try:
+                load = await self.engine.load(self.worker.prefill_ms_per_token)
+            except EngineError as exc:
+                self._load_failures += 1
+                if self.engine_up and self._load_failures >= ENGINE_DOWN_AFTER:
+                    self._engine_down(str(exc))
+            else:
+                if not self.engine_up:
+                    log.info("engine up", worker=self.worker.id)
+                self.engine_up = True
+                self._load_failures = 0
+                self.queue_ms = load.queue_ms
+                self.region_vector[self.worker.id] = load.queue_ms
+                self.metrics.queue_ms.set(load.queue_ms)
+                report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting)
+                for peer in self._edge_peers.values():
+                    if peer.is_connected:
+                        try:
+                            peer.send_datagram(report)
+                        except TransportError:
+                            pass
+            await asyncio.sleep(self.load_interval)
+
+    def _engine_down(self, reason: str) -> None:
+        log.warning("engine down: withdrawing the worker from the index", worker=self.worker.id, reason=reason)
+        self.engine_up = False
+        self.tree.withdraw_all()
+        for peer in self._shard_peers.values():
+            if peer.is_connected:
+                try:
+                    peer.send_encoded(encode(WorkerWithdrawn(self.worker.id)))
+                except TransportError:
+                    pass
+
+    # -- messages from edges ------------------------------------------------------------------
+
+    def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo):
+        if isinstance(message, RequestForwarded):
+            return self._serve(peer, message, channel)
+        if isinstance(message, QueueVectorBroadcast):
+            if message.from_region == self.worker.region:
+                self.region_vector.update(dict(message.vector))
+                self.region_vector[self.worker.id] = self.queue_ms
+            return None
+        if isinstance(message, MigrationRequested):
+            return self._migrate(message)
+        if isinstance(message, AdminQueried):
+            reply = encode(AdminAnswered(message.what, self.describe()))
+            if channel.stream is not None:
+                channel.stream.send_encoded(reply, end=True)
+            return None
+        if isinstance(message, ErrorReported):
+            log.warning("peer reported an error", peer=str(peer.identity), code=message.code, detail=message.detail)
+            return None
+        log.warning("unexpected message", peer=str(peer.identity), type=type(message).__name__)
+        return None
+
+    async def _serve(self, peer: Peer, msg: RequestForwarded, channel: ChannelInfo) -> None:
+        stream = channel.stream
+        if stream is None:
+            log.warning("forwarded request outside an exchange dropped", request_id=msg.request_id)
+            return
+        log_ = log.bind(request_id=msg.request_id, edge=msg.edge)
+        if not self.engine_up:
+            await stream.send(RequestFailed(msg.request_id, self.worker.id, "engine down", True), end=True)
+            self.metrics.requests.labels("refused").inc()
+            return
+        produced = False
+        try:
+            async for item in self.engine.generate(msg.input_ids, msg.sampling_params, stream=msg.stream,
+                                                   rid=msg.request_id):
+                if isinstance(item, EngineOutput):
+                    produced = True
+                    await stream.send(ResponseChunked(msg.request_id, item.token_ids, item.text, False))
+                else:
+                    vector = tuple(self.region_vector.items())
+                    await stream.send(ResponseCompleted(msg.request_id, self.worker.id, item.cached_tokens,
+                                                        item.prompt_tokens, item.completion_tokens,
+                                                        item.finish_reason, vector), end=True)
+                    self.metrics.requests.labels("ok").inc()
+                    log_.info("served", cached=item.cached_tokens, claimed=msg.claimed_tokens,
+                              prompt=item.prompt_tokens, completion=item.completion_tokens)
+                    return
+        except EngineError as exc:
+            self.metrics.requests.labels("failed").inc()
+            log_.warning("engine failed the request", error=str(exc), produced=produced)
+            try:
+                await stream.send(RequestFailed(msg.request_id, self.worker.id, str(exc)[:1000], not produced), end=True)
+            except TransportError:
+                pass
+        except TransportError as exc:
+            log_.warning("edge went away mid-response", error=str(exc))
+
+    async def _migrate(self, msg: MigrationRequested) -> None:
+        if msg.destination_worker != self.worker.id:
+            log.warning("migration for another worker ignored", destination=msg.destination_worker)
+            return
+        # SGLang exposes no worker-to-worker KV copy; both modes recompute on this idle engine.
+        record = {"request_id": msg.request_id, "source": msg.source_worker, "mode": msg.mode,
+                  "tokens": len(msg.input_ids), "ok": False}
+        try:
+            async for _ in self.engine.generate(msg.input_ids, {"max_new_tokens": 1}, stream=False,
+                                                rid=f"migrate-{msg.request_id}"):
+                pass
+            record["ok"] = True
+            self.metrics.migrations.labels(msg.mode).inc()
+        except EngineError as exc:
+            record["error"] = str(exc)
+        self.migrations.append(record)
+        del self.migrations[:-100]
+        log.info("migration executed", **record)
+
+    def describe(self) -> dict:
+        return {
+            "mode": "agent",
+            "worker": self.worker.id,
+            "region": self.worker.region,
+            "engine_up": self.engine_up,
+            "queue_ms": self.queue_ms,
+            "incarnation": self.incarnation,
+            "registered_keys": len(self.tree.registered()),
+            "blocks": len(self.tree),
+            "region_vector": self.region_vector,
+            "migrations": self.migrations[-20:],
+        }

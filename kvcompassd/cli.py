@@ -1,0 +1,201 @@
+"""``kvcompassd``: one program, one mode per host (edge, maintenance, agent), plus the emulated
+worker, the local demo and the simulator.
+
+Config is loaded and validated before any socket opens; logging is configured once here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from kvcompassd.logs import configure_logging
+
+
+def _node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, type=Path, help="cluster config (TOML)")
+    p.add_argument("--id", required=True, help="this node's id in the config (and in its certificate)")
+    p.add_argument("--tls-dir", required=True, type=Path, help="directory with ca.pem, <id>.pem, <id>.key")
+    p.add_argument("--metrics", default=None, help="host:port for the Prometheus endpoint (off by default)")
+    _log_args(p)
+
+
+def _log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
+                   help="JSON log lines (default: when stderr is not a terminal)")
+
+
+def _load(args):
+    from kvcompassd.core.config import load_config
+    from kvcompassd.daemon import tls_files
+
+    cfg = load_config(args.config)
+    return cfg, tls_files(args.tls_dir, args.id)
+
+
+def _lookup(items, node_id: str, what: str):
+    for item in items:
+        if item.id == node_id:
+            return item
+    raise SystemExit(f"kvcompassd: no {what} with id {node_id!r} in the config")
+
+
+class _WithMetrics:
+    """Start a mode, then its metrics endpoint, before readiness is reported."""
+
+    def __init__(self, mode, metrics_address):
+        self.mode, self.metrics_address = mode, metrics_address
+
+    async def start(self):
+        from kvcompassd.metrics import start_metrics_server
+
+        await self.mode.start()
+        start_metrics_server(self.metrics_address, self.mode.metrics.registry)
+
+    async def stop(self):
+        await self.mode.stop()
+
+    def status(self):
+        return self.mode.status()
+
+
+def _serve(mode, metrics_address) -> int:
+    from kvcompassd.daemon import install_uvloop, serve_until_signalled
+
+    install_uvloop()
+    asyncio.run(serve_until_signalled(_WithMetrics(mode, metrics_address)))
+    return 0
+
+
+def cmd_maintenance(args) -> int:
+    cfg, tls = _load(args)
+    from kvcompassd.maintenance import MaintenanceNode
+
+    me = _lookup(cfg.maintenance, args.id, "maintenance unit")
+    return _serve(MaintenanceNode(cfg, me, tls), args.metrics)
+
+
+def cmd_edge(args) -> int:
+    cfg, tls = _load(args)
+    from kvcompassd.core.ablation import Ablation
+    from kvcompassd.edge import EdgeNode
+    from kvcompassd.frontdoor import FrontDoorSettings
+    from kvcompassd.tokenizer import load_tokenizer
+
+    me = _lookup(cfg.edges, args.id, "edge")
+    keys = frozenset(k.strip() for k in Path(args.api_keys_file).read_text().split() if k.strip()) if args.api_keys_file else frozenset()
+    ablation = Ablation(cross_region=not args.no_cross_region)
+    node = EdgeNode(
+        cfg, me, tls,
+        tokenizer=load_tokenizer(args.tokenizer, args.chat_template),
+        frontdoor=FrontDoorSettings(model=cfg.model, max_prompt_tokens=args.max_prompt_tokens, api_keys=keys),
+        local_http=not args.no_local_http,
+        ablation=ablation,
+        copy_from=args.copy_view_from,
+    )
+    return _serve(node, args.metrics)
+
+
+def cmd_agent(args) -> int:
+    cfg, tls = _load(args)
+    from kvcompassd.agent import AgentNode
+
+    worker = _lookup(cfg.workers, args.id, "worker")
+    return _serve(AgentNode(cfg, worker, tls, replay_endpoint=args.replay_endpoint), args.metrics)
+
+
+def cmd_emulate_worker(args) -> int:
+    from kvcompassd.core.config import load_config
+    from kvcompassd.daemon import install_uvloop
+    from kvcompassd.emulator.server import EmulatorSettings, run_emulated_worker
+
+    cfg = load_config(args.config)
+    worker = _lookup(cfg.workers, args.id, "worker")
+    settings = EmulatorSettings.from_worker_config(
+        worker, model=cfg.model, block_size=cfg.index.block_size, time_scale=args.time_scale,
+        eviction=args.eviction, seed=args.seed)
+    install_uvloop()
+    try:
+        asyncio.run(run_emulated_worker(settings))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvcompassd.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def cmd_sim(args) -> int:
+    from kvcompassd.sim.cli import main as sim_main
+
+    return sim_main(args.sim_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcompassd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("maintenance", help="own one shard of the index")
+    _node_args(p)
+    p.set_defaults(func=cmd_maintenance)
+
+    p = sub.add_parser("edge", help="a region's gateway: views, score, HTTP front door")
+    _node_args(p)
+    p.add_argument("--tokenizer", default="byte", help="path to a tokenizer.json, or 'byte' (default)")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--max-prompt-tokens", type=int, default=131072)
+    p.add_argument("--api-keys-file", default=None, help="file with one accepted API key per line")
+    p.add_argument("--no-local-http", action="store_true", help="reach own-region workers over QUIC too")
+    p.add_argument("--no-cross-region", action="store_true", help="ablation: never reuse or forward across regions")
+    p.add_argument("--copy-view-from", default=None, help="bootstrap the views from this peer edge")
+    p.set_defaults(func=cmd_edge)
+
+    p = sub.add_parser("agent", help="beside one inference engine")
+    _node_args(p)
+    p.add_argument("--replay-endpoint", default=None, help="engine's KV-event replay socket (default: from /server_info)")
+    p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("emulate-worker", help="an SGLang-compatible emulated worker (no GPU)")
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--id", required=True, help="the worker's id in the config")
+    p.add_argument("--time-scale", type=float, default=1.0, help="1 = modelled A100 times, 0 = no delays")
+    p.add_argument("--eviction", choices=("lru", "lfu"), default="lru")
+    p.add_argument("--seed", type=int, default=0)
+    _log_args(p)
+    p.set_defaults(func=cmd_emulate_worker, tls_dir=None)
+
+    p = sub.add_parser("demo", help="a local three-region deployment on loopback, with a workload")
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--concurrency", type=int, default=12)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--wan-scale", type=float, default=1.0, help="multiply the WAN delays")
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--keep", action="store_true", help="keep running after the table (Ctrl-C to stop)")
+    _log_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("sim", help="the event-driven simulator (see `kvcompassd sim --help`)", add_help=False)
+    p.add_argument("sim_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_sim)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command not in ("sim",):
+        configure_logging(args.log_level, json=args.log_json, node=getattr(args, "id", None))
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvcompassd {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""What every daemon mode shares: node settings, TLS file layout, the run loop and its signals.
+
+A mode is an object with ``async start()`` (bind listeners, dial peers) and ``async stop()``.
+``serve_forever`` installs uvloop, starts the mode, tells systemd ``READY=1`` only once the
+listeners are bound, and on SIGTERM/SIGINT says ``STOPPING=1`` and stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, Protocol
+
+import structlog
+
+from kvcompassd.certs import TlsFiles
+from kvcompassd.sdnotify import notify
+
+log = structlog.get_logger(__name__)
+
+
+class Mode(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def status(self) -> str: ...
+
+
+def tls_files(tls_dir: str | os.PathLike[str], node_id: str) -> TlsFiles:
+    """The cluster's file layout (as ``kvcompassctl certs`` writes it): ``ca.pem`` beside
+    ``<node-id>.pem`` and ``<node-id>.key``."""
+    d = Path(tls_dir)
+    files = TlsFiles(ca=d / "ca.pem", cert=d / f"{node_id}.pem", key=d / f"{node_id}.key")
+    for path in (files.ca, files.cert, files.key):
+        if not path.is_file():
+            raise FileNotFoundError(f"TLS file {path} is missing (create it with: kvcompassctl certs issue ...)")
+    return files
+
+
+def split_address(address: str, what: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 in brackets) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{what}: expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """Where a node finds its config, its identity and its certificates."""
+
+    config: Path
+    node_id: str
+    tls_dir: Path
+    metrics: str | None = None  # host:port of the Prometheus endpoint, None = off
+    state_dir: Path | None = None
+
+
+def install_uvloop() -> None:
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve_until_signalled(mode: Mode, *, on_reload: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Start ``mode``, report readiness, and run until SIGTERM/SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(on_reload()))
+    await mode.start()
+    notify(f"READY=1\nSTATUS={mode.status()}")
+    log.info("ready", status=mode.status())
+    await stop.wait()
+    notify("STOPPING=1")
+    log.info("stopping")
+    await mode.stop()

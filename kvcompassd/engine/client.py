@@ -1,0 +1,156 @@
+"""HTTP client of an SGLang engine (or the emulated worker): ``/generate`` and load readings.
+
+Shared by the agent (which runs forwarded prompts) and the edge (which reaches own-region
+workers over plain HTTP). Prompts always go as ``input_ids``: the engine must cache exactly the
+tokens whose prefix keys the index holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import aiohttp
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """The next piece of generated output."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFinished:
+    """The engine's closing figures (``meta_info``)."""
+
+    cached_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    pending_prefill_tokens: int
+    queue_ms: float
+
+
+class EngineError(Exception):
+    """The engine failed or answered something unusable."""
+
+
+def finished_from_meta(meta: dict, prompt_tokens: int, completion_tokens: int) -> EngineFinished:
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict):  # SGLang reports {"type": "length", "length": n}
+        finish = finish.get("type", "")
+    return EngineFinished(
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        prompt_tokens=int(meta.get("prompt_tokens") or prompt_tokens),
+        completion_tokens=int(meta.get("completion_tokens") or completion_tokens),
+        finish_reason=str(finish or ""),
+    )
+
+
+class EngineClient:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession):
+        self.base = base_url.rstrip("/")
+        self.session = session
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling_params: dict, *, stream: bool, rid: str | None = None
+    ) -> AsyncIterator[EngineOutput | EngineFinished]:
+        """Run a prompt; yields outputs then one ``EngineFinished``. Raises ``EngineError``."""
+        body = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling_params, "stream": stream}
+        if rid:
+            body["rid"] = rid
+        try:
+            async with self.session.post(f"{self.base}/generate", json=body) as resp:
+                if resp.status != 200:
+                    raise EngineError(f"engine answered HTTP {resp.status}: {(await resp.text())[:300]}")
+                if not stream:
+                    data = await resp.json(content_type=None)
+                    ids = tuple(int(t) for t in data.get("output_ids") or ())
+                    yield EngineOutput(ids, str(data.get("text", "")))
+                    yield finished_from_meta(data.get("meta_info") or {}, len(input_ids), len(ids))
+                    return
+                async for item in _stream(resp, len(input_ids)):
+                    yield item
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"engine unreachable: {exc}") from exc
+        except ValueError as exc:
+            raise EngineError(f"engine sent malformed JSON: {exc}") from exc
+
+    async def load(self, prefill_ms_per_token: float) -> EngineLoad:
+        """Read ``/v1/loads``; the queueing delay is the prefill work queued ahead of a new prompt."""
+        try:
+            async with self.session.get(f"{self.base}/v1/loads") as resp:
+                if resp.status != 200:
+                    raise EngineError(f"/v1/loads answered HTTP {resp.status}")
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise EngineError(f"load reading failed: {exc}") from exc
+        return parse_loads(data, prefill_ms_per_token)
+
+    async def server_info(self) -> dict:
+        try:
+            async with self.session.get(f"{self.base}/server_info") as resp:
+                if resp.status != 200:
+                    raise EngineError(f"/server_info answered HTTP {resp.status}")
+                return await resp.json(content_type=None)
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise EngineError(f"server info failed: {exc}") from exc
+
+
+def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
+    """Accept SGLang's ``/v1/loads`` shapes: a flat object, or per data-parallel rank entries
+    under ``loads`` (summed). The queued prefill work (uncached tokens waiting) at the worker's
+    prefill rate is the delay a new prompt waits; the emulator's exact ``estimated_queue_ms``
+    extension wins when present."""
+    entries = data.get("loads") if isinstance(data, dict) and isinstance(data.get("loads"), list) else [data]
+    running = waiting = pending = 0
+    explicit = None
+    for e in entries:
+        if not isinstance(e, dict):
+            raise EngineError("unexpected /v1/loads entry")
+        running += int(e.get("num_running_reqs", 0) or 0)
+        waiting += int(e.get("num_waiting_reqs", e.get("num_queue_reqs", 0)) or 0)
+        pending += int(e.get("num_waiting_uncached_tokens", e.get("num_pending_tokens", 0)) or 0)
+        if e.get("estimated_queue_ms") is not None:
+            explicit = max(explicit or 0.0, float(e["estimated_queue_ms"]))
+    queue_ms = explicit if explicit is not None else pending * prefill_ms_per_token
+    return EngineLoad(running, waiting, pending, max(0.0, queue_ms))
+
+
+async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
+    """SGLang's streamed ``/generate``: SSE ``data:`` lines with cumulative ``text`` and
+    ``output_ids`` (incremental in builds with incremental streaming), ending with ``[DONE]``."""
+    text_sent = ""
+    ids_sent: list[int] = []
+    meta: dict = {}
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            break
+        chunk = json.loads(payload)
+        text = str(chunk.get("text", ""))
+        ids = [int(t) for t in chunk.get("output_ids") or ()]
+        if text.startswith(text_sent):
+            delta_text, text_sent = text[len(text_sent):], text
+        else:
+            delta_text, text_sent = text, text_sent + text
+        if len(ids) >= len(ids_sent) and ids[: len(ids_sent)] == ids_sent:
+            delta_ids, ids_sent = ids[len(ids_sent):], ids
+        else:
+            delta_ids, ids_sent = ids, ids_sent + ids
+        meta = chunk.get("meta_info") or meta
+        if delta_ids or delta_text:
+            yield EngineOutput(tuple(delta_ids), delta_text)
+    yield finished_from_meta(meta, prompt_tokens, len(ids_sent))

@@ -1,0 +1,293 @@
+"""The edge's forwarding path: decide with the core, run on the winner, retry before the first token.
+
+Two ways to reach a worker, as in the paper's testbed: inside the edge's own region plain HTTP
+to the engine's ``/generate`` (the datacenter network), and across regions a ``RequestForwarded``
+exchange over QUIC to the worker's agent, whose response carries the serving region's queue
+vector back. Token ids travel, never text, so the engine's cache and the edge's keys agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import aiohttp
+import numpy as np
+import structlog
+
+from kvcompassd.core.router import ForwardDecided, Router
+from kvcompassd.engine.client import EngineClient, EngineError, EngineFinished, EngineOutput
+from kvcompassd.metrics import EdgeMetrics
+from kvcompassd.transport import Peer, TransportError
+from kvcompassd.wire import (
+    ErrorReported,
+    MigrationRequested,
+    RequestFailed,
+    RequestForwarded,
+    ResponseChunked,
+    ResponseCompleted,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokensGenerated:
+    """The next piece of output."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationFinished:
+    """The request is done: who served it and how much of its prefix was reused."""
+
+    worker: str
+    region: str
+    cached_tokens: int
+    claimed_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    attempts: int
+    decision_us: float
+    queue_vector: tuple[tuple[str, float], ...] = ()  # the serving region's, piggybacked
+
+
+class ForwardError(Exception):
+    """The request could not be served; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class WorkerUnavailable(Exception):
+    """The chosen worker failed before producing a token: the next best may serve it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRequest:
+    request_id: str
+    tokens: np.ndarray
+    sampling_params: dict
+    stream: bool
+
+
+class Forwarder:
+    """Runs requests for one edge; ``agent_peer(worker)`` gives the QUIC peer of a worker's agent."""
+
+    def __init__(
+        self,
+        edge_id: str,
+        router: Router,
+        agent_peer: Callable[[str], Peer | None],
+        http: aiohttp.ClientSession,
+        *,
+        clock: Callable[[], float],
+        metrics: EdgeMetrics,
+        local_http: bool = True,
+        max_attempts: int = 3,
+    ):
+        self.edge_id = edge_id
+        self.router = router
+        self.cfg = router.cfg
+        self.agent_peer = agent_peer
+        self.http = http
+        self.clock = clock
+        self.metrics = metrics
+        self.local_http = local_http
+        self.max_attempts = max_attempts
+        self.migrations: list[dict] = []  # recent, for kvcompassctl
+
+    async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
+        excluded: set[int] = set()
+        reasons: list[str] = []
+        for attempt in range(1, self.max_attempts + 1):
+            t0 = time.perf_counter()
+            try:
+                decision = self.router.decide(req.tokens, now=self.clock(), exclude=excluded)
+            except ValueError as exc:  # no eligible worker left
+                reasons.append(str(exc))
+                break
+            decision_us = (time.perf_counter() - t0) * 1e6
+            self._observe_decision(req, decision, decision_us, attempt)
+            produced = False
+            try:
+                async for item in self._run(decision, req):
+                    if isinstance(item, TokensGenerated):
+                        produced = True
+                        yield item
+                    else:
+                        yield self._finished(req, decision, item, attempt, decision_us)
+                        return
+                raise WorkerUnavailable("response ended without completion")
+            except WorkerUnavailable as exc:
+                if produced:
+                    raise ForwardError(502, f"worker {decision.worker} failed mid-response: {exc}") from exc
+                reasons.append(f"{decision.worker}: {exc}")
+                excluded.add(decision.worker_index)
+                self.metrics.retries.inc()
+                log.warning("worker failed before first token; retrying", request_id=req.request_id,
+                            worker=decision.worker, attempt=attempt, error=str(exc))
+        raise ForwardError(503, "no worker could serve the request: " + "; ".join(reasons))
+
+    def _observe_decision(self, req: ForwardRequest, d: ForwardDecided, decision_us: float, attempt: int) -> None:
+        self.metrics.decisions.labels(d.outcome).inc()
+        self.metrics.decision_seconds.observe(decision_us / 1e6)
+        if d.candidates:
+            top = d.candidates[0]
+            for term in ("wan_ms", "queue_ms", "prefill_ms", "reload_ms"):
+                self.metrics.score_terms.labels(term).observe(getattr(top, term))
+        log.info(
+            "forward",
+            request_id=req.request_id,
+            worker=d.worker,
+            region=d.region,
+            outcome=d.outcome,
+            claimed=d.claimed_tokens,
+            prompt=d.prompt_len,
+            lam=round(d.lam, 3),
+            attempt=attempt,
+            decision_us=round(decision_us, 1),
+            top=[(c.worker, round(c.total, 2)) for c in d.candidates],
+        )
+        if d.migration is not None:
+            self._start_migration(req, d)
+
+    def _finished(self, req, d: ForwardDecided, done: GenerationFinished, attempt: int, decision_us: float):
+        now = self.clock()
+        self.router.on_response(
+            d.worker,
+            claimed_tokens=d.claimed_tokens,
+            reused_tokens=done.cached_tokens,
+            queue_vector=dict(done.queue_vector) or None,
+            now=now,
+        )
+        self.metrics.claimed_tokens.inc(d.claimed_tokens)
+        self.metrics.reused_tokens.inc(done.cached_tokens)
+        if done.cached_tokens < d.claimed_tokens:
+            self.metrics.false_lookups.inc()
+        return GenerationFinished(
+            worker=d.worker,
+            region=d.region,
+            cached_tokens=done.cached_tokens,
+            claimed_tokens=d.claimed_tokens,
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
+            finish_reason=done.finish_reason,
+            attempts=attempt,
+            decision_us=decision_us,
+        )
+
+    # -- the two paths ------------------------------------------------------------------------
+
+    def _run(self, d: ForwardDecided, req: ForwardRequest):
+        worker = self.cfg.worker(d.worker)
+        if self.local_http and d.local and worker.http:
+            return self._run_http(worker.http, d, req)
+        return self._run_quic(d, req)
+
+    async def _run_quic(self, d: ForwardDecided, req: ForwardRequest):
+        peer = self.agent_peer(d.worker)
+        if peer is None or not peer.is_connected:
+            raise WorkerUnavailable("agent not connected")
+        message = RequestForwarded(
+            request_id=req.request_id,
+            edge=self.edge_id,
+            origin_region=self.router.region,
+            input_ids=tuple(int(t) for t in req.tokens),
+            sampling_params=req.sampling_params,
+            stream=req.stream,
+            claimed_tokens=d.claimed_tokens,
+        )
+        try:
+            async with peer.open_stream() as exchange:
+                await exchange.send(message)
+                async for reply in exchange:
+                    if isinstance(reply, ResponseChunked):
+                        if reply.token_ids or reply.text:
+                            yield TokensGenerated(tuple(reply.token_ids), reply.text)
+                    elif isinstance(reply, ResponseCompleted):
+                        yield _completed(reply)
+                        return
+                    elif isinstance(reply, RequestFailed):
+                        raise WorkerUnavailable(reply.reason or "agent reported failure")
+                    elif isinstance(reply, ErrorReported):
+                        raise WorkerUnavailable(f"agent refused: {reply.code}: {reply.detail}")
+        except TransportError as exc:
+            raise WorkerUnavailable(f"transport: {exc}") from exc
+
+    async def _run_http(self, base: str, d: ForwardDecided, req: ForwardRequest):
+        engine = EngineClient(base, self.http)
+        try:
+            async for item in engine.generate(req.tokens, req.sampling_params, stream=req.stream, rid=req.request_id):
+                if isinstance(item, EngineOutput):
+                    yield TokensGenerated(item.token_ids, item.text)
+                else:
+                    yield _from_engine(item)
+        except EngineError as exc:
+            raise WorkerUnavailable(str(exc)) from exc
+
+    # -- migration ----------------------------------------------------------------------------
+
+    def _start_migration(self, req: ForwardRequest, d: ForwardDecided) -> None:
+        plan = d.migration
+        peer = self.agent_peer(plan.destination_worker)
+        record = {
+            "request_id": req.request_id,
+            "family_key": plan.family_key,
+            "prefix_len": plan.prefix_len,
+            "source": plan.source_worker,
+            "destination": plan.destination_worker,
+            "mode": plan.mode,
+            "sent": False,
+        }
+        self.migrations.append(record)
+        del self.migrations[:-100]
+        if peer is None or not peer.is_connected:
+            log.warning("migration skipped: destination agent not connected", **record)
+            return
+        message = MigrationRequested(
+            request_id=req.request_id,
+            input_ids=tuple(int(t) for t in req.tokens[: plan.prefix_len]),
+            source_worker=plan.source_worker,
+            destination_worker=plan.destination_worker,
+            mode=plan.mode,
+        )
+        asyncio.ensure_future(peer.send(message))
+        record["sent"] = True
+        self.metrics.migrations.labels(plan.mode).inc()
+        log.info("migration requested", **record)
+
+
+def _completed(reply: ResponseCompleted) -> GenerationFinished:
+    return GenerationFinished(
+        worker=reply.worker,
+        region="",
+        cached_tokens=reply.cached_tokens,
+        claimed_tokens=0,
+        prompt_tokens=reply.prompt_tokens,
+        completion_tokens=reply.completion_tokens,
+        finish_reason=reply.finish_reason,
+        attempts=0,
+        decision_us=0.0,
+        queue_vector=tuple(reply.queue_vector),
+    )
+
+
+def _from_engine(done: EngineFinished) -> GenerationFinished:
+    return GenerationFinished(
+        worker="",
+        region="",
+        cached_tokens=done.cached_tokens,
+        claimed_tokens=0,
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        finish_reason=done.finish_reason,
+        attempts=0,
+        decision_us=0.0,
+    )

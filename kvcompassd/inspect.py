@@ -1,0 +1,106 @@
+"""What a running edge tells ``kvcompassctl``: views, levels, queues, beliefs, holders, migrations.
+
+Read-only: a holders query scores the prompt without feeding the hot-prefix detector.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcompassd.core.events import Tier
+
+QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations")
+
+
+def describe_edge(edge, what: str, args: dict) -> dict:
+    if what not in QUERIES:
+        raise ValueError(f"unknown query {what!r}; one of {', '.join(QUERIES)}")
+    return _QUERIES[what](edge, args)
+
+
+def _status(edge, args) -> dict:
+    return {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
+            "resyncs": edge.view.resyncs, "views": _views(edge, args)["views"]}
+
+
+def _views(edge, args) -> dict:
+    rows = []
+    for shard, st in enumerate(edge.view.state):
+        for group, view in sorted(st.views.items()):
+            g = edge.layout.groups[group]
+            entries = view.snapshot_entries
+            rows.append({
+                "shard": shard,
+                "group": group,
+                "region": g.region,
+                "workers": len(g.workers),
+                "epoch": st.epoch,
+                "seq": st.seq,
+                "slots": view.slots,
+                "entries_at_snapshot": entries,
+                "memory_bytes": view.memory_bytes,
+                "bits_per_entry": round(8 * view.memory_bytes / entries, 1) if entries else None,
+                "table_epoch": view.epoch,
+            })
+    return {"views": rows}
+
+
+def _levels(edge, args) -> dict:
+    plan = edge.router.plan
+    return {"origin": edge.me.region,
+            "toward": {g: list(plan.lengths_toward(edge.me.region, g)) for g in edge.cfg.region_names()},
+            "registration": list(plan.registration_lengths())}
+
+
+def _queues(edge, args) -> dict:
+    now = edge.clock()
+    q = edge.router.queues
+    ages = q.ages(now=now)
+    return {"workers": [{"worker": w, "region": edge.cfg.worker(w).region, "queue_ms": float(q.queue_ms()[i]),
+                         "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3)}
+                        for i, w in enumerate(edge.layout.worker_ids)]}
+
+
+def _beliefs(edge, args) -> dict:
+    values = edge.router.belief.values
+    return {"workers": [{"worker": w, "belief": round(float(values[i]), 4)} for i, w in enumerate(edge.layout.worker_ids)]}
+
+
+def _holders(edge, args) -> dict:
+    if "tokens" in args:
+        tokens = args["tokens"]
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+            raise ValueError("tokens must be a list of token ids")
+    elif isinstance(args.get("text"), str):
+        tokens = edge.tokenizer.encode(args["text"])
+    else:
+        raise ValueError("holders needs 'tokens' or 'text'")
+    if not tokens:
+        raise ValueError("empty prompt")
+    router = edge.router
+    found = router.lookup.lookup(np.asarray(tokens, dtype=np.uint32))
+    result = router.scorer.score(found.prompt_len, found.matched, found.tier, router.queues.queue_ms(),
+                                 router.belief.values, ablation=router.ablation)
+    holders = [{"worker": w, "region": edge.cfg.worker(w).region, "matched": int(found.matched[i]),
+                "tier": Tier(int(found.tier[i])).name}
+               for i, w in enumerate(edge.layout.worker_ids) if found.matched[i] > 0]
+    top = [{"worker": t.worker, "total_ms": round(t.total, 3), "wan_ms": round(t.wan_ms, 3), "queue_ms": round(t.queue_ms, 3),
+            "prefill_ms": round(t.prefill_ms, 3), "reload_ms": round(t.reload_ms, 3), "matched": t.matched,
+            "tier": Tier(int(t.tier)).name, "belief": round(t.belief, 4)} for t in result.top(int(args.get("top", 5)))]
+    return {"prompt_tokens": found.prompt_len, "lambda": result.lam, "chosen": result.worker,
+            "holders": holders, "candidates": top}
+
+
+def _migrations(edge, args) -> dict:
+    return {"migrations": list(edge.forwarder.migrations[-50:])}
+
+
+_QUERIES = {
+    "status": _status,
+    "views": _views,
+    "levels": _levels,
+    "queues": _queues,
+    "beliefs": _beliefs,
+    "holders": _holders,
+    "migrations": _migrations,
+}

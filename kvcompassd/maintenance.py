@@ -1,0 +1,270 @@
+"""``kvcompassd maintenance``: the single writer of one index shard.
+
+Agents report their workers' index events; this unit applies them through the core
+(``MaintenanceShard``), coalesces everything applied in one event-loop turn into one update
+batch ``(epoch, seq)``, and pushes it to every subscribed edge on the edge's ordered control
+channel. Edges that are new, restarted, or found a gap get a replay from the bounded log or a
+snapshot. A restarted unit starts a new epoch; agents re-register what their engines hold when
+they reconnect, so the shard is rebuilt without any state on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvcompassd.certs import TlsFiles
+from kvcompassd.core.config import ClusterConfig, MaintenanceConfig
+from kvcompassd.core.index import MaintenanceShard
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.daemon import split_address
+from kvcompassd.metrics import MaintenanceMetrics
+from kvcompassd.transport import ChannelInfo, Peer, QuicNode
+from kvcompassd.wire import (
+    AdminAnswered,
+    AdminQueried,
+    ErrorReported,
+    NodeIdentity,
+    PrefixEventsReported,
+    ResyncRequested,
+    Role,
+    UpdatesSubscribed,
+    WorkerRegistered,
+    WorkerWithdrawn,
+    encode,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _WorkerStream:
+    """What this unit knows of one agent's report stream."""
+
+    incarnation: int = -1
+    last_seq: int = -1
+    stale_reports: int = 0
+
+
+@dataclass
+class MaintenanceStats:
+    reports: int = 0
+    events_applied: int = 0
+    events_ignored: int = 0
+    stale_reports: int = 0
+    batches: int = 0
+    snapshots_sent: int = 0
+    replays_sent: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+class MaintenanceNode:
+    """One maintenance unit: QUIC listener, shard, subscribers."""
+
+    def __init__(self, cfg: ClusterConfig, me: MaintenanceConfig, tls: TlsFiles, *,
+                 epoch: int | None = None, metrics: MaintenanceMetrics | None = None):
+        self.cfg = cfg
+        self.me = me
+        self.layout = IndexLayout.from_config(cfg)
+        # A new epoch per start: edges holding an older epoch's state are told to resync.
+        self.epoch = epoch if epoch is not None else time.time_ns() // 1_000_000
+        self.shard = MaintenanceShard(
+            self.layout,
+            me.shard,
+            cfg.shards,
+            epoch=self.epoch,
+            initial_capacity=cfg.index.initial_capacity,
+            fingerprint_bits=cfg.index.fingerprint_bits,
+            max_load=cfg.index.max_load,
+        )
+        self.node = QuicNode(NodeIdentity(Role.MAINTENANCE, me.id), tls, on_message=self._on_message,
+                             on_peer_state=self._on_peer_state)
+        self.subscribers: dict[str, Peer] = {}
+        self.workers: dict[str, _WorkerStream] = {}
+        self.stats = MaintenanceStats()
+        self.metrics = metrics or MaintenanceMetrics()
+        self._flush_pending = False
+        self.address: tuple[str, int] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, port = split_address(self.me.quic, f"[[maintenance]] {self.me.id} quic")
+        self.address = await self.node.listen(host, port)
+        log.info("maintenance started", shard=self.me.shard, epoch=self.epoch, address=self.address)
+
+    async def stop(self) -> None:
+        await self.node.close()
+
+    def status(self) -> str:
+        return f"shard {self.me.shard} epoch {self.epoch} seq {self.shard.seq} entries {self.shard.entries()}"
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def _on_peer_state(self, peer: Peer, connected: bool) -> None:
+        if not connected and peer.identity is not None:
+            if self.subscribers.get(peer.identity.node_id) is peer:
+                del self.subscribers[peer.identity.node_id]
+                log.info("edge unsubscribed", edge=peer.identity.node_id)
+
+    def _on_message(self, peer: Peer, message, channel: ChannelInfo) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self._refuse(peer, "forbidden", f"a maintenance unit does not accept {type(message).__name__}")
+            return
+        handler(self, peer, message, channel)
+
+    def _refuse(self, peer: Peer, code: str, detail: str) -> None:
+        self.stats.refused[code] = self.stats.refused.get(code, 0) + 1
+        log.warning("refused", peer=str(peer.identity), code=code, detail=detail)
+        try:
+            peer.send_encoded(encode(ErrorReported(code, detail)))
+        except ConnectionError:
+            pass
+
+    def _own_worker(self, peer: Peer, worker: str) -> bool:
+        """An agent may write only its own worker's fields."""
+        if peer.identity.node_id != worker:
+            self._refuse(peer, "forbidden", f"agent {peer.identity.node_id} may not write worker {worker}'s fields")
+            return False
+        try:
+            self.layout.slot(worker)
+        except ValueError:
+            self._refuse(peer, "malformed", f"unknown worker {worker!r}: not in this cluster's config")
+            return False
+        return True
+
+    def _worker_registered(self, peer: Peer, msg: WorkerRegistered, channel: ChannelInfo) -> None:
+        if not self._own_worker(peer, msg.worker):
+            return
+        stream = self.workers.setdefault(msg.worker, _WorkerStream())
+        if msg.incarnation < stream.incarnation:
+            self._refuse(peer, "malformed", f"incarnation {msg.incarnation} older than {stream.incarnation}")
+            return
+        if msg.incarnation > stream.incarnation:
+            if stream.incarnation >= 0:
+                # The engine restarted: nothing it registered before is in its cache any more.
+                outcome = self.shard.withdraw_worker(msg.worker)
+                self._applied(outcome)
+                log.info("worker restarted", worker=msg.worker, withdrawn=outcome.applied)
+            stream.incarnation, stream.last_seq = msg.incarnation, -1
+
+    def _events_reported(self, peer: Peer, msg: PrefixEventsReported, channel: ChannelInfo) -> None:
+        if not self._own_worker(peer, msg.worker):
+            return
+        stream = self.workers.get(msg.worker)
+        if stream is None or stream.incarnation < 0:
+            self._refuse(peer, "malformed", f"worker {msg.worker} reported events before WorkerRegistered")
+            return
+        if msg.seq <= stream.last_seq:
+            stream.stale_reports += 1
+            self.stats.stale_reports += 1
+            log.warning("stale report ignored", worker=msg.worker, seq=msg.seq, last_seq=stream.last_seq)
+            return
+        stream.last_seq = msg.seq
+        self.stats.reports += 1
+        outcome = self.shard.apply(msg.events)
+        self._applied(outcome)
+        for reason in outcome.ignored[:3]:
+            log.info("event ignored", worker=msg.worker, reason=reason)
+
+    def _worker_withdrawn(self, peer: Peer, msg: WorkerWithdrawn, channel: ChannelInfo) -> None:
+        if self._own_worker(peer, msg.worker):
+            self._applied(self.shard.withdraw_worker(msg.worker))
+
+    def _applied(self, outcome) -> None:
+        self.stats.events_applied += outcome.applied
+        self.stats.events_ignored += len(outcome.ignored)
+        self.metrics.events.labels("applied").inc(outcome.applied)
+        self.metrics.events.labels("ignored").inc(len(outcome.ignored))
+        if outcome.applied and not self._flush_pending:
+            # Everything applied in this loop turn goes out as one batch.
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        batch = self.shard.flush()
+        if batch is None:
+            return
+        self.stats.batches += 1
+        self.metrics.batches.inc()
+        body = encode(batch)
+        for edge, peer in list(self.subscribers.items()):
+            try:
+                peer.send_encoded(body)
+            except ConnectionError:
+                # Its resync on reconnection repairs what it misses here.
+                self.subscribers.pop(edge, None)
+
+    def _subscribed(self, peer: Peer, msg: UpdatesSubscribed, channel: ChannelInfo) -> None:
+        if not self._own_edge(peer, msg.edge, msg.shard):
+            return
+        self._send_catch_up(peer, msg.epoch, msg.seq + 1)
+        # Added after the catch-up was enqueued, so batches follow it in order.
+        self.subscribers[msg.edge] = peer
+        log.info("edge subscribed", edge=msg.edge, epoch=msg.epoch, seq=msg.seq)
+
+    def _resync_requested(self, peer: Peer, msg: ResyncRequested, channel: ChannelInfo) -> None:
+        if self._own_edge(peer, msg.edge, msg.shard):
+            self._send_catch_up(peer, msg.epoch, msg.from_seq)
+
+    def _own_edge(self, peer: Peer, edge: str, shard: int) -> bool:
+        if peer.identity.node_id != edge:
+            self._refuse(peer, "forbidden", f"edge {peer.identity.node_id} may not speak for {edge}")
+            return False
+        if shard != self.me.shard:
+            self._refuse(peer, "malformed", f"this unit owns shard {self.me.shard}, not {shard}")
+            return False
+        return True
+
+    def _send_catch_up(self, peer: Peer, epoch: int, from_seq: int) -> None:
+        if self._flush_pending:
+            self._flush()
+        answer = self.shard.resync(epoch, from_seq)
+        if isinstance(answer, list):
+            self.stats.replays_sent += 1
+            for batch in answer:
+                peer.send_encoded(encode(batch))
+        else:
+            self.stats.snapshots_sent += 1
+            self.metrics.snapshots.inc()
+            peer.send_encoded(encode(answer))
+
+    def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
+        body = self.describe(msg.what, msg.args)
+        reply = AdminAnswered(msg.what, body)
+        if channel.stream is not None:
+            channel.stream.send_encoded(encode(reply), end=True)
+        else:
+            peer.send_encoded(encode(reply))
+
+    def describe(self, what: str, args: dict) -> dict:
+        if what == "holders":
+            key = int(args.get("key", -1))
+            return {"key": key, "holders": {w: t.name for w, t in self.shard.holders(key).items()}}
+        return {
+            "mode": "maintenance",
+            "id": self.me.id,
+            "shard": self.me.shard,
+            "epoch": self.epoch,
+            "seq": self.shard.seq,
+            "entries": self.shard.entries(),
+            "tables": self.shard.table_stats(),
+            "subscribers": sorted(self.subscribers),
+            "workers": {w: {"incarnation": s.incarnation, "last_seq": s.last_seq, "stale_reports": s.stale_reports}
+                        for w, s in self.workers.items()},
+            "stats": {k: v for k, v in vars(self.stats).items()},
+        }
+
+    _handlers = {
+        WorkerRegistered: _worker_registered,
+        PrefixEventsReported: _events_reported,
+        WorkerWithdrawn: _worker_withdrawn,
+        UpdatesSubscribed: _subscribed,
+        ResyncRequested: _resync_requested,
+        AdminQueried: _admin,
+    }

@@ -1,0 +1,56 @@
+"""Prometheus metrics of each daemon mode, each on its own registry (several nodes may share a
+process in tests and the demo), served by ``start_metrics_server``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Decisions take tens of microseconds; requests take milliseconds to seconds.
+_DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
+_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class MaintenanceMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.events = Counter("kvcompass_index_events", "Index events from agents, by outcome", ["outcome"], registry=r)
+        self.batches = Counter("kvcompass_update_batches_published", "Update batches pushed to edges", registry=r)
+        self.snapshots = Counter("kvcompass_snapshots_sent", "Shard snapshots sent to edges", registry=r)
+        self.entries = Gauge("kvcompass_shard_entries", "Entries in this shard's tables", registry=r)
+
+
+class EdgeMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvcompass_requests", "Requests at the front door, by route and status", ["route", "status"], registry=r)
+        self.decisions = Counter("kvcompass_decisions", "Forwarding decisions by outcome (local_hit, remote_hit, recompute)", ["outcome"], registry=r)
+        self.decision_seconds = Histogram("kvcompass_decision_seconds", "Lookup + score time per decision", buckets=_DECISION_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("kvcompass_ttft_seconds", "Time to first token seen at the edge", buckets=_REQUEST_BUCKETS, registry=r)
+        self.request_seconds = Histogram("kvcompass_request_seconds", "End-to-end request time at the edge", buckets=_REQUEST_BUCKETS, registry=r)
+        self.score_terms = Histogram("kvcompass_chosen_score_ms", "Score terms of the chosen worker (ms)", ["term"], buckets=(0.1, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000), registry=r)
+        self.batches = Counter("kvcompass_update_batches_applied", "Update batches applied to the views", registry=r)
+        self.resyncs = Counter("kvcompass_resyncs_requested", "Resyncs asked of maintenance units", registry=r)
+        self.queue_age = Gauge("kvcompass_queue_estimate_age_seconds", "Age of the oldest remote queue estimate", registry=r)
+        self.false_lookups = Counter("kvcompass_false_lookups", "Responses that reused fewer tokens than the edge claimed", registry=r)
+        self.claimed_tokens = Counter("kvcompass_claimed_tokens", "Prefix tokens the edge credited winners with", registry=r)
+        self.reused_tokens = Counter("kvcompass_reused_tokens", "Prefix tokens workers reported reusing", registry=r)
+        self.retries = Counter("kvcompass_retries", "Requests retried on the next best worker", registry=r)
+        self.migrations = Counter("kvcompass_migrations", "Hot-prefix migrations requested, by mode", ["mode"], registry=r)
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.engine_batches = Counter("kvcompass_engine_event_batches", "KV-event batches from the engine, by outcome", ["outcome"], registry=r)
+        self.index_events = Counter("kvcompass_index_events_reported", "Index events sent to maintenance units", registry=r)
+        self.requests = Counter("kvcompass_forwarded_requests", "Forwarded requests run on the engine, by status", ["status"], registry=r)
+        self.queue_ms = Gauge("kvcompass_engine_queue_ms", "Engine queueing delay estimate (ms)", registry=r)
+        self.migrations = Counter("kvcompass_migrations_executed", "Migrations executed, by mode", ["mode"], registry=r)
+
+
+def start_metrics_server(address: str | None, registry: CollectorRegistry) -> None:
+    """Serve ``registry`` on ``host:port`` in a background thread (prometheus-client's server)."""
+    if not address:
+        return
+    host, _, port = address.rpartition(":")
+    start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
