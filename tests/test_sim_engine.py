@@ -1,0 +1,164 @@
+"""The simulation loop: hand-checked TTFTs on a tiny deployment, conservation, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sim_fixtures import BETA, DECODE, ONE_WAY, two_region_topology
+
+from kvcompassd.sim.baselines import make_baseline
+from kvcompassd.sim.engine import SimSettings, SimulationError, simulate
+from kvcompassd.sim.policy import BasePolicy, MigrationOrdered, PolicyError, RouteDecision
+from kvcompassd.sim.synthetic import ChatWorkload, MixedWorkload
+from kvcompassd.sim.workloads import Request
+
+INTRA = 0.5
+
+
+class Fixed(BasePolicy):
+    """Routes every request to one worker, with a fixed discovery delay; records what it sees."""
+
+    name = "fixed"
+
+    def __init__(self, topo, worker: int, lookup_ms: float = 0.0, claim: int = 0):
+        super().__init__(topo)
+        self.worker, self.lookup_ms, self.claim = worker, lookup_ms, claim
+        self.events: list = []
+        self.responses: list = []
+        self.loads: list = []
+
+    def route(self, req, *, now):
+        return RouteDecision(self.worker, self.lookup_ms, self.claim)
+
+    def on_cache_events(self, worker_index, events, *, now):
+        self.events.append((worker_index, now, list(events)))
+
+    def on_response(self, worker_index, req, reused_tokens, queue_vector, *, now):
+        self.responses.append((worker_index, req.id, reused_tokens, dict(queue_vector), now))
+
+    def on_worker_load(self, worker_index, queue_ms, *, now):
+        self.loads.append((worker_index, queue_ms, now))
+
+
+def req(i: int, t: float, tokens: np.ndarray, out: int = 1, region: str = "a") -> Request:
+    return Request(i, t, region, i, tokens.astype(np.uint32), out)
+
+
+TOKENS = np.arange(1000, 1320)  # 320 tokens = 20 full blocks
+
+
+def test_remote_request_ttft_by_hand():
+    topo = two_region_topology(1, 1)
+    res = simulate(topo, Fixed(topo, worker=1), [req(0, 0.0, TOKENS, out=3)])
+    r = res.records
+    prefill = 320 * BETA
+    assert r["ttft_ms"][0] == pytest.approx(ONE_WAY + prefill + ONE_WAY)
+    # Two more tokens, each a batch-1 decode step, then the way back.
+    assert r["e2e_ms"][0] == pytest.approx(ONE_WAY + prefill + 2 * DECODE + ONE_WAY)
+    assert r["reused_tokens"][0] == 0 and r["worker_region"][0] == 1
+
+
+def test_reuse_skips_cached_prefill_and_lookup_delay_adds():
+    topo = two_region_topology(1, 1)
+    policy = Fixed(topo, worker=0, lookup_ms=7.0)
+    res = simulate(topo, policy, [req(0, 0.0, TOKENS), req(1, 1.0, TOKENS)])
+    r = res.records
+    assert r["ttft_ms"][0] == pytest.approx(7.0 + INTRA + 320 * BETA + INTRA)
+    # Everything but the last prompt token is reused (an engine computes at least one token).
+    assert r["reused_tokens"][1] == 319
+    assert r["ttft_ms"][1] == pytest.approx(7.0 + INTRA + 1 * BETA + INTRA)
+    assert r["lookup_ms"].tolist() == [7.0, 7.0]
+
+
+def test_queueing_second_request_waits_for_first_prefill():
+    topo = two_region_topology(1, 0)
+    other = np.arange(5000, 5320)
+    res = simulate(topo, Fixed(topo, worker=0), [req(0, 0.0, TOKENS), req(1, 0.0, other)])
+    r = res.records
+    assert r["ttft_ms"][1] == pytest.approx(INTRA + 2 * 320 * BETA + INTRA)
+
+
+def test_policy_feeds_events_responses_and_load():
+    topo = two_region_topology(1, 1)
+    policy = Fixed(topo, worker=1)
+    simulate(topo, policy, [req(0, 0.0, TOKENS, out=2)])
+    stored = [e for _, _, evs in policy.events for e in evs if type(e).__name__ == "BlockStored"]
+    assert len(stored) == 20  # every full block of the prompt
+    (w, rid, reused, qv, at), = policy.responses
+    assert (w, rid, reused) == (1, 0, 0)
+    assert set(qv) == {1}  # the queue vector of the worker's own region
+    assert at == pytest.approx((ONE_WAY + 320 * BETA + ONE_WAY) / 1000)
+    assert any(q > 0 for _, q, _ in policy.loads) and policy.loads[-1][1] == 0.0
+
+
+def test_update_delay_and_loss():
+    topo = two_region_topology(1, 0)
+    delayed = Fixed(topo, worker=0)
+    simulate(topo, delayed, [req(0, 0.0, TOKENS)], settings=SimSettings(update_delay_ms=300))
+    first_token_at = (INTRA + 320 * BETA) / 1000
+    assert min(t for _, t, _ in delayed.events) == pytest.approx(first_token_at + 0.3)
+    lossy = Fixed(topo, worker=0)
+    res = simulate(topo, lossy, [req(i, i * 0.01, np.arange(i * 400, i * 400 + 320)) for i in range(50)],
+                   settings=SimSettings(update_loss=0.5, seed=3))
+    assert res.events_lost > 0 and res.events_delivered > 0
+    assert res.events_lost + res.events_delivered == 50 * 20
+
+
+def test_conservation_and_determinism_on_mixed():
+    topo = two_region_topology(3, 2, vram=20_000, dram=40_000)
+    weights = {"a": 3.0, "b": 2.0}
+
+    def run():
+        return simulate(topo, make_baseline("dynamo", topo), MixedWorkload(200.0, weights, seed=5),
+                        settings=SimSettings(eviction="lfu"), max_requests=300)
+
+    a, b = run(), run()
+    ids = a.records["id"]
+    assert sorted(ids.tolist()) == list(range(300))  # every request completed exactly once
+    reused, prompt = a.records["reused_tokens"], a.records["prompt_tokens"]
+    assert (reused >= 0).all() and (reused < prompt).all()
+    assert a.records["dram_tokens"].sum() <= reused.sum()
+    assert (a.records["ttft_ms"] > 0).all() and (a.records["e2e_ms"] >= a.records["ttft_ms"]).all()
+    for f in a.records:
+        np.testing.assert_array_equal(a.records[f], b.records[f])
+    assert a.load_bins.sum() > 0
+
+
+def test_chat_with_jitter_is_seeded():
+    topo = two_region_topology(2, 2)
+    weights = {"a": 1.0, "b": 1.0}
+    runs = [simulate(topo, make_baseline("oracle", topo), ChatWorkload(100.0, weights, flavour="lmsys", seed=1),
+                     settings=SimSettings(wan_jitter=0.5, seed=s), max_requests=100) for s in (1, 1, 2)]
+    assert np.array_equal(runs[0].records["ttft_ms"], runs[1].records["ttft_ms"])
+    assert not np.array_equal(runs[0].records["ttft_ms"], runs[2].records["ttft_ms"])
+
+
+def test_bad_decisions_and_settings_are_rejected():
+    topo = two_region_topology(1, 1)
+    with pytest.raises(PolicyError):
+        simulate(topo, Fixed(topo, worker=5), [req(0, 0.0, TOKENS)])
+    with pytest.raises(PolicyError):
+        RouteDecision(-1)
+    with pytest.raises(SimulationError):
+        SimSettings(eviction="fifo")
+    with pytest.raises(SimulationError):
+        simulate(topo, Fixed(topo, worker=0), [req(0, 1.0, TOKENS), req(1, 0.5, TOKENS)])
+
+
+class Migrating(Fixed):
+    def __init__(self, topo, order):
+        super().__init__(topo, worker=0)
+        self.orders = [order]
+
+    def take_migrations(self):
+        out, self.orders = self.orders, []
+        return out
+
+
+def test_cross_region_migration_recomputes_on_destination():
+    topo = two_region_topology(1, 1)
+    policy = Migrating(topo, MigrationOrdered(dest_worker=1, tokens=TOKENS.astype(np.uint32), source_worker=0))
+    res = simulate(topo, policy, [req(0, 0.0, np.arange(9000, 9100)), req(1, 1.0, TOKENS, region="b")])
+    assert res.extra["migrations"] == 1
+    assert any(w == 1 for w, _, _ in policy.events)  # the destination registered the prefix
+    assert res.completed == 2  # migration jobs are not user requests

@@ -1,0 +1,55 @@
+"""Deployment geography and the generated configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcompassd.core.config import load_config, parse_config
+from kvcompassd.sim.geo import DEPLOYMENTS, SITES, derived_one_way_ms, great_circle_km, link_matrix, render_toml
+
+CONFIG = Path(__file__).resolve().parents[1] / "config"
+
+
+def test_great_circle_and_formula():
+    london_paris = great_circle_km(51.5074, -0.1278, 48.8566, 2.3522)
+    assert london_paris == pytest.approx(344, abs=3)
+    a, b = SITES["de"], SITES["gb"]
+    km = great_circle_km(a.latitude, a.longitude, b.latitude, b.longitude)
+    assert derived_one_way_ms(a, b) == pytest.approx(km / 200 * 1.5 + 2)
+
+
+@pytest.mark.parametrize("name, workers, regions", [
+    ("census-64x8", 64, 8), ("census-128x16", 128, 16), ("northamerica-11", 11, 4)])
+def test_committed_configs_match_the_generator_and_load(name, workers, regions):
+    text = render_toml(DEPLOYMENTS[name])
+    assert (CONFIG / f"{name}.toml").read_text() == text
+    cfg = load_config(CONFIG / f"{name}.toml")
+    assert len(cfg.worker_ids()) == workers and len(cfg.region_names()) == regions
+
+
+def test_census_counts_follow_the_paper():
+    cfg = load_config(CONFIG / "census-64x8.toml")
+    counts = {r: len(cfg.workers_in(r)) for r in cfg.region_names()}
+    assert counts["us"] == 30 and counts["cn"] == 13 and counts["de"] == 8
+    assert all(2 <= counts[r] <= 3 for r in ("jp", "sg", "gb", "kr", "au"))
+    big = load_config(CONFIG / "census-128x16.toml")
+    counts = {r: len(big.workers_in(r)) for r in big.region_names()}
+    assert (counts["us-east"], counts["us-west"], counts["cn"], counts["de"], counts["ie"]) == (26, 14, 12, 10, 10)
+    assert all(2 <= counts[r] <= 7 for r in ("sg", "kr", "in", "au", "br", "ca", "it", "bh", "za"))
+
+
+def test_north_america_links_span_the_measured_ranges():
+    links = link_matrix(DEPLOYMENTS["northamerica-11"])
+    east = [v for (a, b), v in links.items() if "calgary" not in (a, b)]
+    west = [v for (a, b), v in links.items() if "calgary" in (a, b)]
+    assert min(east) == pytest.approx(5.8) and max(east) == pytest.approx(16.6)
+    assert min(west) == pytest.approx(24.9) and max(west) == pytest.approx(37.4)
+
+
+def test_rendered_config_parses_through_the_shared_loader():
+    import tomllib
+
+    cfg = parse_config(tomllib.loads(render_toml(DEPLOYMENTS["census-64x8"])), "generated")
+    assert cfg.one_way_ms("de", "gb") == pytest.approx(derived_one_way_ms(SITES["de"], SITES["gb"]), abs=0.01)

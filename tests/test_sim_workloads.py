@@ -1,0 +1,174 @@
+"""Workload sources: Mooncake loader on the real trace head, Azure reader, generators."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvcompassd.sim.blockmirror import chain_keys
+from kvcompassd.sim.synthetic import ChatWorkload, MixedWorkload, ZipfSampler
+from kvcompassd.sim.workloads import (
+    ArrivalProcess, Request, WorkloadError, limit_stream, mooncake_requests, mooncake_sessions, read_azure,
+    read_mooncake, rescale, trace_rate,
+)
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+if not TRACES.is_dir():
+    TRACES = Path("/work/shared/traces")
+MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
+AZURE = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+needs_traces = pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared traces not present")
+W = {"us": 3.0, "eu": 1.0}
+
+
+@needs_traces
+def test_mooncake_head_expands_blocks_into_shared_prefixes():
+    recs = read_mooncake(MOONCAKE, limit=300)
+    reqs = list(mooncake_requests(MOONCAKE, W, seed=1, limit=300))
+    assert len(reqs) == 300
+    for rec, r in zip(recs, reqs):
+        assert r.prompt_tokens == rec.input_length and r.output_tokens == max(1, rec.output_length)
+        assert r.arrival_s == rec.timestamp_ms / 1000
+    # Equal leading block ids give equal tokens; a differing block gives different tokens.
+    by_first: dict[int, Request] = {}
+    checked = 0
+    for rec, r in zip(recs, reqs):
+        other = by_first.get(rec.hash_ids[0])
+        if other is not None:
+            o_rec = recs[other.id]
+            same = next(i for i, (a, b) in enumerate(zip(rec.hash_ids + (-1,), o_rec.hash_ids + (-2,))) if a != b)
+            n = min(same * 512, r.prompt_tokens, other.prompt_tokens)
+            assert np.array_equal(r.tokens[:n], other.tokens[:n])
+            checked += 1
+        by_first.setdefault(rec.hash_ids[0], r)
+    assert checked > 10
+    # Follow-up turns inherit their session's region.
+    regions: dict[int, str] = {}
+    for r in reqs:
+        assert regions.setdefault(r.session, r.region) == r.region
+    again = list(mooncake_requests(MOONCAKE, W, seed=1, limit=300))
+    assert [r.region for r in again] == [r.region for r in reqs]
+
+
+def test_mooncake_sessions_follow_whole_prompt_extensions(tmp_path):
+    lines = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 1600, "output_length": 5, "hash_ids": [1, 2, 3, 4]},  # follow-up
+        {"timestamp": 2, "input_length": 700, "output_length": 5, "hash_ids": [1, 9]},  # shares only block 1
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    assert mooncake_sessions(read_mooncake(path)) == [0, 0, 1]
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "hash_ids"),
+    ('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}', "hash_ids"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+    ('not json', "JSON"),
+])
+def test_mooncake_bad_lines_name_the_problem(tmp_path, line, field):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(WorkloadError, match=field):
+        read_mooncake(path)
+
+
+@pytest.mark.skipif(not AZURE.is_file(), reason="shared traces not present")
+def test_azure_trace_and_shaped_arrivals():
+    trace = read_azure(AZURE)
+    assert len(trace.offsets_s) == 19_366
+    assert 5.0 < trace.mean_rate < 6.0
+    times = list(itertools.islice(ArrivalProcess(1000.0, seed=1, azure=trace).times(), 20_000))
+    assert np.all(np.diff(times) >= 0)
+    assert 700 < len(times) / times[-1] < 1400  # the trace's burstiness around the target rate
+
+
+def test_azure_bad_header(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(WorkloadError, match="header"):
+        read_azure(path)
+
+
+def test_request_validation():
+    with pytest.raises(WorkloadError):
+        Request(0, 0.0, "us", 0, np.array([], dtype=np.uint32), 1)
+    with pytest.raises(WorkloadError):
+        Request(0, 0.0, "us", 0, np.arange(3, dtype=np.int64), 1)
+    with pytest.raises(WorkloadError):
+        Request(0, float("nan"), "us", 0, np.arange(3, dtype=np.uint32), 1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda s: MixedWorkload(500.0, W, seed=s),
+    lambda s: ChatWorkload(500.0, W, flavour="wildchat", seed=s),
+    lambda s: ChatWorkload(500.0, W, flavour="lmsys", seed=s),
+])
+def test_generators_are_seeded_ordered_and_lazy(make):
+    a = list(itertools.islice(iter(make(7)), 400))
+    b = list(itertools.islice(iter(make(7)), 400))
+    c = list(itertools.islice(iter(make(8)), 400))
+    assert [r.arrival_s for r in a] == [r.arrival_s for r in b]
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert [r.arrival_s for r in a] != [r.arrival_s for r in c]
+    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:]))
+    assert [r.id for r in a] == list(range(400))
+    assert {r.region for r in a} == set(W)
+    # Follow-up turns extend their session's previous prompt.
+    last: dict[int, Request] = {}
+    follow = 0
+    for r in a:
+        prev = last.get(r.session)
+        if prev is not None:
+            assert np.array_equal(r.tokens[: prev.prompt_tokens], prev.tokens)
+            follow += 1
+        last[r.session] = r
+    assert follow > 0
+
+
+def test_mixed_tenants_share_only_their_own_system_prompt():
+    reqs = list(itertools.islice(iter(MixedWorkload(500.0, W, seed=3)), 2000))
+    by_tenant: dict[str, list[Request]] = {}
+    for r in reqs:
+        by_tenant.setdefault(r.tenant, []).append(r)
+    assert len(by_tenant) == 50
+    t0, t1 = (v for _, v in zip(range(2), by_tenant.values()))
+    assert np.array_equal(t0[0].tokens[:64], t0[1].tokens[:64])
+    assert not np.array_equal(t0[0].tokens[:64], t1[0].tokens[:64])
+
+
+def test_rescale_and_limits():
+    reqs = list(itertools.islice(iter(MixedWorkload(100.0, W, seed=1)), 300))
+    native = trace_rate(reqs)
+    fast = list(rescale(reqs, 4 * native, native))
+    assert trace_rate(fast) == pytest.approx(4 * native)
+    assert len(list(limit_stream(iter(reqs), max_requests=10))) == 10
+    assert all(r.arrival_s < 1.0 for r in limit_stream(iter(reqs), duration_s=1.0))
+    with pytest.raises(WorkloadError):
+        ArrivalProcess(0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=16, max_size=200), st.integers(0, 2**32 - 1), st.integers(0, 199))
+def test_chain_keys_equal_exactly_for_equal_prefixes(tokens, replacement, position):
+    a = np.array(tokens, dtype=np.uint32)
+    b = a.copy()
+    pos = position % len(a)
+    b[pos] = replacement
+    ka, kb = chain_keys(a, 16), chain_keys(b, 16)
+    first_diff = pos // 16 if a[pos] != b[pos] else len(ka)
+    assert np.array_equal(ka[:first_diff], kb[:first_diff])
+    assert not np.any(ka[first_diff:] == kb[first_diff:])
+
+
+def test_zipf_is_skewed():
+    rng = np.random.default_rng(0)
+    z = ZipfSampler(1000, 1.0)
+    counts = np.bincount([z.sample(rng) for _ in range(5000)], minlength=1000)
+    assert counts[0] > counts[10] > 0 and counts[0] > 300
