@@ -92,10 +92,17 @@ static inline void kvc_cells(uint64_t key, uint64_t locator_seed, uint32_t ma, u
 static inline uint64_t kvc_slot_base(uint64_t bucket_seed) { return kvc_derive(bucket_seed, 3); }
 static inline uint64_t kvc_fp_seed(uint64_t bucket_seed) { return kvc_derive(bucket_seed, 4); }
 
-/* Slot of a key inside its bucket under slot seed s: the top 2 bits of hash(key, s). */
+/* 64 hash bits of a key for slot seeds 32*group .. 32*group + 31 (2 bits per seed). */
+static inline uint64_t kvc_slot_bits(uint64_t key, uint64_t slot_base, unsigned group)
+{
+    return kvc_fmix64(key ^ (slot_base + (uint64_t)group * KVC_GOLD));
+}
+
+/* Slot of a key inside its bucket under slot seed s: 2 bits of hash(key, s / 32), the pair at
+ * position s % 32. One hash serves 32 consecutive seeds, so the writer's seed search is cheap. */
 static inline unsigned kvc_slot(uint64_t key, uint64_t slot_base, unsigned s)
 {
-    return (unsigned)(kvc_fmix64(key ^ (slot_base + (uint64_t)s * KVC_GOLD)) >> 62);
+    return (unsigned)(kvc_slot_bits(key, slot_base, s >> 5) >> (2u * (s & 31u))) & 3u;
 }
 
 static inline unsigned kvc_fingerprint(uint64_t key, uint64_t fp_seed, unsigned d)
@@ -134,6 +141,10 @@ static inline uint64_t kvc_get64(const uint8_t *p)
 }
 
 /* ---- ludo_wire.c ---- */
+/* Allocate a large array (free() releases it). Arrays of 2 MiB or more are 2 MiB-aligned and
+ * advised onto transparent huge pages: lookups and writes touch them at random, and TLB misses
+ * would otherwise cost as much as the cache misses. `zero` clears the memory. */
+void *kvc_alloc(size_t bytes, int zero);
 uint32_t kvc_crc32_update(uint32_t crc, const uint8_t *p, size_t n);
 /* Write the header for `payload_len` bytes already in place after it, including the CRC. */
 void kvc_header_write(uint8_t *blob, unsigned kind, const kvc_geometry *geo, uint64_t payload_len);

@@ -137,7 +137,7 @@ int kvc_locator_build(kvc_locator *L, uint32_t ma, uint32_t mb, uint64_t seed,
 {
     memset(L, 0, sizeof *L);
     size_t slots = (size_t)nb * 4u, cells = (size_t)ma + mb;
-    uint32_t *parent = malloc(cells * sizeof *parent);
+    uint32_t *parent = kvc_alloc(cells * sizeof *parent, 0);
     if (!parent)
         return KVC_ERR_NOMEM;
     for (size_t i = 0; i < cells; i++)
@@ -160,10 +160,10 @@ int kvc_locator_build(kvc_locator *L, uint32_t ma, uint32_t mb, uint64_t seed,
     L->wb = kvc_words_for(mb);
     L->seed = seed;
     L->ecap = (uint32_t)slots;
-    L->words = calloc((size_t)L->wa + L->wb, sizeof *L->words);
-    L->head = malloc(cells * sizeof *L->head);
-    L->half = malloc(2 * slots * sizeof *L->half);
-    uint8_t *ebit = malloc(slots);
+    L->words = kvc_alloc(((size_t)L->wa + L->wb) * sizeof *L->words, 1);
+    L->head = kvc_alloc(cells * sizeof *L->head, 0);
+    L->half = kvc_alloc(2 * slots * sizeof *L->half, 0);
+    uint8_t *ebit = kvc_alloc(slots, 0);
     if (!L->words || !L->head || !L->half || !ebit) {
         free(parent);
         free(ebit);

@@ -71,10 +71,10 @@ static int store_alloc(kvc_store *s, uint32_t nb, uint64_t bucket_seed)
     s->nb = nb;
     s->bucket_seed = bucket_seed;
     s->slot_base = kvc_slot_base(bucket_seed);
-    s->keys = malloc(slots * sizeof *s->keys);
-    s->vals = calloc(slots, sizeof *s->vals);
-    s->edge = malloc(slots * sizeof *s->edge);
-    s->seed = calloc(nb, sizeof *s->seed);
+    s->keys = kvc_alloc(slots * sizeof *s->keys, 0);
+    s->vals = kvc_alloc((slots) * sizeof *s->vals, 1);
+    s->edge = kvc_alloc(slots * sizeof *s->edge, 0);
+    s->seed = kvc_alloc((nb) * sizeof *s->seed, 1);
     if (!s->keys || !s->vals || !s->edge || !s->seed) {
         store_free(s);
         return KVC_ERR_NOMEM;
@@ -123,17 +123,24 @@ static int store_reseed(kvc_store *s, uint32_t b)
     }
     unsigned slot[4];
     unsigned seed = 0;
-    for (;; seed++) {
+    for (unsigned found = 0; !found;) {
         if (seed > KVC_SEED_LIMIT)
             return KVC_ERR_FULL; /* astronomically unlikely; the caller rebuilds */
-        unsigned used = 0, ok = 1;
-        for (unsigned i = 0; i < n && ok; i++) {
-            slot[i] = kvc_slot(k[i], s->slot_base, seed);
-            ok = !(used & (1u << slot[i]));
-            used |= 1u << slot[i];
+        uint64_t bits[4];
+        for (unsigned i = 0; i < n; i++)
+            bits[i] = kvc_slot_bits(k[i], s->slot_base, seed >> 5);
+        for (unsigned end = seed + 32; seed < end; seed++) {
+            unsigned used = 0, ok = 1, shift = 2u * (seed & 31u);
+            for (unsigned i = 0; i < n && ok; i++) {
+                slot[i] = (unsigned)(bits[i] >> shift) & 3u;
+                ok = !(used & (1u << slot[i]));
+                used |= 1u << slot[i];
+            }
+            if (ok) {
+                found = 1;
+                break;
+            }
         }
-        if (ok)
-            break;
     }
     for (unsigned i = 0; i < 4; i++) {
         s->keys[base + i] = EMPTY_KEY;
@@ -288,6 +295,17 @@ static void write_bucket_state(const kvc_table *t, uint32_t b, uint8_t *p)
         }
 }
 
+/* Give back a big record buffer once drained, so a burst does not pin memory forever. */
+static void buf_release_if_big(byte_buf *b)
+{
+    if (b->cap > (1u << 20)) {
+        free(b->p);
+        b->p = NULL;
+        b->cap = 0;
+    }
+    b->len = 0;
+}
+
 static int cmp_u32(const void *a, const void *b)
 {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
@@ -417,7 +435,7 @@ int kvc_table_new(kvc_table **out, uint64_t capacity, unsigned value_bits,
     if (want >= (double)KVC_MAX_BUCKETS)
         return KVC_ERR_ARG;
     uint32_t nb = want < 2.0 ? 2u : (uint32_t)want;
-    kvc_table *t = calloc(1, sizeof *t);
+    kvc_table *t = kvc_alloc((1) * sizeof *t, 1);
     if (!t)
         return KVC_ERR_NOMEM;
     t->table_id = seed;
@@ -425,7 +443,7 @@ int kvc_table_new(kvc_table **out, uint64_t capacity, unsigned value_bits,
     t->value_bits = value_bits;
     t->fp_bits = fingerprint_bits;
     t->max_load = max_load;
-    t->bfs = malloc(BFS_CAP * sizeof *t->bfs);
+    t->bfs = kvc_alloc(BFS_CAP * sizeof *t->bfs, 0);
     int rc = t->bfs ? store_alloc(&t->st, nb, kvc_derive(seed, t->epoch * 1000003u)) : KVC_ERR_NOMEM;
     if (rc == KVC_OK)
         rc = build_locator_for(t, &t->st, t->epoch, &t->loc);
@@ -494,21 +512,21 @@ int kvc_table_insert(kvc_table *t, uint64_t key, uint64_t value)
     if (rc != KVC_OK)
         return rc;
     kvc_locator *L = &t->loc;
-    for (unsigned i = 0; i < t->moved_n; i++)
-        kvc_locator_flip(L, t->moved_edges[i]);
-    uint32_t b0, b1;
+    for (unsigned i = 0; i < t->moved_n && rc == KVC_OK; i++)
+        rc = kvc_locator_flip(L, t->moved_edges[i]);
+    uint32_t b0, b1, edge;
     kvc_buckets(key, t->st.bucket_seed, t->st.nb, &b0, &b1);
-    uint32_t edge;
-    rc = kvc_locator_add(L, key, bucket == b1, &edge);
+    if (rc == KVC_OK)
+        rc = kvc_locator_add(L, key, bucket == b1, &edge);
     t->size++;
-    if (rc == KVC_LOC_CYCLE) {
+    if (rc == KVC_OK) {
+        t->st.edge[store_find(&t->st, key)] = edge;
+    } else {
+        /* a cycle (or, rarely, no memory for a tree walk): rebuild the locator from the store */
         rc = locator_rebuild(t);
-    } else if (rc == KVC_OK) {
-        int64_t at = store_find(&t->st, key);
-        t->st.edge[at] = edge;
+        if (rc != KVC_OK)
+            return rc;
     }
-    if (rc != KVC_OK)
-        return rc;
     return emit_touched(t);
 }
 
@@ -561,13 +579,38 @@ int kvc_table_get(const kvc_table *t, uint64_t key, uint64_t *value_out)
     return 1;
 }
 
+/* Batches know their next keys: start fetching those keys' buckets (and, for inserts, locator
+ * cells) a few operations ahead so the cache misses overlap with the current operation. */
+#define PREFETCH_AHEAD 4
+
+static inline void prefetch_key(const kvc_table *t, uint64_t key, int with_locator)
+{
+    uint32_t b0, b1;
+    kvc_buckets(key, t->st.bucket_seed, t->st.nb, &b0, &b1);
+    __builtin_prefetch(&t->st.keys[(size_t)b0 * 4u]);
+    __builtin_prefetch(&t->st.keys[(size_t)b1 * 4u]);
+    __builtin_prefetch(&t->st.vals[(size_t)b0 * 4u]);
+    __builtin_prefetch(&t->st.vals[(size_t)b1 * 4u]);
+    if (with_locator) {
+        uint32_t a, b;
+        kvc_cells(key, t->loc.seed, t->loc.ma, t->loc.mb, &a, &b);
+        __builtin_prefetch(&t->loc.head[a]);
+        __builtin_prefetch(&t->loc.head[t->loc.ma + b]);
+        __builtin_prefetch(&t->loc.words[a >> 6]);
+        __builtin_prefetch(&t->loc.words[t->loc.wa + (b >> 6)]);
+    }
+}
+
 int kvc_table_insert_many(kvc_table *t, const uint64_t *keys, const uint64_t *values,
                           size_t n, size_t *done)
 {
     size_t i = 0;
     int rc = KVC_OK;
-    for (; i < n && rc == KVC_OK; i++)
+    for (; i < n && rc == KVC_OK; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            prefetch_key(t, keys[i + PREFETCH_AHEAD], 1);
         rc = kvc_table_insert(t, keys[i], values[i]);
+    }
     *done = rc == KVC_OK ? i : i - 1;
     return rc;
 }
@@ -577,8 +620,11 @@ int kvc_table_update_many(kvc_table *t, const uint64_t *keys, const uint64_t *va
 {
     size_t i = 0;
     int rc = KVC_OK;
-    for (; i < n && rc == KVC_OK; i++)
+    for (; i < n && rc == KVC_OK; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            prefetch_key(t, keys[i + PREFETCH_AHEAD], 0);
         rc = kvc_table_update(t, keys[i], values[i]);
+    }
     *done = rc == KVC_OK ? i : i - 1;
     return rc;
 }
@@ -587,8 +633,11 @@ int kvc_table_remove_many(kvc_table *t, const uint64_t *keys, size_t n, size_t *
 {
     size_t i = 0;
     int rc = KVC_OK;
-    for (; i < n && rc == KVC_OK; i++)
+    for (; i < n && rc == KVC_OK; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            prefetch_key(t, keys[i + PREFETCH_AHEAD], 0);
         rc = kvc_table_remove(t, keys[i]);
+    }
     *done = rc == KVC_OK ? i : i - 1;
     return rc;
 }
@@ -686,7 +735,8 @@ size_t kvc_table_records_size(const kvc_table *t)
 
 void kvc_table_clear_pending(kvc_table *t)
 {
-    t->rec_buckets.len = t->rec_words.len = 0;
+    buf_release_if_big(&t->rec_buckets);
+    buf_release_if_big(&t->rec_words);
     t->rec_bucket_n = t->rec_word_n = 0;
     t->needs_snapshot = 0;
 }
@@ -704,7 +754,8 @@ int kvc_table_records_drain(kvc_table *t, uint8_t *buf, size_t len)
     memcpy(p + 8, t->rec_buckets.p, t->rec_buckets.len);
     memcpy(p + 8 + t->rec_buckets.len, t->rec_words.p, t->rec_words.len);
     kvc_header_write(buf, KVC_BLOB_RECORDS, &g, want - KVC_HEADER_SIZE);
-    t->rec_buckets.len = t->rec_words.len = 0;
+    buf_release_if_big(&t->rec_buckets);
+    buf_release_if_big(&t->rec_words);
     t->rec_bucket_n = t->rec_word_n = 0;
     return KVC_OK;
 }

@@ -110,19 +110,19 @@ static void ov_remove(kvc_view *v, uint32_t bucket)
     v->ov_n--;
 }
 
-/* Make room for `extra` more overflow entries at load <= 1/2 (rehash into a bigger array). */
+/* Make room for `extra` more overflow entries at load <= 3/4 (rehash into a bigger array). */
 static int ov_reserve(kvc_view *v, uint64_t extra)
 {
     uint64_t need = (uint64_t)v->ov_n + extra;
-    if (v->ov_cap && need * 2u <= v->ov_cap)
+    if (v->ov_cap && need * 4u <= v->ov_cap * 3u)
         return KVC_OK;
     uint64_t cap = v->ov_cap ? v->ov_cap : 16u;
-    while (need * 2u > cap)
+    while (need * 4u > cap * 3u)
         cap *= 2u;
     if (cap > (UINT64_C(1) << 31))
         return KVC_ERR_NOMEM;
-    uint32_t *nbk = calloc(cap, sizeof *nbk);
-    uint16_t *nsd = calloc(cap, sizeof *nsd);
+    uint32_t *nbk = kvc_alloc((cap) * sizeof *nbk, 1);
+    uint16_t *nsd = kvc_alloc((cap) * sizeof *nsd, 1);
     if (!nbk || !nsd) {
         free(nbk);
         free(nsd);
@@ -209,14 +209,14 @@ static int build_from_snapshot(kvc_view *v, const uint8_t *blob, const kvc_heade
     v->entries = kvc_get64(p);
     if (v->entries > slots)
         return KVC_ERR_MALFORMED;
-    v->words = malloc(((size_t)v->wa + v->wb) * sizeof *v->words);
-    v->seeds = calloc((nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD, sizeof *v->seeds);
+    v->words = kvc_alloc(((size_t)v->wa + v->wb) * sizeof *v->words, 0);
+    v->seeds = kvc_alloc(((nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD) * sizeof *v->seeds, 1);
     if (g->value_bits == 32)
-        v->vals32 = malloc(slots * sizeof *v->vals32);
+        v->vals32 = kvc_alloc(slots * sizeof *v->vals32, 0);
     else
-        v->vals64 = malloc(slots * sizeof *v->vals64);
+        v->vals64 = kvc_alloc(slots * sizeof *v->vals64, 0);
     if (d)
-        v->fps = calloc((slots * d + 7) / 8 + 8, 1);
+        v->fps = kvc_alloc(((slots * d + 7) / 8 + 8) * 1, 1);
     if (!v->words || !v->seeds || (!v->vals32 && !v->vals64) || (d && !v->fps) ||
         ov_reserve(v, overflow) != KVC_OK) {
         view_release(v);
@@ -256,7 +256,7 @@ int kvc_view_new(kvc_view **out, const uint8_t *blob, size_t len)
         return rc;
     if (hdr.kind != KVC_BLOB_SNAPSHOT)
         return KVC_ERR_VERSION;
-    kvc_view *v = malloc(sizeof *v);
+    kvc_view *v = kvc_alloc(sizeof *v, 0);
     if (!v)
         return KVC_ERR_NOMEM;
     rc = build_from_snapshot(v, blob, &hdr);
@@ -315,6 +315,14 @@ static int apply_records(kvc_view *v, const uint8_t *blob, const kvc_header *hdr
         return KVC_ERR_NOMEM;
     for (uint64_t i = 0; i < nbk; i++) {
         const uint8_t *r = pb + i * bsize;
+        if (i + 8 < nbk) { /* overlap the misses of later records with this one */
+            uint32_t ahead = kvc_get32(r + 8 * bsize);
+            __builtin_prefetch(&v->seeds[ahead / SEEDS_PER_WORD], 1);
+            if (v->vals32)
+                __builtin_prefetch(&v->vals32[(uint64_t)ahead * 4u], 1);
+            else
+                __builtin_prefetch(&v->vals64[(uint64_t)ahead * 4u], 1);
+        }
         uint32_t b = kvc_get32(r);
         set_seed(v, b, kvc_get16(r + 4));
         for (unsigned s = 0; s < 4; s++) {
@@ -326,6 +334,8 @@ static int apply_records(kvc_view *v, const uint8_t *blob, const kvc_header *hdr
     }
     for (uint64_t i = 0; i < nw; i++) {
         const uint8_t *r = pw + i * KVC_RECORD_WORD_SIZE;
+        if (i + 8 < nw)
+            __builtin_prefetch(&v->words[kvc_get32(r + 8 * KVC_RECORD_WORD_SIZE)], 1);
         v->words[kvc_get32(r)] = kvc_get64(r + 4);
     }
     return KVC_OK;
