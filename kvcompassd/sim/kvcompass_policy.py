@@ -1,0 +1,385 @@
+"""KVCompass as a simulator policy, driving the real discovery-plane core.
+
+The objects are the ones the daemon runs: one ``MaintenanceShard`` per shard (``cfg.shards``),
+one ``EdgeIndexView`` + ``Router`` per region (that region's edge), one ``BlockTree`` per
+worker. Worker ``w``'s engine block events go through its block tree; the resulting index
+events go to the owning shards (``key % N``); every shard that changed flushes one
+``UpdateBatchPublished``, and each batch is delivered to every edge view.
+
+Update transport (§5.7), modelled the way the daemon moves updates:
+
+- Placement: shard ``s`` runs beside worker ``floor(s * W / N)`` (config order; the paper puts
+  each maintenance unit next to a worker), so it sits in that worker's region.
+- Delay: with ``wan_propagation`` (default) index events take the one-way latency from the
+  worker's region to the shard's region (agent -> maintenance), and batches take the one-way
+  latency from the shard's region to the edge's plus ``update_delay_ms`` (maintenance -> edge).
+  Without it only ``update_delay_ms`` applies. The delay of one (shard, edge) stream is
+  constant, so batches arrive in order, as on the daemon's QUIC stream.
+- Loss: each (batch, edge) delivery is lost independently with probability ``update_loss``.
+  With ``repair=True`` (the daemon) the next batch of that shard shows the gap, the edge sends a
+  ``ResyncRequested`` (one outstanding per edge and shard), and ``shard.resync()`` answers from
+  the replay log (or a snapshot) after the edge->shard latency plus one more propagation delay;
+  the answer itself is not lost (the daemon resends it on reconnection). With ``repair=False``
+  (the paper's prototype, §5.7: failed batches are not retransmitted) the edge skips the gap and
+  applies the next batch anyway: Ludo records carry absolute state, so the buckets the lost
+  batch touched stay stale until a later update rewrites them. A batch the view cannot apply at
+  all (a lost table rebuild changed the Ludo epoch) makes the edge reload that shard from a
+  snapshot, the paper's "reloading the maintenance units' lookup view".
+
+The simulator engine has its own ``update_delay_ms``/``update_loss`` that act on the engine
+events before any policy sees them. For KVCompass those belong here, on the index update stream,
+where gap detection lives: ``adopt_update_transport(settings)`` moves them into the policy and
+returns the settings with the engine's copies zeroed, so nothing is counted twice.
+
+Feeds read (see ``policy.py``): the request at its edge; worker block events; responses with the
+reused tokens (cache belief) and the piggybacked queue vector; live load only of the edge's own
+region's workers; a timer for the Delta broadcasts of queue vectors between regions and for
+deliveries in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvcompassd.core.ablation import Ablation
+from kvcompassd.core.events import IndexEvent
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.keys import namespace_salt, prefix_keys
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.migration import MigrationPlanned
+from kvcompassd.core.queues import QueueVectorBroadcast
+from kvcompassd.core.router import ForwardDecided, Router
+from kvcompassd.engine.blocktree import BlockTree
+from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
+
+from .policy import BasePolicy, MigrationOrdered, PolicyError, RouteDecision, Topology
+from .workloads import Request
+
+__all__ = ["KVCompassPolicy"]
+
+# Kinds of deliveries in flight (heap payload tags).
+_TO_SHARD, _TO_EDGE, _RESYNC_AT_SHARD, _REPLAY_TO_EDGE, _BROADCAST = range(5)
+EPOCH = 1
+
+
+class KVCompassPolicy(BasePolicy):
+    name = "kvcompass"
+
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        ablation: Ablation | None = None,
+        consistency: bool = True,
+        update_delay_ms: float = 0.0,
+        update_loss: float = 0.0,
+        repair: bool = True,
+        wan_propagation: bool = True,
+        seed: int = 0,
+        top_k: int = 0,
+    ) -> None:
+        super().__init__(topo)
+        if not (update_delay_ms >= 0 and math.isfinite(update_delay_ms)):
+            raise PolicyError(f"update_delay_ms must be finite and >= 0, got {update_delay_ms!r}")
+        if not 0 <= update_loss < 1:
+            raise PolicyError(f"update_loss must be in [0, 1), got {update_loss!r}")
+        cfg = topo.config
+        self.cfg = cfg
+        self.ablation = ablation or Ablation()
+        self.update_delay_ms = float(update_delay_ms)
+        self.update_loss = float(update_loss)
+        self.repair = bool(repair)
+        self.wan_propagation = bool(wan_propagation)
+        self._rng = np.random.default_rng(seed)
+
+        self.layout = IndexLayout.from_config(cfg)
+        self.plan = LevelPlan.from_config(cfg)
+        n_shards = cfg.shards
+        self.n_shards = n_shards
+        index = cfg.index
+        self.shards = [
+            MaintenanceShard(self.layout, s, n_shards, epoch=EPOCH, initial_capacity=index.initial_capacity,
+                             fingerprint_bits=index.fingerprint_bits, max_load=index.max_load)
+            for s in range(n_shards)
+        ]
+        self.regions = topo.regions
+        self._region_index = {r: i for i, r in enumerate(self.regions)}
+        edge_ids = {}
+        for e in cfg.edges:
+            edge_ids.setdefault(e.region, e.id)
+        self.views = [EdgeIndexView(self.layout, n_shards, edge=edge_ids.get(r, f"edge-{r}")) for r in self.regions]
+        for view in self.views:
+            for shard in self.shards:
+                view.install_snapshot(shard.snapshot())
+        self._edge_of = {v.edge: i for i, v in enumerate(self.views)}
+        self.routers = [
+            Router(cfg, r, view, now=0.0, ablation=self.ablation, consistency=consistency, top_k=top_k)
+            for r, view in zip(self.regions, self.views)
+        ]
+        salt = namespace_salt(cfg.model, cfg.tenant)
+        lengths = list(self.plan.registration_lengths())
+
+        def key_fn(tokens: np.ndarray, wanted: Sequence[int]) -> np.ndarray:
+            return prefix_keys(tokens, wanted, salt)
+
+        self.trees = [BlockTree(w, lengths, key_fn) for w in topo.worker_ids]
+        self.worker_ids = topo.worker_ids
+        self._worker_region = topo.worker_region.tolist()
+
+        # Latency legs in seconds (see the module docstring).
+        n_workers = topo.n_workers
+        shard_region = [self._worker_region[(s * n_workers) // n_shards] if n_workers else 0 for s in range(n_shards)]
+        self.shard_region = tuple(self.regions[r] for r in shard_region)
+        owm = topo.one_way_ms if self.wan_propagation else np.zeros_like(topo.one_way_ms)
+        # agent (region a) -> shard s
+        self._to_shard_s = [[owm[a, shard_region[s]] / 1000.0 for s in range(n_shards)] for a in range(len(self.regions))]
+        # shard s -> edge e, plus the configured propagation delay
+        self._to_edge_s = [[0.0] * len(self.regions) for _ in range(n_shards)]
+        self._edge_to_shard_s = [[0.0] * n_shards for _ in self.regions]
+        self._set_push_delays()
+        for e in range(len(self.regions)):
+            for s in range(n_shards):
+                self._edge_to_shard_s[e][s] = owm[e, shard_region[s]] / 1000.0
+        self._owm_s = topo.one_way_ms / 1000.0  # for piggyback send times and broadcasts
+
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._heap_seq = 0
+        self._resync_pending: set[tuple[int, int]] = set()  # (edge, shard) with a resync in flight
+        self._claims: dict[int, tuple[int, int]] = {}  # request id -> (edge, claimed tokens)
+        self._migrations: list[MigrationOrdered] = []
+        self._next_broadcast = self._broadcast_deadline(0.0)
+        self.counters = dict.fromkeys(
+            ("index_events", "batches_published", "batch_deliveries", "batches_lost", "resyncs", "replays",
+             "snapshots_installed", "gaps_skipped", "migrations_planned", "broadcasts", "decisions",
+             "remote_decisions"), 0)
+
+    # ------------------------------------------------------------------------------ setup
+
+    def _set_push_delays(self) -> None:
+        extra = self.update_delay_ms / 1000.0
+        owm = self.topo.one_way_ms if self.wan_propagation else np.zeros_like(self.topo.one_way_ms)
+        for s in range(self.n_shards):
+            sr = self._region_index[self.shard_region[s]]
+            for e in range(len(self.regions)):
+                self._to_edge_s[s][e] = owm[sr, e] / 1000.0 + extra
+
+    def adopt_update_transport(self, settings: Any) -> Any:
+        """Take the engine's ``update_delay_ms``/``update_loss`` (a ``SimSettings``) into this
+        policy's update stream and return the settings with the engine's copies zeroed."""
+        if settings.update_loss:
+            if not 0 <= settings.update_loss < 1:
+                raise PolicyError(f"update_loss must be in [0, 1), got {settings.update_loss!r}")
+            self.update_loss = float(settings.update_loss)
+        if settings.update_delay_ms:
+            self.update_delay_ms = float(settings.update_delay_ms)
+            self._set_push_delays()
+        return dataclasses.replace(settings, update_delay_ms=0.0, update_loss=0.0)
+
+    # ------------------------------------------------------------------------------ in flight
+
+    def _push(self, due: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (due, self._heap_seq, kind, payload))
+        self._heap_seq += 1
+
+    def _advance(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            due, _, kind, payload = heapq.heappop(heap)
+            if kind == _TO_EDGE:
+                self._deliver(payload[0], payload[1], due)
+            elif kind == _TO_SHARD:
+                self._shard_apply(payload[0], payload[1], due)
+            elif kind == _BROADCAST:
+                to = self._region_index[payload.to_region]
+                self.routers[to].queues.on_broadcast(payload, now=due)
+            elif kind == _RESYNC_AT_SHARD:
+                self._answer_resync(payload, due)
+            elif kind == _REPLAY_TO_EDGE:
+                self._deliver_replay(payload[0], payload[1], payload[2], due)
+
+    def next_timer(self) -> float | None:
+        t = self._next_broadcast
+        if self._heap and self._heap[0][0] < t:
+            t = self._heap[0][0]
+        return None if t == math.inf else t
+
+    def on_timer(self, *, now: float) -> None:
+        self._advance(now)
+        if now >= self._next_broadcast:
+            for router in self.routers:
+                for msg in router.queues.due_broadcasts(now=now):
+                    self.counters["broadcasts"] += 1
+                    a, b = self._region_index[msg.from_region], self._region_index[msg.to_region]
+                    self._push(now + self._owm_s[a, b], _BROADCAST, msg)
+            self._next_broadcast = self._broadcast_deadline(now)
+
+    def _broadcast_deadline(self, now: float) -> float:
+        deadlines = [d for r in self.routers if (d := r.queues.next_deadline(now=now)) is not None]
+        return min(deadlines) if deadlines else math.inf
+
+    # ------------------------------------------------------------------------------ index updates
+
+    def on_cache_events(self, worker_index: int, events: Sequence[Any], *, now: float) -> None:
+        self._advance(now)
+        tree = self.trees[worker_index]
+        index_events: list[IndexEvent] = []
+        for event in events:
+            index_events.extend(tree.apply(event))
+        if not index_events:
+            return
+        self.counters["index_events"] += len(index_events)
+        n = self.n_shards
+        per_shard: list[list[IndexEvent]] = [[] for _ in range(n)]
+        for ev in index_events:
+            per_shard[ev.key % n].append(ev)
+        legs = self._to_shard_s[self._worker_region[worker_index]]
+        for s, evs in enumerate(per_shard):
+            if not evs:
+                continue
+            if legs[s] > 0:
+                self._push(now + legs[s], _TO_SHARD, (s, evs))
+            else:
+                self._shard_apply(s, evs, now)
+
+    def _shard_apply(self, s: int, events: list[IndexEvent], now: float) -> None:
+        shard = self.shards[s]
+        shard.apply(events)
+        batch = shard.flush()
+        if batch is None:
+            return
+        self.counters["batches_published"] += 1
+        legs = self._to_edge_s[s]
+        loss = self.update_loss
+        lost = self._rng.random(len(self.views)) < loss if loss > 0 else None
+        for e in range(len(self.views)):
+            if lost is not None and lost[e]:
+                self.counters["batches_lost"] += 1
+                continue
+            if legs[e] > 0:
+                self._push(now + legs[e], _TO_EDGE, (e, batch))
+            else:
+                self._deliver(e, batch, now)
+
+    def _deliver(self, e: int, batch: UpdateBatchPublished, now: float) -> None:
+        view = self.views[e]
+        self.counters["batch_deliveries"] += 1
+        if not self.repair:
+            st = view.state[batch.shard]
+            if st.ready and batch.epoch == st.epoch and batch.seq > st.seq + 1:
+                # The prototype does not retransmit: skip the gap and apply this batch anyway.
+                self.counters["gaps_skipped"] += 1
+                st.seq = batch.seq - 1
+        outcome = view.apply_batch(batch)
+        if outcome.resync is not None:
+            self._request_resync(e, outcome.resync, now)
+
+    def _request_resync(self, e: int, request: ResyncRequested, now: float) -> None:
+        key = (e, request.shard)
+        if key in self._resync_pending:
+            return  # the answer in flight will cover this gap too
+        self._resync_pending.add(key)
+        self.counters["resyncs"] += 1
+        delay = self._edge_to_shard_s[e][request.shard]
+        if delay > 0:
+            self._push(now + delay, _RESYNC_AT_SHARD, request)
+        else:
+            self._answer_resync(request, now)
+
+    def _answer_resync(self, request: ResyncRequested, now: float) -> None:
+        e, s = self._edge_of[request.edge], request.shard
+        answer = self.shards[s].resync(request.epoch, request.from_seq)
+        delay = self._to_edge_s[s][e]
+        if delay > 0:
+            self._push(now + delay, _REPLAY_TO_EDGE, (e, s, answer))
+        else:
+            self._deliver_replay(e, s, answer, now)
+
+    def _deliver_replay(self, e: int, s: int, answer: list[UpdateBatchPublished] | ShardSnapshotSent,
+                        now: float) -> None:
+        self._resync_pending.discard((e, s))
+        view = self.views[e]
+        if isinstance(answer, ShardSnapshotSent):
+            self.counters["snapshots_installed"] += int(view.install_snapshot(answer).applied)
+            return
+        self.counters["replays"] += 1
+        for batch in answer:
+            outcome = view.apply_batch(batch)
+            if outcome.resync is not None:
+                self._request_resync(e, outcome.resync, now)
+                return
+
+    # ------------------------------------------------------------------------------ requests
+
+    def route(self, req: Request, *, now: float) -> RouteDecision:
+        self._advance(now)
+        try:
+            e = self._region_index[req.region]
+        except KeyError:
+            raise PolicyError(f"request {req.id} enters at unknown region {req.region!r}") from None
+        decision: ForwardDecided = self.routers[e].decide(req.tokens, now=now)
+        self.counters["decisions"] += 1
+        if not decision.local:
+            self.counters["remote_decisions"] += 1
+        if decision.migration is not None:
+            self._plan_migration(decision.migration, req, now)
+        self._claims[req.id] = (e, decision.claimed_tokens)
+        return RouteDecision(decision.worker_index, 0.0, decision.claimed_tokens)
+
+    def _plan_migration(self, plan: MigrationPlanned, req: Request, now: float) -> None:
+        self.counters["migrations_planned"] += 1
+        index = self.layout.worker_index
+        # The engine copies within a region and ships + recomputes across regions, which is the
+        # plan's own mode (the planner copies only from a local holder).
+        self._migrations.append(MigrationOrdered(index(plan.destination_worker), req.tokens[: plan.prefix_len],
+                                                 index(plan.source_worker)))
+
+    def take_migrations(self) -> list[MigrationOrdered]:
+        """Migrations planned since the last call; the engine polls this after routes and timers."""
+        out, self._migrations = self._migrations, []
+        return out
+
+    def on_response(self, worker_index: int, req: Request, reused_tokens: int,
+                    queue_vector: Mapping[int, float], *, now: float) -> None:
+        self._advance(now)
+        e, claimed = self._claims.pop(req.id, (self._region_index[req.region], 0))
+        ids = self.worker_ids
+        vector = {ids[i]: float(ms) for i, ms in queue_vector.items()}
+        self.routers[e].on_response(ids[worker_index], claimed_tokens=claimed, reused_tokens=int(reused_tokens),
+                                    queue_vector=vector, now=now)
+        g = self._worker_region[worker_index]
+        if g != e and vector:
+            # The worker's region piggybacked its vector toward the edge's region when the
+            # response left it: suppress that region's broadcast toward this one (Delta rule).
+            sent_at = max(0.0, now - self._owm_s[g, e])
+            self.routers[g].queues.note_piggyback_sent(self.regions[e], now=sent_at)
+
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+        # Only the edge of the worker's own region reads it live.
+        router = self.routers[self._worker_region[worker_index]]
+        router.queues.set_local(self.worker_ids[worker_index], queue_ms, now=now)
+
+    # ------------------------------------------------------------------------------ inspection
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._heap)
+
+    def settle(self, *, now: float) -> None:
+        """Deliver everything in flight (for tests and end-of-run inspection)."""
+        while self._heap:
+            now = max(now, max(item[0] for item in self._heap))
+            self._advance(now)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out["index_entries"] = sum(s.entries() for s in self.shards)
+        out["edge_resyncs"] = sum(v.resyncs for v in self.views)
+        return out

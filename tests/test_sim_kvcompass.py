@@ -1,0 +1,192 @@
+"""KVCompass in the simulator: the policy adapter over the real core (shards, edge views, routers,
+block trees), its update transport with loss and repair, ablations, and determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clusters import make_cluster
+from kvcompassd.core.ablation import Ablation
+from kvcompassd.core.ludo import LudoView
+from kvcompassd.core.prefixcache import PrefixCache
+from kvcompassd.engine.kvevents import BlockStored
+from kvcompassd.sim.engine import SimSettings, simulate
+from kvcompassd.sim.kvcompass_policy import KVCompassPolicy
+from kvcompassd.sim.policy import PolicyError, Topology
+from kvcompassd.sim.workloads import Request
+
+BLOCK = 16
+
+
+def _topo(shards: int = 2, **kw) -> Topology:
+    cfg = make_cluster({"us": 3, "eu": 2}, shards=shards, one_way_ms=20.0, prefill_ms_per_token=0.1,
+                       levels=4, same_region_min_tokens=32, **kw)
+    return Topology.from_config(cfg)
+
+
+def _prompt(seed: int, n: int = 1200) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.uint32)
+
+
+def _cache() -> PrefixCache:
+    return PrefixCache(block_size=BLOCK, vram_tokens=1 << 20, dram_tokens=1 << 20)
+
+
+def _request(rid: int, tokens: np.ndarray, region: str, at: float = 1.0) -> Request:
+    return Request(rid, at, region, rid, tokens, 8)
+
+
+def _assert_views_equal_shards(policy: KVCompassPolicy, probe: np.ndarray) -> None:
+    """Every edge view answers every probe key exactly as a view built from the shard's state."""
+    for s, shard in enumerate(policy.shards):
+        snap = shard.snapshot()
+        for view in policy.views:
+            assert view.position(s) == (shard.epoch, shard.seq)
+            for group, blob in snap.tables:
+                fresh = LudoView.from_snapshot(blob).lookup_many(probe)
+                assert np.array_equal(view.view(s, group).lookup_many(probe), fresh)
+
+
+def test_a_prefix_cached_through_real_block_events_is_routed_to_its_holder():
+    topo = _topo()
+    policy = KVCompassPolicy(topo, wan_propagation=False)
+    prompt = _prompt(1)
+    holder = topo.worker_ids.index("us-1")
+    policy.on_cache_events(holder, _cache().insert(prompt.tolist(), now=0.0), now=0.0)
+    decision = policy.route(_request(0, prompt, "us"), now=1.0)
+    assert decision.worker_index == holder
+    # Credited with the longest own-region length the prompt covers (32, 64, 128, 256).
+    assert decision.claimed_tokens == policy.plan.lengths_toward("us", "us")[-1] == 256
+    # A different prompt finds no holder and does not claim anything.
+    assert policy.route(_request(1, _prompt(2), "us"), now=1.0).claimed_tokens == 0
+
+
+def test_hand_made_block_events_register_a_remote_holder_after_the_wan_propagation():
+    topo = _topo()
+    policy = KVCompassPolicy(topo)  # wan_propagation: updates cross the WAN like the daemon's
+    prompt = _prompt(3)
+    tokens = prompt.tolist()
+    events = [BlockStored((i + 1,), i or None, tuple(tokens[i * BLOCK:(i + 1) * BLOCK]), BLOCK, None, "GPU")
+              for i in range(len(tokens) // BLOCK)]
+    holder = topo.worker_ids.index("eu-0")
+    policy.on_cache_events(holder, events, now=0.0)
+    # Nothing has reached the us edge yet: the update is still crossing the WAN.
+    assert policy.route(_request(0, prompt, "us", 0.0), now=0.0).claimed_tokens == 0
+    assert policy.in_flight > 0
+    t = policy.next_timer()
+    while policy.in_flight:
+        policy.on_timer(now=t)
+        t = policy.next_timer()
+    decision = policy.route(_request(1, prompt, "us"), now=1.0)
+    assert decision.worker_index == holder and decision.claimed_tokens > 0
+
+
+def _lossy_rounds(policy: KVCompassPolicy, rounds: int, *, start: int = 0) -> list[np.ndarray]:
+    caches = [_cache() for _ in policy.worker_ids]
+    prompts = []
+    for i in range(start, start + rounds):
+        w = i % len(caches)
+        prompt = _prompt(100 + i, 200 + 16 * (i % 7))
+        prompts.append(prompt)
+        t = 0.01 * i
+        policy.on_cache_events(w, caches[w].insert(prompt.tolist(), now=t), now=t)
+        if i % 5 == 4:  # evictions too, so views must also forget
+            policy.on_cache_events(w, caches[w].flush(), now=t)
+    return prompts
+
+
+def test_lost_batches_are_repaired_by_resync_and_views_converge_to_the_shards():
+    policy = KVCompassPolicy(_topo(shards=3), update_loss=0.4, update_delay_ms=5.0, seed=7)
+    prompts = _lossy_rounds(policy, 60)
+    assert policy.counters["batches_lost"] > 0
+    # The stream goes on without loss until every shard has published again: its next batch
+    # shows each edge the gap, and the resync repairs it.
+    policy.update_loss = 0.0
+    seqs = [s.seq for s in policy.shards]
+    extra = 0
+    while any(s.seq == q for s, q in zip(policy.shards, seqs)):
+        _lossy_rounds(policy, 1, start=1000 + extra)
+        extra += 1
+    policy.settle(now=100.0)
+    assert policy.counters["resyncs"] > 0 and policy.counters["replays"] > 0
+    keys = np.concatenate([np.array(list(t.registered()), dtype=np.uint64) for t in policy.trees]
+                          + [np.random.default_rng(0).integers(0, 1 << 63, 2000, dtype=np.uint64)])
+    _assert_views_equal_shards(policy, keys)
+    assert prompts  # the rounds did register prefixes
+    assert sum(s.entries() for s in policy.shards) > 0
+
+
+def test_without_repair_the_edge_skips_gaps_and_never_resyncs_them():
+    policy = KVCompassPolicy(_topo(shards=3), update_loss=0.4, repair=False, seed=7)
+    _lossy_rounds(policy, 60)
+    policy.settle(now=100.0)
+    assert policy.counters["batches_lost"] > 0 and policy.counters["gaps_skipped"] > 0
+    assert policy.counters["replays"] == 0
+    # Skipping keeps each view at its shard's position (the latest batch applied) even though
+    # the lost batches' contents were never delivered.
+    for s, shard in enumerate(policy.shards):
+        for view in policy.views:
+            epoch, seq = view.position(s)
+            assert epoch == shard.epoch and seq <= shard.seq
+
+
+def test_no_cross_region_ablation_never_routes_remote():
+    topo = _topo()
+    full = KVCompassPolicy(topo, wan_propagation=False)
+    local_only = KVCompassPolicy(topo, ablation=Ablation(cross_region=False), wan_propagation=False)
+    prompt = _prompt(9, 3000)
+    holder = topo.worker_ids.index("eu-1")
+    events = _cache().insert(prompt.tolist(), now=0.0)
+    for policy in (full, local_only):
+        policy.on_cache_events(holder, events, now=0.0)
+    # Recomputing 3000 tokens (300 ms) costs more than the 80 ms round trip: full KVCompass goes remote.
+    assert full.route(_request(0, prompt, "us"), now=1.0).worker_index == holder
+    us = {i for i, w in enumerate(topo.worker_ids) if w.startswith("us-")}
+    for i in range(20):
+        d = local_only.route(_request(i, prompt, "us"), now=1.0 + i)
+        assert d.worker_index in us and d.claimed_tokens == 0
+
+
+def _workload(topo: Topology, n: int, seed: int) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    shared = [_prompt(500 + k, 800) for k in range(4)]
+    out = []
+    for i in range(n):
+        head = shared[int(rng.integers(len(shared)))]
+        tail = rng.integers(0, 30000, int(rng.integers(16, 400)), dtype=np.uint32)
+        region = topo.regions[int(rng.integers(len(topo.regions)))]
+        out.append(Request(i, 0.02 * i, region, i, np.concatenate([head, tail]), int(rng.integers(1, 20))))
+    return out
+
+
+def test_the_engine_runs_the_policy_deterministically_and_ablation_keeps_requests_home():
+    topo = _topo(shards=3)
+    settings = SimSettings(update_delay_ms=20.0, update_loss=0.2, seed=3)
+
+    def run(ablation: Ablation | None = None):
+        policy = KVCompassPolicy(topo, ablation=ablation, seed=3)
+        engine_settings = policy.adopt_update_transport(settings)
+        assert engine_settings.update_loss == 0 and engine_settings.update_delay_ms == 0  # not twice
+        assert policy.update_loss == 0.2 and policy.update_delay_ms == 20.0
+        return policy, simulate(topo, policy, _workload(topo, 120, seed=11), settings=engine_settings)
+
+    p1, r1 = run()
+    p2, r2 = run()
+    assert r1.completed == 120
+    for field in r1.records:
+        assert np.array_equal(r1.records[field], r2.records[field]), field
+    assert p1.stats() == p2.stats()
+    assert r1.records["reused_tokens"].sum() > 0 and p1.counters["batches_lost"] > 0
+    _, r3 = run(Ablation(cross_region=False))
+    assert np.array_equal(r3.records["worker_region"], r3.records["edge_region"])
+
+
+def test_bad_settings_and_unknown_regions_are_rejected():
+    topo = _topo()
+    with pytest.raises(PolicyError):
+        KVCompassPolicy(topo, update_loss=1.0)
+    with pytest.raises(PolicyError):
+        KVCompassPolicy(topo, update_delay_ms=-1.0)
+    with pytest.raises(PolicyError):
+        KVCompassPolicy(topo).route(_request(0, _prompt(1), "mars"), now=0.0)
