@@ -34,6 +34,7 @@ MiB: Final = 1024 * KiB
 MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all: a shard snapshot
 MAX_ID_CHARS: Final = 128
 U32_MAX: Final = (1 << 32) - 1
+assert array.array("I").itemsize == 4, "token packing needs a 4-byte unsigned int array type"
 U64_MAX: Final = (1 << 64) - 1
 I64_MIN: Final = -(1 << 63)
 I64_MAX: Final = (1 << 63) - 1
@@ -181,6 +182,15 @@ class TokenIds(FieldType):
             raise _fail(where, "a tuple of token ids", value)
         if len(value) > self.max_tokens:
             raise WireError(f"{where}: {len(value)} tokens exceeds {self.max_tokens}")
+        # Type and range checks at C speed (prompts are thousands of tokens); the loop below
+        # only runs to name the offending element.
+        if not value or set(map(type, value)) == {int}:
+            try:
+                array.array("I", value)
+            except OverflowError:
+                pass
+            else:
+                return tuple(value)
         for i, token in enumerate(value):
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= U32_MAX:
                 raise _fail(f"{where}[{i}]", "a token id in [0, 2^32)", token)
@@ -280,20 +290,26 @@ def encode_index_event(event: IndexEvent) -> list[int]:
     return [kind, event.key, tier]
 
 
+_TIER_BY_CODE: Final = {1: Tier.VRAM, 2: Tier.DRAM}
+
+
 def decode_index_event(raw: Any, worker: str, where: str = "event") -> IndexEvent:
     """Inverse of :func:`encode_index_event` for events of ``worker``."""
-    if not isinstance(raw, list) or len(raw) != 3:
+    # Hot path (a report carries thousands of events): exact type checks, no helper objects.
+    if type(raw) is not list or len(raw) != 3:
         raise _fail(where, "[kind, key, tier]", raw)
     kind, key, tier = raw
-    Int(0, MAX_KEY).check(key, f"{where} key")
-    if kind in (0, 1):
-        tier = Int(1, 2).check(tier, f"{where} tier")
-        cls = PrefixCached if kind == 0 else TierChanged
-        return cls(worker=worker, key=key, tier=Tier(tier))
-    if kind == 2:
-        if tier != 0:
+    if type(key) is not int or not 0 <= key <= MAX_KEY:
+        raise _fail(f"{where} key", "an int in [0, 2^63)", key)
+    if type(kind) is int and (kind == 0 or kind == 1):
+        tier_value = _TIER_BY_CODE.get(tier) if type(tier) is int else None
+        if tier_value is None:
+            raise _fail(f"{where} tier", "1 (VRAM) or 2 (DRAM)", tier)
+        return (PrefixCached if kind == 0 else TierChanged)(worker, key, tier_value)
+    if type(kind) is int and kind == 2:
+        if type(tier) is not int or tier != 0:
             raise WireError(f"{where}: an eviction carries tier 0, got {tier!r}")
-        return PrefixEvicted(worker=worker, key=key)
+        return PrefixEvicted(worker, key)
     raise WireError(f"{where}: unknown event kind {kind!r}")
 
 

@@ -10,10 +10,11 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import pytest
 import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from aioquic.asyncio.client import connect as aioquic_connect
 from aioquic.quic.configuration import QuicConfiguration
 
@@ -27,7 +28,7 @@ from kvcompassd.transport import (
     QuicNode,
     TransportOptions,
 )
-from kvcompassd.transport.framing import FLAG_END, HEADER, encode_frame
+from kvcompassd.transport.framing import HEADER, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
 from kvcompassd.wanemu import WanRelay
 from kvcompassd.wire import (
     ErrorReported,
@@ -42,7 +43,6 @@ from kvcompassd.wire import (
     UpdatesSubscribed,
     WireForbidden,
     WorkerLoadReported,
-    encode,
 )
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
@@ -124,6 +124,46 @@ async def answer_with_chunks(message: Message, stream) -> None:
             ResponseCompleted(message.request_id, "us-0", 0, len(message.input_ids), len(message.input_ids), "stop", ()),
             end=True,
         )
+
+
+# ---- framing (sans-IO) -------------------------------------------------------------------
+
+
+frames = st.lists(
+    st.tuples(st.integers(0, 2**32 - 1), st.binary(min_size=1, max_size=300), st.booleans()), max_size=12
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(frames, st.lists(st.integers(1, 97), min_size=1, max_size=30))
+def test_frames_survive_any_chunking(items, cuts):
+    data = b"".join(encode_frame(x, body, end=end) for x, body, end in items)
+    decoder, out, position, i = FrameDecoder(), [], 0, 0
+    while position < len(data):
+        step = cuts[i % len(cuts)]
+        out.extend(decoder.feed(data[position : position + step]))
+        position, i = position + step, i + 1
+    assert out == [Frame(x, end, body) for x, body, end in items] and decoder.buffered == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_fuzzed_stream_bytes_yield_frames_errors_or_corruption(data):
+    decoder = FrameDecoder()
+    try:
+        for item in decoder.feed(data):
+            assert isinstance(item, (Frame, FrameError))
+    except StreamCorrupt:
+        assert decoder.corrupt and list(decoder.feed(b"more")) == []
+
+
+def test_bare_end_frame_and_bad_frames():
+    decoder = FrameDecoder()
+    assert list(decoder.feed(encode_frame(3, b"", end=True))) == [Frame(3, True, b"")]
+    [error] = decoder.feed(HEADER.pack(5, 9, 0))
+    assert isinstance(error, FrameError) and error.exchange == 9 and "empty frame" in str(error)
+    with pytest.raises(ValueError):
+        encode_frame(1, b"")
 
 
 # ---- round trips ---------------------------------------------------------------------------
@@ -329,6 +369,24 @@ def test_malformed_frames_get_errors_and_connection_carries_on(run, pki):
             await peer.send(good)
             _, message, _ = await server_inbox.next()
             assert message == good and peer.is_connected
+
+    run(scenario())
+
+
+def test_too_many_open_exchanges_are_refused_and_others_carry_on(run, pki):
+    async def scenario():
+        inbox = Recorder()
+        async with node(pki, "mnt-0", inbox, listen=True, max_incoming_exchanges=2) as server, node(pki, "edge-us") as edge:
+            peer = await edge.connect(server.address)
+            exchanges = [peer.open_stream() for _ in range(3)]
+            for shard, exchange in enumerate(exchanges):
+                await exchange.send(UpdatesSubscribed("edge-us", shard, 0, -1))
+            refused = await exchanges[2].receive()
+            assert isinstance(refused, ErrorReported) and refused.code == "unavailable"
+            delivered = sorted([(await inbox.next())[1].shard for _ in range(2)])
+            assert delivered == [0, 1]
+            for exchange in exchanges:
+                await exchange.close()
 
     run(scenario())
 

@@ -88,6 +88,7 @@ class TransportOptions:
     max_stream_data: int = 16 * 1024 * 1024
     max_data: int = 64 * 1024 * 1024
     check_outgoing_roles: bool = True  # refuse locally to send what our role may not (tests disable)
+    max_incoming_exchanges: int = 4096  # per connection; more are refused with ErrorReported
 
     def __post_init__(self) -> None:
         if self.pacing not in ("auto", "aioquic", "off"):
@@ -407,6 +408,10 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         if stream is None:
             if self._is_local_stream(stream_id):
                 return  # late frame for an exchange of ours that is already finished
+            if len(self._incoming) >= self.node.options.max_incoming_exchanges:
+                if frame.body:  # refuse once, on the exchange's first frame
+                    self._reject("unavailable", "too many open exchanges on this connection", stream_id, frame.exchange)
+                return
             stream = FrameStream(self, frame.exchange, incoming=True, stream_id=stream_id)
             stream.dispatcher = _SerialDispatcher(self.node.deliver, lambda exc, s=stream: self._handler_failed(s, exc))
             self._incoming[key] = stream
