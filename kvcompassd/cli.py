@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="a local three-region deployment on loopback, with a workload")
     p.add_argument("--requests", type=int, default=240)
-    p.add_argument("--concurrency", type=int, default=12)
+    p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--wan-scale", type=float, default=1.0, help="multiply the WAN delays")
     p.add_argument("--workdir", type=Path, default=None)

@@ -221,7 +221,7 @@ class WanRelay:
         self._listener = transport  # type: ignore[assignment]
         host, port = transport.get_extra_info("sockname")[:2]
         self.address = (host, port)
-        log.info("wan_relay_started", listen=f"{host}:{port}", target=f"{self.target[0]}:{self.target[1]}", delay_ms=self.delay_ms)
+        log.debug("wan_relay_started", listen=f"{host}:{port}", target=f"{self.target[0]}:{self.target[1]}", delay_ms=self.delay_ms)
         return self.address
 
     @property

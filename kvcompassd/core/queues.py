@@ -174,6 +174,22 @@ class QueueEstimates:
         self._last_heard_from[msg.from_region] = now
         return True
 
+    def note_dispatched(self, worker_id: str, added_ms: float, *, now: float) -> None:
+        """Count work this edge just sent to a worker until a reading includes it.
+
+        Readings arrive every few tens of milliseconds (local) or every Delta (remote); without
+        this, a burst of requests inside one reading interval would all see the same idle
+        worker and herd onto it. The next live reading, broadcast or piggyback replaces it.
+        """
+        i = self._worker_index(worker_id, QueueEstimateError)
+        added = _check_ms(added_ms, f"worker {worker_id!r}", QueueEstimateError)
+        if added == 0.0:
+            return
+        values = self._ms.copy()
+        values[i] += added
+        self._zero_since[i] = math.inf
+        self._ms = _snapshot(values)
+
     def note_piggyback_sent(self, to_region: str, *, now: float) -> None:
         """One of this region's agents answered a request from ``to_region`` with our vector."""
         if to_region not in self._last_sent_to:

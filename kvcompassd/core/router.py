@@ -24,7 +24,7 @@ from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup
 from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .queues import QueueEstimates
-from .score import JointScorer, ScoreTerms
+from .score import JointScorer, ScoreResult, ScoreTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +38,15 @@ class ForwardDecided:
     tier: Tier
     lam: float
     prompt_len: int
-    candidates: tuple[ScoreTerms, ...]
     local: bool  # the winner is in the edge's own region
+    score: ScoreResult  # every worker's score; ``candidates`` breaks the best down
     migration: MigrationPlanned | None = None
+    top_k: int = 3
+
+    @property
+    def candidates(self) -> tuple[ScoreTerms, ...]:
+        """Score terms of the best ``top_k`` workers (built on demand: it is for logs)."""
+        return self.score.top(self.top_k)
 
     @property
     def outcome(self) -> str:
@@ -100,21 +106,35 @@ class Router:
             eligible=eligible,
         )
         chosen = result.chosen
+        claimed = int(found.matched[chosen])
+        local = bool(self._local[chosen])
         migration = None
-        if self.ablation.migration and found.family_key is not None:
+        # A local hit is never a miss of its family: the detector has nothing to count.
+        if self.ablation.migration and found.family_key is not None and not (local and claimed):
             migration = self.hot.observe(self._observation(found, result.scores, chosen), now=now)
+        self.queues.note_dispatched(result.worker, self._work_ms(found, chosen), now=now)
         return ForwardDecided(
             worker=result.worker,
             worker_index=chosen,
             region=self.worker_regions[chosen],
-            claimed_tokens=int(found.matched[chosen]),
+            claimed_tokens=claimed,
             tier=Tier(int(found.tier[chosen])),
             lam=result.lam,
             prompt_len=found.prompt_len,
-            candidates=result.top(self.top_k),
-            local=bool(self._local[chosen]),
+            local=local,
+            score=result,
             migration=migration,
+            top_k=self.top_k,
         )
+
+    def _work_ms(self, found: LookupResult, chosen: int) -> float:
+        """Prefill (and reload) time the request adds to the chosen worker's queue."""
+        belief = float(self.belief.values[chosen])
+        reused = min(belief * float(found.matched[chosen]), float(found.prompt_len))
+        work = self.scorer.beta[chosen] * (found.prompt_len - reused)
+        if found.tier[chosen] == Tier.DRAM:
+            work += self.scorer.gamma * reused
+        return float(work)
 
     def _observation(self, found: LookupResult, scores: np.ndarray, chosen: int) -> DecisionObserved:
         matched = found.matched
