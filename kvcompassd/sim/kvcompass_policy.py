@@ -364,7 +364,8 @@ class KVCompassPolicy(BasePolicy):
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
         # Only the edge of the worker's own region reads it live.
         router = self.routers[self._worker_region[worker_index]]
-        router.queues.set_local(self.worker_ids[worker_index], queue_ms, now=now)
+        # The worker model's drained queue can come out a rounding error below zero.
+        router.queues.set_local(self.worker_ids[worker_index], max(0.0, float(queue_ms)), now=now)
 
     # ------------------------------------------------------------------------------ inspection
 

@@ -1,0 +1,213 @@
+"""The paper's forwarding microbenchmark: one edge's ``Router.decide`` on a large view.
+
+    /work/venv/bin/python tools/bench_forward.py [--entries 10000000] [--levels 5] [--repeat 5000]
+        [--tokens 4096] [--configs testbed-3continent,census-64x8]
+
+Per deployment config: the shards' Ludo tables are filled with ``--entries`` random keys in
+total (each key on its own shard, ``key % N``; random 2-bit tier fields of the group's workers)
+through the tables' batch insert, plus the benchmark prompt registered by one worker per region
+at every length it covers, so the lookup finds real holders. One edge view is built from the
+shards' snapshots, and one edge (the first region's) decides for a ``--tokens`` prompt.
+
+Printed per config, all measured in the same run on one thread:
+- one SHA-256 pass over the prompt's uint32 bytes (the reference of issue 3's targets);
+- ``Router.decide`` with the daemon's settings (top-3 score terms, migration detector on):
+  P50, P99, decisions/s (a tight loop) and P50 / SHA;
+- the same with ``top_k=0`` and without the migration detector (what the simulator runs);
+- the decision broken into its stages, each timed alone on the same inputs: hashing
+  (``prefix_keys`` at the edge's query lengths), view lookups (one ``LudoView.lookup`` per
+  group and level), decode (``PrefixLookup._decode``), score (``JointScorer.score``), top-k
+  (``ScoreResult.top(3)``) and the migration detector (observation + ``HotPrefixDetector.observe``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvcompassd.core.ablation import Ablation  # noqa: E402
+from kvcompassd.core.config import ClusterConfig, load_config  # noqa: E402
+from kvcompassd.core.events import PrefixCached, Tier  # noqa: E402
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
+from kvcompassd.core.keys import namespace_salt, prefix_keys  # noqa: E402
+from kvcompassd.core.layout import IndexLayout  # noqa: E402
+from kvcompassd.core.levels import LevelPlan  # noqa: E402
+from kvcompassd.core.router import Router  # noqa: E402
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+FILL_CHUNK = 1 << 20
+
+
+def samples_ns(fn, repeat: int) -> list[int]:
+    for _ in range(min(200, repeat)):
+        fn()
+    out = []
+    clock = time.perf_counter_ns
+    for _ in range(repeat):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
+    return out
+
+
+def p(samples: list[int], q: float) -> float:
+    """Percentile in µs."""
+    return float(np.percentile(samples, q)) / 1000.0
+
+
+def median_us(fn, repeat: int) -> float:
+    return statistics.median(samples_ns(fn, repeat)) / 1000.0
+
+
+def rate_per_s(fn, repeat: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return repeat / (time.perf_counter() - t0)
+
+
+def with_levels(cfg: ClusterConfig, levels: int) -> ClusterConfig:
+    return dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, levels=levels))
+
+
+def build_view(cfg: ClusterConfig, entries: int, prompt: np.ndarray, seed: int) -> tuple[EdgeIndexView, float, int]:
+    """Shards filled to ``entries`` keys in total, the prompt registered, one edge view from snapshots."""
+    t0 = time.perf_counter()
+    layout = IndexLayout.from_config(cfg)
+    n = cfg.shards
+    groups = layout.groups
+    per_table = max(1, entries // (n * len(groups)))
+    capacity = int(per_table / cfg.index.max_load) + 1024  # no growth while filling
+    shards = [MaintenanceShard(layout, s, n, epoch=1, initial_capacity=capacity,
+                               fingerprint_bits=cfg.index.fingerprint_bits, max_load=cfg.index.max_load)
+              for s in range(n)]
+    rng = np.random.default_rng(seed)
+    for s, shard in enumerate(shards):
+        for g in groups:
+            # Random keys of this shard: k * N + s, all distinct.
+            keys = np.unique(rng.integers(0, ((1 << 63) - 1 - s) // n, size=per_table, dtype=np.uint64))
+            keys = keys * np.uint64(n) + np.uint64(s)
+            rng.shuffle(keys)
+            # Random tier fields (00/01/10) for the group's workers; never all absent.
+            fields = rng.integers(0, 3, size=(keys.size, len(g.workers)), dtype=np.uint64)
+            fields[:, 0] = rng.integers(1, 3, size=keys.size, dtype=np.uint64)
+            values = (fields << (2 * np.arange(len(g.workers), dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
+            table = shard._tables[g.group]  # the shard's own table: a bulk fill has no event API
+            for start in range(0, keys.size, FILL_CHUNK):
+                table.insert_many(keys[start:start + FILL_CHUNK], values[start:start + FILL_CHUNK])
+                table.take_updates()  # the fill travels in the snapshot below, not as records
+    # The prompt, held by the first worker of every region at every registration length.
+    plan = LevelPlan.from_config(cfg)
+    lengths = plan.registration_lengths_upto(len(prompt))
+    keys = prefix_keys(prompt, lengths, namespace_salt(cfg.model, cfg.tenant)).tolist()
+    for region in cfg.region_names():
+        holder = cfg.workers_in(region)[0].id
+        for k in keys:
+            shards[k % n].apply([PrefixCached(holder, k, Tier.VRAM)])
+    view = EdgeIndexView(layout, n, edge="edge-bench")
+    for shard in shards:
+        shard.flush()
+        assert view.install_snapshot(shard.snapshot()).applied
+    total = sum(s.entries() for s in shards)
+    del shards
+    return view, time.perf_counter() - t0, total
+
+
+def bench_config(name: str, args: argparse.Namespace) -> None:
+    cfg = with_levels(load_config(CONFIG_DIR / f"{name}.toml"), args.levels)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(0, 128_256, size=args.tokens, dtype=np.uint32)
+    view, build_s, total = build_view(cfg, args.entries, prompt, args.seed)
+    region = cfg.region_names()[0]
+    salt = namespace_salt(cfg.model, cfg.tenant)
+    data = prompt.astype("<u4").tobytes()
+
+    daemon = Router(cfg, region, view, now=0.0)  # the edge daemon's settings
+    lean = Router(cfg, region, view, now=0.0, top_k=0, ablation=Ablation(migration=False))
+    for router in (daemon, lean):  # every worker reported live or broadcast once, all idle
+        for w in cfg.workers_in(region):
+            router.queues.set_local(w.id, 0.0, now=0.0)
+
+    sha = median_us(lambda: hashlib.sha256(salt + data).digest(), args.repeat)
+    rows = []
+    for label, router in (("Router.decide (daemon: top-3, migration on)", daemon),
+                          ("Router.decide (sim: top_k=0, no migration)", lean)):
+        # A slowly advancing clock keeps the hot-prefix windows realistic (no flood of one family).
+        clock = itertools.count(0.0, 0.01)
+        s = samples_ns(lambda: router.decide(prompt, now=next(clock)), args.repeat)
+        rate = rate_per_s(lambda: router.decide(prompt, now=next(clock)), args.repeat)
+        rows.append((label, p(s, 50), p(s, 99), rate))
+
+    # Stage breakdown on the same inputs.
+    lk = daemon.lookup
+    n_fit = int(np.searchsorted(lk.query_lengths, len(prompt), side="right"))
+    lengths = lk.query_lengths[:n_fit]
+    keys = prefix_keys(prompt, lengths, salt)
+    key_of = dict(zip(lengths.tolist(), keys.tolist()))
+    reads = [(g, level, key_of[n]) for g, row in enumerate(lk.group_lengths) for level, n in enumerate(row.tolist())
+             if n and n <= len(prompt)]
+    state, shards = view.state, view.shards
+
+    def view_lookups() -> np.ndarray:
+        values = np.zeros(lk.group_lengths.shape, dtype=np.uint64)
+        for g, level, key in reads:
+            values[g, level] = state[key % shards].views[g].lookup(key)
+        return values
+
+    values = view_lookups()
+    found = lk.lookup(prompt)
+    queue, belief = daemon.queues.queue_ms(), daemon.belief.values
+    scored = daemon.scorer.score(found.prompt_len, found.matched, found.tier, queue, belief)
+    mclock = itertools.count(0.0, 0.01)
+    stages = [
+        (f"hashing: prefix_keys at {n_fit} lengths", median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
+        (f"view lookups: {len(reads)} LudoView.lookup", median_us(view_lookups, args.repeat)),
+        ("decode: PrefixLookup._decode", median_us(lambda: lk._decode(values), args.repeat)),
+        ("PrefixLookup.lookup (hash + reads + decode)", median_us(lambda: lk.lookup(prompt), args.repeat)),
+        ("score: JointScorer.score", median_us(lambda: daemon.scorer.score(found.prompt_len, found.matched, found.tier,
+                                                                           queue, belief), args.repeat)),
+        ("top-k: ScoreResult.top(3)", median_us(lambda: scored.top(3), args.repeat)),
+        ("migration: observation + HotPrefixDetector.observe",
+         median_us(lambda: daemon.hot.observe(daemon._observation(found, scored.scores, scored.chosen), now=next(mclock)),
+                   args.repeat)),
+    ]
+
+    hits = {cfg.workers[i].id: int(m) for i, m in enumerate(found.matched.tolist()) if m}
+    print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "
+          f"{len(view.layout.groups)} region groups, levels={cfg.index.levels}; edge {region!r}")
+    print(f"view: {total:,} entries ({sum(v['memory_bytes'] for v in view.stats()) / 2**20:.0f} MiB), "
+          f"built in {build_s:.1f} s; prompt {len(prompt)} tokens; holders found: {hits}")
+    print(f"{'case':<54} {'P50 µs':>9} {'P99 µs':>9} {'dec/s':>9} {'P50/SHA':>8}")
+    print(f"{'one SHA-256 over the prompt (reference)':<54} {sha:>9.2f} {'':>9} {'':>9} {1.0:>8.2f}")
+    for label, p50, p99, rate in rows:
+        print(f"{label:<54} {p50:>9.2f} {p99:>9.2f} {rate:>9,.0f} {p50 / sha:>8.2f}")
+    print(f"{'stage (each timed alone)':<54} {'median µs':>9} {'':>9} {'':>9} {'x SHA':>8}")
+    for label, us in stages:
+        print(f"  {label:<52} {us:>9.2f} {'':>9} {'':>9} {us / sha:>8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--entries", type=int, default=10_000_000, help="view entries in total (all shards and groups)")
+    parser.add_argument("--levels", type=int, default=5, help="index.levels (the paper's benchmark: five)")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", default="testbed-3continent,census-64x8")
+    args = parser.parse_args()
+    for name in args.configs.split(","):
+        bench_config(name.strip(), args)
+
+
+if __name__ == "__main__":
+    main()
