@@ -62,11 +62,12 @@ class _WithMetrics:
         return self.mode.status()
 
 
-def _serve(mode, metrics_address) -> int:
-    from kvcompassd.daemon import install_uvloop, serve_until_signalled
+def _serve(mode, metrics_address, args=None) -> int:
+    from kvcompassd.daemon import install_uvloop, reload_check, serve_until_signalled
 
     install_uvloop()
-    asyncio.run(serve_until_signalled(_WithMetrics(mode, metrics_address)))
+    on_reload = (lambda: reload_check(args.config, args.tls_dir, args.id)) if args is not None else None
+    asyncio.run(serve_until_signalled(_WithMetrics(mode, metrics_address), on_reload=on_reload))
     return 0
 
 
@@ -75,7 +76,7 @@ def cmd_maintenance(args) -> int:
     from kvcompassd.maintenance import MaintenanceNode
 
     me = _lookup(cfg.maintenance, args.id, "maintenance unit")
-    return _serve(MaintenanceNode(cfg, me, tls), args.metrics)
+    return _serve(MaintenanceNode(cfg, me, tls), args.metrics, args)
 
 
 def cmd_edge(args) -> int:
@@ -96,7 +97,7 @@ def cmd_edge(args) -> int:
         ablation=ablation,
         copy_from=args.copy_view_from,
     )
-    return _serve(node, args.metrics)
+    return _serve(node, args.metrics, args)
 
 
 def cmd_agent(args) -> int:
@@ -104,7 +105,7 @@ def cmd_agent(args) -> int:
     from kvcompassd.agent import AgentNode
 
     worker = _lookup(cfg.workers, args.id, "worker")
-    return _serve(AgentNode(cfg, worker, tls, replay_endpoint=args.replay_endpoint), args.metrics)
+    return _serve(AgentNode(cfg, worker, tls, replay_endpoint=args.replay_endpoint), args.metrics, args)
 
 
 def cmd_emulate_worker(args) -> int:

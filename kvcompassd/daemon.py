@@ -66,6 +66,25 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+async def reload_check(config: Path, tls_dir: Path, node_id: str) -> None:
+    """SIGHUP: validate the config and certificates on disk. Every new QUIC connection loads
+    the certificate files afresh, so a rotated certificate is in use from here on; a config
+    change (peers, addresses) needs a restart, which this says."""
+    from kvcompassd.certs import load_certificate, peer_identity
+    from kvcompassd.core.config import load_config
+
+    notify("RELOADING=1")
+    try:
+        load_config(config)
+        files = tls_files(tls_dir, node_id)
+        identity = peer_identity(load_certificate(files.cert))
+        log.info("reloaded: certificates re-read for new connections", identity=str(identity),
+                 note="config changes take effect on restart")
+    except Exception as exc:  # a bad file on disk must not take the running node down
+        log.error("reload failed; still running with what was loaded before", error=str(exc))
+    notify("READY=1")
+
+
 async def serve_until_signalled(mode: Mode, *, on_reload: Callable[[], Awaitable[None]] | None = None) -> None:
     """Start ``mode``, report readiness, and run until SIGTERM/SIGINT."""
     loop = asyncio.get_running_loop()

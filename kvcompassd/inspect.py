@@ -9,7 +9,7 @@ import numpy as np
 
 from kvcompassd.core.events import Tier
 
-QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations")
+QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations", "lookup")
 
 
 def describe_edge(edge, what: str, args: dict) -> dict:
@@ -91,6 +91,17 @@ def _holders(edge, args) -> dict:
             "holders": holders, "candidates": top}
 
 
+def _lookup(edge, args) -> dict:
+    """Raw view values for given keys of one (shard, group): for consistency checks."""
+    shard, group = int(args.get("shard", -1)), int(args.get("group", -1))
+    view = edge.view.view(shard, group) if 0 <= shard < edge.cfg.shards else None
+    if view is None:
+        raise ValueError(f"no view for shard {shard} group {group}")
+    keys = args.get("keys", [])
+    return {"shard": shard, "group": group, "position": list(edge.view.position(shard)),
+            "values": view.lookup_many(np.asarray(keys, dtype=np.uint64)).tolist()}
+
+
 def _migrations(edge, args) -> dict:
     return {"migrations": list(edge.forwarder.migrations[-50:])}
 
@@ -103,4 +114,5 @@ _QUERIES = {
     "beliefs": _beliefs,
     "holders": _holders,
     "migrations": _migrations,
+    "lookup": _lookup,
 }

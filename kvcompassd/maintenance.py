@@ -246,6 +246,12 @@ class MaintenanceNode:
         if what == "holders":
             key = int(args.get("key", -1))
             return {"key": key, "holders": {w: t.name for w, t in self.shard.holders(key).items()}}
+        if what == "entries":
+            # The exact (key, value) state per region group, for consistency checks.
+            limit = int(args.get("limit", 100_000))
+            return {"shard": self.me.shard, "epoch": self.epoch, "seq": self.shard.seq,
+                    "groups": {str(g): {"keys": k[:limit].tolist(), "values": v[:limit].tolist()}
+                               for g, (k, v) in self.shard.group_items().items()}}
         return {
             "mode": "maintenance",
             "id": self.me.id,

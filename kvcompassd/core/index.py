@@ -189,6 +189,10 @@ class MaintenanceShard:
                     out[worker] = Tier(tier)
         return out
 
+    def group_items(self) -> dict[int, tuple]:
+        """(keys, values) arrays of every region group's table: the shard's exact state."""
+        return {g.group: self._tables[g.group].items() for g in self.layout.groups}
+
     def entries(self) -> int:
         return sum(len(t) for t in self._tables)
 
