@@ -142,9 +142,11 @@ class Peer:
         while not self._closing:
             try:
                 connection = await self.node._dial(self)
-            except (OSError, PeerUnavailable, TimeoutError) as exc:
+            except Exception as exc:  # whatever went wrong, keep retrying: the peer may come back
+                if not isinstance(exc, (OSError, PeerUnavailable, TimeoutError)):
+                    log.exception("peer_connect_error", address=self.address)
                 self.last_error = exc
-                self._settle_attempt(exc if isinstance(exc, PeerUnavailable) else PeerUnavailable(str(exc)))
+                self._settle_attempt(exc if isinstance(exc, PeerUnavailable) else PeerUnavailable(f"{type(exc).__name__}: {exc}"))
                 # Exponential backoff with jitter, so that many edges do not reconnect in step.
                 ceiling = min(options.reconnect_max, options.reconnect_initial * 2**failures)
                 failures += 1
