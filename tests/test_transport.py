@@ -459,6 +459,26 @@ def test_silent_server_is_detected_by_idle_timeout(run, pki):
     run(scenario())
 
 
+def test_send_waits_for_acknowledgements_beyond_the_send_buffer_limit(run, pki):
+    async def scenario():
+        inbox = Recorder()
+        limit = 64 * 1024
+        async with node(pki, "edge-us", inbox, listen=True) as far, node(pki, "mnt-0", send_buffer_limit=limit) as mnt:
+            relay = WanRelay(("127.0.0.1", 0), far.address, 20.0)  # acknowledgements take >= 40 ms
+            try:
+                peer = await mnt.connect(await relay.start())
+                batches = [UpdateBatchPublished(0, 1, seq, ((0, bytes(30_000)),)) for seq in range(1, 13)]
+                for batch in batches:
+                    await peer.send(batch)
+                    # send() enqueued only once the backlog was within the limit.
+                    assert peer.unacknowledged_bytes <= limit + 31_000
+                assert [(await inbox.next())[1].seq for _ in batches] == list(range(1, 13))
+            finally:
+                await relay.stop()
+
+    run(scenario())
+
+
 # ---- WAN delay ---------------------------------------------------------------------------------
 
 

@@ -89,6 +89,9 @@ class TransportOptions:
     max_data: int = 64 * 1024 * 1024
     check_outgoing_roles: bool = True  # refuse locally to send what our role may not (tests disable)
     max_incoming_exchanges: int = 4096  # per connection; more are refused with ErrorReported
+    # send() waits while more than this many bytes sent on the connection are unacknowledged
+    # (larger than the biggest frame, a 16 MiB snapshot, so one frame always fits).
+    send_buffer_limit: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.pacing not in ("auto", "aioquic", "off"):
@@ -179,9 +182,12 @@ class FrameStream:
         return self._connection.peer
 
     async def send(self, message: Message, *, end: bool = False) -> None:
-        """Send ``message`` (and close our side if ``end``)."""
+        """Send ``message`` (and close our side if ``end``), first waiting while the
+        connection's unacknowledged bytes exceed ``TransportOptions.send_buffer_limit``."""
         self._connection.check_outgoing(message)
-        self.send_encoded(encode(message), end=end)
+        body = encode(message)
+        await self._connection.wait_send_buffer()
+        self.send_encoded(body, end=end)
 
     def send_encoded(self, body: bytes, *, end: bool = False) -> None:
         """Send a message already encoded with ``wire.encode`` (encode once, send to many)."""
@@ -289,6 +295,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._next_exchange = 1
         self._outgoing: dict[tuple[int, int], FrameStream] = {}
         self._incoming: dict[tuple[int, int], FrameStream] = {}
+        self._drain_waiters: list[asyncio.Future[None]] = []
         self._control = _SerialDispatcher(node.deliver)
         self._datagrams = _SerialDispatcher(node.deliver)
 
@@ -321,6 +328,17 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self.close(error_code=APP_ERROR_REFUSED, reason_phrase=reason[:256])
 
     # ---- events -----------------------------------------------------------------------------
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        if self._drain_waiters:  # acknowledgements may have freed send buffer
+            self._wake_drain_waiters()
+
+    def _wake_drain_waiters(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         # Deliberately not calling super(): its asyncio StreamReader plumbing is unused here.
@@ -356,6 +374,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._incoming.clear()
         self._control.cancel()
         self._datagrams.cancel()
+        self._wake_drain_waiters()
         if self.outbound:
             if self._timer is not None:  # nothing more to send once our socket is gone
                 self._timer.cancel()
@@ -470,6 +489,21 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     def check_outgoing(self, message: Message) -> None:
         if self.node.options.check_outgoing_roles:
             check_sender(self.node.identity.role, message)
+
+    @property
+    def unacknowledged_bytes(self) -> int:
+        """Bytes handed to QUIC on this connection and not yet acknowledged by the peer."""
+        return sum(s.sender._buffer_stop - s.sender._buffer_start for s in self._quic._streams.values())
+
+    async def wait_send_buffer(self) -> None:
+        """Wait until the unacknowledged bytes are within ``send_buffer_limit``."""
+        limit = self.node.options.send_buffer_limit
+        while self.unacknowledged_bytes > limit:
+            if self.terminated:
+                raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
+            waiter = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
 
     def control_stream(self) -> int:
         if self._control_stream is None:

@@ -40,8 +40,14 @@ OnPeerState = Callable[["Peer", bool], None]
 
 
 class Peer:
-    """The remote end of a connection; all sends are synchronous enqueues, so two sends made
-    one after the other by one task arrive in that order on the control channel."""
+    """The remote end of a connection.
+
+    ``send`` applies backpressure: it waits while the connection has more than
+    ``TransportOptions.send_buffer_limit`` unacknowledged bytes, then enqueues. Messages sent
+    one after the other by one task arrive in that order on the control channel.
+    ``send_encoded`` and ``send_datagram`` never wait: a broadcaster that must not be slowed
+    by one slow peer uses ``send_encoded`` and watches ``unacknowledged_bytes`` itself.
+    """
 
     def __init__(
         self,
@@ -84,7 +90,15 @@ class Peer:
         message is not queued: the caller's sequence numbers and resync logic decide)."""
         connection = self._live()
         connection.check_outgoing(message)
-        connection.send_control(encode(message))
+        body = encode(message)
+        await connection.wait_send_buffer()
+        self._live().send_control(body)
+
+    @property
+    def unacknowledged_bytes(self) -> int:
+        """Bytes sent to this peer and not yet acknowledged (0 when disconnected)."""
+        connection = self._connection
+        return 0 if connection is None or connection.terminated else connection.unacknowledged_bytes
 
     def send_encoded(self, body: bytes) -> None:
         """Send a message already encoded with ``wire.encode`` on the control channel (encode a
