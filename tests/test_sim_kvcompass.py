@@ -190,3 +190,42 @@ def test_bad_settings_and_unknown_regions_are_rejected():
         KVCompassPolicy(topo, update_delay_ms=-1.0)
     with pytest.raises(PolicyError):
         KVCompassPolicy(topo).route(_request(0, _prompt(1), "mars"), now=0.0)
+
+
+def test_a_shard_flushes_what_arrives_within_the_interval_as_one_batch():
+    topo = _topo(shards=1)
+    coalescing = KVCompassPolicy(topo, wan_propagation=False, flush_interval_ms=1.0)
+    eager = KVCompassPolicy(topo, wan_propagation=False, flush_interval_ms=0.0)
+    for policy in (coalescing, eager):
+        for w in range(3):
+            policy.on_cache_events(w, _cache().insert(_prompt(40 + w, 300).tolist(), now=0.0), now=0.0005 * w)
+        policy.settle(now=1.0)
+    assert eager.counters["batches_published"] == 3
+    assert coalescing.counters["batches_published"] == 2  # t=0 and 0.5 ms together, then 1 ms
+    probe = np.concatenate([np.array(list(t.registered()), dtype=np.uint64) for t in eager.trees])
+    _assert_views_equal_shards(coalescing, probe)
+    _assert_views_equal_shards(eager, probe)
+
+
+def test_live_load_stays_in_its_region_and_reaches_others_by_broadcast_or_piggyback():
+    topo = _topo()
+    policy = KVCompassPolicy(topo)
+    us, eu = topo.regions.index("us"), topo.regions.index("eu")
+    eu0 = topo.worker_ids.index("eu-0")
+    policy.on_worker_load(eu0, 50.0, now=0.0)
+    assert policy.routers[eu].queues.get("eu-0") == 50.0
+    assert policy.routers[us].queues.get("eu-0") == 0.0  # not live across regions
+    t = policy.next_timer()
+    while policy.routers[us].queues.get("eu-0") == 0.0:
+        assert t is not None and t < 1.0
+        policy.on_timer(now=t)
+        t = policy.next_timer()
+    # The broadcast left at its period and crossed the one-way WAN latency (20 ms here).
+    assert policy.routers[us].queues.last_heard_from("eu") >= topo.one_way_ms[eu, us] / 1000.0
+    assert policy.routers[us].queues.get("eu-0") == 50.0
+    # A response from eu piggybacks eu's vector (EWMA-folded, w = 0.5).
+    req = _request(0, _prompt(1), "us")
+    policy.route(req, now=0.5)
+    eu_workers = {i: 10.0 for i, w in enumerate(topo.worker_ids) if w.startswith("eu-")}
+    policy.on_response(eu0, req, 0, eu_workers, now=0.6)
+    assert policy.routers[us].queues.get("eu-0") == pytest.approx(30.0)

@@ -4,7 +4,9 @@ The objects are the ones the daemon runs: one ``MaintenanceShard`` per shard (``
 one ``EdgeIndexView`` + ``Router`` per region (that region's edge), one ``BlockTree`` per
 worker. Worker ``w``'s engine block events go through its block tree; the resulting index
 events go to the owning shards (``key % N``); every shard that changed flushes one
-``UpdateBatchPublished``, and each batch is delivered to every edge view.
+``UpdateBatchPublished``, and each batch is delivered to every edge view. A shard flushes what
+it applied within ``flush_interval_ms`` (default 1 ms) as one batch, as the daemon's maintenance
+unit flushes once per event-loop turn; 0 flushes after every worker's event batch.
 
 Update transport (§5.7), modelled the way the daemon moves updates:
 
@@ -66,7 +68,7 @@ from .workloads import Request
 __all__ = ["KVCompassPolicy"]
 
 # Kinds of deliveries in flight (heap payload tags).
-_TO_SHARD, _TO_EDGE, _RESYNC_AT_SHARD, _REPLAY_TO_EDGE, _BROADCAST = range(5)
+_TO_SHARD, _TO_EDGE, _RESYNC_AT_SHARD, _REPLAY_TO_EDGE, _BROADCAST, _FLUSH = range(6)
 EPOCH = 1
 
 
@@ -83,6 +85,7 @@ class KVCompassPolicy(BasePolicy):
         update_loss: float = 0.0,
         repair: bool = True,
         wan_propagation: bool = True,
+        flush_interval_ms: float = 1.0,
         seed: int = 0,
         top_k: int = 0,
     ) -> None:
@@ -91,6 +94,9 @@ class KVCompassPolicy(BasePolicy):
             raise PolicyError(f"update_delay_ms must be finite and >= 0, got {update_delay_ms!r}")
         if not 0 <= update_loss < 1:
             raise PolicyError(f"update_loss must be in [0, 1), got {update_loss!r}")
+        if not (flush_interval_ms >= 0 and math.isfinite(flush_interval_ms)):
+            raise PolicyError(f"flush_interval_ms must be finite and >= 0, got {flush_interval_ms!r}")
+        self.flush_interval_s = flush_interval_ms / 1000.0
         cfg = topo.config
         self.cfg = cfg
         self.ablation = ablation or Ablation()
@@ -153,6 +159,7 @@ class KVCompassPolicy(BasePolicy):
         self._heap: list[tuple[float, int, int, Any]] = []
         self._heap_seq = 0
         self._resync_pending: set[tuple[int, int]] = set()  # (edge, shard) with a resync in flight
+        self._flush_pending = [False] * n_shards
         self._claims: dict[int, tuple[int, int]] = {}  # request id -> (edge, claimed tokens)
         self._migrations: list[MigrationOrdered] = []
         self._next_broadcast = self._broadcast_deadline(0.0)
@@ -197,6 +204,9 @@ class KVCompassPolicy(BasePolicy):
                 self._deliver(payload[0], payload[1], due)
             elif kind == _TO_SHARD:
                 self._shard_apply(payload[0], payload[1], due)
+            elif kind == _FLUSH:
+                self._flush_pending[payload] = False
+                self._publish(payload, due)
             elif kind == _BROADCAST:
                 to = self._region_index[payload.to_region]
                 self.routers[to].queues.on_broadcast(payload, now=due)
@@ -250,9 +260,17 @@ class KVCompassPolicy(BasePolicy):
                 self._shard_apply(s, evs, now)
 
     def _shard_apply(self, s: int, events: list[IndexEvent], now: float) -> None:
-        shard = self.shards[s]
-        shard.apply(events)
-        batch = shard.flush()
+        self.shards[s].apply(events)
+        if self.flush_interval_s <= 0:
+            self._publish(s, now)
+        elif not self._flush_pending[s]:
+            # Like the daemon's flush per event-loop turn: what arrives within the interval
+            # goes out as one batch.
+            self._flush_pending[s] = True
+            self._push(now + self.flush_interval_s, _FLUSH, s)
+
+    def _publish(self, s: int, now: float) -> None:
+        batch = self.shards[s].flush()
         if batch is None:
             return
         self.counters["batches_published"] += 1
@@ -295,6 +313,8 @@ class KVCompassPolicy(BasePolicy):
 
     def _answer_resync(self, request: ResyncRequested, now: float) -> None:
         e, s = self._edge_of[request.edge], request.shard
+        if self._flush_pending[s]:
+            self._publish(s, now)  # as the daemon: pending edits go out before the catch-up
         answer = self.shards[s].resync(request.epoch, request.from_seq)
         delay = self._to_edge_s[s][e]
         if delay > 0:
