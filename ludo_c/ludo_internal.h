@@ -112,7 +112,15 @@ static inline unsigned kvc_fingerprint(uint64_t key, uint64_t fp_seed, unsigned 
 
 static inline uint32_t kvc_words_for(uint32_t bits) { return (bits + 63u) / 64u; }
 
-/* ---- little-endian access ---- */
+/* ---- little-endian access (plain loads/stores on little-endian hosts) ---- */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+static inline void kvc_put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static inline void kvc_put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void kvc_put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline uint16_t kvc_get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t kvc_get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t kvc_get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+#else
 static inline void kvc_put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 static inline void kvc_put32(uint8_t *p, uint32_t v)
 {
@@ -139,9 +147,10 @@ static inline uint64_t kvc_get64(const uint8_t *p)
         v = (v << 8) | p[i];
     return v;
 }
+#endif
 
 /* ---- ludo_wire.c ---- */
-/* Allocate a large array (free() releases it). Arrays of 2 MiB or more are 2 MiB-aligned and
+/* Allocate an array, 64-byte aligned (free() releases it). Arrays of 2 MiB or more are 2 MiB-aligned and
  * advised onto transparent huge pages: lookups and writes touch them at random, and TLB misses
  * would otherwise cost as much as the cache misses. `zero` clears the memory. */
 void *kvc_alloc(size_t bytes, int zero);

@@ -60,7 +60,11 @@ static int walk_step(kvc_locator *L, struct kvc_walk *w, uint32_t skip, uint32_t
     w->comp[w->comp_n++] = x;
     for (uint32_t h = L->head[x]; h != KVC_NO_EDGE; h = L->half[h].next) {
         uint32_t e = h >> 1;
-        if (e != from && e != skip && walk_push(w, L->half[h ^ 1u].node, e) != KVC_OK)
+        if (e == from || e == skip)
+            continue;
+        uint32_t y = L->half[h ^ 1u].node;
+        __builtin_prefetch(&L->head[y]); /* visited a step later: let the miss overlap */
+        if (walk_push(w, y, e) != KVC_OK)
             return KVC_ERR_NOMEM;
     }
     return 0;
@@ -73,17 +77,28 @@ static int walk_smaller(kvc_locator *L, uint32_t u, uint32_t v, uint32_t skip)
 {
     struct kvc_walk *w = L->walk;
     w[0].sp = w[1].sp = w[0].comp_n = w[1].comp_n = 0;
+    if (skip == KVC_NO_EDGE) { /* a new edge: a lone cell on either side settles it at once */
+        for (int s = 0; s < 2; s++) {
+            uint32_t x = s ? v : u;
+            if (L->head[x] == KVC_NO_EDGE) {
+                if (grow_u32(&w[s].comp, &w[s].comp_cap, 1) != KVC_OK)
+                    return KVC_ERR_NOMEM;
+                w[s].comp[w[s].comp_n++] = x;
+                return s;
+            }
+        }
+    }
     if (walk_push(&w[0], u, KVC_NO_EDGE) != KVC_OK || walk_push(&w[1], v, KVC_NO_EDGE) != KVC_OK)
         return KVC_ERR_NOMEM;
     for (;;) {
         for (int s = 0; s < 2; s++) {
-            if (w[s].sp == 0)
-                return s;
             int r = walk_step(L, &w[s], skip, s ? u : v);
             if (r < 0)
                 return r;
             if (r == 1)
                 return KVC_LOC_CYCLE + 1;
+            if (w[s].sp == 0) /* tree done: often a lone cell, and the other side is never read */
+                return s;
         }
     }
 }
@@ -133,7 +148,7 @@ static uint32_t uf_find(uint32_t *parent, uint32_t x)
 }
 
 int kvc_locator_build(kvc_locator *L, uint32_t ma, uint32_t mb, uint64_t seed,
-                      const uint64_t *keys, uint32_t *edge, uint32_t nb, uint64_t bucket_seed)
+                      kvc_bucket *bk, uint32_t nb, uint64_t bucket_seed)
 {
     memset(L, 0, sizeof *L);
     size_t slots = (size_t)nb * 4u, cells = (size_t)ma + mb;
@@ -143,10 +158,10 @@ int kvc_locator_build(kvc_locator *L, uint32_t ma, uint32_t mb, uint64_t seed,
     for (size_t i = 0; i < cells; i++)
         parent[i] = (uint32_t)i;
     for (size_t i = 0; i < slots; i++) { /* pass 1: is the key graph a forest under this seed? */
-        if (keys[i] == UINT64_MAX)
+        if (bk[i >> 2].key[i & 3] == UINT64_MAX)
             continue;
         uint32_t a, b;
-        kvc_cells(keys[i], seed, ma, mb, &a, &b);
+        kvc_cells(bk[i >> 2].key[i & 3], seed, ma, mb, &a, &b);
         uint32_t ru = uf_find(parent, a), rv = uf_find(parent, ma + b);
         if (ru == rv) {
             free(parent);
@@ -174,16 +189,16 @@ int kvc_locator_build(kvc_locator *L, uint32_t ma, uint32_t mb, uint64_t seed,
         L->head[i] = KVC_NO_EDGE;
     uint32_t e = 0;
     for (size_t i = 0; i < slots; i++) { /* pass 2: link edges */
-        if (keys[i] == UINT64_MAX) {
-            edge[i] = KVC_NO_EDGE;
+        if (bk[i >> 2].key[i & 3] == UINT64_MAX) {
+            bk[i >> 2].edge[i & 3] = KVC_NO_EDGE;
             continue;
         }
         uint32_t a, b, b0, b1;
-        kvc_cells(keys[i], seed, ma, mb, &a, &b);
-        kvc_buckets(keys[i], bucket_seed, nb, &b0, &b1);
+        kvc_cells(bk[i >> 2].key[i & 3], seed, ma, mb, &a, &b);
+        kvc_buckets(bk[i >> 2].key[i & 3], bucket_seed, nb, &b0, &b1);
         link_edge(L, e, a, ma + b);
         ebit[e] = (uint8_t)(i / 4 == b1);
-        edge[i] = e++;
+        bk[i >> 2].edge[i & 3] = e++;
     }
     L->efree = KVC_NO_EDGE;
     for (uint32_t f = L->ecap; f > e; f--) { /* free list of unused edge ids */

@@ -11,6 +11,16 @@
 #define KVC_NO_EDGE UINT32_MAX
 #define KVC_LOC_CYCLE 1 /* internal, positive: the key's edge would close a cycle */
 
+/* A maintenance-side bucket: keys and values share one cache line, edges and seed the next
+ * (96 bytes: every bucket spans exactly two lines of a 64-byte-aligned array). */
+typedef struct kvc_bucket {
+    uint64_t key[4]; /* UINT64_MAX = empty */
+    uint64_t val[4];
+    uint32_t edge[4]; /* locator edge of each slot's key */
+    uint16_t seed;    /* slot seed */
+    uint16_t pad[7];
+} kvc_bucket;
+
 typedef struct kvc_locator {
     uint32_t ma, mb, wa, wb;
     uint64_t seed;
@@ -30,11 +40,11 @@ typedef struct kvc_locator {
     size_t touched_n, touched_cap;
 } kvc_locator;
 
-/* Build from every key in keys[4*nb] (EMPTY = UINT64_MAX); a key in bucket b1 gets bit 1.
- * On success writes each key's edge id into edge[] and returns KVC_OK; KVC_LOC_CYCLE if the
- * graph under this seed has a cycle (nothing written), or KVC_ERR_NOMEM. */
+/* Build from every key in buckets[nb]; a key in its candidate bucket b1 gets bit 1. On success
+ * writes each key's edge id into its bucket and returns KVC_OK; KVC_LOC_CYCLE if the graph under
+ * this seed has a cycle (nothing written), or KVC_ERR_NOMEM. */
 int kvc_locator_build(kvc_locator *out, uint32_t ma, uint32_t mb, uint64_t seed,
-                      const uint64_t *keys, uint32_t *edge, uint32_t nb, uint64_t bucket_seed);
+                      kvc_bucket *buckets, uint32_t nb, uint64_t bucket_seed);
 void kvc_locator_free(kvc_locator *loc);
 /* Add a key's edge with the given bit; KVC_LOC_CYCLE (nothing changed) if it would close a cycle. */
 int kvc_locator_add(kvc_locator *loc, uint64_t key, unsigned bit, uint32_t *edge_out);

@@ -13,15 +13,18 @@
 #define BFS_CAP 4096 /* 2 roots x (1 + 4 + ... + 4^5) = 2730 nodes at most */
 #define MAX_REBUILD_ATTEMPTS 64
 
-/* Buckets of 4 slots; a key sits at the slot its bucket's seed sends it to. */
+/* Buckets of 4 slots; a key sits at the slot its bucket's seed sends it to. A slot is named by
+ * its global index b * 4 + i. */
 typedef struct kvc_store {
     uint32_t nb;
     uint64_t bucket_seed, slot_base;
-    uint64_t *keys, *vals; /* 4 * nb */
-    uint32_t *edge;        /* locator edge of the key in each slot */
-    uint16_t *seed;        /* nb */
-    uint64_t overflow;     /* buckets with seed > KVC_SEED_INLINE_MAX */
+    kvc_bucket *bk;
+    uint64_t overflow; /* buckets with seed > KVC_SEED_INLINE_MAX */
 } kvc_store;
+
+#define SKEY(s, x) ((s)->bk[(x) >> 2].key[(x) & 3u])
+#define SVAL(s, x) ((s)->bk[(x) >> 2].val[(x) & 3u])
+#define SEDGE(s, x) ((s)->bk[(x) >> 2].edge[(x) & 3u])
 
 typedef struct bfs_node {
     uint64_t key;   /* key moved from the parent bucket into this one */
@@ -57,38 +60,33 @@ struct kvc_table {
 
 static void store_free(kvc_store *s)
 {
-    free(s->keys);
-    free(s->vals);
-    free(s->edge);
-    free(s->seed);
+    free(s->bk);
     memset(s, 0, sizeof *s);
 }
 
 static int store_alloc(kvc_store *s, uint32_t nb, uint64_t bucket_seed)
 {
     memset(s, 0, sizeof *s);
-    size_t slots = (size_t)nb * 4u;
     s->nb = nb;
     s->bucket_seed = bucket_seed;
     s->slot_base = kvc_slot_base(bucket_seed);
-    s->keys = kvc_alloc(slots * sizeof *s->keys, 0);
-    s->vals = kvc_alloc((slots) * sizeof *s->vals, 1);
-    s->edge = kvc_alloc(slots * sizeof *s->edge, 0);
-    s->seed = kvc_alloc((nb) * sizeof *s->seed, 1);
-    if (!s->keys || !s->vals || !s->edge || !s->seed) {
-        store_free(s);
+    s->bk = kvc_alloc((size_t)nb * sizeof *s->bk, 0);
+    if (!s->bk)
         return KVC_ERR_NOMEM;
-    }
-    for (size_t i = 0; i < slots; i++) {
-        s->keys[i] = EMPTY_KEY;
-        s->edge[i] = KVC_NO_EDGE;
+    for (uint32_t b = 0; b < nb; b++) {
+        kvc_bucket *k = &s->bk[b];
+        memset(k, 0, sizeof *k);
+        for (unsigned i = 0; i < 4; i++) {
+            k->key[i] = EMPTY_KEY;
+            k->edge[i] = KVC_NO_EDGE;
+        }
     }
     return KVC_OK;
 }
 
 static inline unsigned bucket_count(const kvc_store *s, uint32_t b)
 {
-    const uint64_t *k = s->keys + (size_t)b * 4u;
+    const uint64_t *k = s->bk[b].key;
     return (k[0] != EMPTY_KEY) + (k[1] != EMPTY_KEY) + (k[2] != EMPTY_KEY) + (k[3] != EMPTY_KEY);
 }
 
@@ -96,7 +94,7 @@ static inline int64_t store_find(const kvc_store *s, uint64_t key)
 {
     uint32_t b0, b1;
     kvc_buckets(key, s->bucket_seed, s->nb, &b0, &b1);
-    const uint64_t *k0 = s->keys + (size_t)b0 * 4u, *k1 = s->keys + (size_t)b1 * 4u;
+    const uint64_t *k0 = s->bk[b0].key, *k1 = s->bk[b1].key;
     for (unsigned i = 0; i < 4; i++) {
         if (k0[i] == key)
             return (int64_t)b0 * 4 + i;
@@ -114,47 +112,49 @@ static int store_reseed(kvc_store *s, uint32_t b)
     uint32_t e[4];
     unsigned n = 0;
     for (unsigned i = 0; i < 4; i++) {
-        if (s->keys[base + i] != EMPTY_KEY) {
-            k[n] = s->keys[base + i];
-            v[n] = s->vals[base + i];
-            e[n] = s->edge[base + i];
+        if (SKEY(s, base + i) != EMPTY_KEY) {
+            k[n] = SKEY(s, base + i);
+            v[n] = SVAL(s, base + i);
+            e[n] = SEDGE(s, base + i);
             n++;
         }
     }
-    unsigned slot[4];
+    /* Test 32 seeds at once: bits[i] holds key i's slot for each seed of the group as 2-bit
+     * lanes; a seed works when every pair of keys differs in its lane. */
+    const uint64_t lanes = UINT64_C(0x5555555555555555);
     unsigned seed = 0;
-    for (unsigned found = 0; !found;) {
-        if (seed > KVC_SEED_LIMIT)
+    for (unsigned group = 0;; group++) {
+        if (group > KVC_SEED_LIMIT / 32u)
             return KVC_ERR_FULL; /* astronomically unlikely; the caller rebuilds */
-        uint64_t bits[4];
+        uint64_t bits[4], ok = lanes;
         for (unsigned i = 0; i < n; i++)
-            bits[i] = kvc_slot_bits(k[i], s->slot_base, seed >> 5);
-        for (unsigned end = seed + 32; seed < end; seed++) {
-            unsigned used = 0, ok = 1, shift = 2u * (seed & 31u);
-            for (unsigned i = 0; i < n && ok; i++) {
-                slot[i] = (unsigned)(bits[i] >> shift) & 3u;
-                ok = !(used & (1u << slot[i]));
-                used |= 1u << slot[i];
+            bits[i] = kvc_slot_bits(k[i], s->slot_base, group);
+        for (unsigned i = 0; i < n; i++)
+            for (unsigned j = i + 1; j < n; j++) {
+                uint64_t d = bits[i] ^ bits[j];
+                ok &= (d | (d >> 1)) & lanes;
             }
-            if (ok) {
-                found = 1;
-                break;
-            }
+        if (ok) {
+            seed = group * 32u + (unsigned)__builtin_ctzll(ok) / 2u;
+            break;
         }
     }
+    unsigned slot[4];
+    for (unsigned i = 0; i < n; i++)
+        slot[i] = kvc_slot(k[i], s->slot_base, seed);
     for (unsigned i = 0; i < 4; i++) {
-        s->keys[base + i] = EMPTY_KEY;
-        s->vals[base + i] = 0;
-        s->edge[base + i] = KVC_NO_EDGE;
+        SKEY(s, base + i) = EMPTY_KEY;
+        SVAL(s, base + i) = 0;
+        SEDGE(s, base + i) = KVC_NO_EDGE;
     }
     for (unsigned i = 0; i < n; i++) {
-        s->keys[base + slot[i]] = k[i];
-        s->vals[base + slot[i]] = v[i];
-        s->edge[base + slot[i]] = e[i];
+        SKEY(s, base + slot[i]) = k[i];
+        SVAL(s, base + slot[i]) = v[i];
+        SEDGE(s, base + slot[i]) = e[i];
     }
-    s->overflow -= s->seed[b] > KVC_SEED_INLINE_MAX;
+    s->overflow -= s->bk[b].seed > KVC_SEED_INLINE_MAX;
     s->overflow += seed > KVC_SEED_INLINE_MAX;
-    s->seed[b] = (uint16_t)seed;
+    s->bk[b].seed = (uint16_t)seed;
     return KVC_OK;
 }
 
@@ -162,10 +162,10 @@ static void store_put_any(kvc_store *s, uint32_t b, uint64_t key, uint64_t val, 
 {
     size_t base = (size_t)b * 4u;
     for (unsigned i = 0; i < 4; i++) {
-        if (s->keys[base + i] == EMPTY_KEY) {
-            s->keys[base + i] = key;
-            s->vals[base + i] = val;
-            s->edge[base + i] = edge;
+        if (SKEY(s, base + i) == EMPTY_KEY) {
+            SKEY(s, base + i) = key;
+            SVAL(s, base + i) = val;
+            SEDGE(s, base + i) = edge;
             return;
         }
     }
@@ -211,16 +211,18 @@ static int store_place(kvc_table *t, kvc_store *s, uint64_t key, uint64_t val, u
     for (int32_t head = 0; head < qn && found < 0; head++) {
         if (q[head].depth >= MAX_CUCKOO_DEPTH)
             continue;
-        uint32_t b = q[head].bucket;
-        for (unsigned i = 0; i < 4 && found < 0; i++) {
-            uint64_t k = s->keys[(size_t)b * 4u + i];
+        uint32_t b = q[head].bucket, alt[4];
+        for (unsigned i = 0; i < 4; i++) { /* fetch the 4 alternate buckets together */
             uint32_t kb0, kb1;
-            kvc_buckets(k, s->bucket_seed, s->nb, &kb0, &kb1);
-            uint32_t alt = (kb0 == b) ? kb1 : kb0;
-            if (path_has(q, head, alt) || qn >= BFS_CAP)
+            kvc_buckets(SKEY(s, (size_t)b * 4u + i), s->bucket_seed, s->nb, &kb0, &kb1);
+            alt[i] = (kb0 == b) ? kb1 : kb0;
+            __builtin_prefetch(&s->bk[alt[i]].key[0]);
+        }
+        for (unsigned i = 0; i < 4 && found < 0; i++) {
+            if (path_has(q, head, alt[i]) || qn >= BFS_CAP)
                 continue;
-            q[qn] = (bfs_node){k, alt, head, q[head].depth + 1};
-            if (bucket_count(s, alt) < 4)
+            q[qn] = (bfs_node){SKEY(s, (size_t)b * 4u + i), alt[i], head, q[head].depth + 1};
+            if (bucket_count(s, alt[i]) < 4)
                 found = qn;
             qn++;
         }
@@ -232,13 +234,13 @@ static int store_place(kvc_table *t, kvc_store *s, uint64_t key, uint64_t val, u
         int32_t p = q[i].parent;
         size_t from = (size_t)q[p].bucket * 4u;
         unsigned j = 0;
-        while (s->keys[from + j] != q[i].key)
+        while (SKEY(s, from + j) != q[i].key)
             j++;
-        uint32_t e = s->edge[from + j];
-        store_put_any(s, q[i].bucket, s->keys[from + j], s->vals[from + j], e);
-        s->keys[from + j] = EMPTY_KEY;
-        s->vals[from + j] = 0;
-        s->edge[from + j] = KVC_NO_EDGE;
+        uint32_t e = SEDGE(s, from + j);
+        store_put_any(s, q[i].bucket, SKEY(s, from + j), SVAL(s, from + j), e);
+        SKEY(s, from + j) = EMPTY_KEY;
+        SVAL(s, from + j) = 0;
+        SEDGE(s, from + j) = KVC_NO_EDGE;
         if (e != KVC_NO_EDGE)
             t->moved_edges[t->moved_n++] = e;
         touch_bucket(t, q[i].bucket);
@@ -277,20 +279,20 @@ static void write_bucket_state(const kvc_table *t, uint32_t b, uint8_t *p)
     const kvc_store *s = &t->st;
     size_t base = (size_t)b * 4u;
     kvc_put32(p, b);
-    kvc_put16(p + 4, s->seed[b]);
+    kvc_put16(p + 4, s->bk[b].seed);
     p += 6;
     for (unsigned i = 0; i < 4; i++) {
         if (t->value_bits == 32) {
-            kvc_put32(p, (uint32_t)s->vals[base + i]);
+            kvc_put32(p, (uint32_t)SVAL(s, base + i));
             p += 4;
         } else {
-            kvc_put64(p, s->vals[base + i]);
+            kvc_put64(p, SVAL(s, base + i));
             p += 8;
         }
     }
     if (t->fp_bits)
         for (unsigned i = 0; i < 4; i++) {
-            uint64_t k = s->keys[base + i];
+            uint64_t k = SKEY(s, base + i);
             kvc_put16(p + 2 * i, k == EMPTY_KEY ? 0 : (uint16_t)kvc_fingerprint(k, t->fp_seed, t->fp_bits));
         }
 }
@@ -348,8 +350,14 @@ static int emit_touched(kvc_table *t)
 
 /* ---------------------------------------------------------------- rebuilds */
 
-static uint32_t locator_cells_a(uint32_t nb) { return (uint32_t)ceil(1.33 * 4.0 * nb) + 64u; }
-static uint32_t locator_cells_b(uint32_t nb) { return 4u * nb + 64u; }
+#ifndef KVC_LOCATOR_A_PER_SLOT
+#define KVC_LOCATOR_A_PER_SLOT 1.6
+#endif
+#ifndef KVC_LOCATOR_B_PER_SLOT
+#define KVC_LOCATOR_B_PER_SLOT 1.2
+#endif
+static uint32_t locator_cells_a(uint32_t nb) { return (uint32_t)ceil(KVC_LOCATOR_A_PER_SLOT * 4.0 * nb) + 64u; }
+static uint32_t locator_cells_b(uint32_t nb) { return (uint32_t)ceil(KVC_LOCATOR_B_PER_SLOT * 4.0 * nb) + 64u; }
 
 /* Build a fresh acyclic locator for store s, reseeding until the key graph has no cycle. */
 static int build_locator_for(kvc_table *t, kvc_store *s, uint64_t epoch, kvc_locator *out)
@@ -357,7 +365,7 @@ static int build_locator_for(kvc_table *t, kvc_store *s, uint64_t epoch, kvc_loc
     for (uint64_t attempt = 0; attempt < MAX_REBUILD_ATTEMPTS; attempt++) {
         uint64_t seed = kvc_derive(t->table_id, epoch * 1000003u + attempt + 0x10000u);
         int rc = kvc_locator_build(out, locator_cells_a(s->nb), locator_cells_b(s->nb), seed,
-                                   s->keys, s->edge, s->nb, s->bucket_seed);
+                                   s->bk, s->nb, s->bucket_seed);
         if (rc != KVC_LOC_CYCLE)
             return rc;
     }
@@ -396,8 +404,8 @@ static int grow(kvc_table *t, uint64_t nb)
         size_t slots = (size_t)t->st.nb * 4u;
         for (size_t i = 0; i < slots && rc == KVC_OK; i++) {
             uint32_t b;
-            if (t->st.keys[i] != EMPTY_KEY)
-                rc = store_place(t, &s, t->st.keys[i], t->st.vals[i], &b);
+            if (SKEY(&t->st, i) != EMPTY_KEY)
+                rc = store_place(t, &s, SKEY(&t->st, i), SVAL(&t->st, i), &b);
         }
         t->touched_n = 0;
         if (rc == KVC_ERR_FULL) {
@@ -520,7 +528,7 @@ int kvc_table_insert(kvc_table *t, uint64_t key, uint64_t value)
         rc = kvc_locator_add(L, key, bucket == b1, &edge);
     t->size++;
     if (rc == KVC_OK) {
-        t->st.edge[store_find(&t->st, key)] = edge;
+        SEDGE(&t->st, store_find(&t->st, key)) = edge;
     } else {
         /* a cycle (or, rarely, no memory for a tree walk): rebuild the locator from the store */
         rc = locator_rebuild(t);
@@ -540,7 +548,7 @@ int kvc_table_update(kvc_table *t, uint64_t key, uint64_t value)
     int64_t at = store_find(&t->st, key);
     if (at < 0)
         return KVC_ERR_ABSENT;
-    t->st.vals[at] = value;
+    SVAL(&t->st, at) = value;
     t->touched_n = 0;
     touch_bucket(t, (uint32_t)(at / 4));
     return emit_touched(t);
@@ -553,10 +561,10 @@ int kvc_table_remove(kvc_table *t, uint64_t key)
     int64_t at = store_find(&t->st, key);
     if (at < 0)
         return KVC_ERR_ABSENT;
-    kvc_locator_remove(&t->loc, t->st.edge[at]);
-    t->st.keys[at] = EMPTY_KEY;
-    t->st.vals[at] = 0;
-    t->st.edge[at] = KVC_NO_EDGE;
+    kvc_locator_remove(&t->loc, SEDGE(&t->st, at));
+    SKEY(&t->st, at) = EMPTY_KEY;
+    SVAL(&t->st, at) = 0;
+    SEDGE(&t->st, at) = KVC_NO_EDGE;
     uint32_t b = (uint32_t)(at / 4);
     int rc = store_reseed(&t->st, b); /* fewer keys always fit: seed search ends quickly */
     t->size--;
@@ -575,22 +583,26 @@ int kvc_table_get(const kvc_table *t, uint64_t key, uint64_t *value_out)
     if (at < 0)
         return 0;
     if (value_out)
-        *value_out = t->st.vals[at];
+        *value_out = SVAL(&t->st, at);
     return 1;
 }
 
 /* Batches know their next keys: start fetching those keys' buckets (and, for inserts, locator
  * cells) a few operations ahead so the cache misses overlap with the current operation. */
-#define PREFETCH_AHEAD 4
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 8
+#endif
 
 static inline void prefetch_key(const kvc_table *t, uint64_t key, int with_locator)
 {
     uint32_t b0, b1;
     kvc_buckets(key, t->st.bucket_seed, t->st.nb, &b0, &b1);
-    __builtin_prefetch(&t->st.keys[(size_t)b0 * 4u]);
-    __builtin_prefetch(&t->st.keys[(size_t)b1 * 4u]);
-    __builtin_prefetch(&t->st.vals[(size_t)b0 * 4u]);
-    __builtin_prefetch(&t->st.vals[(size_t)b1 * 4u]);
+    __builtin_prefetch(&t->st.bk[b0].key[0]);
+    __builtin_prefetch(&t->st.bk[b0].val[3]);
+    __builtin_prefetch(&t->st.bk[b0].seed);
+    __builtin_prefetch(&t->st.bk[b1].key[0]);
+    __builtin_prefetch(&t->st.bk[b1].val[3]);
+    __builtin_prefetch(&t->st.bk[b1].seed);
     if (with_locator) {
         uint32_t a, b;
         kvc_cells(key, t->loc.seed, t->loc.ma, t->loc.mb, &a, &b);
@@ -662,8 +674,7 @@ uint64_t kvc_table_overflow_buckets(const kvc_table *t) { return t->st.overflow;
 
 uint64_t kvc_table_memory_bytes(const kvc_table *t)
 {
-    uint64_t slots = (uint64_t)t->st.nb * 4u;
-    return sizeof *t + slots * (8u + 8u + 4u) + (uint64_t)t->st.nb * 2u +
+    return sizeof *t + (uint64_t)t->st.nb * sizeof(kvc_bucket) +
            kvc_locator_memory_bytes(&t->loc) + BFS_CAP * sizeof(bfs_node) +
            t->rec_buckets.cap + t->rec_words.cap;
 }
@@ -703,20 +714,20 @@ int kvc_table_snapshot_write(const kvc_table *t, uint8_t *buf, size_t len)
     kvc_put64(p, t->size);
     p += 8;
     for (uint32_t b = 0; b < s->nb; b++, p += 2)
-        kvc_put16(p, s->seed[b]);
+        kvc_put16(p, s->bk[b].seed);
     for (size_t i = 0; i < slots; i++) {
         if (t->value_bits == 32) {
-            kvc_put32(p, (uint32_t)s->vals[i]);
+            kvc_put32(p, (uint32_t)SVAL(s, i));
             p += 4;
         } else {
-            kvc_put64(p, s->vals[i]);
+            kvc_put64(p, SVAL(s, i));
             p += 8;
         }
     }
     if (t->fp_bits)
         for (size_t i = 0; i < slots; i++, p += 2)
-            kvc_put16(p, s->keys[i] == EMPTY_KEY ? 0
-                                                 : (uint16_t)kvc_fingerprint(s->keys[i], t->fp_seed, t->fp_bits));
+            kvc_put16(p, SKEY(s, i) == EMPTY_KEY ? 0
+                                                 : (uint16_t)kvc_fingerprint(SKEY(s, i), t->fp_seed, t->fp_bits));
     size_t words = (size_t)t->loc.wa + t->loc.wb;
     for (size_t i = 0; i < words; i++, p += 8)
         kvc_put64(p, t->loc.words[i]);

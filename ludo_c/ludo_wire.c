@@ -11,12 +11,12 @@
 void *kvc_alloc(size_t bytes, int zero)
 {
     void *p = NULL;
-    if (bytes < HUGE_PAGE)
-        return zero ? calloc(1, bytes ? bytes : 1) : malloc(bytes ? bytes : 1);
-    if (posix_memalign(&p, HUGE_PAGE, bytes) != 0)
-        return NULL;
+    int huge = bytes >= HUGE_PAGE;
+    if (posix_memalign(&p, huge ? HUGE_PAGE : 64u, bytes ? bytes : 1) != 0)
+        return NULL; /* 64-byte alignment at least: buckets must not straddle extra lines */
 #ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE); /* advice only: failure just means 4 KiB pages */
+    if (huge)
+        madvise(p, bytes, MADV_HUGEPAGE); /* advice only: failure just means 4 KiB pages */
 #endif
     if (zero)
         memset(p, 0, bytes);
