@@ -20,6 +20,8 @@ MAX_BLOCKS = 1 << 16
 _RNG = np.random.default_rng(0x5EED_B10C)
 _TOKEN_MULT = _RNG.integers(1, 2**63, size=4096, dtype=np.uint64) | np.uint64(1)
 _POS_MULT = _RNG.integers(1, 2**63, size=MAX_BLOCKS, dtype=np.uint64) | np.uint64(1)
+_POS_MULT_INT = _POS_MULT.tolist()
+_MASK64 = (1 << 64) - 1
 
 
 def block_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
@@ -28,15 +30,14 @@ def block_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
     if nb == 0:
         return np.zeros(0, dtype=np.uint64)
     blocks = np.asarray(tokens[: nb * block_size], dtype=np.uint64).reshape(nb, block_size) + np.uint64(1)
-    with np.errstate(over="ignore"):
-        return (blocks * _TOKEN_MULT[:block_size]).sum(axis=1, dtype=np.uint64)
+    # uint64 array arithmetic wraps modulo 2^64 silently (only numpy scalars warn).
+    return (blocks * _TOKEN_MULT[:block_size]).sum(axis=1, dtype=np.uint64)
 
 
 def chain_keys(tokens: np.ndarray, block_size: int) -> np.ndarray:
     """Chain key of every full-block prefix of ``tokens`` (index i covers blocks 0..i)."""
     h = block_hashes(tokens, block_size)[:MAX_BLOCKS]
-    with np.errstate(over="ignore"):
-        return np.cumsum(h * _POS_MULT[: len(h)], dtype=np.uint64)
+    return np.cumsum(h * _POS_MULT[: len(h)], dtype=np.uint64)
 
 
 class GlobalBlockMap:
@@ -61,12 +62,11 @@ class GlobalBlockMap:
                         continue  # an orphan: its prefix is unknown, so it cannot be matched
                     key, depth = parent[0], parent[1]
                 toks = np.asarray(ev.token_ids, dtype=np.uint32)
-                hs = block_hashes(toks, ev.block_size)
+                hs = block_hashes(toks, ev.block_size).tolist()
                 for bh, h in zip(ev.block_hashes, hs):
                     if depth >= MAX_BLOCKS:
                         break
-                    with np.errstate(over="ignore"):
-                        key = int((np.uint64(key) + h * _POS_MULT[depth]))
+                    key = (key + h * _POS_MULT_INT[depth]) & _MASK64
                     depth += 1
                     entry = blocks.get(bh)
                     if entry is None:

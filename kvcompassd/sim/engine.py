@@ -50,6 +50,7 @@ class SimSettings:
     track_truth: bool = False        # keep an exact global cache map for the cross-region-only share
     progress: bool = False           # tqdm progress bar
     decode_batch_slope: float | None = None  # override the worker model's assumption
+    load_report_ms: float = 5.0      # how often a worker's exact queue delay is read (see _notify_load)
 
     def __post_init__(self) -> None:
         if self.eviction not in ("lru", "lfu"):
@@ -80,7 +81,7 @@ class _InFlight:
 RECORD_FIELDS = (
     "id", "arrival_s", "edge_region", "worker", "worker_region", "session", "prompt_tokens", "output_tokens",
     "claimed_tokens", "reused_tokens", "dram_tokens", "lookup_ms", "ttft_ms", "e2e_ms", "finish_s",
-    "compute_ms", "remote_only",
+    "compute_ms", "remote_only", "queue_ms",
 )
 
 
@@ -128,6 +129,9 @@ class Simulation:
         self._inflight: dict[int, _InFlight] = {}
         self._last_q = np.zeros(topo.n_workers)
         self._last_q_at = np.zeros(topo.n_workers)
+        self._last_exact_at = np.full(topo.n_workers, -1.0)
+        self._completion_gap_ms = np.zeros(topo.n_workers)  # EWMA of gaps between completions
+        self._last_completion = np.full(topo.n_workers, -1.0)
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
@@ -161,8 +165,25 @@ class Simulation:
             self.events_delivered += len(events)
             self.policy.on_cache_events(w, events, now=now)
 
-    def _notify_load(self, w: int, now: float) -> None:
-        q = self.models[w].queue_ms(now=now)
+    def _notify_load(self, w: int, now: float, added_ms: float = 0.0) -> None:
+        """Report ``w``'s queueing delay. The model's exact ``queue_ms`` runs a copy of the
+        worker forward when all slots are taken (O(queue x batch)), so it is read at most every
+        ``load_report_ms`` per worker, as an agent polling its engine would; in between the
+        estimate drains at 1 ms/ms and grows by each admitted request's prefill time."""
+        last = self._last_exact_at[w]
+        model = self.models[w]
+        if model.waiting > 0:
+            # Requests wait for a slot: the exact probe would replay the whole backlog. Estimate
+            # instead: the prefill backlog plus one observed completion gap per waiting request.
+            timing = self.timings[w]
+            q = (model.pending_prefill_tokens * timing.prefill_ms_per_token
+                 + (model.waiting + 1) * self._completion_gap_ms[w])
+            self._last_exact_at[w] = now
+        elif now - last >= self.s.load_report_ms / 1000.0 or last < 0:
+            q = model.queue_ms(now=now)
+            self._last_exact_at[w] = now
+        else:
+            q = max(0.0, self._last_q[w] - (now - self._last_q_at[w]) * 1000.0) + added_ms
         self._last_q[w] = q
         self._last_q_at[w] = now
         self.policy.on_worker_load(w, q, now=now)
@@ -235,7 +256,7 @@ class Simulation:
         self._emit_cache_events(w, events, now)
         self.models[w].admit(rid, req.prompt_tokens, vram, dram, req.output_tokens, now=now)
         self._account_load(w, now, st)
-        self._process_worker(w, now)
+        self._process_worker(w, now, admitted=self.timings[w].prefill_ms(req.prompt_tokens - vram - dram, dram))
 
     def _account_load(self, w: int, now: float, st: _InFlight) -> None:
         timing = self.timings[w]
@@ -245,8 +266,12 @@ class Simulation:
         key = (w, int(now // self.s.load_bin_s))
         self._load[key] = self._load.get(key, 0.0) + prefill + decode
 
-    def _process_worker(self, w: int, now: float) -> None:
-        for ev in self.models[w].advance(now=now):
+    def _process_worker(self, w: int, now: float, *, admitted: float | None = None) -> None:
+        model = self.models[w]
+        # The queue estimate changes with admissions and prefill completions; a decode completion
+        # only matters when requests wait for a slot. Skipping the others saves most calls.
+        changed = admitted is not None or model.waiting > 0
+        for ev in model.advance(now=now):
             rid = ev.request_id
             st = self._inflight[rid]
             if st.migration:
@@ -257,6 +282,7 @@ class Simulation:
                     del self._inflight[rid]
                 continue
             if isinstance(ev, FirstTokenProduced):
+                changed = True
                 st.first_token_at = ev.at
                 back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
                 st.ttft_s = ev.at + back - st.req.arrival_s
@@ -267,11 +293,16 @@ class Simulation:
                 reused = st.cached_vram + st.cached_dram
                 self._push(ev.at + back, _RESPONSE, (st.req, w, reused, dict(zip(members.tolist(), qv.tolist()))))
             elif isinstance(ev, RequestFinished):
+                if self._last_completion[w] >= 0:
+                    gap = (ev.at - self._last_completion[w]) * 1000.0
+                    self._completion_gap_ms[w] += 0.1 * (gap - self._completion_gap_ms[w])
+                self._last_completion[w] = ev.at
                 self.caches[w].unlock(st.lease)
                 back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
                 self._record(st, ev.at + back)
                 del self._inflight[rid]
-        self._notify_load(w, now)
+        if changed or model.waiting > 0:
+            self._notify_load(w, now, admitted or 0.0)
         self._schedule_wake(w)
 
     def _record(self, st: _InFlight, done_at_user: float) -> None:
@@ -284,6 +315,7 @@ class Simulation:
             req.prompt_tokens, req.output_tokens, st.claimed, st.cached_vram + st.cached_dram, st.cached_dram,
             st.lookup_ms, st.ttft_s * 1000.0, (done_at_user - req.arrival_s) * 1000.0, done_at_user,
             prefill + decode, st.remote_only,
+            max(0.0, (st.first_token_at - st.at_worker) * 1000.0 - prefill),  # wait before prefill started
         )
         for f, v in zip(RECORD_FIELDS, values):
             rows[f].append(v)

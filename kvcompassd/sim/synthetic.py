@@ -77,6 +77,7 @@ class CommonParams:
     tenants: int = 50
     system_prompt_tokens: tuple[int, int] = (100, 300)  # uniform range per tenant
     think_time_mean_s: float = 3.0
+    prewarm_think_times: float = 6.0  # sessions start this many mean think times before t=0
 
 
 class SessionWorkload:
@@ -112,7 +113,12 @@ class SessionWorkload:
         starts = ArrivalProcess(self.rate / self.mean_turns(), seed=self.seed + 1, azure=self._azure).times()
         segs = SegmentTokens()
         heap: list[tuple[float, int, _Session]] = []
-        next_start = next(starts)
+        # Sessions start ``prewarm`` seconds before time 0 and only turns from time 0 on are
+        # emitted, so the request rate is stationary from the first request (follow-up turns
+        # of earlier sessions are already under way, as in a running service).
+        prewarm = self.common.prewarm_think_times * self.common.think_time_mean_s
+        offset = -prewarm
+        next_start = next(starts) + offset
         sid = 0
         rid = 0
         while True:
@@ -122,13 +128,14 @@ class SessionWorkload:
                                    self.plan(rng, tenant, sid))
                 heapq.heappush(heap, (next_start, sid, session))
                 sid += 1
-                next_start = next(starts)
+                next_start = next(starts) + offset
                 continue
             t, _, session = heapq.heappop(heap)
             turn = session.turns[session.next_turn]
-            tokens = np.concatenate([segs.get(k, n, shared=shared) for k, n, shared in turn.segments])
-            yield Request(rid, t, session.region, session.sid, tokens, turn.output_tokens, session.tenant)
-            rid += 1
+            if t >= 0.0:
+                tokens = np.concatenate([segs.get(k, n, shared=shared) for k, n, shared in turn.segments])
+                yield Request(rid, t, session.region, session.sid, tokens, turn.output_tokens, session.tenant)
+                rid += 1
             session.next_turn += 1
             if session.next_turn < len(session.turns):
                 gap = float(rng.exponential(self.common.think_time_mean_s))

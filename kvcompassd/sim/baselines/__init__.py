@@ -12,6 +12,7 @@ from .dynamo import DynamoPolicy
 from .hashing import ChordPolicy, ConsistentHashPolicy
 from .oracle import OraclePolicy
 from .planetserve import PlanetServePolicy
+from .random_policy import RandomPolicy
 from .skywalker import SkyWalkerPolicy
 
 BASELINES: dict[str, Callable[..., Any]] = {
@@ -22,11 +23,12 @@ BASELINES: dict[str, Callable[..., Any]] = {
     "skywalker": SkyWalkerPolicy,
     "dynamo": DynamoPolicy,
     "oracle": OraclePolicy,
+    "random": RandomPolicy,
 }
 
 # Short names as in the paper's figures.
 SHORT = {"central-directory": "CD", "planetserve": "PS", "consistent-hash": "CH", "chord": "ChD",
-         "skywalker": "SW", "dynamo": "Dyn", "kvcompass": "KVC", "oracle": "Oracle"}
+         "skywalker": "SW", "dynamo": "Dyn", "kvcompass": "KVC", "oracle": "Oracle", "random": "Rand"}
 
 
 def make_baseline(name: str, topo: Topology, **options: Any):
