@@ -57,7 +57,6 @@ from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.migration import MigrationPlanned
-from kvcompassd.core.queues import QueueVectorBroadcast
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
@@ -73,6 +72,12 @@ EPOCH = 1
 
 
 class KVCompassPolicy(BasePolicy):
+    """KVCompass over the real core. Options: ``ablation`` (§5.4, passed to every Router),
+    ``consistency`` (cross-level consistency of the lookup), the update transport
+    (``update_delay_ms``, ``update_loss``, ``repair``, ``wan_propagation``,
+    ``flush_interval_ms``; see the module docstring), ``seed`` (loss draws only) and ``top_k``
+    (score terms kept per decision: the daemon logs 3, the simulator needs none)."""
+
     name = "kvcompass"
 
     def __init__(
@@ -402,5 +407,5 @@ class KVCompassPolicy(BasePolicy):
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["index_entries"] = sum(s.entries() for s in self.shards)
-        out["edge_resyncs"] = sum(v.resyncs for v in self.views)
+        out["gap_detections"] = sum(v.resyncs for v in self.views)  # batches that found a gap (deduplicated into "resyncs")
         return out
