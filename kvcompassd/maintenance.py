@@ -20,7 +20,7 @@ from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, MaintenanceConfig
 from kvcompassd.core.index import MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
-from kvcompassd.daemon import split_address
+from kvcompassd.daemon import DAEMON_TRANSPORT, split_address
 from kvcompassd.metrics import MaintenanceMetrics
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode
 from kvcompassd.wire import (
@@ -65,7 +65,7 @@ class MaintenanceNode:
     """One maintenance unit: QUIC listener, shard, subscribers."""
 
     def __init__(self, cfg: ClusterConfig, me: MaintenanceConfig, tls: TlsFiles, *,
-                 epoch: int | None = None, metrics: MaintenanceMetrics | None = None):
+                 epoch: int | None = None, metrics: MaintenanceMetrics | None = None, agent_grace_s: float = 3.0):
         self.cfg = cfg
         self.me = me
         self.layout = IndexLayout.from_config(cfg)
@@ -81,12 +81,13 @@ class MaintenanceNode:
             max_load=cfg.index.max_load,
         )
         self.node = QuicNode(NodeIdentity(Role.MAINTENANCE, me.id), tls, on_message=self._on_message,
-                             on_peer_state=self._on_peer_state)
+                             on_peer_state=self._on_peer_state, options=DAEMON_TRANSPORT)
         self.subscribers: dict[str, Peer] = {}
         self.workers: dict[str, _WorkerStream] = {}
         self.stats = MaintenanceStats()
         self.metrics = metrics or MaintenanceMetrics()
         self._flush_pending = False
+        self.agent_grace_s = agent_grace_s
         self.address: tuple[str, int] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -105,10 +106,29 @@ class MaintenanceNode:
     # -- messages -----------------------------------------------------------------------------
 
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:
-        if not connected and peer.identity is not None:
-            if self.subscribers.get(peer.identity.node_id) is peer:
-                del self.subscribers[peer.identity.node_id]
-                log.info("edge unsubscribed", edge=peer.identity.node_id)
+        if connected or peer.identity is None:
+            return
+        node_id = peer.identity.node_id
+        if self.subscribers.get(node_id) is peer:
+            del self.subscribers[node_id]
+            log.info("edge unsubscribed", edge=node_id)
+        if peer.identity.role == Role.AGENT and node_id in self.workers:
+            # An agent that stays away cannot serve forwarded requests: after a grace period
+            # (room for a reconnection) its worker's entries leave the index.
+            stream = self.workers[node_id]
+            incarnation = stream.incarnation
+            asyncio.get_running_loop().call_later(self.agent_grace_s, self._withdraw_if_gone, node_id, incarnation)
+
+    def _withdraw_if_gone(self, worker: str, incarnation: int) -> None:
+        stream = self.workers.get(worker)
+        connected = any(p.identity is not None and p.identity.node_id == worker and p.is_connected
+                        for p in self.node.peers())
+        if stream is None or stream.incarnation != incarnation or connected:
+            return
+        outcome = self.shard.withdraw_worker(worker)
+        self._applied(outcome)
+        stream.incarnation = incarnation  # a returning agent registers a newer one
+        log.warning("agent gone: worker withdrawn from the shard", worker=worker, withdrawn=outcome.applied)
 
     def _on_message(self, peer: Peer, message, channel: ChannelInfo) -> None:
         handler = self._handlers.get(type(message))
