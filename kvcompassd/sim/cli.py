@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Sequence[float], *, seed: int = 0,
              duration_s: float | None = None, max_requests: int | None = None, warmup_s: float = 0.0,
              settings: SimSettings | None = None, regions_by: str = "workers", traces: str | None = None,
-             progress: bool = False) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
+             progress: bool = False, policy_options: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
     """Every scheme at every rate on fresh workers and the same request stream (same seed)."""
     if duration_s is None and max_requests is None:
         raise SystemExit("give --duration or --requests")
@@ -95,7 +95,8 @@ def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Seque
         outer = tqdm(total=len(schemes) * len(rates), unit="run", desc=f"{workload}@{cfg.name}")
     for rate in rates:
         for scheme in schemes:
-            policy = make_policy(scheme, topo, seed=seed)
+            options = (policy_options or {}) if scheme.startswith("kvcompass") else {}
+            policy = make_policy(scheme, topo, seed=seed, **options)
             s = dataclasses.replace(base, progress=progress)
             result = simulate(topo, policy, make_workload(workload, rate, weights, seed=seed, traces=traces),
                               settings=s, max_requests=max_requests, duration_s=duration_s)

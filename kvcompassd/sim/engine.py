@@ -107,6 +107,11 @@ class Simulation:
     def __init__(self, topo: Topology, policy: RoutingPolicy, settings: SimSettings = SimSettings()) -> None:
         self.topo = topo
         self.policy = policy
+        # A policy that models its own update transport (KVCompass: agent -> shard -> edge, with
+        # gap detection) takes the delay/loss settings over, so they are not applied twice.
+        adopt = getattr(policy, "adopt_update_transport", None)
+        if adopt is not None:
+            settings = adopt(settings)
         self.s = settings
         self.rng = np.random.default_rng(settings.seed)
         overrides = {} if settings.decode_batch_slope is None else {"decode_batch_slope": settings.decode_batch_slope}

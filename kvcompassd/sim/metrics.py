@@ -31,6 +31,7 @@ class Summary:
     remote_only_share: float         # of requests with a >=1024-token reusable prefix, held only remotely (NaN if untracked)
     load_factor_peak: float          # hottest worker's time-averaged load / mean
     lookup_ms_mean: float
+    queue_mean_ms: float             # mean wait at the worker before prefill started
     wall_s: float
     sim_requests_per_wall_s: float
 
@@ -66,11 +67,14 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
     ttft, e2e = r["ttft_ms"][m], r["e2e_ms"][m]
     prompt, out = r["prompt_tokens"][m], r["output_tokens"][m]
     reused, claimed, dram = r["reused_tokens"][m], r["claimed_tokens"][m], r["dram_tokens"][m]
-    # Sustained throughput: tokens of the measured requests that finished inside the arrival
-    # window, over the window (an overloaded scheme's backlog drains after it and does not count).
-    start, end = float(r["arrival_s"][m].min()), float(r["arrival_s"][m].max())
+    # Sustained throughput: tokens of all requests that finished inside the measurement window
+    # (after warm-up, up to the last arrival), over the window. An overloaded scheme's backlog
+    # drains after the window and does not count.
+    start, end = max(warmup_s, float(r["arrival_s"].min())), float(r["arrival_s"].max())
     span = max(end - start, 1e-9)
-    done = r["finish_s"][m] <= end
+    in_window = (r["finish_s"] >= start) & (r["finish_s"] <= end)
+    window_tokens = float(r["prompt_tokens"][in_window].sum() + r["output_tokens"][in_window].sum())
+    window_out = float(r["output_tokens"][in_window].sum())
     false = claimed > reused
     has_claim = claimed > 0
     remote_only = r["remote_only"][m]
@@ -84,8 +88,8 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         ttft_mean_ms=float(ttft.mean()),
         e2e_p50_ms=float(np.percentile(e2e, 50)),
         e2e_p99_ms=float(np.percentile(e2e, 99)),
-        throughput_tok_s=float((prompt[done].sum() + out[done].sum()) / span),
-        output_tok_s=float(out[done].sum() / span),
+        throughput_tok_s=window_tokens / span,
+        output_tok_s=window_out / span,
         reused_tokens=int(reused.sum()),
         recomputed_tokens=int((prompt - reused).sum()),
         hit_rate=float(reused.sum() / prompt.sum()),
@@ -96,6 +100,7 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         remote_only_share=float((remote_only[tracked] == 1).mean()) if tracked.any() else float("nan"),
         load_factor_peak=load_factor_peak(result, warmup_s),
         lookup_ms_mean=float(r["lookup_ms"][m].mean()),
+        queue_mean_ms=float(r["queue_ms"][m].mean()),
         wall_s=result.wall_s,
         sim_requests_per_wall_s=result.completed / result.wall_s if result.wall_s > 0 else float("inf"),
     )

@@ -180,6 +180,20 @@ def mooncake_sessions(records: Sequence[MooncakeRecord]) -> list[int]:
     return sessions
 
 
+def session_regions(sessions: Sequence[int], region_weights: Mapping[str, float], *, seed: int = 0) -> list[str]:
+    """Region per request: each new session draws one in proportion to the weights; its later
+    turns inherit it (appendix D)."""
+    rng = np.random.default_rng(seed)
+    region_of: dict[int, str] = {}
+    out = []
+    for session in sessions:
+        region = region_of.get(session)
+        if region is None:
+            region = region_of[session] = weighted_choice(rng, region_weights)
+        out.append(region)
+    return out
+
+
 def mooncake_requests(
     path: str | Path,
     region_weights: Mapping[str, float],
@@ -193,13 +207,9 @@ def mooncake_requests(
     assigned to regions in proportion to ``region_weights`` and follow-ups inherit the region."""
     records = read_mooncake(path, limit=limit)
     sessions = mooncake_sessions(records)
-    rng = np.random.default_rng(seed)
-    region_of: dict[int, str] = {}
+    regions = session_regions(sessions, region_weights, seed=seed)
     segs = SegmentTokens()
-    for i, (rec, session) in enumerate(zip(records, sessions)):
-        region = region_of.get(session)
-        if region is None:
-            region = region_of[session] = weighted_choice(rng, region_weights)
+    for i, (rec, session, region) in enumerate(zip(records, sessions, regions)):
         parts = [segs.get(segment_key("mooncake", h), MOONCAKE_BLOCK_TOKENS) for h in rec.hash_ids]
         tokens = np.concatenate(parts)[: rec.input_length]
         yield Request(i, rec.timestamp_ms / 1000.0, region, session, tokens, max(1, rec.output_length), tenant)
