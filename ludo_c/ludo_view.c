@@ -55,15 +55,22 @@ static inline void fp_set(uint8_t *fps, unsigned d, uint64_t slot, unsigned fp)
     memcpy(fps + (bit >> 3), &w, 8);
 }
 
-static inline uint32_t ov_hash(uint32_t bucket, uint32_t cap)
+/* The overflow map: open addressing with linear probing over any capacity (it grows by half, so
+ * it never sits far below its maximum load of 0.85). Every lookup in it is for a bucket that is
+ * there, so probes stay short even when it is full-ish; only inserts pay for long probes. */
+static inline uint32_t ov_home(uint32_t bucket, uint32_t cap)
 {
-    return (uint32_t)(kvc_fmix64(bucket) & (cap - 1u));
+    return kvc_mulshift(kvc_fmix64(bucket) >> 32, cap);
 }
+
+static inline uint32_t ov_next(uint32_t i, uint32_t cap) { return i + 1u == cap ? 0u : i + 1u; }
+
+/* Distance going forward from slot a to slot b on the ring. */
+static inline uint32_t ov_dist(uint32_t a, uint32_t b, uint32_t cap) { return b >= a ? b - a : b + cap - a; }
 
 static unsigned ov_get(const kvc_view *v, uint32_t bucket)
 {
-    uint32_t mask = v->ov_cap - 1u;
-    for (uint32_t i = ov_hash(bucket, v->ov_cap);; i = (i + 1u) & mask) {
+    for (uint32_t i = ov_home(bucket, v->ov_cap);; i = ov_next(i, v->ov_cap)) {
         if (v->ov_bucket[i] == bucket + 1u)
             return v->ov_seed[i];
         if (v->ov_bucket[i] == 0)
@@ -73,8 +80,7 @@ static unsigned ov_get(const kvc_view *v, uint32_t bucket)
 
 static void ov_put_nogrow(kvc_view *v, uint32_t bucket, unsigned seed)
 {
-    uint32_t mask = v->ov_cap - 1u;
-    for (uint32_t i = ov_hash(bucket, v->ov_cap);; i = (i + 1u) & mask) {
+    for (uint32_t i = ov_home(bucket, v->ov_cap);; i = ov_next(i, v->ov_cap)) {
         if (v->ov_bucket[i] == bucket + 1u) {
             v->ov_seed[i] = (uint16_t)seed;
             return;
@@ -91,16 +97,15 @@ static void ov_put_nogrow(kvc_view *v, uint32_t bucket, unsigned seed)
 /* Backward-shift deletion keeps linear probing chains intact without tombstones. */
 static void ov_remove(kvc_view *v, uint32_t bucket)
 {
-    uint32_t mask = v->ov_cap - 1u, i = ov_hash(bucket, v->ov_cap);
+    uint32_t cap = v->ov_cap, i = ov_home(bucket, cap);
     while (v->ov_bucket[i] != bucket + 1u) {
         if (v->ov_bucket[i] == 0)
             return;
-        i = (i + 1u) & mask;
+        i = ov_next(i, cap);
     }
-    for (uint32_t j = (i + 1u) & mask; v->ov_bucket[j] != 0; j = (j + 1u) & mask) {
-        uint32_t home = ov_hash(v->ov_bucket[j] - 1u, v->ov_cap);
-        /* move j back into the hole at i if its home is not in (i, j] cyclically */
-        if (((j - home) & mask) >= ((j - i) & mask)) {
+    for (uint32_t j = ov_next(i, cap); v->ov_bucket[j] != 0; j = ov_next(j, cap)) {
+        uint32_t home = ov_home(v->ov_bucket[j] - 1u, cap);
+        if (ov_dist(home, j, cap) >= ov_dist(i, j, cap)) { /* home not in (i, j]: fill the hole */
             v->ov_bucket[i] = v->ov_bucket[j];
             v->ov_seed[i] = v->ov_seed[j];
             i = j;
@@ -110,16 +115,16 @@ static void ov_remove(kvc_view *v, uint32_t bucket)
     v->ov_n--;
 }
 
-/* Make room for `extra` more overflow entries at load <= 3/4 (rehash into a bigger array). */
+/* Make room for `extra` more overflow entries at load <= 0.85 (rehash into a bigger array). */
 static int ov_reserve(kvc_view *v, uint64_t extra)
 {
     uint64_t need = (uint64_t)v->ov_n + extra;
-    if (v->ov_cap && need * 4u <= v->ov_cap * 3u)
+    if (v->ov_cap && need * 20u <= (uint64_t)v->ov_cap * 17u)
         return KVC_OK;
-    uint64_t cap = v->ov_cap ? v->ov_cap : 16u;
-    while (need * 4u > cap * 3u)
-        cap *= 2u;
-    if (cap > (UINT64_C(1) << 31))
+    uint64_t cap = v->ov_cap > 16u ? v->ov_cap : 16u;
+    while (need * 20u > cap * 17u)
+        cap += cap / 2u;
+    if (cap >= (UINT64_C(1) << 32))
         return KVC_ERR_NOMEM;
     uint32_t *nbk = kvc_alloc((cap) * sizeof *nbk, 1);
     uint16_t *nsd = kvc_alloc((cap) * sizeof *nsd, 1);

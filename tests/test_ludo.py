@@ -223,6 +223,18 @@ def test_overflow_map_grows_with_online_inserts():
     assert view.overflow_capacity > small_capacity
     assert view.memory_bytes > memory_before
     assert view_matches(view, oracle)
+    for _ in range(6):  # churn at high load: buckets enter and leave the map many times
+        fresh = fill(LudoTable(1, seed=0), 3000, rng)  # just a source of new random keys
+        table.insert_many(list(fresh), list(fresh.values()))
+        oracle.update(fresh)
+        gone = rng.sample(list(oracle), 3000)
+        table.remove_many(gone)
+        for key in gone:
+            del oracle[key]
+        for blob in table.take_updates():
+            view.apply(blob)
+        assert view.overflow_count == table.overflow_buckets
+        assert view_matches(view, oracle)
     removed = list(oracle)[:20000]  # emptier buckets need smaller seeds: entries leave the map
     table.remove_many(removed)
     for key in removed:
