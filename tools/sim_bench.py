@@ -1,0 +1,58 @@
+"""Simulator speed: simulated requests per wall-clock second on a deployment, per scheme.
+
+    python tools/sim_bench.py [--deployment census-64x8] [--workload mixed] [--rate 600]
+                              [--duration 5] [--repeats 3] [--schemes oracle,kvcompass,...]
+
+Prints the median over repeats for each scheme and its ratio to the Oracle (the cheapest
+policy, measured in the same run), so the figures compare on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from kvcompassd.core.config import load_config
+from kvcompassd.sim.cli import resolve_deployment
+from kvcompassd.sim.engine import SimSettings, simulate
+from kvcompassd.sim.policy import Topology
+from kvcompassd.sim.schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_policy, make_workload, region_weights
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deployment", default="census-64x8")
+    ap.add_argument("--workload", default="mixed")
+    ap.add_argument("--rate", type=float, default=600.0)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--schemes", default=",".join(("oracle", *PAPER_SCHEMES)))
+    args = ap.parse_args(argv)
+    topo = Topology.from_config(load_config(resolve_deployment(args.deployment)))
+    weights = region_weights(topo)
+    schemes = [s for s in args.schemes.split(",") if s]
+    if "oracle" not in schemes:
+        schemes.insert(0, "oracle")
+    t0 = time.perf_counter()
+    rates: dict[str, list[float]] = {s: [] for s in schemes}
+    for rep in range(args.repeats):
+        for scheme in schemes:
+            t = time.perf_counter()
+            res = simulate(topo, make_policy(scheme, topo, seed=rep), make_workload(args.workload, args.rate, weights, seed=rep),
+                           settings=SimSettings(eviction=DEFAULT_EVICTION[args.workload], seed=rep),
+                           duration_s=args.duration)
+            rates[scheme].append(res.completed / (time.perf_counter() - t))
+    ref = statistics.median(rates["oracle"])
+    print(f"{args.deployment} / {args.workload} at {args.rate:g} req/s for {args.duration:g} virtual s, "
+          f"median of {args.repeats} (wall {time.perf_counter() - t0:.0f} s)")
+    print(f"{'scheme':24s} {'sim req/s':>10s} {'vs oracle':>10s}")
+    for scheme in schemes:
+        med = statistics.median(rates[scheme])
+        print(f"{scheme:24s} {med:10.0f} {med / ref:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
