@@ -54,18 +54,16 @@ class KvEventPublisher:
         self._dp_rank = dp_rank
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
+        self._requested = (endpoint, replay_endpoint)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
-        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = ""
         self._replay: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay_task: asyncio.Task[None] | None = None
         self.published = 0
 
@@ -73,8 +71,14 @@ class KvEventPublisher:
     def next_seq(self) -> int:
         return self._next_seq
 
-    def start(self) -> None:
-        if self._replay is not None and self._replay_task is None:
+    async def start(self, *, bind_timeout: float = 5.0) -> None:
+        """Bind both sockets (``*`` as the port picks a free one) and serve replays. ZMQ
+        releases a closed socket's port in its I/O thread, so a bind right after a restart in
+        the same process may briefly find the port busy: retry until ``bind_timeout``."""
+        endpoint, replay_endpoint = self._requested
+        self.endpoint = await _bind(self._pub, endpoint, bind_timeout)
+        if self._replay is not None and replay_endpoint:
+            self.replay_endpoint = await _bind(self._replay, replay_endpoint, bind_timeout)
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     def publish(self, events: Iterable[KvEvent], *, ts: float | None = None) -> int | None:
@@ -109,11 +113,28 @@ class KvEventPublisher:
             await self._replay.send_multipart(replay_end_frames(identity))
 
     async def close(self) -> None:
+        """Stop serving and close both sockets, unbinding first so the ports free up soon."""
         if self._replay_task is not None:
             self._replay_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replay_task
             self._replay_task = None
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        for socket, bound in ((self._pub, self.endpoint), (self._replay, self.replay_endpoint)):
+            if socket is not None:
+                if bound:
+                    with contextlib.suppress(zmq.ZMQError):
+                        socket.unbind(bound)
+                socket.close(linger=0)
+
+
+async def _bind(socket: zmq.asyncio.Socket, endpoint: str, timeout: float) -> str:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            socket.bind(endpoint)
+            return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or loop.time() >= deadline:
+                raise
+            await asyncio.sleep(0.02)

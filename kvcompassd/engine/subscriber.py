@@ -13,23 +13,33 @@ On a gap the subscriber asks the replay socket for everything from the first mis
 applies what it gets in order and drops duplicates; live messages wait in the SUB queue
 meanwhile. A fresh DEALER per replay keeps late answers of a timed-out replay from leaking
 into the next one.
+
+Restarts: a live seq below the last one is a new publisher. But a restarted engine may have
+published past the old seq before ZMQ reconnects, so the seq alone cannot tell. The SUB
+socket's monitor reports TCP disconnects; after one, the next live message is checked by asking
+the replay socket for the last applied seq: the same process answers with the same bytes, a new
+one with other bytes (its batches carry other timestamps) or not at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvcompassd.engine.kvevents import (
     EventBatch,
     KvEventError,
+    ReplayedBatch,
     ReplayEnded,
     SeqVerdict,
     SequenceTracker,
@@ -40,6 +50,7 @@ from kvcompassd.engine.kvevents import (
 )
 
 log = logging.getLogger(__name__)
+_monitor_ids = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +106,11 @@ class KvEventSubscriber:
         self._drop = drop
         self.tracker = SequenceTracker()
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._last_digest: bytes | None = None
         self.replays = 0
         self.delivered = 0
+        self.disconnects = 0
 
     async def _emit(self, item: SubscriberItem) -> None:
         result = self._callback(item)
@@ -111,7 +125,22 @@ class KvEventSubscriber:
             self._sub = self._ctx.socket(zmq.SUB)
             self._sub.setsockopt(zmq.LINGER, 0)
             self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            address = f"inproc://kvcompassd-sub-monitor-{id(self)}-{next(_monitor_ids)}"
+            self._sub.monitor(address, zmq.EVENT_DISCONNECTED)
+            # a plain socket on the same context: drained without awaiting, before each message
+            self._monitor = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
+            self._monitor.setsockopt(zmq.LINGER, 0)
+            self._monitor.connect(address)
             self._sub.connect(self._endpoint)
+
+    def _disconnected(self) -> bool:
+        seen = False
+        while self._monitor is not None and self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                seen = True
+                self.disconnects += 1
+        return seen
 
     async def run(self) -> None:
         self.connect()
@@ -121,8 +150,13 @@ class KvEventSubscriber:
                 frames = await self._sub.recv_multipart()
                 await self.handle_live(frames)
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
             self._sub.close(linger=0)
             self._sub = None
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+                self._monitor = None
 
     async def handle_live(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[0] != self._topic:
@@ -136,9 +170,14 @@ class KvEventSubscriber:
         if self._drop is not None and self._drop(seq):
             return
         previous = self.tracker.last_live
+        if self._disconnected() and await self._publisher_changed():
+            await self._emit(PublisherRestarted(previous if previous is not None else -1, seq))
+            self.tracker.reset()
+            self._last_digest = None
         check = self.tracker.check_live(seq)
         if check.verdict is SeqVerdict.RESTART:
             await self._emit(PublisherRestarted(previous if previous is not None else -1, seq))
+            self._last_digest = None
             check = self.tracker.check_live(seq)
         if check.verdict is SeqVerdict.DUPLICATE:
             return
@@ -156,7 +195,29 @@ class KvEventSubscriber:
             await self._emit(BatchRejected(seq, str(exc)))
             return
         self.tracker.applied(seq)
+        self._last_digest = hashlib.blake2b(payload, digest_size=16).digest()
         await self._emit(batch)
+
+    async def _publisher_changed(self) -> bool:
+        """After a reconnect: does the replay socket still hold our last batch, byte for byte?"""
+        last = self.tracker.last_applied
+        if self._replay_endpoint is None or last is None or self._last_digest is None:
+            return False  # nothing to compare: only a seq going back reveals a restart
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self._replay_endpoint)
+            await dealer.send_multipart(replay_request_frames(last))
+            reply = decode_replay_reply(await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout))
+        except (TimeoutError, KvEventError) as exc:
+            log.warning("could not check the publisher after a reconnect: %r", exc)
+            return False
+        finally:
+            dealer.close(linger=0)
+        if isinstance(reply, ReplayedBatch) and reply.seq == last:
+            return hashlib.blake2b(reply.payload, digest_size=16).digest() != self._last_digest
+        # the same process would still buffer the batch it sent last (buffers drop the oldest)
+        return True
 
     async def _recover(self, first_missing: int, live_seq: int) -> None:
         """Replay ``first_missing..live_seq-1`` (and whatever follows) or report it lost."""

@@ -1,0 +1,313 @@
+"""HTTP layer of the emulated SGLang worker (aiohttp): request parsing and response shapes.
+
+Shapes follow SGLang: ``/generate`` returns ``{"text", "output_ids", "meta_info": {"id",
+"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}}`` and
+streams cumulative chunks as ``data: {...}`` then ``data: [DONE]``; the OpenAI routes report
+reuse in ``usage.prompt_tokens_details.cached_tokens``; ``/v1/loads`` is SGLang's
+``{"timestamp", "version", "dp_rank_count", "loads": [...], "aggregate": {...}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvcompassd.core.workermodel import WorkerModelError
+from kvcompassd.emulator.server import (
+    VERSION,
+    BadRequest,
+    EmulatedEngine,
+    Generation,
+    byte_text,
+    byte_tokens,
+    MAX_TOKEN_ID,
+)
+
+ENGINE = web.AppKey("engine", EmulatedEngine)
+
+
+def chat_prompt(messages: Any) -> str:
+    """Llama-3 chat layout as plain text (byte-level tokenised by the emulator)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty array")
+    parts = ["<|begin_of_text|>"]
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest("each message needs a role")
+        content = message.get("content", "")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise BadRequest("message content must be a string")
+        parts.append(f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n{content}<|eot_id|>")
+    parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    return "".join(parts)
+
+
+def parse_ids(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"{what} must be a non-empty array of token ids")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise BadRequest(f"{what} holds an invalid token id {t!r}")
+    return value
+
+
+def _count(value: Any, what: str, default: int, limit: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise BadRequest(f"{what} must be an int in [1, {limit}], got {value!r}")
+    return value
+
+
+def server_info(engine: EmulatedEngine) -> dict[str, Any]:
+    s, publisher = engine.settings, engine.publisher
+    kv_events = {  # SGLang's --kv-events-config JSON, as it would be passed on the command line
+        "publisher": "zmq",
+        "endpoint": publisher.endpoint,
+        "replay_endpoint": publisher.replay_endpoint,
+        "topic": s.kv_events_topic,
+        "buffer_steps": s.replay_buffer_steps,
+    }
+    return {
+        "model_path": s.model,
+        "served_model_name": s.model,
+        "tokenizer_path": "byte-level",
+        "page_size": s.block_size,
+        "max_running_requests": s.timing.max_running,
+        "max_total_num_tokens": engine.cache.vram_pages_max * s.block_size,
+        "radix_eviction_policy": s.eviction,
+        "enable_hierarchical_cache": s.dram_kv_tokens > 0,
+        "hicache_size_tokens": s.dram_kv_tokens,
+        "kv_events_config": json.dumps(kv_events),
+        "version": VERSION,
+        "emulator": {"worker_id": s.worker_id, "time_scale": s.time_scale, "seed": s.seed,
+                     "block_size": s.block_size, "timing": dataclasses.asdict(s.timing)},
+        "internal_states": [{"last_gen_throughput": engine.load()["gen_throughput"]}],
+    }
+
+
+def loads_response(engine: EmulatedEngine) -> dict[str, Any]:
+    load = engine.load()
+    return {
+        "timestamp": datetime.now(timezone.utc).isoformat(),
+        "version": VERSION,
+        "dp_rank_count": 1,
+        "loads": [load],
+        "aggregate": {
+            "total_running_reqs": load["num_running_reqs"],
+            "total_waiting_reqs": load["num_waiting_reqs"],
+            "total_reqs": load["num_total_reqs"],
+            "avg_token_usage": load["token_usage"],
+            "avg_throughput": load["gen_throughput"],
+            "avg_utilization": load["utilization"],
+        },
+    }
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"object": "error", "error": {"message": message, "type": "BadRequestError", "code": status}}, status=status
+    )
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+async def _sse_start(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+async def _sse_send(response: web.StreamResponse, payload: Any) -> None:
+    data = b"[DONE]" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+    await response.write(b"data: " + data + b"\n\n")
+
+
+def _handler(fn: Callable[[EmulatedEngine, web.Request], Any]) -> Callable[[web.Request], Any]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            return await fn(request.app[ENGINE], request)
+        except (BadRequest, WorkerModelError) as exc:
+            return _error(400, str(exc))
+
+    return handle
+
+
+async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamResponse:
+    body = await _body(request)
+    if body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            raise BadRequest("batched input_ids are not supported by the emulator")
+        prompt = parse_ids(ids, "input_ids")
+    elif isinstance(body.get("text"), str) and body["text"]:
+        prompt = byte_tokens(body["text"])
+    else:
+        raise BadRequest("give 'text' (a non-empty string) or 'input_ids'")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise BadRequest("sampling_params must be an object")
+    s = engine.settings
+    max_new = _count(params.get("max_new_tokens"), "max_new_tokens", s.default_max_new_tokens, s.max_new_tokens_limit)
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise BadRequest("rid must be a string")
+    gen = Generation(rid, prompt, max_new)
+
+    def shape(g: Generation) -> dict[str, Any]:
+        return {"text": byte_text(g.output), "output_ids": list(g.output), "meta_info": g.meta_info()}
+
+    if body.get("stream"):
+        response = await _sse_start(request)
+        async for g in engine.generate(gen, stream=True):
+            await _sse_send(response, shape(g))
+        await _sse_send(response, None)
+        return response
+    async for _ in engine.generate(gen, stream=False):
+        pass
+    return web.json_response(shape(gen))
+
+
+def _usage(g: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": len(g.prompt),
+        "completion_tokens": len(g.output),
+        "total_tokens": len(g.prompt) + len(g.output),
+        "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
+    }
+
+
+async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    body = await _body(request)
+    if chat:
+        prompt = byte_tokens(chat_prompt(body.get("messages")))
+    else:
+        raw = body.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+            raw = raw[0]
+        if isinstance(raw, str) and raw:
+            prompt = byte_tokens(raw)
+        elif isinstance(raw, list):
+            prompt = parse_ids(raw, "prompt")
+        else:
+            raise BadRequest("prompt must be a non-empty string or an array of token ids")
+    s = engine.settings
+    limit_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_new = _count(body.get(limit_key), limit_key, 16 if not chat else s.default_max_new_tokens,
+                     s.max_new_tokens_limit)
+    kind = "chat.completion" if chat else "text_completion"
+    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created, model = int(time.time()), body.get("model") or s.model
+    gen = Generation(ident, prompt, max_new)
+
+    def choice(text: str, finish: str | None, *, delta: bool, first: bool = False) -> dict[str, Any]:
+        if not chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+        if not delta:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish, "matched_stop": None}
+        content: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+
+    if not body.get("stream"):
+        async for _ in engine.generate(gen, stream=False):
+            pass
+        return web.json_response({"id": ident, "object": kind, "created": created, "model": model,
+                                  "choices": [choice(byte_text(gen.output), "length", delta=False)],
+                                  "usage": _usage(gen)})
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    response = await _sse_start(request)
+    chunk_kind = kind + ".chunk" if chat else kind
+
+    async def send(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
+        payload = {"id": ident, "object": chunk_kind, "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        await _sse_send(response, payload)
+
+    if chat:
+        await send([choice("", None, delta=True, first=True)])
+    sent = 0
+    async for g in engine.generate(gen, stream=True):
+        text = byte_text(g.output[sent:])
+        sent = len(g.output)
+        if g.finished:
+            if text:
+                await send([choice(text, None, delta=True)])
+            await send([choice("", "length", delta=True)])
+        elif text:
+            await send([choice(text, None, delta=True)])
+    if include_usage:
+        await send([], _usage(gen))
+    await _sse_send(response, None)
+    return response
+
+
+async def completions(engine: EmulatedEngine, request: web.Request) -> web.StreamResponse:
+    return await _openai(engine, request, chat=False)
+
+
+async def chat_completions(engine: EmulatedEngine, request: web.Request) -> web.StreamResponse:
+    return await _openai(engine, request, chat=True)
+
+
+async def models(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [
+        {"id": engine.settings.model, "object": "model", "created": 0, "owned_by": "sglang",
+         "root": engine.settings.model}]})
+
+
+async def info(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    return web.json_response(server_info(engine))
+
+
+async def loads(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    return web.json_response(loads_response(engine))
+
+
+async def metrics(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    engine.update_gauges()
+    body = generate_latest(engine.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def health(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def flush_cache(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    engine.flush()
+    return web.Response(text="Cache flushed.\n")
+
+
+def build_app(engine: EmulatedEngine) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app[ENGINE] = engine
+    post = {"/generate": generate, "/v1/completions": completions, "/v1/chat/completions": chat_completions,
+            "/flush_cache": flush_cache}
+    get = {"/v1/models": models, "/server_info": info, "/get_server_info": info, "/v1/loads": loads,
+           "/get_loads": loads, "/metrics": metrics, "/health": health, "/health_generate": health}
+    for path, fn in post.items():
+        app.router.add_post(path, _handler(fn))
+    for path, fn in get.items():
+        app.router.add_get(path, _handler(fn))
+    return app

@@ -1,0 +1,413 @@
+"""Emulated SGLang worker: SGLang's HTTP routes and KV-event stream, no GPU.
+
+A :class:`~kvcompassd.core.prefixcache.PrefixCache` (paged, VRAM + DRAM, LRU/LFU) decides what
+each request reuses and emits the KV events, published on a ZMQ PUB socket with a replay ROUTER
+exactly as SGLang's ``ZmqEventPublisher`` does; the shared
+:class:`~kvcompassd.core.workermodel.WorkerQueueModel` decides when the first token and the last
+token come. Delays are the modelled ones times ``time_scale`` (1 = real time, 0 = no delay: the
+model is bypassed and requests complete at once, for tests and benchmarks; loads then report
+in-flight HTTP requests). Text is tokenised byte-wise (token = byte value), so text <-> tokens is
+deterministic; output tokens are printable ASCII derived from a hash of the prompt and the seed.
+
+Routes: ``/generate``, ``/v1/completions``, ``/v1/chat/completions`` (streaming as SGLang: SSE
+``data: {...}`` lines then ``data: [DONE]``), ``/v1/models``, ``/server_info``
+(``/get_server_info``), ``/v1/loads`` (``/get_loads``), ``/metrics``, ``/health``,
+``/health_generate``, ``/flush_cache``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvcompassd.core.prefixcache import EvictionPolicy, PrefixCache
+from kvcompassd.core.workermodel import FirstTokenProduced, WorkerQueueModel, WorkerTiming
+from kvcompassd.emulator.publisher import KvEventPublisher
+
+log = logging.getLogger(__name__)
+VERSION = "0.5.23-kvcompassd-emulator"
+MAX_TOKEN_ID = (1 << 32) - 1
+
+
+class EmulatorConfigError(ValueError):
+    """A bad emulator setting; the message names the field."""
+
+
+class BadRequest(ValueError):
+    """The client's request is malformed (answered with HTTP 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorSettings:
+    host: str = "127.0.0.1"
+    port: int = 30000  # 0 = ephemeral
+    worker_id: str = "emu-0"
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    kv_events_endpoint: str = "tcp://127.0.0.1:5557"  # port "*" = ephemeral
+    kv_replay_endpoint: str | None = "tcp://127.0.0.1:5558"
+    kv_events_topic: str = "kv-events"
+    kv_events_style: str = "map"  # SGLang 0.5.23 sends map-encoded events
+    replay_buffer_steps: int = 10_000
+    block_size: int = 16
+    vram_kv_tokens: int = 250_000
+    dram_kv_tokens: int = 1_000_000
+    eviction: str = "lru"
+    timing: WorkerTiming = field(default_factory=WorkerTiming)
+    time_scale: float = 1.0
+    seed: int = 0
+    default_max_new_tokens: int = 128
+    max_new_tokens_limit: int = 32_768
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("port", 0 <= self.port <= 65535),
+            ("worker_id", bool(self.worker_id)),
+            ("block_size", self.block_size > 0),
+            ("vram_kv_tokens", self.vram_kv_tokens >= self.block_size),
+            ("dram_kv_tokens", self.dram_kv_tokens >= 0),
+            ("eviction", self.eviction in ("lru", "lfu")),
+            ("kv_events_style", self.kv_events_style in ("map", "positional")),
+            ("time_scale", self.time_scale >= 0),
+            ("replay_buffer_steps", self.replay_buffer_steps > 0),
+            ("default_max_new_tokens", 0 < self.default_max_new_tokens <= self.max_new_tokens_limit),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise EmulatorConfigError(f"emulator setting {name}={getattr(self, name)!r} is invalid")
+
+    @classmethod
+    def from_worker_config(cls, worker: Any, **overrides: Any) -> EmulatorSettings:
+        """From a cluster ``WorkerConfig``: its http/kv_events addresses, capacities, timing."""
+        values: dict[str, Any] = {
+            "worker_id": worker.id,
+            "vram_kv_tokens": worker.vram_kv_tokens,
+            "dram_kv_tokens": worker.dram_kv_tokens,
+            "timing": WorkerTiming.from_worker_config(worker),
+        }
+        if getattr(worker, "http", None):
+            hostport = worker.http.split("://", 1)[-1].rstrip("/")
+            host, _, port = hostport.rpartition(":")
+            values["host"], values["port"] = host or "127.0.0.1", int(port)
+        if getattr(worker, "kv_events", None):
+            values["kv_events_endpoint"] = worker.kv_events
+            base, _, port = worker.kv_events.rpartition(":")
+            values["kv_replay_endpoint"] = f"{base}:{int(port) + 1}" if port.isdigit() else None
+        values.update(overrides)
+        return cls(**values)
+
+
+def byte_tokens(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def byte_text(tokens: list[int]) -> str:
+    return bytes(t & 0xFF for t in tokens).decode("utf-8", errors="replace")
+
+
+def output_tokens(prompt: list[int], count: int, seed: int) -> list[int]:
+    """Deterministic printable-ASCII tokens from the prompt and the seed."""
+    out: list[int] = []
+    state = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + b"".join(
+        t.to_bytes(4, "little") for t in prompt), digest_size=32).digest()
+    while len(out) < count:
+        out.extend(32 + b % 95 for b in state)
+        state = hashlib.blake2b(state, digest_size=32).digest()
+    return out[:count]
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request's progress as the HTTP layer sees it."""
+
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    cached_tokens: int = 0
+    output: list[int] = field(default_factory=list)
+    emitted: int = 0
+    finished: bool = False
+    started: float = 0.0
+    e2e_latency: float = 0.0
+
+    def meta_info(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": {"type": "length", "length": self.max_new_tokens} if self.finished else None,
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": self.emitted,
+            "cached_tokens": self.cached_tokens,
+        }
+        if self.finished:
+            meta["e2e_latency"] = self.e2e_latency
+        return meta
+
+
+class _Metrics:
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("sglang:num_running_reqs", "The number of running requests.", labels, registry=r)
+        self.queued = Gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", labels, registry=r)
+        self.used_tokens = Gauge("sglang:num_used_tokens", "The number of used tokens.", labels, registry=r)
+        self.token_usage = Gauge("sglang:token_usage", "The token usage.", labels, registry=r)
+        self.hit_rate = Gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", labels, registry=r)
+        self.gen_throughput = Gauge("sglang:gen_throughput", "The generation throughput (token/s).", labels, registry=r)
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.", labels, registry=r)
+        self.cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", labels, registry=r)
+        self.requests = Counter("sglang:num_requests", "Number of requests processed.", labels, registry=r)
+        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                             labels, registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.model = model
+
+
+class EmulatedEngine:
+    """Cache, queue model, publisher and clock of one emulated worker."""
+
+    def __init__(self, settings: EmulatorSettings, publisher: KvEventPublisher) -> None:
+        self.settings = settings
+        self.publisher = publisher
+        self.cache = PrefixCache(
+            block_size=settings.block_size, vram_tokens=settings.vram_kv_tokens,
+            dram_tokens=settings.dram_kv_tokens, policy=EvictionPolicy(settings.eviction),
+        )
+        self.model = WorkerQueueModel(settings.timing)
+        self.metrics = _Metrics(settings.model)
+        self._loop = asyncio.get_running_loop()
+        self._t0 = self._loop.time()
+        self._wake = asyncio.Event()
+        self._waiters: dict[str, tuple[asyncio.Future[float], asyncio.Future[float]]] = {}
+        self._scheduler: asyncio.Task[None] | None = None
+        self.inflight = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self._recent_tokens: list[tuple[float, int]] = []
+
+    # -------------------------------------------------------------------------- clock
+
+    @property
+    def delays(self) -> bool:
+        return self.settings.time_scale > 0
+
+    def model_now(self) -> float:
+        elapsed = self._loop.time() - self._t0
+        now = elapsed / self.settings.time_scale if self.delays else elapsed
+        return max(now, self.model.now)
+
+    def start(self) -> None:
+        if self.delays and self._scheduler is None:
+            self._scheduler = self._loop.create_task(self._run_scheduler())
+
+    async def close(self) -> None:
+        """Stop modelling; requests still waiting for a token are cancelled."""
+        for first, done in self._waiters.values():
+            first.cancel()
+            done.cancel()
+        self._waiters.clear()
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scheduler
+
+    async def _run_scheduler(self) -> None:
+        """Sleep exactly until the model's next state change (or a new arrival)."""
+        while True:
+            due = self.model.next_event_time()
+            if due is None:
+                await self._wake.wait()
+            else:
+                delay = self._t0 + due * self.settings.time_scale - self._loop.time()
+                if delay > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()
+            for event in self.model.advance(now=max(self.model_now(), due or 0.0)):
+                futures = self._waiters.get(event.request_id)
+                if futures is None:
+                    continue
+                target = futures[0] if isinstance(event, FirstTokenProduced) else futures[1]
+                if not target.done():
+                    target.set_result(event.at)
+                if target is futures[1]:
+                    del self._waiters[event.request_id]
+
+    # -------------------------------------------------------------------------- requests
+
+    def _publish(self, events: list) -> None:
+        if events:
+            self.publisher.publish(events)
+
+    async def generate(self, gen: Generation, *, stream: bool) -> AsyncIterator[Generation]:
+        """Run one request; yields ``gen`` whenever new tokens are out (last: finished)."""
+        gen.started = time.perf_counter()
+        self.inflight += 1
+        output = output_tokens(gen.prompt, gen.max_new_tokens, self.settings.seed)
+        # SGLang matches at most len-1 prompt tokens: one must be computed for the logits
+        lease, found, events = self.cache.lock(gen.prompt[:-1], now=self.model_now())
+        self._publish(events)
+        gen.cached_tokens = found.total_tokens
+        try:
+            first = done = None
+            if self.delays:
+                first, done = self._loop.create_future(), self._loop.create_future()
+                self._waiters[gen.rid] = (first, done)
+                self.model.admit(gen.rid, len(gen.prompt), found.vram_tokens, found.dram_tokens,
+                                 gen.max_new_tokens, now=self.model_now())
+                self._wake.set()
+                await first
+            self.metrics.ttft.labels(self.metrics.model).observe(time.perf_counter() - gen.started)
+            self._publish(self.cache.insert(gen.prompt, now=self.model_now(), lease=lease))
+            gen.output, gen.emitted = output[:1], 1
+            if done is not None and stream and gen.max_new_tokens > 1:
+                yield gen
+                step = max(0.001, self.settings.timing.decode_step_ms(1) / 1000.0 * self.settings.time_scale)
+                while not done.done():
+                    await asyncio.wait({done}, timeout=step)
+                    if not done.done() and gen.emitted < gen.max_new_tokens - 1:
+                        gen.emitted += 1
+                        gen.output = output[: gen.emitted]
+                        yield gen
+            if done is not None:
+                await done
+            gen.output, gen.emitted, gen.finished = output, len(output), True
+            gen.e2e_latency = time.perf_counter() - gen.started
+            # like cache_finished_req: the last token's KV was never computed
+            self._publish(self.cache.insert(gen.prompt + output[:-1], now=self.model_now(), lease=lease))
+            self._account(gen)
+            yield gen
+        finally:
+            self._waiters.pop(gen.rid, None)
+            self.cache.unlock(lease)
+            self.inflight -= 1
+
+    def _account(self, gen: Generation) -> None:
+        m, label = self.metrics, self.metrics.model
+        self.prompt_tokens_total += len(gen.prompt)
+        self.cached_tokens_total += gen.cached_tokens
+        m.prompt_tokens.labels(label).inc(len(gen.prompt))
+        m.cached_tokens.labels(label).inc(gen.cached_tokens)
+        m.generation_tokens.labels(label).inc(len(gen.output))
+        m.requests.labels(label).inc()
+        m.e2e.labels(label).observe(gen.e2e_latency)
+        now = self._loop.time()
+        self._recent_tokens.append((now, len(gen.output)))
+        self._recent_tokens = [(t, n) for t, n in self._recent_tokens if now - t <= 10.0]
+
+    def flush(self) -> None:
+        self._publish(self.cache.flush())
+
+    # -------------------------------------------------------------------------- load
+
+    def load(self) -> dict[str, Any]:
+        if self.delays:
+            now = self.model_now()
+            running, waiting = self.model.running, self.model.waiting
+            pending, queue_ms = self.model.pending_prefill_tokens, self.model.queue_ms(now=now)
+        else:
+            running, waiting, pending, queue_ms = self.inflight, 0, 0, 0.0
+        used = self.cache.vram_used_tokens
+        capacity = self.cache.vram_pages_max * self.cache.block_size
+        hit = self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        throughput = sum(n for _, n in self._recent_tokens) / 10.0
+        return {
+            "dp_rank": 0,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_waiting_uncached_tokens": pending,
+            "num_used_tokens": used,
+            "num_total_tokens": used + pending,
+            "max_total_num_tokens": capacity,
+            "token_usage": round(used / capacity, 4) if capacity else 0.0,
+            "gen_throughput": throughput,
+            "cache_hit_rate": round(hit, 4),
+            "utilization": round(running / self.settings.timing.max_running, 4),
+            "max_running_requests": self.settings.timing.max_running,
+            "num_total_reqs": running + waiting,
+            # emulator extension: the model's exact wait for a new arrival
+            "estimated_queue_ms": round(queue_ms, 3),
+        }
+
+    def update_gauges(self) -> None:
+        load, m, label = self.load(), self.metrics, self.metrics.model
+        m.running.labels(label).set(load["num_running_reqs"])
+        m.queued.labels(label).set(load["num_waiting_reqs"])
+        m.used_tokens.labels(label).set(load["num_used_tokens"])
+        m.token_usage.labels(label).set(load["token_usage"])
+        m.hit_rate.labels(label).set(load["cache_hit_rate"])
+        m.gen_throughput.labels(label).set(load["gen_throughput"])
+
+
+class EmulatedWorker:
+    """The whole emulated worker: HTTP server, engine, publisher. ``start``/``stop``."""
+
+    def __init__(self, settings: EmulatorSettings, *, context: zmq.asyncio.Context | None = None) -> None:
+        self.settings = settings
+        self._ctx = context
+        self.engine: EmulatedEngine | None = None
+        self.publisher: KvEventPublisher | None = None
+        self._runner: web.AppRunner | None = None
+        self.http_url = ""
+
+    async def start(self) -> None:
+        s = self.settings
+        self.publisher = KvEventPublisher(
+            s.kv_events_endpoint, s.kv_replay_endpoint, topic=s.kv_events_topic,
+            buffer_steps=s.replay_buffer_steps, style=s.kv_events_style, context=self._ctx,  # type: ignore[arg-type]
+        )
+        await self.publisher.start()
+        self.engine = EmulatedEngine(s, self.publisher)
+        self.engine.start()
+        from kvcompassd.emulator.routes import build_app  # the HTTP layer imports this module
+
+        app = build_app(self.engine)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.host, s.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.http_url = f"http://{s.host}:{port}"
+        log.info("emulated worker %s on %s, KV events on %s (replay %s)", s.worker_id, self.http_url,
+                 self.publisher.endpoint, self.publisher.replay_endpoint)
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        assert self.publisher is not None
+        return self.publisher.endpoint
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        assert self.publisher is not None
+        return self.publisher.replay_endpoint
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()  # first: lets handlers blocked on the model return
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.publisher is not None:
+            await self.publisher.close()
+
+
+async def run_emulated_worker(cfg: EmulatorSettings) -> None:
+    """``kvcompassd emulate-worker``: serve until cancelled (a restart is a new process, so
+    the KV-event seq starts again at 0 with an empty cache, as SGLang's does)."""
+    worker = EmulatedWorker(cfg)
+    await worker.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await worker.stop()

@@ -1,0 +1,251 @@
+"""Emulated SGLang worker end to end on loopback: HTTP routes, truthful cached_tokens, the
+KV-event stream mirrored through the subscriber and the block tree (with a gap recovered by
+replay, and a restart), loads and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Sequence
+
+import aiohttp
+import numpy as np
+import pytest
+import zmq.asyncio
+from openai import AsyncOpenAI
+
+from kvcompassd.core.events import Tier
+from kvcompassd.core.workermodel import WorkerTiming
+from kvcompassd.emulator.server import EmulatedWorker, EmulatorConfigError, EmulatorSettings, output_tokens
+from kvcompassd.engine.blocktree import BlockTree
+from kvcompassd.engine.kvevents import EventBatch
+from kvcompassd.engine.subscriber import KvEventSubscriber, PublisherRestarted
+
+BS = 16
+LENGTHS = [16, 32, 48, 64, 96, 128]
+
+
+def prefix_key(tokens: np.ndarray, lengths: Sequence[int]) -> list[int]:
+    data = np.asarray(tokens, dtype="<u4").tobytes()
+    return [int.from_bytes(hashlib.sha256(data[: 4 * n]).digest()[:8], "little") >> 1 for n in lengths]
+
+
+def settings(**overrides) -> EmulatorSettings:
+    values = dict(port=0, kv_events_endpoint="tcp://127.0.0.1:*", kv_replay_endpoint="tcp://127.0.0.1:*",
+                  block_size=BS, vram_kv_tokens=4096, dram_kv_tokens=4096, time_scale=0.0, worker_id="emu-t")
+    values.update(overrides)
+    return EmulatorSettings(**values)
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with session.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def until(predicate, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+async def test_generate_reports_truthful_cached_tokens_and_events_mirror_the_cache() -> None:
+    ctx = zmq.asyncio.Context()
+    worker = EmulatedWorker(settings(), context=ctx)
+    await worker.start()
+    tree = BlockTree("emu-t", LENGTHS, prefix_key)
+    items: list = []
+
+    def on_item(item) -> None:
+        items.append(item)
+        if isinstance(item, EventBatch):
+            tree.apply_batch(item)
+        elif isinstance(item, PublisherRestarted):
+            tree.withdraw_all()
+
+    dropped: set[int] = set()
+    sub = KvEventSubscriber(worker.kv_events_endpoint, worker.kv_replay_endpoint, on_item, context=ctx,
+                            drop=lambda seq: seq in dropped and not dropped.discard(seq))
+    sub_task = asyncio.create_task(sub.run())
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = worker.http_url
+            sub.connect()
+            n = 0
+            async with asyncio.timeout(10):
+                while not items:  # ZMQ join: anything published before is replayed from seq 0
+                    await post(session, f"{url}/generate", {"input_ids": [7, n] * 8, "sampling_params": {"max_new_tokens": 1}})
+                    n += 1
+                    await asyncio.sleep(0.01)
+
+            # the subscriber will lose the next published batch and must replay it
+            dropped.add(worker.publisher.next_seq)
+            shared = list(range(1000, 1048))
+            first = await post(session, f"{url}/generate",
+                               {"input_ids": shared + list(range(5000, 5016)), "sampling_params": {"max_new_tokens": 8}})
+            assert first["meta_info"]["cached_tokens"] == 0
+            assert first["meta_info"]["prompt_tokens"] == 64 and first["meta_info"]["completion_tokens"] == 8
+            assert first["output_ids"] == output_tokens(shared + list(range(5000, 5016)), 8, 0)
+            assert first["text"] == bytes(first["output_ids"]).decode()
+            assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+            second = await post(session, f"{url}/generate",
+                                {"input_ids": shared + list(range(7000, 7032)), "sampling_params": {"max_new_tokens": 4}})
+            assert second["meta_info"]["cached_tokens"] == 48  # three shared pages
+            # identical prompt: all full pages but the one holding the last token
+            again = await post(session, f"{url}/generate",
+                               {"input_ids": shared + list(range(5000, 5016)), "sampling_params": {"max_new_tokens": 8}})
+            assert again["meta_info"]["cached_tokens"] == 48
+            longer = await post(session, f"{url}/generate", {"input_ids": shared + list(range(5000, 5016)) +
+                                                            first["output_ids"][:7] + [1] * 20,
+                                                            "sampling_params": {"max_new_tokens": 1}})
+            assert longer["meta_info"]["cached_tokens"] == 64  # the prompt's 4 pages (the output page is partial)
+            text = await post(session, f"{url}/generate", {"text": "hello " * 8, "sampling_params": {"max_new_tokens": 2}})
+            assert text["meta_info"]["prompt_tokens"] == 48
+
+            # the mirror, fed only by the event stream (one batch lost and replayed), agrees
+            await until(lambda: sub.delivered == worker.publisher.next_seq)
+            assert not dropped and sub.replays >= 1
+            cached_prefix = shared + list(range(7000, 7032))
+            key48 = prefix_key(np.array(cached_prefix, dtype=np.uint32), [48])[0]
+            key80 = prefix_key(np.array(cached_prefix, dtype=np.uint32), [64])[0]
+            assert tree.registered().get(key48) is Tier.VRAM and tree.registered().get(key80) is Tier.VRAM
+            assert set(tree._blocks) == set(worker.engine.cache._pages)
+
+            # loads and metrics after the fact (no delays: nothing running)
+            async with session.get(f"{url}/v1/loads") as response:
+                loads = await response.json()
+            assert loads["dp_rank_count"] == 1 and loads["loads"][0]["num_running_reqs"] == 0
+            assert loads["loads"][0]["cache_hit_rate"] > 0
+            async with session.get(f"{url}/server_info") as response:
+                info = await response.json()
+            kv = json.loads(info["kv_events_config"])
+            assert kv["endpoint"] == worker.kv_events_endpoint and kv["replay_endpoint"] == worker.kv_replay_endpoint
+            assert kv["publisher"] == "zmq" and kv["topic"] == "kv-events" and info["page_size"] == BS
+
+            # flush: AllBlocksCleared withdraws everything
+            async with session.post(f"{url}/flush_cache") as response:
+                assert response.status == 200
+            await until(lambda: sub.delivered == worker.publisher.next_seq)
+            assert tree.registered() == {} and len(tree) == 0
+
+        # restart on the same endpoints: seq starts again at 0 with an empty cache
+        endpoints = worker.kv_events_endpoint, worker.kv_replay_endpoint
+        await worker.stop()
+        worker = EmulatedWorker(settings(kv_events_endpoint=endpoints[0], kv_replay_endpoint=endpoints[1]), context=ctx)
+        await worker.start()
+        items.clear()
+        async with aiohttp.ClientSession() as session:
+            n = 0
+            async with asyncio.timeout(10):
+                while not items:  # new prompts until the SUB has reconnected (each publishes)
+                    reply = await post(session, f"{worker.http_url}/generate",
+                                       {"input_ids": shared + [9, n] * 8, "sampling_params": {"max_new_tokens": 1}})
+                    assert reply["meta_info"]["cached_tokens"] == (0 if n == 0 else 48)
+                    n += 1
+                    await asyncio.sleep(0.02)
+        await until(lambda: sub.delivered and sub.tracker.last_applied == worker.publisher.next_seq - 1)
+        assert isinstance(items[0], PublisherRestarted)
+        assert set(tree._blocks) == set(worker.engine.cache._pages)
+    finally:
+        sub_task.cancel()
+        await asyncio.gather(sub_task, return_exceptions=True)
+        await worker.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_streaming_generate_and_openai_routes() -> None:
+    worker = EmulatedWorker(settings())
+    await worker.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{worker.http_url}/generate",
+                                    json={"text": "stream me please", "stream": True,
+                                          "sampling_params": {"max_new_tokens": 5}}) as response:
+                lines = [line for line in (await response.text()).split("\n\n") if line]
+            assert lines[-1] == "data: [DONE]"
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+            assert len(chunks[-1]["output_ids"]) == 5 and chunks[-1]["meta_info"]["completion_tokens"] == 5
+            async with session.post(f"{worker.http_url}/generate", json={"input_ids": [1, 2, 3.5]}) as response:
+                assert response.status == 400 and "token id" in (await response.json())["error"]["message"]
+            async with session.post(f"{worker.http_url}/generate", data=b"{not json") as response:
+                assert response.status == 400
+
+        client = AsyncOpenAI(base_url=f"{worker.http_url}/v1", api_key="none")
+        prompt = "The quick brown fox jumps over the lazy dog. " * 3
+        one = await client.completions.create(model="m", prompt=prompt, max_tokens=6)
+        two = await client.completions.create(model="m", prompt=prompt, max_tokens=6)
+        assert one.choices[0].text == two.choices[0].text and len(one.choices[0].text) == 6
+        assert one.usage.prompt_tokens == len(prompt) and one.usage.prompt_tokens_details.cached_tokens == 0
+        assert two.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BS * BS
+        stream = await client.completions.create(model="m", prompt=prompt, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True})
+        parts, usage = [], None
+        async for chunk in stream:
+            parts += [c.text for c in chunk.choices]
+            usage = chunk.usage or usage
+        assert "".join(parts) == one.choices[0].text and usage.completion_tokens == 6
+
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        chat = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        assert chat.choices[0].message.role == "assistant" and len(chat.choices[0].message.content) == 4
+        stream = await client.chat.completions.create(model="m", messages=messages, max_tokens=4, stream=True)
+        deltas = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(deltas) == chat.choices[0].message.content
+        await client.close()
+    finally:
+        await worker.stop()
+
+
+async def test_loads_and_metrics_reflect_queued_and_running_requests() -> None:
+    # prefill of 1 s/token in real time: nothing finishes while the test looks
+    timing = WorkerTiming(prefill_ms_per_token=1000.0, max_running=1)
+    worker = EmulatedWorker(settings(timing=timing, time_scale=1.0))
+    await worker.start()
+    session = aiohttp.ClientSession()
+    url = worker.http_url
+    tasks = [asyncio.create_task(session.post(f"{url}/generate", json={"input_ids": [i] * 64}))
+             for i in range(3)]
+    try:
+        async def load() -> dict:
+            async with session.get(f"{url}/v1/loads") as response:
+                return (await response.json())["loads"][0]
+
+        async with asyncio.timeout(10):
+            while (current := await load())["num_waiting_reqs"] < 2:
+                await asyncio.sleep(0.01)
+        assert current["num_running_reqs"] == 1 and current["num_total_reqs"] == 3
+        assert current["num_waiting_uncached_tokens"] > 64  # two queued prompts plus the rest of one
+        assert current["estimated_queue_ms"] > 64 * 1000.0
+        async with session.get(f"{url}/metrics") as response:
+            text = await response.text()
+        assert 'sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0' in text
+        assert 'sglang:num_running_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0' in text
+    finally:
+        await worker.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await session.close()
+
+
+def test_settings_validation_and_from_worker_config() -> None:
+    with pytest.raises(EmulatorConfigError, match="eviction"):
+        EmulatorSettings(eviction="random")
+    with pytest.raises(EmulatorConfigError, match="time_scale"):
+        EmulatorSettings(time_scale=-1)
+
+    class Worker:
+        id = "us-0"
+        prefill_ms_per_token = 0.085
+        decode_ms_per_token = 12.0
+        vram_kv_tokens = 250000
+        dram_kv_tokens = 1000000
+        max_running = 32
+        http = "http://127.0.0.1:30000"
+        kv_events = "tcp://127.0.0.1:5557"
+
+    s = EmulatorSettings.from_worker_config(Worker(), time_scale=0.0)
+    assert (s.host, s.port, s.worker_id, s.timing.max_running) == ("127.0.0.1", 30000, "us-0", 32)
+    assert s.kv_replay_endpoint == "tcp://127.0.0.1:5558" and s.time_scale == 0.0
