@@ -166,6 +166,55 @@ def test_bare_end_frame_and_bad_frames():
         encode_frame(1, b"")
 
 
+# ---- pacing (sans-IO, on a virtual clock) -------------------------------------------------
+
+
+def packets_sent_with_millisecond_timers(pacer, *, duration: float) -> int:
+    """Packets ``pacer`` lets out when, as under uvloop, a pacing timer fires >= 1 ms later.
+
+    Each wake-up is one ``transmit()``: the connection sends while the pacer allows, at one
+    ``now``, then arms the timer the pacer asks for.
+    """
+    now, sent = 0.0, 0
+    while now < duration:
+        at = pacer.next_send_time(now)
+        while at is None:
+            pacer.update_after_send(now)
+            sent += 1
+            at = pacer.next_send_time(now)
+        now = max(at, now + 0.001)
+    return sent
+
+
+def stock_and_coarse(cwnd_packets: int, srtt: float):
+    from aioquic.quic.recovery import QuicPacketPacer
+
+    from kvcompassd.transport.aioquic_tweaks import CoarsePacer
+
+    stock = QuicPacketPacer(max_datagram_size=1200)
+    coarse = CoarsePacer(max_datagram_size=1200, granularity=0.001)
+    for pacer in (stock, coarse):
+        pacer.update_rate(cwnd_packets * 1200, srtt)
+    return stock, coarse
+
+
+@pytest.mark.parametrize("cwnd_packets, srtt", [(24, 0.002), (100, 0.002), (10, 0.001), (50, 0.0005)])
+def test_coarse_pacer_keeps_the_rate_that_millisecond_timers_cut(cwnd_packets, srtt):
+    stock, coarse = stock_and_coarse(cwnd_packets, srtt)
+    assert stock.packet_time < 0.001  # a fast path: aioquic asks for sub-millisecond waits
+    expected = cwnd_packets / srtt * 0.5  # packets in 0.5 s at the congestion controller's rate
+    assert packets_sent_with_millisecond_timers(stock, duration=0.5) < 0.6 * expected  # the trap
+    assert 0.95 * expected <= packets_sent_with_millisecond_timers(coarse, duration=0.5) <= 1.15 * expected
+
+
+def test_coarse_pacer_paces_slow_paths_like_aioquic():
+    stock, coarse = stock_and_coarse(12, 0.160)  # a small window over a 160 ms RTT
+    assert coarse.packet_time == stock.packet_time > 0.001 and coarse.bucket_max == stock.bucket_max
+    assert packets_sent_with_millisecond_timers(coarse, duration=2.0) == packets_sent_with_millisecond_timers(
+        stock, duration=2.0
+    )
+
+
 # ---- round trips ---------------------------------------------------------------------------
 
 

@@ -1,13 +1,16 @@
 """The few places where kvcompass reaches into aioquic (checked against aioquic 1.7.2).
 
 1. **Pacing under uvloop.** aioquic's ``QuicPacketPacer`` spaces packets ``packet_time =
-   max_datagram_size * srtt / cwnd`` apart. On loopback or in-region links that is a few
-   microseconds, but the connection arms an event-loop timer for it and uvloop's timers have
-   1 ms resolution, so every paced packet waits ~1 ms and throughput collapses (measured, see
-   DESIGN §6 and ``tools/bench_transport.py``). :class:`CoarsePacer` keeps aioquic's token
-   bucket but does not pace when the interval is below what the loop can time (``granularity``,
-   1 ms): such a peer is close and fast, the congestion window alone bounds the burst. WAN peers
-   with long intervals are still paced exactly as aioquic would.
+   max_datagram_size * srtt / cwnd`` apart, with a token bucket of at most 16 packets. On
+   loopback or in-region links ``packet_time`` is a few microseconds, but the connection arms
+   an event-loop timer for it and uvloop's timers have 1 ms resolution: each emptied bucket
+   costs >= 1 ms, capping a connection near 16 packets per millisecond however fast the path
+   (DESIGN §6; ``tools/bench_transport.py`` counts these sub-millisecond holds).
+   :class:`CoarsePacer` paces at the granularity the loop can time: when ``packet_time`` is
+   below ``granularity`` (1 ms) its bucket holds ``2 * granularity`` of sending credit, so each
+   timer wake-up releases the packets of the elapsed interval in one burst and the average rate
+   stays the congestion controller's. Slower (WAN) peers with longer intervals are paced
+   exactly as aioquic would. ``pacing="off"`` removes pacing altogether (for comparison).
 
 2. **Client certificates.** aioquic's TLS server only sends a CertificateRequest when the
    private flag ``tls.Context._request_client_certificate`` is set ("for test purposes only"),
@@ -31,25 +34,43 @@ DEFAULT_PACING_GRANULARITY_S = 0.001
 
 
 class CoarsePacer(QuicPacketPacer):
-    """aioquic's pacer, minus waits shorter than the event loop's timer granularity."""
+    """aioquic's pacer with a token bucket sized for the event loop's timer granularity."""
 
     def __init__(self, *, max_datagram_size: int, granularity: float) -> None:
         super().__init__(max_datagram_size=max_datagram_size)
         self.granularity = granularity
 
-    def next_send_time(self, now: float) -> float | None:
+    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
+        super().update_rate(congestion_window, smoothed_rtt)
         if self.packet_time is not None and self.packet_time < self.granularity:
-            return None
-        return super().next_send_time(now)
+            # Two timer ticks of credit: a wake-up that comes up to a tick late still finds
+            # enough credit to catch up, so the average rate is not cut by timer lateness.
+            self.bucket_max = max(self.bucket_max, 2 * self.granularity)
+
+    def next_send_time(self, now: float) -> float | None:
+        at = super().next_send_time(now)
+        if at is not None and at - now < self.granularity:
+            # Ask for what the loop can deliver: one tick, whose credit the bucket then holds.
+            return now + self.granularity
+        return at
+
+
+class UnpacedPacer(QuicPacketPacer):
+    """Never holds a packet back: the congestion window alone limits bursts."""
+
+    def next_send_time(self, now: float) -> float | None:
+        return None
 
 
 def install_pacer(quic: QuicConnection, mode: PacingMode) -> None:
-    """Replace the connection's pacer per ``mode``: "auto" (coarse), "off" (never pace) or
-    "aioquic" (leave the stock pacer). Must run before the connection sends anything."""
-    if mode == "aioquic":
-        return
-    granularity = DEFAULT_PACING_GRANULARITY_S if mode == "auto" else float("inf")
-    quic._loss._pacer = CoarsePacer(max_datagram_size=quic._max_datagram_size, granularity=granularity)
+    """Replace the connection's pacer per ``mode``: "auto" (:class:`CoarsePacer`), "off"
+    (:class:`UnpacedPacer`) or "aioquic" (the stock pacer). Must run before anything is sent."""
+    if mode == "auto":
+        quic._loss._pacer = CoarsePacer(
+            max_datagram_size=quic._max_datagram_size, granularity=DEFAULT_PACING_GRANULARITY_S
+        )
+    elif mode == "off":
+        quic._loss._pacer = UnpacedPacer(max_datagram_size=quic._max_datagram_size)
 
 
 def request_client_certificate(quic: QuicConnection) -> None:
