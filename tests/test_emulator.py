@@ -249,3 +249,31 @@ def test_settings_validation_and_from_worker_config() -> None:
     s = EmulatorSettings.from_worker_config(Worker(), time_scale=0.0)
     assert (s.host, s.port, s.worker_id, s.timing.max_running) == ("127.0.0.1", 30000, "us-0", 32)
     assert s.kv_replay_endpoint == "tcp://127.0.0.1:5558" and s.time_scale == 0.0
+
+
+async def test_modelled_delays_stream_tokens_and_finish() -> None:
+    # real time at 1/10 speed-up of a fast worker: a few tens of ms per request
+    timing = WorkerTiming(prefill_ms_per_token=0.5, decode_ms_per_token=4.0, max_running=2)
+    worker = EmulatedWorker(settings(timing=timing, time_scale=1.0))
+    await worker.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"input_ids": list(range(64)), "stream": True, "sampling_params": {"max_new_tokens": 6}}
+            results = []
+            for _ in range(2):
+                async with session.post(f"{worker.http_url}/generate", json=body) as response:
+                    lines = [x for x in (await response.text()).split("\n\n") if x]
+                results.append([json.loads(x.removeprefix("data: ")) for x in lines[:-1]])
+            for chunks in results:
+                counts = [len(c["output_ids"]) for c in chunks]
+                assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == 6
+                assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+            assert results[0][-1]["output_ids"] == results[1][-1]["output_ids"]
+            assert results[1][-1]["meta_info"]["cached_tokens"] == 48
+            concurrent = await asyncio.gather(*[
+                post(session, f"{worker.http_url}/generate", {"input_ids": [i] * 32, "sampling_params": {"max_new_tokens": 3}})
+                for i in range(5)])
+            assert [len(r["output_ids"]) for r in concurrent] == [3] * 5
+        assert worker.engine.model.running == 0 and worker.engine.model.completed == 7
+    finally:
+        await worker.stop()
