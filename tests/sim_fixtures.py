@@ -30,5 +30,5 @@ def two_region_config(workers_a: int = 1, workers_b: int = 1, *, vram: int = 100
     return parse_config(data, "tiny")
 
 
-def two_region_topology(workers_a: int = 1, workers_b: int = 1, **kw) -> Topology:
-    return Topology.from_config(two_region_config(workers_a, workers_b, **kw))
+def two_region_topology(workers_a: int = 1, workers_b: int = 1, *, page_tokens: int | None = None, **kw) -> Topology:
+    return Topology.from_config(two_region_config(workers_a, workers_b, **kw), page_tokens=page_tokens)

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--wan-jitter", type=float, default=0.0, help="fraction, e.g. 0.5 for +-50%%")
     ap.add_argument("--track-cross-region", action="store_true", help="measure the cross-region-only hit share")
     ap.add_argument("--traces", default=None, help="directory holding mooncake/ and azure_llm_2023/")
+    ap.add_argument("--page-tokens", type=int, default=None,
+                    help="engine page size of the simulated caches (default: the index block size)")
     ap.add_argument("--out", type=Path, default=Path("out/sim"))
     ap.add_argument("--per-request", action="store_true", help="also write per-request CSVs")
     ap.add_argument("--no-plots", action="store_true")
@@ -78,12 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Sequence[float], *, seed: int = 0,
              duration_s: float | None = None, max_requests: int | None = None, warmup_s: float = 0.0,
              settings: SimSettings | None = None, regions_by: str = "workers", traces: str | None = None,
-             progress: bool = False, policy_options: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
+             progress: bool = False, policy_options: dict[str, Any] | None = None,
+             page_tokens: int | None = None) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
     """Every scheme at every rate on fresh workers and the same request stream (same seed)."""
     if duration_s is None and max_requests is None:
         raise SystemExit("give --duration or --requests")
     cfg = load_config(cfg_path)
-    topo = Topology.from_config(cfg)
+    topo = Topology.from_config(cfg, page_tokens=page_tokens)
     weights = region_weights(topo, regions_by)
     base = settings or SimSettings(eviction=DEFAULT_EVICTION[workload], seed=seed)
     rows: list[dict[str, Any]] = []
@@ -183,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg_path = resolve_deployment(args.deployment)
     rows, results = run_grid(cfg_path, args.workload, schemes, args.rates, seed=args.seed, duration_s=args.duration,
                              max_requests=args.requests, warmup_s=args.warmup, settings=settings,
-                             regions_by=args.regions_by, traces=args.traces, progress=args.progress)
+                             regions_by=args.regions_by, traces=args.traces, progress=args.progress,
+                             page_tokens=args.page_tokens)
     title = f"{args.workload} on {cfg_path.stem}"
     write_outputs(rows, results, args.out, title=title, warmup_s=args.warmup, per_request=args.per_request,
                   make_plots=not args.no_plots)

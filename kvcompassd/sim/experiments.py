@@ -31,6 +31,7 @@ from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_workload, traces_dir
 from .workloads import MOONCAKE_BLOCK_TOKENS, read_mooncake, session_regions
 
 WORKLOADS3 = ("mixed", "wildchat", "lmsys")
+PAGE_TOKENS: list[int | None] = [None]  # set from --page-tokens
 ABLATIONS = ("kvcompass", "kvcompass-no-load", "kvcompass-no-xregion", "kvcompass-tier-blind",
              "kvcompass-no-migration")
 
@@ -60,7 +61,7 @@ def sweep(name: str, deployment: str, workloads: Sequence[str], schemes: Sequenc
     for wl in workloads:
         s = SimSettings(eviction=DEFAULT_EVICTION[wl], seed=seed, **settings)
         rows, results = run_grid(cfg, wl, schemes, rates, seed=seed, duration_s=duration, warmup_s=warmup,
-                                 settings=s, progress=progress)
+                                 settings=s, progress=progress, page_tokens=PAGE_TOKENS[0])
         write_outputs(rows, results, out / name / wl, title=f"{name}: {wl} on {deployment}", warmup_s=warmup)
         all_rows += rows
     _save(all_rows, out / name, f"{name} on {deployment}")
@@ -116,7 +117,8 @@ def table4(args) -> list[dict]:
         s = SimSettings(eviction="lfu", seed=args.seed, **extra)
         # The paper's prototype does not retransmit lost update batches (§5.7): repair=False.
         r, _ = run_grid(cfg, "mixed", args.schemes or ["kvcompass"], [rate], seed=args.seed, duration_s=d,
-                        warmup_s=w, settings=s, progress=args.progress, policy_options={"repair": False})
+                        warmup_s=w, settings=s, progress=args.progress, policy_options={"repair": False},
+                        page_tokens=PAGE_TOKENS[0])
         for row in r:
             row["variant"] = label
         rows += r
@@ -159,7 +161,8 @@ def fig9(args) -> list[dict]:
     d, w = _sizes(args.quick, 20.0, 3.0)
     rows, _ = run_grid(cfg_path, "mixed", args.schemes or ["random", "oracle", "kvcompass"],
                        [round(f * lam0, 1) for f in fractions], seed=args.seed, duration_s=d, warmup_s=w,
-                       settings=SimSettings(eviction="lfu", seed=args.seed), progress=args.progress)
+                       settings=SimSettings(eviction="lfu", seed=args.seed), progress=args.progress,
+                       page_tokens=PAGE_TOKENS[0])
     for r in rows:
         a = r["rate"] / topo.n_workers
         rho = a * es
@@ -261,7 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=None)
     ap.add_argument("--traces", default=None)
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--page-tokens", type=int, default=None,
+                    help="engine page size of the simulated caches (e.g. 64 runs faster; default: index block size)")
     args = ap.parse_args(argv)
+    PAGE_TOKENS[0] = args.page_tokens
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     for name in names:
         rows = EXPERIMENTS[name](args)

@@ -101,10 +101,16 @@ class Topology:
     decode_ms_per_token: np.ndarray
     max_running: np.ndarray
     gamma_ms_per_token: float
-    block_size: int
+    block_size: int  # page size of the simulated engines' prefix caches (tokens per KV event block)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Topology:
+    def from_config(cls, cfg: Any, *, page_tokens: int | None = None) -> Topology:
+        """``page_tokens`` overrides the engine page size of the simulated caches (default: the
+        index block size). Larger pages mean fewer blocks and events per prompt, so a faster
+        simulation, at the price of reuse granularity; the index keeps its own lengths."""
+        if page_tokens is not None and (page_tokens <= 0 or page_tokens % cfg.index.block_size):
+            raise PolicyError(f"page_tokens must be a positive multiple of the index block size "
+                              f"{cfg.index.block_size}, got {page_tokens}")
         regions = tuple(cfg.region_names())
         ridx = {r: i for i, r in enumerate(regions)}
         workers = [cfg.worker(w) for w in cfg.worker_ids()]
@@ -122,7 +128,7 @@ class Topology:
             decode_ms_per_token=np.array([w.decode_ms_per_token for w in workers], dtype=float),
             max_running=np.array([w.max_running for w in workers], dtype=np.int64),
             gamma_ms_per_token=float(cfg.score.gamma_ms_per_token),
-            block_size=int(cfg.index.block_size),
+            block_size=int(page_tokens or cfg.index.block_size),
         )
 
     @property

@@ -30,6 +30,7 @@ Think time between turns is compressed to a few seconds, as in the Mooncake synt
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -54,7 +55,8 @@ class ZipfSampler:
 
 
 def lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
-    return int(np.clip(round(median * np.exp(sigma * rng.standard_normal())), lo, hi))
+    value = round(median * math.exp(sigma * rng.standard_normal()))
+    return min(hi, max(lo, value))
 
 
 @dataclass(frozen=True, slots=True)
