@@ -80,14 +80,17 @@ def heatmaps(factors: Mapping[str, np.ndarray], peaks: Mapping[str, float], path
     n = len(factors)
     cols = min(4, n)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 2.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols + 1.0, 2.6 * rows), squeeze=False,
+                             constrained_layout=True)
     im = None
-    for ax, (name, lf) in zip(axes.flat, factors.items()):
+    for i, (ax, (name, lf)) in enumerate(zip(axes.flat, factors.items())):
         im = ax.imshow(np.nan_to_num(lf, nan=0.0), aspect="auto", cmap="magma", vmin=0, vmax=2.0,
                        interpolation="nearest")
         ax.set_title(f"{SHORT.get(name, name)} (peak: {peaks[name]:.2f})", fontsize=8)
         ax.set_xlabel("Time bins", fontsize=7)
-        ax.set_ylabel("Node (by region)", fontsize=7)
+        if i % cols == 0:
+            ax.set_ylabel("Node (by region)", fontsize=7)
+        ax.tick_params(labelsize=6)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     if im is not None:

@@ -39,3 +39,23 @@ def argmin_tiebreak(cost: np.ndarray, secondary: np.ndarray) -> int:
     if len(tied) == 1:
         return int(tied[0])
     return int(tied[np.argmin(secondary[tied])])
+
+
+class RecentAssignments:
+    """Requests this router sent to each worker, decayed with a half-life (seconds). Queueing
+    delay is 0 for every worker with a free slot, however busy decoding, so ties among idle
+    workers are broken by what the router itself sent recently (any router knows that)."""
+
+    def __init__(self, n: int, half_life_s: float = 1.0) -> None:
+        self.counts = np.zeros(n)
+        self.at = 0.0
+        self.rate = np.log(2.0) / half_life_s
+
+    def current(self, now: float) -> np.ndarray:
+        if now > self.at:
+            self.counts *= np.exp(-self.rate * (now - self.at))
+            self.at = now
+        return self.counts
+
+    def add(self, w: int, now: float) -> None:
+        self.current(now)[w] += 1.0

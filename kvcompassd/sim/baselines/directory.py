@@ -19,7 +19,7 @@ import numpy as np
 from ..blockmirror import GlobalBlockMap
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import argmin_tiebreak, expected_ttft_ms, match_vectors
+from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors
 
 
 def central_region(topo: Topology) -> int:
@@ -37,6 +37,7 @@ class CentralDirectoryPolicy(BasePolicy):
         self.loads = LoadView(topo.n_workers)
         self._pending = DelayQueue()
         self._report_ms = topo.one_way_ms[topo.worker_region, self.coord]
+        self.recent = RecentAssignments(topo.n_workers)
 
     def _catch_up(self, now: float) -> None:
         for kind, w, payload, at in self._pending.pop_due(now):
@@ -60,5 +61,6 @@ class CentralDirectoryPolicy(BasePolicy):
         self._catch_up(at_coord)
         matched, dram = match_vectors(topo, self.map, req.tokens)
         cost = expected_ttft_ms(topo, region, req.prompt_tokens, self.loads.current(at_coord), matched, dram)
-        w = argmin_tiebreak(cost, topo.rtt_to_workers(region))
+        w = argmin_tiebreak(cost, self.recent.current(now))
+        self.recent.add(w, now)
         return RouteDecision(w, lookup_ms, int(matched[w]))

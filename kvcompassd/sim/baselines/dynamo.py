@@ -22,7 +22,7 @@ import numpy as np
 from ..blockmirror import GlobalBlockMap
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import argmin_tiebreak, expected_ttft_ms, match_vectors
+from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors
 
 
 class DynamoPolicy(BasePolicy):
@@ -41,6 +41,7 @@ class DynamoPolicy(BasePolicy):
         self.remote = [LoadView(topo.n_workers) for _ in topo.regions]
         self._members = [topo.workers_in(r) for r in range(len(topo.regions))]
         self._next = 0.0
+        self.recent = [RecentAssignments(topo.n_workers) for _ in topo.regions]  # per regional router
 
     def on_cache_events(self, worker_index: int, events: Sequence[Any], *, now: float) -> None:
         self._buffered.append((worker_index, events))
@@ -83,5 +84,7 @@ class DynamoPolicy(BasePolicy):
         load[local] = self.live.current(now, local)
         matched, dram = match_vectors(topo, self.map, req.tokens)
         cost = expected_ttft_ms(topo, region, req.prompt_tokens, load, matched, dram)
-        w = argmin_tiebreak(cost, topo.rtt_to_workers(region))
+        recent = self.recent[region]
+        w = argmin_tiebreak(cost, recent.current(now))
+        recent.add(w, now)
         return RouteDecision(w, 0.0, int(matched[w]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..policy import BasePolicy, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import argmin_tiebreak
+from .common import RecentAssignments, argmin_tiebreak
 
 
 class OraclePolicy(BasePolicy):
@@ -16,15 +16,12 @@ class OraclePolicy(BasePolicy):
     def __init__(self, topo: Topology) -> None:
         super().__init__(topo)
         self.loads = LoadView(topo.n_workers)
-        self._assigned = [0] * topo.n_workers  # tie-break: spread equal loads round-robin-like
+        self.recent = RecentAssignments(topo.n_workers)  # tie-break among equally (un)loaded workers
 
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
         self.loads.set(worker_index, queue_ms, now)
 
     def route(self, req: Request, *, now: float) -> RouteDecision:
-        import numpy as np
-
-        q = self.loads.current(now)
-        w = argmin_tiebreak(q, np.asarray(self._assigned, dtype=float))
-        self._assigned[w] += 1
+        w = argmin_tiebreak(self.loads.current(now), self.recent.current(now))
+        self.recent.add(w, now)
         return RouteDecision(w, 0.0, 0)

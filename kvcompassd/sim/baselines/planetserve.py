@@ -18,6 +18,7 @@ import numpy as np
 
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
+from .common import RecentAssignments, argmin_tiebreak
 from .routed_tree import RoutedPrefixTree
 
 
@@ -33,6 +34,7 @@ class PlanetServePolicy(BasePolicy):
         self.reported = LoadView(topo.n_workers)
         self._pending = DelayQueue()
         self._next = 0.0
+        self.recent = RecentAssignments(topo.n_workers)
 
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
         self.live.set(worker_index, queue_ms, now)  # only read by the periodic report below
@@ -58,11 +60,12 @@ class PlanetServePolicy(BasePolicy):
         w = -1
         if holders:
             h = np.array(sorted(holders))
-            cand = int(h[np.argmin(load[h])])
+            cand = int(h[argmin_tiebreak(load[h], self.recent.current(now)[h])])
             if load[cand] <= self.overload_ms:
                 w = cand
         if w < 0:
-            w = int(np.argmin(topo.rtt_to_workers(region) + load))
+            w = argmin_tiebreak(topo.rtt_to_workers(region) + load, self.recent.current(now))
             matched = 0
+        self.recent.add(w, now)
         self.tree.record(keys, w, now)
         return RouteDecision(w, 0.0, matched)

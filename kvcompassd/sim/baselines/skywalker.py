@@ -19,6 +19,7 @@ import numpy as np
 
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
+from .common import RecentAssignments, argmin_tiebreak
 from .routed_tree import RoutedPrefixTree
 
 IDLE_MS = 1e-6
@@ -39,6 +40,7 @@ class SkyWalkerPolicy(BasePolicy):
         self._next = 0.0
         self._members = [topo.workers_in(r) for r in range(n_regions)]
         self._region_sets = [set(m.tolist()) for m in self._members]
+        self.recent = RecentAssignments(topo.n_workers)
 
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
         self.live.set(worker_index, queue_ms, now)
@@ -60,12 +62,14 @@ class SkyWalkerPolicy(BasePolicy):
             self.remote[dst].queue_ms[members] = q
             self.remote[dst].at_s[members] = at
 
-    def _pick(self, region: int, keys: list[int], candidates: np.ndarray, load: np.ndarray) -> tuple[int, int]:
+    def _pick(self, region: int, keys: list[int], candidates: np.ndarray, load: np.ndarray,
+              now: float) -> tuple[int, int]:
         matched, holders = self.trees[region].longest(keys, set(candidates.tolist()))
+        recent = self.recent.current(now)
         if holders:
             h = np.array(sorted(holders))
-            return int(h[np.argmin(load[h])]), matched
-        return int(candidates[np.argmin(load[candidates])]), 0
+            return int(h[argmin_tiebreak(load[h], recent[h])]), matched
+        return int(candidates[argmin_tiebreak(load[candidates], recent[candidates])]), 0
 
     def route(self, req: Request, *, now: float) -> RouteDecision:
         topo = self.topo
@@ -76,7 +80,7 @@ class SkyWalkerPolicy(BasePolicy):
         live = self.live.current(now)
         idle_local = local[live[local] <= IDLE_MS]
         if len(idle_local):
-            w, matched = self._pick(region, keys, idle_local, live)
+            w, matched = self._pick(region, keys, idle_local, live, now)
         else:
             view = self.remote[region].current(now)
             target = None
@@ -90,9 +94,10 @@ class SkyWalkerPolicy(BasePolicy):
                     break
             if target is not None:
                 r, idle = target
-                w, matched = self._pick(r, self.trees[r].chunk_keys(req.tokens), idle, view)
+                w, matched = self._pick(r, self.trees[r].chunk_keys(req.tokens), idle, view, now)
                 self.trees[r].record(keys, w, now)
             else:
-                w, matched = self._pick(region, keys, local, live)
+                w, matched = self._pick(region, keys, local, live, now)
         self.trees[region].record(keys, w, now)
+        self.recent.add(w, now)
         return RouteDecision(w, 0.0, matched)
