@@ -427,6 +427,8 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         if stream is None:
             if self._is_local_stream(stream_id):
                 return  # late frame for an exchange of ours that is already finished
+            if not frame.body:
+                return  # a bare END for an exchange never opened: nothing to deliver or keep
             if len(self._incoming) >= self.node.options.max_incoming_exchanges:
                 if frame.body:  # refuse once, on the exchange's first frame
                     self._reject("unavailable", "too many open exchanges on this connection", stream_id, frame.exchange)
