@@ -3,20 +3,29 @@
 Public API::
 
     node = QuicNode(identity, tls_files, on_message=handler, on_peer_state=None, options=None)
-    await node.listen(host, port)                 # -> bound (host, port)
+    await node.listen(host, port)                 # -> bound (host, port); port 0 = ephemeral
     peer = node.peer((host, port), expected_role=Role.MAINTENANCE)   # persistent, reconnects
     peer = await node.connect((host, port))       # same, waiting for the first connection
-    await peer.send(message)                      # ordered control channel
+    await peer.send(message)                      # ordered control channel (with backpressure)
+    peer.send_encoded(wire.encode(message))       # encode once, send to many; never waits
     peer.send_datagram(message)                   # unordered, may be lost (falls back if large)
     async with peer.open_stream() as exchange:    # request/response exchange
-        await exchange.send(request)
+        await exchange.send(request, end=True)
         async for reply in exchange: ...
     # accepting side: on_message(peer, message, channel); reply with channel.stream.send(...)
+    # and close it (channel.stream.close() or send(..., end=True)) when done.
+    await node.close()
+
+``handler(peer, message, channel)`` may be sync or async; messages of one channel (the
+peer's control stream, one exchange, the datagrams) are delivered in order, and an async
+handler is awaited before the next message of *that* channel only. ``peer.identity`` is the
+certified ``NodeIdentity``. ``on_peer_state(peer, connected)`` reports peers going up and
+down (re-subscribe on True). Sends raise ``PeerUnavailable`` while a peer is down.
 
 Every message passes ``wire.check_sender`` for the peer's certified role before delivery; a
 malformed or forbidden frame is answered with ``ErrorReported`` (and logged) and the
 connection carries on. See ``connection.py`` for the stream budget and ``aioquic_tweaks.py``
-for the pacing fix and the client-certificate handling.
+for the pacing fix and the client-certificate handling. Run daemons under uvloop.
 """
 
 from kvcompassd.transport.connection import (

@@ -306,8 +306,9 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         try:
             if cert is None:
                 raise ValueError("the peer presented no certificate")
-            if not self.outbound:  # aioquic verified the server's chain for us (client side)
-                verify_peer_chain(cert, chain, self.node.ca_pem)
+            # aioquic already checks a server's chain on the client side, but never a client's
+            # chain on the server side; checking both ways costs one verification per connection.
+            verify_peer_chain(cert, chain, self.node.ca_pem)
             identity = peer_identity(cert)
         except (ValueError, CertError) as exc:
             self._refuse(f"certificate refused: {exc}")

@@ -86,8 +86,9 @@ class Peer:
         return connection
 
     async def send(self, message: Message) -> None:
-        """Send on the ordered control channel. Raises PeerUnavailable when disconnected (the
-        message is not queued: the caller's sequence numbers and resync logic decide)."""
+        """Send on the ordered control channel, after waiting while more than
+        ``send_buffer_limit`` bytes are unacknowledged. Raises PeerUnavailable when
+        disconnected (nothing is queued for later: sequence numbers and resyncs decide)."""
         connection = self._live()
         connection.check_outgoing(message)
         body = encode(message)
