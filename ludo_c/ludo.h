@@ -124,6 +124,10 @@ size_t kvc_table_records_size(const kvc_table *table);
  * forget them. */
 int kvc_table_records_drain(kvc_table *table, uint8_t *buf, size_t len);
 
+/* Copy up to `cap` (key, value) pairs of the table into keys_out/values_out (slot order);
+ * returns how many were written (kvc_table_size of them when cap is large enough). */
+size_t kvc_table_export(const kvc_table *table, uint64_t *keys_out, uint64_t *values_out, size_t cap);
+
 /* Forget pending records and the needs-snapshot flag (call after shipping a snapshot). */
 void kvc_table_clear_pending(kvc_table *table);
 
@@ -160,6 +164,12 @@ uint64_t kvc_view_overflow_count(const kvc_view *view);
 uint64_t kvc_view_overflow_capacity(const kvc_view *view);
 /* Bytes allocated by the view, everything included (struct, arrays, overflow map). */
 uint64_t kvc_view_memory_bytes(const kvc_view *view);
+
+/* A snapshot blob of the view's current state, in the table's snapshot format, so a peer can
+ * build an identical view from it (an edge bootstrapping from another edge). Size first, then
+ * write into a buffer of exactly that size (KVC_ERR_ARG otherwise). */
+size_t kvc_view_snapshot_size(const kvc_view *view);
+int kvc_view_snapshot_write(const kvc_view *view, uint8_t *buf, size_t len);
 
 /* ---- blobs ------------------------------------------------------------------------------ */
 

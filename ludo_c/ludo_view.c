@@ -457,3 +457,42 @@ uint64_t kvc_view_memory_bytes(const kvc_view *v)
     bytes += (uint64_t)v->ov_cap * (sizeof *v->ov_bucket + sizeof *v->ov_seed);
     return bytes;
 }
+
+/* ---------------------------------------------------------------- export */
+
+size_t kvc_view_snapshot_size(const kvc_view *v) { return KVC_HEADER_SIZE + kvc_snapshot_payload_size(&v->geo); }
+
+int kvc_view_snapshot_write(const kvc_view *v, uint8_t *buf, size_t len)
+{
+    size_t payload = kvc_snapshot_payload_size(&v->geo);
+    if (!buf || len != KVC_HEADER_SIZE + payload)
+        return KVC_ERR_ARG;
+    size_t nb = v->geo.nb, slots = nb * 4u;
+    unsigned d = v->geo.fp_bits;
+    uint8_t *p = buf + KVC_HEADER_SIZE;
+    uint64_t entries = 0; /* records carry no counts: an occupied slot is a non-zero value */
+    for (size_t i = 0; i < slots; i++)
+        entries += get_value(v, i) != 0;
+    kvc_put64(p, entries);
+    p += 8;
+    for (size_t b = 0; b < nb; b++, p += 2) {
+        unsigned seed = seed5_get(v->seeds, (uint32_t)b);
+        kvc_put16(p, (uint16_t)(seed == KVC_SEED_SENTINEL ? ov_get(v, (uint32_t)b) : seed));
+    }
+    for (size_t i = 0; i < slots; i++) {
+        if (v->geo.value_bits == 32) {
+            kvc_put32(p, (uint32_t)get_value(v, i));
+            p += 4;
+        } else {
+            kvc_put64(p, get_value(v, i));
+            p += 8;
+        }
+    }
+    if (d)
+        for (size_t i = 0; i < slots; i++, p += 2)
+            kvc_put16(p, (uint16_t)fp_get(v->fps, d, i));
+    for (size_t i = 0; i < (size_t)v->wa + v->wb; i++, p += 8)
+        kvc_put64(p, v->words[i]);
+    kvc_header_write(buf, KVC_BLOB_SNAPSHOT, &v->geo, payload);
+    return KVC_OK;
+}

@@ -9,6 +9,9 @@ inserted may return a non-zero value (a false hit) unless fingerprint bits rejec
 
 This module hides cffi: batches go in and out as numpy ``uint64`` arrays, one C call per batch.
 Value 0 means "no holder": a value may not be 0 (remove the key instead).
+
+Objects are not thread-safe: cffi releases the GIL inside C calls, so use each table or view from
+one thread at a time (different objects may be used from different threads).
 """
 
 from __future__ import annotations
@@ -286,6 +289,16 @@ class LudoTable:
             _raise(rc, "draining update records")
         return [bytes(buf)]
 
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (key, value) in the table as two uint64 arrays (slot order), one C call."""
+        n = len(self)
+        keys = np.empty(n, dtype=np.uint64)
+        values = np.empty(n, dtype=np.uint64)
+        if n:
+            got = lib.kvc_table_export(self._ptr, _u64_ptr(keys), _u64_ptr(values), n)
+            keys, values = keys[:got], values[:got]
+        return keys, values
+
     def snapshot(self) -> bytes:
         """A full snapshot of the current state (does not consume pending records)."""
         size = lib.kvc_table_snapshot_size(self._ptr)
@@ -373,6 +386,15 @@ class LudoView:
         if k.size:
             lib.kvc_view_lookup_many(self._ptr, _u64_ptr(k), k.size, _u64_ptr(out))
         return out
+
+    def snapshot(self) -> bytes:
+        """The view's current state as a snapshot blob: a peer builds an identical view from it."""
+        size = int(lib.kvc_view_snapshot_size(self._ptr))
+        buf = bytearray(size)
+        rc = lib.kvc_view_snapshot_write(self._ptr, ffi.from_buffer("uint8_t[]", buf), size)
+        if rc != lib.KVC_OK:
+            _raise(rc, "exporting the view")
+        return bytes(buf)
 
     @property
     def epoch(self) -> int:
