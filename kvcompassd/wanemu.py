@@ -42,6 +42,16 @@ class WanEmulatorError(ValueError):
 class _LatencyMatrix(Protocol):
     def one_way_ms(self, a: str, b: str) -> float: ...
 
+    def region_names(self) -> tuple[str, ...]: ...
+
+
+def split_host_port(value: str) -> Address:
+    """``"127.0.0.1:7400"`` or ``"[::1]:7400"`` -> (host, port)."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise WanEmulatorError(f"expected host:port, got {value!r}")
+    return host.strip("[]"), int(port)
+
 
 @dataclass(slots=True)
 class DirectionStats:
@@ -296,6 +306,21 @@ class WanEmulator:
         self._nodes[node_id] = (region, address)
         for source in from_regions:
             await self._relay(source, node_id)
+
+    async def add_cluster(self, config: Any, *, maintenance_regions: dict[str, str] | None = None) -> None:
+        """Register every node of a ClusterConfig that has a QUIC address (edges, agents of
+        workers, and maintenance units placed by ``maintenance_regions``: id -> region),
+        reachable from every region."""
+        regions = tuple(config.region_names())
+        for edge in config.edges:
+            if edge.quic:
+                await self.add_node(edge.id, edge.region, split_host_port(edge.quic), from_regions=regions)
+        for worker in config.workers:
+            if worker.agent:
+                await self.add_node(worker.id, worker.region, split_host_port(worker.agent), from_regions=regions)
+        for unit in config.maintenance:
+            if unit.quic and maintenance_regions and unit.id in maintenance_regions:
+                await self.add_node(unit.id, maintenance_regions[unit.id], split_host_port(unit.quic), from_regions=regions)
 
     async def _relay(self, source_region: str, node_id: str) -> Address:
         region, address = self._nodes[node_id]

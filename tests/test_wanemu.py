@@ -149,6 +149,27 @@ CONFIG = {
 }
 
 
+def test_emulator_builds_relays_for_every_node_of_a_cluster(run):
+    async def scenario():
+        data = dict(CONFIG)
+        data["edges"] = [
+            {"id": "edge-us", "region": "us", "quic": "127.0.0.1:7401"},
+            {"id": "edge-eu", "region": "eu", "quic": "127.0.0.1:7402"},
+        ]
+        data["maintenance"] = [{"id": "mnt-0", "shard": 0, "quic": "127.0.0.1:7450"}]
+        data["workers"] = [dict(w, agent=f"127.0.0.1:{7500 + i}") for i, w in enumerate(CONFIG["workers"])]
+        config = parse_config(data, "test")
+        emulator = WanEmulator(config)
+        await emulator.add_cluster(config, maintenance_regions={"mnt-0": "us"})
+        assert len(emulator.relays) == 5 * 2  # 5 nodes, each reachable from 2 regions
+        assert emulator.relays[("eu", "mnt-0")].delay_ms == 25.0
+        assert emulator.relays[("us", "mnt-0")].delay_ms == 0.5
+        assert emulator.relays[("us", "eu-0")].target == ("127.0.0.1", 7501)
+        await emulator.stop()
+
+    run(scenario())
+
+
 def test_emulator_routes_region_pairs_through_relays_with_matrix_delays(run):
     async def scenario():
         config = parse_config(CONFIG, "test")
