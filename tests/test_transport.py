@@ -109,7 +109,7 @@ async def node(pki, node_id: str, handler=None, *, listen: bool = False, port: i
         options=TransportOptions(**options),
     )
     if listen:
-        quic_node.address = await quic_node.listen("127.0.0.1", port)
+        await quic_node.listen("127.0.0.1", port)
     try:
         yield quic_node
     finally:
@@ -471,6 +471,7 @@ def test_reconnects_after_server_restart(run, pki):
         try:
             async with node(pki, "mnt-0", listen=True) as first:
                 address = first.address
+                assert address is not None
                 peer = await edge.connect(address, expected_role=Role.MAINTENANCE)
                 async with peer.open_stream() as exchange:  # stays open across the restart
                     await exchange.send(UpdatesSubscribed("edge-us", 0, 0, -1))

@@ -224,6 +224,7 @@ class QuicNode:
         self._on_message = on_message
         self._on_peer_state = on_peer_state
         self._server: QuicServer | None = None
+        self.address: Address | None = None  # where listen() bound, if it was called
         self._outbound: dict[Address, Peer] = {}
         self._inbound: set[Peer] = set()
 
@@ -258,8 +259,9 @@ class QuicNode:
             create_protocol=lambda quic, stream_handler=None: QuicConnectionTransport(quic, node=self, outbound=False),
         )
         sockname = self._server._transport.get_extra_info("sockname")
+        self.address = (sockname[0], sockname[1])
         log.info("listening", node=str(self.identity), address=f"{sockname[0]}:{sockname[1]}")
-        return sockname[0], sockname[1]
+        return self.address
 
     def accept_inbound(self, connection: QuicConnectionTransport) -> None:
         peer = Peer(self, connection._quic.get_peer_address()[:2], outbound=False)
@@ -363,5 +365,6 @@ class QuicNode:
         if self._server is not None:
             self._server.close()
             self._server = None
+            self.address = None
         # Let the CONNECTION_CLOSE frames leave before the sockets go.
         await asyncio.sleep(0)
