@@ -192,8 +192,11 @@ static int store_place(kvc_table *t, kvc_store *s, uint64_t key, uint64_t val, u
         SKEY(s, from + j) = EMPTY_KEY;
         SVAL(s, from + j) = 0;
         SEDGE(s, from + j) = KVC_NO_EDGE;
-        if (e != KVC_NO_EDGE)
+        if (e != KVC_NO_EDGE) {
             t->moved_edges[t->moved_n++] = e;
+            if (s == &t->st) /* its tree walk comes after the reseeds: start fetching now */
+                __builtin_prefetch(&t->loc.half[2u * e]);
+        }
         touch_bucket(t, q[i].bucket);
         i = p;
     }
@@ -380,6 +383,10 @@ int kvc_table_insert(kvc_table *t, uint64_t key, uint64_t value)
     if (rc != KVC_OK)
         return rc;
     kvc_locator *L = &t->loc;
+    for (unsigned i = 0; i < t->moved_n; i++) { /* both ends of every moved key's edge */
+        __builtin_prefetch(&L->head[L->half[2u * t->moved_edges[i]].node]);
+        __builtin_prefetch(&L->head[L->half[2u * t->moved_edges[i] + 1u].node]);
+    }
     for (unsigned i = 0; i < t->moved_n && rc == KVC_OK; i++)
         rc = kvc_locator_flip(L, t->moved_edges[i]);
     uint32_t b0, b1, edge;
