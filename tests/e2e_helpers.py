@@ -1,0 +1,61 @@
+"""Shared helpers of the tests that run real deployments (test_e2e, test_faults)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+
+from kvcompassd.ctl import query
+
+
+def doc(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ,.") for _ in range(n))
+
+
+async def generate(dep, region: str, text: str, max_new_tokens: int = 4) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(dep.edge_url(region) + "/generate",
+                          json={"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}}) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+
+async def admin(dep, node: str, what: str, args: dict | None = None) -> dict:
+    return await query(dep.cfg, dep.tls_dir, "admin", node, what, args or {})
+
+
+async def eventually(check, timeout: float = 15.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)
+
+
+async def lists_worker(fetch, worker):
+    return any(h["worker"] == worker for h in await fetch())
+
+
+async def assert_views_converged(dep, edges=None, timeout: float = 15.0):
+    async def converged():
+        for m in dep.cfg.maintenance:
+            state = await admin(dep, m.id, "entries")
+            for e in edges or dep.cfg.edges:
+                for group, kv in state["groups"].items():
+                    if not kv["keys"]:
+                        continue
+                    got = await admin(dep, e.id, "lookup", {"shard": m.shard, "group": int(group), "keys": kv["keys"]})
+                    if got["values"] != kv["values"]:
+                        return False
+        return True
+
+    await eventually(converged, timeout=timeout, interval=0.3)
+
+

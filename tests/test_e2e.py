@@ -1,0 +1,160 @@
+"""End to end through real daemon processes on loopback: maintenance units, edges, agents and
+emulated SGLang workers, QUIC with mutual TLS, cross-region traffic through WAN relays.
+
+One deployment serves the whole module (starting one costs seconds); tests use distinct
+prompts so they do not see each other's caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from e2e_helpers import lists_worker, admin, assert_views_converged, doc, eventually, generate
+from kvcompassd.launcher import DeploymentSpec, LocalDeployment
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SPEC = DeploymentSpec(workers={"us": 2, "eu": 2}, one_way_ms={("us", "eu"): 10.0}, shards=2,
+                      prefill_ms_per_token=0.05, decode_ms_per_token=1.0)
+BLOCK = SPEC.block_size
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def dep(tmp_path_factory):
+    d = LocalDeployment(SPEC, tmp_path_factory.mktemp("e2e"), time_scale=1.0)
+    async with d:
+        yield d
+
+
+async def test_openai_client_is_served_with_the_serving_worker_reported(dep):
+    def call():
+        client = openai.OpenAI(base_url=dep.edge_url("us") + "/v1", api_key="unused")
+        comp = client.completions.create(model="kvcompass-demo", prompt=doc(1, 300), max_tokens=5)
+        chat = client.chat.completions.create(model="kvcompass-demo", max_tokens=3,
+                                              messages=[{"role": "user", "content": doc(2, 200)}])
+        stream = list(client.completions.create(model="kvcompass-demo", prompt=doc(3, 200), max_tokens=4, stream=True))
+        return comp, chat, stream
+
+    comp, chat, stream = await asyncio.to_thread(call)
+    assert comp.choices[0].text and comp.usage.completion_tokens == 5
+    assert comp.model_extra["kvcompass"]["worker"] in ("us-0", "us-1", "eu-0", "eu-1")
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens == 3
+    assert "".join(c.choices[0].text for c in stream) and stream[-1].choices[0].finish_reason == "length"
+
+
+async def test_shared_prefix_goes_to_its_holder_and_cached_tokens_are_true(dep):
+    shared = doc(10, 1200)
+    first = (await generate(dep, "us", shared + " first question"))["meta_info"]
+    holder = first["kvcompass"]["worker"]
+    assert first["cached_tokens"] == 0
+
+    async def registered():
+        body = await admin(dep, "edge-us", "holders", {"text": shared + " second question"})
+        return body if any(h["worker"] == holder for h in body["holders"]) else None
+
+    await eventually(registered)
+    second = (await generate(dep, "us", shared + " second question"))["meta_info"]
+    assert second["kvcompass"]["worker"] == holder
+    # The emulated engine caches whole blocks: the truth is the block-aligned common prefix.
+    common = len(shared) + len(" ")
+    assert second["cached_tokens"] == (common // BLOCK) * BLOCK
+    assert 0 < second["kvcompass"]["claimed_tokens"] <= second["cached_tokens"]
+
+
+async def test_remote_region_reuses_a_long_prefix_across_the_wan(dep):
+    shared = doc(20, 4000)
+    first = (await generate(dep, "eu", shared + " one"))["meta_info"]
+    holder = first["kvcompass"]["worker"]
+    assert holder.startswith("eu-")
+
+    async def visible_from_us():
+        body = await admin(dep, "edge-us", "holders", {"text": shared + " two"})
+        return body if any(h["worker"] == holder for h in body["holders"]) else None
+
+    await eventually(visible_from_us)
+    meta = (await generate(dep, "us", shared + " two"))["meta_info"]
+    # 20 ms RTT at 0.05 ms/token: n1 = 400 tokens; reusing ~4000 tokens beats recomputing them.
+    assert meta["kvcompass"]["worker"] == holder
+    assert meta["cached_tokens"] >= 3900
+
+
+async def test_loaded_holder_loses_to_an_idle_worker(dep):
+    shared = doc(30, 2000)
+    holder = (await generate(dep, "us", shared + " warm"))["meta_info"]["kvcompass"]["worker"]
+    other = "us-1" if holder == "us-0" else "us-0"
+    holder_url = dep.cfg.worker(holder).http
+
+    async def visible():
+        body = await admin(dep, "edge-us", "holders", {"text": shared + " q"})
+        return any(h["worker"] == holder for h in body["holders"])
+
+    await eventually(visible)
+    # Queue ~8 x 6000 tokens x 0.05 ms = 2.4 s of prefill straight onto the holder.
+    async with aiohttp.ClientSession() as s:
+        async def direct(i):
+            async with s.post(holder_url + "/generate", json={"input_ids": [(i * 7 + j) % 250 for j in range(6000)],
+                                                              "sampling_params": {"max_new_tokens": 1}}) as r:
+                await r.read()
+
+        load = [asyncio.create_task(direct(i)) for i in range(8)]
+
+        async def holder_reported_busy():
+            body = await admin(dep, "edge-us", "queues")
+            q = {w["worker"]: w["queue_ms"] for w in body["workers"]}
+            return q[holder] > 500
+
+        await eventually(holder_reported_busy, timeout=5)
+        meta = (await generate(dep, "us", shared + " while busy"))["meta_info"]
+        await asyncio.gather(*load)
+    assert meta["kvcompass"]["worker"] != holder
+    assert meta["kvcompass"]["worker"] == other or meta["kvcompass"]["region"] == "eu"
+
+
+async def test_evicted_prefix_stops_attracting_requests(dep):
+    shared = doc(40, 1500)
+    holder = (await generate(dep, "eu", shared + " a"))["meta_info"]["kvcompass"]["worker"]
+
+    async def holders():
+        return (await admin(dep, "edge-eu", "holders", {"text": shared + " b"}))["holders"]
+
+    await eventually(lambda: lists_worker(holders, holder))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(dep.cfg.worker(holder).http + "/flush_cache") as r:
+            assert r.status == 200
+
+    async def gone():
+        return not any(h["worker"] == holder for h in await holders())
+
+    await eventually(gone)
+    meta = (await generate(dep, "eu", shared + " c"))["meta_info"]
+    assert meta["kvcompass"]["claimed_tokens"] == 0
+
+
+async def test_every_edge_view_equals_the_maintenance_units_exact_state(dep):
+    # A burst of distinct prompts straight to the engines: block events -> agents -> shards.
+    async with aiohttp.ClientSession() as s:
+        async def direct(w, i):
+            async with s.post(dep.cfg.worker(w).http + "/generate",
+                              json={"text": doc(1000 + i, 400 + 37 * i), "sampling_params": {"max_new_tokens": 1}}) as r:
+                await r.read()
+
+        await asyncio.gather(*(direct(w.id, i) for i, w in enumerate(dep.cfg.workers * 6)))
+    await assert_views_converged(dep)
+
+
+async def test_late_edge_converges_from_snapshots(dep):
+    dep.kill("edge", "edge-eu")
+    async with aiohttp.ClientSession() as s:
+        async def direct(i):
+            async with s.post(dep.cfg.worker("us-0").http + "/generate",
+                              json={"text": doc(2000 + i, 500), "sampling_params": {"max_new_tokens": 1}}) as r:
+                await r.read()
+        await asyncio.gather(*(direct(i) for i in range(5)))
+    dep.restart("edge", "edge-eu")
+    await dep.wait_ready(60)
+    await assert_views_converged(dep, edges=dep.cfg.edges_in("eu"))
