@@ -449,3 +449,27 @@ def test_memory_accounting_counts_every_array():
     values_bytes = view.slots * 4
     assert values_bytes < view.memory_bytes < values_bytes * 1.3
     assert table.memory_bytes > view.memory_bytes + 9000 * 8  # the table also stores the keys
+
+
+def test_items_export_and_view_snapshot_round_trip():
+    """A table's items() is its exact content; a view's own snapshot builds an identical view."""
+    rng = random.Random(17)
+    table = LudoTable(3000, fingerprint_bits=4, seed=23)
+    view = synced_view(table)
+    oracle = fill(table, 2900, rng)
+    for key in list(oracle)[:400]:
+        table.remove(key)
+        del oracle[key]
+    for blob in table.take_updates():
+        view.apply(blob)
+    keys, values = table.items()
+    assert dict(zip(keys.tolist(), values.tolist())) == oracle
+    copy = LudoView.from_snapshot(view.snapshot())
+    assert copy.snapshot_entries == len(oracle) and copy.epoch == view.epoch
+    probes = np.random.default_rng(5).integers(0, KEY_LIMIT, 20000, dtype=np.uint64)
+    assert np.array_equal(copy.lookup_many(probes), view.lookup_many(probes))
+    oracle.update(fill(table, 50, rng))
+    for blob in table.take_updates():
+        copy.apply(blob)  # the copy keeps following the table's stream
+    assert view_matches(copy, oracle)
+    assert LudoTable(10).items()[0].size == 0

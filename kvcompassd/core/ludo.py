@@ -377,7 +377,7 @@ class LudoView:
         """The value stored for key, 0 if none (or if fingerprints reject it)."""
         if type(key) is not int or not 0 <= key < KEY_LIMIT:
             key = _check_key(key)
-        return int(lib.kvc_view_lookup(self._ptr, key))
+        return lib.kvc_view_lookup(self._ptr, key)  # cffi hands back a Python int
 
     def lookup_many(self, keys: Any) -> np.ndarray:
         """Batch lookup (prefetching across the batch): a uint64 array aligned with keys."""
