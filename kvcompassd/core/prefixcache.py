@@ -20,8 +20,10 @@ import enum
 import hashlib
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -38,7 +40,7 @@ class EvictionPolicy(str, enum.Enum):
 def page_digest(parent_digest: bytes, tokens: Sequence[int]) -> bytes:
     """SGLang's ``get_hash_str``: SHA-256 of the parent's digest then uint32-LE tokens."""
     hasher = hashlib.sha256(parent_digest)
-    hasher.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    hasher.update(np.asarray(tokens, dtype="<u4").tobytes())
     return hasher.digest()
 
 
@@ -149,30 +151,38 @@ class PrefixCache:
     # ------------------------------------------------------------------------------ updates
 
     def lock(self, tokens: Sequence[int], *, now: float) -> tuple[CacheLease, CacheMatch, list[KvEvent]]:
-        """Start a request: match, reload its DRAM pages into VRAM, pin the prefix."""
-        found = self.match(tokens)
+        """Start a request: pin its cached prefix, reload the DRAM part into VRAM. The match
+        returned is what the request really reuses (a reload that finds no room ends it)."""
+        pages = list(self._walk(tokens))
+        for page in pages:  # pin the whole path first: making room must not evict its tail
+            page.pins += 1
         lease = CacheLease()
         events: list[KvEvent] = []
-        for page in list(self._walk(tokens)):
-            if not page.in_vram and not self._load_into_vram(page, events):
+        vram = dram = 0
+        for i, page in enumerate(pages):
+            if page.in_vram:
+                vram += self.block_size
+            elif self._load_into_vram(page, events):
+                dram += self.block_size
+            else:
+                for rest in pages[i:]:
+                    rest.pins -= 1
+                    self._changed(rest)
                 break
             self._touch(page, now)
-            page.pins += 1
             lease.pages.append(page.id)
             self._changed(page)
-        return lease, found, events
+        return lease, CacheMatch(vram, dram), events
 
     def insert(self, tokens: Sequence[int], *, now: float, lease: CacheLease | None = None) -> list[KvEvent]:
         """Cache every full page of ``tokens`` in VRAM (making room by demotion/eviction)."""
         events: list[KvEvent] = []
         pinned = set(lease.pages) if lease is not None else set()
         parent: _Page | None = None
-        digest = _ROOT_DIGEST
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            page_tokens = tuple(int(t) for t in tokens[start : start + self.block_size])
-            digest = page_digest(digest, page_tokens)
+        for start, digest in self._chain(tokens):
             page = self._by_digest.get(digest)
             if page is None:
+                page_tokens = tuple(int(t) for t in tokens[start : start + self.block_size])
                 page = self._new_page(digest, parent, page_tokens)
                 if not self._add_vram(page, events, new=True):
                     self._discard_new(page)
@@ -209,10 +219,20 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _walk(self, tokens: Sequence[int]):
+    def _chain(self, tokens: Sequence[int]) -> Iterator[tuple[int, bytes]]:
+        """(start, digest) of every full page, hashing the token bytes in one conversion."""
+        data = np.asarray(tokens, dtype="<u4").tobytes()
+        width = 4 * self.block_size
         digest = _ROOT_DIGEST
+        sha256 = hashlib.sha256
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            digest = page_digest(digest, tokens[start : start + self.block_size])
+            hasher = sha256(digest)
+            hasher.update(data[4 * start : 4 * start + width])
+            digest = hasher.digest()
+            yield start, digest
+
+    def _walk(self, tokens: Sequence[int]) -> Iterator[_Page]:
+        for _, digest in self._chain(tokens):
             page = self._by_digest.get(digest)
             if page is None:
                 return

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -117,8 +118,8 @@ def byte_text(tokens: list[int]) -> str:
 def output_tokens(prompt: list[int], count: int, seed: int) -> list[int]:
     """Deterministic printable-ASCII tokens from the prompt and the seed."""
     out: list[int] = []
-    state = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + b"".join(
-        t.to_bytes(4, "little") for t in prompt), digest_size=32).digest()
+    state = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + np.asarray(prompt, dtype="<u4").tobytes(),
+                            digest_size=32).digest()
     while len(out) < count:
         out.extend(32 + b % 95 for b in state)
         state = hashlib.blake2b(state, digest_size=32).digest()
