@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schemes", default=",".join(("oracle", *PAPER_SCHEMES)))
+    ap.add_argument("--page-tokens", type=int, default=None, help="engine page size of the simulated caches")
     args = ap.parse_args(argv)
-    topo = Topology.from_config(load_config(resolve_deployment(args.deployment)))
+    topo = Topology.from_config(load_config(resolve_deployment(args.deployment)), page_tokens=args.page_tokens)
     weights = region_weights(topo)
     schemes = [s for s in args.schemes.split(",") if s]
     if "oracle" not in schemes:
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
             rates[scheme].append(res.completed / (time.perf_counter() - t))
     ref = statistics.median(rates["oracle"])
     print(f"{args.deployment} / {args.workload} at {args.rate:g} req/s for {args.duration:g} virtual s, "
+          f"page {topo.block_size} tokens, "
           f"median of {args.repeats} (wall {time.perf_counter() - t0:.0f} s)")
     print(f"{'scheme':24s} {'sim req/s':>10s} {'vs oracle':>10s}")
     for scheme in schemes:

@@ -1,0 +1,27 @@
+"""Experiment commands that are cheap enough for CI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcompassd.sim.experiments import main
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+if not TRACES.is_dir():
+    TRACES = Path("/work/shared/traces")
+
+
+@pytest.mark.skipif(not (TRACES / "mooncake").is_dir(), reason="shared traces not present")
+def test_fig19_cross_region_only_share_on_mooncake(tmp_path):
+    assert main(["fig19", "--quick", "--out", str(tmp_path), "--traces", str(TRACES)]) == 0
+    summary = json.loads((tmp_path / "fig19" / "summary.json").read_text())
+    runs = summary["runs"]
+    assert len(runs) == 3
+    for r in runs:
+        assert r["hits"] == r["local"] + r["remote_only"] > 0
+        assert r["first_turns"] > r["hits"]
+    assert 0.0 < summary["mean_remote_only_share"] < 1.0
+    assert (tmp_path / "fig19" / "fig19.png").stat().st_size > 0

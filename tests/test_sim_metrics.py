@@ -1,0 +1,78 @@
+"""Metrics on hand-made results, and the CLI end to end on a small run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvcompassd.sim.cli import main
+from kvcompassd.sim.engine import RECORD_FIELDS, SimResult
+from kvcompassd.sim.metrics import load_factor_peak, load_factors, summarize
+
+
+def result(n: int = 100) -> SimResult:
+    rec = {f: np.zeros(n) for f in RECORD_FIELDS}
+    rec["id"] = np.arange(n)
+    rec["arrival_s"] = np.linspace(0, 9.9, n)
+    rec["ttft_ms"] = np.arange(1, n + 1, dtype=float)  # 1..100 ms
+    rec["e2e_ms"] = rec["ttft_ms"] * 10
+    rec["finish_s"] = rec["arrival_s"] + 0.05
+    rec["prompt_tokens"] = np.full(n, 1000)
+    rec["output_tokens"] = np.full(n, 10)
+    rec["reused_tokens"] = np.full(n, 400)
+    rec["claimed_tokens"] = np.where(np.arange(n) < 5, 800, 400)  # 5 false lookups
+    rec["dram_tokens"] = np.full(n, 100)
+    rec["edge_region"] = np.zeros(n)
+    rec["worker_region"] = np.where(np.arange(n) % 4 == 0, 1, 0)
+    rec["remote_only"] = np.where(np.arange(n) < 10, 1, np.where(np.arange(n) < 40, 0, -1))
+    bins = np.array([[1.0, 1.0], [1.0, 1.0], [2.0, 4.0]])  # worker 2 is the hot one
+    return SimResult("x", rec, bins, 5.0, 1.0)
+
+
+def test_summary_by_hand():
+    s = summarize(result())
+    assert s.ttft_p50_ms == pytest.approx(50.5)
+    assert s.ttft_p99_ms == pytest.approx(99.01)
+    assert s.hit_rate == pytest.approx(0.4)
+    assert s.recomputed_tokens == 100 * 600 and s.reused_tokens == 100 * 400
+    assert s.dram_share_of_reuse == pytest.approx(0.25)
+    assert s.false_lookup_rate == pytest.approx(0.05)
+    assert s.false_lookup_rate_claimed == pytest.approx(0.05)
+    assert s.cross_region_share == pytest.approx(0.25)
+    assert s.remote_only_share == pytest.approx(10 / 40)
+    # Totals per worker 2, 2, 6 -> mean 10/3 -> peak 6 / (10/3) = 1.8
+    assert s.load_factor_peak == pytest.approx(1.8)
+
+
+def test_load_factors_per_bin_and_warmup():
+    res = result()
+    lf = load_factors(res)
+    assert lf[:, 0] == pytest.approx([0.75, 0.75, 1.5])
+    assert load_factor_peak(res, warmup_s=5.0) == pytest.approx(4.0 / 2.0)
+
+
+def test_warmup_excludes_early_requests():
+    s = summarize(result(), warmup_s=5.0)
+    assert s.requests == 50 and s.ttft_p50_ms == pytest.approx(75.5)
+
+
+def test_cli_writes_tables_and_plots(tmp_path):
+    out = tmp_path / "run"
+    rc = main(["--deployment", "northamerica-11", "--workload", "lmsys", "--schemes", "oracle,consistent-hash",
+               "--rates", "40,80", "--requests", "80", "--out", str(out), "--track-cross-region"])
+    assert rc == 0
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["scheme"], r["rate"]) for r in rows] == [("oracle", 40), ("consistent-hash", 40),
+                                                        ("oracle", 80), ("consistent-hash", 80)]
+    assert all(r["requests"] == 80 for r in rows)
+    for name in ("summary.csv", "summary.md", "p99_ttft_vs_rate.png", "ttft_box.png", "e2e_box.png",
+                 "throughput.png", "load_factor.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| oracle | 40 |" in (out / "summary.md").read_text()
+
+
+def test_cli_rejects_unknown_scheme(tmp_path):
+    with pytest.raises(SystemExit, match="unknown scheme"):
+        main(["--schemes", "nope", "--requests", "5", "--out", str(tmp_path)])
