@@ -206,7 +206,8 @@ class PrefixCache:
             page = self._pages.get(page_id)
             if page is not None and page.pins > 0:
                 page.pins -= 1
-                self._changed(page)
+                if page.pins == 0:  # only then can it become an eviction candidate
+                    self._changed(page)
 
     def flush(self) -> list[KvEvent]:
         """Drop everything (SGLang's /flush_cache). Pins survive nothing: callers flush idle."""

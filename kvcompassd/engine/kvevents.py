@@ -147,7 +147,11 @@ class BlockStored:
             object.__setattr__(
                 self, "parent_block_hash", canonical_hash(self.parent_block_hash, "parent_block_hash")
             )
-        object.__setattr__(self, "token_ids", tuple(_token(t) for t in self.token_ids))
+        tokens = tuple(self.token_ids)
+        # fast path (C-level loops) for the usual plain ints; per token only for odd input
+        if not (tokens and all(type(t) is int for t in tokens) and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
+            tokens = tuple(_token(t) for t in tokens)
+        object.__setattr__(self, "token_ids", tokens)
         if not self.block_hashes:
             raise KvEventError("BlockStored has no block hashes")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
