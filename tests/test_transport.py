@@ -75,13 +75,50 @@ def pki(tmp_path_factory) -> dict[str, TlsFiles]:
     # The rogue node trusts the real CA (so it can verify the server) but its own certificate
     # is signed by another CA: the server must refuse it.
     files["edge-rogue"] = TlsFiles(ca=root / "ca" / "ca.pem", cert=rogue.cert, key=rogue.key)
+    files["edge-selfsigned"] = self_signed(root / "self", "edge-selfsigned", ca=root / "ca" / "ca.pem")
     rogue_server = issue(root / "rogue-ca", root / "rogue", role="maintenance", node_id="mnt-rogue")
     files["mnt-rogue"] = TlsFiles(ca=root / "rogue-ca" / "ca.pem", cert=rogue_server.cert, key=rogue_server.key)
     return files
 
 
 ROLES = {"mnt-0": Role.MAINTENANCE, "edge-us": Role.EDGE, "edge-eu": Role.EDGE, "us-0": Role.AGENT,
-         "edge-rogue": Role.EDGE, "mnt-rogue": Role.MAINTENANCE}
+         "edge-rogue": Role.EDGE, "mnt-rogue": Role.MAINTENANCE, "edge-selfsigned": Role.EDGE}
+
+
+def self_signed(directory, node_id: str, *, ca) -> TlsFiles:
+    """A leaf certificate that names a valid identity but signs itself."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from kvcompassd.certs import identity_uri
+
+    directory.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity_uri("edge", node_id))]), critical=False
+        )
+        .sign(key, hashes.SHA256())
+    )
+    files = TlsFiles(ca=ca, cert=directory / f"{node_id}.pem", key=directory / f"{node_id}.key")
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return files
 
 
 class Recorder:
@@ -303,6 +340,17 @@ def test_client_certificate_from_another_ca_is_refused(run, pki):
     async def scenario():
         inbox = Recorder()
         async with node(pki, "mnt-0", inbox, listen=True) as server, node(pki, "edge-rogue") as rogue:
+            with pytest.raises(HandshakeFailed, match="certificate refused"):
+                await rogue.connect(server.address)
+            assert server.peers == () and inbox.messages.empty()
+
+    run(scenario())
+
+
+def test_self_signed_client_certificate_is_refused(run, pki):
+    async def scenario():
+        inbox = Recorder()
+        async with node(pki, "mnt-0", inbox, listen=True) as server, node(pki, "edge-selfsigned") as rogue:
             with pytest.raises(HandshakeFailed, match="certificate refused"):
                 await rogue.connect(server.address)
             assert server.peers == () and inbox.messages.empty()
