@@ -270,10 +270,17 @@ async def test_modelled_delays_stream_tokens_and_finish() -> None:
                 assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
             assert results[0][-1]["output_ids"] == results[1][-1]["output_ids"]
             assert results[1][-1]["meta_info"]["cached_tokens"] == 48
+            # a second request under a running request's id is refused; the first still finishes
+            slow = asyncio.create_task(post(session, f"{worker.http_url}/generate",
+                                            {"rid": "same", "input_ids": [3] * 64, "sampling_params": {"max_new_tokens": 50}}))
+            await until(lambda: "same" in worker.engine._waiters)
+            async with session.post(f"{worker.http_url}/generate", json={"rid": "same", "input_ids": [4] * 8}) as r:
+                assert r.status == 400 and "already running" in (await r.json())["error"]["message"]
+            assert len((await slow)["output_ids"]) == 50
             concurrent = await asyncio.gather(*[
                 post(session, f"{worker.http_url}/generate", {"input_ids": [i] * 32, "sampling_params": {"max_new_tokens": 3}})
                 for i in range(5)])
             assert [len(r["output_ids"]) for r in concurrent] == [3] * 5
-        assert worker.engine.model.running == 0 and worker.engine.model.completed == 7
+        assert worker.engine.model.running == 0 and worker.engine.model.completed == 8
     finally:
         await worker.stop()

@@ -32,7 +32,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvcompassd.core.prefixcache import EvictionPolicy, PrefixCache
-from kvcompassd.core.workermodel import FirstTokenProduced, WorkerQueueModel, WorkerTiming
+from kvcompassd.core.workermodel import FirstTokenProduced, WorkerModelError, WorkerQueueModel, WorkerTiming
 from kvcompassd.emulator.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -253,6 +253,8 @@ class EmulatedEngine:
 
     async def generate(self, gen: Generation, *, stream: bool) -> AsyncIterator[Generation]:
         """Run one request; yields ``gen`` whenever new tokens are out (last: finished)."""
+        if gen.rid in self._waiters:
+            raise WorkerModelError(f"request id {gen.rid!r} is already running")
         gen.started = time.perf_counter()
         self.inflight += 1
         output = output_tokens(gen.prompt, gen.max_new_tokens, self.settings.seed)
