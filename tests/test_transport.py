@@ -26,6 +26,7 @@ from kvcompassd.transport import (
     Peer,
     PeerUnavailable,
     QuicNode,
+    StreamClosed,
     TransportOptions,
 )
 from kvcompassd.transport.framing import HEADER, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
@@ -167,20 +168,23 @@ async def answer_with_chunks(message: Message, stream) -> None:
 
 
 frames = st.lists(
-    st.tuples(st.integers(0, 2**32 - 1), st.binary(min_size=1, max_size=300), st.booleans()), max_size=12
+    st.tuples(st.integers(0, 2**32 - 1), st.binary(max_size=300), st.booleans(), st.booleans()).map(
+        lambda f: (f[0], f[1], f[2] or f[3] or not f[1], f[3])  # empty bodies only on END / ABORT
+    ),
+    max_size=12,
 )
 
 
 @settings(max_examples=150, deadline=None)
 @given(frames, st.lists(st.integers(1, 97), min_size=1, max_size=30))
 def test_frames_survive_any_chunking(items, cuts):
-    data = b"".join(encode_frame(x, body, end=end) for x, body, end in items)
+    data = b"".join(encode_frame(x, body, end=end, abort=abort) for x, body, end, abort in items)
     decoder, out, position, i = FrameDecoder(), [], 0, 0
     while position < len(data):
         step = cuts[i % len(cuts)]
         out.extend(decoder.feed(data[position : position + step]))
         position, i = position + step, i + 1
-    assert out == [Frame(x, end, body) for x, body, end in items] and decoder.buffered == 0
+    assert out == [Frame(x, end, body, abort) for x, body, end, abort in items] and decoder.buffered == 0
 
 
 @settings(max_examples=300, deadline=None)
@@ -199,6 +203,8 @@ def test_bare_end_frame_and_bad_frames():
     assert list(decoder.feed(encode_frame(3, b"", end=True))) == [Frame(3, True, b"")]
     [error] = decoder.feed(HEADER.pack(5, 9, 0))
     assert isinstance(error, FrameError) and error.exchange == 9 and "empty frame" in str(error)
+    [error] = decoder.feed(HEADER.pack(6, 4, 0x02) + b"\x90")
+    assert isinstance(error, FrameError) and "ABORT without END" in str(error)
     with pytest.raises(ValueError):
         encode_frame(1, b"")
 
@@ -484,6 +490,42 @@ def test_too_many_open_exchanges_are_refused_and_others_carry_on(run, pki):
             assert delivered == [0, 1]
             for exchange in exchanges:
                 await exchange.close()
+
+    run(scenario())
+
+
+def test_aborted_exchange_stops_the_senders_work_and_the_connection_carries_on(run, pki):
+    async def scenario():
+        outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def endless(message, stream):
+            if not isinstance(message, RequestForwarded):
+                return
+            aborted = asyncio.ensure_future(stream.wait_aborted())
+            try:
+                for token in range(10**6):
+                    await stream.send(ResponseChunked(message.request_id, (token,), "", False))
+                    await asyncio.sleep(0.002)
+            except StreamClosed:
+                await aborted
+                outcome.set_result("stopped")
+            else:
+                outcome.set_result("ran to the end")
+
+        async with node(pki, "us-0", Recorder(reply=endless), listen=True) as agent, node(pki, "edge-us") as edge:
+            peer = await edge.connect(agent.address)
+            exchange = peer.open_stream()
+            await exchange.send(RequestForwarded("r1", "edge-us", "us", (1,), {}, True, 0), end=True)
+            assert (await exchange.receive()).token_ids == (0,)
+            assert (await exchange.receive()).token_ids == (1,)
+            exchange.abort()  # the user went away
+            assert await exchange.receive() is None
+            assert await outcome == "stopped"
+            async with peer.open_stream() as again:  # the connection is fine
+                await again.send(RequestForwarded("r2", "edge-us", "us", (1,), {}, True, 0), end=True)
+                reply = await again.receive()
+                assert reply.request_id == "r2"
+                again.abort()
 
     run(scenario())
 

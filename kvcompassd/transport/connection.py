@@ -164,7 +164,9 @@ class FrameStream:
     node's ``on_message`` callback (``channel.stream is`` this object) and answers with
     ``send``. Either side calls ``close()`` when it has nothing more to send; the exchange is
     forgotten once both have. Iteration ends when the peer closes its side, and raises
-    :class:`PeerUnavailable` if the connection is lost first.
+    :class:`PeerUnavailable` if the connection is lost first. ``abort()`` abandons the
+    exchange (the initiator's way to cancel a request whose user went away): the other side's
+    next ``send`` raises :class:`StreamClosed`, and ``wait_aborted()`` lets it stop sooner.
     """
 
     def __init__(self, connection: QuicConnectionTransport, exchange: int, *, incoming: bool, stream_id: int | None) -> None:
@@ -175,6 +177,8 @@ class FrameStream:
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.local_closed = False
         self.remote_closed = False
+        self.aborted = False  # the peer abandoned the exchange: sending on it raises StreamClosed
+        self._aborted_event = asyncio.Event()
         self.dispatcher: _SerialDispatcher | None = None
 
     @property
@@ -192,6 +196,8 @@ class FrameStream:
     def send_encoded(self, body: bytes, *, end: bool = False) -> None:
         """Send a message already encoded with ``wire.encode`` (encode once, send to many)."""
         if self.local_closed:
+            if self.aborted:
+                raise StreamClosed(f"exchange {self.exchange} was abandoned by the peer")
             raise StreamClosed(f"exchange {self.exchange} already closed by this side")
         if self._stream_id is None:
             self._stream_id = self._connection.pick_exchange_stream()
@@ -212,6 +218,24 @@ class FrameStream:
         except PeerUnavailable:
             pass
         self._mark_local_closed()
+
+    def abort(self) -> None:
+        """Abandon the exchange: tell the peer to stop sending (its next send on the exchange
+        raises StreamClosed) and end our own iteration. Idempotent."""
+        if self.local_closed and self.remote_closed:
+            return
+        if self._stream_id is not None and not self._connection.terminated:
+            try:
+                self._connection.send_frame(self._stream_id, self.exchange, b"", abort=True)
+            except PeerUnavailable:
+                pass
+        self.local_closed = True
+        self._mark_remote_closed()
+
+    async def wait_aborted(self) -> None:
+        """Return once the peer abandons the exchange or the connection is lost (for a handler
+        that wants to stop work early rather than at its next send)."""
+        await self._aborted_event.wait()
 
     async def receive(self) -> Message | None:
         """The next message, or None once the peer closed its side."""
@@ -251,6 +275,16 @@ class FrameStream:
             self._inbox.put_nowait(_END)
             self._connection.forget_if_done(self)
 
+    def _mark_aborted(self) -> None:
+        self.aborted = True
+        self._aborted_event.set()
+        self.local_closed = True
+        if not self.incoming and not self.remote_closed:
+            self.remote_closed = True
+            self._inbox.put_nowait(StreamClosed(f"exchange {self.exchange} was abandoned by the peer"))
+        self._mark_remote_closed()
+        self._connection.forget_if_done(self)
+
     def _mark_local_closed(self) -> None:
         self.local_closed = True
         self._connection.forget_if_done(self)
@@ -260,6 +294,7 @@ class FrameStream:
             self.remote_closed = True
             self._inbox.put_nowait(error)
         self.local_closed = True
+        self._aborted_event.set()  # nothing more will happen on this exchange
 
 
 class QuicConnectionTransport(QuicConnectionProtocol):
@@ -417,6 +452,9 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         key = (stream_id, frame.exchange)
         stream = self._outgoing.get(key)
         if stream is not None:  # a reply on an exchange we opened
+            if frame.abort:
+                stream._mark_aborted()
+                return
             if frame.body:
                 message = self._decode_checked(frame.body, reply_stream=stream_id, reply_exchange=frame.exchange)
                 if message is not None:
@@ -437,6 +475,9 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             stream = FrameStream(self, frame.exchange, incoming=True, stream_id=stream_id)
             stream.dispatcher = _SerialDispatcher(self.node.deliver, lambda exc, s=stream: self._handler_failed(s, exc))
             self._incoming[key] = stream
+        if frame.abort:
+            stream._mark_aborted()
+            return
         if frame.body:
             message = self._decode_checked(frame.body, reply_stream=stream_id, reply_exchange=frame.exchange)
             if message is not None:
@@ -537,10 +578,10 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             table = self._incoming if stream.incoming else self._outgoing
             table.pop((stream._stream_id, stream.exchange), None)
 
-    def send_frame(self, stream_id: int, exchange: int, body: bytes, *, end: bool = False) -> None:
+    def send_frame(self, stream_id: int, exchange: int, body: bytes, *, end: bool = False, abort: bool = False) -> None:
         if self.terminated or self.identity is None:
             raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
-        self._quic.send_stream_data(stream_id, encode_frame(exchange, body, end=end))
+        self._quic.send_stream_data(stream_id, encode_frame(exchange, body, end=end, abort=abort))
         self._transmit_soon()
 
     def send_control(self, body: bytes) -> None:

@@ -5,6 +5,8 @@ Frame layout (all integers big-endian)::
     u32 length      -- bytes after this field (= 5 + len(body))
     u32 exchange    -- 0 = the sender's ordered control channel, else a request/response exchange
     u8  flags       -- bit 0 END: the sender will send nothing more on this exchange
+                       bit 1 ABORT (with END): the sender abandons the exchange; the receiver
+                       should stop sending on it too (e.g. the user went away mid-response)
     body            -- one msgpack message (kvcompassd.wire); empty only on a bare END frame
 
 Many exchanges share one QUIC stream (see ``node.py`` for why), so a frame names its exchange.
@@ -27,7 +29,8 @@ HEADER_AFTER_LENGTH: Final = HEADER.size - LENGTH.size
 MAX_FRAME_LENGTH: Final = MAX_FRAME_BYTES + HEADER_AFTER_LENGTH
 MAX_EXCHANGE_ID: Final = (1 << 32) - 1
 FLAG_END: Final = 0x01
-KNOWN_FLAGS: Final = FLAG_END
+FLAG_ABORT: Final = 0x02
+KNOWN_FLAGS: Final = FLAG_END | FLAG_ABORT
 CONTROL_EXCHANGE: Final = 0
 
 
@@ -50,17 +53,21 @@ class Frame:
     exchange: int
     end: bool
     body: bytes
+    abort: bool = False
 
 
-def encode_frame(exchange: int, body: bytes, *, end: bool = False) -> bytes:
-    """Frame ``body`` (an encoded message, or b"" with ``end``) for ``exchange``."""
+def encode_frame(exchange: int, body: bytes, *, end: bool = False, abort: bool = False) -> bytes:
+    """Frame ``body`` (an encoded message, or b"" with ``end``) for ``exchange``; ``abort``
+    implies ``end``."""
+    end = end or abort
     if not 0 <= exchange <= MAX_EXCHANGE_ID:
         raise ValueError(f"exchange id {exchange} outside [0, 2^32)")
     if len(body) > MAX_FRAME_BYTES:
         raise ValueError(f"frame body of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     if not body and not end:
         raise ValueError("an empty frame is only allowed as a bare END")
-    return HEADER.pack(HEADER_AFTER_LENGTH + len(body), exchange, FLAG_END if end else 0) + body
+    flags = (FLAG_END if end else 0) | (FLAG_ABORT if abort else 0)
+    return HEADER.pack(HEADER_AFTER_LENGTH + len(body), exchange, flags) + body
 
 
 class FrameDecoder:
@@ -107,8 +114,10 @@ class FrameDecoder:
                     yield FrameError(exchange, f"unknown frame flags {flags:#04x}")
                 elif not body and not flags & FLAG_END:
                     yield FrameError(exchange, "empty frame without END")
+                elif flags & FLAG_ABORT and not flags & FLAG_END:
+                    yield FrameError(exchange, "ABORT without END")
                 else:
-                    yield Frame(exchange, bool(flags & FLAG_END), body)
+                    yield Frame(exchange, bool(flags & FLAG_END), body, bool(flags & FLAG_ABORT))
         finally:
             if offset:
                 del buffer[:offset]
