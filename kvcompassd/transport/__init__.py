@@ -24,22 +24,22 @@ down (re-subscribe on True). Sends raise ``PeerUnavailable`` while a peer is dow
 
 Every message passes ``wire.check_sender`` for the peer's certified role before delivery; a
 malformed or forbidden frame is answered with ``ErrorReported`` (and logged) and the
-connection carries on. See ``connection.py`` for the stream budget and ``aioquic_tweaks.py``
+connection carries on. Modules: ``node`` (QuicNode, Peer), ``connection`` (one connection:
+identity, framing, dispatch; the stream budget), ``exchange`` (FrameStream), ``framing``
+(sans-IO frame codec), ``base`` (errors, options). See ``connection.py`` for the stream budget and ``aioquic_tweaks.py``
 for the pacing fix and the client-certificate handling. Run daemons under uvloop.
 """
 
-from kvcompassd.transport.connection import (
+from kvcompassd.transport.base import (
     ALPN,
     MAX_DATAGRAM_PAYLOAD,
-    ChannelInfo,
-    FrameStream,
     HandshakeFailed,
-    OnMessage,
     PeerUnavailable,
     StreamClosed,
     TransportError,
     TransportOptions,
 )
+from kvcompassd.transport.exchange import ChannelInfo, FrameStream, OnMessage
 from kvcompassd.transport.node import Address, OnPeerState, Peer, QuicNode
 
 __all__ = [

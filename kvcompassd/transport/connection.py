@@ -13,11 +13,7 @@ flight, and long streamed responses cannot exhaust a stream budget.
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -26,275 +22,34 @@ from aioquic.quic.connection import QuicConnection
 
 from kvcompassd.certs import CertError, peer_identity
 from kvcompassd.transport.aioquic_tweaks import (
-    PacingMode,
     install_pacer,
     peer_certificate,
     request_client_certificate,
     verify_peer_chain,
 )
-from kvcompassd.transport.framing import CONTROL_EXCHANGE, MAX_EXCHANGE_ID, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
-from kvcompassd.wire import (
-    ErrorReported,
-    Message,
-    NodeIdentity,
-    Role,
-    WireError,
-    WireForbidden,
-    check_sender,
-    decode,
-    encode,
+from kvcompassd.transport.base import (
+    APP_ERROR_REFUSED,
+    MAX_DATAGRAM_PAYLOAD,
+    STREAM_ERROR_CORRUPT,
+    PeerUnavailable,
+    TransportError,
 )
+from kvcompassd.transport.exchange import ChannelInfo, FrameStream, SerialDispatcher
+from kvcompassd.transport.framing import (
+    CONTROL_EXCHANGE,
+    MAX_EXCHANGE_ID,
+    Frame,
+    FrameDecoder,
+    FrameError,
+    StreamCorrupt,
+    encode_frame,
+)
+from kvcompassd.wire import ErrorReported, Message, NodeIdentity, Role, WireError, WireForbidden, check_sender, decode, encode
 
 if TYPE_CHECKING:
     from kvcompassd.transport.node import Peer, QuicNode
 
 log = structlog.get_logger(__name__)
-
-ALPN = "kvcompass/1"
-# A DATAGRAM frame must fit in one QUIC packet (>= 1200 bytes on every path); keep headroom for
-# the packet header and AEAD tag. Larger "datagram" messages fall back to the control stream.
-MAX_DATAGRAM_PAYLOAD = 1000
-APP_ERROR_REFUSED = 0x10  # QUIC application error code when a peer's identity is refused
-STREAM_ERROR_CORRUPT = 0x11
-
-
-class TransportError(ConnectionError):
-    """Base of transport failures (not bad input: those are WireError)."""
-
-
-class PeerUnavailable(TransportError):
-    """There is no live connection to the peer (not yet, or it was lost)."""
-
-
-class HandshakeFailed(PeerUnavailable):
-    """TLS failed, or the peer's certificate / identity was refused (by us or by the peer)."""
-
-
-class StreamClosed(TransportError):
-    """This side already ended the exchange."""
-
-
-@dataclass(frozen=True, slots=True)
-class TransportOptions:
-    """Knobs of a QuicNode; the defaults suit production."""
-
-    pacing: PacingMode = "auto"  # see aioquic_tweaks.CoarsePacer
-    exchange_streams: int = 4  # QUIC streams shared by the exchanges this node opens per connection
-    idle_timeout: float = 10.0  # a silent peer is declared dead after this; keepalive at 1/3
-    handshake_timeout: float = 5.0
-    reconnect_initial: float = 0.05
-    reconnect_max: float = 5.0
-    verify_hostname: bool = False  # identity comes from the CA-signed kvc:// URI, not the host name
-    max_stream_data: int = 16 * 1024 * 1024
-    max_data: int = 64 * 1024 * 1024
-    check_outgoing_roles: bool = True  # refuse locally to send what our role may not (tests disable)
-    max_incoming_exchanges: int = 4096  # per connection; more are refused with ErrorReported
-    # send() waits while more than this many bytes sent on the connection are unacknowledged
-    # (larger than the biggest frame, a 16 MiB snapshot, so one frame always fits).
-    send_buffer_limit: int = 32 * 1024 * 1024
-
-    def __post_init__(self) -> None:
-        if self.pacing not in ("auto", "aioquic", "off"):
-            raise ValueError(f"pacing must be 'auto', 'aioquic' or 'off', got {self.pacing!r}")
-        if not 1 <= self.exchange_streams <= 64:
-            raise ValueError(f"exchange_streams must be in [1, 64], got {self.exchange_streams}")
-        for name in ("idle_timeout", "handshake_timeout", "reconnect_initial", "reconnect_max"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelInfo:
-    """How a message arrived: on the peer's ordered control channel, on an exchange (reply with
-    ``stream.send``), or as an unordered, possibly lost datagram."""
-
-    kind: Literal["control", "exchange", "datagram"]
-    stream: FrameStream | None = None
-
-
-OnMessage = Callable[["Peer", Message, ChannelInfo], Awaitable[None] | None]
-
-
-class _SerialDispatcher:
-    """Hands one channel's messages to the handler in arrival order, awaiting async handlers,
-    so that a slow handler on one exchange never delays another exchange."""
-
-    __slots__ = ("_handler", "_queue", "_task", "_on_failure")
-
-    def __init__(self, handler: OnMessage, on_failure: Callable[[Exception], None] | None = None) -> None:
-        self._handler = handler
-        self._queue: deque[tuple[Any, Message, ChannelInfo]] = deque()
-        self._task: asyncio.Task[None] | None = None
-        self._on_failure = on_failure
-
-    def put(self, peer: Peer, message: Message, channel: ChannelInfo) -> None:
-        self._queue.append((peer, message, channel))
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._drain())
-
-    async def _drain(self) -> None:
-        try:
-            while self._queue:
-                peer, message, channel = self._queue.popleft()
-                try:
-                    result = self._handler(peer, message, channel)
-                    if inspect.isawaitable(result):
-                        await result
-                except Exception as exc:  # a handler bug must not take the connection down
-                    log.exception("message_handler_failed", peer=str(peer.identity), message=type(message).__name__)
-                    if self._on_failure is not None:
-                        self._on_failure(exc)
-        finally:
-            self._task = None
-
-    def cancel(self) -> None:
-        self._queue.clear()
-        if self._task is not None:
-            self._task.cancel()
-
-
-_END = object()
-
-
-class FrameStream:
-    """One exchange with a peer: an ordered conversation multiplexed on a shared QUIC stream.
-
-    The side that opened it (``peer.open_stream()``) sends and reads replies with
-    ``async for message in stream``; the accepting side receives each message through the
-    node's ``on_message`` callback (``channel.stream is`` this object) and answers with
-    ``send``. Either side calls ``close()`` when it has nothing more to send; the exchange is
-    forgotten once both have. Iteration ends when the peer closes its side, and raises
-    :class:`PeerUnavailable` if the connection is lost first. ``abort()`` abandons the
-    exchange (the initiator's way to cancel a request whose user went away): the other side's
-    next ``send`` raises :class:`StreamClosed`, and ``wait_aborted()`` lets it stop sooner.
-    """
-
-    def __init__(self, connection: QuicConnectionTransport, exchange: int, *, incoming: bool, stream_id: int | None) -> None:
-        self._connection = connection
-        self.exchange = exchange
-        self.incoming = incoming
-        self._stream_id = stream_id
-        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self.local_closed = False
-        self.remote_closed = False
-        self.aborted = False  # the peer abandoned the exchange: sending on it raises StreamClosed
-        self._aborted_event = asyncio.Event()
-        self.dispatcher: _SerialDispatcher | None = None
-
-    @property
-    def peer(self) -> Peer:
-        return self._connection.peer
-
-    async def send(self, message: Message, *, end: bool = False) -> None:
-        """Send ``message`` (and close our side if ``end``), first waiting while the
-        connection's unacknowledged bytes exceed ``TransportOptions.send_buffer_limit``."""
-        self._connection.check_outgoing(message)
-        body = encode(message)
-        await self._connection.wait_send_buffer()
-        self.send_encoded(body, end=end)
-
-    def send_encoded(self, body: bytes, *, end: bool = False) -> None:
-        """Send a message already encoded with ``wire.encode`` (encode once, send to many)."""
-        if self.local_closed:
-            if self.aborted:
-                raise StreamClosed(f"exchange {self.exchange} was abandoned by the peer")
-            raise StreamClosed(f"exchange {self.exchange} already closed by this side")
-        if self._stream_id is None:
-            self._stream_id = self._connection.pick_exchange_stream()
-            self._connection.register_outgoing(self._stream_id, self)
-        self._connection.send_frame(self._stream_id, self.exchange, body, end=end)
-        if end:
-            self._mark_local_closed()
-
-    async def close(self) -> None:
-        """Tell the peer we will send nothing more (idempotent; a no-op once the link is gone)."""
-        if self.local_closed:
-            return
-        if self._stream_id is None:  # never sent anything: nothing to tell the peer
-            self._mark_local_closed()
-            return
-        try:
-            self._connection.send_frame(self._stream_id, self.exchange, b"", end=True)
-        except PeerUnavailable:
-            pass
-        self._mark_local_closed()
-
-    def abort(self) -> None:
-        """Abandon the exchange: tell the peer to stop sending (its next send on the exchange
-        raises StreamClosed) and end our own iteration. Idempotent."""
-        if self.local_closed and self.remote_closed:
-            return
-        if self._stream_id is not None and not self._connection.terminated:
-            try:
-                self._connection.send_frame(self._stream_id, self.exchange, b"", abort=True)
-            except PeerUnavailable:
-                pass
-        self.local_closed = True
-        self._mark_remote_closed()
-
-    async def wait_aborted(self) -> None:
-        """Return once the peer abandons the exchange or the connection is lost (for a handler
-        that wants to stop work early rather than at its next send)."""
-        await self._aborted_event.wait()
-
-    async def receive(self) -> Message | None:
-        """The next message, or None once the peer closed its side."""
-        if self.incoming:
-            raise RuntimeError("an accepted exchange delivers its messages to on_message")
-        item = await self._inbox.get()
-        if item is _END:
-            self._inbox.put_nowait(_END)  # keep returning None
-            return None
-        if isinstance(item, Exception):
-            self._inbox.put_nowait(item)
-            raise item
-        return item
-
-    def __aiter__(self) -> FrameStream:
-        return self
-
-    async def __anext__(self) -> Message:
-        message = await self.receive()
-        if message is None:
-            raise StopAsyncIteration
-        return message
-
-    async def __aenter__(self) -> FrameStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    # Called by the connection.
-    def _deliver(self, message: Message) -> None:
-        self._inbox.put_nowait(message)
-
-    def _mark_remote_closed(self) -> None:
-        if not self.remote_closed:
-            self.remote_closed = True
-            self._inbox.put_nowait(_END)
-            self._connection.forget_if_done(self)
-
-    def _mark_aborted(self) -> None:
-        self.aborted = True
-        self._aborted_event.set()
-        self.local_closed = True
-        if not self.incoming and not self.remote_closed:
-            self.remote_closed = True
-            self._inbox.put_nowait(StreamClosed(f"exchange {self.exchange} was abandoned by the peer"))
-        self._mark_remote_closed()
-        self._connection.forget_if_done(self)
-
-    def _mark_local_closed(self) -> None:
-        self.local_closed = True
-        self._connection.forget_if_done(self)
-
-    def _fail(self, error: Exception) -> None:
-        if not self.remote_closed:
-            self.remote_closed = True
-            self._inbox.put_nowait(error)
-        self.local_closed = True
-        self._aborted_event.set()  # nothing more will happen on this exchange
 
 
 class QuicConnectionTransport(QuicConnectionProtocol):
@@ -331,8 +86,8 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._outgoing: dict[tuple[int, int], FrameStream] = {}
         self._incoming: dict[tuple[int, int], FrameStream] = {}
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self._control = _SerialDispatcher(node.deliver)
-        self._datagrams = _SerialDispatcher(node.deliver)
+        self._control = SerialDispatcher(node.deliver)
+        self._datagrams = SerialDispatcher(node.deliver)
 
     # ---- identity ---------------------------------------------------------------------------
 
@@ -473,7 +228,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
                     self._reject("unavailable", "too many open exchanges on this connection", stream_id, frame.exchange)
                 return
             stream = FrameStream(self, frame.exchange, incoming=True, stream_id=stream_id)
-            stream.dispatcher = _SerialDispatcher(self.node.deliver, lambda exc, s=stream: self._handler_failed(s, exc))
+            stream.dispatcher = SerialDispatcher(self.node.deliver, lambda exc, s=stream: self._handler_failed(s, exc))
             self._incoming[key] = stream
         if frame.abort:
             stream._mark_aborted()

@@ -21,16 +21,9 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from kvcompassd.certs import CertError, TlsFiles, load_certificate, peer_identity
-from kvcompassd.transport.connection import (
-    ALPN,
-    ChannelInfo,
-    FrameStream,
-    HandshakeFailed,
-    OnMessage,
-    PeerUnavailable,
-    QuicConnectionTransport,
-    TransportOptions,
-)
+from kvcompassd.transport.base import ALPN, HandshakeFailed, PeerUnavailable, TransportOptions
+from kvcompassd.transport.connection import QuicConnectionTransport
+from kvcompassd.transport.exchange import ChannelInfo, FrameStream, OnMessage
 from kvcompassd.wire import Message, NodeIdentity, Role, encode
 
 log = structlog.get_logger(__name__)
