@@ -184,3 +184,14 @@ def test_larger_pages_keep_baselines_consistent():
     tokens = np.arange(300, 300 + 640)
     res = simulate(topo, make_baseline("central-directory", topo), [req(0, 0.0, tokens), req(1, 1.0, tokens)])
     assert res.records["claimed_tokens"][1] == 640 and res.records["reused_tokens"][1] == 639
+
+
+class StuckTimer(Fixed):
+    def next_timer(self):
+        return 0.0
+
+
+def test_a_policy_timer_that_never_advances_is_reported():
+    topo = two_region_topology(1, 0)
+    with pytest.raises(SimulationError, match="timer stuck"):
+        simulate(topo, StuckTimer(topo, worker=0), [req(0, 1.0, TOKENS)])

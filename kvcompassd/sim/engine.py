@@ -356,10 +356,14 @@ class Simulation:
 
         pull()
         policy = self.policy
+        stalled = 0
         while self._heap:
             t_next = self._heap[0][0]
             timer = policy.next_timer()
             if timer is not None and timer <= t_next:
+                stalled = stalled + 1 if timer <= self.now else 0
+                if stalled > 10_000:
+                    raise SimulationError(f"{getattr(policy, 'name', policy)}: timer stuck at {timer}")
                 self.now = max(self.now, timer)
                 policy.on_timer(now=self.now)
                 self._take_migrations(self.now)

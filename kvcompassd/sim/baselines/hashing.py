@@ -5,7 +5,8 @@ paper's §2.3 argument). Consistent Hashing (paper baseline 1): six independent 
 prefix length (64, 128, ..., 2048 tokens); a request goes to the owner, on the ring of the
 longest length its prompt covers, of that prefix's hash. Each worker has 160 virtual nodes per
 ring (ketama's count) so the key space splits evenly. Lookup is local (the rings are static),
-so there is no discovery delay. Sees: nothing but the request.
+so there is no discovery delay. The paper's CH has no bounded-load variant (§5.1: "six
+independent content-hash rings"), so none is applied. Sees: nothing but the request.
 
 Chord (baseline 2): the same six-level layout, one DHT key per level, resolved by Chord lookups:
 the edge's local Chord node routes greedily through finger tables (finger k = successor(id +
