@@ -172,3 +172,12 @@ def test_zipf_is_skewed():
     z = ZipfSampler(1000, 1.0)
     counts = np.bincount([z.sample(rng) for _ in range(5000)], minlength=1000)
     assert counts[0] > counts[10] > 0 and counts[0] > 300
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=80), st.sampled_from([4, 16, 32]))
+def test_event_block_hashes_match_the_vectorised_ones(tokens, block_size):
+    from kvcompassd.sim.blockmirror import _event_block_hashes, block_hashes
+
+    expected = block_hashes(np.array(tokens, dtype=np.uint32), block_size).tolist()
+    assert _event_block_hashes(tokens, block_size) == expected

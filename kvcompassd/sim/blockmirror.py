@@ -21,6 +21,7 @@ _RNG = np.random.default_rng(0x5EED_B10C)
 _TOKEN_MULT = _RNG.integers(1, 2**63, size=4096, dtype=np.uint64) | np.uint64(1)
 _POS_MULT = _RNG.integers(1, 2**63, size=MAX_BLOCKS, dtype=np.uint64) | np.uint64(1)
 _POS_MULT_INT = _POS_MULT.tolist()
+_TOKEN_MULT_INT = _TOKEN_MULT.tolist()
 _MASK64 = (1 << 64) - 1
 
 
@@ -32,6 +33,17 @@ def block_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
     blocks = np.asarray(tokens[: nb * block_size], dtype=np.uint64).reshape(nb, block_size) + np.uint64(1)
     # uint64 array arithmetic wraps modulo 2^64 silently (only numpy scalars warn).
     return (blocks * _TOKEN_MULT[:block_size]).sum(axis=1, dtype=np.uint64)
+
+
+def _event_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """``block_hashes`` for an event's tokens; plain integer arithmetic for the common one- or
+    two-block event (numpy's per-call overhead dominates there), identical results."""
+    nb = len(token_ids) // block_size
+    if nb > 2:
+        return block_hashes(np.asarray(token_ids, dtype=np.uint32), block_size).tolist()
+    mult = _TOKEN_MULT_INT[:block_size]
+    return [sum((t + 1) * m for t, m in zip(token_ids[i * block_size:(i + 1) * block_size], mult)) & _MASK64
+            for i in range(nb)]
 
 
 def chain_keys(tokens: np.ndarray, block_size: int) -> np.ndarray:
@@ -61,8 +73,7 @@ class GlobalBlockMap:
                     if parent is None:
                         continue  # an orphan: its prefix is unknown, so it cannot be matched
                     key, depth = parent[0], parent[1]
-                toks = np.asarray(ev.token_ids, dtype=np.uint32)
-                hs = block_hashes(toks, ev.block_size).tolist()
+                hs = _event_block_hashes(ev.token_ids, ev.block_size)
                 for bh, h in zip(ev.block_hashes, hs):
                     if depth >= MAX_BLOCKS:
                         break
