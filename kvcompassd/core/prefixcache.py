@@ -118,6 +118,7 @@ class PrefixCache:
         self._vram_heap: list[tuple[tuple[float, ...], int, int, int]] = []
         self._dram_heap: list[tuple[tuple[float, ...], int, int, int]] = []
         self._order = itertools.count()
+        self._pushes = 0
         self.demotions = 0
         self.evictions = 0
 
@@ -182,7 +183,7 @@ class PrefixCache:
         for start, digest in self._chain(tokens):
             page = self._by_digest.get(digest)
             if page is None:
-                page_tokens = tuple(int(t) for t in tokens[start : start + self.block_size])
+                page_tokens = tuple(map(int, tokens[start : start + self.block_size]))
                 page = self._new_page(digest, parent, page_tokens)
                 if not self._add_vram(page, events, new=True):
                     self._discard_new(page)
@@ -369,16 +370,24 @@ class PrefixCache:
     def _changed(self, page: _Page) -> None:
         """Re-queue ``page`` in the eviction heaps it now qualifies for (old entries go stale)."""
         page.stamp += 1
-        if page.id not in self._pages:
+        if page.pins or page.id not in self._pages:
             return
-        if self._vram_candidate(page):
-            heapq.heappush(self._vram_heap, (self._priority(page), next(self._order), page.id, page.stamp))
-        if self._dram_candidate(page):
-            heapq.heappush(self._dram_heap, (self._priority(page), next(self._order), page.id, page.stamp))
-        if len(self._vram_heap) > 4 * (len(self._pages) + 64):
-            self._vram_heap = self._rebuild(self._vram_candidate)
-        if len(self._dram_heap) > 4 * (len(self._pages) + 64):
-            self._dram_heap = self._rebuild(self._dram_candidate)
+        vram = page.in_vram and page.vram_children == 0
+        dram = page.in_dram and (page.in_vram or page.children == 0)
+        if not (vram or dram):
+            return
+        priority = (page.hits, page.last_access) if self.policy is EvictionPolicy.LFU else (page.last_access,)
+        if vram:
+            heapq.heappush(self._vram_heap, (priority, next(self._order), page.id, page.stamp))
+        if dram:
+            heapq.heappush(self._dram_heap, (priority, next(self._order), page.id, page.stamp))
+        self._pushes += 1
+        if self._pushes >= 4096:  # stale entries pile up: rebuild both heaps now and then
+            self._pushes = 0
+            if len(self._vram_heap) > 4 * (len(self._pages) + 64):
+                self._vram_heap = self._rebuild(self._vram_candidate)
+            if len(self._dram_heap) > 4 * (len(self._pages) + 64):
+                self._dram_heap = self._rebuild(self._dram_candidate)
 
     def _rebuild(self, candidate) -> list[tuple[tuple[float, ...], int, int, int]]:
         heap = [(self._priority(p), next(self._order), p.id, p.stamp) for p in self._pages.values() if candidate(p)]

@@ -142,14 +142,14 @@ class BlockStored:
     medium: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_hashes", tuple(canonical_hash(h) for h in self.block_hashes))
+        object.__setattr__(self, "block_hashes", tuple(map(canonical_hash, self.block_hashes)))
         if self.parent_block_hash is not None:
             object.__setattr__(
                 self, "parent_block_hash", canonical_hash(self.parent_block_hash, "parent_block_hash")
             )
         tokens = tuple(self.token_ids)
         # fast path (C-level loops) for the usual plain ints; per token only for odd input
-        if not (tokens and all(type(t) is int for t in tokens) and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
+        if not (tokens and set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
             tokens = tuple(_token(t) for t in tokens)
         object.__setattr__(self, "token_ids", tokens)
         if not self.block_hashes:
