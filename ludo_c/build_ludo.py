@@ -12,7 +12,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("ludo_wire.c", "ludo_locator.c", "ludo_table.c", "ludo_stream.c", "ludo_view.c", "ludo_export.c", "ludo_bench.c")
+SOURCES = ("ludo_wire.c", "ludo_locator.c", "ludo_table.c", "ludo_stream.c", "ludo_view.c", "ludo_export.c", "ludo_bench.c", "ludo_plan.c")
 
 
 def _cdef_text() -> str:

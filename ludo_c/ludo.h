@@ -191,6 +191,49 @@ int kvc_bench_table_ops(kvc_table *table, kvc_view *view, int op, const uint64_t
 void kvc_bench_view_lookups(const kvc_view *view, const uint64_t *keys, size_t n,
                             uint64_t *ns_out, uint64_t *sink);
 
+/* ---- the edge's per-request plan (ludo_plan.c) ---------------------------------------------- */
+
+/* One edge lookup over every (shard, region group) view, in one call.
+ *   views         [shards * groups]: views[s * groups + g] is group g's view of shard s, NULL where
+ *                 the shard has no state yet (reads as a miss). A key is read on shard key % shards.
+ *   keys          the prompt's keys, one per query length that fits the prompt (n_keys of them).
+ *   level_lengths [groups * max_levels]: each group's lengths toward its region, ascending, 0 pads.
+ *   level_keys    [groups * max_levels]: index into `keys` of each such length, -1 at the pads; a
+ *                 group stops at the first index that is -1 or >= n_keys (the prompt is shorter).
+ *   worker_group, worker_shift [workers]: each worker's group and its 2-bit field's bit shift.
+ *   consistency   1: a worker's match is its unbroken run of hits from the shortest level (a hit
+ *                 above a miss is a keyless-view false hit); a group's reads stop once every
+ *                 field has missed. 0: the longest level with a hit (the paper's plain rule).
+ *   values_out    [groups * max_levels] scratch, left holding the values read (0 = not read).
+ *   matched_out   [workers]: the matched length, 0 = none; tier_out [workers]: the field there.
+ * Returns KVC_OK, or KVC_ERR_ARG (no shard, a worker naming no group, a bad shift). */
+int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
+                    const uint64_t *keys, size_t n_keys,
+                    const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
+                    const int32_t *worker_group, const uint8_t *worker_shift, size_t workers,
+                    int consistency, uint64_t *values_out,
+                    int64_t *matched_out, uint8_t *tier_out);
+
+/* Ablation flags of kvc_score_joint (set = the feature is on). */
+enum kvc_score_flags {
+    KVC_SCORE_LOAD_AWARE = 1,
+    KVC_SCORE_TIER_AWARE = 2,
+    KVC_SCORE_CROSS_REGION = 4
+};
+
+/* The joint score of every worker (paper section 3.4), bit-identical to JointScorer's numpy path:
+ *   s_r = WAN_r + Tq_r + c_r * L + min(b_r * m_r, L) * (gamma * [t_r = DRAM] - c_r),
+ *   c_r = beta_r * (1 + lam),  lam = min(lambda_max, min_r Tq_r / tau)   (0 without load awareness)
+ * Without cross-region reuse the effective match is scaled by local_factor and remote_penalty is
+ * added. eligible may be NULL (all eligible); an ineligible worker scores +inf. Writes scores_out
+ * [n] and *lam_out; returns the index of the first minimum (the first NaN if any), -1 if n == 0. */
+int64_t kvc_score_joint(size_t n, double prompt_len,
+                        const double *wan, const double *beta, const double *queue,
+                        const double *belief, const int64_t *matched, const uint8_t *tier,
+                        const double *local_factor, const double *remote_penalty,
+                        const uint8_t *eligible, double gamma, double lambda_max, double tau,
+                        unsigned flags, double *scores_out, double *lam_out);
+
 /* CDEF-END */
 
 #endif /* KVC_LUDO_H */

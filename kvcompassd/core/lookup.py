@@ -8,10 +8,15 @@ Cross-level consistency: a worker registers a cached prefix at every indexed len
 so its hits toward a region must form an unbroken run from the shortest length. A hit above a
 miss can only be a keyless-view false hit, so with ``consistency=True`` the match stops at the
 first miss.
+
+Two paths compute the same result: the native one (default) hashes in Python (hashlib) and does
+every table read and the decode in one C call (``lookup_plan.LookupPlan``); the reference one
+(``native=False``) reads each view from Python and decodes with numpy. Tests hold them equal.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +25,7 @@ from .index import EdgeIndexView
 from .keys import prefix_keys
 from .layout import IndexLayout
 from .levels import LevelPlan
+from .lookup_plan import LookupPlan, ViewPointers
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +50,7 @@ class PrefixLookup:
         view: EdgeIndexView,
         *,
         consistency: bool = True,
+        native: bool = True,
     ):
         self.layout = layout
         self.region = region
@@ -60,8 +67,33 @@ class PrefixLookup:
         own = plan.lengths_toward(region, region)
         self.family_length = int(own[0]) if own else int(self.query_lengths[0])
         self._shards = view.shards
+        self.native = native
+        self._query_list = self.query_lengths.tolist()
+        self._family_index = (self._query_list.index(self.family_length)
+                              if self.family_length in self._query_list else None)
+        self._n_workers = len(layout.worker_ids)
+        if native:
+            self._plan = LookupPlan(self.group_lengths, self.query_lengths, layout.worker_group,
+                                    layout.worker_shift, shards=view.shards, consistency=consistency)
+            self._pointers = ViewPointers(view, len(layout.groups))
 
     def lookup(self, tokens) -> LookupResult:
+        if not self.native:
+            return self.lookup_reference(tokens)
+        tokens = np.asarray(tokens)
+        prompt_len = tokens.shape[0]
+        n_fit = bisect_right(self._query_list, prompt_len)
+        if n_fit == 0:
+            n = self._n_workers
+            return LookupResult(prompt_len, np.zeros(n, np.int64), np.zeros(n, np.uint8), None)
+        keys = prefix_keys(tokens, self._query_list[:n_fit], self.salt)
+        matched, tier = self._plan.run(self._pointers.pointers(), keys)
+        family = self._family_index
+        family_key = keys.item(family) if family is not None and family < n_fit else None
+        return LookupResult(prompt_len, matched, tier, family_key)
+
+    def lookup_reference(self, tokens) -> LookupResult:
+        """The pure-Python path: one ``LudoView.lookup`` per read, numpy decode."""
         tokens = np.asarray(tokens)
         prompt_len = int(tokens.shape[0])
         n_fit = int(np.searchsorted(self.query_lengths, prompt_len, side="right"))

@@ -10,8 +10,10 @@ the minimum over all workers (ties: the first in config order). ``WAN`` is the r
 default (the request goes there and the first token comes back) or the one-way latency when
 ``score.wan = "one_way"``.
 
-The per-worker constants (WAN, beta) are precomputed in config worker order, so one decision is
-a dozen numpy operations on short arrays, with no per-worker Python loop.
+The per-worker constants (WAN, beta) are precomputed in config worker order. When the arrays
+have the dtypes the Router produces (int64 matches, uint8 tiers, float64 queue and belief, bool
+eligibility), one decision is one C loop (``lookup_plan.score_joint``: the same operations in the
+same order, bit-identical); otherwise, or with ``native=False``, a dozen numpy operations.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from .ablation import FULL, Ablation
 from .config import ClusterConfig
 from .events import Tier
+from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, score_joint
 
 __all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms"]
 
@@ -164,6 +167,7 @@ class JointScorer:
         # Without cross-region reuse remote workers are not eligible, unless there is no local one.
         penalty = np.where(local, 0.0, np.inf) if local.any() else np.zeros(self.n_workers)
         self._remote_penalty = _frozen(penalty)
+        self._flags: dict[Ablation, int] = {}
 
     def _bad_shape(self, name: str, array: object) -> ScoreInputError:
         shape = getattr(array, "shape", type(array).__name__)
@@ -179,12 +183,13 @@ class JointScorer:
         *,
         ablation: Ablation = FULL,
         eligible: np.ndarray | None = None,
+        native: bool = True,
     ) -> ScoreResult:
         """Score all workers and pick the minimum.
 
         ``matched`` (tokens, <= prompt_len), ``tier`` (uint8 ``Tier`` values), ``queue_ms`` and
         ``belief`` are arrays in config worker order; ``eligible`` (bool) can exclude workers,
-        e.g. unreachable ones.
+        e.g. unreachable ones. ``native=False`` forces the numpy reference path.
         """
         shape = self._shape
         if matched.__class__ is not np.ndarray or matched.shape != shape:
@@ -202,6 +207,32 @@ class JointScorer:
         if prompt_len < 0:
             raise ScoreInputError(f"prompt_len must be >= 0, got {prompt_len}")
 
+        if eligible is not None and (eligible.__class__ is not np.ndarray or eligible.shape != shape):
+            raise self._bad_shape("eligible", eligible)
+        if native and matched.dtype == _INT64 and tier.dtype == _UINT8 and queue_ms.dtype == _FLOAT64 \
+                and belief.dtype == _FLOAT64 and (eligible is None or eligible.dtype == _BOOL):
+            flags = self._flags.get(ablation)
+            if flags is None:
+                flags = self._flags[ablation] = (
+                    (SCORE_LOAD_AWARE if ablation.load_aware else 0)
+                    | (SCORE_TIER_AWARE if ablation.tier_aware else 0)
+                    | (SCORE_CROSS_REGION if ablation.cross_region else 0))
+            chosen, lam, scores = score_joint(
+                float(prompt_len), self.wan_ms, self.beta, _contiguous(queue_ms), _contiguous(belief),
+                _contiguous(matched), _contiguous(tier), self._local_factor, self._remote_penalty,
+                None if eligible is None else _contiguous(eligible),
+                self.gamma, self.lambda_max, self.tau_ms, flags)
+        else:
+            chosen, lam, scores = self._score_numpy(prompt_len, matched, tier, queue_ms, belief, ablation, eligible)
+        if not math.isfinite(scores.item(chosen)):
+            raise NoEligibleWorkerError("no eligible worker for this request")
+        return ScoreResult(chosen, self.worker_ids[chosen], lam, scores, self, prompt_len,
+                           matched, tier, queue_ms, belief, ablation)
+
+    def _score_numpy(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue_ms: np.ndarray,
+                     belief: np.ndarray, ablation: Ablation,
+                     eligible: np.ndarray | None) -> tuple[int, float, np.ndarray]:
+        """The reference path (any dtypes): (argmin, lam, scores)."""
         length = float(prompt_len)
         # Rearranged to touch each array once: with c = (1 + lam) * beta and e = min(b * m, L),
         #   score = WAN + Tq + c * L + e * (gamma * [DRAM] - c)
@@ -226,17 +257,16 @@ class JointScorer:
         _mul(effective, coef, out=effective)
         _add(scores, effective, out=scores)
         if eligible is not None:
-            if eligible.__class__ is not np.ndarray or eligible.shape != shape:
-                raise self._bad_shape("eligible", eligible)
             scores[~eligible.astype(bool)] = np.inf
-        chosen = int(scores.argmin())
-        if not math.isfinite(scores[chosen]):
-            raise NoEligibleWorkerError("no eligible worker for this request")
-        return ScoreResult(chosen, self.worker_ids[chosen], lam, scores, self, prompt_len,
-                           matched, tier, queue_ms, belief, ablation)
+        return int(scores.argmin()), lam, scores
 
 
 _add, _sub, _mul, _min, _neg = np.add, np.subtract, np.multiply, np.minimum, np.negative
+_INT64, _UINT8, _FLOAT64, _BOOL = np.dtype(np.int64), np.dtype(np.uint8), np.dtype(np.float64), np.dtype(bool)
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:

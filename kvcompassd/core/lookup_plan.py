@@ -1,0 +1,191 @@
+"""The edge's per-request hot path in C (``ludo_c/ludo_plan.c``), from Python; hides cffi.
+
+``LookupPlan`` is an edge's multi-level lookup compiled once into flat arrays (per group: its
+lengths and the index of each length among the query lengths; per worker: group and field shift),
+so one request is one C call over every (shard, group) view: ``run(views, keys)`` returns each
+worker's matched length and tier, exactly as ``PrefixLookup``'s Python reference path does.
+
+``ViewPointers`` keeps the C array of view pointers in step with an ``EdgeIndexView``: a shard's
+views are replaced (as a whole dict) when a snapshot is installed, so checking the identity of
+each shard's dict per request is enough to know when to rebuild it. Batches change views in place
+and need nothing.
+
+``score_joint`` is the joint score's C loop (``JointScorer`` uses it for the common dtypes).
+
+None of these objects is thread-safe (a plan reuses one scratch buffer): one per edge thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvcompassd.core._ludo_cffi import ffi, lib
+
+__all__ = ["LookupPlan", "LookupPlanError", "ViewPointers", "score_joint", "SCORE_LOAD_AWARE",
+           "SCORE_TIER_AWARE", "SCORE_CROSS_REGION"]
+
+SCORE_LOAD_AWARE = int(lib.KVC_SCORE_LOAD_AWARE)
+SCORE_TIER_AWARE = int(lib.KVC_SCORE_TIER_AWARE)
+SCORE_CROSS_REGION = int(lib.KVC_SCORE_CROSS_REGION)
+
+_from_buffer = ffi.from_buffer
+_lookup_plan = lib.kvc_lookup_plan
+_score_joint = lib.kvc_score_joint
+_empty = np.empty
+_int64 = np.int64
+_uint8 = np.uint8
+_float64 = np.float64
+
+
+class LookupPlanError(ValueError):
+    """A lookup plan's arrays do not describe a valid layout, or its inputs do not match it."""
+
+
+class ViewPointers:
+    """C pointers to every (shard, group) view of an ``EdgeIndexView``, kept current.
+
+    ``pointers()`` returns the ``kvc_view *[shards * groups]`` array (NULL where a shard has no
+    view of a group yet). It also keeps the ``LudoView`` objects alive, so a pointer never
+    outlives its view even if the edge replaces it.
+    """
+
+    __slots__ = ("_state", "_groups", "_dicts", "_views", "_array")
+
+    def __init__(self, view: Any, groups: int) -> None:
+        self._state = view.state
+        self._groups = groups
+        self._dicts: list[object] = [None] * len(self._state)
+        self._views: list[object] = []
+        self._array = ffi.new("kvc_view *[]", max(1, len(self._state) * groups))
+
+    def pointers(self) -> Any:
+        dicts = self._dicts
+        for i, st in enumerate(self._state):
+            if st.views is not dicts[i]:
+                self._rebuild()
+                break
+        return self._array
+
+    def _rebuild(self) -> None:
+        groups, array = self._groups, self._array
+        views = []
+        for s, st in enumerate(self._state):
+            current = st.views
+            self._dicts[s] = current
+            for g in range(groups):
+                v = current.get(g)
+                array[s * groups + g] = ffi.NULL if v is None else v._ptr
+                if v is not None:
+                    views.append(v)
+        self._views = views
+
+
+class LookupPlan:
+    """One edge's lookup: per group its lengths (ascending, 0 pads) and per worker its field.
+
+    ``group_lengths`` (groups x max_levels, int64), ``query_lengths`` (the sorted union of the
+    non-zero lengths), ``worker_group`` and ``worker_shift`` (per worker, as ``IndexLayout``).
+    """
+
+    __slots__ = ("shards", "groups", "max_levels", "workers", "consistency", "_lengths", "_key_index",
+                 "_worker_group", "_worker_shift", "_values", "_c")
+
+    def __init__(self, group_lengths: np.ndarray, query_lengths: np.ndarray, worker_group: np.ndarray,
+                 worker_shift: np.ndarray, *, shards: int, consistency: bool) -> None:
+        lengths = np.ascontiguousarray(group_lengths, dtype=np.int64)
+        if lengths.ndim != 2:
+            raise LookupPlanError(f"group_lengths must be 2-D, got shape {lengths.shape}")
+        query = [int(n) for n in np.asarray(query_lengths).tolist()]
+        if query != sorted(set(query)) or any(n <= 0 for n in query):
+            raise LookupPlanError("query_lengths must be strictly ascending positive lengths")
+        position = {n: i for i, n in enumerate(query)}
+        key_index = np.full(lengths.shape, -1, dtype=np.int32)
+        for g, row in enumerate(lengths.tolist()):
+            previous = 0
+            for level, n in enumerate(row):
+                if n == 0:
+                    if any(row[level:]):
+                        raise LookupPlanError(f"group {g}: zero padding before a length")
+                    break
+                if n <= previous or n not in position:
+                    raise LookupPlanError(f"group {g}: lengths must ascend and be query lengths, got {row}")
+                key_index[g, level] = position[n]
+                previous = n
+        groups, max_levels = lengths.shape
+        wg = np.ascontiguousarray(worker_group, dtype=np.int32)
+        ws = np.asarray(worker_shift)
+        if wg.ndim != 1 or ws.shape != wg.shape:
+            raise LookupPlanError("worker_group and worker_shift must be 1-D arrays of one length")
+        if wg.size and (wg.min() < 0 or wg.max() >= groups):
+            raise LookupPlanError(f"worker_group must name groups in [0, {groups})")
+        if ws.size and (ws.min() < 0 or ws.max() > 62 or np.any(ws % 2)):
+            raise LookupPlanError("worker_shift must be even bit shifts in [0, 62]")
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise LookupPlanError(f"shards must be a positive integer, got {shards!r}")
+        self.shards = shards
+        self.groups = groups
+        self.max_levels = max_levels
+        self.workers = int(wg.size)
+        self.consistency = bool(consistency)
+        self._lengths = lengths
+        self._key_index = key_index
+        self._worker_group = wg
+        self._worker_shift = np.ascontiguousarray(ws, dtype=np.uint8)
+        self._values = np.zeros(max(1, groups * max_levels), dtype=np.uint64)
+        # The constant arguments of every call, as cffi pointers made once.
+        self._c = (
+            _from_buffer("int64_t[]", self._lengths),
+            _from_buffer("int32_t[]", self._key_index),
+            max_levels,
+            _from_buffer("int32_t[]", self._worker_group),
+            _from_buffer("uint8_t[]", self._worker_shift),
+            self.workers,
+            1 if self.consistency else 0,
+            _from_buffer("uint64_t[]", self._values),
+        )
+
+    def run(self, pointers: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(matched int64, tier uint8) per worker for a prompt whose fitting keys are ``keys``.
+
+        ``pointers`` comes from ``ViewPointers.pointers()``; ``keys`` (uint64, contiguous) holds
+        one key per query length that fits the prompt, in query-length order.
+        """
+        if keys.__class__ is not np.ndarray or keys.dtype != np.uint64 or keys.ndim != 1 \
+                or not keys.flags.c_contiguous:
+            raise LookupPlanError("keys must be a contiguous 1-D uint64 numpy array")
+        n = self.workers
+        matched = _empty(n, _int64)
+        tier = _empty(n, _uint8)
+        lengths, key_index, max_levels, wg, ws, workers, consistency, values = self._c
+        rc = _lookup_plan(pointers, self.shards, self.groups, _from_buffer("uint64_t[]", keys), keys.size,
+                          lengths, key_index, max_levels, wg, ws, workers, consistency, values,
+                          _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier))
+        if rc:
+            raise LookupPlanError(f"kvc_lookup_plan rejected its arguments (code {rc})")
+        return matched, tier
+
+    def values(self) -> np.ndarray:
+        """The values read by the last ``run`` (groups x max_levels; 0 where not read): for tests."""
+        return self._values[: self.groups * self.max_levels].reshape(self.groups, self.max_levels).copy()
+
+
+def score_joint(prompt_len: float, wan: np.ndarray, beta: np.ndarray, queue: np.ndarray, belief: np.ndarray,
+                matched: np.ndarray, tier: np.ndarray, local_factor: np.ndarray, remote_penalty: np.ndarray,
+                eligible: np.ndarray | None, gamma: float, lambda_max: float, tau: float,
+                flags: int) -> tuple[int, float, np.ndarray]:
+    """(argmin, lam, scores) of the joint score; every array contiguous, n long, of the C dtypes:
+    float64 (wan, beta, queue, belief, local_factor, remote_penalty), int64 matched, uint8 tier,
+    bool or uint8 eligible (or None). The caller checks shapes and dtypes (JointScorer does)."""
+    n = wan.shape[0]
+    scores = _empty(n, _float64)
+    lam = ffi.new("double *")
+    chosen = _score_joint(
+        n, prompt_len, _from_buffer("double[]", wan), _from_buffer("double[]", beta),
+        _from_buffer("double[]", queue), _from_buffer("double[]", belief),
+        _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier),
+        _from_buffer("double[]", local_factor), _from_buffer("double[]", remote_penalty),
+        ffi.NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
+        gamma, lambda_max, tau, flags, _from_buffer("double[]", scores), lam)
+    return chosen, lam[0], scores

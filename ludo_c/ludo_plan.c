@@ -1,0 +1,149 @@
+/*
+ * ludo_plan.c -- the edge's per-request hot path in two C calls: the multi-level lookup over every
+ * (shard, region group) view, and the joint score over every worker (kvcompassd issue 3).
+ *
+ * Built only on the public view API of ludo.h (kvc_view_lookup). No allocation, no global state:
+ * the caller owns every buffer. Python reference implementations of both (kvcompassd.core.lookup
+ * with native=False, JointScorer's numpy path) are tested equal to these.
+ */
+#include "ludo.h"
+
+#include <math.h>
+
+/* One bit per 2-bit field: the low bit of each field. */
+#define KVC_FIELD_LOW_BITS 0x5555555555555555ULL
+
+int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
+                    const uint64_t *keys, size_t n_keys,
+                    const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
+                    const int32_t *worker_group, const uint8_t *worker_shift, size_t workers,
+                    int consistency, uint64_t *values_out,
+                    int64_t *matched_out, uint8_t *tier_out)
+{
+    if (shards == 0 || (groups != 0 && max_levels == 0))
+        return KVC_ERR_ARG;
+    for (size_t w = 0; w < workers; w++)
+        if (worker_group[w] < 0 || (size_t)worker_group[w] >= groups || worker_shift[w] > 62 || (worker_shift[w] & 1))
+            return KVC_ERR_ARG;
+
+    /* Read each group's levels, shortest first, while they fit the prompt (keys in range). */
+    for (size_t g = 0; g < groups; g++) {
+        const int32_t *row = level_keys + g * max_levels;
+        uint64_t *values = values_out + g * max_levels;
+        uint64_t alive = KVC_FIELD_LOW_BITS; /* fields whose run of hits is still unbroken */
+        size_t level = 0;
+        for (; level < max_levels; level++) {
+            int32_t k = row[level];
+            if (k < 0 || (size_t)k >= n_keys)
+                break; /* padding, or a length longer than the prompt */
+            uint64_t key = keys[k];
+            const kvc_view *view = views[(key % shards) * groups + g];
+            uint64_t v = view ? kvc_view_lookup(view, key) : 0;
+            values[level] = v;
+            if (consistency) {
+                /* A field is a hit when either of its bits is set; once no field's run can
+                 * still extend, longer levels cannot change any worker's result. */
+                alive &= (v | (v >> 1)) & KVC_FIELD_LOW_BITS;
+                if (!alive) {
+                    level++;
+                    break;
+                }
+            }
+        }
+        for (; level < max_levels; level++)
+            values[level] = 0;
+    }
+
+    /* Per worker: the level its rule selects, and its 2-bit field there. */
+    for (size_t w = 0; w < workers; w++) {
+        size_t g = (size_t)worker_group[w];
+        unsigned shift = worker_shift[w];
+        const uint64_t *values = values_out + g * max_levels;
+        size_t best = max_levels; /* none */
+        unsigned field = 0;
+        if (consistency) {
+            for (size_t level = 0; level < max_levels; level++) {
+                unsigned f = (unsigned)((values[level] >> shift) & 3u);
+                if (!f)
+                    break;
+                best = level;
+                field = f;
+            }
+        } else {
+            for (size_t level = max_levels; level-- > 0;) {
+                unsigned f = (unsigned)((values[level] >> shift) & 3u);
+                if (f) {
+                    best = level;
+                    field = f;
+                    break;
+                }
+            }
+        }
+        if (best < max_levels) {
+            matched_out[w] = level_lengths[g * max_levels + best];
+            tier_out[w] = (uint8_t)field;
+        } else {
+            matched_out[w] = 0;
+            tier_out[w] = 0;
+        }
+    }
+    return KVC_OK;
+}
+
+int64_t kvc_score_joint(size_t n, double prompt_len,
+                        const double *wan, const double *beta, const double *queue,
+                        const double *belief, const int64_t *matched, const uint8_t *tier,
+                        const double *local_factor, const double *remote_penalty,
+                        const uint8_t *eligible, double gamma, double lambda_max, double tau,
+                        unsigned flags, double *scores_out, double *lam_out)
+{
+    /* The same operations in the same order as the numpy path (no contraction into FMAs under
+     * -std=c11), so every score is bit-identical:
+     *   s = WAN + Tq + c * L + min(b * m, L) * (gamma * [DRAM] - c),  c = beta * (1 + lam). */
+    double lam = 0.0;
+    if (flags & KVC_SCORE_LOAD_AWARE) {
+        if (n > 0) {
+            double low = queue[0];
+            for (size_t i = 1; i < n; i++)
+                if (queue[i] < low)
+                    low = queue[i];
+            double ratio = low / tau;
+            lam = ratio < lambda_max ? ratio : lambda_max;
+        } else {
+            lam = lambda_max;
+        }
+    }
+    *lam_out = lam;
+    int scale = lam != 0.0; /* NaN counts as set, as Python's truth test does */
+    for (size_t i = 0; i < n; i++) {
+        double s = (flags & KVC_SCORE_LOAD_AWARE) ? wan[i] + queue[i] : wan[i];
+        double cost = scale ? beta[i] * (1.0 + lam) : beta[i];
+        s = s + cost * prompt_len;
+        double coef = (flags & KVC_SCORE_TIER_AWARE) ? (tier[i] == 2 ? gamma : 0.0) - cost : -cost;
+        double effective = belief[i] * (double)matched[i];
+        if (effective > prompt_len)
+            effective = prompt_len;
+        if (!(flags & KVC_SCORE_CROSS_REGION)) {
+            effective = effective * local_factor[i];
+            s = s + remote_penalty[i];
+        }
+        effective = effective * coef;
+        s = s + effective;
+        if (eligible && !eligible[i])
+            s = INFINITY;
+        scores_out[i] = s;
+    }
+    /* numpy's argmin: the first minimum, or the first NaN if any. */
+    if (n == 0)
+        return -1;
+    size_t best = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(scores_out[i])) {
+            best = i;
+            break;
+        }
+        if (scores_out[i] < scores_out[best])
+            best = i;
+    }
+    return (int64_t)best;
+}

@@ -1,0 +1,204 @@
+"""The C lookup (``kvc_lookup_plan``) and C score (``kvc_score_joint``) equal their Python references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from clusters import make_cluster
+from kvcompassd.core.ablation import Ablation
+from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.keys import namespace_salt, prefix_keys
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.lookup import PrefixLookup
+from kvcompassd.core.lookup_plan import LookupPlan, LookupPlanError, ViewPointers
+from kvcompassd.core.score import JointScorer
+
+SHARDS = 3
+REGIONS = {"a": 3, "b": 18, "c": 2}  # b is split into two groups with 32-bit values
+
+
+class World:
+    """Shards, and per region an edge view read by a native and a reference lookup."""
+
+    def __init__(self, *, fingerprint_bits: int, consistency: bool, value_bits: int, ready: tuple[int, ...]):
+        self.cfg = make_cluster(REGIONS, shards=SHARDS, one_way_ms=2.0, fingerprint_bits=fingerprint_bits,
+                                value_bits=value_bits, levels=5, same_region_min_tokens=16)
+        self.layout = IndexLayout.from_config(self.cfg)
+        self.plan = LevelPlan.from_config(self.cfg)
+        self.salt = namespace_salt(self.cfg.model)
+        # Tiny tables: the keyless views then answer most never-inserted keys with some other
+        # key's value (false hits), which is what the consistency rule and early stop act on.
+        self.shards = [MaintenanceShard(self.layout, s, SHARDS, epoch=1, initial_capacity=16,
+                                        fingerprint_bits=fingerprint_bits) for s in range(SHARDS)]
+        self.ready = ready
+        self.views = {r: EdgeIndexView(self.layout, SHARDS, edge=f"edge-{r}") for r in REGIONS}
+        self.pairs = {}
+        for r, view in self.views.items():
+            self.install(view)
+            self.pairs[r] = (PrefixLookup(self.layout, self.plan, r, self.salt, view, consistency=consistency),
+                             PrefixLookup(self.layout, self.plan, r, self.salt, view, consistency=consistency,
+                                          native=False))
+
+    def install(self, view: EdgeIndexView) -> None:
+        for s in self.ready:
+            assert view.install_snapshot(self.shards[s].snapshot()).applied
+
+    def send(self, events) -> None:
+        for e in events:
+            self.shards[e.key % SHARDS].apply([e])
+        for s in self.ready:
+            batch = self.shards[s].flush()
+            if batch is not None:
+                for view in self.views.values():
+                    assert view.apply_batch(batch).applied
+
+    def assert_equal(self, tokens: np.ndarray) -> None:
+        for region, (native, reference) in self.pairs.items():
+            got, want = native.lookup(tokens), reference.lookup(tokens)
+            assert got.prompt_len == want.prompt_len
+            assert got.family_key == want.family_key, region
+            assert got.matched.dtype == want.matched.dtype and got.tier.dtype == want.tier.dtype
+            np.testing.assert_array_equal(got.matched, want.matched, err_msg=region)
+            np.testing.assert_array_equal(got.tier, want.tier, err_msg=region)
+
+
+def _prompt(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50000, n, dtype=np.uint32)
+
+
+# (worker, prompt, which registration lengths as a bit mask, tier, evict instead)
+operations = st.lists(
+    st.tuples(st.integers(0, 22), st.integers(0, 3), st.integers(0, (1 << 12) - 1),
+              st.sampled_from([Tier.VRAM, Tier.DRAM]), st.booleans()),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=operations, fingerprint_bits=st.sampled_from([0, 8]), consistency=st.booleans(),
+       value_bits=st.sampled_from([32, 64]), ready=st.sampled_from([(0, 1, 2), (0, 2)]),
+       prompt_lengths=st.lists(st.integers(1, 900), min_size=1, max_size=4))
+def test_native_lookup_equals_the_python_reference(ops, fingerprint_bits, consistency, value_bits, ready,
+                                                   prompt_lengths):
+    w = World(fingerprint_bits=fingerprint_bits, consistency=consistency, value_bits=value_bits, ready=ready)
+    prompts = [_prompt(200 + p, 900) for p in range(4)]
+    lengths = w.plan.registration_lengths_upto(900)
+    for worker_index, p, mask, tier, evict in ops:
+        worker = w.layout.worker_ids[worker_index]
+        # Arbitrary subsets of lengths: runs with holes, as stale or partial registrations leave.
+        chosen = [n for i, n in enumerate(lengths) if mask >> (i % 12) & 1]
+        if not chosen:
+            continue
+        keys = prefix_keys(prompts[p], chosen, w.salt).tolist()
+        if evict:
+            holders = [k for k in keys if worker in w.shards[k % SHARDS].holders(k)]
+            w.send([PrefixEvicted(worker, k) for k in holders])
+        else:
+            w.send([PrefixCached(worker, k, tier) for k in keys])
+    for p in prompts:
+        for n in prompt_lengths:
+            w.assert_equal(p[:n])
+    w.assert_equal(_prompt(999, 900))  # never registered: only false hits can show
+    # A snapshot replaces a shard's views: the native path must follow the new ones.
+    for view in w.views.values():
+        for s in ready:
+            w.shards[s].flush()
+            snap = w.shards[s].snapshot()
+            assert view.install_snapshot(snap).applied or snap.seq <= view.position(s)[1]
+    w.send([PrefixCached(w.layout.worker_ids[0], int(k), Tier.DRAM) for k in prefix_keys(prompts[0], lengths, w.salt)])
+    for p in prompts:
+        w.assert_equal(p)
+
+
+def test_a_replaced_view_is_followed_and_kept_alive():
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(1, 700)
+    native, reference = w.pairs["a"]
+    before = native.lookup(tokens).matched.copy()
+    assert not before.any()
+    keys = prefix_keys(tokens, w.plan.registration_lengths_upto(700), w.salt).tolist()
+    for k in keys:
+        w.shards[k % SHARDS].apply([PrefixCached("a-1", k, Tier.VRAM)])
+    view = w.views["a"]
+    for s in range(SHARDS):  # the edge learns the change by snapshot only: new view objects
+        w.shards[s].flush()
+        assert view.install_snapshot(w.shards[s].snapshot()).applied
+    after = native.lookup(tokens)
+    assert after.matched[w.layout.worker_index("a-1")] == w.plan.lengths_toward("a", "a")[-1]
+    np.testing.assert_array_equal(after.matched, reference.lookup(tokens).matched)
+
+
+def test_plan_without_ready_shards_reads_nothing():
+    layout = IndexLayout.from_config(make_cluster({"x": 2, "y": 1}, shards=2))
+    view = EdgeIndexView(layout, 2, edge="e")
+    group_lengths = np.array([[32, 64, 0], [48, 64, 96]], dtype=np.int64)
+    plan = LookupPlan(group_lengths, np.array([32, 48, 64, 96]), layout.worker_group, layout.worker_shift,
+                      shards=2, consistency=True)
+    matched, tier = plan.run(ViewPointers(view, 2).pointers(), np.arange(1, 5, dtype=np.uint64))
+    assert matched.tolist() == [0, 0, 0] and tier.tolist() == [0, 0, 0]
+    assert not plan.values().any()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(group_lengths=np.array([32, 64])), "2-D"),
+    (dict(group_lengths=np.array([[64, 32]])), "ascend"),
+    (dict(group_lengths=np.array([[32, 0, 64]])), "padding"),
+    (dict(group_lengths=np.array([[32, 80]])), "query lengths"),
+    (dict(query_lengths=np.array([64, 32])), "ascending"),
+    (dict(worker_group=np.array([0, 1])), "groups"),
+    (dict(worker_shift=np.array([3, 0])), "even"),
+    (dict(worker_shift=np.array([0])), "one length"),
+    (dict(shards=0), "shards"),
+])
+def test_bad_plans_are_rejected(kwargs, message):
+    args = dict(group_lengths=np.array([[32, 64]]), query_lengths=np.array([32, 64]),
+                worker_group=np.array([0, 0]), worker_shift=np.array([0, 2]), shards=1)
+    args.update(kwargs)
+    shards = args.pop("shards")
+    with pytest.raises(LookupPlanError, match=message):
+        LookupPlan(**args, shards=shards, consistency=True)
+
+
+def test_run_rejects_keys_that_are_not_uint64():
+    plan = LookupPlan(np.array([[32]]), np.array([32]), np.array([0]), np.array([0]), shards=1, consistency=False)
+    layout = IndexLayout(("r",), (("w", "r"),), 32)
+    pointers = ViewPointers(EdgeIndexView(layout, 1, edge="e"), 1).pointers()
+    with pytest.raises(LookupPlanError, match="uint64"):
+        plan.run(pointers, np.array([1, 2], dtype=np.int64))
+
+
+# -- the score -------------------------------------------------------------------------------
+
+SCORE_CFG = make_cluster({"us": 4, "eu": 3, "ap": 2}, one_way_ms=30.0, prefill_ms_per_token=0.08)
+N = len(SCORE_CFG.workers)
+floats = st.floats(0.0, 500.0, allow_nan=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt_len=st.integers(0, 5000),
+       matched=st.lists(st.integers(0, 5000), min_size=N, max_size=N),
+       tier=st.lists(st.integers(0, 3), min_size=N, max_size=N),
+       queue=st.lists(st.one_of(floats, st.just(0.0), st.just(float("inf"))), min_size=N, max_size=N),
+       belief=st.lists(st.floats(0.0, 1.0), min_size=N, max_size=N),
+       eligible=st.one_of(st.none(), st.lists(st.booleans(), min_size=N, max_size=N)),
+       flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+       origin=st.sampled_from(["us", "eu", "ap"]))
+def test_native_score_equals_the_numpy_reference(prompt_len, matched, tier, queue, belief, eligible, flags, origin):
+    scorer = JointScorer(SCORE_CFG, origin)
+    ablation = Ablation(load_aware=flags[0], tier_aware=flags[1], cross_region=flags[2])
+    args = (prompt_len, np.array(matched, np.int64), np.array(tier, np.uint8), np.array(queue, np.float64),
+            np.array(belief, np.float64))
+    mask = None if eligible is None else np.array(eligible, dtype=bool)
+    outcomes = []
+    for native in (True, False):
+        try:
+            r = scorer.score(*args, ablation=ablation, eligible=mask, native=native)
+        except ValueError as exc:
+            outcomes.append(type(exc))
+        else:
+            outcomes.append((r.chosen, r.worker, r.lam, r.scores.tobytes(), r.top(3)))
+    assert outcomes[0] == outcomes[1]
