@@ -1,0 +1,399 @@
+"""Security and bad input against real daemon processes (one deployment for the module).
+
+A probe node of our own (a QuicNode with ``check_outgoing_roles=False``, so it can send what
+its role may not) connects straight to the daemons' QUIC addresses and checks that:
+
+- a certificate from another CA is refused by an edge, a maintenance unit and an agent;
+- a certificate's role limits what it may send (an edge cannot write the index, an agent
+  cannot write another worker's fields), with ErrorReported to the sender, no state change,
+  and the connection still usable for what the role may do;
+- malformed frames, unknown workers, stale or replayed report seqs and events for prefixes
+  never stored are refused with a clear error and change nothing.
+
+Every "no state change" check compares a maintenance unit's exact state (``entries``: every
+(key, value) of every region group, plus its seq) before and after, once the unit is quiet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import pytest_asyncio
+
+from e2e_helpers import admin, doc, eventually
+from kvcompassd import certs
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.daemon import split_address, tls_files
+from kvcompassd.launcher import DeploymentSpec, LocalDeployment
+from kvcompassd.transport import PeerUnavailable, QuicNode, TransportOptions
+from kvcompassd.transport.framing import HEADER, HEADER_AFTER_LENGTH
+from kvcompassd.wire import (
+    ErrorReported,
+    NodeIdentity,
+    PrefixEventsReported,
+    ResyncRequested,
+    Role,
+    ShardSnapshotSent,
+    UpdateBatchPublished,
+    UpdatesSubscribed,
+    WorkerRegistered,
+    WorkerWithdrawn,
+    encode,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SPEC = DeploymentSpec(workers={"us": 2, "eu": 1}, one_way_ms={("us", "eu"): 5.0}, shards=2,
+                      prefill_ms_per_token=0.02, decode_ms_per_token=1.0)
+PROBE_OPTIONS = TransportOptions(check_outgoing_roles=False, idle_timeout=10.0)
+REPLY_TIMEOUT = 10.0  # hang guard only
+# Keys of shard 0 (mnt-0 owns key % 2 == 0) that no engine ever produces.
+KEY_A = (0x5EC0 << 40) | 2
+KEY_B = (0x5EC1 << 40) | 4
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def dep(tmp_path_factory):
+    d = LocalDeployment(SPEC, tmp_path_factory.mktemp("security"), time_scale=1.0)
+    async with d:
+        yield d
+
+
+class Probe:
+    """Our own node: collects what it receives, sends anything (even what its role may not)."""
+
+    def __init__(self, identity: NodeIdentity, tls: certs.TlsFiles):
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.node = QuicNode(identity, tls, on_message=lambda peer, msg, ch: self.inbox.put_nowait(msg),
+                             options=PROBE_OPTIONS)
+        self.peer = None
+
+    async def connect(self, address: str):
+        self.peer = await self.node.connect(split_address(address, "target"), timeout=REPLY_TIMEOUT)
+        return self
+
+    async def send(self, message) -> None:
+        await self.peer.send(message)
+
+    def send_raw(self, body: bytes) -> None:
+        """A message body that need not decode (framed correctly on the control channel)."""
+        self.peer.send_encoded(body)
+
+    async def next(self, kind: type):
+        """The next received message of ``kind`` (others, e.g. update batches, are skipped)."""
+        async with asyncio.timeout(REPLY_TIMEOUT):
+            while True:
+                message = await self.inbox.get()
+                if isinstance(message, kind):
+                    return message
+
+    async def error(self) -> ErrorReported:
+        return await self.next(ErrorReported)
+
+    def drain(self) -> None:
+        while not self.inbox.empty():
+            self.inbox.get_nowait()
+
+    async def close(self) -> None:
+        await self.node.close()
+
+
+async def probe(dep, node_id: str, address: str, role: Role | None = None) -> Probe:
+    """A probe with the deployment's certificate for ``node_id``, issuing one if there is none."""
+    path = dep.tls_dir / f"{node_id}.pem"
+    if not path.exists():
+        certs.issue(dep.tls_dir, dep.tls_dir, role=role, node_id=node_id)
+    tls = tls_files(dep.tls_dir, node_id)
+    identity = certs.peer_identity(certs.load_certificate(tls.cert))
+    return await Probe(identity, tls).connect(address)
+
+
+async def quiet_state(dep, unit: str) -> dict:
+    """The unit's exact state once two readings 0.3 s apart agree (no report in flight)."""
+    previous = None
+    deadline = time.monotonic() + 30
+    while True:
+        state = await admin(dep, unit, "entries")
+        if state == previous:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{unit} never went quiet")
+        previous = state
+        await asyncio.sleep(0.3)
+
+
+async def unit_status(dep, unit: str) -> dict:
+    return await admin(dep, unit, "status")
+
+
+def mnt0_address(dep) -> str:
+    return dep.cfg.maintenance[0].quic
+
+
+# -- another CA ---------------------------------------------------------------------------------
+
+
+async def test_peer_with_certificate_from_another_ca_is_refused_by_every_daemon(dep, tmp_path):
+    rogue_dir = tmp_path / "rogue"
+    certs.init_ca(rogue_dir, cluster_name="rogue")
+    targets = {"edge": dep.cfg.edges[0].quic, "maintenance": mnt0_address(dep),
+               "agent": dep.cfg.worker("us-0").agent}
+    # The rogue claims a real node's identity and trusts the real CA (so it can verify the
+    # daemon): only the daemon's check of the client chain can stop it.
+    for role, node_id in ((Role.EDGE, "edge-us"), (Role.AGENT, "us-0"), (Role.ADMIN, "admin")):
+        rogue = certs.issue(rogue_dir, rogue_dir, role=role, node_id=node_id)
+        tls = certs.TlsFiles(ca=dep.tls_dir / "ca.pem", cert=rogue.cert, key=rogue.key)
+        for kind, address in targets.items():
+            node = QuicNode(NodeIdentity(role, node_id), tls, on_message=lambda *a: None, options=PROBE_OPTIONS)
+            try:
+                with pytest.raises(PeerUnavailable):
+                    await node.connect(split_address(address, kind), timeout=REPLY_TIMEOUT)
+            finally:
+                await node.close()
+    # Each daemon refused and kept running (and still answers a legitimate peer).
+    dep._check_alive()
+    assert (await unit_status(dep, "mnt-0"))["mode"] == "maintenance"
+    assert (await unit_status(dep, "us-0"))["mode"] == "agent"
+    assert (await unit_status(dep, "edge-us"))["ready"]
+
+
+# -- roles --------------------------------------------------------------------------------------
+
+
+async def test_edge_cannot_write_the_index_but_may_subscribe_on_the_same_connection(dep):
+    edge = await probe(dep, "edge-probe", mnt0_address(dep), Role.EDGE)
+    try:
+        before = await quiet_state(dep, "mnt-0")
+        await edge.send(PrefixEventsReported("us-0", 1 << 40, (PrefixCached("us-0", KEY_A, Tier.VRAM),)))
+        assert (await edge.error()).code == "forbidden"
+        await edge.send(WorkerWithdrawn("us-0"))
+        assert (await edge.error()).code == "forbidden"
+        await edge.send(WorkerRegistered("us-0", 1 << 62))
+        assert (await edge.error()).code == "forbidden"
+        # An edge may not push batches to the unit either (a maintenance unit's message).
+        await edge.send(UpdateBatchPublished(0, 1, 1, ()))
+        assert (await edge.error()).code == "forbidden"
+        # Nor speak for another edge.
+        await edge.send(ResyncRequested("edge-us", 0, 0, 0))
+        assert (await edge.error()).code == "forbidden"
+        assert await quiet_state(dep, "mnt-0") == before
+        assert (await admin(dep, "mnt-0", "holders", {"key": KEY_A}))["holders"] == {}
+        # The same connection still does what an edge may.
+        await edge.send(UpdatesSubscribed("edge-probe", 0, 0, -1))
+        snapshot = await edge.next(ShardSnapshotSent)
+        assert snapshot.shard == 0 and snapshot.epoch == before["epoch"] and snapshot.seq == before["seq"]
+    finally:
+        await edge.close()
+
+
+async def test_agent_cannot_write_another_workers_fields(dep):
+    # Give us-1 some entries on shard 0's unit first, so there is something to protect.
+    await _engine_generate(dep, "us-1", doc(7001, 900))
+    await eventually(lambda: _worker_listed(dep, "mnt-0", "us-1"), timeout=20)
+    agent = await probe(dep, "us-0", mnt0_address(dep))
+    try:
+        before = await quiet_state(dep, "mnt-0")
+        status = await unit_status(dep, "mnt-0")
+        events = (PrefixCached("us-1", KEY_A, Tier.VRAM),)
+        await agent.send(PrefixEventsReported("us-1", 1 << 40, events))
+        error = await agent.error()
+        assert error.code == "forbidden" and "us-1" in error.detail
+        await agent.send(WorkerWithdrawn("us-1"))
+        assert (await agent.error()).code == "forbidden"
+        await agent.send(WorkerRegistered("us-1", 1 << 62))
+        assert (await agent.error()).code == "forbidden"
+        # The same report hand-encoded (no local validation at all) meets the same refusal.
+        agent.send_raw(msgpack.packb([1, 1, "us-1", 1 << 40, [[0, KEY_A, 1]]], use_bin_type=True))
+        assert (await agent.error()).code == "forbidden"
+        assert await quiet_state(dep, "mnt-0") == before
+        after = await unit_status(dep, "mnt-0")
+        assert after["workers"]["us-1"] == status["workers"]["us-1"]
+        assert agent.peer.is_connected
+    finally:
+        await agent.close()
+
+
+async def test_unknown_worker_is_refused_with_a_clear_error(dep):
+    stranger = await probe(dep, "zz-9", mnt0_address(dep), Role.AGENT)
+    try:
+        before = await quiet_state(dep, "mnt-0")
+        await stranger.send(WorkerRegistered("zz-9", 1))
+        error = await stranger.error()
+        assert error.code == "malformed" and "unknown worker" in error.detail
+        await stranger.send(PrefixEventsReported("zz-9", 1, (PrefixCached("zz-9", KEY_A, Tier.VRAM),)))
+        error = await stranger.error()
+        assert error.code == "malformed" and "zz-9" in error.detail
+        assert await quiet_state(dep, "mnt-0") == before
+        assert "zz-9" not in (await unit_status(dep, "mnt-0"))["workers"]
+        assert stranger.peer.is_connected
+    finally:
+        await stranger.close()
+
+
+MALFORMED = {
+    "not msgpack": b"\xc1\xc1",
+    "empty array": msgpack.packb([]),
+    "bad version": msgpack.packb([2, 3, "us-0", 1]),
+    "unknown tag": msgpack.packb([1, 99, "us-0", 1]),
+    "missing field": msgpack.packb([1, 3, "us-0"]),
+    "extra field": msgpack.packb([1, 3, "us-0", 1, 2]),
+    "wrong type": msgpack.packb([1, 3, "us-0", "one"]),
+    "negative incarnation": msgpack.packb([1, 3, "us-0", -5]),
+    "event kind unknown": msgpack.packb([1, 1, "us-0", 1 << 40, [[9, KEY_A, 1]]]),
+    "key out of range": msgpack.packb([1, 1, "us-0", 1 << 40, [[0, (1 << 64) - 1, 1]]]),
+    "tier out of range": msgpack.packb([1, 1, "us-0", 1 << 40, [[0, KEY_A, 7]]]),
+    "trailing bytes": msgpack.packb([1, 3, "us-0", 1]) + b"\x00",
+}
+
+
+async def test_malformed_frames_are_refused_and_the_connection_carries_on(dep):
+    agent = await probe(dep, "us-0", mnt0_address(dep))
+    try:
+        before = await quiet_state(dep, "mnt-0")
+        status = await unit_status(dep, "mnt-0")
+        for name, body in MALFORMED.items():
+            agent.send_raw(body)
+            error = await agent.error()
+            assert error.code == "malformed", (name, error)
+            assert error.detail, name
+        # Oversize for its message type (WorkerRegistered is bounded to 1 KiB).
+        agent.send_raw(msgpack.packb([1, 3, "u" * 2000, 1]))
+        error = await agent.error()
+        assert error.code == "malformed" and "bound" in error.detail
+        # A frame with unknown flags: the framing stays intact, only that frame is refused.
+        connection = agent.peer._connection
+        body = msgpack.packb([1, 3, "us-0", 1])
+        connection._quic.send_stream_data(connection.control_stream(),
+                                          HEADER.pack(HEADER_AFTER_LENGTH + len(body), 0, 0x80) + body)
+        connection._transmit_soon()
+        error = await agent.error()
+        assert error.code == "malformed" and "flags" in error.detail
+        assert await quiet_state(dep, "mnt-0") == before
+        assert (await unit_status(dep, "mnt-0"))["workers"]["us-0"] == status["workers"]["us-0"]
+        assert agent.peer.is_connected
+    finally:
+        await agent.close()
+    # The edge's and the agent's decoders answer the same way.
+    for target, node_id in ((dep.cfg.edges[0].quic, "us-0"), (dep.cfg.worker("us-0").agent, "edge-probe")):
+        p = await probe(dep, node_id, target, Role.EDGE)
+        try:
+            for name, body in MALFORMED.items():
+                p.send_raw(body)
+                assert (await p.error()).code == "malformed", (target, name)
+            assert p.peer.is_connected
+        finally:
+            await p.close()
+
+
+# -- a worker whose agent is gone ---------------------------------------------------------------
+
+
+async def test_gone_agents_worker_is_withdrawn_after_the_grace_period(dep):
+    """The agent process dies while its engine lives on: after the maintenance units' grace
+    period (3 s) plus the QUIC idle timeout (4 s), the worker's prefixes leave the index."""
+    await _engine_generate(dep, "us-1", doc(7002, 900))
+    await eventually(lambda: _worker_listed(dep, "mnt-0", "us-1"), timeout=20)
+    dep.kill("agent", "us-1")
+    await eventually(lambda: _not(lambda: _worker_listed(dep, "mnt-0", "us-1")), timeout=30)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def impostor(dep):
+    """us-1's agent is down; a probe with us-1's certificate takes its place on mnt-0 with a
+    fresh incarnation and one report (seq 1) holding KEY_A. The real agent comes back at the end
+    (its newer incarnation replaces ours)."""
+    dep.kill("agent", "us-1")
+    agent = await probe(dep, "us-1", mnt0_address(dep))
+    await agent.send(WorkerRegistered("us-1", time.time_ns()))
+    await agent.send(PrefixEventsReported("us-1", 1, (PrefixCached("us-1", KEY_A, Tier.VRAM),)))
+
+    async def stored():
+        return (await admin(dep, "mnt-0", "holders", {"key": KEY_A}))["holders"] == {"us-1": "VRAM"}
+
+    await eventually(stored)
+    yield agent
+    await agent.close()
+    dep.restart("agent", "us-1")
+    await dep.wait_ready(60)
+
+
+async def test_stale_and_replayed_report_seqs_change_nothing(impostor, dep):
+    agent = impostor
+    agent.drain()
+    before = await quiet_state(dep, "mnt-0")
+    stale_before = (await unit_status(dep, "mnt-0"))["workers"]["us-1"]["stale_reports"]
+    await agent.send(PrefixEventsReported("us-1", 1, (PrefixEvicted("us-1", KEY_A),)))  # replayed seq
+    await agent.send(PrefixEventsReported("us-1", 0, (PrefixEvicted("us-1", KEY_A),)))  # stale seq
+    await agent.send(PrefixEventsReported("us-1", 2, (TierChanged("us-1", KEY_A, Tier.VRAM),)))  # a no-op, in order
+    await eventually(lambda: _last_seq_is(dep, "us-1", 2))
+    assert await quiet_state(dep, "mnt-0") == before
+    assert (await unit_status(dep, "mnt-0"))["workers"]["us-1"]["stale_reports"] == stale_before + 2
+
+
+async def test_stale_and_replayed_report_seqs_get_an_error_for_the_sender(impostor, dep):
+    """Issue 8: 'a clear error for the sender' on stale and replayed sequence numbers."""
+    agent = impostor
+    agent.drain()
+    status = await unit_status(dep, "mnt-0")
+    last = status["workers"]["us-1"]["last_seq"]
+    await agent.send(PrefixEventsReported("us-1", last, (PrefixEvicted("us-1", KEY_A),)))
+    error = await agent.error()
+    assert error.code == "malformed" and "seq" in error.detail
+
+
+async def test_events_for_prefixes_never_stored_change_nothing_and_get_an_error(impostor, dep):
+    agent = impostor
+    agent.drain()
+    before = await quiet_state(dep, "mnt-0")
+    last = (await unit_status(dep, "mnt-0"))["workers"]["us-1"]["last_seq"]
+    await agent.send(PrefixEventsReported("us-1", last + 1, (PrefixEvicted("us-1", KEY_B),
+                                                             TierChanged("us-1", KEY_B, Tier.DRAM))))
+    await eventually(lambda: _last_seq_is(dep, "us-1", last + 1))
+    after = await quiet_state(dep, "mnt-0")
+    assert after == before
+    assert (await admin(dep, "mnt-0", "holders", {"key": KEY_B}))["holders"] == {}
+    # The sender hears why its events were refused.
+    error = await agent.error()
+    assert error.code == "malformed" and str(KEY_B) in error.detail
+
+
+async def test_impostor_connection_still_writes_its_own_fields(impostor, dep):
+    agent = impostor
+    last = (await unit_status(dep, "mnt-0"))["workers"]["us-1"]["last_seq"]
+    await agent.send(PrefixEventsReported("us-1", last + 1, (PrefixEvicted("us-1", KEY_A),)))
+
+    async def evicted():
+        return (await admin(dep, "mnt-0", "holders", {"key": KEY_A}))["holders"] == {}
+
+    await eventually(evicted)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+async def _engine_generate(dep, worker: str, text: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(dep.cfg.worker(worker).http + "/generate",
+                          json={"text": text, "sampling_params": {"max_new_tokens": 1}}) as r:
+            assert r.status == 200, await r.text()
+
+
+async def _worker_listed(dep, unit: str, worker: str) -> bool:
+    """Whether any entry of the unit's exact state has a tier in ``worker``'s field."""
+    slot = IndexLayout.from_config(dep.cfg).slot(worker)
+    group = (await admin(dep, unit, "entries"))["groups"].get(str(slot.group), {"values": []})
+    return any((v >> (2 * slot.field)) & 3 for v in group["values"])
+
+
+async def _last_seq_is(dep, worker: str, seq: int) -> bool:
+    return (await unit_status(dep, "mnt-0"))["workers"][worker]["last_seq"] == seq
+
+
+async def _not(check) -> bool:
+    return not await check()
