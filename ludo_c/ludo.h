@@ -234,6 +234,10 @@ int64_t kvc_score_joint(size_t n, double prompt_len,
                         const uint8_t *eligible, double gamma, double lambda_max, double tau,
                         unsigned flags, double *scores_out, double *lam_out);
 
+/* The first i with values[i] >= floors[i], or -1: e.g. "does any worker match at least the length
+ * that makes it interesting?" in one call instead of two array operations. */
+int64_t kvc_first_at_least(const int64_t *values, const int64_t *floors, size_t n);
+
 /* CDEF-END */
 
 #endif /* KVC_LUDO_H */

@@ -147,3 +147,11 @@ int64_t kvc_score_joint(size_t n, double prompt_len,
     }
     return (int64_t)best;
 }
+
+int64_t kvc_first_at_least(const int64_t *values, const int64_t *floors, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (values[i] >= floors[i])
+            return (int64_t)i;
+    return -1;
+}

@@ -202,3 +202,65 @@ def test_native_score_equals_the_numpy_reference(prompt_len, matched, tier, queu
         else:
             outcomes.append((r.chosen, r.worker, r.lam, r.scores.tobytes(), r.top(3)))
     assert outcomes[0] == outcomes[1]
+
+
+# -- the whole decision ----------------------------------------------------------------------
+
+
+def _reference_router(cfg, region, view, ablation):
+    """A Router forced onto every reference path: Python lookup, numpy score, full observation."""
+    from kvcompassd.core.router import Router
+
+    router = Router(cfg, region, view, now=0.0, ablation=ablation)
+    router.lookup = PrefixLookup(router.layout, router.plan, region, router.lookup.salt, view, native=False)
+    score = router.scorer.score
+    router.scorer.score = lambda *a, **k: score(*a, **k, native=False)
+
+    class Always:
+        def first(self, values):
+            return 0
+
+    router._observe_floor = Always()
+    return router
+
+
+def _state(router):
+    return [(k, list(f.misses), list(f.load_losses), f.cooldown_until) for k, f in router.hot._families.items()]
+
+
+@settings(max_examples=25, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 22), st.integers(0, 900),
+                                st.sampled_from([Tier.VRAM, Tier.DRAM]), st.floats(0.0, 40.0)),
+                      min_size=1, max_size=25),
+       ablation=st.sampled_from([Ablation(), Ablation(cross_region=False), Ablation(load_aware=False),
+                                 Ablation(tier_aware=False)]),
+       region=st.sampled_from(["a", "b", "c"]))
+def test_router_decisions_equal_the_reference_paths(steps, ablation, region):
+    """Same winners, terms, migrations and detector state as with every reference path."""
+    from kvcompassd.core.router import Router
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    view = w.views[region]
+    fast = Router(w.cfg, region, view, now=0.0, ablation=ablation)
+    slow = _reference_router(w.cfg, region, view, ablation)
+    for router in (fast, slow):
+        for worker in w.cfg.workers_in(region):
+            router.queues.set_local(worker.id, 0.0, now=0.0)
+    prompts = [_prompt(300 + p, 900) for p in range(5)]
+    lengths = w.plan.registration_lengths_upto(900)
+    now = 2.0
+    for p, worker_index, cached, tier, queue in steps:
+        worker = w.layout.worker_ids[worker_index]
+        keys = prefix_keys(prompts[p], [n for n in lengths if n <= cached], w.salt).tolist() if cached >= 16 else []
+        w.send([PrefixCached(worker, k, tier) for k in keys])
+        for router in (fast, slow):
+            router.queues.set_local(w.cfg.workers_in(region)[0].id, queue, now=now)
+        now += 0.1
+        a, b = fast.decide(prompts[p], now=now), slow.decide(prompts[p], now=now)
+        for name in ("worker", "worker_index", "region", "claimed_tokens", "tier", "lam", "prompt_len", "local",
+                     "migration", "top_k", "outcome", "candidates"):
+            assert getattr(a, name) == getattr(b, name), name
+        assert type(a.tier) is Tier and type(a.claimed_tokens) is int
+        assert a.score.scores.tobytes() == b.score.scores.tobytes()
+        assert _state(fast) == _state(slow)
+        np.testing.assert_array_equal(fast.queues.queue_ms(), slow.queues.queue_ms())

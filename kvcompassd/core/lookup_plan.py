@@ -23,7 +23,7 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["LookupPlan", "LookupPlanError", "ViewPointers", "score_joint", "SCORE_LOAD_AWARE",
+__all__ = ["AtLeast", "LookupPlan", "LookupPlanError", "ViewPointers", "score_joint", "SCORE_LOAD_AWARE",
            "SCORE_TIER_AWARE", "SCORE_CROSS_REGION"]
 
 SCORE_LOAD_AWARE = int(lib.KVC_SCORE_LOAD_AWARE)
@@ -33,6 +33,7 @@ SCORE_CROSS_REGION = int(lib.KVC_SCORE_CROSS_REGION)
 _from_buffer = ffi.from_buffer
 _lookup_plan = lib.kvc_lookup_plan
 _score_joint = lib.kvc_score_joint
+_first_at_least = lib.kvc_first_at_least
 _empty = np.empty
 _int64 = np.int64
 _uint8 = np.uint8
@@ -189,3 +190,23 @@ def score_joint(prompt_len: float, wan: np.ndarray, beta: np.ndarray, queue: np.
         ffi.NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
         gamma, lambda_max, tau, flags, _from_buffer("double[]", scores), lam)
     return chosen, lam[0], scores
+
+
+class AtLeast:
+    """``first(values)``: the first index where ``values >= floors`` (int64, fixed), or -1."""
+
+    __slots__ = ("floors", "_c", "_n")
+
+    def __init__(self, floors: np.ndarray) -> None:
+        self.floors = np.array(floors, dtype=np.int64)
+        if self.floors.ndim != 1:
+            raise LookupPlanError(f"floors must be 1-D, got shape {self.floors.shape}")
+        self.floors.setflags(write=False)
+        self._n = int(self.floors.size)
+        self._c = _from_buffer("int64_t[]", self.floors)
+
+    def first(self, values: np.ndarray) -> int:
+        if values.__class__ is not np.ndarray or values.dtype != np.int64 or values.shape != (self._n,) \
+                or not values.flags.c_contiguous:
+            raise LookupPlanError(f"values must be a contiguous int64 array of {self._n} elements")
+        return _first_at_least(_from_buffer("int64_t[]", values), self._c, self._n)

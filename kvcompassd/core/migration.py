@@ -206,14 +206,7 @@ class HotPrefixDetector:
         holders = {worker for worker, matched in decision.local_holders if matched > 0}
         if decision.chosen_worker in holders:
             return None  # a local hit
-        family = self._families.get(decision.family_key)
-        if family is None:
-            family = _Family(deque(maxlen=self._misses_needed), deque(maxlen=self._misses_needed))
-            self._families[decision.family_key] = family
-            if len(self._families) > self._max_families:
-                self._families.popitem(last=False)
-        else:
-            self._families.move_to_end(decision.family_key)
+        family = self._count_miss(decision.family_key)
         family.misses.append(now)
         lost_to_load = bool(holders) and decision.local_holders_lost_to_load
         if lost_to_load:
@@ -232,6 +225,32 @@ class HotPrefixDetector:
             family.misses.clear()
             family.load_losses.clear()
         return plan
+
+    def note_miss(self, family_key: int, *, now: float) -> None:
+        """Count a local miss that cannot plan anything: no local holder, and no remote match
+        reaches the first level of its region toward this edge (or cross-region reuse is off).
+
+        The same as ``observe`` of such a decision (which then never plans: trigger (a) needs a
+        remote match at ``n1``, (b) local holders), without building a ``DecisionObserved``. The
+        caller vouches for the conditions; ``family_key`` is still checked.
+        """
+        if not self.ablation.migration:
+            return
+        if family_key.__class__ is not int or not 0 <= family_key <= MAX_KEY:
+            _check_key(family_key)
+        self._count_miss(family_key).misses.append(float(now))
+
+    def _count_miss(self, family_key: int) -> _Family:
+        """The family's record, created or marked most recently missed (bounded LRU)."""
+        family = self._families.get(family_key)
+        if family is None:
+            family = _Family(deque(maxlen=self._misses_needed), deque(maxlen=self._misses_needed))
+            self._families[family_key] = family
+            if len(self._families) > self._max_families:
+                self._families.popitem(last=False)
+        else:
+            self._families.move_to_end(family_key)
+        return family
 
     def _destination(self, decision: DecisionObserved, holders: set[str], now: float) -> str | None:
         for worker in self._queues.persistently_idle_local(now=now):

@@ -8,8 +8,8 @@ It owns no sockets and reads no clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Collection, Mapping
+from dataclasses import dataclass, fields
+from typing import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from .keys import namespace_salt
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup
+from .lookup_plan import AtLeast
 from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .queues import QueueEstimates
 from .score import JointScorer, ScoreResult, ScoreTerms
@@ -56,6 +57,32 @@ class ForwardDecided:
         return "local_hit" if self.local else "remote_hit"
 
 
+def _slot_builder(cls: type) -> Callable[..., object]:
+    """Positional constructor of a frozen slotted dataclass that writes the slots directly.
+
+    About half the cost of the generated ``__init__`` (one ``object.__setattr__`` per field);
+    only for classes without ``__post_init__``, whose ``__init__`` does nothing else.
+    """
+    names = tuple(f.name for f in fields(cls))
+    if hasattr(cls, "__post_init__") or names != cls.__slots__:
+        raise TypeError(f"{cls.__name__} must be a slotted dataclass without __post_init__")
+    setters = tuple(getattr(cls, name).__set__ for name in names)
+    new = object.__new__
+
+    def build(*values: object) -> object:
+        obj = new(cls)
+        for setter, value in zip(setters, values):
+            setter(obj, value)
+        return obj
+
+    return build
+
+
+_new_forward_decided = _slot_builder(ForwardDecided)
+# Tier by 2-bit field code; the invalid code 3 goes through Tier() (and raises) as before.
+_TIER_BY_CODE = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
+
+
 class Router:
     """Forwarding decisions for requests entering at an edge of ``region``."""
 
@@ -84,7 +111,22 @@ class Router:
         self.hot = HotPrefixDetector(cfg, region, self.plan, queues=self.queues, ablation=self.ablation)
         self.worker_regions = tuple(w.region for w in cfg.workers)
         self._local = np.array([r == region for r in self.worker_regions], dtype=bool)
+        self._local_list = tuple(self._local.tolist())
         self.top_k = top_k
+        # A miss can only plan a migration when a local holder exists (trigger b) or a remote
+        # match reaches its region's first length toward us (trigger a): the least match of each
+        # worker that makes the detector's full observation worth building.
+        never = np.iinfo(np.int64).max
+        floors = []
+        for r in self.worker_regions:
+            if r == region:
+                floors.append(1)
+            else:
+                first = self.plan.first_length_toward(region, r) if self.ablation.cross_region else None
+                floors.append(never if first is None else max(1, first))
+        self._observe_floor = AtLeast(np.array(floors, dtype=np.int64))
+        self._beta_list = self.scorer.beta_list
+        self._gamma = self.scorer.gamma
 
     def decide(self, tokens, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
@@ -96,45 +138,48 @@ class Router:
         if exclude:
             eligible = np.ones(len(self.layout.worker_ids), dtype=bool)
             eligible[list(exclude)] = False
+        belief = self.belief.values
         result = self.scorer.score(
             found.prompt_len,
             found.matched,
             found.tier,
             self.queues.queue_ms(),
-            self.belief.values,
+            belief,
             ablation=self.ablation,
             eligible=eligible,
         )
         chosen = result.chosen
-        claimed = int(found.matched[chosen])
-        local = bool(self._local[chosen])
+        matched = found.matched
+        claimed = int(matched.item(chosen))
+        local = self._local_list[chosen]
         migration = None
         # A local hit is never a miss of its family: the detector has nothing to count.
         if self.ablation.migration and found.family_key is not None and not (local and claimed):
-            migration = self.hot.observe(self._observation(found, result.scores, chosen), now=now)
-        self.queues.note_dispatched(result.worker, self._work_ms(found, chosen), now=now)
-        return ForwardDecided(
-            worker=result.worker,
-            worker_index=chosen,
-            region=self.worker_regions[chosen],
-            claimed_tokens=claimed,
-            tier=Tier(int(found.tier[chosen])),
-            lam=result.lam,
-            prompt_len=found.prompt_len,
-            local=local,
-            score=result,
-            migration=migration,
-            top_k=self.top_k,
+            if self._observe_floor.first(matched) >= 0:
+                migration = self.hot.observe(self._observation(found, result.scores, chosen), now=now)
+            else:  # no trigger can fire: only count the miss
+                self.hot.note_miss(found.family_key, now=now)
+        code = found.tier.item(chosen)
+        # Prefill (and reload) time the request adds to the chosen worker's queue.
+        prompt_len = found.prompt_len
+        reused = min(belief.item(chosen) * float(claimed), float(prompt_len))
+        work = self._beta_list[chosen] * (prompt_len - reused)
+        if code == Tier.DRAM:
+            work += self._gamma * reused
+        self.queues.note_dispatched(result.worker, work, now=now)
+        return _new_forward_decided(
+            result.worker,
+            chosen,
+            self.worker_regions[chosen],
+            claimed,
+            _TIER_BY_CODE[code] if code < 3 else Tier(code),
+            result.lam,
+            prompt_len,
+            local,
+            result,
+            migration,
+            self.top_k,
         )
-
-    def _work_ms(self, found: LookupResult, chosen: int) -> float:
-        """Prefill (and reload) time the request adds to the chosen worker's queue."""
-        belief = float(self.belief.values[chosen])
-        reused = min(belief * float(found.matched[chosen]), float(found.prompt_len))
-        work = self.scorer.beta[chosen] * (found.prompt_len - reused)
-        if found.tier[chosen] == Tier.DRAM:
-            work += self.scorer.gamma * reused
-        return float(work)
 
     def _observation(self, found: LookupResult, scores: np.ndarray, chosen: int) -> DecisionObserved:
         matched = found.matched
