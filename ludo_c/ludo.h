@@ -234,9 +234,21 @@ int64_t kvc_score_joint(size_t n, double prompt_len,
                         const uint8_t *eligible, double gamma, double lambda_max, double tau,
                         unsigned flags, double *scores_out, double *lam_out);
 
-/* The first i with values[i] >= floors[i], or -1: e.g. "does any worker match at least the length
- * that makes it interesting?" in one call instead of two array operations. */
-int64_t kvc_first_at_least(const int64_t *values, const int64_t *floors, size_t n);
+/* What the hot-prefix detector needs to know of a decision, as KVC_MISS_* bits:
+ *   LOCAL_HOLDER  some local worker (local[i] != 0) has matched[i] > 0;
+ *   LOST_TO_LOAD  there are local holders, the winner `chosen` is not one of them, and each would
+ *                 have won with the winner's queue term: scores[i] - queue[i] + queue[chosen] <
+ *                 scores[chosen] (evaluated in that order);
+ *   REMOTE_WORTH  some remote worker's match reaches floors[i] (its region's first length).
+ * Returns 0 if chosen >= n. */
+enum kvc_miss_flags {
+    KVC_MISS_LOCAL_HOLDER = 1,
+    KVC_MISS_LOST_TO_LOAD = 2,
+    KVC_MISS_REMOTE_WORTH = 4
+};
+unsigned kvc_miss_summary(size_t n, const int64_t *matched, const uint8_t *local,
+                          const int64_t *floors, const double *scores, const double *queue,
+                          size_t chosen);
 
 /* CDEF-END */
 

@@ -148,10 +148,33 @@ int64_t kvc_score_joint(size_t n, double prompt_len,
     return (int64_t)best;
 }
 
-int64_t kvc_first_at_least(const int64_t *values, const int64_t *floors, size_t n)
+unsigned kvc_miss_summary(size_t n, const int64_t *matched, const uint8_t *local,
+                          const int64_t *floors, const double *scores, const double *queue,
+                          size_t chosen)
 {
-    for (size_t i = 0; i < n; i++)
-        if (values[i] >= floors[i])
-            return (int64_t)i;
-    return -1;
+    if (chosen >= n)
+        return 0;
+    unsigned flags = 0;
+    int lost = 1;
+    double own = scores[chosen], own_queue = queue[chosen];
+    for (size_t i = 0; i < n; i++) {
+        if (local[i]) {
+            if (matched[i] > 0) {
+                flags |= KVC_MISS_LOCAL_HOLDER;
+                if (i == chosen) {
+                    lost = 0; /* the winner is a holder: nobody lost */
+                } else {
+                    /* Would this holder have won with the winner's queue term? (numpy's order) */
+                    double unloaded = scores[i] - queue[i] + own_queue;
+                    if (!(unloaded < own))
+                        lost = 0;
+                }
+            }
+        } else if (matched[i] >= floors[i]) {
+            flags |= KVC_MISS_REMOTE_WORTH;
+        }
+    }
+    if ((flags & KVC_MISS_LOCAL_HOLDER) && lost)
+        flags |= KVC_MISS_LOST_TO_LOAD;
+    return flags;
 }

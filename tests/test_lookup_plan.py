@@ -216,11 +216,11 @@ def _reference_router(cfg, region, view, ablation):
     score = router.scorer.score
     router.scorer.score = lambda *a, **k: score(*a, **k, native=False)
 
-    class Always:
-        def first(self, values):
-            return 0
+    def observe_everything(found, result, chosen, now):
+        # What the Router did before the C summary: a full observation for every miss.
+        return router.hot.observe(router._observation(found, result.scores, chosen), now=now)
 
-    router._observe_floor = Always()
+    router._observe = observe_everything
     return router
 
 
@@ -264,3 +264,24 @@ def test_router_decisions_equal_the_reference_paths(steps, ablation, region):
         assert a.score.scores.tobytes() == b.score.scores.tobytes()
         assert _state(fast) == _state(slow)
         np.testing.assert_array_equal(fast.queues.queue_ms(), slow.queues.queue_ms())
+
+
+def test_a_loaded_local_holder_is_copied_the_same_way_on_both_paths():
+    from kvcompassd.core.router import Router
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    view = w.views["b"]
+    fast, slow = Router(w.cfg, "b", view, now=0.0), _reference_router(w.cfg, "b", view, Ablation())
+    tokens = _prompt(7, 900)
+    keys = prefix_keys(tokens, w.plan.registration_lengths_upto(900), w.salt).tolist()
+    w.send([PrefixCached("b-3", k, Tier.VRAM) for k in keys])
+    plans = []
+    for router in (fast, slow):
+        for worker in w.cfg.workers_in("b"):
+            router.queues.set_local(worker.id, 0.0, now=0.0)
+        router.queues.set_local("b-3", 10_000.0, now=0.0)  # the only holder, far too busy
+        plans.append([router.decide(tokens, now=2.0 + 0.1 * i).migration for i in range(4)])
+        assert _state(router) == _state(fast)
+    assert plans[0] == plans[1]
+    assert plans[0][:2] == [None, None] and plans[0][2] is not None and plans[0][3] is None
+    assert plans[0][2].mode == "copy" and plans[0][2].source_worker == "b-3"

@@ -10,7 +10,8 @@ views are replaced (as a whole dict) when a snapshot is installed, so checking t
 each shard's dict per request is enough to know when to rebuild it. Batches change views in place
 and need nothing.
 
-``score_joint`` is the joint score's C loop (``JointScorer`` uses it for the common dtypes).
+``score_joint`` is the joint score's C loop (``JointScorer`` uses it for the common dtypes), and
+``MissSummary`` tells the Router what a decision means to the hot-prefix detector.
 
 None of these objects is thread-safe (a plan reuses one scratch buffer): one per edge thread.
 """
@@ -23,17 +24,21 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["AtLeast", "LookupPlan", "LookupPlanError", "ViewPointers", "score_joint", "SCORE_LOAD_AWARE",
+__all__ = ["LookupPlan", "LookupPlanError", "MissSummary", "ViewPointers", "score_joint", "MISS_LOCAL_HOLDER",
+           "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_LOAD_AWARE",
            "SCORE_TIER_AWARE", "SCORE_CROSS_REGION"]
 
 SCORE_LOAD_AWARE = int(lib.KVC_SCORE_LOAD_AWARE)
 SCORE_TIER_AWARE = int(lib.KVC_SCORE_TIER_AWARE)
 SCORE_CROSS_REGION = int(lib.KVC_SCORE_CROSS_REGION)
+MISS_LOCAL_HOLDER = int(lib.KVC_MISS_LOCAL_HOLDER)
+MISS_LOST_TO_LOAD = int(lib.KVC_MISS_LOST_TO_LOAD)
+MISS_REMOTE_WORTH = int(lib.KVC_MISS_REMOTE_WORTH)
 
 _from_buffer = ffi.from_buffer
 _lookup_plan = lib.kvc_lookup_plan
 _score_joint = lib.kvc_score_joint
-_first_at_least = lib.kvc_first_at_least
+_miss_summary = lib.kvc_miss_summary
 _empty = np.empty
 _int64 = np.int64
 _uint8 = np.uint8
@@ -192,21 +197,39 @@ def score_joint(prompt_len: float, wan: np.ndarray, beta: np.ndarray, queue: np.
     return chosen, lam[0], scores
 
 
-class AtLeast:
-    """``first(values)``: the first index where ``values >= floors`` (int64, fixed), or -1."""
 
-    __slots__ = ("floors", "_c", "_n")
+class MissSummary:
+    """What a decision means to the hot-prefix detector, in one C call (``kvc_miss_summary``).
 
-    def __init__(self, floors: np.ndarray) -> None:
+    Built once per edge from the workers' locality and per-worker ``floors`` (the least remote
+    match that can trigger a migration); ``flags(matched, scores, queue, chosen)`` returns the
+    ``MISS_*`` bits.
+    """
+
+    __slots__ = ("local", "floors", "_c", "_n")
+
+    def __init__(self, local: np.ndarray, floors: np.ndarray) -> None:
+        self.local = np.array(local, dtype=np.uint8)
         self.floors = np.array(floors, dtype=np.int64)
-        if self.floors.ndim != 1:
-            raise LookupPlanError(f"floors must be 1-D, got shape {self.floors.shape}")
+        if self.local.ndim != 1 or self.floors.shape != self.local.shape:
+            raise LookupPlanError("local and floors must be 1-D arrays of one length")
+        self.local.setflags(write=False)
         self.floors.setflags(write=False)
-        self._n = int(self.floors.size)
-        self._c = _from_buffer("int64_t[]", self.floors)
+        self._n = int(self.local.size)
+        self._c = (_from_buffer("uint8_t[]", self.local), _from_buffer("int64_t[]", self.floors))
 
-    def first(self, values: np.ndarray) -> int:
-        if values.__class__ is not np.ndarray or values.dtype != np.int64 or values.shape != (self._n,) \
-                or not values.flags.c_contiguous:
-            raise LookupPlanError(f"values must be a contiguous int64 array of {self._n} elements")
-        return _first_at_least(_from_buffer("int64_t[]", values), self._c, self._n)
+    def flags(self, matched: np.ndarray, scores: np.ndarray, queue: np.ndarray, chosen: int) -> int:
+        n = self._n
+        shape = (n,)
+        if matched.__class__ is not np.ndarray or matched.dtype != np.int64 or matched.shape != shape \
+                or not matched.flags.c_contiguous:
+            raise LookupPlanError(f"matched must be a contiguous int64 array of {n} elements")
+        for name, array in (("scores", scores), ("queue", queue)):
+            if array.__class__ is not np.ndarray or array.dtype != np.float64 or array.shape != shape \
+                    or not array.flags.c_contiguous:
+                raise LookupPlanError(f"{name} must be a contiguous float64 array of {n} elements")
+        if not 0 <= chosen < n:
+            raise LookupPlanError(f"chosen must be in [0, {n}), got {chosen}")
+        local, floors = self._c
+        return _miss_summary(n, _from_buffer("int64_t[]", matched), local, floors,
+                             _from_buffer("double[]", scores), _from_buffer("double[]", queue), chosen)

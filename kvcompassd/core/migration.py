@@ -206,39 +206,61 @@ class HotPrefixDetector:
         holders = {worker for worker, matched in decision.local_holders if matched > 0}
         if decision.chosen_worker in holders:
             return None  # a local hit
-        family = self._count_miss(decision.family_key)
+        trigger = self.note_miss(decision.family_key, now=now, holders=bool(holders),
+                                 lost_to_load=decision.local_holders_lost_to_load)
+        return None if trigger is None else self._make_plan(decision, holders, trigger, now)
+
+    def note_miss(self, family_key: int, *, now: float, holders: bool = False,
+                  lost_to_load: bool = False) -> str | None:
+        """Count one local miss of a family; returns the trigger now due, ``"copy"`` or
+        ``"recompute"``, or None.
+
+        ``observe`` is this plus the plan, for a decision whose winner is not a local holder:
+        ``holders`` says local holders exist, ``lost_to_load`` that each lost to load. A caller
+        that knows no plan can come of it (no local holder, and no remote match at its region's
+        first length) only counts the miss this way, without building a ``DecisionObserved``;
+        otherwise a due trigger is handed to ``plan`` with the full decision.
+        """
+        if not self.ablation.migration:
+            return None
+        if family_key.__class__ is not int or not 0 <= family_key <= MAX_KEY:
+            _check_key(family_key)
+        now = float(now)
+        family = self._count_miss(family_key)
         family.misses.append(now)
-        lost_to_load = bool(holders) and decision.local_holders_lost_to_load
+        lost_to_load = bool(holders) and bool(lost_to_load)
         if lost_to_load:
             family.load_losses.append(now)
         if now < family.cooldown_until:
             return None
-
-        plan = None
         if holders:
             if lost_to_load and self._recent(family.load_losses, now) >= self._misses_needed:
-                plan = self._plan_copy(decision, holders, now)
+                return "copy"
         elif self._recent(family.misses, now) >= self._misses_needed:
+            return "recompute"
+        return None
+
+    def plan(self, decision: DecisionObserved, trigger: str, *, now: float) -> MigrationPlanned | None:
+        """The migration for a decision whose miss ``note_miss`` already counted and found ``trigger`` due."""
+        if trigger not in ("copy", "recompute"):
+            raise MigrationInputError(f"trigger must be 'copy' or 'recompute', got {trigger!r}")
+        self._check_regions(decision)
+        holders = {worker for worker, matched in decision.local_holders if matched > 0}
+        return self._make_plan(decision, holders, trigger, float(now))
+
+    def _make_plan(self, decision: DecisionObserved, holders: set[str], trigger: str,
+                   now: float) -> MigrationPlanned | None:
+        if trigger == "copy":
+            plan = self._plan_copy(decision, holders, now)
+        else:
             plan = self._plan_recompute(decision, now)
         if plan is not None:
-            family.cooldown_until = now + self._cooldown_s
-            family.misses.clear()
-            family.load_losses.clear()
+            family = self._families.get(decision.family_key)
+            if family is not None:
+                family.cooldown_until = now + self._cooldown_s
+                family.misses.clear()
+                family.load_losses.clear()
         return plan
-
-    def note_miss(self, family_key: int, *, now: float) -> None:
-        """Count a local miss that cannot plan anything: no local holder, and no remote match
-        reaches the first level of its region toward this edge (or cross-region reuse is off).
-
-        The same as ``observe`` of such a decision (which then never plans: trigger (a) needs a
-        remote match at ``n1``, (b) local holders), without building a ``DecisionObserved``. The
-        caller vouches for the conditions; ``family_key`` is still checked.
-        """
-        if not self.ablation.migration:
-            return
-        if family_key.__class__ is not int or not 0 <= family_key <= MAX_KEY:
-            _check_key(family_key)
-        self._count_miss(family_key).misses.append(float(now))
 
     def _count_miss(self, family_key: int) -> _Family:
         """The family's record, created or marked most recently missed (bounded LRU)."""

@@ -22,7 +22,7 @@ from .keys import namespace_salt
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup
-from .lookup_plan import AtLeast
+from .lookup_plan import MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary
 from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .queues import QueueEstimates
 from .score import JointScorer, ScoreResult, ScoreTerms
@@ -113,18 +113,14 @@ class Router:
         self._local = np.array([r == region for r in self.worker_regions], dtype=bool)
         self._local_list = tuple(self._local.tolist())
         self.top_k = top_k
-        # A miss can only plan a migration when a local holder exists (trigger b) or a remote
-        # match reaches its region's first length toward us (trigger a): the least match of each
-        # worker that makes the detector's full observation worth building.
+        # A miss without local holders can only plan a migration when a remote match reaches its
+        # region's first length toward us (trigger a): that least match, per remote worker.
         never = np.iinfo(np.int64).max
         floors = []
         for r in self.worker_regions:
-            if r == region:
-                floors.append(1)
-            else:
-                first = self.plan.first_length_toward(region, r) if self.ablation.cross_region else None
-                floors.append(never if first is None else max(1, first))
-        self._observe_floor = AtLeast(np.array(floors, dtype=np.int64))
+            first = self.plan.first_length_toward(region, r) if r != region and self.ablation.cross_region else None
+            floors.append(never if first is None else max(1, first))
+        self._miss_summary = MissSummary(self._local, np.array(floors, dtype=np.int64))
         self._beta_list = self.scorer.beta_list
         self._gamma = self.scorer.gamma
 
@@ -155,10 +151,7 @@ class Router:
         migration = None
         # A local hit is never a miss of its family: the detector has nothing to count.
         if self.ablation.migration and found.family_key is not None and not (local and claimed):
-            if self._observe_floor.first(matched) >= 0:
-                migration = self.hot.observe(self._observation(found, result.scores, chosen), now=now)
-            else:  # no trigger can fire: only count the miss
-                self.hot.note_miss(found.family_key, now=now)
+            migration = self._observe(found, result, chosen, now)
         code = found.tier.item(chosen)
         # Prefill (and reload) time the request adds to the chosen worker's queue.
         prompt_len = found.prompt_len
@@ -180,6 +173,21 @@ class Router:
             migration,
             self.top_k,
         )
+
+    def _observe(self, found: LookupResult, result: ScoreResult, chosen: int, now: float) -> MigrationPlanned | None:
+        """Report a local miss to the hot-prefix detector: ``hot.observe`` of the full observation.
+
+        The miss is counted from a C summary of the decision; the ``DecisionObserved`` is built
+        only when a trigger is due and can fire (no local holder and no remote match at its
+        first length cannot plan), which gives the same plans and detector state.
+        """
+        flags = self._miss_summary.flags(found.matched, result.scores, self.queues.queue_ms(), chosen)
+        holders = bool(flags & MISS_LOCAL_HOLDER)
+        trigger = self.hot.note_miss(found.family_key, now=now, holders=holders,
+                                     lost_to_load=bool(flags & MISS_LOST_TO_LOAD))
+        if trigger is None or not (holders or flags & MISS_REMOTE_WORTH):
+            return None
+        return self.hot.plan(self._observation(found, result.scores, chosen), trigger, now=now)
 
     def _observation(self, found: LookupResult, scores: np.ndarray, chosen: int) -> DecisionObserved:
         matched = found.matched
