@@ -1,0 +1,127 @@
+"""What the deployment benchmarks (bench_sync, bench_edge) share: a loopback cluster's files,
+daemon processes, CPU accounting and percentiles. Not a library for the daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import structlog
+
+from kvcompassd import certs
+from kvcompassd.core.config import ClusterConfig, dump_config
+from kvcompassd.launcher import DeploymentSpec, build_cluster
+from kvcompassd.wire import Role
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def quiet_logs() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def percentile(values, q: float) -> float:
+    """Nearest-rank percentile of ``values`` (q in [0, 100]); NaN when empty."""
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    rank = min(len(data) - 1, max(0, int(round(q / 100.0 * len(data) + 0.5)) - 1))
+    return data[rank]
+
+
+def median(values) -> float:
+    values = [v for v in values if v == v]
+    return statistics.median(values) if values else float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (``/proc/<pid>/stat`` utime + stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class Cluster:
+    """A loopback cluster: config file, certificates, and the daemon processes this bench starts.
+
+    ``extra_certs`` are (role, id) pairs for the identities the benchmark itself plays."""
+
+    def __init__(self, spec: DeploymentSpec, *, initial_capacity: int | None = None,
+                 extra_certs: tuple[tuple[Role, str], ...] = ()):
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvbench-"))
+        cfg = build_cluster(spec, name="bench")
+        if initial_capacity is not None:
+            cfg = replace(cfg, index=replace(cfg.index, initial_capacity=initial_capacity))
+        self.cfg: ClusterConfig = cfg
+        self.config_path = self.workdir / "cluster.toml"
+        self.config_path.write_text(dump_config(cfg))
+        self.tls_dir = self.workdir / "tls"
+        certs.init_ca(self.tls_dir, cluster_name=cfg.name)
+        identities = [(Role.MAINTENANCE, m.id) for m in cfg.maintenance]
+        identities += [(Role.EDGE, e.id) for e in cfg.edges]
+        identities += [(Role.AGENT, w.id) for w in cfg.workers]
+        identities += [(Role.ADMIN, "admin"), *extra_certs]
+        for role, node_id in identities:
+            certs.issue(self.tls_dir, self.tls_dir, role=role, node_id=node_id)
+        (self.workdir / "logs").mkdir()
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(self, mode: str, node_id: str, *extra: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "kvcompassd", mode, "--config", str(self.config_path), "--id", node_id,
+                "--log-json", "--log-level", "warning"]
+        if mode != "emulate-worker":
+            argv += ["--tls-dir", str(self.tls_dir)]
+        argv += list(extra)
+        log_path = self.workdir / "logs" / f"{mode}.{node_id}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.procs[f"{mode}:{node_id}"] = proc
+        return proc
+
+    def check_alive(self) -> None:
+        for key, proc in self.procs.items():
+            if proc.poll() is not None:
+                mode, node_id = key.split(":", 1)
+                tail = (self.workdir / "logs" / f"{mode}.{node_id}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{key} exited with {proc.returncode}:\n{tail}")
+
+    async def wait_http(self, url: str, timeout: float = 60.0, *, ready_key: str | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while True:
+                self.check_alive()
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200 and (ready_key is None or (await resp.json()).get(ready_key)):
+                            return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} not ready after {timeout} s; logs in {self.workdir / 'logs'}")
+                await asyncio.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
