@@ -10,7 +10,7 @@ views are replaced (as a whole dict) when a snapshot is installed, so checking t
 each shard's dict per request is enough to know when to rebuild it. Batches change views in place
 and need nothing.
 
-``score_joint`` is the joint score's C loop (``JointScorer`` uses it for the common dtypes), and
+``ScoreKernel`` is the joint score's C loop (``JointScorer`` uses it for the common dtypes), and
 ``MissSummary`` tells the Router what a decision means to the hot-prefix detector.
 
 None of these objects is thread-safe (a plan reuses one scratch buffer): one per edge thread.
@@ -24,7 +24,7 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["LookupPlan", "LookupPlanError", "MissSummary", "ViewPointers", "score_joint", "MISS_LOCAL_HOLDER",
+__all__ = ["LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "MISS_LOCAL_HOLDER",
            "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_LOAD_AWARE",
            "SCORE_TIER_AWARE", "SCORE_CROSS_REGION"]
 
@@ -39,6 +39,7 @@ _from_buffer = ffi.from_buffer
 _lookup_plan = lib.kvc_lookup_plan
 _score_joint = lib.kvc_score_joint
 _miss_summary = lib.kvc_miss_summary
+_NULL = ffi.NULL
 _empty = np.empty
 _int64 = np.int64
 _uint8 = np.uint8
@@ -177,25 +178,40 @@ class LookupPlan:
         return self._values[: self.groups * self.max_levels].reshape(self.groups, self.max_levels).copy()
 
 
-def score_joint(prompt_len: float, wan: np.ndarray, beta: np.ndarray, queue: np.ndarray, belief: np.ndarray,
-                matched: np.ndarray, tier: np.ndarray, local_factor: np.ndarray, remote_penalty: np.ndarray,
-                eligible: np.ndarray | None, gamma: float, lambda_max: float, tau: float,
-                flags: int) -> tuple[int, float, np.ndarray]:
-    """(argmin, lam, scores) of the joint score; every array contiguous, n long, of the C dtypes:
-    float64 (wan, beta, queue, belief, local_factor, remote_penalty), int64 matched, uint8 tier,
-    bool or uint8 eligible (or None). The caller checks shapes and dtypes (JointScorer does)."""
-    n = wan.shape[0]
-    scores = _empty(n, _float64)
-    lam = ffi.new("double *")
-    chosen = _score_joint(
-        n, prompt_len, _from_buffer("double[]", wan), _from_buffer("double[]", beta),
-        _from_buffer("double[]", queue), _from_buffer("double[]", belief),
-        _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier),
-        _from_buffer("double[]", local_factor), _from_buffer("double[]", remote_penalty),
-        ffi.NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
-        gamma, lambda_max, tau, flags, _from_buffer("double[]", scores), lam)
-    return chosen, lam[0], scores
+class ScoreKernel:
+    """The joint score's C loop over fixed per-worker constants (``kvc_score_joint``).
 
+    ``run`` takes the per-request arrays, contiguous and n long: float64 queue and belief, int64
+    matched, uint8 tier, bool or uint8 eligible (or None); the caller checks shapes and dtypes
+    (``JointScorer`` does). Returns (argmin, lam, scores).
+    """
+
+    __slots__ = ("n", "_constants", "_params", "_arrays", "_lam")
+
+    def __init__(self, wan: np.ndarray, beta: np.ndarray, local_factor: np.ndarray, remote_penalty: np.ndarray,
+                 *, gamma: float, lambda_max: float, tau: float) -> None:
+        arrays = tuple(np.ascontiguousarray(a, dtype=np.float64) for a in (wan, beta, local_factor, remote_penalty))
+        if any(a.ndim != 1 or a.shape != arrays[0].shape for a in arrays):
+            raise LookupPlanError("score constants must be 1-D float64 arrays of one length")
+        self.n = int(arrays[0].size)
+        self._arrays = arrays  # keeps the buffers behind the pointers alive
+        self._constants = tuple(_from_buffer("double[]", a) for a in arrays)
+        self._params = (float(gamma), float(lambda_max), float(tau))
+        self._lam = ffi.new("double *")  # reused: a kernel serves one thread
+
+    def run(self, prompt_len: float, queue: np.ndarray, belief: np.ndarray, matched: np.ndarray, tier: np.ndarray,
+            eligible: np.ndarray | None, flags: int) -> tuple[int, float, np.ndarray]:
+        n = self.n
+        scores = _empty(n, _float64)
+        lam = self._lam
+        wan, beta, local_factor, remote_penalty = self._constants
+        gamma, lambda_max, tau = self._params
+        chosen = _score_joint(
+            n, prompt_len, wan, beta, _from_buffer("double[]", queue), _from_buffer("double[]", belief),
+            _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier), local_factor, remote_penalty,
+            _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
+            gamma, lambda_max, tau, flags, _from_buffer("double[]", scores), lam)
+        return chosen, lam[0], scores
 
 
 class MissSummary:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Collection
 
 from .ablation import FULL, Ablation
 from .config import ClusterConfig
@@ -247,6 +248,12 @@ class HotPrefixDetector:
         self._check_regions(decision)
         holders = {worker for worker, matched in decision.local_holders if matched > 0}
         return self._make_plan(decision, holders, trigger, float(now))
+
+    def has_destination(self, local_holders: Collection[str], chosen_worker: str, *, now: float) -> bool:
+        """Whether a persistently idle local worker outside ``local_holders`` and other than
+        ``chosen_worker`` exists: without one, ``plan`` returns None for either trigger."""
+        return any(w not in local_holders and w != chosen_worker
+                   for w in self._queues.persistently_idle_local(now=float(now)))
 
     def _make_plan(self, decision: DecisionObserved, holders: set[str], trigger: str,
                    now: float) -> MigrationPlanned | None:

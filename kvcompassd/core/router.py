@@ -112,6 +112,7 @@ class Router:
         self.worker_regions = tuple(w.region for w in cfg.workers)
         self._local = np.array([r == region for r in self.worker_regions], dtype=bool)
         self._local_list = tuple(self._local.tolist())
+        self._local_indexes = tuple(np.flatnonzero(self._local).tolist())
         self.top_k = top_k
         # A miss without local holders can only plan a migration when a remote match reaches its
         # region's first length toward us (trigger a): that least match, per remote worker.
@@ -179,7 +180,8 @@ class Router:
 
         The miss is counted from a C summary of the decision; the ``DecisionObserved`` is built
         only when a trigger is due and can fire (no local holder and no remote match at its
-        first length cannot plan), which gives the same plans and detector state.
+        first length cannot plan, nor can a region without an idle destination), which gives
+        the same plans and detector state.
         """
         flags = self._miss_summary.flags(found.matched, result.scores, self.queues.queue_ms(), chosen)
         holders = bool(flags & MISS_LOCAL_HOLDER)
@@ -187,6 +189,10 @@ class Router:
                                      lost_to_load=bool(flags & MISS_LOST_TO_LOAD))
         if trigger is None or not (holders or flags & MISS_REMOTE_WORTH):
             return None
+        matched, ids = found.matched, self.layout.worker_ids
+        local_holders = [ids[i] for i in self._local_indexes if matched.item(i) > 0]
+        if not self.hot.has_destination(local_holders, ids[chosen], now=now):
+            return None  # nowhere to put a replica: plan would say None
         return self.hot.plan(self._observation(found, result.scores, chosen), trigger, now=now)
 
     def _observation(self, found: LookupResult, scores: np.ndarray, chosen: int) -> DecisionObserved:

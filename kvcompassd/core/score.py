@@ -12,7 +12,7 @@ default (the request goes there and the first token comes back) or the one-way l
 
 The per-worker constants (WAN, beta) are precomputed in config worker order. When the arrays
 have the dtypes the Router produces (int64 matches, uint8 tiers, float64 queue and belief, bool
-eligibility), one decision is one C loop (``lookup_plan.score_joint``: the same operations in the
+eligibility), one decision is one C loop (``lookup_plan.ScoreKernel``: the same operations in the
 same order, bit-identical); otherwise, or with ``native=False``, a dozen numpy operations.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 from .ablation import FULL, Ablation
 from .config import ClusterConfig
 from .events import Tier
-from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, score_joint
+from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreKernel
 
 __all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms"]
 
@@ -72,18 +72,18 @@ class ScoreResult:
     def __init__(self, chosen: int, worker: str, lam: float, scores: np.ndarray, scorer: JointScorer,
                  prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue: np.ndarray,
                  belief: np.ndarray, ablation: Ablation) -> None:
-        setter = object.__setattr__
-        setter(self, "chosen", chosen)
-        setter(self, "worker", worker)
-        setter(self, "lam", lam)
-        setter(self, "scores", scores)
-        setter(self, "_scorer", scorer)
-        setter(self, "_prompt_len", prompt_len)
-        setter(self, "_matched", matched)
-        setter(self, "_tier", tier)
-        setter(self, "_queue", queue)
-        setter(self, "_belief", belief)
-        setter(self, "_ablation", ablation)
+        # Written through the slot descriptors (``__setattr__`` refuses): one per decision.
+        _set_chosen(self, chosen)
+        _set_worker(self, worker)
+        _set_lam(self, lam)
+        _set_scores(self, scores)
+        _set_scorer(self, scorer)
+        _set_prompt_len(self, prompt_len)
+        _set_matched(self, matched)
+        _set_tier(self, tier)
+        _set_queue(self, queue)
+        _set_belief(self, belief)
+        _set_ablation(self, ablation)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ScoreResult is read-only")
@@ -134,6 +134,10 @@ class ScoreResult:
         return tuple(self._terms(i, scores[i]) for i in order if math.isfinite(scores[i]))
 
 
+(_set_chosen, _set_worker, _set_lam, _set_scores, _set_scorer, _set_prompt_len, _set_matched, _set_tier, _set_queue,
+ _set_belief, _set_ablation) = (getattr(ScoreResult, name).__set__ for name in ScoreResult.__slots__)
+
+
 class JointScorer:
     """Scores every worker for requests entering at an edge of ``origin_region``."""
 
@@ -168,6 +172,8 @@ class JointScorer:
         penalty = np.where(local, 0.0, np.inf) if local.any() else np.zeros(self.n_workers)
         self._remote_penalty = _frozen(penalty)
         self._flags: dict[Ablation, int] = {}
+        self._kernel = ScoreKernel(self.wan_ms, self.beta, self._local_factor, self._remote_penalty,
+                                   gamma=self.gamma, lambda_max=self.lambda_max, tau=self.tau_ms)
 
     def _bad_shape(self, name: str, array: object) -> ScoreInputError:
         shape = getattr(array, "shape", type(array).__name__)
@@ -217,11 +223,13 @@ class JointScorer:
                     (SCORE_LOAD_AWARE if ablation.load_aware else 0)
                     | (SCORE_TIER_AWARE if ablation.tier_aware else 0)
                     | (SCORE_CROSS_REGION if ablation.cross_region else 0))
-            chosen, lam, scores = score_joint(
-                float(prompt_len), self.wan_ms, self.beta, _contiguous(queue_ms), _contiguous(belief),
-                _contiguous(matched), _contiguous(tier), self._local_factor, self._remote_penalty,
-                None if eligible is None else _contiguous(eligible),
-                self.gamma, self.lambda_max, self.tau_ms, flags)
+            try:
+                chosen, lam, scores = self._kernel.run(float(prompt_len), queue_ms, belief, matched, tier,
+                                                       eligible, flags)
+            except ValueError:  # a strided view: the C loop reads contiguous arrays
+                chosen, lam, scores = self._kernel.run(
+                    float(prompt_len), _contiguous(queue_ms), _contiguous(belief), _contiguous(matched),
+                    _contiguous(tier), None if eligible is None else _contiguous(eligible), flags)
         else:
             chosen, lam, scores = self._score_numpy(prompt_len, matched, tier, queue_ms, belief, ablation, eligible)
         if not math.isfinite(scores.item(chosen)):
