@@ -13,7 +13,9 @@ of ``--prefix-chars`` bytes, then a unique suffix), closed loop at each ``--conc
 for ``--seconds``. Per path and concurrency: requests/s, latency P50/P99 and what the path
 adds over the direct one, the router's CPU time per request (``/proc/<pid>/stat`` utime+stime
 before/after; for the QUIC path also with the agents' CPU, which then does the worker's HTTP),
-and prefix affinity: the share of each group's requests that went to the group's top worker.
+prefix affinity: the share of each group's requests that went to the group's top worker, and
+reuse: the share of requests whose group prefix the serving worker had cached. Each worker's
+VRAM (``--vram-tokens``) holds half of the groups' prefixes, so routing decides reuse.
 "direct" sends round-robin over the workers (a router that costs nothing and knows nothing).
 
     /work/venv/bin/python tools/bench_edge.py [--quick] [--runs 3] [--seconds 8] [--concurrency 1 16 64]
@@ -174,7 +176,8 @@ async def closed_loop(urls: list[str], concurrency: int, seconds: float, prompts
 
 async def start_cluster(args) -> tuple[Cluster, dict[str, str], dict[str, int]]:
     spec = DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
-                          max_running=args.max_running)
+                          max_running=args.max_running, vram_kv_tokens=args.vram_tokens,
+                          dram_kv_tokens=args.dram_tokens)
     cluster = Cluster(spec)
     cfg = cluster.cfg
     quic_edge = EdgeConfig(QUIC_EDGE, "us", http=f"127.0.0.1:{free_port()}",
@@ -265,7 +268,7 @@ def report(args, results: dict) -> None:
     names = list(dict.fromkeys(name for name, _ in results))
     print()
     print(f"serving path on loopback: {args.workers} zero-delay emulated workers, {args.groups} prefix groups "
-          f"({args.prefix_chars}-byte prefix), /generate max_new_tokens={args.max_new_tokens}, {args.seconds:g} s "
+          f"({args.prefix_chars}-byte prefix, {args.vram_tokens} VRAM tokens per worker), /generate max_new_tokens={args.max_new_tokens}, {args.seconds:g} s "
           f"per point; medians of {args.runs} run(s); load average {load_average()}")
     header = (f"{'conc':>4} {'path':<10}{'req/s':>9}{'vs direct':>10}{'P50 ms':>9}{'P99 ms':>9}{'+P50 ms':>9}"
               f"{'+P99 ms':>9}{'CPU us/req':>11}{'+agents':>9}{'affinity':>9}{'reuse':>7}")
@@ -313,7 +316,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per path and concurrency")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each point")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--groups", type=int, default=32)
+    p.add_argument("--vram-tokens", type=int, default=16384,
+                   help="each worker's VRAM cache: 16 groups' prefixes of the default size, so where a group "
+                        "goes decides whether its prefix is reused")
+    p.add_argument("--dram-tokens", type=int, default=0)
     p.add_argument("--prefix-chars", type=int, default=1024)
     p.add_argument("--suffix-chars", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=8)
