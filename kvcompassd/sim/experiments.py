@@ -5,6 +5,13 @@
 
 Each writes its table (CSV/JSON/Markdown) and PNG plots under ``--out/<name>/``.
 
+Cost: the simulator runs ~150-550 simulated requests per wall second on the 64x8 deployment
+(KVCompass slowest, Oracle fastest; see tools/sim_bench.py), dominated by the shared prefix
+cache's per-page hashing and event validation. The full Fig. 12 sweep (3 workloads x 7 schemes x
+7 rates x 20 s, ~8 M requests) therefore takes hours, not the 30 minutes the issue asks for;
+``--quick`` (2 s per point, 3 rates) takes ~10-20 minutes, and ``--page-tokens 64`` (coarser
+engine pages, the index unchanged) cuts event volume about 4x.
+
 Rates: the paper's simulated rates are used for the census deployments (Fig. 12: 200-6000
 req/s; Fig. 16: 400-18000). The testbed experiments (Fig. 11, 15) ran full-size prompts on RTX
 5090s at 4-40 req/s; our Mixed requests are ~4x smaller (see ``synthetic``), so the testbed
