@@ -1,0 +1,217 @@
+"""Soak: a steady request rate through the demo deployment, with no errors and flat memory.
+
+    /work/venv/bin/python tools/soak.py                      # 10 minutes at 4 req/s
+    /work/venv/bin/python tools/soak.py --minutes 0.5        # the short variant
+    /work/venv/bin/python tools/soak.py --minutes 2 --loss 0.15 --one-way-ms 120   # under WAN loss
+
+Starts ``LocalDeployment`` with the demo's defaults (3 regions, 7 emulated workers, 2 maintenance
+units, real processes and QUIC through WAN relays), replays ``kvcompassd.demo.bundled_workload``
+prompts as streaming completions at ``--rate`` requests per second (open loop: a request starts
+every 1/rate s whatever the others do, up to ``--max-in-flight``), and samples the RSS of every
+daemon process (``/proc/<pid>/status`` VmRSS; this process too, as it runs the WAN relays)
+every ``--sample-s`` seconds.
+
+Prints per process: RSS first / after warm-up / last / max and the slope (MB per minute, least
+squares over the samples after warm-up); and the requests: served, failed, hit rate (cached
+tokens / prompt tokens), TTFT P50 and P99. Exits 1 if any request failed, any daemon died, or
+a process's RSS grew by more than ``--max-growth-mb`` between the end of the warm-up (the first
+``--warmup`` fraction of the run, while caches and tables fill) and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from kvcompassd.demo import Outcome, _one, bundled_workload
+from kvcompassd.launcher import DeploymentSpec, LocalDeployment
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+class RssSampler:
+    """RSS samples per process name: (seconds since start, MB)."""
+
+    def __init__(self, dep: LocalDeployment):
+        self.dep = dep
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+        self.t0 = time.monotonic()
+
+    def processes(self) -> dict[str, int]:
+        procs = {key: node.proc.pid for key, node in self.dep.nodes.items() if node.alive}
+        procs["soak (WAN relays, clients)"] = os.getpid()
+        return procs
+
+    def sample(self) -> None:
+        now = time.monotonic() - self.t0
+        for name, pid in self.processes().items():
+            mb = rss_mb(pid)
+            if mb is not None:
+                self.samples.setdefault(name, []).append((now, mb))
+
+    async def run(self, period: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.sample()
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+            except TimeoutError:
+                pass
+        self.sample()
+
+
+def summarise_rss(samples: dict[str, list[tuple[float, float]]], warm_after: float) -> list[dict]:
+    rows = []
+    for name, points in sorted(samples.items()):
+        t = np.array([p[0] for p in points])
+        mb = np.array([p[1] for p in points])
+        steady = t >= warm_after
+        if steady.sum() < 2:
+            steady = np.ones_like(t, dtype=bool)
+        ts, ms = t[steady], mb[steady]
+        slope = float(np.polyfit(ts / 60.0, ms, 1)[0]) if len(ts) >= 2 and np.ptp(ts) > 0 else 0.0
+        rows.append({"process": name, "samples": len(points), "first": mb[0], "warm": ms[0], "last": mb[-1],
+                     "max": mb.max(), "growth": mb[-1] - ms[0], "slope": slope})
+    return rows
+
+
+def render(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    cells = [[fmt.format(r[key]) for _, key, fmt in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(columns)]
+    out = ["  ".join(h.ljust(w) for (h, _, _), w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+async def drive(dep: LocalDeployment, rate: float, seconds: float, max_in_flight: int, seed: int) -> tuple[list[Outcome], int]:
+    """Open-loop requests at ``rate`` per second for ``seconds``; returns outcomes and how many
+    starts were skipped because ``max_in_flight`` requests were already running."""
+    regions = list(dep.spec.workers)
+    workload = bundled_workload(2000, regions, seed=seed)
+    results: list[Outcome] = []
+    skipped = 0
+    in_flight: set[asyncio.Task] = set()
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(req):
+            results.append(await _one(session, dep.edge_url(req.region), req))
+
+        start = time.monotonic()
+        for i, req in enumerate(itertools.cycle(workload)):
+            due = start + i / rate
+            if due - start >= seconds:
+                break
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if len(in_flight) >= max_in_flight:
+                skipped += 1
+                continue
+            task = asyncio.create_task(one(req))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        if in_flight:
+            await asyncio.gather(*in_flight)
+    return results, skipped
+
+
+async def soak(args) -> int:
+    spec = DeploymentSpec()
+    if args.one_way_ms is not None:
+        spec = replace(spec, one_way_ms={k: args.one_way_ms for k in spec.one_way_ms})
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvcompass-soak-"))
+    dep = LocalDeployment(spec, root, time_scale=args.time_scale, jitter=args.jitter, loss=args.loss)
+    seconds = args.minutes * 60.0
+    t_start = time.monotonic()
+    print(f"starting the demo deployment ({sum(spec.workers.values())} workers, {len(spec.workers)} edges, "
+          f"{spec.shards} maintenance units; WAN one-way {sorted(set(spec.one_way_ms.values()))} ms, "
+          f"loss {args.loss:.0%}, jitter {args.jitter:.0%}) ...", flush=True)
+    async with dep:
+        print(f"ready after {time.monotonic() - t_start:.1f} s; {args.rate} req/s for {args.minutes} min ...", flush=True)
+        sampler = RssSampler(dep)
+        stop = asyncio.Event()
+        sampling = asyncio.create_task(sampler.run(args.sample_s, stop))
+        results, skipped = await drive(dep, args.rate, seconds, args.max_in_flight, args.seed)
+        stop.set()
+        await sampling
+        died = [key for key, node in dep.nodes.items() if not node.alive]
+    ok = [r for r in results if r.ok]
+    failed = len(results) - len(ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    ttft = np.array([r.ttft for r in ok]) * 1000 if ok else np.zeros(1)
+    rows = summarise_rss(sampler.samples, warm_after=args.warmup * seconds)
+    print()
+    print(render(rows, [("process", "process", "{}"), ("samples", "samples", "{}"),
+                        ("first MB", "first", "{:.1f}"), ("warm MB", "warm", "{:.1f}"), ("last MB", "last", "{:.1f}"),
+                        ("max MB", "max", "{:.1f}"), ("growth MB", "growth", "{:+.1f}"),
+                        ("slope MB/min", "slope", "{:+.2f}")]))
+    print()
+    print(f"requests: {len(results)} sent, {len(ok)} served, {failed} failed, {skipped} starts skipped "
+          f"(>{args.max_in_flight} in flight)")
+    print(f"hit rate (cached / prompt tokens): {sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0:.1%}; "
+          f"TTFT P50 {np.percentile(ttft, 50):.0f} ms, P99 {np.percentile(ttft, 99):.0f} ms; "
+          f"cross-region served: {sum(1 for r in ok if r.worker_region and r.worker_region != r.region)}")
+    grown = [r["process"] for r in rows if r["growth"] > args.max_growth_mb]
+    verdict = []
+    if failed:
+        verdict.append(f"{failed} requests failed")
+    if died:
+        verdict.append(f"daemons died: {', '.join(died)}")
+    if grown:
+        verdict.append(f"RSS grew by more than {args.max_growth_mb} MB after warm-up: {', '.join(grown)}")
+    if not ok:
+        verdict.append("no request served")
+    print("verdict: " + ("; ".join(verdict) if verdict else "OK (no errors, memory flat)"))
+    if verdict:
+        print(f"logs kept under {root / 'logs'}")
+    elif not args.workdir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 1 if verdict else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=4.0, help="requests started per second")
+    parser.add_argument("--max-in-flight", type=int, default=64)
+    parser.add_argument("--sample-s", type=float, default=3.0, help="RSS sampling period")
+    parser.add_argument("--warmup", type=float, default=0.3, help="fraction of the run before growth is judged")
+    parser.add_argument("--max-growth-mb", type=float, default=40.0, help="allowed RSS growth after warm-up")
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--loss", type=float, default=0.0, help="WAN packet loss (0..1) on every relay")
+    parser.add_argument("--jitter", type=float, default=0.0, help="WAN delay jitter as a fraction of the delay")
+    parser.add_argument("--one-way-ms", type=float, default=None, help="set every inter-region one-way delay")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    from kvcompassd.daemon import install_uvloop
+
+    install_uvloop()
+    return asyncio.run(soak(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
