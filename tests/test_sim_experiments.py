@@ -25,3 +25,12 @@ def test_fig19_cross_region_only_share_on_mooncake(tmp_path):
         assert r["first_turns"] > r["hits"]
     assert 0.0 < summary["mean_remote_only_share"] < 1.0
     assert (tmp_path / "fig19" / "fig19.png").stat().st_size > 0
+
+
+def test_fig14_quick_writes_heatmap_and_peaks(tmp_path):
+    assert main(["fig14", "--quick", "--out", str(tmp_path), "--schemes", "oracle,consistent-hash",
+                 "--rates", "60", "--page-tokens", "64"]) == 0
+    rows = json.loads((tmp_path / "fig14" / "summary.json").read_text())
+    assert {r["scheme"] for r in rows} == {"oracle", "consistent-hash"}
+    assert all(r["load_factor_peak"] >= 1.0 for r in rows)
+    assert (tmp_path / "fig14" / "mixed" / "load_factor.png").stat().st_size > 0
