@@ -15,6 +15,7 @@ missed while disconnected can linger in the index.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import defaultdict
 from typing import Any
@@ -68,6 +69,7 @@ class AgentNode:
         *,
         replay_endpoint: str | None = None,
         load_interval: float = 0.02,
+        chaos_drop_engine_batches: float = 0.0,
     ):
         if not worker.agent or not worker.http:
             raise ValueError(f"worker {worker.id} needs 'agent' and 'http' addresses in the config to run an agent")
@@ -81,6 +83,9 @@ class AgentNode:
         self.metrics = AgentMetrics()
         self.replay_endpoint = replay_endpoint
         self.load_interval = load_interval
+        # Fault injection: discard this share of the engine's live batches on arrival, which
+        # exercises gap detection and replay exactly as real loss on the ZMQ link does.
+        self.chaos_drop = chaos_drop_engine_batches
         self.incarnation = 0
         self._seq = 0
         self._pending: dict[int, list[IndexEvent]] = defaultdict(list)
@@ -110,10 +115,7 @@ class AgentNode:
             self._edge_peers[e.id] = self.node.peer(split_address(e.quic, e.id), expected_role=Role.EDGE,
                                                     expected_id=e.id)
         if self.worker.kv_events:
-            replay = self.replay_endpoint or await self._replay_endpoint_from_engine()
-            self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events)
-            self.subscriber.connect()
-            self._tasks.append(asyncio.create_task(self._run_subscriber()))
+            self._tasks.append(asyncio.create_task(self._follow_engine_events()))
         else:
             log.warning("no kv_events endpoint configured: this worker's caches will not be indexed")
         self._tasks.append(asyncio.create_task(self._load_loop()))
@@ -129,17 +131,45 @@ class AgentNode:
     def status(self) -> str:
         return f"worker {self.worker.id}, engine {'up' if self.engine_up else 'down'}, {len(self.tree.registered())} keys"
 
-    async def _replay_endpoint_from_engine(self) -> str | None:
-        """SGLang's ``/server_info`` carries the ``--kv-events-config`` JSON with the replay endpoint."""
+    async def _follow_engine_events(self) -> None:
+        """Find the engine's replay socket, then follow its event stream until cancelled.
+
+        The engine may start after the agent: ask ``/server_info`` until it answers. Batches it
+        published before the subscription are not lost: the first live batch shows a gap from
+        seq 0, which the replay socket fills.
+        """
+        replay = self.replay_endpoint
+        delay = 0.05
+        while replay is None:
+            try:
+                replay = await self._replay_endpoint_from_engine()
+                if replay is None:
+                    log.warning("engine reports no replay endpoint: gaps in its event stream cannot be repaired")
+                break
+            except EngineError as exc:
+                log.info("waiting for the engine's /server_info", error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+        drop = None
+        if self.chaos_drop > 0:
+            import random
+
+            rng = random.Random(self.worker.id)
+            drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
+        self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop)
         try:
-            info = await self.engine.server_info()
-        except EngineError as exc:
-            log.warning("no replay endpoint: /server_info unavailable", error=str(exc))
-            return None
+            await self.subscriber.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kv-event subscriber failed")
+
+    async def _replay_endpoint_from_engine(self) -> str | None:
+        """SGLang's ``/server_info`` carries the ``--kv-events-config`` JSON with the replay
+        endpoint. Raises EngineError while the engine does not answer."""
+        info = await self.engine.server_info()
         config = info.get("kv_events_config")
         if isinstance(config, str):
-            import json
-
             try:
                 config = json.loads(config)
             except ValueError:
@@ -150,14 +180,6 @@ class AgentNode:
             host = split_address(self.worker.kv_events.removeprefix("tcp://"), "kv_events")[0]
             return replay.replace("*", host).replace("0.0.0.0", host)
         return None
-
-    async def _run_subscriber(self) -> None:
-        try:
-            await self.subscriber.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("kv-event subscriber failed")
 
     # -- index registration -------------------------------------------------------------------
 
@@ -350,6 +372,8 @@ class AgentNode:
             "queue_ms": self.queue_ms,
             "incarnation": self.incarnation,
             "registered_keys": len(self.tree.registered()),
+            "engine_batches": getattr(getattr(self, "subscriber", None), "delivered", 0),
+            "engine_replays": getattr(getattr(self, "subscriber", None), "replays", 0),
             "blocks": len(self.tree),
             "region_vector": self.region_vector,
             "migrations": self.migrations[-20:],

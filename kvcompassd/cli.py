@@ -105,7 +105,9 @@ def cmd_agent(args) -> int:
     from kvcompassd.agent import AgentNode
 
     worker = _lookup(cfg.workers, args.id, "worker")
-    return _serve(AgentNode(cfg, worker, tls, replay_endpoint=args.replay_endpoint), args.metrics, args)
+    node = AgentNode(cfg, worker, tls, replay_endpoint=args.replay_endpoint,
+                     chaos_drop_engine_batches=args.chaos_drop_engine_batches)
+    return _serve(node, args.metrics, args)
 
 
 def cmd_emulate_worker(args) -> int:
@@ -117,7 +119,7 @@ def cmd_emulate_worker(args) -> int:
     worker = _lookup(cfg.workers, args.id, "worker")
     settings = EmulatorSettings.from_worker_config(
         worker, model=cfg.model, block_size=cfg.index.block_size, time_scale=args.time_scale,
-        eviction=args.eviction, seed=args.seed)
+        eviction=args.eviction, seed=args.seed, kv_events_style=args.kv_events_style)
     install_uvloop()
     try:
         asyncio.run(run_emulated_worker(settings))
@@ -160,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="beside one inference engine")
     _node_args(p)
     p.add_argument("--replay-endpoint", default=None, help="engine's KV-event replay socket (default: from /server_info)")
+    p.add_argument("--chaos-drop-engine-batches", type=float, default=0.0, metavar="P",
+                   help="fault injection: drop this share of the engine's live event batches (recovered by replay)")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("emulate-worker", help="an SGLang-compatible emulated worker (no GPU)")
@@ -167,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True, help="the worker's id in the config")
     p.add_argument("--time-scale", type=float, default=1.0, help="1 = modelled A100 times, 0 = no delays")
     p.add_argument("--eviction", choices=("lru", "lfu"), default="lru")
+    p.add_argument("--kv-events-style", choices=("map", "positional"), default="map",
+                   help="event encoding: map (SGLang 0.5.23, vLLM) or positional (older SGLang)")
     p.add_argument("--seed", type=int, default=0)
     _log_args(p)
     p.set_defaults(func=cmd_emulate_worker, tls_dir=None)

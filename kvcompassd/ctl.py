@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] not in ("certs", "query", "-h", "--help"):
         argv = ["query", *argv]
     args = build_parser().parse_args(argv)
+    # Answers go to stdout (often into a pipe); transport chatter only to stderr, warnings up.
+    from kvcompassd.logs import configure_logging
+
+    configure_logging("warning", json=False)
     return args.func(args)
 
 

@@ -121,7 +121,7 @@ class LocalDeployment:
 
     def __init__(self, spec: DeploymentSpec | None = None, workdir: str | Path | None = None, *,
                  time_scale: float = 1.0, wan_scale: float = 1.0, edge_args: tuple[str, ...] = (),
-                 jitter: float = 0.0, loss: float = 0.0):
+                 jitter: float = 0.0, loss: float = 0.0, node_args: dict[str, tuple[str, ...]] | None = None):
         self.spec = spec or DeploymentSpec()
         if wan_scale != 1.0:
             self.spec = replace(self.spec, one_way_ms={k: v * wan_scale for k, v in self.spec.one_way_ms.items()})
@@ -129,6 +129,8 @@ class LocalDeployment:
         self.time_scale = time_scale
         self.edge_args = tuple(edge_args)
         self.jitter, self.loss = jitter, loss
+        # Extra arguments per "mode:node-id", e.g. {"agent:us-1": ("--chaos-drop-engine-batches", "0.2")}.
+        self.node_args = dict(node_args or {})
         self.cfg = build_cluster(self.spec)
         self.nodes: dict[str, NodeProcess] = {}
         self.wan: WanEmulator | None = None
@@ -191,7 +193,7 @@ class LocalDeployment:
         argv = [sys.executable, "-m", "kvcompassd", mode, "--config", str(config), "--id", node_id, "--log-json"]
         if mode != "emulate-worker":
             argv += ["--tls-dir", str(self.tls_dir)]
-        argv += list(extra)
+        argv += list(extra) + list(self.node_args.get(f"{mode}:{node_id}", ()))
         node = NodeProcess(node_id, mode, region, argv, self.workdir / "logs" / f"{node_id}.{mode}.log")
         self.nodes[f"{mode}:{node_id}"] = node
         return node

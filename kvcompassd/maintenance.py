@@ -122,7 +122,7 @@ class MaintenanceNode:
     def _withdraw_if_gone(self, worker: str, incarnation: int) -> None:
         stream = self.workers.get(worker)
         connected = any(p.identity is not None and p.identity.node_id == worker and p.is_connected
-                        for p in self.node.peers())
+                        for p in self.node.peers)
         if stream is None or stream.incarnation != incarnation or connected:
             return
         outcome = self.shard.withdraw_worker(worker)
@@ -182,14 +182,19 @@ class MaintenanceNode:
         if msg.seq <= stream.last_seq:
             stream.stale_reports += 1
             self.stats.stale_reports += 1
-            log.warning("stale report ignored", worker=msg.worker, seq=msg.seq, last_seq=stream.last_seq)
+            self._refuse(peer, "malformed", f"stale or replayed report seq {msg.seq} for {msg.worker} "
+                                            f"(last applied {stream.last_seq}); ignored")
             return
         stream.last_seq = msg.seq
         self.stats.reports += 1
         outcome = self.shard.apply(msg.events)
         self._applied(outcome)
-        for reason in outcome.ignored[:3]:
-            log.info("event ignored", worker=msg.worker, reason=reason)
+        if outcome.ignored:
+            # The rest of the report was applied; tell the agent which events made no sense.
+            shown = "; ".join(outcome.ignored[:3])
+            more = f" (+{len(outcome.ignored) - 3} more)" if len(outcome.ignored) > 3 else ""
+            self._refuse(peer, "malformed", f"{len(outcome.ignored)} of {len(msg.events)} events of report "
+                                            f"{msg.seq} ignored: {shown}{more}")
 
     def _worker_withdrawn(self, peer: Peer, msg: WorkerWithdrawn, channel: ChannelInfo) -> None:
         if self._own_worker(peer, msg.worker):

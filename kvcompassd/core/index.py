@@ -198,7 +198,8 @@ class MaintenanceShard:
 
     def table_stats(self) -> list[dict]:
         return [
-            {"group": g.group, "region": g.region, "entries": len(t), "memory_bytes": t.memory_bytes, "epoch": t.epoch}
+            {"group": g.group, "region": g.region, "entries": len(t), "load": round(t.load, 4),
+             "memory_bytes": t.memory_bytes, "epoch": t.epoch}
             for g, t in zip(self.layout.groups, self._tables)
         ]
 
