@@ -68,7 +68,7 @@ def main() -> None:
     cfg = load_config(args.config)
     rng = np.random.default_rng(args.seed)
     plan = LevelPlan.from_config(cfg)
-    max_len = plan.max_length() + 512
+    max_len = plan.max_length + 512
     docs = [rng.integers(0, 50000, max_len, dtype=np.uint32) for _ in range(args.docs)]
     workers = [w.id for w in cfg.workers]
     holdings = [(workers[rng.integers(len(workers))], int(rng.integers(args.docs)),
