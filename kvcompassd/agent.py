@@ -41,6 +41,7 @@ from kvcompassd.wire import (
     ErrorReported,
     MigrationRequested,
     NodeIdentity,
+    PiggybackSent,
     PrefixEventsReported,
     QueueVectorBroadcast,
     RequestFailed,
@@ -331,6 +332,8 @@ class AgentNode:
                                                         item.prompt_tokens, item.completion_tokens,
                                                         item.finish_reason, vector), end=True)
                     self.metrics.requests.labels("ok").inc()
+                    if msg.origin_region != self.worker.region:
+                        self._note_piggyback(msg.origin_region)
                     log_.info("served", cached=item.cached_tokens, claimed=msg.claimed_tokens,
                               prompt=item.prompt_tokens, completion=item.completion_tokens)
                     return
@@ -343,6 +346,16 @@ class AgentNode:
                 pass
         except TransportError as exc:
             log_.warning("edge went away mid-response", error=str(exc))
+
+    def _note_piggyback(self, to_region: str) -> None:
+        """Tell this region's edges that ``to_region`` just got our queue vector."""
+        note = PiggybackSent(self.worker.id, to_region)
+        for peer in self._edge_peers.values():
+            if peer.is_connected:
+                try:
+                    peer.send_datagram(note)
+                except TransportError:
+                    pass
 
     async def _migrate(self, msg: MigrationRequested) -> None:
         if msg.destination_worker != self.worker.id:

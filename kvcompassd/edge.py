@@ -34,6 +34,7 @@ from kvcompassd.wire import (
     AdminQueried,
     ErrorReported,
     NodeIdentity,
+    PiggybackSent,
     QueueVectorBroadcast,
     ResyncRequested,
     Role,
@@ -214,6 +215,14 @@ class EdgeNode:
             return
         self.router.queues.set_local(msg.worker, msg.queue_ms, now=self.clock())
 
+    def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
+        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
+            return
+        try:
+            self.router.queues.note_piggyback_sent(msg.to_region, now=self.clock())
+        except ValueError as exc:
+            log.warning("piggyback note refused", peer=str(peer.identity), error=str(exc))
+
     def _broadcast(self, peer: Peer, msg: QueueVectorBroadcast, channel: ChannelInfo) -> None:
         try:
             self.router.queues.on_broadcast(msg, now=self.clock())
@@ -270,6 +279,7 @@ class EdgeNode:
         UpdateBatchPublished: _batch,
         ShardSnapshotSent: _snapshot,
         WorkerLoadReported: _load,
+        PiggybackSent: _piggyback_sent,
         QueueVectorBroadcast: _broadcast,
         ViewCopyRequested: _view_copy,
         AdminQueried: _admin,

@@ -564,6 +564,16 @@ class RequestFailed(WireMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class PiggybackSent(WireMessage):
+    """agent -> edges of its region (datagram): a response just carried this region's queue
+    vector to ``to_region``, so the edges may skip their next broadcast there (paper §3.4)."""
+
+    worker: str
+    to_region: str
+    WIRE: ClassVar = {"worker": ID, "to_region": REGION}
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoadReported(WireMessage):
     """agent -> edge: a worker's current queueing delay and batch occupancy."""
 
@@ -617,6 +627,7 @@ Message = (
     | ResponseCompleted
     | RequestFailed
     | WorkerLoadReported
+    | PiggybackSent
     | ErrorReported
     | AdminQueried
     | AdminAnswered
@@ -666,6 +677,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(41, ResponseCompleted, 1 * MiB),
         _spec(42, RequestFailed, 16 * KiB),
         _spec(43, WorkerLoadReported, 1 * KiB),
+        _spec(44, PiggybackSent, 1 * KiB),
         _spec(50, ErrorReported, 16 * KiB),
         _spec(60, AdminQueried, 1 * MiB),
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
@@ -692,6 +704,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     ResponseCompleted: frozenset({Role.AGENT}),
     RequestFailed: frozenset({Role.AGENT}),
     WorkerLoadReported: frozenset({Role.AGENT}),
+    PiggybackSent: frozenset({Role.AGENT}),
     ErrorReported: frozenset(Role),
     AdminQueried: frozenset({Role.ADMIN}),
     AdminAnswered: _ANY_DAEMON,
