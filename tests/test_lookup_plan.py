@@ -285,3 +285,30 @@ def test_a_loaded_local_holder_is_copied_the_same_way_on_both_paths():
     assert plans[0] == plans[1]
     assert plans[0][:2] == [None, None] and plans[0][2] is not None and plans[0][3] is None
     assert plans[0][2].mode == "copy" and plans[0][2].source_worker == "b-3"
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.floats(0.0, 50.0), st.floats(0.0, 50.0),
+                               st.integers(1, 3)), min_size=1, max_size=12),
+       chosen_seed=st.integers(0, 1000))
+def test_miss_summary_equals_its_definition(data, chosen_seed):
+    from kvcompassd.core.lookup_plan import MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary
+
+    local = np.array([d[0] for d in data])
+    matched = np.array([d[1] for d in data], dtype=np.int64)
+    scores = np.array([d[2] for d in data])
+    queue = np.array([d[3] for d in data])
+    floors = np.array([d[4] for d in data], dtype=np.int64)
+    chosen = chosen_seed % len(data)
+    holders = np.flatnonzero(local & (matched > 0))
+    want = MISS_LOCAL_HOLDER if holders.size else 0
+    if holders.size and chosen not in holders.tolist() \
+            and np.all(scores[holders] - queue[holders] + queue[chosen] < scores[chosen]):
+        want |= MISS_LOST_TO_LOAD
+    if np.any(~local & (matched >= floors)):
+        want |= MISS_REMOTE_WORTH
+    summary = MissSummary(local, floors)
+    assert summary.flags(matched, scores, queue, chosen) == want
+    assert summary.flags(matched.astype(np.int32), scores, queue[::1], chosen) == want  # converted
+    with pytest.raises(LookupPlanError):
+        summary.flags(matched, scores, queue, len(data))

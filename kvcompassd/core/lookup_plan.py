@@ -44,6 +44,7 @@ _empty = np.empty
 _int64 = np.int64
 _uint8 = np.uint8
 _float64 = np.float64
+_I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 
 
 class LookupPlanError(ValueError):
@@ -236,14 +237,15 @@ class MissSummary:
 
     def flags(self, matched: np.ndarray, scores: np.ndarray, queue: np.ndarray, chosen: int) -> int:
         n = self._n
-        shape = (n,)
-        if matched.__class__ is not np.ndarray or matched.dtype != np.int64 or matched.shape != shape \
-                or not matched.flags.c_contiguous:
-            raise LookupPlanError(f"matched must be a contiguous int64 array of {n} elements")
-        for name, array in (("scores", scores), ("queue", queue)):
-            if array.__class__ is not np.ndarray or array.dtype != np.float64 or array.shape != shape \
-                    or not array.flags.c_contiguous:
-                raise LookupPlanError(f"{name} must be a contiguous float64 array of {n} elements")
+        if not (matched.__class__ is np.ndarray and matched.dtype == _I64 and matched.flags.c_contiguous
+                and scores.__class__ is np.ndarray and scores.dtype == _F64 and scores.flags.c_contiguous
+                and queue.__class__ is np.ndarray and queue.dtype == _F64 and queue.flags.c_contiguous):
+            # Other dtypes or strided views are converted, not refused.
+            matched = np.ascontiguousarray(matched, dtype=np.int64)
+            scores = np.ascontiguousarray(scores, dtype=np.float64)
+            queue = np.ascontiguousarray(queue, dtype=np.float64)
+        if matched.shape != (n,) or scores.shape != (n,) or queue.shape != (n,):
+            raise LookupPlanError(f"matched, scores and queue must have shape ({n},)")
         if not 0 <= chosen < n:
             raise LookupPlanError(f"chosen must be in [0, {n}), got {chosen}")
         local, floors = self._c
