@@ -12,6 +12,8 @@
 
 /* One bit per 2-bit field: the low bit of each field. */
 #define KVC_FIELD_LOW_BITS 0x5555555555555555ULL
+/* Groups read together, level by level (their early-stop state lives on the stack). */
+#define KVC_PLAN_CHUNK_GROUPS 64
 
 int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
                     const uint64_t *keys, size_t n_keys,
@@ -26,32 +28,40 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
         if (worker_group[w] < 0 || (size_t)worker_group[w] >= groups || worker_shift[w] > 62 || (worker_shift[w] & 1))
             return KVC_ERR_ARG;
 
-    /* Read each group's levels, shortest first, while they fit the prompt (keys in range). */
-    for (size_t g = 0; g < groups; g++) {
-        const int32_t *row = level_keys + g * max_levels;
-        uint64_t *values = values_out + g * max_levels;
-        uint64_t alive = KVC_FIELD_LOW_BITS; /* fields whose run of hits is still unbroken */
-        size_t level = 0;
-        for (; level < max_levels; level++) {
-            int32_t k = row[level];
-            if (k < 0 || (size_t)k >= n_keys)
-                break; /* padding, or a length longer than the prompt */
-            uint64_t key = keys[k];
-            const kvc_view *view = views[(key % shards) * groups + g];
-            uint64_t v = view ? kvc_view_lookup(view, key) : 0;
-            values[level] = v;
-            if (consistency) {
-                /* A field is a hit when either of its bits is set; once no field's run can
-                 * still extend, longer levels cannot change any worker's result. */
-                alive &= (v | (v >> 1)) & KVC_FIELD_LOW_BITS;
-                if (!alive) {
-                    level++;
-                    break;
+    /* Read every group's levels, shortest first, while they fit the prompt (keys in range).
+     * Level by level across groups, so that consecutive reads are independent and their cache
+     * misses overlap. `alive` holds, per group, the fields whose run of hits is still unbroken
+     * (a field is a hit when either of its bits is set); under consistency a group whose fields
+     * have all missed is not read further: longer levels cannot change any worker's result. */
+    for (size_t i = 0; i < groups * max_levels; i++)
+        values_out[i] = 0;
+    uint64_t alive[KVC_PLAN_CHUNK_GROUPS];
+    for (size_t first = 0; first < groups; first += KVC_PLAN_CHUNK_GROUPS) {
+        size_t count = groups - first < KVC_PLAN_CHUNK_GROUPS ? groups - first : KVC_PLAN_CHUNK_GROUPS;
+        for (size_t i = 0; i < count; i++)
+            alive[i] = KVC_FIELD_LOW_BITS;
+        for (size_t level = 0; level < max_levels; level++) {
+            int any = 0;
+            for (size_t i = 0; i < count; i++) {
+                if (!alive[i])
+                    continue;
+                size_t g = first + i;
+                int32_t k = level_keys[g * max_levels + level];
+                if (k < 0 || (size_t)k >= n_keys) {
+                    alive[i] = 0; /* padding, or a length longer than the prompt: the group ends */
+                    continue;
                 }
+                uint64_t key = keys[k];
+                const kvc_view *view = views[(key % shards) * groups + g];
+                uint64_t v = view ? kvc_view_lookup(view, key) : 0;
+                values_out[g * max_levels + level] = v;
+                any = 1;
+                if (consistency)
+                    alive[i] &= (v | (v >> 1)) & KVC_FIELD_LOW_BITS;
             }
+            if (!any)
+                break;
         }
-        for (; level < max_levels; level++)
-            values[level] = 0;
     }
 
     /* Per worker: the level its rule selects, and its 2-bit field there. */

@@ -312,3 +312,57 @@ def test_miss_summary_equals_its_definition(data, chosen_seed):
     assert summary.flags(matched.astype(np.int32), scores, queue[::1], chosen) == want  # converted
     with pytest.raises(LookupPlanError):
         summary.flags(matched, scores, queue, len(data))
+
+
+def test_more_groups_than_one_read_chunk():
+    """66 region groups (reads go 64 groups at a time): native still equals the reference."""
+    cfg = make_cluster({"r": 16 * 65 + 1, "s": 1}, shards=2, levels=3, same_region_min_tokens=16)
+    layout = IndexLayout.from_config(cfg)
+    plan, salt = LevelPlan.from_config(cfg), namespace_salt(cfg.model)
+    assert len(layout.groups) == 67
+    shards = [MaintenanceShard(layout, s, 2, epoch=1, initial_capacity=16) for s in range(2)]
+    rng = np.random.default_rng(4)
+    tokens = _prompt(11, 300)
+    lengths = plan.registration_lengths_upto(300)
+    keys = prefix_keys(tokens, lengths, salt).tolist()
+    for worker in rng.choice(len(layout.worker_ids), 200, replace=False).tolist():
+        upto = int(rng.integers(1, len(keys) + 1))
+        for k in keys[:upto]:
+            shards[k % 2].apply([PrefixCached(layout.worker_ids[worker], k, Tier(int(rng.integers(1, 3))))])
+    view = EdgeIndexView(layout, 2, edge="e")
+    for s in shards:
+        s.flush()
+        assert view.install_snapshot(s.snapshot()).applied
+    for consistency in (True, False):
+        native = PrefixLookup(layout, plan, "r", salt, view, consistency=consistency)
+        reference = PrefixLookup(layout, plan, "r", salt, view, consistency=consistency, native=False)
+        for n in (300, 40, 16):
+            got, want = native.lookup(tokens[:n]), reference.lookup(tokens[:n])
+            np.testing.assert_array_equal(got.matched, want.matched)
+            np.testing.assert_array_equal(got.tier, want.tier)
+            assert got.family_key == want.family_key
+        assert native.lookup(tokens).matched.any()
+
+
+def test_slot_constructor_builds_what_the_dataclass_builds():
+    from dataclasses import FrozenInstanceError, dataclass
+
+    from kvcompassd.core.lookup_plan import slot_constructor
+    from kvcompassd.core.router import ForwardDecided
+
+    build = slot_constructor(ForwardDecided)
+    args = ("w", 1, "r", 64, Tier.DRAM, 0.5, 100, False, None, None, 3)
+    made = build(*args)
+    assert made == ForwardDecided(*args) and made.outcome == "remote_hit"
+    with pytest.raises(FrozenInstanceError):
+        made.worker = "x"
+
+    @dataclass(frozen=True, slots=True)
+    class Checked:
+        value: int
+
+        def __post_init__(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="__post_init__"):
+        slot_constructor(Checked)

@@ -25,7 +25,7 @@ from .index import EdgeIndexView
 from .keys import prefix_keys
 from .layout import IndexLayout
 from .levels import LevelPlan
-from .lookup_plan import LookupPlan, ViewPointers
+from .lookup_plan import LookupPlan, ViewPointers, slot_constructor
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,9 @@ class LookupResult:
     matched: np.ndarray  # int64 tokens, 0 = no match
     tier: np.ndarray  # uint8 Tier values, 0 where matched == 0
     family_key: int | None  # key of the first own-region length: the prompt's prefix family
+
+
+_new_lookup_result = slot_constructor(LookupResult)
 
 
 class PrefixLookup:
@@ -90,7 +93,7 @@ class PrefixLookup:
         matched, tier = self._plan.run(self._pointers.pointers(), keys)
         family = self._family_index
         family_key = keys.item(family) if family is not None and family < n_fit else None
-        return LookupResult(prompt_len, matched, tier, family_key)
+        return _new_lookup_result(prompt_len, matched, tier, family_key)
 
     def lookup_reference(self, tokens) -> LookupResult:
         """The pure-Python path: one ``LudoView.lookup`` per read, numpy decode."""

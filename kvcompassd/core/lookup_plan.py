@@ -18,13 +18,14 @@ None of these objects is thread-safe (a plan reuses one scratch buffer): one per
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import fields
+from typing import Any, Callable
 
 import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "MISS_LOCAL_HOLDER",
+__all__ = ["slot_constructor", "LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "MISS_LOCAL_HOLDER",
            "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_LOAD_AWARE",
            "SCORE_TIER_AWARE", "SCORE_CROSS_REGION"]
 
@@ -251,3 +252,25 @@ class MissSummary:
         local, floors = self._c
         return _miss_summary(n, _from_buffer("int64_t[]", matched), local, floors,
                              _from_buffer("double[]", scores), _from_buffer("double[]", queue), chosen)
+
+
+def slot_constructor(cls: type) -> Callable[..., Any]:
+    """Positional constructor of a frozen slotted dataclass that writes each slot directly.
+
+    Half the cost of the generated ``__init__`` (which goes through ``object.__setattr__`` per
+    field), for the objects made once per request. Only for classes without ``__post_init__``,
+    whose ``__init__`` does nothing else. Generated like dataclasses' own ``__init__``.
+    """
+    names = tuple(f.name for f in fields(cls))
+    if hasattr(cls, "__post_init__") or names != getattr(cls, "__slots__", None):
+        raise TypeError(f"{cls.__name__} must be a slotted dataclass without __post_init__")
+    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    lines = [f"def build({', '.join(names)}):", "    obj = _new(_cls)"]
+    for name in names:
+        namespace[f"_set_{name}"] = getattr(cls, name).__set__
+        lines.append(f"    _set_{name}(obj, {name})")
+    lines.append("    return obj")
+    exec("\n".join(lines), namespace)  # noqa: S102 - field names of a dataclass, nothing else
+    build = namespace["build"]
+    build.__qualname__ = build.__name__ = f"new_{cls.__name__}"
+    return build

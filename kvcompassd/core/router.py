@@ -8,8 +8,8 @@ It owns no sockets and reads no clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Collection, Mapping
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from .keys import namespace_salt
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup
-from .lookup_plan import MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary
+from .lookup_plan import MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary, slot_constructor
 from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .queues import QueueEstimates
 from .score import JointScorer, ScoreResult, ScoreTerms
@@ -57,28 +57,7 @@ class ForwardDecided:
         return "local_hit" if self.local else "remote_hit"
 
 
-def _slot_builder(cls: type) -> Callable[..., object]:
-    """Positional constructor of a frozen slotted dataclass that writes the slots directly.
-
-    About half the cost of the generated ``__init__`` (one ``object.__setattr__`` per field);
-    only for classes without ``__post_init__``, whose ``__init__`` does nothing else.
-    """
-    names = tuple(f.name for f in fields(cls))
-    if hasattr(cls, "__post_init__") or names != cls.__slots__:
-        raise TypeError(f"{cls.__name__} must be a slotted dataclass without __post_init__")
-    setters = tuple(getattr(cls, name).__set__ for name in names)
-    new = object.__new__
-
-    def build(*values: object) -> object:
-        obj = new(cls)
-        for setter, value in zip(setters, values):
-            setter(obj, value)
-        return obj
-
-    return build
-
-
-_new_forward_decided = _slot_builder(ForwardDecided)
+_new_forward_decided = slot_constructor(ForwardDecided)
 # Tier by 2-bit field code; the invalid code 3 goes through Tier() (and raises) as before.
 _TIER_BY_CODE = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
 
