@@ -10,10 +10,13 @@ views are replaced (as a whole dict) when a snapshot is installed, so checking t
 each shard's dict per request is enough to know when to rebuild it. Batches change views in place
 and need nothing.
 
-``ScoreKernel`` is the joint score's C loop (``JointScorer`` uses it for the common dtypes), and
-``MissSummary`` tells the Router what a decision means to the hot-prefix detector.
+``ScoreKernel`` is the joint score's C loop (``JointScorer`` uses it for the common dtypes),
+``MissSummary`` tells the Router what a decision means to the hot-prefix detector, and
+``slot_constructor`` builds the per-request frozen dataclasses cheaply.
 
-None of these objects is thread-safe (a plan reuses one scratch buffer): one per edge thread.
+None of these objects is thread-safe (a plan and a kernel reuse scratch buffers, and cffi releases
+the GIL inside the C calls): use them, and the views they read, from one thread. The view
+pointers come from ``LudoView._ptr``, the wrapper's cffi handle (the C API takes ``kvc_view *``).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["slot_constructor", "LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "MISS_LOCAL_HOLDER",
-           "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_LOAD_AWARE",
-           "SCORE_TIER_AWARE", "SCORE_CROSS_REGION"]
+__all__ = ["LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "slot_constructor",
+           "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION", "SCORE_LOAD_AWARE",
+           "SCORE_TIER_AWARE"]
 
 SCORE_LOAD_AWARE = int(lib.KVC_SCORE_LOAD_AWARE)
 SCORE_TIER_AWARE = int(lib.KVC_SCORE_TIER_AWARE)
