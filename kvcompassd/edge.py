@@ -188,7 +188,8 @@ class EdgeNode:
         target = next((e for e in self.cfg.edges if e.id == edge_id), None)
         if target is None:
             raise ValueError(f"unknown edge {edge_id!r}")
-        peer = await self.node.connect(split_address(target.quic, target.id), expected_role=Role.EDGE)
+        peer = await self.node.connect(split_address(target.quic, target.id), expected_role=Role.EDGE,
+                                       expected_id=target.id)
         async with peer.open_stream() as exchange:
             await exchange.send(ViewCopyRequested(self.me.id))
             async for reply in exchange:

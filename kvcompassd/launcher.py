@@ -48,27 +48,40 @@ class DeploymentSpec:
     score: dict = field(default_factory=dict)
 
 
-def _free_port(kind: int = socket.SOCK_STREAM, pair: bool = False) -> int:
-    """A free loopback port (and ``port + 1`` too when ``pair``), for TCP and UDP alike."""
-    for _ in range(200):
+class _Ports:
+    """Free loopback ports, each handed out once: the OS picks ephemeral ones, but p + 1 (the
+    engine's replay socket) could otherwise be handed to another node a moment later."""
+
+    def __init__(self) -> None:
+        self.taken: set[int] = set()
+
+    def _bindable(self, port: int, kind: int) -> bool:
         with socket.socket(socket.AF_INET, kind) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair or port >= 65535:
-            if not pair:
-                return port
-            continue
-        with socket.socket(socket.AF_INET, kind) as s2:
             try:
-                s2.bind(("127.0.0.1", port + 1))
+                s.bind(("127.0.0.1", port))
             except OSError:
+                return False
+        return True
+
+    def get(self, kind: int = socket.SOCK_STREAM, pair: bool = False) -> int:
+        for _ in range(500):
+            with socket.socket(socket.AF_INET, kind) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            wanted = [port, port + 1] if pair else [port]
+            if any(p in self.taken or p > 65535 for p in wanted):
                 continue
-        return port
-    raise RuntimeError("no free port pair found")
+            if pair and not self._bindable(port + 1, kind):
+                continue
+            self.taken.update(wanted)
+            return port
+        raise RuntimeError("no free loopback port found")
 
 
 def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
     regions = list(spec.workers)
+    ports = _Ports()
+    _free_port = ports.get
     workers = []
     for region in regions:
         for i in range(spec.workers[region]):

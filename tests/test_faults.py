@@ -90,9 +90,13 @@ async def test_edge_killed_while_others_serve_then_bootstraps(dep):
         dep.kill("edge", "edge-eu")
         await asyncio.sleep(1.0)
     assert load.failed == [] and load.ok > 0
+    # It comes back by copying a peer edge's views, then catches up from the maintenance units.
+    node = dep.node("edge", "edge-eu")
+    node.argv += ["--copy-view-from", "edge-us"]
     dep.restart("edge", "edge-eu")
     await dep.wait_ready(60)
     await assert_views_converged(dep, edges=dep.cfg.edges_in("eu"), timeout=30)
+    assert "copied shard from peer edge" in node.log_path.read_text()
 
 
 async def test_dead_worker_is_retried_before_first_token_then_withdrawn_and_returns(dep):
