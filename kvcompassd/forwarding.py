@@ -264,30 +264,17 @@ class Forwarder:
         log.info("migration requested", **record)
 
 
+def _served(cached: int, prompt: int, completion: int, finish: str, queue_vector=()) -> GenerationFinished:
+    """What the worker reported; ``_finished`` fills in the decision's side."""
+    return GenerationFinished(worker="", region="", cached_tokens=cached, claimed_tokens=0, prompt_tokens=prompt,
+                              completion_tokens=completion, finish_reason=finish, attempts=0, decision_us=0.0,
+                              queue_vector=tuple(queue_vector))
+
+
 def _completed(reply: ResponseCompleted) -> GenerationFinished:
-    return GenerationFinished(
-        worker=reply.worker,
-        region="",
-        cached_tokens=reply.cached_tokens,
-        claimed_tokens=0,
-        prompt_tokens=reply.prompt_tokens,
-        completion_tokens=reply.completion_tokens,
-        finish_reason=reply.finish_reason,
-        attempts=0,
-        decision_us=0.0,
-        queue_vector=tuple(reply.queue_vector),
-    )
+    return _served(reply.cached_tokens, reply.prompt_tokens, reply.completion_tokens, reply.finish_reason,
+                   reply.queue_vector)
 
 
 def _from_engine(done: EngineFinished) -> GenerationFinished:
-    return GenerationFinished(
-        worker="",
-        region="",
-        cached_tokens=done.cached_tokens,
-        claimed_tokens=0,
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        finish_reason=done.finish_reason,
-        attempts=0,
-        decision_us=0.0,
-    )
+    return _served(done.cached_tokens, done.prompt_tokens, done.completion_tokens, done.finish_reason)

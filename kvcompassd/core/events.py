@@ -34,9 +34,7 @@ def _check_tier(tier: Tier) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixCached:
-    """``worker`` now holds the prefix with ``key`` in ``tier``."""
-
+class _TieredEvent:
     worker: str
     key: int
     tier: Tier
@@ -48,17 +46,13 @@ class PrefixCached:
 
 
 @dataclass(frozen=True, slots=True)
-class TierChanged:
+class PrefixCached(_TieredEvent):
+    """``worker`` now holds the prefix with ``key`` in ``tier``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierChanged(_TieredEvent):
     """``worker`` moved the prefix with ``key`` to ``tier`` (VRAM <-> DRAM)."""
-
-    worker: str
-    key: int
-    tier: Tier
-
-    def __post_init__(self) -> None:
-        _check_common(self.worker, self.key)
-        object.__setattr__(self, "tier", Tier(self.tier))
-        _check_tier(self.tier)
 
 
 @dataclass(frozen=True, slots=True)
