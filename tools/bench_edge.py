@@ -246,6 +246,12 @@ async def run_once(args, run: int, results: dict) -> None:
             elif run == 0:
                 print("smg is not installed or did not start: no peer row", file=sys.stderr)
         who = WhoServed(seeds, args.max_new_tokens)
+        # What each router burns with no requests (keepalives, queue-vector datagrams, health checks).
+        idle_pids = {name: pids + helpers for name, (_, pids, helpers) in paths.items() if pids}
+        before = {name: sum(tree_cpu_seconds(p) for p in pids) for name, pids in idle_pids.items()}
+        await asyncio.sleep(args.idle_seconds)
+        for name, pids in idle_pids.items():
+            results[("idle", name)].append((sum(tree_cpu_seconds(p) for p in pids) - before[name]) / args.idle_seconds)
         for concurrency in args.concurrency:
             for name, (urls, router_pids, helper_pids) in paths.items():
                 # Same prompt stream for every path at this concurrency; warm the caches first.
@@ -265,7 +271,7 @@ async def run_once(args, run: int, results: dict) -> None:
 
 
 def report(args, results: dict) -> None:
-    names = list(dict.fromkeys(name for name, _ in results))
+    names = list(dict.fromkeys(name for name, _ in results if name != "idle"))
     print()
     print(f"serving path on loopback: {args.workers} zero-delay emulated workers, {args.groups} prefix groups "
           f"({args.prefix_chars}-byte prefix, {args.vram_tokens} VRAM tokens per worker), /generate max_new_tokens={args.max_new_tokens}, {args.seconds:g} s "
@@ -290,7 +296,10 @@ def report(args, results: dict) -> None:
             print(f"{concurrency:>4} {name:<10}{rps:>9.0f}{rps / d_rps:>10.2f}{p50:>9.2f}{p99:>9.2f}"
                   f"{added or '':>18}{_num(cpu):>11}{_num(cpu + helper if helper == helper else float('nan')):>9}"
                   f"{'' if name == 'direct' else f'{affinity:.2f}':>9}{median([r['reuse'] for r in rs]):>7.2f}")
-    print("\naffinity: share of a prefix group's requests served by that group's top worker (request-weighted; "
+    idle = ", ".join(f"{name} {median(results[key]) * 1000:.0f} ms/s" for key in results if key[0] == "idle"
+                     for name in [key[1]])
+    print(f"\nidle CPU with no requests (router, and agents for edge-quic): {idle}")
+    print("affinity: share of a prefix group's requests served by that group's top worker (request-weighted; "
           f"{1 / args.workers:.2f} = spread evenly). CPU: the router process (edge / smg); +agents adds the agents' "
           "CPU, which do the worker's HTTP on the QUIC path. Direct: round-robin over the workers. reuse: share of "
           "requests whose group prefix was found in the serving worker's cache (meta_info.cached_tokens).")
@@ -316,6 +325,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per path and concurrency")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each point")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--idle-seconds", type=float, default=2.0, help="CPU of the idle routers is sampled this long")
     p.add_argument("--groups", type=int, default=32)
     p.add_argument("--vram-tokens", type=int, default=16384,
                    help="each worker's VRAM cache: 16 groups' prefixes of the default size, so where a group "
