@@ -15,7 +15,8 @@ adds over the direct one, the router's CPU time per request (``/proc/<pid>/stat`
 before/after; for the QUIC path also with the agents' CPU, which then does the worker's HTTP),
 prefix affinity: the share of each group's requests that went to the group's top worker, and
 reuse: the share of requests whose group prefix the serving worker had cached. Each worker's
-VRAM (``--vram-tokens``) holds half of the groups' prefixes, so routing decides reuse.
+VRAM (``--vram-tokens``) holds half of the groups' prefixes, so routing decides reuse; every
+point starts from empty caches (``/flush_cache``) and a ``--warmup`` that is not measured.
 "direct" sends round-robin over the workers (a router that costs nothing and knows nothing).
 
     /work/venv/bin/python tools/bench_edge.py [--quick] [--runs 3] [--seconds 8] [--concurrency 1 16 64]
@@ -174,6 +175,16 @@ async def closed_loop(urls: list[str], concurrency: int, seconds: float, prompts
     }
 
 
+async def flush_caches(worker_urls: list[str]) -> None:
+    """Empty every worker's prefix cache; the agents withdraw its entries from the index."""
+    async with aiohttp.ClientSession() as session:
+        for url in worker_urls:
+            async with session.post(f"{url}/flush_cache") as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{url}/flush_cache answered {resp.status}")
+    await asyncio.sleep(0.3)  # the withdrawals reach the edges' views
+
+
 async def start_cluster(args) -> tuple[Cluster, dict[str, str], dict[str, int]]:
     spec = DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
                           max_running=args.max_running, vram_kv_tokens=args.vram_tokens,
@@ -256,6 +267,7 @@ async def run_once(args, run: int, results: dict) -> None:
             for name, (urls, router_pids, helper_pids) in paths.items():
                 # Same prompt stream for every path at this concurrency; warm the caches first.
                 prompts = Prompts(args.groups, args.prefix_chars, args.suffix_chars, seed=run * 1000 + concurrency)
+                await flush_caches(worker_urls)  # no path inherits the caches the previous one left
                 await closed_loop(urls, concurrency, args.warmup, prompts, args.max_new_tokens, who)
                 cpu0 = sum(tree_cpu_seconds(p) for p in router_pids)
                 helper0 = sum(cpu_seconds(p) for p in helper_pids)
@@ -339,7 +351,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one run of 2 s points (~1-2 minutes)")
     args = p.parse_args()
     if args.quick:
-        args.runs, args.seconds, args.warmup = 1, 2.0, 0.5
+        args.runs, args.seconds, args.warmup = 1, 2.0, 1.0
     uvloop.run(main_async(args))
 
 
