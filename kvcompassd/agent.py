@@ -78,7 +78,7 @@ class AgentNode:
         self.worker = worker
         self.plan = LevelPlan.from_config(cfg)
         salt = namespace_salt(cfg.model, cfg.tenant)
-        self.tree = BlockTree(worker.id, self.plan.registration_lengths(), lambda toks, lengths: prefix_keys(toks, lengths, salt))
+        self.tree = BlockTree(worker.id, self.plan.registration_lengths(), salt=salt)  # keys as prefix_keys, incremental
         self.node = QuicNode(NodeIdentity(Role.AGENT, worker.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=DAEMON_TRANSPORT)
         self.metrics = AgentMetrics()

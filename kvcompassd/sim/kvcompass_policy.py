@@ -53,7 +53,7 @@ import numpy as np
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.events import IndexEvent
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
-from kvcompassd.core.keys import namespace_salt, prefix_keys
+from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.migration import MigrationPlanned
@@ -137,11 +137,8 @@ class KVCompassPolicy(BasePolicy):
         ]
         salt = namespace_salt(cfg.model, cfg.tenant)
         lengths = list(self.plan.registration_lengths())
-
-        def key_fn(tokens: np.ndarray, wanted: Sequence[int]) -> np.ndarray:
-            return prefix_keys(tokens, wanted, salt)
-
-        self.trees = [BlockTree(w, lengths, key_fn) for w in topo.worker_ids]
+        # salt=: the same keys as prefix_keys(path, lengths, salt), hashed incrementally
+        self.trees = [BlockTree(w, lengths, salt=salt) for w in topo.worker_ids]
         self.worker_ids = topo.worker_ids
         self._worker_region = topo.worker_region.tolist()
 

@@ -1,0 +1,77 @@
+"""The salted BlockTree (incremental SHA-256 states) against the generic key_fn path with
+``prefix_keys``: equal index events after every operation, on random forests that detach,
+re-attach, change tiers and clear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.keys import namespace_salt, prefix_keys
+from kvcompassd.engine.blocktree import BlockTree
+from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
+
+SALT = namespace_salt("meta-llama/Llama-3.1-8B-Instruct", "tenant-a")
+MEDIA = ["GPU", "CPU", "DISK"]
+
+
+def reference(lengths) -> BlockTree:
+    return BlockTree("w", lengths, lambda toks, wanted: prefix_keys(toks, wanted, SALT))
+
+
+def random_ops(rnd, n: int) -> list[tuple[str, int, str]]:
+    """Mostly stores (so long attached chains form), some removals, rare clears."""
+    ops = []
+    for _ in range(n):
+        r = rnd.random()
+        kind = "store" if r < 0.7 else "remove" if r < 0.97 else "clear"
+        ops.append((kind, rnd.randrange(16), rnd.choice(MEDIA)))
+    return ops
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.randoms(use_true_random=False),
+    st.integers(1, 6),
+    st.lists(st.integers(1, 60), min_size=1, max_size=6, unique=True),
+    st.integers(10, 80),
+)
+def test_salted_keys_equal_prefix_keys(rnd, block: int, lengths: list[int], n_ops: int) -> None:
+    lengths.sort()
+    parents: dict[int, int | None] = {0: None}
+    for h in range(1, 16):  # mostly deep chains, so keys start from states several blocks up
+        parents[h] = h - 1 if rnd.random() < 0.6 else rnd.choice([None, *range(h)])
+    # the last block of a chain may be short
+    tokens = {h: tuple(rnd.randrange(0, 1 << 32) for _ in range(rnd.choice([block, block, max(1, block - 1)])))
+              for h in range(16)}
+    salted, ref = BlockTree("w", lengths, salt=SALT), reference(lengths)
+    for kind, h, medium in random_ops(rnd, n_ops):
+        if kind == "store":
+            event = BlockStored((h,), parents[h], tokens[h], block, None, medium)
+        elif kind == "remove":
+            event = BlockRemoved((h,), medium)
+        else:
+            event = AllBlocksCleared()
+        assert salted.apply(event) == ref.apply(event)
+        assert salted.registered() == ref.registered()
+
+
+def test_long_chain_in_one_event_matches_prefix_keys() -> None:
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 1 << 32, size=16 * 300, dtype=np.uint64).astype(np.uint32)
+    lengths = [16, 64, 100, 128, 1000, 2048, 4096, 4800]
+    event = BlockStored(tuple(range(1, 301)), None, tuple(toks.tolist()), 16)
+    events = BlockTree("w", lengths, salt=SALT).apply(event)
+    assert sorted(e.key for e in events) == sorted(int(k) for k in prefix_keys(toks, lengths, SALT))
+    assert events == reference(lengths).apply(event)
+
+
+def test_exactly_one_key_source() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        BlockTree("w", [16])
+    with pytest.raises(ValueError, match="exactly one"):
+        BlockTree("w", [16], lambda t, n: [0] * len(n), salt=SALT)
+    with pytest.raises(ValueError, match="salt must be bytes"):
+        BlockTree("w", [16], salt="text")  # type: ignore[arg-type]
