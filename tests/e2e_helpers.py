@@ -28,7 +28,7 @@ async def admin(dep, node: str, what: str, args: dict | None = None) -> dict:
     return await query(dep.cfg, dep.tls_dir, "admin", node, what, args or {})
 
 
-async def eventually(check, timeout: float = 15.0, interval: float = 0.1):
+async def eventually(check, timeout: float = 30.0, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while True:
         result = await check()

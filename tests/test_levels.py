@@ -23,8 +23,10 @@ def test_testbed_first_lengths_by_hand() -> None:
     assert plan.lengths_toward("asia", "us")[0] == 2976
     assert plan.lengths_toward("eu", "asia")[:3] == (3520, 5280, 7040)
     assert plan.lengths_toward("eu", "us") == plan.lengths_toward("us", "eu")  # symmetric links
+    # Own region: doubling from 64 for six levels, and on until the longest remote length is
+    # reached (13216 from us and eu, 12320 from asia), so a local holder is never under-credited.
     for region in ("us", "eu", "asia"):
-        assert plan.lengths_toward(region, region) == (64, 128, 256, 512, 1024, 2048)
+        assert plan.lengths_toward(region, region) == (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     assert plan.first_length_toward("us", "eu") == 3776
 
 
@@ -35,10 +37,10 @@ def test_registration_is_the_sorted_union() -> None:
         for g in ("us", "eu", "asia"):
             union.update(plan.lengths_toward(o, g))
     assert plan.registration_lengths() == tuple(sorted(union))
-    assert len(plan.registration_lengths()) == 6 + 3 * 6
+    assert len(plan.registration_lengths()) == 9 + 3 * 6  # own-region doubling to 16384, three remote pairs
     assert plan.registration_lengths_upto(4000) == (64, 128, 256, 512, 1024, 2048, 2976, 3520, 3776)
     assert plan.registration_lengths_upto(10) == ()
-    assert plan.max_length == 13216
+    assert plan.max_length == 16384
     assert plan.lengths_toward_upto("us", "eu", 6000) == (3776, 5664)
 
 
@@ -101,5 +103,9 @@ def test_same_region_lengths_double(min_tokens, levels) -> None:
     cfg = ClusterConfig(name=cfg.name, model=cfg.model, regions=cfg.regions, workers=cfg.workers,
                         links=cfg.links, index=index)
     plan = LevelPlan.from_config(cfg)
-    assert plan.lengths_toward("eu", "eu") == tuple(min_tokens * 2**k for k in range(levels))
-    assert all(len(plan.lengths_toward(o, g)) == levels for o in ("us", "eu") for g in ("asia", "us"))
+    own = plan.lengths_toward("eu", "eu")
+    # Doubling, at least `levels` of them, and just far enough to reach the longest remote length.
+    assert own == tuple(min_tokens * 2**k for k in range(len(own))) and len(own) >= levels
+    longest_remote = max(plan.lengths_toward("eu", g)[-1] for g in ("us", "asia"))
+    assert own[-1] >= longest_remote and (len(own) == levels or own[-2] < longest_remote)
+    assert all(len(plan.lengths_toward(o, g)) == levels for o in ("us", "eu") for g in ("asia", "us") if o != g)

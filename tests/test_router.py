@@ -54,10 +54,13 @@ def test_loaded_holder_loses_to_an_idle_recompute_only_when_the_formula_says_so(
     cfg, layout, shards, view = _world()
     _register(cfg, shards, view, "us-1", PROMPT, 2000)
     router = Router(cfg, "us", view, now=0.0)
-    # Saving of the holder: beta * 256 = 25.6 ms (lambda = 0 while an idle worker exists).
-    router.queues.set_local("us-1", 20.0, now=0.0)
+    # Own-region lengths double 32 ... 1024 (until the longest remote length, 1008): the holder
+    # is credited 1024 tokens, a saving of beta * 1024 = 102.4 ms (lambda = 0 while an idle
+    # worker exists). It wins while its queue is shorter than that, and loses beyond.
+    assert LevelPlan.from_config(cfg).lengths_toward("us", "us")[-1] == 1024
+    router.queues.set_local("us-1", 95.0, now=0.0)
     assert router.decide(PROMPT, now=0.0).worker == "us-1"
-    router.queues.set_local("us-1", 30.0, now=0.0)
+    router.queues.set_local("us-1", 110.0, now=0.0)
     d = router.decide(PROMPT, now=0.0)
     assert d.worker in ("us-0", "us-2") and d.outcome == "recompute"
 

@@ -56,8 +56,9 @@ def test_a_prefix_cached_through_real_block_events_is_routed_to_its_holder():
     policy.on_cache_events(holder, _cache().insert(prompt.tolist(), now=0.0), now=0.0)
     decision = policy.route(_request(0, prompt, "us"), now=1.0)
     assert decision.worker_index == holder
-    # Credited with the longest own-region length the prompt covers (32, 64, 128, 256).
-    assert decision.claimed_tokens == policy.plan.lengths_toward("us", "us")[-1] == 256
+    # Credited with the longest own-region length the prompt covers.
+    fits = [n for n in policy.plan.lengths_toward("us", "us") if n <= len(prompt)]
+    assert decision.claimed_tokens == fits[-1]
     # A different prompt finds no holder and does not claim anything.
     assert policy.route(_request(1, _prompt(2), "us"), now=1.0).claimed_tokens == 0
 

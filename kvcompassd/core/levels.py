@@ -67,7 +67,7 @@ class LevelPlan:
                 if not workers:
                     toward[(origin, target)] = ()  # nothing to find there
                 elif origin == target:
-                    toward[(origin, target)] = same_region_lengths(index.same_region_min_tokens, index.levels)
+                    continue  # after the remote ones, which bound how far it must reach
                 else:
                     # The slowest worker of g sets beta_g: n1 must pay off for every worker the
                     # lookup may name there; with a faster beta some holders would be reported
@@ -76,6 +76,16 @@ class LevelPlan:
                     toward[(origin, target)] = remote_lengths(
                         cfg.rtt_ms(origin, target), beta, index.block_size, index.levels
                     )
+            if cfg.workers_in(origin):
+                # Own-region lengths double from the minimum; they go on doubling until they
+                # reach the longest remote length, or a local holder of a long prefix would be
+                # credited less of it than a remote holder of the same prefix, and lose to it.
+                local = list(same_region_lengths(index.same_region_min_tokens, index.levels))
+                longest_remote = max((toward[(origin, t)][-1] for t in cfg.region_names()
+                                      if t != origin and toward.get((origin, t))), default=0)
+                while local[-1] < longest_remote:
+                    local.append(local[-1] * 2)
+                toward[(origin, origin)] = tuple(local)
         return cls(toward=toward, block_size=index.block_size)
 
     def lengths_toward(self, origin: str, target: str) -> tuple[int, ...]:
