@@ -15,7 +15,9 @@ Prints per process: RSS first / after warm-up / last / max and the slope (MB per
 squares over the samples after warm-up); and the requests: served, failed, hit rate (cached
 tokens / prompt tokens), TTFT P50 and P99. Exits 1 if any request failed, any daemon died, or
 a process's RSS grew by more than ``--max-growth-mb`` between the end of the warm-up (the first
-``--warmup`` fraction of the run, while caches and tables fill) and the end.
+``--warmup`` fraction of the run, while caches and tables fill) and the end, or (runs of 3
+minutes or more, where a slope means something) kept growing faster than ``--max-slope``
+MB/min by more than ``--max-growth-mb / 2`` in all: a linear leak that a short run hides.
 """
 
 from __future__ import annotations
@@ -169,14 +171,17 @@ async def soak(args) -> int:
     print(f"hit rate (cached / prompt tokens): {sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0:.1%}; "
           f"TTFT P50 {np.percentile(ttft, 50):.0f} ms, P99 {np.percentile(ttft, 99):.0f} ms; "
           f"cross-region served: {sum(1 for r in ok if r.worker_region and r.worker_region != r.region)}")
-    grown = [r["process"] for r in rows if r["growth"] > args.max_growth_mb]
+    long_run = args.minutes >= 3.0
+    grown = [r["process"] for r in rows if r["growth"] > args.max_growth_mb
+             or (long_run and r["slope"] > args.max_slope and r["growth"] > args.max_growth_mb / 2)]
     verdict = []
     if failed:
         verdict.append(f"{failed} requests failed")
     if died:
         verdict.append(f"daemons died: {', '.join(died)}")
     if grown:
-        verdict.append(f"RSS grew by more than {args.max_growth_mb} MB after warm-up: {', '.join(grown)}")
+        verdict.append(f"RSS grew after warm-up (> {args.max_growth_mb} MB, or > {args.max_slope} MB/min "
+                       f"and > {args.max_growth_mb / 2} MB): {', '.join(grown)}")
     if not ok:
         verdict.append("no request served")
     print("verdict: " + ("; ".join(verdict) if verdict else "OK (no errors, memory flat)"))
@@ -194,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-in-flight", type=int, default=64)
     parser.add_argument("--sample-s", type=float, default=3.0, help="RSS sampling period")
     parser.add_argument("--warmup", type=float, default=0.3, help="fraction of the run before growth is judged")
-    parser.add_argument("--max-growth-mb", type=float, default=40.0, help="allowed RSS growth after warm-up")
+    parser.add_argument("--max-growth-mb", type=float, default=16.0, help="allowed RSS growth after warm-up")
+    parser.add_argument("--max-slope", type=float, default=1.5,
+                        help="allowed steady RSS slope in MB/min after warm-up (runs of >= 3 min)")
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--loss", type=float, default=0.0, help="WAN packet loss (0..1) on every relay")
     parser.add_argument("--jitter", type=float, default=0.0, help="WAN delay jitter as a fraction of the delay")
