@@ -110,3 +110,15 @@ def test_hot_remote_prefix_migrates_to_a_persistently_idle_local_worker():
     assert plan is not None and plan.mode == "recompute" and plan.source_worker == "eu-0"
     assert plan.destination_worker.startswith("us-") and plan.tier == Tier.DRAM
     assert Router(cfg, "us", view, now=0.0, ablation=Ablation(migration=False)).decide(PROMPT, now=1.0).migration is None
+
+
+def test_exact_ties_rotate_instead_of_piling_onto_the_first_worker():
+    cfg, layout, shards, view = _world()
+    router = Router(cfg, "us", view, now=0.0)
+    chosen = []
+    for i in range(6):
+        # Fresh readings say every worker is idle again (their queues drain between reports).
+        for w in ("us-0", "us-1", "us-2"):
+            router.queues.set_local(w, 0.0, now=float(i))
+        chosen.append(router.decide(PROMPT, now=float(i)).worker)
+    assert chosen == ["us-0", "us-1", "us-2"] * 2

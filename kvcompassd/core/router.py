@@ -93,6 +93,8 @@ class Router:
         self._local_list = tuple(self._local.tolist())
         self._local_indexes = tuple(np.flatnonzero(self._local).tolist())
         self.top_k = top_k
+        self._last_sent = np.zeros(len(self.layout.worker_ids), dtype=np.int64)  # dispatch counter per worker
+        self._sent_count = 0
         # A miss without local holders can only plan a migration when a remote match reaches its
         # region's first length toward us (trigger a): that least match, per remote worker.
         never = np.iinfo(np.int64).max
@@ -125,6 +127,15 @@ class Router:
             eligible=eligible,
         )
         chosen = result.chosen
+        scores = result.scores
+        ties = np.flatnonzero(scores == scores.item(chosen))
+        if ties.size > 1:
+            # Exact ties (idle non-holders of one region) would all go to the lowest index and
+            # pile up inside one load-report interval: rotate among them, least recently sent first.
+            chosen = int(ties[np.argmin(self._last_sent[ties])])
+        self._sent_count += 1
+        self._last_sent[chosen] = self._sent_count
+        worker = self.layout.worker_ids[chosen]
         matched = found.matched
         claimed = int(matched.item(chosen))
         local = self._local_list[chosen]
@@ -139,9 +150,9 @@ class Router:
         work = self._beta_list[chosen] * (prompt_len - reused)
         if code == Tier.DRAM:
             work += self._gamma * reused
-        self.queues.note_dispatched(result.worker, work, now=now)
+        self.queues.note_dispatched(worker, work, now=now)
         return _new_forward_decided(
-            result.worker,
+            worker,
             chosen,
             self.worker_regions[chosen],
             claimed,
