@@ -30,6 +30,7 @@ from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStor
 GPU = "GPU"
 CPU = "CPU_PINNED"
 _ROOT_DIGEST = b""
+_MAX_TOKEN_ID = (1 << 32) - 1
 
 
 class EvictionPolicy(str, enum.Enum):
@@ -42,6 +43,22 @@ def page_digest(parent_digest: bytes, tokens: Sequence[int]) -> bytes:
     hasher = hashlib.sha256(parent_digest)
     hasher.update(np.asarray(tokens, dtype="<u4").tobytes())
     return hasher.digest()
+
+
+def _checked_token_list(tokens: Sequence[int]) -> list[int] | None:
+    """``tokens`` as a list of plain ints when every one is an int in [0, 2^32), else None.
+    One C-level pass (a uint32 array, as the simulator passes, needs no check at all)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+            return None
+        if tokens.dtype.itemsize > 4 or tokens.dtype.kind == "i":
+            if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > _MAX_TOKEN_ID):
+                return None
+        return tokens.tolist()
+    values = list(tokens)
+    if values and not (set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= _MAX_TOKEN_ID):
+        return None
+    return values
 
 
 def digest_to_int64(digest: bytes) -> int:
@@ -71,9 +88,10 @@ class CacheLease:
 
 class _Page:
     __slots__ = ("id", "digest", "parent", "tokens", "in_vram", "in_dram", "children", "vram_children",
-                 "pins", "last_access", "hits", "stamp")
+                 "pins", "last_access", "hits", "stamp", "checked")
 
-    def __init__(self, page_id: int, digest: bytes, parent: _Page | None, tokens: tuple[int, ...]) -> None:
+    def __init__(self, page_id: int, digest: bytes, parent: _Page | None, tokens: tuple[int, ...],
+                 checked: bool) -> None:
         self.id = page_id
         self.digest = digest
         self.parent = parent
@@ -86,6 +104,7 @@ class _Page:
         self.last_access = 0.0
         self.hits = 0
         self.stamp = 0
+        self.checked = checked  # tokens are plain ints in [0, 2^32) and the block size an int
 
 
 class PrefixCacheError(ValueError):
@@ -121,6 +140,7 @@ class PrefixCache:
         self._pushes = 0
         self.demotions = 0
         self.evictions = 0
+        self._int_block_size = type(block_size) is int  # events of checked pages skip validation
 
     # ------------------------------------------------------------------------------ queries
 
@@ -180,11 +200,21 @@ class PrefixCache:
         events: list[KvEvent] = []
         pinned = set(lease.pages) if lease is not None else set()
         parent: _Page | None = None
+        size = self.block_size
+        token_list = _checked_token_list(tokens)
+        # Pages of checked tokens get their events built unvalidated (the fields are canonical
+        # by construction); anything else takes the validating path and fails as it always did.
+        checked = token_list is not None and self._int_block_size
+        if token_list is None:
+            token_list = tokens
         for start, digest in self._chain(tokens):
             page = self._by_digest.get(digest)
             if page is None:
-                page_tokens = tuple(map(int, tokens[start : start + self.block_size]))
-                page = self._new_page(digest, parent, page_tokens)
+                if checked:
+                    page_tokens = tuple(token_list[start : start + size])
+                else:
+                    page_tokens = tuple(map(int, token_list[start : start + size]))
+                page = self._new_page(digest, parent, page_tokens, checked)
                 if not self._add_vram(page, events, new=True):
                     self._discard_new(page)
                     break
@@ -240,8 +270,8 @@ class PrefixCache:
                 return
             yield page
 
-    def _new_page(self, digest: bytes, parent: _Page | None, tokens: tuple[int, ...]) -> _Page:
-        page = _Page(digest_to_int64(digest), digest, parent, tokens)
+    def _new_page(self, digest: bytes, parent: _Page | None, tokens: tuple[int, ...], checked: bool) -> _Page:
+        page = _Page(digest_to_int64(digest), digest, parent, tokens, checked)
         self._by_digest[digest] = page
         self._pages[page.id] = page
         if parent is not None:
@@ -258,6 +288,8 @@ class PrefixCache:
 
     def _stored(self, page: _Page, medium: str) -> BlockStored:
         parent = page.parent.id if page.parent is not None else None
+        if page.checked:
+            return BlockStored.trusted((page.id,), parent, page.tokens, self.block_size, None, medium)
         return BlockStored((page.id,), parent, page.tokens, self.block_size, None, medium)
 
     def _add_vram(self, page: _Page, events: list[KvEvent], *, new: bool = False) -> bool:

@@ -165,6 +165,30 @@ class BlockStored:
         _optional_int(self.lora_id, "lora_id")
         _optional_str(self.medium, "medium")
 
+    @classmethod
+    def trusted(
+        cls,
+        block_hashes: tuple[int, ...],
+        parent_block_hash: int | None,
+        token_ids: tuple[int, ...],
+        block_size: int,
+        lora_id: int | None = None,
+        medium: str | None = None,
+    ) -> BlockStored:
+        """Build without re-validating, for producers whose fields are canonical by
+        construction (the prefix cache: signed int64 hashes, a tuple of plain ints in
+        [0, 2^32), a token count that fits the blocks). Validation costs ~10x the object itself
+        and the simulator builds one event per cached page; anything built here must compare
+        equal to what the validating constructor builds (tests/test_kvevents_trusted.py checks it)."""
+        event = _new_block_stored(cls)
+        _set_hashes(event, block_hashes)
+        _set_parent(event, parent_block_hash)
+        _set_tokens(event, token_ids)
+        _set_block_size(event, block_size)
+        _set_lora(event, lora_id)
+        _set_medium(event, medium)
+        return event
+
     @property
     def tier(self) -> StorageTier:
         return tier_of_medium(self.medium)
@@ -175,6 +199,16 @@ class BlockStored:
         for i, block_hash in enumerate(self.block_hashes):
             yield block_hash, parent, self.token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent = block_hash
+
+
+# Slot setters for BlockStored.trusted (a frozen dataclass refuses plain assignment).
+_new_block_stored = object.__new__
+_set_hashes = BlockStored.block_hashes.__set__  # type: ignore[attr-defined]
+_set_parent = BlockStored.parent_block_hash.__set__  # type: ignore[attr-defined]
+_set_tokens = BlockStored.token_ids.__set__  # type: ignore[attr-defined]
+_set_block_size = BlockStored.block_size.__set__  # type: ignore[attr-defined]
+_set_lora = BlockStored.lora_id.__set__  # type: ignore[attr-defined]
+_set_medium = BlockStored.medium.__set__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)

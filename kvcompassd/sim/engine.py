@@ -252,8 +252,7 @@ class Simulation:
     def _at_worker(self, rid: str, now: float) -> None:
         st = self._inflight[rid]
         w, req = st.worker, st.req
-        tokens = req.tokens.tolist()
-        lease, match, events = self.caches[w].lock(tokens, now=now)
+        lease, match, events = self.caches[w].lock(req.tokens, now=now)
         # An engine always computes at least the last prompt token.
         vram = min(match.vram_tokens, req.prompt_tokens - 1)
         dram = min(match.dram_tokens, req.prompt_tokens - 1 - vram)
@@ -281,7 +280,7 @@ class Simulation:
             st = self._inflight[rid]
             if st.migration:
                 if isinstance(ev, FirstTokenProduced):
-                    self._emit_cache_events(w, self.caches[w].insert(st.req.tokens.tolist(), now=ev.at, lease=st.lease), ev.at)
+                    self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=ev.at, lease=st.lease), ev.at)
                 else:
                     self.caches[w].unlock(st.lease)
                     del self._inflight[rid]
@@ -291,7 +290,7 @@ class Simulation:
                 st.first_token_at = ev.at
                 back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
                 st.ttft_s = ev.at + back - st.req.arrival_s
-                self._emit_cache_events(w, self.caches[w].insert(st.req.tokens.tolist(), now=ev.at, lease=st.lease), ev.at)
+                self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=ev.at, lease=st.lease), ev.at)
                 region = int(self.topo.worker_region[w])
                 members = self.topo.workers_in(region)
                 qv = np.maximum(0.0, self._last_q[members] - (ev.at - self._last_q_at[members]) * 1000.0)
@@ -387,7 +386,7 @@ class Simulation:
                 policy.on_response(w, req, reused, qv, now=t)
             elif kind == _COPY:
                 order = payload
-                self._emit_cache_events(order.dest_worker, self.caches[order.dest_worker].insert(order.tokens.tolist(), now=t), t)
+                self._emit_cache_events(order.dest_worker, self.caches[order.dest_worker].insert(order.tokens, now=t), t)
             elif kind == _DELIVER:
                 w, events = payload
                 self.events_delivered += len(events)
