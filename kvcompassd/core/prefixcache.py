@@ -20,6 +20,7 @@ import enum
 import hashlib
 import heapq
 import itertools
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ GPU = "GPU"
 CPU = "CPU_PINNED"
 _ROOT_DIGEST = b""
 _MAX_TOKEN_ID = (1 << 32) - 1
+_unpack_int64_be = struct.Struct(">q").unpack_from  # reads the first 8 bytes without a slice
 
 
 class EvictionPolicy(str, enum.Enum):
@@ -63,7 +65,7 @@ def _checked_token_list(tokens: Sequence[int]) -> list[int] | None:
 
 def digest_to_int64(digest: bytes) -> int:
     """SGLang's ``hash_str_to_int64``: the first 64 bits, big-endian, as a signed int."""
-    return int.from_bytes(digest[:8], "big", signed=True)
+    return _unpack_int64_be(digest)[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,19 @@ _KEY_MASK = (1 << 63) - 1  # kvcompassd.core.keys.KEY_MASK (the engine layer doe
 _NATIVE_U32_LE = sys.byteorder == "little" and array("I").itemsize == 4
 
 
+_MEDIUM_TIERS: dict[str, StorageTier] = {}
+
+
+def _medium_tier(medium: str) -> StorageTier:
+    """``tier_of_medium`` memoised (media names come from the engine: keep at most 64)."""
+    tier = _MEDIUM_TIERS.get(medium)
+    if tier is None:
+        tier = tier_of_medium(medium)
+        if len(_MEDIUM_TIERS) < 64:
+            _MEDIUM_TIERS[medium] = tier
+    return tier
+
+
 def _token_bytes(tokens: tuple[int, ...]) -> bytes:
     """Tokens as uint32 little-endian bytes (array() is ~5x cheaper than numpy for one block)."""
     if _NATIVE_U32_LE:
@@ -88,7 +101,11 @@ class _Block:
     def own_tier(self) -> StorageTier:
         if self.lora:
             return StorageTier.UNINDEXED
-        return min(tier_of_medium(m) for m in self.media)
+        media = self.media
+        if len(media) == 1:  # the usual case: skip min() over a generator
+            for medium in media:
+                return _medium_tier(medium)
+        return min(map(_medium_tier, media))
 
 
 class BlockTree:
