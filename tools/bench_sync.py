@@ -444,7 +444,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")
     args = p.parse_args()
     if args.quick:
-        args.events = min(args.events, 40_000)
+        args.events = min(args.events, 20_000)
     asyncio.run(main_async(args))
 
 
