@@ -8,6 +8,17 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is now: loggers are cached, stderr may be swapped
+    (test capture, daemon redirection), and a logger must never hold on to a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", *, json: bool | None = None, node: str | None = None) -> None:
     """Route stdlib logging and structlog through one renderer on stderr.
 
@@ -30,11 +41,11 @@ def configure_logging(level: str = "info", *, json: bool | None = None, node: st
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     # Libraries (aioquic, aiohttp) log through the stdlib: render them the same way.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_CurrentStderr())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=shared)
     )
