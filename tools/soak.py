@@ -116,7 +116,11 @@ async def drive(dep: LocalDeployment, rate: float, seconds: float, max_in_flight
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def one(req):
-            results.append(await _one(session, dep.edge_url(req.region), req))
+            try:
+                results.append(await _one(session, dep.edge_url(req.region), req))
+            except (TimeoutError, aiohttp.ClientError, ConnectionError):
+                # demo._one counts HTTP errors; a request past the client timeout fails here.
+                results.append(Outcome(req.region, 0, 0, 0, 0, 0, "", False))
 
         start = time.monotonic()
         for i, req in enumerate(itertools.cycle(workload)):
