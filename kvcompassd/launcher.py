@@ -45,6 +45,7 @@ class DeploymentSpec:
     dram_kv_tokens: int = 800_000
     max_running: int = 16
     wan: bool = True
+    fingerprint_bits: int = 0
     score: dict = field(default_factory=dict)
 
 
@@ -102,6 +103,7 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
         "cluster": {"name": name, "model": "kvcompass-demo", "shards": spec.shards},
         "index": {"block_size": spec.block_size, "levels": spec.levels,
                   "same_region_min_tokens": spec.same_region_min_tokens, "value_bits": 32,
+                  "fingerprint_bits": spec.fingerprint_bits,
                   "initial_capacity": 4096},
         "score": dict(spec.score),
         "regions": [{"name": r} for r in regions],

@@ -20,8 +20,10 @@ from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+# 16 fingerprint bits: assertions about who claims a prefix must not meet a keyless false hit
+# (tools/bench_false_hits.py measures those; here they would only make tests flaky).
 SPEC = DeploymentSpec(workers={"us": 2, "eu": 2}, one_way_ms={("us", "eu"): 10.0}, shards=2,
-                      prefill_ms_per_token=0.05, decode_ms_per_token=1.0)
+                      prefill_ms_per_token=0.05, decode_ms_per_token=1.0, fingerprint_bits=16)
 BLOCK = SPEC.block_size
 
 

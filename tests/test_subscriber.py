@@ -139,3 +139,33 @@ async def test_restart_is_detected_even_when_the_new_seq_overtakes_the_old() -> 
         await asyncio.gather(task, return_exceptions=True)
         await pub.close()
         ctx.destroy(linger=0)
+
+
+async def test_batches_lost_before_a_quiet_spell_are_recovered_by_the_tail_probe() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx, buffer_steps=100)
+    await pub.start()
+    got: list = []
+    dropped: set[int] = set()
+    sub = KvEventSubscriber(pub.endpoint, pub.replay_endpoint, got.append, context=ctx, idle_probe=0.1,
+                            drop=lambda seq: seq in dropped and not dropped.discard(seq))
+    task = asyncio.create_task(sub.run())
+    try:
+        sub.connect()
+        async with asyncio.timeout(10):
+            while not got:
+                pub.publish([stored(pub.next_seq)])
+                await asyncio.sleep(0.02)
+        # The last two batches are lost and nothing follows them: no later batch reveals a gap.
+        dropped.update({pub.next_seq, pub.next_seq + 1})
+        pub.publish([stored(pub.next_seq)])
+        pub.publish([stored(pub.next_seq)])
+        total = pub.next_seq
+        await wait_for(lambda: len([g for g in got if isinstance(g, EventBatch)]) >= total)
+        assert [g.seq for g in got if isinstance(g, EventBatch)] == list(range(total))
+        assert not dropped and sub.tail_probes >= 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+        ctx.destroy(linger=0)

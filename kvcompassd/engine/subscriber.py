@@ -92,6 +92,7 @@ class KvEventSubscriber:
         *,
         topic: str = "kv-events",
         replay_timeout: float = 2.0,
+        idle_probe: float | None = 1.0,
         context: zmq.asyncio.Context | None = None,
         drop: Callable[[int], bool] | None = None,
     ) -> None:
@@ -103,6 +104,11 @@ class KvEventSubscriber:
         self._callback = callback
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout
+        # A gap shows only when a later batch arrives: if the last batches before a quiet spell
+        # were lost, nothing would ever reveal them. After this long without a live batch, ask
+        # the replay socket for anything past the last applied one.
+        self._idle_probe = idle_probe
+        self.tail_probes = 0
         self._drop = drop
         self.tracker = SequenceTracker()
         self._sub: zmq.asyncio.Socket | None = None
@@ -147,7 +153,14 @@ class KvEventSubscriber:
         assert self._sub is not None
         try:
             while True:
-                frames = await self._sub.recv_multipart()
+                if self._idle_probe is None:
+                    frames = await self._sub.recv_multipart()
+                else:
+                    try:
+                        frames = await asyncio.wait_for(self._sub.recv_multipart(), self._idle_probe)
+                    except TimeoutError:
+                        await self._probe_tail()
+                        continue
                 await self.handle_live(frames)
         finally:
             with contextlib.suppress(zmq.ZMQError):
@@ -218,6 +231,21 @@ class KvEventSubscriber:
             return hashlib.blake2b(reply.payload, digest_size=16).digest() != self._last_digest
         # the same process would still buffer the batch it sent last (buffers drop the oldest)
         return True
+
+    async def _probe_tail(self) -> None:
+        """Deliver batches the replay socket holds past the last applied one (lost tail)."""
+        last = self.tracker.last_applied
+        if self._replay_endpoint is None or last is None:
+            return
+        self.tail_probes += 1
+        before = self.delivered
+        try:
+            await asyncio.wait_for(self._replay_from(last + 1), self._replay_timeout)
+        except TimeoutError:
+            log.warning("tail probe from seq %d timed out", last + 1)
+        if self.delivered > before:
+            self.replays += 1
+            log.warning("recovered %d batch(es) lost before a quiet spell", self.delivered - before)
 
     async def _recover(self, first_missing: int, live_seq: int) -> None:
         """Replay ``first_missing..live_seq-1`` (and whatever follows) or report it lost."""
