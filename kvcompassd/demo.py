@@ -91,7 +91,7 @@ async def _one(session: aiohttp.ClientSession, base: str, req: DemoRequest) -> O
                     ttft = time.perf_counter() - t0
                 if "kvcompass" in chunk:
                     final = chunk
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return Outcome(req.region, 0, 0, 0, 0, 0, "", False)
     total = time.perf_counter() - t0
     usage = final.get("usage", {})
