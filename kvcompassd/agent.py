@@ -97,6 +97,9 @@ class AgentNode:
         self.queue_ms = 0.0
         self.engine_up = False
         self._load_failures = 0
+        self._last_reading: tuple | None = None
+        self._last_report = float("-inf")
+        self._heartbeat_s = cfg.score.broadcast_period_ms / 1000.0
         self._tasks: list[asyncio.Task] = []
         self.migrations: list[dict] = []
         self.address: tuple[str, int] | None = None
@@ -231,9 +234,10 @@ class AgentNode:
             self.metrics.index_events.inc(len(chunk))
 
     def _register_with(self, shard: int, peer: Peer) -> None:
-        """New incarnation, then everything the engine holds now for this shard."""
+        """New incarnation, then everything the engine holds now for this shard. The report seq
+        is not reset: one counter serves every shard, and a unit that sees a new incarnation
+        accepts any seq above -1."""
         self.incarnation = max(self.incarnation + 1, time.time_ns())
-        self._seq = 0
         peer.send_encoded(encode(WorkerRegistered(self.worker.id, self.incarnation)))
         events = [PrefixCached(self.worker.id, key, tier) for key, tier in self.tree.registered().items()
                   if key % self.cfg.shards == shard]
@@ -266,13 +270,19 @@ class AgentNode:
                 self.queue_ms = load.queue_ms
                 self.region_vector[self.worker.id] = load.queue_ms
                 self.metrics.queue_ms.set(load.queue_ms)
-                report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting)
-                for peer in self._edge_peers.values():
-                    if peer.is_connected:
-                        try:
-                            peer.send_datagram(report)
-                        except TransportError:
-                            pass
+                # Edges want a live value, not a stream of identical ones: report a change at
+                # once, an unchanged load only as a heartbeat every broadcast period.
+                reading = (load.queue_ms, load.running, load.waiting)
+                now = time.monotonic()
+                if reading != self._last_reading or now - self._last_report >= self._heartbeat_s:
+                    self._last_reading, self._last_report = reading, now
+                    report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting)
+                    for peer in self._edge_peers.values():
+                        if peer.is_connected:
+                            try:
+                                peer.send_datagram(report)
+                            except TransportError:
+                                pass
             await asyncio.sleep(self.load_interval)
 
     def _engine_down(self, reason: str) -> None:

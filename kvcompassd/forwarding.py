@@ -199,7 +199,7 @@ class Forwarder:
             request_id=req.request_id,
             edge=self.edge_id,
             origin_region=self.router.region,
-            input_ids=tuple(int(t) for t in req.tokens),
+            input_ids=tuple(req.tokens.tolist()),
             sampling_params=req.sampling_params,
             stream=req.stream,
             claimed_tokens=d.claimed_tokens,
@@ -253,7 +253,7 @@ class Forwarder:
             return
         message = MigrationRequested(
             request_id=req.request_id,
-            input_ids=tuple(int(t) for t in req.tokens[: plan.prefix_len]),
+            input_ids=tuple(req.tokens[: plan.prefix_len].tolist()),
             source_worker=plan.source_worker,
             destination_worker=plan.destination_worker,
             mode=plan.mode,

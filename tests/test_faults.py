@@ -80,7 +80,13 @@ async def test_maintenance_unit_killed_under_load_and_restarted(dep):
         return set(state["workers"]) == {w.id for w in dep.cfg.workers} and state["entries"] > 0
 
     await eventually(rebuilt, timeout=30)
+    for i in range(6):  # new caches after the re-registration reach both units
+        await generate(dep, ["us", "eu"][i % 2], doc(150 + i, 700))
     await assert_views_converged(dep, timeout=30)
+    # The other unit kept accepting every agent's reports across mnt-0's restart (an agent once
+    # restarted its report counter there, and mnt-1 dropped the reports as replays).
+    other = await admin(dep, "mnt-1", "status")
+    assert other["stats"]["stale_reports"] == 0
     print(f"\nmaintenance SIGKILL+restart: shard rebuilt and every edge converged "
           f"{time.monotonic() - restarted:.2f} s after restart; {load.ok} requests served, 0 failed")
 

@@ -65,7 +65,8 @@ class EngineClient:
         self, input_ids: Sequence[int], sampling_params: dict, *, stream: bool, rid: str | None = None
     ) -> AsyncIterator[EngineOutput | EngineFinished]:
         """Run a prompt; yields outputs then one ``EngineFinished``. Raises ``EngineError``."""
-        body = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling_params, "stream": stream}
+        ids = input_ids.tolist() if hasattr(input_ids, "tolist") else [int(t) for t in input_ids]
+        body = {"input_ids": ids, "sampling_params": sampling_params, "stream": stream}
         if rid:
             body["rid"] = rid
         try:
