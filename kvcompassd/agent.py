@@ -26,7 +26,7 @@ import structlog
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, WorkerConfig
 from kvcompassd.core.events import IndexEvent, PrefixCached
-from kvcompassd.core.keys import namespace_salt, prefix_keys
+from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import DAEMON_TRANSPORT, split_address
 from kvcompassd.engine.blocktree import BlockTree

@@ -12,7 +12,6 @@ import asyncio
 import json
 import random
 import shutil
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass

@@ -20,8 +20,6 @@ it really holds.
 from __future__ import annotations
 
 import argparse
-import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -103,7 +101,6 @@ def main() -> None:
         load = np.mean([t["load"] for s in shards for t in s.table_stats()])
         for consistency in (False, True):
             false_unseen = false_related = any_false = 0
-            t0 = time.perf_counter()
             for region in cfg.region_names():
                 lk = PrefixLookup(layout, plan, region, salt, views[region], consistency=consistency)
                 for q in unseen:
