@@ -305,11 +305,11 @@ def decode_index_event(raw: Any, worker: str, where: str = "event") -> IndexEven
         tier_value = _TIER_BY_CODE.get(tier) if type(tier) is int else None
         if tier_value is None:
             raise _fail(f"{where} tier", "1 (VRAM) or 2 (DRAM)", tier)
-        return (PrefixCached if kind == 0 else TierChanged)(worker, key, tier_value)
+        return (PrefixCached if kind == 0 else TierChanged).trusted(worker, key, tier_value)
     if type(kind) is int and kind == 2:
         if type(tier) is not int or tier != 0:
             raise WireError(f"{where}: an eviction carries tier 0, got {tier!r}")
-        return PrefixEvicted(worker, key)
+        return PrefixEvicted.trusted(worker, key)
     raise WireError(f"{where}: unknown event kind {kind!r}")
 
 

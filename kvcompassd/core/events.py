@@ -44,6 +44,19 @@ class _TieredEvent:
         object.__setattr__(self, "tier", Tier(self.tier))
         _check_tier(self.tier)
 
+    @classmethod
+    def trusted(cls, worker: str, key: int, tier: Tier):
+        """Build without re-validating, for a decoder that has just checked every field (a report
+        carries thousands of events; validation was most of a maintenance unit's decode cost)."""
+        event = object.__new__(cls)
+        _set(event, "worker", worker)
+        _set(event, "key", key)
+        _set(event, "tier", tier)
+        return event
+
+
+_set = object.__setattr__
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixCached(_TieredEvent):
@@ -64,6 +77,14 @@ class PrefixEvicted:
 
     def __post_init__(self) -> None:
         _check_common(self.worker, self.key)
+
+    @classmethod
+    def trusted(cls, worker: str, key: int) -> "PrefixEvicted":
+        """Build without re-validating (see ``_TieredEvent.trusted``)."""
+        event = object.__new__(cls)
+        _set(event, "worker", worker)
+        _set(event, "key", key)
+        return event
 
 
 IndexEvent = PrefixCached | TierChanged | PrefixEvicted
