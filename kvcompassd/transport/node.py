@@ -315,6 +315,13 @@ class QuicNode:
                 # trip more tells us whether it accepted us (a refusal closes the connection).
                 await connection.ping()
         except (ConnectionError, TimeoutError) as exc:
+            # aioquic's shielded waiters (ping, connected) get ConnectionError when the
+            # connection closes; nobody awaits them after the timeout, so mark them retrieved
+            # rather than log "Future exception was never retrieved" on every failed dial.
+            for waiter in (*getattr(connection, "_ping_waiters", {}).values(),
+                           getattr(connection, "_connected_waiter", None)):
+                if waiter is not None:
+                    waiter.add_done_callback(_retrieve)
             connection.close()
             transport.close()
             reason = connection.refusal or connection.close_reason or type(exc).__name__
@@ -361,3 +368,8 @@ class QuicNode:
             self.address = None
         # Let the CONNECTION_CLOSE frames leave before the sockets go.
         await asyncio.sleep(0)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
