@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim":  # the simulator has its own parser (and its own --help)
+        from kvcompassd.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command not in ("sim",):
         configure_logging(args.log_level, json=args.log_json, node=getattr(args, "id", None))
