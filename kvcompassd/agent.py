@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections import defaultdict
 from typing import Any
@@ -156,8 +157,6 @@ class AgentNode:
                 delay = min(2.0, delay * 2)
         drop = None
         if self.chaos_drop > 0:
-            import random
-
             rng = random.Random(self.worker.id)
             drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
         self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
@@ -52,17 +51,6 @@ def split_address(address: str, what: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"{what}: expected host:port, got {address!r}")
     return host.strip("[]"), int(port)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSettings:
-    """Where a node finds its config, its identity and its certificates."""
-
-    config: Path
-    node_id: str
-    tls_dir: Path
-    metrics: str | None = None  # host:port of the Prometheus endpoint, None = off
-    state_dir: Path | None = None
 
 
 def install_uvloop() -> None:

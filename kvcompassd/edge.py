@@ -78,7 +78,7 @@ class EdgeNode:
         self._shard_peers: dict[int, Peer] = {}
         self._agent_peers: dict[str, Peer] = {}
         self._edge_peers: dict[str, Peer] = {}
-        self._own_agents = [w.id for w in cfg.workers_in(me.region)]
+        self._own_agents = frozenset(w.id for w in cfg.workers_in(me.region))
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
         self.http_address: tuple[str, int] | None = None

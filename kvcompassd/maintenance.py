@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import structlog
 
@@ -288,7 +288,7 @@ class MaintenanceNode:
             "subscribers": sorted(self.subscribers),
             "workers": {w: {"incarnation": s.incarnation, "last_seq": s.last_seq, "stale_reports": s.stale_reports}
                         for w, s in self.workers.items()},
-            "stats": {k: v for k, v in vars(self.stats).items()},
+            "stats": asdict(self.stats),
         }
 
     _handlers = {

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import numpy as np
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer

@@ -22,6 +22,15 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.005)
 
 
+async def publish_until_received(pub: KvEventPublisher, got: list, base: int = 0) -> None:
+    """Publish block ``base + seq`` until the subscriber has received something (a SUB misses
+    what was sent before it joined, or while it reconnects)."""
+    async with asyncio.timeout(10):
+        while not got:
+            pub.publish([stored(base + pub.next_seq)])
+            await asyncio.sleep(0.02)
+
+
 async def test_in_order_delivery_gap_recovery_and_restart() -> None:
     ctx = zmq.asyncio.Context()
     pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx, buffer_steps=100)
@@ -34,10 +43,7 @@ async def test_in_order_delivery_gap_recovery_and_restart() -> None:
     try:
         # batches published before the SUB joined are recovered by replaying the gap from 0
         sub.connect()
-        async with asyncio.timeout(10):
-            while not got:
-                pub.publish([stored(pub.next_seq)])
-                await asyncio.sleep(0.02)
+        await publish_until_received(pub, got)
         joined = pub.next_seq
         dropped.update({joined + 1, joined + 2, joined + 5})  # lost on the subscriber side
         for _ in range(8):
@@ -57,10 +63,7 @@ async def test_in_order_delivery_gap_recovery_and_restart() -> None:
         pub = KvEventPublisher(endpoint, replay, context=ctx)
         await pub.start()
         got.clear()
-        async with asyncio.timeout(10):  # until the SUB has reconnected
-            while not got:
-                pub.publish([stored(100 + pub.next_seq)])
-                await asyncio.sleep(0.02)
+        await publish_until_received(pub, got, base=100)
         await wait_for(lambda: len([g for g in got if isinstance(g, EventBatch)]) >= pub.next_seq)
         assert isinstance(got[0], PublisherRestarted) and got[0].previous_seq == total - 1
         assert [g.seq for g in got if isinstance(g, EventBatch)] == list(range(pub.next_seq))
@@ -112,10 +115,7 @@ async def test_restart_is_detected_even_when_the_new_seq_overtakes_the_old() -> 
     task = asyncio.create_task(sub.run())
     try:
         sub.connect()
-        async with asyncio.timeout(10):
-            while not got:
-                pub.publish([stored(pub.next_seq)])
-                await asyncio.sleep(0.02)
+        await publish_until_received(pub, got)
         await wait_for(lambda: sub.tracker.last_applied == pub.next_seq - 1)
         old_last = pub.next_seq - 1
         endpoints = pub.endpoint, pub.replay_endpoint
@@ -125,10 +125,7 @@ async def test_restart_is_detected_even_when_the_new_seq_overtakes_the_old() -> 
         for _ in range(old_last + 10):  # the new process runs ahead before ZMQ reconnects
             pub.publish([stored(1000 + pub.next_seq)])
         got.clear()
-        async with asyncio.timeout(10):
-            while not got:
-                pub.publish([stored(1000 + pub.next_seq)])
-                await asyncio.sleep(0.02)
+        await publish_until_received(pub, got, base=1000)
         await wait_for(lambda: sub.tracker.last_applied == pub.next_seq - 1)
         assert isinstance(got[0], PublisherRestarted)
         batches = [g for g in got if isinstance(g, EventBatch)]
@@ -152,10 +149,7 @@ async def test_batches_lost_before_a_quiet_spell_are_recovered_by_the_tail_probe
     task = asyncio.create_task(sub.run())
     try:
         sub.connect()
-        async with asyncio.timeout(10):
-            while not got:
-                pub.publish([stored(pub.next_seq)])
-                await asyncio.sleep(0.02)
+        await publish_until_received(pub, got)
         # The last two batches are lost and nothing follows them: no later batch reveals a gap.
         dropped.update({pub.next_seq, pub.next_seq + 1})
         pub.publish([stored(pub.next_seq)])
