@@ -15,10 +15,18 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("ludo_wire.c", "ludo_locator.c", "ludo_table.c", "ludo_stream.c", "ludo_view.c", "ludo_export.c", "ludo_bench.c", "ludo_plan.c")
 
 
+# The prefix-key hashing (issue 3): own sources and headers.
+FORWARD_SOURCES = ("kvc_sha256.c", "kvc_keys.c")
+HEADERS = ("ludo.h", "kvc_sha256.h", "kvc_keys.h")
+
+
 def _cdef_text() -> str:
-    header = (HERE / "ludo.h").read_text()
-    start = header.index("/* CDEF-BEGIN */") + len("/* CDEF-BEGIN */")
-    return header[start : header.index("/* CDEF-END */")]
+    parts = []
+    for name in HEADERS:
+        header = (HERE / name).read_text()
+        start = header.index("/* CDEF-BEGIN */") + len("/* CDEF-BEGIN */")
+        parts.append(header[start : header.index("/* CDEF-END */")])
+    return "".join(parts)
 
 
 def _relative(path: Path) -> str:
@@ -33,8 +41,8 @@ ffibuilder = FFI()
 ffibuilder.cdef(_cdef_text())
 ffibuilder.set_source(
     "kvcompassd.core._ludo_cffi",
-    '#include "ludo.h"',
-    sources=[_relative(HERE / name) for name in SOURCES],
+    "".join(f'#include "{name}"\n' for name in HEADERS),
+    sources=[_relative(HERE / name) for name in SOURCES + FORWARD_SOURCES],
     include_dirs=[_relative(HERE)],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"],
     libraries=["m"],

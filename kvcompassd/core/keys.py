@@ -6,6 +6,11 @@ bits" means the first 8 digest bytes read as a little-endian uint64 with the top
 are hashed in one incremental pass over the prompt: each byte is hashed once and the hash state
 is copied at each length, so ``prefix_keys`` costs about one SHA-256 over the prompt plus a
 small constant per length.
+
+``prefix_keys`` runs in C (``ludo_c/kvc_keys.c`` over ``kvc_sha256.c``: SHA-NI when the CPU has
+it, else portable C); ``prefix_keys_reference`` is the hashlib definition it is tested equal to,
+and also what ``prefix_keys`` falls back on for inputs the C call does not take (it then raises
+the same errors). ``sha256_digest`` exposes the C hash itself, on either backend, for tests.
 """
 
 from __future__ import annotations
@@ -15,12 +20,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["KEY_MASK", "KeyInputError", "namespace_salt", "prefix_key", "prefix_keys", "tokens_to_bytes"]
+from ._ludo_cffi import ffi, lib
+
+__all__ = ["KEY_MASK", "SHA256_BACKENDS", "KeyInputError", "namespace_salt", "prefix_key", "prefix_keys",
+           "prefix_keys_reference", "sha256_backend", "sha256_digest", "token_buffer", "tokens_to_bytes"]
 
 KEY_MASK = (1 << 63) - 1
 _KEY_MASK_U64 = np.uint64(KEY_MASK)
 _DOMAIN = b"kvcompass/prefix-key/v1\x00"
 _TOKEN_LIMIT = 1 << 32
+# The C hash's compression backends by name ("auto": SHA-NI if this CPU has it, else portable).
+SHA256_BACKENDS = {"auto": int(lib.KVC_SHA256_AUTO), "portable": int(lib.KVC_SHA256_PORTABLE),
+                   "sha-ni": int(lib.KVC_SHA256_SHANI)}
+_AUTO = SHA256_BACKENDS["auto"]
+_I64 = np.dtype(np.int64)
+_U32_LE = np.dtype("<u4")
+_from_buffer = ffi.from_buffer
+_c_prefix_keys = lib.kvc_prefix_keys
 
 
 class KeyInputError(ValueError):
@@ -77,12 +93,55 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return tokens_to_bytes(array)
 
 
-def prefix_keys(tokens: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray, salt: bytes) -> np.ndarray:
+def token_buffer(tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray | bytes, int]:
+    """(uint32 little-endian buffer, token count) for the C calls: a contiguous ``<u4`` array
+    as it is (no copy), anything else through ``tokens_to_bytes`` (checked and converted)."""
+    if tokens.__class__ is np.ndarray and tokens.dtype == _U32_LE and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        return tokens, tokens.shape[0]
+    data = tokens_to_bytes(tokens)
+    return data, len(data) // 4
+
+
+def prefix_keys(tokens: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray, salt: bytes, *,
+                backend: str = "auto") -> np.ndarray:
     """Keys of ``tokens[:c]`` for every ``c`` in ``lengths`` (strictly ascending, 1 <= c <= len(tokens)).
 
-    Returns a ``uint64`` array aligned with ``lengths``.
+    Returns a ``uint64`` array aligned with ``lengths``. ``backend`` names the C hash's
+    compression function (``SHA256_BACKENDS``); only tests force one.
     """
-    data = tokens_to_bytes(tokens)
+    code = _backend_code(backend)
+    data, n_tokens = token_buffer(tokens)
+    if lengths.__class__ is np.ndarray and lengths.dtype == _I64 and lengths.ndim == 1:
+        wanted = lengths
+    else:
+        if isinstance(lengths, np.ndarray):
+            lengths = lengths.tolist()
+        if not lengths:
+            return np.zeros(0, dtype=np.uint64)
+        try:
+            wanted = np.asarray(lengths)
+        except (ValueError, TypeError):
+            wanted = None
+        if wanted is None or wanted.dtype != _I64 or wanted.ndim != 1:
+            return prefix_keys_reference(data, lengths, salt)  # other types: its checks, its errors
+    if salt.__class__ is not bytes:
+        return prefix_keys_reference(data, wanted, salt)
+    wanted = np.ascontiguousarray(wanted)
+    keys = np.empty(wanted.size, dtype=np.uint64)
+    rc = _c_prefix_keys(salt, len(salt), _from_buffer("uint8_t[]", data), n_tokens,
+                        _from_buffer("int64_t[]", wanted), wanted.size, code, _from_buffer("uint64_t[]", keys))
+    if rc:  # lengths out of order or range: the reference names the offending one
+        return prefix_keys_reference(data, wanted, salt)
+    return keys
+
+
+def prefix_keys_reference(tokens: Sequence[int] | np.ndarray | bytes, lengths: Sequence[int] | np.ndarray,
+                          salt: bytes) -> np.ndarray:
+    """``prefix_keys`` with hashlib: the definition the C path is tested against.
+
+    ``tokens`` may also be their uint32 little-endian bytes.
+    """
+    data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
     limit = len(data)
     if isinstance(lengths, np.ndarray):
         lengths = lengths.tolist()
@@ -108,6 +167,30 @@ def prefix_keys(tokens: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.
         raise KeyInputError(f"lengths must be integers, got {list(lengths)!r}") from None
     # First 8 bytes of each 32-byte digest, little-endian, top bit cleared.
     return np.frombuffer(b"".join(digests), dtype="<u8")[::4] & _KEY_MASK_U64
+
+
+def sha256_backend() -> str:
+    """The compression backend ``"auto"`` uses on this CPU: ``"sha-ni"`` or ``"portable"``."""
+    return "sha-ni" if lib.kvc_sha256_auto_backend() == SHA256_BACKENDS["sha-ni"] else "portable"
+
+
+def sha256_digest(data: bytes, *, backend: str = "auto") -> bytes:
+    """SHA-256 of ``data`` by the C hash the keys use (for tests and benchmarks)."""
+    code = _backend_code(backend)
+    digest = ffi.new("uint8_t[32]")
+    lib.kvc_sha256_digest(_from_buffer("uint8_t[]", data), len(data), code, digest)
+    return bytes(ffi.buffer(digest))
+
+
+def _backend_code(backend: str) -> int:
+    if backend == "auto":
+        return _AUTO
+    code = SHA256_BACKENDS.get(backend)
+    if code is None:
+        raise KeyInputError(f"unknown SHA-256 backend {backend!r}; known: {sorted(SHA256_BACKENDS)}")
+    if not lib.kvc_sha256_backend_available(code):
+        raise KeyInputError(f"SHA-256 backend {backend!r} is not available on this CPU")
+    return code
 
 
 def prefix_key(tokens: Sequence[int] | np.ndarray, length: int, salt: bytes) -> int:
