@@ -15,9 +15,9 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("ludo_wire.c", "ludo_locator.c", "ludo_table.c", "ludo_stream.c", "ludo_view.c", "ludo_export.c", "ludo_bench.c", "ludo_plan.c")
 
 
-# The prefix-key hashing (issue 3): own sources and headers.
-FORWARD_SOURCES = ("kvc_sha256.c", "kvc_keys.c")
-HEADERS = ("ludo.h", "kvc_sha256.h", "kvc_keys.h")
+# The prefix-key hashing and the fused forwarding decision (issue 3): own sources and headers.
+FORWARD_SOURCES = ("kvc_sha256.c", "kvc_keys.c", "kvc_forward.c")
+HEADERS = ("ludo.h", "kvc_sha256.h", "kvc_keys.h", "kvc_forward.h")
 
 
 def _cdef_text() -> str:

@@ -211,12 +211,10 @@ def _reference_router(cfg, region, view, ablation):
     """A Router forced onto every reference path: Python lookup, numpy score, full observation."""
     from kvcompassd.core.router import Router
 
-    router = Router(cfg, region, view, now=0.0, ablation=ablation)
-    router.lookup = PrefixLookup(router.layout, router.plan, region, router.lookup.salt, view, native=False)
-    score = router.scorer.score
-    router.scorer.score = lambda *a, **k: score(*a, **k, native=False)
+    router = Router(cfg, region, view, now=0.0, ablation=ablation, native=False)
+    assert router._kernel is None and not router.lookup.native
 
-    def observe_everything(found, result, chosen, now):
+    def observe_everything(found, result, chosen, now, flags):
         # What the Router did before the C summary: a full observation for every miss.
         return router.hot.observe(router._observation(found, result.scores, chosen), now=now)
 
@@ -230,7 +228,8 @@ def _state(router):
 
 @settings(max_examples=25, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 22), st.integers(0, 900),
-                                st.sampled_from([Tier.VRAM, Tier.DRAM]), st.floats(0.0, 40.0)),
+                                st.sampled_from([Tier.VRAM, Tier.DRAM]), st.floats(0.0, 40.0),
+                                st.frozensets(st.integers(0, 22), max_size=3), st.booleans()),
                       min_size=1, max_size=25),
        ablation=st.sampled_from([Ablation(), Ablation(cross_region=False), Ablation(load_aware=False),
                                  Ablation(tier_aware=False)]),
@@ -246,17 +245,21 @@ def test_router_decisions_equal_the_reference_paths(steps, ablation, region):
     for router in (fast, slow):
         for worker in w.cfg.workers_in(region):
             router.queues.set_local(worker.id, 0.0, now=0.0)
-    prompts = [_prompt(300 + p, 900) for p in range(5)]
+    # Prompts shorter than some or all query lengths too (the shortest fits none).
+    prompts = [_prompt(300 + p, n) for p, n in enumerate((900, 900, 10, 333, 900))]
     lengths = w.plan.registration_lengths_upto(900)
     now = 2.0
-    for p, worker_index, cached, tier, queue in steps:
+    for p, worker_index, cached, tier, queue, exclude, as_list in steps:
         worker = w.layout.worker_ids[worker_index]
-        keys = prefix_keys(prompts[p], [n for n in lengths if n <= cached], w.salt).tolist() if cached >= 16 else []
+        covered = [n for n in lengths if n <= min(cached, len(prompts[p]))]
+        keys = prefix_keys(prompts[p], covered, w.salt).tolist() if covered else []
         w.send([PrefixCached(worker, k, tier) for k in keys])
         for router in (fast, slow):
             router.queues.set_local(w.cfg.workers_in(region)[0].id, queue, now=now)
         now += 0.1
-        a, b = fast.decide(prompts[p], now=now), slow.decide(prompts[p], now=now)
+        tokens = prompts[p].tolist() if as_list else prompts[p]
+        a = fast.decide(tokens, now=now, exclude=exclude)
+        b = slow.decide(tokens, now=now, exclude=exclude)
         for name in ("worker", "worker_index", "region", "claimed_tokens", "tier", "lam", "prompt_len", "local",
                      "migration", "top_k", "outcome", "candidates"):
             assert getattr(a, name) == getattr(b, name), name

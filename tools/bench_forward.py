@@ -14,10 +14,13 @@ Printed per config, all measured in the same run on one thread:
 - ``Router.decide`` with the daemon's settings (top-3 score terms, migration detector on):
   P50, P99, decisions/s (a tight loop) and P50 / SHA;
 - the same with ``top_k=0`` and without the migration detector (what the simulator runs);
-- the decision broken into its stages, each timed alone on the same inputs: hashing
-  (``prefix_keys`` at the edge's query lengths), view lookups (one ``LudoView.lookup`` per
-  group and level), decode (``PrefixLookup._decode``), score (``JointScorer.score``), top-k
-  (``ScoreResult.top(3)``) and the migration detector (observation + ``HotPrefixDetector.observe``).
+- the decision broken into its stages, each timed alone on the same inputs: hashing at the
+  edge's query lengths (``prefix_keys``, the C SHA-256, and ``prefix_keys_reference``, hashlib),
+  the fused C call the Router makes (``ForwardKernel.run``: hashing + lookup + score), the
+  native lookup alone (``PrefixLookup.lookup``), the reference lookup's view reads (one
+  ``LudoView.lookup`` per group and level) and numpy decode (``PrefixLookup._decode``), score
+  (``JointScorer.score``), top-k (``ScoreResult.top(3)``) and the migration detector
+  (observation + ``HotPrefixDetector.observe``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvcompassd.core.ablation import Ablation  # noqa: E402
 from kvcompassd.core.config import ClusterConfig, load_config  # noqa: E402
 from kvcompassd.core.events import PrefixCached, Tier  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
-from kvcompassd.core.keys import namespace_salt, prefix_keys  # noqa: E402
+from kvcompassd.core.keys import namespace_salt, prefix_keys, prefix_keys_reference, sha256_backend  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
 from kvcompassd.core.levels import LevelPlan  # noqa: E402
 from kvcompassd.core.router import Router  # noqa: E402
@@ -175,11 +178,17 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     queue, belief = daemon.queues.queue_ms(), daemon.belief.values
     scored = daemon.scorer.score(found.prompt_len, found.matched, found.tier, queue, belief)
     mclock = itertools.count(0.0, 0.01)
+    kernel = daemon._kernel
     stages = [
-        (f"hashing: prefix_keys at {n_fit} lengths", median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
-        (f"view lookups: {len(reads)} LudoView.lookup", median_us(view_lookups, args.repeat)),
-        ("decode: PrefixLookup._decode", median_us(lambda: lk._decode(values), args.repeat)),
-        ("PrefixLookup.lookup (hash + reads + decode)", median_us(lambda: lk.lookup(prompt), args.repeat)),
+        (f"hashing: prefix_keys at {n_fit} lengths ({sha256_backend()})",
+         median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
+        (f"hashing: prefix_keys_reference (hashlib), {n_fit} lengths",
+         median_us(lambda: prefix_keys_reference(prompt, lengths, salt), args.repeat)),
+        ("fused C call: ForwardKernel.run (hash+lookup+score)",
+         median_us(lambda: kernel.run(prompt, len(prompt), queue, belief, None), args.repeat)),
+        ("PrefixLookup.lookup (C hash, C reads + decode)", median_us(lambda: lk.lookup(prompt), args.repeat)),
+        (f"reference: {len(reads)} LudoView.lookup from Python", median_us(view_lookups, args.repeat)),
+        ("reference: decode, PrefixLookup._decode", median_us(lambda: lk._decode(values), args.repeat)),
         ("score: JointScorer.score", median_us(lambda: daemon.scorer.score(found.prompt_len, found.matched, found.tier,
                                                                            queue, belief), args.repeat)),
         ("top-k: ScoreResult.top(3)", median_us(lambda: scored.top(3), args.repeat)),

@@ -9,9 +9,11 @@ so its hits toward a region must form an unbroken run from the shortest length. 
 miss can only be a keyless-view false hit, so with ``consistency=True`` the match stops at the
 first miss.
 
-Two paths compute the same result: the native one (default) hashes in Python (hashlib) and does
-every table read and the decode in one C call (``lookup_plan.LookupPlan``); the reference one
-(``native=False``) reads each view from Python and decodes with numpy. Tests hold them equal.
+Two paths compute the same result: the native one (default) hashes in C (``keys.prefix_keys``)
+and does every table read and the decode in one C call (``lookup_plan.LookupPlan``); the
+reference one (``native=False``) hashes with hashlib, reads each view from Python and decodes with
+numpy. Tests hold them equal. The Router fuses the native path with its score into one C call
+(``lookup_plan.ForwardKernel``, from ``native_plan``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .index import EdgeIndexView
-from .keys import prefix_keys
+from .keys import prefix_keys, prefix_keys_reference
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup_plan import LookupPlan, ViewPointers, slot_constructor
@@ -38,7 +40,7 @@ class LookupResult:
     family_key: int | None  # key of the first own-region length: the prompt's prefix family
 
 
-_new_lookup_result = slot_constructor(LookupResult)
+new_lookup_result = slot_constructor(LookupResult)  # positional, unvalidated: per request
 
 
 class PrefixLookup:
@@ -93,7 +95,17 @@ class PrefixLookup:
         matched, tier = self._plan.run(self._pointers.pointers(), keys)
         family = self._family_index
         family_key = keys.item(family) if family is not None and family < n_fit else None
-        return _new_lookup_result(prompt_len, matched, tier, family_key)
+        return new_lookup_result(prompt_len, matched, tier, family_key)
+
+    def native_plan(self) -> tuple[LookupPlan, ViewPointers]:
+        """The C lookup plan and the view pointers it reads (native lookups only)."""
+        if not self.native:
+            raise ValueError("a reference lookup has no native plan")
+        return self._plan, self._pointers
+
+    def family_index(self) -> int | None:
+        """Index of the family length among the query lengths (None: not queried)."""
+        return self._family_index
 
     def lookup_reference(self, tokens) -> LookupResult:
         """The pure-Python path: one ``LudoView.lookup`` per read, numpy decode."""
@@ -104,7 +116,7 @@ class PrefixLookup:
         if n_fit == 0:
             return LookupResult(prompt_len, np.zeros(n_workers, np.int64), np.zeros(n_workers, np.uint8), None)
         lengths = self.query_lengths[:n_fit]
-        keys = prefix_keys(tokens, lengths, self.salt)
+        keys = prefix_keys_reference(tokens, lengths, self.salt)
         key_of = dict(zip(lengths.tolist(), keys.tolist()))
         values = np.zeros(self.group_lengths.shape, dtype=np.uint64)
         state = self.view.state

@@ -14,6 +14,10 @@ and need nothing.
 ``MissSummary`` tells the Router what a decision means to the hot-prefix detector, and
 ``slot_constructor`` builds the per-request frozen dataclasses cheaply.
 
+``ForwardKernel`` fuses a whole decision into one C call (``ludo_c/kvc_forward.c``): the prefix
+keys at the query lengths, a ``LookupPlan``'s reads, a ``ScoreKernel``'s score, the tie rotation
+and a ``MissSummary``, each the same C function its own wrapper calls; the Router drives it.
+
 None of these objects is thread-safe (a plan and a kernel reuse scratch buffers, and cffi releases
 the GIL inside the C calls): use them, and the views they read, from one thread. The view
 pointers come from ``LudoView._ptr``, the wrapper's cffi handle (the C API takes ``kvc_view *``).
@@ -28,7 +32,7 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "slot_constructor",
+__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "slot_constructor",
            "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION", "SCORE_LOAD_AWARE",
            "SCORE_TIER_AWARE"]
 
@@ -43,6 +47,7 @@ _from_buffer = ffi.from_buffer
 _lookup_plan = lib.kvc_lookup_plan
 _score_joint = lib.kvc_score_joint
 _miss_summary = lib.kvc_miss_summary
+_forward_decide = lib.kvc_forward_decide
 _NULL = ffi.NULL
 _empty = np.empty
 _int64 = np.int64
@@ -255,6 +260,96 @@ class MissSummary:
         local, floors = self._c
         return _miss_summary(n, _from_buffer("int64_t[]", matched), local, floors,
                              _from_buffer("double[]", scores), _from_buffer("double[]", queue), chosen)
+
+
+class ForwardKernel:
+    """One forwarding decision in one C call (``kvc_forward_decide``) over an edge's constants.
+
+    Built from the edge's ``LookupPlan`` and ``ViewPointers``, its query lengths and salt, its
+    ``ScoreKernel`` with the ablation's score ``flags``, its ``MissSummary``, the Router's
+    per-worker dispatch counters ``last_sent`` (int64, updated in place by the Router; exact score
+    ties go to the least recently sent) and ``backend``, the prefix keys' SHA-256 backend code
+    (``keys.SHA256_BACKENDS``).
+
+    The C call writes into buffers made once; each run returns fresh copies of the per-worker
+    arrays (a decision keeps them), which costs less than handing new buffers to C every time.
+    """
+
+    __slots__ = ("workers", "n_query", "_plan", "_pointers", "_result", "_keys", "_matched", "_tier", "_scores",
+                 "_outputs", "_belief", "_belief_c", "_keep")
+
+    def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
+                 score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *, backend: int) -> None:
+        query = np.ascontiguousarray(query_lengths, dtype=np.int64)
+        if query.ndim != 1 or np.any(np.diff(query) <= 0) or (query.size and query[0] <= 0):
+            raise LookupPlanError("query_lengths must be strictly ascending positive lengths")
+        read = plan._key_index >= 0
+        if np.any(plan._key_index >= query.size) or np.any(query[plan._key_index[read]] != plan._lengths[read]):
+            raise LookupPlanError("the lookup plan's lengths are not these query lengths")
+        n = plan.workers
+        if not (n == score.n == miss._n) or n == 0:
+            raise LookupPlanError("the lookup plan, score kernel and miss summary must cover the same workers")
+        if not (last_sent.__class__ is np.ndarray and last_sent.dtype == _I64 and last_sent.shape == (n,)
+                and last_sent.flags.c_contiguous):
+            raise LookupPlanError(f"last_sent must be a contiguous int64 array of shape ({n},)")
+        if not isinstance(salt, bytes):
+            raise LookupPlanError("salt must be bytes")
+        self.workers = n
+        self.n_query = int(query.size)
+        self._pointers = pointers
+        self._keys = np.zeros(max(1, query.size), dtype=np.uint64)
+        self._matched = np.zeros(n, dtype=np.int64)
+        self._tier = np.zeros(n, dtype=np.uint8)
+        self._scores = np.zeros(n, dtype=np.float64)
+        c = ffi.new("kvc_forward_plan *")
+        salt_c = ffi.new("uint8_t[]", salt) if salt else _NULL
+        c.salt, c.salt_len = salt_c, len(salt)
+        query_c = _from_buffer("int64_t[]", query)
+        c.query_lengths, c.n_query, c.sha_backend = query_c, query.size, backend
+        lengths, key_index, max_levels, wg, ws, workers, consistency, values = plan._c
+        c.views, c.shards, c.groups = pointers.pointers(), plan.shards, plan.groups
+        c.level_lengths, c.level_keys, c.max_levels = lengths, key_index, max_levels
+        c.worker_group, c.worker_shift, c.workers, c.consistency = wg, ws, workers, consistency
+        c.values_scratch = values
+        c.wan, c.beta, c.local_factor, c.remote_penalty = score._constants
+        c.gamma, c.lambda_max, c.tau = score._params
+        c.score_flags = flags
+        c.local, c.floors = miss._c
+        self._plan = c
+        self._outputs = (_from_buffer("int64_t[]", last_sent), _from_buffer("uint64_t[]", self._keys),
+                         _from_buffer("int64_t[]", self._matched), _from_buffer("uint8_t[]", self._tier),
+                         _from_buffer("double[]", self._scores))
+        self._belief: np.ndarray | None = None  # beliefs change on responses only: their pointer is kept
+        self._belief_c = _NULL
+        # The struct borrows these buffers: keep them (and their owners) alive with it.
+        self._keep = (plan, score, miss, query, salt_c, query_c, last_sent)
+        self._result = ffi.new("kvc_forward_result *")  # reused: a kernel serves one thread
+
+    def run(self, tokens: Any, n_tokens: int, queue: np.ndarray, belief: np.ndarray,
+            eligible: np.ndarray | None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int, int, float, int]:
+        """One decision: (n_keys, matched, tier, scores, best, chosen, lam, miss flags).
+
+        ``tokens`` is a uint32 little-endian buffer of ``n_tokens`` tokens (``keys.token_buffer``);
+        ``queue`` and ``belief`` contiguous float64, ``eligible`` bool or uint8 (or None), all
+        ``workers`` long: the caller checks them. The keys stay in ``keys()`` until the next run.
+        """
+        if belief is not self._belief:
+            self._belief_c = _from_buffer("double[]", belief)
+            self._belief = belief
+        self._pointers.pointers()  # rewrites the plan's view array in place after a snapshot
+        result = self._result
+        last_sent, keys, matched, tier, scores = self._outputs
+        rc = _forward_decide(self._plan, _from_buffer("uint8_t[]", tokens), n_tokens, _from_buffer("double[]", queue),
+                             self._belief_c, _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
+                             last_sent, keys, matched, tier, scores, result)
+        if rc:
+            raise LookupPlanError(f"kvc_forward_decide rejected its arguments (code {rc})")
+        return (result.n_keys, self._matched.copy(), self._tier.copy(), self._scores.copy(), result.best,
+                result.chosen, result.lam, result.miss)
+
+    def keys(self) -> np.ndarray:
+        """The keys the last ``run`` computed, at every query length (valid up to its n_keys)."""
+        return self._keys
 
 
 def slot_constructor(cls: type) -> Callable[..., Any]:

@@ -4,10 +4,16 @@
 returns a ``ForwardDecided`` naming the winner and the score terms of the top candidates;
 ``on_response`` feeds back what the chosen worker actually reused and its region's queue vector.
 It owns no sockets and reads no clock.
+
+A decision is one C call (``lookup_plan.ForwardKernel``: prefix keys, lookup, score, tie rotation,
+miss summary); Python only builds the decision objects and updates the edge's state. With
+``native=False`` it takes every reference path instead (hashlib keys, Python lookup, numpy score):
+tests hold the two equal.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
@@ -18,14 +24,15 @@ from .belief import CacheBelief
 from .config import ClusterConfig
 from .events import Tier
 from .index import EdgeIndexView
-from .keys import namespace_salt
+from .keys import SHA256_BACKENDS, namespace_salt, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
-from .lookup import LookupResult, PrefixLookup
-from .lookup_plan import MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary, slot_constructor
+from .lookup import LookupResult, PrefixLookup, new_lookup_result
+from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, ForwardKernel, MissSummary,
+                          slot_constructor)
 from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .queues import QueueEstimates
-from .score import JointScorer, ScoreResult, ScoreTerms
+from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,7 @@ class Router:
         consistency: bool = True,
         tenant: str | None = None,
         top_k: int = 3,
+        native: bool = True,
     ):
         self.cfg = cfg
         self.region = region
@@ -83,7 +91,8 @@ class Router:
         self.layout: IndexLayout = view.layout
         self.plan = LevelPlan.from_config(cfg)
         salt = namespace_salt(cfg.model, cfg.tenant if tenant is None else tenant)
-        self.lookup = PrefixLookup(self.layout, self.plan, region, salt, view, consistency=consistency)
+        self.native = native
+        self.lookup = PrefixLookup(self.layout, self.plan, region, salt, view, consistency=consistency, native=native)
         self.scorer = JointScorer(cfg, region)
         self.queues = QueueEstimates(cfg, region, now=now)
         self.belief = CacheBelief(len(self.layout.worker_ids), cfg.score.belief_weight)
@@ -105,17 +114,34 @@ class Router:
         self._miss_summary = MissSummary(self._local, np.array(floors, dtype=np.int64))
         self._beta_list = self.scorer.beta_list
         self._gamma = self.scorer.gamma
+        self._kernel: ForwardKernel | None = None
+        if native:
+            lookup_plan, pointers = self.lookup.native_plan()
+            self._kernel = ForwardKernel(lookup_plan, pointers, self.lookup.query_lengths, salt, self.scorer.kernel,
+                                         self.scorer.kernel_flags(self.ablation), self._miss_summary,
+                                         self._last_sent, backend=SHA256_BACKENDS["auto"])
+        self._family_index = self.lookup.family_index()
 
     def decide(self, tokens, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
-        found = self.lookup.lookup(tokens)
-        return self.decide_from(found, now=now, exclude=exclude)
+        kernel = self._kernel
+        if kernel is None:
+            return self.decide_from(self.lookup.lookup(tokens), now=now, exclude=exclude)
+        data, prompt_len = token_buffer(tokens)
+        eligible = self._eligible(exclude) if exclude else None
+        queue, belief = self.queues.queue_ms(), self.belief.values
+        n_keys, matched, tier, scores, best, chosen, lam, miss = kernel.run(data, prompt_len, queue, belief, eligible)
+        if not math.isfinite(scores.item(best)):
+            raise NoEligibleWorkerError("no eligible worker for this request")
+        family = self._family_index
+        family_key = kernel.keys().item(family) if family is not None and family < n_keys else None
+        found = new_lookup_result(prompt_len, matched, tier, family_key)
+        result = ScoreResult(best, self.layout.worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
+                             queue, belief, self.ablation)
+        return self._conclude(found, result, chosen, belief, now, miss)
 
     def decide_from(self, found: LookupResult, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
-        eligible = None
-        if exclude:
-            eligible = np.ones(len(self.layout.worker_ids), dtype=bool)
-            eligible[list(exclude)] = False
+        """Pick the worker for an already looked-up prompt (the reference path of ``decide``)."""
         belief = self.belief.values
         result = self.scorer.score(
             found.prompt_len,
@@ -124,7 +150,8 @@ class Router:
             self.queues.queue_ms(),
             belief,
             ablation=self.ablation,
-            eligible=eligible,
+            eligible=self._eligible(exclude) if exclude else None,
+            native=self.native,
         )
         chosen = result.chosen
         scores = result.scores
@@ -133,6 +160,19 @@ class Router:
             # Exact ties (idle non-holders of one region) would all go to the lowest index and
             # pile up inside one load-report interval: rotate among them, least recently sent first.
             chosen = int(ties[np.argmin(self._last_sent[ties])])
+        return self._conclude(found, result, chosen, belief, now, None)
+
+    def _eligible(self, exclude: Collection[int]) -> np.ndarray:
+        eligible = np.ones(len(self.layout.worker_ids), dtype=bool)
+        eligible[list(exclude)] = False
+        return eligible
+
+    def _conclude(self, found: LookupResult, result: ScoreResult, chosen: int, belief: np.ndarray, now: float,
+                  miss: int | None) -> ForwardDecided:
+        """Count the dispatch, consult the hot-prefix detector, build the decision.
+
+        ``miss`` is the decision's ``MISS_*`` summary when the fused C call computed it already.
+        """
         self._sent_count += 1
         self._last_sent[chosen] = self._sent_count
         worker = self.layout.worker_ids[chosen]
@@ -142,7 +182,7 @@ class Router:
         migration = None
         # A local hit is never a miss of its family: the detector has nothing to count.
         if self.ablation.migration and found.family_key is not None and not (local and claimed):
-            migration = self._observe(found, result, chosen, now)
+            migration = self._observe(found, result, chosen, now, miss)
         code = found.tier.item(chosen)
         # Prefill (and reload) time the request adds to the chosen worker's queue.
         prompt_len = found.prompt_len
@@ -165,15 +205,17 @@ class Router:
             self.top_k,
         )
 
-    def _observe(self, found: LookupResult, result: ScoreResult, chosen: int, now: float) -> MigrationPlanned | None:
+    def _observe(self, found: LookupResult, result: ScoreResult, chosen: int, now: float,
+                 flags: int | None) -> MigrationPlanned | None:
         """Report a local miss to the hot-prefix detector: ``hot.observe`` of the full observation.
 
-        The miss is counted from a C summary of the decision; the ``DecisionObserved`` is built
-        only when a trigger is due and can fire (no local holder and no remote match at its
-        first length cannot plan, nor can a region without an idle destination), which gives
-        the same plans and detector state.
+        The miss is counted from a C summary of the decision (``flags``, or computed here); the
+        ``DecisionObserved`` is built only when a trigger is due and can fire (no local holder
+        and no remote match at its first length cannot plan, nor can a region without an idle
+        destination), which gives the same plans and detector state.
         """
-        flags = self._miss_summary.flags(found.matched, result.scores, self.queues.queue_ms(), chosen)
+        if flags is None:
+            flags = self._miss_summary.flags(found.matched, result.scores, self.queues.queue_ms(), chosen)
         holders = bool(flags & MISS_LOCAL_HOLDER)
         trigger = self.hot.note_miss(found.family_key, now=now, holders=holders,
                                      lost_to_load=bool(flags & MISS_LOST_TO_LOAD))

@@ -219,10 +219,7 @@ class JointScorer:
                 and belief.dtype == _FLOAT64 and (eligible is None or eligible.dtype == _BOOL):
             flags = self._flags.get(ablation)
             if flags is None:
-                flags = self._flags[ablation] = (
-                    (SCORE_LOAD_AWARE if ablation.load_aware else 0)
-                    | (SCORE_TIER_AWARE if ablation.tier_aware else 0)
-                    | (SCORE_CROSS_REGION if ablation.cross_region else 0))
+                flags = self.kernel_flags(ablation)
             try:
                 chosen, lam, scores = self._kernel.run(float(prompt_len), queue_ms, belief, matched, tier,
                                                        eligible, flags)
@@ -236,6 +233,21 @@ class JointScorer:
             raise NoEligibleWorkerError("no eligible worker for this request")
         return ScoreResult(chosen, self.worker_ids[chosen], lam, scores, self, prompt_len,
                            matched, tier, queue_ms, belief, ablation)
+
+    @property
+    def kernel(self) -> ScoreKernel:
+        """The C score loop over this scorer's constants (the Router fuses it into its decision)."""
+        return self._kernel
+
+    def kernel_flags(self, ablation: Ablation) -> int:
+        """The C loop's ``SCORE_*`` flags for an ablation."""
+        flags = self._flags.get(ablation)
+        if flags is None:
+            flags = self._flags[ablation] = (
+                (SCORE_LOAD_AWARE if ablation.load_aware else 0)
+                | (SCORE_TIER_AWARE if ablation.tier_aware else 0)
+                | (SCORE_CROSS_REGION if ablation.cross_region else 0))
+        return flags
 
     def _score_numpy(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue_ms: np.ndarray,
                      belief: np.ndarray, ablation: Ablation,

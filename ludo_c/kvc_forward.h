@@ -1,0 +1,81 @@
+/*
+ * kvc_forward.h -- one edge forwarding decision in one C call (kvcompassd issue 3, paper 3.4).
+ *
+ * Hashes the prompt at the edge's query lengths (kvc_prefix_keys), reads every (shard, region
+ * group) view at them (kvc_lookup_plan), scores every worker (kvc_score_joint), rotates exact
+ * ties toward the least recently sent worker and summarises the decision for the hot-prefix
+ * detector (kvc_miss_summary): the same functions, called in the order the Python Router calls
+ * their wrappers, so the results are the same bit for bit. The caller owns every buffer; nothing
+ * is allocated, no clock is read.
+ *
+ * Everything between CDEF-BEGIN and CDEF-END is also fed to cffi's cdef: plain declarations only.
+ */
+#ifndef KVC_FORWARD_H
+#define KVC_FORWARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ludo.h"
+
+/* CDEF-BEGIN */
+
+/* An edge's constants, filled once; arrays are borrowed (they must outlive every call). */
+typedef struct kvc_forward_plan {
+    /* prefix keys: salt, and the query lengths (strictly ascending, positive) */
+    const uint8_t *salt;
+    size_t salt_len;
+    const int64_t *query_lengths;
+    size_t n_query;
+    int sha_backend;                 /* a kvc_sha256_backend; KVC_SHA256_AUTO in production */
+    /* lookup: the arguments of kvc_lookup_plan */
+    const kvc_view *const *views;    /* [shards * groups], may be rewritten between calls */
+    size_t shards;
+    size_t groups;
+    const int64_t *level_lengths;
+    const int32_t *level_keys;
+    size_t max_levels;
+    const int32_t *worker_group;
+    const uint8_t *worker_shift;
+    size_t workers;
+    int consistency;
+    uint64_t *values_scratch;        /* [groups * max_levels] */
+    /* score: the constants of kvc_score_joint, all [workers] */
+    const double *wan;
+    const double *beta;
+    const double *local_factor;
+    const double *remote_penalty;
+    double gamma;
+    double lambda_max;
+    double tau;
+    unsigned score_flags;            /* KVC_SCORE_* */
+    /* miss summary: the constants of kvc_miss_summary, [workers] */
+    const uint8_t *local;
+    const int64_t *floors;
+} kvc_forward_plan;
+
+/* What a decision returns besides its arrays. */
+typedef struct kvc_forward_result {
+    int64_t best;      /* the score's argmin (kvc_score_joint's return value) */
+    int64_t chosen;    /* best, or among workers scoring exactly as best the first one with the
+                          least last_sent (when last_sent is given) */
+    double lam;        /* the capacity price used */
+    size_t n_keys;     /* query lengths that fit the prompt: keys written */
+    unsigned miss;     /* kvc_miss_summary of chosen (KVC_MISS_* bits) */
+} kvc_forward_result;
+
+/* One decision for a prompt of n_tokens tokens (uint32 little-endian bytes).
+ *   queue, belief [workers]: per-request score inputs; eligible [workers] or NULL (all);
+ *   last_sent [workers] or NULL (no tie rotation): the dispatch counter of each worker;
+ *   keys_out [n_query]: the prompt's keys at the lengths that fit (result->n_keys of them);
+ *   matched_out, tier_out, scores_out [workers]: as kvc_lookup_plan and kvc_score_joint.
+ * Returns KVC_OK, or KVC_ERR_ARG (no worker, bad query lengths or backend, a bad lookup plan).
+ * A best that scores +inf or NaN (nobody eligible) is returned as is: the caller refuses it. */
+int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes, size_t n_tokens,
+                       const double *queue, const double *belief, const uint8_t *eligible,
+                       const int64_t *last_sent, uint64_t *keys_out, int64_t *matched_out,
+                       uint8_t *tier_out, double *scores_out, kvc_forward_result *result);
+
+/* CDEF-END */
+
+#endif /* KVC_FORWARD_H */
