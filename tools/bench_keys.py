@@ -2,9 +2,11 @@
 
     /work/venv/bin/python tools/bench_keys.py [--tokens 4096] [--repeat 2000]
 
-Prints medians (µs) of: one SHA-256 over the prompt's uint32 bytes (the reference), and
-``prefix_keys`` at the testbed's registration lengths that fit the prompt (about 18 for a
-4096-token prompt with the default levels), for uint32-array, int64-array and list inputs.
+Prints medians (µs) of: one SHA-256 over the prompt's uint32 bytes with hashlib (the reference),
+and ``prefix_keys`` at the testbed's registration lengths that fit the prompt (about 18 for a
+4096-token prompt with the default levels): the C hash on its automatic backend (SHA-NI where the
+CPU has it) for uint32-array, int64-array and list inputs, forced onto the portable C backend,
+and ``prefix_keys_reference`` (hashlib, one update/copy/digest per length).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcompassd.core.config import load_config  # noqa: E402
-from kvcompassd.core.keys import namespace_salt, prefix_keys  # noqa: E402
+from kvcompassd.core.keys import namespace_salt, prefix_keys, prefix_keys_reference, sha256_backend  # noqa: E402
 from kvcompassd.core.levels import LevelPlan  # noqa: E402
 
 
@@ -66,14 +68,21 @@ def main() -> None:
     sha = median_us(lambda: hashlib.sha256(salt + data).digest(), args.repeat)
     rows = [
         ("one SHA-256 over the prompt (reference)", sha),
-        (f"prefix_keys, {len(lengths)} lengths, uint32 array", median_us(lambda: prefix_keys(tokens_u32, lengths, salt), args.repeat)),
-        (f"prefix_keys, {len(lengths)} lengths, int64 array", median_us(lambda: prefix_keys(tokens_i64, lengths, salt), args.repeat)),
-        (f"prefix_keys, {len(lengths)} lengths, Python list", median_us(lambda: prefix_keys(tokens_list, lengths, salt), args.repeat)),
+        (f"prefix_keys ({sha256_backend()}), {len(lengths)} lengths, uint32 array",
+         median_us(lambda: prefix_keys(tokens_u32, lengths, salt), args.repeat)),
+        (f"prefix_keys ({sha256_backend()}), {len(lengths)} lengths, int64 array",
+         median_us(lambda: prefix_keys(tokens_i64, lengths, salt), args.repeat)),
+        (f"prefix_keys ({sha256_backend()}), {len(lengths)} lengths, Python list",
+         median_us(lambda: prefix_keys(tokens_list, lengths, salt), args.repeat)),
+        (f"prefix_keys (portable C), {len(lengths)} lengths, uint32 array",
+         median_us(lambda: prefix_keys(tokens_u32, lengths, salt, backend="portable"), args.repeat)),
+        (f"prefix_keys_reference (hashlib), {len(lengths)} lengths, uint32",
+         median_us(lambda: prefix_keys_reference(tokens_u32, lengths, salt), args.repeat)),
     ]
     print(f"prompt: {args.tokens} tokens; lengths: {lengths}")
-    print(f"{'case':<50} {'median µs':>10} {'x SHA':>7}")
+    print(f"{'case':<58} {'median µs':>10} {'x SHA':>7}")
     for name, us in rows:
-        print(f"{name:<50} {us:>10.2f} {us / sha:>7.2f}")
+        print(f"{name:<58} {us:>10.2f} {us / sha:>7.2f}")
 
 
 if __name__ == "__main__":
