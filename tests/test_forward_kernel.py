@@ -53,8 +53,7 @@ def test_one_call_equals_hashing_lookup_score_ties_and_summary(holdings, queue, 
     outcomes = []
     for backend in ("portable", "auto"):
         kernel = _kernel_of(router, backend=SHA256_BACKENDS[backend], last_sent=sent)
-        n_keys, matched, tier, scores, best, chosen, lam, miss = kernel.run(tokens, len(tokens), queue_ms, beliefs,
-                                                                            eligible)
+        n_keys, matched, tier, scores, best, chosen, lam, miss = kernel.run(tokens, queue_ms, beliefs, eligible)
         outcomes.append((n_keys, matched.tobytes(), tier.tobytes(), scores.tobytes(), best, chosen, lam, miss,
                          kernel.keys()[:n_keys].tobytes()))
         # The parts, each through its own wrapper.
@@ -143,6 +142,12 @@ def test_kernel_arguments_are_checked():
         ForwardKernel(*parts[:6], few, router._last_sent, backend=auto)
     with pytest.raises(LookupPlanError, match="last_sent"):
         ForwardKernel(*parts[:7], np.zeros(23, dtype=np.int32), backend=auto)
+    queue, belief = router.queues.queue_ms(), router.belief.values
     kernel = ForwardKernel(*parts, backend=99)  # a backend C does not know: the call refuses it
     with pytest.raises(LookupPlanError, match="code"):
-        kernel.run(_prompt(1, 100), 100, router.queues.queue_ms(), router.belief.values, None)
+        kernel.run(_prompt(1, 100), queue, belief, None)
+    kernel = ForwardKernel(*parts, backend=auto)
+    for short in ((queue[:-1], belief, None), (queue, belief[1:], None), (queue, belief, np.ones(5, dtype=bool))):
+        with pytest.raises(LookupPlanError, match="must hold 23 values"):
+            kernel.run(_prompt(1, 100), *short)
+    assert kernel.run(_prompt(1, 100), queue, belief, None)[0] > 0

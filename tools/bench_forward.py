@@ -185,7 +185,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
         (f"hashing: prefix_keys_reference (hashlib), {n_fit} lengths",
          median_us(lambda: prefix_keys_reference(prompt, lengths, salt), args.repeat)),
         ("fused C call: ForwardKernel.run (hash+lookup+score)",
-         median_us(lambda: kernel.run(prompt, len(prompt), queue, belief, None), args.repeat)),
+         median_us(lambda: kernel.run(prompt, queue, belief, None), args.repeat)),
         ("PrefixLookup.lookup (C hash, C reads + decode)", median_us(lambda: lk.lookup(prompt), args.repeat)),
         (f"reference: {len(reads)} LudoView.lookup from Python", median_us(view_lookups, args.repeat)),
         ("reference: decode, PrefixLookup._decode", median_us(lambda: lk._decode(values), args.repeat)),

@@ -325,22 +325,28 @@ class ForwardKernel:
         self._keep = (plan, score, miss, query, salt_c, query_c, last_sent)
         self._result = ffi.new("kvc_forward_result *")  # reused: a kernel serves one thread
 
-    def run(self, tokens: Any, n_tokens: int, queue: np.ndarray, belief: np.ndarray,
+    def run(self, tokens: Any, queue: np.ndarray, belief: np.ndarray,
             eligible: np.ndarray | None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int, int, float, int]:
         """One decision: (n_keys, matched, tier, scores, best, chosen, lam, miss flags).
 
-        ``tokens`` is a uint32 little-endian buffer of ``n_tokens`` tokens (``keys.token_buffer``);
-        ``queue`` and ``belief`` contiguous float64, ``eligible`` bool or uint8 (or None), all
-        ``workers`` long: the caller checks them. The keys stay in ``keys()`` until the next run.
+        ``tokens`` is a buffer of uint32 little-endian tokens (``keys.token_buffer``); ``queue``
+        and ``belief`` contiguous float64 and ``eligible`` bool or uint8 (or None), each
+        ``workers`` long. The keys stay in ``keys()`` until the next run.
         """
+        n = self.workers
         if belief is not self._belief:
             self._belief_c = _from_buffer("double[]", belief)
             self._belief = belief
+        tokens_c = _from_buffer("uint8_t[]", tokens)
+        queue_c = _from_buffer("double[]", queue)
+        eligible_c = _NULL if eligible is None else _from_buffer("uint8_t[]", eligible)
+        # Buffer sizes, checked so that a wrong array cannot make C read past its end.
+        if len(queue_c) != n or len(self._belief_c) != n or (eligible is not None and len(eligible_c) != n):
+            raise LookupPlanError(f"queue, belief and eligible must hold {n} values")
         self._pointers.pointers()  # rewrites the plan's view array in place after a snapshot
         result = self._result
         last_sent, keys, matched, tier, scores = self._outputs
-        rc = _forward_decide(self._plan, _from_buffer("uint8_t[]", tokens), n_tokens, _from_buffer("double[]", queue),
-                             self._belief_c, _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
+        rc = _forward_decide(self._plan, tokens_c, len(tokens_c) >> 2, queue_c, self._belief_c, eligible_c,
                              last_sent, keys, matched, tier, scores, result)
         if rc:
             raise LookupPlanError(f"kvc_forward_decide rejected its arguments (code {rc})")

@@ -130,7 +130,7 @@ class Router:
         data, prompt_len = token_buffer(tokens)
         eligible = self._eligible(exclude) if exclude else None
         queue, belief = self.queues.queue_ms(), self.belief.values
-        n_keys, matched, tier, scores, best, chosen, lam, miss = kernel.run(data, prompt_len, queue, belief, eligible)
+        n_keys, matched, tier, scores, best, chosen, lam, miss = kernel.run(data, queue, belief, eligible)
         if not math.isfinite(scores.item(best)):
             raise NoEligibleWorkerError("no eligible worker for this request")
         family = self._family_index
