@@ -5,6 +5,8 @@
 
 #include "kvc_keys.h"
 
+#include <math.h>
+
 int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes, size_t n_tokens,
                        const double *queue, const double *belief, const uint8_t *eligible,
                        const int64_t *last_sent, uint64_t *keys_out, int64_t *matched_out,
@@ -42,5 +44,7 @@ int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes,
     result->chosen = (int64_t)chosen;
     result->n_keys = n_keys;
     result->miss = kvc_miss_summary(workers, matched_out, plan->local, plan->floors, scores_out, queue, chosen);
-    return KVC_OK;
+    int64_t family = plan->family_index;
+    result->family = family >= 0 && (size_t)family < n_keys ? (int64_t)keys_out[family] : -1;
+    return isfinite(scores_out[best]) ? KVC_OK : KVC_FORWARD_NONE_ELIGIBLE;
 }

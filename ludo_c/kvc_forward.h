@@ -52,6 +52,8 @@ typedef struct kvc_forward_plan {
     /* miss summary: the constants of kvc_miss_summary, [workers] */
     const uint8_t *local;
     const int64_t *floors;
+    /* the prompt's family: the key at query_lengths[family_index] (-1: no family length) */
+    int64_t family_index;
 } kvc_forward_plan;
 
 /* What a decision returns besides its arrays. */
@@ -62,15 +64,22 @@ typedef struct kvc_forward_result {
     double lam;        /* the capacity price used */
     size_t n_keys;     /* query lengths that fit the prompt: keys written */
     unsigned miss;     /* kvc_miss_summary of chosen (KVC_MISS_* bits) */
+    int64_t family;    /* the family key, or -1 if the prompt is shorter than the family length */
 } kvc_forward_result;
+
+/* kvc_forward_decide's answer when every worker scores +inf or NaN (none is eligible). */
+enum kvc_forward_status {
+    KVC_FORWARD_NONE_ELIGIBLE = 1
+};
 
 /* One decision for a prompt of n_tokens tokens (uint32 little-endian bytes).
  *   queue, belief [workers]: per-request score inputs; eligible [workers] or NULL (all);
  *   last_sent [workers] or NULL (no tie rotation): the dispatch counter of each worker;
  *   keys_out [n_query]: the prompt's keys at the lengths that fit (result->n_keys of them);
  *   matched_out, tier_out, scores_out [workers]: as kvc_lookup_plan and kvc_score_joint.
- * Returns KVC_OK, or KVC_ERR_ARG (no worker, bad query lengths or backend, a bad lookup plan).
- * A best that scores +inf or NaN (nobody eligible) is returned as is: the caller refuses it. */
+ * Returns KVC_OK; KVC_FORWARD_NONE_ELIGIBLE if the best score is +inf or NaN (the arrays and
+ * result are still written); or KVC_ERR_ARG (no worker, bad query lengths or backend, a bad
+ * lookup plan). */
 int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes, size_t n_tokens,
                        const double *queue, const double *belief, const uint8_t *eligible,
                        const int64_t *last_sent, uint64_t *keys_out, int64_t *matched_out,

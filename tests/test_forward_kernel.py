@@ -20,7 +20,8 @@ def _kernel_of(router: Router, *, backend: int, last_sent: np.ndarray | None = N
     plan, pointers = router.lookup.native_plan()
     return ForwardKernel(plan, pointers, router.lookup.query_lengths, router.lookup.salt, router.scorer.kernel,
                          router.scorer.kernel_flags(router.ablation), router._miss_summary,
-                         router._last_sent if last_sent is None else last_sent, backend=backend)
+                         router._last_sent if last_sent is None else last_sent,
+                         family_index=router.lookup.family_index(), backend=backend)
 
 
 def _register(w: World, worker: str, tokens: np.ndarray, upto: int, tier: Tier = Tier.VRAM) -> None:
@@ -53,22 +54,23 @@ def test_one_call_equals_hashing_lookup_score_ties_and_summary(holdings, queue, 
     outcomes = []
     for backend in ("portable", "auto"):
         kernel = _kernel_of(router, backend=SHA256_BACKENDS[backend], last_sent=sent)
-        n_keys, matched, tier, scores, best, chosen, lam, miss = kernel.run(tokens, queue_ms, beliefs, eligible)
-        outcomes.append((n_keys, matched.tobytes(), tier.tobytes(), scores.tobytes(), best, chosen, lam, miss,
+        matched, tier, scores, best, chosen, lam, miss, family = kernel.run(tokens, queue_ms, beliefs, eligible)
+        n_keys = int(np.searchsorted(router.lookup.query_lengths, len(tokens), side="right"))
+        outcomes.append((matched.tobytes(), tier.tobytes(), scores.tobytes(), best, chosen, lam, miss, family,
                          kernel.keys()[:n_keys].tobytes()))
         # The parts, each through its own wrapper.
         found = router.lookup.lookup(tokens)
         np.testing.assert_array_equal(matched, found.matched)
         np.testing.assert_array_equal(tier, found.tier)
-        assert n_keys == int(np.searchsorted(router.lookup.query_lengths, len(tokens), side="right"))
+        assert family == found.family_key
         np.testing.assert_array_equal(kernel.keys()[:n_keys],
                                       prefix_keys(tokens, router.lookup.query_lengths[:n_keys], w.salt))
         try:
             result = router.scorer.score(len(tokens), found.matched, found.tier, queue_ms, beliefs,
                                          ablation=ablation, eligible=eligible)
         except NoEligibleWorkerError:
-            assert not eligible.any()
-            assert not np.isfinite(scores[best])
+            assert not eligible.any() and best == -1
+            assert not np.isfinite(scores).any()
             continue
         assert best == result.chosen and lam == result.lam and scores.tobytes() == result.scores.tobytes()
         ties = np.flatnonzero(scores == scores[best])
@@ -133,21 +135,24 @@ def test_kernel_arguments_are_checked():
     auto = SHA256_BACKENDS["auto"]
     parts = (plan, pointers, router.lookup.query_lengths, router.lookup.salt, router.scorer.kernel, 0,
              router._miss_summary, router._last_sent)
+    family = router.lookup.family_index()
     with pytest.raises(LookupPlanError, match="query lengths"):
-        ForwardKernel(plan, pointers, router.lookup.query_lengths[1:], *parts[3:], backend=auto)
+        ForwardKernel(plan, pointers, router.lookup.query_lengths[1:], *parts[3:], family_index=family, backend=auto)
     with pytest.raises(LookupPlanError, match="strictly ascending"):
-        ForwardKernel(plan, pointers, router.lookup.query_lengths[::-1], *parts[3:], backend=auto)
+        ForwardKernel(plan, pointers, router.lookup.query_lengths[::-1], *parts[3:], family_index=family, backend=auto)
     few = MissSummary(np.zeros(3, dtype=np.uint8), np.zeros(3, dtype=np.int64))
     with pytest.raises(LookupPlanError, match="same workers"):
-        ForwardKernel(*parts[:6], few, router._last_sent, backend=auto)
+        ForwardKernel(*parts[:6], few, router._last_sent, family_index=family, backend=auto)
     with pytest.raises(LookupPlanError, match="last_sent"):
-        ForwardKernel(*parts[:7], np.zeros(23, dtype=np.int32), backend=auto)
+        ForwardKernel(*parts[:7], np.zeros(23, dtype=np.int32), family_index=family, backend=auto)
     queue, belief = router.queues.queue_ms(), router.belief.values
-    kernel = ForwardKernel(*parts, backend=99)  # a backend C does not know: the call refuses it
+    kernel = ForwardKernel(*parts, family_index=family, backend=99)  # a backend C does not know: the call refuses it
     with pytest.raises(LookupPlanError, match="code"):
         kernel.run(_prompt(1, 100), queue, belief, None)
-    kernel = ForwardKernel(*parts, backend=auto)
+    with pytest.raises(LookupPlanError, match="family_index"):
+        ForwardKernel(*parts, family_index=len(router.lookup.query_lengths), backend=auto)
+    kernel = ForwardKernel(*parts, family_index=family, backend=auto)
     for short in ((queue[:-1], belief, None), (queue, belief[1:], None), (queue, belief, np.ones(5, dtype=bool))):
         with pytest.raises(LookupPlanError, match="must hold 23 values"):
             kernel.run(_prompt(1, 100), *short)
-    assert kernel.run(_prompt(1, 100), queue, belief, None)[0] > 0
+    assert kernel.run(_prompt(1, 100), queue, belief, None)[3] >= 0

@@ -48,6 +48,7 @@ _lookup_plan = lib.kvc_lookup_plan
 _score_joint = lib.kvc_score_joint
 _miss_summary = lib.kvc_miss_summary
 _forward_decide = lib.kvc_forward_decide
+_NONE_ELIGIBLE = int(lib.KVC_FORWARD_NONE_ELIGIBLE)
 _NULL = ffi.NULL
 _empty = np.empty
 _int64 = np.int64
@@ -268,7 +269,8 @@ class ForwardKernel:
     Built from the edge's ``LookupPlan`` and ``ViewPointers``, its query lengths and salt, its
     ``ScoreKernel`` with the ablation's score ``flags``, its ``MissSummary``, the Router's
     per-worker dispatch counters ``last_sent`` (int64, updated in place by the Router; exact score
-    ties go to the least recently sent) and ``backend``, the prefix keys' SHA-256 backend code
+    ties go to the least recently sent), ``family_index`` (the family length's index among the
+    query lengths, None if it is not one) and ``backend``, the prefix keys' SHA-256 backend code
     (``keys.SHA256_BACKENDS``).
 
     The C call writes into buffers made once; each run returns fresh copies of the per-worker
@@ -279,7 +281,8 @@ class ForwardKernel:
                  "_outputs", "_belief", "_belief_c", "_keep")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
-                 score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *, backend: int) -> None:
+                 score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
+                 family_index: int | None, backend: int) -> None:
         query = np.ascontiguousarray(query_lengths, dtype=np.int64)
         if query.ndim != 1 or np.any(np.diff(query) <= 0) or (query.size and query[0] <= 0):
             raise LookupPlanError("query_lengths must be strictly ascending positive lengths")
@@ -294,6 +297,8 @@ class ForwardKernel:
             raise LookupPlanError(f"last_sent must be a contiguous int64 array of shape ({n},)")
         if not isinstance(salt, bytes):
             raise LookupPlanError("salt must be bytes")
+        if family_index is not None and not 0 <= family_index < query.size:
+            raise LookupPlanError(f"family_index must name a query length, got {family_index!r}")
         self.workers = n
         self.n_query = int(query.size)
         self._pointers = pointers
@@ -315,6 +320,7 @@ class ForwardKernel:
         c.gamma, c.lambda_max, c.tau = score._params
         c.score_flags = flags
         c.local, c.floors = miss._c
+        c.family_index = -1 if family_index is None else family_index
         self._plan = c
         self._outputs = (_from_buffer("int64_t[]", last_sent), _from_buffer("uint64_t[]", self._keys),
                          _from_buffer("int64_t[]", self._matched), _from_buffer("uint8_t[]", self._tier),
@@ -325,13 +331,14 @@ class ForwardKernel:
         self._keep = (plan, score, miss, query, salt_c, query_c, last_sent)
         self._result = ffi.new("kvc_forward_result *")  # reused: a kernel serves one thread
 
-    def run(self, tokens: Any, queue: np.ndarray, belief: np.ndarray,
-            eligible: np.ndarray | None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int, int, float, int]:
-        """One decision: (n_keys, matched, tier, scores, best, chosen, lam, miss flags).
+    def run(self, tokens: Any, queue: np.ndarray, belief: np.ndarray, eligible: np.ndarray | None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, float, int, int | None]:
+        """One decision: (matched, tier, scores, best, chosen, lam, miss flags, family key).
 
         ``tokens`` is a buffer of uint32 little-endian tokens (``keys.token_buffer``); ``queue``
         and ``belief`` contiguous float64 and ``eligible`` bool or uint8 (or None), each
-        ``workers`` long. The keys stay in ``keys()`` until the next run.
+        ``workers`` long. ``best`` is -1 when no worker is eligible (every score +inf). The keys
+        stay in ``keys()`` until the next run.
         """
         n = self.workers
         if belief is not self._belief:
@@ -349,9 +356,14 @@ class ForwardKernel:
         rc = _forward_decide(self._plan, tokens_c, len(tokens_c) >> 2, queue_c, self._belief_c, eligible_c,
                              last_sent, keys, matched, tier, scores, result)
         if rc:
-            raise LookupPlanError(f"kvc_forward_decide rejected its arguments (code {rc})")
-        return (result.n_keys, self._matched.copy(), self._tier.copy(), self._scores.copy(), result.best,
-                result.chosen, result.lam, result.miss)
+            if rc != _NONE_ELIGIBLE:
+                raise LookupPlanError(f"kvc_forward_decide rejected its arguments (code {rc})")
+            best = -1
+        else:
+            best = result.best
+        family = result.family
+        return (self._matched.copy(), self._tier.copy(), self._scores.copy(), best, result.chosen, result.lam,
+                result.miss, None if family < 0 else family)
 
     def keys(self) -> np.ndarray:
         """The keys the last ``run`` computed, at every query length (valid up to its n_keys)."""

@@ -13,7 +13,6 @@ tests hold the two equal.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
@@ -119,8 +118,8 @@ class Router:
             lookup_plan, pointers = self.lookup.native_plan()
             self._kernel = ForwardKernel(lookup_plan, pointers, self.lookup.query_lengths, salt, self.scorer.kernel,
                                          self.scorer.kernel_flags(self.ablation), self._miss_summary,
-                                         self._last_sent, backend=SHA256_BACKENDS["auto"])
-        self._family_index = self.lookup.family_index()
+                                         self._last_sent, family_index=self.lookup.family_index(),
+                                         backend=SHA256_BACKENDS["auto"])
 
     def decide(self, tokens, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
@@ -128,17 +127,14 @@ class Router:
         if kernel is None:
             return self.decide_from(self.lookup.lookup(tokens), now=now, exclude=exclude)
         data, prompt_len = token_buffer(tokens)
-        eligible = self._eligible(exclude) if exclude else None
         queue, belief = self.queues.queue_ms(), self.belief.values
-        n_keys, matched, tier, scores, best, chosen, lam, miss = kernel.run(data, queue, belief, eligible)
-        if not math.isfinite(scores.item(best)):
+        matched, tier, scores, best, chosen, lam, miss, family_key = kernel.run(
+            data, queue, belief, self._eligible(exclude) if exclude else None)
+        if best < 0:
             raise NoEligibleWorkerError("no eligible worker for this request")
-        family = self._family_index
-        family_key = kernel.keys().item(family) if family is not None and family < n_keys else None
-        found = new_lookup_result(prompt_len, matched, tier, family_key)
         result = ScoreResult(best, self.layout.worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
                              queue, belief, self.ablation)
-        return self._conclude(found, result, chosen, belief, now, miss)
+        return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss)
 
     def decide_from(self, found: LookupResult, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for an already looked-up prompt (the reference path of ``decide``)."""
@@ -160,15 +156,16 @@ class Router:
             # Exact ties (idle non-holders of one region) would all go to the lowest index and
             # pile up inside one load-report interval: rotate among them, least recently sent first.
             chosen = int(ties[np.argmin(self._last_sent[ties])])
-        return self._conclude(found, result, chosen, belief, now, None)
+        return self._conclude(found.prompt_len, found.matched, found.tier, found.family_key, result, chosen, belief,
+                              now, None)
 
     def _eligible(self, exclude: Collection[int]) -> np.ndarray:
         eligible = np.ones(len(self.layout.worker_ids), dtype=bool)
         eligible[list(exclude)] = False
         return eligible
 
-    def _conclude(self, found: LookupResult, result: ScoreResult, chosen: int, belief: np.ndarray, now: float,
-                  miss: int | None) -> ForwardDecided:
+    def _conclude(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, family_key: int | None,
+                  result: ScoreResult, chosen: int, belief: np.ndarray, now: float, miss: int | None) -> ForwardDecided:
         """Count the dispatch, consult the hot-prefix detector, build the decision.
 
         ``miss`` is the decision's ``MISS_*`` summary when the fused C call computed it already.
@@ -176,16 +173,15 @@ class Router:
         self._sent_count += 1
         self._last_sent[chosen] = self._sent_count
         worker = self.layout.worker_ids[chosen]
-        matched = found.matched
         claimed = int(matched.item(chosen))
         local = self._local_list[chosen]
         migration = None
         # A local hit is never a miss of its family: the detector has nothing to count.
-        if self.ablation.migration and found.family_key is not None and not (local and claimed):
+        if self.ablation.migration and family_key is not None and not (local and claimed):
+            found = new_lookup_result(prompt_len, matched, tier, family_key)
             migration = self._observe(found, result, chosen, now, miss)
-        code = found.tier.item(chosen)
+        code = tier.item(chosen)
         # Prefill (and reload) time the request adds to the chosen worker's queue.
-        prompt_len = found.prompt_len
         reused = min(belief.item(chosen) * float(claimed), float(prompt_len))
         work = self._beta_list[chosen] * (prompt_len - reused)
         if code == Tier.DRAM:
