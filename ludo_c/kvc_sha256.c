@@ -6,6 +6,7 @@
  */
 #include "kvc_sha256.h"
 
+#include <stdatomic.h>
 #include <string.h>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -33,35 +34,45 @@ static const uint32_t H0[8] = {
 /* ---- portable compression ----------------------------------------------------------------- */
 
 #define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+#define BSIG0(x) (ROTR(x, 2) ^ ROTR(x, 13) ^ ROTR(x, 22))
+#define BSIG1(x) (ROTR(x, 6) ^ ROTR(x, 11) ^ ROTR(x, 25))
+#define SSIG0(x) (ROTR(x, 7) ^ ROTR(x, 18) ^ ((x) >> 3))
+#define SSIG1(x) (ROTR(x, 17) ^ ROTR(x, 19) ^ ((x) >> 10))
+#define CH(e, f, g) ((g) ^ ((e) & ((f) ^ (g))))
+#define MAJ(a, b, c) (((a) & (b)) | ((c) & ((a) | (b))))
+/* One round with the variables renamed instead of shifted: h becomes the new a, d the new e. */
+#define ROUND(a, b, c, d, e, f, g, h, i)                                         \
+    do {                                                                         \
+        uint32_t t1 = (h) + BSIG1(e) + CH(e, f, g) + K256[i] + w[(i) & 15];      \
+        (d) += t1;                                                               \
+        (h) = t1 + BSIG0(a) + MAJ(a, b, c);                                      \
+    } while (0)
 
 static inline uint32_t load_be32(const uint8_t *p)
 {
     return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | (uint32_t)p[3];
 }
 
+/* The message schedule lives in a 16-word ring, refilled eight words ahead of the rounds. */
 static void compress_portable(uint32_t h[8], const uint8_t *data, size_t blocks)
 {
     for (; blocks; blocks--, data += 64) {
-        uint32_t w[64];
+        uint32_t w[16];
         for (int i = 0; i < 16; i++)
             w[i] = load_be32(data + 4 * i);
-        for (int i = 16; i < 64; i++) {
-            uint32_t s0 = ROTR(w[i - 15], 7) ^ ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
-            uint32_t s1 = ROTR(w[i - 2], 17) ^ ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
-            w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-        }
         uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
-        for (int i = 0; i < 64; i++) {
-            uint32_t t1 = k + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) + ((e & f) ^ (~e & g)) + K256[i] + w[i];
-            uint32_t t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-            k = g;
-            g = f;
-            f = e;
-            e = d + t1;
-            d = c;
-            c = b;
-            b = a;
-            a = t1 + t2;
+        for (int r = 0; r < 64; r += 8) {
+            if (r >= 16)
+                for (int i = r; i < r + 8; i++)
+                    w[i & 15] += SSIG1(w[(i - 2) & 15]) + w[(i - 7) & 15] + SSIG0(w[(i - 15) & 15]);
+            ROUND(a, b, c, d, e, f, g, k, r + 0);
+            ROUND(k, a, b, c, d, e, f, g, r + 1);
+            ROUND(g, k, a, b, c, d, e, f, r + 2);
+            ROUND(f, g, k, a, b, c, d, e, r + 3);
+            ROUND(e, f, g, k, a, b, c, d, r + 4);
+            ROUND(d, e, f, g, k, a, b, c, r + 5);
+            ROUND(c, d, e, f, g, k, a, b, r + 6);
+            ROUND(b, c, d, e, f, g, k, a, r + 7);
         }
         h[0] += a;
         h[1] += b;
@@ -127,13 +138,15 @@ static void compress_shani(uint32_t h[8], const uint8_t *data, size_t blocks)
 static int cpu_has_shani(void)
 {
 #if KVC_SHA256_HAVE_SHANI
-    /* Cached; a race only computes the same answer twice. */
-    static int cached = -1;
-    if (cached < 0) {
+    /* Cached (callers may run without the GIL: an atomic, so a race only computes it twice). */
+    static atomic_int cached = -1;
+    int has = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (has < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1") ? 1 : 0;
+        has = __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1") ? 1 : 0;
+        atomic_store_explicit(&cached, has, memory_order_relaxed);
     }
-    return cached;
+    return has;
 #else
     return 0;
 #endif
@@ -227,7 +240,7 @@ void kvc_sha256_final(const kvc_sha256 *ctx, uint8_t digest[32])
     tail[used] = 0x80;
     memset(tail + used + 1, 0, total - used - 9);
     uint64_t bits = ctx->length << 3;
-    for (int i = 0; i < 8; i++)
+    for (unsigned i = 0; i < 8; i++)
         tail[total - 1 - i] = (uint8_t)(bits >> (8 * i));
     memcpy(h, ctx->h, sizeof h);
     compress(ctx->backend, h, tail, total / 64);
