@@ -162,3 +162,25 @@ def test_the_deadline_always_finds_a_broadcast_due(steps: list[float], piggy_reg
         deadline = q.next_deadline(now=now)
         assert deadline is not None and deadline >= now
         assert q.due_broadcasts(now=deadline) != ()
+
+
+def test_dispatched_work_adds_up_until_the_next_reading_and_is_checked() -> None:
+    q = us_edge()
+    q.set_local("us-1", 0.0, now=0.0)
+    before = q.queue_ms()
+    q.note_dispatched("us-1", 12.5, now=0.1)
+    q.note_dispatched("us-1", 2, now=0.2)  # ints and numpy numbers are accepted too
+    q.note_dispatched("us-1", np.float32(0.5), now=0.3)
+    assert q.get("us-1") == 15.0 and before.tolist() == [0.0] * len(CFG.workers)
+    assert not q.is_persistently_idle("us-1", now=1e6)  # busy until a reading says 0 again
+    unchanged = q.queue_ms()
+    q.note_dispatched("us-1", 0.0, now=0.4)
+    assert q.queue_ms() is unchanged
+    for bad in (-1.0, math.nan, math.inf, True, "1"):
+        with pytest.raises(QueueEstimateError, match="worker 'us-1'"):
+            q.note_dispatched("us-1", bad, now=0.5)
+    with pytest.raises(QueueEstimateError, match="unknown worker"):
+        q.note_dispatched("zz", 1.0, now=0.5)
+    assert q.get("us-1") == 15.0
+    q.set_local("us-1", 3.0, now=0.6)  # a live reading replaces the estimate
+    assert q.get("us-1") == 3.0

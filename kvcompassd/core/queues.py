@@ -20,6 +20,7 @@ copy of a few dozen floats), so a decision scored from a snapshot never sees it 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -182,11 +183,14 @@ class QueueEstimates:
         worker and herd onto it. The next live reading, broadcast or piggyback replaces it.
         """
         i = self._worker_index(worker_id, QueueEstimateError)
-        added = _check_ms(added_ms, f"worker {worker_id!r}", QueueEstimateError)
+        if added_ms.__class__ is float and 0.0 <= added_ms <= sys.float_info.max:
+            added = added_ms  # what the Router passes, once per request: no conversion, no message
+        else:
+            added = _check_ms(added_ms, f"worker {worker_id!r}", QueueEstimateError)
         if added == 0.0:
             return
         values = self._ms.copy()
-        values[i] += added
+        values[i] = values.item(i) + added
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
 
