@@ -9,13 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompassd.core.keys import (KEY_MASK, SHA256_BACKENDS, KeyInputError, namespace_salt, prefix_keys,
-                                  prefix_keys_reference, sha256_backend, sha256_digest)
-from kvcompassd.core._ludo_cffi import lib
+from kvcompassd.core.keys import (KEY_MASK, KeyInputError, namespace_salt, prefix_keys, prefix_keys_reference,
+                                  sha256_backend, sha256_backend_available, sha256_digest)
 
-
-def _available(name: str) -> bool:
-    return bool(lib.kvc_sha256_backend_available(SHA256_BACKENDS[name]))
+_available = sha256_backend_available
 
 
 # SHA-NI is tested wherever the CPU has it (this project's machines do); elsewhere it is skipped.
@@ -94,6 +91,7 @@ def test_bad_lengths_in_an_int64_array_raise_the_reference_errors() -> None:
 def test_backend_names() -> None:
     assert sha256_backend() in ("sha-ni", "portable")
     assert sha256_backend() == ("sha-ni" if _available("sha-ni") else "portable")
+    assert _available("auto") and _available("portable") and not _available("openssl")
     with pytest.raises(KeyInputError, match="unknown SHA-256 backend"):
         prefix_keys([1, 2], [1], b"s", backend="openssl")
     with pytest.raises(KeyInputError, match="unknown SHA-256 backend"):

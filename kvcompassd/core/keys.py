@@ -23,7 +23,8 @@ import numpy as np
 from ._ludo_cffi import ffi, lib
 
 __all__ = ["KEY_MASK", "SHA256_BACKENDS", "KeyInputError", "namespace_salt", "prefix_key", "prefix_keys",
-           "prefix_keys_reference", "sha256_backend", "sha256_digest", "token_buffer", "tokens_to_bytes"]
+           "prefix_keys_reference", "sha256_backend", "sha256_backend_available", "sha256_digest", "token_buffer",
+           "tokens_to_bytes"]
 
 KEY_MASK = (1 << 63) - 1
 _KEY_MASK_U64 = np.uint64(KEY_MASK)
@@ -169,6 +170,12 @@ def prefix_keys_reference(tokens: Sequence[int] | np.ndarray | bytes, lengths: S
     return np.frombuffer(b"".join(digests), dtype="<u8")[::4] & _KEY_MASK_U64
 
 
+def sha256_backend_available(backend: str) -> bool:
+    """True if the C hash can run ``backend`` (a ``SHA256_BACKENDS`` name) on this CPU."""
+    code = SHA256_BACKENDS.get(backend)
+    return code is not None and bool(lib.kvc_sha256_backend_available(code))
+
+
 def sha256_backend() -> str:
     """The compression backend ``"auto"`` uses on this CPU: ``"sha-ni"`` or ``"portable"``."""
     return "sha-ni" if lib.kvc_sha256_auto_backend() == SHA256_BACKENDS["sha-ni"] else "portable"
@@ -188,7 +195,7 @@ def _backend_code(backend: str) -> int:
     code = SHA256_BACKENDS.get(backend)
     if code is None:
         raise KeyInputError(f"unknown SHA-256 backend {backend!r}; known: {sorted(SHA256_BACKENDS)}")
-    if not lib.kvc_sha256_backend_available(code):
+    if not sha256_backend_available(backend):
         raise KeyInputError(f"SHA-256 backend {backend!r} is not available on this CPU")
     return code
 
