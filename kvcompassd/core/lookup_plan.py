@@ -32,9 +32,9 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers", "slot_constructor",
-           "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION", "SCORE_LOAD_AWARE",
-           "SCORE_TIER_AWARE"]
+__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers",
+           "slot_constructor", "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION",
+           "SCORE_LOAD_AWARE", "SCORE_TIER_AWARE"]
 
 SCORE_LOAD_AWARE = int(lib.KVC_SCORE_LOAD_AWARE)
 SCORE_TIER_AWARE = int(lib.KVC_SCORE_TIER_AWARE)

@@ -217,9 +217,7 @@ class JointScorer:
             raise self._bad_shape("eligible", eligible)
         if native and matched.dtype == _INT64 and tier.dtype == _UINT8 and queue_ms.dtype == _FLOAT64 \
                 and belief.dtype == _FLOAT64 and (eligible is None or eligible.dtype == _BOOL):
-            flags = self._flags.get(ablation)
-            if flags is None:
-                flags = self.kernel_flags(ablation)
+            flags = self.kernel_flags(ablation)
             try:
                 chosen, lam, scores = self._kernel.run(float(prompt_len), queue_ms, belief, matched, tier,
                                                        eligible, flags)
