@@ -13,7 +13,7 @@ from kvcompassd.core.lookup_plan import ForwardKernel, LookupPlanError, MissSumm
 from kvcompassd.core.router import Router
 from kvcompassd.core.score import NoEligibleWorkerError
 
-from test_lookup_plan import SHARDS, World, _prompt, _state
+from test_lookup_plan import World, _prompt, _state
 
 
 def _kernel_of(router: Router, *, backend: int, last_sent: np.ndarray | None = None) -> ForwardKernel:
