@@ -131,11 +131,19 @@ def in_process_rate(cfg, layout: IndexLayout, work: Workload) -> float:
 
 
 def edge_process(config: str, tls_dir: str, edge_id: str, probes: list[list[int]], group: int,
-                 before: int, after: int, conn) -> None:
+                 before: int, after: int, conn, profile: str | None = None) -> None:
+    import cProfile
+
     import uvloop
 
     quiet_logs()
+    profiler = cProfile.Profile() if profile else None
+    if profiler is not None:
+        profiler.enable()
     uvloop.run(_edge_main(config, tls_dir, edge_id, probes, group, before, after, conn))
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
 
 
 async def _edge_main(config, tls_dir, edge_id, probes, group, before, after, conn) -> None:
@@ -272,7 +280,8 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
     edge_ids = [f"edge-bench-{i}" for i in range(args.edges)]
     spec = DeploymentSpec(workers={"us": 2}, one_way_ms={}, shards=args.shards, wan=False)
     cluster = Cluster(spec, initial_capacity=args.initial_capacity,
-                      extra_certs=tuple((Role.EDGE, e) for e in edge_ids))
+                      extra_certs=tuple((Role.EDGE, e) for e in edge_ids),
+                      profile_dir=None if args.profile is None else Path(args.profile) / f"run{run}-{mode.replace(' ', '')}")
     cfg = cluster.cfg
     layout = IndexLayout.from_config(cfg)
     work = Workload(layout, cfg.shards, args.events, args.report_events, seed=run)
@@ -301,7 +310,8 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=edge_process, daemon=True,
                                args=(str(cluster.config_path), str(cluster.tls_dir), edge_id, work.probes,
-                                     work.group, work.vram_value, work.dram_value, child))
+                                     work.group, work.vram_value, work.dram_value, child,
+                                     None if cluster.profile_dir is None else str(cluster.profile_dir / f"{edge_id}.prof")))
             proc.start()
             edges.append((proc, parent))
         for proc, pipe in edges:
@@ -440,6 +450,7 @@ def main() -> None:
     p.add_argument("--paced-fraction", type=float, nargs="+", default=[0.3],
                    help="paced mode offers these shares of the in-process rate (one row each)")
     p.add_argument("--initial-capacity", type=int, default=65536, help="entries per Ludo table before growth")
+    p.add_argument("--profile", metavar="DIR", help="run the daemons under cProfile, writing DIR/<run>/<mode>.<id>.prof")
     p.add_argument("--verbose", action="store_true", help="print each run's visibility timeline")
     p.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")
     args = p.parse_args()

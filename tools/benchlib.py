@@ -61,7 +61,8 @@ class Cluster:
     ``extra_certs`` are (role, id) pairs for the identities the benchmark itself plays."""
 
     def __init__(self, spec: DeploymentSpec, *, initial_capacity: int | None = None,
-                 extra_certs: tuple[tuple[Role, str], ...] = ()):
+                 extra_certs: tuple[tuple[Role, str], ...] = (), profile_dir: Path | None = None):
+        self.profile_dir = profile_dir  # run the daemons under cProfile, one .prof per process
         self.workdir = Path(tempfile.mkdtemp(prefix="kvbench-"))
         cfg = build_cluster(spec, name="bench")
         if initial_capacity is not None:
@@ -81,7 +82,11 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def spawn(self, mode: str, node_id: str, *extra: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "kvcompassd", mode, "--config", str(self.config_path), "--id", node_id,
+        profile = []
+        if self.profile_dir is not None:
+            self.profile_dir.mkdir(parents=True, exist_ok=True)
+            profile = ["-m", "cProfile", "-o", str(self.profile_dir / f"{mode}.{node_id}.prof")]
+        argv = [sys.executable, *profile, "-m", "kvcompassd", mode, "--config", str(self.config_path), "--id", node_id,
                 "--log-json", "--log-level", "warning"]
         if mode != "emulate-worker":
             argv += ["--tls-dir", str(self.tls_dir)]
