@@ -88,6 +88,24 @@ int kvc_table_update_many(kvc_table *table, const uint64_t *keys, const uint64_t
                           size_t n, size_t *done);
 int kvc_table_remove_many(kvc_table *table, const uint64_t *keys, size_t n, size_t *done);
 
+/* Outcome of one edit of kvc_table_edit_fields. */
+enum kvc_edit_status {
+    KVC_EDIT_CHANGED = 0,   /* the field changed (the key was inserted, updated or removed) */
+    KVC_EDIT_UNCHANGED = 1, /* the field already held the new value */
+    KVC_EDIT_REFUSED = 2    /* the op needs a non-zero field and the field was 0 */
+};
+
+/* Batch field edits, e.g. one worker's index events on one table in one call: for each i in
+ * order, the `width`-bit field at bit `shift` of keys[i]'s value (0 for an absent key) becomes
+ * op_field[ops[i]], unless op_needs_held[ops[i]] is set and the field is 0 (refused). An absent
+ * key is inserted; a value whose bits all become 0 is removed. status_out[i] is a
+ * kvc_edit_status. Returns KVC_OK, KVC_ERR_ARG (width not in 1..8, shift + width beyond the
+ * value bits, an op_field wider than width, or an op >= n_ops), KVC_ERR_KEY_RANGE, or a table
+ * error (NOMEM, FULL); *done is the number of elements finished before the error. */
+int kvc_table_edit_fields(kvc_table *table, const uint64_t *keys, const uint8_t *ops, size_t n,
+                          const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
+                          unsigned shift, unsigned width, uint8_t *status_out, size_t *done);
+
 /* Batch exact lookup: values_out[i] = value or 0, found_out[i] = 1/0 (0 for keys >= 2^63). */
 void kvc_table_get_many(const kvc_table *table, const uint64_t *keys, size_t n,
                         uint64_t *values_out, uint8_t *found_out);

@@ -521,6 +521,46 @@ int kvc_table_remove_many(kvc_table *t, const uint64_t *keys, size_t n, size_t *
     return rc;
 }
 
+int kvc_table_edit_fields(kvc_table *t, const uint64_t *keys, const uint8_t *ops, size_t n,
+                          const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
+                          unsigned shift, unsigned width, uint8_t *status_out, size_t *done)
+{
+    *done = 0;
+    if (width == 0 || width > 8 || shift + width > t->value_bits)
+        return KVC_ERR_ARG;
+    for (unsigned o = 0; o < n_ops; o++)
+        if (op_field[o] >> width)
+            return KVC_ERR_ARG;
+    const uint64_t mask = ((UINT64_C(1) << width) - 1u) << shift;
+    for (size_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            prefetch_key(t, keys[i + PREFETCH_AHEAD], 1);
+        uint64_t key = keys[i];
+        if (ops[i] >= n_ops)
+            return KVC_ERR_ARG;
+        if (key >= KVC_KEY_LIMIT)
+            return KVC_ERR_KEY_RANGE;
+        int64_t at = store_find(&t->st, key);
+        uint64_t old = at >= 0 ? SVAL(&t->st, at) : 0;
+        uint64_t field = (old & mask) >> shift, want = op_field[ops[i]];
+        if (field == 0 && op_needs_held[ops[i]]) {
+            status_out[i] = KVC_EDIT_REFUSED;
+        } else if (field == want) {
+            status_out[i] = KVC_EDIT_UNCHANGED;
+        } else {
+            uint64_t value = (old & ~mask) | (want << shift);
+            int rc = at < 0 ? kvc_table_insert(t, key, value)
+                     : value == 0 ? kvc_table_remove(t, key)
+                                  : kvc_table_update(t, key, value);
+            if (rc != KVC_OK)
+                return rc;
+            status_out[i] = KVC_EDIT_CHANGED;
+        }
+        *done = i + 1;
+    }
+    return KVC_OK;
+}
+
 void kvc_table_get_many(const kvc_table *t, const uint64_t *keys, size_t n,
                         uint64_t *values_out, uint8_t *found_out)
 {

@@ -17,6 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.core.ludo import (
+    EDIT_CHANGED,
+    EDIT_REFUSED,
+    EDIT_UNCHANGED,
     KEY_LIMIT,
     LudoCorruptError,
     LudoDuplicateKeyError,
@@ -473,3 +476,62 @@ def test_items_export_and_view_snapshot_round_trip():
         copy.apply(blob)  # the copy keeps following the table's stream
     assert view_matches(copy, oracle)
     assert LudoTable(10).items()[0].size == 0
+
+
+# ---------------------------------------------------------------------------- field edits
+
+# Three ops on a 3-bit field: set it to 5, set it to 2 (only where it is non-zero), clear it
+# (only where it is non-zero).
+EDIT_FIELD, EDIT_NEEDS_HELD = bytes([5, 2, 0]), bytes([0, 1, 1])
+
+
+@settings(max_examples=150, deadline=None)
+@given(prior=st.dictionaries(st.integers(0, 30), st.integers(1, 2**32 - 1), max_size=20),
+       edits=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 2)), max_size=60),
+       shift=st.sampled_from([0, 7, 29]))
+def test_edit_fields_follows_the_oracle_in_order(prior, edits, shift):
+    """Keys repeat within a batch: each edit sees the ones before it; the view follows too."""
+    table = LudoTable(64, seed=3)
+    if prior:
+        table.insert_many(list(prior), list(prior.values()))
+    view = synced_view(table)
+    oracle, statuses = dict(prior), []
+    mask = 7 << shift
+    for key, op in edits:
+        old = oracle.get(key, 0)
+        field = (old & mask) >> shift
+        if field == 0 and EDIT_NEEDS_HELD[op]:
+            statuses.append(EDIT_REFUSED)
+        elif field == EDIT_FIELD[op]:
+            statuses.append(EDIT_UNCHANGED)
+        else:
+            statuses.append(EDIT_CHANGED)
+            value = (old & ~mask) | (EDIT_FIELD[op] << shift)
+            if value:
+                oracle[key] = value
+            else:
+                oracle.pop(key, None)
+    keys = np.array([k for k, _ in edits], dtype=np.uint64)
+    ops = np.array([o for _, o in edits], dtype=np.uint8)
+    status = table.edit_fields(keys, ops, EDIT_FIELD, EDIT_NEEDS_HELD, shift=shift, width=3)
+    assert status.tolist() == statuses
+    got_keys, got_values = table.items()
+    assert dict(zip(got_keys.tolist(), got_values.tolist())) == oracle
+    for blob in table.take_updates():
+        view.apply(blob)
+    assert view_matches(view, oracle)
+
+
+def test_edit_fields_refuses_bad_arguments_before_editing():
+    table = LudoTable(64, seed=3)
+    keys, ops = np.array([1, 2], dtype=np.uint64), np.array([0, 3], dtype=np.uint8)
+    with pytest.raises(LudoError, match="stopped at index 1"):
+        table.edit_fields(keys, ops, EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)
+    assert len(table) == 1  # the edit before the bad op was applied, as the error says
+    for shift, width, fields in ((30, 3, EDIT_FIELD), (0, 0, EDIT_FIELD), (0, 2, EDIT_FIELD)):
+        with pytest.raises(LudoError, match="invalid argument"):
+            table.edit_fields(keys[:1], ops[:1], fields, EDIT_NEEDS_HELD, shift=shift, width=width)
+    with pytest.raises(LudoKeyRangeError):
+        table.edit_fields(np.array([KEY_LIMIT], dtype=np.uint64), ops[:1], EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)
+    with pytest.raises(LudoError, match="uint64 keys"):
+        table.edit_fields(keys.astype(np.int64), ops, EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)

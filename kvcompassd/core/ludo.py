@@ -25,6 +25,10 @@ from kvcompassd.core._ludo_cffi import ffi, lib
 
 KEY_LIMIT = 1 << 63
 _U64_LIMIT = 1 << 64
+# Per-element outcomes of LudoTable.edit_fields.
+EDIT_CHANGED = lib.KVC_EDIT_CHANGED
+EDIT_UNCHANGED = lib.KVC_EDIT_UNCHANGED
+EDIT_REFUSED = lib.KVC_EDIT_REFUSED
 
 
 class LudoError(ValueError):
@@ -263,6 +267,25 @@ class LudoTable:
         done = ffi.new("size_t *")
         rc = lib.kvc_table_remove_many(self._ptr, _u64_ptr(k), k.size, done)
         self._batch_result(rc, done, k, "remove_many")
+
+    def edit_fields(self, keys: np.ndarray, ops: np.ndarray, op_field: bytes, op_needs_held: bytes, *,
+                    shift: int, width: int) -> np.ndarray:
+        """Set the ``width``-bit field at bit ``shift`` of each key's value to ``op_field[op]``, in
+        order, in one C call (inserting absent keys, removing values that become 0); an op with
+        ``op_needs_held[op]`` set is refused where the field is 0. Returns one
+        ``lib.KVC_EDIT_*`` status per key. ``keys`` must be uint64 and ``ops`` uint8 arrays."""
+        if keys.dtype != np.uint64 or ops.dtype != np.uint8 or keys.shape != ops.shape or keys.ndim != 1:
+            raise LudoError("edit_fields needs 1-d uint64 keys and uint8 ops of the same length")
+        if len(op_field) != len(op_needs_held):
+            raise LudoError("op_field and op_needs_held must describe the same ops")
+        keys, ops = np.ascontiguousarray(keys), np.ascontiguousarray(ops)
+        status = np.empty(keys.size, dtype=np.uint8)
+        done = ffi.new("size_t *")
+        rc = lib.kvc_table_edit_fields(self._ptr, _u64_ptr(keys), ffi.from_buffer("uint8_t[]", ops), keys.size,
+                                       op_field, op_needs_held, len(op_field), shift, width,
+                                       ffi.from_buffer("uint8_t[]", status), done)
+        self._batch_result(rc, done, keys, "edit_fields")
+        return status
 
     def get_many(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """Exact batch lookup: (values with 0 for absent keys, boolean presence mask)."""
