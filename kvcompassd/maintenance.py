@@ -187,7 +187,7 @@ class MaintenanceNode:
             return
         stream.last_seq = msg.seq
         self.stats.reports += 1
-        outcome = self.shard.apply(msg.events)
+        outcome = self.shard.apply_columns(msg.worker, msg.events)
         self._applied(outcome)
         if outcome.ignored:
             # The rest of the report was applied; tell the agent which events made no sense.

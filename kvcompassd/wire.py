@@ -4,8 +4,8 @@ Each message is a frozen slotted dataclass with a past-tense name, validated on 
 (so a bad message is refused where it is made, whether by local code or by the decoder).
 
 Encoding (msgpack): one array ``[PROTOCOL_VERSION, tag, field_1, ..., field_n]``, fields in
-declaration order. Token id sequences travel as packed little-endian uint32 bytes; index events
-as ``[kind, key, tier]`` triples (see :func:`encode_index_event`). :data:`MESSAGE_SPECS` is the
+declaration order. Token id sequences travel as packed little-endian uint32 bytes; a report's
+index events as two packed columns, op codes and uint64 keys (see :class:`EventColumns`). :data:`MESSAGE_SPECS` is the
 single dispatch table (tag -> class, field schema, size bound); :data:`SENDER_ROLES` says which
 node role may send each message, enforced by :func:`check_sender`.
 
@@ -26,9 +26,10 @@ from typing import Any, ClassVar, Final
 
 import msgpack
 
-from kvcompassd.core.events import MAX_KEY, IndexEvent, PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 
-PROTOCOL_VERSION: Final = 1
+# 2: PrefixEventsReported carries its events as columns (was a [kind, key, tier] array each).
+PROTOCOL_VERSION: Final = 2
 KiB: Final = 1024
 MiB: Final = 1024 * KiB
 MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all: a shard snapshot
@@ -279,60 +280,42 @@ class Params(FieldType):
         raise _fail(where, "null, bool, number, string, bytes, list or mapping", value)
 
 
-_EVENT_KINDS: Final = {PrefixCached: 0, TierChanged: 1, PrefixEvicted: 2}
+_EVENT_TYPES: Final = (PrefixCached, TierChanged, PrefixEvicted)
 
 
-def encode_index_event(event: IndexEvent) -> list[int]:
-    """``[kind, key, tier]``: kind 0 cached, 1 tier changed, 2 evicted (tier 0). Worker omitted:
-    it is the enclosing report's worker."""
-    kind = _EVENT_KINDS[type(event)]
-    tier = 0 if isinstance(event, PrefixEvicted) else int(event.tier)
-    return [kind, event.key, tier]
+class EventColumns(FieldType):
+    """A report's index events: :class:`IndexEventColumns` (a tuple of event objects is accepted
+    and converted). On the wire ``[ops, keys]``: one op byte per event and the keys as packed
+    little-endian uint64, so a report of thousands of events decodes without a Python object
+    per event."""
 
-
-_TIER_BY_CODE: Final = {1: Tier.VRAM, 2: Tier.DRAM}
-
-
-def decode_index_event(raw: Any, worker: str, where: str = "event") -> IndexEvent:
-    """Inverse of :func:`encode_index_event` for events of ``worker``."""
-    # Hot path (a report carries thousands of events): exact type checks, no helper objects.
-    if type(raw) is not list or len(raw) != 3:
-        raise _fail(where, "[kind, key, tier]", raw)
-    kind, key, tier = raw
-    if type(key) is not int or not 0 <= key <= MAX_KEY:
-        raise _fail(f"{where} key", "an int in [0, 2^63)", key)
-    if type(kind) is int and (kind == 0 or kind == 1):
-        tier_value = _TIER_BY_CODE.get(tier) if type(tier) is int else None
-        if tier_value is None:
-            raise _fail(f"{where} tier", "1 (VRAM) or 2 (DRAM)", tier)
-        return (PrefixCached if kind == 0 else TierChanged).trusted(worker, key, tier_value)
-    if type(kind) is int and kind == 2:
-        if type(tier) is not int or tier != 0:
-            raise WireError(f"{where}: an eviction carries tier 0, got {tier!r}")
-        return PrefixEvicted.trusted(worker, key)
-    raise WireError(f"{where}: unknown event kind {kind!r}")
-
-
-class IndexEvents(FieldType):
     def __init__(self, max_items: int) -> None:
         self.max_items = max_items
 
-    def check(self, value: Any, where: str) -> tuple[IndexEvent, ...]:
-        if not isinstance(value, (tuple, list)):
-            raise _fail(where, "a tuple of index events", value)
+    def check(self, value: Any, where: str) -> IndexEventColumns:
+        if isinstance(value, (tuple, list)):
+            for i, event in enumerate(value):
+                if type(event) not in _EVENT_TYPES:
+                    raise _fail(f"{where}[{i}]", "PrefixCached, TierChanged or PrefixEvicted", event)
+            value = IndexEventColumns.from_events(value)
+        elif not isinstance(value, IndexEventColumns):
+            raise _fail(where, "IndexEventColumns or a tuple of index events", value)
         if len(value) > self.max_items:
             raise WireError(f"{where}: {len(value)} events exceeds {self.max_items}")
-        for i, event in enumerate(value):
-            if type(event) not in _EVENT_KINDS:
-                raise _fail(f"{where}[{i}]", "PrefixCached, TierChanged or PrefixEvicted", event)
-        return tuple(value)
+        return value
 
-    def to_wire(self, value: tuple[IndexEvent, ...]) -> list[list[int]]:
-        return [encode_index_event(e) for e in value]
+    def to_wire(self, value: IndexEventColumns) -> list[bytes]:
+        return [value.ops, value.keys]
 
-    def from_wire(self, raw: Any, where: str) -> tuple[IndexEvent, ...]:
-        # Decoded by PrefixEventsReported itself, which knows the worker.
-        raise AssertionError("IndexEvents are decoded by their message")
+    def from_wire(self, raw: Any, where: str) -> IndexEventColumns:
+        if type(raw) is not list or len(raw) != 2 or type(raw[0]) is not bytes or type(raw[1]) is not bytes:
+            raise _fail(where, "[ops, keys] as two byte strings", raw)
+        if len(raw[0]) > self.max_items:
+            raise WireError(f"{where}: {len(raw[0])} events exceeds {self.max_items}")
+        try:
+            return IndexEventColumns(raw[0], raw[1])
+        except ValueError as exc:
+            raise WireError(f"{where}: {exc}") from None
 
 
 # Shared field types.
@@ -373,20 +356,25 @@ class WireMessage:
 
 @dataclass(frozen=True, slots=True)
 class PrefixEventsReported(WireMessage):
-    """agent -> maintenance: a worker's index events, numbered per worker incarnation."""
+    """agent -> maintenance: a worker's index events, numbered per worker incarnation.
+
+    ``events`` are columns (:class:`IndexEventColumns`); built from a tuple of event objects,
+    which must all be the report's worker's."""
 
     worker: str
     seq: int
-    events: tuple[IndexEvent, ...]
-    WIRE: ClassVar = {"worker": ID, "seq": Int(0, I64_MAX), "events": IndexEvents(1 << 20)}
+    events: IndexEventColumns
+    WIRE: ClassVar = {"worker": ID, "seq": Int(0, I64_MAX), "events": EventColumns(1 << 20)}
 
-    def _check(self) -> None:
-        for i, event in enumerate(self.events):
-            if event.worker != self.worker:
-                raise WireError(
-                    f"PrefixEventsReported.events[{i}]: worker {event.worker!r} is not the "
-                    f"report's worker {self.worker!r}"
-                )
+    def __post_init__(self) -> None:
+        if isinstance(self.events, (tuple, list)):
+            for i, event in enumerate(self.events):
+                if getattr(event, "worker", self.worker) != self.worker:
+                    raise WireError(
+                        f"PrefixEventsReported.events[{i}]: worker {event.worker!r} is not the "
+                        f"report's worker {self.worker!r}"
+                    )
+        WireMessage.__post_init__(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -770,18 +758,8 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         expected = [n for n, _ in spec.fields]
         raise WireError(f"{name}: expected {len(expected)} fields {expected}, got {len(values)}")
     try:
-        kwargs: dict[str, Any] = {}
-        for (field_name, field_type), value in zip(spec.fields, values):
-            if isinstance(field_type, IndexEvents):
-                events = value
-                if not isinstance(events, list):
-                    raise _fail(f"{name}.{field_name}", "a list of [kind, key, tier]", events)
-                kwargs[field_name] = tuple(
-                    decode_index_event(e, kwargs["worker"], f"{name}.{field_name}[{i}]")
-                    for i, e in enumerate(events)
-                )
-            else:
-                kwargs[field_name] = field_type.from_wire(value, f"{name}.{field_name}")
+        kwargs = {field_name: field_type.from_wire(value, f"{name}.{field_name}")
+                  for (field_name, field_type), value in zip(spec.fields, values)}
         return spec.cls(**kwargs)
     except WireError:
         raise

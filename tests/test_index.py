@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from clusters import make_cluster
-from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicted, Tier, TierChanged
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard, UpdateBatchPublished
 from kvcompassd.core.layout import IndexLayout
 
@@ -208,3 +208,60 @@ def test_views_converge_to_exact_state_through_gaps(ops, drop):
     for (worker, key), tier in truth.items():
         assert shards[key % SHARDS].holders(key)[worker] == tier
         assert _view_value(view, layout, key, worker) == tier
+
+
+# ---- columnar reports: the vectorised apply equals the one-by-one apply ---------------------
+
+def _worker_events(worker: str, shard: int, *, foreign: bool, distinct: bool):
+    """Events of one worker on a few keys, some for other shards if ``foreign``; keys repeat
+    within a report (order matters) unless ``distinct`` (the vectorised case)."""
+    own_keys = st.integers(0, 12).map(lambda i: i * SHARDS + shard)
+    keys = (own_keys | st.integers(0, 40)) if foreign else own_keys
+    tiers = st.sampled_from([Tier.VRAM, Tier.DRAM])
+    event = (st.builds(PrefixCached, st.just(worker), keys, tiers) | st.builds(TierChanged, st.just(worker), keys, tiers)
+             | st.builds(PrefixEvicted, st.just(worker), keys))
+    return st.lists(event, max_size=30, unique_by=(lambda e: e.key) if distinct else None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.sampled_from(["a-0", "a-2", "b-17"]), st.booleans(), st.booleans())
+def test_apply_columns_matches_apply_event_by_event(data, worker, foreign, distinct):
+    shard = 1
+    cfg, layout, one_by_one, _ = _setup()
+    _, _, columnar, _ = _setup()
+    # A prior state with other workers' fields in the same values, so removes and updates mix.
+    prior = [PrefixCached(w, k * SHARDS + shard, Tier.DRAM) for w in ("a-1", "b-16") for k in range(0, 12, 3)]
+    prior += [PrefixCached(worker, k * SHARDS + shard, Tier.VRAM) for k in range(0, 12, 2)]
+    for shards in (one_by_one, columnar):
+        shards[shard].apply(prior)
+        shards[shard].flush()
+    for _ in range(data.draw(st.integers(1, 3), label="reports")):
+        events = data.draw(_worker_events(worker, shard, foreign=foreign, distinct=distinct), label="events")
+        expected = one_by_one[shard].apply(events)
+        got = columnar[shard].apply_columns(worker, IndexEventColumns.from_events(events))
+        assert got == expected
+        assert (columnar[shard].flush() is None) == (one_by_one[shard].flush() is None)
+    want = {g: dict(zip(k.tolist(), v.tolist())) for g, (k, v) in one_by_one[shard].group_items().items()}
+    have = {g: dict(zip(k.tolist(), v.tolist())) for g, (k, v) in columnar[shard].group_items().items()}
+    assert have == want
+
+
+def test_columnar_batches_keep_the_view_exact():
+    cfg, layout, shards, view = _setup()
+    keys = [k * SHARDS for k in range(1, 200)]
+    shards[0].apply_columns("b-17", IndexEventColumns.from_events([PrefixCached("b-17", k, Tier.VRAM) for k in keys]))
+    assert view.apply_batch(shards[0].flush()).applied
+    moved = [TierChanged("b-17", k, Tier.DRAM) for k in keys[::2]] + [PrefixEvicted("b-17", k) for k in keys[1::2]]
+    outcome = shards[0].apply_columns("b-17", IndexEventColumns.from_events(moved))
+    assert (outcome.applied, outcome.unchanged, outcome.ignored) == (len(keys), 0, ())
+    assert view.apply_batch(shards[0].flush()).applied
+    for k in keys[::2]:
+        assert _view_value(view, layout, k, "b-17") == Tier.DRAM
+    assert shards[0].entries() == len(keys[::2])
+
+
+def test_unknown_worker_columns_are_ignored_with_a_reason():
+    _, _, shards, _ = _setup()
+    outcome = shards[0].apply_columns("zz-9", IndexEventColumns.from_events([PrefixEvicted("zz-9", 3)]))
+    assert outcome.applied == 0 and len(outcome.ignored) == 1 and "zz-9" in outcome.ignored[0]
+    assert shards[0].flush() is None

@@ -32,6 +32,7 @@ from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import PeerUnavailable, QuicNode, TransportOptions
 from kvcompassd.transport.framing import HEADER, HEADER_AFTER_LENGTH
 from kvcompassd.wire import (
+    PROTOCOL_VERSION,
     ErrorReported,
     NodeIdentity,
     PrefixEventsReported,
@@ -207,7 +208,7 @@ async def test_agent_cannot_write_another_workers_fields(dep):
         await agent.send(WorkerRegistered("us-1", 1 << 62))
         assert (await agent.error()).code == "forbidden"
         # The same report hand-encoded (no local validation at all) meets the same refusal.
-        agent.send_raw(msgpack.packb([1, 1, "us-1", 1 << 40, [[0, KEY_A, 1]]], use_bin_type=True))
+        agent.send_raw(msgpack.packb([V, 1, "us-1", 1 << 40, [b"\x00", KEY_A.to_bytes(8, "little")]], use_bin_type=True))
         assert (await agent.error()).code == "forbidden"
         assert await quiet_state(dep, "mnt-0") == before
         after = await unit_status(dep, "mnt-0")
@@ -234,19 +235,28 @@ async def test_unknown_worker_is_refused_with_a_clear_error(dep):
         await stranger.close()
 
 
+V = PROTOCOL_VERSION
+
+
+def _report(ops: bytes, keys: bytes) -> bytes:
+    return msgpack.packb([V, 1, "us-0", 1 << 40, [ops, keys]], use_bin_type=True)
+
+
 MALFORMED = {
     "not msgpack": b"\xc1\xc1",
     "empty array": msgpack.packb([]),
-    "bad version": msgpack.packb([2, 3, "us-0", 1]),
-    "unknown tag": msgpack.packb([1, 99, "us-0", 1]),
-    "missing field": msgpack.packb([1, 3, "us-0"]),
-    "extra field": msgpack.packb([1, 3, "us-0", 1, 2]),
-    "wrong type": msgpack.packb([1, 3, "us-0", "one"]),
-    "negative incarnation": msgpack.packb([1, 3, "us-0", -5]),
-    "event kind unknown": msgpack.packb([1, 1, "us-0", 1 << 40, [[9, KEY_A, 1]]]),
-    "key out of range": msgpack.packb([1, 1, "us-0", 1 << 40, [[0, (1 << 64) - 1, 1]]]),
-    "tier out of range": msgpack.packb([1, 1, "us-0", 1 << 40, [[0, KEY_A, 7]]]),
-    "trailing bytes": msgpack.packb([1, 3, "us-0", 1]) + b"\x00",
+    "bad version": msgpack.packb([V + 1, 3, "us-0", 1]),
+    "version 1 report": msgpack.packb([1, 1, "us-0", 1 << 40, [[0, KEY_A, 1]]]),
+    "unknown tag": msgpack.packb([V, 99, "us-0", 1]),
+    "missing field": msgpack.packb([V, 3, "us-0"]),
+    "extra field": msgpack.packb([V, 3, "us-0", 1, 2]),
+    "wrong type": msgpack.packb([V, 3, "us-0", "one"]),
+    "negative incarnation": msgpack.packb([V, 3, "us-0", -5]),
+    "events not columns": msgpack.packb([V, 1, "us-0", 1 << 40, [[0, KEY_A, 1]]]),
+    "event op unknown": _report(b"\x09", KEY_A.to_bytes(8, "little")),
+    "key out of range": _report(b"\x00", b"\xff" * 8),
+    "keys cut short": _report(b"\x00\x00", KEY_A.to_bytes(8, "little")),
+    "trailing bytes": msgpack.packb([V, 3, "us-0", 1]) + b"\x00",
 }
 
 
@@ -261,12 +271,12 @@ async def test_malformed_frames_are_refused_and_the_connection_carries_on(dep):
             assert error.code == "malformed", (name, error)
             assert error.detail, name
         # Oversize for its message type (WorkerRegistered is bounded to 1 KiB).
-        agent.send_raw(msgpack.packb([1, 3, "u" * 2000, 1]))
+        agent.send_raw(msgpack.packb([V, 3, "u" * 2000, 1]))
         error = await agent.error()
         assert error.code == "malformed" and "bound" in error.detail
         # A frame with unknown flags: the framing stays intact, only that frame is refused.
         connection = agent.peer._connection
-        body = msgpack.packb([1, 3, "us-0", 1])
+        body = msgpack.packb([V, 3, "us-0", 1])
         connection._quic.send_stream_data(connection.control_stream(),
                                           HEADER.pack(HEADER_AFTER_LENGTH + len(body), 0, 0x80) + body)
         connection._transmit_soon()

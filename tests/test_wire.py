@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompassd import wire
-from kvcompassd.core.events import MAX_KEY, PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.core.events import MAX_KEY, EventOp, IndexEventColumns, PrefixCached, PrefixEvicted, Tier, TierChanged
 from kvcompassd.wire import (
     MESSAGE_SPECS,
     SENDER_ROLES,
@@ -111,10 +111,25 @@ def test_every_message_class_has_sender_rule_and_past_tense_name():
         assert cls.__name__.endswith(("ed", "Sent", "Withdrawn", "Broadcast")), cls.__name__
 
 
-def test_index_events_encode_compactly():
-    report = PrefixEventsReported("us-0", 7, (PrefixCached("us-0", 5, Tier.DRAM), PrefixEvicted("us-0", 9)))
+def test_index_events_travel_as_packed_columns():
+    events = (PrefixCached("us-0", 5, Tier.DRAM), PrefixEvicted("us-0", 9), TierChanged("us-0", MAX_KEY, Tier.VRAM))
+    report = PrefixEventsReported("us-0", 7, events)
     raw = msgpack.unpackb(encode(report))
-    assert raw == [wire.PROTOCOL_VERSION, 1, "us-0", 7, [[0, 5, 2], [2, 9, 0]]]
+    keys = (5).to_bytes(8, "little") + (9).to_bytes(8, "little") + MAX_KEY.to_bytes(8, "little")
+    assert raw == [wire.PROTOCOL_VERSION, 1, "us-0", 7, [bytes([EventOp.CACHED_DRAM, EventOp.EVICTED,
+                                                                  EventOp.MOVED_TO_VRAM]), keys]]
+    assert decode(encode(report)).events.as_events("us-0") == events
+
+
+@SETTINGS
+@given(st.data())
+def test_event_columns_round_trip_through_objects(data):
+    events = data.draw(index_events_for("w"))
+    columns = IndexEventColumns.from_events(events)
+    assert len(columns) == len(events)
+    assert columns.as_events("w") == events
+    assert IndexEventColumns(columns.ops, columns.keys) == columns
+    assert PrefixEventsReported("w", 1, columns) == PrefixEventsReported("w", 1, events)
 
 
 def test_tokens_are_packed_as_uint32_le():
@@ -129,6 +144,8 @@ def test_tokens_are_packed_as_uint32_le():
 def test_events_of_another_worker_are_refused():
     with pytest.raises(WireError, match="not the report's worker"):
         PrefixEventsReported("us-0", 0, (PrefixCached("us-1", 5, Tier.VRAM),))
+    with pytest.raises(WireError, match=r"events\[0\]: expected PrefixCached"):
+        PrefixEventsReported("us-0", 0, ((0, 5, 1),))
 
 
 @pytest.mark.parametrize(
@@ -153,6 +170,9 @@ def test_invalid_messages_are_refused_on_construction(build, fragment):
 # ---- malformed input -----------------------------------------------------------------------
 
 
+V = wire.PROTOCOL_VERSION
+
+
 def packed(*items) -> bytes:
     return msgpack.packb(list(items), use_bin_type=True)
 
@@ -164,17 +184,21 @@ def packed(*items) -> bytes:
         (b"\xc1", "not valid msgpack"),
         (packed(1), "expected \\[version"),
         (msgpack.packb({"a": 1}), "expected \\[version"),
-        (packed(2, 3, "w", 0), "unsupported protocol version"),
-        (packed(1, 999), "unknown message tag"),
-        (packed(1, 3, "w"), "expected 2 fields"),
-        (packed(1, 3, "w", 0, "extra"), "expected 2 fields"),
-        (packed(1, 3, 5, 0), "WorkerRegistered.worker: expected a string"),
-        (packed(1, 3, "w", 0) + b"\x00", "trailing bytes"),
-        (packed(1, 1, "w", 0, [[7, 1, 1]]), "unknown event kind"),
-        (packed(1, 1, "w", 0, [[2, 1, 1]]), "eviction carries tier 0"),
-        (packed(1, 30, "r", "e", "us", b"\x00\x00\x00", {}, False, 0), "multiple of 4"),
-        (packed(1, 2, "w" * 600), "exceeds its bound|longer than"),
-        (packed(1, 3, "w", 0)[:-1], "not valid msgpack"),
+        (packed(V + 1, 3, "w", 0), "unsupported protocol version"),
+        (packed(1, 3, "w", 0), "unsupported protocol version"),  # version 1 sent events as triples
+        (packed(V, 999), "unknown message tag"),
+        (packed(V, 3, "w"), "expected 2 fields"),
+        (packed(V, 3, "w", 0, "extra"), "expected 2 fields"),
+        (packed(V, 3, 5, 0), "WorkerRegistered.worker: expected a string"),
+        (packed(V, 3, "w", 0) + b"\x00", "trailing bytes"),
+        (packed(V, 1, "w", 0, [[0, 1, 1]]), "two byte strings"),
+        (packed(V, 1, "w", 0, [b"\x00", b"\x00" * 8, b""]), "two byte strings"),
+        (packed(V, 1, "w", 0, [b"\x05", b"\x00" * 8]), "unknown op 5"),
+        (packed(V, 1, "w", 0, [b"\x00\x04", b"\x00" * 8]), "need 16 key bytes"),
+        (packed(V, 1, "w", 0, [b"\x00\x04", b"\x00" * 8 + b"\xff" * 8]), "event 1: prefix key"),
+        (packed(V, 30, "r", "e", "us", b"\x00\x00\x00", {}, False, 0), "multiple of 4"),
+        (packed(V, 2, "w" * 600), "exceeds its bound|longer than"),
+        (packed(V, 3, "w", 0)[:-1], "not valid msgpack"),
     ],
 )
 def test_malformed_input_raises_wire_error(data, fragment):

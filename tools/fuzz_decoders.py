@@ -12,6 +12,10 @@ Decoders and their documented errors:
 - ``LudoView.from_snapshot`` (snapshot blobs from a maintenance unit or peer edge): ``LudoError``.
 - ``LudoView.apply`` on a live view (update-record blobs and snapshots): ``LudoError``, and a
   rejected blob leaves the view byte-for-byte unchanged (its exported snapshot is compared).
+- A report's columns applied to a live shard (``wire.decode`` of a ``PrefixEventsReported``,
+  then ``MaintenanceShard.apply_columns``, as a maintenance unit does): ``WireError`` from the
+  decode only; the vectorised apply never raises, and its outcome and end state equal applying
+  the same events one by one (``MaintenanceShard.apply``).
 - The edge's HTTP front door (``FrontDoor`` app in-process through aiohttp's TestClient, its
   workers unreachable): never a 5xx other than 502/503 (no worker could serve a valid body),
   always a JSON error body naming what was wrong.
@@ -241,6 +245,7 @@ def wire_samples() -> list[bytes]:
         wire.ResponseCompleted("req-1", "us-0", 16, 32, 4, "stop", (("us-0", 1.0),)),
         wire.RequestFailed("req-1", "us-0", "engine down", True),
         wire.WorkerLoadReported("us-0", 12.5, 3, 1),
+        wire.PiggybackSent("us-0", "eu"),
         wire.ErrorReported("malformed", "bad"),
         wire.AdminQueried("holders", {"text": "a prompt", "top": 5}),
         wire.AdminAnswered("status", {"mode": "edge", "views": [{"shard": 0}]}),
@@ -280,6 +285,39 @@ def frames_input(rng: random.Random, payloads: list[bytes]) -> list[bytes]:
     elif r < 0.2:
         frames[0] = rng.randbytes(rng.randrange(4))
     return frames
+
+
+REPORT_WORKER = "a-1"
+
+
+def report_fixture():
+    """(make a live shard, valid encoded reports of REPORT_WORKER against its state)."""
+    from kvcompassd.core.index import MaintenanceShard
+    from kvcompassd.core.layout import IndexLayout
+    from kvcompassd.launcher import DeploymentSpec, build_cluster
+
+    cfg = build_cluster(DeploymentSpec(workers={"a": 3}, one_way_ms={}, shards=2, wan=False))
+    layout = IndexLayout.from_config(cfg)
+    prior = [PrefixCached(w, k, Tier.DRAM if w == "a-0" else Tier.VRAM) for w in ("a-0", REPORT_WORKER)
+             for k in range(0, 40, 4)]
+
+    def live_shard() -> MaintenanceShard:
+        shard = MaintenanceShard(layout, 0, 2, epoch=1, initial_capacity=64)
+        shard.apply(prior)
+        shard.flush()
+        return shard
+
+    rng = random.Random(5)
+    reports = []
+    for n in (1, 3, 8, 30):
+        events = []
+        for _ in range(n):
+            key = rng.randrange(0, 48, 2)
+            tier = rng.choice([Tier.VRAM, Tier.DRAM])
+            events.append(rng.choice([PrefixCached(REPORT_WORKER, key, tier), TierChanged(REPORT_WORKER, key, tier),
+                                      PrefixEvicted(REPORT_WORKER, key)]))
+        reports.append(wire.encode(wire.PrefixEventsReported(REPORT_WORKER, n, tuple(events))))
+    return live_shard, reports
 
 
 def ludo_fixture() -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
@@ -514,6 +552,33 @@ def run_all(n: int, seed: int, bound_s: float, only: set[str] | None, http_n: in
             return None if now == steps[i][0] else "a rejected blob changed the view"
 
         results.append(runner.run_sync("LudoView.apply", (LudoError,), apply_input, apply, unchanged))
+    if want("report apply_columns"):
+        live_shard, reports = report_fixture()
+
+        def apply_report(data):
+            report = wire.decode(data)
+            if not isinstance(report, wire.PrefixEventsReported):
+                return None
+            shard = live_shard()
+            return report, shard.apply_columns(report.worker, report.events), shard
+
+        def same_as_one_by_one(data, error):
+            if error is not None:
+                return None if isinstance(error, WireError) else "apply_columns raised"
+            outcome = apply_report(data)
+            if outcome is None:
+                return None
+            report, got, shard = outcome
+            reference = live_shard()
+            want_outcome = reference.apply(report.events.as_events(report.worker))
+            if got != want_outcome:
+                return f"apply_columns outcome {got} != one by one {want_outcome}"
+            states = [{g: dict(zip(k.tolist(), v.tolist())) for g, (k, v) in s.group_items().items()}
+                      for s in (shard, reference)]
+            return None if states[0] == states[1] else "apply_columns left another state than one by one"
+
+        results.append(runner.run_sync("report apply_columns", (WireError,), lambda rng: msgpack_input(rng, reports),
+                                       apply_report, same_as_one_by_one))
     if want("frontdoor"):
         results.append(asyncio.run(fuzz_frontdoor(http_n, seed, max(bound_s, 10.0))))
     return results
@@ -539,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bound", type=float, default=2.0, help="per-input time bound in seconds")
     parser.add_argument("--only", action="append", default=None,
                         help="wire.decode, kvevents.decode_payload, kvevents.decode_message, "
-                             "LudoView.from_snapshot, LudoView.apply, frontdoor")
+                             "LudoView.from_snapshot, LudoView.apply, report apply_columns, frontdoor")
     args = parser.parse_args(argv)
     n = args.n or (1_000 if args.quick else 100_000)
     signal.signal(signal.SIGALRM, _alarm)

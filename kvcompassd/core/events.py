@@ -8,7 +8,10 @@ the index.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 MAX_KEY = (1 << 63) - 1
 
@@ -88,3 +91,90 @@ class PrefixEvicted:
 
 
 IndexEvent = PrefixCached | TierChanged | PrefixEvicted
+
+
+class EventOp(enum.IntEnum):
+    """One byte per event in :class:`IndexEventColumns`: what happened, and to which tier."""
+
+    CACHED_VRAM = 0
+    CACHED_DRAM = 1
+    MOVED_TO_VRAM = 2
+    MOVED_TO_DRAM = 3
+    EVICTED = 4
+
+
+_OP_OF_TIERED = {(PrefixCached, Tier.VRAM): EventOp.CACHED_VRAM, (PrefixCached, Tier.DRAM): EventOp.CACHED_DRAM,
+                 (TierChanged, Tier.VRAM): EventOp.MOVED_TO_VRAM, (TierChanged, Tier.DRAM): EventOp.MOVED_TO_DRAM}
+KEY_DTYPE = np.dtype("<u8")
+OP_DTYPE = np.dtype("u1")
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEventColumns:
+    """One worker's index events as two packed columns, validated on construction.
+
+    ``ops`` holds one :class:`EventOp` byte per event, ``keys`` the prefix keys as little-endian
+    uint64, in event order. A report carries thousands of events: as columns they are checked,
+    sent and applied with array operations, never as one Python object per event. The worker is
+    not stored: it is the enclosing report's.
+    """
+
+    ops: bytes
+    keys: bytes
+
+    def __post_init__(self) -> None:
+        for name in ("ops", "keys"):
+            value = getattr(self, name)
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise ValueError(f"{name} must be bytes, got {type(value).__name__}")
+            _set(self, name, bytes(value))
+        if len(self.keys) != KEY_DTYPE.itemsize * len(self.ops):
+            raise ValueError(f"{len(self.ops)} ops need {KEY_DTYPE.itemsize * len(self.ops)} key bytes, "
+                             f"got {len(self.keys)}")
+        if not self.ops:
+            return
+        ops = self.op_array()
+        if int(ops.max()) > EventOp.EVICTED:
+            i = int(np.argmax(ops > EventOp.EVICTED))
+            raise ValueError(f"event {i}: unknown op {int(ops[i])}")
+        keys = self.key_array()
+        if int(keys.max()) > MAX_KEY:
+            i = int(np.argmax(keys > MAX_KEY))
+            raise ValueError(f"event {i}: prefix key {int(keys[i])} is not in [0, 2^63)")
+
+    @classmethod
+    def from_events(cls, events: Iterable[IndexEvent]) -> "IndexEventColumns":
+        """Columns of already validated events (of one worker: the caller checks that)."""
+        ops = bytearray()
+        keys = []
+        for event in events:
+            ops.append(EventOp.EVICTED if type(event) is PrefixEvicted else _OP_OF_TIERED[type(event), event.tier])
+            keys.append(event.key)
+        return cls(bytes(ops), np.array(keys, dtype=KEY_DTYPE).tobytes())
+
+    @classmethod
+    def evictions(cls, keys: np.ndarray) -> "IndexEventColumns":
+        """Evictions of every key in ``keys`` (e.g. all a worker holds)."""
+        return cls(bytes([EventOp.EVICTED]) * len(keys), np.asarray(keys, dtype=KEY_DTYPE).tobytes())
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def op_array(self) -> np.ndarray:
+        """The op codes as a read-only uint8 array (no copy)."""
+        return np.frombuffer(self.ops, dtype=OP_DTYPE)
+
+    def key_array(self) -> np.ndarray:
+        """The keys as a read-only uint64 array (no copy on little-endian machines)."""
+        return np.frombuffer(self.keys, dtype=KEY_DTYPE)
+
+    def as_events(self, worker: str) -> tuple[IndexEvent, ...]:
+        """The same events as objects of ``worker`` (for code that handles one event at a time)."""
+        out: list[IndexEvent] = []
+        for op, key in zip(self.ops, self.key_array().tolist()):
+            if op == EventOp.EVICTED:
+                out.append(PrefixEvicted.trusted(worker, key))
+            else:
+                cls = PrefixCached if op <= EventOp.CACHED_DRAM else TierChanged
+                out.append(cls.trusted(worker, key, Tier.VRAM if op % 2 == 0 else Tier.DRAM))
+        return tuple(out)
