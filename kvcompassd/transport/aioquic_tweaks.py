@@ -12,7 +12,15 @@
    stays the congestion controller's. Slower (WAN) peers with longer intervals are paced
    exactly as aioquic would. ``pacing="off"`` removes pacing altogether (for comparison).
 
-2. **Client certificates.** aioquic's TLS server only sends a CertificateRequest when the
+2. **Acknowledgement delay.** aioquic acknowledges every ack-eliciting packet within
+   ``K_GRANULARITY`` (1 ms), whatever ``max_ack_delay`` it advertises (25 ms). An update stream is
+   one-way, so each acknowledgement is a packet of its own that both ends must build, encrypt,
+   send, receive and process: at a few batches per millisecond that is about one extra packet
+   per data packet. :func:`set_ack_delay` raises the delay on an established connection (still
+   well inside the advertised 25 ms, so the peer's loss timers allow for it); acknowledgements
+   then cover several packets each.
+
+3. **Client certificates.** aioquic's TLS server only sends a CertificateRequest when the
    private flag ``tls.Context._request_client_certificate`` is set ("for test purposes only"),
    and, even then, it does not verify the client's chain (only its proof of key possession).
    :func:`request_client_certificate` sets the flag as soon as the connection creates its TLS
@@ -31,6 +39,7 @@ from cryptography import x509
 
 PacingMode = Literal["auto", "aioquic", "off"]
 DEFAULT_PACING_GRANULARITY_S = 0.001
+ADVERTISED_MAX_ACK_DELAY_S = 0.025  # aioquic's transport parameter max_ack_delay (fixed at 25 ms)
 
 
 class CoarsePacer(QuicPacketPacer):
@@ -71,6 +80,14 @@ def install_pacer(quic: QuicConnection, mode: PacingMode) -> None:
         )
     elif mode == "off":
         quic._loss._pacer = UnpacedPacer(max_datagram_size=quic._max_datagram_size)
+
+
+def set_ack_delay(quic: QuicConnection, seconds: float) -> None:
+    """Acknowledge received packets within ``seconds`` instead of aioquic's 1 ms (see module docs).
+    Call once the handshake is complete: handshake packets keep the prompt acknowledgements."""
+    if not 0 < seconds < ADVERTISED_MAX_ACK_DELAY_S:
+        raise ValueError(f"ack delay must be in (0, {ADVERTISED_MAX_ACK_DELAY_S * 1000:g} ms), got {seconds!r}")
+    quic._ack_delay = seconds
 
 
 def request_client_certificate(quic: QuicConnection) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompassd.transport.aioquic_tweaks import PacingMode
+from kvcompassd.transport.aioquic_tweaks import ADVERTISED_MAX_ACK_DELAY_S, PacingMode
 
 ALPN = "kvcompass/1"
 # A DATAGRAM frame must fit in one QUIC packet (>= 1200 bytes on every path); keep headroom for
@@ -35,6 +35,7 @@ class TransportOptions:
     """Knobs of a QuicNode; the defaults suit production."""
 
     pacing: PacingMode = "auto"  # see aioquic_tweaks.CoarsePacer
+    ack_delay: float = 0.005  # acknowledge within this once connected (aioquic_tweaks.set_ack_delay)
     exchange_streams: int = 4  # QUIC streams shared by the exchanges this node opens per connection
     idle_timeout: float = 10.0  # a silent peer is declared dead after this; keepalive at 1/3
     handshake_timeout: float = 5.0
@@ -52,6 +53,8 @@ class TransportOptions:
     def __post_init__(self) -> None:
         if self.pacing not in ("auto", "aioquic", "off"):
             raise ValueError(f"pacing must be 'auto', 'aioquic' or 'off', got {self.pacing!r}")
+        if not 0 < self.ack_delay < ADVERTISED_MAX_ACK_DELAY_S:
+            raise ValueError(f"ack_delay must be in (0, {ADVERTISED_MAX_ACK_DELAY_S}) s, got {self.ack_delay!r}")
         if not 1 <= self.exchange_streams <= 64:
             raise ValueError(f"exchange_streams must be in [1, 64], got {self.exchange_streams}")
         for name in ("idle_timeout", "handshake_timeout", "reconnect_initial", "reconnect_max"):

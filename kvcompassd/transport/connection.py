@@ -25,6 +25,7 @@ from kvcompassd.transport.aioquic_tweaks import (
     install_pacer,
     peer_certificate,
     request_client_certificate,
+    set_ack_delay,
     verify_peer_chain,
 )
 from kvcompassd.transport.base import (
@@ -121,7 +122,12 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     # ---- events -----------------------------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        super().datagram_received(data, addr)
+        # aioquic's version transmits after every datagram; the event loop reads many datagrams
+        # per wake-up, so one transmit per loop turn answers them all (one packet with the
+        # acknowledgements and any replies, where aioquic would build and send several).
+        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        self._process_events()
+        self._transmit_soon()
         if self._drain_waiters:  # acknowledgements may have freed send buffer
             self._wake_drain_waiters()
 
@@ -134,6 +140,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     def quic_event_received(self, event: events.QuicEvent) -> None:
         # Deliberately not calling super(): its asyncio StreamReader plumbing is unused here.
         if isinstance(event, events.HandshakeCompleted):
+            set_ack_delay(self._quic, self.node.options.ack_delay)
             self._verify_peer()
         elif isinstance(event, events.StreamDataReceived):
             if self.identity is not None:  # nothing is read from a peer we have not identified
