@@ -281,7 +281,8 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
     spec = DeploymentSpec(workers={"us": 2}, one_way_ms={}, shards=args.shards, wan=False)
     cluster = Cluster(spec, initial_capacity=args.initial_capacity,
                       extra_certs=tuple((Role.EDGE, e) for e in edge_ids),
-                      profile_dir=None if args.profile is None else Path(args.profile) / f"run{run}-{mode.replace(' ', '')}")
+                      profile_dir=None if args.profile is None else Path(args.profile) / f"run{run}-{mode.replace(' ', '')}",
+                      host=args.host)
     cfg = cluster.cfg
     layout = IndexLayout.from_config(cfg)
     work = Workload(layout, cfg.shards, args.events, args.report_events, seed=run)
@@ -450,6 +451,9 @@ def main() -> None:
     p.add_argument("--paced-fraction", type=float, nargs="+", default=[0.3],
                    help="paced mode offers these shares of the in-process rate (one row each)")
     p.add_argument("--initial-capacity", type=int, default=65536, help="entries per Ludo table before growth")
+    p.add_argument("--host", default=None,
+                   help="run every daemon on this address instead of 127.0.0.1 (a LAN address of this machine: "
+                        "QUIC then sizes datagrams for a network path, 1200 bytes, instead of loopback's 16 KiB)")
     p.add_argument("--profile", metavar="DIR", help="run the daemons under cProfile, writing DIR/<run>/<mode>.<id>.prof")
     p.add_argument("--verbose", action="store_true", help="print each run's visibility timeline")
     p.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")

@@ -20,7 +20,7 @@ import aiohttp
 import structlog
 
 from kvcompassd import certs
-from kvcompassd.core.config import ClusterConfig, dump_config
+from kvcompassd.core.config import ClusterConfig, dump_config, load_config
 from kvcompassd.launcher import DeploymentSpec, build_cluster
 from kvcompassd.wire import Role
 
@@ -61,15 +61,21 @@ class Cluster:
     ``extra_certs`` are (role, id) pairs for the identities the benchmark itself plays."""
 
     def __init__(self, spec: DeploymentSpec, *, initial_capacity: int | None = None,
-                 extra_certs: tuple[tuple[Role, str], ...] = (), profile_dir: Path | None = None):
+                 extra_certs: tuple[tuple[Role, str], ...] = (), profile_dir: Path | None = None,
+                 host: str | None = None):
         self.profile_dir = profile_dir  # run the daemons under cProfile, one .prof per process
         self.workdir = Path(tempfile.mkdtemp(prefix="kvbench-"))
         cfg = build_cluster(spec, name="bench")
         if initial_capacity is not None:
             cfg = replace(cfg, index=replace(cfg.index, initial_capacity=initial_capacity))
-        self.cfg: ClusterConfig = cfg
         self.config_path = self.workdir / "cluster.toml"
-        self.config_path.write_text(dump_config(cfg))
+        text = dump_config(cfg)
+        if host is not None:
+            # Every daemon on ``host`` instead of 127.0.0.1 (e.g. this machine's LAN address, so
+            # the transport sizes its datagrams for a real network path rather than loopback).
+            text = text.replace("127.0.0.1", host)
+        self.config_path.write_text(text)
+        self.cfg: ClusterConfig = load_config(self.config_path)
         self.tls_dir = self.workdir / "tls"
         certs.init_ca(self.tls_dir, cluster_name=cfg.name)
         identities = [(Role.MAINTENANCE, m.id) for m in cfg.maintenance]

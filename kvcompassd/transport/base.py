@@ -10,6 +10,16 @@ ALPN = "kvcompass/1"
 # A DATAGRAM frame must fit in one QUIC packet (>= 1200 bytes on every path); keep headroom for
 # the packet header and AEAD tag. Larger "datagram" messages fall back to the control stream.
 MAX_DATAGRAM_PAYLOAD = 1000
+# QUIC datagram sizes. 1200 bytes fits every path (RFC 9000 §14), and aioquic has no path-MTU
+# discovery, so that is the size for peers elsewhere unless configured (e.g. 8952 on a jumbo-
+# frame LAN). A loopback path's MTU is the kernel's (65536 on Linux): there a datagram carries
+# a whole update batch instead of a dozen 1200-byte packets, each of which costs both ends
+# aioquic's per-packet CPU and a system call. 16 KiB keeps a full initial congestion window
+# (10 datagrams) inside the socket receive buffer.
+QUIC_MIN_DATAGRAM_SIZE = 1200
+LOOPBACK_DATAGRAM_SIZE = 16 * 1024
+MAX_UDP_PAYLOAD = 65527
+SOCKET_RECEIVE_BUFFER = 4 * 1024 * 1024  # asked for; the kernel caps it at net.core.rmem_max
 APP_ERROR_REFUSED = 0x10  # QUIC application error code when a peer's identity is refused
 STREAM_ERROR_CORRUPT = 0x11
 
@@ -36,6 +46,9 @@ class TransportOptions:
 
     pacing: PacingMode = "auto"  # see aioquic_tweaks.CoarsePacer
     ack_delay: float = 0.005  # acknowledge within this once connected (aioquic_tweaks.set_ack_delay)
+    # Largest UDP payload sent; None = by path: LOOPBACK_DATAGRAM_SIZE when the peer (dialing)
+    # or the listening address is a loopback address, else QUIC_MIN_DATAGRAM_SIZE.
+    max_datagram_size: int | None = None
     exchange_streams: int = 4  # QUIC streams shared by the exchanges this node opens per connection
     idle_timeout: float = 10.0  # a silent peer is declared dead after this; keepalive at 1/3
     handshake_timeout: float = 5.0
@@ -55,6 +68,9 @@ class TransportOptions:
             raise ValueError(f"pacing must be 'auto', 'aioquic' or 'off', got {self.pacing!r}")
         if not 0 < self.ack_delay < ADVERTISED_MAX_ACK_DELAY_S:
             raise ValueError(f"ack_delay must be in (0, {ADVERTISED_MAX_ACK_DELAY_S}) s, got {self.ack_delay!r}")
+        if self.max_datagram_size is not None and not QUIC_MIN_DATAGRAM_SIZE <= self.max_datagram_size <= MAX_UDP_PAYLOAD:
+            raise ValueError(f"max_datagram_size must be None or in [{QUIC_MIN_DATAGRAM_SIZE}, {MAX_UDP_PAYLOAD}], "
+                             f"got {self.max_datagram_size!r}")
         if not 1 <= self.exchange_streams <= 64:
             raise ValueError(f"exchange_streams must be in [1, 64], got {self.exchange_streams}")
         for name in ("idle_timeout", "handshake_timeout", "reconnect_initial", "reconnect_max"):

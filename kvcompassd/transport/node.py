@@ -10,6 +10,7 @@ connection.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import random
 import socket
 import ssl
@@ -21,7 +22,15 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from kvcompassd.certs import CertError, TlsFiles, load_certificate, peer_identity
-from kvcompassd.transport.base import ALPN, HandshakeFailed, PeerUnavailable, TransportOptions
+from kvcompassd.transport.base import (
+    ALPN,
+    LOOPBACK_DATAGRAM_SIZE,
+    QUIC_MIN_DATAGRAM_SIZE,
+    SOCKET_RECEIVE_BUFFER,
+    HandshakeFailed,
+    PeerUnavailable,
+    TransportOptions,
+)
 from kvcompassd.transport.connection import QuicConnectionTransport
 from kvcompassd.transport.exchange import ChannelInfo, FrameStream, OnMessage
 from kvcompassd.wire import Message, NodeIdentity, Role, encode
@@ -223,12 +232,19 @@ class QuicNode:
 
     # ---- configuration ----------------------------------------------------------------------
 
-    def _configuration(self, *, is_client: bool, server_name: str | None = None) -> QuicConfiguration:
+    def _datagram_size(self, host: str) -> int:
+        """The UDP payload size for a path to (or a listener on) ``host``; see base.py."""
+        if self.options.max_datagram_size is not None:
+            return self.options.max_datagram_size
+        return LOOPBACK_DATAGRAM_SIZE if _is_loopback(host) else QUIC_MIN_DATAGRAM_SIZE
+
+    def _configuration(self, *, is_client: bool, datagram_size: int, server_name: str | None = None) -> QuicConfiguration:
         options = self.options
         configuration = QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[ALPN],
             idle_timeout=options.idle_timeout,
+            max_datagram_size=datagram_size,
             max_datagram_frame_size=65536,
             max_data=options.max_data,
             max_stream_data=options.max_stream_data,
@@ -248,9 +264,10 @@ class QuicNode:
         self._server = await serve(
             host,
             port,
-            configuration=self._configuration(is_client=False),
+            configuration=self._configuration(is_client=False, datagram_size=self._datagram_size(host)),
             create_protocol=lambda quic, stream_handler=None: QuicConnectionTransport(quic, node=self, outbound=False),
         )
+        _enlarge_receive_buffer(self._server._transport)
         sockname = self._server._transport.get_extra_info("sockname")
         self.address = (sockname[0], sockname[1])
         log.info("listening", node=str(self.identity), address=f"{sockname[0]}:{sockname[1]}")
@@ -296,7 +313,9 @@ class QuicNode:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         family, remote = infos[0][0], infos[0][4]
         server_name = host if self.options.verify_hostname else None
-        quic = QuicConnection(configuration=self._configuration(is_client=True, server_name=server_name))
+        datagram_size = self._datagram_size(remote[0])
+        quic = QuicConnection(configuration=self._configuration(is_client=True, datagram_size=datagram_size,
+                                                                server_name=server_name))
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
         transport, connection = await loop.create_datagram_endpoint(
             lambda: QuicConnectionTransport(
@@ -305,6 +324,7 @@ class QuicNode:
             local_addr=local,
         )
         connection.peer = peer
+        _enlarge_receive_buffer(transport)
         try:
             async with asyncio.timeout(self.options.handshake_timeout):
                 connection.connect(remote)
@@ -368,6 +388,24 @@ class QuicNode:
             self.address = None
         # Let the CONNECTION_CLOSE frames leave before the sockets go.
         await asyncio.sleep(0)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _enlarge_receive_buffer(transport: asyncio.BaseTransport) -> None:
+    # Bursts of a congestion window arrive faster than one event-loop turn reads them; a full
+    # socket buffer drops datagrams, which QUIC then has to detect and resend.
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_RECEIVE_BUFFER)
+        except OSError:
+            pass
 
 
 def _retrieve(future: asyncio.Future) -> None:
