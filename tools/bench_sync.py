@@ -16,6 +16,8 @@ batch, so the probe turns visible exactly when the report's other events do.
 
 Reference, measured in the same run: the in-process core applying the same reports
 (``MaintenanceShard.apply`` + ``flush`` + ``EdgeIndexView.apply_batch``, one report at a time).
+A second row applies the same reports as columns (``apply_columns``, the path a maintenance unit
+runs on a decoded report); the "vs columns" column compares with that faster core path.
 
 Two modes per run: ``max`` sends as fast as the transport accepts (the sync path's throughput;
 its delays are mostly queueing) and ``paced`` offers each ``--paced-fraction`` of the in-process
@@ -42,7 +44,7 @@ import numpy as np  # noqa: E402
 from benchlib import Cluster, cpu_seconds, load_average, median, percentile, quiet_logs  # noqa: E402
 
 from kvcompassd.core.config import load_config  # noqa: E402
-from kvcompassd.core.events import PrefixCached, Tier, TierChanged  # noqa: E402
+from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier, TierChanged  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
 from kvcompassd.daemon import DAEMON_TRANSPORT, split_address, tls_files  # noqa: E402
@@ -102,8 +104,12 @@ class Workload:
 # ---- the in-process reference ---------------------------------------------------------------
 
 
-def in_process_rate(cfg, layout: IndexLayout, work: Workload) -> float:
-    """Events/s of the core alone: apply + flush + the edge view's apply_batch, per report."""
+def in_process_rate(cfg, layout: IndexLayout, work: Workload, *, columns: bool = False) -> float:
+    """Events/s of the core alone: apply + flush + the edge view's apply_batch, per report.
+
+    ``columns=False`` applies the reports' event objects one by one (``MaintenanceShard.apply``,
+    the reference of the issue's target); ``columns=True`` applies the same reports as columns
+    (``apply_columns``, what a maintenance unit runs on a decoded report)."""
     shards = [MaintenanceShard(layout, s, cfg.shards, epoch=1, initial_capacity=cfg.index.initial_capacity,
                                fingerprint_bits=cfg.index.fingerprint_bits, max_load=cfg.index.max_load)
               for s in range(cfg.shards)]
@@ -112,10 +118,14 @@ def in_process_rate(cfg, layout: IndexLayout, work: Workload) -> float:
         shard.apply(work.probe_registrations(s))
         shard.flush()
         view.install_snapshot(shard.snapshot())
+    reports = [(s, IndexEventColumns.from_events(events) if columns else events) for s, _, events in work.reports]
     start = time.perf_counter()
-    for s, _, events in work.reports:
+    for s, events in reports:
         shard = shards[s]
-        shard.apply(events)
+        if columns:
+            shard.apply_columns(WORKER, events)
+        else:
+            shard.apply(events)
         outcome = view.apply_batch(shard.flush())
         if not outcome.applied:
             raise RuntimeError(f"in-process view refused a batch: {outcome.reason}")
@@ -287,6 +297,7 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
     layout = IndexLayout.from_config(cfg)
     work = Workload(layout, cfg.shards, args.events, args.report_events, seed=run)
     ref_rate = in_process_rate(cfg, layout, work)
+    columns_rate = in_process_rate(cfg, layout, work, columns=True)
     offered = None if fraction is None else fraction * (reference_rate or ref_rate)
     ctx = multiprocessing.get_context("spawn")
     edges = []
@@ -383,6 +394,7 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
         "offered": offered,
         "rate": work.events / (last_visible - start),
         "ref_rate": ref_rate,
+        "columns_rate": columns_rate,
         "p50": percentile(delays, 50),
         "p99": percentile(delays, 99),
         "real_edge_lag_ms": None if real_edge_done is None else (real_edge_done - last_visible) * 1000.0,
@@ -411,15 +423,18 @@ async def main_async(args) -> None:
                   f"subscriber edge {result['edge_us']:.1f} us, real edge wrong {result['wrong']}/{result['checked']}",
                   flush=True)
     ref = median([r["ref_rate"] for rs in results.values() for r in rs])
+    columns_ref = median([r["columns_rate"] for rs in results.values() for r in rs])
     print()
     print(f"index sync on loopback: {args.shards} maintenance processes, {args.edges} subscriber edge(s)"
           f"{' + 1 kvcompassd edge' if args.real_edge else ''}, {args.events:,} events in reports of "
           f"{args.report_events}; medians of {args.runs} runs; load average {load_average()}")
-    header = (f"{'mode':<24}{'events/s':>10}{'vs in-process':>15}{'P50 ms':>9}{'P99 ms':>9}{'mnt CPU us/ev':>15}"
-              f"{'edge CPU us/ev':>16}{'real edge lag ms':>18}{'real edge keys':>22}")
+    header = (f"{'mode':<24}{'events/s':>10}{'vs in-process':>15}{'vs columns':>12}{'P50 ms':>9}{'P99 ms':>9}"
+              f"{'mnt CPU us/ev':>15}{'edge CPU us/ev':>16}{'real edge lag ms':>18}{'real edge keys':>22}")
     print(header)
     print("-" * len(header))
-    print(f"{'in-process core':<24}{ref:>10,.0f}{1.0:>15.2f}{1e6 / ref:>49.1f} (all of it)")
+    print(f"{'in-process core':<24}{ref:>10,.0f}{1.0:>15.2f}{ref / columns_ref:>12.2f}{1e6 / ref:>49.1f} (all of it)")
+    print(f"{'in-process, columns':<24}{columns_ref:>10,.0f}{columns_ref / ref:>15.2f}{1.0:>12.2f}"
+          f"{1e6 / columns_ref:>49.1f} (all of it)")
     for mode, fraction in points:
         rs = results[mode]
         rate = median([r["rate"] for r in rs])
@@ -428,10 +443,13 @@ async def main_async(args) -> None:
         wrong = sum(r["wrong"] for r in rs)
         checked = sum(r["checked"] for r in rs)
         keys = f"{checked - wrong:,}/{checked:,} right" if checked else "-"
-        print(f"{label:<24}{rate:>10,.0f}{rate / ref:>15.2f}{median([r['p50'] for r in rs]):>9.1f}"
+        print(f"{label:<24}{rate:>10,.0f}{rate / ref:>15.2f}{rate / columns_ref:>12.2f}{median([r['p50'] for r in rs]):>9.1f}"
               f"{median([r['p99'] for r in rs]):>9.1f}{median([r['mnt_us'] for r in rs]):>15.1f}"
               f"{median([r['edge_us'] for r in rs]):>16.1f}{lag:>18.1f}{keys:>22}")
-    print("\nevents/s: events / (last report visible at every subscriber edge - first send); delays: report "
+    print("\nin-process core: the reports' event objects applied one by one (MaintenanceShard.apply), the reference "
+          "of the targets and of the paced rates; in-process, columns: the same reports applied as columns "
+          "(apply_columns), as a maintenance unit applies a decoded report. "
+          "events/s: events / (last report visible at every subscriber edge - first send); delays: report "
           "sent by the agent -> visible in the slowest subscriber edge's view; real edge lag: when the kvcompassd "
           "edge process showed the last report (polled over admin QUIC) after the subscribers did. CPU per event: "
           "utime+stime of the maintenance processes (summed) and of one subscriber edge over the timed phase; their "
