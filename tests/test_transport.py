@@ -29,6 +29,7 @@ from kvcompassd.transport import (
     StreamClosed,
     TransportOptions,
 )
+from kvcompassd.transport.base import LOOPBACK_DATAGRAM_SIZE, QUIC_MIN_DATAGRAM_SIZE
 from kvcompassd.transport.framing import HEADER, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
 from kvcompassd.wanemu import WanRelay
 from kvcompassd.wire import (
@@ -301,6 +302,37 @@ def test_large_datagram_falls_back_to_control_stream(run, pki):
             assert message == vector and channel.kind == "control"
 
     run(scenario())
+
+
+def test_datagrams_are_sized_by_path_and_sizes_may_differ_per_direction(run, pki):
+    """Loopback paths use large datagrams, other listeners QUIC's 1200 bytes (a listener on the
+    wildcard address cannot know its peers are local); a connection works either way, and the
+    acknowledgement delay is the configured one once connected."""
+    async def scenario():
+        blob = bytes(range(256)) * 48  # 12 KiB: one datagram on loopback, ten at 1200 bytes
+        batch = UpdateBatchPublished(0, 1, 1, ((0, blob),))
+        for listen_host, server_size in (("127.0.0.1", LOOPBACK_DATAGRAM_SIZE), ("0.0.0.0", QUIC_MIN_DATAGRAM_SIZE)):
+            inbox = Recorder()
+            async with node(pki, "edge-us", inbox) as edge, node(pki, "mnt-0", ack_delay=0.004) as mnt:
+                await edge.listen(listen_host, 0)
+                peer = await mnt.connect(("127.0.0.1", edge.address[1]))
+                await peer.send(batch)
+                inbound, message, _ = await inbox.next()
+                assert message == batch
+                assert peer._connection._quic._max_datagram_size == LOOPBACK_DATAGRAM_SIZE
+                assert inbound._connection._quic._max_datagram_size == server_size
+                assert peer._connection._quic._ack_delay == 0.004
+        async with node(pki, "edge-us", listen=True) as edge, node(pki, "mnt-0", max_datagram_size=1200) as mnt:
+            peer = await mnt.connect(edge.address)
+            assert peer._connection._quic._max_datagram_size == 1200
+
+    run(scenario())
+
+
+def test_transport_options_refuse_sizes_and_delays_out_of_range():
+    for bad in ({"max_datagram_size": 1000}, {"max_datagram_size": 70000}, {"ack_delay": 0.0}, {"ack_delay": 0.03}):
+        with pytest.raises(ValueError):
+            TransportOptions(**bad)
 
 
 def test_agent_can_push_to_connected_edge_over_inbound_peer(run, pki):
