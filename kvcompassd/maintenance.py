@@ -22,7 +22,7 @@ from kvcompassd.core.index import MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.daemon import DAEMON_TRANSPORT, split_address
 from kvcompassd.metrics import MaintenanceMetrics
-from kvcompassd.transport import ChannelInfo, Peer, QuicNode
+from kvcompassd.transport import ChannelInfo, EncodedMessage, Peer, QuicNode
 from kvcompassd.wire import (
     AdminAnswered,
     AdminQueried,
@@ -238,10 +238,10 @@ class MaintenanceNode:
             return
         self.stats.batches += 1
         self.metrics.batches.inc()
-        body = encode(batch)
+        encoded = EncodedMessage(batch)
         for edge, peer in list(self.subscribers.items()):
             try:
-                peer.send_encoded(body)
+                peer.send_encoded(encoded.body_for(peer))
             except ConnectionError:
                 # Its resync on reconnection repairs what it misses here.
                 self.subscribers.pop(edge, None)
@@ -274,11 +274,11 @@ class MaintenanceNode:
         if isinstance(answer, list):
             self.stats.replays_sent += 1
             for batch in answer:
-                peer.send_encoded(encode(batch))
+                peer.send_encoded(EncodedMessage(batch).body_for(peer))
         else:
             self.stats.snapshots_sent += 1
             self.metrics.snapshots.inc()
-            peer.send_encoded(encode(answer))
+            peer.send_encoded(EncodedMessage(answer).body_for(peer))
 
     def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
         body = self.describe(msg.what, msg.args)

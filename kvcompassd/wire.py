@@ -4,7 +4,8 @@ Each message is a frozen slotted dataclass with a past-tense name, validated on 
 (so a bad message is refused where it is made, whether by local code or by the decoder).
 
 Encoding (msgpack): one array ``[PROTOCOL_VERSION, tag, field_1, ..., field_n]``, fields in
-declaration order. Token id sequences travel as packed little-endian uint32 bytes; a report's
+declaration order, optionally wrapped (when it is large and the path's datagrams small) as
+``[PROTOCOL_VERSION, 0, zlib(encoding)]``. Token id sequences travel as packed little-endian uint32 bytes; a report's
 index events as two packed columns, op codes and uint64 keys (see :class:`EventColumns`). :data:`MESSAGE_SPECS` is the
 single dispatch table (tag -> class, field schema, size bound); :data:`SENDER_ROLES` says which
 node role may send each message, enforced by :func:`check_sender`.
@@ -20,6 +21,7 @@ import array
 import enum
 import math
 import sys
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Final
@@ -30,6 +32,7 @@ from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicte
 
 # 2: PrefixEventsReported carries its events as columns (was a [kind, key, tier] array each).
 PROTOCOL_VERSION: Final = 2
+COMPRESSED_TAG: Final = 0  # [version, 0, zlib(encoded message)]: see encode(compress=True)
 KiB: Final = 1024
 MiB: Final = 1024 * KiB
 MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all: a shard snapshot
@@ -671,6 +674,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
     )
 }
+assert COMPRESSED_TAG not in MESSAGE_SPECS, "tag 0 marks a compressed message"
 _SPEC_BY_CLASS: Final = {spec.cls: spec for spec in MESSAGE_SPECS.values()}
 
 _ANY_DAEMON = frozenset({Role.EDGE, Role.MAINTENANCE, Role.AGENT})
@@ -717,8 +721,13 @@ def max_bytes_of(message_type: type) -> int:
     return _SPEC_BY_CLASS[message_type].max_bytes
 
 
-def encode(message: WireMessage) -> bytes:
-    """Encode a message as ``[version, tag, *fields]`` msgpack; raise WireError if oversize."""
+def encode(message: WireMessage, *, compress: bool = False) -> bytes:
+    """Encode a message as ``[version, tag, *fields]`` msgpack; raise WireError if oversize.
+
+    With ``compress``, the encoding is wrapped as ``[version, 0, zlib bytes]`` when that is
+    smaller: for large bodies on paths of small datagrams (an update batch's Ludo records are
+    mostly zero bytes and shrink ~3x, so they need a third of the packets). ``decode`` unwraps it
+    transparently; the inner message keeps its own size bound."""
     spec = _SPEC_BY_CLASS.get(type(message))
     if spec is None:
         raise WireError(f"cannot encode {type(message).__name__}: not a wire message")
@@ -727,11 +736,34 @@ def encode(message: WireMessage) -> bytes:
     data = msgpack.packb(body, use_bin_type=True)
     if len(data) > spec.max_bytes:
         raise WireError(f"{spec.cls.__name__} encodes to {len(data)} bytes, over its bound {spec.max_bytes}")
+    if compress:
+        packed = msgpack.packb([PROTOCOL_VERSION, COMPRESSED_TAG, zlib.compress(data, 1)], use_bin_type=True)
+        if len(packed) < len(data):
+            return packed
     return data
+
+
+def _decompress(raw: list, size: int) -> bytes:
+    if len(raw) != 3 or type(raw[2]) is not bytes:
+        raise WireError("a compressed message is [version, 0, zlib bytes]")
+    inflater = zlib.decompressobj()
+    try:
+        inner = inflater.decompress(raw[2], MAX_FRAME_BYTES + 1)
+    except zlib.error as exc:
+        raise WireError(f"compressed message is not valid zlib: {exc}") from None
+    if len(inner) > MAX_FRAME_BYTES or inflater.unconsumed_tail:
+        raise WireError(f"compressed message of {size} bytes inflates beyond the {MAX_FRAME_BYTES}-byte frame bound")
+    if not inflater.eof or inflater.unused_data:
+        raise WireError("compressed message is truncated or has trailing bytes")
+    return inner
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """Decode one message; raise :class:`WireError` (and only that) on any malformed input."""
+    return _decode(data, unwrap=True)
+
+
+def _decode(data: bytes | bytearray | memoryview, *, unwrap: bool) -> Message:
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(f"message of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame bound")
     if not data:
@@ -747,6 +779,10 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     version, tag = raw[0], raw[1]
     if version != PROTOCOL_VERSION or isinstance(version, bool):
         raise WireError(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})")
+    if tag == COMPRESSED_TAG and type(tag) is int:
+        if not unwrap:
+            raise WireError("a compressed message may not contain another compressed message")
+        return _decode(_decompress(raw, len(data)), unwrap=False)
     spec = MESSAGE_SPECS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
     if spec is None:
         raise WireError(f"unknown message tag {tag!r}")

@@ -22,6 +22,7 @@ from kvcompassd.certs import CertError, TlsFiles, init_ca, issue
 from kvcompassd.transport import (
     ALPN,
     ChannelInfo,
+    EncodedMessage,
     HandshakeFailed,
     Peer,
     PeerUnavailable,
@@ -325,6 +326,27 @@ def test_datagrams_are_sized_by_path_and_sizes_may_differ_per_direction(run, pki
         async with node(pki, "edge-us", listen=True) as edge, node(pki, "mnt-0", max_datagram_size=1200) as mnt:
             peer = await mnt.connect(edge.address)
             assert peer._connection._quic._max_datagram_size == 1200
+
+    run(scenario())
+
+
+def test_encoded_message_is_compressed_only_where_it_spans_several_datagrams(run, pki):
+    async def scenario():
+        batch = UpdateBatchPublished(0, 1, 1, ((0, bytes(12 * 1024) + b"records"),))
+        small = UpdateBatchPublished(0, 1, 2, ((0, b"records"),))
+        inbox = Recorder()
+        async with node(pki, "edge-us", inbox, listen=True) as edge, \
+                node(pki, "mnt-0") as near, node(pki, "mnt-0", max_datagram_size=1200) as far:
+            near_peer, far_peer = await near.connect(edge.address), await far.connect(edge.address)
+            encoded = EncodedMessage(batch)
+            big = EncodedMessage(UpdateBatchPublished(0, 1, 1, ((0, bytes(40_000)),)))
+            assert encoded.body_for(near_peer) == encoded.plain and big.body_for(near_peer) == big.plain  # loopback
+            packed = encoded.body_for(far_peer)
+            assert len(packed) < 200 and encoded.body_for(far_peer) is packed  # compressed once
+            assert EncodedMessage(small).body_for(far_peer) == EncodedMessage(small).plain
+            far_peer.send_encoded(packed)
+            _, message, _ = await inbox.next()
+            assert message == batch
 
     run(scenario())
 

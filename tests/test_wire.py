@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 
 import msgpack
 import pytest
@@ -104,6 +105,23 @@ def test_every_message_type_round_trips(tag):
     round_trip()
 
 
+@SETTINGS
+@given(any_message)
+def test_compressed_encodings_round_trip_and_are_never_larger(message):
+    plain = encode(message)
+    packed = encode(message, compress=True)
+    assert decode(packed) == message
+    assert len(packed) <= len(plain)
+
+
+def test_large_batches_are_compressed_and_small_ones_are_not():
+    batch = UpdateBatchPublished(0, 1, 2, ((0, bytes(3000) + b"records"),))
+    packed = encode(batch, compress=True)
+    assert msgpack.unpackb(packed)[1] == wire.COMPRESSED_TAG and len(packed) < 200
+    tiny = ErrorReported("malformed", "x")
+    assert encode(tiny, compress=True) == encode(tiny)
+
+
 def test_every_message_class_has_sender_rule_and_past_tense_name():
     classes = {spec.cls for spec in MESSAGE_SPECS.values()}
     assert classes == set(SENDER_ROLES)
@@ -199,6 +217,14 @@ def packed(*items) -> bytes:
         (packed(V, 30, "r", "e", "us", b"\x00\x00\x00", {}, False, 0), "multiple of 4"),
         (packed(V, 2, "w" * 600), "exceeds its bound|longer than"),
         (packed(V, 3, "w", 0)[:-1], "not valid msgpack"),
+        (packed(V, 0, b"not zlib"), "not valid zlib"),
+        (packed(V, 0, "text"), "zlib bytes"),
+        (packed(V, 0, zlib.compress(packed(V, 3, "w", 0)), b"extra"), "zlib bytes"),
+        (packed(V, 0, zlib.compress(packed(V, 3, "w", 0))[:-3]), "truncated"),
+        (packed(V, 0, zlib.compress(packed(V, 3, "w", 0)) + b"x"), "trailing"),
+        (packed(V, 0, zlib.compress(packed(V, 0, zlib.compress(packed(V, 3, "w", 0))))), "another compressed"),
+        (packed(V, 0, zlib.compress(bytes(wire.MAX_FRAME_BYTES + 1))), "inflates beyond"),
+        (packed(V, 0, zlib.compress(packed(V, 2, "w" * 600))), "exceeds its bound|longer than"),
     ],
 )
 def test_malformed_input_raises_wire_error(data, fragment):

@@ -6,7 +6,7 @@
 
 Decoders and their documented errors:
 
-- ``kvcompassd.wire.decode`` (QUIC frames from peers): ``WireError`` only.
+- ``kvcompassd.wire.decode`` (QUIC frames from peers, plain and compressed): ``WireError`` only.
 - ``kvcompassd.engine.kvevents.decode_message`` / ``decode_payload`` (the engine's ZMQ KV-event
   stream): ``KvEventError`` only.
 - ``LudoView.from_snapshot`` (snapshot blobs from a maintenance unit or peer edge): ``LudoError``.
@@ -251,7 +251,10 @@ def wire_samples() -> list[bytes]:
         wire.AdminAnswered("status", {"mode": "edge", "views": [{"shard": 0}]}),
     ]
     assert {type(m) for m in messages} == {spec.cls for spec in wire.MESSAGE_SPECS.values()}, "a message lacks a sample"
-    return [wire.encode(m) for m in messages]
+    big_batch = wire.UpdateBatchPublished(0, 123456, 11, ((0, bytes(2000) + b"\x07records"),))
+    compressed = [wire.encode(big_batch, compress=True), wire.encode(messages[0], compress=True)]
+    assert wire.encode(big_batch, compress=True) != wire.encode(big_batch), "no compressed sample"
+    return [wire.encode(m) for m in messages] + compressed
 
 
 def kv_payload_samples() -> list[bytes]:

@@ -8,6 +8,7 @@ Public API::
     peer = await node.connect((host, port))       # same, waiting for the first connection
     await peer.send(message)                      # ordered control channel (with backpressure)
     peer.send_encoded(wire.encode(message))       # encode once, send to many; never waits
+    peer.send_encoded(EncodedMessage(m).body_for(peer))  # the same, compressed on small-datagram paths
     peer.send_datagram(message)                   # unordered, may be lost (falls back if large)
     async with peer.open_stream() as exchange:    # request/response exchange
         await exchange.send(request, end=True)
@@ -40,13 +41,14 @@ from kvcompassd.transport.base import (
     TransportOptions,
 )
 from kvcompassd.transport.exchange import ChannelInfo, FrameStream, OnMessage
-from kvcompassd.transport.node import Address, OnPeerState, Peer, QuicNode
+from kvcompassd.transport.node import Address, EncodedMessage, OnPeerState, Peer, QuicNode
 
 __all__ = [
     "ALPN",
     "MAX_DATAGRAM_PAYLOAD",
     "Address",
     "ChannelInfo",
+    "EncodedMessage",
     "FrameStream",
     "HandshakeFailed",
     "OnMessage",
