@@ -27,8 +27,9 @@ Every message passes ``wire.check_sender`` for the peer's certified role before 
 malformed or forbidden frame is answered with ``ErrorReported`` (and logged) and the
 connection carries on. Modules: ``node`` (QuicNode, Peer), ``connection`` (one connection:
 identity, framing, dispatch; the stream budget), ``exchange`` (FrameStream), ``framing``
-(sans-IO frame codec), ``base`` (errors, options). See ``connection.py`` for the stream budget and ``aioquic_tweaks.py``
-for the pacing fix and the client-certificate handling. Run daemons under uvloop.
+(sans-IO frame codec), ``base`` (errors, options; datagram sizes by path). See ``connection.py`` for the stream
+budget and the one transmit per loop turn, ``aioquic_tweaks.py`` for the pacing fix, the acknowledgement delay
+and the client-certificate handling. Run daemons under uvloop.
 """
 
 from kvcompassd.transport.base import (
