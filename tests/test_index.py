@@ -224,7 +224,7 @@ def _worker_events(worker: str, shard: int, *, foreign: bool, distinct: bool):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.sampled_from(["a-0", "a-2", "b-17"]), st.booleans(), st.booleans())
+@given(st.data(), st.sampled_from(["a-0", "a-2", "b-17", "zz-9"]), st.booleans(), st.booleans())
 def test_apply_columns_matches_apply_event_by_event(data, worker, foreign, distinct):
     shard = 1
     cfg, layout, one_by_one, _ = _setup()

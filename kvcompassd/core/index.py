@@ -120,13 +120,13 @@ class MaintenanceShard:
         n = len(columns)
         if n == 0:
             return ApplyOutcome()
+        keys, ops = columns.key_array(), columns.op_array()
+        if self.shards > 1 and (keys % np.uint64(self.shards) != self.shard).any():
+            return self.apply(columns.as_events(worker))  # a routing error: name each stray key
         try:
             slot = self.layout.slot(worker)
         except ValueError as exc:
             return ApplyOutcome(ignored=(str(exc),) * n)
-        keys, ops = columns.key_array(), columns.op_array()
-        if self.shards > 1 and (keys % np.uint64(self.shards) != self.shard).any():
-            return self.apply(columns.as_events(worker))  # a routing error: name each stray key
         status = self._tables[slot.group].edit_fields(keys, ops, _TIER_AFTER_OP, _OP_NEEDS_HOLDER,
                                                       shift=2 * slot.field, width=2)
         applied = int(np.count_nonzero(status == EDIT_CHANGED))
