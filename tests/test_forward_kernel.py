@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.events import PrefixCached, Tier
@@ -40,6 +40,8 @@ def _register(w: World, worker: str, tokens: np.ndarray, upto: int, tier: Tier =
        prompt_len=st.integers(0, 900), region=st.sampled_from(["a", "b", "c"]),
        ablation=st.sampled_from([Ablation(), Ablation(cross_region=False), Ablation(load_aware=False),
                                  Ablation(tier_aware=False)]))
+@example(holdings=[], queue=[0.0] * 23, belief=[0.0] * 23, excluded=frozenset({0, 1, 2}), last_sent=[0] * 23,
+         prompt_len=0, region="a", ablation=Ablation(cross_region=False))  # own region all excluded
 def test_one_call_equals_hashing_lookup_score_ties_and_summary(holdings, queue, belief, excluded, last_sent,
                                                                prompt_len, region, ablation):
     w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
@@ -69,7 +71,10 @@ def test_one_call_equals_hashing_lookup_score_ties_and_summary(holdings, queue, 
             result = router.scorer.score(len(tokens), found.matched, found.tier, queue_ms, beliefs,
                                          ablation=ablation, eligible=eligible)
         except NoEligibleWorkerError:
-            assert not eligible.any() and best == -1
+            # Nobody may serve: all excluded, or (no cross-region reuse) all of the own region.
+            own = np.array([w.cfg.worker(wid).region == region for wid in w.layout.worker_ids])
+            reachable = eligible if ablation.cross_region else eligible & own
+            assert not reachable.any() and best == -1
             assert not np.isfinite(scores).any()
             continue
         assert best == result.chosen and lam == result.lam and scores.tobytes() == result.scores.tobytes()
