@@ -12,11 +12,15 @@ Writes ``summary.csv``, ``summary.json``, ``summary.md`` and PNG plots into ``--
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import csv
+import dataclasses
+import itertools
 import json
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from .engine import SimResult, SimSettings, simulate
 from .metrics import load_factors, summarize
 from .policy import Topology
 from .schemes import ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights
+from .workloads import Request
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 
@@ -74,45 +79,137 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--per-request", action="store_true", help="also write per-request CSVs")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--progress", action="store_true", help="tqdm progress bars")
+    ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes (results unchanged)")
     return ap
+
+
+@dataclass(frozen=True, slots=True)
+class GridPoint:
+    """One simulation of a grid: everything a worker process needs, picklable."""
+
+    cfg_path: Path
+    workload: str
+    scheme: str
+    rate: float
+    seed: int
+    duration_s: float | None
+    max_requests: int | None
+    warmup_s: float
+    settings: SimSettings
+    regions_by: str
+    traces: str | None
+    policy_options: dict[str, Any]
+    page_tokens: int | None
+
+
+# One request stream per process, reused while consecutive points share (workload, rate, ...):
+# the schemes of one grid point replay the same stream, so it is generated once, not per scheme.
+_STREAM_CACHE: dict[tuple, list[Request]] = {}
+
+
+def _stream(point: GridPoint, topo: Topology) -> list[Request]:
+    """The requests ``simulate`` would pull from the generator: arrival-ordered, those before
+    ``duration_s`` and at most ``max_requests`` of them (so a replay equals a fresh run)."""
+    key = (point.cfg_path, point.workload, point.rate, point.seed, point.duration_s, point.max_requests,
+           point.regions_by, point.traces, point.page_tokens)
+    cached = _STREAM_CACHE.get(key)
+    if cached is not None:
+        return cached
+    _STREAM_CACHE.clear()
+    gen = make_workload(point.workload, point.rate, region_weights(topo, point.regions_by), seed=point.seed,
+                        traces=point.traces)
+    if point.duration_s is not None:
+        gen = itertools.takewhile(lambda r: r.arrival_s < point.duration_s, gen)
+    stream = list(itertools.islice(gen, point.max_requests))
+    _STREAM_CACHE[key] = stream
+    return stream
+
+
+def _run_point(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
+    cfg = load_config(point.cfg_path)
+    topo = Topology.from_config(cfg, page_tokens=point.page_tokens)
+    options = point.policy_options if point.scheme.startswith("kvcompass") else {}
+    policy = make_policy(point.scheme, topo, seed=point.seed, **options)
+    result = simulate(topo, policy, _stream(point, topo), settings=point.settings,
+                      max_requests=point.max_requests, duration_s=point.duration_s)
+    result.scheme = point.scheme
+    summary = summarize(result, warmup_s=point.warmup_s).as_dict()
+    summary.update(rate=point.rate, workload=point.workload, deployment=cfg.name, seed=point.seed, **result.extra)
+    return summary, result
+
+
+def run_points(points: Sequence[GridPoint], *, jobs: int = 1, progress: bool = False,
+               desc: str = "sim") -> list[tuple[dict[str, Any], SimResult]]:
+    """Run independent simulations, in ``jobs`` processes when > 1. Every point builds its
+    own workers, policy (seeded from the point) and request stream, so the results do not
+    depend on ``jobs`` nor on which process ran what; they come back in ``points`` order."""
+    outer = None
+    if progress:
+        from tqdm import tqdm
+
+        outer = tqdm(total=len(points), unit="run", desc=desc)
+
+    def done(point: GridPoint, summary: dict[str, Any]) -> None:
+        if outer is not None:
+            outer.update(1)
+            outer.set_postfix(scheme=point.scheme, rate=point.rate, p99=f"{summary['ttft_p99_ms']:.0f}ms")
+
+    out: list[tuple[dict[str, Any], SimResult] | None] = [None] * len(points)
+    if jobs <= 1 or len(points) <= 1:
+        for i, point in enumerate(points):
+            out[i] = _run_point(point)
+            done(point, out[i][0])
+    else:
+        # Costliest first (longest-processing-time order balances the processes); points of one
+        # (workload, rate) stay adjacent so a process mostly reuses its cached stream.
+        def cost(i: int) -> float:
+            p = points[i]
+            n = p.rate * p.duration_s if p.duration_s is not None else float("inf")
+            return min(n, p.max_requests if p.max_requests is not None else float("inf"))
+
+        order = sorted(range(len(points)), key=lambda i: (-cost(i), points[i].workload, i))
+        ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+        with ProcessPoolExecutor(max_workers=min(jobs, len(points)), mp_context=ctx) as pool:
+            futures = {pool.submit(_run_point, points[i]): i for i in order}
+            for fut in as_completed(futures):
+                i = futures[fut]
+                out[i] = fut.result()
+                done(points[i], out[i][0])
+    if outer is not None:
+        outer.close()
+    return out  # type: ignore[return-value]
+
+
+def grid_points(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Sequence[float], *, seed: int = 0,
+                duration_s: float | None = None, max_requests: int | None = None, warmup_s: float = 0.0,
+                settings: SimSettings | None = None, regions_by: str = "workers", traces: str | None = None,
+                policy_options: dict[str, Any] | None = None, page_tokens: int | None = None,
+                run_progress: bool = False) -> list[GridPoint]:
+    """Every scheme at every rate (rate-major), all replaying one request stream per rate.
+    ``run_progress`` shows a bar inside each run (serial runs only)."""
+    if duration_s is None and max_requests is None:
+        raise SystemExit("give --duration or --requests")
+    base = dataclasses.replace(settings or SimSettings(eviction=DEFAULT_EVICTION[workload], seed=seed),
+                               progress=run_progress)
+    return [GridPoint(Path(cfg_path), workload, scheme, float(rate), seed, duration_s, max_requests, warmup_s, base,
+                   regions_by, traces, dict(policy_options or {}), page_tokens)
+            for rate in rates for scheme in schemes]
 
 
 def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Sequence[float], *, seed: int = 0,
              duration_s: float | None = None, max_requests: int | None = None, warmup_s: float = 0.0,
              settings: SimSettings | None = None, regions_by: str = "workers", traces: str | None = None,
              progress: bool = False, policy_options: dict[str, Any] | None = None,
-             page_tokens: int | None = None) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
+             page_tokens: int | None = None,
+             jobs: int = 1) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
     """Every scheme at every rate on fresh workers and the same request stream (same seed)."""
-    if duration_s is None and max_requests is None:
-        raise SystemExit("give --duration or --requests")
-    cfg = load_config(cfg_path)
-    topo = Topology.from_config(cfg, page_tokens=page_tokens)
-    weights = region_weights(topo, regions_by)
-    base = settings or SimSettings(eviction=DEFAULT_EVICTION[workload], seed=seed)
-    rows: list[dict[str, Any]] = []
-    results: dict[tuple[str, float], SimResult] = {}
-    outer = None
-    if progress:
-        from tqdm import tqdm
-
-        outer = tqdm(total=len(schemes) * len(rates), unit="run", desc=f"{workload}@{cfg.name}")
-    for rate in rates:
-        for scheme in schemes:
-            options = (policy_options or {}) if scheme.startswith("kvcompass") else {}
-            policy = make_policy(scheme, topo, seed=seed, **options)
-            s = dataclasses.replace(base, progress=progress)
-            result = simulate(topo, policy, make_workload(workload, rate, weights, seed=seed, traces=traces),
-                              settings=s, max_requests=max_requests, duration_s=duration_s)
-            result.scheme = scheme
-            summary = summarize(result, warmup_s=warmup_s).as_dict()
-            summary.update(rate=rate, workload=workload, deployment=cfg.name, seed=seed, **result.extra)
-            rows.append(summary)
-            results[(scheme, rate)] = result
-            if outer is not None:
-                outer.update(1)
-                outer.set_postfix(scheme=scheme, rate=rate, p99=f"{summary['ttft_p99_ms']:.0f}ms")
-    if outer is not None:
-        outer.close()
+    points = grid_points(cfg_path, workload, schemes, rates, seed=seed, duration_s=duration_s,
+                         max_requests=max_requests, warmup_s=warmup_s, settings=settings, regions_by=regions_by,
+                         traces=traces, policy_options=policy_options, page_tokens=page_tokens,
+                         run_progress=progress and jobs <= 1)
+    done = run_points(points, jobs=jobs, progress=progress, desc=f"{workload}@{Path(cfg_path).stem}")
+    rows = [summary for summary, _ in done]
+    results = {(p.scheme, p.rate): result for p, (_, result) in zip(points, done)}
     return rows, results
 
 
@@ -187,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, results = run_grid(cfg_path, args.workload, schemes, args.rates, seed=args.seed, duration_s=args.duration,
                              max_requests=args.requests, warmup_s=args.warmup, settings=settings,
                              regions_by=args.regions_by, traces=args.traces, progress=args.progress,
-                             page_tokens=args.page_tokens)
+                             page_tokens=args.page_tokens, jobs=args.jobs)
     title = f"{args.workload} on {cfg_path.stem}"
     write_outputs(rows, results, args.out, title=title, warmup_s=args.warmup, per_request=args.per_request,
                   make_plots=not args.no_plots)

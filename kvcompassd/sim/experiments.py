@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from . import plots
-from .cli import markdown_table, resolve_deployment, run_grid, write_outputs
+from .cli import grid_points, markdown_table, resolve_deployment, run_grid, run_points, write_outputs
 from .engine import SimSettings
 from .geo import NORTH_AMERICA_16, population_weights
 from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_workload, traces_dir
@@ -62,13 +63,21 @@ def _save(rows: list[dict], out: Path, title: str) -> None:
 
 
 def sweep(name: str, deployment: str, workloads: Sequence[str], schemes: Sequence[str], rates: Sequence[float],
-          out: Path, *, duration: float, warmup: float, seed: int, progress: bool, **settings) -> list[dict]:
+          out: Path, *, duration: float, warmup: float, seed: int, progress: bool, jobs: int = 1,
+          **settings) -> list[dict]:
+    """Every (workload, rate, scheme) point of one experiment, in ``jobs`` processes."""
     cfg = resolve_deployment(deployment)
-    all_rows: list[dict] = []
+    points = []
     for wl in workloads:
         s = SimSettings(eviction=DEFAULT_EVICTION[wl], seed=seed, **settings)
-        rows, results = run_grid(cfg, wl, schemes, rates, seed=seed, duration_s=duration, warmup_s=warmup,
-                                 settings=s, progress=progress, page_tokens=PAGE_TOKENS[0])
+        points += grid_points(cfg, wl, schemes, rates, seed=seed, duration_s=duration, warmup_s=warmup,
+                              settings=s, page_tokens=PAGE_TOKENS[0], run_progress=progress and jobs <= 1)
+    done = run_points(points, jobs=jobs, progress=progress, desc=f"{name}@{deployment}")
+    all_rows: list[dict] = []
+    for wl in workloads:
+        mine = [(p, d) for p, d in zip(points, done) if p.workload == wl]
+        rows = [summary for _, (summary, _) in mine]
+        results = {(p.scheme, p.rate): result for p, (_, result) in mine}
         write_outputs(rows, results, out / name / wl, title=f"{name}: {wl} on {deployment}", warmup_s=warmup)
         all_rows += rows
     _save(all_rows, out / name, f"{name} on {deployment}")
@@ -79,34 +88,34 @@ def fig12(args) -> list[dict]:
     d, w = _sizes(args.quick, 20.0, 2.0)
     rates = [200, 1000, 2000, 2750, 3000, 4000, 6000] if not args.quick else [200, 1000, 3000]
     return sweep("fig12", "census-64x8", WORKLOADS3, args.schemes or PAPER_SCHEMES, args.rates or rates, args.out,
-                 duration=d, warmup=w, seed=args.seed, progress=args.progress)
+                 duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
 
 
 def fig16(args) -> list[dict]:
     d, w = _sizes(args.quick, 10.0, 1.0)
     rates = [400, 2000, 5500, 12000, 18000] if not args.quick else [400, 5500]
     return sweep("fig16", "census-128x16", WORKLOADS3, args.schemes or PAPER_SCHEMES, args.rates or rates, args.out,
-                 duration=d, warmup=w, seed=args.seed, progress=args.progress)
+                 duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
 
 
 def fig11(args) -> list[dict]:
     d, w = _sizes(args.quick, 60.0, 6.0)
     rates = [25, 50, 100, 150, 200, 250] if not args.quick else [25, 100, 200]
     return sweep("fig11", "testbed-3continent", WORKLOADS3, args.schemes or PAPER_SCHEMES, args.rates or rates,
-                 args.out, duration=d, warmup=w, seed=args.seed, progress=args.progress)
+                 args.out, duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
 
 
 def fig14(args) -> list[dict]:
     d, w = _sizes(args.quick, 30.0, 3.0)
     schemes = args.schemes or (*PAPER_SCHEMES, "oracle")
     return sweep("fig14", "census-64x8", ("mixed",), schemes, args.rates or [2750], args.out,
-                 duration=d, warmup=w, seed=args.seed, progress=args.progress)
+                 duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
 
 
 def fig15(args) -> list[dict]:
     d, w = _sizes(args.quick, 60.0, 6.0)
     rows = sweep("fig15", "testbed-3continent", ("mixed",), args.schemes or ABLATIONS, args.rates or [200], args.out,
-                 duration=d, warmup=w, seed=args.seed, progress=args.progress)
+                 duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
     plots.bars({r["scheme"]: r["throughput_tok_s"] / 1e3 for r in rows}, args.out / "fig15" / "ablation.png",
                ylabel="Throughput (Ktok/s)", title="Ablation (Mixed, testbed)", fmt="{:.1f}")
     return rows
@@ -125,7 +134,7 @@ def table4(args) -> list[dict]:
         # The paper's prototype does not retransmit lost update batches (§5.7): repair=False.
         r, _ = run_grid(cfg, "mixed", args.schemes or ["kvcompass"], [rate], seed=args.seed, duration_s=d,
                         warmup_s=w, settings=s, progress=args.progress, policy_options={"repair": False},
-                        page_tokens=PAGE_TOKENS[0])
+                        page_tokens=PAGE_TOKENS[0], jobs=args.jobs)
         for row in r:
             row["variant"] = label
         rows += r
@@ -140,7 +149,7 @@ def table4(args) -> list[dict]:
 def table5(args) -> list[dict]:
     d, w = _sizes(args.quick, 20.0, 2.0)
     rows = sweep("table5", "census-64x8", WORKLOADS3, args.schemes or ["kvcompass"], args.rates or [3000], args.out,
-                 duration=d, warmup=w, seed=args.seed, progress=args.progress)
+                 duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
     lines = ["| workload | scheme | end-to-end false-lookup rate (%) | among claimed (%) |", "|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['scheme']} | {100 * r['false_lookup_rate']:.2f} | "
               f"{100 * r['false_lookup_rate_claimed']:.2f} |" for r in rows]
@@ -169,7 +178,7 @@ def fig9(args) -> list[dict]:
     rows, _ = run_grid(cfg_path, "mixed", args.schemes or ["random", "oracle", "kvcompass"],
                        [round(f * lam0, 1) for f in fractions], seed=args.seed, duration_s=d, warmup_s=w,
                        settings=SimSettings(eviction="lfu", seed=args.seed), progress=args.progress,
-                       page_tokens=PAGE_TOKENS[0])
+                       page_tokens=PAGE_TOKENS[0], jobs=args.jobs)
     for r in rows:
         a = r["rate"] / topo.n_workers
         rho = a * es
@@ -271,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=None)
     ap.add_argument("--traces", default=None)
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="simulations run in parallel processes (default: one per core; results unchanged)")
     ap.add_argument("--page-tokens", type=int, default=None,
                     help="engine page size of the simulated caches (e.g. 64 runs faster; default: index block size)")
     args = ap.parse_args(argv)
