@@ -34,3 +34,11 @@ def test_fig14_quick_writes_heatmap_and_peaks(tmp_path):
     assert {r["scheme"] for r in rows} == {"oracle", "consistent-hash"}
     assert all(r["load_factor_peak"] >= 1.0 for r in rows)
     assert (tmp_path / "fig14" / "mixed" / "load_factor.png").stat().st_size > 0
+
+
+def test_sweep_points_are_shortened_to_a_request_count_at_high_rates_only():
+    from kvcompassd.sim.experiments import point_duration
+
+    assert point_duration(200.0, 20.0, 10_000) == 20.0
+    assert point_duration(6000.0, 20.0, 10_000) == 10_000 / 6000.0
+    assert point_duration(6000.0, 20.0, 0) == point_duration(6000.0, 20.0, None) == 20.0

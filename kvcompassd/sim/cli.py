@@ -19,7 +19,7 @@ import json
 import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +134,8 @@ def _run_point(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
                       max_requests=point.max_requests, duration_s=point.duration_s)
     result.scheme = point.scheme
     summary = summarize(result, warmup_s=point.warmup_s).as_dict()
-    summary.update(rate=point.rate, workload=point.workload, deployment=cfg.name, seed=point.seed, **result.extra)
+    summary.update(rate=point.rate, workload=point.workload, deployment=cfg.name, seed=point.seed,
+                   duration_s=point.duration_s, warmup_s=point.warmup_s, **result.extra)
     return summary, result
 
 
@@ -214,7 +215,9 @@ def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Seque
 
 
 def write_outputs(rows: list[dict[str, Any]], results: dict[tuple[str, float], SimResult], out: Path, *,
-                  title: str, warmup_s: float = 0.0, per_request: bool = False, make_plots: bool = True) -> None:
+                  title: str, warmup_s: float | Mapping[float, float] = 0.0, per_request: bool = False,
+                  make_plots: bool = True) -> None:
+    """``warmup_s``: excluded seconds, one for all rates or per rate."""
     out.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(out / "summary.csv", "w", newline="") as fh:
@@ -236,6 +239,7 @@ def write_outputs(rows: list[dict[str, Any]], results: dict[tuple[str, float], S
     if len(rates) > 1:
         plots.p99_vs_rate(rows, out / "p99_ttft_vs_rate.png", title=f"{title}: P99 TTFT")
     top = rates[len(rates) // 2]
+    warmup_s = warmup_s[top] if isinstance(warmup_s, Mapping) else warmup_s
     at = {s: res for (s, r), res in results.items() if r == top}
     mask = {s: res.records["arrival_s"] >= warmup_s for s, res in at.items()}
     plots.boxes({s: res.records["ttft_ms"][mask[s]] for s, res in at.items()}, out / "ttft_box.png",
