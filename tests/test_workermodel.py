@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -139,3 +141,31 @@ def test_queue_ms_is_the_exact_wait_of_the_next_arrival(reqs, max_running, at, p
     model.admit("new", prompt, 0, 0, 1, now=now)
     first = next(e.at for e in drain(model) if e.request_id == "new")
     assert first == pytest.approx(now + wait_ms / 1000 + WorkerTiming().prefill_ms(prompt) / 1000, abs=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.integers(1, 3000), st.integers(0, 3000), st.integers(1, 40)),
+                min_size=1, max_size=40))
+def test_pending_prefill_tokens_matches_a_recount_of_the_queues(arrivals) -> None:
+    """The running counter equals summing the queued requests, however they move."""
+    model = WorkerQueueModel(SIMPLE)
+    now = 0.0
+
+    def recount() -> int:
+        total = sum(r.uncached for r in model._waiting) + sum(r.uncached for r in model._admitted)
+        p = model._prefill
+        if p is not None:
+            span = p.ends - p.started
+            total += math.ceil(p.request.uncached * (1.0 if span <= 0 else max(0.0, (p.ends - model.now) / span)))
+        return total
+
+    for i, (gap, prompt, cached, out) in enumerate(arrivals):
+        now += gap
+        model.advance(now=now)
+        assert model.pending_prefill_tokens == recount()
+        model.admit(f"r{i}", prompt, min(cached, prompt), 0, out, now=now)
+        assert model.pending_prefill_tokens == recount()
+        model.queue_ms(now=now)  # the probe copy must leave the original untouched
+        assert model.pending_prefill_tokens == recount()
+    drain(model)
+    assert model.pending_prefill_tokens == recount() == 0

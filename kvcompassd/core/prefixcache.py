@@ -209,8 +209,10 @@ class PrefixCache:
         checked = token_list is not None and self._int_block_size
         if token_list is None:
             token_list = tokens
+        by_digest = self._by_digest
+        changed = self._changed
         for start, digest in self._chain(tokens):
-            page = self._by_digest.get(digest)
+            page = by_digest.get(digest)
             if page is None:
                 if checked:
                     page_tokens = tuple(token_list[start : start + size])
@@ -222,12 +224,13 @@ class PrefixCache:
                     break
             elif not page.in_vram and not self._load_into_vram(page, events):
                 break
-            self._touch(page, now)
+            page.last_access = now  # _touch, inlined: this loop runs once per page of every prompt
+            page.hits += 1
             if lease is not None and page.id not in pinned:
                 page.pins += 1
                 lease.pages.append(page.id)
                 pinned.add(page.id)
-            self._changed(page)
+            changed(page)
             parent = page
         return events
 
@@ -295,18 +298,25 @@ class PrefixCache:
         return BlockStored((page.id,), parent, page.tokens, self.block_size, None, medium)
 
     def _add_vram(self, page: _Page, events: list[KvEvent], *, new: bool = False) -> bool:
-        # Pin the page (it may be a DRAM leaf) and its parent (a VRAM leaf until the page
-        # lands) so that making room cannot take either away.
-        guarded = [page] if page.parent is None else [page, page.parent]
-        for p in guarded:
-            p.pins += 1
-        try:
-            if not self._make_vram_room(events):
-                return False
-        finally:
+        if self.vram_pages < self.vram_pages_max:
+            # Room already (the common case): the guard pins below would change nothing, but
+            # their re-queues still happen, page then parent, as on the general path.
+            self._changed(page)
+            if page.parent is not None:
+                self._changed(page.parent)
+        else:
+            # Pin the page (it may be a DRAM leaf) and its parent (a VRAM leaf until the page
+            # lands) so that making room cannot take either away.
+            guarded = [page] if page.parent is None else [page, page.parent]
             for p in guarded:
-                p.pins -= 1
-                self._changed(p)  # re-queue: a heap entry popped while pinned was dropped
+                p.pins += 1
+            try:
+                if not self._make_vram_room(events):
+                    return False
+            finally:
+                for p in guarded:
+                    p.pins -= 1
+                    self._changed(p)  # re-queue: a heap entry popped while pinned was dropped
         page.in_vram = True
         self.vram_pages += 1
         if page.parent is not None:

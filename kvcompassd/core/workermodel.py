@@ -126,6 +126,9 @@ class WorkerQueueModel:
         self._now = start
         self._waiting: deque[_Request] = deque()   # no slot yet
         self._admitted: deque[_Request] = deque()  # hold a slot, prefill not started
+        # Uncached tokens of _waiting + _admitted, kept as requests move: a long queue (an
+        # overloaded worker) must not make every load report O(queue).
+        self._queued_uncached = 0
         self._prefill: _Prefill | None = None
         self._decoding: dict[str, _Request] = {}
         self._ids: set[str] = set()
@@ -161,6 +164,7 @@ class WorkerQueueModel:
         )
         self._ids.add(request_id)
         self._waiting.append(request)
+        self._queued_uncached += uncached
         self._run_until(now)
 
     def advance(self, *, now: float) -> list[WorkerEvent]:
@@ -192,7 +196,7 @@ class WorkerQueueModel:
     def pending_prefill_tokens(self) -> int:
         """Uncached prompt tokens not yet prefilled (queued, admitted, and the rest of the
         current prefill)."""
-        total = sum(r.uncached for r in self._waiting) + sum(r.uncached for r in self._admitted)
+        total = self._queued_uncached
         if self._prefill is not None:
             span = self._prefill.ends - self._prefill.started
             left = 1.0 if span <= 0 else max(0.0, (self._prefill.ends - self._now) / span)
@@ -245,6 +249,7 @@ class WorkerQueueModel:
                   + ([self._prefill.request] if self._prefill else [])}
         clone._waiting = deque(copies[id(r)] for r in self._waiting)
         clone._admitted = deque(copies[id(r)] for r in self._admitted)
+        clone._queued_uncached = self._queued_uncached
         clone._prefill = (None if self._prefill is None else
                           _Prefill(copies[id(self._prefill.request)], self._prefill.started, self._prefill.ends))
         clone._decoding = {k: copies[id(r)] for k, r in self._decoding.items()}
@@ -267,6 +272,7 @@ class WorkerQueueModel:
                 self._admitted.append(self._waiting.popleft())
             if self._prefill is None and self._admitted:
                 request = self._admitted.popleft()
+                self._queued_uncached -= request.uncached
                 self._prefill = _Prefill(request, self._now, self._now + request.prefill_s)
             if self._prefill is not None:
                 if self._prefill.ends > t:

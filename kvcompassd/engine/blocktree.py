@@ -262,18 +262,24 @@ class BlockTree:
     def _attach(self, root: _Block, touched: set[int]) -> None:
         """Attach ``root`` (its parent is attached or it is a root) and every detached
         descendant waiting under it."""
+        blocks, children, detached = self._blocks, self._children, self._detached
         stack = [root]
         while stack:
             block = stack.pop()
-            parent = self._blocks.get(block.parent) if block.parent is not None else None
-            block.start = parent.end if parent is not None else 0
-            parent_tier = parent.path_tier if parent is not None else StorageTier.VRAM
+            parent = blocks.get(block.parent) if block.parent is not None else None
+            if parent is None:
+                block.start = 0
+                parent_tier = StorageTier.VRAM
+            else:
+                block.start = parent.start + len(parent.tokens)  # parent.end
+                parent_tier = parent.path_tier
             block.path_tier = max(parent_tier, block.own_tier())
             block.attached = True
-            self._detached.pop(block.hash, None)
+            if detached:
+                detached.pop(block.hash, None)
             self._register_anchors(block, touched)
-            for child_hash in self._children.get(block.hash, ()):
-                child = self._blocks.get(child_hash)
+            for child_hash in children.get(block.hash, ()):
+                child = blocks.get(child_hash)
                 if child is not None and not child.attached:
                     stack.append(child)
 
@@ -317,9 +323,14 @@ class BlockTree:
                     stack.append(child)
 
     def _register_anchors(self, block: _Block, touched: set[int]) -> None:
-        lo = bisect_right(self.indexed_lengths, block.start)
-        hi = bisect_right(self.indexed_lengths, block.end)
-        lengths = self.indexed_lengths[lo:hi]
+        indexed = self.indexed_lengths
+        start = block.start
+        end = start + len(block.tokens)
+        if not indexed or end < indexed[0] or start >= indexed[-1]:  # no indexed length inside: most blocks
+            block.anchors = []
+            block.hash_state = None
+            return
+        lengths = indexed[bisect_right(indexed, start) : bisect_right(indexed, end)]
         if not lengths:
             block.anchors = []
             block.hash_state = None
