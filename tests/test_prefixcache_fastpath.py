@@ -73,3 +73,37 @@ def test_bad_tokens_still_fail_clearly(bad: list[int]) -> None:
     cache = PrefixCache(block_size=BS, vram_tokens=64)
     with pytest.raises((KvEventError, OverflowError)):
         cache.insert(bad, now=0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from(["lru", "lfu"]), st.integers(2, 12), st.integers(0, 12))
+def test_a_silent_cache_behaves_like_an_emitting_one(rnd, policy: str, vram_pages: int, dram_pages: int) -> None:
+    """emit_events=False builds no events but counts them; matches, leases and state agree."""
+    loud = PrefixCache(block_size=BS, vram_tokens=BS * vram_pages, dram_tokens=BS * dram_pages, policy=policy)
+    silent = PrefixCache(block_size=BS, vram_tokens=BS * vram_pages, dram_tokens=BS * dram_pages, policy=policy,
+                         emit_events=False)
+    held: list[tuple] = []
+    emitted = 0
+    for step, tokens in enumerate(prompts(rnd, 30)):
+        now = float(step)
+        action = rnd.random()
+        arr = np.asarray(tokens, dtype=np.uint32)
+        if action < 0.4:
+            (la, ma, ea), (lb, mb, eb) = loud.lock(arr, now=now), silent.lock(arr, now=now)
+            assert ma == mb and la.pages == lb.pages and eb == []
+            ea += loud.insert(arr, now=now, lease=la)
+            assert silent.insert(arr, now=now, lease=lb) == []
+            assert la.pages == lb.pages
+            held.append((la, lb))
+            emitted += len(ea)
+        elif action < 0.8:
+            emitted += len(loud.insert(arr, now=now))
+            assert silent.insert(arr, now=now) == []
+        elif held:
+            la, lb = held.pop(0)
+            loud.unlock(la)
+            silent.unlock(lb)
+        assert loud.match(arr) == silent.match(arr)
+        assert silent.events_unsent == emitted and loud.events_unsent == 0
+        state = [(len(c), c.vram_pages, c.dram_pages, c.demotions, c.evictions, c.page_ids(tokens)) for c in (loud, silent)]
+        assert state[0] == state[1]

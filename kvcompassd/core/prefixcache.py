@@ -123,7 +123,11 @@ class PrefixCache:
         vram_tokens: int,
         dram_tokens: int = 0,
         policy: EvictionPolicy | str = EvictionPolicy.LRU,
+        emit_events: bool = True,
     ) -> None:
+        """``emit_events=False``: for a caller nobody listens to (a simulated engine whose
+        policy reads no cache events), build no event objects and only count them in
+        ``events_unsent``; the cache itself behaves exactly the same."""
         if block_size <= 0:
             raise PrefixCacheError(f"block_size must be positive, got {block_size}")
         if vram_tokens < 0 or dram_tokens < 0:
@@ -143,6 +147,8 @@ class PrefixCache:
         self.demotions = 0
         self.evictions = 0
         self._int_block_size = type(block_size) is int  # events of checked pages skip validation
+        self.emit_events = emit_events
+        self.events_unsent = 0
 
     # ------------------------------------------------------------------------------ queries
 
@@ -322,7 +328,10 @@ class PrefixCache:
         if page.parent is not None:
             page.parent.vram_children += 1
             self._changed(page.parent)
-        events.append(self._stored(page, GPU))
+        if self.emit_events:
+            events.append(self._stored(page, GPU))
+        else:
+            self.events_unsent += 1
         return True
 
     def _load_into_vram(self, page: _Page, events: list[KvEvent]) -> bool:
@@ -347,7 +356,10 @@ class PrefixCache:
             if has_room:
                 page.in_dram = True
                 self.dram_pages += 1
-                events.append(self._stored(page, CPU))
+                if self.emit_events:
+                    events.append(self._stored(page, CPU))
+                else:
+                    self.events_unsent += 1
         if not page.in_dram and page.children:
             # nowhere to put it and it has DRAM-only children: drop them first (leaf-first)
             self._drop_dram_subtree(page, events)
@@ -356,7 +368,10 @@ class PrefixCache:
         if page.parent is not None:
             page.parent.vram_children -= 1
             self._changed(page.parent)
-        events.append(BlockRemoved((page.id,), GPU))
+        if self.emit_events:
+            events.append(BlockRemoved((page.id,), GPU))
+        else:
+            self.events_unsent += 1
         self.demotions += 1
         if not page.in_dram:
             self._forget(page)
@@ -370,7 +385,10 @@ class PrefixCache:
             if child.in_dram:
                 child.in_dram = False
                 self.dram_pages -= 1
-                events.append(BlockRemoved((child.id,), CPU))
+                if self.emit_events:
+                    events.append(BlockRemoved((child.id,), CPU))
+                else:
+                    self.events_unsent += 1
                 self.evictions += 1
             self._forget(child)
 
@@ -381,7 +399,10 @@ class PrefixCache:
                 return False
             victim.in_dram = False
             self.dram_pages -= 1
-            events.append(BlockRemoved((victim.id,), CPU))
+            if self.emit_events:
+                events.append(BlockRemoved((victim.id,), CPU))
+            else:
+                self.events_unsent += 1
             self.evictions += 1
             if not victim.in_vram:
                 self._forget(victim)

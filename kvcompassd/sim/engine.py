@@ -26,7 +26,7 @@ from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.core.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
 
 from .blockmirror import GlobalBlockMap, chain_keys
-from .policy import MigrationOrdered, PolicyError, RoutingPolicy, Topology
+from .policy import BasePolicy, MigrationOrdered, PolicyError, RoutingPolicy, Topology
 from .workloads import Request
 
 _ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY = range(6)
@@ -121,9 +121,13 @@ class Simulation:
             for w in topo.worker_ids
         ]
         self.models = [WorkerQueueModel(t) for t in self.timings]
+        # A policy that reads no cache events (it keeps BasePolicy's no-op) gets none built, when
+        # nothing else needs them: no truth map, and no loss or delay draws that depend on them.
+        silent = (isinstance(policy, BasePolicy) and type(policy).on_cache_events is BasePolicy.on_cache_events
+                  and not settings.track_truth and settings.update_loss == 0 and settings.update_delay_ms == 0)
         self.caches = [
             PrefixCache(block_size=topo.block_size, vram_tokens=cfg.worker(w).vram_kv_tokens,
-                        dram_tokens=cfg.worker(w).dram_kv_tokens, policy=settings.eviction)
+                        dram_tokens=cfg.worker(w).dram_kv_tokens, policy=settings.eviction, emit_events=not silent)
             for w in topo.worker_ids
         ]
         self.truth = GlobalBlockMap(topo.n_workers, topo.block_size) if settings.track_truth else None
@@ -409,8 +413,10 @@ class Simulation:
         for attr in ("hops_total", "lookups"):
             if hasattr(self.policy, attr):
                 extra[attr] = getattr(self.policy, attr)
+        # Events a silent cache only counted would all have been delivered (no loss, no delay).
+        delivered = self.events_delivered + sum(c.events_unsent for c in self.caches)
         return SimResult(getattr(self.policy, "name", type(self.policy).__name__), records, bins,
-                         self.s.load_bin_s, wall_s, self.events_delivered, self.events_lost, extra)
+                         self.s.load_bin_s, wall_s, delivered, self.events_lost, extra)
 
 
 def simulate(topo: Topology, policy: RoutingPolicy, requests: Iterable[Request], *,
