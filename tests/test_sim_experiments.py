@@ -34,6 +34,8 @@ def test_fig14_quick_writes_heatmap_and_peaks(tmp_path):
     assert {r["scheme"] for r in rows} == {"oracle", "consistent-hash"}
     assert all(r["load_factor_peak"] >= 1.0 for r in rows)
     assert (tmp_path / "fig14" / "mixed" / "load_factor.png").stat().st_size > 0
+    logged = [json.loads(line) for line in (tmp_path / "fig14" / "points.jsonl").read_text().splitlines()]
+    assert sorted(r["scheme"] for r in logged) == sorted(r["scheme"] for r in rows)
 
 
 def test_sweep_points_are_shortened_to_a_request_count_at_high_rates_only():

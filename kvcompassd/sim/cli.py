@@ -139,18 +139,27 @@ def _run_point(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
     return summary, result
 
 
-def run_points(points: Sequence[GridPoint], *, jobs: int = 1, progress: bool = False,
-               desc: str = "sim") -> list[tuple[dict[str, Any], SimResult]]:
+def run_points(points: Sequence[GridPoint], *, jobs: int = 1, progress: bool = False, desc: str = "sim",
+               log: Path | None = None) -> list[tuple[dict[str, Any], SimResult]]:
     """Run independent simulations, in ``jobs`` processes when > 1. Every point builds its
     own workers, policy (seeded from the point) and request stream, so the results do not
-    depend on ``jobs`` nor on which process ran what; they come back in ``points`` order."""
+    depend on ``jobs`` nor on which process ran what; they come back in ``points`` order.
+    ``log``: each summary is appended there (JSON lines) as its point finishes, so a sweep cut
+    short keeps what it measured."""
     outer = None
     if progress:
         from tqdm import tqdm
 
         outer = tqdm(total=len(points), unit="run", desc=desc)
 
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+
     def done(point: GridPoint, summary: dict[str, Any]) -> None:
+        if log is not None:
+            with open(log, "a") as fh:
+                fh.write(json.dumps(summary, default=float) + "\n")
         if outer is not None:
             outer.update(1)
             outer.set_postfix(scheme=point.scheme, rate=point.rate, p99=f"{summary['ttft_p99_ms']:.0f}ms")

@@ -97,7 +97,8 @@ def sweep(name: str, deployment: str, workloads: Sequence[str], schemes: Sequenc
             d = point_duration(rate, duration, requests_per_point)
             points += grid_points(cfg, wl, schemes, [rate], seed=seed, duration_s=d, warmup_s=warmup * d / duration,
                                   settings=s, page_tokens=PAGE_TOKENS[0], run_progress=progress and jobs <= 1)
-    done = run_points(points, jobs=jobs, progress=progress, desc=f"{name}@{deployment}")
+    done = run_points(points, jobs=jobs, progress=progress, desc=f"{name}@{deployment}",
+                      log=out / name / "points.jsonl")
     all_rows: list[dict] = []
     for wl in workloads:
         mine = [(p, d) for p, d in zip(points, done) if p.workload == wl]
