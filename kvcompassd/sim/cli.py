@@ -18,6 +18,7 @@ import itertools
 import json
 import multiprocessing
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -130,12 +131,16 @@ def _run_point(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
     topo = Topology.from_config(cfg, page_tokens=point.page_tokens)
     options = point.policy_options if point.scheme.startswith("kvcompass") else {}
     policy = make_policy(point.scheme, topo, seed=point.seed, **options)
-    result = simulate(topo, policy, _stream(point, topo), settings=point.settings,
+    stream = _stream(point, topo)
+    cpu = time.process_time()
+    result = simulate(topo, policy, stream, settings=point.settings,
                       max_requests=point.max_requests, duration_s=point.duration_s)
+    cpu = time.process_time() - cpu  # the simulation's own CPU: wall time on a shared machine is the neighbours'
     result.scheme = point.scheme
     summary = summarize(result, warmup_s=point.warmup_s).as_dict()
     summary.update(rate=point.rate, workload=point.workload, deployment=cfg.name, seed=point.seed,
-                   duration_s=point.duration_s, warmup_s=point.warmup_s, **result.extra)
+                   duration_s=point.duration_s, warmup_s=point.warmup_s, cpu_s=cpu,
+                   sim_requests_per_cpu_s=result.completed / max(cpu, 1e-9), **result.extra)
     return summary, result
 
 
