@@ -28,7 +28,7 @@ def _same(a: tuple[dict, object], b: tuple[dict, object]) -> None:
 def test_parallel_points_equal_serial_points():
     cfg = resolve_deployment("census-64x8")
     points = grid_points(cfg, "wildchat", ["oracle", "kvcompass", "consistent-hash"], [150.0, 300.0], seed=3,
-                         duration_s=0.6, warmup_s=0.1, settings=SimSettings(eviction="lru", seed=3), page_tokens=64)
+                         duration_s=0.4, warmup_s=0.1, settings=SimSettings(eviction="lru", seed=3), page_tokens=64)
     serial = run_points(points, jobs=1)
     parallel = run_points(points, jobs=2)
     assert [r["scheme"] for r, _ in serial] == ["oracle", "kvcompass", "consistent-hash"] * 2

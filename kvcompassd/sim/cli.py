@@ -175,14 +175,15 @@ def run_points(points: Sequence[GridPoint], *, jobs: int = 1, progress: bool = F
             out[i] = _run_point(point)
             done(point, out[i][0])
     else:
-        # Costliest first (longest-processing-time order balances the processes); points of one
-        # (workload, rate) stay adjacent so a process mostly reuses its cached stream.
+        # Costliest first (longest-processing-time order balances the processes); among equal
+        # costs the given order, so points of one (workload, rate) stay adjacent and a process
+        # mostly reuses its cached stream.
         def cost(i: int) -> float:
             p = points[i]
             n = p.rate * p.duration_s if p.duration_s is not None else float("inf")
             return min(n, p.max_requests if p.max_requests is not None else float("inf"))
 
-        order = sorted(range(len(points)), key=lambda i: (-cost(i), points[i].workload, i))
+        order = sorted(range(len(points)), key=lambda i: (-cost(i), i))
         ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
         with ProcessPoolExecutor(max_workers=min(jobs, len(points)), mp_context=ctx) as pool:
             futures = {pool.submit(_run_point, points[i]): i for i in order}
