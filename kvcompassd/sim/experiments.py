@@ -35,10 +35,11 @@ Capacity at the paper's census rates: with this worker model a request costs its
 uncached prefill (beta per token) plus its share of decode, (output - 1) steps of a full batch
 of 64 at 19.6 ms, divided by 64: 29 ms on Mixed, 58 ms on WildChat, 68 ms on LMSYS. The 64x8
 fleet therefore serves at most ~550 req/s on Mixed without reuse, ~880 at 50 % reuse and ~1,380
-at 80 % (WildChat ~510-890, LMSYS ~530-820), against the paper's 200-6000 req/s axis, whose text calls
-6000 req/s "sustained overload" (so its knee is above 3000). From 1000 req/s on every scheme is past capacity: TTFT is then the
-backlog accumulated over the window, and the schemes differ mostly by the throughput they
-sustain. Where the paper's ratios are quoted, this is the first reason ours differ.
+at 80 % (WildChat ~510-890, LMSYS ~530-820), against the paper's 200-6000 req/s axis, whose text
+calls 6000 req/s "sustained overload" (so its knee is above 3000). From 1000 req/s on every
+scheme is past capacity: TTFT is then the backlog accumulated over the window, and the schemes
+differ mostly by the throughput they sustain. Where the paper's ratios are quoted, this is the
+first reason ours differ.
 """
 
 from __future__ import annotations
