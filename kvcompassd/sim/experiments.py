@@ -24,6 +24,10 @@ rate), with the same warm-up fraction (1/4). Why this is sound:
   it can understate KVCompass's advantage at 4000-6000 req/s, never inflate it, and no baseline
   is weakened. Ratios quoted against the paper's at an operating point come from a full 20 s
   run of that point (``python -m kvcompassd.sim.cli ... --duration 20 --warmup 5``).
+- Throughput counts the tokens of requests that finish inside the arrival window. At a
+  shortened point past capacity the backlog outlasts the window (TTFTs of seconds against a
+  window of 2-5 s), so that column reads near zero there: take throughput past capacity from
+  full-window runs, or run the sweep with ``--requests-per-point 0``.
 
 Rates: the paper's simulated rates are used for the census deployments (Fig. 12: 200-6000
 req/s; Fig. 16: 400-18000). The testbed experiments (Fig. 11, 15) ran full-size prompts on RTX
