@@ -38,9 +38,9 @@ def test_fig14_quick_writes_heatmap_and_peaks(tmp_path):
     assert sorted(r["scheme"] for r in logged) == sorted(r["scheme"] for r in rows)
 
 
-def test_sweep_points_are_shortened_to_a_request_count_at_high_rates_only():
+def test_sweep_points_keep_the_warm_up_and_shorten_only_the_measured_part():
     from kvcompassd.sim.experiments import point_duration
 
-    assert point_duration(200.0, 20.0, 10_000) == 20.0
-    assert point_duration(6000.0, 20.0, 10_000) == 10_000 / 6000.0
-    assert point_duration(6000.0, 20.0, 0) == point_duration(6000.0, 20.0, None) == 20.0
+    assert point_duration(200.0, 20.0, 5.0, 7_500) == 20.0
+    assert point_duration(6000.0, 20.0, 5.0, 7_500) == 5.0 + 7_500 / 6000.0
+    assert point_duration(6000.0, 20.0, 5.0, 0) == point_duration(6000.0, 20.0, 5.0, None) == 20.0
