@@ -35,13 +35,14 @@ def ratio_rows(rows: list[dict], workload: str | None, rate: float | None) -> li
     oracle = by.get("oracle")
     paper = PAPER_P99_RATIO_MIXED_3000 if (workload == "mixed" and rate == 3000) else {}
     out = []
-    for scheme, r in by.items():
+    for scheme, r in sorted(by.items(), key=lambda kv: kv[0] != "kvcompass"):
         out.append({
             "scheme": scheme,
             "ttft_p99_ms": r["ttft_p99_ms"],
             "p99_vs_kvcompass": r["ttft_p99_ms"] / ours["ttft_p99_ms"],
             "paper_p99_vs_kvcompass": paper.get(scheme),
-            "throughput_vs_kvcompass": r["throughput_tok_s"] / ours["throughput_tok_s"],
+            "throughput_vs_kvcompass": (r["throughput_tok_s"] / ours["throughput_tok_s"]
+                                        if ours["throughput_tok_s"] > 0 else None),
             "hit_rate": r["hit_rate"],
             "load_factor_peak": r["load_factor_peak"],
             "lf_peak_vs_oracle": r["load_factor_peak"] / oracle["load_factor_peak"] if oracle else None,
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['scheme']} | {r['ttft_p99_ms']:.0f} | {r['p99_vs_kvcompass']:.2f}x | "
               f"{_fmt(r['paper_p99_vs_kvcompass'], '.1f')}{'x' if r['paper_p99_vs_kvcompass'] else ''} | "
-              f"{r['throughput_vs_kvcompass']:.3f} | {100 * r['hit_rate']:.1f} | {r['load_factor_peak']:.3f} | "
+              f"{_fmt(r['throughput_vs_kvcompass'], '.3f')} | {100 * r['hit_rate']:.1f} | {r['load_factor_peak']:.3f} | "
               f"{_fmt(r['lf_peak_vs_oracle'], '.3f')} | {_fmt(r['paper_lf_peak'], '.2f')} |")
     return 0
 
