@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,14 +50,30 @@ class DeploymentSpec:
     score: dict = field(default_factory=dict)
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 class _Ports:
-    """Free loopback ports, each handed out once: the OS picks ephemeral ones, but p + 1 (the
-    engine's replay socket) could otherwise be handed to another node a moment later."""
+    """Free loopback ports, each handed out once, from below the kernel's ephemeral range.
 
-    def __init__(self) -> None:
+    Listen ports picked from the ephemeral range raced the nodes' own outgoing sockets: a node
+    that dials a peer binds an ephemeral UDP port, which could be the one a node started a moment
+    later was told to listen on ('Address already in use' at start-up). Below that range only
+    explicit binds compete. p + 1 is reserved too where asked (the engine's replay socket)."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
         self.taken: set[int] = set()
+        self._rng = rng or random.Random()
+        ephemeral_low, _ = _ephemeral_port_range()
+        self._low, self._high = max(1024, ephemeral_low // 2), max(1025, ephemeral_low - 2)
 
-    def _bindable(self, port: int, kind: int) -> bool:
+    @staticmethod
+    def _bindable(port: int, kind: int) -> bool:
         with socket.socket(socket.AF_INET, kind) as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -66,13 +83,9 @@ class _Ports:
 
     def get(self, kind: int = socket.SOCK_STREAM, pair: bool = False) -> int:
         for _ in range(500):
-            with socket.socket(socket.AF_INET, kind) as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = self._rng.randint(self._low, self._high)
             wanted = [port, port + 1] if pair else [port]
-            if any(p in self.taken or p > 65535 for p in wanted):
-                continue
-            if pair and not self._bindable(port + 1, kind):
+            if any(p in self.taken for p in wanted) or not all(self._bindable(p, kind) for p in wanted):
                 continue
             self.taken.update(wanted)
             return port

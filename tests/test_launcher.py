@@ -1,0 +1,37 @@
+"""The launcher's port allocation: listen ports never collide with each other nor with the
+kernel's ephemeral ports, which the nodes' own outgoing sockets take."""
+
+import random
+import socket
+
+from kvcompassd.launcher import DeploymentSpec, _ephemeral_port_range, _Ports, build_cluster
+
+
+def test_ports_are_unique_below_the_ephemeral_range_and_pairs_reserve_the_next_port():
+    ports = _Ports(random.Random(7))
+    low, _ = _ephemeral_port_range()
+    handed = []
+    for i in range(200):
+        pair = i % 3 == 0
+        port = ports.get(socket.SOCK_DGRAM if i % 2 else socket.SOCK_STREAM, pair=pair)
+        handed += [port, port + 1] if pair else [port]
+    assert len(handed) == len(set(handed))
+    assert all(1024 <= p < low for p in handed)
+
+
+def test_a_port_in_use_is_not_handed_out():
+    rng_seed = 11
+    first = _Ports(random.Random(rng_seed)).get(socket.SOCK_DGRAM)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:
+        busy.bind(("127.0.0.1", first))
+        again = _Ports(random.Random(rng_seed)).get(socket.SOCK_DGRAM)  # same draws, first one busy
+    assert again != first
+
+
+def test_cluster_addresses_are_distinct():
+    cfg = build_cluster(DeploymentSpec())
+    addresses = [w.http for w in cfg.workers] + [w.agent for w in cfg.workers] \
+        + [w.kv_events for w in cfg.workers] + [e.quic for e in cfg.edges] + [e.http for e in cfg.edges] \
+        + [m.quic for m in cfg.maintenance]
+    ports = [int(str(a).rsplit(":", 1)[1]) for a in addresses]
+    assert len(ports) == len(set(ports))
