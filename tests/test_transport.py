@@ -31,6 +31,7 @@ from kvcompassd.transport import (
     TransportOptions,
 )
 from kvcompassd.transport.base import LOOPBACK_DATAGRAM_SIZE, QUIC_MIN_DATAGRAM_SIZE
+from kvcompassd.transport.aioquic_tweaks import ACK_ONLY_BACKLOG
 from kvcompassd.transport.framing import HEADER, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
 from kvcompassd.wanemu import WanRelay
 from kvcompassd.wire import (
@@ -368,6 +369,33 @@ def test_agent_can_push_to_connected_edge_over_inbound_peer(run, pki):
             _, message, _ = await edge_inbox.next()
             assert message == WorkerLoadReported("us-0", 12.5, 3, 1)
             assert [p.identity for p in agent.peers] == [NodeIdentity(Role.EDGE, "edge-us")]
+
+    run(scenario())
+
+
+def test_a_side_that_only_receives_keeps_a_bounded_record_of_its_ack_only_packets(run, pki):
+    # The edge listens and only receives (load reports as datagrams): it sends nothing but
+    # ACKs, which the peer never acknowledges. aioquic keeps each sent packet until it is
+    # acknowledged, so without an occasional ack-eliciting PING this record grew by one
+    # QuicSentPacket per ACK for as long as the connection lived (the soak's RSS growth).
+    async def scenario():
+        edge_inbox = Recorder()
+        async with node(pki, "edge-us", edge_inbox, listen=True) as edge, node(pki, "us-0") as agent:
+            peer = await agent.connect(edge.address)
+            await peer.send(WorkerLoadReported("us-0", 0.0, 0, 0))
+            inbound, _, _ = await edge_inbox.next()
+            connection = inbound._connection
+            peak = 0
+            for i in range(1, 301):
+                sent_before = connection._quic._packet_number
+                peer.send_datagram(WorkerLoadReported("us-0", float(i), 1, 0))
+                _, message, _ = await edge_inbox.next()
+                assert message.queue_ms == float(i)
+                while connection._quic._packet_number == sent_before:  # its ACK went out
+                    await asyncio.sleep(0.001)
+                peak = max(peak, connection.tracked_sent_packets)
+            assert connection._quic._packet_number > 300  # at least one ACK-only packet per report
+            assert peak <= 2 * ACK_ONLY_BACKLOG, peak
 
     run(scenario())
 

@@ -26,6 +26,18 @@
    :func:`request_client_certificate` sets the flag as soon as the connection creates its TLS
    context; the transport then verifies the chain against the cluster CA itself
    (:func:`verify_peer_chain`) before it accepts a single frame from the peer.
+
+4. **Acknowledging ACK-only packets.** aioquic keeps every packet it sends, ACK-only ones
+   included, in its packet space's ``sent_packets`` (with a delivery handler per ACK frame)
+   until the peer acknowledges it. A peer only sends an ACK when it receives an ack-eliciting
+   packet, so on a connection where one side only receives (an edge's inbound connections from
+   its agents' load reports and from peer edges' queue-vector broadcasts) that side's ACK-only
+   packets pile up forever: a steady leak of ~50 ``QuicSentPacket`` objects a second per busy
+   peer, and one ``list(sent_packets)`` per received ACK once anything is acknowledged.
+   RFC 9000 section 13.2.4 has the remedy: a receiver that only sends ACKs adds an
+   ack-eliciting frame now and then. :func:`elicit_ack_for_ack_only_backlog` sends a PING once
+   ``ACK_ONLY_BACKLOG`` unacknowledged packets have accumulated with nothing ack-eliciting in
+   flight; the peer's ACK of it releases them all, so the backlog stays bounded.
 """
 
 from __future__ import annotations
@@ -34,12 +46,15 @@ from typing import Literal
 
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketPacer
-from aioquic.tls import Alert, verify_certificate
+from aioquic.tls import Alert, Epoch, verify_certificate
 from cryptography import x509
 
 PacingMode = Literal["auto", "aioquic", "off"]
 DEFAULT_PACING_GRANULARITY_S = 0.001
 ADVERTISED_MAX_ACK_DELAY_S = 0.025  # aioquic's transport parameter max_ack_delay (fixed at 25 ms)
+# Unacknowledged ACK-only packets after which a PING asks the peer to acknowledge them (a few
+# milliseconds of a busy one-way connection; small next to a congestion window).
+ACK_ONLY_BACKLOG = 32
 
 
 class CoarsePacer(QuicPacketPacer):
@@ -115,3 +130,20 @@ def verify_peer_chain(cert: x509.Certificate, chain: list[x509.Certificate], ca_
         verify_certificate(certificate=cert, chain=chain, cadata=ca_pem)
     except Alert as exc:
         raise ValueError(str(exc) or type(exc).__name__) from None
+
+
+def elicit_ack_for_ack_only_backlog(quic: QuicConnection, limit: int = ACK_ONLY_BACKLOG) -> bool:
+    """Queue a PING if the 1-RTT space holds ``limit`` or more sent packets and none of them is
+    ack-eliciting (so no ACK from the peer would ever release them); returns True if it did.
+    The caller transmits."""
+    space = quic._spaces.get(Epoch.ONE_RTT)
+    if (space is None or not quic._handshake_complete or quic._ping_pending
+            or space.ack_eliciting_in_flight or len(space.sent_packets) < limit):
+        return False
+    quic.send_ping(0)
+    return True
+
+
+def tracked_sent_packets(quic: QuicConnection) -> int:
+    """Packets aioquic still tracks as sent and unacknowledged, over all packet spaces."""
+    return sum(len(space.sent_packets) for space in quic._spaces.values())

@@ -22,10 +22,12 @@ from aioquic.quic.connection import QuicConnection
 
 from kvcompassd.certs import CertError, peer_identity
 from kvcompassd.transport.aioquic_tweaks import (
+    elicit_ack_for_ack_only_backlog,
     install_pacer,
     peer_certificate,
     request_client_certificate,
     set_ack_delay,
+    tracked_sent_packets,
     verify_peer_chain,
 )
 from kvcompassd.transport.base import (
@@ -130,6 +132,13 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._transmit_soon()
         if self._drain_waiters:  # acknowledgements may have freed send buffer
             self._wake_drain_waiters()
+
+    def transmit(self) -> None:
+        super().transmit()
+        # A side that only receives sends only ACKs, which nothing acknowledges: ask for an
+        # ACK before aioquic's record of them grows without bound (aioquic_tweaks, item 4).
+        if not self.terminated and elicit_ack_for_ack_only_backlog(self._quic):
+            super().transmit()
 
     def _wake_drain_waiters(self) -> None:
         waiters, self._drain_waiters = self._drain_waiters, []
@@ -368,6 +377,11 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         if not self.terminated:
             self._quic.send_ping(0)
             self._transmit_soon()
+
+    @property
+    def tracked_sent_packets(self) -> int:
+        """Sent packets aioquic still holds awaiting acknowledgement (for tests and metrics)."""
+        return tracked_sent_packets(self._quic)
 
     @property
     def open_streams(self) -> int:
