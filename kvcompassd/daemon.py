@@ -19,8 +19,9 @@ from kvcompassd.certs import TlsFiles
 from kvcompassd.sdnotify import notify
 from kvcompassd.transport import TransportOptions
 
-# A dead peer (SIGKILL, power loss) is noticed after this long without packets; keepalives go
-# out at a third of it. 4 s bounds how long a request waits on a worker that died mid-flight.
+# A dead peer (SIGKILL, power loss) is noticed after this long without packets; both ends send
+# keepalives at an eighth of it. 4 s bounds how long a request waits on a worker that died
+# mid-flight.
 DAEMON_TRANSPORT = TransportOptions(idle_timeout=4.0)
 
 log = structlog.get_logger(__name__)

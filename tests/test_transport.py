@@ -31,7 +31,7 @@ from kvcompassd.transport import (
     TransportOptions,
 )
 from kvcompassd.transport.base import LOOPBACK_DATAGRAM_SIZE, QUIC_MIN_DATAGRAM_SIZE
-from kvcompassd.transport.aioquic_tweaks import ACK_ONLY_BACKLOG
+from kvcompassd.transport.aioquic_tweaks import ACK_ONLY_BACKLOG, last_ack_eliciting_sent
 from kvcompassd.transport.framing import HEADER, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
 from kvcompassd.wanemu import WanRelay
 from kvcompassd.wire import (
@@ -677,6 +677,28 @@ def test_silent_server_is_detected_by_idle_timeout(run, pki):
             while peer.is_connected:
                 await asyncio.sleep(0.02)
             assert isinstance(peer.last_error, PeerUnavailable)
+
+    run(scenario())
+
+
+def test_both_ends_of_an_idle_connection_send_keepalives(run, pki):
+    # The accepting end pings too: its peer's idle timer then restarts on each ping that
+    # arrives, rather than only on the ACK of a ping of its own (a round trip, twice the loss).
+    async def scenario():
+        async with node(pki, "edge-us", listen=True, idle_timeout=0.8) as server, \
+                node(pki, "mnt-0", idle_timeout=0.8) as client:
+            peer = await client.connect(server.address)
+            while not server.peers:
+                await asyncio.sleep(0.01)
+            for connection in (server.peers[0]._connection, peer._connection):
+                pings_seen, backlog = set(), 0
+                while len(pings_seen) < 4:  # a new ack-eliciting packet, three times
+                    pings_seen.add(last_ack_eliciting_sent(connection._quic))
+                    backlog = max(backlog, connection.tracked_sent_packets)
+                    await asyncio.sleep(0.02)
+                # Its own keepalives, not the PING that a backlog of ACK-only packets calls for.
+                assert backlog < ACK_ONLY_BACKLOG // 2, backlog
+            assert peer.is_connected and server.peers[0].is_connected
 
     run(scenario())
 

@@ -147,3 +147,8 @@ def elicit_ack_for_ack_only_backlog(quic: QuicConnection, limit: int = ACK_ONLY_
 def tracked_sent_packets(quic: QuicConnection) -> int:
     """Packets aioquic still tracks as sent and unacknowledged, over all packet spaces."""
     return sum(len(space.sent_packets) for space in quic._spaces.values())
+
+
+def last_ack_eliciting_sent(quic: QuicConnection) -> float:
+    """When (loop time) the connection last sent an ack-eliciting packet after the handshake."""
+    return quic._loss._time_of_last_sent_ack_eliciting_packet

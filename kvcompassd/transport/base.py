@@ -50,7 +50,13 @@ class TransportOptions:
     # or the listening address is a loopback address, else QUIC_MIN_DATAGRAM_SIZE.
     max_datagram_size: int | None = None
     exchange_streams: int = 4  # QUIC streams shared by the exchanges this node opens per connection
-    idle_timeout: float = 10.0  # a silent peer is declared dead after this; keepalive at 1/3
+    idle_timeout: float = 10.0  # a silent peer is declared dead after this
+    # Both ends of a connection PING when they sent nothing ack-eliciting for this share of
+    # idle_timeout. The peer's idle timer restarts on every packet it *receives*, so under loss
+    # what counts is how many tries fit in one idle timeout: with 8, a path losing 30 % of its
+    # packets in each direction goes silent for a whole timeout with probability 0.3^8 < 1e-4
+    # (with one end pinging every third, it needed a ping *and* its ACK through, 0.51^3 = 13 %).
+    keepalives_per_idle_timeout: int = 8
     handshake_timeout: float = 5.0
     reconnect_initial: float = 0.05
     reconnect_max: float = 5.0
@@ -63,6 +69,10 @@ class TransportOptions:
     # (larger than the biggest frame, a 16 MiB snapshot, so one frame always fits).
     send_buffer_limit: int = 32 * 1024 * 1024
 
+    @property
+    def keepalive_interval(self) -> float:
+        return self.idle_timeout / self.keepalives_per_idle_timeout
+
     def __post_init__(self) -> None:
         if self.pacing not in ("auto", "aioquic", "off"):
             raise ValueError(f"pacing must be 'auto', 'aioquic' or 'off', got {self.pacing!r}")
@@ -71,6 +81,8 @@ class TransportOptions:
         if self.max_datagram_size is not None and not QUIC_MIN_DATAGRAM_SIZE <= self.max_datagram_size <= MAX_UDP_PAYLOAD:
             raise ValueError(f"max_datagram_size must be None or in [{QUIC_MIN_DATAGRAM_SIZE}, {MAX_UDP_PAYLOAD}], "
                              f"got {self.max_datagram_size!r}")
+        if not 1 <= self.keepalives_per_idle_timeout <= 100:
+            raise ValueError(f"keepalives_per_idle_timeout must be in [1, 100], got {self.keepalives_per_idle_timeout}")
         if not 1 <= self.exchange_streams <= 64:
             raise ValueError(f"exchange_streams must be in [1, 64], got {self.exchange_streams}")
         for name in ("idle_timeout", "handshake_timeout", "reconnect_initial", "reconnect_max"):

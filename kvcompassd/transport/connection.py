@@ -24,6 +24,7 @@ from kvcompassd.certs import CertError, peer_identity
 from kvcompassd.transport.aioquic_tweaks import (
     elicit_ack_for_ack_only_backlog,
     install_pacer,
+    last_ack_eliciting_sent,
     peer_certificate,
     request_client_certificate,
     set_ack_delay,
@@ -89,6 +90,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._outgoing: dict[tuple[int, int], FrameStream] = {}
         self._incoming: dict[tuple[int, int], FrameStream] = {}
         self._drain_waiters: list[asyncio.Future[None]] = []
+        self._keepalive: asyncio.TimerHandle | None = None
         self._control = SerialDispatcher(node.deliver)
         self._datagrams = SerialDispatcher(node.deliver)
 
@@ -113,6 +115,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             self._refuse(f"expected node {self.expected_id!r}, peer is {identity}")
             return
         self.identity = identity
+        self._schedule_keepalive()
         if not self.outbound:
             self.node.accept_inbound(self)
 
@@ -182,6 +185,8 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._control.cancel()
         self._datagrams.cancel()
         self._wake_drain_waiters()
+        if self._keepalive is not None:
+            self._keepalive.cancel()
         if self.outbound:
             if self._timer is not None:  # nothing more to send once our socket is gone
                 self._timer.cancel()
@@ -373,10 +378,19 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
         return FrameStream(self, self.new_exchange_id(), incoming=False, stream_id=None)
 
-    def send_keepalive(self) -> None:
-        if not self.terminated:
+    def _schedule_keepalive(self) -> None:
+        self._keepalive = self._loop.call_later(self.node.options.keepalive_interval, self._keepalive_due)
+
+    def _keepalive_due(self) -> None:
+        """PING unless something ack-eliciting went out within the interval (which already
+        restarted the peer's idle timer, if it arrived); both ends do this."""
+        if self.terminated:
+            return
+        interval = self.node.options.keepalive_interval
+        if self._loop.time() - last_ack_eliciting_sent(self._quic) >= interval * 0.9:
             self._quic.send_ping(0)
-            self._transmit_soon()
+            self.transmit()
+        self._schedule_keepalive()
 
     @property
     def tracked_sent_packets(self) -> int:

@@ -178,11 +178,7 @@ class Peer:
             failures = 0
             self._attach(connection)
             self._settle_attempt(None)
-            while not connection.terminated:
-                try:
-                    await asyncio.wait_for(connection.wait_closed(), options.idle_timeout / 3)
-                except TimeoutError:
-                    connection.send_keepalive()
+            await connection.wait_closed()  # the connection keeps itself alive (keepalive_interval)
             connection.on_terminated()
 
     def _attach(self, connection: QuicConnectionTransport) -> None:
