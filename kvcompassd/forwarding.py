@@ -78,7 +78,15 @@ class ForwardRequest:
 
 
 class Forwarder:
-    """Runs requests for one edge; ``agent_peer(worker)`` gives the QUIC peer of a worker's agent."""
+    """Runs requests for one edge; ``agent_peer(worker)`` gives the QUIC peer of a worker's agent.
+
+    A request that has produced no token yet is never lost to one worker's failure: it moves to
+    the next best worker, each worker tried at most once (``max_attempts``, default all of
+    them). Workers reached over QUIC whose agent is not connected are left out of the decision
+    while any other worker is eligible, and a QUIC attempt that brings no first token within
+    ``first_token_timeout(expected)`` (a connection crawling under loss, or dead but not yet
+    timed out) is abandoned for the next best.
+    """
 
     def __init__(
         self,
@@ -90,7 +98,9 @@ class Forwarder:
         clock: Callable[[], float],
         metrics: EdgeMetrics,
         local_http: bool = True,
-        max_attempts: int = 3,
+        max_attempts: int | None = None,
+        first_token_floor_s: float = 2.0,
+        first_token_factor: float = 4.0,
     ):
         self.edge_id = edge_id
         self.router = router
@@ -100,8 +110,38 @@ class Forwarder:
         self.clock = clock
         self.metrics = metrics
         self.local_http = local_http
-        self.max_attempts = max_attempts
+        workers = router.layout.worker_ids
+        self.max_attempts = len(workers) if max_attempts is None else max_attempts
+        self.first_token_floor_s = first_token_floor_s
+        self.first_token_factor = first_token_factor
+        # (index, id) of the workers this edge reaches over QUIC (the others over local HTTP).
+        self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
         self.migrations: list[dict] = []  # recent, for kvcompassctl
+
+    def first_token_timeout(self, expected_ms: float) -> float:
+        """How long a QUIC attempt may take to its first token: a multiple of what the score
+        expected, never under the floor (seconds)."""
+        return max(self.first_token_floor_s, self.first_token_factor * expected_ms / 1000.0)
+
+    def unreachable(self) -> set[int]:
+        """Indexes of QUIC-reached workers whose agent is not connected right now."""
+        out = set()
+        for index, worker in self._quic_workers:
+            peer = self.agent_peer(worker)
+            if peer is None or not peer.is_connected:
+                out.add(index)
+        return out
+
+    def _decide(self, req: ForwardRequest, excluded: set[int]) -> ForwardDecided:
+        """The best worker not yet tried, preferring reachable ones; ValueError if none is left."""
+        now = self.clock()
+        unreachable = self.unreachable() - excluded
+        if unreachable:
+            try:
+                return self.router.decide(req.tokens, now=now, exclude=excluded | unreachable)
+            except ValueError:
+                pass  # only unreachable workers left: try them (one may have just reconnected)
+        return self.router.decide(req.tokens, now=now, exclude=excluded)
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
         excluded: set[int] = set()
@@ -109,7 +149,7 @@ class Forwarder:
         for attempt in range(1, self.max_attempts + 1):
             t0 = time.perf_counter()
             try:
-                decision = self.router.decide(req.tokens, now=self.clock(), exclude=excluded)
+                decision = self._decide(req, excluded)
             except ValueError as exc:  # no eligible worker left
                 reasons.append(str(exc))
                 break
@@ -185,16 +225,20 @@ class Forwarder:
 
     # -- the two paths ------------------------------------------------------------------------
 
+    def _uses_http(self, worker_id: str) -> bool:
+        worker = self.cfg.worker(worker_id)
+        return bool(self.local_http and worker.region == self.router.region and worker.http)
+
     def _run(self, d: ForwardDecided, req: ForwardRequest):
-        worker = self.cfg.worker(d.worker)
-        if self.local_http and d.local and worker.http:
-            return self._run_http(worker.http, d, req)
+        if self._uses_http(d.worker):
+            return self._run_http(self.cfg.worker(d.worker).http, d, req)
         return self._run_quic(d, req)
 
     async def _run_quic(self, d: ForwardDecided, req: ForwardRequest):
         peer = self.agent_peer(d.worker)
         if peer is None or not peer.is_connected:
             raise WorkerUnavailable("agent not connected")
+        deadline = self.first_token_timeout(d.score.scores.item(d.worker_index))
         message = RequestForwarded(
             request_id=req.request_id,
             edge=self.edge_id,
@@ -204,22 +248,37 @@ class Forwarder:
             stream=req.stream,
             claimed_tokens=d.claimed_tokens,
         )
+        exchange = None
         try:
-            async with peer.open_stream() as exchange:
+            exchange = peer.open_stream()
+            replies = aiter(exchange)
+            async with asyncio.timeout(deadline):  # until the first token
                 await exchange.send(message)
-                async for reply in exchange:
-                    if isinstance(reply, ResponseChunked):
-                        if reply.token_ids or reply.text:
-                            yield TokensGenerated(tuple(reply.token_ids), reply.text)
-                    elif isinstance(reply, ResponseCompleted):
-                        yield _completed(reply)
-                        return
-                    elif isinstance(reply, RequestFailed):
-                        raise WorkerUnavailable(reply.reason or "agent reported failure")
-                    elif isinstance(reply, ErrorReported):
-                        raise WorkerUnavailable(f"agent refused: {reply.code}: {reply.detail}")
+                reply = await anext(replies)
+                while isinstance(reply, ResponseChunked) and not (reply.token_ids or reply.text):
+                    reply = await anext(replies)
+            while True:
+                if isinstance(reply, ResponseChunked):
+                    if reply.token_ids or reply.text:
+                        yield TokensGenerated(tuple(reply.token_ids), reply.text)
+                elif isinstance(reply, ResponseCompleted):
+                    await exchange.close()
+                    yield _completed(reply)
+                    return
+                elif isinstance(reply, RequestFailed):
+                    raise WorkerUnavailable(reply.reason or "agent reported failure")
+                elif isinstance(reply, ErrorReported):
+                    raise WorkerUnavailable(f"agent refused: {reply.code}: {reply.detail}")
+                reply = await anext(replies)
+        except StopAsyncIteration:
+            raise WorkerUnavailable("agent closed the exchange without completion") from None
+        except TimeoutError:
+            raise WorkerUnavailable(f"no first token within {deadline:.1f} s") from None
         except TransportError as exc:
             raise WorkerUnavailable(f"transport: {exc}") from exc
+        finally:
+            if exchange is not None:
+                exchange.abort()  # no-op after a completion; else the agent stops working on it
 
     async def _run_http(self, base: str, d: ForwardDecided, req: ForwardRequest):
         engine = EngineClient(base, self.http)

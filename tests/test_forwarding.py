@@ -1,0 +1,137 @@
+"""The edge's forwarding path over real QUIC: a request that has no first token yet moves to the
+next best worker when its agent's connection is gone, dies under it, or crawls (no first token
+within the deadline; the abandoned agent is told to stop). Two agents of the edge's own region,
+both reached over QUIC (``local_http=False``); idle and empty, they tie and a-0 is tried first.
+
+Deadlines here are parameters of the path under test, not assertions on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from clusters import make_cluster
+from kvcompassd.certs import init_ca, issue
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.router import Router
+from kvcompassd.forwarding import ForwardError, ForwardRequest, Forwarder, GenerationFinished, TokensGenerated
+from kvcompassd.metrics import EdgeMetrics
+from kvcompassd.transport import QuicNode, TransportOptions
+from kvcompassd.wire import NodeIdentity, RequestForwarded, ResponseChunked, ResponseCompleted, Role
+
+GUARD_S = 30.0  # hang guard only
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    init_ca(root / "ca", cluster_name="test")
+    return {node_id: issue(root / "ca", root / "nodes", role=role, node_id=node_id)
+            for node_id, role in [("edge-a", "edge"), ("a-0", "agent"), ("a-1", "agent")]}
+
+
+class Agent:
+    """A real agent endpoint whose behaviour on a forwarded request is chosen by the test:
+    "serve" (two tokens, then completion), "stall" (never answer; wait to be aborted) or
+    "vanish" (close the whole node, like a process that died)."""
+
+    def __init__(self, pki, worker: str, behaviour: str):
+        self.worker, self.behaviour = worker, behaviour
+        self.received: list[str] = []
+        self.aborted = asyncio.Event()
+        self.node = QuicNode(NodeIdentity(Role.AGENT, worker), pki[worker], on_message=self._on_message,
+                             options=TransportOptions(idle_timeout=10.0))
+
+    async def _on_message(self, peer, message, channel) -> None:
+        if not isinstance(message, RequestForwarded):
+            return
+        self.received.append(message.request_id)
+        stream = channel.stream
+        if self.behaviour == "stall":
+            await stream.wait_aborted()
+            self.aborted.set()
+        elif self.behaviour == "vanish":
+            await self.node.close()
+        else:
+            for token in (7, 8):
+                await stream.send(ResponseChunked(message.request_id, (token,), str(token), False))
+            await stream.send(ResponseCompleted(message.request_id, self.worker, 0, len(message.input_ids), 2,
+                                                "length", ()), end=True)
+
+
+@pytest_asyncio.fixture
+async def edge(pki):
+    async with asyncio.timeout(GUARD_S):
+        cfg = make_cluster({"a": 2}, shards=1)
+        layout = IndexLayout.from_config(cfg)
+        view = EdgeIndexView(layout, 1, edge="edge-a")
+        view.install_snapshot(MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64).snapshot())
+        router = Router(cfg, "a", view, now=0.0)
+        node = QuicNode(NodeIdentity(Role.EDGE, "edge-a"), pki["edge-a"], on_message=lambda *a: None,
+                        options=TransportOptions(idle_timeout=10.0))
+        peers: dict[str, object] = {}
+        async with aiohttp.ClientSession() as session:
+            forwarder = Forwarder("edge-a", router, peers.get, session, clock=lambda: 0.0, metrics=EdgeMetrics(),
+                                  local_http=False, first_token_floor_s=0.5, first_token_factor=0.0)
+            forwarder.peers, forwarder.node, forwarder.agents = peers, node, []
+            try:
+                yield forwarder
+            finally:
+                await node.close()
+                for agent in forwarder.agents:
+                    await agent.node.close()
+
+
+async def start_agents(pki, forwarder, behaviours: dict[str, str], *, connect: tuple[str, ...] = ("a-0", "a-1")):
+    for worker, behaviour in behaviours.items():
+        agent = Agent(pki, worker, behaviour)
+        address = await agent.node.listen("127.0.0.1", 0)
+        forwarder.agents.append(agent)
+        if worker in connect:
+            forwarder.peers[worker] = await forwarder.node.connect(address, expected_role=Role.AGENT,
+                                                                   expected_id=worker)
+    return {a.worker: a for a in forwarder.agents}
+
+
+async def run(forwarder, request_id: str = "r1") -> tuple[list[TokensGenerated], GenerationFinished]:
+    request = ForwardRequest(request_id, np.arange(1, 40, dtype=np.uint32), {"max_new_tokens": 2}, True)
+    async with asyncio.timeout(GUARD_S):
+        items = [item async for item in forwarder.generate(request)]
+    return items[:-1], items[-1]
+
+
+async def test_an_agent_without_a_first_token_in_time_is_abandoned_for_the_next_best(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "stall", "a-1": "serve"})
+    tokens, done = await run(edge)
+    assert agents["a-0"].received == ["r1"] and agents["a-1"].received == ["r1"]
+    assert done.worker == "a-1" and done.attempts == 2
+    assert [t.token_ids for t in tokens] == [(7,), (8,)]
+    async with asyncio.timeout(GUARD_S):
+        await agents["a-0"].aborted.wait()  # told to stop: it does not keep computing for nobody
+
+
+async def test_a_connection_that_dies_before_the_first_token_moves_the_request_on(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "vanish", "a-1": "serve"})
+    tokens, done = await run(edge)
+    assert agents["a-0"].received == ["r1"]
+    assert done.worker == "a-1" and done.attempts == 2 and len(tokens) == 2
+
+
+async def test_workers_whose_agent_is_not_connected_are_skipped_while_another_can_serve(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "serve", "a-1": "serve"}, connect=("a-1",))
+    _, done = await run(edge)
+    assert done.worker == "a-1" and done.attempts == 1 and agents["a-0"].received == []
+
+
+async def test_every_worker_is_tried_once_before_the_request_fails(pki, edge):
+    await start_agents(pki, edge, {"a-0": "stall", "a-1": "vanish"})
+    with pytest.raises(ForwardError) as failure:
+        await run(edge)
+    assert failure.value.status == 503
+    assert "a-0: no first token" in str(failure.value) and "a-1: transport" in str(failure.value)
