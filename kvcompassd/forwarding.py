@@ -77,15 +77,45 @@ class ForwardRequest:
     stream: bool
 
 
+class SuspectWorkers:
+    """Workers that just failed a request before its first token (a crawling or dead path, a
+    refusing engine): left out of decisions for a while, so that the next requests do not each
+    pay the same first-token timeout. The period doubles with each further failure, up to
+    ``max_s``; a served request clears it. One entry per worker at most."""
+
+    def __init__(self, initial_s: float = 5.0, max_s: float = 60.0) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self._until: dict[int, float] = {}
+        self._period: dict[int, float] = {}
+
+    def failed(self, index: int, *, now: float) -> float:
+        """Record a failure; returns how long the worker is now avoided (s)."""
+        period = min(self.max_s, 2 * self._period[index]) if index in self._period else self.initial_s
+        self._period[index] = period
+        self._until[index] = now + period
+        return period
+
+    def served(self, index: int) -> None:
+        self._until.pop(index, None)
+        self._period.pop(index, None)
+
+    def current(self, *, now: float) -> set[int]:
+        return {index for index, until in self._until.items() if until > now}
+
+    def __len__(self) -> int:
+        return len(self._period)
+
+
 class Forwarder:
     """Runs requests for one edge; ``agent_peer(worker)`` gives the QUIC peer of a worker's agent.
 
     A request that has produced no token yet is never lost to one worker's failure: it moves to
     the next best worker, each worker tried at most once (``max_attempts``, default all of
-    them). Workers reached over QUIC whose agent is not connected are left out of the decision
-    while any other worker is eligible, and a QUIC attempt that brings no first token within
-    ``first_token_timeout(expected)`` (a connection crawling under loss, or dead but not yet
-    timed out) is abandoned for the next best.
+    them). Workers reached over QUIC whose agent is not connected, and workers that just failed
+    a request (:class:`SuspectWorkers`), are left out of the decision while any other worker is
+    eligible; a QUIC attempt that brings no first token within ``first_token_timeout(expected)``
+    (a connection crawling under loss, or dead but not yet timed out) is abandoned for the next
+    best.
     """
 
     def __init__(
@@ -114,6 +144,7 @@ class Forwarder:
         self.max_attempts = len(workers) if max_attempts is None else max_attempts
         self.first_token_floor_s = first_token_floor_s
         self.first_token_factor = first_token_factor
+        self.suspects = SuspectWorkers()
         # (index, id) of the workers this edge reaches over QUIC (the others over local HTTP).
         self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
         self.migrations: list[dict] = []  # recent, for kvcompassctl
@@ -133,14 +164,15 @@ class Forwarder:
         return out
 
     def _decide(self, req: ForwardRequest, excluded: set[int]) -> ForwardDecided:
-        """The best worker not yet tried, preferring reachable ones; ValueError if none is left."""
+        """The best worker not yet tried, preferring reachable, unsuspected ones; ValueError if
+        none is left."""
         now = self.clock()
-        unreachable = self.unreachable() - excluded
-        if unreachable:
+        avoided = (self.unreachable() | self.suspects.current(now=now)) - excluded
+        if avoided:
             try:
-                return self.router.decide(req.tokens, now=now, exclude=excluded | unreachable)
+                return self.router.decide(req.tokens, now=now, exclude=excluded | avoided)
             except ValueError:
-                pass  # only unreachable workers left: try them (one may have just reconnected)
+                pass  # only avoided workers left: try them (one may have come back)
         return self.router.decide(req.tokens, now=now, exclude=excluded)
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
@@ -170,9 +202,10 @@ class Forwarder:
                     raise ForwardError(502, f"worker {decision.worker} failed mid-response: {exc}") from exc
                 reasons.append(f"{decision.worker}: {exc}")
                 excluded.add(decision.worker_index)
+                avoided_s = self.suspects.failed(decision.worker_index, now=self.clock())
                 self.metrics.retries.inc()
                 log.warning("worker failed before first token; retrying", request_id=req.request_id,
-                            worker=decision.worker, attempt=attempt, error=str(exc))
+                            worker=decision.worker, attempt=attempt, error=str(exc), avoided_s=avoided_s)
         raise ForwardError(503, "no worker could serve the request: " + "; ".join(reasons))
 
     def _observe_decision(self, req: ForwardRequest, d: ForwardDecided, decision_us: float, attempt: int) -> None:
@@ -200,6 +233,7 @@ class Forwarder:
 
     def _finished(self, req, d: ForwardDecided, done: GenerationFinished, attempt: int, decision_us: float):
         now = self.clock()
+        self.suspects.served(d.worker_index)
         self.router.on_response(
             d.worker,
             claimed_tokens=d.claimed_tokens,

@@ -25,6 +25,7 @@ import aiohttp
 
 from kvcompassd import certs
 from kvcompassd.core.config import ClusterConfig, dump_config, parse_config
+from kvcompassd.ctl import query
 from kvcompassd.wanemu import WanEmulator
 from kvcompassd.wire import Role
 
@@ -288,6 +289,21 @@ class LocalDeployment:
             if node.proc is not None and node.proc.poll() is not None and not getattr(node, "expected_down", False):
                 tail = node.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{key} exited with {node.proc.returncode}:\n{tail}")
+
+    async def views_converged(self, edges=None) -> bool:
+        """Whether every edge's views (or ``edges``') hold exactly the values of the maintenance
+        units' shards, key by key (admin queries on the direct addresses, not through relays)."""
+        for m in self.cfg.maintenance:
+            state = await query(self.cfg, self.tls_dir, "admin", m.id, "entries", {})
+            for e in edges or self.cfg.edges:
+                for group, kv in state["groups"].items():
+                    if not kv["keys"]:
+                        continue
+                    got = await query(self.cfg, self.tls_dir, "admin", e.id, "lookup",
+                                      {"shard": m.shard, "group": int(group), "keys": kv["keys"]})
+                    if got["values"] != kv["values"]:
+                        return False
+        return True
 
     def edge_url(self, region: str) -> str:
         return f"http://{self.cfg.edges_in(region)[0].http}"

@@ -44,18 +44,4 @@ async def lists_worker(fetch, worker):
 
 
 async def assert_views_converged(dep, edges=None, timeout: float = 15.0):
-    async def converged():
-        for m in dep.cfg.maintenance:
-            state = await admin(dep, m.id, "entries")
-            for e in edges or dep.cfg.edges:
-                for group, kv in state["groups"].items():
-                    if not kv["keys"]:
-                        continue
-                    got = await admin(dep, e.id, "lookup", {"shard": m.shard, "group": int(group), "keys": kv["keys"]})
-                    if got["values"] != kv["values"]:
-                        return False
-        return True
-
-    await eventually(converged, timeout=timeout, interval=0.3)
-
-
+    await eventually(lambda: dep.views_converged(edges), timeout=timeout, interval=0.3)

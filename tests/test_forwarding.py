@@ -20,7 +20,14 @@ from kvcompassd.certs import init_ca, issue
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
-from kvcompassd.forwarding import ForwardError, ForwardRequest, Forwarder, GenerationFinished, TokensGenerated
+from kvcompassd.forwarding import (
+    ForwardError,
+    ForwardRequest,
+    Forwarder,
+    GenerationFinished,
+    SuspectWorkers,
+    TokensGenerated,
+)
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import QuicNode, TransportOptions
 from kvcompassd.wire import NodeIdentity, RequestForwarded, ResponseChunked, ResponseCompleted, Role
@@ -114,6 +121,26 @@ async def test_an_agent_without_a_first_token_in_time_is_abandoned_for_the_next_
     assert [t.token_ids for t in tokens] == [(7,), (8,)]
     async with asyncio.timeout(GUARD_S):
         await agents["a-0"].aborted.wait()  # told to stop: it does not keep computing for nobody
+
+
+async def test_a_worker_that_failed_is_avoided_by_the_next_requests_until_it_serves(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "stall", "a-1": "serve"})
+    assert (await run(edge, "r1"))[1].attempts == 2
+    for request_id in ("r2", "r3"):  # the clock stands still: a-0 stays suspect
+        _, done = await run(edge, request_id)
+        assert done.worker == "a-1" and done.attempts == 1
+    assert agents["a-0"].received == ["r1"]
+
+
+def test_suspicion_doubles_with_each_failure_expires_and_is_cleared_by_a_served_request():
+    suspects = SuspectWorkers(initial_s=5.0, max_s=12.0)
+    assert suspects.failed(3, now=100.0) == 5.0 and suspects.current(now=104.9) == {3}
+    assert suspects.current(now=105.0) == set()
+    assert suspects.failed(3, now=106.0) == 10.0 and suspects.failed(3, now=107.0) == 12.0
+    assert suspects.current(now=118.9) == {3} and len(suspects) == 1
+    suspects.served(3)
+    assert suspects.current(now=110.0) == set() and len(suspects) == 0
+    assert suspects.failed(3, now=200.0) == 5.0  # back to the initial period
 
 
 async def test_a_connection_that_dies_before_the_first_token_moves_the_request_on(pki, edge):

@@ -12,8 +12,11 @@ daemon process (``/proc/<pid>/status`` VmRSS; this process too, as it runs the W
 every ``--sample-s`` seconds.
 
 Prints per process: RSS first / after warm-up / last / max and the slope (MB per minute, least
-squares over the samples after warm-up); and the requests: served, failed, hit rate (cached
-tokens / prompt tokens), TTFT P50 and P99. Exits 1 if any request failed, any daemon died, or
+squares over the samples after warm-up); the requests: served, failed, hit rate (cached
+tokens / prompt tokens), TTFT P50 and P99; how late this process's event loop (which runs the
+WAN relays) woke from 50 ms sleeps, so that a stalled relay is not mistaken for loss; and how
+long after the last request every edge's views held exactly the shards' state (gaps repaired).
+Exits 1 if any request failed, any daemon died, the views did not converge, or
 a process's RSS grew by more than ``--max-growth-mb`` between the end of the warm-up (the first
 ``--warmup`` fraction of the run, while caches and tables fill) and the end, or (runs of 3
 minutes or more, where a slope means something) kept growing faster than ``--max-slope``
@@ -79,6 +82,36 @@ class RssSampler:
             except TimeoutError:
                 pass
         self.sample()
+
+
+class LoopLag:
+    """How late this process's loop wakes from short sleeps (it also runs the WAN relays)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+
+    async def run(self, stop: asyncio.Event, period: float = 0.05) -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            await asyncio.sleep(period)
+            self.lags.append(time.monotonic() - t0 - period)
+
+    def summary(self) -> str:
+        lags = np.array(self.lags or [0.0]) * 1000
+        return f"P50 {np.percentile(lags, 50):.1f} ms, P99 {np.percentile(lags, 99):.1f} ms, max {lags.max():.0f} ms"
+
+
+async def seconds_to_converge(dep: LocalDeployment, timeout: float) -> float | None:
+    """Seconds until every edge's views equal the shards' exact state, None if not within timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if await dep.views_converged():
+                return time.monotonic() - t0
+        except (RuntimeError, TimeoutError, ConnectionError):
+            pass  # an admin query that did not get through: ask again
+        await asyncio.sleep(0.5)
+    return None
 
 
 def summarise_rss(samples: dict[str, list[tuple[float, float]]], warm_after: float) -> list[dict]:
@@ -152,12 +185,13 @@ async def soak(args) -> int:
           f"loss {args.loss:.0%}, jitter {args.jitter:.0%}) ...", flush=True)
     async with dep:
         print(f"ready after {time.monotonic() - t_start:.1f} s; {args.rate} req/s for {args.minutes} min ...", flush=True)
-        sampler = RssSampler(dep)
+        sampler, lag = RssSampler(dep), LoopLag()
         stop = asyncio.Event()
-        sampling = asyncio.create_task(sampler.run(args.sample_s, stop))
+        sampling = asyncio.gather(sampler.run(args.sample_s, stop), lag.run(stop))
         results, skipped = await drive(dep, args.rate, seconds, args.max_in_flight, args.seed)
         stop.set()
         await sampling
+        converged = await seconds_to_converge(dep, args.converge_timeout)
         died = [key for key, node in dep.nodes.items() if not node.alive]
     ok = [r for r in results if r.ok]
     failed = len(results) - len(ok)
@@ -175,6 +209,9 @@ async def soak(args) -> int:
     print(f"hit rate (cached / prompt tokens): {sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0:.1%}; "
           f"TTFT P50 {np.percentile(ttft, 50):.0f} ms, P99 {np.percentile(ttft, 99):.0f} ms; "
           f"cross-region served: {sum(1 for r in ok if r.worker_region and r.worker_region != r.region)}")
+    print(f"loop lag of this process (WAN relays): {lag.summary()}")
+    print("edge views equal the shards' state " + (f"{converged:.1f} s after the last request" if converged is not None
+                                                  else f"NOT within {args.converge_timeout:.0f} s"))
     long_run = args.minutes >= 3.0
     grown = [r["process"] for r in rows if r["growth"] > args.max_growth_mb
              or (long_run and r["slope"] > args.max_slope and r["growth"] > args.max_growth_mb / 2)]
@@ -183,6 +220,8 @@ async def soak(args) -> int:
         verdict.append(f"{failed} requests failed")
     if died:
         verdict.append(f"daemons died: {', '.join(died)}")
+    if converged is None:
+        verdict.append("edge views did not converge to the shards' state")
     if grown:
         verdict.append(f"RSS grew after warm-up (> {args.max_growth_mb} MB, or > {args.max_slope} MB/min "
                        f"and > {args.max_growth_mb / 2} MB): {', '.join(grown)}")
@@ -210,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", type=float, default=0.0, help="WAN packet loss (0..1) on every relay")
     parser.add_argument("--jitter", type=float, default=0.0, help="WAN delay jitter as a fraction of the delay")
     parser.add_argument("--one-way-ms", type=float, default=None, help="set every inter-region one-way delay")
+    parser.add_argument("--converge-timeout", type=float, default=120.0,
+                        help="seconds to wait after the run for every edge's views to equal the shards'")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
