@@ -114,6 +114,10 @@ async def seconds_to_converge(dep: LocalDeployment, timeout: float) -> float | N
     return None
 
 
+def idle_timeouts(logs: Path) -> int:
+    return sum(path.read_text(errors="replace").count('"reason": "Idle timeout"') for path in logs.glob("*.log"))
+
+
 def summarise_rss(samples: dict[str, list[tuple[float, float]]], warm_after: float) -> list[dict]:
     rows = []
     for name, points in sorted(samples.items()):
@@ -183,7 +187,9 @@ async def soak(args) -> int:
     print(f"starting the demo deployment ({sum(spec.workers.values())} workers, {len(spec.workers)} edges, "
           f"{spec.shards} maintenance units; WAN one-way {sorted(set(spec.one_way_ms.values()))} ms, "
           f"loss {args.loss:.0%}, jitter {args.jitter:.0%}) ...", flush=True)
-    async with dep:
+    try:
+        # Under heavy WAN loss the first snapshots can take a while to cross: a longer wait.
+        await dep.start(timeout=args.ready_timeout)
         print(f"ready after {time.monotonic() - t_start:.1f} s; {args.rate} req/s for {args.minutes} min ...", flush=True)
         sampler, lag = RssSampler(dep), LoopLag()
         stop = asyncio.Event()
@@ -193,6 +199,8 @@ async def soak(args) -> int:
         await sampling
         converged = await seconds_to_converge(dep, args.converge_timeout)
         died = [key for key, node in dep.nodes.items() if not node.alive]
+    finally:
+        await dep.stop()
     ok = [r for r in results if r.ok]
     failed = len(results) - len(ok)
     prompt = sum(r.prompt_tokens for r in ok)
@@ -209,7 +217,8 @@ async def soak(args) -> int:
     print(f"hit rate (cached / prompt tokens): {sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0:.1%}; "
           f"TTFT P50 {np.percentile(ttft, 50):.0f} ms, P99 {np.percentile(ttft, 99):.0f} ms; "
           f"cross-region served: {sum(1 for r in ok if r.worker_region and r.worker_region != r.region)}")
-    print(f"loop lag of this process (WAN relays): {lag.summary()}")
+    print(f"loop lag of this process (WAN relays): {lag.summary()}; connections lost to an idle timeout "
+          f"(as the daemons logged them, each end counts): {idle_timeouts(root / 'logs')}")
     print("edge views equal the shards' state " + (f"{converged:.1f} s after the last request" if converged is not None
                                                   else f"NOT within {args.converge_timeout:.0f} s"))
     long_run = args.minutes >= 3.0
@@ -249,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", type=float, default=0.0, help="WAN packet loss (0..1) on every relay")
     parser.add_argument("--jitter", type=float, default=0.0, help="WAN delay jitter as a fraction of the delay")
     parser.add_argument("--one-way-ms", type=float, default=None, help="set every inter-region one-way delay")
+    parser.add_argument("--ready-timeout", type=float, default=180.0,
+                        help="seconds to wait for every edge to have all shard views before the run")
     parser.add_argument("--converge-timeout", type=float, default=120.0,
                         help="seconds to wait after the run for every edge's views to equal the shards'")
     parser.add_argument("--seed", type=int, default=7)
