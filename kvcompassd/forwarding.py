@@ -69,6 +69,10 @@ class WorkerUnavailable(Exception):
     """The chosen worker failed before producing a token: the next best may serve it."""
 
 
+class FirstTokenLate(WorkerUnavailable):
+    """A worker reached over QUIC brought no first token within the deadline."""
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardRequest:
     request_id: str
@@ -115,7 +119,7 @@ class Forwarder:
     a request (:class:`SuspectWorkers`), are left out of the decision while any other worker is
     eligible; a QUIC attempt that brings no first token within ``first_token_timeout(expected)``
     (a connection crawling under loss, or dead but not yet timed out) is abandoned for the next
-    best.
+    best, outside that worker's region if it is a remote one.
     """
 
     def __init__(
@@ -163,11 +167,13 @@ class Forwarder:
                 out.add(index)
         return out
 
-    def _decide(self, req: ForwardRequest, excluded: set[int]) -> ForwardDecided:
-        """The best worker not yet tried, preferring reachable, unsuspected ones; ValueError if
-        none is left."""
+    def _decide(self, req: ForwardRequest, excluded: set[int], slow_regions: set[str]) -> ForwardDecided:
+        """The best worker not yet tried, preferring reachable, unsuspected ones outside
+        ``slow_regions``; ValueError if none is left."""
         now = self.clock()
-        avoided = (self.unreachable() | self.suspects.current(now=now)) - excluded
+        avoided = self.unreachable() | self.suspects.current(now=now)
+        avoided |= {i for i, region in enumerate(self.router.worker_regions) if region in slow_regions}
+        avoided -= excluded
         if avoided:
             try:
                 return self.router.decide(req.tokens, now=now, exclude=excluded | avoided)
@@ -177,11 +183,12 @@ class Forwarder:
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
         excluded: set[int] = set()
+        slow_regions: set[str] = set()  # remote regions whose path ran into the first-token deadline
         reasons: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
             t0 = time.perf_counter()
             try:
-                decision = self._decide(req, excluded)
+                decision = self._decide(req, excluded, slow_regions)
             except ValueError as exc:  # no eligible worker left
                 reasons.append(str(exc))
                 break
@@ -202,6 +209,10 @@ class Forwarder:
                     raise ForwardError(502, f"worker {decision.worker} failed mid-response: {exc}") from exc
                 reasons.append(f"{decision.worker}: {exc}")
                 excluded.add(decision.worker_index)
+                if isinstance(exc, FirstTokenLate) and not decision.local:
+                    # The WAN path is shared by the region's workers: the rest of this request
+                    # does not wait on it again while another region can serve.
+                    slow_regions.add(decision.region)
                 avoided_s = self.suspects.failed(decision.worker_index, now=self.clock())
                 self.metrics.retries.inc()
                 log.warning("worker failed before first token; retrying", request_id=req.request_id,
@@ -307,7 +318,7 @@ class Forwarder:
         except StopAsyncIteration:
             raise WorkerUnavailable("agent closed the exchange without completion") from None
         except TimeoutError:
-            raise WorkerUnavailable(f"no first token within {deadline:.1f} s") from None
+            raise FirstTokenLate(f"no first token within {deadline:.1f} s") from None
         except TransportError as exc:
             raise WorkerUnavailable(f"transport: {exc}") from exc
         finally:

@@ -17,8 +17,11 @@ import pytest_asyncio
 
 from clusters import make_cluster
 from kvcompassd.certs import init_ca, issue
+from kvcompassd.core.events import PrefixCached, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.router import Router
 from kvcompassd.forwarding import (
     ForwardError,
@@ -40,7 +43,8 @@ def pki(tmp_path_factory):
     root = tmp_path_factory.mktemp("pki")
     init_ca(root / "ca", cluster_name="test")
     return {node_id: issue(root / "ca", root / "nodes", role=role, node_id=node_id)
-            for node_id, role in [("edge-a", "edge"), ("a-0", "agent"), ("a-1", "agent")]}
+            for node_id, role in [("edge-a", "edge"), ("a-0", "agent"), ("a-1", "agent"), ("b-0", "agent"),
+                                  ("b-1", "agent")]}
 
 
 class Agent:
@@ -72,14 +76,33 @@ class Agent:
                                                 "length", ()), end=True)
 
 
+LONG_PROMPT = np.random.default_rng(8).integers(1, 30000, 2000, dtype=np.uint32)
+
+
+def holding(cfg, shard, view, workers) -> None:
+    """Register ``workers`` as holding all of LONG_PROMPT (as the agents' reports would)."""
+    plan = LevelPlan.from_config(cfg)
+    keys = prefix_keys(LONG_PROMPT, plan.registration_lengths_upto(len(LONG_PROMPT)), namespace_salt(cfg.model))
+    shard.apply([PrefixCached(w, int(k), Tier.VRAM) for w in workers for k in keys])
+    assert view.apply_batch(shard.flush()).applied
+
+
+def router_for(regions: dict[str, int], holders: tuple[str, ...] = ()):
+    cfg = make_cluster(regions, shards=1)
+    layout = IndexLayout.from_config(cfg)
+    view = EdgeIndexView(layout, 1, edge="edge-a")
+    shard = MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64)
+    view.install_snapshot(shard.snapshot())
+    if holders:
+        holding(cfg, shard, view, holders)
+    return cfg, Router(cfg, "a", view, now=0.0)
+
+
 @pytest_asyncio.fixture
-async def edge(pki):
+async def edge(pki, request):
+    regions, holders = getattr(request, "param", ({"a": 2}, ()))
     async with asyncio.timeout(GUARD_S):
-        cfg = make_cluster({"a": 2}, shards=1)
-        layout = IndexLayout.from_config(cfg)
-        view = EdgeIndexView(layout, 1, edge="edge-a")
-        view.install_snapshot(MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64).snapshot())
-        router = Router(cfg, "a", view, now=0.0)
+        cfg, router = router_for(regions, holders)
         node = QuicNode(NodeIdentity(Role.EDGE, "edge-a"), pki["edge-a"], on_message=lambda *a: None,
                         options=TransportOptions(idle_timeout=10.0))
         peers: dict[str, object] = {}
@@ -106,8 +129,8 @@ async def start_agents(pki, forwarder, behaviours: dict[str, str], *, connect: t
     return {a.worker: a for a in forwarder.agents}
 
 
-async def run(forwarder, request_id: str = "r1") -> tuple[list[TokensGenerated], GenerationFinished]:
-    request = ForwardRequest(request_id, np.arange(1, 40, dtype=np.uint32), {"max_new_tokens": 2}, True)
+async def run(forwarder, request_id: str = "r1", tokens=np.arange(1, 40, dtype=np.uint32)):
+    request = ForwardRequest(request_id, tokens, {"max_new_tokens": 2}, True)
     async with asyncio.timeout(GUARD_S):
         items = [item async for item in forwarder.generate(request)]
     return items[:-1], items[-1]
@@ -141,6 +164,17 @@ def test_suspicion_doubles_with_each_failure_expires_and_is_cleared_by_a_served_
     suspects.served(3)
     assert suspects.current(now=110.0) == set() and len(suspects) == 0
     assert suspects.failed(3, now=200.0) == 5.0  # back to the initial period
+
+
+@pytest.mark.parametrize("edge", [({"a": 1, "b": 2}, ("b-0", "b-1"))], indirect=True)
+async def test_a_remote_path_too_slow_for_a_first_token_is_not_waited_on_again_by_that_request(pki, edge):
+    # b-0 and b-1 both hold the long prompt: b-1 is the next best after b-0, but they share the
+    # WAN path that just ran into the deadline, so the request goes to the local a-0 instead.
+    agents = await start_agents(pki, edge, {"a-0": "serve", "b-0": "stall", "b-1": "serve"},
+                                connect=("a-0", "b-0", "b-1"))
+    _, done = await run(edge, "r1", LONG_PROMPT)
+    assert agents["b-0"].received == ["r1"] and agents["b-1"].received == []
+    assert done.worker == "a-0" and done.attempts == 2
 
 
 async def test_a_connection_that_dies_before_the_first_token_moves_the_request_on(pki, edge):
