@@ -119,7 +119,7 @@ class Forwarder:
     a request (:class:`SuspectWorkers`), are left out of the decision while any other worker is
     eligible; a QUIC attempt that brings no first token within ``first_token_timeout(expected)``
     (a connection crawling under loss, or dead but not yet timed out) is abandoned for the next
-    best, outside that worker's region if it is a remote one.
+    best, in the edge's own region if the late one was remote.
     """
 
     def __init__(
@@ -151,6 +151,7 @@ class Forwarder:
         self.suspects = SuspectWorkers()
         # (index, id) of the workers this edge reaches over QUIC (the others over local HTTP).
         self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
+        self._remote_workers = {i for i, r in enumerate(router.worker_regions) if r != router.region}
         self.migrations: list[dict] = []  # recent, for kvcompassctl
 
     def first_token_timeout(self, expected_ms: float) -> float:
@@ -167,12 +168,13 @@ class Forwarder:
                 out.add(index)
         return out
 
-    def _decide(self, req: ForwardRequest, excluded: set[int], slow_regions: set[str]) -> ForwardDecided:
-        """The best worker not yet tried, preferring reachable, unsuspected ones outside
-        ``slow_regions``; ValueError if none is left."""
+    def _decide(self, req: ForwardRequest, excluded: set[int], stay_home: bool) -> ForwardDecided:
+        """The best worker not yet tried, preferring reachable, unsuspected ones (and, with
+        ``stay_home``, the edge's own region); ValueError if none is left."""
         now = self.clock()
         avoided = self.unreachable() | self.suspects.current(now=now)
-        avoided |= {i for i, region in enumerate(self.router.worker_regions) if region in slow_regions}
+        if stay_home:
+            avoided |= self._remote_workers
         avoided -= excluded
         if avoided:
             try:
@@ -183,12 +185,12 @@ class Forwarder:
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
         excluded: set[int] = set()
-        slow_regions: set[str] = set()  # remote regions whose path ran into the first-token deadline
+        stay_home = False  # set once a remote attempt ran into the first-token deadline
         reasons: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
             t0 = time.perf_counter()
             try:
-                decision = self._decide(req, excluded, slow_regions)
+                decision = self._decide(req, excluded, stay_home)
             except ValueError as exc:  # no eligible worker left
                 reasons.append(str(exc))
                 break
@@ -210,9 +212,10 @@ class Forwarder:
                 reasons.append(f"{decision.worker}: {exc}")
                 excluded.add(decision.worker_index)
                 if isinstance(exc, FirstTokenLate) and not decision.local:
-                    # The WAN path is shared by the region's workers: the rest of this request
-                    # does not wait on it again while another region can serve.
-                    slow_regions.add(decision.region)
+                    # The request has spent its deadline on a crawling WAN path (shared by that
+                    # region's workers, and likely not the only one): it stays in the edge's own
+                    # region, with no WAN on the path, while a worker there can serve.
+                    stay_home = True
                 avoided_s = self.suspects.failed(decision.worker_index, now=self.clock())
                 self.metrics.retries.inc()
                 log.warning("worker failed before first token; retrying", request_id=req.request_id,
