@@ -29,7 +29,7 @@ from kvcompassd.core.config import ClusterConfig, WorkerConfig
 from kvcompassd.core.events import IndexEvent, PrefixCached
 from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
-from kvcompassd.daemon import DAEMON_TRANSPORT, split_address
+from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput
 from kvcompassd.engine.kvevents import EventBatch
@@ -81,7 +81,7 @@ class AgentNode:
         salt = namespace_salt(cfg.model, cfg.tenant)
         self.tree = BlockTree(worker.id, self.plan.registration_lengths(), salt=salt)  # keys as prefix_keys, incremental
         self.node = QuicNode(NodeIdentity(Role.AGENT, worker.id), tls, on_message=self._on_message,
-                             on_peer_state=self._on_peer_state, options=DAEMON_TRANSPORT)
+                             on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.metrics = AgentMetrics()
         self.replay_endpoint = replay_endpoint
         self.load_interval = load_interval

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
 import structlog
 
 from kvcompassd.certs import TlsFiles
+from kvcompassd.core.config import ClusterConfig
 from kvcompassd.sdnotify import notify
 from kvcompassd.transport import TransportOptions
 
@@ -23,6 +25,13 @@ from kvcompassd.transport import TransportOptions
 # keepalives at an eighth of it. 4 s bounds how long a request waits on a worker that died
 # mid-flight.
 DAEMON_TRANSPORT = TransportOptions(idle_timeout=4.0)
+
+
+def daemon_transport(cfg: ClusterConfig) -> TransportOptions:
+    """The daemons' transport options, with the cluster's datagram size where it sets one."""
+    if cfg.max_datagram_size:
+        return replace(DAEMON_TRANSPORT, max_datagram_size=cfg.max_datagram_size)
+    return DAEMON_TRANSPORT
 
 log = structlog.get_logger(__name__)
 

@@ -23,7 +23,7 @@ from kvcompassd.core.config import ClusterConfig, EdgeConfig
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
-from kvcompassd.daemon import DAEMON_TRANSPORT, split_address
+from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.metrics import EdgeMetrics
@@ -70,7 +70,7 @@ class EdgeNode:
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         self.metrics = EdgeMetrics()
         self.node = QuicNode(NodeIdentity(Role.EDGE, me.id), tls, on_message=self._on_message,
-                             on_peer_state=self._on_peer_state, options=DAEMON_TRANSPORT)
+                             on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.tokenizer = tokenizer or ByteTokenizer()
         self.frontdoor_settings = frontdoor or FrontDoorSettings(model=cfg.model)
         self.local_http = local_http

@@ -114,7 +114,9 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
                 "agent": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}",
             })
     data = {
-        "cluster": {"name": name, "model": "kvcompass-demo", "shards": spec.shards},
+        # Relayed "regions" are WAN paths on loopback addresses: send WAN-sized packets through them.
+        "cluster": {"name": name, "model": "kvcompass-demo", "shards": spec.shards,
+                    "max_datagram_size": 1200 if spec.wan else 0},
         "index": {"block_size": spec.block_size, "levels": spec.levels,
                   "same_region_min_tokens": spec.same_region_min_tokens, "value_bits": 32,
                   "fingerprint_bits": spec.fingerprint_bits,

@@ -21,7 +21,7 @@ from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, MaintenanceConfig
 from kvcompassd.core.index import MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
-from kvcompassd.daemon import DAEMON_TRANSPORT, split_address
+from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.metrics import MaintenanceMetrics
 from kvcompassd.transport import ChannelInfo, EncodedMessage, Peer, QuicNode
 from kvcompassd.wire import (
@@ -90,7 +90,7 @@ class MaintenanceNode:
             max_load=cfg.index.max_load,
         )
         self.node = QuicNode(NodeIdentity(Role.MAINTENANCE, me.id), tls, on_message=self._on_message,
-                             on_peer_state=self._on_peer_state, options=DAEMON_TRANSPORT)
+                             on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.subscribers: dict[str, Peer] = {}
         self.workers: dict[str, _WorkerStream] = {}
         self.stats = MaintenanceStats()

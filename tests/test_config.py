@@ -123,6 +123,8 @@ def test_unknown_region_names_file_table_and_field(tmp_path: Path) -> None:
         (lambda d: d.__setitem__("score", {"lambda_max": math.nan}), "[score] field 'lambda_max': must be finite"),
         (lambda d: d["cluster"].pop("model"), "x.toml: [cluster] field 'model': missing required field"),
         (lambda d: d["cluster"].update(shards=0), "[cluster] field 'shards': must be >= 1"),
+        (lambda d: d["cluster"].update(max_datagram_size=600), "[cluster] field 'max_datagram_size': must be 0 (by path)"),
+        (lambda d: d["cluster"].update(max_datagram_size=70000), "[cluster] field 'max_datagram_size': must be <= 65527"),
         (lambda d: d["workers"][1].pop("prefill_ms_per_token"), "[[workers]] #2 field 'prefill_ms_per_token': missing"),
         (lambda d: d["workers"][1].update(prefill_ms_per_token=0), "[[workers]] #2 field 'prefill_ms_per_token': must be > 0"),
         (lambda d: d["workers"][0].update(vram_kv_tokens=-1), "[[workers]] #1 field 'vram_kv_tokens': must be >= 0"),

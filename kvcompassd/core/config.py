@@ -346,6 +346,10 @@ class ClusterConfig:
     tenant: str = ""
     shards: int = 1
     intra_region_one_way_ms: float = 0.25
+    # Largest UDP payload the daemons send; 0 = by path (16 KiB to loopback peers, 1200 bytes
+    # elsewhere). Set it where the path is known: 9000-byte jumbo frames on a LAN, or 1200 where
+    # "loopback" addresses are really relays standing in for a WAN (the demo's emulated regions).
+    max_datagram_size: int = 0
     regions: tuple[RegionConfig, ...] = ()
     workers: tuple[WorkerConfig, ...] = ()
     edges: tuple[EdgeConfig, ...] = ()
@@ -372,6 +376,10 @@ class ClusterConfig:
         located("[cluster]", lambda: _check_int("shards", self.shards, lo=1, hi=1 << 16))
         located("[cluster]", lambda: _check_float("intra_region_one_way_ms", self.intra_region_one_way_ms, lo=0.0))
         object.__setattr__(self, "intra_region_one_way_ms", float(self.intra_region_one_way_ms))
+        located("[cluster]", lambda: _check_int("max_datagram_size", self.max_datagram_size, lo=0, hi=65527))
+        if 0 < self.max_datagram_size < 1200:
+            raise ConfigError(f"must be 0 (by path) or at least QUIC's 1200 bytes, got {self.max_datagram_size}",
+                              table="[cluster]", field="max_datagram_size")
         if not isinstance(self.index, IndexParams):
             raise ConfigError(f"expected IndexParams, got {type(self.index).__name__}", table="[index]")
         if not isinstance(self.score, ScoreParams):
@@ -517,7 +525,7 @@ class ClusterConfig:
 # ---------------------------------------------------------------- parsing
 
 _TOP_LEVEL = ("cluster", "index", "score", "regions", "links", "workers", "edges", "maintenance")
-_CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms")
+_CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms", "max_datagram_size")
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -593,6 +601,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
         tenant=cluster.get("tenant", ""),
         shards=cluster.get("shards", 1),
         intra_region_one_way_ms=cluster.get("intra_region_one_way_ms", 0.25),
+        max_datagram_size=cluster.get("max_datagram_size", 0),
         regions=tuple(regions),
         workers=tuple(workers),
         edges=tuple(edges),
