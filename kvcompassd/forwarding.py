@@ -89,25 +89,23 @@ class SuspectWorkers:
 
     def __init__(self, initial_s: float = 5.0, max_s: float = 60.0) -> None:
         self.initial_s, self.max_s = initial_s, max_s
-        self._until: dict[int, float] = {}
-        self._period: dict[int, float] = {}
+        self._avoided: dict[int, tuple[float, float]] = {}  # index -> (until, period)
 
     def failed(self, index: int, *, now: float) -> float:
         """Record a failure; returns how long the worker is now avoided (s)."""
-        period = min(self.max_s, 2 * self._period[index]) if index in self._period else self.initial_s
-        self._period[index] = period
-        self._until[index] = now + period
+        previous = self._avoided.get(index)
+        period = min(self.max_s, 2 * previous[1]) if previous else self.initial_s
+        self._avoided[index] = (now + period, period)
         return period
 
     def served(self, index: int) -> None:
-        self._until.pop(index, None)
-        self._period.pop(index, None)
+        self._avoided.pop(index, None)
 
     def current(self, *, now: float) -> set[int]:
-        return {index for index, until in self._until.items() if until > now}
+        return {index for index, (until, _) in self._avoided.items() if until > now}
 
     def __len__(self) -> int:
-        return len(self._period)
+        return len(self._avoided)
 
 
 class Forwarder:

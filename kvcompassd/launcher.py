@@ -51,12 +51,12 @@ class DeploymentSpec:
     score: dict = field(default_factory=dict)
 
 
-def _ephemeral_port_range() -> tuple[int, int]:
+def _ephemeral_port_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing sockets are bound from there on)."""
     try:
-        low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class _Ports:
@@ -70,7 +70,7 @@ class _Ports:
     def __init__(self, rng: random.Random | None = None) -> None:
         self.taken: set[int] = set()
         self._rng = rng or random.Random()
-        ephemeral_low, _ = _ephemeral_port_range()
+        ephemeral_low = _ephemeral_port_low()
         self._low, self._high = max(1024, ephemeral_low // 2), max(1025, ephemeral_low - 2)
 
     @staticmethod

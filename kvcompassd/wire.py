@@ -736,11 +736,13 @@ def encode(message: WireMessage, *, compress: bool = False) -> bytes:
     data = msgpack.packb(body, use_bin_type=True)
     if len(data) > spec.max_bytes:
         raise WireError(f"{spec.cls.__name__} encodes to {len(data)} bytes, over its bound {spec.max_bytes}")
-    if compress:
-        packed = msgpack.packb([PROTOCOL_VERSION, COMPRESSED_TAG, zlib.compress(data, 1)], use_bin_type=True)
-        if len(packed) < len(data):
-            return packed
-    return data
+    return compress_encoded(data) if compress else data
+
+
+def compress_encoded(data: bytes) -> bytes:
+    """An encoded message wrapped as ``[version, 0, zlib bytes]`` when that is smaller, else ``data``."""
+    packed = msgpack.packb([PROTOCOL_VERSION, COMPRESSED_TAG, zlib.compress(data, 1)], use_bin_type=True)
+    return packed if len(packed) < len(data) else data
 
 
 def _decompress(raw: list, size: int) -> bytes:

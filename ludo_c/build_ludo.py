@@ -12,11 +12,11 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("ludo_wire.c", "ludo_locator.c", "ludo_table.c", "ludo_stream.c", "ludo_view.c", "ludo_export.c", "ludo_bench.c", "ludo_plan.c")
+SOURCES = ("ludo_wire.c", "ludo_locator.c", "ludo_table.c", "ludo_stream.c", "ludo_view.c", "ludo_export.c", "ludo_bench.c", "ludo_plan.c",
+           "kvc_sha256.c", "kvc_keys.c", "kvc_forward.c")
 
 
-# The prefix-key hashing and the fused forwarding decision (issue 3): own sources and headers.
-FORWARD_SOURCES = ("kvc_sha256.c", "kvc_keys.c", "kvc_forward.c")
+# Headers whose CDEF blocks make up the cffi declarations.
 HEADERS = ("ludo.h", "kvc_sha256.h", "kvc_keys.h", "kvc_forward.h")
 
 
@@ -42,7 +42,7 @@ ffibuilder.cdef(_cdef_text())
 ffibuilder.set_source(
     "kvcompassd.core._ludo_cffi",
     "".join(f'#include "{name}"\n' for name in HEADERS),
-    sources=[_relative(HERE / name) for name in SOURCES + FORWARD_SOURCES],
+    sources=[_relative(HERE / name) for name in SOURCES],
     include_dirs=[_relative(HERE)],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"],
     libraries=["m"],

@@ -5,9 +5,8 @@
 
 #include "kvc_sha256.h"
 #include "ludo.h"
+#include "ludo_internal.h"
 
-/* 2^63 - 1: keys fit a signed 64-bit integer, as the index and the wire expect. */
-#define KVC_KEY_MASK 0x7fffffffffffffffULL
 
 int kvc_prefix_keys(const uint8_t *salt, size_t salt_len, const uint8_t *token_bytes, size_t n_tokens,
                     const int64_t *lengths, size_t n_lengths, int backend, uint64_t *keys_out)
@@ -34,7 +33,7 @@ int kvc_prefix_keys(const uint8_t *salt, size_t salt_len, const uint8_t *token_b
         uint64_t key = 0;
         for (int b = 7; b >= 0; b--)
             key = (key << 8) | digest[b];
-        keys_out[i] = key & KVC_KEY_MASK;
+        keys_out[i] = key & (KVC_KEY_LIMIT - 1);  /* 63 bits: keys fit a signed int64, as the index and wire expect */
     }
     return KVC_OK;
 }

@@ -4,12 +4,12 @@ kernel's ephemeral ports, which the nodes' own outgoing sockets take."""
 import random
 import socket
 
-from kvcompassd.launcher import DeploymentSpec, _ephemeral_port_range, _Ports, build_cluster
+from kvcompassd.launcher import DeploymentSpec, _ephemeral_port_low, _Ports, build_cluster
 
 
 def test_ports_are_unique_below_the_ephemeral_range_and_pairs_reserve_the_next_port():
     ports = _Ports(random.Random(7))
-    low, _ = _ephemeral_port_range()
+    low = _ephemeral_port_low()
     handed = []
     for i in range(200):
         pair = i % 3 == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcompassd.core.config import load_config
+from kvcompassd.sim import cli
 from kvcompassd.sim.cli import grid_points, resolve_deployment, run_points
 from kvcompassd.sim.engine import SimSettings, simulate
 from kvcompassd.sim.policy import Topology
@@ -30,6 +31,7 @@ def test_parallel_points_equal_serial_points():
     points = grid_points(cfg, "wildchat", ["oracle", "kvcompass", "consistent-hash"], [150.0, 300.0], seed=3,
                          duration_s=0.4, warmup_s=0.1, settings=SimSettings(eviction="lru", seed=3), page_tokens=64)
     serial = run_points(points, jobs=1)
+    cli._STREAM_CACHE.clear()  # forked workers must build their own streams, not inherit the parent's
     parallel = run_points(points, jobs=2)
     assert [r["scheme"] for r, _ in serial] == ["oracle", "kvcompass", "consistent-hash"] * 2
     assert [r["rate"] for r, _ in serial] == [150.0] * 3 + [300.0] * 3

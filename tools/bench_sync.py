@@ -47,7 +47,7 @@ from kvcompassd.core.config import load_config  # noqa: E402
 from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier, TierChanged  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
-from kvcompassd.daemon import DAEMON_TRANSPORT, split_address, tls_files  # noqa: E402
+from kvcompassd.daemon import daemon_transport, split_address, tls_files  # noqa: E402
 from kvcompassd.launcher import DeploymentSpec  # noqa: E402
 from kvcompassd.transport import QuicNode  # noqa: E402
 from kvcompassd.wire import (  # noqa: E402
@@ -203,7 +203,7 @@ async def _edge_main(config, tls_dir, edge_id, probes, group, before, after, con
                 peer.send_encoded(encode(UpdatesSubscribed(edge_id, shard, max(epoch, 0), seq)))
 
     node = QuicNode(NodeIdentity(Role.EDGE, edge_id), tls_files(tls_dir, edge_id), on_message=on_message,
-                    on_peer_state=on_peer_state, options=DAEMON_TRANSPORT)
+                    on_peer_state=on_peer_state, options=daemon_transport(cfg))
     for m in cfg.maintenance:
         peers[m.shard] = node.peer(split_address(m.quic, m.id), expected_role=Role.MAINTENANCE, expected_id=m.id)
     # Ready once every probe is registered (VRAM) in this edge's views.
@@ -309,7 +309,7 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
             cluster.spawn("edge", cfg.edges[0].id)
         agent = QuicNode(NodeIdentity(Role.AGENT, WORKER), tls_files(cluster.tls_dir, WORKER),
                          on_message=lambda peer, msg, ch: print(f"agent got {msg}", file=sys.stderr),
-                         options=DAEMON_TRANSPORT)
+                         options=daemon_transport(cfg))
         peers = await connect_all(agent, cfg)
         seq = 0
         for s, peer in peers.items():

@@ -12,7 +12,6 @@ stream is generated once per repeat, outside the timing, as the sweeps replay it
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
@@ -20,7 +19,7 @@ import time
 
 from kvcompassd.core.config import load_config
 from kvcompassd.sim.cli import resolve_deployment
-from kvcompassd.sim.engine import SimSettings, simulate
+from kvcompassd.sim.engine import SimSettings, request_window, simulate
 from kvcompassd.sim.policy import Topology
 from kvcompassd.sim.schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_policy, make_workload, region_weights
 
@@ -44,8 +43,7 @@ def main(argv=None) -> int:
     rates: dict[str, list[float]] = {s: [] for s in schemes}
     cpu_rates: dict[str, list[float]] = {s: [] for s in schemes}
     for rep in range(args.repeats):
-        stream = list(itertools.takewhile(lambda r: r.arrival_s < args.duration,
-                                          make_workload(args.workload, args.rate, weights, seed=rep)))
+        stream = request_window(make_workload(args.workload, args.rate, weights, seed=rep), duration_s=args.duration)
         for scheme in schemes:
             t, c = time.perf_counter(), time.process_time()
             res = simulate(topo, make_policy(scheme, topo, seed=rep), stream,

@@ -91,7 +91,7 @@ class PrefixLookup:
         if n_fit == 0:
             n = self._n_workers
             return LookupResult(prompt_len, np.zeros(n, np.int64), np.zeros(n, np.uint8), None)
-        keys = prefix_keys(tokens, self._query_list[:n_fit], self.salt)
+        keys = prefix_keys(tokens, self.query_lengths[:n_fit], self.salt)
         matched, tier = self._plan.run(self._pointers.pointers(), keys)
         family = self._family_index
         family_key = keys.item(family) if family is not None and family < n_fit else None

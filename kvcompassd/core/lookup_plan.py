@@ -277,7 +277,7 @@ class ForwardKernel:
     arrays (a decision keeps them), which costs less than handing new buffers to C every time.
     """
 
-    __slots__ = ("workers", "n_query", "_plan", "_pointers", "_result", "_keys", "_matched", "_tier", "_scores",
+    __slots__ = ("workers", "_plan", "_pointers", "_result", "_keys", "_matched", "_tier", "_scores",
                  "_outputs", "_belief", "_belief_c", "_keep")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
@@ -300,7 +300,6 @@ class ForwardKernel:
         if family_index is not None and not 0 <= family_index < query.size:
             raise LookupPlanError(f"family_index must name a query length, got {family_index!r}")
         self.workers = n
-        self.n_query = int(query.size)
         self._pointers = pointers
         self._keys = np.zeros(max(1, query.size), dtype=np.uint64)
         self._matched = np.zeros(n, dtype=np.int64)

@@ -303,6 +303,13 @@ class PrefixCache:
             return BlockStored.trusted((page.id,), parent, page.tokens, self.block_size, None, medium)
         return BlockStored((page.id,), parent, page.tokens, self.block_size, None, medium)
 
+    def _emit(self, events: list, make, *args) -> None:
+        """Append ``make(*args)`` to ``events``, or only count it when nobody reads events."""
+        if self.emit_events:
+            events.append(make(*args))
+        else:
+            self.events_unsent += 1
+
     def _add_vram(self, page: _Page, events: list[KvEvent], *, new: bool = False) -> bool:
         if self.vram_pages < self.vram_pages_max:
             # Room already (the common case): the guard pins below would change nothing, but
@@ -328,10 +335,7 @@ class PrefixCache:
         if page.parent is not None:
             page.parent.vram_children += 1
             self._changed(page.parent)
-        if self.emit_events:
-            events.append(self._stored(page, GPU))
-        else:
-            self.events_unsent += 1
+        self._emit(events, self._stored, page, GPU)
         return True
 
     def _load_into_vram(self, page: _Page, events: list[KvEvent]) -> bool:
@@ -356,10 +360,7 @@ class PrefixCache:
             if has_room:
                 page.in_dram = True
                 self.dram_pages += 1
-                if self.emit_events:
-                    events.append(self._stored(page, CPU))
-                else:
-                    self.events_unsent += 1
+                self._emit(events, self._stored, page, CPU)
         if not page.in_dram and page.children:
             # nowhere to put it and it has DRAM-only children: drop them first (leaf-first)
             self._drop_dram_subtree(page, events)
@@ -368,10 +369,7 @@ class PrefixCache:
         if page.parent is not None:
             page.parent.vram_children -= 1
             self._changed(page.parent)
-        if self.emit_events:
-            events.append(BlockRemoved((page.id,), GPU))
-        else:
-            self.events_unsent += 1
+        self._emit(events, BlockRemoved, (page.id,), GPU)
         self.demotions += 1
         if not page.in_dram:
             self._forget(page)
@@ -385,10 +383,7 @@ class PrefixCache:
             if child.in_dram:
                 child.in_dram = False
                 self.dram_pages -= 1
-                if self.emit_events:
-                    events.append(BlockRemoved((child.id,), CPU))
-                else:
-                    self.events_unsent += 1
+                self._emit(events, BlockRemoved, (child.id,), CPU)
                 self.evictions += 1
             self._forget(child)
 
@@ -399,10 +394,7 @@ class PrefixCache:
                 return False
             victim.in_dram = False
             self.dram_pages -= 1
-            if self.emit_events:
-                events.append(BlockRemoved((victim.id,), CPU))
-            else:
-                self.events_unsent += 1
+            self._emit(events, BlockRemoved, (victim.id,), CPU)
             self.evictions += 1
             if not victim.in_vram:
                 self._forget(victim)

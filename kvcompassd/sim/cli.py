@@ -20,7 +20,7 @@ import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ import numpy as np
 from kvcompassd.core.config import load_config
 
 from . import plots
-from .engine import SimResult, SimSettings, simulate
+from .engine import SimResult, SimSettings, request_window, simulate
 from .metrics import load_factors, summarize
 from .policy import Topology
 from .schemes import ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights
@@ -119,9 +119,7 @@ def _stream(point: GridPoint, topo: Topology) -> list[Request]:
     _STREAM_CACHE.clear()
     gen = make_workload(point.workload, point.rate, region_weights(topo, point.regions_by), seed=point.seed,
                         traces=point.traces)
-    if point.duration_s is not None:
-        gen = itertools.takewhile(lambda r: r.arrival_s < point.duration_s, gen)
-    stream = list(itertools.islice(gen, point.max_requests))
+    stream = request_window(gen, duration_s=point.duration_s, max_requests=point.max_requests)
     _STREAM_CACHE[key] = stream
     return stream
 
@@ -230,9 +228,9 @@ def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Seque
 
 
 def write_outputs(rows: list[dict[str, Any]], results: dict[tuple[str, float], SimResult], out: Path, *,
-                  title: str, warmup_s: float | Mapping[float, float] = 0.0, per_request: bool = False,
+                  title: str, warmup_s: float = 0.0, per_request: bool = False,
                   make_plots: bool = True) -> None:
-    """``warmup_s``: excluded seconds, one for all rates or per rate."""
+    """``warmup_s``: excluded seconds at the start of every point."""
     out.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(out / "summary.csv", "w", newline="") as fh:
@@ -254,7 +252,6 @@ def write_outputs(rows: list[dict[str, Any]], results: dict[tuple[str, float], S
     if len(rates) > 1:
         plots.p99_vs_rate(rows, out / "p99_ttft_vs_rate.png", title=f"{title}: P99 TTFT")
     top = rates[len(rates) // 2]
-    warmup_s = warmup_s[top] if isinstance(warmup_s, Mapping) else warmup_s
     at = {s: res for (s, r), res in results.items() if r == top}
     mask = {s: res.records["arrival_s"] >= warmup_s for s, res in at.items()}
     plots.boxes({s: res.records["ttft_ms"][mask[s]] for s, res in at.items()}, out / "ttft_box.png",

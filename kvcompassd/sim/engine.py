@@ -15,6 +15,7 @@ Worker timing is ``kvcompassd.core.workermodel.WorkerQueueModel``; caches are
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -417,6 +418,15 @@ class Simulation:
         delivered = self.events_delivered + sum(c.events_unsent for c in self.caches)
         return SimResult(getattr(self.policy, "name", type(self.policy).__name__), records, bins,
                          self.s.load_bin_s, wall_s, delivered, self.events_lost, extra)
+
+
+def request_window(requests: Iterable[Request], *, duration_s: float | None,
+                   max_requests: int | None = None) -> list[Request]:
+    """The requests ``simulate`` pulls from ``requests`` (those arriving before ``duration_s``, at
+    most ``max_requests``), as a list that replays across schemes exactly as a fresh run."""
+    if duration_s is not None:
+        requests = itertools.takewhile(lambda r: r.arrival_s < duration_s, requests)
+    return list(itertools.islice(requests, max_requests))
 
 
 def simulate(topo: Topology, policy: RoutingPolicy, requests: Iterable[Request], *,

@@ -122,7 +122,7 @@ def sweep(name: str, deployment: str, workloads: Sequence[str], schemes: Sequenc
         rows = [summary for _, (summary, _) in mine]
         results = {(p.scheme, p.rate): result for p, (_, result) in mine}
         write_outputs(rows, results, out / name / wl, title=f"{name}: {wl} on {deployment}",
-                      warmup_s={p.rate: p.warmup_s for p, _ in mine})
+                      warmup_s=warmup)
         all_rows += rows
     _save(all_rows, out / name, f"{name} on {deployment}")
     return all_rows
