@@ -63,10 +63,12 @@ def test_capacity_price_shifts_the_choice_to_the_holder_at_saturation() -> None:
 
 def test_lambda_is_capped() -> None:
     scorer = JointScorer(CFG, "us")
-    matched, tier, queue, belief = inputs(queue=5000.0)
+    cap = CFG.score.lambda_max
+    queue_ms = 2 * cap * CFG.score.tau_ms  # lambda_q = 2 x the cap
+    matched, tier, queue, belief = inputs(queue=queue_ms)
     result = scorer.score(100, matched, tier, queue, belief)
-    assert result.lam == 8.0
-    assert result.total == pytest.approx(0.5 + 5000 + 9 * BETA * 100)
+    assert result.lam == cap
+    assert result.total == pytest.approx(0.5 + queue_ms + (1 + cap) * BETA * 100)
 
 
 def test_dram_reload_is_charged_unless_tier_blind() -> None:

@@ -273,7 +273,7 @@ def render_toml(spec: DeploymentSpec) -> str:
         "initial_capacity = 65536",
         "",
         "[score]",
-        "lambda_max = 8.0",
+        "lambda_max = 64.0",
         "tau_ms = 100.0",
         "gamma_ms_per_token = 0.00524   # 128 KiB per token / 25 GB/s PCIe 4.0",
         'wan = "rtt"',
