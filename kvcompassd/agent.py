@@ -18,7 +18,6 @@ import asyncio
 import json
 import random
 import time
-from collections import defaultdict
 from typing import Any
 
 import aiohttp
@@ -26,7 +25,7 @@ import structlog
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, WorkerConfig
-from kvcompassd.core.events import IndexEvent, PrefixCached
+from kvcompassd.core.events import IndexEvent, IndexEventColumns, PrefixCached
 from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import daemon_transport, split_address
@@ -35,6 +34,7 @@ from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput
 from kvcompassd.engine.kvevents import EventBatch
 from kvcompassd.engine.subscriber import BatchesLost, BatchRejected, KvEventSubscriber, PublisherRestarted
 from kvcompassd.metrics import AgentMetrics
+from kvcompassd.reports import ReportCoalescer
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
 from kvcompassd.wire import (
     AdminAnswered,
@@ -58,7 +58,6 @@ from kvcompassd.wire import (
 
 log = structlog.get_logger(__name__)
 
-EVENTS_PER_REPORT = 4096
 ENGINE_DOWN_AFTER = 5  # consecutive failed load readings
 
 
@@ -89,9 +88,7 @@ class AgentNode:
         # exercises gap detection and replay exactly as real loss on the ZMQ link does.
         self.chaos_drop = chaos_drop_engine_batches
         self.incarnation = 0
-        self._seq = 0
-        self._pending: dict[int, list[IndexEvent]] = defaultdict(list)
-        self._flush_scheduled = False
+        self.reports = ReportCoalescer(worker.id, cfg.shards, self._send_report)
         self._shard_peers: dict[int, Peer] = {}
         self._edge_peers: dict[str, Peer] = {}
         self.region_vector: dict[str, float] = {}
@@ -204,33 +201,18 @@ class AgentNode:
             self.metrics.engine_batches.labels("rejected").inc()
 
     def _enqueue(self, events: list[IndexEvent]) -> None:
-        if not events:
-            return
-        shards = self.cfg.shards
-        for e in events:
-            self._pending[e.key % shards].append(e)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        self.reports.add_events(events)
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        pending, self._pending = self._pending, defaultdict(list)
-        for shard, events in pending.items():
-            peer = self._shard_peers.get(shard)
-            if peer is None or not peer.is_connected or peer.identity is None:
-                continue  # the re-registration on reconnection sends the current state
-            self._send_events(peer, events)
-
-    def _send_events(self, peer: Peer, events: list[IndexEvent]) -> None:
-        for i in range(0, len(events), EVENTS_PER_REPORT):
-            chunk = tuple(events[i : i + EVENTS_PER_REPORT])
-            self._seq += 1
-            try:
-                peer.send_encoded(encode(PrefixEventsReported(self.worker.id, self._seq, chunk)))
-            except TransportError:
-                return
-            self.metrics.index_events.inc(len(chunk))
+    def _send_report(self, shard: int, report: PrefixEventsReported) -> bool:
+        peer = self._shard_peers.get(shard)
+        if peer is None or not peer.is_connected or peer.identity is None:
+            return False  # the re-registration on reconnection sends the current state
+        try:
+            peer.send_encoded(encode(report))
+        except TransportError:
+            return False
+        self.metrics.index_events.inc(len(report.events))
+        return True
 
     def _register_with(self, shard: int, peer: Peer) -> None:
         """New incarnation, then everything the engine holds now for this shard. The report seq
@@ -240,8 +222,8 @@ class AgentNode:
         peer.send_encoded(encode(WorkerRegistered(self.worker.id, self.incarnation)))
         events = [PrefixCached(self.worker.id, key, tier) for key, tier in self.tree.registered().items()
                   if key % self.cfg.shards == shard]
-        self._pending.pop(shard, None)
-        self._send_events(peer, events)
+        self.reports.discard(shard)
+        self.reports.report(shard, IndexEventColumns.from_events(events))
         log.info("registered with maintenance", shard=shard, incarnation=self.incarnation, keys=len(events))
 
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:

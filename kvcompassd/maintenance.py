@@ -23,6 +23,7 @@ from kvcompassd.core.index import MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.metrics import MaintenanceMetrics
+from kvcompassd.pacing import FlushPacer
 from kvcompassd.transport import ChannelInfo, EncodedMessage, Peer, QuicNode
 from kvcompassd.wire import (
     AdminAnswered,
@@ -95,14 +96,7 @@ class MaintenanceNode:
         self.workers: dict[str, _WorkerStream] = {}
         self.stats = MaintenanceStats()
         self.metrics = metrics or MaintenanceMetrics()
-        if not 0 <= batch_delay_s <= 1 or max_batch_events < 1:
-            raise ValueError(f"batch_delay_s must be in [0, 1] and max_batch_events >= 1, "
-                             f"got {batch_delay_s!r}, {max_batch_events!r}")
-        self.batch_delay_s = batch_delay_s
-        self.max_batch_events = max_batch_events
-        self._flush_timer: asyncio.Handle | None = None
-        self._last_flush_at = float("-inf")
-        self._unshipped_events = 0
+        self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self.address: tuple[str, int] | None = None
 
@@ -114,8 +108,7 @@ class MaintenanceNode:
         log.info("maintenance started", shard=self.me.shard, epoch=self.epoch, address=self.address)
 
     async def stop(self) -> None:
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
+        self._batches.cancel()
         await self.node.close()
 
     def status(self) -> str:
@@ -223,24 +216,12 @@ class MaintenanceNode:
         self.stats.events_ignored += len(outcome.ignored)
         self.metrics.events.labels("applied").inc(outcome.applied)
         self.metrics.events.labels("ignored").inc(len(outcome.ignored))
-        if not outcome.applied:
-            return
-        self._unshipped_events += outcome.applied
-        if self._unshipped_events >= self.max_batch_events:
-            self._flush()
-        elif self._flush_timer is None:
-            loop = asyncio.get_running_loop()
-            due = self._last_flush_at + self.batch_delay_s
+        if outcome.applied:
             # After a quiet spell the batch goes out with this loop turn; under a steady stream
             # batches leave at most every batch_delay_s and carry everything applied meanwhile.
-            self._flush_timer = loop.call_soon(self._flush) if due <= loop.time() else loop.call_at(due, self._flush)
+            self._batches.added(outcome.applied)
 
     def _flush(self) -> None:
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-        self._last_flush_at = asyncio.get_running_loop().time()
-        self._unshipped_events = 0
         batch = self.shard.flush()
         if batch is None:
             return
@@ -276,8 +257,8 @@ class MaintenanceNode:
         return True
 
     def _send_catch_up(self, peer: Peer, epoch: int, from_seq: int) -> None:
-        if self._flush_timer is not None:
-            self._flush()
+        if self._batches.scheduled:
+            self._batches.flush_now()
         answer = self.shard.resync(epoch, from_seq)
         if isinstance(answer, list):
             self.stats.replays_sent += 1

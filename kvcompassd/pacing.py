@@ -1,0 +1,57 @@
+"""Time- and size-bounded coalescing of small sends into fewer, larger ones.
+
+Every message the discovery plane sends costs a roughly fixed amount of transport CPU (QUIC
+packet build, encryption, ``sendto``, and the same again at the receiver), whatever its size.
+Under a steady stream of small items (index events at an agent, edits at a maintenance unit)
+the daemons therefore gather items for a short while and send them together. After a quiet
+spell the first item leaves with the current loop turn, so an isolated event is not delayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+
+class FlushPacer:
+    """Calls ``flush`` for what accumulated, at most every ``delay_s`` under a steady stream, at
+    once (synchronously) when ``max_pending`` items wait, and with the next loop turn when the
+    previous flush is more than ``delay_s`` old."""
+
+    def __init__(self, flush: Callable[[], None], *, delay_s: float, max_pending: int):
+        if not 0 <= delay_s <= 1 or max_pending < 1:
+            raise ValueError(f"delay_s must be in [0, 1] s and max_pending >= 1, got {delay_s!r}, {max_pending!r}")
+        self.delay_s = delay_s
+        self.max_pending = max_pending
+        self._flush = flush
+        self._timer: asyncio.Handle | None = None
+        self._last_flush_at = float("-inf")
+        self._pending = 0
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether items wait for a flush that has not run yet."""
+        return self._timer is not None
+
+    def added(self, count: int) -> None:
+        """``count`` items now wait for the next flush."""
+        self._pending += count
+        if self._pending >= self.max_pending:
+            self.flush_now()
+        elif self._timer is None:
+            loop = asyncio.get_running_loop()
+            due = self._last_flush_at + self.delay_s
+            self._timer = loop.call_soon(self.flush_now) if due <= loop.time() else loop.call_at(due, self.flush_now)
+
+    def flush_now(self) -> None:
+        """Flush at once (the timer, if any, is cancelled)."""
+        self.cancel()
+        self._last_flush_at = asyncio.get_running_loop().time()
+        self._pending = 0
+        self._flush()
+
+    def cancel(self) -> None:
+        """Forget the scheduled flush (items stay wherever the owner keeps them)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

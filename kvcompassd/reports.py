@@ -1,0 +1,89 @@
+"""An agent's index events on their way to the maintenance units: routed by shard and coalesced
+into ``PrefixEventsReported`` reports.
+
+An engine publishes its KV events in small batches (often a few dozen events). Sent one report
+each, every batch would cost a QUIC packet at the agent and a receive, a report and a C call at
+the maintenance unit; that fixed cost, not the events, bounded the sync rate. So events gather
+per shard for at most ``delay_s`` (1 ms) after the previous report, or until ``max_events``
+wait, and leave as one report per shard (see :class:`kvcompassd.pacing.FlushPacer`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvcompassd.core.events import KEY_DTYPE, IndexEvent, IndexEventColumns
+from kvcompassd.pacing import FlushPacer
+from kvcompassd.wire import PrefixEventsReported
+
+DEFAULT_REPORT_DELAY_S = 0.001
+EVENTS_PER_REPORT = 4096
+
+# send(shard, report) -> whether the report went out (False: the shard's unit is unreachable;
+# the agent re-registers everything when it reconnects, so the rest of this flush is dropped).
+SendReport = Callable[[int, PrefixEventsReported], bool]
+
+
+class ReportCoalescer:
+    """One worker's pending index events per shard, and its report numbering."""
+
+    def __init__(self, worker: str, shards: int, send: SendReport, *, delay_s: float = DEFAULT_REPORT_DELAY_S,
+                 max_events: int = EVENTS_PER_REPORT):
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards!r}")
+        self.worker = worker
+        self.shards = shards
+        self.max_events = max_events
+        self.seq = 0
+        self._send = send
+        self._pending: dict[int, list[IndexEventColumns]] = {}
+        self._pacer = FlushPacer(self._send_pending, delay_s=delay_s, max_pending=max_events)
+
+    def add_events(self, events: Sequence[IndexEvent]) -> None:
+        """Queue events of this worker for any shards (a key's shard is ``key % shards``)."""
+        if not events:
+            return
+        columns = IndexEventColumns.from_events(events)
+        if self.shards == 1:
+            self.add(0, columns)
+            return
+        ops, keys = columns.op_array(), columns.key_array()
+        owners = keys % np.uint64(self.shards)
+        for shard in np.unique(owners).tolist():
+            mine = owners == shard
+            self.add(shard, IndexEventColumns(ops[mine].tobytes(), keys[mine].tobytes()))
+
+    def add(self, shard: int, columns: IndexEventColumns) -> None:
+        """Queue events that all belong to ``shard``."""
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"shard {shard} out of range for {self.shards} shards")
+        if len(columns):
+            self._pending.setdefault(shard, []).append(columns)
+            self._pacer.added(len(columns))
+
+    def discard(self, shard: int) -> None:
+        """Forget what waits for ``shard`` (a re-registration is about to send its whole state)."""
+        self._pending.pop(shard, None)
+
+    def flush(self) -> None:
+        """Send everything pending now."""
+        self._pacer.flush_now()
+
+    def report(self, shard: int, columns: IndexEventColumns) -> None:
+        """Send ``columns`` to ``shard`` now, in reports of at most ``max_events``."""
+        n, step, width = len(columns), self.max_events, KEY_DTYPE.itemsize
+        for i in range(0, n, step):
+            chunk = columns if n <= step else IndexEventColumns(columns.ops[i:i + step],
+                                                                columns.keys[width * i:width * (i + step)])
+            self.seq += 1
+            if not self._send(shard, PrefixEventsReported(self.worker, self.seq, chunk)):
+                return
+
+    def _send_pending(self) -> None:
+        pending, self._pending = self._pending, {}
+        for shard, parts in pending.items():
+            joined = parts[0] if len(parts) == 1 else IndexEventColumns(b"".join(p.ops for p in parts),
+                                                                        b"".join(p.keys for p in parts))
+            self.report(shard, joined)
