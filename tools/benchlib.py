@@ -62,12 +62,14 @@ class Cluster:
 
     def __init__(self, spec: DeploymentSpec, *, initial_capacity: int | None = None,
                  extra_certs: tuple[tuple[Role, str], ...] = (), profile_dir: Path | None = None,
-                 host: str | None = None):
+                 host: str | None = None, max_datagram_size: int = 0):
         self.profile_dir = profile_dir  # run the daemons under cProfile, one .prof per process
         self.workdir = Path(tempfile.mkdtemp(prefix="kvbench-"))
         cfg = build_cluster(spec, name="bench")
         if initial_capacity is not None:
             cfg = replace(cfg, index=replace(cfg.index, initial_capacity=initial_capacity))
+        if max_datagram_size:
+            cfg = replace(cfg, max_datagram_size=max_datagram_size)
         self.config_path = self.workdir / "cluster.toml"
         text = dump_config(cfg)
         if host is not None:
