@@ -103,8 +103,21 @@ class EventOp(enum.IntEnum):
     EVICTED = 4
 
 
-_OP_OF_TIERED = {(PrefixCached, Tier.VRAM): EventOp.CACHED_VRAM, (PrefixCached, Tier.DRAM): EventOp.CACHED_DRAM,
-                 (TierChanged, Tier.VRAM): EventOp.MOVED_TO_VRAM, (TierChanged, Tier.DRAM): EventOp.MOVED_TO_DRAM}
+# The one definition of what each op means: (event class, the tier it leaves the worker's field
+# in, whether it needs the worker to hold the prefix already). Everything below derives from it.
+OP_MEANING: dict[EventOp, tuple[type, Tier]] = {
+    EventOp.CACHED_VRAM: (PrefixCached, Tier.VRAM),
+    EventOp.CACHED_DRAM: (PrefixCached, Tier.DRAM),
+    EventOp.MOVED_TO_VRAM: (TierChanged, Tier.VRAM),
+    EventOp.MOVED_TO_DRAM: (TierChanged, Tier.DRAM),
+    EventOp.EVICTED: (PrefixEvicted, Tier.ABSENT),
+}
+assert list(OP_MEANING) == list(EventOp)
+_OP_OF_TIERED = {meaning: op for op, meaning in OP_MEANING.items() if meaning[0] is not PrefixEvicted}
+# Per op code, as byte tables for the C apply (``LudoTable.edit_fields``): the tier after, and
+# whether a holder is needed (tier changes and evictions need one; registrations do not).
+OP_TIER_AFTER = bytes(tier for _, tier in OP_MEANING.values())
+OP_NEEDS_HOLDER = bytes(cls is not PrefixCached for cls, _ in OP_MEANING.values())
 KEY_DTYPE = np.dtype("<u8")
 OP_DTYPE = np.dtype("u1")
 
@@ -171,10 +184,8 @@ class IndexEventColumns:
     def as_events(self, worker: str) -> tuple[IndexEvent, ...]:
         """The same events as objects of ``worker`` (for code that handles one event at a time)."""
         out: list[IndexEvent] = []
+        meanings = list(OP_MEANING.values())
         for op, key in zip(self.ops, self.key_array().tolist()):
-            if op == EventOp.EVICTED:
-                out.append(PrefixEvicted.trusted(worker, key))
-            else:
-                cls = PrefixCached if op <= EventOp.CACHED_DRAM else TierChanged
-                out.append(cls.trusted(worker, key, Tier.VRAM if op % 2 == 0 else Tier.DRAM))
+            cls, tier = meanings[op]
+            out.append(PrefixEvicted.trusted(worker, key) if cls is PrefixEvicted else cls.trusted(worker, key, tier))
         return tuple(out)

@@ -23,16 +23,12 @@ import numpy as np
 
 from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
-from .events import EventOp, IndexEvent, IndexEventColumns, PrefixCached, PrefixEvicted, Tier, TierChanged
+from .events import (OP_NEEDS_HOLDER, OP_TIER_AFTER, EventOp, IndexEvent, IndexEventColumns, PrefixCached,
+                     PrefixEvicted, Tier, TierChanged)
 from .layout import IndexLayout
 from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView
 
 TIER_MASK = 3
-# Per EventOp code: the tier it leaves the worker's field in, and whether it needs the worker
-# to hold the prefix already (tier changes and evictions do).
-_TIER_AFTER_OP = bytes([Tier.VRAM, Tier.DRAM, Tier.VRAM, Tier.DRAM, Tier.ABSENT])
-_OP_NEEDS_HOLDER = bytes([0, 0, 1, 1, 1])
-assert len(_TIER_AFTER_OP) == len(EventOp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +123,7 @@ class MaintenanceShard:
             slot = self.layout.slot(worker)
         except ValueError as exc:
             return ApplyOutcome(ignored=(str(exc),) * n)
-        status = self._tables[slot.group].edit_fields(keys, ops, _TIER_AFTER_OP, _OP_NEEDS_HOLDER,
+        status = self._tables[slot.group].edit_fields(keys, ops, OP_TIER_AFTER, OP_NEEDS_HOLDER,
                                                       shift=2 * slot.field, width=2)
         applied = int(np.count_nonzero(status == EDIT_CHANGED))
         if applied:
