@@ -217,6 +217,7 @@ class PrefixCache:
             token_list = tokens
         by_digest = self._by_digest
         changed = self._changed
+        pages = self._pages
         for start, digest in self._chain(tokens):
             page = by_digest.get(digest)
             if page is None:
@@ -224,6 +225,33 @@ class PrefixCache:
                     page_tokens = tuple(token_list[start : start + size])
                 else:
                     page_tokens = tuple(map(int, token_list[start : start + size]))
+                if lease is not None and self.vram_pages < self.vram_pages_max and (parent is None or parent.pins):
+                    # The engine's common case, inlined: VRAM has room and the parent is pinned
+                    # (by this lease), so none of the general path's re-queues can push a heap
+                    # entry; each only bumps a stamp (3 on the parent, 2 on the page), and a
+                    # stamp is only ever compared for equality with the entries it stamped.
+                    page = _Page(_unpack_int64_be(digest)[0], digest, parent, page_tokens, checked)
+                    by_digest[digest] = page
+                    pages[page.id] = page
+                    if parent is not None:
+                        parent.children += 1
+                        parent.vram_children += 1
+                        parent.stamp += 3
+                    page.in_vram = True
+                    self.vram_pages += 1
+                    self._emit(events, self._stored, page, GPU)
+                    page.last_access = now
+                    page.hits += 1
+                    if page.id not in pinned:
+                        page.pins += 1
+                        lease.pages.append(page.id)
+                        pinned.add(page.id)
+                        page.stamp += 2
+                    else:
+                        page.stamp += 1
+                        changed(page)
+                    parent = page
+                    continue
                 page = self._new_page(digest, parent, page_tokens, checked)
                 if not self._add_vram(page, events, new=True):
                     self._discard_new(page)
@@ -236,7 +264,10 @@ class PrefixCache:
                 page.pins += 1
                 lease.pages.append(page.id)
                 pinned.add(page.id)
-            changed(page)
+            if page.pins:
+                page.stamp += 1  # what changed() does to a pinned page
+            else:
+                changed(page)
             parent = page
         return events
 
