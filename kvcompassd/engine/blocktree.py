@@ -53,6 +53,8 @@ KeyFn = Callable[[np.ndarray, Sequence[int]], Sequence[int]]
 _AnchorId = tuple[BlockHash, int]
 _KEY_MASK = (1 << 63) - 1  # kvcompassd.core.keys.KEY_MASK (the engine layer does not import core keys)
 _NATIVE_U32_LE = sys.byteorder == "little" and array("I").itemsize == 4
+_VRAM = StorageTier.VRAM  # enum member lookups are not free on the per-block path
+_UNINDEXED = StorageTier.UNINDEXED
 
 
 _MEDIUM_TIERS: dict[str, StorageTier] = {}
@@ -87,7 +89,7 @@ class _Block:
         self.lora = lora
         self.attached = False
         self.start = 0  # tokens before this block (valid while attached)
-        self.path_tier = StorageTier.VRAM
+        self.path_tier = _VRAM
         self.anchors: list[tuple[int, int]] = []  # (indexed length, key) realised by this block
         # Salted mode only: SHA-256 state after salt + the path's tokens through this block.
         # Kept on attached blocks that hold anchors, so a key below costs only the tokens since
@@ -100,7 +102,7 @@ class _Block:
 
     def own_tier(self) -> StorageTier:
         if self.lora:
-            return StorageTier.UNINDEXED
+            return _UNINDEXED
         media = self.media
         if len(media) == 1:  # the usual case: skip min() over a generator
             for medium in media:
@@ -185,7 +187,7 @@ class BlockTree:
             return self.withdraw_all()
         else:
             raise TypeError(f"not a KV event: {event!r}")
-        return self._diff(touched)
+        return self._diff(touched) if touched else []  # most blocks hold no indexed length
 
     def withdraw_all(self) -> list[IndexEvent]:
         """Forget every block; PrefixEvicted for every registered key (AllBlocksCleared, restart)."""
@@ -202,7 +204,10 @@ class BlockTree:
     def _store(self, event: BlockStored, touched: set[int]) -> None:
         medium = canonical_medium(event.medium)
         lora = event.lora_id is not None
-        for block_hash, parent, tokens in event.blocks():
+        hashes = event.block_hashes
+        # One block per event is what the prefix cache sends: skip the generator
+        blocks = ((hashes[0], event.parent_block_hash, event.token_ids),) if len(hashes) == 1 else event.blocks()
+        for block_hash, parent, tokens in blocks:
             block = self._blocks.get(block_hash)
             if block is not None:
                 if block.parent != parent or block.tokens != tokens:
@@ -263,25 +268,35 @@ class BlockTree:
         """Attach ``root`` (its parent is attached or it is a root) and every detached
         descendant waiting under it."""
         blocks, children, detached = self._blocks, self._children, self._detached
+        indexed = self.indexed_lengths
+        first_length, last_length = (indexed[0], indexed[-1]) if indexed else (1, 0)  # (1, 0): none inside
         stack = [root]
         while stack:
             block = stack.pop()
             parent = blocks.get(block.parent) if block.parent is not None else None
             if parent is None:
-                block.start = 0
-                parent_tier = StorageTier.VRAM
+                start = 0
+                parent_tier = _VRAM
             else:
-                block.start = parent.start + len(parent.tokens)  # parent.end
+                start = parent.start + len(parent.tokens)  # parent.end
                 parent_tier = parent.path_tier
-            block.path_tier = max(parent_tier, block.own_tier())
+            block.start = start
+            own = block.own_tier()
+            block.path_tier = own if own > parent_tier else parent_tier  # max(), without its call
             block.attached = True
             if detached:
                 detached.pop(block.hash, None)
-            self._register_anchors(block, touched)
-            for child_hash in children.get(block.hash, ()):
-                child = blocks.get(child_hash)
-                if child is not None and not child.attached:
-                    stack.append(child)
+            if first_length <= start + len(block.tokens) and start < last_length:
+                self._register_anchors(block, touched)
+            else:  # no indexed length inside (most blocks): what _register_anchors would set
+                block.anchors = []
+                block.hash_state = None
+            waiting = children.get(block.hash)
+            if waiting:
+                for child_hash in waiting:
+                    child = blocks.get(child_hash)
+                    if child is not None and not child.attached:
+                        stack.append(child)
 
     def _detach_subtree(self, root: _Block, touched: set[int]) -> None:
         stack = [root]
@@ -393,7 +408,7 @@ class BlockTree:
         out: list[IndexEvent] = []
         for key in sorted(touched):
             holders = self._holders.get(key)
-            best = min(holders.values()) if holders else StorageTier.UNINDEXED
+            best = min(holders.values()) if holders else _UNINDEXED
             new = best.index_tier()
             old = self._registered.get(key)
             if new == old:
