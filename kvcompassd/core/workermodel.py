@@ -41,7 +41,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
+_by_remaining_then_arrival = attrgetter("remaining", "arrived")  # the next decode to finish
+_by_arrival = attrgetter("arrived")
 
 
 class WorkerModelError(ValueError):
@@ -285,7 +288,7 @@ class WorkerQueueModel:
                 self._now = t
                 return
             step = self._step_s()
-            soonest = min(self._decoding.values(), key=lambda r: (r.remaining, r.arrived))
+            soonest = min(self._decoding.values(), key=_by_remaining_then_arrival)
             due = self._now + soonest.remaining * step
             if due > t:
                 self._progress((t - self._now) / step)
@@ -293,13 +296,17 @@ class WorkerQueueModel:
                 return
             self._progress(soonest.remaining)
             self._now = due
-            for request in sorted(self._decoding.values(), key=lambda r: r.arrived):
-                if request.remaining <= 1e-9:
-                    self._finish(request)
+            # Only the finished ones, in arrival order (a stable sort of the subset keeps the
+            # order sorting all of them would give it).
+            done = [request for request in self._decoding.values() if request.remaining <= 1e-9]
+            done.sort(key=_by_arrival)
+            for request in done:
+                self._finish(request)
 
     def _progress(self, tokens: float) -> None:
         for request in self._decoding.values():
-            request.remaining = max(0.0, request.remaining - tokens)
+            left = request.remaining - tokens
+            request.remaining = left if left > 0.0 else 0.0  # max(0.0, left), without the call
 
     def _finish_prefill(self) -> None:
         assert self._prefill is not None
