@@ -74,6 +74,8 @@ from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_workload, traces_dir
 from .workloads import MOONCAKE_BLOCK_TOKENS, read_mooncake, session_regions
 
 WORKLOADS3 = ("mixed", "wildchat", "lmsys")
+FIG12_RATES = (200, 1000, 2000, 2750, 3000, 4000, 6000)  # the paper's Fig. 12 axis, req/s
+FIG12_FULL_S = 20.0  # virtual seconds of a full Fig. 12 point (its warm-up: a quarter, see _sizes)
 REQUESTS_PER_POINT = 7_500  # measured arrivals per fig12/fig16 sweep point; see "Sweep sizes" above
 PAGE_TOKENS: list[int | None] = [None]  # set from --page-tokens
 ABLATIONS = ("kvcompass", "kvcompass-no-load", "kvcompass-no-xregion", "kvcompass-tier-blind",
@@ -134,8 +136,8 @@ def sweep(name: str, deployment: str, workloads: Sequence[str], schemes: Sequenc
 
 
 def fig12(args) -> list[dict]:
-    d, w = _sizes(args.quick, 20.0, 2.0)
-    rates = [200, 1000, 2000, 2750, 3000, 4000, 6000] if not args.quick else [200, 1000, 3000]
+    d, w = _sizes(args.quick, FIG12_FULL_S, 2.0)
+    rates = list(FIG12_RATES) if not args.quick else [200, 1000, 3000]
     return sweep("fig12", "census-64x8", WORKLOADS3, args.schemes or PAPER_SCHEMES, args.rates or rates, args.out,
                  duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs,
                  requests_per_point=args.requests_per_point)
