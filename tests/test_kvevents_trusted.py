@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompassd.engine.kvevents import BlockStored, decode_message, encode_batch
+from kvcompassd.engine.kvevents import BlockRemoved, BlockStored, decode_message, encode_batch
 
 int64 = st.integers(-(1 << 63), (1 << 63) - 1)
 token = st.integers(0, (1 << 32) - 1)
@@ -41,3 +41,13 @@ def test_trusted_is_still_frozen() -> None:
     event = BlockStored.trusted((1,), None, (5,), 16)
     with pytest.raises(dataclasses.FrozenInstanceError):
         event.block_size = 8  # type: ignore[misc]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(int64, min_size=1, max_size=4).map(tuple), st.sampled_from([None, "GPU", "CPU_PINNED", "DISK"]))
+def test_trusted_removal_equals_validated(hashes, medium) -> None:
+    trusted, validated = BlockRemoved.trusted(hashes, medium), BlockRemoved(hashes, medium)
+    assert trusted == validated and hash(trusted) == hash(validated)
+    assert dataclasses.astuple(trusted) == dataclasses.astuple(validated)
+    assert encode_batch(0, 1.0, [trusted]) == encode_batch(0, 1.0, [validated])
+    assert decode_message(encode_batch(0, 1.0, [trusted])).events == (validated,)

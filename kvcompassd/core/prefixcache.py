@@ -239,7 +239,12 @@ class PrefixCache:
                         parent.stamp += 3
                     page.in_vram = True
                     self.vram_pages += 1
-                    self._emit(events, self._stored, page, GPU)
+                    if self.emit_events:  # _emit(events, self._stored, page, GPU), inlined
+                        events.append(BlockStored.trusted((page.id,), None if parent is None else parent.id,
+                                                          page_tokens, size, None, GPU)
+                                      if checked else self._stored(page, GPU))
+                    else:
+                        self.events_unsent += 1
                     page.last_access = now
                     page.hits += 1
                     if page.id not in pinned:
@@ -400,7 +405,7 @@ class PrefixCache:
         if page.parent is not None:
             page.parent.vram_children -= 1
             self._changed(page.parent)
-        self._emit(events, BlockRemoved, (page.id,), GPU)
+        self._emit(events, BlockRemoved.trusted, (page.id,), GPU)
         self.demotions += 1
         if not page.in_dram:
             self._forget(page)
@@ -414,7 +419,7 @@ class PrefixCache:
             if child.in_dram:
                 child.in_dram = False
                 self.dram_pages -= 1
-                self._emit(events, BlockRemoved, (child.id,), CPU)
+                self._emit(events, BlockRemoved.trusted, (child.id,), CPU)
                 self.evictions += 1
             self._forget(child)
 
@@ -425,7 +430,7 @@ class PrefixCache:
                 return False
             victim.in_dram = False
             self.dram_pages -= 1
-            self._emit(events, BlockRemoved, (victim.id,), CPU)
+            self._emit(events, BlockRemoved.trusted, (victim.id,), CPU)
             self.evictions += 1
             if not victim.in_vram:
                 self._forget(victim)

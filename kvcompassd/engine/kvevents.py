@@ -222,9 +222,22 @@ class BlockRemoved:
         object.__setattr__(self, "block_hashes", tuple(canonical_hash(h) for h in self.block_hashes))
         _optional_str(self.medium, "medium")
 
+    @classmethod
+    def trusted(cls, block_hashes: tuple[int, ...], medium: str | None = None) -> BlockRemoved:
+        """Build without re-validating, as ``BlockStored.trusted``: for producers whose hashes
+        are signed int64 and medium a str or None by construction (the prefix cache)."""
+        event = _new_block_stored(cls)
+        _set_removed_hashes(event, block_hashes)
+        _set_removed_medium(event, medium)
+        return event
+
     @property
     def tier(self) -> StorageTier:
         return tier_of_medium(self.medium)
+
+
+_set_removed_hashes = BlockRemoved.block_hashes.__set__  # type: ignore[attr-defined]
+_set_removed_medium = BlockRemoved.medium.__set__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
