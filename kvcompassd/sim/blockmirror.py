@@ -10,6 +10,8 @@ Two different prefixes collide with probability ~2^-64 per pair, negligible for 
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -23,6 +25,9 @@ _POS_MULT = _RNG.integers(1, 2**63, size=MAX_BLOCKS, dtype=np.uint64) | np.uint6
 _POS_MULT_INT = _POS_MULT.tolist()
 _TOKEN_MULT_INT = _TOKEN_MULT.tolist()
 _MASK64 = (1 << 64) - 1
+# sum(m for m in _TOKEN_MULT_INT[:n]) for each n: (t + 1) * m summed is sum(t * m) + sum(m)
+_UNINDEXED = StorageTier.UNINDEXED
+_TOKEN_MULT_SUMS = [0, *itertools.accumulate(_TOKEN_MULT_INT)]
 
 
 def block_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
@@ -42,7 +47,9 @@ def _event_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     if nb > 2:
         return block_hashes(np.asarray(token_ids, dtype=np.uint32), block_size).tolist()
     mult = _TOKEN_MULT_INT[:block_size]
-    return [sum((t + 1) * m for t, m in zip(token_ids[i * block_size:(i + 1) * block_size], mult)) & _MASK64
+    offset = _TOKEN_MULT_SUMS[block_size]  # the "+ 1" of every token, summed once (exact integers)
+    mul = operator.mul
+    return [(sum(map(mul, token_ids[i * block_size:(i + 1) * block_size], mult)) + offset) & _MASK64
             for i in range(nb)]
 
 
@@ -101,12 +108,17 @@ class GlobalBlockMap:
                 blocks.clear()
 
     def _refresh(self, worker: int, key: int, media: set[StorageTier]) -> None:
-        indexed = [m for m in media if m is not StorageTier.UNINDEXED]
+        if len(media) == 1:  # the usual case, without the list and min()
+            (only,) = media
+            indexed = None if only is _UNINDEXED else only
+        else:
+            tiers = [m for m in media if m is not _UNINDEXED]
+            indexed = min(tiers) if tiers else None
         holders = self._holders.get(key)
-        if indexed:
+        if indexed is not None:
             if holders is None:
                 holders = self._holders[key] = {}
-            holders[worker] = min(indexed)
+            holders[worker] = indexed
         elif holders is not None:
             holders.pop(worker, None)
             if not holders:
