@@ -169,3 +169,16 @@ def test_pending_prefill_tokens_matches_a_recount_of_the_queues(arrivals) -> Non
         assert model.pending_prefill_tokens == recount()
     drain(model)
     assert model.pending_prefill_tokens == recount() == 0
+
+
+def test_slot_release_gap_counts_every_slot_holder():
+    timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.0, max_running=2)
+    model = WorkerQueueModel(timing)
+    assert model.slot_release_gap_ms() == 0.0
+    model.admit("a", 8, 8, 0, 11, now=0.0)    # fully cached: decoding at once, 10 tokens left
+    model.admit("b", 100, 0, 0, 31, now=0.0)  # in prefill for 100 ms: all 31 tokens to come
+    model.admit("c", 8, 0, 0, 5, now=0.0)     # waits for a slot: not counted
+    model.advance(now=0.0)
+    assert (model.decoding, model.running, model.waiting) == (1, 2, 1)
+    # a slot frees every (10 + 31) / 2 tokens x 10 ms / 2 slots on average
+    assert model.slot_release_gap_ms() == pytest.approx(102.5)

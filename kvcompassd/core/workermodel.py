@@ -206,6 +206,19 @@ class WorkerQueueModel:
             total += math.ceil(self._prefill.request.uncached * left)
         return total
 
+    def slot_release_gap_ms(self) -> float:
+        """Expected time between two slot releases, from the requests holding slots now: each
+        frees its slot after its decode tokens still to come (all of them if its prefill has
+        not run), so on average a slot frees every (mean tokens left x step time) / slots held.
+        O(slots); 0 when no slot is held."""
+        held = self.running
+        if held == 0:
+            return 0.0
+        left = sum(r.remaining for r in self._decoding.values()) + sum(r.output_tokens for r in self._admitted)
+        if self._prefill is not None:
+            left += self._prefill.request.output_tokens
+        return left / held * self.timing.decode_step_ms(held) / held
+
     def next_event_time(self) -> float | None:
         """When the next state change is due, or ``now`` while events await :meth:`advance`
         (None when idle)."""

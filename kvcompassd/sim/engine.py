@@ -186,6 +186,11 @@ class Simulation:
             # Requests wait for a slot: the exact probe would replay the whole backlog. Estimate
             # instead: the prefill backlog plus one observed completion gap per waiting request.
             timing = self.timings[w]
+            if self._last_completion[w] < 0:
+                # No completion seen yet, so the EWMA of completion gaps holds nothing: seed it
+                # from the slot holders (a cold worker reporting only its prefill backlog drew
+                # a herd: peak load factor 7.2 at WildChat 6000 req/s on 64x8).
+                self._completion_gap_ms[w] = model.slot_release_gap_ms()
             q = (model.pending_prefill_tokens * timing.prefill_ms_per_token
                  + (model.waiting + 1) * self._completion_gap_ms[w])
             self._last_exact_at[w] = now
