@@ -230,7 +230,7 @@ class PrefixCache:
                     # (by this lease), so none of the general path's re-queues can push a heap
                     # entry; each only bumps a stamp (3 on the parent, 2 on the page), and a
                     # stamp is only ever compared for equality with the entries it stamped.
-                    page = _Page(_unpack_int64_be(digest)[0], digest, parent, page_tokens, checked)
+                    page = _Page(digest_to_int64(digest), digest, parent, page_tokens, checked)
                     by_digest[digest] = page
                     pages[page.id] = page
                     if parent is not None:
@@ -239,12 +239,7 @@ class PrefixCache:
                         parent.stamp += 3
                     page.in_vram = True
                     self.vram_pages += 1
-                    if self.emit_events:  # _emit(events, self._stored, page, GPU), inlined
-                        events.append(BlockStored.trusted((page.id,), None if parent is None else parent.id,
-                                                          page_tokens, size, None, GPU)
-                                      if checked else self._stored(page, GPU))
-                    else:
-                        self.events_unsent += 1
+                    self._emit(events, self._stored, page, GPU)
                     page.last_access = now
                     page.hits += 1
                     if page.id not in pinned:
