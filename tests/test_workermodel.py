@@ -171,14 +171,48 @@ def test_pending_prefill_tokens_matches_a_recount_of_the_queues(arrivals) -> Non
     assert model.pending_prefill_tokens == recount() == 0
 
 
-def test_slot_release_gap_counts_every_slot_holder():
+def replayed_queue_ms(model: WorkerQueueModel, now: float) -> float:
+    """The reference: copy the model, add a fully cached one-token request at ``now`` and run
+    the copy until it produces its first token."""
+    probe = model._copy()
+    probe.admit("\x00replay", 0, 0, 0, 1, now=now)
+    while True:
+        due = probe.next_event_time()
+        for event in probe.advance(now=due):
+            if event.request_id == "\x00replay":
+                return 1000.0 * (event.at - now)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.08), st.integers(0, 3000), st.integers(0, 3000), st.integers(1, 30),
+                          st.booleans()), min_size=1, max_size=60),
+       st.integers(1, 6))
+def test_queue_ms_from_the_shadow_equals_a_replay_however_it_is_extended(steps, max_running) -> None:
+    """The shadow is built once per busy spell and extended by every arrival; at each step its
+    answer is the wait a full replay of the backlog gives."""
+    model = WorkerQueueModel(WorkerTiming(prefill_ms_per_token=0.1, decode_ms_per_token=10.0,
+                                          decode_batch_slope=0.05, max_running=max_running))
+    now = 0.0
+    for i, (gap, prompt, cached, output, look) in enumerate(steps):
+        now += gap
+        model.advance(now=now)
+        model.admit(f"r{i}", prompt, min(cached, prompt), 0, output, now=now)
+        if look:
+            assert model.queue_ms(now=now) == pytest.approx(replayed_queue_ms(model, now), abs=1e-6)
+    assert model.queue_ms(now=now) == pytest.approx(replayed_queue_ms(model, now), abs=1e-6)
+
+
+def test_a_full_worker_keeps_its_shadow_and_drops_it_once_a_slot_frees():
     timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.0, max_running=2)
     model = WorkerQueueModel(timing)
-    assert model.slot_release_gap_ms() == 0.0
     model.admit("a", 8, 8, 0, 11, now=0.0)    # fully cached: decoding at once, 10 tokens left
-    model.admit("b", 100, 0, 0, 31, now=0.0)  # in prefill for 100 ms: all 31 tokens to come
-    model.admit("c", 8, 0, 0, 5, now=0.0)     # waits for a slot: not counted
-    model.advance(now=0.0)
-    assert (model.decoding, model.running, model.waiting) == (1, 2, 1)
-    # a slot frees every (10 + 31) / 2 tokens x 10 ms / 2 slots on average
-    assert model.slot_release_gap_ms() == pytest.approx(102.5)
+    model.admit("b", 100, 0, 0, 31, now=0.0)  # in prefill for 100 ms, then 30 tokens
+    model.admit("c", 8, 0, 0, 5, now=0.0)     # waits for a slot
+    # Decoding pauses during b's prefill, so a finishes at 100 + 10 x 10 = 200 ms; c then
+    # prefills for 8 ms, and the next slot frees when c (4 tokens left; b has 20) finishes:
+    # 208 + 4 x 10 = 248 ms.
+    assert model.queue_ms(now=0.0) == pytest.approx(248.0)
+    assert model._shadow is not None
+    model.advance(now=0.3)  # a, c done; b decoding alone
+    assert model.queue_ms(now=0.3) == pytest.approx(0.0)
+    assert model._shadow is None

@@ -137,6 +137,9 @@ class WorkerQueueModel:
         self._ids: set[str] = set()
         self._outbox: list[WorkerEvent] = []
         self.completed = 0
+        # While every slot is taken, a copy of this model run ahead until each request it holds
+        # has a slot (see queue_ms); None when not needed.
+        self._shadow: WorkerQueueModel | None = None
 
     # ------------------------------------------------------------------------------ inputs
 
@@ -169,6 +172,11 @@ class WorkerQueueModel:
         self._waiting.append(request)
         self._queued_uncached += uncached
         self._run_until(now)
+        if self._shadow is not None:
+            if self._waiting or self.running >= self.timing.max_running:
+                self._shadow._admit_ahead(request, now=now)
+            else:
+                self._shadow = None  # a slot is free: queue_ms needs no look-ahead
 
     def advance(self, *, now: float) -> list[WorkerEvent]:
         """Run the model up to ``now``; return the events that happened, in time order."""
@@ -206,19 +214,6 @@ class WorkerQueueModel:
             total += math.ceil(self._prefill.request.uncached * left)
         return total
 
-    def slot_release_gap_ms(self) -> float:
-        """Expected time between two slot releases, from the requests holding slots now: each
-        frees its slot after its decode tokens still to come (all of them if its prefill has
-        not run), so on average a slot frees every (mean tokens left x step time) / slots held.
-        O(slots); 0 when no slot is held."""
-        held = self.running
-        if held == 0:
-            return 0.0
-        left = sum(r.remaining for r in self._decoding.values()) + sum(r.output_tokens for r in self._admitted)
-        if self._prefill is not None:
-            left += self._prefill.request.output_tokens
-        return left / held * self.timing.decode_step_ms(held) / held
-
     def next_event_time(self) -> float | None:
         """When the next state change is due, or ``now`` while events await :meth:`advance`
         (None when idle)."""
@@ -235,25 +230,69 @@ class WorkerQueueModel:
     def queue_ms(self, *, now: float) -> float:
         """Exact wait before a request arriving at ``now`` would start its prefill, assuming
         no later arrivals. With a free slot that is the prefill backlog (prefills are serial
-        and go first); with all slots taken, a copy of the model is run forward."""
+        and go first). With all slots taken it is read off the shadow: a copy of this model run
+        ahead until every request it holds has a slot. The model is deterministic and arrivals
+        only join the back of the queue, so the shadow stays exact as it is extended by each
+        arrival (one slot release's work, as the model itself will do later) and a read costs
+        O(slots), not a replay of the backlog (O(queue x batch))."""
         self._run_until(now)
         if not self._waiting and self.running < self.timing.max_running:
-            backlog = sum(r.prefill_s for r in self._admitted)
-            if self._prefill is not None:
-                backlog += self._prefill.ends - self._now
-            return 1000.0 * backlog
-        probe = self._copy()
-        probe._outbox = []
-        phantom = _Request("\x00probe", 0, 0, 1, now, 0.0)
-        probe._waiting.append(phantom)
-        while True:
-            due = probe.next_event_time()
-            assert due is not None, "the probe request always completes"
-            probe._run_until(due)
-            for event in probe._outbox:
-                if event.request_id == phantom.request_id:
-                    return 1000.0 * (event.at - now)
-            probe._outbox.clear()
+            self._shadow = None
+            return 1000.0 * self._prefill_backlog_s()
+        if self._shadow is None:
+            self._shadow = self._copy()
+            self._shadow._admit_all()
+        return 1000.0 * (self._shadow._next_slot_first_token(now) - now)
+
+    def _prefill_backlog_s(self) -> float:
+        """Seconds of prefill the GPU must run before it decodes again."""
+        backlog = sum(r.prefill_s for r in self._admitted)
+        if self._prefill is not None:
+            backlog += self._prefill.ends - self._now
+        return backlog
+
+    # ------------------------------------------------------------------------------ shadow
+
+    def _admit_ahead(self, request: _Request, *, now: float) -> None:
+        """The shadow's side of an arrival at ``now``: the request joins the back of the queue;
+        run ahead until it has a slot. The shadow may already be past ``now`` (its last request
+        gets a slot later than ``now``); then the arrival waits behind it, as in the model."""
+        if self._now < now:
+            self._run_until(now)
+        clone = _Request(request.request_id, request.uncached, request.dram, request.output_tokens,
+                         request.arrived, request.prefill_s)
+        self._waiting.append(clone)
+        self._queued_uncached += clone.uncached
+        self._admit_all()
+
+    def _admit_all(self) -> None:
+        """Run until the waiting queue is empty; the events are the model's to report, not ours."""
+        while self._waiting:
+            self._outbox.clear()  # (pending events would make next_event_time say "now")
+            due = self.next_event_time()
+            assert due is not None, "a full worker always has a next event"
+            self._run_until(due)
+        self._outbox.clear()
+
+    def _next_slot_first_token(self, now: float) -> float:
+        """On a shadow (nobody waiting): when a request arriving at ``now`` would produce its
+        first token if its prompt were fully cached, i.e. when its prefill could start."""
+        if self._now < now:
+            self._run_until(now)
+            self._outbox.clear()
+        start = self._now + self._prefill_backlog_s()
+        if self.running < self.timing.max_running:
+            return start
+        pending = list(self._admitted)
+        if self._prefill is not None:
+            pending.append(self._prefill.request)
+        if any(r.output_tokens <= 1 for r in pending):
+            return start  # that one frees its slot at its prefill's end, ahead of our turn
+        # Prefill-first: decoding resumes once every pending prefill is done, with them in the
+        # batch; the first slot frees when the request with the fewest tokens left finishes.
+        fewest = min([r.remaining for r in self._decoding.values()] + [r.output_tokens - 1 for r in pending])
+        batch = len(self._decoding) + len(pending)
+        return start + fewest * self.timing.decode_step_ms(batch) / 1000.0
 
     def _copy(self) -> WorkerQueueModel:
         clone = WorkerQueueModel.__new__(WorkerQueueModel)
@@ -272,6 +311,7 @@ class WorkerQueueModel:
         clone._ids = set(self._ids)
         clone._outbox = []
         clone.completed = self.completed
+        clone._shadow = None
         return clone
 
     # ------------------------------------------------------------------------------ engine

@@ -140,8 +140,10 @@ class Simulation:
         self._last_q = np.zeros(topo.n_workers)
         self._last_q_at = np.zeros(topo.n_workers)
         self._last_exact_at = np.full(topo.n_workers, -1.0)
-        self._completion_gap_ms = np.zeros(topo.n_workers)  # EWMA of gaps between completions
-        self._last_completion = np.full(topo.n_workers, -1.0)
+        # A policy that reads neither live load nor piggybacked queue vectors (the hashing
+        # schemes) is not sent load reports: they would cost a queue probe each, for nothing.
+        self._reads_load = not (getattr(type(policy), "on_worker_load", None) is BasePolicy.on_worker_load
+                                and getattr(type(policy), "on_response", None) is BasePolicy.on_response)
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
@@ -176,26 +178,16 @@ class Simulation:
             self.policy.on_cache_events(w, events, now=now)
 
     def _notify_load(self, w: int, now: float, added_ms: float = 0.0) -> None:
-        """Report ``w``'s queueing delay. The model's exact ``queue_ms`` runs a copy of the
-        worker forward when all slots are taken (O(queue x batch)), so it is read at most every
-        ``load_report_ms`` per worker, as an agent polling its engine would; in between the
-        estimate drains at 1 ms/ms and grows by each admitted request's prefill time."""
+        """Report ``w``'s queueing delay. With a free slot the model's exact ``queue_ms`` is read
+        at most every ``load_report_ms`` per worker, as an agent polling its engine would; in
+        between the estimate drains at 1 ms/ms and grows by each admitted request's prefill time.
+        While requests wait for a slot it is read at every change: the backlog then moves with
+        every slot release, and the model answers from its run-ahead shadow in O(slots)."""
+        if not self._reads_load:
+            return
         last = self._last_exact_at[w]
-        model = self.models[w]
-        if model.waiting > 0:
-            # Requests wait for a slot: the exact probe would replay the whole backlog. Estimate
-            # instead: the prefill backlog plus one observed completion gap per waiting request.
-            timing = self.timings[w]
-            if self._last_completion[w] < 0:
-                # No completion seen yet, so the EWMA of completion gaps holds nothing: seed it
-                # from the slot holders (a cold worker reporting only its prefill backlog drew
-                # a herd: peak load factor 7.2 at WildChat 6000 req/s on 64x8).
-                self._completion_gap_ms[w] = model.slot_release_gap_ms()
-            q = (model.pending_prefill_tokens * timing.prefill_ms_per_token
-                 + (model.waiting + 1) * self._completion_gap_ms[w])
-            self._last_exact_at[w] = now
-        elif now - last >= self.s.load_report_ms / 1000.0 or last < 0:
-            q = model.queue_ms(now=now)
+        if self.models[w].waiting > 0 or now - last >= self.s.load_report_ms / 1000.0 or last < 0:
+            q = self.models[w].queue_ms(now=now)
             self._last_exact_at[w] = now
         else:
             q = max(0.0, self._last_q[w] - (now - self._last_q_at[w]) * 1000.0) + added_ms
@@ -307,10 +299,6 @@ class Simulation:
                 reused = st.cached_vram + st.cached_dram
                 self._push(ev.at + back, _RESPONSE, (st.req, w, reused, dict(zip(members.tolist(), qv.tolist()))))
             elif isinstance(ev, RequestFinished):
-                if self._last_completion[w] >= 0:
-                    gap = (ev.at - self._last_completion[w]) * 1000.0
-                    self._completion_gap_ms[w] += 0.1 * (gap - self._completion_gap_ms[w])
-                self._last_completion[w] = ev.at
                 self.caches[w].unlock(st.lease)
                 back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
                 self._record(st, ev.at + back)
