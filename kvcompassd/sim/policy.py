@@ -166,6 +166,13 @@ class LoadView:
             return np.maximum(0.0, self.queue_ms - (now - self.at_s) * 1000.0)
         return np.maximum(0.0, self.queue_ms[idx] - (now - self.at_s[idx]) * 1000.0)
 
+    def add(self, w: int, work_ms: float, now: float) -> None:
+        """Count work a router just sent to ``w`` until a report that includes it replaces the
+        value (as KVCompass's edge does, ``QueueEstimates.note_dispatched``): without it every
+        request routed inside one report interval sees the same least-loaded worker."""
+        self.queue_ms[w] = max(0.0, self.queue_ms[w] - (now - self.at_s[w]) * 1000.0) + work_ms
+        self.at_s[w] = now
+
     def copy_from(self, other: LoadView, idx: np.ndarray) -> None:
         self.queue_ms[idx] = other.queue_ms[idx]
         self.at_s[idx] = other.at_s[idx]

@@ -32,6 +32,14 @@ def expected_ttft_ms(topo: Topology, region: int, prompt_tokens: int, queue_ms: 
     return cost
 
 
+def prefill_work_ms(topo: Topology, w: int, prompt_tokens: int, matched: int = 0, dram: bool = False) -> float:
+    """GPU time a request adds to ``w``'s queue: its residual prefill plus any DRAM reload."""
+    work = float(topo.prefill_ms_per_token[w]) * max(0, prompt_tokens - matched)
+    if dram:
+        work += float(topo.gamma_ms_per_token) * matched
+    return work
+
+
 def argmin_tiebreak(cost: np.ndarray, secondary: np.ndarray) -> int:
     """Lowest cost; among (near-)equal costs the lowest secondary value, then lowest index."""
     best = cost.min()

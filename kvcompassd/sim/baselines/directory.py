@@ -6,7 +6,8 @@ WAN round trip to the coordinator (the paper's defining cost). The coordinator p
 with the lowest expected TTFT under its (exact, report-delayed) view: WAN round trip from the
 request's edge + queueing + residual prefill + DRAM reload. The coordinator sits in the region
 with the lowest worker-weighted mean RTT to all workers.
-Sees: all block events and all worker loads, each delayed by the report's WAN trip.
+Sees: all block events and all worker loads, each delayed by the report's WAN trip, and
+the work it routed itself since (counted until a report replaces it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from ..blockmirror import GlobalBlockMap
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors
+from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors, prefill_work_ms
 
 
 def central_region(topo: Topology) -> int:
@@ -63,4 +64,5 @@ class CentralDirectoryPolicy(BasePolicy):
         cost = expected_ttft_ms(topo, region, req.prompt_tokens, self.loads.current(at_coord), matched, dram)
         w = argmin_tiebreak(cost, self.recent.current(now))
         self.recent.add(w, now)
+        self.loads.add(w, prefill_work_ms(topo, w, req.prompt_tokens, int(matched[w]), bool(dram[w])), at_coord)
         return RouteDecision(w, lookup_ms, int(matched[w]))

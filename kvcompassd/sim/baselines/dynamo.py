@@ -9,7 +9,8 @@ own workers' events and load live; the other regions' state reaches it by a broa
 ``broadcast_period_ms`` that lands after the one-way WAN latency (the staleness the paper names).
 Block events of remote workers are therefore applied at broadcast ticks, loads of remote workers
 are the broadcast snapshot (aged by elapsed time).
-Sees: live events/load of its own region, broadcast snapshots of the rest.
+Sees: live events/load of its own region, broadcast snapshots of the rest, and the work it
+routed itself since (counted until a reading replaces it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from ..blockmirror import GlobalBlockMap
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors
+from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors, prefill_work_ms
 
 
 class DynamoPolicy(BasePolicy):
@@ -87,4 +88,8 @@ class DynamoPolicy(BasePolicy):
         recent = self.recent[region]
         w = argmin_tiebreak(cost, recent.current(now))
         recent.add(w, now)
+        # The router counts what it sent (Dynamo's router tracks its active requests per worker)
+        # until the next live reading or broadcast replaces it.
+        view = self.live if self.topo.worker_region[w] == region else self.remote[region]
+        view.add(w, prefill_work_ms(topo, w, req.prompt_tokens, int(matched[w]), bool(dram[w])), now)
         return RouteDecision(w, 0.0, int(matched[w]))

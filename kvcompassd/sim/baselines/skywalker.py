@@ -9,8 +9,8 @@ has an idle replica according to the balancers' periodically exchanged availabil
 region's tree. When no replica anywhere is idle, the request waits for the local replica with
 the shortest queue (the balancer's hold queue drains into the first replica to free up, which
 is the same replica under FIFO prefill).
-Sees: live load of its own region's workers; others' load as of the last exchange; no block
-events.
+Sees: live load of its own region's workers; others' load as of the last exchange; the work it
+routed itself since (counted until a reading replaces it); no block events.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import RecentAssignments, argmin_tiebreak
+from .common import RecentAssignments, argmin_tiebreak, prefill_work_ms
 from .routed_tree import RoutedPrefixTree
 
 IDLE_MS = 1e-6
@@ -100,4 +100,7 @@ class SkyWalkerPolicy(BasePolicy):
                 w, matched = self._pick(region, keys, local, live, now)
         self.trees[region].record(keys, w, now)
         self.recent.add(w, now)
+        # The balancer counts what it sent until the next live reading or exchange replaces it.
+        view = self.live if topo.worker_region[w] == region else self.remote[region]
+        view.add(w, prefill_work_ms(topo, w, req.prompt_tokens, matched), now)
         return RouteDecision(w, 0.0, matched)
