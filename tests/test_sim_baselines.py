@@ -81,6 +81,24 @@ def test_oracle_picks_the_least_loaded_worker():
     assert oracle.route(req(1, np.arange(50)), now=0.0).worker_index == 3
 
 
+@pytest.mark.parametrize("name", ["oracle", "central-directory", "dynamo", "skywalker"])
+def test_load_aware_routers_count_what_they_sent_until_a_report_includes_it(name):
+    """Two requests in one report interval: without counting the first, the second would see
+    the same least-loaded worker and pile onto it."""
+    topo = two_region_topology(2, 2)
+    policy = (CentralDirectoryPolicy(topo, coordinator_region=0) if name == "central-directory"
+              else make_baseline(name, topo))
+    for w, q in enumerate([0.0, 100.0, 100.0, 100.0]):
+        policy.on_worker_load(w, q, now=0.0)
+    rng = np.random.default_rng(5)
+    prompt = 2000  # 2000 x BETA of prefill: more than the others' 100 ms
+    first = policy.route(req(0, rng.integers(0, 50_000, prompt)), now=0.001).worker_index
+    second = policy.route(req(1, rng.integers(0, 50_000, prompt)), now=0.001).worker_index
+    assert first == 0 and second != 0
+    policy.on_worker_load(0, 0.0, now=0.002)  # the report that includes it replaces the count
+    assert policy.route(req(2, rng.integers(0, 50_000, prompt)), now=0.003).worker_index == 0
+
+
 def test_skywalker_pushes_only_to_idle_replicas_local_first():
     topo = two_region_topology(2, 2)
     sw = make_baseline("skywalker", topo)
