@@ -44,3 +44,14 @@ def test_sweep_points_keep_the_warm_up_and_shorten_only_the_measured_part():
     assert point_duration(200.0, 20.0, 5.0, 7_500) == 20.0
     assert point_duration(6000.0, 20.0, 5.0, 7_500) == 5.0 + 7_500 / 6000.0
     assert point_duration(6000.0, 20.0, 5.0, 0) == point_duration(6000.0, 20.0, 5.0, None) == 20.0
+
+
+def test_table4_quick_runs_every_variant_in_one_pool(tmp_path):
+    assert main(["table4", "--quick", "--out", str(tmp_path), "--rates", "40", "--page-tokens", "64",
+                 "--jobs", "2"]) == 0
+    rows = json.loads((tmp_path / "table4" / "summary.json").read_text())
+    assert [r["variant"] for r in rows] == ["base", "jitter 25%", "jitter 50%", "jitter 100%", "loss 10%",
+                                            "loss 20%", "loss 30%", "delay 100 ms", "delay 200 ms", "delay 300 ms"]
+    assert len((tmp_path / "table4" / "table4.md").read_text().splitlines()) == 2 + len(rows)
+    logged = (tmp_path / "table4" / "points.jsonl").read_text().splitlines()
+    assert len(logged) == len(rows)
