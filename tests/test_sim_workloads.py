@@ -14,7 +14,7 @@ from kvcompassd.sim.blockmirror import chain_keys
 from kvcompassd.sim.synthetic import ChatWorkload, MixedWorkload, ZipfSampler
 from kvcompassd.sim.workloads import (
     ArrivalProcess, Request, WorkloadError, limit_stream, mooncake_requests, mooncake_sessions, read_azure,
-    read_mooncake, rescale, trace_rate,
+    read_mooncake, rescale, trace_rate, weighted_choice,
 )
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -193,3 +193,16 @@ def test_mixed_matches_the_papers_service_time_statistics():
     cv2 = (service_ms ** 2).mean() / service_ms.mean() ** 2 - 1
     assert 600 <= lambda0 <= 730
     assert 4.5 <= cv2 <= 6.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 1e6), min_size=1, max_size=20).filter(lambda w: sum(w) > 0),
+       st.integers(0, 2**32 - 1))
+def test_weighted_choice_draws_what_generator_choice_draws(weights, seed) -> None:
+    """Same names from the same seed as ``rng.choice(n, p=...)``, and the streams stay in step."""
+    named = {f"r{i}": w for i, w in enumerate(weights)}
+    names, p = list(named), np.array(weights, dtype=float)
+    ours, reference = np.random.default_rng(seed), np.random.default_rng(seed)
+    for _ in range(50):
+        assert weighted_choice(ours, named) == names[int(reference.choice(len(names), p=p / p.sum()))]
+    assert ours.random() == reference.random()

@@ -140,6 +140,7 @@ class WorkerQueueModel:
         # While every slot is taken, a copy of this model run ahead until each request it holds
         # has a slot (see queue_ms); None when not needed.
         self._shadow: WorkerQueueModel | None = None
+        self._answer: float | None = None  # on a shadow: its last answer, until it changes
 
     # ------------------------------------------------------------------------------ inputs
 
@@ -257,6 +258,7 @@ class WorkerQueueModel:
         """The shadow's side of an arrival at ``now``: the request joins the back of the queue;
         run ahead until it has a slot. The shadow may already be past ``now`` (its last request
         gets a slot later than ``now``); then the arrival waits behind it, as in the model."""
+        self._answer = None
         if self._now < now:
             self._run_until(now)
         clone = _Request(request.request_id, request.uncached, request.dram, request.output_tokens,
@@ -280,6 +282,12 @@ class WorkerQueueModel:
         if self._now < now:
             self._run_until(now)
             self._outbox.clear()
+            self._answer = None
+        if self._answer is None:  # (the answer is a time: it holds until the shadow moves)
+            self._answer = self._first_token_after_next_release()
+        return self._answer
+
+    def _first_token_after_next_release(self) -> float:
         start = self._now + self._prefill_backlog_s()
         if self.running < self.timing.max_running:
             return start
@@ -312,6 +320,7 @@ class WorkerQueueModel:
         clone._outbox = []
         clone.completed = self.completed
         clone._shadow = None
+        clone._answer = None
         return clone
 
     # ------------------------------------------------------------------------------ engine
