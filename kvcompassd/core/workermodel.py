@@ -113,6 +113,10 @@ class _Request:
     remaining: float = 0.0  # decode tokens still to produce
     first_token_at: float | None = None
 
+    def copy(self) -> _Request:
+        return _Request(self.request_id, self.uncached, self.dram, self.output_tokens, self.arrived,
+                        self.prefill_s, self.remaining, self.first_token_at)
+
 
 @dataclass(slots=True)
 class _Prefill:
@@ -261,8 +265,7 @@ class WorkerQueueModel:
         self._answer = None
         if self._now < now:
             self._run_until(now)
-        clone = _Request(request.request_id, request.uncached, request.dram, request.output_tokens,
-                         request.arrived, request.prefill_s)
+        clone = request.copy()
         self._waiting.append(clone)
         self._queued_uncached += clone.uncached
         self._admit_all()
@@ -306,8 +309,7 @@ class WorkerQueueModel:
         clone = WorkerQueueModel.__new__(WorkerQueueModel)
         clone.timing = self.timing
         clone._now = self._now
-        copies = {id(r): _Request(r.request_id, r.uncached, r.dram, r.output_tokens, r.arrived, r.prefill_s,
-                                  r.remaining, r.first_token_at)
+        copies = {id(r): r.copy()
                   for r in [*self._waiting, *self._admitted, *self._decoding.values()]
                   + ([self._prefill.request] if self._prefill else [])}
         clone._waiting = deque(copies[id(r)] for r in self._waiting)

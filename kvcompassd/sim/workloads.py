@@ -10,7 +10,6 @@ caches and the discovery index need; no tokenizer is involved.
 from __future__ import annotations
 
 import bisect
-
 import csv
 import hashlib
 import heapq
@@ -105,7 +104,7 @@ _CDFS: dict[tuple[tuple[str, float], ...], tuple[list[str], list[float]]] = {}
 def weighted_choice(rng: np.random.Generator, weights: Mapping[str, float]) -> str:
     """``names[rng.choice(len(names), p=normalised weights)]``, drawing the same one uniform
     and returning the same name as that call, without its per-call checks (one call per
-    session: they were a tenth of generating a stream)."""
+    session: it was ~a fifth of generating a stream, 4.2 of 19.6 s under cProfile)."""
     key = tuple(weights.items())
     known = _CDFS.get(key)
     if known is None:
