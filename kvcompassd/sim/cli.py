@@ -30,7 +30,7 @@ import numpy as np
 from kvcompassd.core.config import load_config
 
 from . import plots
-from .engine import SimResult, SimSettings, request_window, simulate
+from .engine import SimResult, SimSettings, request_window, simulate, sparse_collections
 from .metrics import load_factors, summarize
 from .policy import Topology
 from .schemes import ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights
@@ -125,6 +125,11 @@ def _stream(point: GridPoint, topo: Topology) -> list[Request]:
 
 
 def _run_point(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
+    with sparse_collections():  # generating a stream also allocates a lot that lives long
+        return _run_point_collected(point)
+
+
+def _run_point_collected(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
     cfg = load_config(point.cfg_path)
     topo = Topology.from_config(cfg, page_tokens=point.page_tokens)
     options = point.policy_options if point.scheme.startswith("kvcompass") else {}
