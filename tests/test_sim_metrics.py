@@ -46,6 +46,16 @@ def test_summary_by_hand():
     assert s.load_factor_peak == pytest.approx(1.8)
 
 
+def test_throughput_is_every_token_over_first_arrival_to_last_completion():
+    res = result()
+    res.records["finish_s"][-1] = 19.9  # one straggler stretches the run to 19.9 s
+    s = summarize(res, warmup_s=5.0)
+    assert s.throughput_tok_s == pytest.approx(100 * 1010 / 19.9)  # warm-up requests included
+    assert s.output_tok_s == pytest.approx(100 * 10 / 19.9)
+    # The window [5.0, 9.9] s holds the 49 measured requests that finished inside it
+    assert s.window_tok_s == pytest.approx(49 * 1010 / 4.9)
+
+
 def test_load_factors_per_bin_and_warmup():
     res = result()
     lf = load_factors(res)

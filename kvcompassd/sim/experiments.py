@@ -27,8 +27,9 @@ arrivals). Why this is sound:
 - Overload: past capacity a backlog grows with time, so a shorter measured window lowers the
   P99 of an overloaded scheme. That favours whichever scheme is overloaded more (at high rates,
   the baselines): it can understate KVCompass's advantage at 2000-6000 req/s, never inflate
-  it, and no baseline is weakened. The backlog built during the warm-up keeps the workers busy
-  through the measured window, so throughput there is the served rate. Ratios quoted against
+  it, and no baseline is weakened. Throughput counts every token of the run over its duration
+  (first arrival to last completion, as vLLM's and SGLang's serving benchmarks do); past
+  capacity that is the rate at which the pool works off the backlog. Ratios quoted against
   the paper's at an operating point come from a full 20 s run of that point (``python -m
   kvcompassd.sim.cli ... --duration 20 --warmup 5``).
 
@@ -51,7 +52,8 @@ TTFT is the backlog accumulated over the window, so P99s there grow with the win
 (the paper's distributions use far longer runs, ~500 K requests) and the schemes differ mostly
 by the throughput they sustain. The paper's throughput panels (e.g. 7.43 Mtok/s at 2750 req/s,
 ~116 Ktok/s per A100) are not reachable by any A100 model consistent with its Fig. 9 capacity;
-our throughputs are tokens of requests finished inside the window.
+our throughputs are every token of a run over its duration (``kvcompassd.sim.metrics``; the
+tokens finished inside the short measured window are kept as ``window_tok_s``).
 """
 
 from __future__ import annotations
