@@ -262,6 +262,9 @@ class BatchOutcome:
     reason: str = ""
 
 
+_APPLIED = BatchOutcome(True)  # immutable: one instance serves every applied batch
+
+
 class EdgeIndexView:
     """Keyless views of every shard's tables, kept in sync from the ordered update streams."""
 
@@ -292,7 +295,7 @@ class EdgeIndexView:
         except LudoError as exc:
             return BatchOutcome(False, reason=f"corrupt snapshot: {exc}")
         st.views, st.epoch, st.seq = views, snap.epoch, snap.seq
-        return BatchOutcome(True)
+        return _APPLIED
 
     def apply_batch(self, batch: UpdateBatchPublished) -> BatchOutcome:
         """Apply the next batch of a shard; ignore stale ones; ask for a resync on a gap."""
@@ -317,7 +320,7 @@ class EdgeIndexView:
             return self._resync(batch.shard, st.epoch, 0, f"batch rejected by the view: {exc}")
         st.seq = batch.seq
         self.batches_applied += 1
-        return BatchOutcome(True)
+        return _APPLIED
 
     def _resync(self, shard: int, epoch: int, from_seq: int, reason: str) -> BatchOutcome:
         self.resyncs += 1
