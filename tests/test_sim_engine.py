@@ -104,6 +104,37 @@ def test_update_delay_and_loss():
     assert res.events_lost + res.events_delivered == 50 * 20
 
 
+def test_one_client_sends_each_request_when_the_previous_answer_is_back():
+    topo = two_region_topology(1, 0)
+    other = np.arange(5000, 5320)
+    reqs = [req(0, 0.0, TOKENS, out=3), req(1, 0.0, other), req(2, 5.0, TOKENS)]
+    res = simulate(topo, Fixed(topo, worker=0), reqs, settings=SimSettings(clients=1))
+    r = res.records
+    e2e_0 = INTRA + 320 * BETA + 2 * DECODE + INTRA
+    # Request 1 waits for request 0's answer, then is sent: its TTFT counts from the send
+    assert r["arrival_s"][1] == pytest.approx(e2e_0 / 1000.0)
+    assert r["ttft_ms"][1] == pytest.approx(INTRA + 320 * BETA + INTRA)
+    # Request 2 is due after the client is free again: sent at its own arrival time
+    assert r["arrival_s"][2] == 5.0
+    # Open loop, the same requests queue at the worker instead (as in the test above)
+    open_loop = simulate(topo, Fixed(topo, worker=0), reqs).records
+    assert open_loop["arrival_s"][1] == 0.0 and open_loop["ttft_ms"][1] > r["ttft_ms"][1]
+
+
+def test_clients_bound_the_requests_outstanding():
+    topo = two_region_topology(3, 2, vram=20_000, dram=40_000)
+    res = simulate(topo, make_baseline("oracle", topo), MixedWorkload(2000.0, {"a": 3.0, "b": 2.0}, seed=5),
+                   settings=SimSettings(eviction="lfu", clients=4), max_requests=200)
+    r = res.records
+    assert sorted(r["id"].tolist()) == list(range(200))
+    sent, done = r["arrival_s"], r["finish_s"]
+    for t in np.unique(sent):  # at every send, at most 4 requests are out (the one sent included)
+        assert ((sent <= t) & (done > t)).sum() <= 4
+    assert (np.diff(sent[np.argsort(r["id"])]) >= 0).all()  # sent in stream order
+    with pytest.raises(SimulationError):
+        SimSettings(clients=0)
+
+
 def test_conservation_and_determinism_on_mixed():
     topo = two_region_topology(3, 2, vram=20_000, dram=40_000)
     weights = {"a": 3.0, "b": 2.0}

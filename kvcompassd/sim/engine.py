@@ -20,7 +20,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from .blockmirror import GlobalBlockMap, chain_keys
 from .policy import BasePolicy, MigrationOrdered, PolicyError, RoutingPolicy, Topology
 from .workloads import Request
 
-_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY = range(6)
+_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY, _CLIENT_FREE = range(7)
 REMOTE_ONLY_MIN_TOKENS = 1024  # appendix D / Fig. 19 threshold
 INTRA_REGION_GBPS = 100.0  # regional network for KV-tensor copies (paper §3.5: tens to hundreds of Gbps)
 KV_BYTES_PER_TOKEN = 128 * 1024
@@ -54,6 +54,11 @@ class SimSettings:
     progress: bool = False           # tqdm progress bar
     decode_batch_slope: float | None = None  # override the worker model's assumption
     load_report_ms: float = 5.0      # how often a worker's exact queue delay is read (see _notify_load)
+    # Closed loop: at most this many requests outstanding, as a benchmark client with a
+    # concurrency limit sends them (SGLang's and vLLM's bench_serving --max-concurrency). A
+    # request is sent at its arrival time or, if every client is busy, the moment one gets its
+    # response back; its arrival_s is then that send time. None: open loop.
+    clients: int | None = None
 
     def __post_init__(self) -> None:
         if self.eviction not in ("lru", "lfu"):
@@ -62,6 +67,8 @@ class SimSettings:
             raise SimulationError(f"update_loss must be in [0, 1), got {self.update_loss}")
         if self.update_delay_ms < 0 or self.wan_jitter < 0 or self.load_bin_s <= 0:
             raise SimulationError("update_delay_ms and wan_jitter must be >= 0, load_bin_s > 0")
+        if self.clients is not None and (not isinstance(self.clients, int) or self.clients < 1):
+            raise SimulationError(f"clients must be a positive int or None, got {self.clients!r}")
 
 
 @dataclass(slots=True)
@@ -78,13 +85,14 @@ class _InFlight:
     first_token_at: float = -1.0
     ttft_s: float = -1.0
     remote_only: int = -1
+    held_at_decision: int = -1  # tokens the chosen worker really held when the edge chose it (-1: untracked)
     migration: bool = False
 
 
 RECORD_FIELDS = (
     "id", "arrival_s", "edge_region", "worker", "worker_region", "session", "prompt_tokens", "output_tokens",
     "claimed_tokens", "reused_tokens", "dram_tokens", "lookup_ms", "ttft_ms", "e2e_ms", "finish_s",
-    "compute_ms", "remote_only", "queue_ms",
+    "compute_ms", "remote_only", "queue_ms", "held_at_decision",
 )
 
 
@@ -207,9 +215,7 @@ class Simulation:
             self._wake_at[w] = t
             self._push(t, _WAKE, (w, self._wake_version[w]))
 
-    def _remote_only(self, req: Request, region: int) -> int:
-        assert self.truth is not None
-        best = self.truth.longest(chain_keys(req.tokens, self.topo.block_size))
+    def _remote_only(self, best: dict[int, tuple[int, Any]], region: int) -> int:
         local = max((n for w, (n, _) in best.items() if self.topo.worker_region[w] == region), default=0)
         remote = max((n for w, (n, _) in best.items() if self.topo.worker_region[w] != region), default=0)
         if max(local, remote) < REMOTE_ONLY_MIN_TOKENS:
@@ -227,7 +233,9 @@ class Simulation:
             raise PolicyError(f"{getattr(self.policy, 'name', self.policy)} routed to worker {w} of {topo.n_workers}")
         st = _InFlight(req, w, decision.claimed_tokens, decision.lookup_delay_ms, region)
         if self.truth is not None:
-            st.remote_only = self._remote_only(req, region)
+            best = self.truth.longest(chain_keys(req.tokens, self.topo.block_size))
+            st.remote_only = self._remote_only(best, region)
+            st.held_at_decision = best.get(w, (0, None))[0]
         self._inflight[str(req.id)] = st
         t = now + decision.lookup_delay_ms / 1000.0 + self._one_way_s(region, int(topo.worker_region[w]))
         self._push(t, _AT_WORKER, str(req.id))
@@ -320,9 +328,12 @@ class Simulation:
             st.lookup_ms, st.ttft_s * 1000.0, (done_at_user - req.arrival_s) * 1000.0, done_at_user,
             prefill + decode, st.remote_only,
             max(0.0, (st.first_token_at - st.at_worker) * 1000.0 - prefill),  # wait before prefill started
+            st.held_at_decision,
         )
         for f, v in zip(RECORD_FIELDS, values):
             rows[f].append(v)
+        if self.s.clients is not None:
+            self._push(done_at_user, _CLIENT_FREE, None)  # the client has its answer: it may send again
 
     # ------------------------------------------------------------------------------ loop
 
@@ -339,9 +350,17 @@ class Simulation:
             bar = tqdm(total=max_requests, unit="req", desc=getattr(self.policy, "name", "sim"), leave=False)
         arrived = 0
         last_arrival = -1.0
+        clients = self.s.clients
+        outstanding = 0  # closed loop: requests sent whose response the client has not had yet
+        held: Request | None = None  # closed loop: the next request, waiting for a free client
+
+        def send(req: Request, at: float) -> None:
+            nonlocal outstanding
+            outstanding += 1
+            self._push(at, _ARRIVE, req if at == req.arrival_s else replace(req, arrival_s=at))
 
         def pull() -> None:
-            nonlocal arrived, last_arrival
+            nonlocal arrived, last_arrival, held
             if max_requests is not None and arrived >= max_requests:
                 return
             req = next(it, None)
@@ -351,7 +370,12 @@ class Simulation:
                 raise SimulationError(f"requests must arrive in order: {req.arrival_s} after {last_arrival}")
             last_arrival = req.arrival_s
             arrived += 1
-            self._push(req.arrival_s, _ARRIVE, req)
+            if clients is None:
+                self._push(req.arrival_s, _ARRIVE, req)
+            elif outstanding < clients:
+                send(req, req.arrival_s)
+            else:
+                held = req
 
         pull()
         policy = self.policy
@@ -391,6 +415,11 @@ class Simulation:
                 w, events = payload
                 self.events_delivered += len(events)
                 policy.on_cache_events(w, events, now=t)
+            elif kind == _CLIENT_FREE:
+                outstanding -= 1
+                if held is not None:
+                    req, held = held, None
+                    send(req, max(t, req.arrival_s))
         if bar is not None:
             bar.close()
         if self._inflight:
