@@ -38,6 +38,16 @@ def test_fig14_quick_writes_heatmap_and_peaks(tmp_path):
     assert sorted(r["scheme"] for r in logged) == sorted(r["scheme"] for r in rows)
 
 
+def test_fig15_quick_is_closed_loop_and_relative_to_the_full_system(tmp_path):
+    assert main(["fig15", "--quick", "--out", str(tmp_path), "--schemes", "kvcompass,kvcompass-no-load",
+                 "--rates", "40", "--page-tokens", "64", "--clients-per-worker", "1"]) == 0
+    rows = json.loads((tmp_path / "fig15" / "summary.json").read_text())
+    assert [r["scheme"] for r in rows] == ["kvcompass", "kvcompass-no-load"]
+    assert all(r["clients"] == 14 for r in rows)  # 1 per worker of the 14-worker testbed
+    assert rows[0]["throughput_vs_full"] == 1.0 and rows[1]["throughput_vs_full"] > 0
+    assert (tmp_path / "fig15" / "ablation.png").stat().st_size > 0
+
+
 def test_sweep_points_keep_the_warm_up_and_shorten_only_the_measured_part():
     from kvcompassd.sim.experiments import point_duration
 
@@ -55,3 +65,13 @@ def test_table4_quick_runs_every_variant_in_one_pool(tmp_path):
     assert len((tmp_path / "table4" / "table4.md").read_text().splitlines()) == 2 + len(rows)
     logged = (tmp_path / "table4" / "points.jsonl").read_text().splitlines()
     assert len(logged) == len(rows)
+
+
+def test_table5_quick_splits_every_false_lookup_by_cause(tmp_path):
+    assert main(["table5", "--quick", "--out", str(tmp_path), "--rates", "300", "--page-tokens", "64"]) == 0
+    rows = json.loads((tmp_path / "table5" / "summary.json").read_text())
+    assert sorted(r["workload"] for r in rows) == ["lmsys", "mixed", "wildchat"]
+    assert any(r["false_lookup_rate"] > 0 for r in rows)
+    for r in rows:  # with the exact cache map tracked, the two causes cover every false lookup
+        assert r["false_lost_in_flight"] + r["false_view_ahead"] == pytest.approx(r["false_lookup_rate"])
+    assert len((tmp_path / "table5" / "table5.md").read_text().splitlines()) == 2 + len(rows)
