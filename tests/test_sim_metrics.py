@@ -27,8 +27,8 @@ def result(n: int = 100) -> SimResult:
     rec["edge_region"] = np.zeros(n)
     rec["worker_region"] = np.where(np.arange(n) % 4 == 0, 1, 0)
     rec["remote_only"] = np.where(np.arange(n) < 10, 1, np.where(np.arange(n) < 40, 0, -1))
-    # Of the 5 false lookups (claimed 800, reused 400): 2 held 800 when chosen, 3 held only 400
-    rec["held_at_decision"] = np.where(np.arange(n) < 2, 800, 400)
+    # Of the 5 false lookups (claimed 800, reused 400): 2 lost in flight, 1 within a page, 2 view ahead
+    rec["false_cause"] = np.array([1, 1, 2, 3, 3] + [0] * (n - 5))
     bins = np.array([[1.0, 1.0], [1.0, 1.0], [2.0, 4.0]])  # worker 2 is the hot one
     return SimResult("x", rec, bins, 5.0, 1.0)
 
@@ -42,7 +42,8 @@ def test_summary_by_hand():
     assert s.dram_share_of_reuse == pytest.approx(0.25)
     assert s.false_lookup_rate == pytest.approx(0.05)
     assert s.false_lookup_rate_claimed == pytest.approx(0.05)
-    assert s.false_lost_in_flight == pytest.approx(0.02) and s.false_view_ahead == pytest.approx(0.03)
+    assert s.false_lost_in_flight == pytest.approx(0.02) and s.false_within_page == pytest.approx(0.01)
+    assert s.false_view_ahead == pytest.approx(0.02)
     assert s.cross_region_share == pytest.approx(0.25)
     assert s.remote_only_share == pytest.approx(10 / 40)
     # Totals per worker 2, 2, 6 -> mean 10/3 -> peak 6 / (10/3) = 1.8
@@ -61,10 +62,10 @@ def test_throughput_is_every_token_over_first_arrival_to_last_completion():
 
 def test_false_lookup_causes_are_nan_when_the_truth_is_not_tracked():
     res = result()
-    res.records["held_at_decision"] = np.full(100, -1)
+    res.records["false_cause"] = np.full(100, -1)
     s = summarize(res)
     assert s.false_lookup_rate == pytest.approx(0.05)
-    assert np.isnan(s.false_lost_in_flight) and np.isnan(s.false_view_ahead)
+    assert np.isnan(s.false_lost_in_flight) and np.isnan(s.false_within_page) and np.isnan(s.false_view_ahead)
 
 
 def test_load_factors_per_bin_and_warmup():

@@ -92,8 +92,14 @@ class _InFlight:
 RECORD_FIELDS = (
     "id", "arrival_s", "edge_region", "worker", "worker_region", "session", "prompt_tokens", "output_tokens",
     "claimed_tokens", "reused_tokens", "dram_tokens", "lookup_ms", "ttft_ms", "e2e_ms", "finish_s",
-    "compute_ms", "remote_only", "queue_ms", "held_at_decision",
+    "compute_ms", "remote_only", "queue_ms", "held_at_decision", "false_cause",
 )
+# false_cause of a request whose worker reused fewer tokens than the policy claimed, from the
+# exact cache map (track_truth): when did the claim go wrong? -1 untracked, 0 not a false lookup.
+FALSE_LOST_IN_FLIGHT = 1  # the worker held the claim when chosen and lost it before the request came
+FALSE_WITHIN_PAGE = 2     # it held every full page below the claim: the prompt diverges inside the
+                          # page that holds the claimed length (an indexed length between page ends)
+FALSE_VIEW_AHEAD = 3      # it held less than that already when chosen: a stale or false index entry
 
 
 @dataclass
@@ -317,6 +323,19 @@ class Simulation:
             self._notify_load(w, now, admitted or 0.0)
         self._schedule_wake(w)
 
+    def _false_cause(self, st: _InFlight) -> int:
+        if st.held_at_decision < 0:
+            return -1
+        reused = st.cached_vram + st.cached_dram
+        if st.claimed <= reused or st.claimed <= 0:
+            return 0
+        if st.held_at_decision >= st.claimed:
+            return FALSE_LOST_IN_FLIGHT
+        page = self.topo.block_size
+        if st.held_at_decision >= st.claimed // page * page:
+            return FALSE_WITHIN_PAGE
+        return FALSE_VIEW_AHEAD
+
     def _record(self, st: _InFlight, done_at_user: float) -> None:
         req, rows = st.req, self._rows
         timing = self.timings[st.worker]
@@ -328,7 +347,7 @@ class Simulation:
             st.lookup_ms, st.ttft_s * 1000.0, (done_at_user - req.arrival_s) * 1000.0, done_at_user,
             prefill + decode, st.remote_only,
             max(0.0, (st.first_token_at - st.at_worker) * 1000.0 - prefill),  # wait before prefill started
-            st.held_at_decision,
+            st.held_at_decision, self._false_cause(st),
         )
         for f, v in zip(RECORD_FIELDS, values):
             rows[f].append(v)

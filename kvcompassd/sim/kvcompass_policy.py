@@ -93,6 +93,7 @@ class KVCompassPolicy(BasePolicy):
         flush_interval_ms: float = 1.0,
         seed: int = 0,
         top_k: int = 0,
+        fingerprint_bits: int | None = None,
     ) -> None:
         super().__init__(topo)
         if not (update_delay_ms >= 0 and math.isfinite(update_delay_ms)):
@@ -118,7 +119,8 @@ class KVCompassPolicy(BasePolicy):
         index = cfg.index
         self.shards = [
             MaintenanceShard(self.layout, s, n_shards, epoch=EPOCH, initial_capacity=index.initial_capacity,
-                             fingerprint_bits=index.fingerprint_bits, max_load=index.max_load)
+                             fingerprint_bits=index.fingerprint_bits if fingerprint_bits is None else fingerprint_bits,
+                             max_load=index.max_load)
             for s in range(n_shards)
         ]
         self.regions = topo.regions

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .engine import SimResult
+from .engine import FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_WITHIN_PAGE, SimResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +28,9 @@ class Summary:
     dram_share_of_reuse: float
     false_lookup_rate: float         # requests whose worker reused less than the policy claimed
     false_lookup_rate_claimed: float  # ... among requests with a positive claim
-    # The false lookups split by when the claim went wrong (share of requests; NaN if untracked):
+    # The false lookups split by cause (share of requests; NaN if untracked; engine.FALSE_*):
     false_lost_in_flight: float      # the worker held the claim when chosen, lost it before the request came
+    false_within_page: float         # the prompt diverges inside the page holding the claimed length
     false_view_ahead: float          # the worker held less than claimed already when chosen (stale or false entry)
     cross_region_share: float        # requests served outside their edge's region
     remote_only_share: float         # of requests with a >=1024-token reusable prefix, held only remotely (NaN if untracked)
@@ -88,10 +89,11 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
     window_tokens = float(r["prompt_tokens"][in_window].sum() + r["output_tokens"][in_window].sum())
     false = claimed > reused
     has_claim = claimed > 0
-    held = r["held_at_decision"][m]
-    known = held >= 0
-    lost_in_flight = false & known & (held >= claimed)
-    view_ahead = false & known & (held < claimed)
+    cause = r["false_cause"][m]
+    known = cause >= 0
+
+    def cause_share(code: int) -> float:
+        return float((cause == code).sum() / known.sum()) if known.any() else float("nan")
     remote_only = r["remote_only"][m]
     tracked = remote_only >= 0
     n = int(m.sum())
@@ -112,8 +114,9 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         dram_share_of_reuse=float(dram.sum() / reused.sum()) if reused.sum() else 0.0,
         false_lookup_rate=float(false.mean()),
         false_lookup_rate_claimed=float(false[has_claim].mean()) if has_claim.any() else 0.0,
-        false_lost_in_flight=float(lost_in_flight.sum() / known.sum()) if known.any() else float("nan"),
-        false_view_ahead=float(view_ahead.sum() / known.sum()) if known.any() else float("nan"),
+        false_lost_in_flight=cause_share(FALSE_LOST_IN_FLIGHT),
+        false_within_page=cause_share(FALSE_WITHIN_PAGE),
+        false_view_ahead=cause_share(FALSE_VIEW_AHEAD),
         cross_region_share=float((r["edge_region"][m] != r["worker_region"][m]).mean()),
         remote_only_share=float((remote_only[tracked] == 1).mean()) if tracked.any() else float("nan"),
         load_factor_peak=load_factor_peak(result, warmup_s),
