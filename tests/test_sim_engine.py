@@ -121,6 +121,22 @@ def test_one_client_sends_each_request_when_the_previous_answer_is_back():
     assert open_loop["arrival_s"][1] == 0.0 and open_loop["ttft_ms"][1] > r["ttft_ms"][1]
 
 
+class Alternating(Fixed):
+    def route(self, req, *, now):
+        return RouteDecision(req.id % 2)
+
+
+def test_a_request_due_while_clients_were_busy_is_sent_when_one_frees_never_in_the_past():
+    topo = two_region_topology(2, 0)
+    # r0 and r1 run side by side and finish at the same instant T; r2 and r3 are due at 0
+    reqs = [req(i, 0.0, np.arange(1000 * i, 1000 * i + 320)) for i in range(4)]
+    r = simulate(topo, Alternating(topo, worker=0), reqs, settings=SimSettings(clients=2)).records
+    t_done = (INTRA + 320 * BETA + INTRA) / 1000.0
+    assert r["finish_s"][0] == r["finish_s"][1] == pytest.approx(t_done)
+    assert r["arrival_s"][2] == r["arrival_s"][3] == pytest.approx(t_done)  # both sent at T, not at 0
+    assert r["ttft_ms"][3] == pytest.approx(INTRA + 320 * BETA + INTRA)
+
+
 def test_clients_bound_the_requests_outstanding():
     topo = two_region_topology(3, 2, vram=20_000, dram=40_000)
     res = simulate(topo, make_baseline("oracle", topo), MixedWorkload(2000.0, {"a": 3.0, "b": 2.0}, seed=5),

@@ -375,6 +375,9 @@ class Simulation:
 
         def send(req: Request, at: float) -> None:
             nonlocal outstanding
+            # Never in the past: a request due earlier than now was waiting for this free client
+            # (one freed at the instant the previous request was sent, say).
+            at = max(at, self.now)
             outstanding += 1
             self._push(at, _ARRIVE, req if at == req.arrival_s else replace(req, arrival_s=at))
 
@@ -438,7 +441,7 @@ class Simulation:
                 outstanding -= 1
                 if held is not None:
                     req, held = held, None
-                    send(req, max(t, req.arrival_s))
+                    send(req, req.arrival_s)
         if bar is not None:
             bar.close()
         if self._inflight:
