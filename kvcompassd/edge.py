@@ -241,7 +241,7 @@ class EdgeNode:
                     self._send_datagram(self._edge_peers.get(e.id), msg)
             # Own-region agents piggyback this vector on their responses to other regions.
             local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
-                                         vector=self.router.queues.local_vector())
+                                         vector=self.router.queues.local_vector(now=now))
             for w in self._own_agents:
                 self._send_datagram(self._agent_peers.get(w), local)
             ages = self.router.queues.ages(now=now)

@@ -216,7 +216,7 @@ def _reference_router(cfg, region, view, ablation):
 
     def observe_everything(found, result, chosen, now, flags):
         # What the Router did before the C summary: a full observation for every miss.
-        return router.hot.observe(router._observation(found, result.scores, chosen), now=now)
+        return router.hot.observe(router._observation(found, result.scores, chosen, now), now=now)
 
     router._observe = observe_everything
     return router

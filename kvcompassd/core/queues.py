@@ -15,6 +15,12 @@ Remote regions reach it through two channels:
 All times are seconds (``now``); queue values and periods are milliseconds, as in the config.
 The arrays returned by ``queue_ms()`` are immutable snapshots: updates replace the array (a
 copy of a few dozen floats), so a decision scored from a snapshot never sees it change.
+
+A reading is a wait measured at one instant, and a FIFO prefill queue drains at one ms per ms
+until new work arrives (work this edge sends is added by ``note_dispatched``), so
+``queue_ms(now=...)`` ages every value by the time since it was taken: ``max(0, q - age)``.
+Between two readings of a worker busy with one long prefill, the unaged value would show that
+prefill's whole length until it ends and push requests away from the worker holding their prefix.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ class QueueEstimates:
         n = len(self.worker_ids)
         # Unknown workers start at 0 ms (optimistic) until the first report; ages say "never".
         self._ms = _snapshot(np.zeros(n, dtype=np.float64))
+        self._taken_at = np.full(n, -math.inf)  # when each value in _ms was measured (or last added to)
+        self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
         self._refreshed_at = [-math.inf] * n
         self._zero_since = [math.inf] * n  # when the queue last became 0; inf while busy or unknown
         self._last_sent_to = {r: -math.inf for r in self._remote_regions}
@@ -118,6 +126,7 @@ class QueueEstimates:
         values = self._ms.copy()
         for i, ms in updates:
             values[i] = ms
+            self._taken_at[i] = now
             self._refreshed_at[i] = now
             if ms > 0.0:
                 self._zero_since[i] = math.inf
@@ -154,9 +163,10 @@ class QueueEstimates:
         """
         updates = self._remote_updates(from_region, vector)
         w = self._weight
-        folded = [(i, ms if self._refreshed_at[i] == -math.inf else w * ms + (1.0 - w) * float(self._ms[i]))
-                  for i, ms in updates]
         now = float(now)
+        current = self.queue_ms(now=now)
+        folded = [(i, ms if self._refreshed_at[i] == -math.inf else w * ms + (1.0 - w) * current.item(i))
+                  for i, ms in updates]
         self._store(folded, now)
         self._last_heard_from[from_region] = now
 
@@ -189,10 +199,17 @@ class QueueEstimates:
             added = _check_ms(added_ms, f"worker {worker_id!r}", QueueEstimateError)
         if added == 0.0:
             return
+        now = float(now)
         values = self._ms.copy()
-        values[i] = values.item(i) + added
+        values[i] = self._aged_value(i, now) + added
+        self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
+
+    def _aged_value(self, i: int, now: float) -> float:
+        age_ms = (now - self._taken_at.item(i)) * 1000.0
+        value = self._ms.item(i)
+        return value if age_ms <= 0.0 else max(0.0, value - age_ms)
 
     def note_piggyback_sent(self, to_region: str, *, now: float) -> None:
         """One of this region's agents answered a request from ``to_region`` with our vector."""
@@ -210,7 +227,7 @@ class QueueEstimates:
         due = [r for r in self._remote_regions if now >= self._last_sent_to[r] + self._period_s]
         if not due:
             return ()
-        vector = self.local_vector()
+        vector = self.local_vector(now=now)
         for r in due:
             self._last_sent_to[r] = now
         return tuple(QueueVectorBroadcast(self.region, r, vector, now) for r in due)
@@ -224,9 +241,20 @@ class QueueEstimates:
 
     # ------------------------------------------------------------ queries
 
-    def queue_ms(self) -> np.ndarray:
-        """Estimated queue delays (ms) in config worker order: an immutable snapshot."""
-        return self._ms
+    def queue_ms(self, *, now: float | None = None) -> np.ndarray:
+        """Estimated queue delays (ms) in config worker order: an immutable snapshot. With
+        ``now``, each value aged by the time since it was taken (see the module docstring);
+        without, the values as last set."""
+        if now is None:
+            return self._ms
+        cached = self._aged
+        if cached is not None and cached[0] == now and cached[1] is self._ms:
+            return cached[2]
+        ms = self._ms
+        age_ms = np.maximum(0.0, (float(now) - self._taken_at) * 1000.0)  # never-set values are 0 anyway
+        aged = _snapshot(np.maximum(0.0, ms - age_ms))
+        self._aged = (now, ms, aged)
+        return aged
 
     def get(self, worker_id: str) -> float:
         return float(self._ms[self._worker_index(worker_id, QueueEstimateError)])
@@ -242,9 +270,11 @@ class QueueEstimates:
         except KeyError:
             raise QueueEstimateError(f"unknown or own region {region!r}") from None
 
-    def local_vector(self) -> tuple[tuple[str, float], ...]:
-        """This region's own workers and their live values, to piggyback or broadcast."""
-        return tuple((w, float(self._ms[self._index[w]])) for w in self._local_ids)
+    def local_vector(self, *, now: float | None = None) -> tuple[tuple[str, float], ...]:
+        """This region's own workers and their live values (aged to ``now`` if given), to
+        piggyback or broadcast."""
+        values = self._ms if now is None else self.queue_ms(now=now)
+        return tuple((w, values.item(self._index[w])) for w in self._local_ids)
 
     def is_persistently_idle(self, worker_id: str, *, now: float) -> bool:
         """True if the worker's queue has stayed at 0 for ``idle_period_ms`` up to ``now``."""

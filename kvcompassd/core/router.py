@@ -127,7 +127,7 @@ class Router:
         if kernel is None:
             return self.decide_from(self.lookup.lookup(tokens), now=now, exclude=exclude)
         data, prompt_len = token_buffer(tokens)
-        queue, belief = self.queues.queue_ms(), self.belief.values
+        queue, belief = self.queues.queue_ms(now=now), self.belief.values
         matched, tier, scores, best, chosen, lam, miss, family_key = kernel.run(
             data, queue, belief, self._eligible(exclude) if exclude else None)
         if best < 0:
@@ -143,7 +143,7 @@ class Router:
             found.prompt_len,
             found.matched,
             found.tier,
-            self.queues.queue_ms(),
+            self.queues.queue_ms(now=now),
             belief,
             ablation=self.ablation,
             eligible=self._eligible(exclude) if exclude else None,
@@ -211,7 +211,7 @@ class Router:
         destination), which gives the same plans and detector state.
         """
         if flags is None:
-            flags = self._miss_summary.flags(found.matched, result.scores, self.queues.queue_ms(), chosen)
+            flags = self._miss_summary.flags(found.matched, result.scores, self.queues.queue_ms(now=now), chosen)
         holders = bool(flags & MISS_LOCAL_HOLDER)
         trigger = self.hot.note_miss(found.family_key, now=now, holders=holders,
                                      lost_to_load=bool(flags & MISS_LOST_TO_LOAD))
@@ -221,9 +221,9 @@ class Router:
         local_holders = [ids[i] for i in self._local_indexes if matched.item(i) > 0]
         if not self.hot.has_destination(local_holders, ids[chosen], now=now):
             return None  # nowhere to put a replica: plan would say None
-        return self.hot.plan(self._observation(found, result.scores, chosen), trigger, now=now)
+        return self.hot.plan(self._observation(found, result.scores, chosen, now), trigger, now=now)
 
-    def _observation(self, found: LookupResult, scores: np.ndarray, chosen: int) -> DecisionObserved:
+    def _observation(self, found: LookupResult, scores: np.ndarray, chosen: int, now: float) -> DecisionObserved:
         matched = found.matched
         ids = self.layout.worker_ids
         local_idx = np.flatnonzero(self._local & (matched > 0))
@@ -235,7 +235,7 @@ class Router:
         # Every local holder lost to load: each would have won with the winner's queue term.
         lost_to_load = False
         if local_idx.size and chosen not in set(local_idx.tolist()):
-            queue = self.queues.queue_ms()
+            queue = self.queues.queue_ms(now=now)
             unloaded = scores[local_idx] - queue[local_idx] + queue[chosen]
             lost_to_load = bool(np.all(unloaded < scores[chosen]))
         return DecisionObserved(
