@@ -367,8 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "duration at every rate); see 'Sweep sizes' in the module docstring")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="simulations run in parallel processes (default: one per core; results unchanged)")
-    ap.add_argument("--clients-per-worker", type=int, default=8,
-                    help="fig15: closed-loop clients per worker (each waits for its answer before sending again)")
+    ap.add_argument("--clients-per-worker", type=int, default=64,
+                    help="fig15: closed-loop clients per worker (each waits for its answer before sending "
+                         "again); the default, one per decode slot (max_running), lets the pool saturate")
     ap.add_argument("--page-tokens", type=int, default=None,
                     help="engine page size of the simulated caches (e.g. 64 runs faster; default: index block size)")
     ap.add_argument("--fingerprint-bits", type=int, default=None,
