@@ -16,11 +16,14 @@ All times are seconds (``now``); queue values and periods are milliseconds, as i
 The arrays returned by ``queue_ms()`` are immutable snapshots: updates replace the array (a
 copy of a few dozen floats), so a decision scored from a snapshot never sees it change.
 
-A reading is a wait measured at one instant, and a FIFO prefill queue drains at one ms per ms
-until new work arrives (work this edge sends is added by ``note_dispatched``), so
-``queue_ms(now=...)`` ages every value by the time since it was taken: ``max(0, q - age)``.
-Between two readings of a worker busy with one long prefill, the unaged value would show that
-prefill's whole length until it ends and push requests away from the worker holding their prefix.
+A live reading is a wait measured at one instant, and a FIFO prefill queue drains at one ms per
+ms until new work arrives (work this edge sends is added by ``note_dispatched``), so
+``queue_ms(now=...)`` ages the own region's values by the time since they were taken:
+``max(0, q - age)``. Between two readings of a worker busy with one long prefill, the unaged value
+would show that prefill's whole length until it ends and push requests away from the worker
+holding their prefix. Remote values are not aged: a broadcast or piggybacked value is a snapshot
+of a worker that every region's edges feed, so between two of them it fills as fast as it drains,
+and aging it would invite every edge to the same worker at once.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class QueueEstimates:
         # Unknown workers start at 0 ms (optimistic) until the first report; ages say "never".
         self._ms = _snapshot(np.zeros(n, dtype=np.float64))
         self._taken_at = np.full(n, -math.inf)  # when each value in _ms was measured (or last added to)
+        self._drains = np.array([self._region_of[w] == region for w in self.worker_ids])  # aged: own region
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
         self._refreshed_at = [-math.inf] * n
         self._zero_since = [math.inf] * n  # when the queue last became 0; inf while busy or unknown
@@ -207,8 +211,10 @@ class QueueEstimates:
         self._ms = _snapshot(values)
 
     def _aged_value(self, i: int, now: float) -> float:
-        age_ms = (now - self._taken_at.item(i)) * 1000.0
         value = self._ms.item(i)
+        if not self._drains.item(i):
+            return value
+        age_ms = (now - self._taken_at.item(i)) * 1000.0
         return value if age_ms <= 0.0 else max(0.0, value - age_ms)
 
     def note_piggyback_sent(self, to_region: str, *, now: float) -> None:
@@ -243,15 +249,15 @@ class QueueEstimates:
 
     def queue_ms(self, *, now: float | None = None) -> np.ndarray:
         """Estimated queue delays (ms) in config worker order: an immutable snapshot. With
-        ``now``, each value aged by the time since it was taken (see the module docstring);
-        without, the values as last set."""
+        ``now``, the own region's values aged by the time since they were taken (see the module
+        docstring); without, the values as last set."""
         if now is None:
             return self._ms
         cached = self._aged
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
-        age_ms = np.maximum(0.0, (float(now) - self._taken_at) * 1000.0)  # never-set values are 0 anyway
+        age_ms = np.where(self._drains, np.maximum(0.0, (float(now) - self._taken_at) * 1000.0), 0.0)
         aged = _snapshot(np.maximum(0.0, ms - age_ms))
         self._aged = (now, ms, aged)
         return aged
