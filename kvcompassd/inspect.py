@@ -56,7 +56,9 @@ def _queues(edge, args) -> dict:
     now = edge.clock()
     q = edge.router.queues
     ages = q.ages(now=now)
-    return {"workers": [{"worker": w, "region": edge.cfg.worker(w).region, "queue_ms": float(q.queue_ms()[i]),
+    current = q.queue_ms(now=now)  # what the score uses now: own-region readings aged
+    return {"workers": [{"worker": w, "region": edge.cfg.worker(w).region, "queue_ms": float(current[i]),
+                         "reported_ms": float(q.queue_ms()[i]),
                          "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3)}
                         for i, w in enumerate(edge.layout.worker_ids)]}
 
@@ -79,7 +81,7 @@ def _holders(edge, args) -> dict:
         raise ValueError("empty prompt")
     router = edge.router
     found = router.lookup.lookup(np.asarray(tokens, dtype=np.uint32))
-    result = router.scorer.score(found.prompt_len, found.matched, found.tier, router.queues.queue_ms(),
+    result = router.scorer.score(found.prompt_len, found.matched, found.tier, router.queues.queue_ms(now=edge.clock()),
                                  router.belief.values, ablation=router.ablation)
     holders = [{"worker": w, "region": edge.cfg.worker(w).region, "matched": int(found.matched[i]),
                 "tier": Tier(int(found.tier[i])).name}
