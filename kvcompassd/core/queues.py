@@ -205,17 +205,10 @@ class QueueEstimates:
             return
         now = float(now)
         values = self._ms.copy()
-        values[i] = self._aged_value(i, now) + added
+        values[i] = self.queue_ms(now=now).item(i) + added  # the decision just aged them at this now
         self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
-
-    def _aged_value(self, i: int, now: float) -> float:
-        value = self._ms.item(i)
-        if not self._drains.item(i):
-            return value
-        age_ms = (now - self._taken_at.item(i)) * 1000.0
-        return value if age_ms <= 0.0 else max(0.0, value - age_ms)
 
     def note_piggyback_sent(self, to_region: str, *, now: float) -> None:
         """One of this region's agents answered a request from ``to_region`` with our vector."""

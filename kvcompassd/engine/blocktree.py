@@ -223,26 +223,10 @@ class BlockTree:
             block = _Block(block_hash, parent, tokens, lora)
             block.media.add(medium)
             self._blocks[block_hash] = block
-            children = self._children
-            children.setdefault(parent, set()).add(block_hash)
+            self._children.setdefault(parent, set()).add(block_hash)
             parent_block = self._blocks.get(parent) if parent is not None else None
             if parent is None or (parent_block is not None and parent_block.attached):
-                if block_hash in children:  # detached blocks wait under it: attach them too
-                    self._attach(block, touched)
-                    continue
-                # A new block extending an attached path, nothing waiting under it: what
-                # _attach does for its root, inlined (the engine sends one such event per page).
-                if parent_block is None:
-                    start, parent_tier = 0, _VRAM
-                else:
-                    start, parent_tier = parent_block.start + len(parent_block.tokens), parent_block.path_tier
-                own = _UNINDEXED if lora else _medium_tier(medium)
-                block.start = start
-                block.path_tier = own if own > parent_tier else parent_tier
-                block.attached = True  # a new hash is never in _detached
-                indexed = self.indexed_lengths
-                if indexed and indexed[0] <= start + len(tokens) and start < indexed[-1]:
-                    self._register_anchors(block, touched)
+                self._attach(block, touched)
             else:
                 self._mark_detached(block)
 

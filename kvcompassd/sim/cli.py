@@ -125,16 +125,12 @@ def _stream(point: GridPoint, topo: Topology) -> list[Request]:
 
 
 def _run_point(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
-    with sparse_collections():  # generating a stream also allocates a lot that lives long
-        return _run_point_collected(point)
-
-
-def _run_point_collected(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
     cfg = load_config(point.cfg_path)
     topo = Topology.from_config(cfg, page_tokens=point.page_tokens)
     options = point.policy_options if point.scheme.startswith("kvcompass") else {}
     policy = make_policy(point.scheme, topo, seed=point.seed, **options)
-    stream = _stream(point, topo)
+    with sparse_collections():  # a stream, like a run (simulate), is many objects that live long
+        stream = _stream(point, topo)
     cpu = time.process_time()
     result = simulate(topo, policy, stream, settings=point.settings,
                       max_requests=point.max_requests, duration_s=point.duration_s)

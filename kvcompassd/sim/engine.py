@@ -327,7 +327,7 @@ class Simulation:
         if st.held_at_decision < 0:
             return -1
         reused = st.cached_vram + st.cached_dram
-        if st.claimed <= reused or st.claimed <= 0:
+        if st.claimed <= reused:
             return 0
         if st.held_at_decision >= st.claimed:
             return FALSE_LOST_IN_FLIGHT
