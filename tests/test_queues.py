@@ -118,6 +118,24 @@ def test_broadcast_replaces_and_ignores_reordered_datagrams() -> None:
         q.on_broadcast(QueueVectorBroadcast("asia", "us", (("eu-0", 1.0),), 60.0), now=1.3)
 
 
+def test_work_still_crossing_the_wan_survives_a_broadcast_and_a_piggyback() -> None:
+    q = us_edge()  # us <-> eu: 160 ms one way, so a vector received now misses the last 320 ms
+    q.note_dispatched("eu-0", 30.0, now=1.0)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 10.0),), 1.0), now=1.1)
+    assert q.get("eu-0") == pytest.approx(40.0)  # the snapshot plus the dispatch it cannot hold
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 25.0),), 1.3), now=1.4)
+    assert q.get("eu-0") == 25.0  # 0.4 s on, the dispatch is in the worker's reading
+    q.note_dispatched("eu-0", 20.0, now=2.0)
+    assert q.get("eu-0") == pytest.approx(45.0)
+    q.on_piggyback("eu", {"eu-0": 55.0}, now=2.1)
+    # The sample is folded against the estimate without the in-flight 20 ms, which stays on top.
+    assert q.get("eu-0") == pytest.approx(0.5 * 55.0 + 0.5 * 25.0 + 20.0)
+    q.set_local("us-0", 0.0, now=2.1)
+    q.note_dispatched("us-0", 5.0, now=2.1)
+    q.set_local("us-0", 8.0, now=2.2)
+    assert q.get("us-0") == 8.0  # own-region readings come straight from the agents
+
+
 def test_broadcast_message_validation() -> None:
     with pytest.raises(QueueVectorError):
         QueueVectorBroadcast("eu", "eu", (), 0.0)

@@ -12,6 +12,12 @@ Remote regions reach it through two channels:
   broadcast *replaces* the estimate (``on_broadcast``): it is the sender's own live view at
   ``sent_at``, newer than anything we hold, and averaging it with older values would only add lag.
 
+A broadcast or piggybacked vector cannot include the work this edge sent within the last round
+trip to the worker's region: that work was still crossing the WAN when the worker was read. Each such dispatch (``note_dispatched``) is kept until it is one round trip old and
+added back on top of any value that replaces the estimate. Without this, every broadcast erased
+the edge's in-flight dispatches, the busiest remote workers looked idle again, and far past
+capacity several regions herded onto them every Delta (Fig. 16: the shorter Delta, the worse).
+
 All times are seconds (``now``); queue values and periods are milliseconds, as in the config.
 The arrays returned by ``queue_ms()`` are immutable snapshots: updates replace the array (a
 copy of a few dozen floats), so a decision scored from a snapshot never sees it change.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -113,6 +120,12 @@ class QueueEstimates:
         self._drains = np.array([self._region_of[w] == region for w in self.worker_ids])  # aged: own region
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
         self._refreshed_at = [-math.inf] * n
+        # Work this edge sent that a value received now cannot include yet: per remote worker,
+        # the (sent at, ms) of dispatches younger than one round trip to its region. Own-region
+        # readings come straight from the agents, so there the window is 0 and none is kept.
+        self._in_flight_s = [0.0 if self._region_of[w] == region else cfg.rtt_ms(region, self._region_of[w]) / 1000.0
+                             for w in self.worker_ids]
+        self._in_flight: list[deque[tuple[float, float]]] = [deque() for _ in self.worker_ids]
         self._zero_since = [math.inf] * n  # when the queue last became 0; inf while busy or unknown
         self._last_sent_to = {r: -math.inf for r in self._remote_regions}
         self._last_broadcast_from = {r: -math.inf for r in self._remote_regions}  # sender's clock
@@ -126,9 +139,22 @@ class QueueEstimates:
         except (KeyError, TypeError):
             raise error(f"unknown worker {worker!r}") from None
 
+    def _in_flight_ms(self, i: int, now: float) -> float:
+        """Work this edge sent to worker ``i`` that a value read for ``now`` does not include."""
+        pending = self._in_flight[i]
+        if not pending:
+            return 0.0
+        cutoff = now - self._in_flight_s[i]
+        while pending and pending[0][0] <= cutoff:
+            pending.popleft()
+        return sum(ms for _, ms in pending)
+
     def _store(self, updates: list[tuple[int, float]], now: float) -> None:
+        """Replace values with readings taken elsewhere (plus what is still in flight to them)."""
         values = self._ms.copy()
         for i, ms in updates:
+            if self._in_flight[i]:
+                ms += self._in_flight_ms(i, now)
             values[i] = ms
             self._taken_at[i] = now
             self._refreshed_at[i] = now
@@ -169,7 +195,10 @@ class QueueEstimates:
         w = self._weight
         now = float(now)
         current = self.queue_ms(now=now)
-        folded = [(i, ms if self._refreshed_at[i] == -math.inf else w * ms + (1.0 - w) * current.item(i))
+        # _store adds the in-flight work back to each value; the current estimate already
+        # holds it, so fold the sample against the estimate without it.
+        folded = [(i, ms if self._refreshed_at[i] == -math.inf
+                   else w * ms + (1.0 - w) * max(0.0, current.item(i) - self._in_flight_ms(i, now)))
                   for i, ms in updates]
         self._store(folded, now)
         self._last_heard_from[from_region] = now
@@ -194,7 +223,8 @@ class QueueEstimates:
 
         Readings arrive every few tens of milliseconds (local) or every Delta (remote); without
         this, a burst of requests inside one reading interval would all see the same idle
-        worker and herd onto it. The next live reading, broadcast or piggyback replaces it.
+        worker and herd onto it. A later reading, broadcast or piggyback replaces the value but
+        keeps this work on top until it is one round trip old (see the module docstring).
         """
         i = self._worker_index(worker_id, QueueEstimateError)
         if added_ms.__class__ is float and 0.0 <= added_ms <= sys.float_info.max:
@@ -206,6 +236,12 @@ class QueueEstimates:
         now = float(now)
         values = self._ms.copy()
         values[i] = self.queue_ms(now=now).item(i) + added  # the decision just aged them at this now
+        window = self._in_flight_s[i]
+        if window > 0.0:
+            pending = self._in_flight[i]
+            while pending and pending[0][0] <= now - window:
+                pending.popleft()
+            pending.append((now, added))
         self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
