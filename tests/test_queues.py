@@ -220,3 +220,20 @@ def test_dispatched_work_adds_up_until_the_next_reading_and_is_checked() -> None
     assert q.get("us-1") == 15.0
     q.set_local("us-1", 3.0, now=0.6)  # a live reading replaces the estimate
     assert q.get("us-1") == 3.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.booleans(), st.floats(0.0, 500.0)), min_size=1, max_size=40))
+def test_a_broadcast_keeps_exactly_the_dispatches_of_the_last_round_trip(steps: list[tuple[float, bool, float]]) -> None:
+    q = us_edge()
+    rtt_s = CFG.rtt_ms("us", "eu") / 1000.0
+    now, sent = 0.0, []
+    for step, is_broadcast, ms in steps:
+        now += step
+        if is_broadcast:
+            if q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", ms),), now), now=now):
+                expected = ms + sum(added for at, added in sent if at > now - rtt_s)
+                assert q.get("eu-0") == pytest.approx(expected, abs=1e-6)
+        else:
+            q.note_dispatched("eu-0", ms, now=now)
+            sent.append((now, ms))

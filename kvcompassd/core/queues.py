@@ -126,6 +126,7 @@ class QueueEstimates:
         self._in_flight_s = [0.0 if self._region_of[w] == region else cfg.rtt_ms(region, self._region_of[w]) / 1000.0
                              for w in self.worker_ids]
         self._in_flight: list[deque[tuple[float, float]]] = [deque() for _ in self.worker_ids]
+        self._in_flight_total = [0.0] * n  # sum of each deque's ms, kept as entries come and go
         self._zero_since = [math.inf] * n  # when the queue last became 0; inf while busy or unknown
         self._last_sent_to = {r: -math.inf for r in self._remote_regions}
         self._last_broadcast_from = {r: -math.inf for r in self._remote_regions}  # sender's clock
@@ -145,9 +146,12 @@ class QueueEstimates:
         if not pending:
             return 0.0
         cutoff = now - self._in_flight_s[i]
-        while pending and pending[0][0] <= cutoff:
-            pending.popleft()
-        return sum(ms for _, ms in pending)
+        if pending[0][0] <= cutoff:
+            while pending and pending[0][0] <= cutoff:
+                self._in_flight_total[i] -= pending.popleft()[1]
+            if not pending:
+                self._in_flight_total[i] = 0.0  # no rounding residue once nothing is in flight
+        return self._in_flight_total[i]
 
     def _store(self, updates: list[tuple[int, float]], now: float) -> None:
         """Replace values with readings taken elsewhere (plus what is still in flight to them)."""
@@ -236,12 +240,10 @@ class QueueEstimates:
         now = float(now)
         values = self._ms.copy()
         values[i] = self.queue_ms(now=now).item(i) + added  # the decision just aged them at this now
-        window = self._in_flight_s[i]
-        if window > 0.0:
-            pending = self._in_flight[i]
-            while pending and pending[0][0] <= now - window:
-                pending.popleft()
-            pending.append((now, added))
+        if self._in_flight_s[i] > 0.0:
+            self._in_flight_ms(i, now)  # drops what has arrived by now
+            self._in_flight[i].append((now, added))
+            self._in_flight_total[i] += added
         self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
