@@ -48,11 +48,11 @@ def test_piggyback_is_folded_with_ewma_weight() -> None:
     q = us_edge()
     q.on_piggyback("eu", {"eu-0": 100.0, "eu-1": 10.0}, now=1.0)
     assert q.get("eu-0") == 100.0  # first report: nothing to average with
-    q.on_piggyback("eu", {"eu-0": 200.0}, now=2.0)
+    q.on_piggyback("eu", {"eu-0": 200.0}, now=1.2)
     assert q.get("eu-0") == pytest.approx(0.5 * 200 + 0.5 * 100)
     assert q.get("eu-1") == 10.0
-    assert q.last_heard_from("eu") == 2.0
-    assert q.queue_ms(now=9.0)[EU0] == pytest.approx(150.0)  # remote values are not aged
+    assert q.last_heard_from("eu") == 1.2
+    assert q.queue_ms(now=9.0)[EU0] == pytest.approx(150.0)  # no trend yet: remote values stay put
 
 
 def test_local_readings_drain_one_ms_per_ms_and_dispatches_add_to_what_is_left() -> None:
@@ -125,15 +125,28 @@ def test_work_still_crossing_the_wan_survives_a_broadcast_and_a_piggyback() -> N
     assert q.get("eu-0") == pytest.approx(40.0)  # the snapshot plus the dispatch it cannot hold
     assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 25.0),), 1.3), now=1.4)
     assert q.get("eu-0") == 25.0  # 0.4 s on, the dispatch is in the worker's reading
-    q.note_dispatched("eu-0", 20.0, now=2.0)
+    q.note_dispatched("eu-0", 20.0, now=1.45)
     assert q.get("eu-0") == pytest.approx(45.0)
-    q.on_piggyback("eu", {"eu-0": 55.0}, now=2.1)
+    q.on_piggyback("eu", {"eu-0": 55.0}, now=1.5)
     # The sample is folded against the estimate without the in-flight 20 ms, which stays on top.
     assert q.get("eu-0") == pytest.approx(0.5 * 55.0 + 0.5 * 25.0 + 20.0)
-    q.set_local("us-0", 0.0, now=2.1)
-    q.note_dispatched("us-0", 5.0, now=2.1)
-    q.set_local("us-0", 8.0, now=2.2)
+    q.set_local("us-0", 0.0, now=1.5)
+    q.note_dispatched("us-0", 5.0, now=1.5)
+    q.set_local("us-0", 8.0, now=1.55)
     assert q.get("us-0") == 8.0  # own-region readings come straight from the agents
+
+
+def test_remote_values_follow_the_trend_of_their_vectors() -> None:
+    q = us_edge()  # trend window: 5 broadcast periods of 100 ms; us <-> eu 160 ms one way
+    for k, ms in enumerate((0.0, 600.0, 1200.0)):  # a queue filling at 1 ms per ms
+        vector = (("eu-0", ms), ("eu-1", 1200.0 - ms))
+        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", vector, 0.6 * k), now=0.2 + 0.6 * k)
+    # Slope samples 1 and 1 folded with weight 0.5: 0.75 ms per ms. The value was read 160 ms ago.
+    assert q.get("eu-0") == pytest.approx(1200.0 + 0.75 * 160.0)
+    assert q.queue_ms(now=1.5)[EU0] == pytest.approx(1200.0 + 0.75 * 260.0)
+    assert q.queue_ms(now=1.5)[EU0 + 1] == 0.0  # the draining one projects to empty, never below
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 1300.0),), 1.3), now=1.6)
+    assert q.get("eu-0") == pytest.approx(1300.0 + 0.75 * 160.0)  # inside the window: same trend
 
 
 def test_broadcast_message_validation() -> None:
@@ -180,7 +193,7 @@ def test_piggyback_sequence_equals_reference_ewma(samples: list[float]) -> None:
     q = us_edge()
     expected = None
     for t, ms in enumerate(samples):
-        q.on_piggyback("eu", {"eu-0": ms}, now=float(t))
+        q.on_piggyback("eu", {"eu-0": ms}, now=0.01 * t)  # inside one trend window
         expected = ms if expected is None else 0.5 * ms + 0.5 * expected
     assert q.queue_ms()[EU0] == pytest.approx(expected)
     assert min(samples) - 1e-9 <= q.get("eu-0") <= max(samples) + 1e-9
@@ -223,9 +236,9 @@ def test_dispatched_work_adds_up_until_the_next_reading_and_is_checked() -> None
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.booleans(), st.floats(0.0, 500.0)), min_size=1, max_size=40))
+@given(st.lists(st.tuples(st.floats(0.0, 0.012), st.booleans(), st.floats(0.0, 500.0)), min_size=1, max_size=40))
 def test_a_broadcast_keeps_exactly_the_dispatches_of_the_last_round_trip(steps: list[tuple[float, bool, float]]) -> None:
-    q = us_edge()
+    q = us_edge()  # at most 0.48 s of steps: one trend window, so no trend moves the values
     rtt_s = CFG.rtt_ms("us", "eu") / 1000.0
     now, sent = 0.0, []
     for step, is_broadcast, ms in steps:

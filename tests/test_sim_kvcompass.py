@@ -226,7 +226,7 @@ def test_live_load_stays_in_its_region_and_reaches_others_by_broadcast_or_piggyb
     assert policy.routers[us].queues.get("eu-0") == 50.0
     # A response from eu piggybacks eu's vector (EWMA-folded, w = 0.5).
     req = _request(0, _prompt(1), "us")
-    policy.route(req, now=0.5)
+    policy.route(req, now=0.3)
     eu_workers = {i: 10.0 for i, w in enumerate(topo.worker_ids) if w.startswith("eu-")}
-    policy.on_response(eu0, req, 0, eu_workers, now=0.6)
+    policy.on_response(eu0, req, 0, eu_workers, now=0.4)  # inside the trend window: no trend yet
     assert policy.routers[us].queues.get("eu-0") == pytest.approx(30.0)

@@ -27,9 +27,13 @@ ms until new work arrives (work this edge sends is added by ``note_dispatched``)
 ``queue_ms(now=...)`` ages the own region's values by the time since they were taken:
 ``max(0, q - age)``. Between two readings of a worker busy with one long prefill, the unaged value
 would show that prefill's whole length until it ends and push requests away from the worker
-holding their prefix. Remote values are not aged: a broadcast or piggybacked value is a snapshot
-of a worker that every region's edges feed, so between two of them it fills as fast as it drains,
-and aging it would invite every edge to the same worker at once.
+holding their prefix. Remote values are not simply aged: a broadcast or piggybacked value is a
+snapshot of a worker that every region's edges feed, and between two of them it fills with their
+work while it drains. Aging it invited every edge to the same worker at once; holding it still hid
+the other edges' work, and far past capacity every edge saw remote workers seconds lighter than
+they were and sent most requests abroad. So a remote value follows its worker's *trend*: the
+slope of the values its vectors carried, taken over a few broadcast periods (so one prefill's rise
+and fall averages out) and smoothed, from the instant it was read (one way ago) to ``now``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ClusterConfig
+
+# The trend of a remote worker's queue is its values' slope over this many broadcast periods
+# (long enough to average out the rise and fall of single prefills), smoothed with this weight.
+_TREND_PERIODS = 5
+_TREND_WEIGHT = 0.5
+_MAX_TREND = 100.0  # ms per ms; a sanity bound, far above any real fill rate
 
 __all__ = ["QueueEstimateError", "QueueEstimates", "QueueVectorBroadcast", "QueueVectorError"]
 
@@ -117,7 +127,12 @@ class QueueEstimates:
         # Unknown workers start at 0 ms (optimistic) until the first report; ages say "never".
         self._ms = _snapshot(np.zeros(n, dtype=np.float64))
         self._taken_at = np.full(n, -math.inf)  # when each value in _ms was measured (or last added to)
-        self._drains = np.array([self._region_of[w] == region for w in self.worker_ids])  # aged: own region
+        local = np.array([self._region_of[w] == region for w in self.worker_ids])
+        # How each value moves between readings, ms per ms: own-region readings drain (-1);
+        # a remote value follows the trend of its worker's vectors (0 until two are apart).
+        self._rate = np.where(local, -1.0, 0.0)
+        self._trend_anchor: list[tuple[float, float] | None] = [None] * n  # (received at, ms)
+        self._trend_window_s = _TREND_PERIODS * self._period_s
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
         self._refreshed_at = [-math.inf] * n
         # Work this edge sent that a value received now cannot include yet: per remote worker,
@@ -153,12 +168,33 @@ class QueueEstimates:
                 self._in_flight_total[i] = 0.0  # no rounding residue once nothing is in flight
         return self._in_flight_total[i]
 
+    def _note_trend(self, updates: list[tuple[int, float]], now: float) -> None:
+        """Fold the slope of each remote worker's vector values, taken over a trend window."""
+        rate = None
+        for i, ms in updates:
+            anchor = self._trend_anchor[i]
+            if anchor is None:
+                self._trend_anchor[i] = (now, ms)
+                continue
+            elapsed_s = now - anchor[0]
+            if elapsed_s < self._trend_window_s:
+                continue
+            if rate is None:
+                rate = self._rate.copy()
+            sample = (ms - anchor[1]) / (elapsed_s * 1000.0)
+            rate[i] = min(_MAX_TREND, max(-1.0, _TREND_WEIGHT * sample + (1.0 - _TREND_WEIGHT) * rate[i]))
+            self._trend_anchor[i] = (now, ms)
+        if rate is not None:
+            self._rate = rate
+
     def _store(self, updates: list[tuple[int, float]], now: float) -> None:
         """Replace values with readings taken elsewhere (plus what is still in flight to them)."""
         values = self._ms.copy()
         for i, ms in updates:
-            if self._in_flight[i]:
-                ms += self._in_flight_ms(i, now)
+            window = self._in_flight_s[i]
+            if window > 0.0:
+                # A remote value was read one way ago: carry it along its trend to now.
+                ms = max(0.0, ms + self._rate.item(i) * window * 500.0) + self._in_flight_ms(i, now)
             values[i] = ms
             self._taken_at[i] = now
             self._refreshed_at[i] = now
@@ -198,7 +234,8 @@ class QueueEstimates:
         updates = self._remote_updates(from_region, vector)
         w = self._weight
         now = float(now)
-        current = self.queue_ms(now=now)
+        current = self.queue_ms(now=now)  # what we believed, before this vector moves the trend
+        self._note_trend(updates, now)
         # _store adds the in-flight work back to each value; the current estimate already
         # holds it, so fold the sample against the estimate without it.
         folded = [(i, ms if self._refreshed_at[i] == -math.inf
@@ -218,6 +255,7 @@ class QueueEstimates:
             return False
         self._last_broadcast_from[msg.from_region] = msg.sent_at
         now = float(now)
+        self._note_trend(updates, now)
         self._store(updates, now)
         self._last_heard_from[msg.from_region] = now
         return True
@@ -288,8 +326,9 @@ class QueueEstimates:
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
-        age_ms = np.where(self._drains, np.maximum(0.0, (float(now) - self._taken_at) * 1000.0), 0.0)
-        aged = _snapshot(np.maximum(0.0, ms - age_ms))
+        # Capped so a never-read worker (taken at -inf) gives 0, not inf * 0.
+        age_ms = np.minimum(np.maximum(0.0, (float(now) - self._taken_at) * 1000.0), 1e12)
+        aged = _snapshot(np.maximum(0.0, ms + self._rate * age_ms))
         self._aged = (now, ms, aged)
         return aged
 
