@@ -56,9 +56,10 @@ def _queues(edge, args) -> dict:
     now = edge.clock()
     q = edge.router.queues
     ages = q.ages(now=now)
-    current = q.queue_ms(now=now)  # what the score uses now: own-region readings aged
+    current = q.queue_ms(now=now)  # what the score uses now: values carried to now at their trend
+    trends = q.trends()
     return {"workers": [{"worker": w, "region": edge.cfg.worker(w).region, "queue_ms": float(current[i]),
-                         "reported_ms": float(q.queue_ms()[i]),
+                         "reported_ms": float(q.queue_ms()[i]), "trend_ms_per_ms": round(float(trends[i]), 4),
                          "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3)}
                         for i, w in enumerate(edge.layout.worker_ids)]}
 

@@ -230,6 +230,8 @@ async def test_kvcompassctl_cli_reports_a_running_deployment(dep):
     assert levels["toward"]["us"][0] == SPEC.same_region_min_tokens
     queues = json.loads(await ctl("edge-us", "queues", "--json"))["workers"]
     assert {q["worker"] for q in queues} == {w.id for w in dep.cfg.workers}
+    assert all(q["trend_ms_per_ms"] == -1.0 for q in queues if q["region"] == "us")  # own region drains
+    assert all(q["trend_ms_per_ms"] >= -1.0 for q in queues)
     shared = doc(60, 1000)
     await generate(dep, "us", shared + " p")
 

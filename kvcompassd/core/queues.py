@@ -332,6 +332,11 @@ class QueueEstimates:
         self._aged = (now, ms, aged)
         return aged
 
+    def trends(self) -> np.ndarray:
+        """How each value moves between readings (ms per ms, config worker order): -1 for the own
+        region (it drains), the measured trend for remote workers."""
+        return self._rate.copy()
+
     def get(self, worker_id: str) -> float:
         return float(self._ms[self._worker_index(worker_id, QueueEstimateError)])
 

@@ -43,7 +43,6 @@ from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
 
-_by_remaining_then_arrival = attrgetter("remaining", "arrived")  # the next decode to finish
 _by_arrival = attrgetter("arrived")
 
 
@@ -352,25 +351,33 @@ class WorkerQueueModel:
                 self._now = t
                 return
             step = self._step_s()
-            soonest = min(self._decoding.values(), key=_by_remaining_then_arrival)
-            due = self._now + soonest.remaining * step
+            # Only the value matters, not which request: a plain float min is several times
+            # cheaper than min(key=...) over the decode batch, which this loop runs per event.
+            soonest = min([r.remaining for r in self._decoding.values()])
+            due = self._now + soonest * step
             if due > t:
                 self._progress((t - self._now) / step)
                 self._now = t
                 return
-            self._progress(soonest.remaining)
+            done = self._progress(soonest)
             self._now = due
             # Only the finished ones, in arrival order (a stable sort of the subset keeps the
             # order sorting all of them would give it).
-            done = [request for request in self._decoding.values() if request.remaining <= 1e-9]
             done.sort(key=_by_arrival)
             for request in done:
                 self._finish(request)
 
-    def _progress(self, tokens: float) -> None:
+    def _progress(self, tokens: float) -> list[_Request]:
+        """Decode ``tokens`` more for every request in the batch; returns those now finished."""
+        done = []
         for request in self._decoding.values():
             left = request.remaining - tokens
-            request.remaining = left if left > 0.0 else 0.0  # max(0.0, left), without the call
+            if left > 1e-9:
+                request.remaining = left
+            else:
+                request.remaining = left if left > 0.0 else 0.0  # max(0.0, left), without the call
+                done.append(request)
+        return done
 
     def _finish_prefill(self) -> None:
         assert self._prefill is not None
