@@ -126,7 +126,7 @@ class QueueEstimates:
         n = len(self.worker_ids)
         # Unknown workers start at 0 ms (optimistic) until the first report; ages say "never".
         self._ms = _snapshot(np.zeros(n, dtype=np.float64))
-        self._taken_at = np.full(n, -math.inf)  # when each value in _ms was measured (or last added to)
+        self._taken_at = np.full(n, float(now))  # when each value in _ms was measured (or last added to)
         local = np.array([self._region_of[w] == region for w in self.worker_ids])
         # How each value moves between readings, ms per ms: own-region readings drain (-1);
         # a remote value follows the trend of its worker's vectors (0 until two are apart).
@@ -138,8 +138,8 @@ class QueueEstimates:
         # Work this edge sent that a value received now cannot include yet: per remote worker,
         # the (sent at, ms) of dispatches younger than one round trip to its region. Own-region
         # readings come straight from the agents, so there the window is 0 and none is kept.
-        self._in_flight_s = [0.0 if self._region_of[w] == region else cfg.rtt_ms(region, self._region_of[w]) / 1000.0
-                             for w in self.worker_ids]
+        self._in_flight_s = [0.0 if local.item(i) else cfg.rtt_ms(region, self._region_of[w]) / 1000.0
+                             for i, w in enumerate(self.worker_ids)]
         self._in_flight: list[deque[tuple[float, float]]] = [deque() for _ in self.worker_ids]
         self._in_flight_total = [0.0] * n  # sum of each deque's ms, kept as entries come and go
         self._zero_since = [math.inf] * n  # when the queue last became 0; inf while busy or unknown
@@ -170,7 +170,7 @@ class QueueEstimates:
 
     def _note_trend(self, updates: list[tuple[int, float]], now: float) -> None:
         """Fold the slope of each remote worker's vector values, taken over a trend window."""
-        rate = None
+        rate = self._rate  # queue_ms's cache is keyed on _ms, which _store replaces right after
         for i, ms in updates:
             anchor = self._trend_anchor[i]
             if anchor is None:
@@ -179,13 +179,9 @@ class QueueEstimates:
             elapsed_s = now - anchor[0]
             if elapsed_s < self._trend_window_s:
                 continue
-            if rate is None:
-                rate = self._rate.copy()
             sample = (ms - anchor[1]) / (elapsed_s * 1000.0)
             rate[i] = min(_MAX_TREND, max(-1.0, _TREND_WEIGHT * sample + (1.0 - _TREND_WEIGHT) * rate[i]))
             self._trend_anchor[i] = (now, ms)
-        if rate is not None:
-            self._rate = rate
 
     def _store(self, updates: list[tuple[int, float]], now: float) -> None:
         """Replace values with readings taken elsewhere (plus what is still in flight to them)."""
@@ -193,7 +189,8 @@ class QueueEstimates:
         for i, ms in updates:
             window = self._in_flight_s[i]
             if window > 0.0:
-                # A remote value was read one way ago: carry it along its trend to now.
+                # A remote value was read one way (half the round trip, in ms) ago: carry it
+                # along its trend to now.
                 ms = max(0.0, ms + self._rate.item(i) * window * 500.0) + self._in_flight_ms(i, now)
             values[i] = ms
             self._taken_at[i] = now
@@ -326,8 +323,7 @@ class QueueEstimates:
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
-        # Capped so a never-read worker (taken at -inf) gives 0, not inf * 0.
-        age_ms = np.minimum(np.maximum(0.0, (float(now) - self._taken_at) * 1000.0), 1e12)
+        age_ms = np.maximum(0.0, (float(now) - self._taken_at) * 1000.0)
         aged = _snapshot(np.maximum(0.0, ms + self._rate * age_ms))
         self._aged = (now, ms, aged)
         return aged
