@@ -104,7 +104,11 @@ def render(what: str, body: dict) -> str:
     if what == "levels":
         rows = [{"toward": g, "lengths": " ".join(map(str, ls))} for g, ls in body["toward"].items()]
         return f"from region {body['origin']}\n" + table(rows) + f"\n\nregistration lengths: {' '.join(map(str, body['registration']))}"
-    if what in ("queues", "beliefs"):
+    if what == "queues":
+        corrections = [{"region": r, "correction_ms": ms} for r, ms in body.get("correction_ms", {}).items()]
+        return table(body["workers"]) + ("\n\nselection correction per remote region:\n" + table(corrections)
+                                         if corrections else "")
+    if what == "beliefs":
         return table(body["workers"])
     if what == "holders":
         return (f"prompt: {body['prompt_tokens']} tokens   lambda: {body['lambda']:.3f}   chosen: {body['chosen']}\n\nholders:\n"

@@ -61,7 +61,9 @@ def _queues(edge, args) -> dict:
     return {"workers": [{"worker": w, "region": edge.cfg.worker(w).region, "queue_ms": float(current[i]),
                          "reported_ms": float(q.queue_ms()[i]), "trend_ms_per_ms": round(float(trends[i]), 4),
                          "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3)}
-                        for i, w in enumerate(edge.layout.worker_ids)]}
+                        for i, w in enumerate(edge.layout.worker_ids)],
+            # Per remote region, the selection correction queue_ms includes (QueueEstimates docstring).
+            "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()}}
 
 
 def _beliefs(edge, args) -> dict:

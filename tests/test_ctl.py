@@ -36,3 +36,5 @@ def test_renderings_are_tables():
                                  "holders": [{"worker": "us-0", "region": "us", "matched": 64, "tier": "VRAM"}],
                                  "candidates": [{"worker": "us-0", "total_ms": 1.0}]})
     assert "chosen: us-0" in holders and "VRAM" in holders
+    queues = render("queues", {"workers": [{"worker": "eu-0", "queue_ms": 12.0}], "correction_ms": {"eu": 3.5}})
+    assert "eu-0" in queues and "selection correction" in queues and queues.splitlines()[-1].split() == ["eu", "3.5"]

@@ -228,7 +228,10 @@ async def test_kvcompassctl_cli_reports_a_running_deployment(dep):
     assert {v["shard"] for v in views} == {0, 1} and all(v["seq"] >= 0 for v in views)
     levels = json.loads(await ctl("edge-us", "levels", "--json"))
     assert levels["toward"]["us"][0] == SPEC.same_region_min_tokens
-    queues = json.loads(await ctl("edge-us", "queues", "--json"))["workers"]
+    queue_body = json.loads(await ctl("edge-us", "queues", "--json"))
+    queues = queue_body["workers"]
+    assert set(queue_body["correction_ms"]) == set(dep.cfg.region_names()) - {"us"}
+    assert all(ms >= 0.0 for ms in queue_body["correction_ms"].values())
     assert {q["worker"] for q in queues} == {w.id for w in dep.cfg.workers}
     assert all(q["trend_ms_per_ms"] == -1.0 for q in queues if q["region"] == "us")  # own region drains
     assert all(q["trend_ms_per_ms"] >= -1.0 for q in queues)

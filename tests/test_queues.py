@@ -149,6 +149,35 @@ def test_remote_values_follow_the_trend_of_their_vectors() -> None:
     assert q.get("eu-0") == pytest.approx(1300.0 + 0.75 * 160.0)  # inside the window: same trend
 
 
+def test_chosen_remote_workers_surprises_correct_their_region_for_the_winners_curse() -> None:
+    q = us_edge()  # no trend inside the first 0.5 s; us <-> eu 320 ms round trip
+    ids = CFG.worker_ids()
+    eu1, asia0, us0 = ids.index("eu-1"), ids.index("asia-0"), ids.index("us-0")
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 100.0), ("eu-1", 100.0)), 1.0), now=1.1)
+    # A worker this edge did not choose can surprise nobody: its jump corrects nothing.
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 400.0),), 1.1), now=1.2)
+    assert q.surprises(now=1.2) == {"eu": 0.0, "asia": 0.0}
+    q.note_dispatched("eu-1", 10.0, now=1.25)  # chosen at 110 ms (its 100 plus this dispatch)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 500.0),), 1.2), now=1.3)
+    # It reads 500 (plus the 10 still in flight): a 400 ms surprise, folded with weight 0.25.
+    assert q.surprises(now=1.3)["eu"] == pytest.approx(100.0)
+    now = q.queue_ms(now=1.3)
+    assert now[EU0] == pytest.approx(500.0) and now[eu1] == pytest.approx(610.0)  # every eu worker
+    assert now[asia0] == 0.0 and now[us0] == 0.0  # other regions, own region: untouched
+    assert q.get("eu-1") == pytest.approx(510.0)  # the stored value holds no correction
+    # Without new surprises it fades (30 broadcast periods), so eu is chosen again in time.
+    assert q.surprises(now=4.3)["eu"] == pytest.approx(100.0 / math.e)
+    # A chosen worker that reads lower than believed pulls the correction down, never below 0.
+    q.note_dispatched("eu-1", 10.0, now=1.35)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 0.0),), 1.35), now=1.4)
+    assert q.surprises(now=1.4)["eu"] < 100.0
+    for k in range(20):
+        q.note_dispatched("eu-1", 10.0, now=1.41 + 0.01 * k)
+        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 0.0),), 1.41 + 0.01 * k), now=1.415 + 0.01 * k)
+    assert q.surprises(now=1.7)["eu"] == 0.0
+    assert q.queue_ms(now=1.7)[EU0] >= 0.0
+
+
 def test_broadcast_message_validation() -> None:
     with pytest.raises(QueueVectorError):
         QueueVectorBroadcast("eu", "eu", (), 0.0)

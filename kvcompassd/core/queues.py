@@ -34,6 +34,15 @@ the other edges' work, and far past capacity every edge saw remote workers secon
 they were and sent most requests abroad. So a remote value follows its worker's *trend*: the
 slope of the values its vectors carried, taken over a few broadcast periods (so one prefill's rise
 and fall averages out) and smoothed, from the instant it was read (one way ago) to ``now``.
+
+An edge sends a request to the worker whose estimate is lowest, so the remote workers it
+chooses are, on average, the ones whose estimates erred low (the winner's curse): the own
+region's readings are exact, the remote ones are not, and every remote error in that direction
+pulls more requests abroad. Each new value of a remote worker that this edge chose since its
+last value measures that error: the new value less what the edge estimated for that moment, its
+*surprise*. A smoothed surprise per remote region, fading without new samples, is added to that
+region's estimates (``queue_ms``; never below 0: it only corrects the selection bias, which
+makes estimates low).
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ from .config import ClusterConfig
 _TREND_PERIODS = 5
 _TREND_WEIGHT = 0.5
 _MAX_TREND = 100.0  # ms per ms; a sanity bound, far above any real fill rate
+# The selection correction of a remote region: EWMA weight of each surprise, and how fast it
+# fades without new ones, in broadcast periods (so a region the edge stopped choosing is tried again).
+_SURPRISE_WEIGHT = 0.25
+_SURPRISE_FADE_PERIODS = 30
 
 __all__ = ["QueueEstimateError", "QueueEstimates", "QueueVectorBroadcast", "QueueVectorError"]
 
@@ -134,6 +147,16 @@ class QueueEstimates:
         self._trend_anchor: list[tuple[float, float] | None] = [None] * n  # (received at, ms)
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
+        self._corrected: tuple[float, np.ndarray, np.ndarray] | None = None  # same, with the surprise
+        # The selection correction (module docstring): per remote region, the smoothed surprise
+        # and when it was last updated; per worker, its region's position (-1: own region) and
+        # when this edge last chose it.
+        regions = {r: k for k, r in enumerate(self._remote_regions)}
+        self._region_pos = np.array([regions.get(self._region_of[w], -1) for w in self.worker_ids], dtype=np.intp)
+        self._surprise = np.zeros(len(self._remote_regions) + 1)  # last slot: the own region, always 0
+        self._surprise_at = np.full(len(self._remote_regions) + 1, float(now))
+        self._surprise_fade_s = _SURPRISE_FADE_PERIODS * self._period_s
+        self._chosen_at = [-math.inf] * n
         self._refreshed_at = [-math.inf] * n
         # Work this edge sent that a value received now cannot include yet: per remote worker,
         # the (sent at, ms) of dispatches younger than one round trip to its region. Own-region
@@ -186,12 +209,17 @@ class QueueEstimates:
     def _store(self, updates: list[tuple[int, float]], now: float) -> None:
         """Replace values with readings taken elsewhere (plus what is still in flight to them)."""
         values = self._ms.copy()
+        believed = None
         for i, ms in updates:
             window = self._in_flight_s[i]
             if window > 0.0:
                 # A remote value was read one way (half the round trip, in ms) ago: carry it
                 # along its trend to now.
                 ms = max(0.0, ms + self._rate.item(i) * window * 500.0) + self._in_flight_ms(i, now)
+                if self._chosen_at[i] >= self._refreshed_at[i] > -math.inf:
+                    if believed is None:
+                        believed = self._aged_ms(now)
+                    self._note_surprise(self._region_pos.item(i), ms - believed.item(i), now)
             values[i] = ms
             self._taken_at[i] = now
             self._refreshed_at[i] = now
@@ -200,6 +228,15 @@ class QueueEstimates:
             elif self._zero_since[i] == math.inf:
                 self._zero_since[i] = now
         self._ms = _snapshot(values)
+
+    def _note_surprise(self, pos: int, surprise_ms: float, now: float) -> None:
+        kept = self._surprise_kept(now).item(pos)
+        self._surprise[pos] = _SURPRISE_WEIGHT * surprise_ms + (1.0 - _SURPRISE_WEIGHT) * kept
+        self._surprise_at[pos] = now
+
+    def _surprise_kept(self, now: float) -> np.ndarray:
+        """Each region's smoothed surprise, faded by the time since its last sample."""
+        return self._surprise * np.exp(-np.maximum(0.0, now - self._surprise_at) / self._surprise_fade_s)
 
     def set_local(self, worker_id: str, queue_ms: float, *, now: float) -> None:
         """A live reading for a worker of this edge's own region."""
@@ -231,7 +268,7 @@ class QueueEstimates:
         updates = self._remote_updates(from_region, vector)
         w = self._weight
         now = float(now)
-        current = self.queue_ms(now=now)  # what we believed, before this vector moves the trend
+        current = self._aged_ms(now)  # what we believed, before this vector moves the trend
         self._note_trend(updates, now)
         # _store adds the in-flight work back to each value; the current estimate already
         # holds it, so fold the sample against the estimate without it.
@@ -274,11 +311,12 @@ class QueueEstimates:
             return
         now = float(now)
         values = self._ms.copy()
-        values[i] = self.queue_ms(now=now).item(i) + added  # the decision just aged them at this now
+        values[i] = self._aged_ms(now).item(i) + added  # the decision just aged them at this now
         if self._in_flight_s[i] > 0.0:
             self._in_flight_ms(i, now)  # drops what has arrived by now
             self._in_flight[i].append((now, added))
             self._in_flight_total[i] += added
+            self._chosen_at[i] = now
         self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
@@ -315,10 +353,22 @@ class QueueEstimates:
 
     def queue_ms(self, *, now: float | None = None) -> np.ndarray:
         """Estimated queue delays (ms) in config worker order: an immutable snapshot. With
-        ``now``, the own region's values aged by the time since they were taken (see the module
-        docstring); without, the values as last set."""
+        ``now``, the values carried to ``now`` (own region aged, remote along their trend) plus
+        each remote region's selection correction (see the module docstring); without, the
+        values as last set."""
         if now is None:
             return self._ms
+        cached = self._corrected
+        if cached is not None and cached[0] == now and cached[1] is self._ms:
+            return cached[2]
+        ms = self._ms
+        correction = np.maximum(0.0, self._surprise_kept(float(now)))
+        corrected = _snapshot(self._aged_ms(now) + correction[self._region_pos])
+        self._corrected = (now, ms, corrected)
+        return corrected
+
+    def _aged_ms(self, now: float) -> np.ndarray:
+        """The values carried to ``now``, without the selection correction."""
         cached = self._aged
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
@@ -327,6 +377,11 @@ class QueueEstimates:
         aged = _snapshot(np.maximum(0.0, ms + self._rate * age_ms))
         self._aged = (now, ms, aged)
         return aged
+
+    def surprises(self, *, now: float) -> dict[str, float]:
+        """Each remote region's selection correction (ms) as ``queue_ms`` adds it now."""
+        kept = np.maximum(0.0, self._surprise_kept(float(now)))
+        return {r: kept.item(k) for k, r in enumerate(self._remote_regions)}
 
     def trends(self) -> np.ndarray:
         """How each value moves between readings (ms per ms, config worker order): -1 for the own
@@ -350,7 +405,7 @@ class QueueEstimates:
     def local_vector(self, *, now: float | None = None) -> tuple[tuple[str, float], ...]:
         """This region's own workers and their live values (aged to ``now`` if given), to
         piggyback or broadcast."""
-        values = self._ms if now is None else self.queue_ms(now=now)
+        values = self._ms if now is None else self._aged_ms(now)
         return tuple((w, values.item(self._index[w])) for w in self._local_ids)
 
     def is_persistently_idle(self, worker_id: str, *, now: float) -> bool:
