@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.core.config import ClusterConfig, IndexParams, LinkConfig, RegionConfig, WorkerConfig, load_config
-from kvcompassd.core.levels import LevelError, LevelPlan, remote_lengths
+from kvcompassd.core.levels import LevelError, LevelPlan, refined_lengths, remote_lengths
 
 TESTBED = Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml"
 
@@ -24,10 +25,19 @@ def test_testbed_first_lengths_by_hand() -> None:
     assert plan.lengths_toward("eu", "asia")[:3] == (3520, 5280, 7040)
     assert plan.lengths_toward("eu", "us") == plan.lengths_toward("us", "eu")  # symmetric links
     # Own region: doubling from 64 for six levels, and on until the longest remote length is
-    # reached (13216 from us and eu, 12320 from asia), so a local holder is never under-credited.
+    # reached (13216 from us and eu, 12320 from asia), so a local holder is never under-credited;
+    # between the doublings, the registered remote lengths at least 1.25x the last one read
+    # (after 2048: 2976 >= 2560; then 3520 < 3720 is skipped, 3776 read; 4096 doubles; ...).
+    doubling = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     for region in ("us", "eu", "asia"):
-        assert plan.lengths_toward(region, region) == (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+        assert plan.lengths_toward(region, region) == (
+            64, 128, 256, 512, 1024, 2048, 2976, 3776, 4096, 5280, 7040, 8192, 10416, 13216, 16384)
     assert plan.first_length_toward("us", "eu") == 3776
+    # same_region_growth = 2: the doublings only, as in the paper.
+    cfg = load_config(TESTBED)
+    paper = LevelPlan.from_config(dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, same_region_growth=2.0)))
+    assert all(paper.lengths_toward(r, r) == doubling for r in ("us", "eu", "asia"))
+    assert paper.registration_lengths() == plan.registration_lengths()  # refining registers nothing new
 
 
 def test_registration_is_the_sorted_union() -> None:
@@ -99,7 +109,7 @@ def test_remote_lengths_are_block_aligned_increasing_and_profitable(rtt, beta, b
 @given(min_tokens=st.sampled_from([16, 32, 64, 128]), levels=st.integers(1, 8))
 def test_same_region_lengths_double(min_tokens, levels) -> None:
     cfg = load_config(TESTBED)
-    index = IndexParams(same_region_min_tokens=min_tokens, levels=levels)
+    index = IndexParams(same_region_min_tokens=min_tokens, levels=levels, same_region_growth=2.0)  # doublings only
     cfg = ClusterConfig(name=cfg.name, model=cfg.model, regions=cfg.regions, workers=cfg.workers,
                         links=cfg.links, index=index)
     plan = LevelPlan.from_config(cfg)
@@ -109,3 +119,25 @@ def test_same_region_lengths_double(min_tokens, levels) -> None:
     longest_remote = max(plan.lengths_toward("eu", g)[-1] for g in ("us", "asia"))
     assert own[-1] >= longest_remote and (len(own) == levels or own[-2] < longest_remote)
     assert all(len(plan.lengths_toward(o, g)) == levels for o in ("us", "eu") for g in ("asia", "us") if o != g)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    registered=st.sets(st.integers(1, 4096).map(lambda n: 16 * n), max_size=60),
+    levels=st.integers(1, 10),
+    growth=st.floats(1.01, 2.0),
+)
+def test_refined_own_lengths_keep_the_doublings_and_add_only_registered_ones(
+        registered: set[int], levels: int, growth: float) -> None:
+    doubling = tuple(64 << k for k in range(levels))
+    union = sorted(registered | set(doubling))
+    refined = refined_lengths(doubling, union, growth)
+    assert set(doubling) <= set(refined) <= set(union)
+    assert list(refined) == sorted(set(refined))  # strictly increasing
+    for prev, length in zip(refined, refined[1:]):
+        assert length in doubling or length >= prev * growth
+    assert refined[0] == doubling[0]  # nothing below the own-region minimum
+    # Greedy: every registered length skipped below the top was too close to the one before it.
+    for length in union:
+        if doubling[0] < length <= doubling[-1] and length not in refined:
+            assert length < max(c for c in refined if c < length) * growth

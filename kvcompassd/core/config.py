@@ -248,6 +248,9 @@ class IndexParams:
     block_size: int = 16
     levels: int = 6
     same_region_min_tokens: int = 64
+    # Own-region lookups also read the lengths workers register anyway (for remote edges), each
+    # at least this factor above the last one read; 2 keeps only the doubling lengths (paper §3.2).
+    same_region_growth: float = 1.25
     value_bits: int = 32
     fingerprint_bits: int = 0
     max_load: float = 0.95
@@ -262,6 +265,8 @@ class IndexParams:
                 "same_region_min_tokens",
                 f"must be a multiple of block_size {self.block_size}, got {self.same_region_min_tokens}",
             )
+        _check_float("same_region_growth", self.same_region_growth, lo=1.0, hi=2.0, lo_open=True)
+        _as_float(self, "same_region_growth")
         _check_int("value_bits", self.value_bits)
         if self.value_bits not in (32, 64):
             _fail("value_bits", f"must be 32 or 64, got {self.value_bits}")

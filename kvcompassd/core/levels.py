@@ -7,6 +7,13 @@ to the block size). Inside the edge's own region the round trip is negligible, s
 double from ``index.same_region_min_tokens``. Everything is computed once from the static
 latency matrix and prefill rates. Workers register each cached prefix at every length of the
 union over all (edge, target) pairs, so every edge's view is identical.
+
+A match is credited at the longest indexed length below it, so doubling under-credits a local
+holder by up to half its match (a 1,440-token history counts as 1,024), exactly where matches
+are long. The registered union already holds many lengths between the doublings (the remote
+pairs' steps), at no cost to the index: the own-region lookup also reads those of them that are
+at least ``index.same_region_growth`` times the last length read (2: the doublings only, as
+in the paper). The cost is a few more prefix keys and table reads per request.
 """
 
 from __future__ import annotations
@@ -43,6 +50,19 @@ def remote_lengths(rtt_ms: float, beta_ms_per_token: float, block_size: int, lev
 
 def same_region_lengths(min_tokens: int, levels: int) -> tuple[int, ...]:
     return tuple(min_tokens << k for k in range(levels))
+
+
+def refined_lengths(doubling: tuple[int, ...], registered: list[int], growth: float) -> tuple[int, ...]:
+    """The doubling lengths plus every registered length up to the longest doubling that is at
+    least ``growth`` times the last length kept."""
+    must, top = set(doubling), doubling[-1]
+    kept: list[int] = []
+    for length in registered:
+        if length > top:
+            break
+        if length in must or (kept and length >= kept[-1] * growth):
+            kept.append(length)
+    return tuple(kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +106,13 @@ class LevelPlan:
                 while local[-1] < longest_remote:
                     local.append(local[-1] * 2)
                 toward[(origin, origin)] = tuple(local)
+        if index.same_region_growth < 2.0:
+            # Only lengths already in the union: refining the own-region lookups registers nothing new.
+            registered = sorted({c for lengths in toward.values() for c in lengths})
+            for origin in cfg.region_names():
+                if cfg.workers_in(origin):
+                    toward[(origin, origin)] = refined_lengths(toward[(origin, origin)], registered,
+                                                               index.same_region_growth)
         return cls(toward=toward, block_size=index.block_size)
 
     def lengths_toward(self, origin: str, target: str) -> tuple[int, ...]:

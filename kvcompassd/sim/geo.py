@@ -267,6 +267,7 @@ def render_toml(spec: DeploymentSpec) -> str:
         "block_size = 16",
         "levels = 6",
         "same_region_min_tokens = 64",
+        "same_region_growth = 1.25",
         f"value_bits = {spec.value_bits}",
         "fingerprint_bits = 0",
         "max_load = 0.95",
