@@ -11,9 +11,10 @@ from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.ludo import LudoView
 from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.engine.kvevents import BlockStored
-from kvcompassd.sim.engine import SimSettings, simulate
+from kvcompassd.sim.engine import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND, SimSettings,
+                                   simulate)
 from kvcompassd.sim.kvcompass_policy import KVCompassPolicy
-from kvcompassd.sim.policy import PolicyError, Topology
+from kvcompassd.sim.policy import BasePolicy, PolicyError, RouteDecision, Topology
 from kvcompassd.sim.workloads import Request
 
 BLOCK = 16
@@ -81,6 +82,34 @@ def test_hand_made_block_events_register_a_remote_holder_after_the_wan_propagati
         t = policy.next_timer()
     decision = policy.route(_request(1, prompt, "us"), now=1.0)
     assert decision.worker_index == holder and decision.claimed_tokens > 0
+
+
+def test_a_false_claim_is_explained_by_the_index_that_was_behind():
+    topo = _topo()
+    policy = KVCompassPolicy(topo)  # updates cross the WAN: agent -> shard -> edge views take time
+    prompt, holder = _prompt(11), topo.worker_ids.index("eu-0")
+    cache = _cache()
+    policy.on_cache_events(holder, cache.insert(prompt.tolist(), now=0.0), now=0.0)
+    t = policy.next_timer()
+    while policy.in_flight:
+        policy.on_timer(now=t)
+        t = policy.next_timer()
+    length = policy.plan.lengths_toward_upto("us", "eu", len(prompt))[-1]
+    claim = RouteDecision(holder, 0.0, length)
+    req = _request(0, prompt, "us")
+    # Every index lists the worker: had it held less, its eviction had not reached the index.
+    assert policy.explain_claim(req, claim, now=1.0) == FALSE_INDEX_BEHIND
+    # The worker evicts it; the shard applies that, and the us view is a batch behind for a while.
+    policy.on_cache_events(holder, cache.flush(), now=1.0)
+    seen, t = [], policy.next_timer()
+    while policy.in_flight:
+        policy.on_timer(now=t)
+        seen.append(policy.explain_claim(req, claim, now=t))
+        t = policy.next_timer()
+    assert FALSE_VIEW_BEHIND in seen
+    # Once the view has caught up, a claim the index does not back is the keyless table's false hit.
+    assert seen[-1] == FALSE_KEYLESS
+    assert BasePolicy.explain_claim(policy, req, claim, now=t) == FALSE_VIEW_AHEAD  # undiagnosed default
 
 
 def _lossy_rounds(policy: KVCompassPolicy, rounds: int, *, start: int = 0) -> list[np.ndarray]:

@@ -86,6 +86,7 @@ class _InFlight:
     ttft_s: float = -1.0
     remote_only: int = -1
     held_at_decision: int = -1  # tokens the chosen worker really held when the edge chose it (-1: untracked)
+    claim_source: int = 3  # FALSE_* the claim would be if the worker held less already (explain_claim)
     migration: bool = False
 
 
@@ -100,6 +101,10 @@ FALSE_LOST_IN_FLIGHT = 1  # the worker held the claim when chosen and lost it be
 FALSE_WITHIN_PAGE = 2     # it held every full page below the claim: the prompt diverges inside the
                           # page that holds the claimed length (an indexed length between page ends)
 FALSE_VIEW_AHEAD = 3      # it held less than that already when chosen: a stale or false index entry
+# ... and the policy (``BasePolicy.explain_claim``) tells which, from its index at the decision:
+FALSE_INDEX_BEHIND = 4    # the index still listed the worker: its eviction had not reached the index
+FALSE_VIEW_BEHIND = 5     # the index had dropped it, but the edge's view had not applied that batch yet
+FALSE_KEYLESS = 6         # the edge's view was current with an index that never listed it: a keyless false hit
 
 
 @dataclass
@@ -242,6 +247,8 @@ class Simulation:
             best = self.truth.longest(chain_keys(req.tokens, self.topo.block_size))
             st.remote_only = self._remote_only(best, region)
             st.held_at_decision = best.get(w, (0, None))[0]
+            if st.held_at_decision < st.claimed:  # a false claim in the making: ask why now
+                st.claim_source = self.policy.explain_claim(req, decision, now=now)
         self._inflight[str(req.id)] = st
         t = now + decision.lookup_delay_ms / 1000.0 + self._one_way_s(region, int(topo.worker_region[w]))
         self._push(t, _AT_WORKER, str(req.id))
@@ -334,7 +341,7 @@ class Simulation:
         page = self.topo.block_size
         if st.held_at_decision >= st.claimed // page * page:
             return FALSE_WITHIN_PAGE
-        return FALSE_VIEW_AHEAD
+        return st.claim_source
 
     def _record(self, st: _InFlight, done_at_user: float) -> None:
         req, rows = st.req, self._rows

@@ -53,7 +53,7 @@ import numpy as np
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.events import IndexEvent
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
-from kvcompassd.core.keys import namespace_salt
+from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.migration import MigrationPlanned
@@ -61,6 +61,7 @@ from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
+from .engine import FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_BEHIND
 from .policy import BasePolicy, MigrationOrdered, PolicyError, RouteDecision, Topology
 from .workloads import Request
 
@@ -138,6 +139,7 @@ class KVCompassPolicy(BasePolicy):
             for r, view in zip(self.regions, self.views)
         ]
         salt = namespace_salt(cfg.model, cfg.tenant)
+        self._salt = salt
         lengths = list(self.plan.registration_lengths())
         # salt=: the same keys as prefix_keys(path, lengths, salt), hashed incrementally
         self.trees = [BlockTree(w, lengths, salt=salt) for w in topo.worker_ids]
@@ -364,6 +366,19 @@ class KVCompassPolicy(BasePolicy):
         # plan's own mode (the planner copies only from a local holder).
         self._migrations.append(MigrationOrdered(index(plan.destination_worker), req.tokens[: plan.prefix_len],
                                                  index(plan.source_worker)))
+
+    def explain_claim(self, req: Request, decision: RouteDecision, *, now: float) -> int:
+        """Which index was behind, or neither: ask the claimed length's shard (full keys) whether
+        it lists the worker, and whether the edge's view had applied all that shard published."""
+        key = int(prefix_keys(req.tokens, [decision.claimed_tokens], self._salt)[0])
+        s = key % self.n_shards
+        shard = self.shards[s]
+        if self.worker_ids[decision.worker_index] in shard.holders(key):
+            return FALSE_INDEX_BEHIND
+        view = self.views[self._region_index[req.region]]
+        if self._flush_pending[s] or view.position(s) != (shard.epoch, shard.seq):
+            return FALSE_VIEW_BEHIND
+        return FALSE_KEYLESS
 
     def take_migrations(self) -> list[MigrationOrdered]:
         """Migrations planned since the last call; the engine polls this after routes and timers."""

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .engine import FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_WITHIN_PAGE, SimResult
+from .engine import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND,
+                     FALSE_WITHIN_PAGE, SimResult)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,10 @@ class Summary:
     false_lost_in_flight: float      # the worker held the claim when chosen, lost it before the request came
     false_within_page: float         # the prompt diverges inside the page holding the claimed length
     false_view_ahead: float          # the worker held less than claimed already when chosen (stale or false entry)
+    # ... of which, where the policy can tell (KVCompass; engine.FALSE_INDEX_BEHIND etc.):
+    false_index_behind: float        # the index still listed the worker (its eviction not yet applied)
+    false_view_behind: float         # the index had dropped it; the edge's view had not caught up
+    false_keyless: float             # the view was current: a keyless false hit
     cross_region_share: float        # requests served outside their edge's region
     remote_only_share: float         # of requests with a >=1024-token reusable prefix, held only remotely (NaN if untracked)
     load_factor_peak: float          # hottest worker's time-averaged load / mean
@@ -92,8 +97,8 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
     cause = r["false_cause"][m]
     known = cause >= 0
 
-    def cause_share(code: int) -> float:
-        return float((cause == code).sum() / known.sum()) if known.any() else float("nan")
+    def cause_share(*codes: int) -> float:
+        return float(np.isin(cause, codes).sum() / known.sum()) if known.any() else float("nan")
     remote_only = r["remote_only"][m]
     tracked = remote_only >= 0
     n = int(m.sum())
@@ -116,7 +121,10 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         false_lookup_rate_claimed=float(false[has_claim].mean()) if has_claim.any() else 0.0,
         false_lost_in_flight=cause_share(FALSE_LOST_IN_FLIGHT),
         false_within_page=cause_share(FALSE_WITHIN_PAGE),
-        false_view_ahead=cause_share(FALSE_VIEW_AHEAD),
+        false_view_ahead=cause_share(FALSE_VIEW_AHEAD, FALSE_INDEX_BEHIND, FALSE_VIEW_BEHIND, FALSE_KEYLESS),
+        false_index_behind=cause_share(FALSE_INDEX_BEHIND),
+        false_view_behind=cause_share(FALSE_VIEW_BEHIND),
+        false_keyless=cause_share(FALSE_KEYLESS),
         cross_region_share=float((r["edge_region"][m] != r["worker_region"][m]).mean()),
         remote_only_share=float((remote_only[tracked] == 1).mean()) if tracked.any() else float("nan"),
         load_factor_peak=load_factor_peak(result, warmup_s),

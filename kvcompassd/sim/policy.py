@@ -217,6 +217,12 @@ class BasePolicy:
                     queue_vector: Mapping[int, float], *, now: float) -> None:
         return None
 
+    def explain_claim(self, req: Request, decision: RouteDecision, *, now: float) -> int:
+        """Why the worker held less than ``decision`` claimed when it was chosen (the engine asks
+        only then, with the exact cache map tracked): an ``engine.FALSE_*`` code. A policy that
+        cannot tell says ``FALSE_VIEW_AHEAD`` (stale or false entry)."""
+        return 3  # engine.FALSE_VIEW_AHEAD (the engine imports this module, not the reverse)
+
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
         return None
 
