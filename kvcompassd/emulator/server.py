@@ -232,8 +232,10 @@ class EmulatedEngine:
             else:
                 delay = self._t0 + due * self.settings.time_scale - self._loop.time()
                 if delay > 0:
+                    # asyncio.timeout: wait_for can swallow a cancellation on Python 3.11
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), delay)
+                        async with asyncio.timeout(delay):
+                            await self._wake.wait()
             self._wake.clear()
             for event in self.model.advance(now=max(self.model_now(), due or 0.0)):
                 futures = self._waiters.get(event.request_id)

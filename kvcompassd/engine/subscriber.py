@@ -156,8 +156,12 @@ class KvEventSubscriber:
                 if self._idle_probe is None:
                     frames = await self._sub.recv_multipart()
                 else:
+                    # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns the result
+                    # of an inner future that completed as the task was cancelled, swallowing
+                    # the cancellation, and this loop would then run forever.
                     try:
-                        frames = await asyncio.wait_for(self._sub.recv_multipart(), self._idle_probe)
+                        async with asyncio.timeout(self._idle_probe):
+                            frames = await self._sub.recv_multipart()
                     except TimeoutError:
                         await self._probe_tail()
                         continue
@@ -221,7 +225,9 @@ class KvEventSubscriber:
         try:
             dealer.connect(self._replay_endpoint)
             await dealer.send_multipart(replay_request_frames(last))
-            reply = decode_replay_reply(await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout))
+            async with asyncio.timeout(self._replay_timeout):  # see run(): never wait_for
+                frames = await dealer.recv_multipart()
+            reply = decode_replay_reply(frames)
         except (TimeoutError, KvEventError) as exc:
             log.warning("could not check the publisher after a reconnect: %r", exc)
             return False
@@ -240,7 +246,8 @@ class KvEventSubscriber:
         self.tail_probes += 1
         before = self.delivered
         try:
-            await asyncio.wait_for(self._replay_from(last + 1), self._replay_timeout)
+            async with asyncio.timeout(self._replay_timeout):
+                await self._replay_from(last + 1)
         except TimeoutError:
             log.warning("tail probe from seq %d timed out", last + 1)
         if self.delivered > before:
@@ -252,7 +259,8 @@ class KvEventSubscriber:
         if self._replay_endpoint is not None:
             self.replays += 1
             try:
-                await asyncio.wait_for(self._replay_from(first_missing), self._replay_timeout)
+                async with asyncio.timeout(self._replay_timeout):
+                    await self._replay_from(first_missing)
             except TimeoutError:
                 log.warning("replay from seq %d timed out", first_missing)
         expected = 0 if self.tracker.last_applied is None else self.tracker.last_applied + 1
