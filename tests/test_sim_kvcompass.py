@@ -8,6 +8,7 @@ import pytest
 
 from clusters import make_cluster
 from kvcompassd.core.ablation import Ablation
+from kvcompassd.core.keys import prefix_keys
 from kvcompassd.core.ludo import LudoView
 from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.engine.kvevents import BlockStored
@@ -87,6 +88,7 @@ def test_hand_made_block_events_register_a_remote_holder_after_the_wan_propagati
 def test_a_false_claim_is_explained_by_the_index_that_was_behind():
     topo = _topo()
     policy = KVCompassPolicy(topo)  # updates cross the WAN: agent -> shard -> edge views take time
+    policy.on_truth_tracked()  # what the engine does when it keeps the exact cache map
     prompt, holder = _prompt(11), topo.worker_ids.index("eu-0")
     cache = _cache()
     policy.on_cache_events(holder, cache.insert(prompt.tolist(), now=0.0), now=0.0)
@@ -109,6 +111,16 @@ def test_a_false_claim_is_explained_by_the_index_that_was_behind():
     assert FALSE_VIEW_BEHIND in seen
     # Once the view has caught up, a claim the index does not back is the keyless table's false hit.
     assert seen[-1] == FALSE_KEYLESS
+    # A worker that never held the prefix is a keyless false hit even while the view is behind
+    # the shard on other changes: only the batch carrying this worker's eviction matters.
+    s = int(prefix_keys(prompt, [length], policy._salt)[0]) % policy.n_shards
+    shard, us_view = policy.shards[s], policy.views[policy.regions.index("us")]
+    policy.on_cache_events(holder, cache.insert(_prompt(12).tolist(), now=t), now=t)
+    while us_view.position(s)[1] == shard.seq:  # until the shard has published past the view
+        t = policy.next_timer()
+        policy.on_timer(now=t)
+    never = RouteDecision(topo.worker_ids.index("eu-1"), 0.0, length)
+    assert policy.explain_claim(req, never, now=t) == FALSE_KEYLESS
     assert BasePolicy.explain_claim(policy, req, claim, now=t) == FALSE_VIEW_AHEAD  # undiagnosed default
 
 

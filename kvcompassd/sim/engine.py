@@ -153,6 +153,8 @@ class Simulation:
             for w in topo.worker_ids
         ]
         self.truth = GlobalBlockMap(topo.n_workers, topo.block_size) if settings.track_truth else None
+        if self.truth is not None:
+            policy.on_truth_tracked()
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._wake_version = [0] * topo.n_workers

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from kvcompassd.core.ablation import Ablation
-from kvcompassd.core.events import IndexEvent
+from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
@@ -167,6 +167,9 @@ class KVCompassPolicy(BasePolicy):
         self._resync_pending: set[tuple[int, int]] = set()  # (edge, shard) with a resync in flight
         self._flush_pending = [False] * n_shards
         self._claims: dict[int, tuple[int, int]] = {}  # request id -> (edge, claimed tokens)
+        # With the engine's exact cache map (on_truth_tracked): (key, worker) -> the seq of the
+        # batch that carries its eviction, for explain_claim; dropped when it is cached again.
+        self._evicted_in: dict[tuple[int, str], int] | None = None
         self._migrations: list[MigrationOrdered] = []
         self._next_broadcast = self._broadcast_deadline(0.0)
         self.counters = dict.fromkeys(
@@ -267,6 +270,14 @@ class KVCompassPolicy(BasePolicy):
 
     def _shard_apply(self, s: int, events: list[IndexEvent], now: float) -> None:
         self.shards[s].apply(events)
+        evicted_in = self._evicted_in
+        if evicted_in is not None:
+            carrier = self.shards[s].seq + 1  # the next flush publishes what was just applied
+            for ev in events:
+                if type(ev) is PrefixEvicted:
+                    evicted_in[(ev.key, ev.worker)] = carrier
+                elif type(ev) is PrefixCached:
+                    evicted_in.pop((ev.key, ev.worker), None)
         if self.flush_interval_s <= 0:
             self._publish(s, now)
         elif not self._flush_pending[s]:
@@ -367,18 +378,22 @@ class KVCompassPolicy(BasePolicy):
         self._migrations.append(MigrationOrdered(index(plan.destination_worker), req.tokens[: plan.prefix_len],
                                                  index(plan.source_worker)))
 
+    def on_truth_tracked(self) -> None:
+        self._evicted_in = {}
+
     def explain_claim(self, req: Request, decision: RouteDecision, *, now: float) -> int:
-        """Which index was behind, or neither: ask the claimed length's shard (full keys) whether
-        it lists the worker, and whether the edge's view had applied all that shard published."""
+        """Which index was behind, or neither: does the claimed length's shard (full keys) list
+        the worker; if not, had the edge's view applied the batch that carried its eviction?"""
         key = int(prefix_keys(req.tokens, [decision.claimed_tokens], self._salt)[0])
         s = key % self.n_shards
-        shard = self.shards[s]
-        if self.worker_ids[decision.worker_index] in shard.holders(key):
+        shard, worker = self.shards[s], self.worker_ids[decision.worker_index]
+        if worker in shard.holders(key):
             return FALSE_INDEX_BEHIND
-        view = self.views[self._region_index[req.region]]
-        if self._flush_pending[s] or view.position(s) != (shard.epoch, shard.seq):
+        epoch, seq = self.views[self._region_index[req.region]].position(s)
+        carrier = (self._evicted_in or {}).get((key, worker))
+        if epoch != shard.epoch or (carrier is not None and seq < carrier):
             return FALSE_VIEW_BEHIND
-        return FALSE_KEYLESS
+        return FALSE_KEYLESS  # the view has every change the shard made to it: a keyless false hit
 
     def take_migrations(self) -> list[MigrationOrdered]:
         """Migrations planned since the last call; the engine polls this after routes and timers."""

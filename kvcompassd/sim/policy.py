@@ -217,6 +217,10 @@ class BasePolicy:
                     queue_vector: Mapping[int, float], *, now: float) -> None:
         return None
 
+    def on_truth_tracked(self) -> None:
+        """The engine keeps the exact cache map and will ask ``explain_claim``: keep what it needs."""
+        return None
+
     def explain_claim(self, req: Request, decision: RouteDecision, *, now: float) -> int:
         """Why the worker held less than ``decision`` claimed when it was chosen (the engine asks
         only then, with the exact cache map tracked): an ``engine.FALSE_*`` code. A policy that
