@@ -12,10 +12,10 @@ from kvcompassd.core.keys import prefix_keys
 from kvcompassd.core.ludo import LudoView
 from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.engine.kvevents import BlockStored
-from kvcompassd.sim.engine import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND, SimSettings,
-                                   simulate)
+from kvcompassd.sim.engine import SimSettings, simulate
 from kvcompassd.sim.kvcompass_policy import KVCompassPolicy
-from kvcompassd.sim.policy import BasePolicy, PolicyError, RouteDecision, Topology
+from kvcompassd.sim.policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND, BasePolicy,
+                                   PolicyError, RouteDecision, Topology)
 from kvcompassd.sim.workloads import Request
 
 BLOCK = 16

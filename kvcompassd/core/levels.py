@@ -52,6 +52,11 @@ def same_region_lengths(min_tokens: int, levels: int) -> tuple[int, ...]:
     return tuple(min_tokens << k for k in range(levels))
 
 
+def _union(toward: dict[tuple[str, str], tuple[int, ...]]) -> list[int]:
+    """Every length of every (edge, target) pair, sorted: what workers register."""
+    return sorted({c for lengths in toward.values() for c in lengths})
+
+
 def refined_lengths(doubling: tuple[int, ...], registered: list[int], growth: float) -> tuple[int, ...]:
     """The doubling lengths plus every registered length up to the longest doubling that is at
     least ``growth`` times the last length kept."""
@@ -74,8 +79,7 @@ class LevelPlan:
     _registration: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        union = sorted({c for lengths in self.toward.values() for c in lengths})
-        object.__setattr__(self, "_registration", tuple(union))
+        object.__setattr__(self, "_registration", tuple(_union(self.toward)))
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig) -> LevelPlan:
@@ -108,7 +112,7 @@ class LevelPlan:
                 toward[(origin, origin)] = tuple(local)
         if index.same_region_growth < 2.0:
             # Only lengths already in the union: refining the own-region lookups registers nothing new.
-            registered = sorted({c for lengths in toward.values() for c in lengths})
+            registered = _union(toward)
             for origin in cfg.region_names():
                 if cfg.workers_in(origin):
                     toward[(origin, origin)] = refined_lengths(toward[(origin, origin)], registered,

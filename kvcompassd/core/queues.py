@@ -230,13 +230,16 @@ class QueueEstimates:
         self._ms = _snapshot(values)
 
     def _note_surprise(self, pos: int, surprise_ms: float, now: float) -> None:
-        kept = self._surprise_kept(now).item(pos)
+        fade = math.exp(-max(0.0, now - self._surprise_at.item(pos)) / self._surprise_fade_s)
+        kept = self._surprise.item(pos) * fade
         self._surprise[pos] = _SURPRISE_WEIGHT * surprise_ms + (1.0 - _SURPRISE_WEIGHT) * kept
         self._surprise_at[pos] = now
 
-    def _surprise_kept(self, now: float) -> np.ndarray:
-        """Each region's smoothed surprise, faded by the time since its last sample."""
-        return self._surprise * np.exp(-np.maximum(0.0, now - self._surprise_at) / self._surprise_fade_s)
+    def _correction(self, now: float) -> np.ndarray:
+        """Each region's correction: its smoothed surprise faded by the time since its last
+        sample, never below 0 (the last slot, the own region's, stays 0)."""
+        kept = self._surprise * np.exp(-np.maximum(0.0, now - self._surprise_at) / self._surprise_fade_s)
+        return np.maximum(0.0, kept)
 
     def set_local(self, worker_id: str, queue_ms: float, *, now: float) -> None:
         """A live reading for a worker of this edge's own region."""
@@ -362,8 +365,11 @@ class QueueEstimates:
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
-        correction = np.maximum(0.0, self._surprise_kept(float(now)))
-        corrected = _snapshot(self._aged_ms(now) + correction[self._region_pos])
+        aged = self._aged_ms(now)
+        # Until some remote pick has surprised this edge (below capacity, usually never) there
+        # is nothing to add.
+        corrected = aged if not (self._surprise > 0.0).any() else \
+            _snapshot(aged + self._correction(float(now))[self._region_pos])
         self._corrected = (now, ms, corrected)
         return corrected
 
@@ -380,8 +386,8 @@ class QueueEstimates:
 
     def surprises(self, *, now: float) -> dict[str, float]:
         """Each remote region's selection correction (ms) as ``queue_ms`` adds it now."""
-        kept = np.maximum(0.0, self._surprise_kept(float(now)))
-        return {r: kept.item(k) for k, r in enumerate(self._remote_regions)}
+        correction = self._correction(float(now))
+        return {r: correction.item(k) for k, r in enumerate(self._remote_regions)}
 
     def trends(self) -> np.ndarray:
         """How each value moves between readings (ms per ms, config worker order): -1 for the own

@@ -29,7 +29,8 @@ from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.core.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
 
 from .blockmirror import GlobalBlockMap, chain_keys
-from .policy import BasePolicy, MigrationOrdered, PolicyError, RoutingPolicy, Topology
+from .policy import (FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_WITHIN_PAGE, BasePolicy, MigrationOrdered,
+                     PolicyError, RoutingPolicy, Topology)
 from .workloads import Request
 
 _ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY, _CLIENT_FREE = range(7)
@@ -86,7 +87,7 @@ class _InFlight:
     ttft_s: float = -1.0
     remote_only: int = -1
     held_at_decision: int = -1  # tokens the chosen worker really held when the edge chose it (-1: untracked)
-    claim_source: int = 3  # FALSE_* the claim would be if the worker held less already (explain_claim)
+    claim_source: int = FALSE_VIEW_AHEAD  # the cause if the worker held less already (explain_claim)
     migration: bool = False
 
 
@@ -95,16 +96,8 @@ RECORD_FIELDS = (
     "claimed_tokens", "reused_tokens", "dram_tokens", "lookup_ms", "ttft_ms", "e2e_ms", "finish_s",
     "compute_ms", "remote_only", "queue_ms", "held_at_decision", "false_cause",
 )
-# false_cause of a request whose worker reused fewer tokens than the policy claimed, from the
-# exact cache map (track_truth): when did the claim go wrong? -1 untracked, 0 not a false lookup.
-FALSE_LOST_IN_FLIGHT = 1  # the worker held the claim when chosen and lost it before the request came
-FALSE_WITHIN_PAGE = 2     # it held every full page below the claim: the prompt diverges inside the
-                          # page that holds the claimed length (an indexed length between page ends)
-FALSE_VIEW_AHEAD = 3      # it held less than that already when chosen: a stale or false index entry
-# ... and the policy (``BasePolicy.explain_claim``) tells which, from its index at the decision:
-FALSE_INDEX_BEHIND = 4    # the index still listed the worker: its eviction had not reached the index
-FALSE_VIEW_BEHIND = 5     # the index had dropped it, but the edge's view had not applied that batch yet
-FALSE_KEYLESS = 6         # the edge's view was current with an index that never listed it: a keyless false hit
+# false_cause of a request whose worker reused fewer tokens than the policy claimed: the FALSE_*
+# codes (policy.py, where explain_claim returns the finer ones), -1 untracked, 0 not a false lookup.
 
 
 @dataclass

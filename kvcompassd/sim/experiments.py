@@ -222,7 +222,7 @@ def table4(args) -> list[dict]:
 
 def table5(args) -> list[dict]:
     d, w = _sizes(args.quick, 20.0, 2.0)
-    # The exact cache map (track_truth) tells why each claim was false (engine.FALSE_*): lost
+    # The exact cache map (track_truth) tells why each claim was false (policy.FALSE_*): lost
     # between the decision and the request's arrival, a prompt diverging inside the page that
     # holds the claimed length, or already wrong in the edge's view. 1000 req/s is
     # near the fleet's capacity, 3000 (the paper's operating point) far past it.

@@ -61,8 +61,8 @@ from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
-from .engine import FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_BEHIND
-from .policy import BasePolicy, MigrationOrdered, PolicyError, RouteDecision, Topology
+from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
+                     RouteDecision, Topology)
 from .workloads import Request
 
 __all__ = ["KVCompassPolicy"]

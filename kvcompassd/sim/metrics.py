@@ -7,8 +7,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .engine import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND,
-                     FALSE_WITHIN_PAGE, SimResult)
+from .engine import SimResult
+from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND,
+                     FALSE_WITHIN_PAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +30,11 @@ class Summary:
     dram_share_of_reuse: float
     false_lookup_rate: float         # requests whose worker reused less than the policy claimed
     false_lookup_rate_claimed: float  # ... among requests with a positive claim
-    # The false lookups split by cause (share of requests; NaN if untracked; engine.FALSE_*):
+    # The false lookups split by cause (share of requests; NaN if untracked; policy.FALSE_*):
     false_lost_in_flight: float      # the worker held the claim when chosen, lost it before the request came
     false_within_page: float         # the prompt diverges inside the page holding the claimed length
     false_view_ahead: float          # the worker held less than claimed already when chosen (stale or false entry)
-    # ... of which, where the policy can tell (KVCompass; engine.FALSE_INDEX_BEHIND etc.):
+    # ... of which, where the policy can tell (KVCompass; policy.FALSE_INDEX_BEHIND etc.):
     false_index_behind: float        # the index still listed the worker (its eviction not yet applied)
     false_view_behind: float         # the index had dropped it; the edge's view had not caught up
     false_keyless: float             # the view was current: a keyless false hit

@@ -35,6 +35,16 @@ class PolicyError(ValueError):
     """A policy was misconfigured or returned an invalid decision."""
 
 
+# Why a claim was false (the simulator's exact cache map tells when; ``false_cause`` in records):
+FALSE_LOST_IN_FLIGHT = 1  # the worker held the claim when chosen and lost it before the request came
+FALSE_WITHIN_PAGE = 2     # it held every full page below the claim: the prompt diverges inside the
+                          # page that holds the claimed length (an indexed length between page ends)
+FALSE_VIEW_AHEAD = 3      # it held less than that already when chosen: a stale or false index entry
+# ... and the policy (``BasePolicy.explain_claim``) tells which, from its index at the decision:
+FALSE_INDEX_BEHIND = 4    # the index still listed the worker: its eviction had not reached the index
+FALSE_VIEW_BEHIND = 5     # the index had dropped it, but the edge's view had not applied that batch yet
+FALSE_KEYLESS = 6         # the view had every change to the key and still named the worker: a keyless false hit
+
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     """Forward to ``worker_index`` after ``lookup_delay_ms`` of discovery (directory RTT, DHT
@@ -223,9 +233,9 @@ class BasePolicy:
 
     def explain_claim(self, req: Request, decision: RouteDecision, *, now: float) -> int:
         """Why the worker held less than ``decision`` claimed when it was chosen (the engine asks
-        only then, with the exact cache map tracked): an ``engine.FALSE_*`` code. A policy that
+        only then, with the exact cache map tracked): a ``FALSE_*`` code. A policy that
         cannot tell says ``FALSE_VIEW_AHEAD`` (stale or false entry)."""
-        return 3  # engine.FALSE_VIEW_AHEAD (the engine imports this module, not the reverse)
+        return FALSE_VIEW_AHEAD
 
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
         return None
