@@ -105,7 +105,9 @@ def render(what: str, body: dict) -> str:
         rows = [{"toward": g, "lengths": " ".join(map(str, ls))} for g, ls in body["toward"].items()]
         return f"from region {body['origin']}\n" + table(rows) + f"\n\nregistration lengths: {' '.join(map(str, body['registration']))}"
     if what == "queues":
-        corrections = [{"region": r, "correction_ms": ms} for r, ms in body.get("correction_ms", {}).items()]
+        herd = body.get("herd_factor", {})
+        corrections = [{"region": r, "correction_ms": ms, **({"herd_factor": herd[r]} if r in herd else {})}
+                       for r, ms in body.get("correction_ms", {}).items()]
         return table(body["workers"]) + ("\n\nselection correction per remote region:\n" + table(corrections)
                                          if corrections else "")
     if what == "beliefs":

@@ -63,7 +63,9 @@ def _queues(edge, args) -> dict:
                          "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3)}
                         for i, w in enumerate(edge.layout.worker_ids)],
             # Per remote region, the selection correction queue_ms includes (QueueEstimates docstring).
-            "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()}}
+            "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()},
+            # ... and the multiple of each send to that region it charges (the herd factor).
+            "herd_factor": {r: round(k, 3) for r, k in q.herd_factors(now=now).items()}}
 
 
 def _beliefs(edge, args) -> dict:

@@ -38,3 +38,5 @@ def test_renderings_are_tables():
     assert "chosen: us-0" in holders and "VRAM" in holders
     queues = render("queues", {"workers": [{"worker": "eu-0", "queue_ms": 12.0}], "correction_ms": {"eu": 3.5}})
     assert "eu-0" in queues and "selection correction" in queues and queues.splitlines()[-1].split() == ["eu", "3.5"]
+    queues = render("queues", {"workers": [], "correction_ms": {"eu": 3.5}, "herd_factor": {"eu": 2.25}})
+    assert queues.splitlines()[-1].split() == ["eu", "3.5", "2.25"]

@@ -232,6 +232,8 @@ async def test_kvcompassctl_cli_reports_a_running_deployment(dep):
     queues = queue_body["workers"]
     assert set(queue_body["correction_ms"]) == set(dep.cfg.region_names()) - {"us"}
     assert all(ms >= 0.0 for ms in queue_body["correction_ms"].values())
+    assert set(queue_body["herd_factor"]) == set(queue_body["correction_ms"])
+    assert all(k >= 1.0 for k in queue_body["herd_factor"].values())
     assert {q["worker"] for q in queues} == {w.id for w in dep.cfg.workers}
     assert all(q["trend_ms_per_ms"] == -1.0 for q in queues if q["region"] == "us")  # own region drains
     assert all(q["trend_ms_per_ms"] >= -1.0 for q in queues)

@@ -149,6 +149,39 @@ def test_remote_values_follow_the_trend_of_their_vectors() -> None:
     assert q.get("eu-0") == pytest.approx(1300.0 + 0.75 * 160.0)  # inside the window: same trend
 
 
+def test_the_herd_factor_charges_each_remote_send_at_the_work_that_arrived_per_ms_sent() -> None:
+    q = us_edge()  # no trend inside the first 0.5 s; us <-> eu 320 ms round trip; 3 regions
+    assert q.herd_factors(now=1.0) == {"eu": 1.0, "asia": 1.0}
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 100.0), ("eu-1", 100.0)), 1.0), now=1.1)
+    q.note_dispatched("eu-1", 100.0, now=1.15)
+    assert q.get("eu-1") == pytest.approx(200.0)  # factor 1: our own work only
+    # The next value reads 100 more than we believed for our 100 (200, plus our 100 still in
+    # flight): two edges' worth arrived. k samples 1 + 100/100 = 2, folded with weight 0.25.
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 200.0),), 1.1), now=1.2)
+    assert q.herd_factors(now=1.2) == {"eu": pytest.approx(1.25), "asia": 1.0}
+    # A send to an eu worker is now charged at 1.25, in the estimate and in flight.
+    q.note_dispatched("eu-1", 40.0, now=1.2)
+    assert q.get("eu-1") == pytest.approx(300.0 + 50.0)
+    # Exactly what we charged arrived: the factor holds (it only fades toward 1, 30 periods).
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 200.0),), 1.2), now=1.3)
+    assert q.get("eu-1") == pytest.approx(200.0 + 100.0 + 50.0)  # both sends still in flight
+    k = 1.0 + 0.25 * math.exp(-0.1 / 3.0)
+    assert q.herd_factors(now=1.3)["eu"] == pytest.approx(k)
+    # Never above the number of regions, and it fades toward 1 without new samples.
+    q.note_dispatched("eu-1", 1.0, now=1.3)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 1e6),), 1.3), now=1.4)
+    k = 0.25 * 3.0 + 0.75 * (1.0 + (k - 1.0) * math.exp(-0.1 / 3.0))
+    assert q.herd_factors(now=1.4)["eu"] == pytest.approx(k)
+    assert q.herd_factors(now=4.4)["eu"] == pytest.approx(1.0 + (k - 1.0) / math.e)
+    # A worker this edge did not send to since its last value moves no factor.
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 1e6),), 1.4), now=1.5)
+    assert q.herd_factors(now=1.5)["eu"] == pytest.approx(1.0 + (k - 1.0) * math.exp(-0.1 / 3.0))
+    # The own region's live readings are never charged more than the work sent.
+    q.set_local("us-0", 0.0, now=1.5)
+    q.note_dispatched("us-0", 30.0, now=1.5)
+    assert q.get("us-0") == pytest.approx(30.0)
+
+
 def test_chosen_remote_workers_surprises_correct_their_region_for_the_winners_curse() -> None:
     q = us_edge()  # no trend inside the first 0.5 s; us <-> eu 320 ms round trip
     ids = CFG.worker_ids()
@@ -277,5 +310,6 @@ def test_a_broadcast_keeps_exactly_the_dispatches_of_the_last_round_trip(steps: 
                 expected = ms + sum(added for at, added in sent if at > now - rtt_s)
                 assert q.get("eu-0") == pytest.approx(expected, abs=1e-6)
         else:
+            charged = ms * q.herd_factors(now=now)["eu"]  # our send at the region's herd factor
             q.note_dispatched("eu-0", ms, now=now)
-            sent.append((now, ms))
+            sent.append((now, charged))

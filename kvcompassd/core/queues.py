@@ -43,6 +43,18 @@ last value measures that error: the new value less what the edge estimated for t
 *surprise*. A smoothed surprise per remote region, fading without new samples, is added to that
 region's estimates (``queue_ms``; never below 0: it only corrects the selection bias, which
 makes estimates low).
+
+Every edge reads the same broadcast, so when one remote worker looks lightest, it looks lightest
+to the edges of every region at once, and each sends it work that none of the others' values
+can show for a round trip. Far past capacity that herd moved tens of seconds of work onto one
+worker within a few broadcast periods (Fig. 16, 18000 req/s: 300 requests from 15 regions in
+150 ms, its queue 25 s above the pool's), and that worker's makespan set the pool's
+throughput. So a chosen worker's surprise, divided by the work this edge sent it since its last
+value, also measures how many ms reached it per ms of ours: the region's *herd factor*
+(smoothed and fading toward 1 like the correction; between 1 and the number of regions).
+``note_dispatched`` charges each send to a remote worker at that factor, in the estimate and
+in flight, so an edge takes only its share of a gap the others see too. A worker that only this
+edge feeds (a session's history) surprises nobody and keeps factor 1.
 """
 
 from __future__ import annotations
@@ -157,6 +169,14 @@ class QueueEstimates:
         self._surprise_at = np.full(len(self._remote_regions) + 1, float(now))
         self._surprise_fade_s = _SURPRISE_FADE_PERIODS * self._period_s
         self._chosen_at = [-math.inf] * n
+        # The herd factor (module docstring): per remote region, how many ms of work reach its
+        # workers per ms this edge sends (1: only ours), and when it was last updated; per
+        # worker, the ms this edge sent since its last value. Every region's edge can be one of
+        # the herd, so the factor is at most the number of regions.
+        self._herd = np.ones(len(self._remote_regions) + 1)  # last slot: the own region, always 1
+        self._herd_at = np.full(len(self._remote_regions) + 1, float(now))
+        self._max_herd = float(len(cfg.region_names()))
+        self._sent_since_value = [0.0] * n
         self._refreshed_at = [-math.inf] * n
         # Work this edge sent that a value received now cannot include yet: per remote worker,
         # the (sent at, ms) of dispatches younger than one round trip to its region. Own-region
@@ -219,7 +239,11 @@ class QueueEstimates:
                 if self._chosen_at[i] >= self._refreshed_at[i] > -math.inf:
                     if believed is None:
                         believed = self._aged_ms(now)
-                    self._note_surprise(self._region_pos.item(i), ms - believed.item(i), now)
+                    surprise, pos = ms - believed.item(i), self._region_pos.item(i)
+                    self._note_surprise(pos, surprise, now)
+                    if self._sent_since_value[i] > 0.0:
+                        self._note_herd(pos, surprise / self._sent_since_value[i], now)
+                self._sent_since_value[i] = 0.0
             values[i] = ms
             self._taken_at[i] = now
             self._refreshed_at[i] = now
@@ -234,6 +258,19 @@ class QueueEstimates:
         kept = self._surprise.item(pos) * fade
         self._surprise[pos] = _SURPRISE_WEIGHT * surprise_ms + (1.0 - _SURPRISE_WEIGHT) * kept
         self._surprise_at[pos] = now
+
+    def _herd_now(self, pos: int, now: float) -> float:
+        """Region ``pos``'s herd factor, faded toward 1 by the time since its last sample."""
+        fade = math.exp(-max(0.0, now - self._herd_at.item(pos)) / self._surprise_fade_s)
+        return 1.0 + (self._herd.item(pos) - 1.0) * fade
+
+    def _note_herd(self, pos: int, surprise_per_sent: float, now: float) -> None:
+        # The believed value already charged our sends at the current factor k, so the work
+        # that really came per ms we sent is k plus the surprise per ms sent.
+        kept = self._herd_now(pos, now)
+        sample = min(self._max_herd, max(1.0, kept + surprise_per_sent))
+        self._herd[pos] = _SURPRISE_WEIGHT * sample + (1.0 - _SURPRISE_WEIGHT) * kept
+        self._herd_at[pos] = now
 
     def _correction(self, now: float) -> np.ndarray:
         """Each region's correction: its smoothed surprise faded by the time since its last
@@ -316,6 +353,13 @@ class QueueEstimates:
         values = self._ms.copy()
         values[i] = self._aged_ms(now).item(i) + added  # the decision just aged them at this now
         if self._in_flight_s[i] > 0.0:
+            self._sent_since_value[i] += added
+            pos = self._region_pos.item(i)
+            if self._herd.item(pos) != 1.0:
+                # Charge the herd's share of this work too: it is crossing the WAN as well.
+                charged = added * self._herd_now(pos, now)
+                values[i] += charged - added
+                added = charged
             self._in_flight_ms(i, now)  # drops what has arrived by now
             self._in_flight[i].append((now, added))
             self._in_flight_total[i] += added
@@ -388,6 +432,10 @@ class QueueEstimates:
         """Each remote region's selection correction (ms) as ``queue_ms`` adds it now."""
         correction = self._correction(float(now))
         return {r: correction.item(k) for k, r in enumerate(self._remote_regions)}
+
+    def herd_factors(self, *, now: float) -> dict[str, float]:
+        """Each remote region's herd factor: the multiple of its own sends this edge charges."""
+        return {r: self._herd_now(k, float(now)) for k, r in enumerate(self._remote_regions)}
 
     def trends(self) -> np.ndarray:
         """How each value moves between readings (ms per ms, config worker order): -1 for the own
