@@ -247,6 +247,10 @@ class EdgeNode:
             ages = self.router.queues.ages(now=now)
             finite = ages[np.isfinite(ages)]
             self.metrics.queue_age.set(float(finite.max()) if finite.size else 0.0)
+            for region, ms in self.router.queues.surprises(now=now).items():
+                self.metrics.queue_correction.labels(region=region).set(ms)
+            for region, k in self.router.queues.herd_factors(now=now).items():
+                self.metrics.herd_factor.labels(region=region).set(k)
             deadline = self.router.queues.next_deadline(now=self.clock())
             await asyncio.sleep(max(0.001, min(period, (deadline or now + period) - self.clock())))
 

@@ -31,6 +31,8 @@ class EdgeMetrics:
         self.batches = Counter("kvcompass_update_batches_applied", "Update batches applied to the views", registry=r)
         self.resyncs = Counter("kvcompass_resyncs_requested", "Resyncs asked of maintenance units", registry=r)
         self.queue_age = Gauge("kvcompass_queue_estimate_age_seconds", "Age of the oldest remote queue estimate", registry=r)
+        self.queue_correction = Gauge("kvcompass_queue_correction_ms", "Selection correction added to a remote region's queue estimates (ms)", ["region"], registry=r)
+        self.herd_factor = Gauge("kvcompass_queue_herd_factor", "Multiple of each send to a remote region charged to its queue estimates", ["region"], registry=r)
         self.false_lookups = Counter("kvcompass_false_lookups", "Responses that reused fewer tokens than the edge claimed", registry=r)
         self.claimed_tokens = Counter("kvcompass_claimed_tokens", "Prefix tokens the edge credited winners with", registry=r)
         self.reused_tokens = Counter("kvcompass_reused_tokens", "Prefix tokens workers reported reusing", registry=r)

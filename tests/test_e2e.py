@@ -200,12 +200,17 @@ async def test_request_id_is_in_the_response_and_in_edge_and_agent_logs(dep):
 
 
 async def test_metrics_count_decisions_and_sync(dep):
+    await generate(dep, "us", doc(51, 500))  # at least one decision, whatever ran before
     async with aiohttp.ClientSession() as s:
         async with s.get(dep.edge_url("us") + "/metrics") as r:
             text = await r.text()
     assert r.status == 200
     assert 'kvcompass_decisions_total{outcome="local_hit"}' in text or 'kvcompass_decisions_total{outcome="recompute"}' in text
     assert "kvcompass_decision_seconds_bucket" in text and "kvcompass_update_batches_applied_total" in text
+    # The queue estimates' per-region corrections, set with every broadcast round.
+    for region in set(dep.cfg.region_names()) - {"us"}:
+        assert f'kvcompass_queue_correction_ms{{region="{region}"}}' in text
+        assert f'kvcompass_queue_herd_factor{{region="{region}"}} 1.0' in text
 
 
 async def test_kvcompassctl_cli_reports_a_running_deployment(dep):
