@@ -214,7 +214,7 @@ class EdgeNode:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
             log.warning("load report refused", peer=str(peer.identity), worker=msg.worker)
             return
-        self.router.queues.set_local(msg.worker, msg.queue_ms, now=self.clock())
+        self.router.queues.set_local(msg.worker, msg.queue_ms, now=self.clock(), running=msg.running)
 
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:

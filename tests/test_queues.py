@@ -313,3 +313,28 @@ def test_a_broadcast_keeps_exactly_the_dispatches_of_the_last_round_trip(steps: 
             charged = ms * q.herd_factors(now=now)["eu"]  # our send at the region's herd factor
             q.note_dispatched("eu-0", ms, now=now)
             sent.append((now, charged))
+
+
+def test_own_region_occupancy_enters_the_score_only() -> None:
+    q = us_edge()  # score.occupancy_ms_per_running: the config default, 0.25 ms per running request
+    per = CFG.score.occupancy_ms_per_running
+    ids = CFG.worker_ids()
+    us0, us1 = ids.index("us-0"), ids.index("us-1")
+    q.set_local("us-0", 0.0, now=1.0, running=40)
+    q.set_local("us-1", 0.0, now=1.0, running=0)
+    now = q.queue_ms(now=1.0)
+    assert now[us0] == pytest.approx(40 * per) and now[us1] == 0.0
+    # Idle both: the fuller batch scores higher; the stored value, what is broadcast and what
+    # in-flight accounting ages stay the queue alone.
+    assert q.get("us-0") == 0.0 and dict(q.local_vector(now=1.0))["us-0"] == 0.0
+    q.note_dispatched("us-0", 10.0, now=1.0)
+    assert q.get("us-0") == pytest.approx(10.0)
+    assert q.queue_ms(now=1.0)[us0] == pytest.approx(10.0 + 40 * per)
+    # The next reading replaces the count; it does not drain with time like the queue.
+    assert q.queue_ms(now=1.5)[us0] == pytest.approx(40 * per)
+    q.set_local("us-0", 0.0, now=2.0, running=np.int64(4))
+    assert q.queue_ms(now=2.0)[us0] == pytest.approx(4 * per)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(QueueEstimateError, match="running"):
+            q.set_local("us-0", 0.0, now=2.0, running=bad)
+    assert q.queue_ms(now=2.0)[us0] == pytest.approx(4 * per)  # a refused reading changes nothing

@@ -36,7 +36,7 @@ class Fixed(BasePolicy):
     def on_response(self, worker_index, req, reused_tokens, queue_vector, *, now):
         self.responses.append((worker_index, req.id, reused_tokens, dict(queue_vector), now))
 
-    def on_worker_load(self, worker_index, queue_ms, *, now):
+    def on_worker_load(self, worker_index, queue_ms, *, now, running=0):
         self.loads.append((worker_index, queue_ms, now))
 
 

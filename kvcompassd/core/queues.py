@@ -55,6 +55,14 @@ value, also measures how many ms reached it per ms of ours: the region's *herd f
 ``note_dispatched`` charges each send to a remote worker at that factor, in the estimate and
 in flight, so an edge takes only its share of a gap the others see too. A worker that only this
 edge feeds (a session's history) surprises nobody and keeps factor 1.
+
+A queue is 0 while a worker has a free decode slot, however full its batch. Between an idle
+holder of a prompt's shared prefix and an idle non-holder the saved prefill then always wins,
+so a worker that has lost the popular shared prefixes is passed over until its peers' slots
+fill, and never gets them back. ``queue_ms`` therefore adds ``score.occupancy_ms_per_running``
+per request an own-region worker is running (its agent reports the count with each reading).
+Only the score sees it: the stored values, in-flight accounting and the broadcast vectors carry
+the queue alone.
 """
 
 from __future__ import annotations
@@ -146,6 +154,7 @@ class QueueEstimates:
         self._local_ids = tuple(w.id for w in cfg.workers_in(region))
         self._remote_regions = tuple(r for r in cfg.region_names() if r != region)
         self._weight = cfg.score.queue_ewma_weight
+        self._occupancy_ms_per_running = cfg.score.occupancy_ms_per_running
         self._period_s = cfg.score.broadcast_period_ms / 1000.0
         self._idle_s = cfg.score.idle_period_ms / 1000.0
         n = len(self.worker_ids)
@@ -158,6 +167,7 @@ class QueueEstimates:
         self._rate = np.where(local, -1.0, 0.0)
         self._trend_anchor: list[tuple[float, float] | None] = [None] * n  # (received at, ms)
         self._trend_window_s = _TREND_PERIODS * self._period_s
+        self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
         self._corrected: tuple[float, np.ndarray, np.ndarray] | None = None  # same, with the surprise
         # The selection correction (module docstring): per remote region, the smoothed surprise
@@ -278,12 +288,21 @@ class QueueEstimates:
         kept = self._surprise * np.exp(-np.maximum(0.0, now - self._surprise_at) / self._surprise_fade_s)
         return np.maximum(0.0, kept)
 
-    def set_local(self, worker_id: str, queue_ms: float, *, now: float) -> None:
-        """A live reading for a worker of this edge's own region."""
+    def set_local(self, worker_id: str, queue_ms: float, *, now: float, running: int = 0) -> None:
+        """A live reading for a worker of this edge's own region: its queueing delay and the
+        requests it is running (decode occupancy, see the module docstring)."""
         i = self._worker_index(worker_id, QueueEstimateError)
         if self._region_of[worker_id] != self.region:
             raise QueueEstimateError(f"worker {worker_id!r} is in region {self._region_of[worker_id]!r}, not {self.region!r}")
-        self._store([(i, _check_ms(queue_ms, f"worker {worker_id!r}", QueueEstimateError))], float(now))
+        if running.__class__ is not int:
+            if isinstance(running, bool) or not isinstance(running, (int, np.integer)):
+                raise QueueEstimateError(f"worker {worker_id!r}: running must be an int, got {running!r}")
+            running = int(running)
+        if running < 0:
+            raise QueueEstimateError(f"worker {worker_id!r}: running must be >= 0, got {running!r}")
+        queue = _check_ms(queue_ms, f"worker {worker_id!r}", QueueEstimateError)
+        self._occupancy[i] = self._occupancy_ms_per_running * running
+        self._store([(i, queue)], float(now))  # a new _ms: queue_ms recomputes with the occupancy
 
     def _remote_updates(self, from_region: str, vector: Mapping[str, float] | tuple[tuple[str, float], ...]
                         ) -> list[tuple[int, float]]:
@@ -401,8 +420,8 @@ class QueueEstimates:
     def queue_ms(self, *, now: float | None = None) -> np.ndarray:
         """Estimated queue delays (ms) in config worker order: an immutable snapshot. With
         ``now``, the values carried to ``now`` (own region aged, remote along their trend) plus
-        each remote region's selection correction (see the module docstring); without, the
-        values as last set."""
+        each remote region's selection correction and each own-region worker's occupancy (see
+        the module docstring); without, the values as last set."""
         if now is None:
             return self._ms
         cached = self._corrected
@@ -412,8 +431,11 @@ class QueueEstimates:
         aged = self._aged_ms(now)
         # Until some remote pick has surprised this edge (below capacity, usually never) there
         # is nothing to add.
-        corrected = aged if not (self._surprise > 0.0).any() else \
-            _snapshot(aged + self._correction(float(now))[self._region_pos])
+        corrected = aged if not (self._surprise > 0.0).any() else aged + self._correction(float(now))[self._region_pos]
+        if self._occupancy_ms_per_running > 0.0:
+            corrected = corrected + self._occupancy
+        if corrected is not aged:
+            corrected = _snapshot(corrected)
         self._corrected = (now, ms, corrected)
         return corrected
 

@@ -209,7 +209,7 @@ class Simulation:
             q = max(0.0, self._last_q[w] - (now - self._last_q_at[w]) * 1000.0) + added_ms
         self._last_q[w] = q
         self._last_q_at[w] = now
-        self.policy.on_worker_load(w, q, now=now)
+        self.policy.on_worker_load(w, q, now=now, running=self.models[w].running)
 
     def _schedule_wake(self, w: int) -> None:
         t = self.models[w].next_event_time()

@@ -415,11 +415,11 @@ class KVCompassPolicy(BasePolicy):
             sent_at = max(0.0, now - self._owm_s[g, e])
             self.routers[g].queues.note_piggyback_sent(self.regions[e], now=sent_at)
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         # Only the edge of the worker's own region reads it live.
         router = self.routers[self._worker_region[worker_index]]
         # The worker model's drained queue can come out a rounding error below zero.
-        router.queues.set_local(self.worker_ids[worker_index], max(0.0, float(queue_ms)), now=now)
+        router.queues.set_local(self.worker_ids[worker_index], max(0.0, float(queue_ms)), now=now, running=running)
 
     # ------------------------------------------------------------------------------ inspection
 

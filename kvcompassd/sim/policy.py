@@ -91,7 +91,7 @@ class RoutingPolicy(Protocol):
     def on_response(self, worker_index: int, req: Request, reused_tokens: int,
                     queue_vector: Mapping[int, float], *, now: float) -> None: ...
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None: ...
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None: ...
 
     def next_timer(self) -> float | None: ...
 
@@ -237,7 +237,7 @@ class BasePolicy:
         cannot tell says ``FALSE_VIEW_AHEAD`` (stale or false entry)."""
         return FALSE_VIEW_AHEAD
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         return None
 
     def next_timer(self) -> float | None:

@@ -50,7 +50,7 @@ class CentralDirectoryPolicy(BasePolicy):
     def on_cache_events(self, worker_index: int, events: Sequence[Any], *, now: float) -> None:
         self._pending.push(now + self._report_ms[worker_index] / 1000.0, ("events", worker_index, events, now))
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         self._pending.push(now + self._report_ms[worker_index] / 1000.0, ("load", worker_index, queue_ms, now))
 
     def route(self, req: Request, *, now: float) -> RouteDecision:

@@ -47,7 +47,7 @@ class DynamoPolicy(BasePolicy):
     def on_cache_events(self, worker_index: int, events: Sequence[Any], *, now: float) -> None:
         self._buffered.append((worker_index, events))
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         self.live.set(worker_index, queue_ms, now)
 
     def next_timer(self) -> float | None:

@@ -18,7 +18,7 @@ class OraclePolicy(BasePolicy):
         self.loads = LoadView(topo.n_workers)
         self.recent = RecentAssignments(topo.n_workers)  # tie-break among equally (un)loaded workers
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         self.loads.set(worker_index, queue_ms, now)
 
     def route(self, req: Request, *, now: float) -> RouteDecision:

@@ -36,7 +36,7 @@ class PlanetServePolicy(BasePolicy):
         self._next = 0.0
         self.recent = RecentAssignments(topo.n_workers)
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         self.live.set(worker_index, queue_ms, now)  # only read by the periodic report below
 
     def next_timer(self) -> float | None:

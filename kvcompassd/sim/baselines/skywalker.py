@@ -42,7 +42,7 @@ class SkyWalkerPolicy(BasePolicy):
         self._region_sets = [set(m.tolist()) for m in self._members]
         self.recent = RecentAssignments(topo.n_workers)
 
-    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float) -> None:
+    def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         self.live.set(worker_index, queue_ms, now)
 
     def next_timer(self) -> float | None:
