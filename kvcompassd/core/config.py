@@ -305,7 +305,7 @@ class ScoreParams:
     # queue is 0 while it has a free decode slot, however full its batch, so between holders and
     # an idle non-holder the prefill saved always won: a worker that had lost the popular shared
     # prefixes was passed over until the others' slots filled (testbed LMSYS 150 req/s: 27
-    # running requests on it against 50-58 on its peers; P99 107.6 -> 98.6 ms at 0.25).
+    # running requests on it against 50-58 on its peers; P99 107.6 -> 98.2 ms at 0.25).
     occupancy_ms_per_running: float = 0.25
 
     def __post_init__(self) -> None:

@@ -47,8 +47,8 @@ makes estimates low).
 Every edge reads the same broadcast, so when one remote worker looks lightest, it looks lightest
 to the edges of every region at once, and each sends it work that none of the others' values
 can show for a round trip. Far past capacity that herd moved tens of seconds of work onto one
-worker within a few broadcast periods (Fig. 16, 18000 req/s: 300 requests from 15 regions in
-150 ms, its queue 25 s above the pool's), and that worker's makespan set the pool's
+worker within a few broadcast periods (Fig. 16, 18000 req/s: 303 requests from 15 regions in
+250 ms, its queue 24 s above the pool's median), and that worker's makespan set the pool's
 throughput. So a chosen worker's surprise, divided by the work this edge sent it since its last
 value, also measures how many ms reached it per ms of ours: the region's *herd factor*
 (smoothed and fading toward 1 like the correction; between 1 and the number of regions).
@@ -263,16 +263,18 @@ class QueueEstimates:
                 self._zero_since[i] = now
         self._ms = _snapshot(values)
 
+    def _fade(self, sampled_at: np.ndarray, pos: int, now: float) -> float:
+        """How much of region ``pos``'s last sample (taken at ``sampled_at[pos]``) is left now."""
+        return math.exp(-max(0.0, now - sampled_at.item(pos)) / self._surprise_fade_s)
+
     def _note_surprise(self, pos: int, surprise_ms: float, now: float) -> None:
-        fade = math.exp(-max(0.0, now - self._surprise_at.item(pos)) / self._surprise_fade_s)
-        kept = self._surprise.item(pos) * fade
+        kept = self._surprise.item(pos) * self._fade(self._surprise_at, pos, now)
         self._surprise[pos] = _SURPRISE_WEIGHT * surprise_ms + (1.0 - _SURPRISE_WEIGHT) * kept
         self._surprise_at[pos] = now
 
     def _herd_now(self, pos: int, now: float) -> float:
         """Region ``pos``'s herd factor, faded toward 1 by the time since its last sample."""
-        fade = math.exp(-max(0.0, now - self._herd_at.item(pos)) / self._surprise_fade_s)
-        return 1.0 + (self._herd.item(pos) - 1.0) * fade
+        return 1.0 + (self._herd.item(pos) - 1.0) * self._fade(self._herd_at, pos, now)
 
     def _note_herd(self, pos: int, surprise_per_sent: float, now: float) -> None:
         # The believed value already charged our sends at the current factor k, so the work
@@ -294,14 +296,10 @@ class QueueEstimates:
         i = self._worker_index(worker_id, QueueEstimateError)
         if self._region_of[worker_id] != self.region:
             raise QueueEstimateError(f"worker {worker_id!r} is in region {self._region_of[worker_id]!r}, not {self.region!r}")
-        if running.__class__ is not int:
-            if isinstance(running, bool) or not isinstance(running, (int, np.integer)):
-                raise QueueEstimateError(f"worker {worker_id!r}: running must be an int, got {running!r}")
-            running = int(running)
-        if running < 0:
-            raise QueueEstimateError(f"worker {worker_id!r}: running must be >= 0, got {running!r}")
+        if isinstance(running, bool) or not isinstance(running, (int, np.integer)) or running < 0:
+            raise QueueEstimateError(f"worker {worker_id!r}: running must be an int >= 0, got {running!r}")
         queue = _check_ms(queue_ms, f"worker {worker_id!r}", QueueEstimateError)
-        self._occupancy[i] = self._occupancy_ms_per_running * running
+        self._occupancy[i] = self._occupancy_ms_per_running * int(running)
         self._store([(i, queue)], float(now))  # a new _ms: queue_ms recomputes with the occupancy
 
     def _remote_updates(self, from_region: str, vector: Mapping[str, float] | tuple[tuple[str, float], ...]

@@ -194,7 +194,7 @@ class Simulation:
             self.policy.on_cache_events(w, events, now=now)
 
     def _notify_load(self, w: int, now: float, added_ms: float = 0.0) -> None:
-        """Report ``w``'s queueing delay. With a free slot the model's exact ``queue_ms`` is read
+        """Report ``w``'s queueing delay and running count. With a free slot the model's exact ``queue_ms`` is read
         at most every ``load_report_ms`` per worker, as an agent polling its engine would; in
         between the estimate drains at 1 ms/ms and grows by each admitted request's prefill time.
         While requests wait for a slot it is read at every change: the backlog then moves with
