@@ -66,6 +66,18 @@ def test_mooncake_sessions_follow_whole_prompt_extensions(tmp_path):
     assert mooncake_sessions(read_mooncake(path)) == [0, 0, 1]
 
 
+def test_mooncake_sessions_same_document_questions_are_separate_roots(tmp_path):
+    lines = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 30, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1, "input_length": 1104, "output_length": 9, "hash_ids": [1, 2, 4]},  # other question, same doc
+        {"timestamp": 2, "input_length": 1100, "output_length": 30, "hash_ids": [1, 2, 3]},  # exact repeat
+        {"timestamp": 3, "input_length": 1400, "output_length": 5, "hash_ids": [1, 2, 5]},  # follow-up of the repeat
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    assert mooncake_sessions(read_mooncake(path)) == [0, 1, 2, 2]
+
+
 @pytest.mark.parametrize("line, field", [
     ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "hash_ids"),
     ('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}', "hash_ids"),

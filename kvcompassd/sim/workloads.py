@@ -172,19 +172,25 @@ def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[Mooncak
 def mooncake_sessions(records: Sequence[MooncakeRecord]) -> list[int]:
     """Session id per record. The synthetic trace has no session field; a record continues the
     earlier conversation whose *whole* prompt (all but its possibly partial last block) is a
-    prefix of this prompt: that is what a follow-up turn looks like. Anything else (including a
-    shared system prompt or document followed by new text) starts a new root session."""
+    prefix of this prompt, if it is long enough to extend it: a follow-up turn carries the
+    previous prompt and its answer, so at least ``input_length + output_length`` tokens.
+    Anything else starts a new root session: a shared system prompt or document followed by new
+    text, and another question on the same document ending in the same partial block (in the
+    synthetic trace 79 % of the records the prefix test alone took for follow-ups, 67 of them
+    exact repeats, most a few tokens longer or shorter than their "parent")."""
     owner_of_chain: dict[tuple[int, ...], int] = {}
     sessions: list[int] = []
     next_session = 0
-    for rec in records:
+    for i, rec in enumerate(records):
         session = None
         ids = rec.hash_ids
         # Longest earlier full-prompt chain that prefixes this one.
         for cut in range(len(ids), 0, -1):
-            s = owner_of_chain.get(ids[:cut])
-            if s is not None:
-                session = s
+            j = owner_of_chain.get(ids[:cut])
+            if j is not None:
+                prev = records[j]
+                if rec.input_length >= prev.input_length + prev.output_length:
+                    session = sessions[j]
                 break
         if session is None:
             session = next_session
@@ -192,7 +198,7 @@ def mooncake_sessions(records: Sequence[MooncakeRecord]) -> list[int]:
         sessions.append(session)
         full_blocks = rec.input_length // MOONCAKE_BLOCK_TOKENS
         if full_blocks:
-            owner_of_chain[ids[:full_blocks]] = session
+            owner_of_chain[ids[:full_blocks]] = i
     return sessions
 
 
