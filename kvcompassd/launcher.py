@@ -93,6 +93,11 @@ class _Ports:
         raise RuntimeError("no free loopback port found")
 
 
+def free_loopback_port(kind: int = socket.SOCK_STREAM) -> int:
+    """A loopback port below the ephemeral range that binds now (e.g. a node's ``--metrics``)."""
+    return _Ports().get(kind)
+
+
 def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
     regions = list(spec.workers)
     ports = _Ports()

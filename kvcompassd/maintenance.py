@@ -105,7 +105,16 @@ class MaintenanceNode:
     async def start(self) -> None:
         host, port = split_address(self.me.quic, f"[[maintenance]] {self.me.id} quic")
         self.address = await self.node.listen(host, port)
+        self._export_tables()
         log.info("maintenance started", shard=self.me.shard, epoch=self.epoch, address=self.address)
+
+    def _export_tables(self) -> None:
+        """Per region group: entries and load, the table state an operator sizes
+        ``initial_capacity`` and ``fingerprint_bits`` by."""
+        for table in self.shard.table_stats():
+            labels = (str(table["group"]), table["region"])
+            self.metrics.entries.labels(*labels).set(table["entries"])
+            self.metrics.table_load.labels(*labels).set(table["load"])
 
     async def stop(self) -> None:
         self._batches.cancel()
@@ -227,6 +236,7 @@ class MaintenanceNode:
             return
         self.stats.batches += 1
         self.metrics.batches.inc()
+        self._export_tables()
         encoded = EncodedMessage(batch)
         for edge, peer in list(self.subscribers.items()):
             try:

@@ -16,7 +16,11 @@ class MaintenanceMetrics:
         self.events = Counter("kvcompass_index_events", "Index events from agents, by outcome", ["outcome"], registry=r)
         self.batches = Counter("kvcompass_update_batches_published", "Update batches pushed to edges", registry=r)
         self.snapshots = Counter("kvcompass_snapshots_sent", "Shard snapshots sent to edges", registry=r)
-        self.entries = Gauge("kvcompass_shard_entries", "Entries in this shard's tables", registry=r)
+        self.entries = Gauge("kvcompass_shard_entries", "Entries in this shard's table of a region group",
+                             ["group", "region"], registry=r)
+        self.table_load = Gauge("kvcompass_shard_table_load", "Share of the slots of a region group's table that "
+                                "hold an entry (a keyless edge view's false hits grow with it)",
+                                ["group", "region"], registry=r)
 
 
 class EdgeMetrics:

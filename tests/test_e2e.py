@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from e2e_helpers import lists_worker, admin, assert_views_converged, doc, eventually, generate
-from kvcompassd.launcher import DeploymentSpec, LocalDeployment
+from kvcompassd.launcher import DeploymentSpec, LocalDeployment, free_loopback_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SPEC = DeploymentSpec(workers={"us": 2, "eu": 2}, one_way_ms={("us", "eu"): 10.0}, shards=2,
                       prefill_ms_per_token=0.05, decode_ms_per_token=1.0, fingerprint_bits=16)
 BLOCK = SPEC.block_size
+MNT0_METRICS = f"127.0.0.1:{free_loopback_port()}"
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -33,7 +34,8 @@ async def dep(tmp_path_factory):
     # engine's live event batches and must recover them through the replay socket.
     d = LocalDeployment(SPEC, tmp_path_factory.mktemp("e2e"), time_scale=1.0,
                         node_args={"emulate-worker:us-1": ("--kv-events-style", "positional"),
-                                   "agent:eu-1": ("--chaos-drop-engine-batches", "0.5")})
+                                   "agent:eu-1": ("--chaos-drop-engine-batches", "0.5"),
+                                   "maintenance:mnt-0": ("--metrics", MNT0_METRICS)})
     async with d:
         yield d
 
@@ -211,6 +213,30 @@ async def test_metrics_count_decisions_and_sync(dep):
     for region in set(dep.cfg.region_names()) - {"us"}:
         assert f'kvcompass_queue_correction_ms{{region="{region}"}}' in text
         assert f'kvcompass_queue_herd_factor{{region="{region}"}} 1.0' in text
+
+
+async def test_maintenance_metrics_show_each_groups_entries_and_load(dep):
+    await generate(dep, "us", doc(52, 600))  # entries in both shards, whatever ran before
+
+    async def scrape():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://{MNT0_METRICS}/metrics") as r:
+                assert r.status == 200
+                text = await r.text()
+        samples = {}
+        for line in text.splitlines():
+            if line.startswith(("kvcompass_shard_entries{", "kvcompass_shard_table_load{")):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples if any(v > 0 for k, v in samples.items() if k.startswith("kvcompass_shard_entries")) else None
+
+    samples = await eventually(scrape, timeout=10)
+    status = await admin(dep, "mnt-0", "status")
+    for table in status["tables"]:  # the same figures the admin status shows, group by group
+        labels = f'{{group="{table["group"]}",region="{table["region"]}"}}'
+        assert f"kvcompass_shard_entries{labels}" in samples and f"kvcompass_shard_table_load{labels}" in samples
+    loads = [v for k, v in samples.items() if k.startswith("kvcompass_shard_table_load")]
+    assert all(0.0 <= v < 1.0 for v in loads) and any(v > 0.0 for v in loads)
 
 
 async def test_kvcompassctl_cli_reports_a_running_deployment(dep):
