@@ -119,6 +119,8 @@ def test_unknown_region_names_file_table_and_field(tmp_path: Path) -> None:
         (lambda d: d.__setitem__("index", {"max_load": 1.0}), "[index] field 'max_load': must be < 1"),
         (lambda d: d.__setitem__("index", {"same_region_growth": 1.0}), "[index] field 'same_region_growth'"),
         (lambda d: d.__setitem__("index", {"same_region_growth": 3.0}), "[index] field 'same_region_growth'"),
+        (lambda d: d.__setitem__("index", {"same_region_max_step": 1.05}), "[index] field 'same_region_max_step'"),
+        (lambda d: d.__setitem__("index", {"same_region_max_step": 2.5}), "[index] field 'same_region_max_step'"),
         (lambda d: d.__setitem__("score", {"wan": "half"}), "[score] field 'wan': must be 'rtt' or 'one_way'"),
         (lambda d: d.__setitem__("score", {"tau_ms": 0}), "[score] field 'tau_ms': must be > 0"),
         (lambda d: d.__setitem__("score", {"queue_ewma_weight": 1.5}), "[score] field 'queue_ewma_weight': must be <= 1"),

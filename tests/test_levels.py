@@ -11,13 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.core.config import ClusterConfig, IndexParams, LinkConfig, RegionConfig, WorkerConfig, load_config
-from kvcompassd.core.levels import LevelError, LevelPlan, refined_lengths, remote_lengths
+from kvcompassd.core.levels import LevelError, LevelPlan, filled_lengths, refined_lengths, remote_lengths
 
 TESTBED = Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml"
 
 
+def doublings_only_testbed() -> ClusterConfig:
+    """The testbed without its own-region fill (same_region_max_step 2): the hand-computed
+    lengths below are the doublings and the refinement; the fill has its own test."""
+    cfg = load_config(TESTBED)
+    return dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, same_region_max_step=2.0))
+
+
 def test_testbed_first_lengths_by_hand() -> None:
-    plan = LevelPlan.from_config(load_config(TESTBED))
+    plan = LevelPlan.from_config(doublings_only_testbed())
     # US-EU: RTT 320 ms / 0.085 ms/token = 3764.7 -> 3765 -> next multiple of 16 = 3776.
     assert plan.lengths_toward("us", "eu") == (3776, 5664, 7552, 9440, 11328, 13216)
     # US-Asia: 252 / 0.085 = 2964.7 -> 2965 -> 2976; EU-Asia: 298 / 0.085 = 3505.9 -> 3506 -> 3520.
@@ -34,14 +41,14 @@ def test_testbed_first_lengths_by_hand() -> None:
             64, 128, 256, 512, 1024, 2048, 2976, 3776, 4096, 5280, 7040, 8192, 10416, 13216, 16384)
     assert plan.first_length_toward("us", "eu") == 3776
     # same_region_growth = 2: the doublings only, as in the paper.
-    cfg = load_config(TESTBED)
+    cfg = doublings_only_testbed()
     paper = LevelPlan.from_config(dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, same_region_growth=2.0)))
     assert all(paper.lengths_toward(r, r) == doubling for r in ("us", "eu", "asia"))
     assert paper.registration_lengths() == plan.registration_lengths()  # refining registers nothing new
 
 
 def test_registration_is_the_sorted_union() -> None:
-    plan = LevelPlan.from_config(load_config(TESTBED))
+    plan = LevelPlan.from_config(doublings_only_testbed())
     union = set()
     for o in ("us", "eu", "asia"):
         for g in ("us", "eu", "asia"):
@@ -141,3 +148,39 @@ def test_refined_own_lengths_keep_the_doublings_and_add_only_registered_ones(
     for length in union:
         if doubling[0] < length <= doubling[-1] and length not in refined:
             assert length < max(c for c in refined if c < length) * growth
+
+
+def test_max_step_fills_the_bare_doublings_and_registers_them() -> None:
+    base = LevelPlan.from_config(doublings_only_testbed())
+    plan = LevelPlan.from_config(load_config(TESTBED))  # same_region_max_step = 1.5
+    # The testbed registers nothing below its first remote length (2976), so 1.5 adds a length
+    # inside every doubling up to 2048 and none above, where the refined reads are close enough.
+    for region in ("us", "eu", "asia"):
+        assert plan.lengths_toward(region, region) == (
+            64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2976, 3776, 4096, 5280, 7040, 8192, 10416,
+            13216, 16384)
+        own = plan.lengths_toward(region, region)
+        assert all(b <= a * 1.5 for a, b in zip(own, own[1:]))
+        for target in ("us", "eu", "asia"):
+            if target != region:  # remote lengths are latency-derived: untouched
+                assert plan.lengths_toward(region, target) == base.lengths_toward(region, target)
+    added = {96, 192, 384, 768, 1536}
+    assert set(plan.registration_lengths()) == set(base.registration_lengths()) | added
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.sets(st.integers(1, 4096).map(lambda n: 16 * n), min_size=1, max_size=30),
+    max_step=st.floats(1.1, 2.0),
+)
+def test_filled_lengths_keep_every_length_and_close_every_gap(lengths: set[int], max_step: float) -> None:
+    given_lengths = tuple(sorted(lengths))
+    filled = filled_lengths(given_lengths, max_step, 16)
+    assert set(given_lengths) <= set(filled) and list(filled) == sorted(set(filled))
+    assert all(c % 16 == 0 for c in filled)
+    if max_step >= 2.0:  # 2: off
+        assert filled == given_lengths
+        return
+    for a, b in zip(filled, filled[1:]):
+        # The next length is no further than one step (rounded up to the block) above the last.
+        assert b <= -(-math.ceil(a * max_step - 1e-9) // 16) * 16

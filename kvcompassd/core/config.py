@@ -251,6 +251,10 @@ class IndexParams:
     # Own-region lookups also read the lengths workers register anyway (for remote edges), each
     # at least this factor above the last one read; 2 keeps only the doubling lengths (paper §3.2).
     same_region_growth: float = 1.25
+    # Where neither the doublings nor those registered lengths leave own-region reads closer
+    # than this factor, lengths at this factor are added (and registered): a local holder is
+    # credited at least 1/max_step of its match. 2 adds none (the paper's doublings).
+    same_region_max_step: float = 2.0
     value_bits: int = 32
     fingerprint_bits: int = 0
     max_load: float = 0.95
@@ -267,6 +271,9 @@ class IndexParams:
             )
         _check_float("same_region_growth", self.same_region_growth, lo=1.0, hi=2.0, lo_open=True)
         _as_float(self, "same_region_growth")
+        # Below 1.1 a doubling would take 8 or more lengths: more keys than the credit is worth.
+        _check_float("same_region_max_step", self.same_region_max_step, lo=1.1, hi=2.0)
+        _as_float(self, "same_region_max_step")
         _check_int("value_bits", self.value_bits)
         if self.value_bits not in (32, 64):
             _fail("value_bits", f"must be 32 or 64, got {self.value_bits}")

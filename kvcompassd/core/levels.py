@@ -14,6 +14,13 @@ are long. The registered union already holds many lengths between the doublings 
 pairs' steps), at no cost to the index: the own-region lookup also reads those of them that are
 at least ``index.same_region_growth`` times the last length read (2: the doublings only, as
 in the paper). The cost is a few more prefix keys and table reads per request.
+
+Far-apart regions register nothing below their first remote length (the testbed's start at
+2,976 tokens), so there the doublings stay bare. ``index.same_region_max_step`` (2: off) then
+adds lengths where consecutive own-region reads are further apart than that factor, and those
+are registered: with 1.5 the testbed reads and registers 96, 192, ..., 1536 besides the
+doublings, so a local holder is credited at least two thirds of its match (a 1,900-token history
+counts as 1,536 tokens, not 1,024).
 """
 
 from __future__ import annotations
@@ -70,6 +77,22 @@ def refined_lengths(doubling: tuple[int, ...], registered: list[int], growth: fl
     return tuple(kept)
 
 
+def filled_lengths(lengths: tuple[int, ...], max_step: float, block: int) -> tuple[int, ...]:
+    """``lengths`` plus block-aligned lengths ``max_step`` times the previous one wherever two
+    consecutive lengths are further apart than that factor."""
+    if max_step >= 2.0 or not lengths:
+        return lengths
+    out = [lengths[0]]
+    for nxt in lengths[1:]:
+        while nxt > out[-1] * max_step:
+            step = _round_up(math.ceil(out[-1] * max_step - 1e-9), block)
+            if step >= nxt:
+                break
+            out.append(step)
+        out.append(nxt)
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class LevelPlan:
     """Indexed lengths for every (edge region, target region) pair."""
@@ -117,6 +140,12 @@ class LevelPlan:
                 if cfg.workers_in(origin):
                     toward[(origin, origin)] = refined_lengths(toward[(origin, origin)], registered,
                                                                index.same_region_growth)
+        if index.same_region_max_step < 2.0:
+            # After the refinement, so that only gaps the registered lengths leave are filled.
+            for origin in cfg.region_names():
+                if cfg.workers_in(origin):
+                    toward[(origin, origin)] = filled_lengths(toward[(origin, origin)], index.same_region_max_step,
+                                                              index.block_size)
         return cls(toward=toward, block_size=index.block_size)
 
     def lengths_toward(self, origin: str, target: str) -> tuple[int, ...]:

@@ -268,6 +268,7 @@ def render_toml(spec: DeploymentSpec) -> str:
         "levels = 6",
         "same_region_min_tokens = 64",
         "same_region_growth = 1.25",
+        "same_region_max_step = 2.0",
         f"value_bits = {spec.value_bits}",
         "fingerprint_bits = 0",
         "max_load = 0.95",
