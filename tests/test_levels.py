@@ -152,19 +152,20 @@ def test_refined_own_lengths_keep_the_doublings_and_add_only_registered_ones(
 
 def test_max_step_fills_the_bare_doublings_and_registers_them() -> None:
     base = LevelPlan.from_config(doublings_only_testbed())
-    plan = LevelPlan.from_config(load_config(TESTBED))  # same_region_max_step = 1.5
-    # The testbed registers nothing below its first remote length (2976), so 1.5 adds a length
-    # inside every doubling up to 2048 and none above, where the refined reads are close enough.
+    plan = LevelPlan.from_config(load_config(TESTBED))  # same_region_max_step = 1.25
+    # The testbed registers nothing below its first remote length (2976), so each doubling up
+    # to 2048 is split into four steps of 2^(1/4) = 1.19 (block-aligned: 64 -> 80 -> 96 -> 112
+    # -> 128), and every gap above wider than 1.25 into the fewest equal steps (2048 -> 2976 in
+    # two, 2976 -> 3776 is 1.27: two, ...).
+    own = (64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 368, 432, 512, 624, 736, 864, 1024, 1232, 1456, 1728,
+           2048, 2480, 2976, 3360, 3776, 4096, 4656, 5280, 6112, 7040, 8192, 9248, 10416, 11744, 13216, 16384)
     for region in ("us", "eu", "asia"):
-        assert plan.lengths_toward(region, region) == (
-            64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2976, 3776, 4096, 5280, 7040, 8192, 10416,
-            13216, 16384)
-        own = plan.lengths_toward(region, region)
-        assert all(b <= a * 1.5 for a, b in zip(own, own[1:]))
+        assert plan.lengths_toward(region, region) == own
+        assert all(b <= -(-math.ceil(a * 1.25) // 16) * 16 for a, b in zip(own, own[1:]))  # 1.25, block-aligned
         for target in ("us", "eu", "asia"):
             if target != region:  # remote lengths are latency-derived: untouched
                 assert plan.lengths_toward(region, target) == base.lengths_toward(region, target)
-    added = {96, 192, 384, 768, 1536}
+    added = set(own) - set(base.lengths_toward("us", "us"))
     assert set(plan.registration_lengths()) == set(base.registration_lengths()) | added
 
 
