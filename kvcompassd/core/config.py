@@ -251,9 +251,9 @@ class IndexParams:
     # Own-region lookups also read the lengths workers register anyway (for remote edges), each
     # at least this factor above the last one read; 2 keeps only the doubling lengths (paper §3.2).
     same_region_growth: float = 1.25
-    # Where neither the doublings nor those registered lengths leave own-region reads closer
-    # than this factor, lengths at this factor are added (and registered): a local holder is
-    # credited at least 1/max_step of its match. 2 adds none (the paper's doublings).
+    # Where neither the doublings nor those registered lengths leave own-region reads within
+    # this factor, the gap is split into the fewest equal steps within it, and the new lengths
+    # are registered: a local holder is credited at least 1/max_step of its match. 2 adds none.
     same_region_max_step: float = 2.0
     value_bits: int = 32
     fingerprint_bits: int = 0
