@@ -96,6 +96,9 @@ class MaintenanceNode:
         self.workers: dict[str, _WorkerStream] = {}
         self.stats = MaintenanceStats()
         self.metrics = metrics or MaintenanceMetrics()
+        # Entries and load per region group, what an operator sizes initial_capacity and
+        # fingerprint_bits by.
+        self.metrics.watch_tables(self.shard.table_stats)
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self.address: tuple[str, int] | None = None
@@ -105,16 +108,7 @@ class MaintenanceNode:
     async def start(self) -> None:
         host, port = split_address(self.me.quic, f"[[maintenance]] {self.me.id} quic")
         self.address = await self.node.listen(host, port)
-        self._export_tables()
         log.info("maintenance started", shard=self.me.shard, epoch=self.epoch, address=self.address)
-
-    def _export_tables(self) -> None:
-        """Per region group: entries and load, the table state an operator sizes
-        ``initial_capacity`` and ``fingerprint_bits`` by."""
-        for table in self.shard.table_stats():
-            labels = (str(table["group"]), table["region"])
-            self.metrics.entries.labels(*labels).set(table["entries"])
-            self.metrics.table_load.labels(*labels).set(table["load"])
 
     async def stop(self) -> None:
         self._batches.cancel()
@@ -236,7 +230,6 @@ class MaintenanceNode:
             return
         self.stats.batches += 1
         self.metrics.batches.inc()
-        self._export_tables()
         encoded = EncodedMessage(batch)
         for edge, peer in list(self.subscribers.items()):
             try:

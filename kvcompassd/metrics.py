@@ -3,7 +3,10 @@ process in tests and the demo), served by ``start_metrics_server``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 # Decisions take tens of microseconds; requests take milliseconds to seconds.
 _DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
@@ -16,11 +19,36 @@ class MaintenanceMetrics:
         self.events = Counter("kvcompass_index_events", "Index events from agents, by outcome", ["outcome"], registry=r)
         self.batches = Counter("kvcompass_update_batches_published", "Update batches pushed to edges", registry=r)
         self.snapshots = Counter("kvcompass_snapshots_sent", "Shard snapshots sent to edges", registry=r)
-        self.entries = Gauge("kvcompass_shard_entries", "Entries in this shard's table of a region group",
-                             ["group", "region"], registry=r)
-        self.table_load = Gauge("kvcompass_shard_table_load", "Share of the slots of a region group's table that "
-                                "hold an entry (a keyless edge view's false hits grow with it)",
-                                ["group", "region"], registry=r)
+
+    def watch_tables(self, table_stats: Callable[[], list[dict]]) -> None:
+        """Export ``MaintenanceShard.table_stats()`` (entries and load per region group), read
+        when scraped: nothing is added to the write path that flushes a batch every few ms."""
+        self.registry.register(_ShardTablesCollector(table_stats))
+
+
+class _ShardTablesCollector:
+    def __init__(self, table_stats: Callable[[], list[dict]]) -> None:
+        self._table_stats = table_stats
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (GaugeMetricFamily("kvcompass_shard_entries", "Entries in this shard's table of a region group",
+                                  labels=["group", "region"]),
+                GaugeMetricFamily("kvcompass_shard_table_load", "Share of the slots of a region group's table that "
+                                  "hold an entry (a keyless edge view's false hits grow with it)",
+                                  labels=["group", "region"]))
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        entries, load = self._families()
+        for table in self._table_stats():
+            labels = [str(table["group"]), table["region"]]
+            entries.add_metric(labels, table["entries"])
+            load.add_metric(labels, table["load"])
+        yield entries
+        yield load
 
 
 class EdgeMetrics:

@@ -136,19 +136,15 @@ class LevelPlan:
                 while local[-1] < longest_remote:
                     local.append(local[-1] * 2)
                 toward[(origin, origin)] = tuple(local)
-        if index.same_region_growth < 2.0:
-            # Only lengths already in the union: refining the own-region lookups registers nothing new.
-            registered = _union(toward)
-            for origin in cfg.region_names():
-                if cfg.workers_in(origin):
-                    toward[(origin, origin)] = refined_lengths(toward[(origin, origin)], registered,
-                                                               index.same_region_growth)
-        if index.same_region_max_step < 2.0:
-            # After the refinement, so that only gaps the registered lengths leave are filled.
-            for origin in cfg.region_names():
-                if cfg.workers_in(origin):
-                    toward[(origin, origin)] = filled_lengths(toward[(origin, origin)], index.same_region_max_step,
-                                                              index.block_size)
+        # Refining reads only lengths already in the union (it registers nothing new); filling
+        # comes after it, so only the gaps the registered lengths leave are filled.
+        registered = _union(toward) if index.same_region_growth < 2.0 else None
+        for origin in cfg.region_names():
+            if cfg.workers_in(origin):
+                own = toward[(origin, origin)]
+                if registered is not None:
+                    own = refined_lengths(own, registered, index.same_region_growth)
+                toward[(origin, origin)] = filled_lengths(own, index.same_region_max_step, index.block_size)
         return cls(toward=toward, block_size=index.block_size)
 
     def lengths_toward(self, origin: str, target: str) -> tuple[int, ...]:
