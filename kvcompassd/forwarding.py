@@ -209,6 +209,7 @@ class Forwarder:
                     raise ForwardError(502, f"worker {decision.worker} failed mid-response: {exc}") from exc
                 reasons.append(f"{decision.worker}: {exc}")
                 excluded.add(decision.worker_index)
+                self.router.on_failed(decision.worker_index)
                 if isinstance(exc, FirstTokenLate) and not decision.local:
                     # The request has spent its deadline on a crawling WAN path (shared by that
                     # region's workers, and likely not the only one): it stays in the edge's own
@@ -222,6 +223,8 @@ class Forwarder:
 
     def _observe_decision(self, req: ForwardRequest, d: ForwardDecided, decision_us: float, attempt: int) -> None:
         self.metrics.decisions.labels(d.outcome).inc()
+        if d.pending:
+            self.metrics.pending_credits.inc()
         self.metrics.decision_seconds.observe(decision_us / 1e6)
         if d.candidates:
             top = d.candidates[0]
@@ -234,6 +237,7 @@ class Forwarder:
             region=d.region,
             outcome=d.outcome,
             claimed=d.claimed_tokens,
+            pending=d.pending,
             prompt=d.prompt_len,
             lam=round(d.lam, 3),
             attempt=attempt,

@@ -126,6 +126,8 @@ def test_unknown_region_names_file_table_and_field(tmp_path: Path) -> None:
         (lambda d: d.__setitem__("score", {"queue_ewma_weight": 1.5}), "[score] field 'queue_ewma_weight': must be <= 1"),
         (lambda d: d.__setitem__("score", {"lambda_max": math.nan}), "[score] field 'lambda_max': must be finite"),
         (lambda d: d.__setitem__("score", {"occupancy_ms_per_running": -0.5}), "[score] field 'occupancy_ms_per_running'"),
+        (lambda d: d.__setitem__("score", {"pending_hold_ms": -1.0}), "[score] field 'pending_hold_ms'"),
+        (lambda d: d.__setitem__("score", {"pending_hold_ms": math.inf}), "[score] field 'pending_hold_ms'"),
         (lambda d: d["cluster"].pop("model"), "x.toml: [cluster] field 'model': missing required field"),
         (lambda d: d["cluster"].update(shards=0), "[cluster] field 'shards': must be >= 1"),
         (lambda d: d["cluster"].update(max_datagram_size=600), "[cluster] field 'max_datagram_size': must be 0 (by path)"),

@@ -87,8 +87,8 @@ def holding(cfg, shard, view, workers) -> None:
     assert view.apply_batch(shard.flush()).applied
 
 
-def router_for(regions: dict[str, int], holders: tuple[str, ...] = ()):
-    cfg = make_cluster(regions, shards=1)
+def router_for(regions: dict[str, int], holders: tuple[str, ...] = (), **score: float):
+    cfg = make_cluster(regions, shards=1, **score)
     layout = IndexLayout.from_config(cfg)
     view = EdgeIndexView(layout, 1, edge="edge-a")
     shard = MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64)
@@ -100,9 +100,10 @@ def router_for(regions: dict[str, int], holders: tuple[str, ...] = ()):
 
 @pytest_asyncio.fixture
 async def edge(pki, request):
-    regions, holders = getattr(request, "param", ({"a": 2}, ()))
+    param = getattr(request, "param", ({"a": 2}, ()))
+    regions, holders, score = param[0], param[1], (param[2] if len(param) > 2 else {})
     async with asyncio.timeout(GUARD_S):
-        cfg, router = router_for(regions, holders)
+        cfg, router = router_for(regions, holders, **score)
         node = QuicNode(NodeIdentity(Role.EDGE, "edge-a"), pki["edge-a"], on_message=lambda *a: None,
                         options=TransportOptions(idle_timeout=10.0))
         peers: dict[str, object] = {}
@@ -153,6 +154,16 @@ async def test_a_worker_that_failed_is_avoided_by_the_next_requests_until_it_ser
         _, done = await run(edge, request_id)
         assert done.worker == "a-1" and done.attempts == 1
     assert agents["a-0"].received == ["r1"]
+
+
+@pytest.mark.parametrize("edge", [({"a": 2}, (), {"pending_hold_ms": 1000.0})], indirect=True)
+async def test_a_worker_that_failed_is_not_credited_with_the_prompt_it_never_computed(pki, edge):
+    await start_agents(pki, edge, {"a-0": "stall", "a-1": "serve"})
+    _, done = await run(edge, tokens=LONG_PROMPT)
+    assert done.worker == "a-1" and done.attempts == 2
+    ledger = edge.router.pending
+    assert ledger.held_by(edge.router.layout.worker_index("a-0")) == 0
+    assert ledger.held_by(edge.router.layout.worker_index("a-1")) > 0
 
 
 def test_suspicion_doubles_with_each_failure_expires_and_is_cleared_by_a_served_request():

@@ -24,9 +24,10 @@ REGIONS = {"a": 3, "b": 18, "c": 2}  # b is split into two groups with 32-bit va
 class World:
     """Shards, and per region an edge view read by a native and a reference lookup."""
 
-    def __init__(self, *, fingerprint_bits: int, consistency: bool, value_bits: int, ready: tuple[int, ...]):
+    def __init__(self, *, fingerprint_bits: int, consistency: bool, value_bits: int, ready: tuple[int, ...],
+                 **score: float):
         self.cfg = make_cluster(REGIONS, shards=SHARDS, one_way_ms=2.0, fingerprint_bits=fingerprint_bits,
-                                value_bits=value_bits, levels=5, same_region_min_tokens=16)
+                                value_bits=value_bits, levels=5, same_region_min_tokens=16, **score)
         self.layout = IndexLayout.from_config(self.cfg)
         self.plan = LevelPlan.from_config(self.cfg)
         self.salt = namespace_salt(self.cfg.model)
@@ -272,7 +273,9 @@ def test_router_decisions_equal_the_reference_paths(steps, ablation, region):
 def test_a_loaded_local_holder_is_copied_the_same_way_on_both_paths():
     from kvcompassd.core.router import Router
 
-    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    # Without the pending ledger: with it, the second request of the prompt is credited to the
+    # idle worker the first one was sent to (a replica made by recomputing), and nothing misses.
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2), pending_hold_ms=0.0)
     view = w.views["b"]
     fast, slow = Router(w.cfg, "b", view, now=0.0), _reference_router(w.cfg, "b", view, Ablation())
     tokens = _prompt(7, 900)
@@ -354,7 +357,7 @@ def test_slot_constructor_builds_what_the_dataclass_builds():
     from kvcompassd.core.router import ForwardDecided
 
     build = slot_constructor(ForwardDecided)
-    args = ("w", 1, "r", 64, Tier.DRAM, 0.5, 100, False, None, None, 3)
+    args = ("w", 1, "r", 64, Tier.DRAM, 0.5, 100, False, None, None, 3, False)
     made = build(*args)
     assert made == ForwardDecided(*args) and made.outcome == "remote_hit"
     with pytest.raises(FrozenInstanceError):

@@ -113,7 +113,7 @@ def test_hot_remote_prefix_migrates_to_a_persistently_idle_local_worker():
 
 
 def test_exact_ties_rotate_instead_of_piling_onto_the_first_worker():
-    cfg, layout, shards, view = _world()
+    cfg, layout, shards, view = _world(pending_hold_ms=0.0)  # the ledger would credit the first one
     router = Router(cfg, "us", view, now=0.0)
     chosen = []
     for i in range(6):
@@ -122,3 +122,46 @@ def test_exact_ties_rotate_instead_of_piling_onto_the_first_worker():
             router.queues.set_local(w, 0.0, now=float(i))
         chosen.append(router.decide(PROMPT, now=float(i)).worker)
     assert chosen == ["us-0", "us-1", "us-2"] * 2
+
+
+def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
+    """The view shows nothing yet (the registration is still crossing the WAN): the pending
+    ledger credits the worker the edge sent the first turn to, once its prefill is done."""
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
+    first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(first_turn, now=0.0)
+    assert first.outcome == "recompute" and not first.pending
+    later = router.decide(follow_up, now=0.4)
+    assert later.worker == first.worker and later.claimed_tokens == 1024  # longest own length <= 1500
+    assert later.tier == Tier.VRAM and later.outcome == "local_hit" and later.pending
+    # Ready only after its queue (0) and prefill (1500 tokens x 0.1 ms): 150 ms after dispatch.
+    early = Router(cfg, "us", view, now=0.0)
+    early.decide(first_turn, now=0.0)
+    assert early.decide(follow_up, now=0.1).claimed_tokens == 0
+    # Had that worker failed the first turn, nothing would be credited to it.
+    failed = Router(cfg, "us", view, now=0.0)
+    failed.on_failed(failed.decide(first_turn, now=0.0).worker_index)
+    assert failed.decide(follow_up, now=0.4).claimed_tokens == 0
+    # Without the ledger the follow-up is a recompute wherever the rotation puts it.
+    cfg_off, _, _, view_off = _world(pending_hold_ms=0.0)
+    router_off = Router(cfg_off, "us", view_off, now=0.0)
+    router_off.decide(first_turn, now=0.0)
+    router_off.decide(follow_up, now=0.1)
+    assert router_off.decide(follow_up, now=0.4).claimed_tokens == 0
+
+
+def test_pending_credit_is_the_same_on_the_native_and_the_reference_path():
+    cfg, layout, shards, view = _world(pending_hold_ms=300.0)
+    _register(cfg, shards, view, "eu-0", PROMPT, 2000)
+    rng = np.random.default_rng(11)
+    prompts = [PROMPT[:n] for n in (100, 700, 1200, 1900, 2000)] + [rng.integers(0, 30000, 900, dtype=np.uint32)]
+    native = Router(cfg, "us", view, now=0.0)
+    reference = Router(cfg, "us", view, now=0.0, native=False)
+    for step in range(40):
+        now = 0.05 * step
+        tokens = prompts[int(rng.integers(len(prompts)))]
+        a, b = native.decide(tokens, now=now), reference.decide(tokens, now=now)
+        assert (a.worker, a.claimed_tokens, a.tier) == (b.worker, b.claimed_tokens, b.tier)
+        np.testing.assert_allclose(a.score.scores, b.score.scores)
+    assert len(native.pending) == len(reference.pending) > 0

@@ -15,6 +15,9 @@ Printed per config, all measured in the same run on one thread:
 - ``Router.decide`` with the daemon's settings (top-3 score terms, migration detector on):
   P50, P99, decisions/s (a tight loop) and P50 / SHA;
 - the same with ``top_k=0`` and without the migration detector (what the simulator runs);
+- 64 prompts the view does not hold, each back every 64 decisions, with the pending ledger off
+  and on (``score.pending_hold_ms``; on, a decision that finds its previous turn there is
+  scored twice; the line after the table says how many of 64 were);
 - the decision broken into its stages, each timed alone on the same inputs: hashing at the
   edge's query lengths (``prefix_keys``, the C SHA-256, and ``prefix_keys_reference``, hashlib),
   the fused C call the Router makes (``ForwardKernel.run``: hashing + lookup + score), the
@@ -144,29 +147,45 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
 
     daemon = Router(cfg, region, view, now=0.0)  # the edge daemon's settings
     lean = Router(cfg, region, view, now=0.0, top_k=0, ablation=Ablation(migration=False))
-    for router in (daemon, lean):  # every worker reported live or broadcast once, all idle
+    # Conversations the view does not show yet, with and without the pending ledger: each of 64
+    # prompts comes back every 64 decisions (0.64 s), so with the ledger on every decision after
+    # the first round finds its previous turn there and is scored twice.
+    unheld = [rng.integers(0, 128_256, size=args.tokens, dtype=np.uint32) for _ in range(64)]
+    off_score = dataclasses.replace(cfg.score, pending_hold_ms=0.0)
+    on_score = dataclasses.replace(cfg.score, pending_hold_ms=1000.0)
+    ledger_off = Router(dataclasses.replace(cfg, score=off_score), region, view, now=0.0)
+    ledger_on = Router(dataclasses.replace(cfg, score=on_score), region, view, now=0.0)
+    for router in (daemon, lean, ledger_off, ledger_on):  # every worker reported live or broadcast once, all idle
         for w in cfg.workers_in(region):
             router.queues.set_local(w.id, 0.0, now=0.0)
 
-    # The reference and both decision cases are sampled in alternating rounds, so that load that
-    # comes and goes on a shared machine falls on all three alike (each round is long enough to
-    # keep its own caches warm: no call of one runs between two calls of another).
-    cases = (("Router.decide (daemon: top-3, migration on)", daemon),
-             ("Router.decide (sim: top_k=0, no migration)", lean))
+    # The reference and the decision cases are sampled in alternating rounds, so that load that
+    # comes and goes on a shared machine falls on all alike (each round is long enough to keep
+    # its own caches warm: no call of one runs between two calls of another).
+    def same(): return itertools.repeat(prompt)
+    def cycling(): return itertools.cycle(unheld)
+    cases = (("Router.decide (daemon: top-3, migration on)", daemon, same),
+             ("Router.decide (sim: top_k=0, no migration)", lean, same),
+             ("unindexed follow-ups, pending ledger off", ledger_off, cycling),
+             ("unindexed follow-ups, pending ledger on", ledger_on, cycling))
     # A slowly advancing clock keeps the hot-prefix windows realistic (no flood of one family).
     clocks = [itertools.count(0.0, 0.01) for _ in cases]
+    feeds = [make() for _, _, make in cases]
     sha_samples: list[int] = []
     case_samples: list[list[int]] = [[] for _ in cases]
     per_round = max(1, args.repeat // args.rounds)
     for _ in range(args.rounds):
         sha_samples += samples_ns(lambda: hashlib.sha256(salt + data).digest(), per_round)
-        for (_, router), clock, out in zip(cases, clocks, case_samples):
-            out += samples_ns(lambda: router.decide(prompt, now=next(clock)), per_round)
+        for (_, router, _), clock, feed, out in zip(cases, clocks, feeds, case_samples):
+            out += samples_ns(lambda: router.decide(next(feed), now=next(clock)), per_round)
     sha = statistics.median(sha_samples) / 1000.0
     rows = []
-    for (label, router), clock, s in zip(cases, clocks, case_samples):
-        rate = rate_per_s(lambda: router.decide(prompt, now=next(clock)), args.repeat)
+    for (label, router, _), clock, feed, s in zip(cases, clocks, feeds, case_samples):
+        rate = rate_per_s(lambda: router.decide(next(feed), now=next(clock)), args.repeat)
         rows.append((label, p(s, 50), p(s, 99), rate))
+
+    on_clock, on_feed = clocks[-1], feeds[-1]
+    credited = sum(ledger_on.decide(next(on_feed), now=next(on_clock)).pending for _ in range(len(unheld)))
 
     # Stage breakdown on the same inputs.
     lk = daemon.lookup
@@ -189,6 +208,10 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     queue, belief = daemon.queues.queue_ms(), daemon.belief.values
     scored = daemon.scorer.score(found.prompt_len, found.matched, found.tier, queue, belief)
     mclock = itertools.count(0.0, 0.01)
+
+    def observe(now: float):
+        return daemon.hot.observe(daemon._observation(found, scored.scores, scored.chosen, now), now=now)
+
     kernel = daemon._kernel
     stages = [
         (f"hashing: prefix_keys at {n_fit} lengths ({sha256_backend()})",
@@ -204,8 +227,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
                                                                            queue, belief), args.repeat)),
         ("top-k: ScoreResult.top(3)", median_us(lambda: scored.top(3), args.repeat)),
         ("migration: observation + HotPrefixDetector.observe",
-         median_us(lambda: daemon.hot.observe(daemon._observation(found, scored.scores, scored.chosen), now=next(mclock)),
-                   args.repeat)),
+         median_us(lambda: observe(next(mclock)), args.repeat)),
     ]
 
     hits = {cfg.workers[i].id: int(m) for i, m in enumerate(found.matched.tolist()) if m}
@@ -217,6 +239,8 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     print(f"{'one SHA-256 over the prompt (reference)':<54} {sha:>9.2f} {'':>9} {'':>9} {1.0:>8.2f}")
     for label, p50, p99, rate in rows:
         print(f"{label:<54} {p50:>9.2f} {p99:>9.2f} {rate:>9,.0f} {p50 / sha:>8.2f}")
+    print(f"(ledger on: {credited} of the next {len(unheld)} decisions credited a pending holding; "
+          f"{len(ledger_on.pending)} entries held)")
     print(f"{'stage (each timed alone)':<54} {'median µs':>9} {'':>9} {'':>9} {'x SHA':>8}")
     for label, us in stages:
         print(f"  {label:<52} {us:>9.2f} {'':>9} {'':>9} {us / sha:>8.2f}")

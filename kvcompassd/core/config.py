@@ -314,6 +314,12 @@ class ScoreParams:
     # prefixes was passed over until the others' slots filled (testbed LMSYS 150 req/s: 27
     # running requests on it against 50-58 on its peers; P99 107.6 -> 98.2 ms at 0.25).
     occupancy_ms_per_running: float = 0.25
+    # How long after its prefill an edge keeps crediting a worker with a prompt it sent there,
+    # until its view shows the worker's registration (core/pending.py); 0 turns the ledger off.
+    # The write path crosses the WAN twice when the shard is abroad (testbed: 250-320 ms); a
+    # follow-up sooner than that found nothing (testbed LMSYS 25 req/s, seeds 0-4: P99 above
+    # Dynamo's by up to 3.3 %, equal at all five with the ledger).
+    pending_hold_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         _check_float("lambda_max", self.lambda_max, lo=0.0)
@@ -328,8 +334,10 @@ class ScoreParams:
         _check_float("hot_prefix_window_ms", self.hot_prefix_window_ms, lo=0.0, lo_open=True)
         _check_float("idle_period_ms", self.idle_period_ms, lo=0.0)
         _check_float("occupancy_ms_per_running", self.occupancy_ms_per_running, lo=0.0)
+        _check_float("pending_hold_ms", self.pending_hold_ms, lo=0.0)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
-                     "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running"):
+                     "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",
+                     "pending_hold_ms"):
             _as_float(self, name)
 
 

@@ -13,6 +13,7 @@ tests hold the two equal.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
@@ -23,13 +24,14 @@ from .belief import CacheBelief
 from .config import ClusterConfig
 from .events import Tier
 from .index import EdgeIndexView
-from .keys import SHA256_BACKENDS, namespace_salt, token_buffer
+from .keys import SHA256_BACKENDS, namespace_salt, prefix_keys_reference, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
 from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, ForwardKernel, MissSummary,
                           slot_constructor)
 from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
+from .pending import PendingHoldings
 from .queues import QueueEstimates
 from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms
 
@@ -49,6 +51,7 @@ class ForwardDecided:
     score: ScoreResult  # every worker's score; ``candidates`` breaks the best down
     migration: MigrationPlanned | None = None
     top_k: int = 3
+    pending: bool = False  # the winner was credited from the edge's pending ledger, beyond its view
 
     @property
     def candidates(self) -> tuple[ScoreTerms, ...]:
@@ -113,6 +116,10 @@ class Router:
         self._miss_summary = MissSummary(self._local, np.array(floors, dtype=np.int64))
         self._beta_list = self.scorer.beta_list
         self._gamma = self.scorer.gamma
+        hold_ms = cfg.score.pending_hold_ms
+        self.pending = (PendingHoldings(self.lookup.group_lengths, self.lookup.query_lengths, self.layout.worker_group,
+                                        hold_s=hold_ms / 1000.0) if hold_ms > 0 else None)
+        self._query_list = self.lookup.query_lengths.tolist()
         self._kernel: ForwardKernel | None = None
         if native:
             lookup_plan, pointers = self.lookup.native_plan()
@@ -125,19 +132,55 @@ class Router:
         """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
         kernel = self._kernel
         if kernel is None:
-            return self.decide_from(self.lookup.lookup(tokens), now=now, exclude=exclude)
+            return self._decide_reference(tokens, now=now, exclude=exclude)
         data, prompt_len = token_buffer(tokens)
         queue, belief = self.queues.queue_ms(now=now), self.belief.values
-        matched, tier, scores, best, chosen, lam, miss, family_key = kernel.run(
-            data, queue, belief, self._eligible(exclude) if exclude else None)
+        eligible = self._eligible(exclude) if exclude else None
+        matched, tier, scores, best, chosen, lam, miss, family_key = kernel.run(data, queue, belief, eligible)
+        pending = self.pending
+        keys = None
+        if pending is not None:
+            keys = kernel.keys()[:self._fitting(prompt_len)]
+            shown = pending.overlay(keys.tolist(), matched, tier, now=now)
+            if shown is not None:
+                return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief, eligible,
+                                      now)
         if best < 0:
             raise NoEligibleWorkerError("no eligible worker for this request")
         result = ScoreResult(best, self.layout.worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
                              queue, belief, self.ablation)
-        return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss)
+        return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss, keys, None)
+
+    def _fitting(self, prompt_len: int) -> int:
+        return bisect_right(self._query_list, prompt_len)
+
+    def _decide_reference(self, tokens, *, now: float, exclude: Collection[int]) -> ForwardDecided:
+        found = self.lookup.lookup(tokens)
+        keys = shown = None
+        if self.pending is not None:
+            n_fit = self._fitting(found.prompt_len)
+            keys = prefix_keys_reference(tokens, self.lookup.query_lengths[:n_fit], self.lookup.salt)
+            matched, tier = found.matched.copy(), found.tier.copy()
+            shown = self.pending.overlay(keys.tolist(), matched, tier, now=now)
+            if shown is not None:
+                found = new_lookup_result(found.prompt_len, matched, tier, found.family_key)
+        return self._decide_found(found, now=now, exclude=exclude, keys=keys, shown=shown)
+
+    def _rescored(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, keys: np.ndarray,
+                  shown: np.ndarray, family_key: int | None, queue: np.ndarray, belief: np.ndarray, eligible: np.ndarray | None,
+                  now: float) -> ForwardDecided:
+        """Score again after the pending ledger raised some matches (the C call scored the view's)."""
+        result = self.scorer.score(prompt_len, matched, tier, queue, belief, ablation=self.ablation,
+                                   eligible=eligible, native=self.native)
+        return self._conclude(prompt_len, matched, tier, family_key, result, self._rotate_ties(result), belief,
+                              now, None, keys, shown)
 
     def decide_from(self, found: LookupResult, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
-        """Pick the worker for an already looked-up prompt (the reference path of ``decide``)."""
+        """Pick the worker for an already looked-up prompt (no pending ledger: it needs the keys)."""
+        return self._decide_found(found, now=now, exclude=exclude, keys=None, shown=None)
+
+    def _decide_found(self, found: LookupResult, *, now: float, exclude: Collection[int],
+                      keys: np.ndarray | None, shown: np.ndarray | None) -> ForwardDecided:
         belief = self.belief.values
         result = self.scorer.score(
             found.prompt_len,
@@ -149,6 +192,10 @@ class Router:
             eligible=self._eligible(exclude) if exclude else None,
             native=self.native,
         )
+        return self._conclude(found.prompt_len, found.matched, found.tier, found.family_key, result,
+                              self._rotate_ties(result), belief, now, None, keys, shown)
+
+    def _rotate_ties(self, result: ScoreResult) -> int:
         chosen = result.chosen
         scores = result.scores
         ties = np.flatnonzero(scores == scores.item(chosen))
@@ -156,8 +203,7 @@ class Router:
             # Exact ties (idle non-holders of one region) would all go to the lowest index and
             # pile up inside one load-report interval: rotate among them, least recently sent first.
             chosen = int(ties[np.argmin(self._last_sent[ties])])
-        return self._conclude(found.prompt_len, found.matched, found.tier, found.family_key, result, chosen, belief,
-                              now, None)
+        return chosen
 
     def _eligible(self, exclude: Collection[int]) -> np.ndarray:
         eligible = np.ones(len(self.layout.worker_ids), dtype=bool)
@@ -165,10 +211,13 @@ class Router:
         return eligible
 
     def _conclude(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, family_key: int | None,
-                  result: ScoreResult, chosen: int, belief: np.ndarray, now: float, miss: int | None) -> ForwardDecided:
-        """Count the dispatch, consult the hot-prefix detector, build the decision.
+                  result: ScoreResult, chosen: int, belief: np.ndarray, now: float, miss: int | None,
+                  keys: np.ndarray | None, shown: np.ndarray | None) -> ForwardDecided:
+        """Count the dispatch, consult the hot-prefix detector, note it as pending, build the decision.
 
-        ``miss`` is the decision's ``MISS_*`` summary when the fused C call computed it already.
+        ``miss`` is the decision's ``MISS_*`` summary when the fused C call computed it already;
+        ``keys`` the prompt's query keys that fit it (None without the pending ledger) and
+        ``shown`` the view's matches when the ledger raised some (None when it did not).
         """
         self._sent_count += 1
         self._last_sent[chosen] = self._sent_count
@@ -186,6 +235,10 @@ class Router:
         work = self._beta_list[chosen] * (prompt_len - reused)
         if code == Tier.DRAM:
             work += self._gamma * reused
+        if keys is not None:
+            # Cached there once the queue ahead of it and its own prefill are done.
+            ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
+            self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now)
         self.queues.note_dispatched(worker, work, now=now)
         return _new_forward_decided(
             worker,
@@ -199,6 +252,7 @@ class Router:
             result,
             migration,
             self.top_k,
+            shown is not None and claimed > shown.item(chosen),
         )
 
     def _observe(self, found: LookupResult, result: ScoreResult, chosen: int, now: float,
@@ -248,6 +302,11 @@ class Router:
         )
 
     # -- feedback -----------------------------------------------------------------------------
+
+    def on_failed(self, worker_index: int) -> None:
+        """A worker failed a request before its first token: it will not hold that prompt."""
+        if self.pending is not None:
+            self.pending.forget(worker_index)
 
     def on_response(
         self,

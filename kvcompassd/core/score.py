@@ -92,6 +92,11 @@ class ScoreResult:
         return f"ScoreResult(worker={self.worker!r}, chosen={self.chosen}, lam={self.lam:.4g}, total={self.total:.4g})"
 
     @property
+    def queue_ms(self) -> np.ndarray:
+        """The queue estimates the decision was scored with (ms, worker order)."""
+        return self._queue
+
+    @property
     def total(self) -> float:
         return float(self.scores[self.chosen])
 

@@ -286,6 +286,7 @@ def render_toml(spec: DeploymentSpec) -> str:
         "hot_prefix_window_ms = 1000.0",
         "idle_period_ms = 1000.0",
         "occupancy_ms_per_running = 0.25",
+        "pending_hold_ms = 1000.0",
     ]
     for name in spec.region_names():
         site = SITES[name]

@@ -1,0 +1,147 @@
+"""Prefixes an edge has just sent to workers, credited until its index view shows them (sans-IO).
+
+A worker's new cache reaches the edge's view only after its registration has travelled to the
+owning maintenance shard and the shard's batch back to the edge; on a fleet whose shards sit in
+other continents that is two WAN crossings (testbed: 250-320 ms). A follow-up turn that comes
+sooner finds nothing in the view and is recomputed wherever the score sends it. The edge knows
+where it sent the previous turn, so it credits that worker with the prompt's indexed lengths,
+in VRAM, until the view catches up (production routers keep the same ledger of their own
+routing: Dynamo's approximate KV indexer, SGLang's cache-aware router tree).
+
+Entries are the prefix keys of the lengths the worker will register (its group's lengths
+toward the edge's region, up to the prompt) beyond what the view already showed at dispatch.
+An entry is credited from ``ready_at``, the edge's estimate of when the worker has computed the
+prompt (the queue it scored plus the prefill it charged): a request that got there sooner would
+find the prefix still being computed. It ends when a lookup finds the view holding that length
+for that worker (from then on the index is authoritative, evictions included) or ``hold_s``
+after ``ready_at`` (the worker may never have cached it: a failed request, a full cache).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from .events import Tier
+
+__all__ = ["PendingHoldings", "PendingHoldingsError"]
+
+_VRAM = int(Tier.VRAM)
+
+
+class PendingHoldingsError(ValueError):
+    """Bad arguments to the pending-holdings ledger."""
+
+
+class PendingHoldings:
+    """The edge's ledger of prefixes sent to workers and not yet seen in its view.
+
+    ``group_lengths`` is the lookup's (groups x levels) matrix of lengths read toward each
+    worker group (0 pads), ``query_lengths`` the ascending lengths the keys are computed at, and
+    ``worker_group`` each worker's group: together they say which of a prompt's keys a worker
+    registers where this edge reads them.
+
+    A key names one prefix at one length, so it is credited at the query length where the
+    request has it. Each key keeps only its latest dispatch: a prefix sent to two workers
+    before the view showed either is credited to the later one (one holder is enough for the
+    score to weigh; the view will show both soon).
+    """
+
+    def __init__(self, group_lengths: np.ndarray, query_lengths: np.ndarray, worker_group: np.ndarray, *,
+                 hold_s: float) -> None:
+        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not (math.isfinite(hold_s)
+                                                                                     and hold_s > 0):
+            raise PendingHoldingsError(f"hold_s must be a finite number > 0, got {hold_s!r}")
+        self.hold_s = float(hold_s)
+        self._query = [int(n) for n in query_lengths]
+        position = {n: i for i, n in enumerate(self._query)}
+        # Per group: (length, index of its key among the query keys), ascending.
+        group_reads = tuple(tuple((int(n), position[int(n)]) for n in row if n > 0) for row in np.asarray(group_lengths))
+        self._worker_reads = tuple(group_reads[g] for g in np.asarray(worker_group).tolist())
+        # key -> its latest dispatch, a record (worker, ready_at, expires, keys) shared by all the
+        # keys it noted; records in dispatch order, for purging. (Few objects per dispatch: the
+        # ledger runs once per request, and garbage it leaves costs collector pauses.)
+        self._by_key: dict[int, tuple[int, float, float, list[int]]] = {}
+        self._records: deque[tuple[int, float, float, list[int]]] = deque()
+
+    def __len__(self) -> int:
+        """Keys held (expired ones included until purged)."""
+        return len(self._by_key)
+
+    def held_by(self, worker: int) -> int:
+        """How many keys ``worker`` is credited with (expired ones included until purged)."""
+        return sum(record[0] == worker for record in self._by_key.values())
+
+    def note_sent(self, worker: int, keys: np.ndarray, prompt_len: int, shown: int, *, ready_at: float,
+                  now: float) -> int:
+        """Record that ``worker`` will hold, from ``ready_at``, the prompt whose query keys are ``keys``.
+
+        ``shown`` is the match the view already showed for the worker; only longer lengths are
+        noted. Returns how many lengths were noted.
+        """
+        if not ready_at >= now:
+            raise PendingHoldingsError(f"ready_at must be >= now, got {ready_at!r} < {now!r}")
+        self._purge(now)
+        noted = [keys.item(at) for length, at in self._worker_reads[worker] if shown < length <= prompt_len]
+        if noted:
+            record = (worker, ready_at, ready_at + self.hold_s, noted)
+            by_key = self._by_key
+            for key in noted:
+                by_key[key] = record
+            self._records.append(record)
+        return len(noted)
+
+    def overlay(self, keys: list[int], matched: np.ndarray, tier: np.ndarray, *, now: float) -> np.ndarray | None:
+        """Raise ``matched``/``tier`` (in place) to the pending holdings among ``keys``.
+
+        ``keys`` are the request's query keys (those that fit the prompt, in query-length
+        order). Entries the view already shows (its match for that worker reaches the length)
+        end here. Returns the view's matches as they were (a copy) when any worker's match was
+        raised, else None.
+        """
+        self._purge(now)
+        by_key = self._by_key
+        if by_key.keys().isdisjoint(keys):
+            return None
+        shown = matched.copy()
+        raised = False
+        query = self._query
+        for at, key in enumerate(keys):
+            record = by_key.get(key)
+            if record is None:
+                continue
+            worker, ready_at, expires, _ = record
+            if expires <= now or ready_at > now:
+                continue
+            length = query[at]
+            if shown.item(worker) >= length:
+                del by_key[key]  # the view has it: the index speaks from here on
+            elif length > matched.item(worker):
+                matched[worker] = length
+                tier[worker] = _VRAM
+                raised = True
+        return shown if raised else None
+
+    def forget(self, worker: int) -> int:
+        """Drop every key credited to ``worker`` (it failed the request: it will not hold the prompt).
+
+        Returns how many were dropped.
+        """
+        by_key = self._by_key
+        dropped = [key for key, record in by_key.items() if record[0] == worker]
+        for key in dropped:
+            del by_key[key]
+        return len(dropped)
+
+    def _purge(self, now: float) -> None:
+        # Records leave in dispatch order once expired; one that expires later than its
+        # successors (a longer queue ahead of it) holds them back a little, which costs only
+        # memory: expired keys are never credited.
+        records, by_key = self._records, self._by_key
+        while records and records[0][2] <= now:
+            record = records.popleft()
+            for key in record[3]:
+                if by_key.get(key) is record:
+                    del by_key[key]

@@ -1,0 +1,163 @@
+"""The edge's ledger of prompts it sent to workers, credited until its view shows them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.events import Tier
+from kvcompassd.core.pending import PendingHoldings, PendingHoldingsError
+
+# Two worker groups: group 0 (workers 0, 1) is read at 32, 64, 128; group 1 (worker 2) at 64, 96.
+GROUP_LENGTHS = np.array([[32, 64, 128], [64, 96, 0]], dtype=np.int64)
+QUERY_LENGTHS = np.array([32, 64, 96, 128], dtype=np.int64)
+WORKER_GROUP = np.array([0, 0, 1])
+KEYS = np.array([1001, 1002, 1003, 1004], dtype=np.uint64)  # a prompt's keys at QUERY_LENGTHS
+
+
+def _ledger(hold_s=1.0):
+    return PendingHoldings(GROUP_LENGTHS, QUERY_LENGTHS, WORKER_GROUP, hold_s=hold_s)
+
+
+def _view(matched=(0, 0, 0)):
+    return np.array(matched, dtype=np.int64), np.array([Tier.VRAM if m else 0 for m in matched], dtype=np.uint8)
+
+
+def test_a_sent_prompt_is_credited_at_its_workers_lengths_once_ready():
+    ledger = _ledger()
+    assert ledger.note_sent(1, KEYS, 130, 0, ready_at=0.2, now=0.0) == 3  # 32, 64, 128: group 0's lengths
+    matched, tier = _view()
+    assert None is ledger.overlay(KEYS.tolist(), matched, tier, now=0.1)  # still being computed
+    assert matched.tolist() == [0, 0, 0]
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.3) is not None
+    assert matched.tolist() == [0, 128, 0] and tier.tolist() == [0, Tier.VRAM, 0]
+    # A follow-up sharing only the first 64 tokens is credited 64.
+    matched, tier = _view()
+    assert ledger.overlay([1001, 1002, 7777, 8888], matched, tier, now=0.3) is not None
+    assert matched.tolist() == [0, 64, 0]
+
+
+def test_only_lengths_beyond_the_views_match_and_within_the_prompt_are_noted():
+    ledger = _ledger()
+    assert ledger.note_sent(2, KEYS[:3], 100, 64, ready_at=0.0, now=0.0) == 1  # 96 only: 64 is shown
+    assert ledger.note_sent(0, KEYS[:2], 64, 0, ready_at=0.0, now=0.0) == 2
+    assert len(ledger) == 3
+
+
+def test_an_entry_ends_once_the_view_shows_it():
+    ledger = _ledger()
+    ledger.note_sent(0, KEYS, 128, 0, ready_at=0.0, now=0.0)
+    matched, tier = _view((64, 0, 0))  # the view caught up to 64: the 32 and 64 entries end
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.1) is not None
+    assert matched.tolist() == [128, 0, 0] and len(ledger) == 1
+    matched, tier = _view((128, 0, 0))
+    assert None is ledger.overlay(KEYS.tolist(), matched, tier, now=0.2)
+    assert len(ledger) == 0
+
+
+def test_an_entry_expires_hold_s_after_it_was_ready_and_a_later_dispatch_refreshes_it():
+    ledger = _ledger(hold_s=1.0)
+    other = KEYS + np.uint64(100)
+    ledger.note_sent(0, other, 128, 0, ready_at=0.5, now=0.0)
+    ledger.note_sent(1, KEYS, 128, 0, ready_at=0.5, now=0.0)
+    ledger.note_sent(1, KEYS, 128, 0, ready_at=1.2, now=1.0)  # the same prompt again: held anew
+    matched, tier = _view()
+    assert ledger.overlay(other.tolist(), matched, tier, now=1.6) is None  # held until 1.5 only
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=1.6) is not None
+    assert matched.tolist() == [0, 128, 0] and len(ledger) == 3
+    matched, tier = _view()
+    assert None is ledger.overlay(KEYS.tolist(), matched, tier, now=2.2)
+    assert len(ledger) == 0
+
+
+def test_a_prefix_sent_to_two_workers_is_credited_to_the_later():
+    ledger = _ledger()
+    ledger.note_sent(0, KEYS, 128, 0, ready_at=0.0, now=0.0)
+    ledger.note_sent(1, KEYS[:2], 64, 0, ready_at=0.1, now=0.1)  # shares the first 64 tokens
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.2) is not None
+    assert matched.tolist() == [128, 64, 0]
+    assert ledger.held_by(0) == 1 and ledger.held_by(1) == 2
+
+
+def test_bad_arguments_are_refused():
+    for hold in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(PendingHoldingsError):
+            PendingHoldings(GROUP_LENGTHS, QUERY_LENGTHS, WORKER_GROUP, hold_s=hold)
+    with pytest.raises(PendingHoldingsError):
+        _ledger().note_sent(0, KEYS, 128, 0, ready_at=0.5, now=1.0)
+
+
+# -- against a reference model ----------------------------------------------------------------
+
+_note = st.tuples(st.just("note"), st.integers(0, 2), st.lists(st.integers(0, 5), min_size=4, max_size=4),
+                  st.integers(1, 140), st.sampled_from([0, 32, 64, 96, 128]), st.floats(0, 0.5))
+_look = st.tuples(st.just("look"), st.lists(st.integers(0, 5), min_size=4, max_size=4),
+                  st.lists(st.sampled_from([0, 32, 64, 96, 128]), min_size=3, max_size=3))
+_fail = st.tuples(st.just("fail"), st.integers(0, 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.floats(0, 0.4), st.one_of(_note, _look, _fail)), max_size=30))
+def test_the_ledger_matches_a_map_of_latest_dispatches(ops):
+    """Credited = for each of the request's keys whose latest dispatch is ready and unexpired
+    and not yet shown by the view, that dispatch's worker at the key's length, if longer than
+    the view's match. Keys are tagged by length, so that one key never names two lengths."""
+    hold = 0.6
+    ledger = _ledger(hold_s=hold)
+    query = QUERY_LENGTHS.tolist()
+    latest: dict[int, tuple[int, float, float]] = {}  # key -> (worker, ready, expires)
+    now = 0.0
+    for step, op in ops:
+        now += step
+        if op[0] == "note":
+            _, worker, ids, prompt_len, shown, delay = op
+            keys = np.array([1000 * n + i for n, i in zip(query, ids)], dtype=np.uint64)
+            ledger.note_sent(worker, keys, prompt_len, shown, ready_at=now + delay, now=now)
+            for n in GROUP_LENGTHS[WORKER_GROUP[worker]].tolist():
+                if shown < n <= prompt_len:
+                    latest[int(keys[query.index(n)])] = (worker, now + delay, now + delay + hold)
+        elif op[0] == "fail":
+            ledger.forget(op[1])
+            latest = {k: v for k, v in latest.items() if v[0] != op[1]}
+        else:
+            _, ids, view = op
+            keys = [1000 * n + i for n, i in zip(query, ids)]
+            matched = np.array(view, dtype=np.int64)
+            tier = np.where(matched > 0, Tier.DRAM, 0).astype(np.uint8)
+            expected = matched.copy()
+            for at, key in enumerate(keys):
+                if key not in latest:
+                    continue
+                worker, ready, expires = latest[key]
+                if ready > now or expires <= now:
+                    continue
+                if view[worker] >= query[at]:
+                    del latest[key]
+                else:
+                    expected[worker] = max(expected[worker], query[at])
+            shown = ledger.overlay(keys, matched, tier, now=now)
+            assert matched.tolist() == expected.tolist()
+            assert (shown is not None) == bool((expected > np.array(view)).any())
+            assert shown is None or shown.tolist() == list(view)
+            assert all(tier[w] == (Tier.VRAM if expected[w] > view[w] else (Tier.DRAM if view[w] else 0))
+                       for w in range(3))
+        live = sum(expires > now for _, _, expires in latest.values())
+        assert live <= len(ledger) <= len(latest)
+    # Memory: once every dispatch has expired, the next call leaves nothing behind.
+    matched, tier = _view()
+    ledger.overlay([], matched, tier, now=now + 0.5 + hold)
+    assert len(ledger) == 0
+
+
+def test_a_failed_worker_is_forgotten():
+    ledger = _ledger()
+    ledger.note_sent(0, KEYS + np.uint64(100), 128, 0, ready_at=0.0, now=0.0)
+    ledger.note_sent(1, KEYS, 128, 0, ready_at=0.0, now=0.0)
+    assert ledger.forget(0) == 3 and len(ledger) == 3
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.1) is not None
+    assert matched.tolist() == [0, 128, 0]
+    assert ledger.forget(2) == 0
