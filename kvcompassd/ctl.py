@@ -97,7 +97,8 @@ def render(what: str, body: dict) -> str:
         return table([{k: v for k, v in body.items() if k not in ("region_vector", "migrations")}]) + \
             "\n\nregion queue vector:\n" + table([{"worker": w, "queue_ms": q} for w, q in body.get("region_vector", {}).items()])
     if what == "status":
-        head = {k: body[k] for k in ("edge", "region", "ready", "shards_ready", "shards", "batches_applied", "resyncs") if k in body}
+        head = {k: body[k] for k in ("edge", "region", "ready", "shards_ready", "shards", "batches_applied", "resyncs",
+                                     "pending_keys") if k in body}
         return table([head]) + "\n\n" + table(body.get("views", []))
     if what == "views":
         return table(body["views"])
@@ -114,7 +115,9 @@ def render(what: str, body: dict) -> str:
         return table(body["workers"])
     if what == "holders":
         return (f"prompt: {body['prompt_tokens']} tokens   lambda: {body['lambda']:.3f}   chosen: {body['chosen']}\n\nholders:\n"
-                + table(body["holders"]) + "\n\ncandidates (best first):\n" + table(body["candidates"]))
+                + table(body["holders"])
+                + ("\n\njust sent there, not yet in the view (pending):\n" + table(body["pending"]) if body.get("pending") else "")
+                + "\n\ncandidates (best first):\n" + table(body["candidates"]))
     if what == "migrations":
         return table(body["migrations"])
     return json.dumps(body, indent=2)

@@ -1,6 +1,7 @@
 """What a running edge tells ``kvcompassctl``: views, levels, queues, beliefs, holders, migrations.
 
-Read-only: a holders query scores the prompt without feeding the hot-prefix detector.
+Read-only: a holders query scores the prompt as a decision would (view and pending ledger)
+without feeding the hot-prefix detector or changing the ledger.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ def describe_edge(edge, what: str, args: dict) -> dict:
 
 
 def _status(edge, args) -> dict:
+    pending = edge.router.pending
     return {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
-            "resyncs": edge.view.resyncs, "views": _views(edge, args)["views"]}
+            "resyncs": edge.view.resyncs, "pending_keys": None if pending is None else len(pending),
+            "views": _views(edge, args)["views"]}
 
 
 def _views(edge, args) -> dict:
@@ -85,17 +88,28 @@ def _holders(edge, args) -> dict:
     if not tokens:
         raise ValueError("empty prompt")
     router = edge.router
+    now = edge.clock()
     found = router.lookup.lookup(np.asarray(tokens, dtype=np.uint32))
-    result = router.scorer.score(found.prompt_len, found.matched, found.tier, router.queues.queue_ms(now=edge.clock()),
+    # Prompts this edge just sent, credited until the view shows them, as a decision would.
+    matched, tier = found.matched.copy(), found.tier.copy()
+    shown = router.pending_matches(tokens, matched, tier, now=now)
+    if shown is None:
+        shown = found.matched
+    result = router.scorer.score(found.prompt_len, matched, tier, router.queues.queue_ms(now=now),
                                  router.belief.values, ablation=router.ablation)
+    # Holders are what the view shows; pending, what the ledger adds beyond it (kept apart: the
+    # view is what the rest of the fleet's edges read too).
     holders = [{"worker": w, "region": edge.cfg.worker(w).region, "matched": int(found.matched[i]),
                 "tier": Tier(int(found.tier[i])).name}
                for i, w in enumerate(edge.layout.worker_ids) if found.matched[i] > 0]
+    pending = [{"worker": w, "region": edge.cfg.worker(w).region, "matched": int(matched[i]),
+                "view_matched": int(shown[i])}
+               for i, w in enumerate(edge.layout.worker_ids) if matched[i] > shown[i]]
     top = [{"worker": t.worker, "total_ms": round(t.total, 3), "wan_ms": round(t.wan_ms, 3), "queue_ms": round(t.queue_ms, 3),
             "prefill_ms": round(t.prefill_ms, 3), "reload_ms": round(t.reload_ms, 3), "matched": t.matched,
             "tier": Tier(int(t.tier)).name, "belief": round(t.belief, 4)} for t in result.top(int(args.get("top", 5)))]
     return {"prompt_tokens": found.prompt_len, "lambda": result.lam, "chosen": result.worker,
-            "holders": holders, "candidates": top}
+            "holders": holders, "pending": pending, "candidates": top}
 
 
 def _lookup(edge, args) -> dict:

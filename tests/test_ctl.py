@@ -36,6 +36,11 @@ def test_renderings_are_tables():
                                  "holders": [{"worker": "us-0", "region": "us", "matched": 64, "tier": "VRAM"}],
                                  "candidates": [{"worker": "us-0", "total_ms": 1.0}]})
     assert "chosen: us-0" in holders and "VRAM" in holders
+    assert "pending" not in holders
+    holders = render("holders", {"prompt_tokens": 10, "lambda": 0.0, "chosen": "us-1", "holders": [],
+                                 "pending": [{"worker": "us-1", "region": "us", "matched": 64, "view_matched": 0}],
+                                 "candidates": [{"worker": "us-1", "total_ms": 1.0}]})
+    assert "not yet in the view (pending)" in holders and "view_matched" in holders
     queues = render("queues", {"workers": [{"worker": "eu-0", "queue_ms": 12.0}], "correction_ms": {"eu": 3.5}})
     assert "eu-0" in queues and "selection correction" in queues and queues.splitlines()[-1].split() == ["eu", "3.5"]
     queues = render("queues", {"workers": [], "correction_ms": {"eu": 3.5}, "herd_factor": {"eu": 2.25}})

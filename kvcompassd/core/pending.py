@@ -93,15 +93,17 @@ class PendingHoldings:
             self._records.append(record)
         return len(noted)
 
-    def overlay(self, keys: list[int], matched: np.ndarray, tier: np.ndarray, *, now: float) -> np.ndarray | None:
+    def overlay(self, keys: list[int], matched: np.ndarray, tier: np.ndarray, *, now: float,
+                read_only: bool = False) -> np.ndarray | None:
         """Raise ``matched``/``tier`` (in place) to the pending holdings among ``keys``.
 
         ``keys`` are the request's query keys (those that fit the prompt, in query-length
         order). Entries the view already shows (its match for that worker reaches the length)
-        end here. Returns the view's matches as they were (a copy) when any worker's match was
-        raised, else None.
+        end here, unless ``read_only`` (an inspection changes nothing). Returns the view's
+        matches as they were (a copy) when any worker's match was raised, else None.
         """
-        self._purge(now)
+        if not read_only:
+            self._purge(now)
         by_key = self._by_key
         if by_key.keys().isdisjoint(keys):
             return None
@@ -117,7 +119,8 @@ class PendingHoldings:
                 continue
             length = query[at]
             if shown.item(worker) >= length:
-                del by_key[key]  # the view has it: the index speaks from here on
+                if not read_only:
+                    del by_key[key]  # the view has it: the index speaks from here on
             elif length > matched.item(worker):
                 matched[worker] = length
                 tier[worker] = _VRAM

@@ -24,7 +24,7 @@ from .belief import CacheBelief
 from .config import ClusterConfig
 from .events import Tier
 from .index import EdgeIndexView
-from .keys import SHA256_BACKENDS, namespace_salt, prefix_keys_reference, token_buffer
+from .keys import SHA256_BACKENDS, namespace_salt, prefix_keys, prefix_keys_reference, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
@@ -302,6 +302,18 @@ class Router:
         )
 
     # -- feedback -----------------------------------------------------------------------------
+
+    def pending_matches(self, tokens, matched: np.ndarray, tier: np.ndarray, *, now: float) -> np.ndarray | None:
+        """``matched``/``tier`` raised in place by the pending ledger, read-only (for inspection):
+        the view's matches when any was raised, else None (also without a ledger)."""
+        if self.pending is None:
+            return None
+        tokens = np.asarray(tokens, dtype=np.uint32)
+        n_fit = self._fitting(int(tokens.shape[0]))
+        if n_fit == 0:
+            return None
+        keys = prefix_keys(tokens, self.lookup.query_lengths[:n_fit], self.lookup.salt)
+        return self.pending.overlay(keys.tolist(), matched, tier, now=now, read_only=True)
 
     def on_failed(self, worker_index: int) -> None:
         """A worker failed a request before its first token: it will not hold that prompt."""

@@ -1,0 +1,34 @@
+"""What an edge tells kvcompassctl about a prompt: the view's holders and its pending ledger."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from test_router import PROMPT, _register, _world
+
+from kvcompassd.core.router import Router
+from kvcompassd.inspect import describe_edge
+
+
+def _edge(router, cfg, layout, clock):
+    return SimpleNamespace(router=router, cfg=cfg, layout=layout, clock=lambda: clock[0])
+
+
+def test_holders_shows_the_view_and_apart_from_it_what_the_edge_just_sent_without_changing_either():
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
+    _register(cfg, shards, view, "us-2", PROMPT, 64)  # a shared first 64 tokens
+    router = Router(cfg, "us", view, now=0.0)
+    clock = [0.0]
+    edge = _edge(router, cfg, layout, clock)
+    tokens = [int(t) for t in PROMPT[:1500]]
+    before = describe_edge(edge, "holders", {"tokens": tokens})
+    assert [h["worker"] for h in before["holders"]] == ["us-2"] and before["pending"] == []
+    sent = router.decide(PROMPT[:1500], now=0.0)
+    assert sent.worker == "us-2" and sent.claimed_tokens == 64
+    clock[0] = 0.5
+    after = describe_edge(edge, "holders", {"tokens": tokens})
+    assert after["holders"] == before["holders"]
+    assert after["pending"] == [{"worker": "us-2", "region": "us", "matched": 1024, "view_matched": 64}]
+    assert after["chosen"] == sent.worker  # scored as the next decision would be
+    held = len(router.pending)
+    assert describe_edge(edge, "holders", {"tokens": tokens})["pending"] == after["pending"] and len(router.pending) == held
