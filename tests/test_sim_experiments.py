@@ -75,7 +75,8 @@ def test_table5_quick_splits_every_false_lookup_by_cause(tmp_path):
     for r in rows:  # with the exact cache map tracked, the two causes cover every false lookup
         causes = r["false_lost_in_flight"] + r["false_within_page"] + r["false_view_ahead"]
         assert causes == pytest.approx(r["false_lookup_rate"])
-        # KVCompass explains each stale or false entry by the index that was behind (or neither).
-        explained = r["false_index_behind"] + r["false_view_behind"] + r["false_keyless"]
+        # KVCompass explains each stale or false entry by the index that was behind, or neither,
+        # or its own pending ledger.
+        explained = r["false_index_behind"] + r["false_view_behind"] + r["false_keyless"] + r["false_pending"]
         assert explained == pytest.approx(r["false_view_ahead"])
     assert len((tmp_path / "table5" / "table5.md").read_text().splitlines()) == 2 + len(rows)

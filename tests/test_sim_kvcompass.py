@@ -14,8 +14,8 @@ from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.engine.kvevents import BlockStored
 from kvcompassd.sim.engine import SimSettings, simulate
 from kvcompassd.sim.kvcompass_policy import KVCompassPolicy
-from kvcompassd.sim.policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND, BasePolicy,
-                                   PolicyError, RouteDecision, Topology)
+from kvcompassd.sim.policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND,
+                                   BasePolicy, PolicyError, RouteDecision, Topology)
 from kvcompassd.sim.workloads import Request
 
 BLOCK = 16
@@ -124,6 +124,19 @@ def test_a_false_claim_is_explained_by_the_index_that_was_behind():
     never = RouteDecision(topo.worker_ids.index("eu-1"), 0.0, length)
     assert policy.explain_claim(req, never, now=t) == FALSE_KEYLESS
     assert BasePolicy.explain_claim(policy, req, claim, now=t) == FALSE_VIEW_AHEAD  # undiagnosed default
+
+
+def test_a_false_claim_of_the_pending_ledger_is_put_down_to_it():
+    topo = _topo()
+    policy = KVCompassPolicy(topo, wan_propagation=False)
+    prompt = _prompt(13)
+    first = policy.route(_request(0, prompt, "us"), now=0.0)
+    assert first.claimed_tokens == 0
+    # No engine here: the worker never reports caching it. After its estimated prefill the edge
+    # credits it anyway, and a false claim that follows is the ledger's, not the index's.
+    again = policy.route(_request(1, prompt, "us"), now=0.5)
+    assert again.worker_index == first.worker_index and again.claimed_tokens > 0
+    assert policy.explain_claim(_request(1, prompt, "us"), again, now=0.5) == FALSE_PENDING
 
 
 def _lossy_rounds(policy: KVCompassPolicy, rounds: int, *, start: int = 0) -> list[np.ndarray]:

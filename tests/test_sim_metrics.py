@@ -28,8 +28,8 @@ def result(n: int = 100) -> SimResult:
     rec["worker_region"] = np.where(np.arange(n) % 4 == 0, 1, 0)
     rec["remote_only"] = np.where(np.arange(n) < 10, 1, np.where(np.arange(n) < 40, 0, -1))
     # Of the 5 false lookups (claimed 800, reused 400): 2 lost in flight, 1 within a page, 2 view
-    # ahead: one the policy explained as a keyless false hit, one it could not explain
-    rec["false_cause"] = np.array([1, 1, 2, 3, 6] + [0] * (n - 5))
+    # ahead: one the policy explained as a keyless false hit, one as its pending ledger's
+    rec["false_cause"] = np.array([1, 1, 2, 7, 6] + [0] * (n - 5))
     bins = np.array([[1.0, 1.0], [1.0, 1.0], [2.0, 4.0]])  # worker 2 is the hot one
     return SimResult("x", rec, bins, 5.0, 1.0)
 
@@ -46,6 +46,7 @@ def test_summary_by_hand():
     assert s.false_lost_in_flight == pytest.approx(0.02) and s.false_within_page == pytest.approx(0.01)
     assert s.false_view_ahead == pytest.approx(0.02)
     assert s.false_keyless == pytest.approx(0.01) and s.false_index_behind == 0.0 and s.false_view_behind == 0.0
+    assert s.false_pending == pytest.approx(0.01)
     assert s.cross_region_share == pytest.approx(0.25)
     assert s.remote_only_share == pytest.approx(10 / 40)
     # Totals per worker 2, 2, 6 -> mean 10/3 -> peak 6 / (10/3) = 1.8

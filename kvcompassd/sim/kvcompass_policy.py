@@ -61,7 +61,7 @@ from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
-from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
+from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
                      RouteDecision, Topology)
 from .workloads import Request
 
@@ -166,7 +166,7 @@ class KVCompassPolicy(BasePolicy):
         self._heap_seq = 0
         self._resync_pending: set[tuple[int, int]] = set()  # (edge, shard) with a resync in flight
         self._flush_pending = [False] * n_shards
-        self._claims: dict[int, tuple[int, int]] = {}  # request id -> (edge, claimed tokens)
+        self._claims: dict[int, tuple[int, int, bool]] = {}  # request id -> (edge, claimed tokens, from the ledger)
         # With the engine's exact cache map (on_truth_tracked): (key, worker) -> the seq of the
         # batch that carries its eviction, for explain_claim; dropped when it is cached again.
         self._evicted_in: dict[tuple[int, str], int] | None = None
@@ -367,7 +367,7 @@ class KVCompassPolicy(BasePolicy):
             self.counters["remote_decisions"] += 1
         if decision.migration is not None:
             self._plan_migration(decision.migration, req, now)
-        self._claims[req.id] = (e, decision.claimed_tokens)
+        self._claims[req.id] = (e, decision.claimed_tokens, decision.pending)
         return RouteDecision(decision.worker_index, 0.0, decision.claimed_tokens)
 
     def _plan_migration(self, plan: MigrationPlanned, req: Request, now: float) -> None:
@@ -383,7 +383,11 @@ class KVCompassPolicy(BasePolicy):
 
     def explain_claim(self, req: Request, decision: RouteDecision, *, now: float) -> int:
         """Which index was behind, or neither: does the claimed length's shard (full keys) list
-        the worker; if not, had the edge's view applied the batch that carried its eviction?"""
+        the worker; if not, had the edge's view applied the batch that carried its eviction?
+        A claim the edge's pending ledger made is that ledger's (the index never listed it)."""
+        claim = self._claims.get(req.id)
+        if claim is not None and claim[2]:
+            return FALSE_PENDING
         key = int(prefix_keys(req.tokens, [decision.claimed_tokens], self._salt)[0])
         s = key % self.n_shards
         shard, worker = self.shards[s], self.worker_ids[decision.worker_index]
@@ -403,7 +407,7 @@ class KVCompassPolicy(BasePolicy):
     def on_response(self, worker_index: int, req: Request, reused_tokens: int,
                     queue_vector: Mapping[int, float], *, now: float) -> None:
         self._advance(now)
-        e, claimed = self._claims.pop(req.id, (self._region_index[req.region], 0))
+        e, claimed, _ = self._claims.pop(req.id, (self._region_index[req.region], 0, False))
         ids = self.worker_ids
         vector = {ids[i]: float(ms) for i, ms in queue_vector.items()}
         self.routers[e].on_response(ids[worker_index], claimed_tokens=claimed, reused_tokens=int(reused_tokens),

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .engine import SimResult
-from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND,
-                     FALSE_WITHIN_PAGE)
+from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_PENDING, FALSE_VIEW_AHEAD,
+                     FALSE_VIEW_BEHIND, FALSE_WITHIN_PAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,7 @@ class Summary:
     false_index_behind: float        # the index still listed the worker (its eviction not yet applied)
     false_view_behind: float         # the index had dropped it; the edge's view had not caught up
     false_keyless: float             # the view was current: a keyless false hit
+    false_pending: float             # the edge's pending ledger credited a prompt it had just sent there
     cross_region_share: float        # requests served outside their edge's region
     remote_only_share: float         # of requests with a >=1024-token reusable prefix, held only remotely (NaN if untracked)
     load_factor_peak: float          # hottest worker's time-averaged load / mean
@@ -122,10 +123,12 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         false_lookup_rate_claimed=float(false[has_claim].mean()) if has_claim.any() else 0.0,
         false_lost_in_flight=cause_share(FALSE_LOST_IN_FLIGHT),
         false_within_page=cause_share(FALSE_WITHIN_PAGE),
-        false_view_ahead=cause_share(FALSE_VIEW_AHEAD, FALSE_INDEX_BEHIND, FALSE_VIEW_BEHIND, FALSE_KEYLESS),
+        false_view_ahead=cause_share(FALSE_VIEW_AHEAD, FALSE_INDEX_BEHIND, FALSE_VIEW_BEHIND, FALSE_KEYLESS,
+                                     FALSE_PENDING),
         false_index_behind=cause_share(FALSE_INDEX_BEHIND),
         false_view_behind=cause_share(FALSE_VIEW_BEHIND),
         false_keyless=cause_share(FALSE_KEYLESS),
+        false_pending=cause_share(FALSE_PENDING),
         cross_region_share=float((r["edge_region"][m] != r["worker_region"][m]).mean()),
         remote_only_share=float((remote_only[tracked] == 1).mean()) if tracked.any() else float("nan"),
         load_factor_peak=load_factor_peak(result, warmup_s),

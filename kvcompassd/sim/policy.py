@@ -44,6 +44,7 @@ FALSE_VIEW_AHEAD = 3      # it held less than that already when chosen: a stale 
 FALSE_INDEX_BEHIND = 4    # the index still listed the worker: its eviction had not reached the index
 FALSE_VIEW_BEHIND = 5     # the index had dropped it, but the edge's view had not applied that batch yet
 FALSE_KEYLESS = 6         # the view had every change to the key and still named the worker: a keyless false hit
+FALSE_PENDING = 7         # the edge credited a prompt it had just sent the worker (pending ledger), not yet held
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
