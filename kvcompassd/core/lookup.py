@@ -87,7 +87,7 @@ class PrefixLookup:
             return self.lookup_reference(tokens)
         tokens = np.asarray(tokens)
         prompt_len = tokens.shape[0]
-        n_fit = bisect_right(self._query_list, prompt_len)
+        n_fit = self.fitting(prompt_len)
         if n_fit == 0:
             n = self._n_workers
             return LookupResult(prompt_len, np.zeros(n, np.int64), np.zeros(n, np.uint8), None)
@@ -96,6 +96,18 @@ class PrefixLookup:
         family = self._family_index
         family_key = keys.item(family) if family is not None and family < n_fit else None
         return new_lookup_result(prompt_len, matched, tier, family_key)
+
+    def fitting(self, prompt_len: int) -> int:
+        """How many of the query lengths a prompt of ``prompt_len`` tokens covers."""
+        return bisect_right(self._query_list, prompt_len)
+
+    def query_keys(self, tokens) -> np.ndarray:
+        """The prompt's keys at the query lengths it covers, hashed on this lookup's path."""
+        tokens = np.asarray(tokens)
+        lengths = self.query_lengths[:self.fitting(int(tokens.shape[0]))]
+        if lengths.size == 0:
+            return np.zeros(0, dtype=np.uint64)
+        return (prefix_keys if self.native else prefix_keys_reference)(tokens, lengths, self.salt)
 
     def native_plan(self) -> tuple[LookupPlan, ViewPointers]:
         """The C lookup plan and the view pointers it reads (native lookups only)."""

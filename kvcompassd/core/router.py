@@ -13,7 +13,6 @@ tests hold the two equal.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
@@ -24,7 +23,7 @@ from .belief import CacheBelief
 from .config import ClusterConfig
 from .events import Tier
 from .index import EdgeIndexView
-from .keys import SHA256_BACKENDS, namespace_salt, prefix_keys, prefix_keys_reference, token_buffer
+from .keys import SHA256_BACKENDS, namespace_salt, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
@@ -119,7 +118,6 @@ class Router:
         hold_ms = cfg.score.pending_hold_ms
         self.pending = (PendingHoldings(self.lookup.group_lengths, self.lookup.query_lengths, self.layout.worker_group,
                                         hold_s=hold_ms / 1000.0) if hold_ms > 0 else None)
-        self._query_list = self.lookup.query_lengths.tolist()
         self._kernel: ForwardKernel | None = None
         if native:
             lookup_plan, pointers = self.lookup.native_plan()
@@ -140,7 +138,7 @@ class Router:
         pending = self.pending
         keys = None
         if pending is not None:
-            keys = kernel.keys()[:self._fitting(prompt_len)]
+            keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
             shown = pending.overlay(keys.tolist(), matched, tier, now=now)
             if shown is not None:
                 return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief, eligible,
@@ -151,15 +149,11 @@ class Router:
                              queue, belief, self.ablation)
         return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss, keys, None)
 
-    def _fitting(self, prompt_len: int) -> int:
-        return bisect_right(self._query_list, prompt_len)
-
     def _decide_reference(self, tokens, *, now: float, exclude: Collection[int]) -> ForwardDecided:
         found = self.lookup.lookup(tokens)
         keys = shown = None
         if self.pending is not None:
-            n_fit = self._fitting(found.prompt_len)
-            keys = prefix_keys_reference(tokens, self.lookup.query_lengths[:n_fit], self.lookup.salt)
+            keys = self.lookup.query_keys(tokens)
             matched, tier = found.matched.copy(), found.tier.copy()
             shown = self.pending.overlay(keys.tolist(), matched, tier, now=now)
             if shown is not None:
@@ -167,8 +161,8 @@ class Router:
         return self._decide_found(found, now=now, exclude=exclude, keys=keys, shown=shown)
 
     def _rescored(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, keys: np.ndarray,
-                  shown: np.ndarray, family_key: int | None, queue: np.ndarray, belief: np.ndarray, eligible: np.ndarray | None,
-                  now: float) -> ForwardDecided:
+                  shown: np.ndarray, family_key: int | None, queue: np.ndarray, belief: np.ndarray,
+                  eligible: np.ndarray | None, now: float) -> ForwardDecided:
         """Score again after the pending ledger raised some matches (the C call scored the view's)."""
         result = self.scorer.score(prompt_len, matched, tier, queue, belief, ablation=self.ablation,
                                    eligible=eligible, native=self.native)
@@ -308,11 +302,7 @@ class Router:
         the view's matches when any was raised, else None (also without a ledger)."""
         if self.pending is None:
             return None
-        tokens = np.asarray(tokens, dtype=np.uint32)
-        n_fit = self._fitting(int(tokens.shape[0]))
-        if n_fit == 0:
-            return None
-        keys = prefix_keys(tokens, self.lookup.query_lengths[:n_fit], self.lookup.salt)
+        keys = self.lookup.query_keys(np.asarray(tokens, dtype=np.uint32))
         return self.pending.overlay(keys.tolist(), matched, tier, now=now, read_only=True)
 
     def on_failed(self, worker_index: int) -> None:
