@@ -107,3 +107,32 @@ def test_a_silent_cache_behaves_like_an_emitting_one(rnd, policy: str, vram_page
         assert silent.events_unsent == emitted and loud.events_unsent == 0
         state = [(len(c), c.vram_pages, c.dram_pages, c.demotions, c.evictions, c.page_ids(tokens)) for c in (loud, silent)]
         assert state[0] == state[1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from(["lru", "lfu"]), st.integers(2, 12), st.integers(0, 12))
+def test_a_leases_digests_give_what_hashing_afresh_gives(rnd, policy: str, vram_pages: int, dram_pages: int) -> None:
+    """``insert`` with a lease reuses the digests ``lock`` computed when its tokens start with
+    the same bytes (the simulator inserts the locked prompt, the emulator the prompt plus its
+    answer); a lease whose digests are dropped must give the same events and state, and a lease
+    taken for other tokens must not lend them its digests."""
+    reuse, fresh = (PrefixCache(block_size=BS, vram_tokens=BS * vram_pages, dram_tokens=BS * dram_pages,
+                                policy=policy) for _ in range(2))
+    held: list[tuple] = []
+    for step, tokens in enumerate(prompts(rnd, 30)):
+        now = float(step)
+        (la, ma, ea), (lb, mb, eb) = reuse.lock(tokens, now=now), fresh.lock(tokens, now=now)
+        lb.digests, lb.hashed = [], b""
+        assert (ma, ea) == (mb, eb)
+        choice = rnd.random()
+        inserted = tokens if choice < 0.4 else tokens + [rnd.randrange(0, 50) for _ in range(rnd.randrange(0, 9))] \
+            if choice < 0.8 else [rnd.randrange(0, 50)] + tokens
+        assert reuse.insert(inserted, now=now, lease=la) == fresh.insert(inserted, now=now, lease=lb)
+        assert la.pages == lb.pages
+        held.append((la, lb))
+        if rnd.random() < 0.5:
+            a, b = held.pop(0)
+            reuse.unlock(a)
+            fresh.unlock(b)
+        assert (len(reuse), reuse.vram_pages, reuse.dram_pages, reuse.page_ids(inserted)) == \
+            (len(fresh), fresh.vram_pages, fresh.dram_pages, fresh.page_ids(inserted))

@@ -63,6 +63,11 @@ def _checked_token_list(tokens: Sequence[int]) -> list[int] | None:
     return values
 
 
+def _token_data(tokens: Sequence[int]) -> bytes:
+    """Tokens as the uint32 little-endian bytes the page digests hash."""
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
 def digest_to_int64(digest: bytes) -> int:
     """SGLang's ``hash_str_to_int64``: the first 64 bits, big-endian, as a signed int."""
     return _unpack_int64_be(digest)[0]
@@ -86,6 +91,10 @@ class CacheLease:
 
     pages: list[int] = field(default_factory=list)
     released: bool = False
+    # The page digests ``lock`` computed and the token bytes they cover: ``insert`` with this
+    # lease skips hashing them again when its tokens start with the same bytes.
+    digests: list[bytes] = field(default_factory=list)
+    hashed: bytes = b""
 
 
 class _Page:
@@ -182,10 +191,19 @@ class PrefixCache:
     def lock(self, tokens: Sequence[int], *, now: float) -> tuple[CacheLease, CacheMatch, list[KvEvent]]:
         """Start a request: pin its cached prefix, reload the DRAM part into VRAM. The match
         returned is what the request really reuses (a reload that finds no room ends it)."""
-        pages = list(self._walk(tokens))
+        data = _token_data(tokens)
+        digests: list[bytes] = []
+        pages = []
+        by_digest = self._by_digest
+        for _, digest in self._chain(tokens, data):
+            page = by_digest.get(digest)
+            if page is None:
+                break
+            digests.append(digest)
+            pages.append(page)
         for page in pages:  # pin the whole path first: making room must not evict its tail
             page.pins += 1
-        lease = CacheLease()
+        lease = CacheLease(digests=digests, hashed=data[:4 * self.block_size * len(digests)])
         events: list[KvEvent] = []
         vram = dram = 0
         for i, page in enumerate(pages):
@@ -218,7 +236,9 @@ class PrefixCache:
         by_digest = self._by_digest
         changed = self._changed
         pages = self._pages
-        for start, digest in self._chain(tokens):
+        data = _token_data(tokens)
+        known = lease.digests if lease is not None and lease.digests and data.startswith(lease.hashed) else None
+        for start, digest in self._chain(tokens, data, known):
             page = by_digest.get(digest)
             if page is None:
                 if checked:
@@ -293,13 +313,22 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _chain(self, tokens: Sequence[int]) -> Iterator[tuple[int, bytes]]:
-        """(start, digest) of every full page, hashing the token bytes in one conversion."""
-        data = np.asarray(tokens, dtype="<u4").tobytes()
+    def _chain(self, tokens: Sequence[int], data: bytes | None = None,
+               known: list[bytes] | None = None) -> Iterator[tuple[int, bytes]]:
+        """(start, digest) of every full page, hashing the token bytes in one conversion.
+        ``data`` is ``_token_data(tokens)`` when the caller has it; ``known`` the digests of the
+        first pages when already computed over the same bytes (a lease's)."""
+        if data is None:
+            data = _token_data(tokens)
         width = 4 * self.block_size
         digest = _ROOT_DIGEST
+        first = 0
+        if known:
+            first = self.block_size * len(known)
+            yield from zip(range(0, first, self.block_size), known)
+            digest = known[-1]
         sha256 = hashlib.sha256
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+        for start in range(first, len(tokens) - self.block_size + 1, self.block_size):
             hasher = sha256(digest)
             hasher.update(data[4 * start : 4 * start + width])
             digest = hasher.digest()
