@@ -171,6 +171,34 @@ def test_pending_prefill_tokens_matches_a_recount_of_the_queues(arrivals) -> Non
     assert model.pending_prefill_tokens == recount() == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.3), st.integers(1, 500), st.integers(0, 500), st.integers(1, 60)),
+                min_size=1, max_size=40), st.integers(1, 6))
+def test_the_kept_fewest_tokens_left_equals_a_recount_of_the_decode_batch(arrivals, max_running) -> None:
+    """The model keeps min(remaining) across steps instead of scanning the batch per event:
+    whenever it holds a value, that value is exactly the batch's minimum."""
+    model = WorkerQueueModel(WorkerTiming(max_running=max_running))
+    now = 0.0
+
+    def check() -> None:
+        kept = model._fewest_left
+        if kept is not None:
+            assert model._decoding and kept == min(r.remaining for r in model._decoding.values())
+
+    for i, (gap, prompt, cached, out) in enumerate(arrivals):
+        now += gap
+        model.advance(now=now)
+        check()
+        model.admit(f"r{i}", prompt, min(cached, prompt), 0, out, now=now)
+        check()
+        model.queue_ms(now=now)
+        check()
+    while (t := model.next_event_time()) is not None:
+        model.advance(now=t)
+        check()
+    assert model.completed == len(arrivals)
+
+
 def replayed_queue_ms(model: WorkerQueueModel, now: float) -> float:
     """The reference: copy the model, add a fully cached one-token request at ``now`` and run
     the copy until it produces its first token."""

@@ -137,6 +137,10 @@ class WorkerQueueModel:
         self._queued_uncached = 0
         self._prefill: _Prefill | None = None
         self._decoding: dict[str, _Request] = {}
+        # The fewest tokens any decoding request has left (None: not known, recompute). Every
+        # step takes the same tokens off all of them and rounding is monotonic, so the minimum
+        # follows from _progress without a pass over the batch per event.
+        self._fewest_left: float | None = None
         self._ids: set[str] = set()
         self._outbox: list[WorkerEvent] = []
         self.completed = 0
@@ -228,7 +232,7 @@ class WorkerQueueModel:
         if self._admitted or (self._waiting and self.running < self.timing.max_running):
             return self._now
         if self._decoding:
-            return self._now + min(r.remaining for r in self._decoding.values()) * self._step_s()
+            return self._now + self._fewest_remaining() * self._step_s()
         return None
 
     def queue_ms(self, *, now: float) -> float:
@@ -300,7 +304,9 @@ class WorkerQueueModel:
             return start  # that one frees its slot at its prefill's end, ahead of our turn
         # Prefill-first: decoding resumes once every pending prefill is done, with them in the
         # batch; the first slot frees when the request with the fewest tokens left finishes.
-        fewest = min([r.remaining for r in self._decoding.values()] + [r.output_tokens - 1 for r in pending])
+        fewest = min([r.output_tokens - 1 for r in pending], default=math.inf)
+        if self._decoding:
+            fewest = min(fewest, self._fewest_remaining())
         batch = len(self._decoding) + len(pending)
         return start + fewest * self.timing.decode_step_ms(batch) / 1000.0
 
@@ -317,6 +323,7 @@ class WorkerQueueModel:
         clone._prefill = (None if self._prefill is None else
                           _Prefill(copies[id(self._prefill.request)], self._prefill.started, self._prefill.ends))
         clone._decoding = {k: copies[id(r)] for k, r in self._decoding.items()}
+        clone._fewest_left = self._fewest_left
         clone._ids = set(self._ids)
         clone._outbox = []
         clone.completed = self.completed
@@ -351,33 +358,49 @@ class WorkerQueueModel:
                 self._now = t
                 return
             step = self._step_s()
-            # Only the value matters, not which request: a plain float min is several times
-            # cheaper than min(key=...) over the decode batch, which this loop runs per event.
-            soonest = min([r.remaining for r in self._decoding.values()])
+            soonest = self._fewest_remaining()
             due = self._now + soonest * step
             if due > t:
                 self._progress((t - self._now) / step)
                 self._now = t
                 return
-            done = self._progress(soonest)
+            done, fewest_left = self._progress(soonest)
             self._now = due
             # Only the finished ones, in arrival order (a stable sort of the subset keeps the
             # order sorting all of them would give it).
             done.sort(key=_by_arrival)
             for request in done:
                 self._finish(request)
+            self._fewest_left = fewest_left
 
-    def _progress(self, tokens: float) -> list[_Request]:
-        """Decode ``tokens`` more for every request in the batch; returns those now finished."""
+    def _fewest_remaining(self) -> float:
+        """min(remaining) over the decode batch (which is not empty)."""
+        fewest = self._fewest_left
+        if fewest is None:
+            # Only the value matters, not which request: a plain float min is several times
+            # cheaper than min(key=...) over the decode batch.
+            fewest = self._fewest_left = min([r.remaining for r in self._decoding.values()])
+        return fewest
+
+    def _progress(self, tokens: float) -> tuple[list[_Request], float | None]:
+        """Decode ``tokens`` more for every request in the batch. Returns those now finished
+        and the fewest tokens left among the others (None if none)."""
         done = []
+        fewest = math.inf  # of all, for _fewest_left
+        rest = math.inf    # of those not finished
         for request in self._decoding.values():
             left = request.remaining - tokens
             if left > 1e-9:
                 request.remaining = left
+                if left < rest:
+                    rest = left
             else:
-                request.remaining = left if left > 0.0 else 0.0  # max(0.0, left), without the call
+                left = request.remaining = left if left > 0.0 else 0.0  # max(0.0, left), without the call
                 done.append(request)
-        return done
+            if left < fewest:
+                fewest = left
+        self._fewest_left = fewest if self._decoding else None
+        return done, (rest if rest != math.inf else None)
 
     def _finish_prefill(self) -> None:
         assert self._prefill is not None
@@ -390,9 +413,12 @@ class WorkerQueueModel:
         else:
             request.remaining = float(request.output_tokens - 1)
             self._decoding[request.request_id] = request
+            if self._fewest_left is not None and request.remaining < self._fewest_left:
+                self._fewest_left = request.remaining
 
     def _finish(self, request: _Request) -> None:
-        self._decoding.pop(request.request_id, None)
+        if self._decoding.pop(request.request_id, None) is not None:
+            self._fewest_left = None  # the caller that knows the rest's minimum sets it back
         self._ids.discard(request.request_id)
         self.completed += 1
         self._outbox.append(RequestFinished(request.request_id, self._now))
