@@ -193,14 +193,7 @@ class PrefixCache:
         returned is what the request really reuses (a reload that finds no room ends it)."""
         data = _token_data(tokens)
         digests: list[bytes] = []
-        pages = []
-        by_digest = self._by_digest
-        for _, digest in self._chain(tokens, data):
-            page = by_digest.get(digest)
-            if page is None:
-                break
-            digests.append(digest)
-            pages.append(page)
+        pages = list(self._walk(tokens, data, digests))
         for page in pages:  # pin the whole path first: making room must not evict its tail
             page.pins += 1
         lease = CacheLease(digests=digests, hashed=data[:4 * self.block_size * len(digests)])
@@ -334,11 +327,15 @@ class PrefixCache:
             digest = hasher.digest()
             yield start, digest
 
-    def _walk(self, tokens: Sequence[int]) -> Iterator[_Page]:
-        for _, digest in self._chain(tokens):
+    def _walk(self, tokens: Sequence[int], data: bytes | None = None,
+              digests: list[bytes] | None = None) -> Iterator[_Page]:
+        """The cached pages prefixing ``tokens``; their digests go to ``digests`` if given."""
+        for _, digest in self._chain(tokens, data):
             page = self._by_digest.get(digest)
             if page is None:
                 return
+            if digests is not None:
+                digests.append(digest)
             yield page
 
     def _new_page(self, digest: bytes, parent: _Page | None, tokens: tuple[int, ...], checked: bool) -> _Page:

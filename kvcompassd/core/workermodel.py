@@ -386,8 +386,7 @@ class WorkerQueueModel:
         """Decode ``tokens`` more for every request in the batch. Returns those now finished
         and the fewest tokens left among the others (None if none)."""
         done = []
-        fewest = math.inf  # of all, for _fewest_left
-        rest = math.inf    # of those not finished
+        rest = math.inf  # the fewest left among those not finished
         for request in self._decoding.values():
             left = request.remaining - tokens
             if left > 1e-9:
@@ -395,12 +394,12 @@ class WorkerQueueModel:
                 if left < rest:
                     rest = left
             else:
-                left = request.remaining = left if left > 0.0 else 0.0  # max(0.0, left), without the call
+                request.remaining = left if left > 0.0 else 0.0  # max(0.0, left), without the call
                 done.append(request)
-            if left < fewest:
-                fewest = left
-        self._fewest_left = fewest if self._decoding else None
-        return done, (rest if rest != math.inf else None)
+        fewest = None if rest == math.inf else rest
+        # While the finished ones are still in the batch their 0 is the minimum (recounted).
+        self._fewest_left = None if done else fewest
+        return done, fewest
 
     def _finish_prefill(self) -> None:
         assert self._prefill is not None
