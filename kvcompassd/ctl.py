@@ -119,7 +119,8 @@ def render(what: str, body: dict) -> str:
                 + ("\n\njust sent there, not yet in the view (pending):\n" + table(body["pending"]) if body.get("pending") else "")
                 + "\n\ncandidates (best first):\n" + table(body["candidates"]))
     if what == "migrations":
-        return table(body["migrations"])
+        return (table(body["migrations"]) + "\n\nlocal misses of hot prefix families, by trigger and outcome:\n"
+                + table(body.get("hot_prefix_misses", [])))
     return json.dumps(body, indent=2)
 
 

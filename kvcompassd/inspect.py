@@ -124,7 +124,9 @@ def _lookup(edge, args) -> dict:
 
 
 def _migrations(edge, args) -> dict:
-    return {"migrations": list(edge.forwarder.migrations[-50:])}
+    hot = [{"trigger": trigger, "outcome": outcome, "misses": n}
+           for (trigger, outcome), n in edge.router.hot.hot_misses.items()]
+    return {"migrations": list(edge.forwarder.migrations[-50:]), "hot_prefix_misses": hot}
 
 
 _QUERIES = {

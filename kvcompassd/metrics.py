@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Decisions take tens of microseconds; requests take milliseconds to seconds.
 _DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
@@ -71,6 +71,31 @@ class EdgeMetrics:
         self.reused_tokens = Counter("kvcompass_reused_tokens", "Prefix tokens workers reported reusing", registry=r)
         self.retries = Counter("kvcompass_retries", "Requests retried on the next best worker", registry=r)
         self.migrations = Counter("kvcompass_migrations", "Hot-prefix migrations requested, by mode", ["mode"], registry=r)
+
+    def watch_hot_prefixes(self, hot_misses: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """Export ``HotPrefixDetector.hot_misses`` (local misses of hot families by trigger and
+        outcome), read when scraped: the decision path only increments a dict entry."""
+        self.registry.register(_HotPrefixCollector(hot_misses))
+
+
+class _HotPrefixCollector:
+    def __init__(self, hot_misses: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._hot_misses = hot_misses
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "kvcompass_hot_prefix_misses", "Local misses that found their prefix family hot, by migration trigger "
+            "and outcome (planned, no_idle_worker, no_remote_match)", labels=["trigger", "outcome"])
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = self._family()
+        for (trigger, outcome), n in self._hot_misses().items():
+            family.add_metric([trigger, outcome], n)
+        yield family
 
 
 class AgentMetrics:

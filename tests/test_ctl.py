@@ -45,3 +45,7 @@ def test_renderings_are_tables():
     assert "eu-0" in queues and "selection correction" in queues and queues.splitlines()[-1].split() == ["eu", "3.5"]
     queues = render("queues", {"workers": [], "correction_ms": {"eu": 3.5}, "herd_factor": {"eu": 2.25}})
     assert queues.splitlines()[-1].split() == ["eu", "3.5", "2.25"]
+    migrations = render("migrations", {"migrations": [], "hot_prefix_misses": [
+        {"trigger": "recompute", "outcome": "no_idle_worker", "misses": 7}]})
+    assert migrations.splitlines()[0] == "(none)" and "hot prefix families" in migrations
+    assert migrations.splitlines()[-1].split() == ["recompute", "no_idle_worker", "7"]

@@ -213,6 +213,17 @@ async def test_metrics_count_decisions_and_sync(dep):
     for region in set(dep.cfg.region_names()) - {"us"}:
         assert f'kvcompass_queue_correction_ms{{region="{region}"}}' in text
         assert f'kvcompass_queue_herd_factor{{region="{region}"}} 1.0' in text
+    # Hot-family misses by trigger and outcome, read from the Router when scraped: every pair
+    # is exported, with the counts the admin 'migrations' query shows (no decision in between).
+    hot = (await admin(dep, "edge-us", "migrations"))["hot_prefix_misses"]
+    assert {(h["trigger"], h["outcome"]) for h in hot} == {
+        (t, o) for t in ("copy", "recompute") for o in ("planned", "no_idle_worker", "no_remote_match")}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(dep.edge_url("us") + "/metrics") as r:
+            text = await r.text()
+    for h in hot:
+        sample = f'kvcompass_hot_prefix_misses_total{{outcome="{h["outcome"]}",trigger="{h["trigger"]}"}}'
+        assert f"{sample} {float(h['misses'])}" in text
 
 
 async def test_maintenance_metrics_show_each_groups_entries_and_load(dep):

@@ -182,3 +182,26 @@ def test_plans_need_three_misses_within_the_window_and_respect_cooldown(gaps: li
             assert last_plan is None or now - last_plan >= 2.0
             last_plan = now
             times = []  # counting restarts after a plan
+
+
+def test_hot_misses_are_counted_by_trigger_and_outcome() -> None:
+    """Each local miss that finds its family hot says what came of it: the operator's reason
+    for a fleet that migrates nothing."""
+    hot, queues = asia_edge(idle=())
+    for t in (1.0, 1.1, 1.2, 1.3):  # hot from the third miss on; nothing abroad worth the detour
+        hot.observe(remote_miss(N1_ASIA_TO_US - 16, family=1), now=t)
+    for t in (1.0, 1.1, 1.2):  # hot, worth it, but no idle destination
+        hot.observe(remote_miss(family=2), now=t)
+    lost = DecisionObserved(3, 4000, "us-1", (("asia-0", 1024),), None, True)
+    for t in (1.0, 1.1, 1.2):  # holders lost to load, nowhere to copy to
+        hot.observe(lost, now=t)
+    queues.set_local("asia-3", 0.0, now=0.0)
+    hot.observe(remote_miss(family=2), now=1.3)  # asia-3 idle since 0.0: planned
+    counts = {k: v for k, v in hot.hot_misses.items() if v}
+    assert counts == {("recompute", "no_remote_match"): 2, ("recompute", "no_idle_worker"): 1,
+                      ("copy", "no_idle_worker"): 1, ("recompute", "planned"): 1}
+    hot.note_unplanned("copy", "no_idle_worker")
+    assert hot.hot_misses["copy", "no_idle_worker"] == 2
+    for bad in (("copy", "planned"), ("move", "no_idle_worker"), ("copy", "busy")):
+        with pytest.raises(MigrationInputError):
+            hot.note_unplanned(*bad)

@@ -110,6 +110,24 @@ def test_hot_remote_prefix_migrates_to_a_persistently_idle_local_worker():
     assert plan is not None and plan.mode == "recompute" and plan.source_worker == "eu-0"
     assert plan.destination_worker.startswith("us-") and plan.tier == Tier.DRAM
     assert Router(cfg, "us", view, now=0.0, ablation=Ablation(migration=False)).decide(PROMPT, now=1.0).migration is None
+    assert {k: v for k, v in router.hot.hot_misses.items() if v} == {("recompute", "planned"): 1}
+
+
+def test_a_hot_family_without_an_idle_worker_is_counted_not_migrated():
+    """The Router's short cuts (no remote match worth it, no idle destination) count the same
+    outcomes the detector's full observation would."""
+    cfg, layout, shards, view = _world(hot_prefix_misses=3, hot_prefix_window_ms=1000.0, idle_period_ms=100.0,
+                                       pending_hold_ms=0.0)  # no engine here: nothing registers what was sent
+    _register(cfg, shards, view, "eu-0", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)  # no reading yet: no local worker is known idle
+    assert [router.decide(PROMPT, now=1.0 + 0.1 * i).migration for i in range(4)] == [None] * 4
+    assert {k: v for k, v in router.hot.hot_misses.items() if v} == {("recompute", "no_idle_worker"): 2}
+    cold = Router(cfg, "us", view, now=0.0)
+    other = np.concatenate([PROMPT[:200], np.full(len(PROMPT) - 200, 7, dtype=np.uint32)])  # below eu's lengths
+    for w in ("us-0", "us-1", "us-2"):
+        cold.queues.set_local(w, 0.0, now=0.0)
+    assert [cold.decide(other, now=1.0 + 0.1 * i).migration for i in range(3)] == [None] * 3
+    assert {k: v for k, v in cold.hot.hot_misses.items() if v} == {("recompute", "no_remote_match"): 1}
 
 
 def test_exact_ties_rotate_instead_of_piling_onto_the_first_worker():

@@ -10,6 +10,7 @@ from clusters import make_cluster
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.keys import prefix_keys
 from kvcompassd.core.ludo import LudoView
+from kvcompassd.core.migration import HOT_MISS_OUTCOMES
 from kvcompassd.core.prefixcache import PrefixCache
 from kvcompassd.engine.kvevents import BlockStored
 from kvcompassd.sim.engine import SimSettings, simulate
@@ -240,6 +241,12 @@ def test_the_engine_runs_the_policy_deterministically_and_ablation_keeps_request
     assert r1.records["reused_tokens"].sum() > 0 and p1.counters["batches_lost"] > 0
     _, r3 = run(Ablation(cross_region=False))
     assert np.array_equal(r3.records["worker_region"], r3.records["edge_region"])
+    # Every hot-family miss is in the results by outcome; each plan is one migration run.
+    assert {k: v for k, v in r1.extra.items() if k.startswith("hot_misses_")} == {
+        f"hot_misses_{o}": n for o, n in p1.hot_prefix_misses.items()}
+    assert r1.extra["hot_misses_planned"] == r1.extra["migrations"]
+    _, r4 = run(Ablation(migration=False))
+    assert r4.extra["migrations"] == 0 and not any(r4.extra[f"hot_misses_{o}"] for o in HOT_MISS_OUTCOMES)
 
 
 def test_bad_settings_and_unknown_regions_are_rejected():

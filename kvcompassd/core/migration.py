@@ -37,9 +37,14 @@ from .events import MAX_KEY, Tier
 from .levels import LevelPlan
 from .queues import QueueEstimates
 
-__all__ = ["DecisionObserved", "HotPrefixDetector", "MigrationInputError", "MigrationPlanned"]
+__all__ = ["DecisionObserved", "HotPrefixDetector", "MigrationInputError", "MigrationPlanned", "HOT_MISS_OUTCOMES"]
 
 MODES = ("copy", "recompute")
+# What became of a local miss that found its family hot: a plan, or why none. Most fleets under
+# steady load see no_idle_worker (no replica without an idle destination, by design) and
+# no_remote_match (hot, but nothing abroad worth the detour): the operator's reason for zero
+# migrations, counted per trigger in HotPrefixDetector.hot_misses.
+PLANNED, NO_IDLE_WORKER, NO_REMOTE_MATCH = HOT_MISS_OUTCOMES = ("planned", "no_idle_worker", "no_remote_match")
 
 
 class MigrationInputError(ValueError):
@@ -179,6 +184,9 @@ class HotPrefixDetector:
         self._cooldown_s = cooldown / 1000.0
         self._max_families = max_families
         self._families: OrderedDict[int, _Family] = OrderedDict()
+        # (trigger, outcome) -> local misses that found their family hot (see HOT_MISS_OUTCOMES)
+        self.hot_misses: dict[tuple[str, str], int] = dict.fromkeys(
+            ((t, o) for t in MODES for o in HOT_MISS_OUTCOMES), 0)
 
     def __len__(self) -> int:
         """Number of prefix families currently tracked."""
@@ -249,6 +257,13 @@ class HotPrefixDetector:
         holders = {worker for worker, matched in decision.local_holders if matched > 0}
         return self._make_plan(decision, holders, trigger, float(now))
 
+    def note_unplanned(self, trigger: str, outcome: str) -> None:
+        """Count a due trigger that a caller found could not plan (``observe`` and ``plan`` count
+        their own): ``NO_REMOTE_MATCH`` or ``NO_IDLE_WORKER``."""
+        if (trigger, outcome) not in self.hot_misses or outcome == PLANNED:
+            raise MigrationInputError(f"not an unplanned trigger outcome: {(trigger, outcome)!r}")
+        self.hot_misses[trigger, outcome] += 1
+
     def has_destination(self, local_holders: Collection[str], chosen_worker: str, *, now: float) -> bool:
         """Whether a persistently idle local worker outside ``local_holders`` and other than
         ``chosen_worker`` exists: without one, ``plan`` returns None for either trigger."""
@@ -258,9 +273,10 @@ class HotPrefixDetector:
     def _make_plan(self, decision: DecisionObserved, holders: set[str], trigger: str,
                    now: float) -> MigrationPlanned | None:
         if trigger == "copy":
-            plan = self._plan_copy(decision, holders, now)
+            plan, outcome = self._plan_copy(decision, holders, now)
         else:
-            plan = self._plan_recompute(decision, now)
+            plan, outcome = self._plan_recompute(decision, now)
+        self.hot_misses[trigger, outcome] += 1
         if plan is not None:
             family = self._families.get(decision.family_key)
             if family is not None:
@@ -287,25 +303,26 @@ class HotPrefixDetector:
                 return worker
         return None
 
-    def _plan_copy(self, decision: DecisionObserved, holders: set[str], now: float) -> MigrationPlanned | None:
+    def _plan_copy(self, decision: DecisionObserved, holders: set[str],
+                   now: float) -> tuple[MigrationPlanned | None, str]:
         # Trigger (b): copy from the local holder with the longest match (first on ties).
         destination = self._destination(decision, {worker for worker, _ in decision.local_holders}, now)
         if destination is None:
-            return None
+            return None, NO_IDLE_WORKER
         source, matched = max(decision.local_holders, key=lambda h: h[1])
-        return MigrationPlanned(decision.family_key, matched, source, destination, "copy")
+        return MigrationPlanned(decision.family_key, matched, source, destination, "copy"), PLANNED
 
-    def _plan_recompute(self, decision: DecisionObserved, now: float) -> MigrationPlanned | None:
+    def _plan_recompute(self, decision: DecisionObserved, now: float) -> tuple[MigrationPlanned | None, str]:
         # Trigger (a): no local holder, and a remote match worth the detour exists.
         if not self.ablation.cross_region or decision.remote_best is None:
-            return None
+            return None, NO_REMOTE_MATCH
         worker, region, matched = decision.remote_best
         first = self._plan.first_length_toward(self.region, region)
         if first is None or matched < first:
-            return None
+            return None, NO_REMOTE_MATCH
         destination = self._destination(decision, {w for w, _ in decision.local_holders}, now)
         if destination is None:
-            return None
+            return None, NO_IDLE_WORKER
         fitting = self._plan.registration_lengths_upto(decision.prompt_len)
         prefix_len = max(matched, fitting[-1]) if fitting else matched
-        return MigrationPlanned(decision.family_key, prefix_len, worker, destination, "recompute")
+        return MigrationPlanned(decision.family_key, prefix_len, worker, destination, "recompute"), PLANNED

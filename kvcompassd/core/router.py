@@ -29,7 +29,7 @@ from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
 from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, ForwardKernel, MissSummary,
                           slot_constructor)
-from .migration import DecisionObserved, HotPrefixDetector, MigrationPlanned
+from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .pending import PendingHoldings
 from .queues import QueueEstimates
 from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms
@@ -263,11 +263,15 @@ class Router:
         holders = bool(flags & MISS_LOCAL_HOLDER)
         trigger = self.hot.note_miss(found.family_key, now=now, holders=holders,
                                      lost_to_load=bool(flags & MISS_LOST_TO_LOAD))
-        if trigger is None or not (holders or flags & MISS_REMOTE_WORTH):
+        if trigger is None:
+            return None
+        if not (holders or flags & MISS_REMOTE_WORTH):
+            self.hot.note_unplanned(trigger, NO_REMOTE_MATCH)
             return None
         matched, ids = found.matched, self.layout.worker_ids
         local_holders = [ids[i] for i in self._local_indexes if matched.item(i) > 0]
         if not self.hot.has_destination(local_holders, ids[chosen], now=now):
+            self.hot.note_unplanned(trigger, NO_IDLE_WORKER)
             return None  # nowhere to put a replica: plan would say None
         return self.hot.plan(self._observation(found, result.scores, chosen, now), trigger, now=now)
 

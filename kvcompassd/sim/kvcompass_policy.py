@@ -56,7 +56,7 @@ from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
-from kvcompassd.core.migration import MigrationPlanned
+from kvcompassd.core.migration import HOT_MISS_OUTCOMES, MigrationPlanned
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
@@ -436,6 +436,16 @@ class KVCompassPolicy(BasePolicy):
         while self._heap:
             now = max(now, max(item[0] for item in self._heap))
             self._advance(now)
+
+    @property
+    def hot_prefix_misses(self) -> dict[str, int]:
+        """Local misses that found their family hot, summed over edges and triggers, by outcome
+        (``HOT_MISS_OUTCOMES``): why the run migrated as much as it did."""
+        out = dict.fromkeys(HOT_MISS_OUTCOMES, 0)
+        for router in self.routers:
+            for (_, outcome), n in router.hot.hot_misses.items():
+                out[outcome] += n
+        return out
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
