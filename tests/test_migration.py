@@ -38,8 +38,9 @@ def test_no_local_holder_and_a_worthwhile_remote_match_triggers_a_recompute() ->
     assert hot.observe(remote_miss(), now=10.0) is None
     assert hot.observe(remote_miss(), now=10.3) is None
     plan = hot.observe(remote_miss(), now=10.6)
-    # The prompt's own prefix: the longest registered length within 4000 tokens is 3776.
-    assert plan == MigrationPlanned(FAMILY, 3776, "us-0", "asia-2", "recompute")
+    # The prompt's own prefix, all of it: the index's longest level within 4000 tokens (3776)
+    # is only what the edge could see of the holder's match.
+    assert plan == MigrationPlanned(FAMILY, 4000, "us-0", "asia-2", "recompute")
     assert plan.tier is Tier.DRAM
 
 

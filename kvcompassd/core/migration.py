@@ -20,8 +20,10 @@ that does not already hold the prefix and is not the worker serving the triggeri
 copied worker to worker (``mode="copy"``); across regions the prompt is shipped and recomputed
 (``mode="recompute"``): regional networks beat recompute for KV transfer, the WAN does not
 (paper §3.5). What migrates is the triggering request's own prefix, which contains the part
-the family shares: for a copy, the holder's matched prefix; for a recompute, the longest
-registered length that fits the prompt. A family that migrated is left alone for a cooldown,
+the family shares: for a copy, the holder's matched prefix; for a recompute, the whole prompt
+(the index quantises what an edge sees of a holder's match to its levels, not what the holder
+has: a long document cut at the longest level would leave its siblings a recompute of the rest
+at the replica, and the remote holder would keep winning them). A family that migrated is left alone for a cooldown,
 and the number of tracked families is bounded (least recently missed evicted first).
 """
 
@@ -323,6 +325,4 @@ class HotPrefixDetector:
         destination = self._destination(decision, {w for w, _ in decision.local_holders}, now)
         if destination is None:
             return None, NO_IDLE_WORKER
-        fitting = self._plan.registration_lengths_upto(decision.prompt_len)
-        prefix_len = max(matched, fitting[-1]) if fitting else matched
-        return MigrationPlanned(decision.family_key, prefix_len, worker, destination, "recompute"), PLANNED
+        return MigrationPlanned(decision.family_key, decision.prompt_len, worker, destination, "recompute"), PLANNED
