@@ -23,6 +23,7 @@ from kvcompassd.core.config import (
     load_config,
     parse_config,
 )
+from kvcompassd.sim.geo import RTX5090_DRAM_KV_TOKENS, RTX5090_VRAM_KV_TOKENS
 
 TESTBED = Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml"
 
@@ -60,8 +61,10 @@ def test_testbed_matches_the_paper() -> None:
     assert cfg.one_way_ms("eu", "eu") == cfg.intra_region_one_way_ms == 0.25
     for worker in cfg.workers:
         assert worker.prefill_ms_per_token == 0.085
-        assert worker.vram_kv_tokens == 32 * 2**30 // (128 * 2**10) == 262144
-        assert worker.dram_kv_tokens == 128 * 2**30 // (128 * 2**10) == 1048576
+        # RTX 5090s: 12 GiB of KV in VRAM, HiCache's host pool twice that (as the generated
+        # North-American testbed, kvcompassd/sim/geo.py)
+        assert worker.vram_kv_tokens == 12 * 2**30 // (128 * 2**10) == RTX5090_VRAM_KV_TOKENS == 98304
+        assert worker.dram_kv_tokens == 2 * worker.vram_kv_tokens == RTX5090_DRAM_KV_TOKENS
     assert [e.region for e in cfg.edges] == ["us", "eu", "asia"]
     assert sorted(m.shard for m in cfg.maintenance) == [0, 1, 2, 3] and cfg.shards == 4
     assert cfg.score.gamma_ms_per_token == pytest.approx(128 * 1024 / 25e9 * 1e3, rel=1e-3)

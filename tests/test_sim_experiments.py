@@ -46,6 +46,14 @@ def test_fig15_quick_is_closed_loop_and_relative_to_the_full_system(tmp_path):
     assert all(r["clients"] == 14 for r in rows)  # 1 per worker of the 14-worker testbed
     assert rows[0]["throughput_vs_full"] == 1.0 and rows[1]["throughput_vs_full"] > 0
     assert (tmp_path / "fig15" / "ablation.png").stat().st_size > 0
+    # The table says what moves the ablations: DRAM's share of reuse, migrations and why not.
+    table = (tmp_path / "fig15" / "summary.md").read_text().splitlines()
+    header = [c.strip() for c in table[2].strip("|").split("|")]
+    assert header[-5:] == ["vs full", "DRAM % of reuse", "migrations", "hot, no idle worker", "hot, no remote match"]
+    first = [c.strip() for c in table[4].strip("|").split("|")]
+    assert first[0] == "kvcompass" and first[-5] == "1.000"
+    assert first[-3:] == [str(rows[0][k]) for k in ("migrations", "hot_misses_no_idle_worker",
+                                                    "hot_misses_no_remote_match")]
 
 
 def test_sweep_points_keep_the_warm_up_and_shorten_only_the_measured_part():

@@ -53,3 +53,19 @@ def test_rendered_config_parses_through_the_shared_loader():
 
     cfg = parse_config(tomllib.loads(render_toml(DEPLOYMENTS["census-64x8"])), "generated")
     assert cfg.one_way_ms("de", "gb") == pytest.approx(derived_one_way_ms(SITES["de"], SITES["gb"]), abs=0.01)
+
+
+def test_the_testbeds_hold_an_rtx_5090s_kv_and_the_censuses_an_a100s():
+    """The real-machine testbeds (paper 5.2, appendix B) run on 32 GiB cards, so their KV pools
+    are far smaller than the simulated A100 fleets' 32 GiB of KV: DRAM pressure comes sooner."""
+    from kvcompassd.sim.geo import (A100_DRAM_KV_TOKENS, A100_VRAM_KV_TOKENS, RTX5090_DRAM_KV_TOKENS,
+                                    RTX5090_VRAM_KV_TOKENS)
+
+    for name in ("testbed-3continent", "northamerica-11"):
+        for worker in load_config(CONFIG / f"{name}.toml").workers:
+            assert (worker.vram_kv_tokens, worker.dram_kv_tokens) == (RTX5090_VRAM_KV_TOKENS, RTX5090_DRAM_KV_TOKENS)
+    for name in ("census-64x8", "census-128x16"):
+        for worker in load_config(CONFIG / f"{name}.toml").workers:
+            assert (worker.vram_kv_tokens, worker.dram_kv_tokens) == (A100_VRAM_KV_TOKENS, A100_DRAM_KV_TOKENS)
+    # weights (15 GiB) + the KV pool (12 GiB) stay inside the card's 32 GiB
+    assert 15 + RTX5090_VRAM_KV_TOKENS * 128 * 1024 / 2**30 < 32

@@ -274,12 +274,15 @@ COLUMNS = (("scheme", "scheme", "{}"), ("rate", "req/s", "{:g}"), ("requests", "
            ("lookup_ms_mean", "lookup ms", "{:.1f}"), ("sim_requests_per_wall_s", "sim req/s", "{:.0f}"))
 
 
-def markdown_table(rows: list[dict[str, Any]], title: str) -> str:
-    lines = [f"# {title}", "", "| " + " | ".join(c[1] for c in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
+def markdown_table(rows: list[dict[str, Any]], title: str,
+                   extra_columns: Sequence[tuple[str, str, str]] = ()) -> str:
+    """``COLUMNS`` and then ``extra_columns`` (key, header, format) of each row."""
+    columns = (*COLUMNS, *extra_columns)
+    lines = [f"# {title}", "", "| " + " | ".join(c[1] for c in columns) + " |",
+             "|" + "---|" * len(columns)]
     for r in rows:
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             v = r.get(key, "")
             if key == "throughput_tok_s":
                 v = v / 1000.0

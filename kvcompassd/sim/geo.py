@@ -41,6 +41,12 @@ KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
 A100_VRAM_KV_TOKENS = (32 << 30) // KV_BYTES_PER_TOKEN  # 32 GiB of VRAM for KV cache
 A100_DRAM_KV_TOKENS = (128 << 30) // KV_BYTES_PER_TOKEN  # 128 GiB of host DRAM
 A100_MAX_RUNNING = 64
+# The testbeds' workers (paper 5.2 and appendix B) are RTX 5090s: 32 GiB for weights and KV together.
+# The BF16 weights take 15 GiB (8.03 B parameters x 2 bytes) and SGLang's static pool is about 0.85 of
+# the card (activations, CUDA graphs and the context take the rest), which leaves ~12 GiB of KV in VRAM.
+# Host DRAM: HiCache's pool at its usual --hicache-ratio 2, twice the device pool.
+RTX5090_VRAM_KV_TOKENS = (12 << 30) // KV_BYTES_PER_TOKEN  # 98,304 tokens
+RTX5090_DRAM_KV_TOKENS = 2 * RTX5090_VRAM_KV_TOKENS  # 196,608 tokens (24 GiB)
 
 
 class GeoError(ValueError):
@@ -229,6 +235,8 @@ DEPLOYMENTS: dict[str, DeploymentSpec] = {
         value_bits=32,
         shards=4,
         prefill_ms_per_token=0.085,  # the testbeds' calibrated RTX 5090 prefill speed (paper 5.2)
+        vram_kv_tokens=RTX5090_VRAM_KV_TOKENS,
+        dram_kv_tokens=RTX5090_DRAM_KV_TOKENS,
         source="appendix B: PA 2, OH 4, NY 1, Calgary 4; one-way 5.8-16.6 ms east, 24.9-37.4 ms to Calgary",
     ),
 }
@@ -236,6 +244,10 @@ DEPLOYMENTS: dict[str, DeploymentSpec] = {
 
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _gib(kv_tokens: int) -> str:
+    return f"{kv_tokens * KV_BYTES_PER_TOKEN / 2**30:g}"
 
 
 def render_toml(spec: DeploymentSpec) -> str:
@@ -253,7 +265,8 @@ def render_toml(spec: DeploymentSpec) -> str:
         lines.append("# then each measured group of links is mapped linearly onto the paper's measured range.")
     lines += [
         f"# One-way WAN latencies here span {lo:.1f}-{hi:.1f} ms (RTT {2 * lo:.1f}-{2 * hi:.1f} ms).",
-        "# Workers: A100-80GB / Llama-3.1-8B BF16 unless noted; 32 GiB VRAM and 128 GiB DRAM of KV at",
+        f"# Workers: A100-80GB / Llama-3.1-8B BF16 unless noted; {_gib(spec.vram_kv_tokens)} GiB VRAM and "
+        f"{_gib(spec.dram_kv_tokens)} GiB DRAM of KV at",
         "# 128 KiB per token; prefill and decode calibration and sources are in kvcompassd/sim/geo.py.",
         "",
         "[cluster]",
