@@ -23,8 +23,9 @@ copied worker to worker (``mode="copy"``); across regions the prompt is shipped 
 the family shares: for a copy, the holder's matched prefix; for a recompute, the whole prompt
 (the index quantises what an edge sees of a holder's match to its levels, not what the holder
 has: a long document cut at the longest level would leave its siblings a recompute of the rest
-at the replica, and the remote holder would keep winning them). A family that migrated is left alone for a cooldown,
-and the number of tracked families is bounded (least recently missed evicted first).
+at the replica, and the remote holder would keep winning them). A family that migrated is left
+alone for a cooldown, and the number of tracked families is bounded (least recently missed
+evicted first).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from .queues import QueueEstimates
 __all__ = ["DecisionObserved", "HotPrefixDetector", "MigrationInputError", "MigrationPlanned", "HOT_MISS_OUTCOMES"]
 
 MODES = ("copy", "recompute")
-# What became of a local miss that found its family hot: a plan, or why none. Most fleets under
-# steady load see no_idle_worker (no replica without an idle destination, by design) and
-# no_remote_match (hot, but nothing abroad worth the detour): the operator's reason for zero
+# What became of a local miss that found its family hot: a plan, or why none. The simulated
+# fleets under steady load see no_idle_worker (no replica without an idle destination, by design)
+# and no_remote_match (hot, but nothing abroad worth the detour): the operator's reason for zero
 # migrations, counted per trigger in HotPrefixDetector.hot_misses.
 PLANNED, NO_IDLE_WORKER, NO_REMOTE_MATCH = HOT_MISS_OUTCOMES = ("planned", "no_idle_worker", "no_remote_match")
 
