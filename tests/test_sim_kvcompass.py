@@ -243,7 +243,7 @@ def test_the_engine_runs_the_policy_deterministically_and_ablation_keeps_request
     assert np.array_equal(r3.records["worker_region"], r3.records["edge_region"])
     # Every hot-family miss is in the results by outcome; each plan is one migration run.
     assert {k: v for k, v in r1.extra.items() if k.startswith("hot_misses_")} == {
-        f"hot_misses_{o}": n for o, n in p1.hot_prefix_misses.items()}
+        f"hot_misses_{o}": n for o, n in p1.hot_misses_by_outcome.items()}
     assert r1.extra["hot_misses_planned"] == r1.extra["migrations"]
     _, r4 = run(Ablation(migration=False))
     assert r4.extra["migrations"] == 0 and not any(r4.extra[f"hot_misses_{o}"] for o in HOT_MISS_OUTCOMES)

@@ -462,7 +462,7 @@ class Simulation:
         for attr in ("hops_total", "lookups"):
             if hasattr(self.policy, attr):
                 extra[attr] = getattr(self.policy, attr)
-        for outcome, n in getattr(self.policy, "hot_prefix_misses", {}).items():
+        for outcome, n in getattr(self.policy, "hot_misses_by_outcome", {}).items():
             extra[f"hot_misses_{outcome}"] = n
         # Events a silent cache only counted would all have been delivered (no loss, no delay).
         delivered = self.events_delivered + sum(c.events_unsent for c in self.caches)

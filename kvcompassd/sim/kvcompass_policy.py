@@ -438,7 +438,7 @@ class KVCompassPolicy(BasePolicy):
             self._advance(now)
 
     @property
-    def hot_prefix_misses(self) -> dict[str, int]:
+    def hot_misses_by_outcome(self) -> dict[str, int]:
         """Local misses that found their family hot, summed over edges and triggers, by outcome
         (``HOT_MISS_OUTCOMES``): why the run migrated as much as it did."""
         out = dict.fromkeys(HOT_MISS_OUTCOMES, 0)
