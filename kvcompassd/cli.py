@@ -18,7 +18,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, type=Path, help="cluster config (TOML)")
     p.add_argument("--id", required=True, help="this node's id in the config (and in its certificate)")
     p.add_argument("--tls-dir", required=True, type=Path, help="directory with ca.pem, <id>.pem, <id>.key")
-    p.add_argument("--metrics", default=None, help="host:port for the Prometheus endpoint (off by default)")
+    p.add_argument("--metrics", default=None,
+                   help="host:port for the Prometheus endpoint (default: the node's metrics address in the config, else off)")
     _log_args(p)
 
 
@@ -41,6 +42,17 @@ def _lookup(items, node_id: str, what: str):
         if item.id == node_id:
             return item
     raise SystemExit(f"kvcompassd: no {what} with id {node_id!r} in the config")
+
+
+def _metrics_address(args, cfg, entry, field: str = "metrics") -> str | None:
+    """``--metrics`` if given (checked against the config's sockets on this host), else the
+    node's entry in the config."""
+    if args.metrics is None:
+        return getattr(entry, field)
+    from kvcompassd.core.config import check_socket_collisions
+
+    check_socket_collisions(cfg, {entry.id: {field: args.metrics}})
+    return args.metrics
 
 
 class _WithMetrics:
@@ -76,7 +88,7 @@ def cmd_maintenance(args) -> int:
     from kvcompassd.maintenance import MaintenanceNode
 
     me = _lookup(cfg.maintenance, args.id, "maintenance unit")
-    return _serve(MaintenanceNode(cfg, me, tls), args.metrics, args)
+    return _serve(MaintenanceNode(cfg, me, tls), _metrics_address(args, cfg, me), args)
 
 
 def cmd_edge(args) -> int:
@@ -97,7 +109,7 @@ def cmd_edge(args) -> int:
         ablation=ablation,
         copy_from=args.copy_view_from,
     )
-    return _serve(node, args.metrics, args)
+    return _serve(node, _metrics_address(args, cfg, me), args)
 
 
 def cmd_agent(args) -> int:
@@ -107,7 +119,7 @@ def cmd_agent(args) -> int:
     worker = _lookup(cfg.workers, args.id, "worker")
     node = AgentNode(cfg, worker, tls, replay_endpoint=args.replay_endpoint,
                      chaos_drop_engine_batches=args.chaos_drop_engine_batches)
-    return _serve(node, args.metrics, args)
+    return _serve(node, _metrics_address(args, cfg, worker, "agent_metrics"), args)
 
 
 def cmd_emulate_worker(args) -> int:

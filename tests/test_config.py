@@ -18,6 +18,8 @@ from kvcompassd.core.config import (
     RegionConfig,
     ScoreParams,
     WorkerConfig,
+    check_socket_collisions,
+    config_sockets,
     derive_one_way_ms,
     dump_config,
     load_config,
@@ -238,10 +240,12 @@ def configs(draw) -> dict:
             "id": f"w{i}", "region": draw(st.sampled_from(regions)),
             "prefill_ms_per_token": draw(st.floats(0.001, 1.0)), "decode_ms_per_token": 10,
             "vram_kv_tokens": draw(st.integers(0, 10**7)), "dram_kv_tokens": 5,
-            "http": draw(st.none() | st.just("http://127.0.0.1:1")),
+            "http": draw(st.none() | st.just(f"http://127.0.0.1:{30000 + i}")),
+            "agent_metrics": draw(st.none() | st.just(f"127.0.0.1:{9200 + i}")),
         })
     if draw(st.booleans()):
-        data["maintenance"] = [{"id": f"m{s}", "shard": s, "quic": "127.0.0.1:7450"}
+        data["maintenance"] = [{"id": f"m{s}", "shard": s, "quic": f"127.0.0.1:{7450 + s}",
+                                "metrics": f"127.0.0.1:{9100 + s}"}
                                for s in range(data["cluster"]["shards"])]
     data["score"] = {"wan": draw(st.sampled_from(["rtt", "one_way"])), "tau_ms": draw(st.floats(1, 1000))}
     return data
@@ -265,3 +269,99 @@ def test_dump_escapes_strings_toml_would_reject() -> None:
     data["cluster"].update(model='we"ird\\model\x7f\x01\n', tenant="tën\tant")
     cfg = parse_config(data, "x")
     assert parse_config(tomllib.loads(dump_config(cfg)), "dump") == cfg
+
+
+# ---------------------------------------------------------------- socket collisions
+
+SHIPPED = sorted((Path(__file__).resolve().parent.parent / "config").glob("*.toml"))
+
+
+def test_the_repository_ships_its_configs() -> None:
+    names = {p.name for p in SHIPPED}
+    assert {"testbed-3continent.toml", "production-3region.toml"} <= names, names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads_with_distinct_sockets(path: Path) -> None:
+    cfg = load_config(path)
+    sockets = config_sockets(cfg)
+    keys = [(s.transport, s.host, s.port) for s in sockets]
+    assert len(keys) == len(set(keys))
+    if cfg.workers[0].kv_events:  # the deployable configs: every replay socket is accounted for
+        assert sum(s.owner.endswith("replay (port + 1)") for s in sockets) == len(cfg.workers)
+
+
+def addressed() -> dict:
+    data = minimal()
+    for i, worker in enumerate(data["workers"]):
+        worker.update(http=f"http://127.0.0.1:{30000 + i}", kv_events=f"tcp://127.0.0.1:{5557 + 2 * i}",
+                      agent=f"127.0.0.1:{7500 + i}")
+    data["edges"] = [{"id": "edge-a", "region": "a", "http": "0.0.0.0:8080", "quic": "127.0.0.1:7400"}]
+    data["maintenance"] = [{"id": f"mnt-{s}", "shard": s, "quic": f"127.0.0.1:{7450 + s}"} for s in range(2)]
+    return data
+
+
+def test_addressed_fixture_is_valid() -> None:
+    assert len(config_sockets(parse_config(addressed()))) == 2 * 4 + 2 + 2
+
+
+def test_consecutive_kv_event_ports_collide_with_the_replay_socket_naming_both() -> None:
+    data = addressed()
+    data["workers"][1]["kv_events"] = "tcp://127.0.0.1:5558"
+    message = error_of(data)
+    assert "[[workers]] #2 (b-0) kv_events binds tcp 127.0.0.1:5558" in message
+    assert "[[workers]] #1 (a-0) kv_events replay (port + 1)" in message
+
+
+@pytest.mark.parametrize("mutate, first, second", [
+    (lambda d: d["maintenance"][1].update(quic="127.0.0.1:7400"), "(edge-a) quic", "(mnt-1) quic"),
+    (lambda d: d["workers"][1].update(agent="localhost:7500"), "(a-0) agent", "(b-0) agent"),
+    (lambda d: d["edges"][0].update(metrics="127.0.0.1:30001"), "(b-0) http", "(edge-a) metrics"),
+    (lambda d: d["workers"][0].update(agent_metrics="127.0.0.1:8080"), "(a-0) agent_metrics", "(edge-a) http"),
+    (lambda d: d["maintenance"][0].update(metrics="[::1]:9100") or d["edges"][0].update(metrics="[::1]:9100"),
+     "(edge-a) metrics", "(mnt-0) metrics"),
+], ids=["quic", "localhost-is-loopback", "metrics-vs-http", "agent-metrics-vs-wildcard", "ipv6"])
+def test_sockets_sharing_a_port_on_one_host_are_refused(mutate, first: str, second: str) -> None:
+    data = addressed()
+    mutate(data)
+    message = error_of(data)
+    assert first in message and second in message and "cannot share a port" in message
+
+
+def test_tcp_and_udp_may_share_a_port_and_distinct_hosts_may_share_everything() -> None:
+    data = addressed()
+    data["edges"][0]["http"] = "127.0.0.1:7400"  # TCP beside the edge's own QUIC (UDP) port
+    data["workers"][1].update(http="http://10.0.0.2:30000", kv_events="tcp://10.0.0.2:5557",
+                              agent="10.0.0.2:7500")
+    parse_config(data)
+
+
+def test_wildcard_binds_belong_to_their_entrys_host() -> None:
+    data = addressed()
+    data["regions"].append({"name": "c"})
+    data["links"] += [{"between": ["a", "c"], "one_way_ms": 50.0}, {"between": ["b", "c"], "one_way_ms": 50.0}]
+    # Two gateways on two hosts, each binding 0.0.0.0:8080, as production-3region does.
+    data["edges"].append({"id": "edge-c", "region": "c", "http": "0.0.0.0:8080", "quic": "10.0.0.9:7400"})
+    parse_config(data)
+    # The edge's wildcard is on 127.0.0.1 (its QUIC host): a worker's HTTP port there collides.
+    data["workers"][0]["http"] = "http://127.0.0.1:8080"
+    assert "(edge-a) http" in error_of(data)
+
+
+def test_replay_port_past_65535_is_refused() -> None:
+    data = addressed()
+    data["workers"][0]["kv_events"] = "tcp://127.0.0.1:65535"
+    assert "outside 1-65535" in error_of(data)
+
+
+def test_command_line_override_is_checked_against_the_config() -> None:
+    cfg = parse_config(addressed())
+    check_socket_collisions(cfg, {"edge-a": {"metrics": "127.0.0.1:9101"}})
+    with pytest.raises(ConfigError, match=r"\(edge-a\) metrics \(command line\) binds tcp 127.0.0.1:5557"):
+        check_socket_collisions(cfg, {"edge-a": {"metrics": "0.0.0.0:5557"}})
+
+
+def test_ipc_kv_events_bind_no_port() -> None:
+    data = addressed()
+    data["workers"][0]["kv_events"] = "ipc:///run/sglang/kv"
+    assert len(config_sockets(parse_config(data))) == 2 * 4 + 2 + 2 - 2

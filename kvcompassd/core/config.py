@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "ClusterConfig",
     "ConfigError",
+    "ConfigSocket",
     "EdgeConfig",
     "IndexParams",
     "LinkConfig",
@@ -30,6 +31,8 @@ __all__ = [
     "RegionConfig",
     "ScoreParams",
     "WorkerConfig",
+    "check_socket_collisions",
+    "config_sockets",
     "derive_one_way_ms",
     "dump_config",
     "great_circle_km",
@@ -195,6 +198,7 @@ class WorkerConfig:
     http: str | None = None
     kv_events: str | None = None
     agent: str | None = None
+    agent_metrics: str | None = None  # the agent's Prometheus endpoint (host:port)
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
@@ -209,6 +213,7 @@ class WorkerConfig:
         _check_optional_address("http", self.http, ("http", "https"))
         _check_optional_address("kv_events", self.kv_events, ("tcp", "ipc", "inproc"))
         _check_optional_address("agent", self.agent, None)
+        _check_optional_address("agent_metrics", self.agent_metrics, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,12 +224,14 @@ class EdgeConfig:
     region: str
     http: str | None = None
     quic: str | None = None
+    metrics: str | None = None  # Prometheus endpoint (host:port), besides /metrics on http
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
         _check_str("region", self.region)
         _check_optional_address("http", self.http, None)
         _check_optional_address("quic", self.quic, None)
+        _check_optional_address("metrics", self.metrics, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,11 +241,13 @@ class MaintenanceConfig:
     id: str
     shard: int
     quic: str | None = None
+    metrics: str | None = None  # Prometheus endpoint (host:port)
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
         _check_int("shard", self.shard, lo=0)
         _check_optional_address("quic", self.quic, None)
+        _check_optional_address("metrics", self.metrics, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,6 +373,82 @@ def derive_one_way_ms(lat1: float, lon1: float, lat2: float, lon2: float) -> flo
     return great_circle_km(lat1, lon1, lat2, lon2) / FIBRE_KM_PER_MS * ROUTE_INFLATION + PER_PATH_OVERHEAD_MS
 
 
+# ---------------------------------------------------------------- socket collisions
+# Every address in the config is a socket some process binds; two that bind the same port on one
+# host make the second process die with "Address already in use" at start-up, possibly hours
+# after the config was written. The loader refuses them, naming both.
+
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*", ""})
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigSocket:
+    """One socket a config implies: who binds it, TCP or UDP, where."""
+
+    owner: str  # e.g. "[[workers]] #2 (us-1) kv_events replay (port + 1)"
+    transport: str  # "tcp" or "udp": a TCP and a UDP socket may share a port
+    host: str
+    port: int
+
+
+def _split_host_port(address: str) -> tuple[str, int] | None:
+    """``host:port`` / ``scheme://host:port[/path]`` -> (normalised host, port); None for
+    addresses without a port (``ipc://``, ``inproc://``)."""
+    rest = address.split("://", 1)[-1].split("/", 1)[0]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    host = host.strip("[]").lower()
+    return ("127.0.0.1" if host == "localhost" else host), int(port)
+
+
+def config_sockets(cfg: ClusterConfig, overrides: Mapping[str, Mapping[str, str]] | None = None) -> list[ConfigSocket]:
+    """Every socket the config's nodes bind. A worker entry is one host: its engine's HTTP and
+    KV-event sockets (the engine's replay socket is the KV-event port + 1, as SGLang's default
+    and the emulated worker use) and its agent's QUIC and metrics sockets. ``overrides`` maps a
+    node id to fields given on its command line instead (``{"edge-us": {"metrics": ...}}``)."""
+    overrides = overrides or {}
+    out: list[ConfigSocket] = []
+    for table, entries, fields_ in (
+        ("[[workers]]", cfg.workers, (("http", "tcp"), ("kv_events", "tcp"), ("agent", "udp"),
+                                      ("agent_metrics", "tcp"))),
+        ("[[edges]]", cfg.edges, (("http", "tcp"), ("quic", "udp"), ("metrics", "tcp"))),
+        ("[[maintenance]]", cfg.maintenance, (("quic", "udp"), ("metrics", "tcp"))),
+    ):
+        for i, entry in enumerate(entries, 1):
+            found: list[tuple[str, str, str, int]] = []
+            for name, transport in fields_:
+                value = overrides.get(entry.id, {}).get(name, getattr(entry, name))
+                parsed = None if value is None else _split_host_port(value)
+                if parsed is None or (name == "kv_events" and not value.startswith("tcp://")):
+                    continue
+                label = name if value == getattr(entry, name) else f"{name} (command line)"
+                found.append((label, transport, *parsed))
+                if name == "kv_events":
+                    found.append(("kv_events replay (port + 1)", transport, parsed[0], parsed[1] + 1))
+            # A wildcard bind address (edges' "0.0.0.0:8080") is on the host the entry's other
+            # addresses name; with none, it is on a host of its own.
+            home = next((h for _, _, h, _ in found if h not in _WILDCARD_HOSTS), f"<host of {table} #{i}>")
+            out.extend(ConfigSocket(f"{table} #{i} ({entry.id}) {name}", transport,
+                                    home if host in _WILDCARD_HOSTS else host, port)
+                       for name, transport, host, port in found)
+    return out
+
+
+def check_socket_collisions(cfg: ClusterConfig, overrides: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    """Raise :class:`ConfigError` naming both sockets if two of them bind one port on one host
+    (``overrides`` as for :func:`config_sockets`: a ``--metrics`` given on the command line)."""
+    seen: dict[tuple[str, str, int], ConfigSocket] = {}
+    for sock in config_sockets(cfg, overrides):
+        key = (sock.transport, sock.host, sock.port)
+        first = seen.setdefault(key, sock)
+        if first is not sock:
+            raise ConfigError(f"{sock.owner} binds {sock.transport} {sock.host}:{sock.port}, as {first.owner} "
+                              "does: two sockets on one host cannot share a port")
+        if not 0 < sock.port < 65536:
+            raise ConfigError(f"{sock.owner} would bind port {sock.port}, outside 1-65535")
+
+
 # ---------------------------------------------------------------- the cluster
 
 
@@ -460,6 +545,7 @@ class ClusterConfig:
                 raise ConfigError(f"shards {missing} have no maintenance unit (cluster.shards = {self.shards})",
                                   table="[[maintenance]]", field="shard")
 
+        check_socket_collisions(self)
         object.__setattr__(self, "links", self._complete_links(region_names))
         one_way: dict[tuple[str, str], float] = {}
         for link in self.links:
