@@ -75,10 +75,10 @@ class _WithMetrics:
 
 
 def _serve(mode, metrics_address, args=None) -> int:
-    from kvcompassd.daemon import install_uvloop, reload_check, serve_until_signalled
+    from kvcompassd.daemon import install_uvloop, reload_tls, serve_until_signalled
 
     install_uvloop()
-    on_reload = (lambda: reload_check(args.config, args.tls_dir, args.id)) if args is not None else None
+    on_reload = (lambda: reload_tls(args.config, mode.node)) if args is not None else None
     asyncio.run(serve_until_signalled(_WithMetrics(mode, metrics_address), on_reload=on_reload))
     return 0
 
@@ -124,8 +124,8 @@ def cmd_agent(args) -> int:
 
 def cmd_emulate_worker(args) -> int:
     from kvcompassd.core.config import load_config
-    from kvcompassd.daemon import install_uvloop
-    from kvcompassd.emulator.server import EmulatorSettings, run_emulated_worker
+    from kvcompassd.daemon import install_uvloop, serve_until_signalled
+    from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
 
     cfg = load_config(args.config)
     worker = _lookup(cfg.workers, args.id, "worker")
@@ -133,11 +133,25 @@ def cmd_emulate_worker(args) -> int:
         worker, model=cfg.model, block_size=cfg.index.block_size, time_scale=args.time_scale,
         eviction=args.eviction, seed=args.seed, kv_events_style=args.kv_events_style)
     install_uvloop()
-    try:
-        asyncio.run(run_emulated_worker(settings))
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(serve_until_signalled(_EmulatedWorkerMode(EmulatedWorker(settings))))
     return 0
+
+
+class _EmulatedWorkerMode:
+    """The emulated worker as a daemon mode: READY=1 once its HTTP and KV-event sockets are
+    bound (the unit is Type=notify like the others), STOPPING=1 and a clean stop on SIGTERM."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    async def start(self):
+        await self.worker.start()
+
+    async def stop(self):
+        await self.worker.stop()
+
+    def status(self):
+        return f"emulated worker {self.worker.settings.worker_id} on {self.worker.http_url}"
 
 
 def cmd_demo(args) -> int:

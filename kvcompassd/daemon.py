@@ -1,8 +1,9 @@
 """What every daemon mode shares: node settings, TLS file layout, the run loop and its signals.
 
 A mode is an object with ``async start()`` (bind listeners, dial peers) and ``async stop()``.
-``serve_forever`` installs uvloop, starts the mode, tells systemd ``READY=1`` only once the
-listeners are bound, and on SIGTERM/SIGINT says ``STOPPING=1`` and stops it cleanly.
+``serve_until_signalled`` starts the mode, tells systemd ``READY=1`` only once the listeners
+are bound, on SIGHUP runs the reload (``reload_tls``: certificate rotation), and on
+SIGTERM/SIGINT says ``STOPPING=1`` and stops it cleanly.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Awaitable, Callable, Protocol
+from typing import Protocol
 
 import structlog
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig
 from kvcompassd.sdnotify import notify
-from kvcompassd.transport import TransportOptions
+from kvcompassd.transport import QuicNode, TransportOptions
 
 # A dead peer (SIGKILL, power loss) is noticed after this long without packets; both ends send
 # keepalives at an eighth of it. 4 s bounds how long a request waits on a worker that died
@@ -69,22 +72,26 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def reload_check(config: Path, tls_dir: Path, node_id: str) -> None:
-    """SIGHUP: validate the config and certificates on disk. Every new QUIC connection loads
-    the certificate files afresh, so a rotated certificate is in use from here on; a config
-    change (peers, addresses) needs a restart, which this says."""
-    from kvcompassd.certs import load_certificate, peer_identity
-    from kvcompassd.core.config import load_config
+async def reload_tls(config: Path, node: QuicNode) -> None:
+    """SIGHUP (``systemctl reload``): re-read this node's certificate, key and CA bundle; every
+    connection made from now on, dialled or accepted, uses them, while established connections
+    carry on with theirs. The config is re-validated too, but a config change (peers, addresses)
+    needs a restart, which the log line says. Files that do not fit together (a half-copied
+    rotation) are refused with an error line and the node keeps what it had."""
+    from kvcompassd.core.config import ConfigError, load_config
 
-    notify("RELOADING=1")
+    notify(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+    try:
+        certificate = node.reload_tls()
+        log.info("reloaded: new connections use the certificate and CA bundle on disk",
+                 certificate_serial=f"{certificate.serial_number:x}")
+    except (OSError, ValueError) as exc:  # CertError included: a bad file must not stop the node
+        log.error("reload failed; still running with the certificates loaded before", error=str(exc))
     try:
         load_config(config)
-        files = tls_files(tls_dir, node_id)
-        identity = peer_identity(load_certificate(files.cert))
-        log.info("reloaded: certificates re-read for new connections", identity=str(identity),
-                 note="config changes take effect on restart")
-    except Exception as exc:  # a bad file on disk must not take the running node down
-        log.error("reload failed; still running with what was loaded before", error=str(exc))
+        log.info("config on disk is valid", note="config changes take effect on restart")
+    except ConfigError as exc:
+        log.error("config on disk is invalid; a restart would fail", error=str(exc))
     notify("READY=1")
 
 

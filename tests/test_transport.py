@@ -746,3 +746,118 @@ def test_wan_relay_adds_its_delay_to_round_trips(run, pki):
                 await relay.stop()
 
     run(scenario())
+
+
+# ---- certificate rotation (reload_tls) -------------------------------------------------------
+
+
+def rotating_pki(root) -> dict[str, TlsFiles]:
+    """A PKI of its own in ``root`` (these tests rewrite the files)."""
+    init_ca(root / "ca", cluster_name="rotation")
+    return {node_id: issue(root / "ca", root / "nodes", role=ROLES[node_id], node_id=node_id)
+            for node_id in ("mnt-0", "edge-us", "edge-eu", "us-0")}
+
+
+def serial(files: TlsFiles) -> int:
+    from kvcompassd.certs import load_certificate
+
+    return load_certificate(files.cert).serial_number
+
+
+def inbound_from(server: QuicNode, node_id: str) -> Peer:
+    (peer,) = [p for p in server.peers if not p.outbound and p.identity.node_id == node_id]
+    return peer
+
+
+def test_reload_rotates_listening_and_dialling_certificates_while_connections_carry_on(run, tmp_path):
+    files = rotating_pki(tmp_path)
+
+    async def scenario():
+        inbox = Recorder()
+        async with node(files, "mnt-0", inbox, listen=True) as mnt, node(files, "edge-us") as edge:
+            established = await edge.connect(mnt.address, expected_role=Role.MAINTENANCE)
+            old_mnt, old_edge = serial(files["mnt-0"]), serial(files["edge-us"])
+            assert established.certificate.serial_number == old_mnt
+            assert inbound_from(mnt, "edge-us").certificate.serial_number == old_edge
+
+            issue(tmp_path / "ca", tmp_path / "nodes", role="maintenance", node_id="mnt-0")
+            issue(tmp_path / "ca", tmp_path / "nodes", role="edge", node_id="edge-us")
+            new_mnt, new_edge = serial(files["mnt-0"]), serial(files["edge-us"])
+            assert {new_mnt, new_edge}.isdisjoint({old_mnt, old_edge})
+            assert mnt.reload_tls().serial_number == new_mnt and mnt.certificate.serial_number == new_mnt
+            assert edge.reload_tls().serial_number == new_edge
+
+            # The established connection carries on, with the session it negotiated.
+            await established.send(UpdatesSubscribed("edge-us", 0, 0, -1))
+            _, message, _ = await inbox.next()
+            assert message.shard == 0 and established.certificate.serial_number == old_mnt
+
+            # A new inbound connection is answered with the new certificate ...
+            async with node(files, "edge-eu") as other_edge:
+                fresh = await other_edge.connect(mnt.address, expected_role=Role.MAINTENANCE)
+                assert fresh.certificate.serial_number == new_mnt
+            # ... and a new outbound one presents it.
+            async with node(files, "us-0", listen=True) as agent:
+                await edge.connect(agent.address, expected_role=Role.AGENT)
+                assert inbound_from(agent, "edge-us").certificate.serial_number == new_edge
+
+    run(scenario())
+
+
+def test_reload_reads_a_new_ca_bundle_for_accepting_and_dialling(run, tmp_path):
+    files = rotating_pki(tmp_path)
+    init_ca(tmp_path / "ca2", cluster_name="rotation-2")
+    # edge-eu and us-0 already moved to the new CA; mnt-0 still trusts only the old one.
+    bundle = (tmp_path / "ca" / "ca.pem").read_bytes() + (tmp_path / "ca2" / "ca.pem").read_bytes()
+    (tmp_path / "bundle.pem").write_bytes(bundle)
+    for node_id, role in (("edge-eu", "edge"), ("us-0", "agent")):
+        moved = issue(tmp_path / "ca2", tmp_path / "nodes2", role=role, node_id=node_id)
+        files[node_id] = TlsFiles(ca=tmp_path / "bundle.pem", cert=moved.cert, key=moved.key)
+
+    async def scenario():
+        async with node(files, "mnt-0", listen=True) as mnt, node(files, "us-0", listen=True) as agent:
+            async with node(files, "edge-eu") as new_ca_edge:
+                with pytest.raises(HandshakeFailed, match="certificate refused"):
+                    await new_ca_edge.connect(mnt.address)
+            with pytest.raises(HandshakeFailed):  # the agent's certificate is from the new CA
+                await mnt.connect(agent.address, expected_role=Role.AGENT)
+
+            files["mnt-0"].ca.write_bytes(bundle)
+            mnt.reload_tls()
+            async with node(files, "edge-eu") as new_ca_edge:
+                peer = await new_ca_edge.connect(mnt.address)
+                assert peer.identity == NodeIdentity(Role.MAINTENANCE, "mnt-0")
+            peer = await mnt.connect(agent.address, expected_role=Role.AGENT)
+            assert peer.certificate.serial_number == serial(files["us-0"])
+
+    run(scenario())
+
+
+def test_reload_refuses_files_that_do_not_fit_together_and_keeps_the_old_ones(run, tmp_path):
+    files = rotating_pki(tmp_path)
+
+    async def scenario():
+        async with node(files, "mnt-0", listen=True) as mnt:
+            before = serial(files["mnt-0"])
+            # A rotation copied half-way: the new key, the old certificate.
+            spare = issue(tmp_path / "ca", tmp_path / "spare", role="maintenance", node_id="mnt-0")
+            good_key = files["mnt-0"].key.read_bytes()
+            files["mnt-0"].key.write_bytes(spare.key.read_bytes())
+            with pytest.raises(CertError, match="is not the key of"):
+                mnt.reload_tls()
+            files["mnt-0"].key.write_bytes(good_key)
+            # Another node's certificate, and one from a CA the bundle does not hold.
+            files["mnt-0"].cert.write_bytes(files["edge-us"].cert.read_bytes())
+            with pytest.raises(CertError, match="issued to"):
+                mnt.reload_tls()
+            init_ca(tmp_path / "other-ca", cluster_name="other")
+            foreign = issue(tmp_path / "other-ca", tmp_path / "foreign", role="maintenance", node_id="mnt-0")
+            files["mnt-0"].cert.write_bytes(foreign.cert.read_bytes())
+            files["mnt-0"].key.write_bytes(foreign.key.read_bytes())
+            with pytest.raises(CertError, match="does not verify"):
+                mnt.reload_tls()
+            async with node(files, "edge-us") as edge:
+                peer = await edge.connect(mnt.address)
+                assert peer.certificate.serial_number == before == mnt.certificate.serial_number
+
+    run(scenario())

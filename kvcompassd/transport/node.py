@@ -15,13 +15,17 @@ import random
 import socket
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
-from kvcompassd.certs import CertError, TlsFiles, load_certificate, peer_identity
+from kvcompassd.certs import CertError, TlsFiles, peer_identity
+from kvcompassd.transport.aioquic_tweaks import peer_certificate, verify_peer_chain
 from kvcompassd.transport.base import (
     ALPN,
     LOOPBACK_DATAGRAM_SIZE,
@@ -80,6 +84,12 @@ class Peer:
     @property
     def is_connected(self) -> bool:
         return self._connection is not None and not self._connection.terminated
+
+    @property
+    def certificate(self) -> x509.Certificate | None:
+        """The certificate the peer presented on the current connection (None when down)."""
+        connection = self._connection
+        return None if connection is None else peer_certificate(connection._quic)[0]
 
     def _live(self) -> QuicConnectionTransport:
         connection = self._connection
@@ -186,7 +196,9 @@ class Peer:
         connection.peer = self
         self.identity = connection.identity
         self._connected.set()
-        log.info("peer_up", peer=str(self.identity), address=self.address, outbound=self.outbound)
+        certificate = self.certificate
+        log.info("peer_up", peer=str(self.identity), address=self.address, outbound=self.outbound,
+                 certificate_serial=None if certificate is None else f"{certificate.serial_number:x}")
         self.node._notify(self, True)
 
     def _detach(self, connection: QuicConnectionTransport) -> None:
@@ -206,7 +218,7 @@ class EncodedMessage:
     otherwise. On loopback paths (large datagrams) packets, not bytes, are what costs, and
     compressing there costs more CPU than it saves (measured: unpaced sync rate 2.5x lower)."""
 
-    __slots__ = ("plain", "_compressed")
+    __slots__ = ("_compressed", "plain")
 
     def __init__(self, message: Message) -> None:
         self.plain = encode(message)
@@ -239,16 +251,14 @@ class QuicNode:
         on_peer_state: OnPeerState | None = None,
         options: TransportOptions | None = None,
     ) -> None:
-        own = peer_identity(load_certificate(tls.cert))
-        if own != identity:
-            raise CertError(f"{tls.cert} is issued to {own}, not to {identity}")
         self.identity = identity
         self.tls = tls
         self.options = options or TransportOptions()
-        self.ca_pem = tls.ca.read_bytes()
+        self._credentials = _load_credentials(tls, identity)
         self._on_message = on_message
         self._on_peer_state = on_peer_state
         self._server: QuicServer | None = None
+        self._listen_datagram_size = 0
         self.address: Address | None = None  # where listen() bound, if it was called
         self._outbound: dict[Address, Peer] = {}
         self._inbound: set[Peer] = set()
@@ -274,9 +284,43 @@ class QuicNode:
             server_name=server_name,
             verify_mode=ssl.CERT_REQUIRED,
         )
-        configuration.cadata = self.ca_pem
-        configuration.load_cert_chain(self.tls.cert, self.tls.key)
+        credentials = self._credentials
+        configuration.cadata = credentials.ca_pem
+        configuration.certificate = credentials.certificate
+        configuration.certificate_chain = list(credentials.chain)
+        configuration.private_key = credentials.private_key
         return configuration
+
+    @property
+    def ca_pem(self) -> bytes:
+        """The CA bundle peers are verified against (as last loaded)."""
+        return self._credentials.ca_pem
+
+    @property
+    def certificate(self) -> x509.Certificate:
+        """This node's own certificate, as presented on new connections."""
+        return self._credentials.certificate
+
+    def reload_tls(self) -> x509.Certificate:
+        """Re-read the CA bundle, certificate and key from ``self.tls`` (rotation, SIGHUP).
+
+        Every connection made from here on, dialled or accepted, presents the new certificate
+        and verifies its peer against the new CA bundle; established connections keep the
+        session they negotiated. The files are checked together first (the certificate names
+        this node, is signed by a CA in the bundle, matches the key): on any error this raises
+        CertError and the node keeps what it had, so a half-copied rotation changes nothing.
+        """
+        credentials = _load_credentials(self.tls, self.identity, check_own_chain=True)
+        self._credentials = credentials
+        if self._server is not None:
+            # aioquic's server builds each new connection from the configuration it was given;
+            # replacing it is how a listener's certificate changes without closing the socket.
+            self._server._configuration = self._configuration(
+                is_client=False, datagram_size=self._listen_datagram_size)
+        log.info("tls_reloaded", node=str(self.identity),
+                 certificate_serial=f"{credentials.certificate.serial_number:x}",
+                 not_after=credentials.certificate.not_valid_after_utc.isoformat())
+        return credentials.certificate
 
     # ---- listening --------------------------------------------------------------------------
 
@@ -284,10 +328,11 @@ class QuicNode:
         """Accept peers on ``host:port`` (port 0 = ephemeral); returns the bound address."""
         if self._server is not None:
             raise RuntimeError("this node is already listening")
+        self._listen_datagram_size = self._datagram_size(host)
         self._server = await serve(
             host,
             port,
-            configuration=self._configuration(is_client=False, datagram_size=self._datagram_size(host)),
+            configuration=self._configuration(is_client=False, datagram_size=self._listen_datagram_size),
             create_protocol=lambda quic, stream_handler=None: QuicConnectionTransport(quic, node=self, outbound=False),
         )
         _enlarge_receive_buffer(self._server._transport)
@@ -411,6 +456,44 @@ class QuicNode:
             self.address = None
         # Let the CONNECTION_CLOSE frames leave before the sockets go.
         await asyncio.sleep(0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Credentials:
+    """What a node presents and trusts, loaded and checked together."""
+
+    ca_pem: bytes
+    certificate: x509.Certificate
+    chain: tuple[x509.Certificate, ...]
+    private_key: object
+
+
+def _load_credentials(tls: TlsFiles, identity: NodeIdentity, *, check_own_chain: bool = False) -> _Credentials:
+    """Load and check the node's files; ``check_own_chain`` also insists that its certificate
+    verifies against its own CA bundle (as every step of a CA rotation keeps it): a reload
+    must not swap a working node onto files its peers would refuse."""
+    scratch = QuicConfiguration()
+    try:
+        ca_pem = tls.ca.read_bytes()
+        scratch.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ValueError, TypeError) as exc:
+        raise CertError(f"cannot load {tls.cert} / {tls.key} / {tls.ca}: {exc}") from exc
+    certificate = scratch.certificate
+    own = peer_identity(certificate)
+    if own != identity:
+        raise CertError(f"{tls.cert} is issued to {own}, not to {identity}")
+    if _public_der(scratch.private_key.public_key()) != _public_der(certificate.public_key()):
+        raise CertError(f"{tls.key} is not the key of {tls.cert}")
+    try:
+        if check_own_chain:
+            verify_peer_chain(certificate, list(scratch.certificate_chain), ca_pem)
+    except ValueError as exc:
+        raise CertError(f"{tls.cert} does not verify against {tls.ca}: {exc}") from exc
+    return _Credentials(ca_pem, certificate, tuple(scratch.certificate_chain), scratch.private_key)
+
+
+def _public_der(key) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _is_loopback(host: str) -> bool:
