@@ -376,6 +376,20 @@ class QuicNode:
         return peer
 
     async def _dial(self, peer: Peer) -> QuicConnectionTransport:
+        while True:
+            credentials = self._credentials
+            connection = await self._dial_once(peer)
+            if credentials is self._credentials:
+                return connection
+            # reload_tls() ran during the handshake (e.g. a retransmitted Initial of an attempt
+            # started before it reached a peer that came up since): this connection presents
+            # what was rotated out. Redial at once, so every connection made after a reload
+            # presents the new certificate.
+            log.info("redial_after_tls_reload", address=peer.address)
+            connection.close()
+            connection._transport.close()
+
+    async def _dial_once(self, peer: Peer) -> QuicConnectionTransport:
         loop = asyncio.get_running_loop()
         host, port = peer.address
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
