@@ -21,11 +21,16 @@ START_GUARD_S = 120.0
 class NotifySocket:
     """The datagram socket systemd gives a Type=notify service as $NOTIFY_SOCKET."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path | str) -> None:
+        """``path``: a file system path, or ``@name`` for an abstract socket (no file: reachable
+        from a sandbox whatever its file system view and user)."""
+        self.path = str(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(self.path))
-        os.chmod(self.path, 0o666)  # a daemon running as another user may send to it
+        if self.path.startswith("@"):
+            self.sock.bind("\0" + self.path[1:])
+        else:
+            self.sock.bind(self.path)
+            os.chmod(self.path, 0o666)  # a daemon running as another user may send to it
         self.received: list[str] = []
 
     def expect(self, state: str, proc: subprocess.Popen, log_path: Path, timeout: float = START_GUARD_S) -> str:
@@ -47,6 +52,16 @@ class NotifySocket:
             if state in message.splitlines():
                 return message
 
+    def drain(self) -> list[str]:
+        """Read what is queued (after the daemon exited: its STOPPING=1)."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                self.received.append(self.sock.recv(4096).decode())
+        except BlockingIOError:
+            pass
+        return self.received
+
     def close(self) -> None:
         self.sock.close()
 
@@ -66,7 +81,7 @@ def kvcompassd_argv(mode: str, config: Path, node_id: str, tls_dir: Path | None,
 
 
 def start(argv: list[str], log_path: Path, notify: NotifySocket, **popen) -> subprocess.Popen:
-    env = dict(popen.pop("env", os.environ), NOTIFY_SOCKET=str(notify.path), PYTHONUNBUFFERED="1")
+    env = dict(popen.pop("env", os.environ), NOTIFY_SOCKET=notify.path, PYTHONUNBUFFERED="1")
     with open(log_path, "ab") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 **popen)
