@@ -285,6 +285,8 @@ def test_every_mode_starts_serves_reloads_and_stops_under_its_units_sandbox(tmp_
             # The engine's KV events reached the sandboxed agent (ZMQ) and, over QUIC, the
             # sandboxed maintenance unit.
             async def registered():
+                for daemon in daemons:  # a call the filter refuses kills a daemon at any time
+                    assert daemon.proc.poll() is None, f"{daemon.name} exited {daemon.proc.returncode}: {tail(daemon.log)}"
                 return (await query(cfg, ca, "admin", "mnt-0", "status", {}))["entries"] > 0
 
             await eventually(registered, timeout=60)
