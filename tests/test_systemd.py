@@ -349,3 +349,16 @@ def test_units_pass_systemd_analyze_verify(tmp_path, unit, instance):
                          cwd=tmp_path, check=False)
     problems = [line for line in (out.stdout + out.stderr).splitlines() if unit.name.split("@")[0] in line]
     assert out.returncode == 0 and not problems, out.stdout + out.stderr
+
+
+def test_readme_prescribes_the_layout_this_test_installs():
+    readme = (REPO / "README.md").read_text()
+    for line in ("install -d -o root -g kvcompass -m 0750 /etc/kvcompass /etc/kvcompass/tls",
+                 "install -o root -g kvcompass -m 0640 cluster.toml /etc/kvcompass/cluster.toml",
+                 "install -o root -g kvcompass -m 0640 <role>.env /etc/kvcompass/<role>.env",
+                 "install -o root -g root -m 0644 ca/ca.pem ca/<id>.pem /etc/kvcompass/tls/",
+                 "install -o root -g kvcompass -m 0640 ca/<id>.key /etc/kvcompass/tls/<id>.key"):
+        assert line in readme, f"README no longer says: {line}"
+    assert {(p, m, g) for p, m, g in PRESCRIBED} == {
+        ("", 0o750, True), ("tls", 0o750, True), ("cluster.toml", 0o640, True), ("{role}.env", 0o640, True),
+        ("tls/ca.pem", 0o644, False), ("tls/{id}.pem", 0o644, False), ("tls/{id}.key", 0o640, True)}
