@@ -13,14 +13,17 @@ Files written (PEM): ``ca.pem`` / ``ca.key`` by :func:`init_ca`; ``<node_id>.pem
 Rotation
 --------
 *Node certificates*: run :func:`issue` again for the same node (a fresh key and serial, the
-same CA) and restart or reload the node; peers need no change because they trust the CA, not
-the node certificate. Old node certificates stay valid until they expire, so keep ``days``
+same CA), install the files, and reload the node (SIGHUP, ``systemctl reload``): it re-reads its
+certificate, key and CA bundle, checks they fit together, and presents the new certificate on
+every connection made from then on (``QuicNode.reload_tls``); peers need no change because they
+trust the CA, not the node certificate. Old node certificates stay valid until they expire, so keep ``days``
 short enough for your revocation needs (there is no CRL).
 
 *The CA itself*: create a new CA in a new directory, then distribute a *bundle* file holding
 both CA certificates (concatenate the two ``ca.pem`` files; the transport accepts every CA in
 the bundle), reissue every node certificate from the new CA, and finally ship a bundle holding
-only the new CA. At no point does a node lose the ability to verify its peers.
+only the new CA, reloading the nodes after each step. At no point does a node lose the ability
+to verify its peers.
 """
 
 from __future__ import annotations

@@ -28,3 +28,17 @@ def test_missing_certificates_are_named(tmp_path, capsys):
     cfg.write_text((Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml").read_text())
     assert main(["maintenance", "--config", str(cfg), "--id", "mnt-0", "--tls-dir", str(tmp_path), "--log-level", "error"]) == 2
     assert "ca.pem" in capsys.readouterr().err
+
+
+def test_a_metrics_address_on_a_configured_port_is_refused_before_anything_starts(tmp_path, capsys):
+    from kvcompassd import certs
+
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text((Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml").read_text())
+    certs.init_ca(tmp_path, cluster_name="t")
+    certs.issue(tmp_path, tmp_path, role="maintenance", node_id="mnt-0")
+    # 127.0.0.1:8080 is edge-us's HTTP front door in the testbed.
+    assert main(["maintenance", "--config", str(cfg), "--id", "mnt-0", "--tls-dir", str(tmp_path),
+                 "--metrics", "127.0.0.1:8080", "--log-level", "error"]) == 2
+    err = capsys.readouterr().err
+    assert "(mnt-0) metrics (command line)" in err and "(edge-us) http" in err
