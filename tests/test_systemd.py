@@ -63,7 +63,8 @@ INSTALLED_EXE = "/opt/kvcompass/venv/bin/kvcompassd"
 EMULATED = {
     "SystemCallFilter", "SystemCallArchitectures", "RestrictAddressFamilies", "MemoryDenyWriteExecute",
     "RestrictRealtime", "RestrictNamespaces", "LockPersonality", "NoNewPrivileges", "CapabilityBoundingSet",
-    "User", "Group", "UMask", "LimitNOFILE", "ProtectSystem", "ProtectHome", "Type", "NotifyAccess",
+    "User", "Group", "UMask", "LimitNOFILE", "ProtectSystem", "ProtectHome", "ProtectProc", "ProcSubset",
+    "Type", "NotifyAccess",
     "ExecStart", "EnvironmentFile", "ExecReload", "KillSignal",
 }
 NOT_EMULATED = {
@@ -76,8 +77,6 @@ NOT_EMULATED = {
     "ProtectControlGroups": "cgroups are not touched",
     "ProtectClock": "its seccomp part (@clock) is inside ~@privileged",
     "ProtectHostname": "its seccomp part (sethostname) is inside ~@privileged",
-    "ProtectProc": "other processes are not looked at",
-    "ProcSubset": "only /proc/self is read",
     "RestrictSUIDSGID": "no file is created at all",
     "TimeoutStopSec": "stop is tested by SIGTERM and exit code",
     "Restart": "restart policy", "RestartSec": "restart policy",
@@ -130,6 +129,16 @@ def test_filter_is_system_service_less_privileged_and_resources_but_two_calls(un
     assert allowed - base == {"mbind", "sched_setscheduler"}
     assert base <= allowed
     assert not allowed & {"setuid", "ptrace", "mount", "setrlimit", "sched_setaffinity", "init_module"}
+
+
+@pytest.mark.parametrize("unit", [DAEMON_UNIT, WORKER_UNIT], ids=lambda u: u.name)
+def test_settings_whose_seccomp_part_is_not_emulated_refuse_nothing_the_filter_allows(unit):
+    # PrivateDevices, ProtectKernelModules, ProtectKernelLogs, ProtectClock, ProtectHostname add
+    # seccomp rules of their own; the allow-list already refuses every call they name.
+    allowed = syscall_allow_list(values(service(unit), "SystemCallFilter"))
+    theirs = (expand_group("@raw-io") | expand_group("@module") | expand_group("@clock")
+              | {"syslog", "sethostname", "setdomainname"})
+    assert not allowed & theirs, allowed & theirs
 
 
 def test_the_filter_the_units_shipped_before_kills_numpy_at_import(tmp_path):

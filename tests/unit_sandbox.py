@@ -6,7 +6,8 @@ spec (:func:`sandbox_spec`) and runs ``kvcompassd <mode>`` through this file as 
     python tests/unit_sandbox.py SPEC.json -- /path/to/kvcompassd edge --config ...
 
 The script applies the spec the way systemd's exec code does just before ``execve``: the file
-system view (``ProtectSystem=strict``, ``ProtectHome=yes``, in a private mount namespace),
+system view (``ProtectSystem=strict``, ``ProtectHome=yes``, ``ProtectProc=``/``ProcSubset=`` in
+a private mount namespace),
 resource limits, an empty capability bounding set, the unit's user and group, its umask,
 ``NoNewPrivileges``, then the seccomp filters, and execs the command. The seccomp part follows
 systemd 252 (``src/core/load-fragment.c``, ``src/shared/seccomp-util.c``):
@@ -139,6 +140,7 @@ def sandbox_spec(service: list[tuple[str, str]], *, uid: int, gid: int, expose: 
         "gid": gid,
         "protect_system": protect_system,
         "protect_home": _yes(single(service, "ProtectHome")),
+        "proc_options": _proc_options(service),
         "expose": list(expose),
         "umask": int(umask, 8),
         "nofile": None if limit is None else int(limit),
@@ -151,6 +153,17 @@ def sandbox_spec(service: list[tuple[str, str]], *, uid: int, gid: int, expose: 
         "restrict_namespaces": _yes(single(service, "RestrictNamespaces")),
         "lock_personality": _yes(single(service, "LockPersonality")),
     }
+
+
+def _proc_options(service: list[tuple[str, str]]) -> str:
+    options = []
+    protect = single(service, "ProtectProc")
+    if protect not in (None, "default"):
+        options.append(f"hidepid={protect}")
+    subset = single(service, "ProcSubset")
+    if subset not in (None, "all"):
+        options.append(f"subset={subset}")
+    return ",".join(options)
 
 
 def expand_exec(line: str, *, instance: str, env: dict[str, str]) -> list[str]:
@@ -307,6 +320,10 @@ def _file_system_view(libc, spec: dict) -> None:
             kept = sum(flag for name, flag in (("nosuid", _MS_NOSUID), ("nodev", _MS_NODEV), ("noexec", _MS_NOEXEC))
                        if name in options)
             _mount(libc, None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept)
+    if spec["proc_options"]:
+        # ProtectProc=/ProcSubset=: a procfs instance of its own, with only the process
+        # directories (no /proc/cpuinfo, /proc/meminfo, /proc/sys) and others' processes hidden.
+        _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, spec["proc_options"])
     if spec["protect_home"]:
         for hidden in _HOME_DIRECTORIES:
             if not os.path.isdir(hidden):
@@ -325,7 +342,7 @@ def _file_system_view(libc, spec: dict) -> None:
 
 def apply(spec: dict) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    if os.getuid() == 0 and (spec["protect_system"] or spec["protect_home"]):
+    if os.getuid() == 0 and (spec["protect_system"] or spec["protect_home"] or spec["proc_options"]):
         _file_system_view(libc, spec)
     if spec["nofile"] is not None:
         # systemd raises the hard limit too; a container without CAP_SYS_RESOURCE cannot.
