@@ -113,6 +113,23 @@ def test_sighup_rotates_the_certificate_for_new_inbound_and_outbound_connections
             assert established._connection is connection and established.certificate.serial_number == old_serial
             assert len(peer_up_from_edge("mnt-0")) == 1
             assert not [r for r in log_events(procs["mnt-0"][1], "peer_down") if r["peer"] == "edge:edge-us"]
+
+            # A half-copied rotation (a new key beside the current certificate) is refused on
+            # reload, and the edge goes on presenting the certificate it has.
+            spare = certs.issue(tls, tmp_path / "spare", role=Role.EDGE, node_id="edge-us")
+            (tls / "edge-us.key").write_bytes(spare.key.read_bytes())
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.to_thread(notify.expect, "RELOADING=1", proc, log)
+            await asyncio.to_thread(notify.expect, "READY=1", proc, log)
+            failures = [r for r in log_events(log, "reload failed; still running with the certificates loaded before")]
+            assert len(failures) == 1 and "is not the key of" in failures[0]["error"]
+            third = QuicNode(NodeIdentity(Role.ADMIN, "admin"), tls_files(tls, "admin"), on_message=lambda *a: None)
+            try:
+                peer = await third.connect(edge_address, expected_role=Role.EDGE)
+                assert peer.certificate.serial_number == new_serial
+                assert (await admin_status(peer))["mode"] == "edge"
+            finally:
+                await third.close()
         finally:
             await admin.close()
             await later_admin.close()
