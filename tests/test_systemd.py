@@ -185,10 +185,12 @@ def stand_in_ids() -> tuple[int, int]:
 
 
 def interpreter_home() -> tuple[str, ...]:
-    """The directory of this test's Python when it lives under a home directory (pyenv under
-    /root here), which ProtectHome=yes would hide: the sandbox leaves it readable."""
-    prefix = os.path.realpath(sys.base_prefix)
-    return (prefix,) if prefix.startswith(("/root/", "/home/")) else ()
+    """What the daemons run from that lives under a home directory (this machine's Python is
+    pyenv's, under /root; a checkout or its venv may be too), which ProtectHome=yes would hide
+    (where the real units run /opt/kvcompass/venv): the sandbox leaves those readable."""
+    paths = [sys.base_prefix, sys.prefix, str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    found = {os.path.realpath(p) for p in paths if p}
+    return tuple(sorted(p for p in found if p.startswith(("/root/", "/home/"))))
 
 
 def write_spec(tmp_path: Path, svc) -> Path:
