@@ -133,7 +133,7 @@ def init_ca(directory: str | os.PathLike[str], *, cluster_name: str, days: int =
             x509.NameAttribute(NameOID.COMMON_NAME, f"kvcompass CA {cluster_name}"),
         ]
     )
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -204,7 +204,7 @@ def issue(
         raise CertError(f"{ca_path / 'ca.key'} is not an EC key")
 
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     alt_names: list[x509.GeneralName] = [_san_entry(s) for s in sans]
     alt_names.append(x509.UniformResourceIdentifier(identity_uri(role, node_id)))
     cert = (
