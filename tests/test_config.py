@@ -365,3 +365,36 @@ def test_ipc_kv_events_bind_no_port() -> None:
     data = addressed()
     data["workers"][0]["kv_events"] = "ipc:///run/sglang/kv"
     assert len(config_sockets(parse_config(data))) == 2 * 4 + 2 + 2 - 2
+
+
+@st.composite
+def one_host_ports(draw) -> dict:
+    """Workers, an edge and a maintenance unit on one host, on ports from a small range so that
+    collisions are common."""
+    port = st.integers(7000, 7012)
+    data = minimal()
+    for worker in data["workers"]:
+        worker.update(http=f"http://127.0.0.1:{draw(port)}", kv_events=f"tcp://127.0.0.1:{draw(port)}",
+                      agent=f"127.0.0.1:{draw(port)}")
+    data["edges"] = [{"id": "edge-a", "region": "a", "http": f"127.0.0.1:{draw(port)}",
+                      "quic": f"127.0.0.1:{draw(port)}", "metrics": f"127.0.0.1:{draw(port)}"}]
+    data["maintenance"] = [{"id": f"mnt-{s}", "shard": s, "quic": f"127.0.0.1:{draw(port)}"} for s in range(2)]
+    return data
+
+
+@settings(max_examples=200, deadline=None)
+@given(one_host_ports())
+def test_loader_refuses_exactly_the_configs_where_two_sockets_share_a_port(data: dict) -> None:
+    def port(address: str) -> int:
+        return int(address.rsplit(":", 1)[1])
+
+    tcp = [port(w["http"]) for w in data["workers"]] + [port(w["kv_events"]) for w in data["workers"]]
+    tcp += [port(w["kv_events"]) + 1 for w in data["workers"]]
+    tcp += [port(data["edges"][0]["http"]), port(data["edges"][0]["metrics"])]
+    udp = [port(w["agent"]) for w in data["workers"]] + [port(data["edges"][0]["quic"])]
+    udp += [port(m["quic"]) for m in data["maintenance"]]
+    clash = len(set(tcp)) < len(tcp) or len(set(udp)) < len(udp)
+    if clash:
+        assert "cannot share a port" in error_of(data)
+    else:
+        parse_config(data)
