@@ -195,6 +195,10 @@ class WorkerConfig:
     http: str | None = None
     kv_events: str | None = None
     agent: str | None = None
+    # KV events (22.1): the engine's --kv-events-config "topic" (the engines' default is empty)
+    # and its "replay_endpoint" as the agent dials it (None: ask SGLang's /server_info).
+    kv_events_topic: str = ""
+    kv_events_replay: str | None = None
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
@@ -208,6 +212,10 @@ class WorkerConfig:
         _check_int("max_running", self.max_running, lo=1)
         _check_optional_address("http", self.http, ("http", "https"))
         _check_optional_address("kv_events", self.kv_events, ("tcp", "ipc", "inproc"))
+        _check_str("kv_events_topic", self.kv_events_topic, pattern=None, allow_empty=True)
+        if len(self.kv_events_topic.encode()) > 255:
+            _fail("kv_events_topic", "must be at most 255 bytes")
+        _check_optional_address("kv_events_replay", self.kv_events_replay, ("tcp", "ipc", "inproc"))
         _check_optional_address("agent", self.agent, None)
 
 

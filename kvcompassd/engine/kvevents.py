@@ -1,27 +1,35 @@
 """Sans-IO codec for the KV-cache event stream of SGLang and vLLM (identical wire format).
 
-One ZMQ message is three frames ``[topic, seq, payload]``: ``seq`` is an 8-byte big-endian
-integer counting batches from 0 per publisher start, ``payload`` is msgpack. The payload is a
-batch: ``[ts, events]`` (SGLang <= 0.4, old vLLM, msgspec ``array_like``), ``[ts, events,
-dp_rank]`` (SGLang 0.5.23 and vLLM 0.33.0 as captured in ``shared/wire-samples``) or a map
-``{"ts", "events", "data_parallel_rank"}`` (current vLLM main: its ``EventBatch`` dropped
-``array_like``). Events are tagged either positionally (``["BlockStored", block_hashes,
-parent_block_hash, token_ids, block_size, lora_id, medium, ...]``) or as maps with a ``"type"``
-key. Older SGLang omits ``lora_id``/``medium``; newer vLLM appends ``lora_name``,
-``extra_keys``, ``group_idx``...: trailing positional fields and unknown keys are ignored.
+Checked against the engines' own ``ZmqEventPublisher`` (SGLang 0.5.23
+``sglang.srt.disaggregation.kv_events``, vLLM 0.34.0 ``vllm.distributed.kv_events``); their
+bytes are committed under ``tests/data/engine_events/``.
+
+Live, on a SUB socket: ``[topic, seq, payload]``. ``topic`` is the engine's ``topic`` setting
+(default empty); ``seq`` is 8 bytes big-endian, written unsigned by the engines, counting batches
+from 0 per publisher start: a value that reads negative as int64 is not a seq an engine sends
+and is rejected. ``payload`` is msgpack: ``[ts, events, dp_rank]`` (both engines; older ones
+send ``[ts, events]``) or a map ``{"ts", "events", "data_parallel_rank"}``. Events are maps
+tagged with ``"type"`` (optional fields left at None are omitted by SGLang, sent as null by
+vLLM) or, from old SGLang builds, positional ``["BlockStored", block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium, ...]``. Fields this index does not
+use (``cache_salt``, ``session_id``, ``extra_keys``, ``kv_cache_spec_*``, ``locality``...) are
+ignored; ``lora_name`` and vLLM's ``group_idx`` are kept (see :mod:`.blocktree` for what is
+indexed).
 
 Block hashes are canonicalised: integers to signed int64 (SGLang's convention; a uint64 such as
-vLLM's 17000000000000000001 becomes the int64 with the same 64 bits), bytes stay bytes.
+vLLM's 17000000000000000001 becomes the int64 with the same 64 bits), bytes stay bytes (vLLM
+with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
 A batch is decoded completely or rejected with :class:`KvEventError`: one malformed event
 rejects the whole batch, so a consumer never applies half a batch (the block tree would
 otherwise hold a state the engine never had). The sequence number is kept so the caller can
 still account for the batch in its gap tracking.
 
-Replay (``ZmqEventPublisher._service_replay`` in both engines): a client sends
-``[b"", start_seq(8 bytes)]`` from a DEALER (a REQ adds the empty delimiter itself); the ROUTER
-sees ``[identity, b"", start_seq]`` and answers every buffered batch with ``seq >= start_seq``
-as ``[identity, b"", seq, payload]``, then ``[identity, b"", seq=-1, b""]``.
+Replay (``ZmqEventPublisher._service_replay``, the same in both engines): a client sends
+``[b"", start_seq]`` from a DEALER; the ROUTER sees ``[identity, b"", start_seq]`` (any other
+frame count is ignored by the engine) and answers every buffered batch with ``seq >= start_seq``
+as ``[identity, b"", topic, seq, payload]`` -- a DEALER receives four frames -- and then the end
+marker ``[identity, b"", b"", seq=-1, b""]`` (its topic frame is empty whatever the topic).
 """
 
 from __future__ import annotations
@@ -140,6 +148,8 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None  # vLLM (and SGLang's dynamo format): the adapter's public name
+    group_idx: int | None = None  # vLLM: the KV-cache group (hybrid models have several)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(map(canonical_hash, self.block_hashes)))
@@ -164,6 +174,8 @@ class BlockStored:
             )
         _optional_int(self.lora_id, "lora_id")
         _optional_str(self.medium, "medium")
+        _optional_str(self.lora_name, "lora_name")
+        _check_group(self.group_idx)
 
     @classmethod
     def trusted(
@@ -187,11 +199,34 @@ class BlockStored:
         _set_block_size(event, block_size)
         _set_lora(event, lora_id)
         _set_medium(event, medium)
+        _set_lora_name(event, None)
+        _set_group(event, None)
         return event
 
     @property
     def tier(self) -> StorageTier:
         return tier_of_medium(self.medium)
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_id is not None or self.lora_name is not None
+
+    def slices(self, max_blocks: int) -> Iterable[BlockStored]:
+        """The same stores as events of at most ``max_blocks`` blocks each (parents chained),
+        so a huge event can be applied a slice at a time."""
+        if len(self.block_hashes) <= max_blocks:
+            yield self
+            return
+        parent = self.parent_block_hash
+        step = max_blocks * self.block_size
+        for i in range(0, len(self.block_hashes), max_blocks):
+            hashes = self.block_hashes[i : i + max_blocks]
+            part = BlockStored.trusted(hashes, parent, self.token_ids[(i // max_blocks) * step : (i // max_blocks + 1) * step],
+                                       self.block_size, self.lora_id, self.medium)
+            _set_lora_name(part, self.lora_name)
+            _set_group(part, self.group_idx)
+            yield part
+            parent = hashes[-1]
 
     def blocks(self) -> Iterable[tuple[BlockHash, BlockHash | None, tuple[int, ...]]]:
         """Each block as (hash, parent hash, its tokens), parents chained through the event."""
@@ -209,6 +244,13 @@ _set_tokens = BlockStored.token_ids.__set__  # type: ignore[attr-defined]
 _set_block_size = BlockStored.block_size.__set__  # type: ignore[attr-defined]
 _set_lora = BlockStored.lora_id.__set__  # type: ignore[attr-defined]
 _set_medium = BlockStored.medium.__set__  # type: ignore[attr-defined]
+_set_lora_name = BlockStored.lora_name.__set__  # type: ignore[attr-defined]
+_set_group = BlockStored.group_idx.__set__  # type: ignore[attr-defined]
+
+
+def _check_group(value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < (1 << 32)):
+        raise KvEventError(f"group_idx must be an int in [0, 2^32) or null, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,10 +259,12 @@ class BlockRemoved:
 
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
+    group_idx: int | None = None  # vLLM: the KV-cache group
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(canonical_hash(h) for h in self.block_hashes))
         _optional_str(self.medium, "medium")
+        _check_group(self.group_idx)
 
     @classmethod
     def trusted(cls, block_hashes: tuple[int, ...], medium: str | None = None) -> BlockRemoved:
@@ -229,6 +273,7 @@ class BlockRemoved:
         event = _new_block_stored(cls)
         _set_removed_hashes(event, block_hashes)
         _set_removed_medium(event, medium)
+        _set_removed_group(event, None)
         return event
 
     @property
@@ -238,6 +283,7 @@ class BlockRemoved:
 
 _set_removed_hashes = BlockRemoved.block_hashes.__set__  # type: ignore[attr-defined]
 _set_removed_medium = BlockRemoved.medium.__set__  # type: ignore[attr-defined]
+_set_removed_group = BlockRemoved.group_idx.__set__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,18 +381,19 @@ def _decode_map(raw: Mapping[Any, Any]) -> KvEvent:
             raise KvEventError(f"BlockStored map lacks {', '.join(missing)}")
         return _stored(
             raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"], raw["block_size"],
-            raw.get("lora_id"), raw.get("medium"),
+            raw.get("lora_id"), raw.get("medium"), raw.get("lora_name"), raw.get("group_idx"),
         )
     if kind == "BlockRemoved":
         if "block_hashes" not in raw:
             raise KvEventError("BlockRemoved map lacks block_hashes")
-        return _removed(raw["block_hashes"], raw.get("medium"))
+        return _removed(raw["block_hashes"], raw.get("medium"), raw.get("group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise KvEventError(f"unknown event type {kind!r}")
 
 
-def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any) -> BlockStored:
+def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
+            lora_name: Any = None, group_idx: Any = None) -> BlockStored:
     if not isinstance(tokens, (list, tuple)):
         raise KvEventError(f"token_ids must be an array, got {type(tokens).__name__}")
     return BlockStored(
@@ -356,11 +403,14 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
         block_size=block_size,
         lora_id=_optional_int(lora_id, "lora_id"),
         medium=_optional_str(medium, "medium"),
+        lora_name=_optional_str(lora_name, "lora_name"),
+        group_idx=group_idx,
     )
 
 
-def _removed(hashes: Any, medium: Any) -> BlockRemoved:
-    return BlockRemoved(block_hashes=_hash_tuple(hashes, "block_hashes"), medium=_optional_str(medium, "medium"))
+def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
+    return BlockRemoved(block_hashes=_hash_tuple(hashes, "block_hashes"), medium=_optional_str(medium, "medium"),
+                        group_idx=group_idx)
 
 
 def decode_payload(payload: bytes, seq: int) -> EventBatch:
@@ -404,6 +454,10 @@ def decode_message(frames: Sequence[bytes], *, topic: bytes | None = None) -> Ev
 # encoding (the emulated worker publishes exactly what the engines publish)
 
 
+# BlockStored's fields without a default in SGLang's struct: always sent, null or not
+_REQUIRED_FIELDS = frozenset({"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"})
+
+
 def _event_to_wire(event: KvEvent, style: Literal["map", "positional"]) -> Any:
     if isinstance(event, BlockStored):
         fields = [
@@ -424,7 +478,12 @@ def _event_to_wire(event: KvEvent, style: Literal["map", "positional"]) -> Any:
     else:
         raise TypeError(f"not a KV event: {event!r}")
     if style == "map":
-        return {"type": kind, **dict(fields)}
+        # as SGLang's msgspec structs (omit_defaults): optional fields left at None are omitted
+        if isinstance(event, BlockStored):
+            fields += [("lora_name", event.lora_name), ("group_idx", event.group_idx)]
+        elif isinstance(event, BlockRemoved):
+            fields.append(("group_idx", event.group_idx))
+        return {"type": kind, **{k: v for k, v in fields if v is not None or k in _REQUIRED_FIELDS}}
     if style == "positional":
         return [kind, *(value for _, value in fields)]
     raise ValueError(f"style must be 'map' or 'positional', got {style!r}")
@@ -444,7 +503,7 @@ def encode_batch(
     events: Iterable[KvEvent],
     *,
     style: Literal["map", "positional"] = "map",
-    topic: bytes = b"kv-events",
+    topic: bytes = b"",
     dp_rank: int | None = 0,
 ) -> list[bytes]:
     """The three frames of one published message."""
@@ -477,19 +536,19 @@ def replay_request_frames(start_seq: int) -> list[bytes]:
     return [b"", encode_seq(start_seq)]
 
 
-def decode_replay_reply(frames: Sequence[bytes]) -> ReplayedBatch | ReplayEnded:
-    """A reply as received on a DEALER: ``[b"", seq, payload]`` (REQ strips the delimiter)."""
-    parts = list(frames)
-    if len(parts) == 3 and len(parts[0]) == 0:
-        parts = parts[1:]
-    if len(parts) != 2:
-        raise KvEventError(f"replay reply must be [seq, payload], got {len(frames)} frames")
-    seq = decode_seq(parts[0])
+def decode_replay_reply(frames: Sequence[bytes], *, topic: bytes | None = None) -> ReplayedBatch | ReplayEnded:
+    """A reply as a DEALER receives it from the engines: ``[b"", topic, seq, payload]``, or the
+    end marker ``[b"", b"", -1, b""]``. ``topic``, when given, must match a batch's topic."""
+    if len(frames) != 4 or len(frames[0]) != 0:
+        raise KvEventError(f"replay reply must be ['', topic, seq, payload], got {len(frames)} frames")
+    seq = decode_seq(frames[2])
     if seq == END_SEQ:
         return ReplayEnded()
     if seq < 0:
         raise KvEventError(f"replay reply has negative seq {seq}")
-    return ReplayedBatch(seq=seq, payload=bytes(parts[1]))
+    if topic is not None and bytes(frames[1]) != topic:
+        raise KvEventError(f"replay reply on topic {bytes(frames[1])!r} (want {topic!r})")
+    return ReplayedBatch(seq=seq, payload=bytes(frames[3]))
 
 
 def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
@@ -502,12 +561,13 @@ def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
     return bytes(frames[0]), start
 
 
-def replay_reply_frames(identity: bytes, seq: int, payload: bytes) -> list[bytes]:
-    return [identity, b"", encode_seq(seq), payload]
+def replay_reply_frames(identity: bytes, topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """One buffered batch as the engines answer it: the same topic, seq and payload as live."""
+    return [identity, b"", topic, encode_seq(seq), payload]
 
 
 def replay_end_frames(identity: bytes) -> list[bytes]:
-    return [identity, b"", encode_seq(END_SEQ), b""]
+    return [identity, b"", b"", encode_seq(END_SEQ), b""]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,9 +576,8 @@ def replay_end_frames(identity: bytes) -> list[bytes]:
 
 class SeqVerdict(enum.Enum):
     NEXT = "next"            # apply it
-    DUPLICATE = "duplicate"  # already applied (or older): ignore
+    DUPLICATE = "duplicate"  # at or below the last applied seq: a replay overlap, or an odd seq
     GAP = "gap"              # batches [missing_from, missing_to] were not seen: replay them first
-    RESTART = "restart"      # the live counter went back: a new publisher (engine restart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,9 +590,9 @@ class SeqCheck:
 class SequenceTracker:
     """Orders batches from a live SUB stream and a replay stream.
 
-    A PUB socket never reorders or repeats, so a live seq below the last live seq means the
-    publisher started over (both engines count from 0 per process). Duplicates arise only when
-    replayed batches overlap live ones. The caller applies a batch and then calls
+    A seq at or below the last applied one is never taken as an engine restart here: one odd
+    seq proves nothing. The subscriber asks the replay socket for evidence (see
+    :mod:`kvcompassd.engine.subscriber`). The caller applies a batch and then calls
     :meth:`applied`; a GAP leaves the state unchanged until the missing range is applied or
     declared lost with :meth:`skip_to`.
     """
@@ -545,18 +604,18 @@ class SequenceTracker:
         self.last_live: int | None = None
 
     def check_live(self, seq: int) -> SeqCheck:
-        if self.last_live is not None and seq < self.last_live:
-            self.last_live = seq
-            self.last_applied = None
-            return SeqCheck(SeqVerdict.RESTART)
         self.last_live = seq
         return self._against_applied(seq)
 
     def check_replayed(self, seq: int) -> SeqCheck:
         return self._against_applied(seq)
 
+    @property
+    def expected(self) -> int:
+        return 0 if self.last_applied is None else self.last_applied + 1
+
     def _against_applied(self, seq: int) -> SeqCheck:
-        expected = 0 if self.last_applied is None else self.last_applied + 1
+        expected = self.expected
         if seq < expected:
             return SeqCheck(SeqVerdict.DUPLICATE)
         if seq == expected:
