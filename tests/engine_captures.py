@@ -31,3 +31,69 @@ def load_capture(engine: str, name: str = "default") -> dict[str, Any]:
 
 def tokens(start_block: int, blocks: int = 1, size: int = 16) -> tuple[int, ...]:
     return tuple(range(100 + start_block * 16, 100 + start_block * 16 + blocks * size))
+
+
+class RecordedEngine:
+    """Plays a capture's bytes back as its engine did: a real PUB socket for live batches and a
+    real ROUTER answering replay requests from a buffer of the last ``buffer_steps`` batches,
+    with the captured frames (``[b"", topic, seq, payload]``, then the captured end marker).
+
+    ``publish(i)`` sends captured batch ``i`` (buffered first, as the engines do before they
+    serve any replay); ``withhold=True`` buffers it without sending it live, which is what a
+    dropped PUB message looks like to a subscriber. ``send_raw`` puts any frames on the PUB."""
+
+    def __init__(self, record: dict[str, Any], ctx: Any, *, buffer_steps: int | None = None,
+                 endpoints: tuple[str, str] = ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")) -> None:
+        import collections
+
+        import zmq
+
+        self.record = record
+        self.live: list[list[bytes]] = record["live"]
+        self.end_marker: list[bytes] = record["replays"][0]["replies"][-1]
+        self._buffer: collections.deque = collections.deque(maxlen=buffer_steps or record["buffer_steps"])
+        self._pub = ctx.socket(zmq.PUB)
+        self._router = ctx.socket(zmq.ROUTER)
+        for sock in (self._pub, self._router):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoints[0])
+        self._router.bind(endpoints[1])
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.topic = record["topic"]
+        self.replay_requests = 0
+        self._task: Any = None
+
+    async def start(self) -> None:
+        import asyncio
+
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            identity, delimiter, start = await self._router.recv_multipart()
+            self.replay_requests += 1
+            start_seq = int.from_bytes(start, "big")  # the engines read it unsigned
+            for seq, frames in list(self._buffer):
+                if seq >= start_seq:
+                    await self._router.send_multipart([identity, b"", *frames])
+            await self._router.send_multipart([identity, *self.end_marker])
+
+    async def publish(self, i: int, *, withhold: bool = False) -> None:
+        frames = self.live[i]
+        self._buffer.append((int.from_bytes(frames[1], "big"), frames))
+        if not withhold:
+            await self._pub.send_multipart(frames)
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self._pub.send_multipart(frames)
+
+    async def close(self) -> None:
+        import asyncio
+
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for sock, endpoint in ((self._pub, self.endpoint), (self._router, self.replay_endpoint)):
+            sock.unbind(endpoint)
+            sock.close(linger=0)
