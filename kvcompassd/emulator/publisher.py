@@ -55,7 +55,7 @@ class KvEventPublisher:
         withhold_live: Callable[[int], bool] | None = None,
     ) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._withhold_live = withhold_live
+        self.withhold_live = withhold_live  # settable while running (fault injection)
         self._topic = topic.encode()
         self._style = style
         self._dp_rank = dp_rank
@@ -98,7 +98,7 @@ class KvEventPublisher:
         self._next_seq += 1
         payload = encode_payload(time.time() if ts is None else ts, events, dp_rank=self._dp_rank, style=self._style)
         self._buffer.append((seq, payload))
-        if self._withhold_live is not None and self._withhold_live(seq):
+        if self.withhold_live is not None and self.withhold_live(seq):
             self.published += 1
             return seq
         try:
@@ -107,6 +107,14 @@ class KvEventPublisher:
             log.warning("PUB high-water mark reached; batch %d only in the replay buffer", seq)
         self.published += 1
         return seq
+
+    def buffered(self) -> list[tuple[int, bytes]]:
+        """The replay buffer: (seq, payload) of the last ``buffer_steps`` batches, oldest first."""
+        return list(self._buffer)
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Put arbitrary frames on the PUB socket: fault injection (odd sequence numbers)."""
+        self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
