@@ -71,7 +71,7 @@ class RecordedEngine:
 
     async def _serve(self) -> None:
         while True:
-            identity, delimiter, start = await self._router.recv_multipart()
+            identity, _, start = await self._router.recv_multipart()
             self.replay_requests += 1
             start_seq = int.from_bytes(start, "big")  # the engines read it unsigned
             for seq, frames in list(self._buffer):

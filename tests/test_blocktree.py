@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from engine_captures import ENGINES, HASH_D, HASH_E, HASH_F, load_capture, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +22,6 @@ from kvcompassd.engine.kvevents import (
     decode_message,
     tier_of_medium,
 )
-from engine_captures import ENGINES, HASH_D, HASH_E, HASH_F, load_capture, tokens
-
 
 
 def prefix_key(tokens: np.ndarray, lengths: Sequence[int]) -> list[int]:

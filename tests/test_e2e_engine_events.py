@@ -23,6 +23,7 @@ from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.kvevents import decode_payload, encode_seq
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
+from kvcompassd.transport import TransportError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -41,10 +42,10 @@ async def dep(tmp_path_factory):
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def engine(dep):
     """``us-1``'s emulated worker, moved into this process: to the agent, an engine restart."""
-    async with aiohttp.ClientSession() as s:  # the old process publishes something first
-        async with s.post(dep.cfg.worker(WORKER).http + "/generate",
-                          json={"text": doc(1, 300), "sampling_params": {"max_new_tokens": 1}}) as r:
-            assert r.status == 200
+    async with aiohttp.ClientSession() as s, s.post(  # the old process publishes something first
+            dep.cfg.worker(WORKER).http + "/generate",
+            json={"text": doc(1, 300), "sampling_params": {"max_new_tokens": 1}}) as r:
+        assert r.status == 200
     await eventually(lambda: _agent_field(dep, "registered_keys", lambda n: n > 0), timeout=30)
     dep.kill("emulate-worker", WORKER)
     worker = EmulatedWorker(EmulatorSettings.from_worker_config(dep.cfg.worker(WORKER), time_scale=0.0))
@@ -77,7 +78,7 @@ async def index_equals_engine(dep, worker: EmulatedWorker) -> None:
     async def equal():
         try:
             state = await agent(dep)
-        except Exception:  # the agent may still be starting
+        except (RuntimeError, OSError, TransportError):  # the agent may still be starting
             return False
         if state["engine_last_seq"] != worker.publisher.next_seq - 1:
             return False
@@ -175,5 +176,5 @@ async def test_a_topic_mismatch_is_not_followed(dep, engine):
 async def _agent_field(dep, name, check) -> bool:
     try:
         return check((await agent(dep))[name])
-    except Exception:  # the agent may still be starting
+    except (RuntimeError, OSError, TransportError):  # the agent may still be starting
         return False

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from engine_captures import (
+    ENGINES,
+    HASH_A,
+    HASH_B,
+    HASH_C,
+    HASH_D,
+    HASH_G,
+    load_capture,
+    tokens,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,8 +39,6 @@ from kvcompassd.engine.kvevents import (
     replay_request_frames,
     tier_of_medium,
 )
-from engine_captures import ENGINES, HASH_A, HASH_B, HASH_C, HASH_D, HASH_G, load_capture, tokens
-
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -8,16 +8,26 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq
 import zmq.asyncio
-
-import pytest
 from engine_captures import ENGINES, RecordedEngine, load_capture
 
 from kvcompassd.emulator.publisher import KvEventPublisher
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.engine.kvevents import BlockStored, EventBatch, decode_message, encode_batch, encode_seq
-from kvcompassd.engine.subscriber import BatchesLost, BatchRejected, KvEventSubscriber, PublisherRestarted
+from kvcompassd.engine.kvevents import (
+    BlockStored,
+    EventBatch,
+    decode_message,
+    encode_batch,
+    encode_seq,
+)
+from kvcompassd.engine.subscriber import (
+    BatchesLost,
+    BatchRejected,
+    KvEventSubscriber,
+    PublisherRestarted,
+)
 
 
 def stored(i: int) -> BlockStored:

@@ -415,27 +415,115 @@ def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
 
 def decode_payload(payload: bytes, seq: int) -> EventBatch:
     """Decode one msgpack batch published under ``seq``; all or nothing."""
-    raw = _unpack(payload)
-    dp_rank: Any = None
-    if isinstance(raw, (list, tuple)):
-        if len(raw) < 2:
-            raise KvEventError(f"batch array needs [ts, events, (dp_rank)], got {len(raw)} fields")
-        ts, events = raw[0], raw[1]
-        if len(raw) > 2:
-            dp_rank = raw[2]
-    elif isinstance(raw, Mapping):
+    decoder = PayloadDecoder(payload, seq)
+    decoder.step(len(payload) + 1)  # every event takes at least one byte
+    assert decoder.result is not None
+    return decoder.result
+
+
+class PayloadDecoder:
+    """One payload decoded a slice of events at a time, so that an asyncio shell can yield to
+    its loop between slices: an engine batch of 150 k blocks takes seconds to decode, and a loop
+    stalled that long lets QUIC connections idle out. All or nothing, as :func:`decode_payload`
+    (which is this decoder in one step): ``result`` is set only once every event decoded, and
+    any error raises :class:`KvEventError`.
+
+    The engines' array form ``[ts, events, dp_rank]`` is read as a stream (events unpacked one
+    by one); the map form is unpacked whole, then its events are decoded in slices."""
+
+    __slots__ = ("_decoded", "_dp_rank", "_raw_events", "_remaining", "_trailing", "_ts", "_unpacker", "result",
+                 "seq")
+
+    def __init__(self, payload: bytes, seq: int) -> None:
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise KvEventError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+        self.seq = seq
+        self.result: EventBatch | None = None
+        self._decoded: list[KvEvent] = []
+        self._dp_rank: Any = None
+        self._raw_events: list[Any] | None = None
+        self._unpacker: msgpack.Unpacker | None = None
+        self._trailing = 0
+        data = bytes(payload)
+        try:
+            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True,
+                                        max_buffer_size=max(len(data), 1))
+            unpacker.feed(data)
+            try:
+                fields = unpacker.read_array_header()
+            except ValueError:  # not an array: the map form, or not a batch at all
+                self._start_whole(data)
+                return
+            if fields < 2:
+                raise KvEventError(f"batch array needs [ts, events, (dp_rank)], got {fields} fields")
+            self._ts = _check_ts(unpacker.unpack())
+            try:
+                self._remaining = unpacker.read_array_header()
+            except ValueError:
+                raise KvEventError("batch events must be an array") from None
+            self._trailing = fields - 2
+            self._unpacker = unpacker
+        except KvEventError:
+            raise
+        except Exception as exc:  # msgpack raises many types (OutOfData, FormatError, Unicode...)
+            raise KvEventError(f"payload is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
+
+    def _start_whole(self, data: bytes) -> None:
+        raw = _unpack(data)
+        if not isinstance(raw, Mapping):
+            raise KvEventError(f"batch must be an array or a map, got {type(raw).__name__}")
         if "ts" not in raw or "events" not in raw:
             raise KvEventError("batch map lacks ts or events")
-        ts, events = raw["ts"], raw["events"]
-        dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
-    else:
-        raise KvEventError(f"batch must be an array or a map, got {type(raw).__name__}")
+        self._ts = _check_ts(raw["ts"])
+        events = raw["events"]
+        if not isinstance(events, (list, tuple)):
+            raise KvEventError(f"batch events must be an array, got {type(events).__name__}")
+        self._dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
+        self._raw_events = list(events)
+        self._remaining = len(events)
+
+    def step(self, max_events: int) -> bool:
+        """Decode up to ``max_events`` more events; True once the batch is complete."""
+        if self.result is not None:
+            return True
+        try:
+            decoded = self._decoded
+            n = min(max_events, self._remaining)
+            if self._raw_events is not None:
+                start = len(decoded)
+                decoded.extend(_decode_event(raw, start + i) for i, raw in enumerate(self._raw_events[start:start + n]))
+            else:
+                unpack = self._unpacker.unpack  # type: ignore[union-attr]
+                for _ in range(n):
+                    decoded.append(_decode_event(unpack(), len(decoded)))
+            self._remaining -= n
+            if self._remaining:
+                return False
+            if self._unpacker is not None:
+                if self._trailing:
+                    self._dp_rank = self._unpacker.unpack()
+                    for _ in range(self._trailing - 1):  # fields a newer engine may append
+                        self._unpacker.skip()
+                try:
+                    self._unpacker.unpack()
+                except msgpack.OutOfData:
+                    pass
+                else:
+                    raise KvEventError("payload has extra data after the batch")
+        except KvEventError:
+            raise
+        except Exception as exc:  # msgpack raises many types (OutOfData, FormatError, Unicode...)
+            raise KvEventError(f"payload is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
+        self.result = EventBatch(seq=self.seq, ts=self._ts, events=tuple(decoded),
+                                 dp_rank=_optional_int(self._dp_rank, "dp_rank"))
+        self._raw_events = self._unpacker = None
+        return True
+
+
+def _check_ts(ts: Any) -> float:
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         raise KvEventError(f"batch ts must be a number, got {type(ts).__name__}")
-    if not isinstance(events, (list, tuple)):
-        raise KvEventError(f"batch events must be an array, got {type(events).__name__}")
-    decoded = tuple(_decode_event(event, i) for i, event in enumerate(events))
-    return EventBatch(seq=seq, ts=ts, events=decoded, dp_rank=_optional_int(dp_rank, "dp_rank"))
+    return ts
 
 
 def decode_message(frames: Sequence[bytes], *, topic: bytes | None = None) -> EventBatch:

@@ -47,17 +47,18 @@ from zmq.utils.monitor import parse_monitor_message
 from kvcompassd.engine.kvevents import (
     EventBatch,
     KvEventError,
+    PayloadDecoder,
     ReplayedBatch,
     ReplayEnded,
     SequenceTracker,
     SeqVerdict,
-    decode_payload,
     decode_replay_reply,
     decode_seq,
     replay_request_frames,
 )
 
 log = logging.getLogger(__name__)
+DECODE_SLICE_EVENTS = 2048  # events decoded between two yields to the event loop
 _monitor_ids = itertools.count()
 
 
@@ -297,11 +298,14 @@ class KvEventSubscriber:
         self.tracker.applied(seq)
         self._last_digest = _digest(payload)
         try:
-            batch = decode_payload(payload, seq)
+            decoder = PayloadDecoder(payload, seq)
+            while not decoder.step(DECODE_SLICE_EVENTS):
+                await asyncio.sleep(0)  # a huge batch: let QUIC keep-alives and load reports run
         except KvEventError as exc:
             await self._emit(BatchRejected(seq, str(exc)))
             return
-        await self._emit(batch)
+        assert decoder.result is not None
+        await self._emit(decoder.result)
 
     # -- replay -------------------------------------------------------------------------------
 
