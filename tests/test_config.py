@@ -265,3 +265,20 @@ def test_dump_escapes_strings_toml_would_reject() -> None:
     data["cluster"].update(model='we"ird\\model\x7f\x01\n', tenant="tën\tant")
     cfg = parse_config(data, "x")
     assert parse_config(tomllib.loads(dump_config(cfg)), "dump") == cfg
+
+
+def test_worker_kv_events_topic_and_replay_endpoint() -> None:
+    data = minimal()
+    assert parse_config(data, "<t>").worker("a-0").kv_events_topic == ""  # the engines' default
+    data["workers"][0].update(kv_events="tcp://10.0.0.5:5557", kv_events_topic="kv-events",
+                              kv_events_replay="tcp://10.0.0.5:5558")
+    cfg = parse_config(data, "<t>")
+    worker = cfg.worker("a-0")
+    assert (worker.kv_events_topic, worker.kv_events_replay) == ("kv-events", "tcp://10.0.0.5:5558")
+    assert parse_config(tomllib.loads(dump_config(cfg)), "<t>") == cfg
+    for field, value, fragment in (("kv_events_topic", "x" * 256, "255 bytes"), ("kv_events_topic", 5, "string"),
+                                   ("kv_events_replay", "http://h:1", "kv_events_replay")):
+        bad = minimal()
+        bad["workers"][0][field] = value
+        with pytest.raises(ConfigError, match=fragment):
+            parse_config(bad, "<t>")

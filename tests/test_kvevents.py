@@ -23,6 +23,7 @@ from kvcompassd.engine.kvevents import (
     BlockStored,
     EventBatch,
     KvEventError,
+    PayloadDecoder,
     ReplayedBatch,
     ReplayEnded,
     SequenceTracker,
@@ -32,6 +33,7 @@ from kvcompassd.engine.kvevents import (
     decode_payload,
     decode_replay_reply,
     encode_batch,
+    encode_payload,
     encode_seq,
     parse_replay_request,
     replay_end_frames,
@@ -287,6 +289,48 @@ def test_random_msgpack_structures_only_raise_kv_event_error(value: object) -> N
             decode_payload(msgpack.packb(candidate, use_bin_type=True), seq=3)
         except KvEventError:
             pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(stored_events(), max_size=12), st.integers(1, 5), st.sampled_from(["array", "map", "positional"]),
+       st.lists(st.integers(0, 9), max_size=2))
+def test_payload_decoder_in_slices_equals_decode_payload(events: list, step: int, form: str, extra: list) -> None:
+    if form == "map":
+        payload = msgpack.packb({"ts": 2.5, "events": [msgpack.unpackb(encode_payload(0, [e]))[1][0] for e in events],
+                                 "data_parallel_rank": 1}, use_bin_type=True)
+    else:
+        ts, wire, rank = msgpack.unpackb(encode_payload(2.5, events, dp_rank=1, style="map" if form == "array"
+                                                         else "positional"), strict_map_key=False)
+        payload = msgpack.packb([ts, wire, rank, *extra], use_bin_type=True)  # fields a newer engine appends
+    decoder = PayloadDecoder(payload, 7)
+    steps = 1
+    while not decoder.step(step):
+        steps += 1
+    assert decoder.result == decode_payload(payload, 7) == EventBatch(7, 2.5, tuple(events), 1)
+    assert steps == max(1, -(-len(events) // step))
+
+
+def test_payload_decoder_rejects_truncated_and_trailing_bytes() -> None:
+    payload = encode_payload(1.0, [BlockStored((1,), None, (1,), 16)] * 3)
+    with pytest.raises(KvEventError, match="msgpack"):
+        decode_payload(payload[:-3], 0)
+    with pytest.raises(KvEventError, match="extra data"):
+        decode_payload(payload + b"\x01", 0)
+    decoder = PayloadDecoder(payload[:-3], 0)
+    with pytest.raises(KvEventError):
+        while not decoder.step(1):
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(1, 4))
+def test_random_bytes_in_slices_only_raise_kv_event_error(data: bytes, step: int) -> None:
+    try:
+        decoder = PayloadDecoder(data, 0)
+        while not decoder.step(step):
+            pass
+    except KvEventError:
+        pass
 
 
 def test_replay_framing() -> None:
