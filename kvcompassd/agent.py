@@ -43,6 +43,7 @@ from kvcompassd.engine.subscriber import (
     BatchesLost,
     BatchRejected,
     KvEventSubscriber,
+    OddSequenceRejected,
     PublisherRestarted,
 )
 from kvcompassd.metrics import AgentMetrics
@@ -215,6 +216,8 @@ class AgentNode:
         elif isinstance(item, BatchRejected):
             log.warning("malformed engine batch rejected", seq=item.seq, reason=item.reason)
             self.metrics.engine_batches.labels("rejected").inc()
+        elif isinstance(item, OddSequenceRejected):  # logged by the subscriber; nothing withdrawn
+            self.metrics.engine_batches.labels("odd_seq").inc()
 
     async def _apply_in_slices(self, batch: EventBatch) -> None:
         """Apply a batch ``SLICE_BLOCKS`` blocks at a time, yielding to the loop between slices:

@@ -26,6 +26,7 @@ from kvcompassd.engine.subscriber import (
     BatchesLost,
     BatchRejected,
     KvEventSubscriber,
+    OddSequenceRejected,
     PublisherRestarted,
 )
 
@@ -349,6 +350,8 @@ async def test_odd_sequence_numbers_withdraw_nothing(ctx, engine: str) -> None:
         for seq in ((1 << 63) + 1, 1, 1 << 40):
             await rec.send_raw([topic, seq.to_bytes(8, "big"), payload])
         await wait_for(lambda: follower.sub.odd_seqs == 3)
+        odd = [i for i in follower.items if isinstance(i, OddSequenceRejected)]
+        assert [i.seq for i in odd] == [-(1 << 63) + 1, 1, 1 << 40]
         for i in (5, 6):
             await rec.publish(i)
         await settle(follower, 6)

@@ -7,7 +7,8 @@ An asyncio shell around the sans-IO :mod:`kvcompassd.engine.kvevents` codec and
 - :class:`PublisherRestarted` — the engine process was replaced (evidence below): withdraw
   everything, the batches that follow belong to the new process;
 - :class:`BatchesLost` — a range the replay buffer could not supply (state may be stale);
-- :class:`BatchRejected` — a batch whose payload did not decode (its seq is consumed).
+- :class:`BatchRejected` — a batch whose payload did not decode (its seq is consumed);
+- :class:`OddSequenceRejected` — a live seq the engine cannot have sent, dropped.
 
 **Catch-up** asks the replay socket for everything from the last applied seq on: at start-up
 (an agent started after its engine, or restarted, while the engine is idle), on every idle
@@ -87,7 +88,16 @@ class BatchRejected:
     reason: str
 
 
-SubscriberItem = EventBatch | PublisherRestarted | BatchesLost | BatchRejected
+@dataclass(frozen=True, slots=True)
+class OddSequenceRejected:
+    """A live batch with a seq the engine cannot have sent (negative, never published, or
+    going back while the replay shows the same process) was dropped; nothing was withdrawn."""
+
+    seq: int
+    reason: str
+
+
+SubscriberItem = EventBatch | PublisherRestarted | BatchesLost | BatchRejected | OddSequenceRejected
 Callback = Callable[[SubscriberItem], Awaitable[None] | None]
 
 
@@ -213,8 +223,7 @@ class KvEventSubscriber:
             log.warning("ignoring a live message: %s", exc)
             return
         if seq < 0:
-            self.odd_seqs += 1
-            log.warning("rejected a live batch with seq %d: engines count up from 0 (kept every holding)", seq)
+            await self._odd(seq, "negative: engines count up from 0")
             return
         if self._drop is not None and self._drop(seq):
             return
@@ -243,8 +252,7 @@ class KvEventSubscriber:
         if newest is not None:
             # The engine buffers a batch before answering any replay, so a seq the replay socket
             # did not hold was never published: an odd seq, not a gap.
-            self.odd_seqs += 1
-            log.warning("rejected live batch seq %d: the engine's replay holds only up to %s", seq, newest)
+            await self._odd(seq, f"never published: the engine's replay holds only up to {newest}")
             return
         await self._emit(BatchesLost(expected, seq - 1))
         self._skip_to(seq)
@@ -259,17 +267,15 @@ class KvEventSubscriber:
         restarts = self.restarts
         newest = await self.catch_up()
         if self.restarts == restarts:
-            self.odd_seqs += 1
-            log.warning("ignored live batch seq %d below the last applied %s: the replay shows the same engine "
-                        "process (newest %s)", seq, self.tracker.last_applied, newest)
+            await self._odd(seq, f"below the last applied {self.tracker.last_applied}, and the replay shows the "
+                                 f"same engine process (newest {newest})")
 
     async def _confirm_held(self, seq: int, payload: bytes) -> bool:
         """Without a replay socket: the held seq was a restart if this batch continues it."""
         held_seq, held_payload = self._held  # type: ignore[misc]
         self._held = None
         if seq != held_seq + 1:
-            self.odd_seqs += 1
-            log.warning("ignored live batch seq %d: the stream did not continue from it", held_seq)
+            await self._odd(held_seq, "went back, and the stream did not continue from it")
             return False
         await self._restarted(held_seq)
         if held_seq > 0:
@@ -280,6 +286,11 @@ class KvEventSubscriber:
         self.tracker.check_live(seq)
         await self._deliver(seq, payload)
         return True
+
+    async def _odd(self, seq: int, reason: str) -> None:
+        self.odd_seqs += 1
+        log.warning("rejected live batch seq %d (%s); every holding kept", seq, reason)
+        await self._emit(OddSequenceRejected(seq, reason))
 
     async def _restarted(self, new_seq: int) -> None:
         self.restarts += 1
