@@ -7,8 +7,10 @@ first, then one BlockRemoved of them all). A real agent (``AgentNode``, not star
 so reports stay pending as while a maintenance unit is away) receives it through its real
 subscriber, while a 1 ms heartbeat task records the longest gap between its ticks: what a QUIC
 keep-alive or a load report would wait. ``whole`` decodes and applies the batch in one step each,
-as the agent did before; ``sliced`` is the agent now (the subscriber decodes 2,048 events per
-step, ``_on_engine_events`` applies 2,048 blocks per step). ``idle`` is the same heartbeat with
+as the agent did before (and CPython's default GC thresholds); ``sliced`` is the agent now (the
+subscriber decodes 2,048 events per step, ``_on_engine_events`` applies 2,048 blocks per step,
+``tune_gc_for_large_mirrors`` as at its start). A single event is not split while decoding: an
+engine's event is one request's blocks. ``idle`` is the same heartbeat with
 no batch: the noise floor of a shared machine.
 
     python tools/bench_event_stall.py [--blocks 150000] [--shape requests] [--repeats 3]
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import tempfile
 import time
@@ -26,7 +29,7 @@ from pathlib import Path
 import zmq.asyncio
 
 from kvcompassd import certs
-from kvcompassd.agent import AgentNode
+from kvcompassd.agent import AgentNode, tune_gc_for_large_mirrors
 from kvcompassd.daemon import tls_files
 from kvcompassd.engine import subscriber as subscriber_module
 from kvcompassd.engine.kvevents import (
@@ -158,6 +161,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     sliced_decode = subscriber_module.DECODE_SLICE_EVENTS
+    default_gc = gc.get_threshold()
     cfg = build_cluster(DeploymentSpec(workers={"us": 1}, one_way_ms={}, wan=False))
     worker = cfg.workers[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,6 +174,10 @@ def main() -> None:
         for mode in ("whole", "sliced"):
             # whole: decode in one step too, as the subscriber did before
             subscriber_module.DECODE_SLICE_EVENTS = 1 << 62 if mode == "whole" else sliced_decode
+            if mode == "whole":
+                gc.set_threshold(*default_gc)
+            else:
+                tune_gc_for_large_mirrors()  # as AgentNode.start does
             runs = [asyncio.run(one_run(lambda: AgentNode(cfg, worker, tls), args.blocks, args.shape, mode))
                     for _ in range(args.repeats)]
             results[mode] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
