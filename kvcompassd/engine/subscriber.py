@@ -147,6 +147,7 @@ class KvEventSubscriber:
         self.disconnects = 0
         self.odd_seqs = 0
         self.restarts = 0
+        self.replay_failing = False
         self.caught_up = asyncio.Event()  # set after the start-up catch-up
 
     async def _emit(self, item: SubscriberItem) -> None:
@@ -331,8 +332,13 @@ class KvEventSubscriber:
         try:
             newest = await self._catch_up()
         except _ReplayFailed as exc:
-            log.warning("replay from the engine failed: %s", exc)
+            if not self.replay_failing:  # once per outage, not on every idle tick
+                log.warning("replay from the engine failed: %s", exc)
+            self.replay_failing = True
             return None
+        if self.replay_failing:
+            log.info("the engine's replay socket answers again")
+            self.replay_failing = False
         if self.delivered > before:
             self.replays += 1
             log.info("replay delivered %d batch(es)", self.delivered - before)
