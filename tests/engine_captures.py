@@ -56,17 +56,21 @@ class RecordedEngine:
         self._router = ctx.socket(zmq.ROUTER)
         for sock in (self._pub, self._router):
             sock.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoints[0])
-        self._router.bind(endpoints[1])
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._endpoints = endpoints
+        self.endpoint = self.replay_endpoint = ""
         self.topic = record["topic"]
         self.replay_requests = 0
         self._task: Any = None
 
     async def start(self) -> None:
+        """Bind (retrying while a just-closed socket's port is still being released by ZMQ's
+        I/O thread: a restarted engine on the same endpoints), then serve replays."""
         import asyncio
 
+        from kvcompassd.emulator.publisher import _bind
+
+        self.endpoint = await _bind(self._pub, self._endpoints[0], 10.0)
+        self.replay_endpoint = await _bind(self._router, self._endpoints[1], 10.0)
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
