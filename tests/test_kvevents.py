@@ -302,35 +302,40 @@ def test_payload_decoder_in_slices_equals_decode_payload(events: list, step: int
         ts, wire, rank = msgpack.unpackb(encode_payload(2.5, events, dp_rank=1, style="map" if form == "array"
                                                          else "positional"), strict_map_key=False)
         payload = msgpack.packb([ts, wire, rank, *extra], use_bin_type=True)  # fields a newer engine appends
-    decoder = PayloadDecoder(payload, 7)
-    steps = 1
-    while not decoder.step(step):
-        steps += 1
-    assert decoder.result == decode_payload(payload, 7) == EventBatch(7, 2.5, tuple(events), 1)
-    assert steps == max(1, -(-len(events) // step))
+    results = []
+    for stream in (True, False):
+        decoder = PayloadDecoder(payload, 7, stream=stream)
+        steps = 1
+        while not decoder.step(step):
+            steps += 1
+        assert steps == max(1, -(-len(events) // step))
+        results.append(decoder.result)
+    assert results[0] == results[1] == decode_payload(payload, 7) == EventBatch(7, 2.5, tuple(events), 1)
 
 
 def test_payload_decoder_rejects_truncated_and_trailing_bytes() -> None:
     payload = encode_payload(1.0, [BlockStored((1,), None, (1,), 16)] * 3)
-    with pytest.raises(KvEventError, match="msgpack"):
-        decode_payload(payload[:-3], 0)
-    with pytest.raises(KvEventError, match="extra data"):
-        decode_payload(payload + b"\x01", 0)
-    decoder = PayloadDecoder(payload[:-3], 0)
-    with pytest.raises(KvEventError):
-        while not decoder.step(1):
-            pass
+    for stream in (True, False):
+        for data, fragment in ((payload[:-3], "msgpack"), (payload + b"\x01", "extra data|ExtraData")):
+            with pytest.raises(KvEventError, match=fragment):
+                decoder = PayloadDecoder(data, 0, stream=stream)
+                while not decoder.step(1):
+                    pass
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200), st.integers(1, 4))
 def test_random_bytes_in_slices_only_raise_kv_event_error(data: bytes, step: int) -> None:
-    try:
-        decoder = PayloadDecoder(data, 0)
-        while not decoder.step(step):
-            pass
-    except KvEventError:
-        pass
+    outcomes = []
+    for stream in (True, False):
+        try:
+            decoder = PayloadDecoder(data, 0, stream=stream)
+            while not decoder.step(step):
+                pass
+            outcomes.append(decoder.result)
+        except KvEventError:
+            outcomes.append("rejected")
+    assert outcomes[0] == outcomes[1]  # both readings accept and reject the same payloads
 
 
 def test_replay_framing() -> None:

@@ -421,6 +421,9 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
     return decoder.result
 
 
+STREAM_ABOVE_BYTES = 1 << 20
+
+
 class PayloadDecoder:
     """One payload decoded a slice of events at a time, so that an asyncio shell can yield to
     its loop between slices: an engine batch of 150 k blocks takes seconds to decode, and a loop
@@ -428,13 +431,16 @@ class PayloadDecoder:
     (which is this decoder in one step): ``result`` is set only once every event decoded, and
     any error raises :class:`KvEventError`.
 
-    The engines' array form ``[ts, events, dp_rank]`` is read as a stream (events unpacked one
-    by one); the map form is unpacked whole, then its events are decoded in slices."""
+    A large array-form payload ``[ts, events, dp_rank]`` is read as a stream (events unpacked
+    one by one); smaller ones and the map form are unpacked whole, then their events are decoded
+    in slices."""
 
     __slots__ = ("_decoded", "_dp_rank", "_raw_events", "_remaining", "_trailing", "_ts", "_unpacker", "result",
                  "seq")
 
-    def __init__(self, payload: bytes, seq: int) -> None:
+    def __init__(self, payload: bytes, seq: int, *, stream: bool | None = None) -> None:
+        """``stream``: read the array form event by event (default: for payloads above
+        ``STREAM_ABOVE_BYTES``; one ``unpackb`` is faster for the usual small batches)."""
         if len(payload) > MAX_PAYLOAD_BYTES:
             raise KvEventError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
         self.seq = seq
@@ -445,6 +451,9 @@ class PayloadDecoder:
         self._unpacker: msgpack.Unpacker | None = None
         self._trailing = 0
         data = bytes(payload)
+        if not (len(data) > STREAM_ABOVE_BYTES if stream is None else stream):
+            self._start_whole(data)
+            return
         try:
             unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True,
                                         max_buffer_size=max(len(data), 1))
@@ -470,15 +479,21 @@ class PayloadDecoder:
 
     def _start_whole(self, data: bytes) -> None:
         raw = _unpack(data)
-        if not isinstance(raw, Mapping):
+        if isinstance(raw, list):
+            if len(raw) < 2:
+                raise KvEventError(f"batch array needs [ts, events, (dp_rank)], got {len(raw)} fields")
+            ts, events = raw[0], raw[1]
+            self._dp_rank = raw[2] if len(raw) > 2 else None
+        elif isinstance(raw, Mapping):
+            if "ts" not in raw or "events" not in raw:
+                raise KvEventError("batch map lacks ts or events")
+            ts, events = raw["ts"], raw["events"]
+            self._dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
+        else:
             raise KvEventError(f"batch must be an array or a map, got {type(raw).__name__}")
-        if "ts" not in raw or "events" not in raw:
-            raise KvEventError("batch map lacks ts or events")
-        self._ts = _check_ts(raw["ts"])
-        events = raw["events"]
+        self._ts = _check_ts(ts)
         if not isinstance(events, (list, tuple)):
             raise KvEventError(f"batch events must be an array, got {type(events).__name__}")
-        self._dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
         self._raw_events = list(events)
         self._remaining = len(events)
 
