@@ -354,6 +354,8 @@ def test_replay_framing() -> None:
         decode_replay_reply([b"", b"t", encode_seq(-2), b"x"])
     with pytest.raises(KvEventError):
         parse_replay_request([b"id", b"\x00" * 8])
+    # the engines read the start unsigned: a start past every seq is answered with the marker only
+    assert parse_replay_request([b"id", b"", b"\xff" * 8]) == (b"id", (1 << 64) - 1)
     with pytest.raises(KvEventError):
         decode_replay_reply([b"", b"", b"\x00" * 3, b""])
 

@@ -658,10 +658,8 @@ def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
     """What a ROUTER receives: ``[identity, b"", start_seq]`` -> (identity, start_seq)."""
     if len(frames) != 3:
         raise KvEventError(f"replay request must be [identity, '', start_seq], got {len(frames)} frames")
-    start = decode_seq(frames[2])
-    if start < 0:
-        raise KvEventError(f"replay start seq must be >= 0, got {start}")
-    return bytes(frames[0]), start
+    decode_seq(frames[2])  # checks the length
+    return bytes(frames[0]), int.from_bytes(bytes(frames[2]), "big")  # unsigned, as the engines read it
 
 
 def replay_reply_frames(identity: bytes, topic: bytes, seq: int, payload: bytes) -> list[bytes]:
