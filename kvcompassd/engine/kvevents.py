@@ -174,8 +174,10 @@ class BlockStored:
             )
         _optional_int(self.lora_id, "lora_id")
         _optional_str(self.medium, "medium")
-        _optional_str(self.lora_name, "lora_name")
-        _check_group(self.group_idx)
+        if self.lora_name is not None:  # both None on most events: skip the calls
+            _optional_str(self.lora_name, "lora_name")
+        if self.group_idx is not None:
+            _check_group(self.group_idx)
 
     @classmethod
     def trusted(
@@ -403,7 +405,7 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
         block_size=block_size,
         lora_id=_optional_int(lora_id, "lora_id"),
         medium=_optional_str(medium, "medium"),
-        lora_name=_optional_str(lora_name, "lora_name"),
+        lora_name=lora_name,  # checked by BlockStored
         group_idx=group_idx,
     )
 
