@@ -421,3 +421,64 @@ async def test_a_configured_topic_is_followed_and_others_ignored(ctx, engine: st
     finally:
         await follower.stop()
         await rec.close()
+
+
+async def test_without_a_replay_socket_a_seq_going_back_is_a_restart_only_if_the_stream_continues(ctx) -> None:
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:*")
+    got: list = []
+    sub = KvEventSubscriber(pub.getsockopt_string(zmq.LAST_ENDPOINT), None, got.append, context=ctx,
+                            idle_probe=None)
+    task = asyncio.create_task(sub.run())
+    try:
+        sub.connect()
+        async with asyncio.timeout(10):
+            while not got:  # join: keep sending seq 0 (duplicates are ignored)
+                await pub.send_multipart(encode_batch(0, 1.0, [stored(0)]))
+                await asyncio.sleep(0.02)
+        for seq in (1, 2, 3):
+            await pub.send_multipart(encode_batch(seq, 1.0, [stored(seq)]))
+        await pub.send_multipart(encode_batch(1, 9.0, [stored(91)]))  # went back: held
+        await pub.send_multipart(encode_batch(4, 1.0, [stored(4)]))  # the old count goes on: it was odd
+        await pub.send_multipart(encode_batch(0, 9.0, [stored(100)]))  # went back: held
+        await pub.send_multipart(encode_batch(1, 9.0, [stored(101)]))  # and continues: a new process
+        await wait_for(lambda: sub.restarts == 1 and sub.tracker.last_applied == 1)
+        kinds = [(type(g).__name__, getattr(g, "seq", getattr(g, "previous_seq", None))) for g in got]
+        assert kinds == [("EventBatch", 0), ("EventBatch", 1), ("EventBatch", 2), ("EventBatch", 3),
+                         ("OddSequenceRejected", 1), ("EventBatch", 4), ("PublisherRestarted", 4),
+                         ("EventBatch", 0), ("EventBatch", 1)]
+        assert [g.events[0].block_hashes for g in got[-2:]] == [(100,), (101,)]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+
+
+async def test_a_replay_that_no_longer_reaches_the_last_batch_reports_the_hole(ctx) -> None:
+    """The same process, but the subscriber missed more than its buffer holds: the hole is lost,
+    nothing is withdrawn, what the buffer holds is applied."""
+    pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx, buffer_steps=3)
+    await pub.start()
+    got: list = []
+    sub = KvEventSubscriber(pub.endpoint, pub.replay_endpoint, got.append, context=ctx, idle_probe=None)
+    task = asyncio.create_task(sub.run())
+    try:
+        await wait_for(sub.caught_up.is_set)
+        await publish_until_received(pub, got)
+        last = pub.next_seq - 1
+        await wait_for(lambda: sub.tracker.last_applied == last)
+        pub.withhold_live = lambda seq: True
+        for _ in range(6):
+            pub.publish([stored(pub.next_seq)])
+        pub.withhold_live = None
+        got.clear()
+        pub.publish([stored(pub.next_seq)])  # reveals the gap; the buffer holds only the last 3
+        await wait_for(lambda: sub.tracker.last_applied == pub.next_seq - 1)
+        newest = pub.next_seq - 1
+        kinds = [(type(g).__name__, getattr(g, "seq", getattr(g, "first_seq", None))) for g in got]
+        assert kinds == [("BatchesLost", last + 1)] + [("EventBatch", s) for s in range(newest - 2, newest + 1)]
+        assert got[0].last_seq == newest - 3 and sub.restarts == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
