@@ -15,9 +15,11 @@ missed while disconnected can linger in the index.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
@@ -31,8 +33,20 @@ from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput
-from kvcompassd.engine.kvevents import EventBatch
-from kvcompassd.engine.subscriber import BatchesLost, BatchRejected, KvEventSubscriber, PublisherRestarted
+from kvcompassd.engine.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+)
+from kvcompassd.engine.subscriber import (
+    BatchesLost,
+    BatchRejected,
+    KvEventSubscriber,
+    OddSequenceRejected,
+    PublisherRestarted,
+)
 from kvcompassd.metrics import AgentMetrics
 from kvcompassd.reports import ReportCoalescer
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
@@ -59,6 +73,16 @@ from kvcompassd.wire import (
 log = structlog.get_logger(__name__)
 
 ENGINE_DOWN_AFTER = 5  # consecutive failed load readings
+SLICE_BLOCKS = 2048  # engine blocks applied between two yields to the event loop
+# CPython's full collection scans every tracked object; with a mirror of 10^5 blocks it takes
+# hundreds of ms, and while such a mirror grows the default (700, 10, 10) runs one every few
+# thousand blocks (tools/bench_event_stall.py: ~1.3 s stalls for a 150 k-block batch, ~0.3 s
+# with this). The agent makes few reference cycles; younger generations are collected as usual.
+GC_THRESHOLDS = (700, 10, 1000)
+
+
+def tune_gc_for_large_mirrors() -> None:
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 class AgentNode:
@@ -78,7 +102,8 @@ class AgentNode:
         self.worker = worker
         self.plan = LevelPlan.from_config(cfg)
         salt = namespace_salt(cfg.model, cfg.tenant)
-        self.tree = BlockTree(worker.id, self.plan.registration_lengths(), salt=salt)  # keys as prefix_keys, incremental
+        self.tree = BlockTree(worker.id, self.plan.registration_lengths(), salt=salt,  # keys as prefix_keys, incremental
+                              page_size=cfg.index.block_size)
         self.node = QuicNode(NodeIdentity(Role.AGENT, worker.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.metrics = AgentMetrics()
@@ -105,6 +130,7 @@ class AgentNode:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        tune_gc_for_large_mirrors()
         host, port = split_address(self.worker.agent, f"[[workers]] {self.worker.id} agent")
         self.address = await self.node.listen(host, port)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
@@ -140,7 +166,7 @@ class AgentNode:
         published before the subscription are not lost: the first live batch shows a gap from
         seq 0, which the replay socket fills.
         """
-        replay = self.replay_endpoint
+        replay = self.replay_endpoint or self.worker.kv_events_replay
         delay = 0.05
         while replay is None:
             try:
@@ -156,7 +182,8 @@ class AgentNode:
         if self.chaos_drop > 0:
             rng = random.Random(self.worker.id)
             drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
-        self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop)
+        self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop,
+                                            topic=self.worker.kv_events_topic)
         try:
             await self.subscriber.run()
         except asyncio.CancelledError:
@@ -183,11 +210,12 @@ class AgentNode:
 
     # -- index registration -------------------------------------------------------------------
 
-    def _on_engine_events(self, item) -> None:
+    async def _on_engine_events(self, item) -> None:
         if isinstance(item, EventBatch):
             self.metrics.engine_batches.labels("applied").inc()
-            self._enqueue(self.tree.apply_batch(item))
+            await self._apply_in_slices(item)
         elif isinstance(item, PublisherRestarted):
+            # concluded from the replay socket's evidence, never from one odd seq (subscriber.py)
             log.warning("engine restarted: withdrawing its registrations", previous_seq=item.previous_seq)
             self.metrics.engine_batches.labels("restart").inc()
             self._enqueue(self.tree.withdraw_all())
@@ -199,6 +227,29 @@ class AgentNode:
         elif isinstance(item, BatchRejected):
             log.warning("malformed engine batch rejected", seq=item.seq, reason=item.reason)
             self.metrics.engine_batches.labels("rejected").inc()
+        elif isinstance(item, OddSequenceRejected):  # logged by the subscriber; nothing withdrawn
+            self.metrics.engine_batches.labels("odd_seq").inc()
+
+    async def _apply_in_slices(self, batch: EventBatch) -> None:
+        """Apply a batch ``SLICE_BLOCKS`` blocks at a time, yielding to the loop between slices:
+        an engine batch of 150 k blocks must not stall QUIC keep-alives and load reports for
+        seconds (the maintenance unit would withdraw this worker). Reports are diffs, so a
+        registration sent between two slices and the diffs that follow stay consistent."""
+        done = 0
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                parts: Iterable[KvEvent] = event.slices(SLICE_BLOCKS)
+            elif isinstance(event, BlockRemoved) and len(event.block_hashes) > SLICE_BLOCKS:
+                parts = (BlockRemoved(event.block_hashes[i : i + SLICE_BLOCKS], event.medium, event.group_idx)
+                         for i in range(0, len(event.block_hashes), SLICE_BLOCKS))
+            else:
+                parts = (event,)
+            for part in parts:
+                self._enqueue(self.tree.apply(part))
+                done += len(part.block_hashes) if not isinstance(part, AllBlocksCleared) else SLICE_BLOCKS
+                if done >= SLICE_BLOCKS:
+                    done = 0
+                    await asyncio.sleep(0)
 
     def _enqueue(self, events: list[IndexEvent]) -> None:
         self.reports.add_events(events)
@@ -378,6 +429,9 @@ class AgentNode:
             "registered_keys": len(self.tree.registered()),
             "engine_batches": getattr(getattr(self, "subscriber", None), "delivered", 0),
             "engine_replays": getattr(getattr(self, "subscriber", None), "replays", 0),
+            "engine_restarts": getattr(getattr(self, "subscriber", None), "restarts", 0),
+            "engine_odd_seqs": getattr(getattr(self, "subscriber", None), "odd_seqs", 0),
+            "engine_last_seq": getattr(getattr(getattr(self, "subscriber", None), "tracker", None), "last_applied", None),
             "blocks": len(self.tree),
             "region_vector": self.region_vector,
             "migrations": self.migrations[-20:],

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_captures import ENGINES, HASH_D, HASH_E, HASH_F, load_capture, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +22,6 @@ from kvcompassd.engine.kvevents import (
     decode_message,
     tier_of_medium,
 )
-
-SAMPLES = Path("/work/shared/wire-samples")
 
 
 def prefix_key(tokens: np.ndarray, lengths: Sequence[int]) -> list[int]:
@@ -135,20 +133,58 @@ def test_unknown_removals_are_counted_not_fatal() -> None:
     assert t.ignored_removals == 2
 
 
-@pytest.mark.skipif(not SAMPLES.exists(), reason="wire samples not present")
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_wire_sample_sequence(engine: str) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_captured_engine_sequence(engine: str) -> None:
+    """The engines' own batches: store, copy to host, remove, LoRA / other KV group / partial
+    block (refused or mirrored unregistered), clear, store again."""
+    t = BlockTree("w0", (16, 32, 48), prefix_key, page_size=16)
+    out, mirrored = [], []
+    for frames in load_capture(engine)["live"]:
+        out.append(t.apply_batch(decode_message(frames)))
+        mirrored.append({h for h in (HASH_D, HASH_E, HASH_F) if h in t})
+    toks = list(tokens(0, 3))
+    k16, k32, k48 = (key_of(toks[:n]) for n in (16, 32, 48))
+    assert out[0] == [PrefixCached("w0", k16, Tier.VRAM)]
+    assert out[1] == [PrefixCached("w0", k, Tier.VRAM) for k in sorted([k32, k48])]
+    # A copied to host and dropped from the GPU: every path through it is now a DRAM hit
+    assert out[2] == [TierChanged("w0", k, Tier.DRAM) for k in sorted([k16, k32, k48])]
+    assert out[3] == [PrefixEvicted("w0", k48)]
+    # the LoRA block is mirrored, never registered; vLLM's group-1 and partial blocks refused
+    assert out[4] == [] and mirrored[4] == {HASH_E}
+    if engine == "vllm":
+        assert t.refused_events == {"KV-cache group 1": 1, "block_size 8 (pages are 16)": 1}
+    assert sorted(e.key for e in out[5]) == sorted([k16, k32]) and all(isinstance(e, PrefixEvicted) for e in out[5])
+    assert out[6] == [PrefixCached("w0", key_of(tokens(9)), Tier.VRAM)]
+    assert t.registered() == {key_of(tokens(9)): Tier.VRAM}
+
+
+def test_other_groups_removals_leave_group_0_alone() -> None:
     t = tree()
-    events = []
-    for n in range(4):
-        frames = [(SAMPLES / engine / f"batch{n}.{p}").read_bytes() for p in ("topic", "seq", "msgpack")]
-        events.append(t.apply_batch(decode_message(frames)))
-    tokens = list(range(100, 148))
-    assert events[0] == [PrefixCached("w0", key_of(tokens[:16]), Tier.VRAM)]
-    assert sorted(e.key for e in events[1]) == sorted([key_of(tokens[:32]), key_of(tokens[:48])])
-    assert events[2] == [TierChanged("w0", k, Tier.DRAM) for k in sorted([key_of(tokens[:32]), key_of(tokens[:48])])]
-    assert sorted(e.key for e in events[3]) == sorted(key_of(tokens[:n]) for n in (16, 32, 48))
-    assert all(isinstance(e, PrefixEvicted) for e in events[3])
+    t.apply(BlockStored((1,), None, tuple(T[:16]), 16, None, "GPU", group_idx=0))
+    assert t.apply(BlockRemoved((1,), "GPU", group_idx=1)) == []
+    assert t.registered() == {key_of(T[:16]): Tier.VRAM}
+    assert t.apply(BlockRemoved((1,), "GPU", group_idx=0)) == [PrefixEvicted("w0", key_of(T[:16]))]
+
+
+def test_lora_name_alone_marks_a_lora_block() -> None:
+    t = tree()
+    assert t.apply(BlockStored((1,), None, tuple(T[:16]), 16, None, "GPU", lora_name="a")) == []
+    assert 1 in t and t.registered() == {}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 4))
+def test_a_sliced_store_registers_what_the_whole_store_does(blocks: int, max_blocks: int, last_fill: int) -> None:
+    toks = tuple(range(500, 500 + 4 * (blocks - 1) + last_fill))
+    whole = BlockStored(tuple(range(1, blocks + 1)), None, toks, 4, None, "GPU")
+    parts = list(whole.slices(max_blocks))
+    assert all(len(p.block_hashes) <= max_blocks for p in parts)
+    assert [b for p in parts for b in p.blocks()] == list(whole.blocks())
+    a, b = BlockTree("w0", (4, 8, 16), prefix_key), BlockTree("w0", (4, 8, 16), prefix_key)
+    a.apply(whole)
+    for p in parts:
+        b.apply(p)
+    assert a.registered() == b.registered()
 
 
 # ------------------------------------------------------------------------- property test

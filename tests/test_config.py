@@ -348,6 +348,16 @@ def test_wildcard_binds_belong_to_their_entrys_host() -> None:
     assert "(edge-a) http" in error_of(data)
 
 
+def test_an_explicit_replay_endpoint_replaces_the_port_plus_one_default() -> None:
+    data = addressed()
+    data["workers"][1]["kv_events"] = "tcp://127.0.0.1:5558"  # the replay port of a-0 by default
+    data["workers"][0]["kv_events_replay"] = "tcp://127.0.0.1:5600"
+    parse_config(data)
+    data["workers"][1]["kv_events_replay"] = "tcp://127.0.0.1:5600"
+    message = error_of(data)
+    assert "(a-0) kv_events_replay" in message and "(b-0) kv_events_replay" in message
+
+
 def test_replay_port_past_65535_is_refused() -> None:
     data = addressed()
     data["workers"][0]["kv_events"] = "tcp://127.0.0.1:65535"
@@ -398,3 +408,18 @@ def test_loader_refuses_exactly_the_configs_where_two_sockets_share_a_port(data:
         assert "cannot share a port" in error_of(data)
     else:
         parse_config(data)
+def test_worker_kv_events_topic_and_replay_endpoint() -> None:
+    data = minimal()
+    assert parse_config(data, "<t>").worker("a-0").kv_events_topic == ""  # the engines' default
+    data["workers"][0].update(kv_events="tcp://10.0.0.5:5557", kv_events_topic="kv-events",
+                              kv_events_replay="tcp://10.0.0.5:5558")
+    cfg = parse_config(data, "<t>")
+    worker = cfg.worker("a-0")
+    assert (worker.kv_events_topic, worker.kv_events_replay) == ("kv-events", "tcp://10.0.0.5:5558")
+    assert parse_config(tomllib.loads(dump_config(cfg)), "<t>") == cfg
+    for field, value, fragment in (("kv_events_topic", "x" * 256, "255 bytes"), ("kv_events_topic", 5, "string"),
+                                   ("kv_events_replay", "http://h:1", "kv_events_replay")):
+        bad = minimal()
+        bad["workers"][0][field] = value
+        with pytest.raises(ConfigError, match=fragment):
+            parse_config(bad, "<t>")

@@ -121,7 +121,7 @@ async def test_generate_reports_truthful_cached_tokens_and_events_mirror_the_cac
                 info = await response.json()
             kv = json.loads(info["kv_events_config"])
             assert kv["endpoint"] == worker.kv_events_endpoint and kv["replay_endpoint"] == worker.kv_replay_endpoint
-            assert kv["publisher"] == "zmq" and kv["topic"] == "kv-events" and info["page_size"] == BS
+            assert kv["publisher"] == "zmq" and kv["topic"] == "" and info["page_size"] == BS  # the engines' default topic
 
             # flush: AllBlocksCleared withdraws everything
             async with session.post(f"{url}/flush_cache") as response:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgpack
 import pytest
+from engine_captures import (
+    ENGINES,
+    HASH_A,
+    HASH_B,
+    HASH_C,
+    HASH_D,
+    HASH_G,
+    load_capture,
+    tokens,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +23,7 @@ from kvcompassd.engine.kvevents import (
     BlockStored,
     EventBatch,
     KvEventError,
+    PayloadDecoder,
     ReplayedBatch,
     ReplayEnded,
     SequenceTracker,
@@ -24,6 +33,7 @@ from kvcompassd.engine.kvevents import (
     decode_payload,
     decode_replay_reply,
     encode_batch,
+    encode_payload,
     encode_seq,
     parse_replay_request,
     replay_end_frames,
@@ -32,65 +42,74 @@ from kvcompassd.engine.kvevents import (
     tier_of_medium,
 )
 
-SAMPLES = Path("/work/shared/wire-samples")
-ROOT_HASH = -8211977001010843013
 
-
-def sample_frames(engine: str, n: int) -> list[bytes]:
-    folder = SAMPLES / engine
-    return [(folder / f"batch{n}.{part}").read_bytes() for part in ("topic", "seq", "msgpack")]
-
-
-needs_samples = pytest.mark.skipif(not SAMPLES.exists(), reason="wire samples not present")
-
-
-@needs_samples
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_wire_samples_decode_to_the_documented_events(engine: str) -> None:
-    batches = [decode_message(sample_frames(engine, n), topic=b"kv-events") for n in range(4)]
-    assert [b.seq for b in batches] == [0, 1, 2, 3]
+@pytest.mark.parametrize("engine", ENGINES)
+def test_captured_live_batches_decode_to_the_scripted_events(engine: str) -> None:
+    record = load_capture(engine)
+    assert record["topic"] == "" and all(frames[0] == b"" for frames in record["live"])
+    batches = [decode_message(frames, topic=b"") for frames in record["live"]]
+    assert [b.seq for b in batches] == list(range(7))
     assert all(b.dp_rank == 0 for b in batches)
 
     (root,) = batches[0].events
-    assert isinstance(root, BlockStored)
-    assert root.block_hashes == (ROOT_HASH,)
-    assert root.parent_block_hash is None
-    assert root.token_ids == tuple(range(100, 116))
-    assert root.block_size == 16 and root.tier is StorageTier.VRAM
+    assert root == BlockStored((HASH_A,), None, tokens(0), 16, None, "GPU")
+    assert root.tier is StorageTier.VRAM
 
     (pair,) = batches[1].events
-    assert isinstance(pair, BlockStored)
-    assert pair.parent_block_hash == ROOT_HASH
-    assert len(pair.block_hashes) == 2 and len(pair.token_ids) == 32
+    assert pair.block_hashes == (HASH_B, HASH_C[engine]) and pair.parent_block_hash == HASH_A
     chain = list(pair.blocks())
-    assert chain[0][1] == ROOT_HASH and chain[1][1] == pair.block_hashes[0]
-    assert chain[1][2] == tuple(range(132, 148))
-    if engine == "vllm":
-        # uint64 above the int64 range is canonicalised to the int64 with the same bits
-        assert pair.block_hashes[1] == 17000000000000000001 - (1 << 64)
+    assert chain[1] == (HASH_C[engine], HASH_B, tokens(2))
 
     copied, removed = batches[2].events
-    assert isinstance(copied, BlockStored) and copied.tier is StorageTier.DRAM
-    assert copied.block_hashes == (pair.block_hashes[0],)
-    assert isinstance(removed, BlockRemoved) and removed.tier is StorageTier.VRAM
-    assert removed.block_hashes == (pair.block_hashes[0],)
+    assert copied.block_hashes == (HASH_A,) and copied.tier is StorageTier.DRAM
+    assert copied.medium == ("CPU_PINNED" if engine == "sglang" else "CPU")
+    assert removed == BlockRemoved((HASH_A,), "GPU")
+    assert batches[3].events == (BlockRemoved((HASH_C[engine],), "GPU"),)
 
-    assert batches[3].events == (AllBlocksCleared(),)
+    if engine == "sglang":
+        (lora,) = batches[4].events
+    else:
+        other_group, lora, partial = batches[4].events
+        assert other_group.group_idx == 1 and other_group.block_hashes == (HASH_D,)
+        assert partial.block_size == 8 and partial.token_ids == tokens(3, size=8) and partial.group_idx == 0
+    assert lora.lora_id == 3 and lora.lora_name == "adapter-a" and lora.is_lora
+    assert batches[5].events == (AllBlocksCleared(),)
+    assert batches[6].events == (BlockStored((HASH_G,), None, tokens(9), 16, None, "GPU"),)
 
 
-@needs_samples
-def test_encoder_reproduces_sglang_bytes_and_vllm_structure() -> None:
-    for n in range(4):
-        frames = sample_frames("sglang", n)
+def test_encoder_reproduces_sglangs_bytes() -> None:
+    """The emulated worker publishes exactly what SGLang's publisher does, byte for byte."""
+    for frames in load_capture("sglang")["live"]:
         batch = decode_message(frames)
         assert encode_batch(batch.seq, batch.ts, batch.events) == frames
-        vllm = sample_frames("vllm", n)
-        ours = decode_message(encode_batch(n, batch.ts, decode_message(vllm).events))
-        assert ours == decode_message(vllm)
-        # same top-level layout: [float ts, [events], rank]
-        theirs = msgpack.unpackb(vllm[2])
-        mine = msgpack.unpackb(encode_batch(n, batch.ts, decode_message(vllm).events)[2])
-        assert len(theirs) == len(mine) == 3 and type(theirs[0]) is type(mine[0])
+    for frames in load_capture("sglang", "topic")["live"]:
+        batch = decode_message(frames, topic=b"kv-events")
+        assert encode_batch(batch.seq, batch.ts, batch.events, topic=b"kv-events") == frames
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("capture", ["default", "topic", "short-buffer"])
+def test_captured_replay_exchanges(engine: str, capture: str) -> None:
+    record = load_capture(engine, capture)
+    topic = record["topic"].encode()
+    live = {decode_message(frames).seq: frames for frames in record["live"]}
+    oldest_buffered = len(live) - record["buffer_steps"] if len(live) > record["buffer_steps"] else 0
+    for exchange in record["replays"]:
+        *batches, end = exchange["replies"]
+        assert all(len(frames) == 4 for frames in exchange["replies"])
+        assert decode_replay_reply(end) == ReplayEnded()
+        assert end == [b"", b"", b"\xff" * 8, b""]  # the marker's topic is empty whatever the topic
+        replayed = [decode_replay_reply(frames, topic=topic) for frames in batches]
+        first = max(exchange["start_seq"], oldest_buffered)
+        assert [r.seq for r in replayed] == list(range(first, len(live)))
+        for reply, frames in zip(replayed, batches, strict=True):
+            assert frames[1:] == live[reply.seq]  # the same topic, seq and payload as live
+            assert reply.payload == live[reply.seq][2]
+            # the emulator's ROUTER answers with the same frames
+            assert replay_reply_frames(b"id", topic, reply.seq, reply.payload)[1:] == frames
+        assert replay_end_frames(b"id")[1:] == end
+    if capture == "short-buffer":
+        assert oldest_buffered == 3  # a replay from 0 cannot reach back
 
 
 def test_positional_events_old_and_new_layouts() -> None:
@@ -272,23 +291,73 @@ def test_random_msgpack_structures_only_raise_kv_event_error(value: object) -> N
             pass
 
 
-def test_replay_framing_matches_the_engines_router() -> None:
-    # DEALER request -> ROUTER sees [identity, "", start]
+@settings(max_examples=60, deadline=None)
+@given(st.lists(stored_events(), max_size=12), st.integers(1, 5), st.sampled_from(["array", "map", "positional"]),
+       st.lists(st.integers(0, 9), max_size=2))
+def test_payload_decoder_in_slices_equals_decode_payload(events: list, step: int, form: str, extra: list) -> None:
+    if form == "map":
+        payload = msgpack.packb({"ts": 2.5, "events": [msgpack.unpackb(encode_payload(0, [e]))[1][0] for e in events],
+                                 "data_parallel_rank": 1}, use_bin_type=True)
+    else:
+        ts, wire, rank = msgpack.unpackb(encode_payload(2.5, events, dp_rank=1, style="map" if form == "array"
+                                                         else "positional"), strict_map_key=False)
+        payload = msgpack.packb([ts, wire, rank, *extra], use_bin_type=True)  # fields a newer engine appends
+    results = []
+    for stream in (True, False):
+        decoder = PayloadDecoder(payload, 7, stream=stream)
+        steps = 1
+        while not decoder.step(step):
+            steps += 1
+        assert steps == max(1, -(-len(events) // step))
+        results.append(decoder.result)
+    assert results[0] == results[1] == decode_payload(payload, 7) == EventBatch(7, 2.5, tuple(events), 1)
+
+
+def test_payload_decoder_rejects_truncated_and_trailing_bytes() -> None:
+    payload = encode_payload(1.0, [BlockStored((1,), None, (1,), 16)] * 3)
+    for stream in (True, False):
+        for data, fragment in ((payload[:-3], "msgpack"), (payload + b"\x01", "extra data|ExtraData")):
+            with pytest.raises(KvEventError, match=fragment):
+                decoder = PayloadDecoder(data, 0, stream=stream)
+                while not decoder.step(1):
+                    pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(1, 4))
+def test_random_bytes_in_slices_only_raise_kv_event_error(data: bytes, step: int) -> None:
+    outcomes = []
+    for stream in (True, False):
+        try:
+            decoder = PayloadDecoder(data, 0, stream=stream)
+            while not decoder.step(step):
+                pass
+            outcomes.append(decoder.result)
+        except KvEventError:
+            outcomes.append("rejected")
+    assert outcomes[0] == outcomes[1]  # both readings accept and reject the same payloads
+
+
+def test_replay_framing() -> None:
+    # DEALER request -> ROUTER sees [identity, "", start]; the engines read start unsigned
     request = replay_request_frames(41)
     assert request == [b"", (41).to_bytes(8, "big")]
     assert parse_replay_request([b"id", *request]) == (b"id", 41)
-    # ROUTER reply -> DEALER sees ["", seq, payload]
-    reply = replay_reply_frames(b"id", 41, b"payload")
-    assert reply == [b"id", b"", (41).to_bytes(8, "big"), b"payload"]
-    assert decode_replay_reply(reply[1:]) == ReplayedBatch(41, b"payload")
-    assert decode_replay_reply(reply[2:]) == ReplayedBatch(41, b"payload")  # REQ strips the delimiter
-    end = replay_end_frames(b"id")
-    assert end[2] == (-1).to_bytes(8, "big", signed=True) and end[3] == b""
-    assert decode_replay_reply(end[1:]) == ReplayEnded()
+    reply = replay_reply_frames(b"id", b"t", 41, b"payload")
+    assert reply == [b"id", b"", b"t", (41).to_bytes(8, "big"), b"payload"]
+    assert decode_replay_reply(reply[1:], topic=b"t") == ReplayedBatch(41, b"payload")
+    with pytest.raises(KvEventError, match="topic"):
+        decode_replay_reply(reply[1:], topic=b"other")
+    with pytest.raises(KvEventError, match="4 frames|got 3"):
+        decode_replay_reply([b"", (41).to_bytes(8, "big"), b"payload"])  # the old 3-frame guess
+    with pytest.raises(KvEventError, match="negative"):
+        decode_replay_reply([b"", b"t", encode_seq(-2), b"x"])
     with pytest.raises(KvEventError):
         parse_replay_request([b"id", b"\x00" * 8])
+    # the engines read the start unsigned: a start past every seq is answered with the marker only
+    assert parse_replay_request([b"id", b"", b"\xff" * 8]) == (b"id", (1 << 64) - 1)
     with pytest.raises(KvEventError):
-        decode_replay_reply([b"", b"\x00" * 3, b""])
+        decode_replay_reply([b"", b"", b"\x00" * 3, b""])
 
 
 def test_sequence_tracker() -> None:
@@ -305,10 +374,10 @@ def test_sequence_tracker() -> None:
     assert tracker.check_replayed(3).verdict is SeqVerdict.DUPLICATE
     assert tracker.check_replayed(5).verdict is SeqVerdict.NEXT
     tracker.applied(5)
-    # the live counter goes back: a new publisher
-    assert tracker.check_live(0).verdict is SeqVerdict.RESTART
-    assert tracker.check_live(0).verdict is SeqVerdict.NEXT
-    tracker.applied(0)
+    # the live counter going back is not taken as a restart here (the subscriber asks the
+    # replay socket for evidence): it is simply not the next batch
+    assert tracker.check_live(0).verdict is SeqVerdict.DUPLICATE
+    assert tracker.last_applied == 5
     # a subscriber that joins late sees a gap from 0
     late = SequenceTracker()
     check = late.check_live(100)

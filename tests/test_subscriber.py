@@ -1,15 +1,34 @@
-"""Subscriber against the emulator's publisher on loopback: order, gaps, replay, restarts."""
+"""Subscriber on loopback against the engines' own bytes (committed captures played from a real
+PUB/ROUTER) and against the emulator's publisher: order, gaps, replay, restarts, odd seqs.
+
+Each recovery scenario ends with the subscriber's block tree equal to the engine's: the tree
+fed every batch the engine published, in order."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq
 import zmq.asyncio
+from engine_captures import ENGINES, RecordedEngine, load_capture
 
 from kvcompassd.emulator.publisher import KvEventPublisher
-from kvcompassd.engine.kvevents import BlockStored, EventBatch, encode_batch
-from kvcompassd.engine.subscriber import BatchesLost, BatchRejected, KvEventSubscriber, PublisherRestarted
+from kvcompassd.engine.blocktree import BlockTree
+from kvcompassd.engine.kvevents import (
+    BlockStored,
+    EventBatch,
+    decode_message,
+    encode_batch,
+    encode_seq,
+)
+from kvcompassd.engine.subscriber import (
+    BatchesLost,
+    BatchRejected,
+    KvEventSubscriber,
+    OddSequenceRejected,
+    PublisherRestarted,
+)
 
 
 def stored(i: int) -> BlockStored:
@@ -138,7 +157,7 @@ async def test_restart_is_detected_even_when_the_new_seq_overtakes_the_old() -> 
         ctx.destroy(linger=0)
 
 
-async def test_batches_lost_before_a_quiet_spell_are_recovered_by_the_tail_probe() -> None:
+async def test_batches_lost_before_a_quiet_spell_are_recovered_on_an_idle_tick() -> None:
     ctx = zmq.asyncio.Context()
     pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx, buffer_steps=100)
     await pub.start()
@@ -157,7 +176,7 @@ async def test_batches_lost_before_a_quiet_spell_are_recovered_by_the_tail_probe
         total = pub.next_seq
         await wait_for(lambda: len([g for g in got if isinstance(g, EventBatch)]) >= total)
         assert [g.seq for g in got if isinstance(g, EventBatch)] == list(range(total))
-        assert not dropped and sub.tail_probes >= 1
+        assert not dropped and sub.catch_ups >= 2  # start-up, then an idle tick
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -204,3 +223,262 @@ async def test_cancelling_run_ends_it_even_as_a_message_arrives() -> None:
             sub._sub.close(linger=0)
             await asyncio.wait({task}, timeout=5)
         ctx.destroy(linger=0)
+
+
+# ------------------------------------------------------------------ the engines' captured bytes
+
+SALT = b"test"
+
+
+def engine_holds(engine: str, upto: int | None = None) -> dict:
+    """What the engine holds after its captured batches [0, upto): the reference registrations."""
+    tree = BlockTree("w", (16, 32, 48), salt=SALT, page_size=16)
+    for frames in load_capture(engine)["live"][:upto]:
+        tree.apply_batch(decode_message(frames))
+    return tree.registered()
+
+
+class Follower:
+    """A subscriber feeding a block tree, as the agent does."""
+
+    def __init__(self, engine: RecordedEngine, ctx, **options) -> None:
+        self.tree = BlockTree("w", (16, 32, 48), salt=SALT, page_size=16)
+        self.items: list = []
+        self.sub = KvEventSubscriber(engine.endpoint, engine.replay_endpoint, self.on_item, context=ctx,
+                                     topic=engine.topic, **options)
+        self.task: asyncio.Task | None = None
+
+    def on_item(self, item) -> None:
+        self.items.append(item)
+        if isinstance(item, EventBatch):
+            self.tree.apply_batch(item)
+        elif isinstance(item, PublisherRestarted):
+            self.tree.withdraw_all()
+
+    def kinds(self) -> list[tuple[str, int]]:
+        return [(type(i).__name__, getattr(i, "seq", getattr(i, "first_seq", getattr(i, "previous_seq", None))))
+                for i in self.items]
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.sub.run())
+        await wait_for(self.sub.caught_up.is_set)
+
+    async def stop(self) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+@pytest.fixture
+async def ctx():
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def settle(follower: Follower, last_seq: int) -> None:
+    await wait_for(lambda: follower.sub.tracker.last_applied == last_seq)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_agent_started_late_against_an_idle_engine_catches_up(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    for i in range(len(rec.live)):
+        await rec.publish(i)  # nobody listens yet; then the engine stays idle
+    follower = Follower(rec, ctx, idle_probe=None)  # no idle ticks: the start-up catch-up alone
+    try:
+        await follower.start()
+        assert [seq for kind, seq in follower.kinds()] == list(range(7))
+        assert follower.tree.registered() == engine_holds(engine)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_dropped_live_batches_are_replayed(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=0.05)
+    try:
+        await follower.start()
+        for i in range(len(rec.live)):
+            # 0, 2, 3 and 6 never reach the subscriber live; 6 is the last: only an idle tick finds it
+            await rec.publish(i, withhold=i in (0, 2, 3, 6))
+        await settle(follower, 6)
+        assert follower.kinds() == [("EventBatch", i) for i in range(7)]
+        assert follower.tree.registered() == engine_holds(engine)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_restarted_agent_rebuilds_from_an_idle_engine(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    first = Follower(rec, ctx)
+    await first.start()
+    for i in range(5):
+        await rec.publish(i)
+    await settle(first, 4)
+    await first.stop()
+    second = Follower(rec, ctx, idle_probe=None)  # the engine publishes nothing more
+    try:
+        await second.start()
+        assert second.tree.registered() == first.tree.registered() == engine_holds(engine, 5)
+    finally:
+        await second.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_odd_sequence_numbers_withdraw_nothing(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=None)
+    try:
+        await follower.start()
+        for i in range(5):
+            await rec.publish(i)
+        await settle(follower, 4)
+        holds = engine_holds(engine, 5)
+        assert follower.tree.registered() == holds
+        topic, _, payload = rec.live[1]
+        # an unsigned seq reading negative, an older seq, one ahead of all the engine published
+        for seq in ((1 << 63) + 1, 1, 1 << 40):
+            await rec.send_raw([topic, seq.to_bytes(8, "big"), payload])
+        await wait_for(lambda: follower.sub.odd_seqs == 3)
+        odd = [i for i in follower.items if isinstance(i, OddSequenceRejected)]
+        assert [i.seq for i in odd] == [-(1 << 63) + 1, 1, 1 << 40]
+        for i in (5, 6):
+            await rec.publish(i)
+        await settle(follower, 6)
+        assert follower.sub.restarts == 0 and not any(isinstance(i, (PublisherRestarted, BatchesLost))
+                                                      for i in follower.items)
+        assert follower.tree.registered() == engine_holds(engine)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_restarted_engine_is_concluded_from_its_replay_not_from_a_seq(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=0.05)
+    try:
+        await follower.start()
+        for i in range(7):
+            await rec.publish(i)
+        await settle(follower, 6)
+        endpoints = rec.endpoint, rec.replay_endpoint
+        await rec.close()
+        # a new process on the same sockets; it has published 0..1 (withheld: the SUB had not
+        # reconnected yet) and goes idle
+        rec = RecordedEngine(load_capture(engine), ctx, endpoints=endpoints)
+        await rec.start()
+        for i in range(2):
+            await rec.publish(i, withhold=True)
+        await wait_for(lambda: follower.sub.restarts == 1)
+        await settle(follower, 1)
+        assert follower.kinds()[7:] == [("PublisherRestarted", 6), ("EventBatch", 0), ("EventBatch", 1)]
+        assert follower.tree.registered() == engine_holds(engine, 2)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_replay_buffer_that_cannot_reach_back_reports_the_loss(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine, "short-buffer"), ctx)
+    await rec.start()
+    for i in range(7):
+        await rec.publish(i)
+    follower = Follower(rec, ctx, idle_probe=None)
+    try:
+        await follower.start()
+        assert follower.kinds() == [("BatchesLost", 0), ("EventBatch", 3), ("EventBatch", 4), ("EventBatch", 5),
+                                    ("EventBatch", 6)]
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_configured_topic_is_followed_and_others_ignored(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine, "topic"), ctx)
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=None)
+    try:
+        await follower.start()
+        await rec.send_raw([b"kv-events-other", encode_seq(0), rec.live[0][2]])  # a prefix match on SUB
+        for i in range(7):
+            await rec.publish(i)
+        await settle(follower, 6)
+        assert follower.tree.registered() == engine_holds(engine)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+async def test_without_a_replay_socket_a_seq_going_back_is_a_restart_only_if_the_stream_continues(ctx) -> None:
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:*")
+    got: list = []
+    sub = KvEventSubscriber(pub.getsockopt_string(zmq.LAST_ENDPOINT), None, got.append, context=ctx,
+                            idle_probe=None)
+    task = asyncio.create_task(sub.run())
+    try:
+        sub.connect()
+        async with asyncio.timeout(10):
+            while not got:  # join: keep sending seq 0 (duplicates are ignored)
+                await pub.send_multipart(encode_batch(0, 1.0, [stored(0)]))
+                await asyncio.sleep(0.02)
+        for seq in (1, 2, 3):
+            await pub.send_multipart(encode_batch(seq, 1.0, [stored(seq)]))
+        await pub.send_multipart(encode_batch(1, 9.0, [stored(91)]))  # went back: held
+        await pub.send_multipart(encode_batch(4, 1.0, [stored(4)]))  # the old count goes on: it was odd
+        await pub.send_multipart(encode_batch(0, 9.0, [stored(100)]))  # went back: held
+        await pub.send_multipart(encode_batch(1, 9.0, [stored(101)]))  # and continues: a new process
+        await wait_for(lambda: sub.restarts == 1 and sub.tracker.last_applied == 1)
+        kinds = [(type(g).__name__, getattr(g, "seq", getattr(g, "previous_seq", None))) for g in got]
+        assert kinds == [("EventBatch", 0), ("EventBatch", 1), ("EventBatch", 2), ("EventBatch", 3),
+                         ("OddSequenceRejected", 1), ("EventBatch", 4), ("PublisherRestarted", 4),
+                         ("EventBatch", 0), ("EventBatch", 1)]
+        assert [g.events[0].block_hashes for g in got[-2:]] == [(100,), (101,)]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+
+
+async def test_a_replay_that_no_longer_reaches_the_last_batch_reports_the_hole(ctx) -> None:
+    """The same process, but the subscriber missed more than its buffer holds: the hole is lost,
+    nothing is withdrawn, what the buffer holds is applied."""
+    pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx, buffer_steps=3)
+    await pub.start()
+    got: list = []
+    sub = KvEventSubscriber(pub.endpoint, pub.replay_endpoint, got.append, context=ctx, idle_probe=None)
+    task = asyncio.create_task(sub.run())
+    try:
+        await wait_for(sub.caught_up.is_set)
+        await publish_until_received(pub, got)
+        last = pub.next_seq - 1
+        await wait_for(lambda: sub.tracker.last_applied == last)
+        pub.withhold_live = lambda seq: True
+        for _ in range(6):
+            pub.publish([stored(pub.next_seq)])
+        pub.withhold_live = None
+        got.clear()
+        pub.publish([stored(pub.next_seq)])  # reveals the gap; the buffer holds only the last 3
+        await wait_for(lambda: sub.tracker.last_applied == pub.next_seq - 1)
+        newest = pub.next_seq - 1
+        kinds = [(type(g).__name__, getattr(g, "seq", getattr(g, "first_seq", None))) for g in got]
+        assert kinds == [("BatchesLost", last + 1)] + [("EventBatch", s) for s in range(newest - 2, newest + 1)]
+        assert got[0].last_seq == newest - 3 and sub.restarts == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()

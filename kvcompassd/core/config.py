@@ -199,6 +199,10 @@ class WorkerConfig:
     kv_events: str | None = None
     agent: str | None = None
     agent_metrics: str | None = None  # the agent's Prometheus endpoint (host:port)
+    # KV events (22.1): the engine's --kv-events-config "topic" (the engines' default is empty)
+    # and its "replay_endpoint" as the agent dials it (None: ask SGLang's /server_info).
+    kv_events_topic: str = ""
+    kv_events_replay: str | None = None
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
@@ -212,6 +216,10 @@ class WorkerConfig:
         _check_int("max_running", self.max_running, lo=1)
         _check_optional_address("http", self.http, ("http", "https"))
         _check_optional_address("kv_events", self.kv_events, ("tcp", "ipc", "inproc"))
+        _check_str("kv_events_topic", self.kv_events_topic, pattern=None, allow_empty=True)
+        if len(self.kv_events_topic.encode()) > 255:
+            _fail("kv_events_topic", "must be at most 255 bytes")
+        _check_optional_address("kv_events_replay", self.kv_events_replay, ("tcp", "ipc", "inproc"))
         _check_optional_address("agent", self.agent, None)
         _check_optional_address("agent_metrics", self.agent_metrics, None)
 
@@ -425,7 +433,11 @@ def config_sockets(cfg: ClusterConfig, overrides: Mapping[str, Mapping[str, str]
                 label = name if value == getattr(entry, name) else f"{name} (command line)"
                 found.append((label, transport, *parsed))
                 if name == "kv_events":
-                    found.append(("kv_events replay (port + 1)", transport, parsed[0], parsed[1] + 1))
+                    replay = getattr(entry, "kv_events_replay", None)
+                    if replay is None:  # the engines' and the emulator's default: the KV-event port + 1
+                        found.append(("kv_events replay (port + 1)", transport, parsed[0], parsed[1] + 1))
+                    elif replay.startswith("tcp://") and (at := _split_host_port(replay)) is not None:
+                        found.append(("kv_events_replay", transport, *at))
             # A wildcard bind address (edges' "0.0.0.0:8080") is on the host the entry's other
             # addresses name; with none, it is on a host of its own.
             home = next((h for _, _, h, _ in found if h not in _WILDCARD_HOSTS), f"<host of {table} #{i}>")

@@ -3,8 +3,13 @@
 PUB socket: each batch is ``[topic, seq (8-byte big-endian), msgpack payload]``, seq counting
 from 0 per process (a restarted engine starts again at 0, without an ``AllBlocksCleared``: its
 cache is simply empty). ROUTER replay socket: ``[identity, "", start_seq]`` is answered with
-every buffered batch ``seq >= start_seq`` as ``[identity, "", seq, payload]`` and then the end
-marker ``[identity, "", -1, ""]``; the buffer keeps the last ``buffer_steps`` batches.
+every buffered batch ``seq >= start_seq`` as ``[identity, "", topic, seq, payload]`` and then
+the end marker ``[identity, "", "", -1, ""]``; the buffer keeps the last ``buffer_steps``
+batches. These are the bytes SGLang's and vLLM's publishers send (``tests/test_publisher.py``
+compares them with the committed captures); the topic defaults to theirs, empty.
+
+``withhold_live(seq) -> bool`` keeps matching batches off the PUB socket (they are still
+buffered for replay): what a PUB at its high-water mark or a lossy link does to a subscriber.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import zmq
@@ -41,14 +46,16 @@ class KvEventPublisher:
         endpoint: str,
         replay_endpoint: str | None,
         *,
-        topic: str = "kv-events",
+        topic: str = "",
         buffer_steps: int = 10_000,
         style: Literal["map", "positional"] = "map",
         dp_rank: int | None = 0,
         hwm: int = 100_000,
         context: zmq.asyncio.Context | None = None,
+        withhold_live: Callable[[int], bool] | None = None,
     ) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
+        self.withhold_live = withhold_live  # settable while running (fault injection)
         self._topic = topic.encode()
         self._style = style
         self._dp_rank = dp_rank
@@ -91,12 +98,23 @@ class KvEventPublisher:
         self._next_seq += 1
         payload = encode_payload(time.time() if ts is None else ts, events, dp_rank=self._dp_rank, style=self._style)
         self._buffer.append((seq, payload))
+        if self.withhold_live is not None and self.withhold_live(seq):
+            self.published += 1
+            return seq
         try:
             self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("PUB high-water mark reached; batch %d only in the replay buffer", seq)
         self.published += 1
         return seq
+
+    def buffered(self) -> list[tuple[int, bytes]]:
+        """The replay buffer: (seq, payload) of the last ``buffer_steps`` batches, oldest first."""
+        return list(self._buffer)
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Put arbitrary frames on the PUB socket: fault injection (odd sequence numbers)."""
+        self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -109,7 +127,7 @@ class KvEventPublisher:
                 continue
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await self._replay.send_multipart(replay_reply_frames(identity, seq, payload))
+                    await self._replay.send_multipart(replay_reply_frames(identity, self._topic, seq, payload))
             await self._replay.send_multipart(replay_end_frames(identity))
 
     async def close(self) -> None:

@@ -56,7 +56,7 @@ class EmulatorSettings:
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     kv_events_endpoint: str = "tcp://127.0.0.1:5557"  # port "*" = ephemeral
     kv_replay_endpoint: str | None = "tcp://127.0.0.1:5558"
-    kv_events_topic: str = "kv-events"
+    kv_events_topic: str = ""  # the engines' default
     kv_events_style: str = "map"  # SGLang 0.5.23 sends map-encoded events
     replay_buffer_steps: int = 10_000
     block_size: int = 16
@@ -103,6 +103,9 @@ class EmulatorSettings:
             values["kv_events_endpoint"] = worker.kv_events
             base, _, port = worker.kv_events.rpartition(":")
             values["kv_replay_endpoint"] = f"{base}:{int(port) + 1}" if port.isdigit() else None
+        if getattr(worker, "kv_events_replay", None):
+            values["kv_replay_endpoint"] = worker.kv_events_replay
+        values["kv_events_topic"] = getattr(worker, "kv_events_topic", "")
         values.update(overrides)
         return cls(**values)
 

@@ -16,6 +16,23 @@ stored (again). Detached blocks are bounded; the oldest are dropped with a log l
 Only changes are emitted: PrefixCached when a key gains its first indexed tier, TierChanged
 when that tier changes, PrefixEvicted when it loses the last one. LoRA blocks and blocks only on
 disk/remote media are mirrored but never registered.
+
+What the engines send beyond plain blocks, deliberately:
+
+- **LoRA** (``lora_id`` or ``lora_name`` set; vLLM sends both, SGLang ``lora_id``): mirrored,
+  never registered. The index keys a prefix by model and tokens only; an adapter's KV differs
+  from the base model's for the same tokens, so registering it would send base-model prompts
+  to a cache they cannot reuse.
+- **KV-cache groups** (vLLM's ``group_idx``, hybrid models: full attention plus sliding window
+  or Mamba layers): only group 0 (or no group) is mirrored; other groups' stores and removals
+  are refused with a log line per group. vLLM names a block by the same hash in every group,
+  so mixing groups would let one group's removal erase another's block. Group 0 is vLLM's
+  first (full-attention) group; a prefix a sliding-window group dropped is then still
+  claimed, which the edges' cache belief absorbs.
+- **Partial blocks** (vLLM's partial prefix entries: ``block_size`` below its page size): with
+  ``page_size`` given, a store whose ``block_size`` differs from it is refused with a log line.
+  Such an entry is a second name for tokens of a block already stored; the tree's blocks are
+  pages of ``page_size`` tokens and the indexed lengths are counted in them.
 """
 
 from __future__ import annotations
@@ -126,6 +143,7 @@ class BlockTree:
         *,
         salt: bytes | None = None,
         max_detached_blocks: int = 100_000,
+        page_size: int | None = None,
     ) -> None:
         if (key_fn is None) == (salt is None):
             raise ValueError("pass exactly one of key_fn and salt")
@@ -148,6 +166,8 @@ class BlockTree:
         self._registered: dict[int, Tier] = {}
         self.dropped_blocks = 0
         self.ignored_removals = 0
+        self._page_size = page_size
+        self.refused_events: dict[str, int] = {}  # why -> count (other KV groups, partial blocks)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -180,14 +200,32 @@ class BlockTree:
     def apply(self, event: KvEvent) -> list[IndexEvent]:
         touched: set[int] = set()
         if isinstance(event, BlockStored):
+            if event.group_idx or (self._page_size is not None and event.block_size != self._page_size):
+                self._refuse(event)
+                return []
             self._store(event, touched)
         elif isinstance(event, BlockRemoved):
+            if event.group_idx:
+                self._refuse(event)
+                return []
             self._remove(event, touched)
         elif isinstance(event, AllBlocksCleared):
             return self.withdraw_all()
         else:
             raise TypeError(f"not a KV event: {event!r}")
         return self._diff(touched) if touched else []  # most blocks hold no indexed length
+
+    def _refuse(self, event: BlockStored | BlockRemoved) -> None:
+        if event.group_idx:
+            why = f"KV-cache group {event.group_idx}"
+        else:
+            why = f"block_size {event.block_size} (pages are {self._page_size})"  # type: ignore[union-attr]
+        count = self.refused_events.get(why, 0)
+        if count == 0:
+            log.warning("not indexing %s events of %s: only group 0 and whole pages are mirrored",
+                        type(event).__name__, why)
+        if count or len(self.refused_events) < 64:  # reasons come from the engine: bounded
+            self.refused_events[why] = count + 1
 
     def withdraw_all(self) -> list[IndexEvent]:
         """Forget every block; PrefixEvicted for every registered key (AllBlocksCleared, restart)."""
@@ -203,7 +241,7 @@ class BlockTree:
 
     def _store(self, event: BlockStored, touched: set[int]) -> None:
         medium = canonical_medium(event.medium)
-        lora = event.lora_id is not None
+        lora = event.lora_id is not None or event.lora_name is not None
         hashes = event.block_hashes
         # One block per event is what the prefix cache sends: skip the generator
         blocks = ((hashes[0], event.parent_block_hash, event.token_ids),) if len(hashes) == 1 else event.blocks()

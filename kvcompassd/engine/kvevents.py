@@ -1,27 +1,35 @@
 """Sans-IO codec for the KV-cache event stream of SGLang and vLLM (identical wire format).
 
-One ZMQ message is three frames ``[topic, seq, payload]``: ``seq`` is an 8-byte big-endian
-integer counting batches from 0 per publisher start, ``payload`` is msgpack. The payload is a
-batch: ``[ts, events]`` (SGLang <= 0.4, old vLLM, msgspec ``array_like``), ``[ts, events,
-dp_rank]`` (SGLang 0.5.23 and vLLM 0.33.0 as captured in ``shared/wire-samples``) or a map
-``{"ts", "events", "data_parallel_rank"}`` (current vLLM main: its ``EventBatch`` dropped
-``array_like``). Events are tagged either positionally (``["BlockStored", block_hashes,
-parent_block_hash, token_ids, block_size, lora_id, medium, ...]``) or as maps with a ``"type"``
-key. Older SGLang omits ``lora_id``/``medium``; newer vLLM appends ``lora_name``,
-``extra_keys``, ``group_idx``...: trailing positional fields and unknown keys are ignored.
+Checked against the engines' own ``ZmqEventPublisher`` (SGLang 0.5.23
+``sglang.srt.disaggregation.kv_events``, vLLM 0.34.0 ``vllm.distributed.kv_events``); their
+bytes are committed under ``tests/data/engine_events/``.
+
+Live, on a SUB socket: ``[topic, seq, payload]``. ``topic`` is the engine's ``topic`` setting
+(default empty); ``seq`` is 8 bytes big-endian, written unsigned by the engines, counting batches
+from 0 per publisher start: a value that reads negative as int64 is not a seq an engine sends
+and is rejected. ``payload`` is msgpack: ``[ts, events, dp_rank]`` (both engines; older ones
+send ``[ts, events]``) or a map ``{"ts", "events", "data_parallel_rank"}``. Events are maps
+tagged with ``"type"`` (optional fields left at None are omitted by SGLang, sent as null by
+vLLM) or, from old SGLang builds, positional ``["BlockStored", block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium, ...]``. Fields this index does not
+use (``cache_salt``, ``session_id``, ``extra_keys``, ``kv_cache_spec_*``, ``locality``...) are
+ignored; ``lora_name`` and vLLM's ``group_idx`` are kept (see :mod:`.blocktree` for what is
+indexed).
 
 Block hashes are canonicalised: integers to signed int64 (SGLang's convention; a uint64 such as
-vLLM's 17000000000000000001 becomes the int64 with the same 64 bits), bytes stay bytes.
+vLLM's 17000000000000000001 becomes the int64 with the same 64 bits), bytes stay bytes (vLLM
+with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
 A batch is decoded completely or rejected with :class:`KvEventError`: one malformed event
 rejects the whole batch, so a consumer never applies half a batch (the block tree would
 otherwise hold a state the engine never had). The sequence number is kept so the caller can
 still account for the batch in its gap tracking.
 
-Replay (``ZmqEventPublisher._service_replay`` in both engines): a client sends
-``[b"", start_seq(8 bytes)]`` from a DEALER (a REQ adds the empty delimiter itself); the ROUTER
-sees ``[identity, b"", start_seq]`` and answers every buffered batch with ``seq >= start_seq``
-as ``[identity, b"", seq, payload]``, then ``[identity, b"", seq=-1, b""]``.
+Replay (``ZmqEventPublisher._service_replay``, the same in both engines): a client sends
+``[b"", start_seq]`` from a DEALER; the ROUTER sees ``[identity, b"", start_seq]`` (any other
+frame count is ignored by the engine) and answers every buffered batch with ``seq >= start_seq``
+as ``[identity, b"", topic, seq, payload]`` -- a DEALER receives four frames -- and then the end
+marker ``[identity, b"", b"", seq=-1, b""]`` (its topic frame is empty whatever the topic).
 """
 
 from __future__ import annotations
@@ -140,6 +148,8 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None  # vLLM (and SGLang's dynamo format): the adapter's public name
+    group_idx: int | None = None  # vLLM: the KV-cache group (hybrid models have several)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(map(canonical_hash, self.block_hashes)))
@@ -164,6 +174,10 @@ class BlockStored:
             )
         _optional_int(self.lora_id, "lora_id")
         _optional_str(self.medium, "medium")
+        if self.lora_name is not None:  # both None on most events: skip the calls
+            _optional_str(self.lora_name, "lora_name")
+        if self.group_idx is not None:
+            _check_group(self.group_idx)
 
     @classmethod
     def trusted(
@@ -187,11 +201,34 @@ class BlockStored:
         _set_block_size(event, block_size)
         _set_lora(event, lora_id)
         _set_medium(event, medium)
+        _set_lora_name(event, None)
+        _set_group(event, None)
         return event
 
     @property
     def tier(self) -> StorageTier:
         return tier_of_medium(self.medium)
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_id is not None or self.lora_name is not None
+
+    def slices(self, max_blocks: int) -> Iterable[BlockStored]:
+        """The same stores as events of at most ``max_blocks`` blocks each (parents chained),
+        so a huge event can be applied a slice at a time."""
+        if len(self.block_hashes) <= max_blocks:
+            yield self
+            return
+        parent = self.parent_block_hash
+        step = max_blocks * self.block_size
+        for i in range(0, len(self.block_hashes), max_blocks):
+            hashes = self.block_hashes[i : i + max_blocks]
+            part = BlockStored.trusted(hashes, parent, self.token_ids[(i // max_blocks) * step : (i // max_blocks + 1) * step],
+                                       self.block_size, self.lora_id, self.medium)
+            _set_lora_name(part, self.lora_name)
+            _set_group(part, self.group_idx)
+            yield part
+            parent = hashes[-1]
 
     def blocks(self) -> Iterable[tuple[BlockHash, BlockHash | None, tuple[int, ...]]]:
         """Each block as (hash, parent hash, its tokens), parents chained through the event."""
@@ -209,6 +246,13 @@ _set_tokens = BlockStored.token_ids.__set__  # type: ignore[attr-defined]
 _set_block_size = BlockStored.block_size.__set__  # type: ignore[attr-defined]
 _set_lora = BlockStored.lora_id.__set__  # type: ignore[attr-defined]
 _set_medium = BlockStored.medium.__set__  # type: ignore[attr-defined]
+_set_lora_name = BlockStored.lora_name.__set__  # type: ignore[attr-defined]
+_set_group = BlockStored.group_idx.__set__  # type: ignore[attr-defined]
+
+
+def _check_group(value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < (1 << 32)):
+        raise KvEventError(f"group_idx must be an int in [0, 2^32) or null, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,10 +261,12 @@ class BlockRemoved:
 
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
+    group_idx: int | None = None  # vLLM: the KV-cache group
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(canonical_hash(h) for h in self.block_hashes))
         _optional_str(self.medium, "medium")
+        _check_group(self.group_idx)
 
     @classmethod
     def trusted(cls, block_hashes: tuple[int, ...], medium: str | None = None) -> BlockRemoved:
@@ -229,6 +275,7 @@ class BlockRemoved:
         event = _new_block_stored(cls)
         _set_removed_hashes(event, block_hashes)
         _set_removed_medium(event, medium)
+        _set_removed_group(event, None)
         return event
 
     @property
@@ -238,6 +285,7 @@ class BlockRemoved:
 
 _set_removed_hashes = BlockRemoved.block_hashes.__set__  # type: ignore[attr-defined]
 _set_removed_medium = BlockRemoved.medium.__set__  # type: ignore[attr-defined]
+_set_removed_group = BlockRemoved.group_idx.__set__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,18 +383,19 @@ def _decode_map(raw: Mapping[Any, Any]) -> KvEvent:
             raise KvEventError(f"BlockStored map lacks {', '.join(missing)}")
         return _stored(
             raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"], raw["block_size"],
-            raw.get("lora_id"), raw.get("medium"),
+            raw.get("lora_id"), raw.get("medium"), raw.get("lora_name"), raw.get("group_idx"),
         )
     if kind == "BlockRemoved":
         if "block_hashes" not in raw:
             raise KvEventError("BlockRemoved map lacks block_hashes")
-        return _removed(raw["block_hashes"], raw.get("medium"))
+        return _removed(raw["block_hashes"], raw.get("medium"), raw.get("group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise KvEventError(f"unknown event type {kind!r}")
 
 
-def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any) -> BlockStored:
+def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
+            lora_name: Any = None, group_idx: Any = None) -> BlockStored:
     if not isinstance(tokens, (list, tuple)):
         raise KvEventError(f"token_ids must be an array, got {type(tokens).__name__}")
     return BlockStored(
@@ -356,36 +405,142 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
         block_size=block_size,
         lora_id=_optional_int(lora_id, "lora_id"),
         medium=_optional_str(medium, "medium"),
+        lora_name=lora_name,  # checked by BlockStored
+        group_idx=group_idx,
     )
 
 
-def _removed(hashes: Any, medium: Any) -> BlockRemoved:
-    return BlockRemoved(block_hashes=_hash_tuple(hashes, "block_hashes"), medium=_optional_str(medium, "medium"))
+def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
+    return BlockRemoved(block_hashes=_hash_tuple(hashes, "block_hashes"), medium=_optional_str(medium, "medium"),
+                        group_idx=group_idx)
 
 
 def decode_payload(payload: bytes, seq: int) -> EventBatch:
     """Decode one msgpack batch published under ``seq``; all or nothing."""
-    raw = _unpack(payload)
-    dp_rank: Any = None
-    if isinstance(raw, (list, tuple)):
-        if len(raw) < 2:
-            raise KvEventError(f"batch array needs [ts, events, (dp_rank)], got {len(raw)} fields")
-        ts, events = raw[0], raw[1]
-        if len(raw) > 2:
-            dp_rank = raw[2]
-    elif isinstance(raw, Mapping):
-        if "ts" not in raw or "events" not in raw:
-            raise KvEventError("batch map lacks ts or events")
-        ts, events = raw["ts"], raw["events"]
-        dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
-    else:
-        raise KvEventError(f"batch must be an array or a map, got {type(raw).__name__}")
+    decoder = PayloadDecoder(payload, seq)
+    decoder.step(len(payload) + 1)  # every event takes at least one byte
+    assert decoder.result is not None
+    return decoder.result
+
+
+STREAM_ABOVE_BYTES = 1 << 20
+
+
+class PayloadDecoder:
+    """One payload decoded a slice of events at a time, so that an asyncio shell can yield to
+    its loop between slices: an engine batch of 150 k blocks takes seconds to decode, and a loop
+    stalled that long lets QUIC connections idle out. All or nothing, as :func:`decode_payload`
+    (which is this decoder in one step): ``result`` is set only once every event decoded, and
+    any error raises :class:`KvEventError`.
+
+    A large array-form payload ``[ts, events, dp_rank]`` is read as a stream (events unpacked
+    one by one); smaller ones and the map form are unpacked whole, then their events are decoded
+    in slices."""
+
+    __slots__ = ("_decoded", "_dp_rank", "_raw_events", "_remaining", "_trailing", "_ts", "_unpacker", "result",
+                 "seq")
+
+    def __init__(self, payload: bytes, seq: int, *, stream: bool | None = None) -> None:
+        """``stream``: read the array form event by event (default: for payloads above
+        ``STREAM_ABOVE_BYTES``; one ``unpackb`` is faster for the usual small batches)."""
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise KvEventError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+        self.seq = seq
+        self.result: EventBatch | None = None
+        self._decoded: list[KvEvent] = []
+        self._dp_rank: Any = None
+        self._raw_events: list[Any] | None = None
+        self._unpacker: msgpack.Unpacker | None = None
+        self._trailing = 0
+        data = bytes(payload)
+        if not (len(data) > STREAM_ABOVE_BYTES if stream is None else stream):
+            self._start_whole(data)
+            return
+        try:
+            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True,
+                                        max_buffer_size=max(len(data), 1))
+            unpacker.feed(data)
+            try:
+                fields = unpacker.read_array_header()
+            except ValueError:  # not an array: the map form, or not a batch at all
+                self._start_whole(data)
+                return
+            if fields < 2:
+                raise KvEventError(f"batch array needs [ts, events, (dp_rank)], got {fields} fields")
+            self._ts = _check_ts(unpacker.unpack())
+            try:
+                self._remaining = unpacker.read_array_header()
+            except ValueError:
+                raise KvEventError("batch events must be an array") from None
+            self._trailing = fields - 2
+            self._unpacker = unpacker
+        except KvEventError:
+            raise
+        except Exception as exc:  # msgpack raises many types (OutOfData, FormatError, Unicode...)
+            raise KvEventError(f"payload is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
+
+    def _start_whole(self, data: bytes) -> None:
+        raw = _unpack(data)
+        if isinstance(raw, list):
+            if len(raw) < 2:
+                raise KvEventError(f"batch array needs [ts, events, (dp_rank)], got {len(raw)} fields")
+            ts, events = raw[0], raw[1]
+            self._dp_rank = raw[2] if len(raw) > 2 else None
+        elif isinstance(raw, Mapping):
+            if "ts" not in raw or "events" not in raw:
+                raise KvEventError("batch map lacks ts or events")
+            ts, events = raw["ts"], raw["events"]
+            self._dp_rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
+        else:
+            raise KvEventError(f"batch must be an array or a map, got {type(raw).__name__}")
+        self._ts = _check_ts(ts)
+        if not isinstance(events, (list, tuple)):
+            raise KvEventError(f"batch events must be an array, got {type(events).__name__}")
+        self._raw_events = list(events)
+        self._remaining = len(events)
+
+    def step(self, max_events: int) -> bool:
+        """Decode up to ``max_events`` more events; True once the batch is complete."""
+        if self.result is not None:
+            return True
+        try:
+            decoded = self._decoded
+            n = min(max_events, self._remaining)
+            if self._raw_events is not None:
+                start = len(decoded)
+                decoded.extend(_decode_event(raw, start + i) for i, raw in enumerate(self._raw_events[start:start + n]))
+            else:
+                unpack = self._unpacker.unpack  # type: ignore[union-attr]
+                for _ in range(n):
+                    decoded.append(_decode_event(unpack(), len(decoded)))
+            self._remaining -= n
+            if self._remaining:
+                return False
+            if self._unpacker is not None:
+                if self._trailing:
+                    self._dp_rank = self._unpacker.unpack()
+                    for _ in range(self._trailing - 1):  # fields a newer engine may append
+                        self._unpacker.skip()
+                try:
+                    self._unpacker.unpack()
+                except msgpack.OutOfData:
+                    pass
+                else:
+                    raise KvEventError("payload has extra data after the batch")
+        except KvEventError:
+            raise
+        except Exception as exc:  # msgpack raises many types (OutOfData, FormatError, Unicode...)
+            raise KvEventError(f"payload is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
+        self.result = EventBatch(seq=self.seq, ts=self._ts, events=tuple(decoded),
+                                 dp_rank=_optional_int(self._dp_rank, "dp_rank"))
+        self._raw_events = self._unpacker = None
+        return True
+
+
+def _check_ts(ts: Any) -> float:
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         raise KvEventError(f"batch ts must be a number, got {type(ts).__name__}")
-    if not isinstance(events, (list, tuple)):
-        raise KvEventError(f"batch events must be an array, got {type(events).__name__}")
-    decoded = tuple(_decode_event(event, i) for i, event in enumerate(events))
-    return EventBatch(seq=seq, ts=ts, events=decoded, dp_rank=_optional_int(dp_rank, "dp_rank"))
+    return ts
 
 
 def decode_message(frames: Sequence[bytes], *, topic: bytes | None = None) -> EventBatch:
@@ -402,6 +557,10 @@ def decode_message(frames: Sequence[bytes], *, topic: bytes | None = None) -> Ev
 
 # ---------------------------------------------------------------------------------------------
 # encoding (the emulated worker publishes exactly what the engines publish)
+
+
+# BlockStored's fields without a default in SGLang's struct: always sent, null or not
+_REQUIRED_FIELDS = frozenset({"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"})
 
 
 def _event_to_wire(event: KvEvent, style: Literal["map", "positional"]) -> Any:
@@ -424,7 +583,12 @@ def _event_to_wire(event: KvEvent, style: Literal["map", "positional"]) -> Any:
     else:
         raise TypeError(f"not a KV event: {event!r}")
     if style == "map":
-        return {"type": kind, **dict(fields)}
+        # as SGLang's msgspec structs (omit_defaults): optional fields left at None are omitted
+        if isinstance(event, BlockStored):
+            fields += [("lora_name", event.lora_name), ("group_idx", event.group_idx)]
+        elif isinstance(event, BlockRemoved):
+            fields.append(("group_idx", event.group_idx))
+        return {"type": kind, **{k: v for k, v in fields if v is not None or k in _REQUIRED_FIELDS}}
     if style == "positional":
         return [kind, *(value for _, value in fields)]
     raise ValueError(f"style must be 'map' or 'positional', got {style!r}")
@@ -444,7 +608,7 @@ def encode_batch(
     events: Iterable[KvEvent],
     *,
     style: Literal["map", "positional"] = "map",
-    topic: bytes = b"kv-events",
+    topic: bytes = b"",
     dp_rank: int | None = 0,
 ) -> list[bytes]:
     """The three frames of one published message."""
@@ -477,37 +641,36 @@ def replay_request_frames(start_seq: int) -> list[bytes]:
     return [b"", encode_seq(start_seq)]
 
 
-def decode_replay_reply(frames: Sequence[bytes]) -> ReplayedBatch | ReplayEnded:
-    """A reply as received on a DEALER: ``[b"", seq, payload]`` (REQ strips the delimiter)."""
-    parts = list(frames)
-    if len(parts) == 3 and len(parts[0]) == 0:
-        parts = parts[1:]
-    if len(parts) != 2:
-        raise KvEventError(f"replay reply must be [seq, payload], got {len(frames)} frames")
-    seq = decode_seq(parts[0])
+def decode_replay_reply(frames: Sequence[bytes], *, topic: bytes | None = None) -> ReplayedBatch | ReplayEnded:
+    """A reply as a DEALER receives it from the engines: ``[b"", topic, seq, payload]``, or the
+    end marker ``[b"", b"", -1, b""]``. ``topic``, when given, must match a batch's topic."""
+    if len(frames) != 4 or len(frames[0]) != 0:
+        raise KvEventError(f"replay reply must be ['', topic, seq, payload], got {len(frames)} frames")
+    seq = decode_seq(frames[2])
     if seq == END_SEQ:
         return ReplayEnded()
     if seq < 0:
         raise KvEventError(f"replay reply has negative seq {seq}")
-    return ReplayedBatch(seq=seq, payload=bytes(parts[1]))
+    if topic is not None and bytes(frames[1]) != topic:
+        raise KvEventError(f"replay reply on topic {bytes(frames[1])!r} (want {topic!r})")
+    return ReplayedBatch(seq=seq, payload=bytes(frames[3]))
 
 
 def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
     """What a ROUTER receives: ``[identity, b"", start_seq]`` -> (identity, start_seq)."""
     if len(frames) != 3:
         raise KvEventError(f"replay request must be [identity, '', start_seq], got {len(frames)} frames")
-    start = decode_seq(frames[2])
-    if start < 0:
-        raise KvEventError(f"replay start seq must be >= 0, got {start}")
-    return bytes(frames[0]), start
+    decode_seq(frames[2])  # checks the length
+    return bytes(frames[0]), int.from_bytes(bytes(frames[2]), "big")  # unsigned, as the engines read it
 
 
-def replay_reply_frames(identity: bytes, seq: int, payload: bytes) -> list[bytes]:
-    return [identity, b"", encode_seq(seq), payload]
+def replay_reply_frames(identity: bytes, topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """One buffered batch as the engines answer it: the same topic, seq and payload as live."""
+    return [identity, b"", topic, encode_seq(seq), payload]
 
 
 def replay_end_frames(identity: bytes) -> list[bytes]:
-    return [identity, b"", encode_seq(END_SEQ), b""]
+    return [identity, b"", b"", encode_seq(END_SEQ), b""]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,9 +679,8 @@ def replay_end_frames(identity: bytes) -> list[bytes]:
 
 class SeqVerdict(enum.Enum):
     NEXT = "next"            # apply it
-    DUPLICATE = "duplicate"  # already applied (or older): ignore
+    DUPLICATE = "duplicate"  # at or below the last applied seq: a replay overlap, or an odd seq
     GAP = "gap"              # batches [missing_from, missing_to] were not seen: replay them first
-    RESTART = "restart"      # the live counter went back: a new publisher (engine restart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,9 +693,9 @@ class SeqCheck:
 class SequenceTracker:
     """Orders batches from a live SUB stream and a replay stream.
 
-    A PUB socket never reorders or repeats, so a live seq below the last live seq means the
-    publisher started over (both engines count from 0 per process). Duplicates arise only when
-    replayed batches overlap live ones. The caller applies a batch and then calls
+    A seq at or below the last applied one is never taken as an engine restart here: one odd
+    seq proves nothing. The subscriber asks the replay socket for evidence (see
+    :mod:`kvcompassd.engine.subscriber`). The caller applies a batch and then calls
     :meth:`applied`; a GAP leaves the state unchanged until the missing range is applied or
     declared lost with :meth:`skip_to`.
     """
@@ -545,18 +707,18 @@ class SequenceTracker:
         self.last_live: int | None = None
 
     def check_live(self, seq: int) -> SeqCheck:
-        if self.last_live is not None and seq < self.last_live:
-            self.last_live = seq
-            self.last_applied = None
-            return SeqCheck(SeqVerdict.RESTART)
         self.last_live = seq
         return self._against_applied(seq)
 
     def check_replayed(self, seq: int) -> SeqCheck:
         return self._against_applied(seq)
 
+    @property
+    def expected(self) -> int:
+        return 0 if self.last_applied is None else self.last_applied + 1
+
     def _against_applied(self, seq: int) -> SeqCheck:
-        expected = 0 if self.last_applied is None else self.last_applied + 1
+        expected = self.expected
         if seq < expected:
             return SeqCheck(SeqVerdict.DUPLICATE)
         if seq == expected:

@@ -4,21 +4,30 @@ An asyncio shell around the sans-IO :mod:`kvcompassd.engine.kvevents` codec and
 :class:`~kvcompassd.engine.kvevents.SequenceTracker`. The callback receives, strictly in order:
 
 - :class:`~kvcompassd.engine.kvevents.EventBatch` — the next batch, each seq exactly once;
-- :class:`PublisherRestarted` — the live seq went back (a new engine process): withdraw
+- :class:`PublisherRestarted` — the engine process was replaced (evidence below): withdraw
   everything, the batches that follow belong to the new process;
 - :class:`BatchesLost` — a range the replay buffer could not supply (state may be stale);
-- :class:`BatchRejected` — a batch whose payload did not decode (its seq is consumed).
+- :class:`BatchRejected` — a batch whose payload did not decode (its seq is consumed);
+- :class:`OddSequenceRejected` — a live seq the engine cannot have sent, dropped.
 
-On a gap the subscriber asks the replay socket for everything from the first missing seq,
-applies what it gets in order and drops duplicates; live messages wait in the SUB queue
-meanwhile. A fresh DEALER per replay keeps late answers of a timed-out replay from leaking
-into the next one.
+**Catch-up** asks the replay socket for everything from the last applied seq on: at start-up
+(an agent started after its engine, or restarted, while the engine is idle), on every idle
+tick (batches lost before a quiet spell), after a reconnect and on any gap. Asking from the
+last applied seq rather than the next one makes every catch-up also check the publisher: the
+same process still buffers that batch with the same bytes (its buffer drops the oldest, never
+the newest).
 
-Restarts: a live seq below the last one is a new publisher. But a restarted engine may have
-published past the old seq before ZMQ reconnects, so the seq alone cannot tell. The SUB
-socket's monitor reports TCP disconnects; after one, the next live message is checked by asking
-the replay socket for the last applied seq: the same process answers with the same bytes, a new
-one with other bytes (its batches carry other timestamps) or not at all.
+**Restarts** are concluded only from evidence, never from one odd seq: the replay socket
+answers the last applied seq with other bytes (a new process's batch carries another
+timestamp), or holds nothing at or after it (a new process whose counter is still below ours).
+Then the new process's whole buffer is replayed from 0. Without a replay socket there is no
+such evidence: a seq going back is held, and taken as a restart only if the next live batch
+continues the new count.
+
+**Odd seqs**: a seq that reads negative is rejected (engines write it unsigned and count up
+from 0); a live seq ahead of everything the replay socket holds was never published and is
+rejected; a live seq going back is checked as above and ignored when the publisher is the same.
+Each is logged and counted in ``odd_seqs``; none withdraws anything.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import hashlib
 import inspect
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import zmq
@@ -39,23 +48,25 @@ from zmq.utils.monitor import parse_monitor_message
 from kvcompassd.engine.kvevents import (
     EventBatch,
     KvEventError,
+    PayloadDecoder,
     ReplayedBatch,
     ReplayEnded,
-    SeqVerdict,
     SequenceTracker,
-    decode_payload,
+    SeqVerdict,
     decode_replay_reply,
     decode_seq,
     replay_request_frames,
 )
 
 log = logging.getLogger(__name__)
+DECODE_SLICE_EVENTS = 2048  # events decoded between two yields to the event loop
 _monitor_ids = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
 class PublisherRestarted:
-    """The live sequence went back from ``previous_seq`` to ``new_seq``."""
+    """A new engine process replaced the one whose last applied batch was ``previous_seq``;
+    ``new_seq`` is the newest seq the new one holds (-1: none yet)."""
 
     previous_seq: int
     new_seq: int
@@ -77,8 +88,25 @@ class BatchRejected:
     reason: str
 
 
-SubscriberItem = EventBatch | PublisherRestarted | BatchesLost | BatchRejected
+@dataclass(frozen=True, slots=True)
+class OddSequenceRejected:
+    """A live batch with a seq the engine cannot have sent (negative, never published, or
+    going back while the replay shows the same process) was dropped; nothing was withdrawn."""
+
+    seq: int
+    reason: str
+
+
+SubscriberItem = EventBatch | PublisherRestarted | BatchesLost | BatchRejected | OddSequenceRejected
 Callback = Callable[[SubscriberItem], Awaitable[None] | None]
+
+
+class _ReplayFailed(Exception):
+    """The replay socket did not answer in time, or answered something malformed."""
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 class KvEventSubscriber:
@@ -90,33 +118,37 @@ class KvEventSubscriber:
         replay_endpoint: str | None,
         callback: Callback,
         *,
-        topic: str = "kv-events",
+        topic: str = "",
         replay_timeout: float = 2.0,
         idle_probe: float | None = 1.0,
         context: zmq.asyncio.Context | None = None,
         drop: Callable[[int], bool] | None = None,
     ) -> None:
-        """``drop(seq) -> bool`` discards matching live messages on arrival: fault injection
-        for tests and chaos runs (it exercises the replay path exactly as real loss does)."""
+        """``topic`` is the engine's ``topic`` setting (the engines' default is empty).
+        ``replay_timeout`` bounds the wait for each replay reply. ``drop(seq) -> bool``
+        discards matching live messages on arrival: fault injection for tests and chaos runs
+        (it exercises the replay path exactly as real loss does)."""
         self._ctx = context or zmq.asyncio.Context.instance()
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self._callback = callback
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout
-        # A gap shows only when a later batch arrives: if the last batches before a quiet spell
-        # were lost, nothing would ever reveal them. After this long without a live batch, ask
-        # the replay socket for anything past the last applied one.
         self._idle_probe = idle_probe
-        self.tail_probes = 0
         self._drop = drop
         self.tracker = SequenceTracker()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.Socket | None = None
-        self._last_digest: bytes | None = None
-        self.replays = 0
+        self._last_digest: bytes | None = None  # of the payload of tracker.last_applied
+        self._held: tuple[int, bytes] | None = None  # a seq going back, without a replay socket
+        self.catch_ups = 0
+        self.replays = 0  # catch-ups that delivered something
         self.delivered = 0
         self.disconnects = 0
+        self.odd_seqs = 0
+        self.restarts = 0
+        self.replay_failing = False
+        self.caught_up = asyncio.Event()  # set after the start-up catch-up
 
     async def _emit(self, item: SubscriberItem) -> None:
         result = self._callback(item)
@@ -152,6 +184,9 @@ class KvEventSubscriber:
         self.connect()
         assert self._sub is not None
         try:
+            # The SUB is connected first, so nothing published after the replay's answer is missed.
+            await self.catch_up()
+            self.caught_up.set()
             while True:
                 if self._idle_probe is None:
                     frames = await self._sub.recv_multipart()
@@ -163,7 +198,8 @@ class KvEventSubscriber:
                         async with asyncio.timeout(self._idle_probe):
                             frames = await self._sub.recv_multipart()
                     except TimeoutError:
-                        await self._probe_tail()
+                        self._disconnected()  # the catch-up checks the publisher anyway
+                        await self.catch_up()
                         continue
                 await self.handle_live(frames)
         finally:
@@ -175,118 +211,208 @@ class KvEventSubscriber:
                 self._monitor.close(linger=0)
                 self._monitor = None
 
+    # -- live ---------------------------------------------------------------------------------
+
     async def handle_live(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[0] != self._topic:
-            log.warning("ignoring a live message of %d frames on topic %r", len(frames), frames[0] if frames else b"")
+            log.warning("ignoring a live message of %d frames on topic %r (want %r)", len(frames),
+                        frames[0] if frames else b"", self._topic)
             return
         try:
             seq = decode_seq(frames[1])
         except KvEventError as exc:
             log.warning("ignoring a live message: %s", exc)
             return
+        if seq < 0:
+            await self._odd(seq, "negative: engines count up from 0")
+            return
         if self._drop is not None and self._drop(seq):
             return
-        previous = self.tracker.last_live
-        if self._disconnected() and await self._publisher_changed():
-            await self._emit(PublisherRestarted(previous if previous is not None else -1, seq))
-            self.tracker.reset()
-            self._last_digest = None
+        if self._disconnected():
+            await self.catch_up()  # a reconnect: same publisher? anything missed meanwhile?
+        if self._held is not None and await self._confirm_held(seq, frames[2]):
+            return
+        previous_live = self.tracker.last_live
         check = self.tracker.check_live(seq)
-        if check.verdict is SeqVerdict.RESTART:
-            await self._emit(PublisherRestarted(previous if previous is not None else -1, seq))
-            self._last_digest = None
-            check = self.tracker.check_live(seq)
-        if check.verdict is SeqVerdict.DUPLICATE:
-            return
-        if check.verdict is SeqVerdict.GAP:
-            await self._recover(check.missing_from, seq)
-            if self.tracker.check_replayed(seq).verdict is not SeqVerdict.NEXT:
-                return  # the replay already delivered it
-        await self._deliver(seq, frames[2])
+        if check.verdict is SeqVerdict.NEXT:
+            await self._deliver(seq, frames[2])
+        elif check.verdict is SeqVerdict.GAP:
+            await self._fill_gap(seq, frames[2])
+        elif previous_live is not None and seq <= previous_live:
+            # The live stream went back (a PUB never reorders): an odd seq or a new process.
+            if seq == self.tracker.last_applied and _digest(frames[2]) == self._last_digest:
+                return
+            await self._went_back(seq, frames[2])
+        # else: a replay already delivered it (live messages queued while it ran)
 
-    async def _deliver(self, seq: int, payload: bytes) -> None:
-        try:
-            batch = decode_payload(payload, seq)
-        except KvEventError as exc:
-            self.tracker.applied(seq)
-            await self._emit(BatchRejected(seq, str(exc)))
+    async def _fill_gap(self, seq: int, payload: bytes) -> None:
+        expected = self.tracker.expected
+        newest = await self.catch_up()
+        if self.tracker.expected > seq:
+            return  # the replay delivered it
+        if newest is not None:
+            # The engine buffers a batch before answering any replay, so a seq the replay socket
+            # did not hold was never published: an odd seq, not a gap.
+            await self._odd(seq, f"never published: the engine's replay holds only up to {newest}")
             return
-        self.tracker.applied(seq)
-        self._last_digest = hashlib.blake2b(payload, digest_size=16).digest()
-        await self._emit(batch)
+        await self._emit(BatchesLost(expected, seq - 1))
+        self._skip_to(seq)
+        await self._deliver(seq, payload)
 
-    async def _publisher_changed(self) -> bool:
-        """After a reconnect: does the replay socket still hold our last batch, byte for byte?"""
-        last = self.tracker.last_applied
-        if self._replay_endpoint is None or last is None or self._last_digest is None:
-            return False  # nothing to compare: only a seq going back reveals a restart
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        try:
-            dealer.connect(self._replay_endpoint)
-            await dealer.send_multipart(replay_request_frames(last))
-            async with asyncio.timeout(self._replay_timeout):  # see run(): never wait_for
-                frames = await dealer.recv_multipart()
-            reply = decode_replay_reply(frames)
-        except (TimeoutError, KvEventError) as exc:
-            log.warning("could not check the publisher after a reconnect: %r", exc)
+    async def _went_back(self, seq: int, payload: bytes) -> None:
+        if self._replay_endpoint is None:
+            self._held = (seq, payload)
+            log.warning("live seq went back to %d (last applied %s): held until the next batch shows whether "
+                        "the engine restarted", seq, self.tracker.last_applied)
+            return
+        restarts = self.restarts
+        newest = await self.catch_up()
+        if self.restarts == restarts:
+            await self._odd(seq, f"below the last applied {self.tracker.last_applied}, and the replay shows the "
+                                 f"same engine process (newest {newest})")
+
+    async def _confirm_held(self, seq: int, payload: bytes) -> bool:
+        """Without a replay socket: the held seq was a restart if this batch continues it."""
+        held_seq, held_payload = self._held  # type: ignore[misc]
+        self._held = None
+        if seq != held_seq + 1:
+            await self._odd(held_seq, "went back, and the stream did not continue from it")
             return False
-        finally:
-            dealer.close(linger=0)
-        if isinstance(reply, ReplayedBatch) and reply.seq == last:
-            return hashlib.blake2b(reply.payload, digest_size=16).digest() != self._last_digest
-        # the same process would still buffer the batch it sent last (buffers drop the oldest)
+        await self._restarted(held_seq)
+        if held_seq > 0:
+            await self._emit(BatchesLost(0, held_seq - 1))
+            self._skip_to(held_seq)
+        self.tracker.check_live(held_seq)
+        await self._deliver(held_seq, held_payload)
+        self.tracker.check_live(seq)
+        await self._deliver(seq, payload)
         return True
 
-    async def _probe_tail(self) -> None:
-        """Deliver batches the replay socket holds past the last applied one (lost tail)."""
-        last = self.tracker.last_applied
-        if self._replay_endpoint is None or last is None:
+    async def _odd(self, seq: int, reason: str) -> None:
+        self.odd_seqs += 1
+        log.warning("rejected live batch seq %d (%s); every holding kept", seq, reason)
+        await self._emit(OddSequenceRejected(seq, reason))
+
+    async def _restarted(self, new_seq: int) -> None:
+        self.restarts += 1
+        previous = self.tracker.last_applied
+        log.warning("engine restarted (last applied seq %s, new process at %d): withdrawing its holdings",
+                    previous, new_seq)
+        await self._emit(PublisherRestarted(previous if previous is not None else -1, new_seq))
+        self.tracker.reset()
+        self._last_digest = None
+
+    def _skip_to(self, seq: int) -> None:
+        self.tracker.skip_to(seq)
+        self._last_digest = None  # no longer the payload of last_applied
+
+    async def _deliver(self, seq: int, payload: bytes) -> None:
+        self.tracker.applied(seq)
+        self._last_digest = _digest(payload)
+        try:
+            decoder = PayloadDecoder(payload, seq)
+            while not decoder.step(DECODE_SLICE_EVENTS):
+                await asyncio.sleep(0)  # a huge batch: let QUIC keep-alives and load reports run
+        except KvEventError as exc:
+            await self._emit(BatchRejected(seq, str(exc)))
             return
-        self.tail_probes += 1
+        assert decoder.result is not None
+        await self._emit(decoder.result)
+
+    # -- replay -------------------------------------------------------------------------------
+
+    async def catch_up(self) -> int | None:
+        """Apply whatever the replay socket holds past the last applied batch, checking the
+        publisher first. Returns the newest seq the replay socket holds (-1 if none), or None
+        when there is no replay socket or it did not answer."""
+        if self._replay_endpoint is None:
+            return None
+        self.catch_ups += 1
         before = self.delivered
         try:
-            async with asyncio.timeout(self._replay_timeout):
-                await self._replay_from(last + 1)
-        except TimeoutError:
-            log.warning("tail probe from seq %d timed out", last + 1)
+            newest = await self._catch_up()
+        except _ReplayFailed as exc:
+            if not self.replay_failing:  # once per outage, not on every idle tick
+                log.warning("replay from the engine failed: %s", exc)
+            self.replay_failing = True
+            return None
+        if self.replay_failing:
+            log.info("the engine's replay socket answers again")
+            self.replay_failing = False
         if self.delivered > before:
             self.replays += 1
-            log.warning("recovered %d batch(es) lost before a quiet spell", self.delivered - before)
+            log.info("replay delivered %d batch(es)", self.delivered - before)
+        return newest
 
-    async def _recover(self, first_missing: int, live_seq: int) -> None:
-        """Replay ``first_missing..live_seq-1`` (and whatever follows) or report it lost."""
-        if self._replay_endpoint is not None:
-            self.replays += 1
-            try:
-                async with asyncio.timeout(self._replay_timeout):
-                    await self._replay_from(first_missing)
-            except TimeoutError:
-                log.warning("replay from seq %d timed out", first_missing)
-        expected = 0 if self.tracker.last_applied is None else self.tracker.last_applied + 1
-        if expected < live_seq:
-            await self._emit(BatchesLost(expected, live_seq - 1))
-            self.tracker.skip_to(live_seq)
+    async def _catch_up(self) -> int:
+        last = self.tracker.last_applied
+        verify = last is not None and self._last_digest is not None
+        start = last if verify else self.tracker.expected
+        newest = -1
+        async with self._replay(start) as replies:
+            first = True
+            async for reply in replies:
+                newest = reply.seq
+                if first and verify:
+                    first = False
+                    if reply.seq == last:
+                        if _digest(reply.payload) == self._last_digest:
+                            continue  # the same process: go on with what follows
+                        await self._restarted(-1)
+                        return await self._catch_up_after_restart()
+                    # the buffer no longer reaches our last batch: cannot compare, take it as
+                    # the same process (what was between is reported lost below)
+                first = False
+                await self._apply_replayed(reply)
+        if verify and newest == -1:
+            # nothing at or after our last seq: a new process whose counter is below ours
+            await self._restarted(-1)
+            return await self._catch_up_after_restart()
+        return newest
 
-    async def _replay_from(self, start: int) -> None:
+    async def _catch_up_after_restart(self) -> int:
+        newest = -1
+        async with self._replay(0) as replies:
+            async for reply in replies:
+                newest = reply.seq
+                await self._apply_replayed(reply)
+        return newest
+
+    async def _apply_replayed(self, reply: ReplayedBatch) -> None:
+        check = self.tracker.check_replayed(reply.seq)
+        if check.verdict is SeqVerdict.DUPLICATE:
+            return
+        if check.verdict is SeqVerdict.GAP:  # the buffer no longer reaches back
+            await self._emit(BatchesLost(check.missing_from, check.missing_to))
+            self._skip_to(reply.seq)
+        await self._deliver(reply.seq, reply.payload)
+
+    @contextlib.asynccontextmanager
+    async def _replay(self, start: int) -> AsyncIterator[AsyncIterator[ReplayedBatch]]:
+        """Ask for every buffered batch from ``start``; a fresh DEALER per request keeps late
+        answers of a timed-out request from leaking into the next one."""
+        assert self._replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+
+        async def replies() -> AsyncIterator[ReplayedBatch]:
+            while True:
+                try:
+                    async with asyncio.timeout(self._replay_timeout):  # see run(): never wait_for
+                        frames = await dealer.recv_multipart()
+                    reply = decode_replay_reply(frames, topic=self._topic)
+                except TimeoutError:
+                    raise _ReplayFailed(f"no answer within {self._replay_timeout}s (asked from seq {start})") from None
+                except KvEventError as exc:
+                    raise _ReplayFailed(f"bad reply: {exc}") from None
+                if isinstance(reply, ReplayEnded):
+                    return
+                yield reply
+
         try:
             dealer.connect(self._replay_endpoint)
             await dealer.send_multipart(replay_request_frames(start))
-            while True:
-                reply = decode_replay_reply(await dealer.recv_multipart())
-                if isinstance(reply, ReplayEnded):
-                    return
-                check = self.tracker.check_replayed(reply.seq)
-                if check.verdict is SeqVerdict.DUPLICATE:
-                    continue
-                if check.verdict is SeqVerdict.GAP:  # the buffer no longer reaches back
-                    await self._emit(BatchesLost(check.missing_from, check.missing_to))
-                    self.tracker.skip_to(reply.seq)
-                await self._deliver(reply.seq, reply.payload)
-        except KvEventError as exc:
-            log.warning("bad replay reply: %s", exc)
+            yield replies()
         finally:
             dealer.close(linger=0)
 
