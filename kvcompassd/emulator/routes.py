@@ -9,6 +9,7 @@ reuse in ``usage.prompt_tokens_details.cached_tokens``; ``/v1/loads`` is SGLang'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -178,8 +179,10 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
 
     if body.get("stream"):
         response = await _sse_start(request)
-        async for g in engine.generate(gen, stream=True):
-            await _sse_send(response, shape(g))
+        # aclosing: a write to a client that went away ends the request in the engine now.
+        async with contextlib.aclosing(engine.generate(gen, stream=True)) as outputs:
+            async for g in outputs:
+                await _sse_send(response, shape(g))
         await _sse_send(response, None)
         return response
     async for _ in engine.generate(gen, stream=False):

@@ -294,6 +294,10 @@ class EmulatedEngine:
             self._account(gen)
             yield gen
         finally:
+            if self.delays and not gen.finished and self.model.abort(gen.rid, now=self.model_now()):
+                # Closed early (the client disconnected, as SGLang notices): the request
+                # stops holding its slot and the GPU.
+                self._wake.set()
             self._waiters.pop(gen.rid, None)
             self.cache.unlock(lease)
             self.inflight -= 1
@@ -378,7 +382,8 @@ class EmulatedWorker:
         from kvcompassd.emulator.routes import build_app  # the HTTP layer imports this module
 
         app = build_app(self.engine)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        # handler_cancellation: a client that disconnects cancels its request, as in SGLang.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.port)
         await site.start()
