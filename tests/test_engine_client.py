@@ -119,3 +119,8 @@ async def test_closing_the_stream_aborts_the_request_in_the_engine():
             await outputs.aclose()
             while worker.engine.load()["num_running_reqs"] or worker.engine.inflight:
                 await asyncio.sleep(0.01)
+            # The next request is served now: the model's clock did not run on to where the
+            # aborted request would have finished (40 s).
+            nxt = engine.generate(list(range(1, 30)), {"max_new_tokens": 2}, stream=True, rid="next")
+            assert [type(item).__name__ async for item in nxt][-1] == "EngineFinished"
+            assert worker.engine.model.now < 20.0

@@ -236,8 +236,12 @@ class EmulatedEngine:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(delay):
                             await self._wake.wait()
+            # Woken early (an arrival, an abort): the model runs to the present only. Running it
+            # to the stale ``due`` would jump its clock ahead, e.g. past an aborted request's end.
+            woken = self._wake.is_set()
             self._wake.clear()
-            for event in self.model.advance(now=max(self.model_now(), due or 0.0)):
+            now = self.model_now()
+            for event in self.model.advance(now=now if woken else max(now, due or 0.0)):
                 futures = self._waiters.get(event.request_id)
                 if futures is None:
                     continue
