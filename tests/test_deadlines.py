@@ -119,26 +119,6 @@ async def _is_zero(count) -> bool:
     return await count == 0
 
 
-# -- an agent that dies after the first token -------------------------------------------------
-
-async def test_a_stream_whose_agent_dies_after_its_first_token_ends_promptly_with_an_error_event(dep):
-    async with aiohttp.ClientSession(timeout=GUARD) as s:
-        response = await open_stream(s, dep, "eu", doc(20, 300))
-        for w in dep.cfg.workers:  # whichever serves it dies (SIGKILL: no goodbye on the wire)
-            dep.kill("agent", w.id)
-        killed = time.monotonic()
-        rest = [line.strip() async for line in response.content if line.strip()]
-        ended = time.monotonic() - killed
-    errors = [json.loads(line[5:]) for line in rest if line.startswith(b"data: {") and b'"error"' in line]
-    assert rest[-1] == b"data: [DONE]"
-    assert len(errors) == 1 and errors[0]["error"]["code"] == 504, rest[-3:]
-    print(f"\nagent SIGKILLed mid-stream: error event and closed stream {ended:.2f} s later "
-          f"(inter-token deadline {DEADLINES.inter_token_s} s)")
-    for w in dep.cfg.workers:
-        dep.restart("agent", w.id)
-    await dep.wait_ready(60)
-
-
 # -- a frozen engine ---------------------------------------------------------------------------
 
 async def test_a_frozen_engine_costs_a_request_the_first_token_deadline_and_is_avoided_until_back(dep):
@@ -203,3 +183,25 @@ async def test_an_edge_told_to_copy_an_unreachable_peer_starts_from_the_maintena
         dep.restart("edge", "edge-us")
         await dep.wait_ready(60)
     assert (await generate(dep, "eu", doc(40, 300)))["meta_info"]["kvcompass"]["region"] == "us"
+
+
+# -- an agent that dies after the first token -------------------------------------------------
+
+async def test_a_stream_whose_agent_dies_after_its_first_token_ends_promptly_with_an_error_event(dep):
+    async with aiohttp.ClientSession(timeout=GUARD) as s:
+        response = await open_stream(s, dep, "eu", doc(20, 300))
+        for w in dep.cfg.workers:  # whichever serves it dies (SIGKILL: no goodbye on the wire)
+            dep.kill("agent", w.id)
+        killed = time.monotonic()
+        rest = [line.strip() async for line in response.content if line.strip()]
+        ended = time.monotonic() - killed
+    errors = [json.loads(line[5:]) for line in rest if line.startswith(b"data: {") and b'"error"' in line]
+    assert rest[-1] == b"data: [DONE]"
+    assert len(errors) == 1 and errors[0]["error"]["code"] == 504, rest[-3:]
+    print(f"\nagent SIGKILLed mid-stream: error event and closed stream {ended:.2f} s later "
+          f"(inter-token deadline {DEADLINES.inter_token_s} s)")
+    # (Last in the module: an agent restarted beside a running engine is not fed its engine's
+    # KV events again, so later tests could not rely on the index.)
+    for w in dep.cfg.workers:
+        dep.restart("agent", w.id)
+    await dep.wait_ready(60)
