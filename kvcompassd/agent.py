@@ -285,9 +285,16 @@ class AgentNode:
         if isinstance(message, RequestForwarded):
             return self._serve(peer, message, channel)
         if isinstance(message, QueueVectorBroadcast):
-            if message.from_region == self.worker.region:
-                self.region_vector.update(dict(message.vector))
-                self.region_vector[self.worker.id] = self.queue_ms
+            # Only an edge of this worker's region speaks for its queues (the vector this agent
+            # piggybacks on its responses to other regions).
+            sender = peer.identity.node_id if peer.identity is not None else None
+            if message.from_region != self.worker.region or sender not in self._edge_peers:
+                self.metrics.refused_messages.labels("QueueVectorBroadcast").inc()
+                log.warning("message refused", peer=str(peer.identity), type="QueueVectorBroadcast",
+                            detail=f"queue vector of region {message.from_region!r} from a non-{self.worker.region} edge")
+                return None
+            self.region_vector.update(dict(message.vector))
+            self.region_vector[self.worker.id] = self.queue_ms
             return None
         if isinstance(message, MigrationRequested):
             return self._migrate(message)

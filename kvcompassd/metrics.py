@@ -112,6 +112,8 @@ class AgentMetrics:
         self.requests = Counter("kvcompass_forwarded_requests", "Forwarded requests run on the engine, by status", ["status"], registry=r)
         self.queue_ms = Gauge("kvcompass_engine_queue_ms", "Engine queueing delay estimate (ms)", registry=r)
         self.migrations = Counter("kvcompass_migrations_executed", "Migrations executed, by mode", ["mode"], registry=r)
+        self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
+                                        "authority for them, by message type", ["message"], registry=r)
 
 
 def start_metrics_server(address: str | None, registry: CollectorRegistry) -> None:

@@ -489,6 +489,22 @@ async def test_an_edge_cannot_speak_for_another_regions_queues(dep):
     assert all(w["reported_ms"] < lie for w in queues)
 
 
+async def test_an_agent_takes_its_regions_queue_vector_only_from_its_regions_edges(dep):
+    # The agent piggybacks this vector on its responses to other regions: edge-eu may not set it.
+    liar = await probe(dep, "edge-eu", dep.cfg.worker("us-0").agent, Role.EDGE)
+    try:
+        await liar.send(QueueVectorBroadcast("us", "us", time.time() + 1e6, (("us-1", 99_999.0),)))
+
+        async def refused():
+            log = dep.node("agent", "us-0").log_path.read_text(errors="replace")
+            return '"peer": "edge:edge-eu"' in log and '"event": "message refused"' in log
+
+        await eventually(refused, timeout=REPLY_TIMEOUT)
+    finally:
+        await liar.close()
+    assert (await admin(dep, "us-0", "status"))["region_vector"].get("us-1", 0.0) < 99_999.0
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 
