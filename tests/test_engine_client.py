@@ -26,10 +26,9 @@ GUARD_S = 30.0  # hang guard only
 
 
 def settings(**overrides) -> EmulatorSettings:
-    values = dict(port=0, kv_events_endpoint="tcp://127.0.0.1:*", kv_replay_endpoint="tcp://127.0.0.1:*",
-                  block_size=16, vram_kv_tokens=4096, dram_kv_tokens=4096, time_scale=0.0, worker_id="emu-c")
-    values.update(overrides)
-    return EmulatorSettings(**values)
+    values = {"port": 0, "kv_events_endpoint": "tcp://127.0.0.1:*", "kv_replay_endpoint": "tcp://127.0.0.1:*",
+              "block_size": 16, "vram_kv_tokens": 4096, "dram_kv_tokens": 4096, "time_scale": 0.0, "worker_id": "emu-c"}
+    return EmulatorSettings(**{**values, **overrides})
 
 
 @contextlib.asynccontextmanager
