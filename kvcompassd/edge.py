@@ -115,7 +115,10 @@ class EdgeNode:
                                    metrics=self.metrics, local_http=self.local_http)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
                                    health=self.health)
-        self._runner = web.AppRunner(self.frontdoor.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and with it the
+        # forwarding generator, which aborts the request at the worker (a whole-response request
+        # otherwise ran to its end for nobody).
+        self._runner = web.AppRunner(self.frontdoor.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         host, port = split_address(self.me.http, f"[[edges]] {self.me.id} http")
         site = web.TCPSite(self._runner, host, port)

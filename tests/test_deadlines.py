@@ -115,6 +115,20 @@ async def test_a_client_that_goes_away_mid_stream_aborts_the_request_at_the_engi
     await eventually(lambda: _is_zero(running(dep)), timeout=10)
 
 
+@pytest.mark.parametrize("region", ["us", "eu"], ids=["own-region-http", "cross-region-quic"])
+async def test_a_client_that_goes_away_before_a_whole_response_aborts_the_request_at_the_engine(dep, region):
+    async with aiohttp.ClientSession(timeout=GUARD) as s:
+        waiting = asyncio.create_task(s.post(dep.edge_url(region) + "/generate", json={
+            "text": doc(11, 300) + region, "sampling_params": {"max_new_tokens": LONG}}))
+        await eventually(lambda: _is_one(running(dep)), timeout=10)
+        waiting.cancel()  # the client disconnects while the edge gathers the whole response
+    await eventually(lambda: _is_zero(running(dep)), timeout=10)
+
+
+async def _is_one(count) -> bool:
+    return await count == 1
+
+
 async def _is_zero(count) -> bool:
     return await count == 0
 
