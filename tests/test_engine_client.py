@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcompassd.core.workermodel import WorkerTiming
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
@@ -62,6 +65,18 @@ def test_error_messages_are_read_from_each_engine_shape():
     assert "Field required" in error_message(FASTAPI_422.decode())
     assert error_message("not json at all\n") == "not json at all"
     assert len(error_message("x" * 10_000)) == 1000
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=4), max_leaves=12)
+
+
+@given(st.one_of(st.text(max_size=3000), json_values.map(json.dumps),
+                 json_values.map(lambda v: json.dumps({"error": v})), json_values.map(lambda v: json.dumps({"detail": v}))))
+def test_any_error_body_gives_a_bounded_message(body):
+    message = error_message(body)
+    assert isinstance(message, str) and len(message) <= 1000
 
 
 @pytest.mark.parametrize("stream", [False, True])

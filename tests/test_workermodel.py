@@ -291,3 +291,33 @@ def test_abort_of_a_finished_or_unknown_request_is_a_no_op() -> None:
     events = drain(model)
     assert not model.abort("a", now=1.0) and not model.abort("never", now=1.0)
     assert [type(e) for e in events] == [FirstTokenProduced, RequestFinished]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.integers(1, 3000), st.integers(1, 40), st.booleans()),
+                min_size=1, max_size=30), st.integers(1, 4), st.data())
+def test_aborts_anywhere_leave_a_consistent_model_that_serves_everyone_else(arrivals, max_running, data) -> None:
+    """Requests aborted in any state at any time never report again, the queue counters match
+    a recount, and every other request still gets its first token and its end, in order."""
+    model = WorkerQueueModel(WorkerTiming(max_running=max_running))
+    now, events, live, aborted = 0.0, [], [], set()
+    for i, (gap, prompt, out, abort_one) in enumerate(arrivals):
+        now += gap
+        events += model.advance(now=now)
+        model.admit(f"r{i}", prompt, 0, 0, out, now=now)
+        live.append(f"r{i}")
+        if abort_one:
+            victim = data.draw(st.sampled_from(live))
+            if model.abort(victim, now=now):
+                aborted.add(victim)
+            live.remove(victim)
+        queued = sum(r.uncached for r in (*model._waiting, *model._admitted))
+        assert model._queued_uncached == queued
+        assert model.running <= max_running and model.running + model.waiting == len(model._ids)
+    events += drain(model)
+    after_abort = [e for e in events if e.request_id in aborted]
+    assert all(isinstance(e, FirstTokenProduced) for e in after_abort)  # never a finish
+    for request_id in live:
+        kinds = [type(e) for e in events if e.request_id == request_id]
+        assert kinds == [FirstTokenProduced, RequestFinished]
+    assert model.running == model.waiting == model.pending_prefill_tokens == 0
