@@ -170,7 +170,7 @@ class EdgeNode:
     def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> None:
         handler = self._handlers.get(type(message))
         if handler is None:
-            log.warning("unexpected message", peer=str(peer.identity), type=type(message).__name__)
+            self._refuse(peer, message, "an edge does not accept it")
             try:
                 peer.send_encoded(encode(ErrorReported("forbidden", f"an edge does not accept {type(message).__name__}")))
             except TransportError:
@@ -275,6 +275,7 @@ class EdgeNode:
 
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
+            self._refuse(peer, msg, f"agent {peer.identity.node_id} may note only its own worker's piggybacks")
             return
         try:
             self.router.queues.note_piggyback_sent(msg.to_region, now=self.clock())
