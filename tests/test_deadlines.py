@@ -6,7 +6,8 @@ worker, so every request at edge-eu crosses to a us worker's agent over QUIC. On
 - an engine's client error (a 400) reaches the client with the engine's message, is not
   retried on another worker and leaves no worker suspect;
 - a client that goes away mid-stream aborts the request at the engine;
-- a stream whose agent dies after its first token ends promptly with an SSE error event;
+- a stream whose agent dies after its first token ends promptly with an SSE error event, and
+  the edge stops avoiding that worker once its agent is back;
 - a frozen engine (SIGSTOP) costs a request the first-token deadline before another worker
   serves it; no request hangs; once it is resumed the edge stops avoiding it;
 - an edge told to copy its views from an unreachable peer starts from the maintenance units.
@@ -214,8 +215,16 @@ async def test_a_stream_whose_agent_dies_after_its_first_token_ends_promptly_wit
     assert len(errors) == 1 and errors[0]["error"]["code"] == 504, rest[-3:]
     print(f"\nagent SIGKILLed mid-stream: error event and closed stream {ended:.2f} s later "
           f"(inter-token deadline {DEADLINES.inter_token_s} s)")
+    failed = log_records(dep, "edge", "edge-eu", "worker failed mid-response")[-1]["worker"]
     # (Last in the module: an agent restarted beside a running engine is not fed its engine's
     # KV events again, so later tests could not rely on the index.)
     for w in dep.cfg.workers:
         dep.restart("agent", w.id)
     await dep.wait_ready(60)
+
+    # Suspicion (DEADLINES.suspect_initial_s) ends as soon as the worker's agent is back.
+    async def back():
+        return any(r.get("worker") == failed and r.get("why") == "agent connected"
+                   for r in log_records(dep, "edge", "edge-eu", "worker back: no longer avoided"))
+
+    await eventually(back, timeout=30)
