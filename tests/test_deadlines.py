@@ -216,8 +216,8 @@ async def test_a_stream_whose_agent_dies_after_its_first_token_ends_promptly_wit
     print(f"\nagent SIGKILLed mid-stream: error event and closed stream {ended:.2f} s later "
           f"(inter-token deadline {DEADLINES.inter_token_s} s)")
     failed = log_records(dep, "edge", "edge-eu", "worker failed mid-response")[-1]["worker"]
-    # (Last in the module: an agent restarted beside a running engine is not fed its engine's
-    # KV events again, so later tests could not rely on the index.)
+    # (Last in the module: restarted agents rebuild their workers' registrations from their
+    # engines' replay, which the tests before would otherwise have to wait for.)
     for w in dep.cfg.workers:
         dep.restart("agent", w.id)
     await dep.wait_ready(60)
