@@ -56,6 +56,15 @@ async def collect(engine: EngineClient, params: dict, *, stream: bool) -> list:
 SGLANG_ERROR = b'{"error":{"message":"top_p must be in (0, 1], got 2.0."}}'
 SGLANG_STREAM_ERROR = (b'data: {"error":{"message":"min_p must be in [0, 1], got 3.0.","type":"invalid_request_error",'
                        b'"code":400,"retryable":false}}\n\ndata: [DONE]\n\n')
+# A request SGLang's scheduler refuses after admission, streamed: an ordinary chunk whose finish
+# reason is FINISH_ABORT(...).to_json() (schedule_batch.py).
+SGLANG_STREAM_ABORT = (b'data: {"text":"","output_ids":[],"meta_info":{"id":"r1","finish_reason":{"type":"abort",'
+                       b'"message":"The input (5000 tokens) is longer than the model\'s context length (4096 tokens).",'
+                       b'"status_code":400,"err_type":"BadRequestError"},"prompt_tokens":5000,"completion_tokens":0,'
+                       b'"cached_tokens":0}}\n\ndata: [DONE]\n\n')
+SGLANG_STREAM_ABORT_NO_STATUS = (b'data: {"text":"","output_ids":[],"meta_info":{"id":"r1","finish_reason":'
+                                 b'{"type":"abort","message":"Abort in waiting queue"},"prompt_tokens":5,'
+                                 b'"completion_tokens":0,"cached_tokens":0}}\n\ndata: [DONE]\n\n')
 FASTAPI_422 = b'{"detail":[{"type":"missing","loc":["body","rid"],"msg":"Field required"}]}'
 
 
@@ -102,6 +111,8 @@ async def serve_bytes(status: int, body: bytes, content_type: str):
 
 @pytest.mark.parametrize(("status", "body", "content_type", "rejected"), [
     (200, SGLANG_STREAM_ERROR, "text/event-stream", 400),
+    (200, SGLANG_STREAM_ABORT, "text/event-stream", 400),
+    (200, SGLANG_STREAM_ABORT_NO_STATUS, "text/event-stream", None),  # the engine's own doing
     (400, SGLANG_ERROR, "application/json", 400),
     (422, FASTAPI_422, "application/json", 422),
     (429, b'{"error":{"message":"too many requests"}}', "application/json", None),  # this engine's load

@@ -172,6 +172,20 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     return EngineLoad(running, waiting, pending, max(0.0, queue_ms))
 
 
+def _raise_if_aborted(meta) -> None:
+    """SGLang ends a streamed request it refuses after admission (a prompt over the context
+    length, say) with an ``abort`` finish reason in an ordinary chunk: with a 4xx
+    ``status_code`` that is the client's error; without one, or a 5xx, the engine's."""
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if not isinstance(finish, dict) or finish.get("type") != "abort":
+        return
+    status = finish.get("status_code")
+    message = str(finish.get("message") or "aborted")[:MAX_ERROR_MESSAGE]
+    if isinstance(status, int) and not isinstance(status, bool) and status in CLIENT_ERROR_STATUSES:
+        raise EngineRejected(status, message)
+    raise EngineError(f"engine aborted the request (status {status}): {message}")
+
+
 async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
     """SGLang's streamed ``/generate``: SSE ``data:`` lines with cumulative ``text`` and
     ``output_ids`` (incremental in builds with incremental streaming), ending with ``[DONE]``."""
@@ -194,6 +208,7 @@ async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
             code = error.get("code") if isinstance(error, dict) else None
             status = code if isinstance(code, int) and not isinstance(code, bool) else 400
             raise _failure(status, json.dumps(chunk))
+        _raise_if_aborted(chunk.get("meta_info"))
         text = str(chunk.get("text", ""))
         ids = [int(t) for t in chunk.get("output_ids") or ()]
         if text.startswith(text_sent):
