@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
 
 import aiohttp
 
