@@ -15,6 +15,7 @@ missed while disconnected can linger in the index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import random
@@ -32,7 +33,7 @@ from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput
+from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected
 from kvcompassd.engine.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -61,6 +62,7 @@ from kvcompassd.wire import (
     QueueVectorBroadcast,
     RequestFailed,
     RequestForwarded,
+    RequestRejected,
     ResponseChunked,
     ResponseCompleted,
     Role,
@@ -334,9 +336,16 @@ class AgentNode:
         if isinstance(message, RequestForwarded):
             return self._serve(peer, message, channel)
         if isinstance(message, QueueVectorBroadcast):
-            if message.from_region == self.worker.region:
-                self.region_vector.update(dict(message.vector))
-                self.region_vector[self.worker.id] = self.queue_ms
+            # Only an edge of this worker's region speaks for its queues (the vector this agent
+            # piggybacks on its responses to other regions).
+            sender = peer.identity.node_id if peer.identity is not None else None
+            if message.from_region != self.worker.region or sender not in self._edge_peers:
+                self.metrics.refused_messages.labels("QueueVectorBroadcast").inc()
+                log.warning("message refused", peer=str(peer.identity), type="QueueVectorBroadcast",
+                            detail=f"queue vector of region {message.from_region!r} from a non-{self.worker.region} edge")
+                return None
+            self.region_vector.update(dict(message.vector))
+            self.region_vector[self.worker.id] = self.queue_ms
             return None
         if isinstance(message, MigrationRequested):
             return self._migrate(message)
@@ -352,6 +361,9 @@ class AgentNode:
         return None
 
     async def _serve(self, peer: Peer, msg: RequestForwarded, channel: ChannelInfo) -> None:
+        """Run a forwarded request until it completes or the edge abandons the exchange (its
+        client went away, or a deadline passed there): then the engine request is aborted by
+        closing its connection, as SGLang expects, rather than computed for nobody."""
         stream = channel.stream
         if stream is None:
             log.warning("forwarded request outside an exchange dropped", request_id=msg.request_id)
@@ -361,31 +373,52 @@ class AgentNode:
             await stream.send(RequestFailed(msg.request_id, self.worker.id, "engine down", True), end=True)
             self.metrics.requests.labels("refused").inc()
             return
+        work = asyncio.ensure_future(self._run_forwarded(stream, msg, log_))
+        abandoned = asyncio.ensure_future(stream.wait_aborted())
+        try:
+            await asyncio.wait({work, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            abandoned.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                self.metrics.requests.labels("abandoned").inc()
+                log_.info("edge abandoned the request: engine request aborted")
+
+    async def _run_forwarded(self, stream, msg: RequestForwarded, log_) -> None:
         produced = False
         try:
-            async for item in self.engine.generate(msg.input_ids, msg.sampling_params, stream=msg.stream,
-                                                   rid=msg.request_id):
-                if isinstance(item, EngineOutput):
-                    produced = True
-                    await stream.send(ResponseChunked(msg.request_id, item.token_ids, item.text, False))
-                else:
-                    vector = tuple(self.region_vector.items())
-                    await stream.send(ResponseCompleted(msg.request_id, self.worker.id, item.cached_tokens,
-                                                        item.prompt_tokens, item.completion_tokens,
-                                                        item.finish_reason, vector), end=True)
-                    self.metrics.requests.labels("ok").inc()
-                    if msg.origin_region != self.worker.region:
-                        self._note_piggyback(msg.origin_region)
-                    log_.info("served", cached=item.cached_tokens, claimed=msg.claimed_tokens,
-                              prompt=item.prompt_tokens, completion=item.completion_tokens)
-                    return
+            # Always streamed from the engine: each token goes on at once, and the edge's
+            # deadlines see the output as it comes.
+            async with contextlib.aclosing(self.engine.generate(msg.input_ids, msg.sampling_params, stream=True,
+                                                                rid=msg.request_id)) as items:
+                async for item in items:
+                    if isinstance(item, EngineOutput):
+                        produced = True
+                        await stream.send(ResponseChunked(msg.request_id, item.token_ids, item.text, False))
+                    else:
+                        vector = tuple(self.region_vector.items())
+                        await stream.send(ResponseCompleted(msg.request_id, self.worker.id, item.cached_tokens,
+                                                            item.prompt_tokens, item.completion_tokens,
+                                                            item.finish_reason, vector), end=True)
+                        self.metrics.requests.labels("ok").inc()
+                        if msg.origin_region != self.worker.region:
+                            self._note_piggyback(msg.origin_region)
+                        log_.info("served", cached=item.cached_tokens, claimed=msg.claimed_tokens,
+                                  prompt=item.prompt_tokens, completion=item.completion_tokens)
+                        return
+        except EngineRejected as exc:
+            # The request's own fault (a 4xx): the edge hands it to its client, no retry.
+            self.metrics.requests.labels("rejected").inc()
+            log_.info("engine rejected the request", status=exc.status, error=exc.message)
+            with contextlib.suppress(TransportError):
+                await stream.send(RequestRejected(msg.request_id, self.worker.id, exc.status, exc.message), end=True)
         except EngineError as exc:
             self.metrics.requests.labels("failed").inc()
             log_.warning("engine failed the request", error=str(exc), produced=produced)
-            try:
+            with contextlib.suppress(TransportError):
                 await stream.send(RequestFailed(msg.request_id, self.worker.id, str(exc)[:1000], not produced), end=True)
-            except TransportError:
-                pass
         except TransportError as exc:
             log_.warning("edge went away mid-response", error=str(exc))
 

@@ -49,6 +49,10 @@ from kvcompassd.wire import (
 log = structlog.get_logger(__name__)
 
 
+class ViewCopyRefused(Exception):
+    """The peer edge answered a view copy with an error."""
+
+
 class EdgeNode:
     def __init__(
         self,
@@ -80,6 +84,8 @@ class EdgeNode:
         self._agent_peers: dict[str, Peer] = {}
         self._edge_peers: dict[str, Peer] = {}
         self._own_agents = frozenset(w.id for w in cfg.workers_in(me.region))
+        self._last_load_report: dict[str, float] = {}
+        self._load_silence_s = 3 * cfg.score.broadcast_period_ms / 1000.0
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
         self.http_address: tuple[str, int] | None = None
@@ -109,7 +115,10 @@ class EdgeNode:
                                    metrics=self.metrics, local_http=self.local_http)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
                                    health=self.health)
-        self._runner = web.AppRunner(self.frontdoor.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and with it the
+        # forwarding generator, which aborts the request at the worker (a whole-response request
+        # otherwise ran to its end for nobody).
+        self._runner = web.AppRunner(self.frontdoor.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         host, port = split_address(self.me.http, f"[[edges]] {self.me.id} http")
         site = web.TCPSite(self._runner, host, port)
@@ -142,7 +151,15 @@ class EdgeNode:
     # -- index sync ---------------------------------------------------------------------------
 
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:
-        if not connected or peer.identity is None or peer.identity.role != Role.MAINTENANCE:
+        if not connected or peer.identity is None:
+            return
+        if peer.identity.role == Role.AGENT:
+            # Either connection (ours to the agent, or the agent's to us) says it is up again.
+            forwarder = getattr(self, "forwarder", None)
+            if forwarder is not None:
+                forwarder.worker_back(peer.identity.node_id, "agent connected")
+            return
+        if peer.identity.role != Role.MAINTENANCE:
             return
         for shard, p in self._shard_peers.items():
             if p is peer:
@@ -153,7 +170,7 @@ class EdgeNode:
     def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> None:
         handler = self._handlers.get(type(message))
         if handler is None:
-            log.warning("unexpected message", peer=str(peer.identity), type=type(message).__name__)
+            self._refuse(peer, message, "an edge does not accept it")
             try:
                 peer.send_encoded(encode(ErrorReported("forbidden", f"an edge does not accept {type(message).__name__}")))
             except TransportError:
@@ -161,7 +178,24 @@ class EdgeNode:
             return
         handler(self, peer, message, channel)
 
+    def _refuse(self, peer: Peer, msg: Any, detail: str) -> None:
+        """A message its sender has no authority for: counted, logged with the sender's
+        certified identity, and dropped; the connection's other traffic carries on."""
+        self.metrics.refused_messages.labels(type(msg).__name__).inc()
+        log.warning("message refused", peer=str(peer.identity), type=type(msg).__name__, detail=detail)
+
+    def _shard_owned_by_sender(self, peer: Peer, msg: UpdateBatchPublished | ShardSnapshotSent) -> bool:
+        """Only the maintenance unit the config names for a shard writes that shard's view."""
+        owner = self.cfg.shard_owner(msg.shard)
+        identity = peer.identity
+        if identity.role != Role.MAINTENANCE or identity.node_id != owner:
+            self._refuse(peer, msg, f"shard {msg.shard} is owned by {owner!r}")
+            return False
+        return True
+
     def _batch(self, peer: Peer, msg: UpdateBatchPublished, channel: ChannelInfo) -> None:
+        if not self._shard_owned_by_sender(peer, msg):
+            return
         outcome = self.view.apply_batch(msg)
         if outcome.applied:
             self.metrics.batches.inc()
@@ -171,8 +205,8 @@ class EdgeNode:
             log.debug("batch ignored", shard=msg.shard, seq=msg.seq, reason=outcome.reason)
 
     def _snapshot(self, peer: Peer, msg: ShardSnapshotSent, channel: ChannelInfo) -> None:
-        if peer.identity.role != Role.MAINTENANCE:
-            log.warning("snapshot refused: only maintenance units push snapshots", peer=str(peer.identity))
+        # A peer edge's snapshots arrive only on the exchange copy_view_from opened, not here.
+        if not self._shard_owned_by_sender(peer, msg):
             return
         outcome = self.view.install_snapshot(msg)
         log.info("snapshot", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, applied=outcome.applied, reason=outcome.reason)
@@ -184,21 +218,35 @@ class EdgeNode:
         if peer is not None and peer.is_connected:
             peer.send_encoded(encode(ResyncRequested(self.me.id, shard, resync.epoch, resync.from_seq)))
 
-    async def copy_view_from(self, edge_id: str) -> None:
-        """Bootstrap every shard from a peer edge's views (then the maintenance streams catch up)."""
+    async def copy_view_from(self, edge_id: str) -> bool:
+        """Bootstrap every shard from a peer edge's views (then the maintenance streams catch
+        up). Best effort: a peer that is unreachable, refuses or stalls costs at most
+        ``[deadlines] view_copy_timeout_s``, after which the maintenance units' snapshots
+        bootstrap the views as on any start. Returns whether any shard was copied."""
         target = next((e for e in self.cfg.edges if e.id == edge_id), None)
         if target is None:
-            raise ValueError(f"unknown edge {edge_id!r}")
-        peer = await self.node.connect(split_address(target.quic, target.id), expected_role=Role.EDGE,
-                                       expected_id=target.id)
-        async with peer.open_stream() as exchange:
-            await exchange.send(ViewCopyRequested(self.me.id))
-            async for reply in exchange:
-                if isinstance(reply, ShardSnapshotSent):
-                    outcome = self.view.install_snapshot(reply)
-                    log.info("copied shard from peer edge", peer=edge_id, shard=reply.shard, applied=outcome.applied)
-                elif isinstance(reply, ErrorReported):
-                    raise RuntimeError(f"peer edge refused the copy: {reply.detail}")
+            raise ValueError(f"unknown edge {edge_id!r}")  # a config error: fail the start
+        copied = 0
+        try:
+            async with asyncio.timeout(self.cfg.deadlines.view_copy_timeout_s):
+                peer = await self.node.connect(split_address(target.quic, target.id), expected_role=Role.EDGE,
+                                               expected_id=target.id)
+                async with peer.open_stream() as exchange:
+                    await exchange.send(ViewCopyRequested(self.me.id))
+                    async for reply in exchange:
+                        if isinstance(reply, ShardSnapshotSent):
+                            outcome = self.view.install_snapshot(reply)
+                            copied += outcome.applied
+                            log.info("copied shard from peer edge", peer=edge_id, shard=reply.shard,
+                                     applied=outcome.applied)
+                        elif isinstance(reply, ErrorReported):
+                            raise ViewCopyRefused(f"peer edge refused the copy: {reply.code}: {reply.detail}")
+        except (TimeoutError, TransportError, OSError, ViewCopyRefused) as exc:
+            reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+            log.warning("view copy from peer edge failed: bootstrapping from the maintenance units", peer=edge_id,
+                        error=reason, shards_copied=copied)
+            return bool(copied)
+        return bool(copied)
 
     def _view_copy(self, peer: Peer, msg: ViewCopyRequested, channel: ChannelInfo) -> None:
         if channel.stream is None:
@@ -213,12 +261,21 @@ class EdgeNode:
 
     def _load(self, peer: Peer, msg: WorkerLoadReported, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
-            log.warning("load report refused", peer=str(peer.identity), worker=msg.worker)
+            self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's load")
             return
-        self.router.queues.set_local(msg.worker, msg.queue_ms, now=self.clock(), running=msg.running)
+        now = self.clock()
+        # An agent reports at least every broadcast period while its engine answers; readings
+        # that resume after a silence say the engine is back (it was down or frozen).
+        last = self._last_load_report.get(msg.worker)
+        self._last_load_report[msg.worker] = now
+        forwarder = getattr(self, "forwarder", None)  # None while start() copies views
+        if forwarder is not None and last is not None and now - last > self._load_silence_s:
+            forwarder.worker_back(msg.worker, f"load reports resumed after {now - last:.1f} s")
+        self.router.queues.set_local(msg.worker, msg.queue_ms, now=now, running=msg.running)
 
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
+            self._refuse(peer, msg, f"agent {peer.identity.node_id} may note only its own worker's piggybacks")
             return
         try:
             self.router.queues.note_piggyback_sent(msg.to_region, now=self.clock())
@@ -226,6 +283,11 @@ class EdgeNode:
             log.warning("piggyback note refused", peer=str(peer.identity), error=str(exc))
 
     def _broadcast(self, peer: Peer, msg: QueueVectorBroadcast, channel: ChannelInfo) -> None:
+        # Only a region's own edges speak for its queues (its agents report to them only).
+        sender_region = self.cfg.edge_region(peer.identity.node_id)
+        if peer.identity.role != Role.EDGE or sender_region != msg.from_region:
+            self._refuse(peer, msg, f"queue vector of region {msg.from_region!r} from an edge of {sender_region!r}")
+            return
         try:
             self.router.queues.on_broadcast(msg, now=self.clock())
         except ValueError as exc:

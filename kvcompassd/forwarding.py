@@ -9,6 +9,7 @@ vector back. Token ids travel, never text, so the engine's cache and the edge's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -18,7 +19,13 @@ import numpy as np
 import structlog
 
 from kvcompassd.core.router import ForwardDecided, Router
-from kvcompassd.engine.client import EngineClient, EngineError, EngineFinished, EngineOutput
+from kvcompassd.engine.client import (
+    EngineClient,
+    EngineError,
+    EngineFinished,
+    EngineOutput,
+    EngineRejected,
+)
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import Peer, TransportError
 from kvcompassd.wire import (
@@ -26,6 +33,7 @@ from kvcompassd.wire import (
     MigrationRequested,
     RequestFailed,
     RequestForwarded,
+    RequestRejected,
     ResponseChunked,
     ResponseCompleted,
 )
@@ -70,7 +78,11 @@ class WorkerUnavailable(Exception):
 
 
 class FirstTokenLate(WorkerUnavailable):
-    """A worker reached over QUIC brought no first token within the deadline."""
+    """A worker brought no first token within the deadline."""
+
+
+class OutputStalled(WorkerUnavailable):
+    """A worker that had produced output brought no more within the inter-token deadline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +94,11 @@ class ForwardRequest:
 
 
 class SuspectWorkers:
-    """Workers that just failed a request before its first token (a crawling or dead path, a
-    refusing engine): left out of decisions for a while, so that the next requests do not each
-    pay the same first-token timeout. The period doubles with each further failure, up to
-    ``max_s``; a served request clears it. One entry per worker at most."""
+    """Workers that just failed a request (a crawling or dead path, a refusing or frozen
+    engine): left out of decisions for a while, so that the next requests do not each pay the
+    same deadline. The period doubles with each further failure, up to ``max_s``; a served
+    request, or news that the worker is back (:meth:`back`), clears it. One entry per worker at
+    most."""
 
     def __init__(self, initial_s: float = 5.0, max_s: float = 60.0) -> None:
         self.initial_s, self.max_s = initial_s, max_s
@@ -101,11 +114,37 @@ class SuspectWorkers:
     def served(self, index: int) -> None:
         self._avoided.pop(index, None)
 
+    def back(self, index: int, *, now: float) -> bool:
+        """The worker's agent or health readings say it is back: suspicion ends now. Returns
+        whether it was being avoided."""
+        entry = self._avoided.pop(index, None)
+        return entry is not None and entry[0] > now
+
     def current(self, *, now: float) -> set[int]:
         return {index for index, (until, _) in self._avoided.items() if until > now}
 
     def __len__(self) -> int:
         return len(self._avoided)
+
+
+async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float) -> AsyncIterator:
+    """``items``, each awaited for at most ``first_s`` until the first token, then ``inter_s``.
+    A late item ends ``items`` (its cleanup aborts the request at the worker) and raises
+    :class:`FirstTokenLate` or :class:`OutputStalled`."""
+    deadline, produced = first_s, False
+    while True:
+        try:
+            async with asyncio.timeout(deadline):
+                item = await anext(items)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if produced:
+                raise OutputStalled(f"no output for {deadline:.1f} s after the last") from None
+            raise FirstTokenLate(f"no first token within {deadline:.1f} s") from None
+        if isinstance(item, TokensGenerated):
+            produced, deadline = True, inter_s
+        yield item
 
 
 class Forwarder:
@@ -115,9 +154,14 @@ class Forwarder:
     the next best worker, each worker tried at most once (``max_attempts``, default all of
     them). Workers reached over QUIC whose agent is not connected, and workers that just failed
     a request (:class:`SuspectWorkers`), are left out of the decision while any other worker is
-    eligible; a QUIC attempt that brings no first token within ``first_token_timeout(expected)``
-    (a connection crawling under loss, or dead but not yet timed out) is abandoned for the next
-    best, in the edge's own region if the late one was remote.
+    eligible. On both paths (own-region HTTP and QUIC) an attempt that brings no first token
+    within ``first_token_timeout(expected)`` (a frozen engine, a connection crawling under loss
+    or dead but not yet timed out) is abandoned for the next best, in the edge's own region if
+    the late one was remote; after the first token, a gap of ``inter_token_s`` ends the request
+    with a 504 rather than a hang. An engine's client error (a 4xx it gives the request
+    itself) is the client's: it is answered as is, and neither retried nor held against the
+    worker. Closing the generator (the client went away) aborts the request at the worker.
+    Deadlines default to the config's ``[deadlines]``.
     """
 
     def __init__(
@@ -131,8 +175,9 @@ class Forwarder:
         metrics: EdgeMetrics,
         local_http: bool = True,
         max_attempts: int | None = None,
-        first_token_floor_s: float = 2.0,
-        first_token_factor: float = 4.0,
+        first_token_floor_s: float | None = None,
+        first_token_factor: float | None = None,
+        inter_token_s: float | None = None,
     ):
         self.edge_id = edge_id
         self.router = router
@@ -144,18 +189,29 @@ class Forwarder:
         self.local_http = local_http
         workers = router.layout.worker_ids
         self.max_attempts = len(workers) if max_attempts is None else max_attempts
-        self.first_token_floor_s = first_token_floor_s
-        self.first_token_factor = first_token_factor
-        self.suspects = SuspectWorkers()
+        deadlines = self.cfg.deadlines
+        self.first_token_floor_s = deadlines.first_token_floor_s if first_token_floor_s is None else first_token_floor_s
+        self.first_token_factor = deadlines.first_token_factor if first_token_factor is None else first_token_factor
+        self.inter_token_s = deadlines.inter_token_s if inter_token_s is None else inter_token_s
+        self.suspects = SuspectWorkers(deadlines.suspect_initial_s, deadlines.suspect_max_s)
         # (index, id) of the workers this edge reaches over QUIC (the others over local HTTP).
         self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
         self._remote_workers = {i for i, r in enumerate(router.worker_regions) if r != router.region}
         self.migrations: list[dict] = []  # recent, for kvcompassctl
 
     def first_token_timeout(self, expected_ms: float) -> float:
-        """How long a QUIC attempt may take to its first token: a multiple of what the score
+        """How long an attempt may take to its first token: a multiple of what the score
         expected, never under the floor (seconds)."""
         return max(self.first_token_floor_s, self.first_token_factor * expected_ms / 1000.0)
+
+    def worker_back(self, worker_id: str, why: str) -> None:
+        """The worker's agent reconnected, or its load readings resumed: stop avoiding it."""
+        try:
+            index = self.router.layout.worker_index(worker_id)
+        except (KeyError, ValueError):
+            return
+        if self.suspects.back(index, now=self.clock()):
+            log.info("worker back: no longer avoided", worker=worker_id, why=why)
 
     def unreachable(self) -> set[int]:
         """Indexes of QUIC-reached workers whose agent is not connected right now."""
@@ -194,19 +250,34 @@ class Forwarder:
                 break
             decision_us = (time.perf_counter() - t0) * 1e6
             self._observe_decision(req, decision, decision_us, attempt)
+            first_s = self.first_token_timeout(decision.score.scores.item(decision.worker_index))
             produced = False
             try:
-                async for item in self._run(decision, req):
-                    if isinstance(item, TokensGenerated):
-                        produced = True
-                        yield item
-                    else:
-                        yield self._finished(req, decision, item, attempt, decision_us)
-                        return
+                # aclosing: however this generator ends (the client went away and it is
+                # closed, a deadline), the attempt's cleanup aborts the request at the worker.
+                async with contextlib.aclosing(self._run(decision, req)) as items, \
+                        contextlib.aclosing(_within_deadlines(items, first_s, self.inter_token_s)) as paced:
+                    async for item in paced:
+                        if isinstance(item, TokensGenerated):
+                            produced = True
+                            yield item
+                        else:
+                            yield self._finished(req, decision, item, attempt, decision_us)
+                            return
                 raise WorkerUnavailable("response ended without completion")
+            except EngineRejected as exc:
+                # The request's own fault: every worker would refuse it the same way.
+                self.router.on_failed(decision.worker_index)
+                log.info("engine rejected the request", request_id=req.request_id, worker=decision.worker,
+                         status=exc.status, error=exc.message)
+                raise ForwardError(exc.status, exc.message) from None
             except WorkerUnavailable as exc:
+                avoided_s = self.suspects.failed(decision.worker_index, now=self.clock())
                 if produced:
-                    raise ForwardError(502, f"worker {decision.worker} failed mid-response: {exc}") from exc
+                    status = 504 if isinstance(exc, OutputStalled) else 502
+                    log.warning("worker failed mid-response", request_id=req.request_id, worker=decision.worker,
+                                error=str(exc), avoided_s=avoided_s)
+                    raise ForwardError(status, f"worker {decision.worker} failed mid-response: {exc}") from exc
                 reasons.append(f"{decision.worker}: {exc}")
                 excluded.add(decision.worker_index)
                 self.router.on_failed(decision.worker_index)
@@ -215,7 +286,6 @@ class Forwarder:
                     # region's workers, and likely not the only one): it stays in the edge's own
                     # region, with no WAN on the path, while a worker there can serve.
                     stay_home = True
-                avoided_s = self.suspects.failed(decision.worker_index, now=self.clock())
                 self.metrics.retries.inc()
                 log.warning("worker failed before first token; retrying", request_id=req.request_id,
                             worker=decision.worker, attempt=attempt, error=str(exc), avoided_s=avoided_s)
@@ -288,26 +358,20 @@ class Forwarder:
         peer = self.agent_peer(d.worker)
         if peer is None or not peer.is_connected:
             raise WorkerUnavailable("agent not connected")
-        deadline = self.first_token_timeout(d.score.scores.item(d.worker_index))
         message = RequestForwarded(
             request_id=req.request_id,
             edge=self.edge_id,
             origin_region=self.router.region,
             input_ids=tuple(req.tokens.tolist()),
             sampling_params=req.sampling_params,
-            stream=req.stream,
+            stream=True,  # output as it comes, whatever the client asked: the deadlines need it
             claimed_tokens=d.claimed_tokens,
         )
         exchange = None
         try:
             exchange = peer.open_stream()
-            replies = aiter(exchange)
-            async with asyncio.timeout(deadline):  # until the first token
-                await exchange.send(message)
-                reply = await anext(replies)
-                while isinstance(reply, ResponseChunked) and not (reply.token_ids or reply.text):
-                    reply = await anext(replies)
-            while True:
+            await exchange.send(message)
+            async for reply in exchange:
                 if isinstance(reply, ResponseChunked):
                     if reply.token_ids or reply.text:
                         yield TokensGenerated(tuple(reply.token_ids), reply.text)
@@ -315,15 +379,13 @@ class Forwarder:
                     await exchange.close()
                     yield _completed(reply)
                     return
+                elif isinstance(reply, RequestRejected):
+                    raise EngineRejected(reply.status, reply.message)
                 elif isinstance(reply, RequestFailed):
                     raise WorkerUnavailable(reply.reason or "agent reported failure")
                 elif isinstance(reply, ErrorReported):
                     raise WorkerUnavailable(f"agent refused: {reply.code}: {reply.detail}")
-                reply = await anext(replies)
-        except StopAsyncIteration:
-            raise WorkerUnavailable("agent closed the exchange without completion") from None
-        except TimeoutError:
-            raise FirstTokenLate(f"no first token within {deadline:.1f} s") from None
+            raise WorkerUnavailable("agent closed the exchange without completion")
         except TransportError as exc:
             raise WorkerUnavailable(f"transport: {exc}") from exc
         finally:
@@ -333,11 +395,18 @@ class Forwarder:
     async def _run_http(self, base: str, d: ForwardDecided, req: ForwardRequest):
         engine = EngineClient(base, self.http)
         try:
-            async for item in engine.generate(req.tokens, req.sampling_params, stream=req.stream, rid=req.request_id):
-                if isinstance(item, EngineOutput):
-                    yield TokensGenerated(item.token_ids, item.text)
-                else:
-                    yield _from_engine(item)
+            # Streamed from the engine whatever the client asked, so that the deadlines see
+            # each token; closing this generator closes the connection, which aborts the
+            # request at the engine.
+            async with contextlib.aclosing(engine.generate(req.tokens, req.sampling_params, stream=True,
+                                                           rid=req.request_id)) as items:
+                async for item in items:
+                    if isinstance(item, EngineOutput):
+                        yield TokensGenerated(item.token_ids, item.text)
+                    else:
+                        yield _from_engine(item)
+        except EngineRejected:
+            raise
         except EngineError as exc:
             raise WorkerUnavailable(str(exc)) from exc
 

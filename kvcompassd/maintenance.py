@@ -147,36 +147,39 @@ class MaintenanceNode:
     def _on_message(self, peer: Peer, message, channel: ChannelInfo) -> None:
         handler = self._handlers.get(type(message))
         if handler is None:
-            self._refuse(peer, "forbidden", f"a maintenance unit does not accept {type(message).__name__}")
+            self._refuse(peer, message, "forbidden", f"a maintenance unit does not accept {type(message).__name__}")
             return
         handler(self, peer, message, channel)
 
-    def _refuse(self, peer: Peer, code: str, detail: str) -> None:
+    def _refuse(self, peer: Peer, message, code: str, detail: str) -> None:
+        """Count and log (with the sender's certified identity) a refused message, and tell the
+        sender; the connection's other traffic carries on."""
         self.stats.refused[code] = self.stats.refused.get(code, 0) + 1
-        log.warning("refused", peer=str(peer.identity), code=code, detail=detail)
+        self.metrics.refused_messages.labels(type(message).__name__, code).inc()
+        log.warning("refused", peer=str(peer.identity), type=type(message).__name__, code=code, detail=detail)
         try:
             peer.send_encoded(encode(ErrorReported(code, detail)))
         except ConnectionError:
             pass
 
-    def _own_worker(self, peer: Peer, worker: str) -> bool:
+    def _own_worker(self, peer: Peer, msg, worker: str) -> bool:
         """An agent may write only its own worker's fields."""
         if peer.identity.node_id != worker:
-            self._refuse(peer, "forbidden", f"agent {peer.identity.node_id} may not write worker {worker}'s fields")
+            self._refuse(peer, msg, "forbidden", f"agent {peer.identity.node_id} may not write worker {worker}'s fields")
             return False
         try:
             self.layout.slot(worker)
         except ValueError:
-            self._refuse(peer, "malformed", f"unknown worker {worker!r}: not in this cluster's config")
+            self._refuse(peer, msg, "malformed", f"unknown worker {worker!r}: not in this cluster's config")
             return False
         return True
 
     def _worker_registered(self, peer: Peer, msg: WorkerRegistered, channel: ChannelInfo) -> None:
-        if not self._own_worker(peer, msg.worker):
+        if not self._own_worker(peer, msg, msg.worker):
             return
         stream = self.workers.setdefault(msg.worker, _WorkerStream())
         if msg.incarnation < stream.incarnation:
-            self._refuse(peer, "malformed", f"incarnation {msg.incarnation} older than {stream.incarnation}")
+            self._refuse(peer, msg, "malformed", f"incarnation {msg.incarnation} older than {stream.incarnation}")
             return
         if msg.incarnation > stream.incarnation:
             if stream.incarnation >= 0:
@@ -187,16 +190,16 @@ class MaintenanceNode:
             stream.incarnation, stream.last_seq = msg.incarnation, -1
 
     def _events_reported(self, peer: Peer, msg: PrefixEventsReported, channel: ChannelInfo) -> None:
-        if not self._own_worker(peer, msg.worker):
+        if not self._own_worker(peer, msg, msg.worker):
             return
         stream = self.workers.get(msg.worker)
         if stream is None or stream.incarnation < 0:
-            self._refuse(peer, "malformed", f"worker {msg.worker} reported events before WorkerRegistered")
+            self._refuse(peer, msg, "malformed", f"worker {msg.worker} reported events before WorkerRegistered")
             return
         if msg.seq <= stream.last_seq:
             stream.stale_reports += 1
             self.stats.stale_reports += 1
-            self._refuse(peer, "malformed", f"stale or replayed report seq {msg.seq} for {msg.worker} "
+            self._refuse(peer, msg, "malformed", f"stale or replayed report seq {msg.seq} for {msg.worker} "
                                             f"(last applied {stream.last_seq}); ignored")
             return
         stream.last_seq = msg.seq
@@ -207,11 +210,11 @@ class MaintenanceNode:
             # The rest of the report was applied; tell the agent which events made no sense.
             shown = "; ".join(outcome.ignored[:3])
             more = f" (+{len(outcome.ignored) - 3} more)" if len(outcome.ignored) > 3 else ""
-            self._refuse(peer, "malformed", f"{len(outcome.ignored)} of {len(msg.events)} events of report "
+            self._refuse(peer, msg, "malformed", f"{len(outcome.ignored)} of {len(msg.events)} events of report "
                                             f"{msg.seq} ignored: {shown}{more}")
 
     def _worker_withdrawn(self, peer: Peer, msg: WorkerWithdrawn, channel: ChannelInfo) -> None:
-        if self._own_worker(peer, msg.worker):
+        if self._own_worker(peer, msg, msg.worker):
             self._applied(self.shard.withdraw_worker(msg.worker))
 
     def _applied(self, outcome) -> None:
@@ -239,7 +242,7 @@ class MaintenanceNode:
                 self.subscribers.pop(edge, None)
 
     def _subscribed(self, peer: Peer, msg: UpdatesSubscribed, channel: ChannelInfo) -> None:
-        if not self._own_edge(peer, msg.edge, msg.shard):
+        if not self._own_edge(peer, msg, msg.edge, msg.shard):
             return
         self._send_catch_up(peer, msg.epoch, msg.seq + 1)
         # Added after the catch-up was enqueued, so batches follow it in order.
@@ -247,15 +250,15 @@ class MaintenanceNode:
         log.info("edge subscribed", edge=msg.edge, epoch=msg.epoch, seq=msg.seq)
 
     def _resync_requested(self, peer: Peer, msg: ResyncRequested, channel: ChannelInfo) -> None:
-        if self._own_edge(peer, msg.edge, msg.shard):
+        if self._own_edge(peer, msg, msg.edge, msg.shard):
             self._send_catch_up(peer, msg.epoch, msg.from_seq)
 
-    def _own_edge(self, peer: Peer, edge: str, shard: int) -> bool:
+    def _own_edge(self, peer: Peer, msg, edge: str, shard: int) -> bool:
         if peer.identity.node_id != edge:
-            self._refuse(peer, "forbidden", f"edge {peer.identity.node_id} may not speak for {edge}")
+            self._refuse(peer, msg, "forbidden", f"edge {peer.identity.node_id} may not speak for {edge}")
             return False
         if shard != self.me.shard:
-            self._refuse(peer, "malformed", f"this unit owns shard {self.me.shard}, not {shard}")
+            self._refuse(peer, msg, "malformed", f"this unit owns shard {self.me.shard}, not {shard}")
             return False
         return True
 

@@ -19,6 +19,9 @@ class MaintenanceMetrics:
         self.events = Counter("kvcompass_index_events", "Index events from agents, by outcome", ["outcome"], registry=r)
         self.batches = Counter("kvcompass_update_batches_published", "Update batches pushed to edges", registry=r)
         self.snapshots = Counter("kvcompass_snapshots_sent", "Shard snapshots sent to edges", registry=r)
+        self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused, by message type and "
+                                        "reason (forbidden: the sender has no authority for it)",
+                                        ["message", "reason"], registry=r)
 
     def watch_tables(self, table_stats: Callable[[], list[dict]]) -> None:
         """Export ``MaintenanceShard.table_stats()`` (entries and load per region group), read
@@ -71,6 +74,9 @@ class EdgeMetrics:
         self.reused_tokens = Counter("kvcompass_reused_tokens", "Prefix tokens workers reported reusing", registry=r)
         self.retries = Counter("kvcompass_retries", "Requests retried on the next best worker", registry=r)
         self.migrations = Counter("kvcompass_migrations", "Hot-prefix migrations requested, by mode", ["mode"], registry=r)
+        self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
+                                        "authority for them (a shard it does not own, a region it is not in), by "
+                                        "message type", ["message"], registry=r)
 
     def watch_hot_prefixes(self, hot_misses: Callable[[], dict[tuple[str, str], int]]) -> None:
         """Export ``HotPrefixDetector.hot_misses`` (local misses of hot families by trigger and
@@ -106,6 +112,8 @@ class AgentMetrics:
         self.requests = Counter("kvcompass_forwarded_requests", "Forwarded requests run on the engine, by status", ["status"], registry=r)
         self.queue_ms = Gauge("kvcompass_engine_queue_ms", "Engine queueing delay estimate (ms)", registry=r)
         self.migrations = Counter("kvcompass_migrations_executed", "Migrations executed, by mode", ["mode"], registry=r)
+        self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
+                                        "authority for them, by message type", ["message"], registry=r)
 
 
 def start_metrics_server(address: str | None, registry: CollectorRegistry) -> None:

@@ -555,6 +555,24 @@ class RequestFailed(WireMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class RequestRejected(WireMessage):
+    """agent -> edge: the engine refused the request itself with a client error (HTTP
+    ``status``, e.g. 400 for bad sampling parameters) and ``message``. The client's error, not
+    the worker's: the edge answers the client with it and tries no other worker."""
+
+    request_id: str
+    worker: str
+    status: int
+    message: str
+    WIRE: ClassVar = {
+        "request_id": REQUEST_ID,
+        "worker": ID,
+        "status": Int(400, 499),
+        "message": Text(4 * KiB, allow_empty=True),
+    }
+
+
+@dataclass(frozen=True, slots=True)
 class PiggybackSent(WireMessage):
     """agent -> edges of its region (datagram): a response just carried this region's queue
     vector to ``to_region``, so the edges may skip their next broadcast there (paper §3.4)."""
@@ -617,6 +635,7 @@ Message = (
     | ResponseChunked
     | ResponseCompleted
     | RequestFailed
+    | RequestRejected
     | WorkerLoadReported
     | PiggybackSent
     | ErrorReported
@@ -669,6 +688,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(42, RequestFailed, 16 * KiB),
         _spec(43, WorkerLoadReported, 1 * KiB),
         _spec(44, PiggybackSent, 1 * KiB),
+        _spec(45, RequestRejected, 16 * KiB),
         _spec(50, ErrorReported, 16 * KiB),
         _spec(60, AdminQueried, 1 * MiB),
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
@@ -695,6 +715,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     ResponseChunked: frozenset({Role.AGENT}),
     ResponseCompleted: frozenset({Role.AGENT}),
     RequestFailed: frozenset({Role.AGENT}),
+    RequestRejected: frozenset({Role.AGENT}),
     WorkerLoadReported: frozenset({Role.AGENT}),
     PiggybackSent: frozenset({Role.AGENT}),
     ErrorReported: frozenset(Role),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvcompassd.core.config import (
     ClusterConfig,
     ConfigError,
+    DeadlineParams,
     IndexParams,
     RegionConfig,
     ScoreParams,
@@ -423,3 +424,28 @@ def test_worker_kv_events_topic_and_replay_endpoint() -> None:
         bad["workers"][0][field] = value
         with pytest.raises(ConfigError, match=fragment):
             parse_config(bad, "<t>")
+# ---------------------------------------------------------------- deadlines and authority
+
+
+def test_deadlines_default_parse_validate_and_round_trip() -> None:
+    assert parse_config(minimal()).deadlines == DeadlineParams()
+    data = minimal()
+    data["deadlines"] = {"first_token_floor_s": 0.5, "inter_token_s": 3, "suspect_initial_s": 2.0}
+    cfg = parse_config(data)
+    assert cfg.deadlines.inter_token_s == 3.0 and isinstance(cfg.deadlines.inter_token_s, float)
+    assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    for bad, field in [({"inter_token_s": 0}, "inter_token_s"), ({"first_token_factor": -1.0}, "first_token_factor"),
+                       ({"suspect_initial_s": 10.0, "suspect_max_s": 5.0}, "suspect_max_s"),
+                       ({"frist_token_floor_s": 1.0}, "frist_token_floor_s")]:
+        data["deadlines"] = bad
+        assert error_of(data).startswith(f"x.toml: [deadlines] field '{field}': ")
+
+
+def test_each_shard_has_the_owner_its_maintenance_unit_names() -> None:
+    data = minimal()
+    data["maintenance"] = [{"id": "mnt-x", "shard": 1}, {"id": "mnt-y", "shard": 0}]
+    data["edges"] = [{"id": "edge-b", "region": "b"}]
+    cfg = parse_config(data)
+    assert [cfg.shard_owner(s) for s in (0, 1, 2)] == ["mnt-y", "mnt-x", None]
+    assert cfg.edge_region("edge-b") == "b" and cfg.edge_region("mnt-x") is None
+    assert parse_config(minimal()).shard_owner(0) is None  # no units configured: nobody may write

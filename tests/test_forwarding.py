@@ -1,7 +1,10 @@
 """The edge's forwarding path over real QUIC: a request that has no first token yet moves to the
 next best worker when its agent's connection is gone, dies under it, or crawls (no first token
-within the deadline; the abandoned agent is told to stop). Two agents of the edge's own region,
-both reached over QUIC (``local_http=False``); idle and empty, they tie and a-0 is tried first.
+within the deadline; the abandoned agent is told to stop). After its first token a request that
+stalls ends with a 504 and the agent is told to stop; one whose client goes away is aborted at
+the agent; an engine's 4xx reaches the client as is, with no failover and no suspicion. Two
+agents of the edge's own region, both reached over QUIC (``local_http=False``); idle and empty,
+they tie and a-0 is tried first.
 
 Deadlines here are parameters of the path under test, not assertions on time.
 """
@@ -33,7 +36,14 @@ from kvcompassd.forwarding import (
 )
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import QuicNode, TransportOptions
-from kvcompassd.wire import NodeIdentity, RequestForwarded, ResponseChunked, ResponseCompleted, Role
+from kvcompassd.wire import (
+    NodeIdentity,
+    RequestForwarded,
+    RequestRejected,
+    ResponseChunked,
+    ResponseCompleted,
+    Role,
+)
 
 GUARD_S = 30.0  # hang guard only
 
@@ -49,8 +59,10 @@ def pki(tmp_path_factory):
 
 class Agent:
     """A real agent endpoint whose behaviour on a forwarded request is chosen by the test:
-    "serve" (two tokens, then completion), "stall" (never answer; wait to be aborted) or
-    "vanish" (close the whole node, like a process that died)."""
+    "serve" (two tokens, then completion), "stall" (never answer; wait to be aborted),
+    "stall_after_first" (one token, then nothing; wait to be aborted), "reject" (the engine's
+    400, as the agent passes it on) or "vanish" (close the whole node, like a process that
+    died)."""
 
     def __init__(self, pki, worker: str, behaviour: str):
         self.worker, self.behaviour = worker, behaviour
@@ -67,6 +79,12 @@ class Agent:
         if self.behaviour == "stall":
             await stream.wait_aborted()
             self.aborted.set()
+        elif self.behaviour == "stall_after_first":
+            await stream.send(ResponseChunked(message.request_id, (7,), "7", False))
+            await stream.wait_aborted()
+            self.aborted.set()
+        elif self.behaviour == "reject":
+            await stream.send(RequestRejected(message.request_id, self.worker, 400, REJECTION), end=True)
         elif self.behaviour == "vanish":
             await self.node.close()
         else:
@@ -76,6 +94,7 @@ class Agent:
                                                 "length", ()), end=True)
 
 
+REJECTION = "top_p must be in (0, 1], got 2.0."
 LONG_PROMPT = np.random.default_rng(8).integers(1, 30000, 2000, dtype=np.uint32)
 
 
@@ -109,7 +128,8 @@ async def edge(pki, request):
         peers: dict[str, object] = {}
         async with aiohttp.ClientSession() as session:
             forwarder = Forwarder("edge-a", router, peers.get, session, clock=lambda: 0.0, metrics=EdgeMetrics(),
-                                  local_http=False, first_token_floor_s=0.5, first_token_factor=0.0)
+                                  local_http=False, first_token_floor_s=0.5, first_token_factor=0.0,
+                                  inter_token_s=0.5)
             forwarder.peers, forwarder.node, forwarder.agents = peers, node, []
             try:
                 yield forwarder
@@ -207,3 +227,50 @@ async def test_every_worker_is_tried_once_before_the_request_fails(pki, edge):
         await run(edge)
     assert failure.value.status == 503
     assert "a-0: no first token" in str(failure.value) and "a-1: transport" in str(failure.value)
+
+
+async def test_an_engine_rejection_is_the_clients_error_with_no_failover_and_no_suspicion(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "reject", "a-1": "serve"})
+    with pytest.raises(ForwardError) as failure:
+        await run(edge)
+    assert failure.value.status == 400 and str(failure.value) == REJECTION
+    assert agents["a-0"].received == ["r1"] and agents["a-1"].received == []
+    assert len(edge.suspects) == 0 and edge.metrics.retries._value.get() == 0  # a-0 did nothing wrong
+
+
+async def test_a_stream_that_stalls_after_its_first_token_ends_with_a_504_and_the_agent_is_told(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "stall_after_first", "a-1": "serve"})
+    request = ForwardRequest("r1", np.arange(1, 40, dtype=np.uint32), {"max_new_tokens": 2}, True)
+    received = []
+    with pytest.raises(ForwardError) as failure:
+        async with asyncio.timeout(GUARD_S):
+            async for item in edge.generate(request):
+                received.append(item)
+    assert [t.token_ids for t in received] == [(7,)]  # what the client already has stays its own
+    assert failure.value.status == 504 and "no output for 0.5 s" in str(failure.value)
+    assert agents["a-1"].received == []  # a request with output cannot move
+    async with asyncio.timeout(GUARD_S):
+        await agents["a-0"].aborted.wait()
+    assert edge.suspects.current(now=0.0) == {edge.router.layout.worker_index("a-0")}
+
+
+async def test_a_client_that_goes_away_aborts_the_request_at_the_agent(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "stall_after_first", "a-1": "serve"})
+    request = ForwardRequest("r1", np.arange(1, 40, dtype=np.uint32), {"max_new_tokens": 2}, True)
+    stream = edge.generate(request)
+    async with asyncio.timeout(GUARD_S):
+        first = await anext(stream)
+        assert first.token_ids == (7,)
+        await stream.aclose()  # what the front door does when its client disconnects
+        await agents["a-0"].aborted.wait()
+    assert len(edge.suspects) == 0  # the client left; the worker did nothing wrong
+
+
+async def test_suspicion_ends_when_the_worker_is_back(pki, edge):
+    await start_agents(pki, edge, {"a-0": "stall", "a-1": "serve"})
+    await run(edge, "r1")
+    a0 = edge.router.layout.worker_index("a-0")
+    assert edge.suspects.current(now=0.0) == {a0}
+    edge.worker_back("a-0", "agent connected")
+    assert edge.suspects.current(now=0.0) == set()
+    edge.worker_back("nobody", "unknown workers are ignored")

@@ -8,7 +8,10 @@ its role may not) connects straight to the daemons' QUIC addresses and checks th
   cannot write another worker's fields), with ErrorReported to the sender, no state change,
   and the connection still usable for what the role may do;
 - malformed frames, unknown workers, stale or replayed report seqs and events for prefixes
-  never stored are refused with a clear error and change nothing.
+  never stored are refused with a clear error and change nothing;
+- a maintenance unit's certificate may write only its own shard's views at an edge, and an
+  edge's certificate may speak only for its own region's queues: the rest is refused, logged
+  with the sender's identity and counted, and the connection's other traffic carries on.
 
 Every "no state change" check compares a maintenance unit's exact state (``entries``: every
 (key, value) of every region group, plus its seq) before and after, once the unit is quiet.
@@ -17,13 +20,15 @@ Every "no state change" check compares a maintenance unit's exact state (``entri
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 
 import msgpack
 import pytest
 import pytest_asyncio
 
-from e2e_helpers import admin, doc, eventually
+from e2e_helpers import admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier, TierChanged
@@ -34,6 +39,7 @@ from kvcompassd.transport.framing import HEADER, HEADER_AFTER_LENGTH
 from kvcompassd.wire import (
     PROTOCOL_VERSION,
     ErrorReported,
+    QueueVectorBroadcast,
     NodeIdentity,
     PrefixEventsReported,
     ResyncRequested,
@@ -380,6 +386,123 @@ async def test_impostor_connection_still_writes_its_own_fields(impostor, dep):
         return (await admin(dep, "mnt-0", "holders", {"key": KEY_A}))["holders"] == {}
 
     await eventually(evicted)
+
+
+# -- authority per shard and per region ---------------------------------------------------------
+
+
+async def _shard_snapshot(dep, unit: str, shard: int) -> ShardSnapshotSent:
+    """The unit's current snapshot of ``shard``, as an edge subscribing from scratch gets it."""
+    listener = await probe(dep, "edge-probe", dep.cfg.maintenance[shard].quic, Role.EDGE)
+    try:
+        await listener.send(UpdatesSubscribed("edge-probe", shard, 0, -1))
+        return await listener.next(ShardSnapshotSent)
+    finally:
+        await listener.close()
+
+
+def _edge_log(dep, edge: str, event: str) -> list[dict]:
+    out = []
+    for line in dep.node("edge", edge).log_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            out.append(record)
+    return out
+
+
+async def _refused(dep, region: str, message: str) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(dep.edge_url(region) + "/metrics") as r:
+        text = await r.text()
+    prefix = f'kvcompass_refused_messages_total{{message="{message}"}} '
+    return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+
+async def _edge_position(dep, edge: str, shard: int) -> tuple[int, int]:
+    row = next(r for r in (await admin(dep, edge, "views"))["views"] if r["shard"] == shard)
+    return row["epoch"], row["seq"]
+
+
+async def test_a_unit_cannot_write_another_units_shard_at_an_edge_and_keeps_its_own(dep):
+    # mnt-1 owns shard 1. With its certificate: shard 0's real snapshot at the same epoch and a
+    # huge seq (installed, it would make the edge ignore mnt-0's batches for good), then a batch
+    # for shard 0 at the next seq.
+    real = await _shard_snapshot(dep, "mnt-0", 0)
+    own = await _shard_snapshot(dep, "mnt-1", 1)
+    refused_snapshots = await _refused(dep, "us", "ShardSnapshotSent")
+    refused_batches = await _refused(dep, "us", "UpdateBatchPublished")
+    snapshots_logged = len(_edge_log(dep, "edge-us", "snapshot"))
+    rogue = await probe(dep, "mnt-1", dep.cfg.edges_in("us")[0].quic)
+    try:
+        await rogue.send(dataclasses.replace(real, seq=real.seq + 10**12))
+        await rogue.send(UpdateBatchPublished(0, real.epoch, real.seq + 1, ()))
+
+        async def both_refused():
+            return (await _refused(dep, "us", "ShardSnapshotSent") == refused_snapshots + 1
+                    and await _refused(dep, "us", "UpdateBatchPublished") == refused_batches + 1)
+
+        await eventually(both_refused, timeout=REPLY_TIMEOUT)
+        refusals = _edge_log(dep, "edge-us", "message refused")[-2:]
+        assert {r["peer"] for r in refusals} == {"maintenance:mnt-1"}
+        assert (await _edge_position(dep, "edge-us", 0))[1] < real.seq + 10**12
+        # The same connection still writes mnt-1's own shard.
+        await rogue.send(own)
+        await eventually(lambda: _logged_more(dep, "snapshot", snapshots_logged), timeout=REPLY_TIMEOUT)
+        assert _edge_log(dep, "edge-us", "snapshot")[-1]["shard"] == 1
+    finally:
+        await rogue.close()
+    # mnt-0's batches still reach the edge: new entries of shard 0 converge.
+    await _engine_generate(dep, "us-0", doc(7301, 900))
+    await assert_views_converged(dep, timeout=30)
+
+
+async def _logged_more(dep, event: str, count: int) -> bool:
+    return len(_edge_log(dep, "edge-us", event)) > count
+
+
+async def test_an_edge_cannot_speak_for_another_regions_queues(dep):
+    # edge-eu claims region us's queues at edge-us; an edge certificate the config does not
+    # name claims region eu's.
+    refused = await _refused(dep, "us", "QueueVectorBroadcast")
+    lie = 99_999.0
+    claims = [("edge-eu", QueueVectorBroadcast("us", "us", time.time() + 1e6, (("us-0", lie),))),
+              ("edge-rogue", QueueVectorBroadcast("eu", "us", time.time() + 1e6, (("eu-0", lie),)))]
+    liars = [await probe(dep, node_id, dep.cfg.edges_in("us")[0].quic, Role.EDGE) for node_id, _ in claims]
+    try:
+        for liar, (_, claim) in zip(liars, claims):
+            await liar.send(claim)
+
+        async def both_refused():
+            return await _refused(dep, "us", "QueueVectorBroadcast") == refused + 2
+
+        await eventually(both_refused, timeout=REPLY_TIMEOUT)
+    finally:
+        for liar in liars:
+            await liar.close()
+    assert {r["peer"] for r in _edge_log(dep, "edge-us", "message refused")[-2:]} == {"edge:edge-eu",
+                                                                                      "edge:edge-rogue"}
+    queues = (await admin(dep, "edge-us", "queues"))["workers"]
+    assert all(w["reported_ms"] < lie for w in queues)
+
+
+async def test_an_agent_takes_its_regions_queue_vector_only_from_its_regions_edges(dep):
+    # The agent piggybacks this vector on its responses to other regions: edge-eu may not set it.
+    liar = await probe(dep, "edge-eu", dep.cfg.worker("us-0").agent, Role.EDGE)
+    try:
+        await liar.send(QueueVectorBroadcast("us", "us", time.time() + 1e6, (("us-1", 99_999.0),)))
+
+        async def refused():
+            log = dep.node("agent", "us-0").log_path.read_text(errors="replace")
+            return '"peer": "edge:edge-eu"' in log and '"event": "message refused"' in log
+
+        await eventually(refused, timeout=REPLY_TIMEOUT)
+    finally:
+        await liar.close()
+    assert (await admin(dep, "us-0", "status"))["region_vector"].get("us-1", 0.0) < 99_999.0
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -244,3 +244,80 @@ def test_a_full_worker_keeps_its_shadow_and_drops_it_once_a_slot_frees():
     model.advance(now=0.3)  # a, c done; b decoding alone
     assert model.queue_ms(now=0.3) == pytest.approx(0.0)
     assert model._shadow is None
+
+
+# -- abort: a client that went away ------------------------------------------------------------
+
+ONE_SLOT = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.0, max_running=1)
+
+
+def test_an_aborted_waiting_request_changes_nothing_for_the_others() -> None:
+    with_abort, without = WorkerQueueModel(ONE_SLOT), WorkerQueueModel(ONE_SLOT)
+    for model in (with_abort, without):
+        model.admit("a", 10, 0, 0, 3, now=0.0)
+    with_abort.admit("gone", 50, 0, 0, 5, now=0.0)
+    for model in (with_abort, without):
+        model.admit("c", 10, 0, 0, 2, now=0.001)
+    with_abort.advance(now=0.002)
+    pending = with_abort.pending_prefill_tokens
+    assert with_abort.waiting == 2
+    assert with_abort.abort("gone", now=0.002)
+    assert with_abort.waiting == 1 and with_abort.pending_prefill_tokens == pending - 50
+    assert drain(with_abort) == drain(without)
+
+
+def test_an_aborted_decoding_request_frees_its_slot_for_the_next_at_once() -> None:
+    model = WorkerQueueModel(ONE_SLOT)
+    model.admit("gone", 10, 0, 0, 100, now=0.0)  # first token at 10 ms, then 990 ms of decoding
+    model.admit("b", 10, 0, 0, 1, now=0.0)
+    assert model.advance(now=0.05) == [FirstTokenProduced("gone", pytest.approx(0.01))]
+    assert model.abort("gone", now=0.05)
+    assert (model.running, model.waiting) == (1, 0)
+    assert drain(model) == [FirstTokenProduced("b", pytest.approx(0.06)), RequestFinished("b", pytest.approx(0.06))]
+    assert model.next_event_time() is None
+
+
+def test_an_aborted_prefill_stops_and_reports_nothing() -> None:
+    model = WorkerQueueModel(ONE_SLOT)
+    model.admit("gone", 100, 0, 0, 2, now=0.0)  # prefill until 100 ms
+    model.advance(now=0.03)
+    assert model.abort("gone", now=0.03)
+    assert model.running == 0 and model.pending_prefill_tokens == 0 and drain(model) == []
+
+
+def test_abort_of_a_finished_or_unknown_request_is_a_no_op() -> None:
+    model = WorkerQueueModel(ONE_SLOT)
+    model.admit("a", 10, 0, 0, 1, now=0.0)
+    events = drain(model)
+    assert not model.abort("a", now=1.0) and not model.abort("never", now=1.0)
+    assert [type(e) for e in events] == [FirstTokenProduced, RequestFinished]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.2), st.integers(1, 3000), st.integers(1, 40), st.booleans()),
+                min_size=1, max_size=30), st.integers(1, 4), st.data())
+def test_aborts_anywhere_leave_a_consistent_model_that_serves_everyone_else(arrivals, max_running, data) -> None:
+    """Requests aborted in any state at any time never report again, the queue counters match
+    a recount, and every other request still gets its first token and its end, in order."""
+    model = WorkerQueueModel(WorkerTiming(max_running=max_running))
+    now, events, live, aborted = 0.0, [], [], set()
+    for i, (gap, prompt, out, abort_one) in enumerate(arrivals):
+        now += gap
+        events += model.advance(now=now)
+        model.admit(f"r{i}", prompt, 0, 0, out, now=now)
+        live.append(f"r{i}")
+        if abort_one:
+            victim = data.draw(st.sampled_from(live))
+            if model.abort(victim, now=now):
+                aborted.add(victim)
+            live.remove(victim)
+        queued = sum(r.uncached for r in (*model._waiting, *model._admitted))
+        assert model._queued_uncached == queued
+        assert model.running <= max_running and model.running + model.waiting == len(model._ids)
+    events += drain(model)
+    after_abort = [e for e in events if e.request_id in aborted]
+    assert all(isinstance(e, FirstTokenProduced) for e in after_abort)  # never a finish
+    for request_id in live:
+        kinds = [type(e) for e in events if e.request_id == request_id]
+        assert kinds == [FirstTokenProduced, RequestFinished]
+    assert model.running == model.waiting == model.pending_prefill_tokens == 0

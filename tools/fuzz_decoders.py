@@ -244,6 +244,7 @@ def wire_samples() -> list[bytes]:
         wire.ResponseChunked("req-1", (9, 10), "hello", False),
         wire.ResponseCompleted("req-1", "us-0", 16, 32, 4, "stop", (("us-0", 1.0),)),
         wire.RequestFailed("req-1", "us-0", "engine down", True),
+        wire.RequestRejected("req-1", "us-0", 400, "top_p must be in (0, 1], got 2.0."),
         wire.WorkerLoadReported("us-0", 12.5, 3, 1),
         wire.PiggybackSent("us-0", "eu"),
         wire.ErrorReported("malformed", "bad"),

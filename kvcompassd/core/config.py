@@ -358,6 +358,37 @@ class ScoreParams:
             _as_float(self, name)
 
 
+@dataclass(frozen=True, slots=True)
+class DeadlineParams:
+    """How long the edge waits on a worker (``[deadlines]``).
+
+    Before the first token a late worker costs the request only a failover to the next best:
+    the deadline is ``first_token_factor`` times what the score expected, never under
+    ``first_token_floor_s``. After it the request cannot move, so a gap of ``inter_token_s``
+    between two pieces of output ends it with an error instead of a hang. A worker that failed
+    is left out of decisions for ``suspect_initial_s``, doubling per further failure up to
+    ``suspect_max_s``, or until its agent or load reports say it is back.
+    ``view_copy_timeout_s`` bounds a bootstrap from a peer edge's views."""
+
+    first_token_floor_s: float = 2.0
+    first_token_factor: float = 4.0
+    inter_token_s: float = 2.0
+    suspect_initial_s: float = 5.0
+    suspect_max_s: float = 60.0
+    view_copy_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("first_token_floor_s", "inter_token_s", "suspect_initial_s", "suspect_max_s",
+                     "view_copy_timeout_s"):
+            _check_float(name, getattr(self, name), lo=0.0, lo_open=True)
+        _check_float("first_token_factor", self.first_token_factor, lo=0.0)
+        if self.suspect_max_s < self.suspect_initial_s:
+            _fail("suspect_max_s", f"must be at least suspect_initial_s ({self.suspect_initial_s}), "
+                                   f"got {self.suspect_max_s}")
+        for name in _field_names(DeadlineParams):
+            _as_float(self, name)
+
+
 # ---------------------------------------------------------------- latency derivation
 
 
@@ -485,6 +516,7 @@ class ClusterConfig:
     index: IndexParams = field(default_factory=IndexParams)
     score: ScoreParams = field(default_factory=ScoreParams)
     links: tuple[LinkConfig, ...] = ()
+    deadlines: DeadlineParams = field(default_factory=DeadlineParams)
     _one_way: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _workers_by_id: dict[str, WorkerConfig] = field(init=False, repr=False, compare=False)
     _workers_by_region: dict[str, tuple[WorkerConfig, ...]] = field(init=False, repr=False, compare=False)
@@ -512,6 +544,8 @@ class ClusterConfig:
             raise ConfigError(f"expected IndexParams, got {type(self.index).__name__}", table="[index]")
         if not isinstance(self.score, ScoreParams):
             raise ConfigError(f"expected ScoreParams, got {type(self.score).__name__}", table="[score]")
+        if not isinstance(self.deadlines, DeadlineParams):
+            raise ConfigError(f"expected DeadlineParams, got {type(self.deadlines).__name__}", table="[deadlines]")
 
         self._check_entries("[[regions]]", self.regions, RegionConfig)
         self._check_entries("[[workers]]", self.workers, WorkerConfig)
@@ -638,6 +672,21 @@ class ClusterConfig:
         except KeyError:
             raise KeyError(f"unknown region {region!r}") from None
 
+    # -- authority: who may speak for a shard or a region ------------------------------------
+
+    def shard_owner(self, shard: int) -> str | None:
+        """The id of the maintenance unit owning ``shard`` (its ``[[maintenance]]`` entry names
+        it; construction checks every shard has exactly one), or None in a config without
+        maintenance units."""
+        for unit in self.maintenance:
+            if unit.shard == shard:
+                return unit.id
+        return None
+
+    def edge_region(self, edge_id: str) -> str | None:
+        """The region of edge ``edge_id``, or None if the config has no such edge."""
+        return next((e.region for e in self.edges if e.id == edge_id), None)
+
     def worker(self, worker_id: str) -> WorkerConfig:
         try:
             return self._workers_by_id[worker_id]
@@ -653,7 +702,7 @@ class ClusterConfig:
 
 # ---------------------------------------------------------------- parsing
 
-_TOP_LEVEL = ("cluster", "index", "score", "regions", "links", "workers", "edges", "maintenance")
+_TOP_LEVEL = ("cluster", "index", "score", "regions", "links", "workers", "edges", "maintenance", "deadlines")
 _CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms", "max_datagram_size")
 
 
@@ -717,6 +766,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
 
     index = _build(IndexParams, _table(data, "index", "[index]"), "[index]")
     score = _build(ScoreParams, _table(data, "score", "[score]"), "[score]")
+    deadlines = _build(DeadlineParams, _table(data, "deadlines", "[deadlines]"), "[deadlines]")
     regions = [_build(RegionConfig, raw, f"[[regions]] #{i}") for i, raw in enumerate(_array(data, "regions"), 1)]
     links = [_build(LinkConfig, raw, f"[[links]] #{i}", allowed=("between", "one_way_ms"))
              for i, raw in enumerate(_array(data, "links"), 1)]
@@ -738,6 +788,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
         index=index,
         score=score,
         links=tuple(links),
+        deadlines=deadlines,
     )
 
 
@@ -799,7 +850,7 @@ def dump_config(cfg: ClusterConfig) -> str:
     """
     lines = ["[cluster]"]
     _emit(lines, cfg, _CLUSTER_KEYS)
-    for title, obj in (("index", cfg.index), ("score", cfg.score)):
+    for title, obj in (("index", cfg.index), ("score", cfg.score), ("deadlines", cfg.deadlines)):
         lines += ["", f"[{title}]"]
         _emit(lines, obj, _field_names(type(obj)))
     for region in cfg.regions:

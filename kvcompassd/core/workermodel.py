@@ -186,6 +186,29 @@ class WorkerQueueModel:
             else:
                 self._shadow = None  # a slot is free: queue_ms needs no look-ahead
 
+    def abort(self, request_id: str, *, now: float) -> bool:
+        """The request's client went away at ``now`` (SGLang aborts it): it leaves the queue,
+        its slot or the GPU and reports no more events. Returns whether it was still in the
+        model (False once it finished)."""
+        self._run_until(now)
+        if request_id not in self._ids:
+            return False
+        self._ids.discard(request_id)
+        self._shadow = None  # its run-ahead held the request
+        self._outbox = [e for e in self._outbox if e.request_id != request_id]
+        for queue in (self._waiting, self._admitted):
+            request = next((r for r in queue if r.request_id == request_id), None)
+            if request is not None:
+                queue.remove(request)
+                self._queued_uncached -= request.uncached
+                return True
+        if self._prefill is not None and self._prefill.request.request_id == request_id:
+            self._prefill = None
+        elif self._decoding.pop(request_id, None) is not None:
+            self._fewest_left = None
+        self._run_until(now)  # the freed slot or GPU goes to the next request at once
+        return True
+
     def advance(self, *, now: float) -> list[WorkerEvent]:
         """Run the model up to ``now``; return the events that happened, in time order."""
         self._run_until(now)

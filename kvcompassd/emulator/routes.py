@@ -9,8 +9,10 @@ reuse in ``usage.prompt_tokens_details.cached_tokens``; ``/v1/loads`` is SGLang'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -68,6 +70,32 @@ def _count(value: Any, what: str, default: int, limit: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
         raise BadRequest(f"{what} must be an int in [1, {limit}], got {value!r}")
     return value
+
+
+# SGLang's SamplingParams.verify ranges (sglang/srt/sampling/sampling_params.py, Apache-2.0):
+# name -> (low, high, low inclusive, its message). An engine refuses these with a 400, which the
+# edge must pass to its client as the client's error.
+_SAMPLING_RANGES = {
+    "temperature": (0.0, math.inf, True, "temperature must be a non-negative finite number, got {}."),
+    "top_p": (0.0, 1.0, False, "top_p must be in (0, 1], got {}."),
+    "min_p": (0.0, 1.0, True, "min_p must be in [0, 1], got {}."),
+    "frequency_penalty": (-2.0, 2.0, True, "frequency_penalty must be in [-2, 2], got {}."),
+    "presence_penalty": (-2.0, 2.0, True, "presence_penalty must be in [-2, 2], got {}."),
+    "repetition_penalty": (0.0, 2.0, False, "repetition_penalty must be in (0, 2] (1.0 = no penalty), got {}."),
+}
+
+
+def check_sampling_ranges(params: dict[str, Any]) -> None:
+    """Refuse sampling parameters out of the ranges SGLang accepts, with SGLang's messages."""
+    for name, (low, high, low_inclusive, message) in _SAMPLING_RANGES.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest(f"{name} must be a number, got {value!r}")
+        above_low = value >= low if low_inclusive else value > low
+        if not (math.isfinite(value) and above_low and value <= high):
+            raise BadRequest(message.format(float(value)))
 
 
 def server_info(engine: EmulatedEngine) -> dict[str, Any]:
@@ -166,6 +194,7 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise BadRequest("sampling_params must be an object")
+    check_sampling_ranges(params)
     s = engine.settings
     max_new = _count(params.get("max_new_tokens"), "max_new_tokens", s.default_max_new_tokens, s.max_new_tokens_limit)
     rid = body.get("rid") or uuid.uuid4().hex
@@ -178,8 +207,10 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
 
     if body.get("stream"):
         response = await _sse_start(request)
-        async for g in engine.generate(gen, stream=True):
-            await _sse_send(response, shape(g))
+        # aclosing: a write to a client that went away ends the request in the engine now.
+        async with contextlib.aclosing(engine.generate(gen, stream=True)) as outputs:
+            async for g in outputs:
+                await _sse_send(response, shape(g))
         await _sse_send(response, None)
         return response
     async for _ in engine.generate(gen, stream=False):

@@ -239,8 +239,12 @@ class EmulatedEngine:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(delay):
                             await self._wake.wait()
+            # Woken early (an arrival, an abort): the model runs to the present only. Running it
+            # to the stale ``due`` would jump its clock ahead, e.g. past an aborted request's end.
+            woken = self._wake.is_set()
             self._wake.clear()
-            for event in self.model.advance(now=max(self.model_now(), due or 0.0)):
+            now = self.model_now()
+            for event in self.model.advance(now=now if woken else max(now, due or 0.0)):
                 futures = self._waiters.get(event.request_id)
                 if futures is None:
                     continue
@@ -297,6 +301,10 @@ class EmulatedEngine:
             self._account(gen)
             yield gen
         finally:
+            if self.delays and not gen.finished and self.model.abort(gen.rid, now=self.model_now()):
+                # Closed early (the client disconnected, as SGLang notices): the request
+                # stops holding its slot and the GPU.
+                self._wake.set()
             self._waiters.pop(gen.rid, None)
             self.cache.unlock(lease)
             self.inflight -= 1
@@ -381,7 +389,8 @@ class EmulatedWorker:
         from kvcompassd.emulator.routes import build_app  # the HTTP layer imports this module
 
         app = build_app(self.engine)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        # handler_cancellation: a client that disconnects cancels its request, as in SGLang.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.host, s.port)
         await site.start()

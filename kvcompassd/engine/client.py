@@ -7,9 +7,10 @@ tokens whose prefix keys the index holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
 
 import aiohttp
 
@@ -44,6 +45,46 @@ class EngineError(Exception):
     """The engine failed or answered something unusable."""
 
 
+class EngineRejected(EngineError):
+    """The engine refused the request itself (bad sampling parameters, a prompt over its
+    context): the client's error, which every other worker would repeat. ``status`` is the
+    engine's HTTP status, ``message`` its own words."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"engine rejected the request (HTTP {status}): {message}")
+        self.status = status
+        self.message = message
+
+
+# The statuses that blame the request, not the worker. Others of the 4xx range say something
+# about this engine (401/403 its credentials, 404 its URL, 408 its time, 429 its load): the
+# next worker may well serve the same request.
+CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
+MAX_ERROR_MESSAGE = 1000  # characters of an engine's error message passed on
+
+
+def error_message(body: str) -> str:
+    """The message of an engine's error body: SGLang's ``{"error": {"message": ...}}`` (or a
+    bare string under ``error``), FastAPI's ``{"detail": ...}``, else the text itself."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:MAX_ERROR_MESSAGE]
+    message = data
+    if isinstance(data, dict):
+        error = data.get("error", data.get("detail", data.get("message", data)))
+        message = error.get("message", error) if isinstance(error, dict) else error
+    if not isinstance(message, str):
+        message = json.dumps(message, separators=(",", ":"))
+    return message[:MAX_ERROR_MESSAGE]
+
+
+def _failure(status: int, body: str) -> EngineError:
+    if status in CLIENT_ERROR_STATUSES:
+        return EngineRejected(status, error_message(body))
+    return EngineError(f"engine answered HTTP {status}: {body[:300]}")
+
+
 def finished_from_meta(meta: dict, prompt_tokens: int, completion_tokens: int) -> EngineFinished:
     finish = meta.get("finish_reason")
     if isinstance(finish, dict):  # SGLang reports {"type": "length", "length": n}
@@ -70,17 +111,21 @@ class EngineClient:
         if rid:
             body["rid"] = rid
         try:
+            # Leaving this block before the end (the caller closed this generator: its client
+            # went away, or a deadline passed) closes the connection, which SGLang and the
+            # emulated worker take as an abort of the request.
             async with self.session.post(f"{self.base}/generate", json=body) as resp:
                 if resp.status != 200:
-                    raise EngineError(f"engine answered HTTP {resp.status}: {(await resp.text())[:300]}")
+                    raise _failure(resp.status, (await resp.content.read(64 * 1024)).decode("utf-8", "replace"))
                 if not stream:
                     data = await resp.json(content_type=None)
                     ids = tuple(int(t) for t in data.get("output_ids") or ())
                     yield EngineOutput(ids, str(data.get("text", "")))
                     yield finished_from_meta(data.get("meta_info") or {}, len(input_ids), len(ids))
                     return
-                async for item in _stream(resp, len(input_ids)):
-                    yield item
+                async with contextlib.aclosing(_stream(resp, len(input_ids))) as items:
+                    async for item in items:
+                        yield item
         except aiohttp.ClientError as exc:
             raise EngineError(f"engine unreachable: {exc}") from exc
         except ValueError as exc:
@@ -127,6 +172,20 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     return EngineLoad(running, waiting, pending, max(0.0, queue_ms))
 
 
+def _raise_if_aborted(meta) -> None:
+    """SGLang ends a streamed request it refuses after admission (a prompt over the context
+    length, say) with an ``abort`` finish reason in an ordinary chunk: with a 4xx
+    ``status_code`` that is the client's error; without one, or a 5xx, the engine's."""
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if not isinstance(finish, dict) or finish.get("type") != "abort":
+        return
+    status = finish.get("status_code")
+    message = str(finish.get("message") or "aborted")[:MAX_ERROR_MESSAGE]
+    if isinstance(status, int) and not isinstance(status, bool) and status in CLIENT_ERROR_STATUSES:
+        raise EngineRejected(status, message)
+    raise EngineError(f"engine aborted the request (status {status}): {message}")
+
+
 async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
     """SGLang's streamed ``/generate``: SSE ``data:`` lines with cumulative ``text`` and
     ``output_ids`` (incremental in builds with incremental streaming), ending with ``[DONE]``."""
@@ -141,6 +200,15 @@ async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
         if payload == b"[DONE]":
             break
         chunk = json.loads(payload)
+        if not isinstance(chunk, dict):
+            raise EngineError("engine sent a streamed chunk that is not a JSON object")
+        if "error" in chunk:
+            # SGLang reports a request it refuses after the 200 headers as an error event.
+            error = chunk["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            status = code if isinstance(code, int) and not isinstance(code, bool) else 400
+            raise _failure(status, json.dumps(chunk))
+        _raise_if_aborted(chunk.get("meta_info"))
         text = str(chunk.get("text", ""))
         ids = [int(t) for t in chunk.get("output_ids") or ()]
         if text.startswith(text_sent):

@@ -1,0 +1,151 @@
+"""The SGLang HTTP client against the emulated worker on loopback: an engine's refusal of the
+request (a 400 before the stream, or SGLang's error event inside it) is ``EngineRejected`` with
+the engine's own message; other failures stay ``EngineError`` (a worker failure); closing the
+generator mid-stream aborts the request in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcompassd.core.workermodel import WorkerTiming
+from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
+from kvcompassd.engine.client import (
+    EngineClient,
+    EngineError,
+    EngineOutput,
+    EngineRejected,
+    error_message,
+)
+
+GUARD_S = 30.0  # hang guard only
+
+
+def settings(**overrides) -> EmulatorSettings:
+    values = {"port": 0, "kv_events_endpoint": "tcp://127.0.0.1:*", "kv_replay_endpoint": "tcp://127.0.0.1:*",
+              "block_size": 16, "vram_kv_tokens": 4096, "dram_kv_tokens": 4096, "time_scale": 0.0, "worker_id": "emu-c"}
+    return EmulatorSettings(**{**values, **overrides})
+
+
+@contextlib.asynccontextmanager
+async def emulated(**overrides):
+    worker = EmulatedWorker(settings(**overrides))
+    await worker.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield worker, EngineClient(worker.http_url, session)
+    finally:
+        await worker.stop()
+
+
+async def collect(engine: EngineClient, params: dict, *, stream: bool) -> list:
+    async with asyncio.timeout(GUARD_S):
+        return [item async for item in engine.generate(list(range(1, 40)), params, stream=stream, rid="r1")]
+
+
+# Error bodies exactly as SGLang's http_server.py (Apache-2.0) writes them: _create_error_response
+# for a refused non-streamed request, stream_results' event for one refused inside a stream, and
+# FastAPI's body for a request that fails its schema.
+SGLANG_ERROR = b'{"error":{"message":"top_p must be in (0, 1], got 2.0."}}'
+SGLANG_STREAM_ERROR = (b'data: {"error":{"message":"min_p must be in [0, 1], got 3.0.","type":"invalid_request_error",'
+                       b'"code":400,"retryable":false}}\n\ndata: [DONE]\n\n')
+# A request SGLang's scheduler refuses after admission, streamed: an ordinary chunk whose finish
+# reason is FINISH_ABORT(...).to_json() (schedule_batch.py).
+SGLANG_STREAM_ABORT = (b'data: {"text":"","output_ids":[],"meta_info":{"id":"r1","finish_reason":{"type":"abort",'
+                       b'"message":"The input (5000 tokens) is longer than the model\'s context length (4096 tokens).",'
+                       b'"status_code":400,"err_type":"BadRequestError"},"prompt_tokens":5000,"completion_tokens":0,'
+                       b'"cached_tokens":0}}\n\ndata: [DONE]\n\n')
+SGLANG_STREAM_ABORT_NO_STATUS = (b'data: {"text":"","output_ids":[],"meta_info":{"id":"r1","finish_reason":'
+                                 b'{"type":"abort","message":"Abort in waiting queue"},"prompt_tokens":5,'
+                                 b'"completion_tokens":0,"cached_tokens":0}}\n\ndata: [DONE]\n\n')
+FASTAPI_422 = b'{"detail":[{"type":"missing","loc":["body","rid"],"msg":"Field required"}]}'
+
+
+def test_error_messages_are_read_from_each_engine_shape():
+    assert error_message(SGLANG_ERROR.decode()) == "top_p must be in (0, 1], got 2.0."
+    assert error_message('{"error": "bare text"}') == "bare text"
+    assert "Field required" in error_message(FASTAPI_422.decode())
+    assert error_message("not json at all\n") == "not json at all"
+    assert len(error_message("x" * 10_000)) == 1000
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=4), max_leaves=12)
+
+
+@given(st.one_of(st.text(max_size=3000), json_values.map(json.dumps),
+                 json_values.map(lambda v: json.dumps({"error": v})), json_values.map(lambda v: json.dumps({"detail": v}))))
+def test_any_error_body_gives_a_bounded_message(body):
+    message = error_message(body)
+    assert isinstance(message, str) and len(message) <= 1000
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refused_request_is_the_clients_error_with_the_engines_message(stream):
+    async with emulated() as (_, engine):
+        with pytest.raises(EngineRejected) as refused:
+            await collect(engine, {"max_new_tokens": 2, "top_p": 2.0}, stream=stream)
+    assert refused.value.status == 400 and refused.value.message == "top_p must be in (0, 1], got 2.0."
+
+
+async def serve_bytes(status: int, body: bytes, content_type: str):
+    async def handler(request):
+        return web.Response(status=status, body=body, content_type=content_type)
+
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+@pytest.mark.parametrize(("status", "body", "content_type", "rejected"), [
+    (200, SGLANG_STREAM_ERROR, "text/event-stream", 400),
+    (200, SGLANG_STREAM_ABORT, "text/event-stream", 400),
+    (200, SGLANG_STREAM_ABORT_NO_STATUS, "text/event-stream", None),  # the engine's own doing
+    (400, SGLANG_ERROR, "application/json", 400),
+    (422, FASTAPI_422, "application/json", 422),
+    (429, b'{"error":{"message":"too many requests"}}', "application/json", None),  # this engine's load
+    (503, b'{"error":{"message":"overloaded"}}', "application/json", None),
+])
+async def test_which_engine_answers_blame_the_request(status, body, content_type, rejected):
+    runner, url = await serve_bytes(status, body, content_type)
+    try:
+        async with aiohttp.ClientSession() as session:
+            engine = EngineClient(url, session)
+            with pytest.raises(EngineError) as failure:
+                await collect(engine, {"max_new_tokens": 2}, stream=True)
+    finally:
+        await runner.cleanup()
+    if rejected is None:
+        assert not isinstance(failure.value, EngineRejected)
+    else:
+        assert isinstance(failure.value, EngineRejected) and failure.value.status == rejected
+
+
+async def test_closing_the_stream_aborts_the_request_in_the_engine():
+    # Modelled times: 4000 tokens at 10 ms each would hold a slot for 40 s.
+    timing = WorkerTiming(prefill_ms_per_token=0.01, decode_ms_per_token=10.0, decode_batch_slope=0.0)
+    async with emulated(timing=timing, time_scale=1.0) as (worker, engine):
+        outputs = engine.generate(list(range(1, 40)), {"max_new_tokens": 4000}, stream=True, rid="long")
+        async with asyncio.timeout(GUARD_S):
+            assert isinstance(await anext(outputs), EngineOutput)
+            assert worker.engine.load()["num_running_reqs"] == 1
+            await outputs.aclose()
+            while worker.engine.load()["num_running_reqs"] or worker.engine.inflight:
+                await asyncio.sleep(0.01)
+            # The next request is served now: the model's clock did not run on to where the
+            # aborted request would have finished (40 s).
+            nxt = engine.generate(list(range(1, 30)), {"max_new_tokens": 2}, stream=True, rid="next")
+            assert [type(item).__name__ async for item in nxt][-1] == "EngineFinished"
+            assert worker.engine.model.now < 20.0
