@@ -306,7 +306,8 @@ async def detokenize(engine: EmulatedEngine, request: web.Request) -> web.Respon
     """SGLang's ``/v1/detokenize``: ``{"tokens": [int] | [[int]]}`` -> ``{"text": str | [str]}``."""
     tokens = (await _body(request)).get("tokens")
     if isinstance(tokens, list) and tokens and isinstance(tokens[0], list):
-        return web.json_response({"text": [output_text(engine, parse_ids(t, "tokens")) for t in tokens]})
+        return web.json_response({"text": [output_text(engine, parse_ids(t, "tokens")) if t != [] else ""
+                                           for t in tokens]})
     if tokens == []:
         return web.json_response({"text": ""})
     return web.json_response({"text": output_text(engine, parse_ids(tokens, "tokens"))})
