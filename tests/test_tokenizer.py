@@ -133,15 +133,19 @@ def test_tokenizer_config_section(tmp_path):
     base = Path(__file__).resolve().parent.parent / "config" / "production-3region.toml"
     text = base.read_text()
     (tmp_path / "model").mkdir()
-    (tmp_path / "cluster.toml").write_text('[tokenizer]\npath = "model"\nchat_template = "/abs/t.jinja"\n' + text)
+    assert load_config(base).tokenizer == TokenizerConfig("/opt/models/Llama-3.1-8B-Instruct")
+    text = text.replace('path = "/opt/models/Llama-3.1-8B-Instruct"', 'path = "model"\nchat_template = "/abs/t.jinja"')
+    (tmp_path / "cluster.toml").write_text(text)
     cfg = load_config(tmp_path / "cluster.toml")
     # Relative to the config file, not to wherever the daemon was started.
     assert cfg.tokenizer == TokenizerConfig(str(tmp_path / "model"), "/abs/t.jinja")
-    assert load_config(base).tokenizer == TokenizerConfig()
+    # No path: the byte tokenizer.
+    (tmp_path / "byte.toml").write_text(text.replace('path = "model"\nchat_template = "/abs/t.jinja"', ""))
+    assert load_config(tmp_path / "byte.toml").tokenizer == TokenizerConfig()
     with pytest.raises(ConfigError, match="chat_template"):
         TokenizerConfig(chat_template="t.jinja")
     with pytest.raises(ConfigError, match="emulated"):
         WorkerConfig("w", "us", 0.1, 1.0, 1000, 0, emulated="yes")
-    (tmp_path / "bad.toml").write_text('[tokenizer]\nvocab = "x"\n' + text)
+    (tmp_path / "bad.toml").write_text(text.replace('path = "model"', 'vocab = "x"'))
     with pytest.raises(ConfigError, match=r"\[tokenizer\].*vocab"):
         load_config(tmp_path / "bad.toml")
