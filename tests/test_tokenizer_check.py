@@ -14,6 +14,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcompassd import certs
 from kvcompassd.core.config import WorkerConfig, dump_config
@@ -62,6 +64,34 @@ def test_tokenize_answers_must_have_sglangs_shape():
                 {"tokens": [1, 2], "count": 3}, {"count": 0}):
         with pytest.raises(BadAnswer):
             parse_tokenize_answer(bad)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6),
+                     max_leaves=20)
+
+
+@given(st.one_of(_JSON, st.fixed_dictionaries({"tokens": _JSON, "count": _JSON}),
+                 st.lists(st.integers(), max_size=20).map(lambda t: {"tokens": t, "count": len(t)})))
+def test_any_json_answer_is_either_token_ids_or_a_bad_answer(data):
+    try:
+        tokens = parse_tokenize_answer(data)
+    except BadAnswer:
+        return
+    assert tokens == data["tokens"] and all(type(t) is int for t in tokens) and data["count"] == len(tokens)
+
+
+async def test_verifier_settles_after_the_grace_period_without_a_dead_worker():
+    verdicts = []
+    async with aiohttp.ClientSession() as s:
+        dead = worker_config(f"http://127.0.0.1:{free_loopback_port()}")
+        verifier = TokenizerVerifier([dead], ByteTokenizer(), s, verdicts.append, grace_s=0.0, retry_s=(0.01, 0.05))
+        task = asyncio.create_task(verifier.run())
+        await asyncio.wait_for(verifier.settled.wait(), 60)  # readiness no longer waits for it...
+        assert not task.done() and not verdicts  # ...but it is still withheld and still retried
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 async def test_emulated_worker_serves_sglangs_tokenize_routes():
