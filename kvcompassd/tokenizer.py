@@ -14,9 +14,9 @@ workers (:func:`byte_tokenizer_refusal`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 import jinja2

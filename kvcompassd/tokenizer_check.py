@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
