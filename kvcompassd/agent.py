@@ -35,6 +35,7 @@ from kvcompassd.engine.kvevents import EventBatch
 from kvcompassd.engine.subscriber import BatchesLost, BatchRejected, KvEventSubscriber, PublisherRestarted
 from kvcompassd.metrics import AgentMetrics
 from kvcompassd.reports import ReportCoalescer
+from kvcompassd.tokenizer_check import answer_for_agent
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
 from kvcompassd.wire import (
     AdminAnswered,
@@ -50,6 +51,7 @@ from kvcompassd.wire import (
     ResponseChunked,
     ResponseCompleted,
     Role,
+    TokenizationRequested,
     WorkerLoadReported,
     WorkerRegistered,
     WorkerWithdrawn,
@@ -289,6 +291,8 @@ class AgentNode:
             return None
         if isinstance(message, MigrationRequested):
             return self._migrate(message)
+        if isinstance(message, TokenizationRequested):
+            return self._tokenize(message, channel)
         if isinstance(message, AdminQueried):
             reply = encode(AdminAnswered(message.what, self.describe()))
             if channel.stream is not None:
@@ -299,6 +303,11 @@ class AgentNode:
             return None
         log.warning("unexpected message", peer=str(peer.identity), type=type(message).__name__)
         return None
+
+    async def _tokenize(self, msg: TokenizationRequested, channel: ChannelInfo) -> None:
+        """An edge checks it tokenises as this worker's engine does (kvcompassd.tokenizer_check)."""
+        if channel.stream is not None:
+            await channel.stream.send(await answer_for_agent(self._http, self.worker, msg), end=True)
 
     async def _serve(self, peer: Peer, msg: RequestForwarded, channel: ChannelInfo) -> None:
         stream = channel.stream

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.ablation import Ablation
-from kvcompassd.core.config import ClusterConfig, EdgeConfig
+from kvcompassd.core.config import ClusterConfig, EdgeConfig, WorkerConfig
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
@@ -28,7 +28,7 @@ from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, byte_tokenizer_refusal
-from kvcompassd.tokenizer_check import TokenizerVerifier, WorkerVerdict
+from kvcompassd.tokenizer_check import TokenizerVerifier, WorkerVerdict, probe_via_agent, probe_worker
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
 from kvcompassd.wire import (
     AdminAnswered,
@@ -148,13 +148,22 @@ class EdgeNode:
     # -- tokenizer check ----------------------------------------------------------------------
 
     def _start_tokenizer_check(self) -> None:
-        """Own-region workers (the ones this edge reaches over HTTP) get nothing routed to them
-        until they tokenise the probes as this edge does; those that disagree stay withheld."""
-        own = self.cfg.workers_in(self.me.region)
-        for w in own:
+        """No worker gets anything routed to it until it tokenises the probes as this edge does;
+        those that disagree stay withheld. Own-region workers are asked over HTTP (the path this
+        edge's requests take them), the others through their agents."""
+        for w in self.cfg.workers:
             self.router.withhold(self._worker_index[w.id])
-        self.tokenizer_check = TokenizerVerifier(own, self.tokenizer, self._http, self._tokenizer_verdict)
+        self.tokenizer_check = TokenizerVerifier(self.cfg.workers, self._probe_tokenizer, self._tokenizer_verdict,
+                                                 tokenizer_name=self.tokenizer.name)
         self._tasks.append(asyncio.create_task(self.tokenizer_check.run()))
+
+    async def _probe_tokenizer(self, worker: WorkerConfig) -> WorkerVerdict:
+        if worker.region == self.me.region and self.local_http:
+            return await probe_worker(self._http, worker, self.tokenizer)
+        peer = self._agent_peers.get(worker.id)
+        if peer is None:
+            return WorkerVerdict(worker.id, False, "has no agent address to check its tokenizer through")
+        return await probe_via_agent(peer, self.me.id, worker, self.tokenizer)
 
     def _tokenizer_verdict(self, verdict: WorkerVerdict) -> None:
         if verdict.agrees:

@@ -10,8 +10,11 @@ with its own; a worker that disagrees is refused (the edge routes nothing to it)
 line naming it and why. A worker marked ``emulated = true`` must also describe itself as the
 emulator in ``/server_info`` (SGLang never does), so a real engine cannot pass as emulated.
 
-A worker that cannot be reached is retried with backoff and withheld until it answers; the
-edge's readiness waits for every worker's first verdict or a grace period, whichever is first.
+The edge asks its own region's workers over HTTP (the path its requests take) and other
+regions' workers through their agents (TokenizationRequested: the agent asks its engine the same
+way and answers with the ids). A worker that cannot be reached is retried with backoff and
+withheld until it answers; the edge's readiness waits for every worker's first verdict or a
+grace period, whichever is first.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import structlog
 
 from kvcompassd.core.config import WorkerConfig
 from kvcompassd.tokenizer import Tokenizer, TokenizerError
+from kvcompassd.transport import Peer, TransportError
+from kvcompassd.wire import ErrorReported, TokenizationAnswered, TokenizationRequested
 
 log = structlog.get_logger(__name__)
 
@@ -113,58 +118,126 @@ async def _call(session: aiohttp.ClientSession, method: str, url: str, body: Any
         raise ValueError(f"{url}: {exc}") from exc
 
 
-async def probe_worker(session: aiohttp.ClientSession, worker: WorkerConfig, tokenizer: Tokenizer) -> WorkerVerdict:
-    """Ask ``worker`` to tokenise the probes and compare; raises WorkerUnreachable to retry."""
-    if not worker.http:
-        return WorkerVerdict(worker.id, False, "has no http address to check its tokenizer at")
-    base = worker.http.rstrip("/")
+@dataclass(frozen=True, slots=True)
+class EngineTokenization:
+    """What a worker's engine said about the probes."""
+
+    text_ids: tuple[int, ...]
+    chat_ids: tuple[int, ...]
+    emulator: bool  # its /server_info describes the emulated worker (SGLang's never does)
+    tokenizer_path: str  # from /model_info, for the operator ("" if unknown)
+
+
+async def ask_engine(session: aiohttp.ClientSession, base_url: str, text: str,
+                     messages: Sequence[dict]) -> EngineTokenization:
+    """The engine's ids for ``text`` and ``messages`` (SGLang's ``/v1/tokenize``). Raises
+    WorkerUnreachable (try again) or BadAnswer/ValueError (its reason refuses the worker).
+    Used by the edge for its own region's workers and by each agent for its engine."""
+    base = base_url.rstrip("/")
     try:
-        if worker.emulated:
-            info = await _call(session, "GET", f"{base}/server_info")
-            if not isinstance(info, dict) or not isinstance(info.get("emulator"), dict):
-                return WorkerVerdict(worker.id, False, "is marked `emulated = true` but its /server_info does not "
-                                                       "describe an emulated worker (a real engine?)")
-        expected = (("the text probe", {"prompt": PROBE_TEXT}, tokenizer.encode(PROBE_TEXT)),
-                    ("the chat probe", {"messages": list(PROBE_MESSAGES)},
-                     tokenizer.apply_chat_template(list(PROBE_MESSAGES))))
-        for what, body, edge_ids in expected:
-            answer = await _call(session, "POST", f"{base}{TOKENIZE_PATH}", body)
-            try:
-                worker_ids = parse_tokenize_answer(answer)
-            except ValueError as exc:
-                raise ValueError(f"{TOKENIZE_PATH} answer to {what}: {exc}") from None
-            reason = compare_ids(what, edge_ids, worker_ids)
-            if reason is not None:
-                served = await _served_tokenizer(session, base)
-                return WorkerVerdict(worker.id, False, reason + served)
+        info = await _call(session, "GET", f"{base}/server_info")
+    except ValueError:
+        info = None  # then it is not the emulator, which always serves it
+    emulator = isinstance(info, dict) and isinstance(info.get("emulator"), dict)
+    ids = []
+    for what, body in (("the text probe", {"prompt": text}), ("the chat probe", {"messages": list(messages)})):
+        answer = await _call(session, "POST", f"{base}{TOKENIZE_PATH}", body)
+        try:
+            ids.append(tuple(parse_tokenize_answer(answer)))
+        except BadAnswer as exc:
+            raise BadAnswer(f"{TOKENIZE_PATH} answer to {what}: {exc}") from None
+    try:
+        model = await _call(session, "GET", f"{base}/model_info")
+    except (WorkerUnreachable, ValueError):
+        model = None  # only a hint for the operator
+    path = model.get("tokenizer_path") if isinstance(model, dict) else None
+    return EngineTokenization(ids[0], ids[1], emulator, _excerpt(path) if isinstance(path, str) else "")
+
+
+def judge(worker: WorkerConfig, tokenizer: Tokenizer, answer: EngineTokenization) -> WorkerVerdict:
+    """Compare the engine's ids with this edge's; a worker marked emulated must say it is."""
+    if worker.emulated and not answer.emulator:
+        return WorkerVerdict(worker.id, False, "is marked `emulated = true` but its /server_info does not "
+                                               "describe an emulated worker (a real engine?)")
+    try:
+        expected = (("the text probe", tokenizer.encode(PROBE_TEXT), answer.text_ids),
+                    ("the chat probe", tokenizer.apply_chat_template(list(PROBE_MESSAGES)), answer.chat_ids))
     except TokenizerError as exc:  # the edge's own tokenizer cannot render the probe
         return WorkerVerdict(worker.id, False, f"the edge's tokenizer cannot tokenise the probe: {exc}")
-    except ValueError as exc:
-        return WorkerVerdict(worker.id, False, str(exc)[:MAX_REASON_CHARS])
+    for what, edge_ids, worker_ids in expected:
+        reason = compare_ids(what, edge_ids, worker_ids)
+        if reason is not None:
+            served = f"; the worker serves tokenizer {answer.tokenizer_path!r}" if answer.tokenizer_path else ""
+            return WorkerVerdict(worker.id, False, reason + served)
     return WorkerVerdict(worker.id, True)
 
 
-async def _served_tokenizer(session: aiohttp.ClientSession, base: str) -> str:
-    """``; it serves <tokenizer_path>`` from SGLang's ``/model_info``, for the operator (best effort)."""
+async def probe_worker(session: aiohttp.ClientSession, worker: WorkerConfig, tokenizer: Tokenizer) -> WorkerVerdict:
+    """Ask ``worker``'s engine over HTTP to tokenise the probes and compare; raises
+    WorkerUnreachable to retry."""
+    if not worker.http:
+        return WorkerVerdict(worker.id, False, "has no http address to check its tokenizer at")
     try:
-        info = await _call(session, "GET", f"{base}/model_info")
-    except (WorkerUnreachable, ValueError):
-        return ""
-    path = info.get("tokenizer_path") if isinstance(info, dict) else None
-    return f"; the worker serves tokenizer {_excerpt(path)!r}" if isinstance(path, str) else ""
+        answer = await ask_engine(session, worker.http, PROBE_TEXT, PROBE_MESSAGES)
+    except ValueError as exc:
+        return WorkerVerdict(worker.id, False, str(exc)[:MAX_REASON_CHARS])
+    return judge(worker, tokenizer, answer)
+
+
+async def probe_via_agent(peer: Peer, edge_id: str, worker: WorkerConfig, tokenizer: Tokenizer) -> WorkerVerdict:
+    """The same check for a worker this edge reaches through its agent (another region's): the
+    agent asks its engine (TokenizationRequested/Answered). Raises WorkerUnreachable to retry."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT.total):
+            await peer.wait_connected()
+            async with peer.open_stream() as exchange:
+                await exchange.send(TokenizationRequested(edge_id, PROBE_TEXT, {"messages": list(PROBE_MESSAGES)}))
+                reply = None
+                async for reply in exchange:
+                    break
+    except (TimeoutError, TransportError) as exc:
+        raise WorkerUnreachable(f"agent {worker.id}: {exc or type(exc).__name__}") from exc
+    if isinstance(reply, ErrorReported):
+        return WorkerVerdict(worker.id, False, f"its agent refused the probe: {reply.detail}"[:MAX_REASON_CHARS])
+    if not isinstance(reply, TokenizationAnswered) or reply.worker != worker.id:
+        raise WorkerUnreachable(f"agent {worker.id} sent no tokenization answer")
+    if reply.unreachable:
+        raise WorkerUnreachable(f"agent {worker.id}: {reply.error}")
+    if reply.error:
+        return WorkerVerdict(worker.id, False, reply.error[:MAX_REASON_CHARS])
+    return judge(worker, tokenizer, EngineTokenization(reply.text_ids, reply.chat_ids, reply.emulator,
+                                                       reply.tokenizer_path))
+
+
+async def answer_for_agent(session: aiohttp.ClientSession, worker: WorkerConfig,
+                           msg: TokenizationRequested) -> TokenizationAnswered:
+    """An agent's answer to TokenizationRequested: its engine's ids, or why there are none."""
+    messages = msg.chat.get("messages")
+    try:
+        if not worker.http:
+            raise ValueError("the worker has no http address")
+        if not isinstance(messages, list):
+            raise BadAnswer("the probe's chat has no 'messages' list")
+        a = await ask_engine(session, worker.http, msg.text, messages)
+        return TokenizationAnswered(worker.id, a.text_ids, a.chat_ids, a.emulator, a.tokenizer_path, "", False)
+    except WorkerUnreachable as exc:
+        return TokenizationAnswered(worker.id, (), (), False, "", str(exc)[:MAX_REASON_CHARS], True)
+    except ValueError as exc:  # includes ids beyond the message's bound
+        return TokenizationAnswered(worker.id, (), (), False, "", str(exc)[:MAX_REASON_CHARS] or "bad answer", False)
 
 
 class TokenizerVerifier:
-    """Checks ``workers`` until each has a verdict: withheld (``on_verdict(worker, None)``
-    beforehand, by the caller), then released or refused through ``on_verdict``."""
+    """Checks ``workers`` with ``probe`` until each has a verdict (the caller withholds them
+    beforehand), reported through ``on_verdict``; ``settled`` once all have one or after the
+    grace period."""
 
-    def __init__(self, workers: Sequence[WorkerConfig], tokenizer: Tokenizer, session: aiohttp.ClientSession,
-                 on_verdict: Callable[[WorkerVerdict], None], *, grace_s: float = 30.0,
+    def __init__(self, workers: Sequence[WorkerConfig], probe: Callable[[WorkerConfig], Awaitable[WorkerVerdict]],
+                 on_verdict: Callable[[WorkerVerdict], None], *, tokenizer_name: str = "", grace_s: float = 30.0,
                  retry_s: tuple[float, float] = (0.1, 5.0),
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self.workers = tuple(workers)
-        self.tokenizer = tokenizer
-        self.session = session
+        self.probe = probe
+        self.tokenizer_name = tokenizer_name
         self.on_verdict = on_verdict
         self.verdicts: dict[str, WorkerVerdict] = {}
         self.settled = asyncio.Event()
@@ -193,7 +266,7 @@ class TokenizerVerifier:
         delay, cap = self._retry_s
         while True:
             try:
-                verdict = await probe_worker(self.session, worker, self.tokenizer)
+                verdict = await self.probe(worker)
                 break
             except WorkerUnreachable as exc:
                 log.debug("tokenizer check: worker not reachable yet", worker=worker.id, error=str(exc))
@@ -202,7 +275,7 @@ class TokenizerVerifier:
         self.verdicts[worker.id] = verdict
         self._pending.discard(worker.id)
         if verdict.agrees:
-            log.info("worker tokenizer verified", worker=worker.id, tokenizer=self.tokenizer.name)
+            log.info("worker tokenizer verified", worker=worker.id, tokenizer=self.tokenizer_name)
         else:
             log.error("worker refused: tokenizer mismatch", worker=worker.id, reason=verdict.reason)
         self.on_verdict(verdict)

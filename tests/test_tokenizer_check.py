@@ -85,7 +85,8 @@ async def test_verifier_settles_after_the_grace_period_without_a_dead_worker():
     verdicts = []
     async with aiohttp.ClientSession() as s:
         dead = worker_config(f"http://127.0.0.1:{free_loopback_port()}")
-        verifier = TokenizerVerifier([dead], ByteTokenizer(), s, verdicts.append, grace_s=0.0, retry_s=(0.01, 0.05))
+        verifier = TokenizerVerifier([dead], lambda w: probe_worker(s, w, ByteTokenizer()), verdicts.append,
+                                     grace_s=0.0, retry_s=(0.01, 0.05))
         task = asyncio.create_task(verifier.run())
         await asyncio.wait_for(verifier.settled.wait(), 60)  # readiness no longer waits for it...
         assert not task.done() and not verdicts  # ...but it is still withheld and still retried
@@ -170,8 +171,9 @@ async def test_verifier_waits_for_a_worker_that_is_not_up_yet():
             attempts.set()  # the verifier found it down and is backing off
             await asyncio.sleep(0)
 
-        verifier = TokenizerVerifier([worker_config(f"http://127.0.0.1:{port}")], ByteTokenizer(), s,
-                                     verdicts.append, grace_s=3600, sleep=counted_sleep)
+        verifier = TokenizerVerifier([worker_config(f"http://127.0.0.1:{port}")],
+                                     lambda w: probe_worker(s, w, ByteTokenizer()), verdicts.append,
+                                     grace_s=3600, sleep=counted_sleep)
         task = asyncio.create_task(verifier.run())
         await attempts.wait()
         assert not verifier.settled.is_set() and not verdicts
@@ -201,29 +203,51 @@ def test_edge_refuses_to_start_with_the_byte_tokenizer_before_real_engines(tmp_p
 
 @pytest.fixture
 async def refusing_deployment(tmp_path):
-    # The cluster names the BPE; us-1's engine runs the byte tokenizer (a worker serving the wrong model).
-    spec = DeploymentSpec(workers={"us": 2}, one_way_ms={}, shards=1, wan=False, tokenizer=str(DATA))
-    dep = LocalDeployment(spec, tmp_path, time_scale=0.0, node_args={"emulate-worker:us-1": ("--tokenizer", "byte")})
+    # The cluster names the BPE. us-1's engine runs the byte tokenizer (a worker serving the wrong
+    # model); eu-1's the same vocabulary with another chat template. The us edge checks us-1 over
+    # HTTP and eu-1 through eu-1's agent.
+    spec = DeploymentSpec(workers={"us": 2, "eu": 2}, one_way_ms={("us", "eu"): 5.0}, shards=1, wan=False,
+                          tokenizer=str(DATA))
+    dep = LocalDeployment(spec, tmp_path, time_scale=0.0,
+                          node_args={"emulate-worker:us-1": ("--tokenizer", "byte"),
+                                     "emulate-worker:eu-1": ("--chat-template", str(ALT_TEMPLATE))})
     async with dep:
         yield dep
 
 
-async def test_edge_refuses_the_disagreeing_worker_and_serves_the_real_tokenizer(refusing_deployment):
+def _refusals(dep, edge: str) -> dict[str, str]:
+    log = (dep.workdir / "logs" / f"{edge}.edge.log").read_text()
+    lines = [json.loads(line) for line in log.splitlines() if "worker refused" in line]
+    refusals = {line["worker"]: line["reason"] for line in lines}
+    assert len(refusals) == len(lines), "one line per refused worker"
+    return refusals
+
+
+async def test_edges_refuse_the_disagreeing_workers_and_serve_the_real_tokenizer(refusing_deployment):
     dep = refusing_deployment
     async with aiohttp.ClientSession() as s:
-        async with s.get(dep.edge_url("us") + "/health") as r:
-            health = await r.json()
-        assert health["ready"] and health["tokenizer_checked"] and health["workers_refused"] == ["us-1"]
+        for region in ("us", "eu"):
+            async with s.get(dep.edge_url(region) + "/health") as r:
+                health = await r.json()
+            assert health["ready"] and health["tokenizer_checked"]
+            assert health["workers_refused"] == ["eu-1", "us-1"]
         chat = next(c for c in REFERENCE["chats"] if not c["alt_template"] and c["add_generation_prompt"])
-        for _ in range(4):
+        served = set()
+        for i in range(8):
+            messages = chat["messages"] if i == 0 else [*chat["messages"], {"role": "assistant", "content": "ok"},
+                                                          {"role": "user", "content": f"turn {i}"}]
             async with s.post(dep.edge_url("us") + "/v1/chat/completions",
-                              json={"model": "kvcompass-demo", "messages": chat["messages"], "max_tokens": 2}) as r:
+                              json={"model": "kvcompass-demo", "messages": messages, "max_tokens": 2}) as r:
                 assert r.status == 200, await r.text()
                 body = await r.json()
-            # Only the agreeing worker serves, and it ran Hugging Face's ids for this chat.
-            assert body["kvcompass"]["worker"] == "us-0"
-            assert body["usage"]["prompt_tokens"] == len(chat["ids"])
-    log = (dep.workdir / "logs" / "edge-us.edge.log").read_text()
-    refusals = [json.loads(line) for line in log.splitlines() if "worker refused" in line]
-    assert len(refusals) == 1 and refusals[0]["worker"] == "us-1"
-    assert refusals[0]["reason"].startswith("the text probe tokenises differently")
+            # Only agreeing workers serve, and they ran Hugging Face's ids for this chat.
+            served.add(body["kvcompass"]["worker"])
+            if i == 0:
+                assert body["usage"]["prompt_tokens"] == len(chat["ids"])
+        assert served <= {"us-0", "eu-0"}
+    for edge in ("edge-us", "edge-eu"):
+        refusals = _refusals(dep, edge)
+        assert set(refusals) == {"us-1", "eu-1"}
+        assert refusals["us-1"].startswith("the text probe tokenises differently")
+        assert refusals["us-1"].endswith("the worker serves tokenizer 'byte-level'")
+        assert refusals["eu-1"].startswith("the chat probe tokenises differently")
