@@ -26,13 +26,16 @@ from kvcompassd.tokenizer_check import (
     PROBE_MESSAGES,
     PROBE_TEXT,
     BadAnswer,
+    EngineTokenization,
     TokenizerVerifier,
     WorkerUnreachable,
+    answer_for_agent,
     compare_ids,
+    judge,
     parse_tokenize_answer,
     probe_worker,
 )
-from kvcompassd.wire import Role
+from kvcompassd.wire import Role, TokenizationRequested
 
 DATA = Path(__file__).parent / "data" / "tokenizer-bpe"
 ALT_TEMPLATE = DATA / "alt_chat_template.jinja"
@@ -79,6 +82,38 @@ def test_any_json_answer_is_either_token_ids_or_a_bad_answer(data):
     except BadAnswer:
         return
     assert tokens == data["tokens"] and all(type(t) is int for t in tokens) and data["count"] == len(tokens)
+
+
+def test_a_worker_marked_emulated_must_say_it_is_the_emulator():
+    """A real engine never describes itself as the emulator, so `emulated = true` in the config
+    cannot let the byte tokenizer (or anything) pass in front of it."""
+    byte = ByteTokenizer()
+    ids = (tuple(byte.encode(PROBE_TEXT)), tuple(byte.apply_chat_template(list(PROBE_MESSAGES))))
+    real = EngineTokenization(*ids, emulator=False, tokenizer_path="/models/llama")
+    verdict = judge(worker_config("http://10.0.0.1:30000"), byte, real)
+    assert not verdict.agrees and "does not describe an emulated worker" in verdict.reason
+    assert judge(worker_config("http://10.0.0.1:30000", emulated=False), byte, real).agrees
+    assert judge(worker_config("http://10.0.0.1:30000"), byte, EngineTokenization(*ids, True, "byte-level")).agrees
+
+
+async def test_an_agent_answers_for_its_engine_or_says_why_not():
+    probe = TokenizationRequested("edge-us", PROBE_TEXT, {"messages": list(PROBE_MESSAGES)})
+    worker = emulator()
+    await worker.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            answer = await answer_for_agent(s, worker_config(worker), probe)
+            assert answer.text_ids == tuple(PROBE_TEXT.encode()) and answer.emulator and not answer.error
+            assert answer.tokenizer_path == "byte-level"
+            bad = await answer_for_agent(s, worker_config(worker), TokenizationRequested("edge-us", "x", {}))
+            assert bad.error and not bad.unreachable and not bad.text_ids
+            refused = await answer_for_agent(s, worker_config(worker), TokenizationRequested(
+                "edge-us", "x", {"messages": [{"role": 3}]}))
+            assert "answered HTTP 400" in refused.error and not refused.unreachable
+            down = await answer_for_agent(s, worker_config(f"http://127.0.0.1:{free_loopback_port()}"), probe)
+            assert down.unreachable and down.error
+    finally:
+        await worker.stop()
 
 
 async def test_verifier_settles_after_the_grace_period_without_a_dead_worker():
