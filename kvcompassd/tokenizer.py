@@ -55,7 +55,9 @@ class Tokenizer(Protocol):
 
 
 def _message_text(messages: Sequence[dict]) -> list[dict]:
-    """Validate OpenAI chat messages; flatten list-of-parts content into text."""
+    """Validate OpenAI chat messages; flatten list-of-parts content into text joined by spaces,
+    as SGLang does for templates that read ``content`` as a string
+    (``jinja_template_utils.process_content_for_template_format``, "string" format)."""
     if not isinstance(messages, list) or not messages:
         raise TokenizerError("messages must be a non-empty list")
     out = []
@@ -69,7 +71,7 @@ def _message_text(messages: Sequence[dict]) -> list[dict]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise TokenizerError(f"messages[{i}].content: only text parts are supported")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = " ".join(parts)
         if not isinstance(content, str):
             raise TokenizerError(f"messages[{i}].content must be a string or a list of text parts")
         out.append({"role": m["role"], "content": content})

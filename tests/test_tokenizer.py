@@ -46,6 +46,8 @@ def test_byte_tokenizer_round_trips_and_renders_llama3_chats():
     ids = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     assert tok.decode(ids) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
                                "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "a b"}])
     with pytest.raises(TokenizerError):
         tok.apply_chat_template([{"content": "no role"}])
     with pytest.raises(TokenizerError):
