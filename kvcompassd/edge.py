@@ -171,7 +171,7 @@ class EdgeNode:
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         async with asyncio.timeout(timeout):
-            while not self.view.ready:
+            while not self.health()["ready"]:
                 await asyncio.sleep(0.01)
 
     # -- index sync ---------------------------------------------------------------------------
