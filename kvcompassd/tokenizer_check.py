@@ -270,14 +270,16 @@ class TokenizerVerifier:
                 break
             except WorkerUnreachable as exc:
                 log.debug("tokenizer check: worker not reachable yet", worker=worker.id, error=str(exc))
-                await self._sleep(delay)
-                delay = min(cap, delay * 2)
+            except Exception:  # noqa: BLE001 - a bug must not leave the worker unchecked for good
+                log.exception("tokenizer check failed unexpectedly; retrying", worker=worker.id)
+            await self._sleep(delay)
+            delay = min(cap, delay * 2)
         self.verdicts[worker.id] = verdict
         self._pending.discard(worker.id)
         if verdict.agrees:
             log.info("worker tokenizer verified", worker=worker.id, tokenizer=self.tokenizer_name)
         else:
-            log.error("worker refused: tokenizer mismatch", worker=worker.id, reason=verdict.reason)
+            log.error("worker refused: its tokenizer check failed", worker=worker.id, reason=verdict.reason)
         self.on_verdict(verdict)
         if not self._pending:
             self.settled.set()
