@@ -270,7 +270,7 @@ class TokenizerVerifier:
                 break
             except WorkerUnreachable as exc:
                 log.debug("tokenizer check: worker not reachable yet", worker=worker.id, error=str(exc))
-            except Exception:  # noqa: BLE001 - a bug must not leave the worker unchecked for good
+            except Exception:  # a bug must not leave the worker unchecked for good
                 log.exception("tokenizer check failed unexpectedly; retrying", worker=worker.id)
             await self._sleep(delay)
             delay = min(cap, delay * 2)
