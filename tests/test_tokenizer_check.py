@@ -236,6 +236,21 @@ def test_edge_refuses_to_start_with_the_byte_tokenizer_before_real_engines(tmp_p
     assert len(lines) == 1 and "edge edge-us refuses to start" in lines[0] and "us-1" in lines[0]
 
 
+def test_a_missing_tokenizer_stops_the_edge_and_the_emulated_worker_before_they_serve(tmp_path):
+    cfg = build_cluster(DeploymentSpec(workers={"us": 1}, one_way_ms={}, shards=1, wan=False,
+                                       tokenizer=str(tmp_path / "no-such-model")))
+    (tmp_path / "cluster.toml").write_text(dump_config(cfg))
+    certs.init_ca(tmp_path, cluster_name=cfg.name)
+    certs.issue(tmp_path, tmp_path, role=Role.EDGE, node_id="edge-us")
+    common = ["--config", str(tmp_path / "cluster.toml"), "--log-json"]
+    for argv in (["edge", "--id", "edge-us", "--tls-dir", str(tmp_path)],
+                 ["emulate-worker", "--id", "us-0", "--tokenizer", str(tmp_path / "no-such-model")]):
+        run = subprocess.run([sys.executable, "-m", "kvcompassd", argv[0], *common, *argv[1:]],
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert run.returncode == 2, run.stderr
+        assert "no-such-model" in run.stderr and "cannot load" in run.stderr
+
+
 @pytest.fixture
 async def refusing_deployment(tmp_path):
     # The cluster names the BPE. us-1's engine runs the byte tokenizer (a worker serving the wrong
