@@ -107,6 +107,10 @@ def test_template_sources_and_bad_directories(tmp_path):
     # chat_template.jinja beside it wins over the config's; the tokenizer.json path works too.
     (tmp_path / "chat_template.jinja").write_text("J:{{ messages[0]['content'] }}")
     assert load_tokenizer(str(tmp_path / "tokenizer.json")).render_chat(messages) == "J:hi"
+    for bad, why in (("[1]", "not a JSON object"), ("{bad", "is not JSON")):
+        (tmp_path / "tokenizer_config.json").write_text(bad)
+        with pytest.raises(TokenizerError, match=why):
+            load_tokenizer(str(tmp_path))
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="cannot load"):
         load_tokenizer(str(tmp_path))
