@@ -50,6 +50,7 @@ from kvcompassd.engine.subscriber import (
 )
 from kvcompassd.metrics import AgentMetrics
 from kvcompassd.reports import ReportCoalescer
+from kvcompassd.tokenizer_check import answer_for_agent
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
 from kvcompassd.wire import (
     AdminAnswered,
@@ -66,6 +67,7 @@ from kvcompassd.wire import (
     ResponseChunked,
     ResponseCompleted,
     Role,
+    TokenizationRequested,
     WorkerLoadReported,
     WorkerRegistered,
     WorkerWithdrawn,
@@ -349,6 +351,8 @@ class AgentNode:
             return None
         if isinstance(message, MigrationRequested):
             return self._migrate(message)
+        if isinstance(message, TokenizationRequested):
+            return self._tokenize(message, channel)
         if isinstance(message, AdminQueried):
             reply = encode(AdminAnswered(message.what, self.describe()))
             if channel.stream is not None:
@@ -359,6 +363,11 @@ class AgentNode:
             return None
         log.warning("unexpected message", peer=str(peer.identity), type=type(message).__name__)
         return None
+
+    async def _tokenize(self, msg: TokenizationRequested, channel: ChannelInfo) -> None:
+        """An edge checks it tokenises as this worker's engine does (kvcompassd.tokenizer_check)."""
+        if channel.stream is not None:
+            await channel.stream.send(await answer_for_agent(self._http, self.worker, msg), end=True)
 
     async def _serve(self, peer: Peer, msg: RequestForwarded, channel: ChannelInfo) -> None:
         """Run a forwarded request until it completes or the edge abandons the exchange (its

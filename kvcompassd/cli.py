@@ -103,13 +103,20 @@ def cmd_edge(args) -> int:
     ablation = Ablation(cross_region=not args.no_cross_region)
     node = EdgeNode(
         cfg, me, tls,
-        tokenizer=load_tokenizer(args.tokenizer, args.chat_template),
+        tokenizer=load_tokenizer(*_edge_tokenizer(cfg, args)),
         frontdoor=FrontDoorSettings(model=cfg.model, max_prompt_tokens=args.max_prompt_tokens, api_keys=keys),
         local_http=not args.no_local_http,
         ablation=ablation,
         copy_from=args.copy_view_from,
     )
     return _serve(node, _metrics_address(args, cfg, me), args)
+
+
+def _edge_tokenizer(cfg, args) -> tuple[str | None, str | None]:
+    """The cluster's [tokenizer] unless --tokenizer overrides it (then --chat-template goes with it)."""
+    if args.tokenizer is None:
+        return cfg.tokenizer.path, args.chat_template or cfg.tokenizer.chat_template
+    return args.tokenizer, args.chat_template
 
 
 def cmd_agent(args) -> int:
@@ -131,7 +138,8 @@ def cmd_emulate_worker(args) -> int:
     worker = _lookup(cfg.workers, args.id, "worker")
     settings = EmulatorSettings.from_worker_config(
         worker, model=cfg.model, block_size=cfg.index.block_size, time_scale=args.time_scale,
-        eviction=args.eviction, seed=args.seed, kv_events_style=args.kv_events_style)
+        eviction=args.eviction, seed=args.seed, kv_events_style=args.kv_events_style,
+        tokenizer=args.tokenizer, chat_template=args.chat_template)
     install_uvloop()
     asyncio.run(serve_until_signalled(_EmulatedWorkerMode(EmulatedWorker(settings))))
     return 0
@@ -176,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("edge", help="a region's gateway: views, score, HTTP front door")
     _node_args(p)
-    p.add_argument("--tokenizer", default="byte", help="path to a tokenizer.json, or 'byte' (default)")
+    p.add_argument("--tokenizer", default=None,
+                   help="override the config's [tokenizer] path: a Hugging Face tokenizer directory, or 'byte'")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
     p.add_argument("--max-prompt-tokens", type=int, default=131072)
     p.add_argument("--api-keys-file", default=None, help="file with one accepted API key per line")
@@ -200,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-style", choices=("map", "positional"), default="map",
                    help="event encoding: map (SGLang 0.5.23, vLLM) or positional (older SGLang)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="byte",
+                   help="a Hugging Face tokenizer directory to tokenise text and chats with, or 'byte' (default)")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
     _log_args(p)
     p.set_defaults(func=cmd_emulate_worker, tls_dir=None)
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.ablation import Ablation
-from kvcompassd.core.config import ClusterConfig, EdgeConfig
+from kvcompassd.core.config import ClusterConfig, EdgeConfig, WorkerConfig
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
@@ -27,7 +27,8 @@ from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.metrics import EdgeMetrics
-from kvcompassd.tokenizer import ByteTokenizer, Tokenizer
+from kvcompassd.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, byte_tokenizer_refusal
+from kvcompassd.tokenizer_check import TokenizerVerifier, WorkerVerdict, probe_via_agent, probe_worker
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
 from kvcompassd.wire import (
     AdminAnswered,
@@ -77,6 +78,10 @@ class EdgeNode:
         self.node = QuicNode(NodeIdentity(Role.EDGE, me.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.tokenizer = tokenizer or ByteTokenizer()
+        refusal = byte_tokenizer_refusal(self.tokenizer, cfg.workers)
+        if refusal is not None:  # before any socket opens
+            raise TokenizerError(f"edge {me.id} refuses to start: {refusal}")
+        self.tokenizer_check: TokenizerVerifier | None = None
         self.frontdoor_settings = frontdoor or FrontDoorSettings(model=cfg.model)
         self.local_http = local_http
         self.copy_from = copy_from
@@ -86,6 +91,7 @@ class EdgeNode:
         self._own_agents = frozenset(w.id for w in cfg.workers_in(me.region))
         self._last_load_report: dict[str, float] = {}
         self._load_silence_s = 3 * cfg.score.broadcast_period_ms / 1000.0
+        self._worker_index = {w: i for i, w in enumerate(self.layout.worker_ids)}
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
         self.http_address: tuple[str, int] | None = None
@@ -111,6 +117,7 @@ class EdgeNode:
                                                         expected_id=e.id)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                            connector=aiohttp.TCPConnector(limit=0))
+        self._start_tokenizer_check()
         self.forwarder = Forwarder(self.me.id, self.router, self._agent_peers.get, self._http, clock=self.clock,
                                    metrics=self.metrics, local_http=self.local_http)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
@@ -140,12 +147,40 @@ class EdgeNode:
         return f"region {self.me.region}, views {ready}/{self.cfg.shards} shards"
 
     def health(self) -> dict:
-        return {"ready": self.view.ready, "edge": self.me.id, "region": self.me.region,
-                "shards_ready": sum(s.ready for s in self.view.state), "shards": self.cfg.shards}
+        check = self.tokenizer_check
+        checked = check is not None and check.settled.is_set()
+        refused = sorted(w for w, v in check.verdicts.items() if not v.agrees) if check is not None else []
+        return {"ready": self.view.ready and checked, "edge": self.me.id, "region": self.me.region,
+                "shards_ready": sum(s.ready for s in self.view.state), "shards": self.cfg.shards,
+                "tokenizer_checked": checked, "workers_refused": refused}
+
+    # -- tokenizer check ----------------------------------------------------------------------
+
+    def _start_tokenizer_check(self) -> None:
+        """No worker gets anything routed to it until it tokenises the probes as this edge does;
+        those that disagree stay withheld. Own-region workers are asked over HTTP (the path this
+        edge's requests take them), the others through their agents."""
+        for w in self.cfg.workers:
+            self.router.withhold(self._worker_index[w.id])
+        self.tokenizer_check = TokenizerVerifier(self.cfg.workers, self._probe_tokenizer, self._tokenizer_verdict,
+                                                 tokenizer_name=self.tokenizer.name)
+        self._tasks.append(asyncio.create_task(self.tokenizer_check.run()))
+
+    async def _probe_tokenizer(self, worker: WorkerConfig) -> WorkerVerdict:
+        if worker.region == self.me.region and self.local_http:
+            return await probe_worker(self._http, worker, self.tokenizer)
+        peer = self._agent_peers.get(worker.id)
+        if peer is None:
+            return WorkerVerdict(worker.id, False, "has no agent address to check its tokenizer through")
+        return await probe_via_agent(peer, self.me.id, worker, self.tokenizer)
+
+    def _tokenizer_verdict(self, verdict: WorkerVerdict) -> None:
+        if verdict.agrees:
+            self.router.withhold(self._worker_index[verdict.worker], False)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         async with asyncio.timeout(timeout):
-            while not self.view.ready:
+            while not self.health()["ready"]:
                 await asyncio.sleep(0.01)
 
     # -- index sync ---------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class DeploymentSpec:
     wan: bool = True
     fingerprint_bits: int = 0
     score: dict = field(default_factory=dict)
+    # The cluster's [tokenizer] path (None: byte); emulated workers get it as --tokenizer too.
+    tokenizer: str | None = None
 
 
 def _ephemeral_port_low() -> int:
@@ -117,6 +119,7 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
                 "http": f"http://127.0.0.1:{_free_port()}",
                 "kv_events": f"tcp://127.0.0.1:{events}",
                 "agent": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}",
+                "emulated": True,
             })
     data = {
         # Relayed "regions" are WAN paths on loopback addresses: send WAN-sized packets through them.
@@ -127,6 +130,7 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
                   "fingerprint_bits": spec.fingerprint_bits,
                   "initial_capacity": 4096},
         "score": dict(spec.score),
+        "tokenizer": {"path": spec.tokenizer} if spec.tokenizer else {},
         "regions": [{"name": r} for r in regions],
         "links": [{"between": [a, b], "one_way_ms": ms} for (a, b), ms in spec.one_way_ms.items()],
         "workers": workers,
@@ -242,7 +246,9 @@ class LocalDeployment:
         self.configs = configs
         cfg = self.cfg
         for w in cfg.workers:
-            self._node(w.id, "emulate-worker", w.region, configs[w.region], ("--time-scale", str(self.time_scale)))
+            tokenizer = ("--tokenizer", self.spec.tokenizer) if self.spec.tokenizer else ()
+            self._node(w.id, "emulate-worker", w.region, configs[w.region],
+                       ("--time-scale", str(self.time_scale)) + tokenizer)
         for m in cfg.maintenance:
             self._node(m.id, "maintenance", self.maintenance_region[m.id], configs[self.maintenance_region[m.id]])
         for e in cfg.edges:

@@ -620,6 +620,34 @@ class AdminAnswered(WireMessage):
     WIRE: ClassVar = {"what": Text(64), "body": Params(max_depth=8, max_items=1 << 20)}
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizationRequested(WireMessage):
+    """edge -> agent: have your engine tokenise this text and this chat (``{"messages": [...]}``)
+    with its ``/v1/tokenize``, so the edge can check it tokenises as the engine does."""
+
+    edge: str
+    text: str
+    chat: dict[str, Any]
+    WIRE: ClassVar = {"edge": ID, "text": Text(16 * KiB), "chat": Params()}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizationAnswered(WireMessage):
+    """agent -> edge: the engine's ids for a TokenizationRequested, whether it says it is the
+    emulator, the tokenizer it serves; ``error`` (and ``unreachable``: try again) when none."""
+
+    worker: str
+    text_ids: tuple[int, ...]
+    chat_ids: tuple[int, ...]
+    emulator: bool
+    tokenizer_path: str
+    error: str
+    unreachable: bool
+    WIRE: ClassVar = {"worker": ID, "text_ids": TokenIds(1 << 16), "chat_ids": TokenIds(1 << 16),
+                      "emulator": Bool(), "tokenizer_path": Text(1 * KiB, allow_empty=True),
+                      "error": Text(1 * KiB, allow_empty=True), "unreachable": Bool()}
+
+
 Message = (
     PrefixEventsReported
     | WorkerWithdrawn
@@ -641,6 +669,8 @@ Message = (
     | ErrorReported
     | AdminQueried
     | AdminAnswered
+    | TokenizationRequested
+    | TokenizationAnswered
 )
 
 # Codes used in ErrorReported.code.
@@ -692,6 +722,8 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(50, ErrorReported, 16 * KiB),
         _spec(60, AdminQueried, 1 * MiB),
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
+        _spec(70, TokenizationRequested, 64 * KiB),
+        _spec(71, TokenizationAnswered, 1 * MiB),
     )
 }
 assert COMPRESSED_TAG not in MESSAGE_SPECS, "tag 0 marks a compressed message"
@@ -721,6 +753,8 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     ErrorReported: frozenset(Role),
     AdminQueried: frozenset({Role.ADMIN}),
     AdminAnswered: _ANY_DAEMON,
+    TokenizationRequested: frozenset({Role.EDGE}),
+    TokenizationAnswered: frozenset({Role.AGENT}),
 }
 assert set(SENDER_ROLES) == set(_SPEC_BY_CLASS), "every message needs a sender rule"
 

@@ -183,3 +183,41 @@ def test_pending_credit_is_the_same_on_the_native_and_the_reference_path():
         assert (a.worker, a.claimed_tokens, a.tier) == (b.worker, b.claimed_tokens, b.tier)
         np.testing.assert_allclose(a.score.scores, b.score.scores)
     assert len(native.pending) == len(reference.pending) > 0
+
+
+def test_withheld_workers_get_no_requests_and_no_replicas():
+    """An edge withholds a worker whose tokenizer it has not verified (or refused): neither the
+    decision nor a hot-prefix replica goes there, until it is released."""
+    def world(withheld):
+        cfg, layout, shards, view = _world(hot_prefix_misses=3, hot_prefix_window_ms=1000.0, idle_period_ms=100.0)
+        _register(cfg, shards, view, "us-1", PROMPT, 2000)
+        _register(cfg, shards, view, "eu-0", PROMPT[::-1].copy(), 2000)
+        router = Router(cfg, "us", view, now=0.0)
+        for w in ("us-0", "us-1", "us-2"):
+            router.queues.set_local(w, 0.0, now=0.0)
+        for w in withheld:
+            router.withhold(layout.worker_ids.index(w))
+        return layout, router
+
+    def replicas(router):
+        return [d.migration.destination_worker for i in range(3)
+                if (d := router.decide(PROMPT[::-1].copy(), now=1.0 + 0.1 * i)).migration is not None]
+
+    # The hot remote family is replicated onto idle us-2, unless us-2 is withheld.
+    assert replicas(world([])[1]) == ["us-2"]
+    layout, router = world(["us-2"])
+    assert replicas(router) == [] and router.hot.hot_misses["recompute", "no_idle_worker"] == 1
+
+    layout, router = world(["us-1", "us-2"])
+    us1, us2 = layout.worker_ids.index("us-1"), layout.worker_ids.index("us-2")
+    assert router.withheld == {us1, us2}
+    assert router.decide(PROMPT, now=0.0).worker == "us-0"  # not the holder us-1
+    assert router.decide_from(router.lookup.lookup(PROMPT), now=0.0).worker != "us-1"
+    router.withhold(us1, False)
+    assert router.withheld == {us2} and router.decide(PROMPT, now=2.0).worker == "us-1"
+    try:
+        router.withhold(len(layout.worker_ids))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an unknown worker index must be refused")

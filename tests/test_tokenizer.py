@@ -1,49 +1,157 @@
-"""Tokenisation at the edge: the byte tokenizer, and a real Hugging Face tokenizer.json with the
-model's chat template from tokenizer_config.json (built here with the tokenizers package)."""
+"""Tokenisation at the edge: the byte tokenizer, a real Hugging Face tokenizer directory, and the
+chat template rendered as Hugging Face renders it.
+
+The references are Hugging Face's own results: tests/data/tokenizer-bpe/reference.json was
+written once by tools/make_tokenizer_fixture.py with `transformers` installed in a throwaway venv
+(kvcompassd does not depend on it); it names the transformers version.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
-from kvcompassd.tokenizer import ByteTokenizer, HuggingFaceTokenizer, TokenizerError, load_tokenizer
+from kvcompassd.core.config import ConfigError, TokenizerConfig, WorkerConfig, load_config
+from kvcompassd.tokenizer import (
+    BYTE,
+    ByteTokenizer,
+    HuggingFaceTokenizer,
+    TokenizerError,
+    byte_tokenizer_refusal,
+    load_tokenizer,
+)
 
-
-@pytest.fixture
-def hf_dir(tmp_path):
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["the cache holds the prefix", "<s> </s> user assistant :"],
-                            trainers.WordLevelTrainer(special_tokens=["[UNK]", "<s>", "</s>"]))
-    tok.save(str(tmp_path / "tokenizer.json"))
-    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
-    return tmp_path
+DATA = Path(__file__).parent / "data" / "tokenizer-bpe"
+REFERENCE = json.loads((DATA / "reference.json").read_text(encoding="utf-8"))
 
 
-def test_byte_tokenizer_round_trips_and_renders_chats():
+@pytest.fixture(scope="module")
+def bpe() -> HuggingFaceTokenizer:
+    return load_tokenizer(str(DATA))
+
+
+@pytest.fixture(scope="module")
+def bpe_alt() -> HuggingFaceTokenizer:
+    return load_tokenizer(str(DATA), str(DATA / "alt_chat_template.jinja"))
+
+
+def test_byte_tokenizer_round_trips_and_renders_llama3_chats():
     tok = ByteTokenizer()
+    assert tok.name == BYTE
     assert tok.decode(tok.encode("héllo")) == "héllo"
     ids = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
-    assert tok.decode(ids) == "<|user|>\nhi\n<|assistant|>\n"
+    assert tok.decode(ids) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "a b"}])
     with pytest.raises(TokenizerError):
         tok.apply_chat_template([{"content": "no role"}])
     with pytest.raises(TokenizerError):
         tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
 
 
-def test_hugging_face_tokenizer_and_chat_template(hf_dir):
-    tok = load_tokenizer(str(hf_dir / "tokenizer.json"))
-    assert isinstance(tok, HuggingFaceTokenizer)
-    ids = tok.encode("the cache holds the prefix")
-    assert len(ids) == 5 and ids[0] == ids[3]  # "the" twice, one id
-    assert tok.decode(ids) == "the cache holds the prefix"
-    chat = tok.apply_chat_template([{"role": "user", "content": "the prefix"}])
-    vocab = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).get_vocab()
-    # The template wrote the BOS token itself; the words are the vocabulary's ids.
-    assert chat[0] == vocab["<s>"] and chat[1:4] == [vocab["user"], vocab[":"], vocab["the"]]
-    # The same messages always give the same ids: the edge's keys match the engine's cache.
-    assert chat == tok.apply_chat_template([{"role": "user", "content": "the prefix"}])
+def test_encodings_match_hugging_face(bpe):
+    assert REFERENCE["encode"], "reference.json holds no encodings"
+    for case in REFERENCE["encode"]:
+        assert bpe.encode(case["text"]) == case["ids"], case["text"]
+        assert bpe.decode(case["ids"]) == case["text"].replace("<|eot_id|>", "")  # special tokens skipped
+
+
+def test_chat_templates_render_as_hugging_face_apply_chat_template(bpe, bpe_alt):
+    """Texts and ids, with and without add_generation_prompt, with the config's template (trim
+    and lstrip blocks, namespace, {% generation %}, bos_token) and a replacement one (tojson,
+    loop controls, eos_token)."""
+    assert len(REFERENCE["chats"]) == 12
+    for case in REFERENCE["chats"]:
+        tok = bpe_alt if case["alt_template"] else bpe
+        text = tok.render_chat(case["messages"], add_generation_prompt=case["add_generation_prompt"])
+        assert text == case["text"]
+        if case["add_generation_prompt"]:  # what a chat completion (and SGLang's /v1/tokenize) runs
+            assert tok.apply_chat_template(case["messages"]) == case["ids"]
+
+
+def test_raise_exception_in_a_template_is_a_request_error(bpe):
+    assert REFERENCE["failing_chats"]
+    for case in REFERENCE["failing_chats"]:
+        with pytest.raises(TokenizerError) as err:
+            bpe.apply_chat_template(case["messages"])
+        assert case["error"] in str(err.value)
+
+
+def test_templates_run_sandboxed(tmp_path):
+    shutil.copy(DATA / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    tok = load_tokenizer(str(tmp_path))
+    with pytest.raises(TokenizerError, match="chat template failed"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    (tmp_path / "chat_template.jinja").write_text("{% set ns = namespace(_x=1) %}{{ ns }}")
+    with pytest.raises(TokenizerError, match="underscore"):
+        load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_template_sources_and_bad_directories(tmp_path):
+    shutil.copy(DATA / "tokenizer.json", tmp_path / "tokenizer.json")
+    messages = [{"role": "user", "content": "hi"}]
+    # No template anywhere: chats are refused rather than rendered in an invented layout.
+    with pytest.raises(TokenizerError, match="no chat template"):
+        load_tokenizer(str(tmp_path)).apply_chat_template(messages)
+    # Hugging Face's list of named templates: the "default" one.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|eot_id|>"}, "chat_template": [
+            {"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "D:{{ eos_token }}"}]}))
+    assert load_tokenizer(str(tmp_path)).render_chat(messages) == "D:<|eot_id|>"
+    # chat_template.jinja beside it wins over the config's; the tokenizer.json path works too.
+    (tmp_path / "chat_template.jinja").write_text("J:{{ messages[0]['content'] }}")
+    assert load_tokenizer(str(tmp_path / "tokenizer.json")).render_chat(messages) == "J:hi"
+    for bad, why in (("[1]", "not a JSON object"), ("{bad", "is not JSON")):
+        (tmp_path / "tokenizer_config.json").write_text(bad)
+        with pytest.raises(TokenizerError, match=why):
+            load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="cannot load"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(TokenizerError, match="fixed chat template"):
+        load_tokenizer(BYTE, str(tmp_path / "chat_template.jinja"))
+
+
+def test_the_fixture_is_a_real_bpe():
+    vocab = Tokenizer.from_file(str(DATA / "tokenizer.json")).get_vocab()
+    assert len(vocab) == 1000 and vocab["<|begin_of_text|>"] == 0
+
+
+def _worker(wid: str, emulated: bool) -> WorkerConfig:
+    return WorkerConfig(wid, "us", 0.1, 1.0, 1000, 0, emulated=emulated)
+
+
+def test_byte_tokenizer_is_refused_in_front_of_real_engines(bpe):
+    workers = [_worker("us-0", True), _worker("us-1", False)]
+    reason = byte_tokenizer_refusal(ByteTokenizer(), workers)
+    assert reason is not None and "us-1" in reason and "us-0" not in reason and "[tokenizer] path" in reason
+    assert byte_tokenizer_refusal(ByteTokenizer(), workers[:1]) is None
+    assert byte_tokenizer_refusal(bpe, workers) is None
+
+
+def test_tokenizer_config_section(tmp_path):
+    base = Path(__file__).resolve().parent.parent / "config" / "production-3region.toml"
+    text = base.read_text()
+    (tmp_path / "model").mkdir()
+    assert load_config(base).tokenizer == TokenizerConfig("/opt/models/Llama-3.1-8B-Instruct")
+    text = text.replace('path = "/opt/models/Llama-3.1-8B-Instruct"', 'path = "model"\nchat_template = "/abs/t.jinja"')
+    (tmp_path / "cluster.toml").write_text(text)
+    cfg = load_config(tmp_path / "cluster.toml")
+    # Relative to the config file, not to wherever the daemon was started.
+    assert cfg.tokenizer == TokenizerConfig(str(tmp_path / "model"), "/abs/t.jinja")
+    # No path: the byte tokenizer.
+    (tmp_path / "byte.toml").write_text(text.replace('path = "model"\nchat_template = "/abs/t.jinja"', ""))
+    assert load_config(tmp_path / "byte.toml").tokenizer == TokenizerConfig()
+    with pytest.raises(ConfigError, match="chat_template"):
+        TokenizerConfig(chat_template="t.jinja")
+    with pytest.raises(ConfigError, match="emulated"):
+        WorkerConfig("w", "us", 0.1, 1.0, 1000, 0, emulated="yes")
+    (tmp_path / "bad.toml").write_text(text.replace('path = "model"', 'vocab = "x"'))
+    with pytest.raises(ConfigError, match=r"\[tokenizer\].*vocab"):
+        load_config(tmp_path / "bad.toml")

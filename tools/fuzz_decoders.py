@@ -250,6 +250,8 @@ def wire_samples() -> list[bytes]:
         wire.ErrorReported("malformed", "bad"),
         wire.AdminQueried("holders", {"text": "a prompt", "top": 5}),
         wire.AdminAnswered("status", {"mode": "edge", "views": [{"shard": 0}]}),
+        wire.TokenizationRequested("edge-us", "probe text", {"messages": [{"role": "user", "content": "hi"}]}),
+        wire.TokenizationAnswered("us-0", (0, 5, 9), (0, 2, 3), False, "/models/x", "", False),
     ]
     assert {type(m) for m in messages} == {spec.cls for spec in wire.MESSAGE_SPECS.values()}, "a message lacks a sample"
     big_batch = wire.UpdateBatchPublished(0, 123456, 11, ((0, bytes(2000) + b"\x07records"),))

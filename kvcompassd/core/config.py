@@ -16,7 +16,7 @@ import math
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -203,10 +203,15 @@ class WorkerConfig:
     # and its "replay_endpoint" as the agent dials it (None: ask SGLang's /server_info).
     kv_events_topic: str = ""
     kv_events_replay: str | None = None
+    # The operator's word that this worker is `kvcompassd emulate-worker`, not SGLang: only then may
+    # edges run the byte tokenizer (and the edge checks the worker says so too).
+    emulated: bool = False
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
         _check_str("region", self.region)
+        if not isinstance(self.emulated, bool):
+            _fail("emulated", f"expected true or false, got {self.emulated!r}")
         _check_float("prefill_ms_per_token", self.prefill_ms_per_token, lo=0.0, lo_open=True)
         _check_float("decode_ms_per_token", self.decode_ms_per_token, lo=0.0, lo_open=True)
         _as_float(self, "prefill_ms_per_token")
@@ -490,6 +495,34 @@ def check_socket_collisions(cfg: ClusterConfig, overrides: Mapping[str, Mapping[
                               "does: two sockets on one host cannot share a port")
         if not 0 < sock.port < 65536:
             raise ConfigError(f"{sock.owner} would bind port {sock.port}, outside 1-65535")
+# ---------------------------------------------------------------- [tokenizer]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    """The served model's tokenizer, which every edge must tokenise with exactly as the engines do.
+
+    ``path``: a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``,
+    which holds the chat template and the BOS/EOS tokens); relative paths are relative to the
+    config file. Absent: the byte tokenizer, which edges accept only when every worker is emulated.
+    ``chat_template``: a Jinja file that replaces the directory's template (as SGLang's
+    ``--chat-template`` does: give both the same file).
+    """
+
+    path: str | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("path", "chat_template"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_str(name, value, pattern=None)
+        if self.chat_template is not None and self.path is None:
+            _fail("chat_template", "needs a tokenizer path (the byte tokenizer has a fixed template)")
+
+    def resolved(self, base: Path) -> TokenizerConfig:
+        """Relative paths made relative to ``base`` (the config file's directory)."""
+        return TokenizerConfig(*(None if v is None else str(base / v) for v in (self.path, self.chat_template)))
 
 
 # ---------------------------------------------------------------- the cluster
@@ -517,6 +550,7 @@ class ClusterConfig:
     score: ScoreParams = field(default_factory=ScoreParams)
     links: tuple[LinkConfig, ...] = ()
     deadlines: DeadlineParams = field(default_factory=DeadlineParams)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     _one_way: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _workers_by_id: dict[str, WorkerConfig] = field(init=False, repr=False, compare=False)
     _workers_by_region: dict[str, tuple[WorkerConfig, ...]] = field(init=False, repr=False, compare=False)
@@ -546,6 +580,8 @@ class ClusterConfig:
             raise ConfigError(f"expected ScoreParams, got {type(self.score).__name__}", table="[score]")
         if not isinstance(self.deadlines, DeadlineParams):
             raise ConfigError(f"expected DeadlineParams, got {type(self.deadlines).__name__}", table="[deadlines]")
+        if not isinstance(self.tokenizer, TokenizerConfig):
+            raise ConfigError(f"expected TokenizerConfig, got {type(self.tokenizer).__name__}", table="[tokenizer]")
 
         self._check_entries("[[regions]]", self.regions, RegionConfig)
         self._check_entries("[[workers]]", self.workers, WorkerConfig)
@@ -702,7 +738,8 @@ class ClusterConfig:
 
 # ---------------------------------------------------------------- parsing
 
-_TOP_LEVEL = ("cluster", "index", "score", "regions", "links", "workers", "edges", "maintenance", "deadlines")
+_TOP_LEVEL = ("cluster", "index", "score", "tokenizer", "regions", "links", "workers", "edges", "maintenance",
+              "deadlines")
 _CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms", "max_datagram_size")
 
 
@@ -767,6 +804,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
     index = _build(IndexParams, _table(data, "index", "[index]"), "[index]")
     score = _build(ScoreParams, _table(data, "score", "[score]"), "[score]")
     deadlines = _build(DeadlineParams, _table(data, "deadlines", "[deadlines]"), "[deadlines]")
+    tokenizer = _build(TokenizerConfig, _table(data, "tokenizer", "[tokenizer]"), "[tokenizer]")
     regions = [_build(RegionConfig, raw, f"[[regions]] #{i}") for i, raw in enumerate(_array(data, "regions"), 1)]
     links = [_build(LinkConfig, raw, f"[[links]] #{i}", allowed=("between", "one_way_ms"))
              for i, raw in enumerate(_array(data, "links"), 1)]
@@ -789,6 +827,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
         score=score,
         links=tuple(links),
         deadlines=deadlines,
+        tokenizer=tokenizer,
     )
 
 
@@ -802,7 +841,8 @@ def load_config(path: str | Path) -> ClusterConfig:
         raise ConfigError(f"cannot read: {exc.strerror or exc}", source=source) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML: {exc}", source=source) from None
-    return parse_config(data, source)
+    cfg = parse_config(data, source)
+    return replace(cfg, tokenizer=cfg.tokenizer.resolved(Path(path).resolve().parent))
 
 
 # ---------------------------------------------------------------- dumping
@@ -850,7 +890,8 @@ def dump_config(cfg: ClusterConfig) -> str:
     """
     lines = ["[cluster]"]
     _emit(lines, cfg, _CLUSTER_KEYS)
-    for title, obj in (("index", cfg.index), ("score", cfg.score), ("deadlines", cfg.deadlines)):
+    for title, obj in (("index", cfg.index), ("score", cfg.score), ("tokenizer", cfg.tokenizer),
+                       ("deadlines", cfg.deadlines)):
         lines += ["", f"[{title}]"]
         _emit(lines, obj, _field_names(type(obj)))
     for region in cfg.regions:

@@ -152,6 +152,7 @@ class QueueEstimates:
         self._index = {w: i for i, w in enumerate(self.worker_ids)}
         self._region_of = {w.id: w.region for w in cfg.workers}
         self._local_ids = tuple(w.id for w in cfg.workers_in(region))
+        self._withheld: set[str] = set()  # never an idle destination (the router routes nothing there)
         self._remote_regions = tuple(r for r in cfg.region_names() if r != region)
         self._weight = cfg.score.queue_ewma_weight
         self._occupancy_ms_per_running = cfg.score.occupancy_ms_per_running
@@ -491,9 +492,14 @@ class QueueEstimates:
         """When the worker's queue last became 0 (inf while busy or never reported)."""
         return self._zero_since[self._worker_index(worker_id, QueueEstimateError)]
 
+    def withhold(self, worker_id: str, withheld: bool = True) -> None:
+        self._worker_index(worker_id, QueueEstimateError)
+        (self._withheld.add if withheld else self._withheld.discard)(worker_id)
+
     def persistently_idle_local(self, *, now: float) -> tuple[str, ...]:
-        """Own-region workers idle for ``idle_period_ms``, longest idle first (ties: config order)."""
-        idle = [w for w in self._local_ids if self.is_persistently_idle(w, now=now)]
+        """Own-region workers idle for ``idle_period_ms``, longest idle first (ties: config order);
+        withheld workers are never offered."""
+        idle = [w for w in self._local_ids if w not in self._withheld and self.is_persistently_idle(w, now=now)]
         return tuple(sorted(idle, key=lambda w: self._zero_since[self._index[w]]))
 
 

@@ -103,6 +103,8 @@ class Router:
         self._local_list = tuple(self._local.tolist())
         self._local_indexes = tuple(np.flatnonzero(self._local).tolist())
         self.top_k = top_k
+        # Workers this edge routes nothing to (e.g. tokenizer not verified, or refused).
+        self._withheld: frozenset[int] = frozenset()
         self._last_sent = np.zeros(len(self.layout.worker_ids), dtype=np.int64)  # dispatch counter per worker
         self._sent_count = 0
         # A miss without local holders can only plan a migration when a remote match reaches its
@@ -126,8 +128,22 @@ class Router:
                                          self._last_sent, family_index=self.lookup.family_index(),
                                          backend=SHA256_BACKENDS["auto"])
 
+    @property
+    def withheld(self) -> frozenset[int]:
+        return self._withheld
+
+    def withhold(self, worker_index: int, withheld: bool = True) -> None:
+        """Route nothing to this worker (nor plan replicas onto it) until released."""
+        if not 0 <= worker_index < len(self.layout.worker_ids):
+            raise ValueError(f"no worker index {worker_index}")
+        change = self._withheld.union if withheld else self._withheld.difference
+        self._withheld = frozenset(change((worker_index,)))
+        self.queues.withhold(self.layout.worker_ids[worker_index], withheld)
+
     def decide(self, tokens, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
+        if self._withheld:
+            exclude = self._withheld.union(exclude)
         kernel = self._kernel
         if kernel is None:
             return self._decide_reference(tokens, now=now, exclude=exclude)
@@ -171,6 +187,8 @@ class Router:
 
     def decide_from(self, found: LookupResult, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for an already looked-up prompt (no pending ledger: it needs the keys)."""
+        if self._withheld:
+            exclude = self._withheld.union(exclude)
         return self._decide_found(found, now=now, exclude=exclude, keys=None, shown=None)
 
     def _decide_found(self, found: LookupResult, *, now: float, exclude: Collection[int],

@@ -25,34 +25,29 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvcompassd.core.workermodel import WorkerModelError
 from kvcompassd.emulator.server import (
+    MAX_TOKEN_ID,
     VERSION,
     BadRequest,
     EmulatedEngine,
     Generation,
-    byte_text,
-    byte_tokens,
-    MAX_TOKEN_ID,
 )
+from kvcompassd.tokenizer import BYTE, TokenizerError
 
 ENGINE = web.AppKey("engine", EmulatedEngine)
 
 
-def chat_prompt(messages: Any) -> str:
-    """Llama-3 chat layout as plain text (byte-level tokenised by the emulator)."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty array")
-    parts = ["<|begin_of_text|>"]
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest("each message needs a role")
-        content = message.get("content", "")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise BadRequest("message content must be a string")
-        parts.append(f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n{content}<|eot_id|>")
-    parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return "".join(parts)
+def chat_tokens(engine: EmulatedEngine, messages: Any) -> list[int]:
+    """The chat rendered with the worker tokenizer's template (the byte tokenizer's is Llama 3's
+    layout as text), as SGLang renders a chat completion."""
+    return engine.tokenizer.apply_chat_template(messages)
+
+
+def text_tokens(engine: EmulatedEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text)
+
+
+def output_text(engine: EmulatedEngine, ids: list[int]) -> str:
+    return engine.tokenizer.decode(ids)
 
 
 def parse_ids(value: Any, what: str) -> list[int]:
@@ -110,7 +105,7 @@ def server_info(engine: EmulatedEngine) -> dict[str, Any]:
     return {
         "model_path": s.model,
         "served_model_name": s.model,
-        "tokenizer_path": "byte-level",
+        "tokenizer_path": _tokenizer_path(engine),
         "page_size": s.block_size,
         "max_running_requests": s.timing.max_running,
         "max_total_num_tokens": engine.cache.vram_pages_max * s.block_size,
@@ -123,6 +118,20 @@ def server_info(engine: EmulatedEngine) -> dict[str, Any]:
                      "block_size": s.block_size, "timing": dataclasses.asdict(s.timing)},
         "internal_states": [{"last_gen_throughput": engine.load()["gen_throughput"]}],
     }
+
+
+def _tokenizer_path(engine: EmulatedEngine) -> str:
+    return "byte-level" if engine.tokenizer.name == BYTE else engine.tokenizer.name
+
+
+def model_info(engine: EmulatedEngine) -> dict[str, Any]:
+    """SGLang's ``/model_info`` keys (``http_server.model_info``)."""
+    s = engine.settings
+    return {"model_path": s.model, "served_model_name": s.model, "tokenizer_path": _tokenizer_path(engine),
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "load_format": "dummy", "reasoning_parser": None, "tool_call_parser": None,
+            "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": None, "architectures": None}
 
 
 def loads_response(engine: EmulatedEngine) -> dict[str, Any]:
@@ -174,7 +183,7 @@ def _handler(fn: Callable[[EmulatedEngine, web.Request], Any]) -> Callable[[web.
     async def handle(request: web.Request) -> web.StreamResponse:
         try:
             return await fn(request.app[ENGINE], request)
-        except (BadRequest, WorkerModelError) as exc:
+        except (BadRequest, WorkerModelError, TokenizerError) as exc:
             return _error(400, str(exc))
 
     return handle
@@ -188,7 +197,7 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
             raise BadRequest("batched input_ids are not supported by the emulator")
         prompt = parse_ids(ids, "input_ids")
     elif isinstance(body.get("text"), str) and body["text"]:
-        prompt = byte_tokens(body["text"])
+        prompt = text_tokens(engine, body["text"])
     else:
         raise BadRequest("give 'text' (a non-empty string) or 'input_ids'")
     params = body.get("sampling_params") or {}
@@ -203,7 +212,7 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
     gen = Generation(rid, prompt, max_new)
 
     def shape(g: Generation) -> dict[str, Any]:
-        return {"text": byte_text(g.output), "output_ids": list(g.output), "meta_info": g.meta_info()}
+        return {"text": output_text(engine, g.output), "output_ids": list(g.output), "meta_info": g.meta_info()}
 
     if body.get("stream"):
         response = await _sse_start(request)
@@ -230,13 +239,13 @@ def _usage(g: Generation) -> dict[str, Any]:
 async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await _body(request)
     if chat:
-        prompt = byte_tokens(chat_prompt(body.get("messages")))
+        prompt = chat_tokens(engine, body.get("messages"))
     else:
         raw = body.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
             raw = raw[0]
         if isinstance(raw, str) and raw:
-            prompt = byte_tokens(raw)
+            prompt = text_tokens(engine, raw)
         elif isinstance(raw, list):
             prompt = parse_ids(raw, "prompt")
         else:
@@ -263,7 +272,7 @@ async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -
         async for _ in engine.generate(gen, stream=False):
             pass
         return web.json_response({"id": ident, "object": kind, "created": created, "model": model,
-                                  "choices": [choice(byte_text(gen.output), "length", delta=False)],
+                                  "choices": [choice(output_text(engine, gen.output), "length", delta=False)],
                                   "usage": _usage(gen)})
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     response = await _sse_start(request)
@@ -279,7 +288,7 @@ async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -
         await send([choice("", None, delta=True, first=True)])
     sent = 0
     async for g in engine.generate(gen, stream=True):
-        text = byte_text(g.output[sent:])
+        text = output_text(engine, g.output[sent:])
         sent = len(g.output)
         if g.finished:
             if text:
@@ -299,6 +308,44 @@ async def completions(engine: EmulatedEngine, request: web.Request) -> web.Strea
 
 async def chat_completions(engine: EmulatedEngine, request: web.Request) -> web.StreamResponse:
     return await _openai(engine, request, chat=True)
+
+
+async def tokenize(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    """SGLang's ``/v1/tokenize``: ``{"prompt": str | [str]}`` or ``{"messages": [...]}`` ->
+    ``{"tokens", "count", "max_model_len"}`` (``serving_tokenize.OpenAIServingTokenize``)."""
+    body = await _body(request)
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise BadRequest("add_special_tokens must be a boolean")
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if messages is not None:
+        tokens: list = chat_tokens(engine, messages)
+        count: Any = len(tokens)
+    elif isinstance(prompt, str):
+        tokens = engine.tokenizer.encode(prompt, add_special_tokens=special)
+        count = len(tokens)
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        tokens = [engine.tokenizer.encode(p, add_special_tokens=special) for p in prompt]
+        count = [len(t) for t in tokens]
+    else:
+        raise BadRequest(f"Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
+    max_len = engine.cache.vram_pages_max * engine.settings.block_size
+    return web.json_response({"tokens": tokens, "count": count, "max_model_len": max_len})
+
+
+async def detokenize(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    """SGLang's ``/v1/detokenize``: ``{"tokens": [int] | [[int]]}`` -> ``{"text": str | [str]}``."""
+    tokens = (await _body(request)).get("tokens")
+    if isinstance(tokens, list) and tokens and isinstance(tokens[0], list):
+        return web.json_response({"text": [output_text(engine, parse_ids(t, "tokens")) if t != [] else ""
+                                           for t in tokens]})
+    if tokens == []:
+        return web.json_response({"text": ""})
+    return web.json_response({"text": output_text(engine, parse_ids(tokens, "tokens"))})
+
+
+async def get_model_info(engine: EmulatedEngine, request: web.Request) -> web.Response:
+    return web.json_response(model_info(engine))
 
 
 async def models(engine: EmulatedEngine, request: web.Request) -> web.Response:
@@ -334,9 +381,11 @@ def build_app(engine: EmulatedEngine) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
     app[ENGINE] = engine
     post = {"/generate": generate, "/v1/completions": completions, "/v1/chat/completions": chat_completions,
-            "/flush_cache": flush_cache}
+            "/flush_cache": flush_cache, "/v1/tokenize": tokenize, "/tokenize": tokenize,
+            "/v1/detokenize": detokenize, "/detokenize": detokenize}
     get = {"/v1/models": models, "/server_info": info, "/get_server_info": info, "/v1/loads": loads,
-           "/get_loads": loads, "/metrics": metrics, "/health": health, "/health_generate": health}
+           "/get_loads": loads, "/metrics": metrics, "/health": health, "/health_generate": health,
+           "/model_info": get_model_info, "/get_model_info": get_model_info}
     for path, fn in post.items():
         app.router.add_post(path, _handler(fn))
     for path, fn in get.items():

@@ -6,13 +6,16 @@ exactly as SGLang's ``ZmqEventPublisher`` does; the shared
 :class:`~kvcompassd.core.workermodel.WorkerQueueModel` decides when the first token and the last
 token come. Delays are the modelled ones times ``time_scale`` (1 = real time, 0 = no delay: the
 model is bypassed and requests complete at once, for tests and benchmarks; loads then report
-in-flight HTTP requests). Text is tokenised byte-wise (token = byte value), so text <-> tokens is
-deterministic; output tokens are printable ASCII derived from a hash of the prompt and the seed.
+in-flight HTTP requests). Text and chats are tokenised with the worker's tokenizer: byte-wise by
+default (token = byte value), or a Hugging Face tokenizer directory (``--tokenizer``), which
+``/v1/tokenize`` exposes as SGLang does so an edge can check it tokenises the same way; output
+tokens are printable ASCII ids derived from a hash of the prompt and the seed.
 
 Routes: ``/generate``, ``/v1/completions``, ``/v1/chat/completions`` (streaming as SGLang: SSE
 ``data: {...}`` lines then ``data: [DONE]``), ``/v1/models``, ``/server_info``
 (``/get_server_info``), ``/v1/loads`` (``/get_loads``), ``/metrics``, ``/health``,
-``/health_generate``, ``/flush_cache``.
+``/health_generate``, ``/flush_cache``, ``/v1/tokenize`` (``/tokenize``), ``/v1/detokenize``
+(``/detokenize``), ``/model_info`` (``/get_model_info``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvcompassd.core.prefixcache import EvictionPolicy, PrefixCache
 from kvcompassd.core.workermodel import FirstTokenProduced, WorkerModelError, WorkerQueueModel, WorkerTiming
 from kvcompassd.emulator.publisher import KvEventPublisher
+from kvcompassd.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 VERSION = "0.5.23-kvcompassd-emulator"
@@ -68,6 +72,8 @@ class EmulatorSettings:
     seed: int = 0
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 32_768
+    tokenizer: str = "byte"  # or a Hugging Face tokenizer directory: what text and chats become
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's template
 
     def __post_init__(self) -> None:
         checks = [
@@ -81,6 +87,7 @@ class EmulatorSettings:
             ("time_scale", self.time_scale >= 0),
             ("replay_buffer_steps", self.replay_buffer_steps > 0),
             ("default_max_new_tokens", 0 < self.default_max_new_tokens <= self.max_new_tokens_limit),
+            ("tokenizer", isinstance(self.tokenizer, str) and bool(self.tokenizer)),
         ]
         for name, ok in checks:
             if not ok:
@@ -181,9 +188,11 @@ class _Metrics:
 class EmulatedEngine:
     """Cache, queue model, publisher and clock of one emulated worker."""
 
-    def __init__(self, settings: EmulatorSettings, publisher: KvEventPublisher) -> None:
+    def __init__(self, settings: EmulatorSettings, publisher: KvEventPublisher,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.settings = settings
         self.publisher = publisher
+        self.tokenizer = tokenizer or load_tokenizer(settings.tokenizer, settings.chat_template)
         self.cache = PrefixCache(
             block_size=settings.block_size, vram_tokens=settings.vram_kv_tokens,
             dram_tokens=settings.dram_kv_tokens, policy=EvictionPolicy(settings.eviction),
@@ -379,12 +388,13 @@ class EmulatedWorker:
 
     async def start(self) -> None:
         s = self.settings
+        tokenizer = load_tokenizer(s.tokenizer, s.chat_template)  # a bad tokenizer fails before any socket
         self.publisher = KvEventPublisher(
             s.kv_events_endpoint, s.kv_replay_endpoint, topic=s.kv_events_topic,
             buffer_steps=s.replay_buffer_steps, style=s.kv_events_style, context=self._ctx,  # type: ignore[arg-type]
         )
         await self.publisher.start()
-        self.engine = EmulatedEngine(s, self.publisher)
+        self.engine = EmulatedEngine(s, self.publisher, tokenizer)
         self.engine.start()
         from kvcompassd.emulator.routes import build_app  # the HTTP layer imports this module
 
