@@ -1,4 +1,5 @@
-"""What a running edge tells ``kvcompassctl``: views, levels, queues, beliefs, holders, migrations.
+"""What a running node tells ``kvcompassctl``: an edge's views, levels, queues, beliefs,
+holders and migrations; which queries each role answers.
 
 Read-only: a holders query scores the prompt as a decision would (view and pending ledger)
 without feeding the hot-prefix detector or changing the ledger.
@@ -9,8 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 from kvcompassd.core.events import Tier
+from kvcompassd.core.ludo import LudoView
 
 QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations", "lookup")
+# What the other roles answer; anything else is refused, not answered with their status.
+MAINTENANCE_QUERIES = ("status", "holders", "entries")
+AGENT_QUERIES = ("status",)
+
+
+def refusal(role: str, what: str, answered: tuple[str, ...]) -> dict:
+    """The answer to a query this role does not answer (kvcompassctl reports it as an error)."""
+    return {"error": f"unknown query {what!r} for {role}; it answers {', '.join(answered)}"}
 
 
 def describe_edge(edge, what: str, args: dict) -> dict:
@@ -31,7 +41,7 @@ def _views(edge, args) -> dict:
     for shard, st in enumerate(edge.view.state):
         for group, view in sorted(st.views.items()):
             g = edge.layout.groups[group]
-            entries = view.snapshot_entries
+            entries = current_entries(view)
             rows.append({
                 "shard": shard,
                 "group": group,
@@ -40,12 +50,19 @@ def _views(edge, args) -> dict:
                 "epoch": st.epoch,
                 "seq": st.seq,
                 "slots": view.slots,
-                "entries_at_snapshot": entries,
+                "entries": entries,
                 "memory_bytes": view.memory_bytes,
                 "bits_per_entry": round(8 * view.memory_bytes / entries, 1) if entries else None,
                 "table_epoch": view.epoch,
             })
     return {"views": rows}
+
+
+def current_entries(view: LudoView) -> int:
+    """Occupied slots of a keyless view now. The view counts entries only in the snapshot it
+    started from (update records carry no counts); its export counts the non-zero slots, as the
+    maintenance unit's table would report them. O(slots): for inspection, not decisions."""
+    return LudoView.from_snapshot(view.snapshot()).snapshot_entries
 
 
 def _levels(edge, args) -> dict:

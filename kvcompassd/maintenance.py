@@ -273,7 +273,15 @@ class MaintenanceNode:
             peer.send_encoded(EncodedMessage(answer).body_for(peer))
 
     def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
-        body = self.describe(msg.what, msg.args)
+        from kvcompassd.inspect import MAINTENANCE_QUERIES, refusal
+
+        if msg.what not in MAINTENANCE_QUERIES:
+            body = refusal("a maintenance unit", msg.what, MAINTENANCE_QUERIES)
+        else:
+            try:
+                body = self.describe(msg.what, msg.args)
+            except (TypeError, ValueError) as exc:  # arguments of the wrong shape
+                body = {"error": f"{msg.what}: {exc}"}
         reply = AdminAnswered(msg.what, body)
         if channel.stream is not None:
             channel.stream.send_encoded(encode(reply), end=True)
