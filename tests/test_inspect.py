@@ -1,13 +1,16 @@
-"""What an edge tells kvcompassctl about a prompt: the view's holders and its pending ledger."""
+"""What an edge tells kvcompassctl: a prompt's holders and the pending ledger, and each view's entries."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_router import PROMPT, _register, _world
 
+from kvcompassd.core.ludo import LudoTable, LudoView
 from kvcompassd.core.router import Router
-from kvcompassd.inspect import describe_edge
+from kvcompassd.inspect import current_entries, describe_edge
 
 
 def _edge(router, cfg, layout, clock):
@@ -32,3 +35,19 @@ def test_holders_shows_the_view_and_apart_from_it_what_the_edge_just_sent_withou
     assert after["chosen"] == sent.worker  # scored as the next decision would be
     held = len(router.pending)
     assert describe_edge(edge, "holders", {"tokens": tokens})["pending"] == after["pending"] and len(router.pending) == held
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 400)), max_size=300))
+def test_a_view_counts_the_entries_its_table_holds_after_records_not_only_its_first_snapshot(ops):
+    table = LudoTable(64, seed=3)
+    view = LudoView.from_snapshot(table.snapshot())  # an edge's view starts from an empty shard
+    for insert, key in ops:
+        if insert and table.get(key) is None:
+            table.insert(key, key)
+        elif not insert and table.get(key) is not None:
+            table.remove(key)
+        for blob in table.take_updates():  # records, or a snapshot after the table grew
+            view.apply(blob)
+    assert current_entries(view) == len(table)
+    assert view.lookup_many(table.items()[0]).tolist() == table.items()[1].tolist()  # still the same view
