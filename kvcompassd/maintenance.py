@@ -99,6 +99,7 @@ class MaintenanceNode:
         # Entries and load per region group, what an operator sizes initial_capacity and
         # fingerprint_bits by.
         self.metrics.watch_tables(self.shard.table_stats)
+        self.metrics.watch_position(lambda: [(self.me.shard, self.epoch, self.shard.seq)])
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self.address: tuple[str, int] | None = None

@@ -76,9 +76,13 @@ SPEC = DeploymentSpec(workers={"us": 1, "eu": 1}, one_way_ms={("us", "eu"): 10.0
                       prefill_ms_per_token=0.01, decode_ms_per_token=0.1)
 
 
+MNT_METRICS = f"127.0.0.1:{free_loopback_port()}"
+
+
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
-    d = LocalDeployment(SPEC, tmp_path_factory.mktemp("ctl"), time_scale=0.0)
+    d = LocalDeployment(SPEC, tmp_path_factory.mktemp("ctl"), time_scale=0.0,
+                        node_args={"maintenance:mnt-0": ("--metrics", MNT_METRICS)})
     asyncio.run(d.start())
     try:
         yield d
@@ -148,6 +152,29 @@ def test_edge_views_report_the_entries_their_shard_holds_and_bits_per_entry(dep)
         if row["entries"]:
             assert row["bits_per_entry"] == round(8 * row["memory_bytes"] / row["entries"], 1)
     assert "entries_at_snapshot" not in ctl("edge-eu", "views", dep=dep).stdout
+
+
+def _sample(url: str, name: str) -> float | None:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):  # name carries its labels
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_the_views_sync_position_is_exported_beside_the_shards(dep):
+    # The dashboard's sync lag is the shard's seq minus each view's: both series must exist and
+    # agree once the views caught up (the previous test's prompt put batches through).
+    deadline = time.monotonic() + 60
+    while True:
+        shard = _sample(f"http://{MNT_METRICS}/metrics", 'kvcompass_shard_seq{shard="0"}')
+        views = [_sample(dep.edge_url(r) + "/metrics", 'kvcompass_view_seq{shard="0"}') for r in ("us", "eu")]
+        if shard is not None and shard > 0 and views == [shard, shard]:
+            break
+        assert time.monotonic() < deadline, (shard, views)
+        time.sleep(0.2)
+    epoch = _sample(f"http://{MNT_METRICS}/metrics", 'kvcompass_shard_epoch{shard="0"}')
+    assert epoch == _sample(dep.edge_url("us") + "/metrics", 'kvcompass_view_epoch{shard="0"}') and epoch > 0
 
 
 def test_a_query_outside_the_nodes_role_is_refused_not_answered_with_its_status(dep):
