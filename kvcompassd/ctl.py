@@ -117,7 +117,7 @@ async def query(cfg, tls_dir: Path, admin_id: str, node_id: str, what: str, args
                                   "(is the node running, and is UDP to it open?)") from None
         except HandshakeFailed as exc:  # a certificate refused, by the node or by us
             raise NodeUnreachable(f"{node_id}: TLS handshake failed: {exc}") from None
-        except (PeerUnavailable, OSError) as exc:
+        except (PeerUnavailable, OSError, ValueError) as exc:  # ValueError: an address we cannot dial
             raise NodeUnreachable(f"{node_id}: unreachable: {exc}") from None
         try:
             async with asyncio.timeout(timeout):
@@ -189,8 +189,6 @@ def _cell(v: Any) -> str:
 
 
 def render(what: str, body: dict) -> str:
-    if "error" in body and len(body) == 1:
-        return f"error: {body['error']}"
     if body.get("mode") == "maintenance":
         head = {k: body[k] for k in ("id", "shard", "epoch", "seq", "entries") if k in body}
         parts = [table([head]), "", "tables:", table(body.get("tables", [])), "",
@@ -275,6 +273,8 @@ def _query(args) -> int:
             qargs["text"] = args.text
         else:
             raise CtlError("holders needs a non-empty --text or --tokens-file", EXIT_USAGE)
+        if not 1 <= args.top <= 1000:
+            raise CtlError("--top must be in [1, 1000]", EXIT_USAGE)
         qargs["top"] = args.top
     elif args.text is not None or args.tokens_file is not None:
         raise CtlError(f"--text and --tokens-file go with holders, not {args.what}", EXIT_USAGE)
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{query,certs}", parser_class=_Parser)
 
     c = sub.add_parser("certs", help="cluster CA and node certificates")
-    csub = c.add_subparsers(dest="certs_command", required=True, parser_class=_Parser)
+    csub = c.add_subparsers(dest="certs_command", required=True, metavar="{init,issue}", parser_class=_Parser)
     ci = csub.add_parser("init", help="create the cluster CA")
     ci.add_argument("--dir", required=True, type=Path)
     ci.add_argument("--cluster", required=True, help="cluster name (in the CA's subject)")
@@ -361,8 +361,8 @@ def _query_args(q: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("certs", "query", "-h", "--help"):
-        argv = ["query", *argv]
+    if not argv or argv[0] not in ("certs", "query", "-h", "--help"):
+        argv = ["query", *argv]  # the common case needs no subcommand
     try:
         args = build_parser().parse_args(argv)
         if args.command == "query":
@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("quic").setLevel(max(logging.WARNING, logging.getLogger().level))
         return args.func(args)
     except CtlError as exc:
-        print(f"kvcompassctl: {exc}", file=sys.stderr)
+        # One line, whatever a node put in its reason.
+        print("kvcompassctl: " + " ".join(str(exc).split()), file=sys.stderr)
         return exc.status
     except BrokenPipeError:
         # The reader went away (| head): nothing left to say, and nowhere to say it. Point
