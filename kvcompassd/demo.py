@@ -226,6 +226,12 @@ async def _demo(args, stop_signal: list[int]) -> int:
             return 128 + stop_signal[0]
         print("\nstopped every node of the kept deployment", flush=True)
         return 0
+    except (RuntimeError, TimeoutError, OSError) as exc:  # a node that did not start, a port taken
+        keep_files = True  # the logs say why
+        print(f"kvcompassd demo: {exc}\nkvcompassd demo: every node stopped; configs and logs kept under {root}",
+              file=sys.stderr, flush=True)
+        _print_results(rows, root, kept=True)
+        return 1
     finally:
         if not keep_files:
             shutil.rmtree(root, ignore_errors=True)
@@ -258,6 +264,10 @@ async def _run_until_signalled(args) -> int:
 
 def main(args) -> int:
     from kvcompassd.daemon import install_uvloop
+
+    if args.requests < 1 or args.concurrency < 1:
+        print("kvcompassd demo: --requests and --concurrency must be at least 1", file=sys.stderr)
+        return 2
 
     install_uvloop()
     return asyncio.run(_run_until_signalled(args))

@@ -134,3 +134,15 @@ def test_the_bundled_workload_is_fixed_by_its_seed():
     regions = ["us", "eu", "asia"]
     assert bundled_workload(20, regions) == bundled_workload(20, regions)
     assert {r.region for r in bundled_workload(200, regions)} == set(regions)
+
+
+def test_a_deployment_that_cannot_start_is_one_error_not_a_traceback(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    out = subprocess.run([sys.executable, "-m", "kvcompassd", "demo", "--requests", "2", "--time-scale", "0",
+                          "--workdir", str(blocked / "demo")], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("kvcompassd demo: ") and "Not a directory" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvcompassd", "demo", "--requests", "0"], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and bad.stderr.strip() == "kvcompassd demo: --requests and --concurrency must be at least 1"
