@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import struct
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,6 +35,8 @@ from kvcompassd.wire import (
     ErrorReported,
     NodeIdentity,
     Role,
+    WireError,
+    encode,
 )
 
 # What kvcompassctl asks each role, one line each (``--help`` prints these). The nodes answer
@@ -102,6 +105,11 @@ async def query(cfg, tls_dir: Path, admin_id: str, node_id: str, what: str, args
 
     address, role = _address_of(cfg, node_id)
     try:
+        message = AdminQueried(what, args)
+        encode(message)  # its size is checked when encoded: fail here, before dialling
+    except WireError as exc:  # over the admin message's bounds (a very long --text, say)
+        raise CtlError(f"{what}: the query does not fit one admin message: {exc}", EXIT_USAGE) from None
+    try:
         files = tls_files(tls_dir, admin_id)
         # The handshake may take longer than our deadline: running out of time is ours to report.
         node = QuicNode(NodeIdentity(Role.ADMIN, admin_id), files, on_message=lambda *a: None,
@@ -122,7 +130,7 @@ async def query(cfg, tls_dir: Path, admin_id: str, node_id: str, what: str, args
         try:
             async with asyncio.timeout(timeout):
                 async with peer.open_stream() as exchange:
-                    await exchange.send(AdminQueried(what, args))
+                    await exchange.send(message)
                     async for reply in exchange:
                         if isinstance(reply, AdminAnswered):
                             body = reply.body
@@ -243,8 +251,16 @@ def _certs(args) -> int:
     return 0
 
 
-def _tokens_from(path: str) -> list[int]:
+MAX_TOKENS_FILE_BYTES = 16 * 1024 * 1024
+MAX_QUERY_TOKENS = 200_000  # packed 4 bytes each, within one admin message (1 MiB)
+
+
+def _tokens_from(path: str) -> bytes:
+    """A JSON list of token ids, packed as little-endian uint32 (one value on the wire, however
+    long the prompt; the edge reads either form)."""
     try:
+        if Path(path).stat().st_size > MAX_TOKENS_FILE_BYTES:
+            raise CtlError(f"--tokens-file {path}: larger than {MAX_TOKENS_FILE_BYTES} bytes", EXIT_USAGE)
         tokens = json.loads(Path(path).read_text())
     except OSError as exc:
         raise CtlError(f"--tokens-file {path}: {exc.strerror or exc}", EXIT_USAGE) from None
@@ -254,7 +270,9 @@ def _tokens_from(path: str) -> list[int]:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens):
         raise CtlError(f"--tokens-file {path}: expected a non-empty JSON list of token ids (integers in [0, 2^32))",
                        EXIT_USAGE)
-    return tokens
+    if len(tokens) > MAX_QUERY_TOKENS:
+        raise CtlError(f"--tokens-file {path}: {len(tokens)} tokens, more than {MAX_QUERY_TOKENS}", EXIT_USAGE)
+    return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
 def _query(args) -> int:

@@ -96,8 +96,12 @@ def _beliefs(edge, args) -> dict:
 def _holders(edge, args) -> dict:
     if "tokens" in args:
         tokens = args["tokens"]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
-            raise ValueError("tokens must be a list of token ids")
+        if isinstance(tokens, bytes):  # little-endian uint32s: a long prompt in one wire value
+            if len(tokens) % 4:
+                raise ValueError("packed tokens must be a multiple of 4 bytes (little-endian uint32)")
+            tokens = np.frombuffer(tokens, dtype="<u4").tolist()
+        elif not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+            raise ValueError("tokens must be a list of token ids, or packed little-endian uint32")
     elif isinstance(args.get("text"), str):
         tokens = edge.tokenizer.encode(args["text"])
     else:

@@ -207,6 +207,13 @@ def test_holders_needs_a_prompt_and_a_readable_tokens_file(dep, tmp_path):
     (tmp_path / "ids.json").write_text(json.dumps(list(range(100, 180))))
     out = ctl("edge-us", "holders", "--tokens-file", str(tmp_path / "ids.json"), "--json", dep=dep)
     assert out.returncode == 0 and json.loads(out.stdout)["prompt_tokens"] == 80
+    # A long prompt goes packed: more ids than an admin message may carry as separate values.
+    (tmp_path / "long.json").write_text(json.dumps([i % 250 for i in range(20_000)]))
+    out = ctl("edge-us", "holders", "--tokens-file", str(tmp_path / "long.json"), "--json", dep=dep)
+    assert out.returncode == 0 and json.loads(out.stdout)["prompt_tokens"] == 20_000, out.stderr
+    (tmp_path / "huge.json").write_text(json.dumps([1] * 200_001))
+    assert_fails(ctl("edge-us", "holders", "--tokens-file", str(tmp_path / "huge.json"), dep=dep), 2,
+                 "more than 200000")
 
 
 def test_an_unusable_admin_certificate_or_config_is_named(dep, tmp_path):

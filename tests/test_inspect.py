@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import struct
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_router import PROMPT, _register, _world
@@ -35,6 +37,11 @@ def test_holders_shows_the_view_and_apart_from_it_what_the_edge_just_sent_withou
     assert after["chosen"] == sent.worker  # scored as the next decision would be
     held = len(router.pending)
     assert describe_edge(edge, "holders", {"tokens": tokens})["pending"] == after["pending"] and len(router.pending) == held
+    # kvcompassctl sends long prompts packed as little-endian uint32: the same answer.
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    assert describe_edge(edge, "holders", {"tokens": packed}) == describe_edge(edge, "holders", {"tokens": tokens})
+    with pytest.raises(ValueError, match="multiple of 4"):
+        describe_edge(edge, "holders", {"tokens": packed[:-1]})
 
 
 @settings(max_examples=40, deadline=None)
