@@ -151,7 +151,7 @@ class EdgeNode:
                 peer.send_encoded(encode(UpdatesSubscribed(self.me.id, shard, max(epoch, 0), seq)))
                 log.info("subscribed", shard=shard, epoch=epoch, seq=seq)
 
-    def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> None:
+    def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> Any:
         handler = self._handlers.get(type(message))
         if handler is None:
             log.warning("unexpected message", peer=str(peer.identity), type=type(message).__name__)
@@ -160,7 +160,7 @@ class EdgeNode:
             except TransportError:
                 pass
             return
-        handler(self, peer, message, channel)
+        return handler(self, peer, message, channel)  # the transport awaits an async handler
 
     def _batch(self, peer: Peer, msg: UpdateBatchPublished, channel: ChannelInfo) -> None:
         outcome = self.view.apply_batch(msg)
@@ -266,11 +266,11 @@ class EdgeNode:
 
     # -- admin --------------------------------------------------------------------------------
 
-    def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
-        from kvcompassd.inspect import describe_edge
+    async def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
+        from kvcompassd.inspect import describe_edge_paced
 
         try:
-            body = describe_edge(self, msg.what, msg.args)
+            body = await describe_edge_paced(self, msg.what, msg.args)
         except ValueError as exc:
             body = {"error": str(exc)}
         reply = encode(AdminAnswered(msg.what, body))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ from test_router import PROMPT, _register, _world
 
 from kvcompassd.core.ludo import LudoTable, LudoView
 from kvcompassd.core.router import Router
-from kvcompassd.inspect import current_entries, describe_edge
+from kvcompassd.inspect import current_entries, describe_edge, describe_edge_paced
 
 
 def _edge(router, cfg, layout, clock):
@@ -58,3 +59,41 @@ def test_a_view_counts_the_entries_its_table_holds_after_records_not_only_its_fi
             view.apply(blob)
     assert current_entries(view) == len(table)
     assert view.lookup_many(table.items()[0]).tolist() == table.items()[1].tolist()  # still the same view
+
+
+async def test_a_running_edge_counts_one_view_per_event_loop_turn_with_the_same_answer():
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 1024)
+    _register(cfg, shards, view, "eu-0", PROMPT[500:], 512)
+    router = Router(cfg, "us", view, now=0.0)
+    edge = SimpleNamespace(router=router, cfg=cfg, layout=layout, view=view, clock=lambda: 0.0,
+                           health=lambda: {"edge": "edge-us", "ready": True})
+    turns = 0
+
+    async def other_work():  # what the edge's requests would be doing meanwhile
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    paced = await describe_edge_paced(edge, "views", {})
+    ticker.cancel()
+    rows = paced["views"]
+    assert rows == describe_edge(edge, "views", {})["views"]
+    assert len(rows) == len(shards) * len(layout.groups) and turns >= len(rows)
+    per_group = {}
+    for row in rows:
+        per_group[row["group"]] = per_group.get(row["group"], 0) + row["entries"]
+    assert per_group == {t["group"]: t["entries"] for t in _merged_tables(shards)}
+    status = await describe_edge_paced(edge, "status", {})
+    assert status["views"] == rows and status["ready"] is True
+
+
+def _merged_tables(shards):
+    merged = {}
+    for shard in shards:
+        for t in shard.table_stats():
+            merged.setdefault(t["group"], {"group": t["group"], "entries": 0})["entries"] += t["entries"]
+    return list(merged.values())
