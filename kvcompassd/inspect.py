@@ -33,8 +33,9 @@ def describe_edge(edge, what: str, args: dict) -> dict:
 
 async def describe_edge_paced(edge, what: str, args: dict) -> dict:
     """``describe_edge`` as a running edge answers it: status and views count one view's
-    entries per event-loop turn. Counting exports the view (O(slots), ~20 ms at 1 M slots), and
-    an edge with a dozen large views must not hold its requests back for all of them at once."""
+    entries per event-loop turn. Counting exports the view (O(slots), tens of ms per million
+    slots: tools/bench_view_count.py), and an edge with a dozen large views must not hold its
+    requests back for all of them at once."""
     if what not in ("status", "views"):
         return describe_edge(edge, what, args)
     rows = []
