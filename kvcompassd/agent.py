@@ -354,7 +354,10 @@ class AgentNode:
         if isinstance(message, TokenizationRequested):
             return self._tokenize(message, channel)
         if isinstance(message, AdminQueried):
-            reply = encode(AdminAnswered(message.what, self.describe()))
+            from kvcompassd.inspect import AGENT_QUERIES, refusal
+
+            body = self.describe() if message.what in AGENT_QUERIES else refusal("an agent", message.what, AGENT_QUERIES)
+            reply = encode(AdminAnswered(message.what, body))
             if channel.stream is not None:
                 channel.stream.send_encoded(reply, end=True)
             return None

@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--wan-scale", type=float, default=1.0, help="multiply the WAN delays")
     p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--keep", action="store_true", help="keep running after the table (Ctrl-C to stop)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the KVCompass deployment running after the table (Ctrl-C or SIGTERM stops it)")
     _log_args(p)
     p.set_defaults(func=cmd_demo)
 

@@ -12,6 +12,8 @@ import asyncio
 import json
 import random
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,8 +24,9 @@ import numpy as np
 
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
-WORDS = ("the model cache prefix region worker token edge shard query latency reuse prompt answer "
-         "document section table figure result network request queue memory transfer compute").split()
+WORDS = ("the", "model", "cache", "prefix", "region", "worker", "token", "edge", "shard", "query", "latency",
+         "reuse", "prompt", "answer", "document", "section", "table", "figure", "result", "network", "request",
+         "queue", "memory", "transfer", "compute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +93,7 @@ async def _one(session: aiohttp.ClientSession, base: str, req: DemoRequest) -> O
                     ttft = time.perf_counter() - t0
                 if "kvcompass" in chunk:
                     final = chunk
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return Outcome(req.region, 0, 0, 0, 0, 0, "", False)
     total = time.perf_counter() - t0
     usage = final.get("usage", {})
@@ -99,11 +102,14 @@ async def _one(session: aiohttp.ClientSession, base: str, req: DemoRequest) -> O
                    kvc.get("cached_tokens", 0), kvc.get("region", ""), bool(final))
 
 
-async def run_workload(dep: LocalDeployment, requests: list[DemoRequest], concurrency: int) -> tuple[list[Outcome], float]:
+async def run_workload(dep: LocalDeployment, requests: list[DemoRequest], concurrency: int,
+                       results: list[Outcome] | None = None) -> tuple[list[Outcome], float]:
+    """Replay ``requests``; each outcome is appended to ``results`` as it completes, so a run
+    cut short still has what it measured."""
     queue: asyncio.Queue[DemoRequest] = asyncio.Queue()
     for r in requests:
         queue.put_nowait(r)
-    results: list[Outcome] = []
+    results = [] if results is None else results
 
     async def client(session):
         while not queue.empty():
@@ -146,36 +152,122 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join([line, sep, *body])
 
 
-async def _demo(args) -> int:
+# The comparison runs first, so that the deployment --keep leaves running is KVCompass's.
+RUNS = (("no cross-region reuse", ("--no-cross-region",)), ("KVCompass", ()))
+
+
+def kept_running_note(dep: LocalDeployment) -> str:
+    """Where an operator finds the kept deployment: front doors, configs, certificates, logs."""
+    cfg = dep.cfg
+    region = cfg.region_names()[0]
+    lines = ["KVCompass deployment kept running (Ctrl-C or SIGTERM stops every node):"]
+    lines += [f"  {e.id:<12} front door http://{e.http}/v1  (/health, /metrics)  admin QUIC {e.quic}" for e in cfg.edges]
+    lines += [f"  {m.id:<12} admin QUIC {m.quic}" for m in cfg.maintenance]
+    lines += [f"  {w.id:<12} emulated worker {w.http}, agent QUIC {w.agent}" for w in cfg.workers]
+    lines += [f"  configs      {', '.join(str(p) for p in dep.configs.values())}",
+              f"  TLS          {dep.tls_dir} (admin certificate: admin.pem)",
+              f"  logs         {dep.workdir / 'logs'} (one JSON log per node)",
+              (f"  try          kvcompassctl --config {dep.configs[region]} --tls-dir {dep.tls_dir} "
+               f"{cfg.edges_in(region)[0].id} status")]
+    return "\n".join(lines)
+
+
+def _print_results(rows: list[dict], root: Path, kept: bool) -> None:
+    print()
+    print(render_table(rows) if rows else "(nothing measured)")
+    by_run = {r["run"]: r for r in rows}
+    kvc, off = by_run.get("KVCompass"), by_run.get("no cross-region reuse")
+    if kvc and off and kvc["ttft_p99_ms"]:
+        print(f"\nP99 TTFT ratio (no cross-region / KVCompass): {off['ttft_p99_ms'] / kvc['ttft_p99_ms']:.2f}x")
+    if kept:
+        print(f"configs, certificates and logs under {root}")
+    sys.stdout.flush()
+
+
+async def _demo(args, stop_signal: list[int]) -> int:
+    """Both runs, then the table; ``stop_signal`` receives the signal that cancelled us, if any.
+
+    Cancellation (SIGINT, SIGTERM) unwinds through each deployment's ``async with``, which
+    stops every node it started; what the cut-short run measured is still summarised."""
     spec = DeploymentSpec()
     requests = bundled_workload(args.requests, list(spec.workers))
+    keep_files = bool(args.workdir) or args.keep
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvcompass-demo-"))
-    rows = []
-    runs = [("KVCompass", ()), ("no cross-region reuse", ("--no-cross-region",))]
-    for i, (name, edge_args) in enumerate(runs):
-        print(f"[{i + 1}/{len(runs)}] starting {sum(spec.workers.values())} emulated workers, "
-              f"{len(spec.workers)} edges, {spec.shards} maintenance units ({name}) ...", flush=True)
-        dep = LocalDeployment(spec, root / f"run{i}", time_scale=args.time_scale, wan_scale=args.wan_scale,
-                              edge_args=edge_args)
-        async with dep:
-            print(f"      replaying {len(requests)} requests at concurrency {args.concurrency} ...", flush=True)
-            results, wall = await run_workload(dep, requests, args.concurrency)
-            rows.append(summarise(name, results, wall))
-            if args.keep and i == len(runs) - 1:
-                print(f"deployment kept running; edges: {[dep.edge_url(r) for r in spec.workers]}; Ctrl-C to stop")
-                await asyncio.Event().wait()
-    print()
-    print(render_table(rows))
-    if len(rows) == 2 and rows[1]["ttft_p99_ms"]:
-        print(f"\nP99 TTFT ratio (no cross-region / KVCompass): {rows[1]['ttft_p99_ms'] / rows[0]['ttft_p99_ms']:.2f}x; "
-              f"logs under {root}")
-    if not args.workdir:
-        shutil.rmtree(root, ignore_errors=True)
+    rows: list[dict] = []
+    measuring = True
+    try:
+        for i, (name, edge_args) in enumerate(RUNS):
+            print(f"[{i + 1}/{len(RUNS)}] starting {sum(spec.workers.values())} emulated workers, "
+                  f"{len(spec.workers)} edges, {spec.shards} maintenance units ({name}) ...", flush=True)
+            dep = LocalDeployment(spec, root / f"run{i}", time_scale=args.time_scale, wan_scale=args.wan_scale,
+                                  edge_args=edge_args)
+            async with dep:
+                print(f"      replaying {len(requests)} requests at concurrency {args.concurrency} ...", flush=True)
+                results: list[Outcome] = []
+                t0 = time.perf_counter()
+                try:
+                    await run_workload(dep, requests, args.concurrency, results)
+                finally:
+                    if results:
+                        cut_short = len(results) < len(requests)
+                        rows.append(summarise(name + (" (interrupted)" if cut_short else ""), results,
+                                              time.perf_counter() - t0))
+                if args.keep and i == len(RUNS) - 1:
+                    measuring = False
+                    _print_results(rows, root, kept=True)
+                    print("\n" + kept_running_note(dep), flush=True)
+                    await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        if not stop_signal:
+            raise  # not ours to swallow
+        if measuring:
+            print(f"\ninterrupted by {signal.Signals(stop_signal[0]).name}; every node stopped", flush=True)
+            _print_results(rows, root, kept=keep_files)
+            return 128 + stop_signal[0]
+        print("\nstopped every node of the kept deployment", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as exc:  # a node that did not start, a port taken
+        keep_files = True  # the logs say why
+        print(f"kvcompassd demo: {exc}\nkvcompassd demo: every node stopped; configs and logs kept under {root}",
+              file=sys.stderr, flush=True)
+        _print_results(rows, root, kept=True)
+        return 1
+    finally:
+        if not keep_files:
+            shutil.rmtree(root, ignore_errors=True)
+    _print_results(rows, root, kept=keep_files)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+async def _run_until_signalled(args) -> int:
+    """Run the demo; the first SIGINT or SIGTERM cancels it (every node is stopped on the way
+    out), later ones are ignored so that the stopping is not itself cut short."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    stop_signal: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        if not stop_signal:
+            stop_signal.append(sig)
+            task.cancel()
+        else:
+            print(f"{signal.Signals(sig).name}: still stopping the nodes", file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await _demo(args, stop_signal)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def main(args) -> int:
     from kvcompassd.daemon import install_uvloop
 
+    if args.requests < 1 or args.concurrency < 1:
+        print("kvcompassd demo: --requests and --concurrency must be at least 1", file=sys.stderr)
+        return 2
+
     install_uvloop()
-    return asyncio.run(_demo(args))
+    return asyncio.run(_run_until_signalled(args))

@@ -75,6 +75,7 @@ class EdgeNode:
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         self.metrics = EdgeMetrics()
         self.metrics.watch_hot_prefixes(lambda: self.router.hot.hot_misses)
+        self.metrics.watch_views(lambda: [(s, *self.view.position(s)) for s in range(cfg.shards)])
         self.node = QuicNode(NodeIdentity(Role.EDGE, me.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.tokenizer = tokenizer or ByteTokenizer()
@@ -202,7 +203,7 @@ class EdgeNode:
                 peer.send_encoded(encode(UpdatesSubscribed(self.me.id, shard, max(epoch, 0), seq)))
                 log.info("subscribed", shard=shard, epoch=epoch, seq=seq)
 
-    def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> None:
+    def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> Any:
         handler = self._handlers.get(type(message))
         if handler is None:
             self._refuse(peer, message, "an edge does not accept it")
@@ -211,7 +212,7 @@ class EdgeNode:
             except TransportError:
                 pass
             return
-        handler(self, peer, message, channel)
+        return handler(self, peer, message, channel)  # the transport awaits an async handler
 
     def _refuse(self, peer: Peer, msg: Any, detail: str) -> None:
         """A message its sender has no authority for: counted, logged with the sender's
@@ -362,11 +363,11 @@ class EdgeNode:
 
     # -- admin --------------------------------------------------------------------------------
 
-    def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
-        from kvcompassd.inspect import describe_edge
+    async def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
+        from kvcompassd.inspect import describe_edge_paced
 
         try:
-            body = describe_edge(self, msg.what, msg.args)
+            body = await describe_edge_paced(self, msg.what, msg.args)
         except ValueError as exc:
             body = {"error": str(exc)}
         reply = encode(AdminAnswered(msg.what, body))

@@ -1,4 +1,5 @@
-"""What a running edge tells ``kvcompassctl``: views, levels, queues, beliefs, holders, migrations.
+"""What a running node tells ``kvcompassctl``: an edge's views, levels, queues, beliefs,
+holders and migrations; which queries each role answers.
 
 Read-only: a holders query scores the prompt as a decision would (view and pending ledger)
 without feeding the hot-prefix detector or changing the ledger.
@@ -6,11 +7,22 @@ without feeding the hot-prefix detector or changing the ledger.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from kvcompassd.core.events import Tier
+from kvcompassd.core.ludo import LudoView
 
 QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations", "lookup")
+# What the other roles answer; anything else is refused, not answered with their status.
+MAINTENANCE_QUERIES = ("status", "holders", "entries")
+AGENT_QUERIES = ("status",)
+
+
+def refusal(role: str, what: str, answered: tuple[str, ...]) -> dict:
+    """The answer to a query this role does not answer (kvcompassctl reports it as an error)."""
+    return {"error": f"unknown query {what!r} for {role}; it answers {', '.join(answered)}"}
 
 
 def describe_edge(edge, what: str, args: dict) -> dict:
@@ -19,33 +31,70 @@ def describe_edge(edge, what: str, args: dict) -> dict:
     return _QUERIES[what](edge, args)
 
 
-def _status(edge, args) -> dict:
+async def describe_edge_paced(edge, what: str, args: dict) -> dict:
+    """``describe_edge`` as a running edge answers it: status and views count one view's
+    entries per event-loop turn. Counting exports the view (O(slots), tens of ms per million
+    slots: tools/bench_view_count.py), and an edge with a dozen large views must not hold its
+    requests back for all of them at once."""
+    if what not in ("status", "views"):
+        return describe_edge(edge, what, args)
+    rows = []
+    for shard, group in _view_keys(edge):
+        row = _view_row(edge, shard, group)  # read whole within one turn: a consistent row
+        if row is not None:
+            rows.append(row)
+        await asyncio.sleep(0)
+    if what == "views":
+        return {"views": rows}
+    return {**_status_head(edge), "views": rows}
+
+
+def _status_head(edge) -> dict:
     pending = edge.router.pending
     return {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
-            "resyncs": edge.view.resyncs, "pending_keys": None if pending is None else len(pending),
-            "views": _views(edge, args)["views"]}
+            "resyncs": edge.view.resyncs, "pending_keys": None if pending is None else len(pending)}
+
+
+def _status(edge, args) -> dict:
+    return {**_status_head(edge), "views": _views(edge, args)["views"]}
+
+
+def _view_keys(edge) -> list[tuple[int, int]]:
+    return [(shard, group) for shard, st in enumerate(edge.view.state) for group in sorted(st.views)]
+
+
+def _view_row(edge, shard: int, group: int) -> dict | None:
+    view = edge.view.view(shard, group)
+    if view is None:  # replaced by a snapshot without that group meanwhile
+        return None
+    st = edge.view.state[shard]
+    g = edge.layout.groups[group]
+    entries = current_entries(view)
+    return {
+        "shard": shard,
+        "group": group,
+        "region": g.region,
+        "workers": len(g.workers),
+        "epoch": st.epoch,
+        "seq": st.seq,
+        "slots": view.slots,
+        "entries": entries,
+        "load": round(entries / view.slots, 4) if view.slots else None,
+        "memory_bytes": view.memory_bytes,
+        "bits_per_entry": round(8 * view.memory_bytes / entries, 1) if entries else None,
+        "table_epoch": view.epoch,
+    }
 
 
 def _views(edge, args) -> dict:
-    rows = []
-    for shard, st in enumerate(edge.view.state):
-        for group, view in sorted(st.views.items()):
-            g = edge.layout.groups[group]
-            entries = view.snapshot_entries
-            rows.append({
-                "shard": shard,
-                "group": group,
-                "region": g.region,
-                "workers": len(g.workers),
-                "epoch": st.epoch,
-                "seq": st.seq,
-                "slots": view.slots,
-                "entries_at_snapshot": entries,
-                "memory_bytes": view.memory_bytes,
-                "bits_per_entry": round(8 * view.memory_bytes / entries, 1) if entries else None,
-                "table_epoch": view.epoch,
-            })
-    return {"views": rows}
+    return {"views": [row for shard, group in _view_keys(edge) if (row := _view_row(edge, shard, group))]}
+
+
+def current_entries(view: LudoView) -> int:
+    """Occupied slots of a keyless view now. The view counts entries only in the snapshot it
+    started from (update records carry no counts); its export counts the non-zero slots, as the
+    maintenance unit's table would report them. O(slots): for inspection, not decisions."""
+    return LudoView.from_snapshot(view.snapshot()).snapshot_entries
 
 
 def _levels(edge, args) -> dict:
@@ -79,8 +128,12 @@ def _beliefs(edge, args) -> dict:
 def _holders(edge, args) -> dict:
     if "tokens" in args:
         tokens = args["tokens"]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
-            raise ValueError("tokens must be a list of token ids")
+        if isinstance(tokens, bytes):  # little-endian uint32s: a long prompt in one wire value
+            if len(tokens) % 4:
+                raise ValueError("packed tokens must be a multiple of 4 bytes (little-endian uint32)")
+            tokens = np.frombuffer(tokens, dtype="<u4").tolist()
+        elif not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+            raise ValueError("tokens must be a list of token ids, or packed little-endian uint32")
     elif isinstance(args.get("text"), str):
         tokens = edge.tokenizer.encode(args["text"])
     else:

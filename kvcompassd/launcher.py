@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Self
 
 import aiohttp
 
@@ -261,10 +262,10 @@ class LocalDeployment:
             await self.wait_ready(timeout)
 
     def spawn(self, node: NodeProcess) -> None:
-        log = open(node.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        node.proc = subprocess.Popen(node.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        log.close()
+        with open(node.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            node.proc = subprocess.Popen(node.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env)
 
     async def wait_ready(self, timeout: float = 90.0) -> None:
         """Every edge has all shard views and has heard a load report from each local worker."""
@@ -339,22 +340,32 @@ class LocalDeployment:
         self.spawn(node)
 
     async def stop(self) -> None:
+        """SIGTERM every node, wait up to 10 s, SIGKILL the rest. Cancelled while waiting (a
+        second Ctrl-C, the demo's own shutdown), it still kills and reaps every node first."""
         procs = [n.proc for n in self.nodes.values() if n.alive]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
-        for p in procs:
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                await asyncio.to_thread(p.wait, remaining)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if self.wan is not None:
-            await self.wan.stop()
+        try:
+            for p in procs:
+                remaining = max(0.1, deadline - time.monotonic())
+                try:
+                    await asyncio.to_thread(p.wait, remaining)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        except asyncio.CancelledError:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            raise
+        finally:
+            if self.wan is not None:
+                await self.wan.stop()
 
-    async def __aenter__(self) -> LocalDeployment:
+    async def __aenter__(self) -> Self:
         try:
             await self.start()
         except BaseException:

@@ -99,6 +99,7 @@ class MaintenanceNode:
         # Entries and load per region group, what an operator sizes initial_capacity and
         # fingerprint_bits by.
         self.metrics.watch_tables(self.shard.table_stats)
+        self.metrics.watch_position(lambda: [(self.me.shard, self.epoch, self.shard.seq)])
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self.address: tuple[str, int] | None = None
@@ -276,7 +277,15 @@ class MaintenanceNode:
             peer.send_encoded(EncodedMessage(answer).body_for(peer))
 
     def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
-        body = self.describe(msg.what, msg.args)
+        from kvcompassd.inspect import MAINTENANCE_QUERIES, refusal
+
+        if msg.what not in MAINTENANCE_QUERIES:
+            body = refusal("a maintenance unit", msg.what, MAINTENANCE_QUERIES)
+        else:
+            try:
+                body = self.describe(msg.what, msg.args)
+            except (TypeError, ValueError) as exc:  # arguments of the wrong shape
+                body = {"error": f"{msg.what}: {exc}"}
         reply = AdminAnswered(msg.what, body)
         if channel.stream is not None:
             channel.stream.send_encoded(encode(reply), end=True)

@@ -28,6 +28,35 @@ class MaintenanceMetrics:
         when scraped: nothing is added to the write path that flushes a batch every few ms."""
         self.registry.register(_ShardTablesCollector(table_stats))
 
+    def watch_position(self, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
+        """Export the shard's (shard, epoch, seq), read when scraped; an edge exports the same of
+        its view, and the difference of the two seqs is how many batches the view is behind."""
+        self.registry.register(_PositionCollector("kvcompass_shard", "this maintenance unit's shard", positions))
+
+
+class _PositionCollector:
+    """``<prefix>_epoch{shard}`` and ``<prefix>_seq{shard}``: where an index copy stands."""
+
+    def __init__(self, prefix: str, what: str, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
+        self._prefix, self._what, self._positions = prefix, what, positions
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (GaugeMetricFamily(f"{self._prefix}_epoch", f"Epoch of {self._what} (a new one per maintenance start)",
+                                  labels=["shard"]),
+                GaugeMetricFamily(f"{self._prefix}_seq", f"Last update batch (seq within the epoch) of {self._what}",
+                                  labels=["shard"]))
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        epoch, seq = self._families()
+        for shard, e, s in self._positions():
+            epoch.add_metric([str(shard)], e)
+            seq.add_metric([str(shard)], s)
+        yield epoch
+        yield seq
+
 
 class _ShardTablesCollector:
     def __init__(self, table_stats: Callable[[], list[dict]]) -> None:
@@ -77,6 +106,11 @@ class EdgeMetrics:
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
                                         "authority for them (a shard it does not own, a region it is not in), by "
                                         "message type", ["message"], registry=r)
+
+    def watch_views(self, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
+        """Export each shard view's (shard, epoch, seq), read when scraped (see
+        ``MaintenanceMetrics.watch_position``: the seqs' difference is the view's lag in batches)."""
+        self.registry.register(_PositionCollector("kvcompass_view", "this edge's view of the shard", positions))
 
     def watch_hot_prefixes(self, hot_misses: Callable[[], dict[tuple[str, str], int]]) -> None:
         """Export ``HotPrefixDetector.hot_misses`` (local misses of hot families by trigger and

@@ -1,10 +1,23 @@
-"""The launcher's port allocation: listen ports never collide with each other nor with the
-kernel's ephemeral ports, which the nodes' own outgoing sockets take."""
+"""The launcher: listen ports never collide with each other nor with the kernel's ephemeral
+ports, which the nodes' own outgoing sockets take; stopping leaves no node running."""
 
+import asyncio
 import random
+import signal
 import socket
+import subprocess
+import sys
 
-from kvcompassd.launcher import DeploymentSpec, _ephemeral_port_low, _Ports, build_cluster
+import pytest
+
+from kvcompassd.launcher import (
+    DeploymentSpec,
+    LocalDeployment,
+    NodeProcess,
+    _ephemeral_port_low,
+    _Ports,
+    build_cluster,
+)
 
 
 def test_ports_are_unique_below_the_ephemeral_range_and_pairs_reserve_the_next_port():
@@ -35,3 +48,31 @@ def test_cluster_addresses_are_distinct():
         + [m.quic for m in cfg.maintenance]
     ports = [int(str(a).rsplit(":", 1)[1]) for a in addresses]
     assert len(ports) == len(set(ports))
+
+
+@pytest.fixture
+def stubborn_node():
+    """A process that ignores SIGTERM (and has said so before we go on)."""
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
+async def test_a_cancelled_stop_still_kills_and_reaps_every_node(tmp_path, stubborn_node):
+    # stop() is left waiting for a node that ignores SIGTERM when it is cancelled (a second
+    # Ctrl-C, the demo shutting down): it must not leave the node running.
+    dep = LocalDeployment(DeploymentSpec(wan=False), tmp_path)
+    dep.nodes["agent:stubborn"] = NodeProcess("stubborn", "agent", "us", [], tmp_path / "stubborn.log", stubborn_node)
+    stopping = asyncio.create_task(dep.stop())
+    await asyncio.sleep(0)  # stop() sends SIGTERM and suspends waiting for the node
+    assert stubborn_node.poll() is None
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert stubborn_node.returncode == -signal.SIGKILL  # killed and reaped, not left behind

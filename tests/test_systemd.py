@@ -287,6 +287,10 @@ def test_every_mode_starts_serves_reloads_and_stops_under_its_units_sandbox(tmp_
 
         async def exercise() -> None:
             async with aiohttp.ClientSession() as session:
+                async def edge_ready():  # READY=1 means listening; /health says when it routes
+                    async with session.get(f"http://{cfg.edges[0].http}/health") as response:
+                        return response.status == 200 and (await response.json())["ready"]
+                await eventually(edge_ready, timeout=60)
                 body = {"text": "a prompt long enough to fill a few KV blocks " * 8,
                         "sampling_params": {"max_new_tokens": 4}}
                 async with session.post(f"http://{cfg.edges[0].http}/generate", json=body) as response:
