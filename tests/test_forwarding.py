@@ -27,9 +27,7 @@ from kvcompassd.forwarding import (
     ForwardError,
     ForwardRequest,
     Forwarder,
-    GenerationFinished,
     SuspectWorkers,
-    TokensGenerated,
 )
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import QuicNode, TransportOptions

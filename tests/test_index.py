@@ -177,11 +177,14 @@ def test_views_converge_to_exact_state_through_gaps(ops, drop):
         worker = workers[w % len(workers)]
         held = (worker, key) in truth
         if kind == "cache":
-            e = PrefixCached(worker, key, tier); truth[(worker, key)] = tier
+            e = PrefixCached(worker, key, tier)
+            truth[(worker, key)] = tier
         elif kind == "tier" and held:
-            e = TierChanged(worker, key, tier); truth[(worker, key)] = tier
+            e = TierChanged(worker, key, tier)
+            truth[(worker, key)] = tier
         elif kind == "evict" and held:
-            e = PrefixEvicted(worker, key); del truth[(worker, key)]
+            e = PrefixEvicted(worker, key)
+            del truth[(worker, key)]
         else:
             continue
         for batch in _route(shards, [e]):

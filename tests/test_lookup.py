@@ -140,7 +140,7 @@ def test_no_false_negatives_for_random_holdings(holdings):
     for region, lk in d.lookups.items():
         for p, tokens in enumerate(prompts):
             found = lk.lookup(tokens)
-            for (worker, q), (cached, tier) in truth.items():
+            for (worker, q), (cached, _tier) in truth.items():
                 if q != p:
                     continue
                 i = d.layout.worker_index(worker)

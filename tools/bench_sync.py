@@ -32,7 +32,7 @@ the in-process columns rate (the issue's target: >= 30 % of it with P99 < 50 ms)
 the real edge's views are read back with admin ``lookup`` queries: every key must hold the
 right value.
 
-    /work/venv/bin/python tools/bench_sync.py [--quick] [--events 100000] [--shards 2] [--runs 3]
+    .venv/bin/python tools/bench_sync.py [--quick] [--events 100000] [--shards 2] [--runs 3]
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
                                      None if cluster.profile_dir is None else str(cluster.profile_dir / f"{edge_id}.prof")))
             proc.start()
             edges.append((proc, parent))
-        for proc, pipe in edges:
+        for _proc, pipe in edges:
             if not await asyncio.to_thread(pipe.poll, 90):
                 raise TimeoutError("a subscriber edge did not get ready")
             pipe.recv()
@@ -380,7 +380,7 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
         if admin_peer is not None:
             real_edge_done = await asyncio.wait_for(wait_edge_caught_up(admin_peer, work, cfg.shards), 120)
         seen_by_edge = []
-        for proc, pipe in edges:
+        for _proc, pipe in edges:
             if not await asyncio.to_thread(pipe.poll, 120):
                 raise TimeoutError("a subscriber edge never saw every report")
             seen_by_edge.append(pipe.recv())

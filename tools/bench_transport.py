@@ -19,7 +19,7 @@ For 2 and 3, "paced/s" counts how often per second the sender's pacer held a pac
 uvloop stretches to >= 1 ms): the trap the coarse pacer removes, visible even when the shared
 machine is too loaded for throughput figures to be stable.
 
-    /work/venv/bin/python tools/bench_transport.py [--seconds 3] [--runs 3] [--loop uvloop|asyncio]
+    .venv/bin/python tools/bench_transport.py [--seconds 3] [--runs 3] [--loop uvloop|asyncio]
 """
 
 from __future__ import annotations
