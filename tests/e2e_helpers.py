@@ -35,7 +35,8 @@ async def eventually(check, timeout: float = 30.0, interval: float = 0.1):
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
+            raise AssertionError(f"condition {getattr(check, '__qualname__', check)!r} not met within {timeout} s "
+                                 f"(last result {result!r})")
         await asyncio.sleep(interval)
 
 
