@@ -22,7 +22,7 @@ def describe_edge(edge, what: str, args: dict) -> dict:
 def _status(edge, args) -> dict:
     pending = edge.router.pending
     return {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
-            "resyncs": edge.view.resyncs, "pending_keys": None if pending is None else len(pending),
+            "resyncs": edge.sync.requests, "pending_keys": None if pending is None else len(pending),
             "views": _views(edge, args)["views"]}
 
 

@@ -55,7 +55,7 @@ class Deployment:
             batch = s.flush()
             if batch is not None:
                 for view in self.views.values():
-                    assert view.apply_batch(batch).applied
+                    assert view.apply_next(batch) is None
 
     def expected(self, edge_region, worker, cached_len, prompt_len):
         region = self.layout.worker_region[worker]
