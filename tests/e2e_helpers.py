@@ -28,6 +28,19 @@ async def admin(dep, node: str, what: str, args: dict | None = None) -> dict:
     return await query(dep.cfg, dep.tls_dir, "admin", node, what, args or {})
 
 
+class NotYet:
+    """A falsy check result that says what was seen instead (``eventually`` shows the last)."""
+
+    def __init__(self, detail: str):
+        self.detail = detail
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return self.detail
+
+
 async def eventually(check, timeout: float = 30.0, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while True:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from e2e_helpers import admin, doc, eventually, generate
+from e2e_helpers import NotYet, admin, doc, eventually, generate
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -39,7 +39,10 @@ async def test_a_document_hot_abroad_is_replicated_to_an_idle_worker_and_then_se
         # could stay a few microseconds above 0 for minutes.)
         async def check():
             body = await admin(dep, "edge-us", "holders", {"text": prompt})
-            return any(h["worker"] == worker for h in body["holders"]) and body["chosen"] == worker
+            if any(h["worker"] == worker for h in body["holders"]) and body["chosen"] == worker:
+                return True
+            return NotYet(f"edge-us would choose {body['chosen']}; holders {body['holders']}; "
+                          f"best candidates {body['candidates'][:3]}")
         return check
 
     # Three requests from the US: no US worker holds the document and eu-0's match is worth the

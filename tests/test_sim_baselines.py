@@ -15,7 +15,7 @@ from kvcompassd.sim.engine import SimSettings, simulate
 from kvcompassd.sim.policy import PolicyError
 from kvcompassd.sim.synthetic import MixedWorkload
 from kvcompassd.sim.workloads import Request
-from kvcompassd.core.prefixcache import PrefixCache
+from kvcompassd.worker.prefixcache import PrefixCache
 
 
 def req(i, tokens, region="a", t=0.0, out=1):

@@ -11,7 +11,7 @@ from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.keys import prefix_keys
 from kvcompassd.core.ludo import LudoView
 from kvcompassd.core.migration import HOT_MISS_OUTCOMES
-from kvcompassd.core.prefixcache import PrefixCache
+from kvcompassd.worker.prefixcache import PrefixCache
 from kvcompassd.engine.kvevents import BlockStored
 from kvcompassd.sim.engine import SimSettings, simulate
 from kvcompassd.sim.kvcompass_policy import KVCompassPolicy

@@ -11,8 +11,8 @@ it is given (the next batch, a snapshot): which batch is next, what is stale, wh
 for and when to ask again is the sync protocol's (``kvcompassd.core.sync``), which the daemons
 and the simulator drive.
 
-The batch and snapshot messages are the wire protocol's own (``kvcompassd.wire``): the shard's
-output goes on the wire unchanged, and the simulator moves the same objects.
+The batch and snapshot messages are core types (``kvcompassd.core.messages``) that the wire
+protocol encodes unchanged; the simulator moves the same objects.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from typing import Iterable
 
 import numpy as np
 
-from kvcompassd.wire import ShardSnapshotSent, UpdateBatchPublished
-
 from .events import (OP_NEEDS_HOLDER, OP_TIER_AFTER, EventOp, IndexEvent, IndexEventColumns, PrefixCached,
                      PrefixEvicted, Tier, TierChanged)
 from .layout import IndexLayout
+from .messages import ShardSnapshotSent, UpdateBatchPublished
 from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView
 
 TIER_MASK = 3

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished, UpdatesSubscribed
+from .messages import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished, UpdatesSubscribed
 
 if TYPE_CHECKING:
     from .index import EdgeIndexView, MaintenanceShard

@@ -31,7 +31,7 @@ FIXED_MS = 2.0
 
 # Worker calibration: A100-80GB SXM serving Llama-3.1-8B-Instruct in BF16.
 # Prefill: ~11.8k prompt tokens/s for Llama-3-8B on one A100 (16 GFLOP/token at ~60 % of 312 TFLOP/s;
-# SGLang/vLLM publish 10-14k tokens/s), so beta = 0.085 ms/token, as in kvcompassd/core/workermodel.py.
+# SGLang/vLLM publish 10-14k tokens/s), so beta = 0.085 ms/token, as in kvcompassd/worker/workermodel.py.
 # Decode: a decode step streams 16 GB of weights at ~1.6-2.0 TB/s (HBM2e) plus KV reads, so
 # ~10-12 ms per step at moderate batch; one output token per running request per step.
 A100_PREFILL_MS_PER_TOKEN = 0.085

@@ -62,7 +62,7 @@ from kvcompassd.core.migration import HOT_MISS_OUTCOMES, MigrationPlanned
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.core.sync import EdgeSync, SyncSettings, SyncStep, catch_up
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
+from kvcompassd.core.messages import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
                      RouteDecision, Topology)
