@@ -267,10 +267,8 @@ class EdgeNode:
         period = self.cfg.score.broadcast_period_ms / 1000.0
         while True:
             now = self.clock()
-            for b in self.router.queues.due_broadcasts(now=now):
-                msg = QueueVectorBroadcast(from_region=b.from_region, to_region=b.to_region, sent_at=b.sent_at,
-                                           vector=b.vector)
-                for e in self.cfg.edges_in(b.to_region):
+            for msg in self.router.queues.due_broadcasts(now=now):  # already the wire's message
+                for e in self.cfg.edges_in(msg.to_region):
                     self._send_datagram(self._edge_peers.get(e.id), msg)
             # Own-region agents piggyback this vector on their responses to other regions.
             local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,

@@ -45,12 +45,13 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     Bool,
     Choice,
     FieldType,
-    Float,
+    Float as Float,
     Int,
     KiB,
     MessageError,
     MiB,
     Pairs as Pairs,
+    QueueVectorBroadcast,
     ResyncRequested,
     ShardSnapshotSent,
     Text,
@@ -273,17 +274,6 @@ class WorkerRegistered(WireMessage):
     worker: str
     incarnation: int
     WIRE: ClassVar = {"worker": ID, "incarnation": Int(0, U64_MAX)}
-
-
-@dataclass(frozen=True, slots=True)
-class QueueVectorBroadcast(WireMessage):
-    """edge -> edge (datagram): the queue estimates of ``from_region``'s workers at ``sent_at``."""
-
-    from_region: str
-    to_region: str
-    sent_at: float
-    vector: tuple[tuple[str, float], ...]
-    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR}
 
 
 @dataclass(frozen=True, slots=True)

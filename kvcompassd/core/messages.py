@@ -9,8 +9,8 @@ Rules:
 - ``WIRE`` lists the fields in declaration order (the wire order; ``wire._spec`` checks it).
 - Field types bound every size (characters, items, bytes), so a decoded message is bounded.
 
-Here: the index-sync messages (``kvcompassd.core.sync``). The remaining messages are still
-defined in ``kvcompassd.wire``.
+Here: the index-sync messages (``kvcompassd.core.sync``) and the queue vector
+(``kvcompassd.core.queues``). The remaining messages are still defined in ``kvcompassd.wire``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Final
 
 __all__ = [
     "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "REGION", "SEQ", "SHARD", "TABLES", "Blob", "Bool", "Choice",
-    "FieldType", "Float", "Int", "MessageError", "Pairs", "ResyncRequested", "ShardSnapshotSent", "Text",
+    "FieldType", "Float", "Int", "MessageError", "Pairs", "QueueVectorBroadcast", "ResyncRequested", "ShardSnapshotSent", "Text",
     "UpdateBatchPublished", "UpdatesSubscribed", "WireMessage",
 ]
 
@@ -140,8 +140,9 @@ class Blob(FieldType):
 class Pairs(FieldType):
     """A tuple of 2-tuples, e.g. ``((group, blob), ...)`` or ``((worker, queue_ms), ...)``."""
 
-    def __init__(self, first: FieldType, second: FieldType, max_items: int) -> None:
+    def __init__(self, first: FieldType, second: FieldType, max_items: int, *, unique_first: bool = False) -> None:
         self.first, self.second, self.max_items = first, second, max_items
+        self.unique_first = unique_first  # no two pairs share their first element (a mapping)
 
     def check(self, value: Any, where: str) -> tuple[tuple[Any, Any], ...]:
         if not isinstance(value, (tuple, list)):
@@ -153,6 +154,10 @@ class Pairs(FieldType):
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise _fail(f"{where}[{i}]", "a pair", item)
             out.append((self.first.check(item[0], f"{where}[{i}][0]"), self.second.check(item[1], f"{where}[{i}][1]")))
+        if self.unique_first and len({a for a, _ in out}) != len(out):
+            seen: set = set()
+            twice = next(a for a, _ in out if a in seen or seen.add(a))
+            raise MessageError(f"{where}: {twice!r} appears twice")
         return tuple(out)
 
     def to_wire(self, value: tuple[tuple[Any, Any], ...]) -> list[list[Any]]:
@@ -168,7 +173,7 @@ SEQ = Int(-1, I64_MAX)  # -1 = "nothing yet"
 COUNT = Int(0, U32_MAX)
 MILLIS = Float(0.0, 1e9)
 TABLES = Pairs(Int(0, 65535), Blob(MAX_FRAME_BYTES), 4096)
-QUEUE_VECTOR = Pairs(ID, MILLIS, 8192)
+QUEUE_VECTOR = Pairs(ID, MILLIS, 8192, unique_first=True)  # worker -> queue ms
 
 
 class WireMessage:
@@ -230,3 +235,17 @@ class ShardSnapshotSent(WireMessage):
     seq: int
     tables: tuple[tuple[int, bytes], ...]
     WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": SEQ, "tables": TABLES}
+
+
+@dataclass(frozen=True, slots=True)
+class QueueVectorBroadcast(WireMessage):
+    """Region ``from_region``'s per-worker queue delays (ms) at ``sent_at`` (s, the sender's
+    clock): edge -> edge as a datagram every Delta (``QueueEstimates.due_broadcasts``), and
+    edge -> its own region's agents (``to_region == from_region``), which piggyback it on their
+    answers to other regions. Each worker appears once."""
+
+    from_region: str
+    to_region: str
+    sent_at: float
+    vector: tuple[tuple[str, float], ...]
+    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR}
