@@ -42,9 +42,15 @@ class NotYet:
 
 
 async def eventually(check, timeout: float = 30.0, interval: float = 0.1):
+    """Wait until ``check()`` is truthy. A check that cannot reach a daemon (a restarted one still
+    starting, a busy machine's slow handshake) is "not yet", not a failure: the last such error
+    is shown if the condition is never met."""
     deadline = time.monotonic() + timeout
     while True:
-        result = await check()
+        try:
+            result = await check()
+        except (ConnectionError, TimeoutError) as exc:  # TransportError and HandshakeFailed among them
+            result = NotYet(f"{type(exc).__name__}: {exc}")
         if result:
             return result
         if time.monotonic() > deadline:

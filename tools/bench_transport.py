@@ -38,6 +38,7 @@ import uvloop
 
 from kvcompassd.certs import TlsFiles, init_ca, issue
 from kvcompassd.core.events import PrefixCached, Tier
+from kvcompassd.transport.aioquic_tweaks import packet_pacer
 from kvcompassd.transport import QuicNode, TransportOptions
 from kvcompassd.wire import (
     AdminAnswered,
@@ -190,7 +191,7 @@ class PacingProbe:
     def __init__(self, connection) -> None:
         self.waits = 0
         self.sub_ms = 0
-        pacer = connection._quic._loss._pacer
+        pacer = packet_pacer(connection._quic)
         original = pacer.next_send_time
 
         def next_send_time(now: float):
