@@ -1,1 +1,3 @@
-from setuptools import setup; setup(cffi_modules=["ludo_c/build_ludo.py:ffibuilder"])
+from setuptools import setup
+
+setup(cffi_modules=["ludo_c/build_ludo.py:ffibuilder"])

@@ -23,6 +23,7 @@ from kvcompassd.core.config import ClusterConfig, EdgeConfig, WorkerConfig
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
+from kvcompassd.core.sync import EdgeSync, SyncStep
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
@@ -41,7 +42,6 @@ from kvcompassd.wire import (
     Role,
     ShardSnapshotSent,
     UpdateBatchPublished,
-    UpdatesSubscribed,
     ViewCopyRequested,
     WorkerLoadReported,
     encode,
@@ -72,6 +72,9 @@ class EdgeNode:
         self.clock = time.monotonic
         self.layout = IndexLayout.from_config(cfg)
         self.view = EdgeIndexView(self.layout, cfg.shards, edge=me.id)
+        self.sync = EdgeSync(self.view)  # the index-sync protocol (core/sync.py); this shell moves its messages
+        self._sync_timer: asyncio.TimerHandle | None = None
+        self._sync_deadline: float | None = None
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         self.metrics = EdgeMetrics()
         self.metrics.watch_hot_prefixes(lambda: self.router.hot.hot_misses)
@@ -136,6 +139,8 @@ class EdgeNode:
         log.info("edge started", region=self.me.region, http=self.http_address, quic=self.quic_address)
 
     async def stop(self) -> None:
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
         for t in self._tasks:
             t.cancel()
         if self._runner is not None:
@@ -199,9 +204,10 @@ class EdgeNode:
             return
         for shard, p in self._shard_peers.items():
             if p is peer:
-                epoch, seq = self.view.position(shard)
-                peer.send_encoded(encode(UpdatesSubscribed(self.me.id, shard, max(epoch, 0), seq)))
-                log.info("subscribed", shard=shard, epoch=epoch, seq=seq)
+                sub = self.sync.subscription(shard, now=self.clock())
+                peer.send_encoded(encode(sub))
+                log.info("subscribed", shard=shard, epoch=sub.epoch, seq=sub.seq)
+        self._arm_sync_timer()
 
     def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> Any:
         handler = self._handlers.get(type(message))
@@ -232,27 +238,52 @@ class EdgeNode:
     def _batch(self, peer: Peer, msg: UpdateBatchPublished, channel: ChannelInfo) -> None:
         if not self._shard_owned_by_sender(peer, msg):
             return
-        outcome = self.view.apply_batch(msg)
-        if outcome.applied:
+        step = self.sync.on_batch(msg, now=self.clock())
+        if step.applied:
             self.metrics.batches.inc()
-        elif outcome.resync is not None:
-            self._request_resync(msg.shard, outcome.resync, outcome.reason)
         else:
-            log.debug("batch ignored", shard=msg.shard, seq=msg.seq, reason=outcome.reason)
+            log.debug("batch not applied", shard=msg.shard, seq=msg.seq, reason=step.reason)
+        self._sync_step(step)
 
     def _snapshot(self, peer: Peer, msg: ShardSnapshotSent, channel: ChannelInfo) -> None:
         # A peer edge's snapshots arrive only on the exchange copy_view_from opened, not here.
         if not self._shard_owned_by_sender(peer, msg):
             return
-        outcome = self.view.install_snapshot(msg)
-        log.info("snapshot", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, applied=outcome.applied, reason=outcome.reason)
+        step = self.sync.on_snapshot(msg, now=self.clock())
+        log.info("snapshot", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, applied=step.applied, reason=step.reason)
+        self._sync_step(step)
 
-    def _request_resync(self, shard: int, resync: ResyncRequested, reason: str) -> None:
+    def _sync_step(self, step: SyncStep) -> None:
+        if step.send is not None:
+            self._request_resync(step.send, step.reason)
+        self._arm_sync_timer()
+
+    def _request_resync(self, resync: ResyncRequested, reason: str) -> None:
         self.metrics.resyncs.inc()
-        log.info("resync", shard=shard, from_seq=resync.from_seq, reason=reason)
-        peer = self._shard_peers.get(shard)
+        log.info("resync", shard=resync.shard, epoch=resync.epoch, from_seq=resync.from_seq, reason=reason)
+        peer = self._shard_peers.get(resync.shard)
         if peer is not None and peer.is_connected:
-            peer.send_encoded(encode(ResyncRequested(self.me.id, shard, resync.epoch, resync.from_seq)))
+            # Not connected: the subscription on reconnection asks for the same.
+            peer.send_encoded(encode(resync))
+
+    def _arm_sync_timer(self) -> None:
+        """One timer, at the earliest deadline of the sync protocol's outstanding requests."""
+        deadline = self.sync.next_deadline()
+        if deadline == self._sync_deadline:
+            return
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+            self._sync_timer = None
+        self._sync_deadline = deadline
+        if deadline is not None:
+            self._sync_timer = asyncio.get_running_loop().call_later(max(0.0, deadline - self.clock()),
+                                                                     self._sync_timeout)
+
+    def _sync_timeout(self) -> None:
+        self._sync_timer, self._sync_deadline = None, None
+        for resync in self.sync.on_timer(now=self.clock()):
+            self._request_resync(resync, "catch-up timed out")
+        self._arm_sync_timer()
 
     async def copy_view_from(self, edge_id: str) -> bool:
         """Bootstrap every shard from a peer edge's views (then the maintenance streams catch
@@ -271,10 +302,10 @@ class EdgeNode:
                     await exchange.send(ViewCopyRequested(self.me.id))
                     async for reply in exchange:
                         if isinstance(reply, ShardSnapshotSent):
-                            outcome = self.view.install_snapshot(reply)
-                            copied += outcome.applied
+                            step = self.sync.on_snapshot(reply, now=self.clock())
+                            copied += step.applied
                             log.info("copied shard from peer edge", peer=edge_id, shard=reply.shard,
-                                     applied=outcome.applied)
+                                     applied=step.applied, reason=step.reason)
                         elif isinstance(reply, ErrorReported):
                             raise ViewCopyRefused(f"peer edge refused the copy: {reply.code}: {reply.detail}")
         except (TimeoutError, TransportError, OSError, ViewCopyRefused) as exc:
@@ -333,10 +364,8 @@ class EdgeNode:
         period = self.cfg.score.broadcast_period_ms / 1000.0
         while True:
             now = self.clock()
-            for b in self.router.queues.due_broadcasts(now=now):
-                msg = QueueVectorBroadcast(from_region=b.from_region, to_region=b.to_region, sent_at=b.sent_at,
-                                           vector=b.vector)
-                for e in self.cfg.edges_in(b.to_region):
+            for msg in self.router.queues.due_broadcasts(now=now):  # already the wire's message
+                for e in self.cfg.edges_in(msg.to_region):
                     self._send_datagram(self._edge_peers.get(e.id), msg)
             # Own-region agents piggyback this vector on their responses to other regions.
             local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,

@@ -52,7 +52,7 @@ async def describe_edge_paced(edge, what: str, args: dict) -> dict:
 def _status_head(edge) -> dict:
     pending = edge.router.pending
     return {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
-            "resyncs": edge.view.resyncs, "pending_keys": None if pending is None else len(pending)}
+            "resyncs": edge.sync.requests, "pending_keys": None if pending is None else len(pending)}
 
 
 def _status(edge, args) -> dict:

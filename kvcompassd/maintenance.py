@@ -21,6 +21,7 @@ from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, MaintenanceConfig
 from kvcompassd.core.index import MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.sync import catch_up
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.metrics import MaintenanceMetrics
 from kvcompassd.pacing import FlushPacer
@@ -229,7 +230,9 @@ class MaintenanceNode:
             self._batches.added(outcome.applied)
 
     def _flush(self) -> None:
-        batch = self.shard.flush()
+        self._publish(self.shard.flush())
+
+    def _publish(self, batch) -> None:
         if batch is None:
             return
         self.stats.batches += 1
@@ -264,17 +267,20 @@ class MaintenanceNode:
         return True
 
     def _send_catch_up(self, peer: Peer, epoch: int, from_seq: int) -> None:
+        # The replay-or-snapshot choice, and publishing pending edits first, are the sync
+        # protocol's (core/sync.py); this shell sends what it decided. (Flushing through the
+        # pacer keeps its bookkeeping; catch_up then finds nothing pending.)
         if self._batches.scheduled:
             self._batches.flush_now()
-        answer = self.shard.resync(epoch, from_seq)
-        if isinstance(answer, list):
+        answer = catch_up(self.shard, epoch, from_seq)
+        self._publish(answer.published)
+        if answer.snapshot is None:
             self.stats.replays_sent += 1
-            for batch in answer:
-                peer.send_encoded(EncodedMessage(batch).body_for(peer))
         else:
             self.stats.snapshots_sent += 1
             self.metrics.snapshots.inc()
-            peer.send_encoded(EncodedMessage(answer).body_for(peer))
+        for message in answer.messages:
+            peer.send_encoded(EncodedMessage(message).body_for(peer))
 
     def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
         from kvcompassd.inspect import MAINTENANCE_QUERIES, refusal

@@ -211,6 +211,7 @@ class WanRelay:
         self.allow_reorder = allow_reorder
         self._listener: asyncio.DatagramTransport | None = None
         self._upstreams: dict[Address, _Upstream] = {}
+        self._opening: set[asyncio.Task] = set()  # upstream sockets being opened (kept: the loop holds tasks weakly)
         self._forward: _DelayLine
         self._backward: _DelayLine
         self.address: Address | None = None
@@ -247,7 +248,9 @@ class WanRelay:
         upstream = self._upstreams.get(client)
         if upstream is None:
             upstream = self._upstreams[client] = _Upstream(self, client)
-            asyncio.get_running_loop().create_task(self._open_upstream(upstream))
+            task = asyncio.get_running_loop().create_task(self._open_upstream(upstream))
+            self._opening.add(task)
+            task.add_done_callback(self._opening.discard)
         self._forward.push(data, upstream)
 
     async def _open_upstream(self, upstream: _Upstream) -> None:
@@ -267,6 +270,8 @@ class WanRelay:
 
     async def stop(self) -> None:
         """Close every socket; packets still in flight are lost (as on a cut link)."""
+        for task in list(self._opening):
+            task.cancel()
         self._forward.close()
         self._backward.close()
         for upstream in self._upstreams.values():

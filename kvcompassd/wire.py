@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import array
 import enum
-import math
 import sys
 import zlib
 from collections.abc import Mapping
@@ -29,23 +28,45 @@ from typing import Any, ClassVar, Final
 import msgpack
 
 from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
+from kvcompassd.core.messages import (  # the core's messages and field types: this module adds their codec
+    COUNT,
+    I64_MAX,
+    I64_MIN,
+    ID,
+    MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
+    MILLIS,
+    QUEUE_VECTOR,
+    REGION,
+    REQUEST_ID,
+    U32_MAX,
+    U64_MAX,
+    Blob as Blob,  # re-exported: tests walk every message's field types
+    Bool,
+    Choice,
+    FieldType,
+    Float as Float,
+    Int,
+    KiB,
+    MessageError,
+    MiB,
+    Pairs as Pairs,
+    QueueVectorBroadcast,
+    ResyncRequested,
+    ShardSnapshotSent,
+    Text,
+    UpdateBatchPublished,
+    UpdatesSubscribed,
+    WireMessage,
+    _fail,
+)
 
 # 2: PrefixEventsReported carries its events as columns (was a [kind, key, tier] array each).
 PROTOCOL_VERSION: Final = 2
 COMPRESSED_TAG: Final = 0  # [version, 0, zlib(encoded message)]: see encode(compress=True)
-KiB: Final = 1024
-MiB: Final = 1024 * KiB
-MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all: a shard snapshot
-MAX_ID_CHARS: Final = 128
-U32_MAX: Final = (1 << 32) - 1
-assert array.array("I").itemsize == 4, "token packing needs a 4-byte unsigned int array type"
-U64_MAX: Final = (1 << 64) - 1
-I64_MIN: Final = -(1 << 63)
-I64_MAX: Final = (1 << 63) - 1
 
 
-class WireError(ValueError):
-    """A message is malformed: the sender broke the protocol (or local code built a bad one)."""
+WireError = MessageError  # a message is malformed: the sender broke the protocol (or local code built a bad one)
 
 
 class WireForbidden(WireError):
@@ -80,99 +101,6 @@ class NodeIdentity:
 # --------------------------------------------------------------------------------------------
 # Field types: each checks/normalises a Python value and converts it to and from its wire form.
 # --------------------------------------------------------------------------------------------
-
-
-class FieldType:
-    """How one message field is validated and represented on the wire."""
-
-    def check(self, value: Any, where: str) -> Any:
-        """Validate ``value`` and return its canonical form; raise WireError naming ``where``."""
-        raise NotImplementedError
-
-    def to_wire(self, value: Any) -> Any:
-        return value
-
-    def from_wire(self, raw: Any, where: str) -> Any:
-        return self.check(raw, where)
-
-
-def _fail(where: str, expected: str, value: Any) -> WireError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return WireError(f"{where}: expected {expected}, got {type(value).__name__} {shown}")
-
-
-class Text(FieldType):
-    def __init__(self, max_chars: int = MAX_ID_CHARS, *, allow_empty: bool = False) -> None:
-        self.max_chars = max_chars
-        self.allow_empty = allow_empty
-
-    def check(self, value: Any, where: str) -> str:
-        if not isinstance(value, str):
-            raise _fail(where, "a string", value)
-        if not self.allow_empty and not value:
-            raise WireError(f"{where}: must not be empty")
-        if len(value) > self.max_chars:
-            raise WireError(f"{where}: longer than {self.max_chars} characters ({len(value)})")
-        return value
-
-
-class Choice(Text):
-    def __init__(self, *choices: str) -> None:
-        super().__init__(max(len(c) for c in choices))
-        self.choices = frozenset(choices)
-
-    def check(self, value: Any, where: str) -> str:
-        value = super().check(value, where)
-        if value not in self.choices:
-            raise WireError(f"{where}: must be one of {sorted(self.choices)}, got {value!r}")
-        return value
-
-
-class Int(FieldType):
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-
-    def check(self, value: Any, where: str) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _fail(where, "an integer", value)
-        if not self.lo <= value <= self.hi:
-            raise WireError(f"{where}: {value} outside [{self.lo}, {self.hi}]")
-        return int(value)
-
-
-class Float(FieldType):
-    def __init__(self, lo: float = -math.inf, hi: float = math.inf) -> None:
-        self.lo, self.hi = lo, hi
-
-    def check(self, value: Any, where: str) -> float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise _fail(where, "a number", value)
-        value = float(value)
-        if not math.isfinite(value) or not self.lo <= value <= self.hi:
-            raise WireError(f"{where}: {value} is not a finite number in [{self.lo}, {self.hi}]")
-        return value
-
-
-class Bool(FieldType):
-    def check(self, value: Any, where: str) -> bool:
-        if not isinstance(value, bool):
-            raise _fail(where, "a boolean", value)
-        return value
-
-
-class Blob(FieldType):
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-
-    def check(self, value: Any, where: str) -> bytes:
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise _fail(where, "bytes", value)
-        value = bytes(value)
-        if len(value) > self.max_bytes:
-            raise WireError(f"{where}: {len(value)} bytes exceeds {self.max_bytes}")
-        return value
 
 
 class TokenIds(FieldType):
@@ -218,28 +146,6 @@ class TokenIds(FieldType):
         if sys.byteorder == "big":
             unpacked.byteswap()
         return tuple(unpacked)
-
-
-class Pairs(FieldType):
-    """A tuple of 2-tuples, e.g. ``((group, blob), ...)`` or ``((worker, queue_ms), ...)``."""
-
-    def __init__(self, first: FieldType, second: FieldType, max_items: int) -> None:
-        self.first, self.second, self.max_items = first, second, max_items
-
-    def check(self, value: Any, where: str) -> tuple[tuple[Any, Any], ...]:
-        if not isinstance(value, (tuple, list)):
-            raise _fail(where, "a sequence of pairs", value)
-        if len(value) > self.max_items:
-            raise WireError(f"{where}: {len(value)} items exceeds {self.max_items}")
-        out = []
-        for i, item in enumerate(value):
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise _fail(f"{where}[{i}]", "a pair", item)
-            out.append((self.first.check(item[0], f"{where}[{i}][0]"), self.second.check(item[1], f"{where}[{i}][1]")))
-        return tuple(out)
-
-    def to_wire(self, value: tuple[tuple[Any, Any], ...]) -> list[list[Any]]:
-        return [[self.first.to_wire(a), self.second.to_wire(b)] for a, b in value]
 
 
 class Params(FieldType):
@@ -322,39 +228,12 @@ class EventColumns(FieldType):
 
 
 # Shared field types.
-ID = Text()
-REQUEST_ID = Text(MAX_ID_CHARS)
-REGION = Text()
-SHARD = Int(0, 65535)
-EPOCH = Int(0, U64_MAX)
-SEQ = Int(-1, I64_MAX)  # -1 = "nothing yet"
-COUNT = Int(0, U32_MAX)
-MILLIS = Float(0.0, 1e9)
-TABLES = Pairs(Int(0, 65535), Blob(MAX_FRAME_BYTES), 4096)
-QUEUE_VECTOR = Pairs(ID, MILLIS, 8192)
 MAX_PROMPT_TOKENS: Final = 1 << 20
 
 
 # --------------------------------------------------------------------------------------------
 # Messages.
 # --------------------------------------------------------------------------------------------
-
-
-class WireMessage:
-    """Base of every message: validates and normalises fields against the class's ``WIRE``."""
-
-    __slots__ = ()
-    WIRE: ClassVar[dict[str, FieldType]]
-
-    def __post_init__(self) -> None:
-        name = type(self).__name__
-        for field_name, field_type in self.WIRE.items():
-            value = getattr(self, field_name)
-            object.__setattr__(self, field_name, field_type.check(value, f"{name}.{field_name}"))
-        self._check()
-
-    def _check(self) -> None:
-        """Cross-field checks; override where needed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,61 +274,6 @@ class WorkerRegistered(WireMessage):
     worker: str
     incarnation: int
     WIRE: ClassVar = {"worker": ID, "incarnation": Int(0, U64_MAX)}
-
-
-@dataclass(frozen=True, slots=True)
-class UpdatesSubscribed(WireMessage):
-    """edge -> maintenance: send me updates of ``shard`` after (epoch, seq); 0/-1 = I have none."""
-
-    edge: str
-    shard: int
-    epoch: int
-    seq: int
-    WIRE: ClassVar = {"edge": ID, "shard": SHARD, "epoch": EPOCH, "seq": SEQ}
-
-
-@dataclass(frozen=True, slots=True)
-class ResyncRequested(WireMessage):
-    """edge -> maintenance: I saw a gap; replay ``shard`` from ``from_seq`` or send a snapshot."""
-
-    edge: str
-    shard: int
-    epoch: int
-    from_seq: int
-    WIRE: ClassVar = {"edge": ID, "shard": SHARD, "epoch": EPOCH, "from_seq": SEQ}
-
-
-@dataclass(frozen=True, slots=True)
-class UpdateBatchPublished(WireMessage):
-    """maintenance -> edge: update records for ``shard`` numbered (epoch, seq), per region group."""
-
-    shard: int
-    epoch: int
-    seq: int
-    tables: tuple[tuple[int, bytes], ...]
-    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": Int(0, I64_MAX), "tables": TABLES}
-
-
-@dataclass(frozen=True, slots=True)
-class ShardSnapshotSent(WireMessage):
-    """maintenance (or a peer edge) -> edge: the whole shard view as of (epoch, seq)."""
-
-    shard: int
-    epoch: int
-    seq: int
-    tables: tuple[tuple[int, bytes], ...]
-    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": SEQ, "tables": TABLES}
-
-
-@dataclass(frozen=True, slots=True)
-class QueueVectorBroadcast(WireMessage):
-    """edge -> edge (datagram): the queue estimates of ``from_region``'s workers at ``sent_at``."""
-
-    from_region: str
-    to_region: str
-    sent_at: float
-    vector: tuple[tuple[str, float], ...]
-    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR}
 
 
 @dataclass(frozen=True, slots=True)

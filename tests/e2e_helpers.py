@@ -28,14 +28,34 @@ async def admin(dep, node: str, what: str, args: dict | None = None) -> dict:
     return await query(dep.cfg, dep.tls_dir, "admin", node, what, args or {})
 
 
+class NotYet:
+    """A falsy check result that says what was seen instead (``eventually`` shows the last)."""
+
+    def __init__(self, detail: str):
+        self.detail = detail
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return self.detail
+
+
 async def eventually(check, timeout: float = 30.0, interval: float = 0.1):
+    """Wait until ``check()`` is truthy. A check that cannot reach a daemon (a restarted one still
+    starting, a busy machine's slow handshake) is "not yet", not a failure: the last such error
+    is shown if the condition is never met."""
     deadline = time.monotonic() + timeout
     while True:
-        result = await check()
+        try:
+            result = await check()
+        except (ConnectionError, TimeoutError) as exc:  # TransportError and HandshakeFailed among them
+            result = NotYet(f"{type(exc).__name__}: {exc}")
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
+            raise AssertionError(f"condition {getattr(check, '__qualname__', check)!r} not met within {timeout} s "
+                                 f"(last result {result!r})")
         await asyncio.sleep(interval)
 
 

@@ -16,7 +16,7 @@ import zmq.asyncio
 from openai import AsyncOpenAI
 
 from kvcompassd.core.events import Tier
-from kvcompassd.core.workermodel import WorkerTiming
+from kvcompassd.worker.workermodel import WorkerTiming
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorConfigError, EmulatorSettings, output_tokens
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.kvevents import EventBatch

@@ -30,9 +30,7 @@ from kvcompassd.forwarding import (
     ForwardError,
     ForwardRequest,
     Forwarder,
-    GenerationFinished,
     SuspectWorkers,
-    TokensGenerated,
 )
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import QuicNode, TransportOptions
@@ -103,7 +101,7 @@ def holding(cfg, shard, view, workers) -> None:
     plan = LevelPlan.from_config(cfg)
     keys = prefix_keys(LONG_PROMPT, plan.registration_lengths_upto(len(LONG_PROMPT)), namespace_salt(cfg.model))
     shard.apply([PrefixCached(w, int(k), Tier.VRAM) for w in workers for k in keys])
-    assert view.apply_batch(shard.flush()).applied
+    assert view.apply_next(shard.flush()) is None
 
 
 def router_for(regions: dict[str, int], holders: tuple[str, ...] = (), **score: float):

@@ -1,8 +1,10 @@
-"""The maintenance shard and the edge's view: sync, resync, stale batches, exact holders."""
+"""The maintenance shard and the edge's view: events to batches, the replay log, the views' data
+operations, exact holders. The sync protocol over them is tests/test_sync.py's."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from clusters import make_cluster
@@ -49,14 +51,14 @@ def test_events_reach_the_view_and_holders_are_exact():
     keys = [11, 12, 13, 1 << 62]
     events = [PrefixCached("a-0", k, Tier.VRAM) for k in keys] + [PrefixCached("b-17", keys[0], Tier.DRAM)]
     for batch in _route(shards, events):
-        assert view.apply_batch(batch).applied
+        assert view.apply_next(batch) is None
     assert shards[keys[0] % SHARDS].holders(keys[0]) == {"a-0": Tier.VRAM, "b-17": Tier.DRAM}
     for k in keys:
         assert _view_value(view, layout, k, "a-0") == Tier.VRAM
     assert _view_value(view, layout, keys[0], "b-17") == Tier.DRAM
     # Tier change and eviction are in-place field edits.
     for batch in _route(shards, [TierChanged("a-0", keys[0], Tier.DRAM), PrefixEvicted("b-17", keys[0])]):
-        assert view.apply_batch(batch).applied
+        assert view.apply_next(batch) is None
     assert shards[keys[0] % SHARDS].holders(keys[0]) == {"a-0": Tier.DRAM}
     assert _view_value(view, layout, keys[0], "a-0") == Tier.DRAM
 
@@ -75,38 +77,38 @@ def test_bad_events_are_ignored_with_a_reason_and_change_nothing():
     assert s0.flush() is None and s0.entries() == 0
 
 
-def test_gap_asks_for_resync_and_replay_repairs_it():
+def test_the_view_applies_only_the_next_batch_and_never_goes_back():
+    # Which batch is next, and what to do about the others, is core/sync.py's (tests/test_sync.py);
+    # the view refuses to be misused.
     cfg, layout, shards, view = _setup()
     s = shards[0]
+    snapshot = s.snapshot()
     batches = []
-    for k in range(0, 60, SHARDS):
+    for k in range(0, 12, SHARDS):
         s.apply([PrefixCached("a-1", k, Tier.VRAM)])
         batches.append(s.flush())
-    assert view.apply_batch(batches[0]).applied
-    outcome = view.apply_batch(batches[2])  # batches[1] lost
-    assert not outcome.applied and outcome.resync is not None
-    assert outcome.resync.from_seq == 2 and outcome.resync.shard == 0
-    for b in s.resync(outcome.resync.epoch, outcome.resync.from_seq):
-        assert view.apply_batch(b).applied
-    # Stale and duplicate batches are ignored without a resync.
-    dup = view.apply_batch(batches[3])
-    assert not dup.applied and dup.resync is None and "stale" in dup.reason
-    for k in range(0, 60, SHARDS):
-        assert _view_value(view, layout, k, "a-1") == Tier.VRAM
+    assert view.apply_next(batches[0]) is None
+    for wrong in (batches[0], batches[2], UpdateBatchPublished(0, 8, 2, ())):
+        with pytest.raises(ValueError, match="not next"):
+            view.apply_next(wrong)
+    stale = view.install_snapshot(snapshot)
+    assert not stale.applied and "stale" in stale.reason and view.position(0) == (7, 1)
+    view.skip_to(0, 3)
+    assert view.position(0) == (7, 3)
+    with pytest.raises(ValueError):
+        view.skip_to(0, 2)
 
 
-def test_new_epoch_or_trimmed_log_falls_back_to_a_snapshot():
+def test_the_replay_log_answers_from_a_seq_until_it_is_trimmed():
     cfg, layout, shards, view = _setup()
     s = MaintenanceShard(layout, 0, SHARDS, epoch=8, replay_batches=2, initial_capacity=64)
     for k in range(0, 30, SHARDS):
         s.apply([PrefixCached("b-3", k, Tier.DRAM)])
         s.flush()
-    batch = UpdateBatchPublished(0, 8, s.seq + 1, ())
-    outcome = view.apply_batch(batch)  # edge is at epoch 7: needs the new epoch's state
-    assert outcome.resync is not None and outcome.resync.from_seq == 0
-    snap = s.resync(8, 1)  # seq 1 is no longer in the 2-batch log
-    assert not isinstance(snap, list)
-    assert view.install_snapshot(snap).applied
+    assert [b.seq for b in s.replay_from(s.seq - 1)] == [s.seq - 1, s.seq]
+    assert s.replay_from(s.seq + 1) == []
+    assert s.replay_from(1) is None and s.replay_from(0) is None  # trimmed; from nothing
+    assert view.install_snapshot(s.snapshot()).applied
     assert view.position(0) == (8, s.seq)
     for k in range(0, 30, SHARDS):
         assert _view_value(view, layout, k, "b-3") == Tier.DRAM
@@ -115,16 +117,15 @@ def test_new_epoch_or_trimmed_log_falls_back_to_a_snapshot():
 def test_corrupt_batch_is_rejected_and_view_keeps_answering():
     cfg, layout, shards, view = _setup()
     for b in _route(shards, [PrefixCached("a-2", 30, Tier.VRAM)]):
-        view.apply_batch(b)
+        assert view.apply_next(b) is None
     s = shards[30 % SHARDS]
     s.apply([PrefixCached("a-2", 30 + SHARDS, Tier.VRAM)])
     good = s.flush()
     group, blob = good.tables[0]
     bad = UpdateBatchPublished(good.shard, good.epoch, good.seq, ((group, blob[:-3] + b"xyz"),))
-    outcome = view.apply_batch(bad)
-    assert not outcome.applied and outcome.resync is not None
+    assert "rejected" in view.apply_next(bad)
     assert _view_value(view, layout, 30, "a-2") == Tier.VRAM
-    assert view.apply_batch(good).applied
+    assert view.apply_next(good) is None
 
 
 def test_withdraw_worker_clears_only_its_fields():
@@ -134,7 +135,7 @@ def test_withdraw_worker_clears_only_its_fields():
     outcome = shards[0].withdraw_worker("a-0")
     assert outcome.applied == 30
     batch = shards[0].flush()
-    assert view.apply_batch(batch).applied
+    assert view.apply_next(batch) is None
     for k in range(0, 90, SHARDS):
         assert shards[0].holders(k) == {"a-1": Tier.VRAM}
 
@@ -142,7 +143,7 @@ def test_withdraw_worker_clears_only_its_fields():
 def test_peer_edge_copy_equals_the_original():
     cfg, layout, shards, view = _setup()
     for b in _route(shards, [PrefixCached("b-0", k, Tier.VRAM) for k in range(200)]):
-        view.apply_batch(b)
+        assert view.apply_next(b) is None
     other = EdgeIndexView(layout, SHARDS, edge="edge-b")
     for s in range(SHARDS):
         assert other.install_snapshot(view.snapshot(s)).applied
@@ -152,62 +153,6 @@ def test_peer_edge_copy_equals_the_original():
             a = view.view(s, g.group).lookup_many(keys)
             b = other.view(s, g.group).lookup_many(keys)
             assert np.array_equal(a, b)
-
-
-ops = st.lists(
-    st.tuples(
-        st.sampled_from(["cache", "tier", "evict"]),
-        st.integers(0, 22),  # worker index
-        st.integers(0, 40),  # key
-        st.sampled_from([Tier.VRAM, Tier.DRAM]),
-    ),
-    max_size=120,
-)
-
-
-@settings(max_examples=60, deadline=None)
-@given(ops=ops, drop=st.sets(st.integers(0, 40), max_size=5))
-def test_views_converge_to_exact_state_through_gaps(ops, drop):
-    """Whatever batches are lost, resync brings every view value to the shards' exact state."""
-    cfg, layout, shards, view = _setup()
-    workers = layout.worker_ids
-    truth: dict[tuple[str, int], Tier] = {}
-    n = 0
-    for kind, w, key, tier in ops:
-        worker = workers[w % len(workers)]
-        held = (worker, key) in truth
-        if kind == "cache":
-            e = PrefixCached(worker, key, tier); truth[(worker, key)] = tier
-        elif kind == "tier" and held:
-            e = TierChanged(worker, key, tier); truth[(worker, key)] = tier
-        elif kind == "evict" and held:
-            e = PrefixEvicted(worker, key); del truth[(worker, key)]
-        else:
-            continue
-        for batch in _route(shards, [e]):
-            n += 1
-            if n in drop:
-                continue
-            outcome = view.apply_batch(batch)
-            if outcome.resync is not None:
-                r = outcome.resync
-                answer = shards[r.shard].resync(r.epoch, r.from_seq)
-                if isinstance(answer, list):
-                    for b in answer:
-                        view.apply_batch(b)
-                else:
-                    view.install_snapshot(answer)
-    # A final probe batch per shard exposes any trailing gap, as live traffic would.
-    for s in shards:
-        epoch, seq = view.position(s.shard)
-        if seq < s.seq:
-            for b in s.resync(epoch, seq + 1):
-                assert view.apply_batch(b).applied
-    for s in shards:
-        assert view.position(s.shard) == (s.epoch, s.seq)
-    for (worker, key), tier in truth.items():
-        assert shards[key % SHARDS].holders(key)[worker] == tier
-        assert _view_value(view, layout, key, worker) == tier
 
 
 # ---- columnar reports: the vectorised apply equals the one-by-one apply ---------------------
@@ -250,11 +195,11 @@ def test_columnar_batches_keep_the_view_exact():
     cfg, layout, shards, view = _setup()
     keys = [k * SHARDS for k in range(1, 200)]
     shards[0].apply_columns("b-17", IndexEventColumns.from_events([PrefixCached("b-17", k, Tier.VRAM) for k in keys]))
-    assert view.apply_batch(shards[0].flush()).applied
+    assert view.apply_next(shards[0].flush()) is None
     moved = [TierChanged("b-17", k, Tier.DRAM) for k in keys[::2]] + [PrefixEvicted("b-17", k) for k in keys[1::2]]
     outcome = shards[0].apply_columns("b-17", IndexEventColumns.from_events(moved))
     assert (outcome.applied, outcome.unchanged, outcome.ignored) == (len(keys), 0, ())
-    assert view.apply_batch(shards[0].flush()).applied
+    assert view.apply_next(shards[0].flush()) is None
     for k in keys[::2]:
         assert _view_value(view, layout, k, "b-17") == Tier.DRAM
     assert shards[0].entries() == len(keys[::2])

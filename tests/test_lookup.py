@@ -55,7 +55,7 @@ class Deployment:
             batch = s.flush()
             if batch is not None:
                 for view in self.views.values():
-                    assert view.apply_batch(batch).applied
+                    assert view.apply_next(batch) is None
 
     def expected(self, edge_region, worker, cached_len, prompt_len):
         region = self.layout.worker_region[worker]
@@ -140,7 +140,7 @@ def test_no_false_negatives_for_random_holdings(holdings):
     for region, lk in d.lookups.items():
         for p, tokens in enumerate(prompts):
             found = lk.lookup(tokens)
-            for (worker, q), (cached, tier) in truth.items():
+            for (worker, q), (cached, _tier) in truth.items():
                 if q != p:
                     continue
                 i = d.layout.worker_index(worker)

@@ -55,7 +55,7 @@ class World:
             batch = self.shards[s].flush()
             if batch is not None:
                 for view in self.views.values():
-                    assert view.apply_batch(batch).applied
+                    assert view.apply_next(batch) is None
 
     def assert_equal(self, tokens: np.ndarray) -> None:
         for region, (native, reference) in self.pairs.items():

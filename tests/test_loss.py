@@ -13,15 +13,16 @@ the next batch's seq (or the re-subscription's (epoch, seq)) then shows the gap 
 repairs it by replay from its bounded log or by a snapshot. So the tests here check (1) that
 with real packet loss and delay every edge still converges to the shards' exact state and
 requests are served, and (2) that the gap repair works end to end against the real unit: a
-probe edge holding a real ``EdgeIndexView``, reached through the lossy relay, deliberately drops
-batches and must still converge by asking for resyncs. The sans-IO core's gap logic itself is
-tested in tests/test_index.py. Hit rate and P99 TTFT under loss are measured by
+probe edge holding a real ``EdgeIndexView`` and the edge's own sync protocol (``EdgeSync``),
+reached through the lossy relay, deliberately drops batches and must still converge by asking
+for resyncs. The sans-IO protocol itself is tested in tests/test_sync.py. Hit rate and P99 TTFT under loss are measured by
 ``tools/soak.py --loss 0.15 --one-way-ms 120`` (figures, not assertions: tests never time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import numpy as np
@@ -31,6 +32,7 @@ import pytest_asyncio
 from e2e_helpers import admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.core.index import EdgeIndexView
+from kvcompassd.core.sync import EdgeSync
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.daemon import tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
@@ -38,11 +40,9 @@ from kvcompassd.transport import QuicNode, TransportOptions
 from kvcompassd.wire import (
     ErrorReported,
     NodeIdentity,
-    ResyncRequested,
     Role,
     ShardSnapshotSent,
     UpdateBatchPublished,
-    UpdatesSubscribed,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -89,11 +89,13 @@ async def test_requests_served_and_every_edge_converges_under_loss_and_delay(dep
 
 class ProbeEdge:
     """An edge of our own that keeps a real EdgeIndexView of one shard, fed over the lossy
-    relay; it drops batches on purpose while ``dropping`` and repairs gaps by ResyncRequested."""
+    relay and followed by the edge's sync protocol; it drops batches on purpose while
+    ``dropping``, and the protocol repairs the gaps."""
 
     def __init__(self, dep, shard: int):
         self.dep, self.shard = dep, shard
         self.view = EdgeIndexView(IndexLayout.from_config(dep.cfg), dep.cfg.shards, edge="edge-lossprobe")
+        self.sync = EdgeSync(self.view)
         self.dropping = False
         self.dropped = self.applied = self.resyncs = self.snapshots = 0
         self.errors: list[ErrorReported] = []
@@ -108,25 +110,27 @@ class ProbeEdge:
         assert region != from_region, "the probe must reach the unit over the WAN"
         address = await self.dep.wan.address_for(from_region, unit)
         self.peer = await self.node.connect(address, timeout=30)
-        await self.peer.send(UpdatesSubscribed("edge-lossprobe", self.shard, 0, -1))
+        await self.peer.send(self.sync.subscription(self.shard, now=time.monotonic()))
 
     def _on_message(self, peer, message, channel) -> None:
+        step = None
         if isinstance(message, ShardSnapshotSent):
             self.snapshots += 1
-            self.view.install_snapshot(message)
+            step = self.sync.on_snapshot(message, now=time.monotonic())
         elif isinstance(message, UpdateBatchPublished):
             epoch, seq = self.view.position(self.shard)
             if self.dropping and message.seq % 3 == 0 and message.seq > seq:
                 self.dropped += 1  # as if the network had eaten it
                 return
-            outcome = self.view.apply_batch(message)
-            self.applied += outcome.applied
-            if outcome.resync is not None:
-                self.resyncs += 1
-                r = outcome.resync
-                peer.send_encoded(_encode(ResyncRequested("edge-lossprobe", r.shard, r.epoch, r.from_seq)))
+            step = self.sync.on_batch(message, now=time.monotonic())
+            self.applied += step.applied
         elif isinstance(message, ErrorReported):
             self.errors.append(message)
+        # The QUIC stream is reliable, so the protocol's timeout never fires here; a request
+        # is sent only when a batch or snapshot shows a gap.
+        if step is not None and step.send is not None:
+            self.resyncs += 1
+            peer.send_encoded(_encode(step.send))
 
     def values(self, group: int, keys: list[int]) -> list[int]:
         view = self.view.view(self.shard, group)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompassd.core.prefixcache import CacheMatch, EvictionPolicy, PrefixCache, PrefixCacheError
+from kvcompassd.worker.prefixcache import CacheMatch, EvictionPolicy, PrefixCache, PrefixCacheError
 from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, decode_message, encode_batch
 
 BS = 4

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompassd.core.prefixcache import PrefixCache
+from kvcompassd.worker.prefixcache import PrefixCache
 from kvcompassd.engine.kvevents import BlockStored, KvEventError
 
 BS = 4

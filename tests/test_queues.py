@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.core.config import load_config
+from kvcompassd.core.messages import MessageError
 from kvcompassd.core.queues import QueueEstimateError, QueueEstimates, QueueVectorBroadcast, QueueVectorError
 
 CFG = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
@@ -107,23 +108,23 @@ def test_broadcasts_every_period_and_suppressed_after_a_piggyback_was_sent() -> 
 def test_broadcast_replaces_and_ignores_reordered_datagrams() -> None:
     q = us_edge()
     q.on_piggyback("eu", {"eu-0": 100.0}, now=1.0)
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 10.0), ("eu-1", 0.0)), 50.0), now=1.1)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 50.0, (("eu-0", 10.0), ("eu-1", 0.0))), now=1.1)
     assert q.get("eu-0") == 10.0
-    late = QueueVectorBroadcast("eu", "us", (("eu-0", 999.0),), 49.9)
+    late = QueueVectorBroadcast("eu", "us", 49.9, (("eu-0", 999.0),))
     assert not q.on_broadcast(late, now=1.2)
     assert q.get("eu-0") == 10.0
     with pytest.raises(QueueVectorError, match="delivered to 'us'"):
-        q.on_broadcast(QueueVectorBroadcast("eu", "asia", (("eu-0", 1.0),), 60.0), now=1.3)
+        q.on_broadcast(QueueVectorBroadcast("eu", "asia", 60.0, (("eu-0", 1.0),)), now=1.3)
     with pytest.raises(QueueVectorError):
-        q.on_broadcast(QueueVectorBroadcast("asia", "us", (("eu-0", 1.0),), 60.0), now=1.3)
+        q.on_broadcast(QueueVectorBroadcast("asia", "us", 60.0, (("eu-0", 1.0),)), now=1.3)
 
 
 def test_work_still_crossing_the_wan_survives_a_broadcast_and_a_piggyback() -> None:
     q = us_edge()  # us <-> eu: 160 ms one way, so a vector received now misses the last 320 ms
     q.note_dispatched("eu-0", 30.0, now=1.0)
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 10.0),), 1.0), now=1.1)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.0, (("eu-0", 10.0),)), now=1.1)
     assert q.get("eu-0") == pytest.approx(40.0)  # the snapshot plus the dispatch it cannot hold
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 25.0),), 1.3), now=1.4)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.3, (("eu-0", 25.0),)), now=1.4)
     assert q.get("eu-0") == 25.0  # 0.4 s on, the dispatch is in the worker's reading
     q.note_dispatched("eu-0", 20.0, now=1.45)
     assert q.get("eu-0") == pytest.approx(45.0)
@@ -140,41 +141,41 @@ def test_remote_values_follow_the_trend_of_their_vectors() -> None:
     q = us_edge()  # trend window: 5 broadcast periods of 100 ms; us <-> eu 160 ms one way
     for k, ms in enumerate((0.0, 600.0, 1200.0)):  # a queue filling at 1 ms per ms
         vector = (("eu-0", ms), ("eu-1", 1200.0 - ms))
-        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", vector, 0.6 * k), now=0.2 + 0.6 * k)
+        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 0.6 * k, vector), now=0.2 + 0.6 * k)
     # Slope samples 1 and 1 folded with weight 0.5: 0.75 ms per ms. The value was read 160 ms ago.
     assert q.get("eu-0") == pytest.approx(1200.0 + 0.75 * 160.0)
     assert q.queue_ms(now=1.5)[EU0] == pytest.approx(1200.0 + 0.75 * 260.0)
     assert q.queue_ms(now=1.5)[EU0 + 1] == 0.0  # the draining one projects to empty, never below
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 1300.0),), 1.3), now=1.6)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.3, (("eu-0", 1300.0),)), now=1.6)
     assert q.get("eu-0") == pytest.approx(1300.0 + 0.75 * 160.0)  # inside the window: same trend
 
 
 def test_the_herd_factor_charges_each_remote_send_at_the_work_that_arrived_per_ms_sent() -> None:
     q = us_edge()  # no trend inside the first 0.5 s; us <-> eu 320 ms round trip; 3 regions
     assert q.herd_factors(now=1.0) == {"eu": 1.0, "asia": 1.0}
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 100.0), ("eu-1", 100.0)), 1.0), now=1.1)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.0, (("eu-0", 100.0), ("eu-1", 100.0))), now=1.1)
     q.note_dispatched("eu-1", 100.0, now=1.15)
     assert q.get("eu-1") == pytest.approx(200.0)  # factor 1: our own work only
     # The next value reads 100 more than we believed for our 100 (200, plus our 100 still in
     # flight): two edges' worth arrived. k samples 1 + 100/100 = 2, folded with weight 0.25.
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 200.0),), 1.1), now=1.2)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.1, (("eu-1", 200.0),)), now=1.2)
     assert q.herd_factors(now=1.2) == {"eu": pytest.approx(1.25), "asia": 1.0}
     # A send to an eu worker is now charged at 1.25, in the estimate and in flight.
     q.note_dispatched("eu-1", 40.0, now=1.2)
     assert q.get("eu-1") == pytest.approx(300.0 + 50.0)
     # Exactly what we charged arrived: the factor holds (it only fades toward 1, 30 periods).
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 200.0),), 1.2), now=1.3)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.2, (("eu-1", 200.0),)), now=1.3)
     assert q.get("eu-1") == pytest.approx(200.0 + 100.0 + 50.0)  # both sends still in flight
     k = 1.0 + 0.25 * math.exp(-0.1 / 3.0)
     assert q.herd_factors(now=1.3)["eu"] == pytest.approx(k)
     # Never above the number of regions, and it fades toward 1 without new samples.
     q.note_dispatched("eu-1", 1.0, now=1.3)
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 1e6),), 1.3), now=1.4)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.3, (("eu-1", 1e6),)), now=1.4)
     k = 0.25 * 3.0 + 0.75 * (1.0 + (k - 1.0) * math.exp(-0.1 / 3.0))
     assert q.herd_factors(now=1.4)["eu"] == pytest.approx(k)
     assert q.herd_factors(now=4.4)["eu"] == pytest.approx(1.0 + (k - 1.0) / math.e)
     # A worker this edge did not send to since its last value moves no factor.
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 1e6),), 1.4), now=1.5)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.4, (("eu-0", 1e6),)), now=1.5)
     assert q.herd_factors(now=1.5)["eu"] == pytest.approx(1.0 + (k - 1.0) * math.exp(-0.1 / 3.0))
     # The own region's live readings are never charged more than the work sent.
     q.set_local("us-0", 0.0, now=1.5)
@@ -186,12 +187,12 @@ def test_chosen_remote_workers_surprises_correct_their_region_for_the_winners_cu
     q = us_edge()  # no trend inside the first 0.5 s; us <-> eu 320 ms round trip
     ids = CFG.worker_ids()
     eu1, asia0, us0 = ids.index("eu-1"), ids.index("asia-0"), ids.index("us-0")
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 100.0), ("eu-1", 100.0)), 1.0), now=1.1)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.0, (("eu-0", 100.0), ("eu-1", 100.0))), now=1.1)
     # A worker this edge did not choose can surprise nobody: its jump corrects nothing.
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", 400.0),), 1.1), now=1.2)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.1, (("eu-0", 400.0),)), now=1.2)
     assert q.surprises(now=1.2) == {"eu": 0.0, "asia": 0.0}
     q.note_dispatched("eu-1", 10.0, now=1.25)  # chosen at 110 ms (its 100 plus this dispatch)
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 500.0),), 1.2), now=1.3)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.2, (("eu-1", 500.0),)), now=1.3)
     # It reads 500 (plus the 10 still in flight): a 400 ms surprise, folded with weight 0.25.
     assert q.surprises(now=1.3)["eu"] == pytest.approx(100.0)
     now = q.queue_ms(now=1.3)
@@ -202,26 +203,29 @@ def test_chosen_remote_workers_surprises_correct_their_region_for_the_winners_cu
     assert q.surprises(now=4.3)["eu"] == pytest.approx(100.0 / math.e)
     # A chosen worker that reads lower than believed pulls the correction down, never below 0.
     q.note_dispatched("eu-1", 10.0, now=1.35)
-    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 0.0),), 1.35), now=1.4)
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.35, (("eu-1", 0.0),)), now=1.4)
     assert q.surprises(now=1.4)["eu"] < 100.0
     for k in range(20):
         q.note_dispatched("eu-1", 10.0, now=1.41 + 0.01 * k)
-        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-1", 0.0),), 1.41 + 0.01 * k), now=1.415 + 0.01 * k)
+        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 1.41 + 0.01 * k, (("eu-1", 0.0),)), now=1.415 + 0.01 * k)
     assert q.surprises(now=1.7)["eu"] == 0.0
     assert q.queue_ms(now=1.7)[EU0] >= 0.0
 
 
 def test_broadcast_message_validation() -> None:
-    with pytest.raises(QueueVectorError):
-        QueueVectorBroadcast("eu", "eu", (), 0.0)
-    with pytest.raises(QueueVectorError, match="twice"):
-        QueueVectorBroadcast("eu", "us", (("eu-0", 1.0), ("eu-0", 2.0)), 0.0)
-    with pytest.raises(QueueVectorError):
-        QueueVectorBroadcast("eu", "us", (("eu-0", math.nan),), 0.0)
-    with pytest.raises(QueueVectorError):
-        QueueVectorBroadcast("eu", "us", (("eu-0",),), 0.0)  # type: ignore[arg-type]
-    with pytest.raises(QueueVectorError):
-        QueueVectorBroadcast("eu", "us", (), math.inf)
+    # The queue vector is the wire's message (core/messages.py): refused on construction.
+    with pytest.raises(MessageError, match="twice"):
+        QueueVectorBroadcast("eu", "us", 0.0, (("eu-0", 1.0), ("eu-0", 2.0)))
+    with pytest.raises(MessageError):
+        QueueVectorBroadcast("eu", "us", 0.0, (("eu-0", math.nan),))
+    with pytest.raises(MessageError):
+        QueueVectorBroadcast("eu", "us", 0.0, (("eu-0",),))  # type: ignore[arg-type]
+    with pytest.raises(MessageError):
+        QueueVectorBroadcast("eu", "us", math.inf, ())
+    # An edge's vector for its own agents is a valid message, but never a broadcast to itself.
+    own = QueueVectorBroadcast("us", "us", 0.0, (("us-0", 1.0),))
+    with pytest.raises(QueueVectorError, match="own region"):
+        us_edge().on_broadcast(own, now=0.1)
 
 
 def test_persistent_idleness_needs_the_whole_idle_period() -> None:
@@ -306,7 +310,7 @@ def test_a_broadcast_keeps_exactly_the_dispatches_of_the_last_round_trip(steps: 
     for step, is_broadcast, ms in steps:
         now += step
         if is_broadcast:
-            if q.on_broadcast(QueueVectorBroadcast("eu", "us", (("eu-0", ms),), now), now=now):
+            if q.on_broadcast(QueueVectorBroadcast("eu", "us", now, (("eu-0", ms),)), now=now):
                 expected = ms + sum(added for at, added in sent if at > now - rtt_s)
                 assert q.get("eu-0") == pytest.approx(expected, abs=1e-6)
         else:

@@ -34,7 +34,7 @@ def _register(cfg, shards, view, worker, tokens, cached, tier=Tier.VRAM):
         shards[int(k) % SHARDS].apply([PrefixCached(worker, int(k), tier)])
     for s in shards:
         if (b := s.flush()) is not None:
-            assert view.apply_batch(b).applied
+            assert view.apply_next(b) is None
 
 
 PROMPT = np.random.default_rng(5).integers(0, 30000, 2000, dtype=np.uint32)

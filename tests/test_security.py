@@ -49,7 +49,6 @@ from kvcompassd.wire import (
     UpdatesSubscribed,
     WorkerRegistered,
     WorkerWithdrawn,
-    encode,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -15,7 +15,7 @@ from kvcompassd.sim.engine import SimSettings, simulate
 from kvcompassd.sim.policy import PolicyError
 from kvcompassd.sim.synthetic import MixedWorkload
 from kvcompassd.sim.workloads import Request
-from kvcompassd.core.prefixcache import PrefixCache
+from kvcompassd.worker.prefixcache import PrefixCache
 
 
 def req(i, tokens, region="a", t=0.0, out=1):
@@ -48,7 +48,6 @@ def test_chord_resolves_to_the_ring_owner_over_wan_hops():
         assert d.lookup_delay_ms <= (chord.hops_total + 2) * ONE_WAY * 2
     assert chord.hops_total / chord.lookups > 0.5  # multi-hop on average
     # Routing agrees with the ring: the lookup ends at the key's successor.
-    pos = chord.ring.positions
     for k in rng.integers(0, 2**63, 20).tolist():
         end = chord.lookup_path(3, k)[-1]
         assert end == chord.ring.successor_index(k)

@@ -4,29 +4,25 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvcompassd.sim.blockmirror import chain_keys
+from kvcompassd.sim.schemes import traces_dir
 from kvcompassd.sim.synthetic import ChatWorkload, MixedWorkload, ZipfSampler
 from kvcompassd.sim.workloads import (
     ArrivalProcess, Request, WorkloadError, limit_stream, mooncake_requests, mooncake_sessions, read_azure,
     read_mooncake, rescale, trace_rate, weighted_choice,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-if not TRACES.is_dir():
-    TRACES = Path("/work/shared/traces")
-MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
-AZURE = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-needs_traces = pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared traces not present")
+# The traces the package ships; a missing file fails the tests that read it.
+MOONCAKE = traces_dir() / "mooncake" / "synthetic_trace.jsonl"
+AZURE = traces_dir() / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 W = {"us": 3.0, "eu": 1.0}
 
 
-@needs_traces
 def test_mooncake_head_expands_blocks_into_shared_prefixes():
     recs = read_mooncake(MOONCAKE, limit=300)
     reqs = list(mooncake_requests(MOONCAKE, W, seed=1, limit=300))
@@ -91,7 +87,6 @@ def test_mooncake_bad_lines_name_the_problem(tmp_path, line, field):
         read_mooncake(path)
 
 
-@pytest.mark.skipif(not AZURE.is_file(), reason="shared traces not present")
 def test_azure_trace_and_shaped_arrivals():
     trace = read_azure(AZURE)
     assert len(trace.offsets_s) == 19_366

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 
 
+@pytest.mark.slow
 def test_short_soak_serves_every_request_and_converges(tmp_path):
     run = subprocess.run([sys.executable, str(TOOL), "--minutes", "0.4", "--rate", "4", "--sample-s", "1",
                           "--time-scale", "0", "--workdir", str(tmp_path)],

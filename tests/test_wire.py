@@ -64,7 +64,7 @@ def strategy_for(field_type: wire.FieldType) -> st.SearchStrategy:
         return st.lists(st.integers(0, 2**32 - 1), max_size=40).map(tuple)
     if isinstance(field_type, wire.Pairs):
         pair = st.tuples(strategy_for(field_type.first), strategy_for(field_type.second))
-        return st.lists(pair, max_size=5).map(tuple)
+        return st.lists(pair, max_size=5, unique_by=(lambda p: p[0]) if field_type.unique_first else None).map(tuple)
     if isinstance(field_type, wire.Params):
         return st.dictionaries(st.text(max_size=8), json_values, max_size=4)
     raise AssertionError(f"no strategy for {field_type!r}")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompassd.core.workermodel import (
+from kvcompassd.worker.workermodel import (
     FirstTokenProduced,
     RequestFinished,
     WorkerModelError,

@@ -19,7 +19,7 @@ VRAM (``--vram-tokens``) holds half of the groups' prefixes, so routing decides 
 point starts from empty caches (``/flush_cache``) and a ``--warmup`` that is not measured.
 "direct" sends round-robin over the workers (a router that costs nothing and knows nothing).
 
-    /work/venv/bin/python tools/bench_edge.py [--quick] [--runs 3] [--seconds 8] [--concurrency 1 16 64]
+    .venv/bin/python tools/bench_edge.py [--quick] [--runs 3] [--seconds 8] [--concurrency 1 16 64]
 """
 
 from __future__ import annotations

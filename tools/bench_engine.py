@@ -15,7 +15,7 @@ import aiohttp
 import msgpack
 import numpy as np
 
-from kvcompassd.core.prefixcache import PrefixCache
+from kvcompassd.worker.prefixcache import PrefixCache
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.kvevents import decode_message, encode_batch

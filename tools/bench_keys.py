@@ -1,6 +1,6 @@
 """Benchmark prefix-key hashing against one SHA-256 pass over the same prompt.
 
-    /work/venv/bin/python tools/bench_keys.py [--tokens 4096] [--repeat 2000]
+    .venv/bin/python tools/bench_keys.py [--tokens 4096] [--repeat 2000]
 
 Prints medians (µs) of: one SHA-256 over the prompt's uint32 bytes with hashlib (the reference),
 and ``prefix_keys`` at the testbed's registration lengths that fit the prompt (about 18 for a

@@ -20,7 +20,7 @@ gathers them per shard for up to 1 ms (``--report-delay-ms``) and sends the repo
 delay runs from when it was handed to the agent, so the coalescing wait is counted.
 
 References, measured in the same run: the in-process core applying the same engine batches,
-one at a time (``MaintenanceShard.apply`` + ``flush`` + ``EdgeIndexView.apply_batch``), as event
+one at a time (``MaintenanceShard.apply`` + ``flush`` + ``EdgeSync.on_batch``), as event
 objects and as columns (``apply_columns``, the path a maintenance unit runs on a decoded
 report; 3-4x faster). The columns rate is the issue's reference. A third figure applies the
 reports the agent actually sent (coalesced, so fewer and larger) in process as columns: "vs
@@ -32,7 +32,7 @@ the in-process columns rate (the issue's target: >= 30 % of it with P99 < 50 ms)
 the real edge's views are read back with admin ``lookup`` queries: every key must hold the
 right value.
 
-    /work/venv/bin/python tools/bench_sync.py [--quick] [--events 100000] [--shards 2] [--runs 3]
+    .venv/bin/python tools/bench_sync.py [--quick] [--events 100000] [--shards 2] [--runs 3]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from kvcompassd.core.config import load_config  # noqa: E402
 from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier, TierChanged  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
+from kvcompassd.core.sync import EdgeSync  # noqa: E402
 from kvcompassd.daemon import daemon_transport, split_address, tls_files  # noqa: E402
 from kvcompassd.launcher import DeploymentSpec  # noqa: E402
 from kvcompassd.reports import DEFAULT_REPORT_DELAY_S, ReportCoalescer  # noqa: E402
@@ -70,7 +71,6 @@ from kvcompassd.wire import (  # noqa: E402
     Role,
     ShardSnapshotSent,
     UpdateBatchPublished,
-    UpdatesSubscribed,
     WorkerRegistered,
     encode,
 )
@@ -115,7 +115,7 @@ class Workload:
 
 
 def in_process_rate(cfg, layout: IndexLayout, work: Workload, reports=None) -> float:
-    """Events/s of the core alone: apply + flush + the edge view's apply_batch, per report.
+    """Events/s of the core alone: apply + flush + the edge's sync step (``EdgeSync.on_batch``), per report.
 
     ``reports=None`` applies the workload's engine batches' event objects one by one
     (``MaintenanceShard.apply``); given ``(shard, IndexEventColumns)`` pairs, it applies those
@@ -125,10 +125,11 @@ def in_process_rate(cfg, layout: IndexLayout, work: Workload, reports=None) -> f
                                fingerprint_bits=cfg.index.fingerprint_bits, max_load=cfg.index.max_load)
               for s in range(cfg.shards)]
     view = EdgeIndexView(layout, cfg.shards, edge="edge-ref")
+    sync = EdgeSync(view)
     for s, shard in enumerate(shards):
         shard.apply(work.probe_registrations(s))
         shard.flush()
-        view.install_snapshot(shard.snapshot())
+        sync.on_snapshot(shard.snapshot(), now=0.0)
     columns = reports is not None
     if reports is None:
         reports = [(s, events) for s, _, events in work.reports]
@@ -139,7 +140,7 @@ def in_process_rate(cfg, layout: IndexLayout, work: Workload, reports=None) -> f
             shard.apply_columns(WORKER, events)
         else:
             shard.apply(events)
-        outcome = view.apply_batch(shard.flush())
+        outcome = sync.on_batch(shard.flush(), now=0.0)
         if not outcome.applied:
             raise RuntimeError(f"in-process view refused a batch: {outcome.reason}")
     elapsed = time.perf_counter() - start
@@ -173,6 +174,7 @@ async def _edge_main(config, tls_dir, edge_id, probes, group, before, after, con
     cfg = load_config(config)
     layout = IndexLayout.from_config(cfg)
     view = EdgeIndexView(layout, cfg.shards, edge=edge_id)
+    sync = EdgeSync(view)  # the edge's own protocol; this process moves its messages
     seen = [[0.0] * len(p) for p in probes]
     next_probe = [0] * cfg.shards
     armed = False
@@ -192,19 +194,17 @@ async def _edge_main(config, tls_dir, edge_id, probes, group, before, after, con
         if all(n == len(p) for n, p in zip(next_probe, probes)):
             all_seen.set()
 
-    def resync(shard: int, request: ResyncRequested) -> None:
-        peer = peers.get(shard)
+    def resync(request: ResyncRequested | None) -> None:
+        peer = peers.get(request.shard) if request is not None else None
         if peer is not None and peer.is_connected:
-            peer.send_encoded(encode(ResyncRequested(edge_id, shard, request.epoch, request.from_seq)))
+            peer.send_encoded(encode(request))
 
     def on_message(peer, message, channel) -> None:
         if isinstance(message, UpdateBatchPublished):
-            outcome = view.apply_batch(message)
-            if outcome.resync is not None:
-                resync(message.shard, outcome.resync)
+            resync(sync.on_batch(message, now=time.monotonic()).send)
             check(message.shard)
         elif isinstance(message, ShardSnapshotSent):
-            view.install_snapshot(message)
+            resync(sync.on_snapshot(message, now=time.monotonic()).send)
             check(message.shard)
 
     def on_peer_state(peer, connected: bool) -> None:
@@ -212,8 +212,7 @@ async def _edge_main(config, tls_dir, edge_id, probes, group, before, after, con
             return
         for shard, p in peers.items():
             if p is peer:
-                epoch, seq = view.position(shard)
-                peer.send_encoded(encode(UpdatesSubscribed(edge_id, shard, max(epoch, 0), seq)))
+                peer.send_encoded(encode(sync.subscription(shard, now=time.monotonic())))
 
     node = QuicNode(NodeIdentity(Role.EDGE, edge_id), tls_files(tls_dir, edge_id), on_message=on_message,
                     on_peer_state=on_peer_state, options=daemon_transport(cfg))
@@ -340,7 +339,7 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
                                      None if cluster.profile_dir is None else str(cluster.profile_dir / f"{edge_id}.prof")))
             proc.start()
             edges.append((proc, parent))
-        for proc, pipe in edges:
+        for _proc, pipe in edges:
             if not await asyncio.to_thread(pipe.poll, 90):
                 raise TimeoutError("a subscriber edge did not get ready")
             pipe.recv()
@@ -380,7 +379,7 @@ async def one_run(args, run: int, mode: str, fraction: float | None, reference_r
         if admin_peer is not None:
             real_edge_done = await asyncio.wait_for(wait_edge_caught_up(admin_peer, work, cfg.shards), 120)
         seen_by_edge = []
-        for proc, pipe in edges:
+        for _proc, pipe in edges:
             if not await asyncio.to_thread(pipe.poll, 120):
                 raise TimeoutError("a subscriber edge never saw every report")
             seen_by_edge.append(pipe.recv())

@@ -19,7 +19,7 @@ For 2 and 3, "paced/s" counts how often per second the sender's pacer held a pac
 uvloop stretches to >= 1 ms): the trap the coarse pacer removes, visible even when the shared
 machine is too loaded for throughput figures to be stable.
 
-    /work/venv/bin/python tools/bench_transport.py [--seconds 3] [--runs 3] [--loop uvloop|asyncio]
+    .venv/bin/python tools/bench_transport.py [--seconds 3] [--runs 3] [--loop uvloop|asyncio]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import uvloop
 
 from kvcompassd.certs import TlsFiles, init_ca, issue
 from kvcompassd.core.events import PrefixCached, Tier
+from kvcompassd.transport.aioquic_tweaks import packet_pacer
 from kvcompassd.transport import QuicNode, TransportOptions
 from kvcompassd.wire import (
     AdminAnswered,
@@ -190,7 +191,7 @@ class PacingProbe:
     def __init__(self, connection) -> None:
         self.waits = 0
         self.sub_ms = 0
-        pacer = connection._quic._loss._pacer
+        pacer = packet_pacer(connection._quic)
         original = pacer.next_send_time
 
         def next_send_time(now: float):

@@ -1,8 +1,8 @@
 """Dedicated fuzz run of every decoder that reads bytes from outside the process.
 
-    /work/venv/bin/python tools/fuzz_decoders.py            # 10^5 inputs per decoder
-    /work/venv/bin/python tools/fuzz_decoders.py --quick    # 10^3 inputs per decoder
-    /work/venv/bin/python tools/fuzz_decoders.py --only wire.decode -n 20000 --seed 3
+    .venv/bin/python tools/fuzz_decoders.py            # 10^5 inputs per decoder
+    .venv/bin/python tools/fuzz_decoders.py --quick    # 10^3 inputs per decoder
+    .venv/bin/python tools/fuzz_decoders.py --only wire.decode -n 20000 --seed 3
 
 Decoders and their documented errors:
 
@@ -614,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n = args.n or (1_000 if args.quick else 100_000)
     signal.signal(signal.SIGALRM, _alarm)
-    import structlog, logging
+    import structlog
+    import logging
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     results = run_all(n, args.seed, args.bound, set(args.only) if args.only else None, n)

@@ -1,8 +1,8 @@
 """Soak: a steady request rate through the demo deployment, with no errors and flat memory.
 
-    /work/venv/bin/python tools/soak.py                      # 10 minutes at 4 req/s
-    /work/venv/bin/python tools/soak.py --minutes 0.5        # the short variant
-    /work/venv/bin/python tools/soak.py --minutes 2 --loss 0.15 --one-way-ms 120   # under WAN loss
+    .venv/bin/python tools/soak.py                      # 10 minutes at 4 req/s
+    .venv/bin/python tools/soak.py --minutes 0.5        # the short variant
+    .venv/bin/python tools/soak.py --minutes 2 --loss 0.15 --one-way-ms 120   # under WAN loss
 
 Starts ``LocalDeployment`` with the demo's defaults (3 regions, 7 emulated workers, 2 maintenance
 units, real processes and QUIC through WAN relays), replays ``kvcompassd.demo.bundled_workload``

@@ -5,12 +5,14 @@ one full-key Ludo table per region group, turns index events into 2-bit tier-fie
 emits the resulting Ludo update records as ordered batches numbered ``(epoch, seq)``, with a
 bounded replay log and full snapshots for edges that are new or found a gap.
 
-``EdgeIndexView`` holds a keyless view of every (shard, group) table. It applies batches in
-order, asks for a resync on a gap, ignores stale and duplicate batches, and is read by the
-lookup (``kvcompassd.core.lookup``).
+``EdgeIndexView`` holds a keyless view of every (shard, group) table and where each stands in
+its shard's stream; it is read by the lookup (``kvcompassd.core.lookup``). It only applies what
+it is given (the next batch, a snapshot): which batch is next, what is stale, what a gap asks
+for and when to ask again is the sync protocol's (``kvcompassd.core.sync``), which the daemons
+and the simulator drive.
 
-The batch, snapshot and resync messages are the wire protocol's own (``kvcompassd.wire``): the
-shard's output goes on the wire unchanged, and the simulator moves the same objects.
+The batch and snapshot messages are core types (``kvcompassd.core.messages``) that the wire
+protocol encodes unchanged; the simulator moves the same objects.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from typing import Iterable
 
 import numpy as np
 
-from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
-
 from .events import (OP_NEEDS_HOLDER, OP_TIER_AFTER, EventOp, IndexEvent, IndexEventColumns, PrefixCached,
                      PrefixEvicted, Tier, TierChanged)
 from .layout import IndexLayout
+from .messages import ShardSnapshotSent, UpdateBatchPublished
 from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView
 
 TIER_MASK = 3
@@ -200,15 +201,18 @@ class MaintenanceShard:
             self.shard, self.epoch, self.seq, tuple((g.group, self._tables[g.group].snapshot()) for g in self.layout.groups)
         )
 
-    def resync(self, epoch: int, from_seq: int) -> list[UpdateBatchPublished] | ShardSnapshotSent:
-        """Batches from ``from_seq`` on if the replay log still has them, else a snapshot."""
-        if epoch == self.epoch and from_seq >= 1:
-            if from_seq > self.seq:
-                return []
-            if self._replay and self._replay[0].seq <= from_seq:
-                start = from_seq - self._replay[0].seq
-                return [self._replay[i] for i in range(start, len(self._replay))]
-        return self.snapshot()
+    def replay_from(self, from_seq: int) -> list[UpdateBatchPublished] | None:
+        """This epoch's batches from ``from_seq`` on (``[]`` past the last), or None when the
+        bounded replay log no longer holds ``from_seq``. ``kvcompassd.core.sync.catch_up``
+        chooses between this and a snapshot."""
+        if from_seq < 1:
+            return None
+        if from_seq > self.seq:
+            return []
+        if self._replay and self._replay[0].seq <= from_seq:
+            start = from_seq - self._replay[0].seq
+            return [self._replay[i] for i in range(start, len(self._replay))]
+        return None
 
     def holders(self, key: int) -> dict[str, Tier]:
         """Exact holders of ``key`` in this shard (full keys make this exact)."""
@@ -255,10 +259,9 @@ class ShardViewState:
 
 @dataclass(frozen=True, slots=True)
 class BatchOutcome:
-    """What the edge did with a batch: applied, ignored (stale/duplicate), or needs a resync."""
+    """Whether a snapshot was installed, and why not."""
 
     applied: bool
-    resync: ResyncRequested | None = None
     reason: str = ""
 
 
@@ -273,7 +276,6 @@ class EdgeIndexView:
         self.shards = shards
         self.edge = edge
         self.state = [ShardViewState() for _ in range(shards)]
-        self.resyncs = 0
         self.batches_applied = 0
 
     @property
@@ -281,12 +283,13 @@ class EdgeIndexView:
         return all(s.ready for s in self.state)
 
     def install_snapshot(self, snap: ShardSnapshotSent) -> BatchOutcome:
-        """Replace a shard's views with a snapshot (bootstrap, or after a gap or new epoch)."""
+        """Replace a shard's views with a snapshot if it is newer than the view's position (a
+        position never goes back), whole and well-formed."""
         if not 0 <= snap.shard < self.shards:
             return BatchOutcome(False, reason=f"snapshot for unknown shard {snap.shard}")
         st = self.state[snap.shard]
-        if snap.epoch == st.epoch and snap.seq <= st.seq:
-            return BatchOutcome(False, reason=f"stale snapshot seq {snap.seq} <= {st.seq}")
+        if st.ready and (snap.epoch, snap.seq) <= (st.epoch, st.seq):
+            return BatchOutcome(False, reason=f"stale snapshot {(snap.epoch, snap.seq)} <= {(st.epoch, st.seq)}")
         groups = {g for g, _ in snap.tables}
         if groups != {g.group for g in self.layout.groups}:
             return BatchOutcome(False, reason="snapshot does not cover this cluster's region groups")
@@ -297,34 +300,33 @@ class EdgeIndexView:
         st.views, st.epoch, st.seq = views, snap.epoch, snap.seq
         return _APPLIED
 
-    def apply_batch(self, batch: UpdateBatchPublished) -> BatchOutcome:
-        """Apply the next batch of a shard; ignore stale ones; ask for a resync on a gap."""
-        if not 0 <= batch.shard < self.shards:
-            return BatchOutcome(False, reason=f"batch for unknown shard {batch.shard}")
+    def apply_next(self, batch: UpdateBatchPublished) -> str | None:
+        """Apply the batch right after the shard's position; the reason if the view rejects it
+        (the position then stays). Calling it with any other batch is a programming error."""
         st = self.state[batch.shard]
-        if not st.ready or batch.epoch != st.epoch:
-            return self._resync(batch.shard, batch.epoch, 0, "no state for this epoch")
-        if batch.seq <= st.seq:
-            return BatchOutcome(False, reason=f"stale or duplicate batch seq {batch.seq} <= {st.seq}")
-        if batch.seq > st.seq + 1:
-            return self._resync(batch.shard, st.epoch, st.seq + 1, f"gap: got {batch.seq}, expected {st.seq + 1}")
+        if not st.ready or batch.epoch != st.epoch or batch.seq != st.seq + 1:
+            raise ValueError(f"batch {(batch.epoch, batch.seq)} is not next after {(st.epoch, st.seq)}")
         for group, _ in batch.tables:
             if group not in st.views:
-                return self._resync(batch.shard, st.epoch, 0, f"batch names unknown group {group}")
+                return f"batch names unknown group {group}"
         # Ludo blobs carry absolute state, so a blob that fails validation part-way through
-        # leaves earlier blobs applied harmlessly; the resync repairs the rest.
+        # leaves earlier blobs applied harmlessly; the snapshot asked for repairs the rest.
         try:
             for group, blob in batch.tables:
                 st.views[group].apply(blob)
         except LudoError as exc:
-            return self._resync(batch.shard, st.epoch, 0, f"batch rejected by the view: {exc}")
+            return f"batch rejected by the view: {exc}"
         st.seq = batch.seq
         self.batches_applied += 1
-        return _APPLIED
+        return None
 
-    def _resync(self, shard: int, epoch: int, from_seq: int, reason: str) -> BatchOutcome:
-        self.resyncs += 1
-        return BatchOutcome(False, ResyncRequested(self.edge, shard, max(epoch, 0), from_seq), reason)
+    def skip_to(self, shard: int, seq: int) -> None:
+        """Move a shard's position on without the batches in between (the paper's prototype,
+        which never repairs a gap: ``SyncSettings(repair=False)``)."""
+        st = self.state[shard]
+        if not st.ready or seq < st.seq:
+            raise ValueError(f"cannot skip shard {shard} from {st.seq} back to {seq}")
+        st.seq = seq
 
     def position(self, shard: int) -> tuple[int, int]:
         st = self.state[shard]

@@ -71,11 +71,11 @@ import math
 import sys
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
 from .config import ClusterConfig
+from .messages import QueueVectorBroadcast
 
 # The trend of a remote worker's queue is its values' slope over this many broadcast periods
 # (long enough to average out the rise and fall of single prefills), smoothed with this weight.
@@ -105,40 +105,6 @@ def _check_ms(value: object, what: str, error: type[QueueEstimateError]) -> floa
     if not math.isfinite(value) or value < 0.0:
         raise error(f"{what}: queue delay must be finite and >= 0, got {value!r}")
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class QueueVectorBroadcast:
-    """Region ``from_region``'s per-worker queue delays (ms), sent to ``to_region`` at ``sent_at`` (s)."""
-
-    from_region: str
-    to_region: str
-    vector: tuple[tuple[str, float], ...]
-    sent_at: float
-
-    def __post_init__(self) -> None:
-        for name in ("from_region", "to_region"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise QueueVectorError(f"{name} must be a non-empty string, got {value!r}")
-        if self.from_region == self.to_region:
-            raise QueueVectorError(f"a broadcast goes to another region, got {self.from_region!r} twice")
-        if isinstance(self.sent_at, bool) or not isinstance(self.sent_at, (int, float)) or not math.isfinite(self.sent_at):
-            raise QueueVectorError(f"sent_at must be a finite number, got {self.sent_at!r}")
-        entries = []
-        seen: set[str] = set()
-        for entry in self.vector:
-            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-                raise QueueVectorError(f"vector entries are (worker, ms) pairs, got {entry!r}")
-            worker, ms = entry
-            if not isinstance(worker, str) or not worker:
-                raise QueueVectorError(f"worker id must be a non-empty string, got {worker!r}")
-            if worker in seen:
-                raise QueueVectorError(f"worker {worker!r} appears twice in the vector")
-            seen.add(worker)
-            entries.append((worker, _check_ms(ms, f"worker {worker!r}", QueueVectorError)))
-        object.__setattr__(self, "vector", tuple(entries))
-        object.__setattr__(self, "sent_at", float(self.sent_at))
 
 
 class QueueEstimates:
@@ -405,7 +371,7 @@ class QueueEstimates:
         vector = self.local_vector(now=now)
         for r in due:
             self._last_sent_to[r] = now
-        return tuple(QueueVectorBroadcast(self.region, r, vector, now) for r in due)
+        return tuple(QueueVectorBroadcast(self.region, r, now, vector) for r in due)
 
     def next_deadline(self, *, now: float) -> float | None:
         """When ``due_broadcasts`` will next have something (now if overdue); None with one region."""

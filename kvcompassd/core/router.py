@@ -32,7 +32,7 @@ from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORT
 from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .pending import PendingHoldings
 from .queues import QueueEstimates
-from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms
+from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms, request_terms
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,9 +244,10 @@ class Router:
         code = tier.item(chosen)
         # Prefill (and reload) time the request adds to the chosen worker's queue.
         reused = min(belief.item(chosen) * float(claimed), float(prompt_len))
-        work = self._beta_list[chosen] * (prompt_len - reused)
-        if code == Tier.DRAM:
-            work += self._gamma * reused
+        # The request's own terms of the score at λ = 0: the work itself, not its weight.
+        prefill, reload = request_terms(self._beta_list[chosen], prompt_len, reused,
+                                        self._gamma if code == Tier.DRAM else 0.0)
+        work = prefill + reload
         if keys is not None:
             # Cached there once the queue ahead of it and its own prefill are done.
             ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0

@@ -41,6 +41,26 @@ class NoEligibleWorkerError(ScoreInputError):
     """Every worker was excluded from the decision."""
 
 
+def joint_score(wan_ms, queue_ms, cost_per_token, prompt_len, effective, reload_per_token):
+    """THE joint score (paper §3), the one statement of it in Python, on floats or arrays:
+
+        score = WAN + Tq + (1 + λ)·β·(L − e) + γ·e·[DRAM],   e = min(b·m, L)
+
+    with ``cost_per_token`` = (1 + λ)·β and ``reload_per_token`` = γ for DRAM, else 0. It is
+    written as the C kernel (``ludo_c``) computes it, WAN + Tq + c·L + e·(r − c), so that the
+    reference path (``JointScorer``) and the kernel agree to the bit and break ties alike
+    (tests/test_score.py, tests/test_lookup_plan.py). ``request_terms`` splits it into terms.
+    """
+    return wan_ms + queue_ms + cost_per_token * prompt_len + effective * (reload_per_token - cost_per_token)
+
+
+def request_terms(cost_per_token, prompt_len, effective, reload_per_token):
+    """The request's own terms of ``joint_score``: prefilling the ``prompt_len - effective``
+    tokens it does not reuse, and reloading the ``effective`` ones it reuses. ``ScoreResult``
+    shows them; the Router charges them (at λ = 0) as the work it sends a worker."""
+    return cost_per_token * (prompt_len - effective), reload_per_token * effective
+
+
 @dataclass(frozen=True, slots=True)
 class ScoreTerms:
     """One worker's score broken into its terms (ms), for logs and inspection."""
@@ -114,13 +134,15 @@ class ScoreResult:
             effective = 0.0
         else:
             effective = min(belief * matched, self._prompt_len)
+        prefill, reload = request_terms((1.0 + self.lam) * s.beta_list[index], self._prompt_len, effective,
+                                        s.gamma if ab.tier_aware and tier is Tier.DRAM else 0.0)
         return ScoreTerms(
             s.worker_ids[index],
             s.worker_regions[index],
             s.wan_list[index],
             float(self._queue.item(index)) if ab.load_aware else 0.0,
-            (1.0 + self.lam) * s.beta_list[index] * (self._prompt_len - effective),
-            s.gamma * effective if ab.tier_aware and tier is Tier.DRAM else 0.0,
+            prefill,
+            reload,
             matched,
             tier,
             belief,
@@ -257,34 +279,23 @@ class JointScorer:
                      eligible: np.ndarray | None) -> tuple[int, float, np.ndarray]:
         """The reference path (any dtypes): (argmin, lam, scores)."""
         length = float(prompt_len)
-        # Rearranged to touch each array once: with c = (1 + lam) * beta and e = min(b * m, L),
-        #   score = WAN + Tq + c * L + e * (gamma * [DRAM] - c)
         if ablation.load_aware:
             lam = min(self.lambda_max, min(queue_ms.tolist()) / self.tau_ms)
-            scores = _add(self.wan_ms, queue_ms)
+            queue = queue_ms
         else:
-            lam = 0.0
-            scores = self.wan_ms.copy()
-        cost = _mul(self.beta, 1.0 + lam) if lam else self.beta
-        _add(scores, _mul(cost, length), out=scores)
-        if ablation.tier_aware:
-            coef = self._reload_by_tier.take(tier)
-            _sub(coef, cost, out=coef)
-        else:
-            coef = _neg(cost)
-        effective = _mul(belief, matched)
-        _min(effective, length, out=effective)
+            lam, queue = 0.0, 0.0
+        effective = np.minimum(belief * matched, length)
         if not ablation.cross_region:
-            _mul(effective, self._local_factor, out=effective)
-            _add(scores, self._remote_penalty, out=scores)
-        _mul(effective, coef, out=effective)
-        _add(scores, effective, out=scores)
+            effective = effective * self._local_factor
+        reload = self._reload_by_tier.take(tier) if ablation.tier_aware else 0.0
+        scores = joint_score(self.wan_ms, queue, (1.0 + lam) * self.beta, length, effective, reload)
+        if not ablation.cross_region:
+            scores = scores + self._remote_penalty
         if eligible is not None:
             scores[~eligible.astype(bool)] = np.inf
         return int(scores.argmin()), lam, scores
 
 
-_add, _sub, _mul, _min, _neg = np.add, np.subtract, np.multiply, np.minimum, np.negative
 _INT64, _UINT8, _FLOAT64, _BOOL = np.dtype(np.int64), np.dtype(np.uint8), np.dtype(np.float64), np.dtype(bool)
 
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvcompassd.core.workermodel import WorkerModelError
+from kvcompassd.worker.workermodel import WorkerModelError
 from kvcompassd.emulator.server import (
     MAX_TOKEN_ID,
     VERSION,

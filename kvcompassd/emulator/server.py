@@ -1,9 +1,9 @@
 """Emulated SGLang worker: SGLang's HTTP routes and KV-event stream, no GPU.
 
-A :class:`~kvcompassd.core.prefixcache.PrefixCache` (paged, VRAM + DRAM, LRU/LFU) decides what
+A :class:`~kvcompassd.worker.prefixcache.PrefixCache` (paged, VRAM + DRAM, LRU/LFU) decides what
 each request reuses and emits the KV events, published on a ZMQ PUB socket with a replay ROUTER
 exactly as SGLang's ``ZmqEventPublisher`` does; the shared
-:class:`~kvcompassd.core.workermodel.WorkerQueueModel` decides when the first token and the last
+:class:`~kvcompassd.worker.workermodel.WorkerQueueModel` decides when the first token and the last
 token come. Delays are the modelled ones times ``time_scale`` (1 = real time, 0 = no delay: the
 model is bypassed and requests complete at once, for tests and benchmarks; loads then report
 in-flight HTTP requests). Text and chats are tokenised with the worker's tokenizer: byte-wise by
@@ -34,8 +34,8 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvcompassd.core.prefixcache import EvictionPolicy, PrefixCache
-from kvcompassd.core.workermodel import FirstTokenProduced, WorkerModelError, WorkerQueueModel, WorkerTiming
+from kvcompassd.worker.prefixcache import EvictionPolicy, PrefixCache
+from kvcompassd.worker.workermodel import FirstTokenProduced, WorkerModelError, WorkerQueueModel, WorkerTiming
 from kvcompassd.emulator.publisher import KvEventPublisher
 from kvcompassd.tokenizer import Tokenizer, load_tokenizer
 

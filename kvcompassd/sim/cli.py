@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import itertools
 import json
 import multiprocessing
 import sys
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from kvcompassd.core.config import load_config
 
@@ -73,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--update-loss", type=float, default=0.0)
     ap.add_argument("--wan-jitter", type=float, default=0.0, help="fraction, e.g. 0.5 for +-50%%")
     ap.add_argument("--track-cross-region", action="store_true", help="measure the cross-region-only hit share")
-    ap.add_argument("--traces", default=None, help="directory holding mooncake/ and azure_llm_2023/")
+    ap.add_argument("--traces", default=None, help="directory holding mooncake/ and azure_llm_2023/ (default: the traces the package ships)")
     ap.add_argument("--page-tokens", type=int, default=None,
                     help="engine page size of the simulated caches (default: the index block size)")
     ap.add_argument("--out", type=Path, default=Path("out/sim"))

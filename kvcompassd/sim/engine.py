@@ -8,8 +8,8 @@ token back (end-to-end). Each worker's prefix cache emits the engine's block eve
 the policy after ``update_delay_ms`` unless lost (``update_loss``, §5.7). Actual WAN latencies
 can jitter around the static matrix the policies know (``wan_jitter``, §5.7).
 
-Worker timing is ``kvcompassd.core.workermodel.WorkerQueueModel``; caches are
-``kvcompassd.core.prefixcache.PrefixCache`` — the same code the emulated worker runs.
+Worker timing is ``kvcompassd.worker.workermodel.WorkerQueueModel``; caches are
+``kvcompassd.worker.prefixcache.PrefixCache`` — the same code the emulated worker runs.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcompassd.core.prefixcache import PrefixCache
-from kvcompassd.core.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
+from kvcompassd.worker.prefixcache import PrefixCache
+from kvcompassd.worker.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
 
 from .blockmirror import GlobalBlockMap, chain_keys
 from .policy import (FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_WITHIN_PAGE, BasePolicy, MigrationOrdered,

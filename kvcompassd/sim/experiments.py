@@ -377,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schemes", type=lambda s: [x for x in s.split(",") if x], default=None)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=None)
-    ap.add_argument("--traces", default=None)
+    ap.add_argument("--traces", default=None, help="override the traces the package ships (mooncake/, azure_llm_2023/)")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--requests-per-point", type=int, default=REQUESTS_PER_POINT,
                     help="fig12/fig16: measure about this many arrivals after the warm-up (0: the full "

@@ -18,15 +18,18 @@ Update transport (§5.7), modelled the way the daemon moves updates:
   Without it only ``update_delay_ms`` applies. The delay of one (shard, edge) stream is
   constant, so batches arrive in order, as on the daemon's QUIC stream.
 - Loss: each (batch, edge) delivery is lost independently with probability ``update_loss``.
-  With ``repair=True`` (the daemon) the next batch of that shard shows the gap, the edge sends a
-  ``ResyncRequested`` (one outstanding per edge and shard), and ``shard.resync()`` answers from
-  the replay log (or a snapshot) after the edge->shard latency plus one more propagation delay;
-  the answer itself is not lost (the daemon resends it on reconnection). With ``repair=False``
-  (the paper's prototype, §5.7: failed batches are not retransmitted) the edge skips the gap and
-  applies the next batch anyway: Ludo records carry absolute state, so the buckets the lost
-  batch touched stay stale until a later update rewrites them. A batch the view cannot apply at
-  all (a lost table rebuild changed the Ludo epoch) makes the edge reload that shard from a
-  snapshot, the paper's "reloading the maintenance units' lookup view".
+  What an edge does about it is the daemon's own protocol, ``kvcompassd.core.sync`` (one
+  ``EdgeSync`` per edge, ``catch_up`` at the shard), which this policy only moves messages for:
+  with ``repair=True`` (the daemon) the next batch of that shard shows the gap, the edge sends a
+  ``ResyncRequested`` (one outstanding per edge and shard, sent again on its timeout), and
+  ``catch_up`` answers from the replay log (or a snapshot) after the edge->shard latency plus
+  one more propagation delay; requests and answers are not lost (the daemon's control stream is
+  reliable and resent on reconnection). With ``repair=False`` (the paper's prototype, §5.7:
+  failed batches are not retransmitted) the edge applies the next batch over the gap: Ludo
+  records carry absolute state, so the buckets the lost batch touched stay stale until a later
+  update rewrites them. A batch the view cannot apply at all (a lost table rebuild changed the
+  Ludo epoch) makes the edge reload that shard from a snapshot, the paper's "reloading the
+  maintenance units' lookup view".
 
 The simulator engine has its own ``update_delay_ms``/``update_loss`` that act on the engine
 events before any policy sees them. For KVCompass those belong here, on the index update stream,
@@ -45,7 +48,6 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,8 +60,9 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.migration import HOT_MISS_OUTCOMES, MigrationPlanned
 from kvcompassd.core.router import ForwardDecided, Router
+from kvcompassd.core.sync import EdgeSync, SyncSettings, SyncStep, catch_up
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
+from kvcompassd.core.messages import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
                      RouteDecision, Topology)
@@ -68,7 +71,7 @@ from .workloads import Request
 __all__ = ["KVCompassPolicy"]
 
 # Kinds of deliveries in flight (heap payload tags).
-_TO_SHARD, _TO_EDGE, _RESYNC_AT_SHARD, _REPLAY_TO_EDGE, _BROADCAST, _FLUSH = range(6)
+_TO_SHARD, _TO_EDGE, _RESYNC_AT_SHARD, _REPLAY_TO_EDGE, _BROADCAST, _FLUSH, _SYNC_TIMER = range(7)
 EPOCH = 1
 
 
@@ -130,9 +133,10 @@ class KVCompassPolicy(BasePolicy):
         for e in cfg.edges:
             edge_ids.setdefault(e.region, e.id)
         self.views = [EdgeIndexView(self.layout, n_shards, edge=edge_ids.get(r, f"edge-{r}")) for r in self.regions]
-        for view in self.views:
+        self.syncs = [EdgeSync(view, SyncSettings(repair=self.repair)) for view in self.views]
+        for sync in self.syncs:
             for shard in self.shards:
-                view.install_snapshot(shard.snapshot())
+                sync.on_snapshot(shard.snapshot(), now=0.0)
         self._edge_of = {v.edge: i for i, v in enumerate(self.views)}
         self.routers = [
             Router(cfg, r, view, now=0.0, ablation=self.ablation, consistency=consistency, top_k=top_k)
@@ -164,7 +168,7 @@ class KVCompassPolicy(BasePolicy):
 
         self._heap: list[tuple[float, int, int, Any]] = []
         self._heap_seq = 0
-        self._resync_pending: set[tuple[int, int]] = set()  # (edge, shard) with a resync in flight
+        self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
         self._flush_pending = [False] * n_shards
         self._claims: dict[int, tuple[int, int, bool]] = {}  # request id -> (edge, claimed tokens, from the ledger)
         # With the engine's exact cache map (on_truth_tracked): (key, worker) -> the seq of the
@@ -174,7 +178,7 @@ class KVCompassPolicy(BasePolicy):
         self._next_broadcast = self._broadcast_deadline(0.0)
         self.counters = dict.fromkeys(
             ("index_events", "batches_published", "batch_deliveries", "batches_lost", "resyncs", "replays",
-             "snapshots_installed", "gaps_skipped", "migrations_planned", "broadcasts", "decisions",
+             "snapshots_installed", "migrations_planned", "broadcasts", "decisions",
              "remote_decisions"), 0)
 
     # ------------------------------------------------------------------------------ setup
@@ -222,7 +226,9 @@ class KVCompassPolicy(BasePolicy):
             elif kind == _RESYNC_AT_SHARD:
                 self._answer_resync(payload, due)
             elif kind == _REPLAY_TO_EDGE:
-                self._deliver_replay(payload[0], payload[1], payload[2], due)
+                self._deliver_replay(payload[0], payload[1], due)
+            elif kind == _SYNC_TIMER:
+                self._sync_timeout(payload[0], payload[1], due)
 
     def next_timer(self) -> float | None:
         t = self._next_broadcast
@@ -287,7 +293,9 @@ class KVCompassPolicy(BasePolicy):
             self._push(now + self.flush_interval_s, _FLUSH, s)
 
     def _publish(self, s: int, now: float) -> None:
-        batch = self.shards[s].flush()
+        self._send_published(s, self.shards[s].flush(), now)
+
+    def _send_published(self, s: int, batch: UpdateBatchPublished | None, now: float) -> None:
         if batch is None:
             return
         self.counters["batches_published"] += 1
@@ -303,24 +311,28 @@ class KVCompassPolicy(BasePolicy):
             else:
                 self._deliver(e, batch, now)
 
+    # The sync protocol's decisions are core/sync.py's; below only moves its messages and arms
+    # its timers on the virtual clock.
+
     def _deliver(self, e: int, batch: UpdateBatchPublished, now: float) -> None:
-        view = self.views[e]
         self.counters["batch_deliveries"] += 1
-        if not self.repair:
-            st = view.state[batch.shard]
-            if st.ready and batch.epoch == st.epoch and batch.seq > st.seq + 1:
-                # The prototype does not retransmit: skip the gap and apply this batch anyway.
-                self.counters["gaps_skipped"] += 1
-                st.seq = batch.seq - 1
-        outcome = view.apply_batch(batch)
-        if outcome.resync is not None:
-            self._request_resync(e, outcome.resync, now)
+        self._sync_step(e, batch.shard, self.syncs[e].on_batch(batch, now=now), now)
+
+    def _sync_step(self, e: int, s: int, step: SyncStep, now: float) -> None:
+        if step.send is not None:
+            self._request_resync(e, step.send, now)
+        deadline = self.syncs[e].followers[s].deadline
+        if deadline is not None and self._sync_timer_at.get((e, s)) != deadline:
+            self._sync_timer_at[(e, s)] = deadline
+            self._push(deadline, _SYNC_TIMER, (e, s))
+
+    def _sync_timeout(self, e: int, s: int, now: float) -> None:
+        if self._sync_timer_at.get((e, s)) != now:
+            return  # a timer armed for a deadline that has moved since
+        del self._sync_timer_at[(e, s)]
+        self._sync_step(e, s, self.syncs[e].followers[s].on_timer(now=now), now)
 
     def _request_resync(self, e: int, request: ResyncRequested, now: float) -> None:
-        key = (e, request.shard)
-        if key in self._resync_pending:
-            return  # the answer in flight will cover this gap too
-        self._resync_pending.add(key)
         self.counters["resyncs"] += 1
         delay = self._edge_to_shard_s[e][request.shard]
         if delay > 0:
@@ -330,28 +342,26 @@ class KVCompassPolicy(BasePolicy):
 
     def _answer_resync(self, request: ResyncRequested, now: float) -> None:
         e, s = self._edge_of[request.edge], request.shard
-        if self._flush_pending[s]:
-            self._publish(s, now)  # as the daemon: pending edits go out before the catch-up
-        answer = self.shards[s].resync(request.epoch, request.from_seq)
+        answer = catch_up(self.shards[s], request.epoch, request.from_seq)
+        self._send_published(s, answer.published, now)  # pending edits go to every edge first
+        if answer.snapshot is None:
+            self.counters["replays"] += 1
         delay = self._to_edge_s[s][e]
         if delay > 0:
-            self._push(now + delay, _REPLAY_TO_EDGE, (e, s, answer))
+            self._push(now + delay, _REPLAY_TO_EDGE, (e, answer.messages))
         else:
-            self._deliver_replay(e, s, answer, now)
+            self._deliver_replay(e, answer.messages, now)
 
-    def _deliver_replay(self, e: int, s: int, answer: list[UpdateBatchPublished] | ShardSnapshotSent,
+    def _deliver_replay(self, e: int, messages: tuple[UpdateBatchPublished | ShardSnapshotSent, ...],
                         now: float) -> None:
-        self._resync_pending.discard((e, s))
-        view = self.views[e]
-        if isinstance(answer, ShardSnapshotSent):
-            self.counters["snapshots_installed"] += int(view.install_snapshot(answer).applied)
-            return
-        self.counters["replays"] += 1
-        for batch in answer:
-            outcome = view.apply_batch(batch)
-            if outcome.resync is not None:
-                self._request_resync(e, outcome.resync, now)
-                return
+        sync = self.syncs[e]
+        for message in messages:
+            if isinstance(message, ShardSnapshotSent):
+                step = sync.on_snapshot(message, now=now)
+                self.counters["snapshots_installed"] += int(step.applied)
+            else:
+                step = sync.on_batch(message, now=now)
+            self._sync_step(e, message.shard, step, now)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -450,5 +460,6 @@ class KVCompassPolicy(BasePolicy):
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["index_entries"] = sum(s.entries() for s in self.shards)
-        out["gap_detections"] = sum(v.resyncs for v in self.views)  # batches that found a gap (deduplicated into "resyncs")
+        out["gaps_skipped"] = sum(f.gaps_skipped for sync in self.syncs for f in sync.followers)  # repair=False
+        out["gap_detections"] = sum(sync.gaps for sync in self.syncs)  # inputs that found a gap (several share one of "resyncs")
         return out

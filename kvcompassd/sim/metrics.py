@@ -77,7 +77,7 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
     if not m.any():
         m = np.ones_like(r["id"], dtype=bool)
     ttft, e2e = r["ttft_ms"][m], r["e2e_ms"][m]
-    prompt, out = r["prompt_tokens"][m], r["output_tokens"][m]
+    prompt = r["prompt_tokens"][m]
     reused, claimed, dram = r["reused_tokens"][m], r["claimed_tokens"][m], r["dram_tokens"][m]
     # Throughput as vLLM's and SGLang's serving benchmarks define it ("total token throughput"):
     # every token of the run over its duration, first arrival to last completion. Below capacity

@@ -34,7 +34,8 @@ ALL_SCHEMES = tuple(KVCOMPASS_VARIANTS) + tuple(BASELINES)
 DEFAULT_EVICTION = {"mixed": "lfu", "wildchat": "lru", "lmsys": "lru", "mooncake": "lru",
                     "azure-conv": "lru", "azure-code": "lru"}
 WORKLOADS = tuple(DEFAULT_EVICTION)
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+# The public traces ship inside the package (kvcompassd/data/traces, with their licences).
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 
 
 def make_policy(name: str, topo: Topology, *, seed: int = 0, **options: Any):
@@ -62,10 +63,13 @@ def region_weights(topo: Topology, how: str = "workers") -> dict[str, float]:
 
 
 def traces_dir(override: str | Path | None = None) -> Path:
-    for cand in (override, TRACES, Path("/work/shared/traces")):
-        if cand is not None and Path(cand).is_dir():
-            return Path(cand)
-    raise WorkloadError("cannot find the shared traces directory; pass --traces")
+    """The directory holding ``mooncake/`` and ``azure_llm_2023/``: ``override`` when given (it
+    must exist: a mistyped ``--traces`` is an error, not a silent fall-back), else the package's."""
+    path = Path(override) if override is not None else TRACES
+    if not path.is_dir():
+        raise WorkloadError(f"traces directory {str(path)!r} does not exist"
+                            + ("" if override is not None else " (the package was installed without its data)"))
+    return path
 
 
 def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed: int = 0,

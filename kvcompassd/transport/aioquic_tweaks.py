@@ -1,4 +1,6 @@
-"""The few places where kvcompass reaches into aioquic (checked against aioquic 1.7.2).
+"""The few places where kvcompass reaches into aioquic (checked against aioquic 1.7.2, the one
+version ``pyproject.toml`` allows: ``CHECKED_AIOQUIC``). Nothing else in the project touches
+aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
 
 1. **Pacing under uvloop.** aioquic's ``QuicPacketPacer`` spaces packets ``packet_time =
    max_datagram_size * srtt / cwnd`` apart, with a token bucket of at most 16 packets. On
@@ -142,6 +144,29 @@ def elicit_ack_for_ack_only_backlog(quic: QuicConnection, limit: int = ACK_ONLY_
         return False
     quic.send_ping(0)
     return True
+
+
+CHECKED_AIOQUIC = ("1.7.2",)
+
+
+def unacknowledged_stream_bytes(quic: QuicConnection) -> int:
+    """Bytes written to the connection's streams and not yet acknowledged by the peer."""
+    return sum(s.sender._buffer_stop - s.sender._buffer_start for s in quic._streams.values())
+
+
+def tracked_streams(quic: QuicConnection) -> int:
+    """Streams aioquic still tracks on the connection."""
+    return len(quic._streams)
+
+
+def max_datagram_size(quic: QuicConnection) -> int:
+    """The largest UDP payload the connection sends."""
+    return quic._max_datagram_size
+
+
+def packet_pacer(quic: QuicConnection) -> QuicPacketPacer:
+    """The connection's pacer (the one ``install_pacer`` set), for tools that time it."""
+    return quic._loss._pacer
 
 
 def tracked_sent_packets(quic: QuicConnection) -> int:

@@ -29,6 +29,8 @@ from kvcompassd.transport.aioquic_tweaks import (
     request_client_certificate,
     set_ack_delay,
     tracked_sent_packets,
+    tracked_streams,
+    unacknowledged_stream_bytes,
     verify_peer_chain,
 )
 from kvcompassd.transport.base import (
@@ -313,7 +315,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     @property
     def unacknowledged_bytes(self) -> int:
         """Bytes handed to QUIC on this connection and not yet acknowledged by the peer."""
-        return sum(s.sender._buffer_stop - s.sender._buffer_start for s in self._quic._streams.values())
+        return unacknowledged_stream_bytes(self._quic)
 
     async def wait_send_buffer(self) -> None:
         """Wait until the unacknowledged bytes are within ``send_buffer_limit``."""
@@ -400,4 +402,4 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     @property
     def open_streams(self) -> int:
         """QUIC streams aioquic currently tracks on this connection (for tests and metrics)."""
-        return len(self._quic._streams)
+        return tracked_streams(self._quic)

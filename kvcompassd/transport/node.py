@@ -35,6 +35,7 @@ from kvcompassd.transport.base import (
     PeerUnavailable,
     TransportOptions,
 )
+from kvcompassd.transport.aioquic_tweaks import max_datagram_size
 from kvcompassd.transport.connection import QuicConnectionTransport
 from kvcompassd.transport.exchange import ChannelInfo, FrameStream, OnMessage
 from kvcompassd.wire import Message, NodeIdentity, Role, compress_encoded, encode
@@ -121,7 +122,7 @@ class Peer:
     @property
     def datagram_size(self) -> int:
         """The largest UDP payload this peer's connection sends (by path; see base.py)."""
-        return self._live()._quic._max_datagram_size
+        return max_datagram_size(self._live()._quic)
 
     def send_datagram(self, message: Message) -> bool:
         """Send unordered and unreliably; returns False if the message was too large for a

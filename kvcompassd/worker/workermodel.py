@@ -72,9 +72,9 @@ class WorkerTiming:
     def from_worker_config(cls, worker: object, **overrides: float) -> WorkerTiming:
         """From a ``WorkerConfig`` (prefill_ms_per_token, decode_ms_per_token, max_running)."""
         values = {
-            "prefill_ms_per_token": float(getattr(worker, "prefill_ms_per_token")),
-            "decode_ms_per_token": float(getattr(worker, "decode_ms_per_token")),
-            "max_running": int(getattr(worker, "max_running")),
+            "prefill_ms_per_token": float(worker.prefill_ms_per_token),
+            "decode_ms_per_token": float(worker.decode_ms_per_token),
+            "max_running": int(worker.max_running),
         }
         values.update(overrides)
         return cls(**values)

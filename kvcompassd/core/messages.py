@@ -1,0 +1,251 @@
+"""The discovery plane's messages, as core types: validated on construction, frozen, slotted,
+with past-tense names. ``kvcompassd.wire`` registers a codec for each (tag, size bound, sender
+roles) and re-exports them; nothing here knows of msgpack, sockets or peers.
+
+Rules:
+- A message validates and normalises every field against its class's ``WIRE`` schema in
+  ``__post_init__`` (``FieldType.check``), so a bad message is refused where it is made, by
+  local code or by the decoder alike; a failure raises ``MessageError`` (``wire.MessageError``).
+- ``WIRE`` lists the fields in declaration order (the wire order; ``wire._spec`` checks it).
+- Field types bound every size (characters, items, bytes), so a decoded message is bounded.
+
+Here: the index-sync messages (``kvcompassd.core.sync``) and the queue vector
+(``kvcompassd.core.queues``). The remaining messages are still defined in ``kvcompassd.wire``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+__all__ = [
+    "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "REGION", "SEQ", "SHARD", "TABLES", "Blob", "Bool", "Choice",
+    "FieldType", "Float", "Int", "MessageError", "Pairs", "QueueVectorBroadcast", "ResyncRequested", "ShardSnapshotSent", "Text",
+    "UpdateBatchPublished", "UpdatesSubscribed", "WireMessage",
+]
+
+KiB: Final = 1024
+MiB: Final = 1024 * KiB
+MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all: a shard snapshot
+MAX_ID_CHARS: Final = 128
+U32_MAX: Final = (1 << 32) - 1
+U64_MAX: Final = (1 << 64) - 1
+I64_MIN: Final = -(1 << 63)
+I64_MAX: Final = (1 << 63) - 1
+
+
+class MessageError(ValueError):
+    """A message is malformed: the sender broke the protocol (or local code built a bad one)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Field types: each checks/normalises a Python value and converts it to and from its wire form.
+# --------------------------------------------------------------------------------------------
+
+
+class FieldType:
+    """How one message field is validated and represented on the wire."""
+
+    def check(self, value: Any, where: str) -> Any:
+        """Validate ``value`` and return its canonical form; raise MessageError naming ``where``."""
+        raise NotImplementedError
+
+    def to_wire(self, value: Any) -> Any:
+        return value
+
+    def from_wire(self, raw: Any, where: str) -> Any:
+        return self.check(raw, where)
+
+
+def _fail(where: str, expected: str, value: Any) -> MessageError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return MessageError(f"{where}: expected {expected}, got {type(value).__name__} {shown}")
+
+
+class Text(FieldType):
+    def __init__(self, max_chars: int = MAX_ID_CHARS, *, allow_empty: bool = False) -> None:
+        self.max_chars = max_chars
+        self.allow_empty = allow_empty
+
+    def check(self, value: Any, where: str) -> str:
+        if not isinstance(value, str):
+            raise _fail(where, "a string", value)
+        if not self.allow_empty and not value:
+            raise MessageError(f"{where}: must not be empty")
+        if len(value) > self.max_chars:
+            raise MessageError(f"{where}: longer than {self.max_chars} characters ({len(value)})")
+        return value
+
+
+class Choice(Text):
+    def __init__(self, *choices: str) -> None:
+        super().__init__(max(len(c) for c in choices))
+        self.choices = frozenset(choices)
+
+    def check(self, value: Any, where: str) -> str:
+        value = super().check(value, where)
+        if value not in self.choices:
+            raise MessageError(f"{where}: must be one of {sorted(self.choices)}, got {value!r}")
+        return value
+
+
+class Int(FieldType):
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def check(self, value: Any, where: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _fail(where, "an integer", value)
+        if not self.lo <= value <= self.hi:
+            raise MessageError(f"{where}: {value} outside [{self.lo}, {self.hi}]")
+        return int(value)
+
+
+class Float(FieldType):
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf) -> None:
+        self.lo, self.hi = lo, hi
+
+    def check(self, value: Any, where: str) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _fail(where, "a number", value)
+        value = float(value)
+        if not math.isfinite(value) or not self.lo <= value <= self.hi:
+            raise MessageError(f"{where}: {value} is not a finite number in [{self.lo}, {self.hi}]")
+        return value
+
+
+class Bool(FieldType):
+    def check(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise _fail(where, "a boolean", value)
+        return value
+
+
+class Blob(FieldType):
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+
+    def check(self, value: Any, where: str) -> bytes:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise _fail(where, "bytes", value)
+        value = bytes(value)
+        if len(value) > self.max_bytes:
+            raise MessageError(f"{where}: {len(value)} bytes exceeds {self.max_bytes}")
+        return value
+
+
+class Pairs(FieldType):
+    """A tuple of 2-tuples, e.g. ``((group, blob), ...)`` or ``((worker, queue_ms), ...)``."""
+
+    def __init__(self, first: FieldType, second: FieldType, max_items: int, *, unique_first: bool = False) -> None:
+        self.first, self.second, self.max_items = first, second, max_items
+        self.unique_first = unique_first  # no two pairs share their first element (a mapping)
+
+    def check(self, value: Any, where: str) -> tuple[tuple[Any, Any], ...]:
+        if not isinstance(value, (tuple, list)):
+            raise _fail(where, "a sequence of pairs", value)
+        if len(value) > self.max_items:
+            raise MessageError(f"{where}: {len(value)} items exceeds {self.max_items}")
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise _fail(f"{where}[{i}]", "a pair", item)
+            out.append((self.first.check(item[0], f"{where}[{i}][0]"), self.second.check(item[1], f"{where}[{i}][1]")))
+        if self.unique_first and len({a for a, _ in out}) != len(out):
+            seen: set = set()
+            twice = next(a for a, _ in out if a in seen or seen.add(a))
+            raise MessageError(f"{where}: {twice!r} appears twice")
+        return tuple(out)
+
+    def to_wire(self, value: tuple[tuple[Any, Any], ...]) -> list[list[Any]]:
+        return [[self.first.to_wire(a), self.second.to_wire(b)] for a, b in value]
+
+
+ID = Text()
+REQUEST_ID = Text(MAX_ID_CHARS)
+REGION = Text()
+SHARD = Int(0, 65535)
+EPOCH = Int(0, U64_MAX)
+SEQ = Int(-1, I64_MAX)  # -1 = "nothing yet"
+COUNT = Int(0, U32_MAX)
+MILLIS = Float(0.0, 1e9)
+TABLES = Pairs(Int(0, 65535), Blob(MAX_FRAME_BYTES), 4096)
+QUEUE_VECTOR = Pairs(ID, MILLIS, 8192, unique_first=True)  # worker -> queue ms
+
+
+class WireMessage:
+    """Base of every message: validates and normalises fields against the class's ``WIRE``."""
+
+    __slots__ = ()
+    WIRE: ClassVar[dict[str, FieldType]]
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for field_name, field_type in self.WIRE.items():
+            value = getattr(self, field_name)
+            object.__setattr__(self, field_name, field_type.check(value, f"{name}.{field_name}"))
+        self._check()
+
+    def _check(self) -> None:
+        """Cross-field checks; override where needed."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpdatesSubscribed(WireMessage):
+    """edge -> maintenance: send me updates of ``shard`` after (epoch, seq); 0/-1 = I have none."""
+
+    edge: str
+    shard: int
+    epoch: int
+    seq: int
+    WIRE: ClassVar = {"edge": ID, "shard": SHARD, "epoch": EPOCH, "seq": SEQ}
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncRequested(WireMessage):
+    """edge -> maintenance: I saw a gap; replay ``shard`` from ``from_seq`` or send a snapshot."""
+
+    edge: str
+    shard: int
+    epoch: int
+    from_seq: int
+    WIRE: ClassVar = {"edge": ID, "shard": SHARD, "epoch": EPOCH, "from_seq": SEQ}
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateBatchPublished(WireMessage):
+    """maintenance -> edge: update records for ``shard`` numbered (epoch, seq), per region group."""
+
+    shard: int
+    epoch: int
+    seq: int
+    tables: tuple[tuple[int, bytes], ...]
+    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": Int(0, I64_MAX), "tables": TABLES}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSnapshotSent(WireMessage):
+    """maintenance (or a peer edge) -> edge: the whole shard view as of (epoch, seq)."""
+
+    shard: int
+    epoch: int
+    seq: int
+    tables: tuple[tuple[int, bytes], ...]
+    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": SEQ, "tables": TABLES}
+
+
+@dataclass(frozen=True, slots=True)
+class QueueVectorBroadcast(WireMessage):
+    """Region ``from_region``'s per-worker queue delays (ms) at ``sent_at`` (s, the sender's
+    clock): edge -> edge as a datagram every Delta (``QueueEstimates.due_broadcasts``), and
+    edge -> its own region's agents (``to_region == from_region``), which piggyback it on their
+    answers to other regions. Each worker appears once."""
+
+    from_region: str
+    to_region: str
+    sent_at: float
+    vector: tuple[tuple[str, float], ...]
+    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR}
