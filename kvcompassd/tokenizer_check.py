@@ -70,7 +70,10 @@ def compare_ids(what: str, edge: Sequence[int], worker: Sequence[int]) -> str | 
     if edge == worker:
         return None
     at = next((i for i, (a, b) in enumerate(zip(edge, worker)) if a != b), min(len(edge), len(worker)))
-    show = (lambda ids: ids[at] if at < len(ids) else "end")
+
+    def show(ids: list[int]) -> int | str:
+        return ids[at] if at < len(ids) else "end"
+
     return (f"{what} tokenises differently: {len(worker)} tokens at the worker vs {len(edge)} at the edge, "
             f"first difference at token {at} (worker {show(worker)}, edge {show(edge)})")
 
@@ -192,9 +195,7 @@ async def probe_via_agent(peer: Peer, edge_id: str, worker: WorkerConfig, tokeni
             await peer.wait_connected()
             async with peer.open_stream() as exchange:
                 await exchange.send(TokenizationRequested(edge_id, PROBE_TEXT, {"messages": list(PROBE_MESSAGES)}))
-                reply = None
-                async for reply in exchange:
-                    break
+                reply = await anext(aiter(exchange), None)  # the agent answers with one message
     except (TimeoutError, TransportError) as exc:
         raise WorkerUnreachable(f"agent {worker.id}: {exc or type(exc).__name__}") from exc
     if isinstance(reply, ErrorReported):

@@ -291,7 +291,9 @@ _HOME_DIRECTORIES = ("/home", "/root", "/run/user")
 
 
 def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+    def enc(text: str | None) -> bytes | None:
+        return None if text is None else text.encode()
+
     if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mount {source} on {target} ({fstype}, {flags:#x}): {os.strerror(code)}")
