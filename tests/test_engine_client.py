@@ -15,7 +15,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcompassd.core.workermodel import WorkerTiming
+from kvcompassd.worker.workermodel import WorkerTiming
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
 from kvcompassd.engine.client import (
     EngineClient,
