@@ -26,6 +26,7 @@ from kvcompassd.core.router import Router
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
+from kvcompassd.httplimits import FrontDoorGuard
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.tokenizer import ByteTokenizer, Tokenizer
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
@@ -107,9 +108,10 @@ class EdgeNode:
                                            connector=aiohttp.TCPConnector(limit=0))
         self.forwarder = Forwarder(self.me.id, self.router, self._agent_peers.get, self._http, clock=self.clock,
                                    metrics=self.metrics, local_http=self.local_http)
+        guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
-                                   health=self.health)
-        self._runner = web.AppRunner(self.frontdoor.app, access_log=None)
+                                   health=self.health, guard=guard)
+        self._runner = guard.runner(self.frontdoor.app)
         await self._runner.setup()
         host, port = split_address(self.me.http, f"[[edges]] {self.me.id} http")
         site = web.TCPSite(self._runner, host, port)

@@ -71,6 +71,15 @@ class EdgeMetrics:
         self.reused_tokens = Counter("kvcompass_reused_tokens", "Prefix tokens workers reported reusing", registry=r)
         self.retries = Counter("kvcompass_retries", "Requests retried on the next best worker", registry=r)
         self.migrations = Counter("kvcompass_migrations", "Hot-prefix migrations requested, by mode", ["mode"], registry=r)
+        self.refusals = Counter("kvcompass_frontdoor_refusals", "Requests and connections the front door refused "
+                                "for its limits, by reason (httplimits.REFUSAL_REASONS)", ["reason"], registry=r)
+
+    def watch_front_door(self, buffered_bytes: Callable[[], int], connections: Callable[[], int]) -> None:
+        """Export the front door's held request-body bytes and open connections, read when scraped."""
+        Gauge("kvcompass_frontdoor_buffered_body_bytes", "Request-body bytes the front door holds (its budget's use)",
+              registry=self.registry).set_function(buffered_bytes)
+        Gauge("kvcompass_frontdoor_connections", "HTTP connections open at the front door",
+              registry=self.registry).set_function(connections)
 
     def watch_hot_prefixes(self, hot_misses: Callable[[], dict[tuple[str, str], int]]) -> None:
         """Export ``HotPrefixDetector.hot_misses`` (local misses of hot families by trigger and
