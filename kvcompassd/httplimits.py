@@ -17,6 +17,7 @@ import json
 import math
 import re
 import zlib
+from http import HTTPStatus
 from typing import Any
 
 import numpy as np
@@ -25,13 +26,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from kvcompassd.core.config import FrontDoorLimits
-from kvcompassd.openai_errors import raw_error_response
+from kvcompassd.openai_errors import error_body, raw_error_response
 
 log = structlog.get_logger(__name__)
 
 # Labels of the refusal counter: a fixed set, whatever the clients send.
-REFUSAL_REASONS = ("connection_limit", "header_timeout", "header_too_large", "body_timeout", "body_too_large",
-                   "body_budget", "content_encoding", "bad_json", "json_too_deep", "non_finite_number")
+REFUSAL_REASONS = ("connection_limit", "header_timeout", "header_too_large", "malformed_request", "body_timeout",
+                   "body_too_large", "body_budget", "content_encoding", "bad_json", "json_too_deep",
+                   "non_finite_number")
 
 # The first bytes of every request may use the budget's last eighth (see BodyBudget).
 SMALL_BODY_BYTES = 64 << 10
@@ -90,7 +92,7 @@ class FrontDoorGuard:
         line = min(8190, lim.max_header_bytes)
         return _GuardedAppRunner(app, self, access_log=None, keepalive_timeout=lim.keepalive_timeout_s,
                                  max_line_size=line, max_field_size=line, max_headers=lim.max_headers,
-                                 lingering_time=1.0)
+                                 lingering_time=1.0, auto_decompress=False)
 
 
 class _GuardedAppRunner(web.AppRunner):
@@ -173,6 +175,23 @@ class GuardedRequestHandler(RequestHandler):
                 self._reading_head = True
                 self._head_bytes = 0
 
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's own refusals (a malformed request line, too many headers, ...) and failures
+        outside any handler, as OpenAI-style JSON instead of its plain text; logged briefly."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started; cannot send an error")
+        if status < 500:
+            self._guard.refused("malformed_request")
+            log.info("malformed request refused", status=status, error=str(exc or message)[:200])
+            text = getattr(exc, "message", None) or message or HTTPStatus(status).phrase
+        else:
+            log.error("request failed outside its handler", status=status, exc_info=exc)
+            text = "internal error at the edge"
+        response = web.json_response(error_body(status, str(text)), status=status)
+        response.force_close()
+        return response
+
     def _arm_head_deadline(self) -> None:
         self._head_deadline = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_timed_out)
 
@@ -205,8 +224,8 @@ _ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 
 def _inflater(request: web.Request) -> Any:
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding in ("", "identity"):
-        return None
+    if encoding in ("", "identity") or not isinstance(request.protocol, GuardedRequestHandler):
+        return None  # outside guard.runner (an in-process test server) aiohttp inflates it itself
     if encoding not in _ENCODINGS:
         raise Refused(415, f"Content-Encoding {encoding[:40]!r} is not supported (gzip, deflate or none)",
                       code="unsupported_content_encoding", reason="content_encoding", close=True)
