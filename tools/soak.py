@@ -128,8 +128,9 @@ class HostileTraffic:
     """Slow uploads and slowloris connections against one edge, over raw sockets; each
     connection reconnects whenever the edge refuses or closes it."""
 
-    def __init__(self, host: str, port: int, uploads: int, upload_mb: float, slowloris: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, uploads: int, upload_mb: float, slowloris: int,
+                 upload_kib_s: float = 256.0) -> None:
+        self.host, self.port, self.upload_pause = host, port, 64.0 / upload_kib_s
         self.uploads, self.upload_bytes, self.slowloris = uploads, int(upload_mb * (1 << 20)), slowloris
         self.connections = 0
         self.refusals: dict[str, int] = {}
@@ -180,7 +181,7 @@ class HostileTraffic:
                 writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 sent += len(chunk)
                 await writer.drain()
-                await asyncio.sleep(0.02)  # ~3 MB/s each: slow, but the budget fills in seconds
+                await asyncio.sleep(self.upload_pause)
             await asyncio.Event().wait()  # then stall
 
         while not stop.is_set():
@@ -320,7 +321,7 @@ async def soak(args) -> int:
             await asyncio.sleep(seconds / 2)
             host, _, port = dep.cfg.edges_in(target_region)[0].http.rpartition(":")
             hostile = HostileTraffic(host, int(port), args.hostile_uploads, args.hostile_upload_mb,
-                                     args.hostile_slowloris)
+                                     args.hostile_slowloris, args.hostile_upload_kib_s)
             t_attack = time.monotonic()
             # Its own process: this one's loop runs the WAN relays, which the attack must not slow.
             answers: multiprocessing.Queue = multiprocessing.Queue()
@@ -373,7 +374,8 @@ async def soak(args) -> int:
 
         quiet, attacked = phase(False), phase(True)
         print(f"hostile traffic against {target_key} from {cut:.0f} s: {args.hostile_uploads} slow "
-              f"{args.hostile_upload_mb:g} MB uploads + {args.hostile_slowloris} slowloris connections; "
+              f"{args.hostile_upload_mb:g} MB uploads ({args.hostile_upload_kib_s:g} KiB/s each) + "
+              f"{args.hostile_slowloris} slowloris connections; "
               f"{hostile.connections} connections made; answers {dict(sorted(hostile.refusals.items()))}")
         print(f"  {target_key} RSS: idle {idle_rss:.1f} MB, end of quiet half {quiet_rss[-1] if quiet_rss else 0:.1f} MB, "
               f"under attack max {max(attack_rss, default=0):.1f} MB "
@@ -428,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="add hostile traffic against the first region's edge for the second half of the run")
     parser.add_argument("--hostile-uploads", type=int, default=40, help="slow chunked uploads at once")
     parser.add_argument("--hostile-upload-mb", type=float, default=24.0, help="size of each slow upload")
+    parser.add_argument("--hostile-upload-kib-s", type=float, default=256.0, help="rate of each slow upload")
     parser.add_argument("--hostile-slowloris", type=int, default=2000, help="slowloris connections at once")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=None)

@@ -244,7 +244,7 @@ class FrontDoorLimits:
     # Request bodies held at once by all requests; over it: 503 with Retry-After. Its last
     # eighth is kept for the first 64 KiB of each request, so stalled large uploads cannot
     # starve ordinary small requests.
-    body_budget_bytes: int = 64 << 20
+    body_budget_bytes: int = 48 << 20
     max_connections: int = 4096
     keepalive_timeout_s: float = 15.0
     # Nesting of a JSON body (the deepest OpenAI shape, chat content parts, needs 5).
