@@ -64,8 +64,8 @@ class Served:
         return self.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
 
-@pytest_asyncio.fixture
-async def worker():
+@pytest_asyncio.fixture(name="worker")
+async def worker_fixture():
     w = EmulatedWorker(EmulatorSettings(port=0, kv_events_endpoint="tcp://127.0.0.1:*",
                                         kv_replay_endpoint="tcp://127.0.0.1:*", time_scale=0.0, worker_id="a-0"))
     await w.start()

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import pytest_asyncio
-from frontdoor_helpers import Served, worker  # noqa: F401 (worker is a fixture)
+from frontdoor_helpers import Served, worker_fixture  # noqa: F401 (the worker fixture)
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 import pytest_asyncio
-from frontdoor_helpers import MODEL, Served, worker  # noqa: F401 (worker is a fixture)
+from frontdoor_helpers import MODEL, Served, worker_fixture  # noqa: F401 (the worker fixture)
 
 from kvcompassd.core.config import FrontDoorLimits
 
@@ -15,7 +15,7 @@ MESSAGES = [{"role": "user", "content": "say something"}]
 
 
 @pytest_asyncio.fixture
-async def client(worker):  # noqa: F811
+async def client(worker):
     async with (Served(FrontDoorLimits(), worker.http_url) as edge,
                 openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as c):
         c.edge = edge
