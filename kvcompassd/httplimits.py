@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import json
 import math
 import re
@@ -27,7 +28,7 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from kvcompassd.core.config import FrontDoorLimits
+from kvcompassd.core.config import ConfigError, FrontDoorLimits
 from kvcompassd.openai_errors import error_body, raw_error_response
 
 log = structlog.get_logger(__name__)
@@ -39,6 +40,28 @@ REFUSAL_REASONS = ("connection_limit", "header_timeout", "header_too_large", "ma
 
 # The first bytes of every request may use the budget's last eighth (see BodyBudget).
 SMALL_BODY_BYTES = 64 << 10
+
+
+def with_overrides(limits: FrontDoorLimits, pairs: list[str]) -> FrontDoorLimits:
+    """``limits`` with ``NAME=VALUE`` overrides (the edge's ``--frontdoor-limit``), validated
+    like the config file's ``[frontdoor]`` table."""
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip()
+        if not sep or name not in FrontDoorLimits.__dataclass_fields__:
+            raise ConfigError(f"expected NAME=VALUE with NAME one of {', '.join(FrontDoorLimits.__dataclass_fields__)}",
+                              table="--frontdoor-limit", field=name)
+        kind = int if isinstance(getattr(limits, name), int) else float
+        try:
+            changes[name] = kind(text.strip())
+        except ValueError:
+            raise ConfigError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}",
+                              table="--frontdoor-limit", field=name) from None
+    try:
+        return dataclasses.replace(limits, **changes)
+    except ConfigError as exc:
+        raise exc.located(table="--frontdoor-limit") from None
 
 
 class Refused(Exception):
