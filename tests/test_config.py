@@ -265,3 +265,17 @@ def test_dump_escapes_strings_toml_would_reject() -> None:
     data["cluster"].update(model='we"ird\\model\x7f\x01\n', tenant="tën\tant")
     cfg = parse_config(data, "x")
     assert parse_config(tomllib.loads(dump_config(cfg)), "dump") == cfg
+
+
+def test_frontdoor_limits_are_read_validated_and_dumped() -> None:
+    data = minimal()
+    data["frontdoor"] = {"max_body_bytes": 1 << 20, "header_timeout_s": 5}
+    cfg = parse_config(data)
+    assert cfg.frontdoor.max_body_bytes == 1 << 20 and cfg.frontdoor.header_timeout_s == 5.0
+    assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    data["frontdoor"] = {"max_body_bytes": 1 << 30, "body_budget_bytes": 1 << 20}
+    with pytest.raises(ConfigError, match=r"\[frontdoor\] field 'body_budget_bytes': must be >= max_body_bytes"):
+        parse_config(data)
+    data["frontdoor"] = {"max_body": 1}
+    with pytest.raises(ConfigError, match=r"\[frontdoor\] field 'max_body': unknown field"):
+        parse_config(data)

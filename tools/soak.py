@@ -18,6 +18,14 @@ tokens / prompt tokens), TTFT P50 and P99; how late this process's event loop (w
 WAN relays) woke from 50 ms sleeps, so that a stalled relay is not mistaken for loss; and how
 long after the last request every edge's views held exactly the shards' state (gaps repaired).
 
+Exits 1 if any request failed, any daemon died, the views did not converge, under --hostile if the
+attacked edge grew more than --hostile-max-rss-mb over its idle RSS or its TTFT P99 more than
+--hostile-max-slowdown times the quiet half's, or
+a process's RSS grew by more than ``--max-growth-mb`` between the end of the warm-up (the first
+``--warmup`` fraction of the run, while caches and tables fill) and the end, or (runs of 3
+minutes or more, where a slope means something) kept growing faster than ``--max-slope``
+MB/min by more than ``--max-growth-mb / 2`` in all: a linear leak that a short run hides.
+
 ``--hostile``: the run's second half adds hostile traffic against the first region's edge,
 beside the steady load: ``--hostile-uploads`` connections that upload ``--hostile-upload-mb``
 bodies slowly (chunked, so no Content-Length refuses them up front; each reconnects when
@@ -25,11 +33,6 @@ refused) and ``--hostile-slowloris`` connections that send a header line every f
 never finish (each reconnects when closed). Reports that edge's RSS when idle (before the
 load), at the end of the quiet half and at most under attack, and the P99 TTFT and latency of
 its served requests in the quiet half against the hostile half.
-Exits 1 if any request failed, any daemon died, the views did not converge, or
-a process's RSS grew by more than ``--max-growth-mb`` between the end of the warm-up (the first
-``--warmup`` fraction of the run, while caches and tables fill) and the end, or (runs of 3
-minutes or more, where a slope means something) kept growing faster than ``--max-slope``
-MB/min by more than ``--max-growth-mb / 2`` in all: a linear leak that a short run hides.
 """
 
 from __future__ import annotations
@@ -365,8 +368,11 @@ async def soak(args) -> int:
         attack_rss = [mb for t, mb in edge_rss if t >= attack_at + args.sample_s]
         cut = t_attack - t_run
 
+        def p99_s(values: list[float]) -> float:
+            return float(np.percentile(np.array(values), 99)) if values else float("nan")
+
         def p99(values: list[float]) -> str:
-            return f"{np.percentile(np.array(values) * 1000, 99):.0f} ms" if values else "n/a"
+            return f"{p99_s(values) * 1000:.0f} ms" if values else "n/a"
 
         def phase(hostile_phase: bool) -> list[Outcome]:
             return [r for r, t in zip(results, starts) if r.region == target_region and r.ok
@@ -383,11 +389,14 @@ async def soak(args) -> int:
         print(f"  its served requests: quiet {len(quiet)} (TTFT P99 {p99([r.ttft for r in quiet])}, latency P99 "
               f"{p99([r.total for r in quiet])}), hostile {len(attacked)} (TTFT P99 {p99([r.ttft for r in attacked])}, "
               f"latency P99 {p99([r.total for r in attacked])})")
+        attack_growth = max(attack_rss, default=0) - idle_rss
+        slowdown = p99_s([r.ttft for r in attacked]) / p99_s([r.ttft for r in quiet])
     long_run = args.minutes >= 3.0
     # Under --hostile the attacked edge's growth is reported above, against its idle RSS.
-    grown = [r["process"] for r in rows if (hostile is None or r["process"] not in (target_key, "soak (WAN relays, clients)"))
-             and r["growth"] > args.max_growth_mb
-             or (long_run and r["slope"] > args.max_slope and r["growth"] > args.max_growth_mb / 2)]
+    attacked = (target_key, "soak (WAN relays, clients)") if hostile is not None else ()
+    grown = [r["process"] for r in rows if r["process"] not in attacked and (
+             r["growth"] > args.max_growth_mb
+             or (long_run and r["slope"] > args.max_slope and r["growth"] > args.max_growth_mb / 2))]
     verdict = []
     if failed:
         verdict.append(f"{failed} requests failed")
@@ -400,6 +409,11 @@ async def soak(args) -> int:
                        f"and > {args.max_growth_mb / 2} MB): {', '.join(grown)}")
     if not ok:
         verdict.append("no request served")
+    if hostile is not None and attack_growth > args.hostile_max_rss_mb:
+        verdict.append(f"{target_key} RSS under attack {attack_growth:+.1f} MB over idle (> {args.hostile_max_rss_mb} MB)")
+    if hostile is not None and not slowdown <= args.hostile_max_slowdown:
+        verdict.append(f"{target_key} TTFT P99 under attack {slowdown:.2f}x the quiet half's "
+                       f"(> {args.hostile_max_slowdown}x)")
     print("verdict: " + ("; ".join(verdict) if verdict else "OK (no errors, memory flat)"))
     if verdict:
         print(f"logs kept under {root / 'logs'}")
@@ -431,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hostile-uploads", type=int, default=40, help="slow chunked uploads at once")
     parser.add_argument("--hostile-upload-mb", type=float, default=24.0, help="size of each slow upload")
     parser.add_argument("--hostile-upload-kib-s", type=float, default=256.0, help="rate of each slow upload")
+    parser.add_argument("--hostile-max-rss-mb", type=float, default=100.0,
+                        help="allowed RSS of the attacked edge over its idle RSS")
+    parser.add_argument("--hostile-max-slowdown", type=float, default=2.0,
+                        help="allowed ratio of its TTFT P99 under attack to the quiet half's")
     parser.add_argument("--hostile-slowloris", type=int, default=2000, help="slowloris connections at once")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=None)
