@@ -18,7 +18,7 @@ from kvcompassd.frontdoor import ROUTES
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 SPEC = DeploymentSpec(workers={"us": 1}, one_way_ms={}, shards=1, wan=False)
-LIMITS = {"header_timeout_s": 0.5, "body_timeout_s": 2.0, "max_body_bytes": 256 << 10,
+LIMITS = {"header_timeout_s": 0.5, "body_timeout_s": 6.0, "max_body_bytes": 256 << 10,
           "body_budget_bytes": 1 << 20, "max_json_depth": 16}
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -98,18 +98,15 @@ async def test_stalled_uploads_are_held_within_the_budget(dep):
         writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-good\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 250000\r\n\r\n" + b" " * (192 << 10))
         uploads.append((reader, writer))
-    refused = 0
-    for reader, _ in uploads:
-        try:
-            status, body = await asyncio.wait_for(read_response(reader), 1.0)
-        except TimeoutError:
-            continue  # still stalled, held within the budget
-        if status == 503:
-            assert body["error"]["code"] == "server_busy"
-            refused += 1
+    # Every stalled upload ends in a JSON refusal: 503 while the budget is full, else 408 at the
+    # body deadline; none is a 500 or left hanging.
+    answers = await asyncio.wait_for(asyncio.gather(*(read_response(reader) for reader, _ in uploads)), 60)
+    for status, body in answers:
+        assert (status, body["error"]["code"]) in ((503, "server_busy"), (408, "body_timeout")), body
     text = await metrics(dep)
-    held = float(re.search(r"kvcompass_frontdoor_buffered_body_bytes (\S+)", text).group(1))
-    assert held <= LIMITS["body_budget_bytes"] and refused >= 1 and refusals(text, "body_budget") >= refused
+    assert refusals(text, "body_budget") >= sum(status == 503 for status, _ in answers) >= 1
+    held = float(re.search(r"^kvcompass_frontdoor_buffered_body_bytes (\S+)$", text, re.MULTILINE).group(1))
+    assert held == 0  # all given back
     for _, writer in uploads:
         writer.close()
 
