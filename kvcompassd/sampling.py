@@ -1,7 +1,7 @@
 """Sampling parameters checked at the edge as SGLang checks them, so that the common mistakes are
 refused here with a 400 naming the parameter instead of crossing the WAN to be refused there.
 
-The rules are SGLang's ``SamplingParams`` (``sglang/srt/sampling/sampling_params.py``): the fields
+The rules are SGLang's ``SamplingParams`` (``sglang/srt/sampling/sampling_params.py``, 0.5.23): the fields
 it accepts (any other is a ``TypeError`` there), ``__post_init__``'s defaults for ``None`` and its
 greedy case (temperature 0 means top_k 1, so top_k is not checked then), and ``verify()``'s
 ranges. On top: what the edge's own path needs (``n`` is 1; every value fits the wire's
@@ -17,11 +17,11 @@ from kvcompassd.wire import Params, WireError
 
 _SAMPLING_EPS = 1e-6
 _FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-_INTS = ("max_new_tokens", "top_k", "min_new_tokens", "n", "stream_interval", "sampling_seed")
-_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-_STRINGS = ("json_schema", "regex", "ebnf", "structural_tag")
-SGLANG_FIELDS = frozenset((*_FLOATS, *_INTS, *_BOOLS, *_STRINGS, "stop", "stop_token_ids", "stop_regex",
-                           "custom_params", "logit_bias"))
+_INTS = ("max_new_tokens", "top_k", "min_new_tokens", "n", "stream_interval", "sampling_seed", "beam_width")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "ebnf_full_assistant")
+_GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
+SGLANG_FIELDS = frozenset((*_FLOATS, *_INTS, *_BOOLS, *_GRAMMARS, "stop", "stop_token_ids", "stop_regex",
+                           "custom_params", "logit_bias", "watermark"))
 MAX_STOPS = 16
 MAX_STOP_CHARS = 512
 _WIRE_PARAMS = Params()
@@ -80,7 +80,7 @@ def check_sampling(params: Any, *, max_new_tokens_limit: int, default_max_new_to
     for name in _BOOLS:
         if name in p and not isinstance(p[name], bool):
             raise SamplingError(name, f"{name} must be a boolean")
-    for name in _STRINGS:
+    for name in _GRAMMARS:
         if name in p and not isinstance(p[name], str):
             raise SamplingError(name, f"{name} must be a string")
 
@@ -108,6 +108,14 @@ def check_sampling(params: Any, *, max_new_tokens_limit: int, default_max_new_to
         raise SamplingError("min_new_tokens", f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}")
     if p.get("n", 1) != 1:
         raise SamplingError("n", "only n=1 is supported")
+    if p.get("beam_width", 1) < 1:
+        raise SamplingError("beam_width", f"beam_width must be at least 1, got {p['beam_width']}")
+    if p.get("beam_width", 1) > 1:
+        raise SamplingError("beam_width", "beam search is not supported by this edge (one output per request)")
+    if not -(1 << 63) <= p.get("sampling_seed", 0) < (1 << 63):
+        raise SamplingError("sampling_seed", f"sampling_seed must be in [-2**63, 2**63 - 1], got {p['sampling_seed']}")
+    if "watermark" in p and not isinstance(p["watermark"], dict):
+        raise SamplingError("watermark", "watermark must be an object")
     if "stream_interval" in p and p["stream_interval"] < 1:
         raise SamplingError("stream_interval", "stream_interval must be at least 1")
     for name in ("stop", "stop_regex"):
@@ -122,8 +130,8 @@ def check_sampling(params: Any, *, max_new_tokens_limit: int, default_max_new_to
         _logit_bias(p["logit_bias"], vocab_size)
     if "custom_params" in p and not isinstance(p["custom_params"], dict):
         raise SamplingError("custom_params", "custom_params must be an object")
-    if sum(p.get(name) is not None for name in ("json_schema", "regex", "ebnf")) > 1:
-        raise SamplingError("regex", "Only one of regex, json_schema, or ebnf can be set.")
+    if sum(p.get(name) is not None for name in _GRAMMARS) > 1:
+        raise SamplingError("regex", "Only one of json_schema, regex, ebnf, or structural_tag can be set.")
     out = {**params, "max_new_tokens": max_new}
     try:
         return _WIRE_PARAMS.check(out, "sampling_params")  # what the cross-region path can carry

@@ -45,7 +45,10 @@ def check(params, vocab_size=None):
     ({"stop": ["a", 3]}, "stop"),
     ({"stop": ""}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"sampling_seed": 2**64}, "sampling_seed"),
+    ({"sampling_seed": 2**63}, "sampling_seed"),
+    ({"beam_width": 0}, "beam_width"),
+    ({"beam_width": 4}, "beam_width"),  # SGLang would search; the edge carries one output back
+    ({"regex": "a", "structural_tag": "{}"}, "regex"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"custom_params": [1]}, "custom_params"),
     ({"seed": 7}, "seed"),  # SGLang's field is sampling_seed: seed is a TypeError there
