@@ -76,7 +76,8 @@ def test_logit_bias_keys_are_checked_against_the_vocabulary_when_known():
     {"max_new_tokens": 0},
     {"max_new_tokens": 8, "min_new_tokens": 8},
     {"stop": "x", "stop_token_ids": [1, 2], "stop_regex": ["a+"]},
-    {"sampling_seed": 2**64 - 1, "frequency_penalty": -2, "presence_penalty": 2},
+    {"sampling_seed": 2**63 - 1, "frequency_penalty": -2, "presence_penalty": 2},
+    {"sampling_seed": -(2**63), "beam_width": 1, "watermark": {}},
     {"json_schema": "{}", "regex": None},
 ])
 def test_accepts_what_sglang_accepts(params):
