@@ -88,7 +88,7 @@ class BodyBudget:
     glibc keeps freed body buffers in its heap, which the small reads around them fragment, so
     an edge that had a budget's worth of bodies would keep that RSS for good (measured: +50 MB
     after an attack of 40 slow uploads had ended); after every ``TRIM_AFTER_BYTES`` released, at
-    most once a second, the free heap is handed back with ``malloc_trim``."""
+    most once a second or when no body is left, the free heap is handed back with ``malloc_trim``."""
 
     TRIM_AFTER_BYTES = 8 << 20
 
@@ -112,7 +112,7 @@ class BodyBudget:
         self._released += n
         if self._released >= self.TRIM_AFTER_BYTES and self._trim is not None:
             now = time.monotonic()
-            if now - self._trimmed_at >= 1.0:
+            if self.held == 0 or now - self._trimmed_at >= 1.0:  # at once when the last body goes
                 self._released, self._trimmed_at = 0, now
                 self._trim(0)
 

@@ -333,6 +333,8 @@ async def soak(args) -> int:
             results, skipped = await driving
             hostile.connections, hostile.refusals = await asyncio.to_thread(answers.get)
             await asyncio.to_thread(attacker.join)
+            await asyncio.sleep(args.sample_s)  # its connections close and their bodies are dropped
+            after_rss = rss_mb(dep.nodes[target_key].proc.pid)
         else:
             results, skipped = await driving
         stop.set()
@@ -385,7 +387,8 @@ async def soak(args) -> int:
               f"{hostile.connections} connections made; answers {dict(sorted(hostile.refusals.items()))}")
         print(f"  {target_key} RSS: idle {idle_rss:.1f} MB, end of quiet half {quiet_rss[-1] if quiet_rss else 0:.1f} MB, "
               f"under attack max {max(attack_rss, default=0):.1f} MB "
-              f"(+{max(attack_rss, default=0) - idle_rss:.1f} MB over idle)")
+              f"(+{max(attack_rss, default=0) - idle_rss:.1f} MB over idle), {args.sample_s:g} s after it "
+              f"{after_rss or 0:.1f} MB")
         print(f"  its served requests: quiet {len(quiet)} (TTFT P99 {p99([r.ttft for r in quiet])}, latency P99 "
               f"{p99([r.total for r in quiet])}), hostile {len(attacked)} (TTFT P99 {p99([r.ttft for r in attacked])}, "
               f"latency P99 {p99([r.total for r in attacked])})")
