@@ -165,7 +165,11 @@ class _GuardedServer(web.Server):
 
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's connection protocol plus a connection cap and a deadline and byte cap on each
-    request's head (from its first byte to its last header)."""
+    request's head (from its first byte to its last header).
+
+    It reads aiohttp's protocol state (``_messages``, ``_request_in_progress``, ``_request_count``,
+    ``_force_close``/``_close``) and wraps ``_handle_request`` and ``handle_error``: written
+    against aiohttp 3.14; tests/test_httplimits.py fails if a release changes them."""
 
     __slots__ = ("_counted", "_guard", "_head_bytes", "_head_deadline", "_reading_head")
 

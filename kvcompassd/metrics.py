@@ -75,11 +75,15 @@ class EdgeMetrics:
                                 "for its limits, by reason (httplimits.REFUSAL_REASONS)", ["reason"], registry=r)
 
     def watch_front_door(self, buffered_bytes: Callable[[], int], connections: Callable[[], int]) -> None:
-        """Export the front door's held request-body bytes and open connections, read when scraped."""
-        Gauge("kvcompass_frontdoor_buffered_body_bytes", "Request-body bytes the front door holds (its budget's use)",
-              registry=self.registry).set_function(buffered_bytes)
-        Gauge("kvcompass_frontdoor_connections", "HTTP connections open at the front door",
-              registry=self.registry).set_function(connections)
+        """Export the front door's held request-body bytes and open connections, read when scraped
+        (a second front door on the same metrics takes the gauges over)."""
+        if not hasattr(self, "buffered_body_bytes"):
+            self.buffered_body_bytes = Gauge("kvcompass_frontdoor_buffered_body_bytes",
+                                             "Request-body bytes the front door holds (its budget's use)", registry=self.registry)
+            self.frontdoor_connections = Gauge("kvcompass_frontdoor_connections", "HTTP connections open at the front door",
+                                               registry=self.registry)
+        self.buffered_body_bytes.set_function(buffered_bytes)
+        self.frontdoor_connections.set_function(connections)
 
     def watch_hot_prefixes(self, hot_misses: Callable[[], dict[tuple[str, str], int]]) -> None:
         """Export ``HotPrefixDetector.hot_misses`` (local misses of hot families by trigger and
