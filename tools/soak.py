@@ -67,6 +67,16 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class RssSampler:
     """RSS samples per process name: (seconds since start, MB)."""
 
@@ -224,7 +234,7 @@ def _attack(hostile: HostileTraffic, seconds: float, answers) -> None:
         await hostile.run(stop)
 
     asyncio.run(run())
-    answers.put((hostile.connections, hostile.refusals))
+    answers.put((hostile.connections, hostile.refusals, time.process_time()))
 
 
 def idle_timeouts(logs: Path) -> int:
@@ -313,7 +323,9 @@ async def soak(args) -> int:
         sampler, lag = RssSampler(dep), LoopLag()
         target_region = next(iter(spec.workers))
         target_key = f"edge:{dep.cfg.edges_in(target_region)[0].id}"
-        idle_rss = rss_mb(dep.nodes[target_key].proc.pid) if args.hostile else None
+        target_pid = dep.nodes[target_key].proc.pid
+        idle_rss = rss_mb(target_pid) if args.hostile else None
+        cpu_start = cpu_seconds(target_pid)
         stop = asyncio.Event()
         sampling = asyncio.gather(sampler.run(args.sample_s, stop), lag.run(stop))
         starts: list[float] = []
@@ -326,12 +338,14 @@ async def soak(args) -> int:
             hostile = HostileTraffic(host, int(port), args.hostile_uploads, args.hostile_upload_mb,
                                      args.hostile_slowloris, args.hostile_upload_kib_s)
             t_attack = time.monotonic()
+            cpu_attack = cpu_seconds(target_pid)
             # Its own process: this one's loop runs the WAN relays, which the attack must not slow.
             answers: multiprocessing.Queue = multiprocessing.Queue()
             attacker = multiprocessing.Process(target=_attack, args=(hostile, seconds - (t_attack - t_run), answers))
             attacker.start()
             results, skipped = await driving
-            hostile.connections, hostile.refusals = await asyncio.to_thread(answers.get)
+            hostile.connections, hostile.refusals, attacker_cpu = await asyncio.to_thread(answers.get)
+            cpu_end, t_end = cpu_seconds(target_pid), time.monotonic()
             await asyncio.to_thread(attacker.join)
             await asyncio.sleep(args.sample_s)  # its connections close and their bodies are dropped
             after_rss = rss_mb(dep.nodes[target_key].proc.pid)
@@ -392,6 +406,9 @@ async def soak(args) -> int:
         print(f"  its served requests: quiet {len(quiet)} (TTFT P99 {p99([r.ttft for r in quiet])}, latency P99 "
               f"{p99([r.total for r in quiet])}), hostile {len(attacked)} (TTFT P99 {p99([r.ttft for r in attacked])}, "
               f"latency P99 {p99([r.total for r in attacked])})")
+        print(f"  CPU (cores): {target_key} quiet {(cpu_attack - cpu_start) / cut:.2f}, under attack "
+              f"{(cpu_end - cpu_attack) / (t_end - t_attack):.2f}; the attacking process "
+              f"{attacker_cpu / (t_end - t_attack):.2f} (on a machine with {os.cpu_count()} cores)")
         attack_growth = max(attack_rss, default=0) - idle_rss
         slowdown = p99_s([r.ttft for r in attacked]) / p99_s([r.ttft for r in quiet])
     long_run = args.minutes >= 3.0
