@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import json
 import math
+import random
 import re
 import time
 import zlib
@@ -248,7 +249,10 @@ class GuardedRequestHandler(RequestHandler):
         return response
 
     def _arm_head_deadline(self) -> None:
-        self._head_deadline = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_timed_out)
+        # Drawn from the last quarter below the limit: a crowd of slow clients that connected
+        # together is then not refused (and reconnected) in one burst that stalls the loop.
+        timeout = self._guard.limits.header_timeout_s * (0.75 + 0.25 * random.random())
+        self._head_deadline = self._loop.call_later(timeout, self._head_timed_out)
 
     def _disarm_head_deadline(self) -> None:
         if self._head_deadline is not None:

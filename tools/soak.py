@@ -388,7 +388,9 @@ async def soak(args) -> int:
             return float(np.percentile(np.array(values), 99)) if values else float("nan")
 
         def p99(values: list[float]) -> str:
-            return f"{p99_s(values) * 1000:.0f} ms" if values else "n/a"
+            if not values:
+                return "n/a"
+            return f"{p99_s(values) * 1000:.0f} ms (P50 {np.percentile(np.array(values), 50) * 1000:.0f} ms)"
 
         def phase(hostile_phase: bool) -> list[Outcome]:
             return [r for r, t in zip(results, starts) if r.region == target_region and r.ok
