@@ -93,11 +93,15 @@ def cmd_maintenance(args) -> int:
 
 def cmd_edge(args) -> int:
     cfg, tls = _load(args)
+    from dataclasses import replace
+
     from kvcompassd.core.ablation import Ablation
     from kvcompassd.edge import EdgeNode
     from kvcompassd.frontdoor import FrontDoorSettings
+    from kvcompassd.httplimits import with_overrides
     from kvcompassd.tokenizer import load_tokenizer
 
+    cfg = replace(cfg, frontdoor=with_overrides(cfg.frontdoor, args.frontdoor_limit))
     me = _lookup(cfg.edges, args.id, "edge")
     keys = frozenset(k.strip() for k in Path(args.api_keys_file).read_text().split() if k.strip()) if args.api_keys_file else frozenset()
     ablation = Ablation(cross_region=not args.no_cross_region)
@@ -189,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
     p.add_argument("--max-prompt-tokens", type=int, default=131072)
     p.add_argument("--api-keys-file", default=None, help="file with one accepted API key per line")
+    p.add_argument("--frontdoor-limit", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a [frontdoor] limit of the config, e.g. header_timeout_s=5 (repeatable)")
     p.add_argument("--no-local-http", action="store_true", help="reach own-region workers over QUIC too")
     p.add_argument("--no-cross-region", action="store_true", help="ablation: never reuse or forward across regions")
     p.add_argument("--copy-view-from", default=None, help="bootstrap the views from this peer edge")

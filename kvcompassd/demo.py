@@ -78,8 +78,9 @@ class Outcome:
 async def _one(session: aiohttp.ClientSession, base: str, req: DemoRequest) -> Outcome:
     t0 = time.perf_counter()
     ttft = None
-    final = {}
-    body = {"model": "kvcompass-demo", "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True}
+    final, usage = {}, {}
+    body = {"model": "kvcompass-demo", "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}  # usage comes in a last chunk of its own
     try:
         async with session.post(f"{base}/v1/completions", json=body) as resp:
             if resp.status != 200:
@@ -93,10 +94,10 @@ async def _one(session: aiohttp.ClientSession, base: str, req: DemoRequest) -> O
                     ttft = time.perf_counter() - t0
                 if "kvcompass" in chunk:
                     final = chunk
+                usage = chunk.get("usage") or usage
     except (TimeoutError, aiohttp.ClientError):
         return Outcome(req.region, 0, 0, 0, 0, 0, "", False)
     total = time.perf_counter() - t0
-    usage = final.get("usage", {})
     kvc = final.get("kvcompass", {})
     return Outcome(req.region, ttft or total, total, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
                    kvc.get("cached_tokens", 0), kvc.get("region", ""), bool(final))

@@ -27,6 +27,7 @@ from kvcompassd.core.sync import EdgeSync, SyncStep
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
+from kvcompassd.httplimits import FrontDoorGuard
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, byte_tokenizer_refusal
 from kvcompassd.tokenizer_check import TokenizerVerifier, WorkerVerdict, probe_via_agent, probe_worker
@@ -124,12 +125,12 @@ class EdgeNode:
         self._start_tokenizer_check()
         self.forwarder = Forwarder(self.me.id, self.router, self._agent_peers.get, self._http, clock=self.clock,
                                    metrics=self.metrics, local_http=self.local_http)
+        guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
-                                   health=self.health)
-        # handler_cancellation: a client that disconnects cancels its handler, and with it the
-        # forwarding generator, which aborts the request at the worker (a whole-response request
-        # otherwise ran to its end for nobody).
-        self._runner = web.AppRunner(self.frontdoor.app, access_log=None, handler_cancellation=True)
+                                   health=self.health, guard=guard)
+        # handler_cancellation (set by the guard's runner): a client that disconnects cancels its
+        # handler, and with it the forwarding generator, which aborts the request at the worker.
+        self._runner = guard.runner(self.frontdoor.app)
         await self._runner.setup()
         host, port = split_address(self.me.http, f"[[edges]] {self.me.id} http")
         site = web.TCPSite(self._runner, host, port)

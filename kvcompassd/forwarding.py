@@ -66,11 +66,13 @@ class GenerationFinished:
 
 
 class ForwardError(Exception):
-    """The request could not be served; ``status`` is the HTTP status to answer with."""
+    """The request could not be served; ``status`` is the HTTP status to answer with and
+    ``code`` the OpenAI error code (None: the front door derives one from the status)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class WorkerUnavailable(Exception):

@@ -2,11 +2,14 @@
 
 Every request gets an id (``X-Request-Id``, echoed in the body and in every log line on the edge
 and the agent). Responses carry a ``kvcompass`` object naming the worker that served and how
-many prompt tokens it reused. Bad requests get a 4xx with an OpenAI-style error body.
+many prompt tokens it reused. Every refusal, aiohttp's own included, is an OpenAI-style JSON
+error with a string ``code`` (``openai_errors``); what a request may cost the edge is bounded by
+``httplimits``; the OpenAI request and response shapes live in ``openai_api``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,13 +21,34 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvcompassd.forwarding import ForwardError, ForwardRequest, Forwarder, GenerationFinished, TokensGenerated
+from kvcompassd.forwarding import (
+    Forwarder,
+    ForwardError,
+    ForwardRequest,
+    GenerationFinished,
+    TokensGenerated,
+)
+from kvcompassd.httplimits import FrontDoorGuard, Refused, read_json
 from kvcompassd.metrics import EdgeMetrics
+from kvcompassd.openai_api import (
+    OpenAIRender,
+    RequestError,
+    check_model,
+    include_usage,
+    kvcompass_info,
+    openai_sampling,
+)
+from kvcompassd.openai_errors import error_body, error_response
+from kvcompassd.sampling import SamplingError, check_sampling
 from kvcompassd.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
+# Route labels of the request counter: a fixed set, whatever paths clients try.
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health", "/metrics", "other")
+_OPEN_PATHS = ("/health", "/metrics")
+# /generate fields the edge carries; the others SGLang takes are refused by name, never ignored.
+_GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "rid", "model", "return_logprob"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,68 +60,31 @@ class FrontDoorSettings:
     api_keys: frozenset[str] = frozenset()
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+class BadRequest(RequestError):
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None):
+        super().__init__(status, message, param=param, code=code)
 
 
-def _error(status: int, message: str, request_id: str | None = None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    headers = {"X-Request-Id": request_id} if request_id else None
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _sampling_from_openai(body: dict, settings: FrontDoorSettings) -> dict:
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", settings.default_max_tokens))
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 0 <= max_tokens <= settings.max_new_tokens_limit:
-        raise BadRequest(f"max_tokens must be an integer in [0, {settings.max_new_tokens_limit}]")
-    params: dict[str, Any] = {"max_new_tokens": max_tokens}
-    for name in ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "seed"):
-        if body.get(name) is not None:
-            value = body[name]
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise BadRequest(f"{name} must be a number")
-            params[name] = value
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
-            raise BadRequest("stop must be a string or a list of at most 16 strings")
-        params["stop"] = stop
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported")
-    return params
-
-
-def _check_sglang_sampling(params: Any, settings: FrontDoorSettings) -> dict:
-    if params is None:
-        return {"max_new_tokens": settings.default_max_tokens}
-    if not isinstance(params, dict):
-        raise BadRequest("sampling_params must be an object")
-    m = params.get("max_new_tokens", settings.default_max_tokens)
-    if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= settings.max_new_tokens_limit:
-        raise BadRequest(f"sampling_params.max_new_tokens must be an integer in [0, {settings.max_new_tokens_limit}]")
-    try:
-        json.dumps(params)
-    except (TypeError, ValueError):
-        raise BadRequest("sampling_params must be plain JSON") from None
-    return {**params, "max_new_tokens": m}
+def route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else None
+    return path if path in ROUTES else "other"
 
 
 class FrontDoor:
-    """aiohttp application around a ``Forwarder``."""
+    """aiohttp application around a ``Forwarder``. ``guard`` holds the HTTP limits; those on
+    connections apply when the app runs under ``guard.runner(app)`` (as the edge runs it)."""
 
     def __init__(self, forwarder: Forwarder, tokenizer: Tokenizer, settings: FrontDoorSettings,
-                 metrics: EdgeMetrics, *, health: callable = lambda: {}):
+                 metrics: EdgeMetrics, *, health: callable = dict, guard: FrontDoorGuard | None = None):
         self.forwarder = forwarder
         self.tokenizer = tokenizer
         self.settings = settings
         self.metrics = metrics
         self.health = health
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._auth])
+        self.guard = guard or FrontDoorGuard(metrics=metrics)
+        self.app = web.Application(client_max_size=self.guard.limits.max_body_bytes,
+                                   middlewares=[self._errors, self._auth])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -107,33 +94,61 @@ class FrontDoor:
             web.get("/metrics", self.metrics_route),
         ])
 
+    def _count(self, request: web.Request, status: int) -> None:
+        self.metrics.requests.labels(route_label(request), str(status)).inc()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """Every refusal, aiohttp's own (404, 405, 413, ...) too, as an OpenAI error in JSON."""
+        try:
+            return await handler(request)
+        except Refused as exc:
+            self._count(request, exc.status)
+            log.info("request refused", route=route_label(request), status=exc.status, error=str(exc))
+            response = error_response(exc.status, str(exc), code=exc.code, headers=exc.headers)
+            if exc.close:
+                response.force_close()
+            return response
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            self._count(request, exc.status)
+            headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
+            text = exc.text or ""
+            message = exc.reason if not text or text.startswith(f"{exc.status}:") else text
+            return error_response(exc.status, message, headers=headers)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("front door handler failed", path=request.path[:200])
+            self._count(request, 500)
+            return error_response(500, "internal error at the edge", code="internal_error")
+
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.settings.api_keys and request.path not in ("/health", "/metrics"):
+        if self.settings.api_keys and request.path not in _OPEN_PATHS:
             auth = request.headers.get("Authorization", "")
             key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("X-API-Key", "")
             if key not in self.settings.api_keys:
-                log.warning("unauthorised request", path=request.path, remote=request.remote)
-                self.metrics.requests.labels(request.path, "401").inc()
-                return _error(401, "missing or invalid API key")
+                log.warning("unauthorised request", path=request.path[:200], remote=request.remote)
+                self._count(request, 401)
+                return error_response(401, "missing or invalid API key", code="invalid_api_key")
         return await handler(request)
 
     # -- helpers ------------------------------------------------------------------------------
 
     async def _json(self, request: web.Request) -> dict:
-        try:
-            body = await request.json(loads=json.loads)
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequest("request body is not valid JSON") from None
+        body = await read_json(request, self.guard)
         if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
+            raise BadRequest("request body must be a JSON object", code="invalid_json")
         return body
 
-    def _tokens(self, ids: Any) -> np.ndarray:
+    def _tokens(self, ids: Any, param: str) -> np.ndarray:
         if not isinstance(ids, list) or not ids:
-            raise BadRequest("token ids must be a non-empty list of integers")
+            raise BadRequest("token ids must be a non-empty list of integers", param=param)
         if len(ids) > self.settings.max_prompt_tokens:
-            raise BadRequest(f"prompt has {len(ids)} tokens; the limit is {self.settings.max_prompt_tokens}", 413)
+            raise BadRequest(f"prompt has {len(ids)} tokens; the limit is {self.settings.max_prompt_tokens}", 413,
+                             param=param, code="context_length_exceeded")
         # One vectorised check instead of a Python loop per token (it was most of the edge's
         # CPU per request): any non-integer makes numpy pick another dtype.
         try:
@@ -141,17 +156,18 @@ class FrontDoor:
         except (ValueError, OverflowError):
             arr = None
         if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**32:
-            raise BadRequest("token ids must be integers in [0, 2^32)")
+            raise BadRequest("token ids must be integers in [0, 2^32)", param=param)
         return arr.astype(np.uint32)
 
-    def _encode_text(self, text: Any) -> np.ndarray:
+    def _encode_text(self, text: Any, param: str) -> np.ndarray:
         if not isinstance(text, str) or not text:
-            raise BadRequest("prompt must be a non-empty string or a list of token ids")
+            raise BadRequest("prompt must be a non-empty string or a list of token ids", param=param)
         if len(text) > 16 * self.settings.max_prompt_tokens:
-            raise BadRequest("prompt text is too long", 413)
+            raise BadRequest("prompt text is too long", 413, param=param, code="context_length_exceeded")
         ids = self.tokenizer.encode(text)
         if len(ids) > self.settings.max_prompt_tokens:
-            raise BadRequest(f"prompt has {len(ids)} tokens; the limit is {self.settings.max_prompt_tokens}", 413)
+            raise BadRequest(f"prompt has {len(ids)} tokens; the limit is {self.settings.max_prompt_tokens}", 413,
+                             param=param, code="context_length_exceeded")
         return np.asarray(ids, dtype=np.uint32)  # our own tokenizer's ids need no checking
 
     async def _run(self, route: str, request: web.Request, parse) -> web.StreamResponse:
@@ -161,19 +177,30 @@ class FrontDoor:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             try:
-                body = await self._json(request)
-                fwd, render = parse(body, request_id)
-            except (BadRequest, TokenizerError) as exc:
+                fwd, render = parse(await self._json(request), request_id)
+            except Refused as exc:
+                self.metrics.requests.labels(route, str(exc.status)).inc()
+                response = error_response(exc.status, str(exc), code=exc.code, headers=exc.headers,
+                                          request_id=request_id)
+                if exc.close:
+                    response.force_close()
+                return response
+            except (RequestError, TokenizerError) as exc:
                 status = getattr(exc, "status", 400)
                 self.metrics.requests.labels(route, str(status)).inc()
                 log.info("bad request", route=route, status=status, error=str(exc))
-                return _error(status, str(exc), request_id)
+                return error_response(status, str(exc), request_id=request_id, param=getattr(exc, "param", None),
+                                      code=getattr(exc, "code", None))
             started = time.perf_counter()
             if fwd.stream:
                 return await self._stream(route, request, fwd, render, started)
             return await self._whole(route, fwd, render, started)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _forward_error(self, route: str, exc: ForwardError, request_id: str) -> web.Response:
+        self.metrics.requests.labels(route, str(exc.status)).inc()
+        return error_response(exc.status, str(exc), code=getattr(exc, "code", None), request_id=request_id)
 
     async def _whole(self, route, fwd: ForwardRequest, render, started) -> web.Response:
         ids: list[int] = []
@@ -188,8 +215,7 @@ class FrontDoor:
                 else:
                     done = item
         except ForwardError as exc:
-            self.metrics.requests.labels(route, str(exc.status)).inc()
-            return _error(exc.status, str(exc), fwd.request_id)
+            return self._forward_error(route, exc, fwd.request_id)
         self._observe(route, started, first)
         return web.json_response(render.whole("".join(text), ids, done), headers=_headers(fwd, done))
 
@@ -200,26 +226,26 @@ class FrontDoor:
         try:
             first_item = await agen.__anext__()
         except ForwardError as exc:
-            self.metrics.requests.labels(route, str(exc.status)).inc()
-            return _error(exc.status, str(exc), fwd.request_id)
+            return self._forward_error(route, exc, fwd.request_id)
         first = time.perf_counter()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": fwd.request_id})
         await resp.prepare(request)
-        done = None
+        for chunk in render.opening():
+            await resp.write(_sse(chunk))
         try:
             item = first_item
             while True:
                 if isinstance(item, TokensGenerated):
                     await resp.write(_sse(render.chunk(item)))
                 else:
-                    done = item
-                    await resp.write(_sse(render.final(done)))
+                    for chunk in render.final(item):
+                        await resp.write(_sse(chunk))
                     break
                 item = await agen.__anext__()
         except ForwardError as exc:
             log.warning("stream broken", error=str(exc))
-            await resp.write(_sse({"error": {"message": str(exc), "code": exc.status}}))
+            await resp.write(_sse(error_body(exc.status, str(exc), code=getattr(exc, "code", None))))
         except StopAsyncIteration:
             pass
         await resp.write(b"data: [DONE]\n\n")
@@ -234,45 +260,73 @@ class FrontDoor:
         if first is not None:
             self.metrics.ttft_seconds.observe(first - started)
 
+    def _openai_params(self, body: dict, chat: bool) -> tuple[dict, bool]:
+        check_model(body, self.settings.model)
+        params = openai_sampling(body, chat=chat, max_new_tokens_limit=self.settings.max_new_tokens_limit,
+                                 default_max_tokens=self.settings.default_max_tokens,
+                                 vocab_size=getattr(self.tokenizer, "vocab_size", None))
+        return params, _flag(body, "stream")
+
     # -- routes -------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         def parse(body, request_id):
+            params, stream = self._openai_params(body, chat=False)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                tokens = self._tokens(prompt)
-            elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                tokens = self._encode_text(prompt[0])
+                tokens = self._tokens(prompt, "prompt")
+            elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                one = prompt[0]
+                tokens = self._tokens(one, "prompt") if isinstance(one, list) else self._encode_text(one, "prompt")
+            elif isinstance(prompt, list) and len(prompt) > 1:
+                raise BadRequest("a batch of prompts is not supported; send one prompt per request",
+                                 param="prompt", code="unsupported_parameter")
             else:
-                tokens = self._encode_text(prompt)
-            params = _sampling_from_openai(body, self.settings)
-            stream = _flag(body, "stream")
+                tokens = self._encode_text(prompt, "prompt")
             fwd = ForwardRequest(request_id, tokens, params, stream)
-            return fwd, _OpenAIRender("text_completion", request_id, self.settings.model, len(tokens))
+            return fwd, OpenAIRender("text_completion", request_id, self.settings.model, len(tokens),
+                                     usage_in_stream=include_usage(body))
         return await self._run("/v1/completions", request, parse)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         def parse(body, request_id):
-            tokens = self._tokens(self.tokenizer.apply_chat_template(body.get("messages")))
-            params = _sampling_from_openai(body, self.settings)
-            stream = _flag(body, "stream")
+            params, stream = self._openai_params(body, chat=True)
+            tokens = self._tokens(self.tokenizer.apply_chat_template(body.get("messages")), "messages")
             fwd = ForwardRequest(request_id, tokens, params, stream)
-            return fwd, _OpenAIRender("chat.completion", request_id, self.settings.model, len(tokens))
+            return fwd, OpenAIRender("chat.completion", request_id, self.settings.model, len(tokens),
+                                     usage_in_stream=include_usage(body))
         return await self._run("/v1/chat/completions", request, parse)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         def parse(body, request_id):
+            for name in body:
+                if name not in _GENERATE_FIELDS:
+                    raise BadRequest(f"field {name[:64]!r} is not supported by this edge", param=name[:64],
+                                     code="unsupported_parameter")
+            if body.get("return_logprob") not in (None, False):
+                raise BadRequest("return_logprob is not supported by this edge", param="return_logprob",
+                                 code="unsupported_parameter")
+            if body.get("model") is not None:
+                check_model(body, self.settings.model)
             if body.get("input_ids") is not None:
-                tokens = self._tokens(body["input_ids"])
+                tokens = self._tokens(body["input_ids"], "input_ids")
             else:
-                tokens = self._encode_text(body.get("text"))
-            params = _check_sglang_sampling(body.get("sampling_params"), self.settings)
+                tokens = self._encode_text(body.get("text"), "text")
+            try:
+                params = check_sampling(body.get("sampling_params"),
+                                        max_new_tokens_limit=self.settings.max_new_tokens_limit,
+                                        default_max_new_tokens=self.settings.default_max_tokens,
+                                        vocab_size=getattr(self.tokenizer, "vocab_size", None))
+            except SamplingError as exc:
+                param = exc.param if exc.param == "sampling_params" else f"sampling_params.{exc.param}"
+                raise BadRequest(str(exc), param=param, code="invalid_value") from None
             stream = _flag(body, "stream")
             return ForwardRequest(request_id, tokens, params, stream), _SGLangRender(request_id, len(tokens))
         return await self._run("/generate", request, parse)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.settings.model, "object": "model", "owned_by": "kvcompass"}]})
+        return web.json_response({"object": "list", "data": [
+            {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "kvcompass"}]})
 
     async def health_route(self, request: web.Request) -> web.Response:
         state = self.health()
@@ -284,8 +338,10 @@ class FrontDoor:
 
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name, False)
+    if value is None:
+        return False
     if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be a boolean")
+        raise BadRequest(f"{name} must be a boolean", param=name, code="invalid_type")
     return value
 
 
@@ -296,59 +352,6 @@ def _sse(obj: dict) -> bytes:
 def _headers(fwd: ForwardRequest, done: GenerationFinished) -> dict:
     return {"X-Request-Id": fwd.request_id, "X-KVCompass-Worker": done.worker,
             "X-KVCompass-Cached-Tokens": str(done.cached_tokens)}
-
-
-def _kvcompass(done: GenerationFinished) -> dict:
-    return {
-        "worker": done.worker,
-        "region": done.region,
-        "cached_tokens": done.cached_tokens,
-        "claimed_tokens": done.claimed_tokens,
-        "attempts": done.attempts,
-        "decision_us": round(done.decision_us, 1),
-    }
-
-
-class _OpenAIRender:
-    def __init__(self, kind: str, request_id: str, model: str, prompt_tokens: int):
-        self.kind, self.id, self.model, self.prompt_tokens = kind, request_id, model, prompt_tokens
-        self.created = int(time.time())
-        self.completion_tokens = 0
-
-    def _choice(self, text: str, finish: str | None) -> dict:
-        if self.kind == "chat.completion":
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-    def _usage(self, done: GenerationFinished) -> dict:
-        return {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-        }
-
-    def whole(self, text: str, ids: list[int], done: GenerationFinished) -> dict:
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [self._choice(text, done.finish_reason or "stop")],
-                "usage": self._usage(done), "kvcompass": _kvcompass(done)}
-
-    def _chunk_obj(self) -> str:
-        return "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
-
-    def _delta(self, text: str, finish: str | None) -> dict:
-        if self.kind == "chat.completion":
-            return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-    def chunk(self, item: TokensGenerated) -> dict:
-        return {"id": self.id, "object": self._chunk_obj(), "created": self.created, "model": self.model,
-                "choices": [self._delta(item.text, None)]}
-
-    def final(self, done: GenerationFinished) -> dict:
-        return {"id": self.id, "object": self._chunk_obj(), "created": self.created, "model": self.model,
-                "choices": [self._delta("", done.finish_reason or "stop")], "usage": self._usage(done),
-                "kvcompass": _kvcompass(done)}
 
 
 class _SGLangRender:
@@ -362,17 +365,20 @@ class _SGLangRender:
         meta = {"id": self.id, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.ids)}
         if done is not None:
             meta.update(cached_tokens=done.cached_tokens, finish_reason={"type": done.finish_reason or "stop"},
-                        completion_tokens=done.completion_tokens, kvcompass=_kvcompass(done))
+                        completion_tokens=done.completion_tokens, kvcompass=kvcompass_info(done))
         return meta
 
     def whole(self, text: str, ids: list[int], done: GenerationFinished) -> dict:
         self.ids = ids
         return {"text": text, "output_ids": ids, "meta_info": self._meta(done)}
 
+    def opening(self) -> list[dict]:
+        return []
+
     def chunk(self, item: TokensGenerated) -> dict:
         self.text += item.text
         self.ids.extend(item.token_ids)
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": self._meta(None)}
 
-    def final(self, done: GenerationFinished) -> dict:
-        return {"text": self.text, "output_ids": list(self.ids), "meta_info": self._meta(done)}
+    def final(self, done: GenerationFinished) -> list[dict]:
+        return [{"text": self.text, "output_ids": list(self.ids), "meta_info": self._meta(done)}]

@@ -106,11 +106,24 @@ class EdgeMetrics:
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
                                         "authority for them (a shard it does not own, a region it is not in), by "
                                         "message type", ["message"], registry=r)
+        self.refusals = Counter("kvcompass_frontdoor_refusals", "Requests and connections the front door refused "
+                                "for its limits, by reason (httplimits.REFUSAL_REASONS)", ["reason"], registry=r)
 
     def watch_views(self, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
         """Export each shard view's (shard, epoch, seq), read when scraped (see
         ``MaintenanceMetrics.watch_position``: the seqs' difference is the view's lag in batches)."""
         self.registry.register(_PositionCollector("kvcompass_view", "this edge's view of the shard", positions))
+
+    def watch_front_door(self, buffered_bytes: Callable[[], int], connections: Callable[[], int]) -> None:
+        """Export the front door's held request-body bytes and open connections, read when scraped
+        (a second front door on the same metrics takes the gauges over)."""
+        if not hasattr(self, "buffered_body_bytes"):
+            self.buffered_body_bytes = Gauge("kvcompass_frontdoor_buffered_body_bytes",
+                                             "Request-body bytes the front door holds (its budget's use)", registry=self.registry)
+            self.frontdoor_connections = Gauge("kvcompass_frontdoor_connections", "HTTP connections open at the front door",
+                                               registry=self.registry)
+        self.buffered_body_bytes.set_function(buffered_bytes)
+        self.frontdoor_connections.set_function(connections)
 
     def watch_hot_prefixes(self, hot_misses: Callable[[], dict[tuple[str, str], int]]) -> None:
         """Export ``HotPrefixDetector.hot_misses`` (local misses of hot families by trigger and

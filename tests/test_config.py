@@ -449,3 +449,15 @@ def test_each_shard_has_the_owner_its_maintenance_unit_names() -> None:
     assert [cfg.shard_owner(s) for s in (0, 1, 2)] == ["mnt-y", "mnt-x", None]
     assert cfg.edge_region("edge-b") == "b" and cfg.edge_region("mnt-x") is None
     assert parse_config(minimal()).shard_owner(0) is None  # no units configured: nobody may write
+def test_frontdoor_limits_are_read_validated_and_dumped() -> None:
+    data = minimal()
+    data["frontdoor"] = {"max_body_bytes": 1 << 20, "header_timeout_s": 5}
+    cfg = parse_config(data)
+    assert cfg.frontdoor.max_body_bytes == 1 << 20 and cfg.frontdoor.header_timeout_s == 5.0
+    assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    data["frontdoor"] = {"max_body_bytes": 1 << 30, "body_budget_bytes": 1 << 20}
+    with pytest.raises(ConfigError, match=r"\[frontdoor\] field 'body_budget_bytes': must be >= max_body_bytes"):
+        parse_config(data)
+    data["frontdoor"] = {"max_body": 1}
+    with pytest.raises(ConfigError, match=r"\[frontdoor\] field 'max_body': unknown field"):
+        parse_config(data)

@@ -17,7 +17,14 @@ from openai import AsyncOpenAI
 
 from kvcompassd.core.events import Tier
 from kvcompassd.worker.workermodel import WorkerTiming
-from kvcompassd.emulator.server import EmulatedWorker, EmulatorConfigError, EmulatorSettings, output_tokens
+from kvcompassd.emulator.server import (
+    EmulatedWorker,
+    EmulatorConfigError,
+    EmulatorSettings,
+    Generation,
+    apply_stop,
+    output_tokens,
+)
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.kvevents import EventBatch
 from kvcompassd.engine.subscriber import KvEventSubscriber, PublisherRestarted
@@ -282,5 +289,49 @@ async def test_modelled_delays_stream_tokens_and_finish() -> None:
                 for i in range(5)])
             assert [len(r["output_ids"]) for r in concurrent] == [3] * 5
         assert worker.engine.model.running == 0 and worker.engine.model.completed == 8
+    finally:
+        await worker.stop()
+
+
+def test_stops_cut_the_output_where_sglang_would() -> None:
+    out = [ord(c) for c in "hello world, goodbye"]
+    assert apply_stop(out, ("wor",), frozenset()) == (out[: len("hello wor")], "wor")
+    assert apply_stop(out, (), frozenset({ord("o")})) == (out[: len("hello")], ord("o"))
+    # min_new_tokens holds a stop back until that many tokens are out
+    assert apply_stop(out, (), frozenset({ord("o")}), min_new_tokens=6) == (out[: len("hello wo")], ord("o"))
+    assert apply_stop(out, ("zzz",), frozenset({0})) == (out, None)
+    gen = Generation("r", [1], 20, stop=("wor",))
+    assert gen.stop_at(out) == out[:9] and gen.text_end == len("hello ")
+    gen = Generation("r", [1], 20, stop=("wor",), no_stop_trim=True)
+    gen.stop_at(out)
+    assert gen.text_end == len("hello wor")
+
+
+async def test_stop_and_zero_new_tokens_on_the_routes() -> None:
+    worker = EmulatedWorker(settings())
+    await worker.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{worker.http_url}/generate"
+            whole = await post(session, url, {"text": "a prompt to stop", "sampling_params": {"max_new_tokens": 16}})
+            stop = whole["text"][6:8]
+            for stream in (False, True):
+                body = {"text": "a prompt to stop", "stream": stream,
+                        "sampling_params": {"max_new_tokens": 16, "stop": [stop]}}
+                async with session.post(url, json=body) as response:
+                    raw = await response.text()
+                last = json.loads(raw.split("\n\n")[-3].removeprefix("data: ")) if stream else json.loads(raw)
+                assert last["text"] == whole["text"][: whole["text"].index(stop)]
+                assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+            zero = await post(session, url, {"text": "prefill only", "sampling_params": {"max_new_tokens": 0}})
+            assert zero["output_ids"] == [] and zero["text"] == "" and zero["meta_info"]["completion_tokens"] == 0
+            assert zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+            again = await post(session, url, {"text": "prefill only!", "sampling_params": {"max_new_tokens": 1}})
+            assert again["meta_info"]["cached_tokens"] == 0 or again["meta_info"]["cached_tokens"] % BS == 0
+            client = AsyncOpenAI(base_url=f"{worker.http_url}/v1", api_key="none")
+            chat = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                        max_tokens=16, stop=stop)
+            assert chat.choices[0].finish_reason in ("stop", "length")
+            await client.close()
     finally:
         await worker.stop()

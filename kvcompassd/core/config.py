@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "ConfigSocket",
     "EdgeConfig",
+    "FrontDoorLimits",
     "IndexParams",
     "LinkConfig",
     "MaintenanceConfig",
@@ -245,6 +246,44 @@ class EdgeConfig:
         _check_optional_address("http", self.http, None)
         _check_optional_address("quic", self.quic, None)
         _check_optional_address("metrics", self.metrics, None)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoorLimits:
+    """What one client may cost an edge's HTTP front door (``[frontdoor]``): every input bounded
+    in size, time and memory. Refusals are OpenAI-style JSON errors, counted by reason."""
+
+    # Request line plus headers, all together; aiohttp's per-line limits are set from it too.
+    max_header_bytes: int = 32768
+    max_headers: int = 64
+    # From a request's first byte to its last header, and from then to its last body byte.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # One request's body after any decompression (a prompt of 131072 token ids is ~1 MB of JSON).
+    max_body_bytes: int = 8 << 20
+    # Request bodies held at once by all requests; over it: 503 with Retry-After. Its last
+    # eighth is kept for the first 64 KiB of each request, so stalled large uploads cannot
+    # starve ordinary small requests.
+    body_budget_bytes: int = 48 << 20
+    max_connections: int = 4096
+    keepalive_timeout_s: float = 15.0
+    # Nesting of a JSON body (the deepest OpenAI shape, chat content parts, needs 5).
+    max_json_depth: int = 32
+
+    def __post_init__(self) -> None:
+        _check_int("max_header_bytes", self.max_header_bytes, lo=1024, hi=1 << 20)
+        _check_int("max_headers", self.max_headers, lo=8, hi=1024)
+        _check_float("header_timeout_s", self.header_timeout_s, lo=0.0, lo_open=True)
+        _check_float("body_timeout_s", self.body_timeout_s, lo=0.0, lo_open=True)
+        _check_int("max_body_bytes", self.max_body_bytes, lo=1024, hi=1 << 30)
+        _check_int("body_budget_bytes", self.body_budget_bytes, lo=1024)
+        if self.body_budget_bytes < self.max_body_bytes:
+            _fail("body_budget_bytes", f"must be >= max_body_bytes {self.max_body_bytes}, got {self.body_budget_bytes}")
+        _check_int("max_connections", self.max_connections, lo=1)
+        _check_float("keepalive_timeout_s", self.keepalive_timeout_s, lo=0.0, lo_open=True)
+        _check_int("max_json_depth", self.max_json_depth, lo=4, hi=256)
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            _as_float(self, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,6 +590,7 @@ class ClusterConfig:
     links: tuple[LinkConfig, ...] = ()
     deadlines: DeadlineParams = field(default_factory=DeadlineParams)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)
     _one_way: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _workers_by_id: dict[str, WorkerConfig] = field(init=False, repr=False, compare=False)
     _workers_by_region: dict[str, tuple[WorkerConfig, ...]] = field(init=False, repr=False, compare=False)
@@ -582,6 +622,8 @@ class ClusterConfig:
             raise ConfigError(f"expected DeadlineParams, got {type(self.deadlines).__name__}", table="[deadlines]")
         if not isinstance(self.tokenizer, TokenizerConfig):
             raise ConfigError(f"expected TokenizerConfig, got {type(self.tokenizer).__name__}", table="[tokenizer]")
+        if not isinstance(self.frontdoor, FrontDoorLimits):
+            raise ConfigError(f"expected FrontDoorLimits, got {type(self.frontdoor).__name__}", table="[frontdoor]")
 
         self._check_entries("[[regions]]", self.regions, RegionConfig)
         self._check_entries("[[workers]]", self.workers, WorkerConfig)
@@ -738,8 +780,8 @@ class ClusterConfig:
 
 # ---------------------------------------------------------------- parsing
 
-_TOP_LEVEL = ("cluster", "index", "score", "tokenizer", "regions", "links", "workers", "edges", "maintenance",
-              "deadlines")
+_TOP_LEVEL = ("cluster", "index", "score", "frontdoor", "tokenizer", "regions", "links", "workers", "edges",
+              "maintenance", "deadlines")
 _CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms", "max_datagram_size")
 
 
@@ -803,6 +845,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
 
     index = _build(IndexParams, _table(data, "index", "[index]"), "[index]")
     score = _build(ScoreParams, _table(data, "score", "[score]"), "[score]")
+    frontdoor = _build(FrontDoorLimits, _table(data, "frontdoor", "[frontdoor]"), "[frontdoor]")
     deadlines = _build(DeadlineParams, _table(data, "deadlines", "[deadlines]"), "[deadlines]")
     tokenizer = _build(TokenizerConfig, _table(data, "tokenizer", "[tokenizer]"), "[tokenizer]")
     regions = [_build(RegionConfig, raw, f"[[regions]] #{i}") for i, raw in enumerate(_array(data, "regions"), 1)]
@@ -828,6 +871,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
         links=tuple(links),
         deadlines=deadlines,
         tokenizer=tokenizer,
+        frontdoor=frontdoor,
     )
 
 
@@ -890,8 +934,8 @@ def dump_config(cfg: ClusterConfig) -> str:
     """
     lines = ["[cluster]"]
     _emit(lines, cfg, _CLUSTER_KEYS)
-    for title, obj in (("index", cfg.index), ("score", cfg.score), ("tokenizer", cfg.tokenizer),
-                       ("deadlines", cfg.deadlines)):
+    for title, obj in (("index", cfg.index), ("score", cfg.score), ("frontdoor", cfg.frontdoor),
+                       ("tokenizer", cfg.tokenizer), ("deadlines", cfg.deadlines)):
         lines += ["", f"[{title}]"]
         _emit(lines, obj, _field_names(type(obj)))
     for region in cfg.regions:

@@ -62,8 +62,9 @@ def parse_ids(value: Any, what: str) -> list[int]:
 def _count(value: Any, what: str, default: int, limit: int) -> int:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise BadRequest(f"{what} must be an int in [1, {limit}], got {value!r}")
+    # SGLang takes 0: the prompt is prefilled (and cached), nothing is generated.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise BadRequest(f"{what} must be an int in [0, {limit}], got {value!r}")
     return value
 
 
@@ -91,6 +92,26 @@ def check_sampling_ranges(params: dict[str, Any]) -> None:
         above_low = value >= low if low_inclusive else value > low
         if not (math.isfinite(value) and above_low and value <= high):
             raise BadRequest(message.format(float(value)))
+
+
+def _generation(engine: EmulatedEngine, rid: str, prompt: list[int], max_new: int,
+                params: dict[str, Any]) -> Generation:
+    """A Generation with SGLang's stop conditions: ``stop`` (a string or strings),
+    ``stop_token_ids``, ``min_new_tokens`` and ``no_stop_trim``."""
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop)):
+        raise BadRequest("stop must be a non-empty string or a list of them")
+    ids = params.get("stop_token_ids")
+    if ids:
+        parse_ids(ids, "stop_token_ids")
+    min_new = params.get("min_new_tokens") or 0
+    if isinstance(min_new, bool) or not isinstance(min_new, int) or not 0 <= min_new <= max_new:
+        raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new!r}")
+    return Generation(rid, prompt, max_new, stop=tuple(stop or ()), stop_token_ids=frozenset(ids or ()),
+                      min_new_tokens=min_new, no_stop_trim=bool(params.get("no_stop_trim")),
+                      decode=engine.tokenizer.decode)
 
 
 def server_info(engine: EmulatedEngine) -> dict[str, Any]:
@@ -209,10 +230,10 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
     rid = body.get("rid") or uuid.uuid4().hex
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string")
-    gen = Generation(rid, prompt, max_new)
+    gen = _generation(engine, rid, prompt, max_new, params)
 
     def shape(g: Generation) -> dict[str, Any]:
-        return {"text": output_text(engine, g.output), "output_ids": list(g.output), "meta_info": g.meta_info()}
+        return {"text": g.text(), "output_ids": list(g.output), "meta_info": g.meta_info()}
 
     if body.get("stream"):
         response = await _sse_start(request)
@@ -257,14 +278,19 @@ async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -
     kind = "chat.completion" if chat else "text_completion"
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created, model = int(time.time()), body.get("model") or s.model
-    gen = Generation(ident, prompt, max_new)
+    gen = _generation(engine, ident, prompt, max_new, {"stop": body.get("stop"), "stop_token_ids": body.get("stop_token_ids"),
+                                               "min_new_tokens": body.get("min_tokens"),
+                                               "no_stop_trim": body.get("no_stop_trim")})
+
+    def finish() -> str:
+        return "length" if gen.matched is None else "stop"
 
     def choice(text: str, finish: str | None, *, delta: bool, first: bool = False) -> dict[str, Any]:
         if not chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": gen.matched}
         if not delta:
             return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": finish, "matched_stop": None}
+                    "finish_reason": finish, "matched_stop": gen.matched}
         content: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
 
@@ -272,7 +298,7 @@ async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -
         async for _ in engine.generate(gen, stream=False):
             pass
         return web.json_response({"id": ident, "object": kind, "created": created, "model": model,
-                                  "choices": [choice(output_text(engine, gen.output), "length", delta=False)],
+                                  "choices": [choice(gen.text(), finish(), delta=False)],
                                   "usage": _usage(gen)})
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     response = await _sse_start(request)
@@ -288,12 +314,12 @@ async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -
         await send([choice("", None, delta=True, first=True)])
     sent = 0
     async for g in engine.generate(gen, stream=True):
-        text = output_text(engine, g.output[sent:])
-        sent = len(g.output)
+        visible = g.text()
+        text, sent = visible[sent:], max(sent, len(visible))
         if g.finished:
             if text:
                 await send([choice(text, None, delta=True)])
-            await send([choice("", "length", delta=True)])
+            await send([choice("", finish(), delta=True)])
         elif text:
             await send([choice(text, None, delta=True)])
     if include_usage:

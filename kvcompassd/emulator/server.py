@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,27 @@ def output_tokens(prompt: list[int], count: int, seed: int) -> list[int]:
     return out[:count]
 
 
+def apply_stop(output: list[int], stop: tuple[str, ...], stop_token_ids: frozenset[int],
+               min_new_tokens: int = 0, decode: Callable[[list[int]], str] = byte_text,
+               ) -> tuple[list[int], str | int | None]:
+    """``output`` cut where SGLang's ``check_finished`` would stop it (a stop token id, or a stop
+    string in the decoded text, checked after each token once ``min_new_tokens`` are out) and
+    what matched (None: it ran to its length)."""
+    longest = max((len(s.encode()) for s in stop), default=0)
+    for i, token in enumerate(output):
+        if i + 1 < min_new_tokens:
+            continue
+        if token in stop_token_ids:
+            return output[: i + 1], token
+        if stop:
+            # A token is at least one byte: the last `longest + 1` tokens hold any stop that ends here.
+            tail = decode(output[max(0, i + 1 - longest - 1): i + 1])
+            for s in stop:
+                if s in tail:
+                    return output[: i + 1], s
+    return output, None
+
+
 @dataclass(slots=True)
 class Generation:
     """One request's progress as the HTTP layer sees it."""
@@ -143,6 +164,13 @@ class Generation:
     rid: str
     prompt: list[int]
     max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    min_new_tokens: int = 0
+    no_stop_trim: bool = False
+    decode: Callable[[list[int]], str] = byte_text  # the worker's tokenizer's decode
+    matched: str | int | None = None
+    text_end: int | None = None
     cached_tokens: int = 0
     output: list[int] = field(default_factory=list)
     emitted: int = 0
@@ -150,10 +178,34 @@ class Generation:
     started: float = 0.0
     e2e_latency: float = 0.0
 
+    def text(self) -> str:
+        """The output as SGLang's detokenizer returns it: without the matched stop (unless
+        ``no_stop_trim``), and while streaming never past where the finished text ends."""
+        return self.decode(self.output)[: self.text_end]
+
+    def stop_at(self, output: list[int]) -> list[int]:
+        """Cut the whole ``output`` at its stop condition; note what matched and where the text ends."""
+        output, self.matched = apply_stop(output, self.stop, self.stop_token_ids, self.min_new_tokens, self.decode)
+        full = self.decode(output)
+        if self.matched is None or self.no_stop_trim:
+            self.text_end = len(full)
+        elif isinstance(self.matched, int):
+            self.text_end = len(self.decode(output[:-1]))
+        else:
+            self.text_end = full.find(self.matched)
+        return output
+
+    def finish_reason(self) -> dict[str, Any] | None:
+        if not self.finished:
+            return None
+        if self.matched is not None:
+            return {"type": "stop", "matched": self.matched}
+        return {"type": "length", "length": self.max_new_tokens}
+
     def meta_info(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.rid,
-            "finish_reason": {"type": "length", "length": self.max_new_tokens} if self.finished else None,
+            "finish_reason": self.finish_reason(),
             "prompt_tokens": len(self.prompt),
             "completion_tokens": self.emitted,
             "cached_tokens": self.cached_tokens,
@@ -275,7 +327,7 @@ class EmulatedEngine:
             raise WorkerModelError(f"request id {gen.rid!r} is already running")
         gen.started = time.perf_counter()
         self.inflight += 1
-        output = output_tokens(gen.prompt, gen.max_new_tokens, self.settings.seed)
+        output = gen.stop_at(output_tokens(gen.prompt, gen.max_new_tokens, self.settings.seed))
         # SGLang matches at most len-1 prompt tokens: one must be computed for the logits
         lease, found, events = self.cache.lock(gen.prompt[:-1], now=self.model_now())
         self._publish(events)
@@ -285,19 +337,20 @@ class EmulatedEngine:
             if self.delays:
                 first, done = self._loop.create_future(), self._loop.create_future()
                 self._waiters[gen.rid] = (first, done)
+                # max_new_tokens = 0 still runs the prefill (its logits are dropped)
                 self.model.admit(gen.rid, len(gen.prompt), found.vram_tokens, found.dram_tokens,
-                                 gen.max_new_tokens, now=self.model_now())
+                                 max(1, len(output)), now=self.model_now())
                 self._wake.set()
                 await first
             self.metrics.ttft.labels(self.metrics.model).observe(time.perf_counter() - gen.started)
             self._publish(self.cache.insert(gen.prompt, now=self.model_now(), lease=lease))
-            gen.output, gen.emitted = output[:1], 1
-            if done is not None and stream and gen.max_new_tokens > 1:
+            gen.output, gen.emitted = output[:1], min(1, len(output))
+            if done is not None and stream and len(output) > 1:
                 yield gen
                 step = max(0.001, self.settings.timing.decode_step_ms(1) / 1000.0 * self.settings.time_scale)
                 while not done.done():
                     await asyncio.wait({done}, timeout=step)
-                    if not done.done() and gen.emitted < gen.max_new_tokens - 1:
+                    if not done.done() and gen.emitted < len(output) - 1:
                         gen.emitted += 1
                         gen.output = output[: gen.emitted]
                         yield gen
