@@ -335,3 +335,24 @@ async def test_stop_and_zero_new_tokens_on_the_routes() -> None:
             await client.close()
     finally:
         await worker.stop()
+
+
+async def test_prompts_past_the_context_length_are_refused_with_sglangs_messages():
+    worker = EmulatedWorker(settings())  # 4,096 tokens of VRAM: the context length it reports
+    await worker.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{worker.http_url}/v1/tokenize", json={"prompt": "x"}) as response:
+                assert (await response.json())["max_model_len"] == 4096
+            async with session.post(f"{worker.http_url}/generate", json={"input_ids": [7] * 4096}) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["message"] == (
+                    "The input (4096 tokens) is longer than the model's context length (4096 tokens).")
+            async with session.post(f"{worker.http_url}/generate", json={
+                    "input_ids": [7] * 4000, "sampling_params": {"max_new_tokens": 100}}) as response:
+                assert response.status == 400
+                assert "You requested a total of 4100 tokens" in (await response.json())["error"]["message"]
+            await post(session, f"{worker.http_url}/generate",
+                       {"input_ids": [7] * 4000, "sampling_params": {"max_new_tokens": 96}})
+    finally:
+        await worker.stop()

@@ -67,7 +67,7 @@ async def test_a_running_edge_counts_one_view_per_event_loop_turn_with_the_same_
     _register(cfg, shards, view, "eu-0", PROMPT[500:], 512)
     router = Router(cfg, "us", view, now=0.0)
     edge = SimpleNamespace(router=router, cfg=cfg, layout=layout, view=view, clock=lambda: 0.0,
-                           health=lambda: {"edge": "edge-us", "ready": True})
+                           sync=SimpleNamespace(requests=0), health=lambda: {"edge": "edge-us", "ready": True})
     turns = 0
 
     async def other_work():  # what the edge's requests would be doing meanwhile

@@ -50,6 +50,12 @@ def output_text(engine: EmulatedEngine, ids: list[int]) -> str:
     return engine.tokenizer.decode(ids)
 
 
+def context_length(engine: EmulatedEngine) -> int:
+    """The emulated model's context length: what its VRAM KV pool holds (the limit a prompt
+    meets first on a real worker too)."""
+    return engine.cache.vram_pages_max * engine.settings.block_size
+
+
 def parse_ids(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not value:
         raise BadRequest(f"{what} must be a non-empty array of token ids")
@@ -98,6 +104,17 @@ def _generation(engine: EmulatedEngine, rid: str, prompt: list[int], max_new: in
                 params: dict[str, Any]) -> Generation:
     """A Generation with SGLang's stop conditions: ``stop`` (a string or strings),
     ``stop_token_ids``, ``min_new_tokens`` and ``no_stop_trim``."""
+    context = context_length(engine)
+    # SGLang's TokenizerManager._validate_one_request (0.5.23), with its messages: a 400 the edge
+    # cannot foresee, so it passes the engine's words to its client.
+    if len(prompt) >= context:
+        raise BadRequest(f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                         f"({context} tokens).")
+    if max_new + len(prompt) > context:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                         f"You requested a total of {max_new + len(prompt)} tokens: {len(prompt)} tokens from the "
+                         f"input messages and {max_new} tokens for the completion. Please reduce the number of "
+                         "tokens in the input messages or the completion to fit within the limit.")
     stop = params.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -355,8 +372,7 @@ async def tokenize(engine: EmulatedEngine, request: web.Request) -> web.Response
         count = [len(t) for t in tokens]
     else:
         raise BadRequest(f"Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
-    max_len = engine.cache.vram_pages_max * engine.settings.block_size
-    return web.json_response({"tokens": tokens, "count": count, "max_model_len": max_len})
+    return web.json_response({"tokens": tokens, "count": count, "max_model_len": context_length(engine)})
 
 
 async def detokenize(engine: EmulatedEngine, request: web.Request) -> web.Response:
