@@ -120,6 +120,28 @@ def test_help_lists_every_query_of_every_role_one_line_each():
     assert query_help.returncode == 0 and all(q in query_help.stdout for q in QUERIES[Role.EDGE])
 
 
+def test_subcommand_help_shows_the_subcommands_own_usage():
+    for args, usage in ((("certs", "--help"), "usage: kvcompassctl certs [-h]"),
+                        (("certs", "issue", "--help"), "usage: kvcompassctl certs issue [-h]"),
+                        (("query", "--help"), "usage: kvcompassctl query [-h]")):
+        out = ctl(*args)
+        assert out.returncode == 0 and out.stdout.startswith(usage), out.stdout[:300]
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-1", "0"])
+def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(tmp_path, timeout):
+    # Checked before the config is read (it does not exist here): no traceback from the transport.
+    out = ctl("--config", str(tmp_path / "absent.toml"), "--tls-dir", str(tmp_path), "--timeout", timeout, "edge-us")
+    assert_fails(out, 2, "--timeout")
+
+
+def test_holders_takes_one_prompt_not_both(tmp_path):
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    out = ctl("--config", str(tmp_path / "absent.toml"), "--tls-dir", str(tmp_path), "edge-us", "holders",
+              "--text", "a prompt", "--tokens-file", str(tmp_path / "ids.json"))
+    assert_fails(out, 2, "--tokens-file", "--text")
+
+
 def test_each_role_answers_its_queries(dep):
     for what in QUERIES[Role.EDGE]:
         args = ("--text", "what does the document say") if what == "holders" else ()
