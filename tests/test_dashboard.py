@@ -117,3 +117,23 @@ def test_the_dashboard_is_importable():
             assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
             grid = panel["gridPos"]
             assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24
+
+
+def test_queries_have_promql_shape_rate_over_counters_quantiles_over_buckets():
+    """rate() only over counters' samples (_total) or histograms' (_bucket/_sum/_count), never a
+    gauge; histogram_quantile() only over a rate of _bucket summed by (le, ...); a gauge read
+    as is. Names are checked against what the daemons export, not their suffixes alone."""
+    names = exported()
+    counters = {n for n in names if n.endswith(("_total", "_bucket", "_sum", "_count"))}
+    for expr in expressions(json.loads(DASHBOARD.read_text())):
+        for inner in re.findall(r"\brate\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)", expr):
+            assert inner in counters, f"{expr}: rate() over {inner}, not a counter"
+        for quantile in re.finditer(r"histogram_quantile\(\s*([0-9.]+)\s*,(.*)", expr):
+            phi, rest = float(quantile.group(1)), quantile.group(2)
+            assert 0 < phi < 1, expr
+            assert re.search(r"sum by \(([^)]*\ble\b[^)]*)\)\s*\(\s*rate\([a-z_]+_bucket\[", rest), \
+                f"{expr}: histogram_quantile must read sum by (le, ...) (rate(..._bucket[...]))"
+        metrics, _ = parse(expr)
+        for name in metrics - counters:  # gauges: never under rate()
+            assert not re.search(rf"\brate\(\s*{name}\b", expr), expr
+        assert expr.count("(") == expr.count(")"), f"{expr}: unbalanced parentheses"
