@@ -77,12 +77,14 @@ SPEC = DeploymentSpec(workers={"us": 1, "eu": 1}, one_way_ms={("us", "eu"): 10.0
 
 
 MNT_METRICS = f"127.0.0.1:{free_loopback_port()}"
+AGENT_METRICS = f"127.0.0.1:{free_loopback_port()}"
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     d = LocalDeployment(SPEC, tmp_path_factory.mktemp("ctl"), time_scale=0.0,
-                        node_args={"maintenance:mnt-0": ("--metrics", MNT_METRICS)})
+                        node_args={"maintenance:mnt-0": ("--metrics", MNT_METRICS),
+                                   "agent:eu-0": ("--metrics", AGENT_METRICS)})
     asyncio.run(d.start())
     try:
         yield d
@@ -197,6 +199,12 @@ def test_the_views_sync_position_is_exported_beside_the_shards(dep):
         time.sleep(0.2)
     epoch = _sample(f"http://{MNT_METRICS}/metrics", 'kvcompass_shard_epoch{shard="0"}')
     assert epoch == _sample(dep.edge_url("us") + "/metrics", 'kvcompass_view_epoch{shard="0"}') and epoch > 0
+
+
+def test_an_agents_engine_queue_is_exported_with_its_worker_and_region(dep):
+    # The dashboard's per-region queue panel sums by region: the agent says which, with no
+    # label in the operator's scrape config.
+    assert _sample(f"http://{AGENT_METRICS}/metrics", 'kvcompass_engine_queue_ms{region="eu",worker="eu-0"}') is not None
 
 
 def test_a_query_outside_the_nodes_role_is_refused_not_answered_with_its_status(dep):
