@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--wan-scale", type=float, default=1.0, help="multiply the WAN delays")
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep configs, certificates and logs here (a new directory: a run does not overwrite "
+                        "another's certificates)")
     p.add_argument("--keep", action="store_true",
                    help="keep the KVCompass deployment running after the table (Ctrl-C or SIGTERM stops it)")
     _log_args(p)
