@@ -110,7 +110,7 @@ class AgentNode:
                               page_size=cfg.index.block_size)
         self.node = QuicNode(NodeIdentity(Role.AGENT, worker.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
-        self.metrics = AgentMetrics()
+        self.metrics = AgentMetrics(worker=worker.id, region=worker.region)
         self.replay_endpoint = replay_endpoint
         self.load_interval = load_interval
         # Fault injection: discard this share of the engine's live batches on arrival, which

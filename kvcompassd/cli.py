@@ -140,10 +140,13 @@ def cmd_emulate_worker(args) -> int:
 
     cfg = load_config(args.config)
     worker = _lookup(cfg.workers, args.id, "worker")
+    # The cluster's [tokenizer], as the edges use it (the unit passes no --tokenizer): an
+    # emulated worker that tokenised otherwise would be refused by every edge's check.
+    tokenizer, chat_template = _edge_tokenizer(cfg, args)
     settings = EmulatorSettings.from_worker_config(
         worker, model=cfg.model, block_size=cfg.index.block_size, time_scale=args.time_scale,
         eviction=args.eviction, seed=args.seed, kv_events_style=args.kv_events_style,
-        tokenizer=args.tokenizer, chat_template=args.chat_template)
+        tokenizer=tokenizer or "byte", chat_template=chat_template)
     install_uvloop()
     asyncio.run(serve_until_signalled(_EmulatedWorkerMode(EmulatedWorker(settings))))
     return 0
@@ -215,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-style", choices=("map", "positional"), default="map",
                    help="event encoding: map (SGLang 0.5.23, vLLM) or positional (older SGLang)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default="byte",
-                   help="a Hugging Face tokenizer directory to tokenise text and chats with, or 'byte' (default)")
+    p.add_argument("--tokenizer", default=None,
+                   help="override the config's [tokenizer] path (default: it, else 'byte'): a Hugging Face "
+                        "tokenizer directory, or 'byte'")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
     _log_args(p)
     p.set_defaults(func=cmd_emulate_worker, tls_dir=None)
@@ -226,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--wan-scale", type=float, default=1.0, help="multiply the WAN delays")
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep configs, certificates and logs here (a new directory: a run does not overwrite "
+                        "another's certificates)")
     p.add_argument("--keep", action="store_true",
                    help="keep the KVCompass deployment running after the table (Ctrl-C or SIGTERM stops it)")
     _log_args(p)

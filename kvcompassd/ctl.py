@@ -3,8 +3,8 @@
 Queries go over the same authenticated QUIC channel the daemons use, with a certificate of
 role ``admin``; tables for people by default, ``--json`` for scripts.
 
-    kvcompassctl certs init --dir /etc/kvcompass/tls --cluster prod
-    kvcompassctl certs issue --dir /etc/kvcompass/tls --role edge --id edge-us [--san 10.0.0.5]
+    kvcompassctl certs init --dir ca/ --cluster prod          (on the admin machine; ca.key stays there)
+    kvcompassctl certs issue --dir ca/ --role edge --id edge-us [--san 10.0.0.5]
     kvcompassctl --config cluster.toml --tls-dir /etc/kvcompass/tls edge-us status
     kvcompassctl ... edge-us holders --text "a prompt" | --tokens-file ids.json
     kvcompassctl ... mnt-0 status
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import struct
 import sys
@@ -278,6 +279,9 @@ def _tokens_from(path: str) -> bytes:
 def _query(args) -> int:
     from kvcompassd.core.config import ConfigError, load_config
 
+    # The command line first: a bad --timeout is named before any file is read.
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise CtlError("--timeout must be a positive number of seconds", EXIT_USAGE)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
@@ -296,8 +300,6 @@ def _query(args) -> int:
         qargs["top"] = args.top
     elif args.text is not None or args.tokens_file is not None:
         raise CtlError(f"--text and --tokens-file go with holders, not {args.what}", EXIT_USAGE)
-    if args.timeout <= 0:
-        raise CtlError("--timeout must be positive", EXIT_USAGE)
     body = asyncio.run(query(cfg, args.tls_dir, args.admin_id, args.node, args.what, qargs, args.timeout))
     return _emit(json.dumps(body, indent=2, default=str) if args.json else render(args.what, body))
 
@@ -337,10 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
                      description="Ask a running kvcompassd node what it knows (QUERY defaults to status), "
                                  "or manage the cluster's certificates.\n\n" + _queries_help(),
                      epilog=_EPILOG)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{query,certs}", parser_class=_Parser)
+    # prog: the subcommands' own usage lines start "kvcompassctl certs ...", not with the
+    # top-level usage text above.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{query,certs}", parser_class=_Parser,
+                                prog="kvcompassctl")
 
     c = sub.add_parser("certs", help="cluster CA and node certificates")
-    csub = c.add_subparsers(dest="certs_command", required=True, metavar="{init,issue}", parser_class=_Parser)
+    csub = c.add_subparsers(dest="certs_command", required=True, metavar="{init,issue}", parser_class=_Parser,
+                            prog="kvcompassctl certs")
     ci = csub.add_parser("init", help="create the cluster CA")
     ci.add_argument("--dir", required=True, type=Path)
     ci.add_argument("--cluster", required=True, help="cluster name (in the CA's subject)")
@@ -371,8 +377,9 @@ def _query_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("node", help="node id: an edge, a maintenance unit, or a worker (its agent)")
     q.add_argument("what", metavar="QUERY", nargs="?", default="status", choices=_ALL_QUERIES,
                    help="one of the queries above (default: status)")
-    q.add_argument("--text", default=None, help="holders: the prompt text (tokenised by the edge)")
-    q.add_argument("--tokens-file", default=None, help="holders: a JSON list of token ids")
+    prompt = q.add_mutually_exclusive_group()  # one prompt: --text or --tokens-file, never both
+    prompt.add_argument("--text", default=None, help="holders: the prompt text (tokenised by the edge)")
+    prompt.add_argument("--tokens-file", default=None, help="holders: a JSON list of token ids")
     q.add_argument("--top", type=int, default=5, help="holders: how many candidates to show")
     q.set_defaults(func=_query)
 

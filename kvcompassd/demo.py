@@ -157,6 +157,17 @@ def render_table(rows: list[dict]) -> str:
 RUNS = (("no cross-region reuse", ("--no-cross-region",)), ("KVCompass", ()))
 
 
+def ctl_command() -> str:
+    """How to call kvcompassctl from here: by name if that is the one beside this interpreter
+    (or there is none), else its path — the README's first command runs ``.venv/bin/kvcompassd``
+    with the venv's bin directory not on PATH, where a bare ``kvcompassctl`` is not found."""
+    beside = Path(sys.executable).parent / "kvcompassctl"
+    if not beside.is_file():
+        return "kvcompassctl"
+    found = shutil.which("kvcompassctl")
+    return "kvcompassctl" if found and Path(found) == beside else str(beside)
+
+
 def kept_running_note(dep: LocalDeployment) -> str:
     """Where an operator finds the kept deployment: front doors, configs, certificates, logs."""
     cfg = dep.cfg
@@ -168,7 +179,7 @@ def kept_running_note(dep: LocalDeployment) -> str:
     lines += [f"  configs      {', '.join(str(p) for p in dep.configs.values())}",
               f"  TLS          {dep.tls_dir} (admin certificate: admin.pem)",
               f"  logs         {dep.workdir / 'logs'} (one JSON log per node)",
-              (f"  try          kvcompassctl --config {dep.configs[region]} --tls-dir {dep.tls_dir} "
+              (f"  try          {ctl_command()} --config {dep.configs[region]} --tls-dir {dep.tls_dir} "
                f"{cfg.edges_in(region)[0].id} status")]
     return "\n".join(lines)
 

@@ -152,12 +152,15 @@ class _HotPrefixCollector:
 
 
 class AgentMetrics:
-    def __init__(self) -> None:
+    def __init__(self, *, worker: str, region: str) -> None:
         self.registry = r = CollectorRegistry()
         self.engine_batches = Counter("kvcompass_engine_event_batches", "KV-event batches from the engine, by outcome", ["outcome"], registry=r)
         self.index_events = Counter("kvcompass_index_events_reported", "Index events sent to maintenance units", registry=r)
         self.requests = Counter("kvcompass_forwarded_requests", "Forwarded requests run on the engine, by status", ["status"], registry=r)
-        self.queue_ms = Gauge("kvcompass_engine_queue_ms", "Engine queueing delay estimate (ms)", registry=r)
+        # Labelled with the worker and its region (from the config), so that queues add up per
+        # region without a label in the operator's scrape config.
+        self.queue_ms = Gauge("kvcompass_engine_queue_ms", "Engine queueing delay estimate (ms)", ["worker", "region"],
+                              registry=r).labels(worker, region)
         self.migrations = Counter("kvcompass_migrations_executed", "Migrations executed, by mode", ["mode"], registry=r)
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
                                         "authority for them, by message type", ["message"], registry=r)

@@ -77,12 +77,14 @@ SPEC = DeploymentSpec(workers={"us": 1, "eu": 1}, one_way_ms={("us", "eu"): 10.0
 
 
 MNT_METRICS = f"127.0.0.1:{free_loopback_port()}"
+AGENT_METRICS = f"127.0.0.1:{free_loopback_port()}"
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     d = LocalDeployment(SPEC, tmp_path_factory.mktemp("ctl"), time_scale=0.0,
-                        node_args={"maintenance:mnt-0": ("--metrics", MNT_METRICS)})
+                        node_args={"maintenance:mnt-0": ("--metrics", MNT_METRICS),
+                                   "agent:eu-0": ("--metrics", AGENT_METRICS)})
     asyncio.run(d.start())
     try:
         yield d
@@ -118,6 +120,28 @@ def test_help_lists_every_query_of_every_role_one_line_each():
     assert "exit status" in out.stdout
     query_help = ctl("query", "--help")
     assert query_help.returncode == 0 and all(q in query_help.stdout for q in QUERIES[Role.EDGE])
+
+
+def test_subcommand_help_shows_the_subcommands_own_usage():
+    for args, usage in ((("certs", "--help"), "usage: kvcompassctl certs [-h]"),
+                        (("certs", "issue", "--help"), "usage: kvcompassctl certs issue [-h]"),
+                        (("query", "--help"), "usage: kvcompassctl query [-h]")):
+        out = ctl(*args)
+        assert out.returncode == 0 and out.stdout.startswith(usage), out.stdout[:300]
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-1", "0"])
+def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(tmp_path, timeout):
+    # Checked before the config is read (it does not exist here): no traceback from the transport.
+    out = ctl("--config", str(tmp_path / "absent.toml"), "--tls-dir", str(tmp_path), "--timeout", timeout, "edge-us")
+    assert_fails(out, 2, "--timeout")
+
+
+def test_holders_takes_one_prompt_not_both(tmp_path):
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    out = ctl("--config", str(tmp_path / "absent.toml"), "--tls-dir", str(tmp_path), "edge-us", "holders",
+              "--text", "a prompt", "--tokens-file", str(tmp_path / "ids.json"))
+    assert_fails(out, 2, "--tokens-file", "--text")
 
 
 def test_each_role_answers_its_queries(dep):
@@ -175,6 +199,12 @@ def test_the_views_sync_position_is_exported_beside_the_shards(dep):
         time.sleep(0.2)
     epoch = _sample(f"http://{MNT_METRICS}/metrics", 'kvcompass_shard_epoch{shard="0"}')
     assert epoch == _sample(dep.edge_url("us") + "/metrics", 'kvcompass_view_epoch{shard="0"}') and epoch > 0
+
+
+def test_an_agents_engine_queue_is_exported_with_its_worker_and_region(dep):
+    # The dashboard's per-region queue panel sums by region: the agent says which, with no
+    # label in the operator's scrape config.
+    assert _sample(f"http://{AGENT_METRICS}/metrics", 'kvcompass_engine_queue_ms{region="eu",worker="eu-0"}') is not None
 
 
 def test_a_query_outside_the_nodes_role_is_refused_not_answered_with_its_status(dep):

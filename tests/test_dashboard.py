@@ -14,9 +14,9 @@ from kvcompassd.metrics import AgentMetrics, EdgeMetrics, MaintenanceMetrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "kvcompassd.json"
 
-# Labels Prometheus adds to every scraped series (instance, job) or the operator's scrape config
-# is told to add (region: README, "Reading the metrics"); le is every histogram bucket's.
-TARGET_LABELS = {"instance", "job", "region", "le"}
+# Labels Prometheus adds to every scraped series (instance, job); le is every histogram bucket's.
+# Nothing else: a panel must not depend on a label the operator's scrape config has to add.
+TARGET_LABELS = {"instance", "job", "le"}
 # PromQL words that are not metric names: functions are recognised by their "(", these not
 # (an aggregation may put its "by (...)" clause before its parenthesis).
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
@@ -30,14 +30,15 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), 
 def exported() -> dict[str, set[str]]:
     """Every sample name the three daemon modes export -> its label names. The scrape-time
     collectors are fed one row each so that their families show their labels."""
-    edge, maintenance, agent = EdgeMetrics(), MaintenanceMetrics(), AgentMetrics()
+    edge, maintenance, agent = EdgeMetrics(), MaintenanceMetrics(), AgentMetrics(worker="us-0", region="us")
     edge.watch_hot_prefixes(lambda: {("recompute", "planned"): 1})
     edge.watch_views(lambda: [(0, 1, 2)])
     maintenance.watch_tables(lambda: [{"group": 0, "region": "us", "entries": 1, "load": 0.1}])
     maintenance.watch_position(lambda: [(0, 1, 2)])
     for metrics in (edge, maintenance, agent):  # one child per labelled metric, so its labels show
         for metric in vars(metrics).values():
-            if isinstance(metric, MetricWrapperBase) and metric._labelnames:
+            # (a child whose labels the daemon fixed at start, like an agent's region, shows them)
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames and not metric._labelvalues:
                 metric.labels(*("x" for _ in metric._labelnames))
     names: dict[str, set[str]] = {}
     for registry in (edge.registry, maintenance.registry, agent.registry):
@@ -117,3 +118,23 @@ def test_the_dashboard_is_importable():
             assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
             grid = panel["gridPos"]
             assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24
+
+
+def test_queries_have_promql_shape_rate_over_counters_quantiles_over_buckets():
+    """rate() only over counters' samples (_total) or histograms' (_bucket/_sum/_count), never a
+    gauge; histogram_quantile() only over a rate of _bucket summed by (le, ...); a gauge read
+    as is. Names are checked against what the daemons export, not their suffixes alone."""
+    names = exported()
+    counters = {n for n in names if n.endswith(("_total", "_bucket", "_sum", "_count"))}
+    for expr in expressions(json.loads(DASHBOARD.read_text())):
+        for inner in re.findall(r"\brate\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)", expr):
+            assert inner in counters, f"{expr}: rate() over {inner}, not a counter"
+        for quantile in re.finditer(r"histogram_quantile\(\s*([0-9.]+)\s*,(.*)", expr):
+            phi, rest = float(quantile.group(1)), quantile.group(2)
+            assert 0 < phi < 1, expr
+            assert re.search(r"sum by \(([^)]*\ble\b[^)]*)\)\s*\(\s*rate\([a-z_]+_bucket\[", rest), \
+                f"{expr}: histogram_quantile must read sum by (le, ...) (rate(..._bucket[...]))"
+        metrics, _ = parse(expr)
+        for name in metrics - counters:  # gauges: never under rate()
+            assert not re.search(rf"\brate\(\s*{name}\b", expr), expr
+        assert expr.count("(") == expr.count(")"), f"{expr}: unbalanced parentheses"

@@ -4,6 +4,7 @@ was measured. The demo runs in its own process group, so every node it started c
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import signal
@@ -15,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from kvcompassd.core.config import load_config
-from kvcompassd.demo import RUNS, bundled_workload
+from kvcompassd.demo import RUNS, bundled_workload, ctl_command
 
 
 def group_members(pgid: int) -> list[tuple[int, str]]:
@@ -72,11 +73,21 @@ class Demo:
         return code, "\n".join(self.seen + rest)
 
 
+def test_the_suggested_kvcompassctl_is_found_without_the_venv_on_path(monkeypatch):
+    # README's first command runs .venv/bin/kvcompassd without activating the venv.
+    beside = Path(sys.executable).parent / "kvcompassctl"
+    assert beside.is_file(), "pip install puts kvcompassctl beside the interpreter"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert ctl_command() == str(beside)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(beside.parent), "/usr/bin", "/bin"]))
+    assert ctl_command() == "kvcompassctl"
+
+
 def test_keep_keeps_the_kvcompass_deployment_and_sigterm_stops_every_node(tmp_path):
     demo = Demo("--requests", "4", "--concurrency", "2", "--time-scale", "0", "--keep", "--workdir", str(tmp_path))
     try:
         demo.wait_for(r"^KVCompass deployment kept running")
-        try_line = demo.wait_for(r"^\s+try\s+kvcompassctl ")
+        try_line = demo.wait_for(r"^\s+try\s+\S*kvcompassctl ")
     except BaseException:
         demo.proc.kill()
         raise
@@ -90,6 +101,10 @@ def test_keep_keeps_the_kvcompass_deployment_and_sigterm_stops_every_node(tmp_pa
     edge = load_config(config).edges[0]
     with urllib.request.urlopen(f"http://{edge.http}/health", timeout=30) as resp:
         assert resp.status == 200
+    # The suggested command runs as printed.
+    suggested = try_line.split("try", 1)[1].strip()
+    asked = subprocess.run(suggested, shell=True, capture_output=True, text=True, timeout=120, check=False)
+    assert asked.returncode == 0 and asked.stdout.startswith("edge "), (suggested, asked.stderr)
     code, out = demo.finish(signal.SIGTERM)
     assert code == 0 and "stopped every node" in out
     assert "Traceback" not in demo.proc.stderr.read()

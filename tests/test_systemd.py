@@ -157,6 +157,22 @@ def test_numpy_zmq_uvloop_and_aioquic_load_under_the_unit_filter(tmp_path):
     assert int(out.stdout) == stand_in_ids()[0]
 
 
+def test_the_edges_hugging_face_tokenizer_loads_and_encodes_under_the_unit_filter(tmp_path):
+    # A real deployment's edge names a Hugging Face tokenizer ([tokenizer] path): its Rust
+    # library runs a thread pool the sandboxed modes above (byte tokenizer) never start.
+    fixture = REPO / "tests" / "data" / "tokenizer-bpe"
+    assert (fixture / "tokenizer.json").is_file(), fixture
+    code = ("import sys; from kvcompassd.tokenizer import load_tokenizer; from tokenizers import Tokenizer;"
+            f"t = load_tokenizer({str(fixture)!r}); ids = t.encode('hello world ' * 500);"
+            f"t.apply_chat_template([{{'role': 'user', 'content': 'hi'}}]);"
+            f"raw = Tokenizer.from_file({str(fixture / 'tokenizer.json')!r});"
+            "batch = raw.encode_batch(['hello world ' * 500] * 32);"  # the parallel path
+            "print(len(ids), len(batch))")
+    out = run_sandboxed(tmp_path, service(DAEMON_UNIT), [sys.executable, "-c", code])
+    assert out.returncode == 0, out
+    assert out.stdout.split()[1] == "32", out
+
+
 def run_sandboxed(tmp_path: Path, svc, argv: list[str]) -> subprocess.CompletedProcess:
     spec_path = write_spec(tmp_path, svc)
     return subprocess.run([sys.executable, str(SANDBOX), str(spec_path), "--", *argv], capture_output=True, text=True,

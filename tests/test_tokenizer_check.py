@@ -251,6 +251,17 @@ def test_a_missing_tokenizer_stops_the_edge_and_the_emulated_worker_before_they_
         assert "no-such-model" in run.stderr and "cannot load" in run.stderr
 
 
+def test_the_emulated_worker_tokenises_with_the_clusters_tokenizer_unless_told_otherwise(tmp_path):
+    # Its systemd unit passes no --tokenizer: it must read [tokenizer] as the edges do, or every
+    # edge refuses it. A missing directory there stops it, named, before it serves.
+    cfg = build_cluster(DeploymentSpec(workers={"us": 1}, one_way_ms={}, shards=1, wan=False,
+                                       tokenizer=str(tmp_path / "no-such-model")))
+    (tmp_path / "cluster.toml").write_text(dump_config(cfg))
+    run = subprocess.run([sys.executable, "-m", "kvcompassd", "emulate-worker", "--config", str(tmp_path / "cluster.toml"),
+                          "--id", "us-0", "--log-json"], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and "no-such-model" in run.stderr, run.stderr
+
+
 @pytest.fixture
 async def refusing_deployment(tmp_path):
     # The cluster names the BPE. us-1's engine runs the byte tokenizer (a worker serving the wrong
