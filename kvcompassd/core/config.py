@@ -409,14 +409,17 @@ class DeadlineParams:
     Before the first token a late worker costs the request only a failover to the next best:
     the deadline is ``first_token_factor`` times what the score expected, never under
     ``first_token_floor_s``. After it the request cannot move, so a gap of ``inter_token_s``
-    between two pieces of output ends it with an error instead of a hang. A worker that failed
+    between two pieces of output ends it with an error instead of a hang; it must outlast the
+    longest pause a healthy engine puts between a running request's tokens, which is a prefill
+    chunk of the batch's other requests (SGLang's default chunk, 8,192 tokens, is ~0.7 s on an
+    A100 and several seconds on slower cards or under CPU contention). A worker that failed
     is left out of decisions for ``suspect_initial_s``, doubling per further failure up to
     ``suspect_max_s``, or until its agent or load reports say it is back.
     ``view_copy_timeout_s`` bounds a bootstrap from a peer edge's views."""
 
     first_token_floor_s: float = 2.0
     first_token_factor: float = 4.0
-    inter_token_s: float = 2.0
+    inter_token_s: float = 10.0
     suspect_initial_s: float = 5.0
     suspect_max_s: float = 60.0
     view_copy_timeout_s: float = 10.0
