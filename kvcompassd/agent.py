@@ -123,6 +123,9 @@ class AgentNode:
         self.region_vector: dict[str, float] = {}
         self.queue_ms = 0.0
         self.engine_up = False
+        # True from an engine-down withdrawal until the engine answers again: reports wait, and
+        # the answer re-registers the mirror (kept: the engine process and its cache may be fine).
+        self._withdrawn = False
         self._load_failures = 0
         self._last_reading: tuple | None = None
         self._last_report = float("-inf")
@@ -259,6 +262,8 @@ class AgentNode:
         self.reports.add_events(events)
 
     def _send_report(self, shard: int, report: PrefixEventsReported) -> bool:
+        if self._withdrawn:
+            return False  # the re-registration when the engine is back sends the current state
         peer = self._shard_peers.get(shard)
         if peer is None or not peer.is_connected or peer.identity is None:
             return False  # the re-registration on reconnection sends the current state
@@ -284,6 +289,8 @@ class AgentNode:
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:
         if not connected or peer.identity is None or peer.identity.role != Role.MAINTENANCE:
             return
+        if self._withdrawn:
+            return  # registered once the engine answers again
         for shard, p in self._shard_peers.items():
             if p is peer:
                 self._register_with(shard, peer)
@@ -302,6 +309,8 @@ class AgentNode:
                 if not self.engine_up:
                     log.info("engine up", worker=self.worker.id)
                 self.engine_up = True
+                if self._withdrawn:
+                    self._register_again()
                 self._load_failures = 0
                 self.queue_ms = load.queue_ms
                 self.region_vector[self.worker.id] = load.queue_ms
@@ -322,15 +331,28 @@ class AgentNode:
             await asyncio.sleep(self.load_interval)
 
     def _engine_down(self, reason: str) -> None:
+        """Take the worker out of the index while its engine does not answer, but keep the
+        mirror: a busy or restarting HTTP side says nothing about the engine's cache, and the
+        event stream goes on (a really restarted engine is concluded from its replay socket,
+        which withdraws the mirror). Wiping it here lost the holdings for good, as the
+        subscriber's position stayed past the batches that had built them."""
         log.warning("engine down: withdrawing the worker from the index", worker=self.worker.id, reason=reason)
         self.engine_up = False
-        self.tree.withdraw_all()
+        self._withdrawn = True
         for peer in self._shard_peers.values():
             if peer.is_connected:
                 try:
                     peer.send_encoded(encode(WorkerWithdrawn(self.worker.id)))
                 except TransportError:
                     pass
+
+    def _register_again(self) -> None:
+        """The engine answers again after a withdrawal: a new incarnation with the mirror's
+        current state for every connected unit (others register when they connect)."""
+        self._withdrawn = False
+        for shard, peer in self._shard_peers.items():
+            if peer.is_connected and peer.identity is not None:
+                self._register_with(shard, peer)
 
     # -- messages from edges ------------------------------------------------------------------
 
