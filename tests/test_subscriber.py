@@ -364,6 +364,34 @@ async def test_odd_sequence_numbers_withdraw_nothing(ctx, engine: str) -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_negative_seq_in_the_engines_buffer_does_not_stop_replays(ctx, engine: str) -> None:
+    """An engine that published a batch under a seq reading negative answers it to every later
+    replay (it is above any start, read unsigned): that one reply is skipped, the rest applied."""
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=None)
+    try:
+        await follower.start()
+        for i in range(3):
+            await rec.publish(i)
+        await settle(follower, 2)
+        topic, _, payload = rec.live[1]
+        await rec.send_raw([topic, ((1 << 63) + 5).to_bytes(8, "big"), payload], buffered=True)
+        await wait_for(lambda: follower.sub.odd_seqs == 1)
+        await rec.publish(3, withhold=True)  # lost live: the gap 4 reveals needs the replay
+        for i in (4, 5, 6):
+            await rec.publish(i)
+        await settle(follower, 6)
+        assert not follower.sub.replay_failing
+        assert not any(isinstance(i, (BatchesLost, PublisherRestarted)) for i in follower.items)
+        assert [seq for kind, seq in follower.kinds() if kind == "EventBatch"] == list(range(7))
+        assert follower.tree.registered() == engine_holds(engine)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_a_restarted_engine_is_concluded_from_its_replay_not_from_a_seq(ctx, engine: str) -> None:
     rec = RecordedEngine(load_capture(engine), ctx)
     await rec.start()

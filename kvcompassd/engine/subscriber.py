@@ -48,6 +48,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvcompassd.engine.kvevents import (
     EventBatch,
     KvEventError,
+    NegativeReplaySeq,
     PayloadDecoder,
     ReplayedBatch,
     ReplayEnded,
@@ -148,6 +149,7 @@ class KvEventSubscriber:
         self.odd_seqs = 0
         self.restarts = 0
         self.replay_failing = False
+        self._odd_replayed: set[int] = set()  # negative seqs seen in replays, logged once each
         self.caught_up = asyncio.Event()  # set after the start-up catch-up
 
     async def _emit(self, item: SubscriberItem) -> None:
@@ -403,6 +405,15 @@ class KvEventSubscriber:
                     reply = decode_replay_reply(frames, topic=self._topic)
                 except TimeoutError:
                     raise _ReplayFailed(f"no answer within {self._replay_timeout}s (asked from seq {start})") from None
+                except NegativeReplaySeq as exc:
+                    # The engine buffered a batch under a seq no counter of its produces, and
+                    # answers it to every replay (it is >= any start, read unsigned) until it
+                    # leaves the buffer: skip it, or every catch-up would fail meanwhile.
+                    if exc.seq not in self._odd_replayed and len(self._odd_replayed) < 64:
+                        self._odd_replayed.add(exc.seq)
+                        log.warning("skipping a replayed batch with seq %d (negative: engines count up from 0)",
+                                    exc.seq)
+                    continue
                 except KvEventError as exc:
                     raise _ReplayFailed(f"bad reply: {exc}") from None
                 if isinstance(reply, ReplayEnded):
