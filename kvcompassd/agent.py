@@ -33,7 +33,7 @@ from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected
+from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected, EngineStatusError
 from kvcompassd.engine.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -173,18 +173,7 @@ class AgentNode:
         published before the subscription are not lost: the first live batch shows a gap from
         seq 0, which the replay socket fills.
         """
-        replay = self.replay_endpoint or self.worker.kv_events_replay
-        delay = 0.05
-        while replay is None:
-            try:
-                replay = await self._replay_endpoint_from_engine()
-                if replay is None:
-                    log.warning("engine reports no replay endpoint: gaps in its event stream cannot be repaired")
-                break
-            except EngineError as exc:
-                log.info("waiting for the engine's /server_info", error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
+        replay = await self.find_replay_endpoint()
         drop = None
         if self.chaos_drop > 0:
             rng = random.Random(self.worker.id)
@@ -197,6 +186,31 @@ class AgentNode:
             raise
         except Exception:
             log.exception("kv-event subscriber failed")
+
+    async def find_replay_endpoint(self) -> str | None:
+        """The configured replay endpoint, else the one the engine's ``/server_info`` reports
+        (asked until the engine answers), else None: the stream is followed without replay.
+        An engine that answers ``/server_info`` with a 4xx has none (vLLM): waiting for it
+        would leave the worker's events unfollowed for good."""
+        replay = self.replay_endpoint or self.worker.kv_events_replay
+        delay = 0.05
+        while replay is None:
+            try:
+                replay = await self._replay_endpoint_from_engine()
+                if replay is None:
+                    log.warning("engine reports no replay endpoint: gaps in its event stream cannot be repaired")
+                break
+            except EngineStatusError as exc:
+                if 400 <= exc.status < 500:
+                    log.warning("engine has no /server_info (vLLM?) and no kv_events_replay is configured: "
+                                "gaps in its event stream cannot be repaired", status=exc.status)
+                    break
+                log.info("waiting for the engine's /server_info", error=str(exc))
+            except EngineError as exc:
+                log.info("waiting for the engine's /server_info", error=str(exc))
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+        return replay
 
     async def _replay_endpoint_from_engine(self) -> str | None:
         """SGLang's ``/server_info`` carries the ``--kv-events-config`` JSON with the replay
