@@ -257,3 +257,19 @@ def test_registrations_match_brute_force(ops: list, rnd) -> None:
         expected = brute_force(truth)
         assert t.registered() == expected
         assert registered == expected
+
+
+def test_removing_a_block_whose_children_overflow_the_detached_limit():
+    """Detaching a removed block's children trims the oldest detached blocks, which may be those
+    very children: the removal goes on (it raised "Set changed size during iteration", which
+    ended the agent's event follower for good)."""
+    tree = BlockTree("w", (16, 32), salt=b"s", page_size=16, max_detached_blocks=1)
+    tree.apply(BlockStored((1,), None, tuple(range(16)), 16))
+    for child in (2, 3, 4):
+        tree.apply(BlockStored((child,), 1, tuple(range(16 * child, 16 * child + 16)), 16))
+    assert len(tree.registered()) == 4
+    tree.apply(BlockRemoved((1,)))
+    assert tree.registered() == {}
+    assert len(tree) == 1 and tree.dropped_blocks == 2  # one detached child kept, the others dropped
+    tree.apply(BlockStored((1,), None, tuple(range(16)), 16))  # the kept child is attached again
+    assert len(tree.registered()) == 2
