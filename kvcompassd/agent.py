@@ -77,6 +77,7 @@ from kvcompassd.wire import (
 log = structlog.get_logger(__name__)
 
 ENGINE_DOWN_AFTER = 5  # consecutive failed load readings
+FOLLOW_RETRY_S = 1.0  # after the event follower failed on a bug
 SLICE_BLOCKS = 2048  # engine blocks applied between two yields to the event loop
 # CPython's full collection scans every tracked object; with a mirror of 10^5 blocks it takes
 # hundreds of ms, and while such a mirror grows the default (700, 10, 10) runs one every few
@@ -180,12 +181,23 @@ class AgentNode:
             drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
         self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop,
                                             topic=self.worker.kv_events_topic)
-        try:
-            await self.subscriber.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("kv-event subscriber failed")
+        retry = FOLLOW_RETRY_S
+        while True:
+            try:
+                await self.subscriber.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug on some engine input must not end the following for good while the
+                # agent looks healthy: the same subscriber (its position) goes on, and the
+                # index is re-registered from the mirror, whatever the failure left half-applied.
+                log.exception("kv-event follower failed; following again and re-registering the mirror")
+                self.metrics.engine_batches.labels("rejected").inc()
+                if not self._withdrawn:
+                    self._register_again()
+                await asyncio.sleep(retry)
+                retry = min(30.0, retry * 2)  # a failure that repeats must not re-register every second
 
     async def find_replay_endpoint(self) -> str | None:
         """The configured replay endpoint, else the one the engine's ``/server_info`` reports

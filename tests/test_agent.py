@@ -6,17 +6,21 @@ waited for forever."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
 import aiohttp
 import pytest
+import zmq.asyncio
 from aiohttp import web
 
 from kvcompassd import certs
 from kvcompassd.agent import AgentNode
 from kvcompassd.daemon import tls_files
+from kvcompassd.emulator.publisher import KvEventPublisher
 from kvcompassd.engine.client import EngineClient
+from kvcompassd.engine.kvevents import BlockStored
 from kvcompassd.launcher import DeploymentSpec, build_cluster
 from kvcompassd.wire import Role
 
@@ -84,3 +88,41 @@ async def test_an_engine_that_is_not_ready_is_asked_again(cluster):
 
     assert await replay_found(cluster, {"/server_info": server_info}) == "tcp://10.0.0.9:5558"
     assert not answers
+
+
+async def test_a_failure_while_applying_engine_events_does_not_end_the_following(cluster):
+    """A bug on some engine input (the block tree raising, say) is logged; the agent follows
+    the stream on from the same position, so later batches are still mirrored."""
+    cfg, tls = cluster
+    ctx = zmq.asyncio.Context()
+    pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx)
+    await pub.start()
+    worker = dataclasses.replace(cfg.workers[0], kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint)
+    agent = AgentNode(cfg, worker, tls)
+    apply, failures = agent.tree.apply, []
+
+    def apply_failing_once(event):  # fault injection: the first event raises
+        if not failures:
+            failures.append(event)
+            raise RuntimeError("injected")
+        return apply(event)
+
+    agent.tree.apply = apply_failing_once
+    pub.publish([BlockStored((1,), None, tuple(range(16)), 16)])
+    pub.publish([BlockStored((2,), None, tuple(range(100, 116)), 16)])
+    task = asyncio.create_task(agent._follow_engine_events())
+    try:
+        async with asyncio.timeout(GUARD_S):
+            while len(agent.tree) < 1 or agent.subscriber.tracker.last_applied != 1:
+                await asyncio.sleep(0.01)
+            pub.publish([BlockStored((3,), 2, tuple(range(116, 132)), 16)])  # live, after the failure
+            while len(agent.tree) < 2:
+                await asyncio.sleep(0.01)
+        assert failures and not task.done()
+        assert len(agent.tree) == 2  # blocks 2 and 3: batch 0 failed, and the following went on
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+        await agent.node.close()
+        ctx.destroy(linger=0)
