@@ -451,6 +451,28 @@ async def test_a_configured_topic_is_followed_and_others_ignored(ctx, engine: st
         await rec.close()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_engine_topic_the_config_does_not_name_is_logged_once(ctx, engine: str, caplog) -> None:
+    """The engine publishes under "kv-events" while the worker's kv_events_topic is empty (the
+    default): the empty subscription receives every batch, none is applied, one line says why."""
+    rec = RecordedEngine(load_capture(engine, "topic"), ctx)
+    rec.topic = ""  # what the follower is configured with
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=None, replay_timeout=0.2)
+    try:
+        with caplog.at_level("WARNING", logger="kvcompassd.engine.subscriber"):
+            await follower.start()
+            for i in range(7):
+                await rec.publish(i)
+            await wait_for(lambda: follower.sub.ignored_messages == 7)
+        assert follower.sub.delivered == 0 and follower.tree.registered() == {}
+        lines = [r.getMessage() for r in caplog.records if "ignoring live messages" in r.getMessage()]
+        assert len(lines) == 1 and "b'kv-events'" in lines[0] and "kv_events_topic" in lines[0]
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
 async def test_without_a_replay_socket_a_seq_going_back_is_a_restart_only_if_the_stream_continues(ctx) -> None:
     pub = ctx.socket(zmq.PUB)
     pub.bind("tcp://127.0.0.1:*")
