@@ -524,6 +524,7 @@ class AgentNode:
             "engine_replays": getattr(getattr(self, "subscriber", None), "replays", 0),
             "engine_restarts": getattr(getattr(self, "subscriber", None), "restarts", 0),
             "engine_odd_seqs": getattr(getattr(self, "subscriber", None), "odd_seqs", 0),
+            "engine_ignored_messages": getattr(getattr(self, "subscriber", None), "ignored_messages", 0),
             "engine_last_seq": getattr(getattr(getattr(self, "subscriber", None), "tracker", None), "last_applied", None),
             "blocks": len(self.tree),
             "region_vector": self.region_vector,

@@ -241,7 +241,7 @@ class BlockTree:
 
     def _store(self, event: BlockStored, touched: set[int]) -> None:
         medium = canonical_medium(event.medium)
-        lora = event.lora_id is not None or event.lora_name is not None
+        lora = event.is_lora
         hashes = event.block_hashes
         # One block per event is what the prefix cache sends: skip the generator
         blocks = ((hashes[0], event.parent_block_hash, event.token_ids),) if len(hashes) == 1 else event.blocks()
