@@ -33,7 +33,7 @@ from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected
+from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected, EngineStatusError
 from kvcompassd.engine.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -77,6 +77,7 @@ from kvcompassd.wire import (
 log = structlog.get_logger(__name__)
 
 ENGINE_DOWN_AFTER = 5  # consecutive failed load readings
+FOLLOW_RETRY_S = 1.0  # after the event follower failed on a bug
 SLICE_BLOCKS = 2048  # engine blocks applied between two yields to the event loop
 # CPython's full collection scans every tracked object; with a mirror of 10^5 blocks it takes
 # hundreds of ms, and while such a mirror grows the default (700, 10, 10) runs one every few
@@ -123,6 +124,9 @@ class AgentNode:
         self.region_vector: dict[str, float] = {}
         self.queue_ms = 0.0
         self.engine_up = False
+        # True from an engine-down withdrawal until the engine answers again: reports wait, and
+        # the answer re-registers the mirror (kept: the engine process and its cache may be fine).
+        self._withdrawn = False
         self._load_failures = 0
         self._last_reading: tuple | None = None
         self._last_report = float("-inf")
@@ -170,6 +174,36 @@ class AgentNode:
         published before the subscription are not lost: the first live batch shows a gap from
         seq 0, which the replay socket fills.
         """
+        replay = await self.find_replay_endpoint()
+        drop = None
+        if self.chaos_drop > 0:
+            rng = random.Random(self.worker.id)
+            drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
+        self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop,
+                                            topic=self.worker.kv_events_topic)
+        retry = FOLLOW_RETRY_S
+        while True:
+            try:
+                await self.subscriber.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug on some engine input must not end the following for good while the
+                # agent looks healthy: the same subscriber (its position) goes on, and the
+                # index is re-registered from the mirror, whatever the failure left half-applied.
+                log.exception("kv-event follower failed; following again and re-registering the mirror")
+                self.metrics.engine_batches.labels("rejected").inc()
+                if not self._withdrawn:
+                    self._register_again()
+                await asyncio.sleep(retry)
+                retry = min(30.0, retry * 2)  # a failure that repeats must not re-register every second
+
+    async def find_replay_endpoint(self) -> str | None:
+        """The configured replay endpoint, else the one the engine's ``/server_info`` reports
+        (asked until the engine answers), else None: the stream is followed without replay.
+        An engine that answers ``/server_info`` with a 4xx has none (vLLM): waiting for it
+        would leave the worker's events unfollowed for good."""
         replay = self.replay_endpoint or self.worker.kv_events_replay
         delay = 0.05
         while replay is None:
@@ -178,22 +212,17 @@ class AgentNode:
                 if replay is None:
                     log.warning("engine reports no replay endpoint: gaps in its event stream cannot be repaired")
                 break
+            except EngineStatusError as exc:
+                if 400 <= exc.status < 500:
+                    log.warning("engine has no /server_info (vLLM?) and no kv_events_replay is configured: "
+                                "gaps in its event stream cannot be repaired", status=exc.status)
+                    break
+                log.info("waiting for the engine's /server_info", error=str(exc))
             except EngineError as exc:
                 log.info("waiting for the engine's /server_info", error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
-        drop = None
-        if self.chaos_drop > 0:
-            rng = random.Random(self.worker.id)
-            drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
-        self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop,
-                                            topic=self.worker.kv_events_topic)
-        try:
-            await self.subscriber.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("kv-event subscriber failed")
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+        return replay
 
     async def _replay_endpoint_from_engine(self) -> str | None:
         """SGLang's ``/server_info`` carries the ``--kv-events-config`` JSON with the replay
@@ -259,6 +288,8 @@ class AgentNode:
         self.reports.add_events(events)
 
     def _send_report(self, shard: int, report: PrefixEventsReported) -> bool:
+        if self._withdrawn:
+            return False  # the re-registration when the engine is back sends the current state
         peer = self._shard_peers.get(shard)
         if peer is None or not peer.is_connected or peer.identity is None:
             return False  # the re-registration on reconnection sends the current state
@@ -284,6 +315,8 @@ class AgentNode:
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:
         if not connected or peer.identity is None or peer.identity.role != Role.MAINTENANCE:
             return
+        if self._withdrawn:
+            return  # registered once the engine answers again
         for shard, p in self._shard_peers.items():
             if p is peer:
                 self._register_with(shard, peer)
@@ -302,6 +335,8 @@ class AgentNode:
                 if not self.engine_up:
                     log.info("engine up", worker=self.worker.id)
                 self.engine_up = True
+                if self._withdrawn:
+                    self._register_again()
                 self._load_failures = 0
                 self.queue_ms = load.queue_ms
                 self.region_vector[self.worker.id] = load.queue_ms
@@ -322,15 +357,28 @@ class AgentNode:
             await asyncio.sleep(self.load_interval)
 
     def _engine_down(self, reason: str) -> None:
+        """Take the worker out of the index while its engine does not answer, but keep the
+        mirror: a busy or restarting HTTP side says nothing about the engine's cache, and the
+        event stream goes on (a really restarted engine is concluded from its replay socket,
+        which withdraws the mirror). Wiping it here lost the holdings for good, as the
+        subscriber's position stayed past the batches that had built them."""
         log.warning("engine down: withdrawing the worker from the index", worker=self.worker.id, reason=reason)
         self.engine_up = False
-        self.tree.withdraw_all()
+        self._withdrawn = True
         for peer in self._shard_peers.values():
             if peer.is_connected:
                 try:
                     peer.send_encoded(encode(WorkerWithdrawn(self.worker.id)))
                 except TransportError:
                     pass
+
+    def _register_again(self) -> None:
+        """The engine answers again after a withdrawal: a new incarnation with the mirror's
+        current state for every connected unit (others register when they connect)."""
+        self._withdrawn = False
+        for shard, peer in self._shard_peers.items():
+            if peer.is_connected and peer.identity is not None:
+                self._register_with(shard, peer)
 
     # -- messages from edges ------------------------------------------------------------------
 
@@ -476,6 +524,7 @@ class AgentNode:
             "engine_replays": getattr(getattr(self, "subscriber", None), "replays", 0),
             "engine_restarts": getattr(getattr(self, "subscriber", None), "restarts", 0),
             "engine_odd_seqs": getattr(getattr(self, "subscriber", None), "odd_seqs", 0),
+            "engine_ignored_messages": getattr(getattr(self, "subscriber", None), "ignored_messages", 0),
             "engine_last_seq": getattr(getattr(getattr(self, "subscriber", None), "tracker", None), "last_applied", None),
             "blocks": len(self.tree),
             "region_vector": self.region_vector,

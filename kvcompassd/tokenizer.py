@@ -64,11 +64,13 @@ def _message_text(messages: Sequence[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise TokenizerError(f"messages[{i}] must be an object with a string 'role'")
-        content = m.get("content", "")
+        content = m.get("content")
+        if content is None:  # an assistant turn with tool calls only: SGLang renders ""
+            content = ""
         if isinstance(content, list):
             parts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text") or not isinstance(part.get("text"), str):
                     raise TokenizerError(f"messages[{i}].content: only text parts are supported")
                 parts.append(part["text"])
             content = " ".join(parts)
@@ -159,12 +161,21 @@ class _Templated:
         self._template = compile_chat_template(template) if template else None
         self.special_tokens = special_tokens
 
-    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text Hugging Face's ``apply_chat_template(..., tokenize=False)`` gives."""
+    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    chat_completion: bool = False) -> str:
+        """The prompt text Hugging Face's ``apply_chat_template(..., tokenize=False)`` gives.
+
+        ``chat_completion``: the messages as SGLang renders a chat completion (and
+        ``/v1/tokenize`` with ``messages``): a final assistant message becomes a user message, so
+        the generation prompt always follows a user turn
+        (``serving_chat._handle_last_assistant_message``, ``continue_final_message`` false)."""
         if self._template is None:
             raise TokenizerError("the model's tokenizer has no chat template")
+        texts = _message_text(messages)
+        if chat_completion and texts[-1]["role"] == "assistant":
+            texts[-1] = {"role": "user", "content": texts[-1]["content"]}
         try:
-            return self._template.render(messages=_message_text(messages), tools=None, documents=None,
+            return self._template.render(messages=texts, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
@@ -185,7 +196,7 @@ class ByteTokenizer(_Templated):
         return bytes(i & 0xFF for i in ids).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+        return self.encode(self.render_chat(messages, chat_completion=True))
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -257,7 +268,7 @@ class HuggingFaceTokenizer(_Templated):
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         # The template already wrote the special tokens it wants.
-        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self._tok.encode(self.render_chat(messages, chat_completion=True), add_special_tokens=False).ids
 
 
 def load_tokenizer(path: str | None, chat_template_path: str | None = None) -> Tokenizer:

@@ -89,7 +89,10 @@ class RecordedEngine:
         if not withhold:
             await self._pub.send_multipart(frames)
 
-    async def send_raw(self, frames: list[bytes]) -> None:
+    async def send_raw(self, frames: list[bytes], *, buffered: bool = False) -> None:
+        """``buffered``: the engine's own thread sent it, so its replay buffer holds it too."""
+        if buffered:
+            self._buffer.append((int.from_bytes(frames[1], "big"), frames))
         await self._pub.send_multipart(frames)
 
     async def close(self) -> None:

@@ -257,3 +257,51 @@ def test_registrations_match_brute_force(ops: list, rnd) -> None:
         expected = brute_force(truth)
         assert t.registered() == expected
         assert registered == expected
+
+
+def test_removing_a_block_whose_children_overflow_the_detached_limit():
+    """Detaching a removed block's children trims the oldest detached blocks, which may be those
+    very children: the removal goes on (it raised "Set changed size during iteration", which
+    ended the agent's event follower for good)."""
+    tree = BlockTree("w", (16, 32), salt=b"s", page_size=16, max_detached_blocks=1)
+    tree.apply(BlockStored((1,), None, tuple(range(16)), 16))
+    for child in (2, 3, 4):
+        tree.apply(BlockStored((child,), 1, tuple(range(16 * child, 16 * child + 16)), 16))
+    assert len(tree.registered()) == 4
+    tree.apply(BlockRemoved((1,)))
+    assert tree.registered() == {}
+    assert len(tree) == 1 and tree.dropped_blocks == 2  # one detached child kept, the others dropped
+    tree.apply(BlockStored((1,), None, tuple(range(16)), 16))  # the kept child is attached again
+    assert len(tree.registered()) == 2
+
+
+HASHES = st.sampled_from([1, 2, 3, -5, b"x"])
+MEDIA = st.sampled_from([None, None, None, "CPU", "DISK"])
+
+
+@st.composite
+def any_event(draw):
+    """Events an engine's batch may carry, with few hashes (repeats, cycles, unknown parents)."""
+    kind = draw(st.sampled_from(["stored"] * 6 + ["removed"] * 3 + ["cleared"]))
+    if kind == "cleared":
+        return AllBlocksCleared()
+    hashes = tuple(draw(st.lists(HASHES, min_size=1, max_size=2))) if draw(st.booleans()) else (draw(HASHES),)
+    if kind == "removed":
+        return BlockRemoved(hashes, draw(MEDIA), draw(st.sampled_from([None, None, 1])))
+    size = draw(st.sampled_from([16, 16, 8]))
+    count = (len(hashes) - 1) * size + draw(st.sampled_from([size, size, size // 2]))  # mostly whole blocks
+    return BlockStored(hashes, draw(st.one_of(st.none(), HASHES, HASHES)), tuple(range(start := draw(st.sampled_from([0, 100, 200])), start + count)), size,
+                       draw(st.sampled_from([None, None, 1])), draw(MEDIA), None, draw(st.sampled_from([None, None, 1])))
+
+
+@settings(max_examples=300)
+@given(st.lists(any_event(), max_size=40), st.integers(1, 3))
+def test_any_event_sequence_applies_and_clears_without_error(events: list, max_detached: int) -> None:
+    """Whatever the engine sends (hash repeats, cycles, unknown parents, other groups, a small
+    detached limit), applying never raises, and a clear leaves nothing registered or mirrored."""
+    tree = BlockTree("w", (16, 32, 48), salt=b"s", page_size=16, max_detached_blocks=max_detached)
+    for event in events:
+        tree.apply(event)
+    assert len(tree._detached) <= max_detached
+    tree.apply(AllBlocksCleared())
+    assert tree.registered() == {} and len(tree) == 0

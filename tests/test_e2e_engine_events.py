@@ -173,6 +173,23 @@ async def test_a_topic_mismatch_is_not_followed(dep, engine):
     assert (await agent(dep))["engine_restarts"] == before["engine_restarts"]
 
 
+async def test_an_engine_whose_http_side_was_down_keeps_its_holdings(dep, engine):
+    # The agent takes the worker out of the index while its engine does not answer; the engine
+    # process (its cache, its event stream) is unchanged, so its holdings come back with it.
+    await index_equals_engine(dep, engine)
+    expected = engine_holds(dep, engine)
+    engine.http_unavailable = True
+    try:
+        await eventually(lambda: _agent_field(dep, "engine_up", lambda up: not up), timeout=30)
+        assert await holders_of(dep, expected) == {}  # withdrawn while it cannot serve
+    finally:
+        engine.http_unavailable = False
+    await eventually(lambda: _agent_field(dep, "engine_up", bool), timeout=30)
+    await index_equals_engine(dep, engine)
+    await prompts(engine, range(600, 603))  # and what it caches next is indexed on top
+    await index_equals_engine(dep, engine)
+
+
 async def _agent_field(dep, name, check) -> bool:
     try:
         return check((await agent(dep))[name])

@@ -364,6 +364,34 @@ async def test_odd_sequence_numbers_withdraw_nothing(ctx, engine: str) -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_negative_seq_in_the_engines_buffer_does_not_stop_replays(ctx, engine: str) -> None:
+    """An engine that published a batch under a seq reading negative answers it to every later
+    replay (it is above any start, read unsigned): that one reply is skipped, the rest applied."""
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=None)
+    try:
+        await follower.start()
+        for i in range(3):
+            await rec.publish(i)
+        await settle(follower, 2)
+        topic, _, payload = rec.live[1]
+        await rec.send_raw([topic, ((1 << 63) + 5).to_bytes(8, "big"), payload], buffered=True)
+        await wait_for(lambda: follower.sub.odd_seqs == 1)
+        await rec.publish(3, withhold=True)  # lost live: the gap 4 reveals needs the replay
+        for i in (4, 5, 6):
+            await rec.publish(i)
+        await settle(follower, 6)
+        assert not follower.sub.replay_failing
+        assert not any(isinstance(i, (BatchesLost, PublisherRestarted)) for i in follower.items)
+        assert [seq for kind, seq in follower.kinds() if kind == "EventBatch"] == list(range(7))
+        assert follower.tree.registered() == engine_holds(engine)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_a_restarted_engine_is_concluded_from_its_replay_not_from_a_seq(ctx, engine: str) -> None:
     rec = RecordedEngine(load_capture(engine), ctx)
     await rec.start()
@@ -418,6 +446,28 @@ async def test_a_configured_topic_is_followed_and_others_ignored(ctx, engine: st
             await rec.publish(i)
         await settle(follower, 6)
         assert follower.tree.registered() == engine_holds(engine)
+    finally:
+        await follower.stop()
+        await rec.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_engine_topic_the_config_does_not_name_is_logged_once(ctx, engine: str, caplog) -> None:
+    """The engine publishes under "kv-events" while the worker's kv_events_topic is empty (the
+    default): the empty subscription receives every batch, none is applied, one line says why."""
+    rec = RecordedEngine(load_capture(engine, "topic"), ctx)
+    rec.topic = ""  # what the follower is configured with
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=None, replay_timeout=0.2)
+    try:
+        with caplog.at_level("WARNING", logger="kvcompassd.engine.subscriber"):
+            await follower.start()
+            for i in range(7):
+                await rec.publish(i)
+            await wait_for(lambda: follower.sub.ignored_messages == 7)
+        assert follower.sub.delivered == 0 and follower.tree.registered() == {}
+        lines = [r.getMessage() for r in caplog.records if "ignoring live messages" in r.getMessage()]
+        assert len(lines) == 1 and "b'kv-events'" in lines[0] and "kv_events_topic" in lines[0]
     finally:
         await follower.stop()
         await rec.close()

@@ -70,16 +70,56 @@ def test_chat_templates_render_as_hugging_face_apply_chat_template(bpe, bpe_alt)
         tok = bpe_alt if case["alt_template"] else bpe
         text = tok.render_chat(case["messages"], add_generation_prompt=case["add_generation_prompt"])
         assert text == case["text"]
-        if case["add_generation_prompt"]:  # what a chat completion (and SGLang's /v1/tokenize) runs
+        if case["add_generation_prompt"] and case["messages"][-1]["role"] != "assistant":
+            # what a chat completion (and SGLang's /v1/tokenize) runs, on a chat ending on a user turn
             assert tok.apply_chat_template(case["messages"]) == case["ids"]
+
+
+def test_a_chat_ending_with_an_assistant_message_is_rendered_as_sglang_does(bpe, bpe_alt):
+    """SGLang turns a final assistant message into a user one before rendering a chat completion
+    or /v1/tokenize's messages (serving_chat._handle_last_assistant_message): the edge's ids must
+    be the ones the engine would compute for the same chat."""
+    ending = [c for c in REFERENCE["chats"] if c["messages"][-1]["role"] == "assistant"]
+    assert ending
+    for case in ending:
+        tok = bpe_alt if case["alt_template"] else bpe
+        as_user = [*case["messages"][:-1], {"role": "user", "content": case["messages"][-1]["content"]}]
+        try:
+            expected = tok.encode(tok.render_chat(as_user), add_special_tokens=False)
+        except TokenizerError as exc:  # the config's template refuses two user turns in a row
+            with pytest.raises(TokenizerError, match=str(exc)[-40:]):
+                tok.apply_chat_template(case["messages"])
+            continue
+        assert tok.apply_chat_template(case["messages"]) == expected
+        assert tok.apply_chat_template(case["messages"]) != case["ids"]  # not Hugging Face's own
+    # a lone assistant message: Hugging Face's rendering refuses it (the reference), SGLang's passes
+    lone = [{"role": "assistant", "content": "first"}]
+    assert bpe.apply_chat_template(lone) == bpe.apply_chat_template([{"role": "user", "content": "first"}])
+    byte = ByteTokenizer()
+    assert byte.decode(byte.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])) \
+        .endswith("user<|end_header_id|>\n\na<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_null_content_and_input_text_parts_are_rendered_as_sglang_does():
+    """An assistant turn with only tool calls has content null (SGLang renders ""); the Responses
+    API's "input_text" parts are text parts to SGLang."""
+    tok = ByteTokenizer()
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}, {"role": "user", "content": "r"}]
+    empty = [chat[0], {"role": "assistant", "content": ""}, chat[2]]
+    assert tok.apply_chat_template(chat) == tok.apply_chat_template(empty)
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "a b"}])
 
 
 def test_raise_exception_in_a_template_is_a_request_error(bpe):
     assert REFERENCE["failing_chats"]
     for case in REFERENCE["failing_chats"]:
         with pytest.raises(TokenizerError) as err:
-            bpe.apply_chat_template(case["messages"])
+            bpe.render_chat(case["messages"])  # Hugging Face's rendering, as the reference ran it
         assert case["error"] in str(err.value)
+        if case["messages"][-1]["role"] != "assistant":  # SGLang would render that one as a user turn
+            with pytest.raises(TokenizerError, match=case["error"][:30]):
+                bpe.apply_chat_template(case["messages"])
 
 
 def test_templates_run_sandboxed(tmp_path):

@@ -150,6 +150,22 @@ async def test_emulated_worker_serves_sglangs_tokenize_routes():
             assert (await post("/v1/tokenize", {"messages": chat["messages"]}))["tokens"] == chat["ids"]
             await post("/v1/tokenize", {"prompt": 7}, status=400)
             await post("/v1/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, status=400)
+            # SGLang's TokenizeRequest: exactly one of prompt and messages; its refusals are the
+            # flat OpenAI ErrorResponse (serving_base.create_error_response)
+            for both_or_none in ({"prompt": "a", "messages": chat["messages"]}, {}):
+                assert await post("/v1/tokenize", both_or_none, status=400) == {
+                    "object": "error", "message": "Exactly one of 'prompt' or 'messages' must be provided.",
+                    "type": "BadRequestError", "param": None, "code": 400}
+            # add_generation_prompt given: the messages rendered as given, with it (Hugging Face's
+            # apply_chat_template(tokenize=True)); a final assistant turn is not made a user one
+            for given in (c for c in REFERENCE["chats"] if not c["alt_template"]):
+                body = {"messages": given["messages"], "add_generation_prompt": given["add_generation_prompt"]}
+                assert (await post("/v1/tokenize", body))["tokens"] == given["ids"]
+            ending = next(c for c in REFERENCE["chats"] if not c["alt_template"]
+                          and c["messages"][-1]["role"] == "assistant")
+            # without it, as a chat completion: user, user -- which this template refuses
+            refused = await post("/v1/tokenize", {"messages": ending["messages"]}, status=400)
+            assert "Conversation roles must alternate" in refused["message"]
             assert await post("/v1/detokenize", {"tokens": case["ids"]}) == {"text": case["text"]}
             assert await post("/detokenize", {"tokens": [[], case["ids"]]}) == {"text": ["", case["text"]]}
             async with s.get(worker.http_url + "/model_info") as r:

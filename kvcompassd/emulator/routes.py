@@ -353,25 +353,53 @@ async def chat_completions(engine: EmulatedEngine, request: web.Request) -> web.
     return await _openai(engine, request, chat=True)
 
 
+def _openai_error(message: str) -> web.Response:
+    """SGLang's OpenAI-route error (``ErrorResponse``, flat; ``/generate``'s is nested)."""
+    return web.json_response({"object": "error", "message": message, "type": "BadRequestError", "param": None,
+                              "code": 400}, status=400)
+
+
+def _tokenize_chat(engine: EmulatedEngine, body: dict[str, Any]) -> list[int]:
+    """``messages`` as SGLang's ``OpenAIServingTokenize._tokenize_chat_request`` renders them:
+    without ``add_generation_prompt``, as for a chat completion (a final assistant message
+    becomes a user turn); with it, as given, encoded with ``add_special_tokens`` only if the
+    request sets it (``TokenizeRequest.to_chat_completion_request``)."""
+    generation = body.get("add_generation_prompt")
+    if body.get("continue_final_message"):
+        raise BadRequest("continue_final_message is not supported by the emulated worker")
+    if generation is None:
+        return chat_tokens(engine, body["messages"])
+    if not isinstance(generation, bool):
+        raise BadRequest("add_generation_prompt must be a boolean")
+    text = engine.tokenizer.render_chat(body["messages"], add_generation_prompt=generation)  # type: ignore[attr-defined]
+    return engine.tokenizer.encode(text, add_special_tokens=body.get("add_special_tokens") is True)
+
+
 async def tokenize(engine: EmulatedEngine, request: web.Request) -> web.Response:
-    """SGLang's ``/v1/tokenize``: ``{"prompt": str | [str]}`` or ``{"messages": [...]}`` ->
-    ``{"tokens", "count", "max_model_len"}`` (``serving_tokenize.OpenAIServingTokenize``)."""
-    body = await _body(request)
-    special = body.get("add_special_tokens", True)
-    if not isinstance(special, bool):
-        raise BadRequest("add_special_tokens must be a boolean")
-    messages, prompt = body.get("messages"), body.get("prompt")
-    if messages is not None:
-        tokens: list = chat_tokens(engine, messages)
-        count: Any = len(tokens)
-    elif isinstance(prompt, str):
-        tokens = engine.tokenizer.encode(prompt, add_special_tokens=special)
-        count = len(tokens)
-    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        tokens = [engine.tokenizer.encode(p, add_special_tokens=special) for p in prompt]
-        count = [len(t) for t in tokens]
-    else:
-        raise BadRequest(f"Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
+    """SGLang's ``/v1/tokenize``: ``{"prompt": str | [str]}`` or ``{"messages": [...]}`` (exactly
+    one) -> ``{"tokens", "count", "max_model_len"}`` (``serving_tokenize.OpenAIServingTokenize``);
+    refusals in SGLang's flat OpenAI error shape."""
+    try:
+        body = await _body(request)
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise BadRequest("add_special_tokens must be a boolean")
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if (messages is None) == (prompt is None):
+            raise BadRequest("Exactly one of 'prompt' or 'messages' must be provided.")
+        if messages is not None:
+            tokens: list = _tokenize_chat(engine, body)
+            count: Any = len(tokens)
+        elif isinstance(prompt, str):
+            tokens = engine.tokenizer.encode(prompt, add_special_tokens=special)
+            count = len(tokens)
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            tokens = [engine.tokenizer.encode(p, add_special_tokens=special) for p in prompt]
+            count = [len(t) for t in tokens]
+        else:
+            raise BadRequest(f"Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
+    except (BadRequest, TokenizerError) as exc:
+        return _openai_error(str(exc))
     return web.json_response({"tokens": tokens, "count": count, "max_model_len": context_length(engine)})
 
 

@@ -438,6 +438,9 @@ class EmulatedWorker:
         self.publisher: KvEventPublisher | None = None
         self._runner: web.AppRunner | None = None
         self.http_url = ""
+        # Fault injection: every route answers 503, as an engine whose HTTP side is down or
+        # stuck while its scheduler (and event stream, and cache) carries on.
+        self.http_unavailable = False
 
     async def start(self) -> None:
         s = self.settings
@@ -452,6 +455,14 @@ class EmulatedWorker:
         from kvcompassd.emulator.routes import build_app  # the HTTP layer imports this module
 
         app = build_app(self.engine)
+
+        @web.middleware
+        async def unavailable(request: web.Request, handler):
+            if self.http_unavailable:
+                return web.Response(status=503, text="unavailable (fault injection)")
+            return await handler(request)
+
+        app.middlewares.append(unavailable)
         # handler_cancellation: a client that disconnects cancels its request, as in SGLang.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
         await self._runner.setup()

@@ -241,7 +241,7 @@ class BlockTree:
 
     def _store(self, event: BlockStored, touched: set[int]) -> None:
         medium = canonical_medium(event.medium)
-        lora = event.lora_id is not None or event.lora_name is not None
+        lora = event.is_lora
         hashes = event.block_hashes
         # One block per event is what the prefix cache sends: skip the generator
         blocks = ((hashes[0], event.parent_block_hash, event.token_ids),) if len(hashes) == 1 else event.blocks()
@@ -284,8 +284,11 @@ class BlockTree:
             # Gone from every medium: its descendants stay mirrored but detached, waiting
             # for the block to be stored again.
             if block.attached:
-                for child_hash in self._children.get(block_hash, ()):
-                    self._detach_subtree(self._blocks[child_hash], touched)
+                # a copy: detaching trims the oldest detached blocks, which may be these children
+                for child_hash in list(self._children.get(block_hash, ())):
+                    child = self._blocks.get(child_hash)
+                    if child is not None:
+                        self._detach_subtree(child, touched)
                 self._withdraw_anchors(block, touched)
             self._forget(block)
 

@@ -63,6 +63,14 @@ CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
 MAX_ERROR_MESSAGE = 1000  # characters of an engine's error message passed on
 
 
+class EngineStatusError(EngineError):
+    """The engine answered, with an HTTP status other than 200 (``status``)."""
+
+    def __init__(self, what: str, status: int):
+        super().__init__(f"{what} answered HTTP {status}")
+        self.status = status
+
+
 def error_message(body: str) -> str:
     """The message of an engine's error body: SGLang's ``{"error": {"message": ...}}`` (or a
     bare string under ``error``), FastAPI's ``{"detail": ...}``, else the text itself."""
@@ -146,7 +154,7 @@ class EngineClient:
         try:
             async with self.session.get(f"{self.base}/server_info") as resp:
                 if resp.status != 200:
-                    raise EngineError(f"/server_info answered HTTP {resp.status}")
+                    raise EngineStatusError("/server_info", resp.status)
                 return await resp.json(content_type=None)
         except (aiohttp.ClientError, ValueError) as exc:
             raise EngineError(f"server info failed: {exc}") from exc

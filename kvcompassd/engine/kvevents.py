@@ -58,6 +58,15 @@ class KvEventError(ValueError):
     """A KV-event message (or replay frame) from the engine is malformed."""
 
 
+class NegativeReplaySeq(KvEventError):
+    """A replay reply whose seq reads negative (and is not the end marker): one buffered batch
+    no engine counter produces. The rest of the replay is still good."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(f"replay reply has negative seq {seq}")
+        self.seq = seq
+
+
 class StorageTier(enum.IntEnum):
     """Where a block lives, ordered so that ``max`` is the worst tier of a path."""
 
@@ -650,7 +659,7 @@ def decode_replay_reply(frames: Sequence[bytes], *, topic: bytes | None = None) 
     if seq == END_SEQ:
         return ReplayEnded()
     if seq < 0:
-        raise KvEventError(f"replay reply has negative seq {seq}")
+        raise NegativeReplaySeq(seq)
     if topic is not None and bytes(frames[1]) != topic:
         raise KvEventError(f"replay reply on topic {bytes(frames[1])!r} (want {topic!r})")
     return ReplayedBatch(seq=seq, payload=bytes(frames[3]))

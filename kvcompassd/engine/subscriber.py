@@ -48,6 +48,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvcompassd.engine.kvevents import (
     EventBatch,
     KvEventError,
+    NegativeReplaySeq,
     PayloadDecoder,
     ReplayedBatch,
     ReplayEnded,
@@ -148,6 +149,9 @@ class KvEventSubscriber:
         self.odd_seqs = 0
         self.restarts = 0
         self.replay_failing = False
+        self.ignored_messages = 0  # live messages on another topic or with another frame count
+        self._ignored_kinds: set[tuple[int, bytes]] = set()
+        self._odd_replayed: set[int] = set()  # negative seqs seen in replays, logged once each
         self.caught_up = asyncio.Event()  # set after the start-up catch-up
 
     async def _emit(self, item: SubscriberItem) -> None:
@@ -215,8 +219,14 @@ class KvEventSubscriber:
 
     async def handle_live(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[0] != self._topic:
-            log.warning("ignoring a live message of %d frames on topic %r (want %r)", len(frames),
-                        frames[0] if frames else b"", self._topic)
+            # An empty subscription receives every topic: a misconfigured topic would otherwise
+            # log every batch the engine publishes. Once per (frame count, topic) is enough.
+            seen = (len(frames), bytes(frames[0][:256]) if frames else b"")
+            self.ignored_messages += 1
+            if seen not in self._ignored_kinds and len(self._ignored_kinds) < 16:
+                self._ignored_kinds.add(seen)
+                log.warning("ignoring live messages of %d frames on topic %r (want %r: the worker's kv_events_topic "
+                            "must be the engine's topic)", seen[0], seen[1], self._topic)
             return
         try:
             seq = decode_seq(frames[1])
@@ -403,6 +413,15 @@ class KvEventSubscriber:
                     reply = decode_replay_reply(frames, topic=self._topic)
                 except TimeoutError:
                     raise _ReplayFailed(f"no answer within {self._replay_timeout}s (asked from seq {start})") from None
+                except NegativeReplaySeq as exc:
+                    # The engine buffered a batch under a seq no counter of its produces, and
+                    # answers it to every replay (it is >= any start, read unsigned) until it
+                    # leaves the buffer: skip it, or every catch-up would fail meanwhile.
+                    if exc.seq not in self._odd_replayed and len(self._odd_replayed) < 64:
+                        self._odd_replayed.add(exc.seq)
+                        log.warning("skipping a replayed batch with seq %d (negative: engines count up from 0)",
+                                    exc.seq)
+                    continue
                 except KvEventError as exc:
                     raise _ReplayFailed(f"bad reply: {exc}") from None
                 if isinstance(reply, ReplayEnded):

@@ -1,0 +1,128 @@
+"""The agent's discovery of its engine's replay socket, against real HTTP servers answering as
+SGLang (``/server_info`` with the ``--kv-events-config`` JSON) and vLLM (no ``/server_info``)
+do. A vLLM worker without ``kv_events_replay`` must still be followed (without replay), not
+waited for forever."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+import zmq.asyncio
+from aiohttp import web
+
+from kvcompassd import certs
+from kvcompassd.agent import AgentNode
+from kvcompassd.daemon import tls_files
+from kvcompassd.emulator.publisher import KvEventPublisher
+from kvcompassd.engine.client import EngineClient
+from kvcompassd.engine.kvevents import BlockStored
+from kvcompassd.launcher import DeploymentSpec, build_cluster
+from kvcompassd.wire import Role
+
+GUARD_S = 30.0  # hang guard only
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cfg = build_cluster(DeploymentSpec(workers={"us": 1}, one_way_ms={}, wan=False))
+    tmp = tmp_path_factory.mktemp("agent-tls")
+    certs.init_ca(Path(tmp), cluster_name=cfg.name)
+    certs.issue(Path(tmp), Path(tmp), role=Role.AGENT, node_id=cfg.workers[0].id)
+    return cfg, tls_files(str(tmp), cfg.workers[0].id)
+
+
+async def serve(routes: dict) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def replay_found(cluster, routes: dict) -> str | None:
+    cfg, tls = cluster
+    agent = AgentNode(cfg, cfg.workers[0], tls)
+    runner, url = await serve(routes)
+    try:
+        async with aiohttp.ClientSession() as session:
+            agent.engine = EngineClient(url, session)
+            async with asyncio.timeout(GUARD_S):
+                return await agent.find_replay_endpoint()
+    finally:
+        await runner.cleanup()
+        await agent.node.close()
+
+
+async def test_sglang_reports_its_replay_endpoint_in_server_info(cluster):
+    async def server_info(_):  # SGLang: server_args.kv_events_config is the JSON string given
+        config = {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+        return web.json_response({"kv_events_config": json.dumps(config), "version": "0.5.23"})
+
+    host = cluster[0].workers[0].kv_events.removeprefix("tcp://").rsplit(":", 1)[0]
+    assert await replay_found(cluster, {"/server_info": server_info}) == f"tcp://{host}:5558"
+
+
+async def test_an_engine_without_server_info_is_followed_without_replay(cluster):
+    # vLLM serves no /server_info: aiohttp's router answers 404, as vLLM's FastAPI app does
+    async def models(_):
+        return web.json_response({"object": "list", "data": []})
+
+    assert await replay_found(cluster, {"/v1/models": models}) is None
+
+
+async def test_an_engine_that_is_not_ready_is_asked_again(cluster):
+    answers = [web.Response(status=503), web.Response(status=503)]
+
+    async def server_info(_):
+        if answers:
+            return answers.pop()
+        return web.json_response({"kv_events_config": json.dumps({"replay_endpoint": "tcp://10.0.0.9:5558"})})
+
+    assert await replay_found(cluster, {"/server_info": server_info}) == "tcp://10.0.0.9:5558"
+    assert not answers
+
+
+async def test_a_failure_while_applying_engine_events_does_not_end_the_following(cluster):
+    """A bug on some engine input (the block tree raising, say) is logged; the agent follows
+    the stream on from the same position, so later batches are still mirrored."""
+    cfg, tls = cluster
+    ctx = zmq.asyncio.Context()
+    pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx)
+    await pub.start()
+    worker = dataclasses.replace(cfg.workers[0], kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint)
+    agent = AgentNode(cfg, worker, tls)
+    apply, failures = agent.tree.apply, []
+
+    def apply_failing_once(event):  # fault injection: the first event raises
+        if not failures:
+            failures.append(event)
+            raise RuntimeError("injected")
+        return apply(event)
+
+    agent.tree.apply = apply_failing_once
+    pub.publish([BlockStored((1,), None, tuple(range(16)), 16)])
+    pub.publish([BlockStored((2,), None, tuple(range(100, 116)), 16)])
+    task = asyncio.create_task(agent._follow_engine_events())
+    try:
+        async with asyncio.timeout(GUARD_S):
+            while len(agent.tree) < 1 or agent.subscriber.tracker.last_applied != 1:
+                await asyncio.sleep(0.01)
+            pub.publish([BlockStored((3,), 2, tuple(range(116, 132)), 16)])  # live, after the failure
+            while len(agent.tree) < 2:
+                await asyncio.sleep(0.01)
+        assert failures and not task.done()
+        assert len(agent.tree) == 2  # blocks 2 and 3: batch 0 failed, and the following went on
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+        await agent.node.close()
+        ctx.destroy(linger=0)
