@@ -272,3 +272,11 @@ async def test_suspicion_ends_when_the_worker_is_back(pki, edge):
     edge.worker_back("a-0", "agent connected")
     assert edge.suspects.current(now=0.0) == set()
     edge.worker_back("nobody", "unknown workers are ignored")
+
+
+async def test_no_eligible_worker_left_is_a_503_that_names_it(pki, edge):
+    for index in range(len(edge.router.layout.worker_ids)):
+        edge.router.withhold(index)
+    with pytest.raises(ForwardError) as failure:
+        await run(edge)
+    assert failure.value.status == 503 and "no eligible worker" in str(failure.value)
