@@ -221,3 +221,27 @@ def test_any_bytes_give_events_never_exceptions(chunks: list[bytes], end: bool) 
             if isinstance(event, FrameRejected):
                 assert isinstance(replies(event.frame)[0], ErrorReported)
     assert len(protocol.incoming) <= 4
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 4, 8]), st.integers(1, 3)), min_size=1, max_size=30),
+       st.data())
+def test_each_exchange_gets_its_own_messages_in_order_however_streams_interleave_and_split(sends, data) -> None:
+    protocol = client()
+    for stream_id in (0, 4, 8):
+        for exchange in (1, 2, 3):
+            protocol.register_outgoing(stream_id, exchange, (stream_id, exchange))
+    pending = {0: bytearray(), 4: bytearray(), 8: bytearray()}
+    expected: dict[tuple[int, int], list] = {}
+    for i, (stream_id, exchange) in enumerate(sends):
+        pending[stream_id] += encode_frame(exchange, encode(chunk(i)))
+        expected.setdefault((stream_id, exchange), []).append(chunk(i))
+    got: dict[tuple[int, int], list] = {}
+    while any(pending.values()):
+        stream_id = data.draw(st.sampled_from([s for s, b in pending.items() if b]))
+        size = data.draw(st.integers(1, len(pending[stream_id])))
+        piece, pending[stream_id] = bytes(pending[stream_id][:size]), pending[stream_id][size:]
+        for event in feed(protocol, stream_id, piece):
+            assert isinstance(event, ExchangeMessageReceived) and not event.incoming
+            got.setdefault(event.exchange, []).append(event.message)
+    assert got == expected
