@@ -101,12 +101,22 @@ async def serve_until_signalled(mode: Mode, *, on_reload: Callable[[], Awaitable
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()  # kept: the loop holds tasks weakly
+
+    def start_reload() -> None:
+        task = loop.create_task(on_reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     if on_reload is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(on_reload()))
+        loop.add_signal_handler(signal.SIGHUP, start_reload)
     await mode.start()
     notify(f"READY=1\nSTATUS={mode.status()}")
     log.info("ready", status=mode.status())
     await stop.wait()
     notify("STOPPING=1")
     log.info("stopping")
+    for task in reloads:  # a reload still running would touch a node being closed
+        task.cancel()
+    await asyncio.gather(*reloads, return_exceptions=True)
     await mode.stop()

@@ -146,6 +146,9 @@ class EdgeNode:
             t.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
+        forwarder = getattr(self, "forwarder", None)  # None when start() failed before making it
+        if forwarder is not None:
+            await forwarder.close()
         await self._http.close()
         await self.node.close()
 

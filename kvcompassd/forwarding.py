@@ -18,7 +18,9 @@ import aiohttp
 import numpy as np
 import structlog
 
+from kvcompassd.core.layout import UnknownWorkerError
 from kvcompassd.core.router import ForwardDecided, Router
+from kvcompassd.core.score import NoEligibleWorkerError
 from kvcompassd.engine.client import (
     EngineClient,
     EngineError,
@@ -200,6 +202,15 @@ class Forwarder:
         self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
         self._remote_workers = {i for i, r in enumerate(router.worker_regions) if r != router.region}
         self.migrations: list[dict] = []  # recent, for kvcompassctl
+        # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        """Cancel the migration requests still being sent (the edge is stopping)."""
+        sending, self._sending = self._sending, set()
+        for task in sending:
+            task.cancel()
+        await asyncio.gather(*sending, return_exceptions=True)
 
     def first_token_timeout(self, expected_ms: float) -> float:
         """How long an attempt may take to its first token: a multiple of what the score
@@ -210,7 +221,7 @@ class Forwarder:
         """The worker's agent reconnected, or its load readings resumed: stop avoiding it."""
         try:
             index = self.router.layout.worker_index(worker_id)
-        except (KeyError, ValueError):
+        except UnknownWorkerError:
             return
         if self.suspects.back(index, now=self.clock()):
             log.info("worker back: no longer avoided", worker=worker_id, why=why)
@@ -226,7 +237,7 @@ class Forwarder:
 
     def _decide(self, req: ForwardRequest, excluded: set[int], stay_home: bool) -> ForwardDecided:
         """The best worker not yet tried, preferring reachable, unsuspected ones (and, with
-        ``stay_home``, the edge's own region); ValueError if none is left."""
+        ``stay_home``, the edge's own region); NoEligibleWorkerError if none is left."""
         now = self.clock()
         avoided = self.unreachable() | self.suspects.current(now=now)
         if stay_home:
@@ -235,7 +246,7 @@ class Forwarder:
         if avoided:
             try:
                 return self.router.decide(req.tokens, now=now, exclude=excluded | avoided)
-            except ValueError:
+            except NoEligibleWorkerError:
                 pass  # only avoided workers left: try them (one may have come back)
         return self.router.decide(req.tokens, now=now, exclude=excluded)
 
@@ -247,7 +258,7 @@ class Forwarder:
             t0 = time.perf_counter()
             try:
                 decision = self._decide(req, excluded, stay_home)
-            except ValueError as exc:  # no eligible worker left
+            except NoEligibleWorkerError as exc:
                 reasons.append(str(exc))
                 break
             decision_us = (time.perf_counter() - t0) * 1e6
@@ -438,10 +449,19 @@ class Forwarder:
             destination_worker=plan.destination_worker,
             mode=plan.mode,
         )
-        asyncio.ensure_future(peer.send(message))
+        task = asyncio.get_running_loop().create_task(self._send_migration(peer, message))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
         record["sent"] = True
         self.metrics.migrations.labels(plan.mode).inc()
         log.info("migration requested", **record)
+
+    @staticmethod
+    async def _send_migration(peer: Peer, message: MigrationRequested) -> None:
+        try:
+            await peer.send(message)
+        except TransportError as exc:  # a lost hint: the request itself is served regardless
+            log.warning("migration request not delivered", request_id=message.request_id, error=str(exc))
 
 
 def _served(cached: int, prompt: int, completion: int, finish: str, queue_vector=()) -> GenerationFinished:

@@ -87,8 +87,8 @@ class BodyBudget:
     ordinary small requests.
 
     glibc keeps freed body buffers in its heap, which the small reads around them fragment, so
-    an edge that had a budget's worth of bodies would keep that RSS for good (measured: +50 MB
-    after an attack of 40 slow uploads had ended); after every ``TRIM_AFTER_BYTES`` released, at
+    an edge that had a budget's worth of bodies would keep that RSS for good (the measurement:
+    ``docs/design-history.md``); after every ``TRIM_AFTER_BYTES`` released, at
     most once a second or when no body is left, the free heap is handed back with ``malloc_trim``."""
 
     TRIM_AFTER_BYTES = 8 << 20

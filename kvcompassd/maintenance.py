@@ -12,6 +12,7 @@ shard is rebuilt without any state on disk.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -103,6 +104,8 @@ class MaintenanceNode:
         self.metrics.watch_position(lambda: [(self.me.shard, self.epoch, self.shard.seq)])
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
+        self._grace_timers: dict[int, asyncio.TimerHandle] = {}  # pending withdrawals, cancelled by stop()
+        self._grace_ids = itertools.count()
         self.address: tuple[str, int] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -114,6 +117,9 @@ class MaintenanceNode:
 
     async def stop(self) -> None:
         self._batches.cancel()
+        for timer in self._grace_timers.values():
+            timer.cancel()
+        self._grace_timers.clear()
         await self.node.close()
 
     def status(self) -> str:
@@ -133,9 +139,12 @@ class MaintenanceNode:
             # (room for a reconnection) its worker's entries leave the index.
             stream = self.workers[node_id]
             incarnation = stream.incarnation
-            asyncio.get_running_loop().call_later(self.agent_grace_s, self._withdraw_if_gone, node_id, incarnation)
+            timer_id = next(self._grace_ids)
+            self._grace_timers[timer_id] = asyncio.get_running_loop().call_later(
+                self.agent_grace_s, self._withdraw_if_gone, node_id, incarnation, timer_id)
 
-    def _withdraw_if_gone(self, worker: str, incarnation: int) -> None:
+    def _withdraw_if_gone(self, worker: str, incarnation: int, timer_id: int) -> None:
+        self._grace_timers.pop(timer_id, None)
         stream = self.workers.get(worker)
         connected = any(p.identity is not None and p.identity.node_id == worker and p.is_connected
                         for p in self.node.peers)

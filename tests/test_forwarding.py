@@ -12,6 +12,7 @@ Deadlines here are parameters of the path under test, not assertions on time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import numpy as np
@@ -25,6 +26,7 @@ from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.migration import MODES, MigrationPlanned
 from kvcompassd.core.router import Router
 from kvcompassd.forwarding import (
     ForwardError,
@@ -35,6 +37,7 @@ from kvcompassd.forwarding import (
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import QuicNode, TransportOptions
 from kvcompassd.wire import (
+    MigrationRequested,
     NodeIdentity,
     RequestForwarded,
     RequestRejected,
@@ -65,11 +68,14 @@ class Agent:
     def __init__(self, pki, worker: str, behaviour: str):
         self.worker, self.behaviour = worker, behaviour
         self.received: list[str] = []
+        self.migrations: asyncio.Queue[MigrationRequested] = asyncio.Queue()
         self.aborted = asyncio.Event()
         self.node = QuicNode(NodeIdentity(Role.AGENT, worker), pki[worker], on_message=self._on_message,
                              options=TransportOptions(idle_timeout=10.0))
 
     async def _on_message(self, peer, message, channel) -> None:
+        if isinstance(message, MigrationRequested):
+            self.migrations.put_nowait(message)
         if not isinstance(message, RequestForwarded):
             return
         self.received.append(message.request_id)
@@ -272,3 +278,40 @@ async def test_suspicion_ends_when_the_worker_is_back(pki, edge):
     edge.worker_back("a-0", "agent connected")
     assert edge.suspects.current(now=0.0) == set()
     edge.worker_back("nobody", "unknown workers are ignored")
+
+
+async def test_no_eligible_worker_left_is_a_503_that_names_it(pki, edge):
+    for index in range(len(edge.router.layout.worker_ids)):
+        edge.router.withhold(index)
+    with pytest.raises(ForwardError) as failure:
+        await run(edge)
+    assert failure.value.status == 503 and "no eligible worker" in str(failure.value)
+
+
+
+def migrating_decision(forwarder, tokens, destination: str):
+    """A real decision for ``tokens``, with a migration plan onto ``destination`` added."""
+    decision = forwarder.router.decide(tokens, now=0.0)
+    source = next(w for w in forwarder.router.layout.worker_ids if w != destination)
+    plan = MigrationPlanned(family_key=1, prefix_len=8, source_worker=source, destination_worker=destination,
+                            mode=MODES[0])
+    return dataclasses.replace(decision, migration=plan)
+
+
+async def test_a_migration_request_is_sent_in_the_background_and_reaches_its_agent(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "serve", "a-1": "serve"})
+    tokens = np.arange(1, 40, dtype=np.uint32)
+    edge._start_migration(ForwardRequest("m1", tokens, {}, True), migrating_decision(edge, tokens, "a-1"))
+    async with asyncio.timeout(GUARD_S):
+        sent = await agents["a-1"].migrations.get()
+    assert (sent.request_id, sent.destination_worker, sent.input_ids) == ("m1", "a-1", tuple(range(1, 9)))
+    assert edge.migrations[-1]["sent"] is True
+
+
+async def test_closing_the_forwarder_cancels_the_migration_requests_still_being_sent(pki, edge):
+    await start_agents(pki, edge, {"a-0": "serve", "a-1": "serve"})
+    tokens = np.arange(1, 40, dtype=np.uint32)
+    edge._start_migration(ForwardRequest("m1", tokens, {}, True), migrating_decision(edge, tokens, "a-1"))
+    [task] = edge._sending
+    await edge.close()
+    assert task.cancelled() and not edge._sending

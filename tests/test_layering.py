@@ -4,6 +4,8 @@ ones inside functions included), and what importing every module of a layer real
 - ``kvcompassd.core`` (the sans-IO discovery plane) imports nothing of the project outside it.
 - ``kvcompassd.sim`` never reaches the transport (QUIC, sockets): it drives the core directly.
 - ``kvcompassd.wire`` (messages and their codec) never reaches the transport either.
+- The transport's sans-IO modules (``framing``, ``protocol``) import no I/O: no asyncio, sockets,
+  aioquic, nor the transport's asyncio modules.
 """
 
 from __future__ import annotations
@@ -90,6 +92,16 @@ def test_the_simulator_and_the_wire_never_reach_the_transport(layer):
     loaded = _loaded_after_importing(layer)
     assert [m for m in loaded if any(_is_under(m, f) for f in forbidden)] == []
     assert len(loaded) > 1  # the check did import the layer
+
+
+@pytest.mark.parametrize("module", ["framing", "protocol"])
+def test_the_transports_sans_io_modules_import_no_io(module):
+    path = PACKAGE / "transport" / f"{module}.py"
+    io = ("asyncio", "socket", "selectors", "ssl", "uvloop", "aioquic", "kvcompassd.transport.connection",
+          "kvcompassd.transport.node", "kvcompassd.transport.exchange", "kvcompassd.transport.aioquic_tweaks")
+    imported = _imports(path)
+    assert imported  # the check did read the module
+    assert sorted(m for m in imported if any(_is_under(m, f) for f in io)) == []
 
 
 def test_the_checker_sees_relative_lazy_and_from_package_imports(monkeypatch):

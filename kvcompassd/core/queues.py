@@ -14,9 +14,8 @@ Remote regions reach it through two channels:
 
 A broadcast or piggybacked vector cannot include the work this edge sent within the last round
 trip to the worker's region: that work was still crossing the WAN when the worker was read. Each such dispatch (``note_dispatched``) is kept until it is one round trip old and
-added back on top of any value that replaces the estimate. Without this, every broadcast erased
-the edge's in-flight dispatches, the busiest remote workers looked idle again, and far past
-capacity several regions herded onto them every Delta (Fig. 16: the shorter Delta, the worse).
+added back on top of any value that replaces the estimate, so a broadcast never erases the
+edge's in-flight dispatches (what went wrong without it: ``docs/design-history.md``).
 
 All times are seconds (``now``); queue values and periods are milliseconds, as in the config.
 The arrays returned by ``queue_ms()`` are immutable snapshots: updates replace the array (a
@@ -29,9 +28,8 @@ ms until new work arrives (work this edge sends is added by ``note_dispatched``)
 would show that prefill's whole length until it ends and push requests away from the worker
 holding their prefix. Remote values are not simply aged: a broadcast or piggybacked value is a
 snapshot of a worker that every region's edges feed, and between two of them it fills with their
-work while it drains. Aging it invited every edge to the same worker at once; holding it still hid
-the other edges' work, and far past capacity every edge saw remote workers seconds lighter than
-they were and sent most requests abroad. So a remote value follows its worker's *trend*: the
+work while it drains: aging it would invite every edge to the same worker at once, holding it
+would hide the other edges' work (see ``docs/design-history.md``). So a remote value follows its worker's *trend*: the
 slope of the values its vectors carried, taken over a few broadcast periods (so one prefill's rise
 and fall averages out) and smoothed, from the instant it was read (one way ago) to ``now``.
 
@@ -46,10 +44,7 @@ makes estimates low).
 
 Every edge reads the same broadcast, so when one remote worker looks lightest, it looks lightest
 to the edges of every region at once, and each sends it work that none of the others' values
-can show for a round trip. Far past capacity that herd moved tens of seconds of work onto one
-worker within a few broadcast periods (Fig. 16, 18000 req/s: 303 requests from 15 regions in
-250 ms, its queue 24 s above the pool's median), and that worker's makespan set the pool's
-throughput. So a chosen worker's surprise, divided by the work this edge sent it since its last
+can show for a round trip: a herd (``docs/design-history.md`` has the one measured). So a chosen worker's surprise, divided by the work this edge sent it since its last
 value, also measures how many ms reached it per ms of ours: the region's *herd factor*
 (smoothed and fading toward 1 like the correction; between 1 and the number of regions).
 ``note_dispatched`` charges each send to a remote worker at that factor, in the estimate and

@@ -25,9 +25,10 @@ down (re-subscribe on True). Sends raise ``PeerUnavailable`` while a peer is dow
 
 Every message passes ``wire.check_sender`` for the peer's certified role before delivery; a
 malformed or forbidden frame is answered with ``ErrorReported`` (and logged) and the
-connection carries on. Modules: ``node`` (QuicNode, Peer), ``connection`` (one connection:
-identity, framing, dispatch; the stream budget), ``exchange`` (FrameStream), ``framing``
-(sans-IO frame codec), ``base`` (errors, options; datagram sizes by path). See ``connection.py`` for the stream
+connection carries on. Modules: ``node`` (QuicNode, Peer), ``connection`` (one connection's
+asyncio shell: identity, dispatch; the stream budget), ``protocol`` (the sans-IO exchange
+protocol: stream bytes in, events out; frames to send out), ``exchange`` (FrameStream),
+``framing`` (sans-IO frame codec), ``base`` (errors, options; datagram sizes by path). See ``connection.py`` for the stream
 budget and the one transmit per loop turn, ``aioquic_tweaks.py`` for the pacing fix, the acknowledgement delay
 and the client-certificate handling. Run daemons under uvloop.
 """

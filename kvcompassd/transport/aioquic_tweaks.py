@@ -34,8 +34,9 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
    until the peer acknowledges it. A peer only sends an ACK when it receives an ack-eliciting
    packet, so on a connection where one side only receives (an edge's inbound connections from
    its agents' load reports and from peer edges' queue-vector broadcasts) that side's ACK-only
-   packets pile up forever: a steady leak of ~50 ``QuicSentPacket`` objects a second per busy
-   peer, and one ``list(sent_packets)`` per received ACK once anything is acknowledged.
+   packets pile up forever (a leak of ``QuicSentPacket`` objects that grows with the peer's
+   traffic; the rate measured is in ``docs/design-history.md``), and one ``list(sent_packets)``
+   per received ACK once anything is acknowledged.
    RFC 9000 section 13.2.4 has the remedy: a receiver that only sends ACKs adds an
    ack-eliciting frame now and then. :func:`elicit_ack_for_ack_only_backlog` sends a PING once
    ``ACK_ONLY_BACKLOG`` unacknowledged packets have accumulated with nothing ack-eliciting in

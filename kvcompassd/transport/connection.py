@@ -1,4 +1,5 @@
-"""One authenticated QUIC connection: identity check, framing, dispatch, exchanges.
+"""One authenticated QUIC connection: identity check, and the asyncio shell of the sans-IO exchange
+protocol (``protocol.py``: framing, routing, checks) that delivers its events.
 
 Stream budget (DESIGN §6): aioquic walks *every open stream* for every packet it builds, so a
 connection with hundreds of open streams is CPU-bound. Exchanges (request/response
@@ -41,16 +42,20 @@ from kvcompassd.transport.base import (
     TransportError,
 )
 from kvcompassd.transport.exchange import ChannelInfo, FrameStream, SerialDispatcher
-from kvcompassd.transport.framing import (
-    CONTROL_EXCHANGE,
-    MAX_EXCHANGE_ID,
-    Frame,
-    FrameDecoder,
-    FrameError,
-    StreamCorrupt,
-    encode_frame,
+from kvcompassd.transport.framing import CONTROL_EXCHANGE
+from kvcompassd.transport.protocol import (
+    ControlReceived,
+    DatagramReceived,
+    ExchangeAborted,
+    ExchangeEnded,
+    ExchangeMessageReceived,
+    ExchangeProtocol,
+    FrameRejected,
+    ProtocolEvent,
+    StreamAbandoned,
+    StreamCorrupted,
 )
-from kvcompassd.wire import ErrorReported, Message, NodeIdentity, Role, WireError, WireForbidden, check_sender, decode, encode
+from kvcompassd.wire import ErrorReported, Message, NodeIdentity, Role, check_sender, encode
 
 if TYPE_CHECKING:
     from kvcompassd.transport.node import Peer, QuicNode
@@ -59,7 +64,9 @@ log = structlog.get_logger(__name__)
 
 
 class QuicConnectionTransport(QuicConnectionProtocol):
-    """asyncio protocol of one kvcompass QUIC connection (client or server side)."""
+    """asyncio protocol of one kvcompass QUIC connection (client or server side): checks the
+    peer's identity, moves bytes between aioquic and the sans-IO :class:`ExchangeProtocol`, and
+    turns its events into deliveries."""
 
     def __init__(
         self,
@@ -84,13 +91,13 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self.refusal: str | None = None
         self.close_reason = ""
         self.terminated = False
-        self._decoders: dict[int, FrameDecoder] = {}
-        self._control_stream: int | None = None
-        self._exchange_pool: list[int] = []
-        self._round_robin = 0
-        self._next_exchange = 1
-        self._outgoing: dict[tuple[int, int], FrameStream] = {}
-        self._incoming: dict[tuple[int, int], FrameStream] = {}
+        self.protocol: ExchangeProtocol[FrameStream] = ExchangeProtocol(
+            is_client=quic.configuration.is_client,
+            next_stream_id=quic.get_next_available_stream_id,
+            open_incoming=self._open_incoming,
+            max_incoming_exchanges=node.options.max_incoming_exchanges,
+            exchange_streams=node.options.exchange_streams,
+        )
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._keepalive: asyncio.TimerHandle | None = None
         self._control = SerialDispatcher(node.deliver)
@@ -117,6 +124,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             self._refuse(f"expected node {self.expected_id!r}, peer is {identity}")
             return
         self.identity = identity
+        self.protocol.identify(identity.role)
         self._schedule_keepalive()
         if not self.outbound:
             self.node.accept_inbound(self)
@@ -157,15 +165,14 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             set_ack_delay(self._quic, self.node.options.ack_delay)
             self._verify_peer()
         elif isinstance(event, events.StreamDataReceived):
-            if self.identity is not None:  # nothing is read from a peer we have not identified
-                self._on_stream_data(event.stream_id, event.data, event.end_stream)
+            for item in self.protocol.receive_stream_data(event.stream_id, event.data, event.end_stream):
+                self._on_protocol_event(item)
         elif isinstance(event, events.DatagramFrameReceived):
-            if self.identity is not None:
-                message = self._decode_checked(event.data, reply_stream=None, reply_exchange=CONTROL_EXCHANGE)
-                if message is not None:
-                    self._datagrams.put(self.peer, message, ChannelInfo("datagram"))
+            for item in self.protocol.receive_datagram(event.data):
+                self._on_protocol_event(item)
         elif isinstance(event, events.StreamReset):
-            self._abandon_stream(event.stream_id, f"peer reset the stream (code {event.error_code})")
+            self._on_protocol_event(
+                self.protocol.abandon_stream(event.stream_id, f"peer reset the stream (code {event.error_code})"))
         elif isinstance(event, events.ConnectionTerminated):
             self.close_reason = event.reason_phrase or (
                 "closed without error" if event.error_code == 0 else f"error code {event.error_code:#x}"
@@ -178,12 +185,10 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             return
         self.terminated = True
         error = PeerUnavailable(f"connection to {self.identity or 'peer'} lost: {self.refusal or self.close_reason}")
-        for stream in (*self._outgoing.values(), *self._incoming.values()):
+        for stream in self.protocol.close():
             stream._fail(error)
             if stream.dispatcher is not None:
                 stream.dispatcher.cancel()
-        self._outgoing.clear()
-        self._incoming.clear()
         self._control.cancel()
         self._datagrams.cancel()
         self._wake_drain_waiters()
@@ -198,70 +203,40 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._closed.set()
         self.node.connection_lost(self)
 
-    def _on_stream_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
-        decoder = self._decoders.get(stream_id)
-        if decoder is None:
-            decoder = self._decoders[stream_id] = FrameDecoder()
-        try:
-            for item in decoder.feed(data):
-                if isinstance(item, FrameError):
-                    reply_stream = stream_id if item.exchange != CONTROL_EXCHANGE else None
-                    self._reject("malformed", str(item), reply_stream, item.exchange)
-                else:
-                    self._on_frame(stream_id, item)
-        except StreamCorrupt as exc:
-            self._reject("oversize", f"stream {stream_id} abandoned: {exc}", None, CONTROL_EXCHANGE)
+    def _on_protocol_event(self, item: ProtocolEvent) -> None:
+        if isinstance(item, ExchangeMessageReceived):
+            stream = item.exchange
+            if item.incoming:
+                stream.dispatcher.put(self.peer, item.message, ChannelInfo("exchange", stream))
+            else:
+                stream._deliver(item.message)
+        elif isinstance(item, ControlReceived):
+            self._control.put(self.peer, item.message, ChannelInfo("control"))
+        elif isinstance(item, DatagramReceived):
+            self._datagrams.put(self.peer, item.message, ChannelInfo("datagram"))
+        elif isinstance(item, ExchangeEnded):
+            item.exchange._mark_remote_closed()
+        elif isinstance(item, ExchangeAborted):
+            item.exchange._mark_aborted()
+        elif isinstance(item, FrameRejected):
+            log.warning("frame_rejected", peer=str(self.identity), code=item.code, detail=item.detail[:300],
+                        exchange=item.exchange_id)
+            self._send_bytes(item.stream_id, item.frame)
+        elif isinstance(item, StreamCorrupted):
             try:
-                self._quic.stop_stream(stream_id, STREAM_ERROR_CORRUPT)
+                self._quic.stop_stream(item.stream_id, STREAM_ERROR_CORRUPT)
             except ValueError:
                 pass
-            self._abandon_stream(stream_id, str(exc))
             self._transmit_soon()
-        if end_stream:
-            self._abandon_stream(stream_id, "peer ended the stream")
+        elif isinstance(item, StreamAbandoned):
+            error = PeerUnavailable(f"stream {item.stream_id} to {self.identity}: {item.reason}")
+            for stream in item.exchanges:
+                stream._fail(error)
 
-    def _on_frame(self, stream_id: int, frame: Frame) -> None:
-        if frame.exchange == CONTROL_EXCHANGE:
-            if frame.body:
-                message = self._decode_checked(frame.body, reply_stream=None, reply_exchange=CONTROL_EXCHANGE)
-                if message is not None:
-                    self._control.put(self.peer, message, ChannelInfo("control"))
-            return
-        key = (stream_id, frame.exchange)
-        stream = self._outgoing.get(key)
-        if stream is not None:  # a reply on an exchange we opened
-            if frame.abort:
-                stream._mark_aborted()
-                return
-            if frame.body:
-                message = self._decode_checked(frame.body, reply_stream=stream_id, reply_exchange=frame.exchange)
-                if message is not None:
-                    stream._deliver(message)
-            if frame.end:
-                stream._mark_remote_closed()
-            return
-        stream = self._incoming.get(key)
-        if stream is None:
-            if self._is_local_stream(stream_id):
-                return  # late frame for an exchange of ours that is already finished
-            if not frame.body:
-                return  # a bare END for an exchange never opened: nothing to deliver or keep
-            if len(self._incoming) >= self.node.options.max_incoming_exchanges:
-                if frame.body:  # refuse once, on the exchange's first frame
-                    self._reject("unavailable", "too many open exchanges on this connection", stream_id, frame.exchange)
-                return
-            stream = FrameStream(self, frame.exchange, incoming=True, stream_id=stream_id)
-            stream.dispatcher = SerialDispatcher(self.node.deliver, lambda exc, s=stream: self._handler_failed(s, exc))
-            self._incoming[key] = stream
-        if frame.abort:
-            stream._mark_aborted()
-            return
-        if frame.body:
-            message = self._decode_checked(frame.body, reply_stream=stream_id, reply_exchange=frame.exchange)
-            if message is not None:
-                stream.dispatcher.put(self.peer, message, ChannelInfo("exchange", stream))
-        if frame.end:
-            stream._mark_remote_closed()
+    def _open_incoming(self, stream_id: int, exchange: int) -> FrameStream:
+        stream = FrameStream(self, exchange, incoming=True, stream_id=stream_id)
+        stream.dispatcher = SerialDispatcher(self.node.deliver, lambda exc, s=stream: self._handler_failed(s, exc))
+        return stream
 
     def _handler_failed(self, stream: FrameStream, exc: Exception) -> None:
         if not stream.local_closed and not self.terminated:
@@ -271,42 +246,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             except TransportError:
                 pass
 
-    def _decode_checked(self, body: bytes, *, reply_stream: int | None, reply_exchange: int) -> Message | None:
-        try:
-            message = decode(body)
-            check_sender(self.identity.role, message)  # type: ignore[union-attr]
-        except WireForbidden as exc:
-            self._reject("forbidden", str(exc), reply_stream, reply_exchange)
-            return None
-        except WireError as exc:
-            self._reject("malformed", str(exc), reply_stream, reply_exchange)
-            return None
-        return message
-
-    def _reject(self, code: str, detail: str, reply_stream: int | None, reply_exchange: int) -> None:
-        log.warning("frame_rejected", peer=str(self.identity), code=code, detail=detail[:300], exchange=reply_exchange)
-        body = encode(ErrorReported(code=code, detail=detail[:4000]))
-        if reply_stream is None or reply_exchange == CONTROL_EXCHANGE:
-            self.send_frame(self.control_stream(), CONTROL_EXCHANGE, body)
-        else:
-            self.send_frame(reply_stream, reply_exchange, body)
-
-    def _abandon_stream(self, stream_id: int, reason: str) -> None:
-        self._decoders.pop(stream_id, None)
-        error = PeerUnavailable(f"stream {stream_id} to {self.identity}: {reason}")
-        for table in (self._outgoing, self._incoming):
-            for key in [k for k in table if k[0] == stream_id]:
-                table.pop(key)._fail(error)
-        if stream_id == self._control_stream:
-            self._control_stream = None
-        if stream_id in self._exchange_pool:
-            self._exchange_pool.remove(stream_id)
-
     # ---- sending ----------------------------------------------------------------------------
-
-    def _is_local_stream(self, stream_id: int) -> bool:
-        # Bit 0 of a QUIC stream id is 0 for client-initiated streams.
-        return (stream_id & 1) == (0 if self._quic.configuration.is_client else 1)
 
     def check_outgoing(self, message: Message) -> None:
         if self.node.options.check_outgoing_roles:
@@ -328,38 +268,27 @@ class QuicConnectionTransport(QuicConnectionProtocol):
             await waiter
 
     def control_stream(self) -> int:
-        if self._control_stream is None:
-            # Only reserved by the first send, which every caller does immediately.
-            self._control_stream = self._quic.get_next_available_stream_id()
-        return self._control_stream
+        return self.protocol.control_stream()
 
     def pick_exchange_stream(self) -> int:
         if self.terminated:
             raise PeerUnavailable(f"connection to {self.identity} is closed")
-        self._round_robin = (self._round_robin + 1) % self.node.options.exchange_streams
-        if self._round_robin < len(self._exchange_pool):
-            return self._exchange_pool[self._round_robin]
-        stream_id = self._quic.get_next_available_stream_id()
-        self._exchange_pool.append(stream_id)
-        return stream_id
-
-    def new_exchange_id(self) -> int:
-        exchange = self._next_exchange
-        self._next_exchange = exchange + 1 if exchange < MAX_EXCHANGE_ID else 1
-        return exchange
+        return self.protocol.pick_exchange_stream()
 
     def register_outgoing(self, stream_id: int, stream: FrameStream) -> None:
-        self._outgoing[(stream_id, stream.exchange)] = stream
+        self.protocol.register_outgoing(stream_id, stream.exchange, stream)
 
     def forget_if_done(self, stream: FrameStream) -> None:
         if stream.local_closed and stream.remote_closed and stream._stream_id is not None:
-            table = self._incoming if stream.incoming else self._outgoing
-            table.pop((stream._stream_id, stream.exchange), None)
+            self.protocol.forget(stream._stream_id, stream.exchange, incoming=stream.incoming)
 
     def send_frame(self, stream_id: int, exchange: int, body: bytes, *, end: bool = False, abort: bool = False) -> None:
+        self._send_bytes(stream_id, self.protocol.frame(exchange, body, end=end, abort=abort))
+
+    def _send_bytes(self, stream_id: int, data: bytes) -> None:
         if self.terminated or self.identity is None:
             raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
-        self._quic.send_stream_data(stream_id, encode_frame(exchange, body, end=end, abort=abort))
+        self._quic.send_stream_data(stream_id, data)
         self._transmit_soon()
 
     def send_control(self, body: bytes) -> None:
@@ -378,7 +307,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     def open_exchange(self) -> FrameStream:
         if self.terminated or self.identity is None:
             raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")
-        return FrameStream(self, self.new_exchange_id(), incoming=False, stream_id=None)
+        return FrameStream(self, self.protocol.new_exchange_id(), incoming=False, stream_id=None)
 
     def _schedule_keepalive(self) -> None:
         self._keepalive = self._loop.call_later(self.node.options.keepalive_interval, self._keepalive_due)

@@ -217,7 +217,7 @@ class EncodedMessage:
     compressed (once, on first need) for a peer on a network path where it spans several
     datagrams, as an update batch or a snapshot does (about a third of the packets); plain
     otherwise. On loopback paths (large datagrams) packets, not bytes, are what costs, and
-    compressing there costs more CPU than it saves (measured: unpaced sync rate 2.5x lower)."""
+    compressing there costs more CPU than it saves (the measurement: ``docs/design-history.md``)."""
 
     __slots__ = ("_compressed", "plain")
 
