@@ -25,6 +25,7 @@ import numpy as np
 
 from kvcompassd.core.config import load_config
 from kvcompassd.core.events import PrefixCached, Tier
+from kvcompassd.core.fingerprints import expected_false_claims
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
@@ -93,10 +94,14 @@ def main() -> None:
     print(f"config {args.config}: {len(workers)} workers, {cfg.shards} shards x {groups} region groups; "
           f"{entries} index entries from {args.holdings} cached prefixes; {args.queries} queries of each kind")
     print()
-    header = f"{'fingerprint bits':>16}  {'consistency':>11}  {'table load':>10}  {'unseen: false claims/query':>27}  {'related: false claims/query':>28}  {'queries with any false claim':>28}"
+    header = f"{'fingerprint bits':>16}  {'consistency':>11}  {'table load':>10}  {'unseen: false claims/query':>27}  {'related: false claims/query':>28}  {'queries with any false claim':>28}  {'bound':>9}"
     print(header)
     print("-" * len(header))
-    for fp in (0, 4, 8):
+    # The config's own bits too: core/fingerprints.py bounds false claims per request by
+    # groups x load x 2^-bits with consistency; the measured rate should sit under it.
+    print(f"false_lookup_budget {cfg.index.false_lookup_budget:g} per request; config fingerprint_bits "
+          f"{cfg.index.fingerprint_bits}; bound with consistency = {groups} groups x load x 2^-bits")
+    for fp in sorted({0, 4, 8, cfg.index.fingerprint_bits}):
         layout, plan, salt, views, entries, shards = build(cfg, holdings, docs, fingerprint_bits=fp, capacity=per_table)
         load = np.mean([t["load"] for s in shards for t in s.table_stats()])
         for consistency in (False, True):
@@ -119,7 +124,8 @@ def main() -> None:
                     any_false += bad > 0
             nq = args.queries * len(cfg.region_names())
             print(f"{fp:>16}  {'on' if consistency else 'off':>11}  {load:>10.2f}  {false_unseen / nq:>27.4f}  "
-                  f"{false_related / nq:>28.4f}  {any_false / (2 * nq):>28.4f}")
+                  f"{false_related / nq:>28.4f}  {any_false / (2 * nq):>28.4f}  "
+                  f"{expected_false_claims(groups=groups, levels=cfg.index.levels, load=float(load), bits=fp, consistency=consistency):>9.4f}")
 
 
 if __name__ == "__main__":
