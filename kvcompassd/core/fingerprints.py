@@ -19,16 +19,18 @@ start a false claim are those of never-inserted keys:
 - without it (the paper's plain rule, ``consistency=False``), any of the group's up to
   ``levels`` reads past the true run can claim on its own.
 
-So the expected number of false claims per request, which bounds the probability that a request
-meets one (union bound), is at most ``reads_at_risk * load * 2**-d`` with ``reads_at_risk =
+So the expected number of false reads per request — region groups in which some worker is
+falsely claimed; one false read can name several workers of its group, since it returns a whole
+stored value — bounds the probability that a request meets any false claim (union bound), and
+is at most ``reads_at_risk * load * 2**-d`` with ``reads_at_risk =
 groups`` with consistency and ``groups * levels`` without, and the bits needed for a budget ``B``
 are the least ``d`` with ``reads_at_risk * load * 2**-d <= B``. It is an upper bound: every read
 is counted as a never-inserted key's and every group as read (a short prompt reads fewer), and
 ``load`` should be the tables' highest, ``index.max_load``.
 
 Cost: the fingerprint lives in every slot, and a table at load ``L`` has ``1/L`` slots per entry,
-so ``d`` bits cost ``d / L`` bits per entry (``d / max_load`` for a full table, up to twice that
-right after a table has doubled).
+so ``d`` bits cost ``d / L`` bits per entry (``d / max_load`` for a full table, up to 1.5 times
+that right after a table has grown: ludo_table.c grows by half).
 """
 
 from __future__ import annotations
