@@ -52,6 +52,15 @@ def test_the_bits_never_fall_as_groups_levels_or_load_grow(g1, g2, l1, l2, a, b,
     assert tighter.needed_bits >= bits(g1, l1, a)
 
 
+@given(groups_st, levels_st, load_st, budget_st, st.integers(0, 24))
+def test_configured_bits_meet_the_budget_exactly_when_they_reach_the_needed_bits(groups, levels, load, budget, bits):
+    choice = fingerprint_bits_for(groups=groups, levels=levels, load=load, budget=budget, configured_bits=bits)
+    assert choice.meets_budget == (bits >= choice.needed_bits)
+    assert (budget_shortfall(choice) is None) == choice.meets_budget
+    assert choice.expected_with_configured == pytest.approx(
+        expected_false_claims(groups=groups, levels=levels, load=load, bits=bits))
+
+
 @given(groups_st, levels_st, load_st)
 def test_without_consistency_every_level_is_at_risk(groups, levels, load):
     with_c = fingerprint_bits_for(groups=groups, levels=levels, load=load, budget=0.002)
@@ -79,7 +88,8 @@ def test_known_values():
     dict(groups=0, levels=6, load=0.9, budget=0.002), dict(groups=1, levels=0, load=0.9, budget=0.002),
     dict(groups=1, levels=6, load=0.0, budget=0.002), dict(groups=1, levels=6, load=1.5, budget=0.002),
     dict(groups=1, levels=6, load=0.9, budget=0.0), dict(groups=1, levels=6, load=0.9, budget=math.nan),
-    dict(groups=True, levels=6, load=0.9, budget=0.002)])
+    dict(groups=True, levels=6, load=0.9, budget=0.002),
+    dict(groups=1, levels=6, load=0.9, budget=0.002, configured_bits=-1)])
 def test_bad_inputs_are_refused(kwargs):
     with pytest.raises(ValueError):
         fingerprint_bits_for(**kwargs)

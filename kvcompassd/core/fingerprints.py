@@ -38,6 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .layout import IndexLayout
+
 __all__ = ["FingerprintChoice", "MAX_FINGERPRINT_BITS", "budget_shortfall", "expected_false_claims", "fingerprint_bits_for",
            "fingerprint_choice_for_config"]
 
@@ -108,6 +110,8 @@ def fingerprint_bits_for(*, groups: int, levels: int, load: float, budget: float
     ``budget``: false claims per request (``index.false_lookup_budget``).
     """
     _check(groups, levels, load, budget)
+    if isinstance(configured_bits, bool) or not isinstance(configured_bits, int) or configured_bits < 0:
+        raise ValueError(f"configured_bits must be a non-negative integer, got {configured_bits!r}")
     reads = _reads_at_risk(groups, levels, consistency)
     # Least d with reads * load * 2^-d <= budget; the loop guards against float rounding of log2.
     needed = max(0, math.ceil(math.log2(reads * load / budget)))
@@ -129,11 +133,10 @@ def fingerprint_bits_for(*, groups: int, levels: int, load: float, budget: float
 def fingerprint_choice_for_config(cfg) -> FingerprintChoice:
     """``fingerprint_bits_for`` a cluster config: every region group read, at ``max_load``.
 
-    The generator writes ``needed_bits`` from this, and the edge checks the configured bits with
-    it at start-up, so both use the same numbers.
+    The edge checks its configured bits with this at start-up; the config generator calls
+    ``fingerprint_bits_for`` with the same groups, levels, max_load and budget it writes, so a
+    generated config passes the check.
     """
-    from .layout import IndexLayout
-
     index = cfg.index
     groups = len(IndexLayout.from_config(cfg).groups)
     return fingerprint_bits_for(groups=groups, levels=index.levels, load=index.max_load,
