@@ -95,10 +95,13 @@ def main() -> None:
           f"{entries} index entries from {args.holdings} cached prefixes; {args.queries} queries of each kind")
     print()
     # The config's own bits too. core/fingerprints.py bounds the false reads per query (each can
-    # name several workers of its group) by groups x load x 2^-bits with consistency, x levels
-    # without: 'queries with any false claim' should sit under that bound.
+    # name several workers of its group) by groups x load x 2^-bits with consistency, x the reads
+    # per group without (more than index.levels toward the own region, where same_region_growth
+    # adds lengths): 'queries with any false claim' should sit under that bound.
+    layout0 = IndexLayout.from_config(cfg)
+    reads_per_group = max(len(plan.lengths_toward(r, g.region)) for r in cfg.region_names() for g in layout0.groups)
     print(f"false_lookup_budget {cfg.index.false_lookup_budget:g} per request; config fingerprint_bits "
-          f"{cfg.index.fingerprint_bits}; bound = {groups} groups (x {cfg.index.levels} levels without "
+          f"{cfg.index.fingerprint_bits}; bound = {groups} groups (x {reads_per_group} reads per group without "
           f"consistency) x load x 2^-bits")
     header = f"{'fingerprint bits':>16}  {'consistency':>11}  {'table load':>10}  {'unseen: false claims/query':>27}  {'related: false claims/query':>28}  {'queries with any false claim':>28}  {'bound':>9}"
     print(header)
@@ -127,7 +130,7 @@ def main() -> None:
             nq = args.queries * len(cfg.region_names())
             print(f"{fp:>16}  {'on' if consistency else 'off':>11}  {load:>10.2f}  {false_unseen / nq:>27.4f}  "
                   f"{false_related / nq:>28.4f}  {any_false / (2 * nq):>28.4f}  "
-                  f"{expected_false_claims(groups=groups, levels=cfg.index.levels, load=float(load), bits=fp, consistency=consistency):>9.4f}")
+                  f"{expected_false_claims(groups=groups, levels=reads_per_group, load=float(load), bits=fp, consistency=consistency):>9.4f}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ stranger through only on a digest collision, so one read of a never-inserted key
 with probability ``p = load * 2**-d``.
 
 How an edge reads (``lookup.PrefixLookup``, ``lookup_plan.LookupPlan``): per request, for every
-region group, one read per length toward that group's region that fits the prompt (at most
-``levels`` reads per group), each in the shard that owns that length's key. The reads that can
+region group, one read per length toward that group's region that fits the prompt (``levels``
+toward a remote region, more toward the edge's own where ``same_region_growth`` and
+``same_region_max_step`` add lengths), each in the shard that owns that length's key. The reads that can
 start a false claim are those of never-inserted keys:
 
 - with cross-level consistency (the edge's Router always uses it), a worker's match toward a
@@ -16,8 +17,8 @@ start a false claim are those of never-inserted keys:
   exact values, so a false claim toward a group needs a false hit at the group's first read of a
   never-inserted key — one read per group and request. (A false run may then lengthen by
   further false hits, with probability ``p`` each; that lengthens a claim, it adds none.)
-- without it (the paper's plain rule, ``consistency=False``), any of the group's up to
-  ``levels`` reads past the true run can claim on its own.
+- without it (the paper's plain rule, ``consistency=False``), any of the group's reads past
+  the true run can claim on its own: pass the most reads per group as ``levels``.
 
 So the expected number of false reads per request — region groups in which some worker is
 falsely claimed; one false read can name several workers of its group, since it returns a whole
@@ -105,8 +106,8 @@ def fingerprint_bits_for(*, groups: int, levels: int, load: float, budget: float
                          configured_bits: int = 0) -> FingerprintChoice:
     """The least fingerprint bits keeping false claims per request within ``budget``.
 
-    ``groups``: region groups an edge reads per lookup; ``levels``: reads per group at most (the
-    index's levels); ``load``: the tables' load (``index.max_load`` for the worst case);
+    ``groups``: region groups an edge reads per lookup; ``levels``: reads per group at most (only
+    used without consistency); ``load``: the tables' load (``index.max_load`` for the worst case);
     ``budget``: false claims per request (``index.false_lookup_budget``).
     """
     _check(groups, levels, load, budget)
