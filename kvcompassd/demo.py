@@ -16,13 +16,14 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from kvcompassd.launcher import DeploymentSpec, LocalDeployment
+from kvcompassd.core.fingerprints import fingerprint_choice_for_config
+from kvcompassd.launcher import DeploymentSpec, LocalDeployment, build_cluster
 
 WORDS = ("the", "model", "cache", "prefix", "region", "worker", "token", "edge", "shard", "query", "latency",
          "reuse", "prompt", "answer", "document", "section", "table", "figure", "result", "network", "request",
@@ -196,12 +197,19 @@ def _print_results(rows: list[dict], root: Path, kept: bool) -> None:
     sys.stdout.flush()
 
 
+def _with_budget_fingerprints(spec: DeploymentSpec) -> DeploymentSpec:
+    """The demo's cluster with the fingerprint bits its false-lookup budget needs, so its edges
+    start without the too-few-bits warning (core/fingerprints.py)."""
+    cfg = build_cluster(spec)
+    return replace(spec, fingerprint_bits=fingerprint_choice_for_config(cfg).needed_bits)
+
+
 async def _demo(args, stop_signal: list[int]) -> int:
     """Both runs, then the table; ``stop_signal`` receives the signal that cancelled us, if any.
 
     Cancellation (SIGINT, SIGTERM) unwinds through each deployment's ``async with``, which
     stops every node it started; what the cut-short run measured is still summarised."""
-    spec = DeploymentSpec()
+    spec = _with_budget_fingerprints(DeploymentSpec())
     requests = bundled_workload(args.requests, list(spec.workers))
     keep_files = bool(args.workdir) or args.keep
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvcompass-demo-"))

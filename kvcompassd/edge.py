@@ -20,6 +20,7 @@ from aiohttp import web
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.config import ClusterConfig, EdgeConfig, WorkerConfig
+from kvcompassd.core.fingerprints import budget_shortfall, fingerprint_choice_for_config
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
@@ -86,6 +87,11 @@ class EdgeNode:
         refusal = byte_tokenizer_refusal(self.tokenizer, cfg.workers)
         if refusal is not None:  # before any socket opens
             raise TokenizerError(f"edge {me.id} refuses to start: {refusal}")
+        # Too few fingerprint bits for the fleet's region groups: false claims above the budget.
+        # Serving still works (the belief discounts false claims), so warn rather than refuse.
+        shortfall = budget_shortfall(fingerprint_choice_for_config(cfg))
+        if shortfall is not None:
+            log.warning("fingerprint bits below the false-lookup budget", edge=me.id, detail=shortfall)
         self.tokenizer_check: TokenizerVerifier | None = None
         self.frontdoor_settings = frontdoor or FrontDoorSettings(model=cfg.model)
         self.local_http = local_http

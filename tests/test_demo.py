@@ -165,3 +165,13 @@ def test_a_deployment_that_cannot_start_is_one_error_not_a_traceback(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvcompassd", "demo", "--requests", "0"], capture_output=True,
                          text=True, timeout=120, check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "kvcompassd demo: --requests and --concurrency must be at least 1"
+
+
+def test_the_demo_cluster_carries_the_fingerprint_bits_its_budget_needs():
+    from kvcompassd.core.fingerprints import budget_shortfall, fingerprint_choice_for_config
+    from kvcompassd.demo import _with_budget_fingerprints
+    from kvcompassd.launcher import DeploymentSpec, build_cluster
+
+    spec = _with_budget_fingerprints(DeploymentSpec())
+    choice = fingerprint_choice_for_config(build_cluster(spec))
+    assert spec.fingerprint_bits == choice.needed_bits > 0 and budget_shortfall(choice) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,33 @@ def test_the_testbeds_hold_an_rtx_5090s_kv_and_the_censuses_an_a100s():
             assert (worker.vram_kv_tokens, worker.dram_kv_tokens) == (A100_VRAM_KV_TOKENS, A100_DRAM_KV_TOKENS)
     # weights (15 GiB) + the KV pool (12 GiB) stay inside the card's 32 GiB
     assert 15 + RTX5090_VRAM_KV_TOKENS * 128 * 1024 / 2**30 < 32
+
+
+@pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
+def test_the_generator_writes_the_bits_its_budget_needs_with_budget_and_cost(name):
+    from kvcompassd.core.fingerprints import budget_shortfall, fingerprint_choice_for_config
+
+    text = render_toml(DEPLOYMENTS[name])
+    cfg = parse_config(tomllib.loads(text), "generated")
+    choice = fingerprint_choice_for_config(cfg)
+    # Exactly the least bits meeting the budget: the edge's start-up check stays quiet.
+    assert cfg.index.fingerprint_bits == choice.needed_bits > 0
+    assert budget_shortfall(choice) is None
+    lines = text.splitlines()
+    at = lines.index(f"fingerprint_bits = {choice.needed_bits}")
+    comment = " ".join(lines[at - 2 : at])
+    assert f"{choice.reads_at_risk} region groups" in comment
+    assert f"budget {cfg.index.false_lookup_budget:g}" in comment
+    assert f"+{choice.bits_per_entry:.1f} bits per entry" in comment
+
+
+def test_more_region_groups_get_more_bits():
+    from kvcompassd.sim.geo import DeploymentSpec
+
+    def bits(workers):
+        spec = DeploymentSpec(name="t", description="t", workers=workers, value_bits=32)
+        return parse_config(tomllib.loads(render_toml(spec)), "generated").index.fingerprint_bits
+
+    few = bits((("us", 4), ("de", 4)))  # 2 groups
+    many = bits((("us", 64), ("de", 64), ("jp", 64), ("gb", 64)))  # 16 groups
+    assert many == few + 3

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvcompassd.core.config import load_config
 from kvcompassd.core.events import PrefixCached, Tier
+from kvcompassd.core.fingerprints import expected_false_claims
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
@@ -93,10 +94,19 @@ def main() -> None:
     print(f"config {args.config}: {len(workers)} workers, {cfg.shards} shards x {groups} region groups; "
           f"{entries} index entries from {args.holdings} cached prefixes; {args.queries} queries of each kind")
     print()
-    header = f"{'fingerprint bits':>16}  {'consistency':>11}  {'table load':>10}  {'unseen: false claims/query':>27}  {'related: false claims/query':>28}  {'queries with any false claim':>28}"
+    # The config's own bits too. core/fingerprints.py bounds the false reads per query (each can
+    # name several workers of its group) by groups x load x 2^-bits with consistency, x the reads
+    # per group without (more than index.levels toward the own region, where same_region_growth
+    # adds lengths): 'queries with any false claim' should sit under that bound.
+    layout0 = IndexLayout.from_config(cfg)
+    reads_per_group = max(len(plan.lengths_toward(r, g.region)) for r in cfg.region_names() for g in layout0.groups)
+    print(f"false_lookup_budget {cfg.index.false_lookup_budget:g} per request; config fingerprint_bits "
+          f"{cfg.index.fingerprint_bits}; bound = {groups} groups (x {reads_per_group} reads per group without "
+          f"consistency) x load x 2^-bits")
+    header = f"{'fingerprint bits':>16}  {'consistency':>11}  {'table load':>10}  {'unseen: false claims/query':>27}  {'related: false claims/query':>28}  {'queries with any false claim':>28}  {'bound':>9}"
     print(header)
     print("-" * len(header))
-    for fp in (0, 4, 8):
+    for fp in sorted({0, 4, 8, cfg.index.fingerprint_bits}):
         layout, plan, salt, views, entries, shards = build(cfg, holdings, docs, fingerprint_bits=fp, capacity=per_table)
         load = np.mean([t["load"] for s in shards for t in s.table_stats()])
         for consistency in (False, True):
@@ -119,7 +129,8 @@ def main() -> None:
                     any_false += bad > 0
             nq = args.queries * len(cfg.region_names())
             print(f"{fp:>16}  {'on' if consistency else 'off':>11}  {load:>10.2f}  {false_unseen / nq:>27.4f}  "
-                  f"{false_related / nq:>28.4f}  {any_false / (2 * nq):>28.4f}")
+                  f"{false_related / nq:>28.4f}  {any_false / (2 * nq):>28.4f}  "
+                  f"{expected_false_claims(groups=groups, levels=reads_per_group, load=float(load), bits=fp, consistency=consistency):>9.4f}")
 
 
 if __name__ == "__main__":

@@ -318,6 +318,9 @@ class IndexParams:
     same_region_max_step: float = 2.0
     value_bits: int = 32
     fingerprint_bits: int = 0
+    # False claims per request that keyless reads may cause (core/fingerprints.py): the edge warns
+    # at start-up when fingerprint_bits cannot keep within it; the config generator sizes them by it.
+    false_lookup_budget: float = 0.002
     max_load: float = 0.95
     initial_capacity: int = 65536
 
@@ -339,6 +342,8 @@ class IndexParams:
         if self.value_bits not in (32, 64):
             _fail("value_bits", f"must be 32 or 64, got {self.value_bits}")
         _check_int("fingerprint_bits", self.fingerprint_bits, lo=0, hi=16)
+        _check_float("false_lookup_budget", self.false_lookup_budget, lo=0.0, hi=1.0, lo_open=True)
+        _as_float(self, "false_lookup_budget")
         _check_float("max_load", self.max_load, lo=0.0, hi=1.0, lo_open=True)
         if self.max_load >= 1.0:
             _fail("max_load", f"must be < 1, got {self.max_load}")

@@ -24,6 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcompassd.core.config import IndexParams
+from kvcompassd.core.fingerprints import MAX_FINGERPRINT_BITS, fingerprint_bits_for
+from kvcompassd.core.layout import IndexLayout
+
 EARTH_RADIUS_KM = 6371.0088
 FIBRE_KM_PER_MS = 200.0
 ROUTE_INFLATION = 1.5
@@ -37,6 +41,8 @@ FIXED_MS = 2.0
 A100_PREFILL_MS_PER_TOKEN = 0.085
 A100_DECODE_MS_PER_TOKEN = 12.0
 # KV per token: 32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes = 128 KiB.
+# False claims per request the generated configs' fingerprint bits are sized for.
+FALSE_LOOKUP_BUDGET = IndexParams().false_lookup_budget
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
 A100_VRAM_KV_TOKENS = (32 << 30) // KV_BYTES_PER_TOKEN  # 32 GiB of VRAM for KV cache
 A100_DRAM_KV_TOKENS = (128 << 30) // KV_BYTES_PER_TOKEN  # 128 GiB of host DRAM
@@ -250,6 +256,28 @@ def _gib(kv_tokens: int) -> str:
     return f"{kv_tokens * KV_BYTES_PER_TOKEN / 2**30:g}"
 
 
+def _fingerprint_lines(spec: DeploymentSpec) -> list[str]:
+    """``fingerprint_bits`` sized for the default false-lookup budget, with its budget and cost.
+
+    Uses the same function as the edge's start-up check (core/fingerprints.py), with the levels,
+    max_load and budget this generator writes, so a generated config never draws the warning.
+    """
+    layout = IndexLayout(spec.region_names(), tuple((f"{name}-{i}", name) for name, n in spec.workers
+                                                    for i in range(n)), spec.value_bits)
+    choice = fingerprint_bits_for(groups=len(layout.groups), levels=6, load=0.95, budget=FALSE_LOOKUP_BUDGET)
+    if not choice.achievable:
+        raise GeoError(f"deployment {spec.name}: {len(layout.groups)} region groups need {choice.needed_bits} "
+                       f"fingerprint bits for a false-lookup budget of {FALSE_LOOKUP_BUDGET}; the index stores "
+                       f"at most {MAX_FINGERPRINT_BITS}")
+    return [
+        f"# {len(layout.groups)} region groups read per lookup at load <= 0.95: "
+        f"<= {choice.expected_with_needed:.2g} false claims per request (budget {FALSE_LOOKUP_BUDGET:g})",
+        f"# for +{choice.bits_per_entry:.1f} bits per entry (core/fingerprints.py).",
+        f"fingerprint_bits = {choice.needed_bits}",
+        f"false_lookup_budget = {FALSE_LOOKUP_BUDGET!r}",
+    ]
+
+
 def render_toml(spec: DeploymentSpec) -> str:
     """The cluster config for ``spec`` (format: the shared config contract)."""
     links = link_matrix(spec)
@@ -283,7 +311,7 @@ def render_toml(spec: DeploymentSpec) -> str:
         "same_region_growth = 1.25",
         "same_region_max_step = 2.0",
         f"value_bits = {spec.value_bits}",
-        "fingerprint_bits = 0",
+        *_fingerprint_lines(spec),
         "max_load = 0.95",
         "initial_capacity = 65536",
         "",
