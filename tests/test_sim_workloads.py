@@ -229,6 +229,7 @@ def test_a_users_mooncake_format_trace_replays_its_prompts_and_sessions():
     assert reqs[3].output_tokens == 1  # an output_length of 0 still decodes the first token
     # Turn 2 carries turn 1 (blocks 0-1 whole) and so continues its session and region.
     assert reqs[2].session == reqs[0].session and reqs[2].region == reqs[0].region
+    assert reqs[4].session == reqs[1].session and reqs[3].session not in (reqs[0].session, reqs[1].session)
     assert np.array_equal(reqs[2].tokens[:1024], reqs[0].tokens[:1024])
     assert not np.array_equal(reqs[1].tokens[:512], reqs[0].tokens[:512])
 
