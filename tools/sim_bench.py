@@ -1,7 +1,7 @@
 """Simulator speed: simulated requests per wall-clock and per CPU second on a deployment, per scheme.
 
     python tools/sim_bench.py [--deployment census-64x8] [--workload mixed] [--rate 600]
-                              [--duration 5] [--repeats 3] [--schemes oracle,kvcompass,...]
+                              [--duration 5] [--repeats 3] [--schemes load-balance-oracle,kvcompass,...]
 
 Prints the median over repeats for each scheme and its ratio to the Oracle (the cheapest
 policy, measured in the same run), so the figures compare on any machine. On a shared machine
@@ -31,14 +31,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=600.0)
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--schemes", default=",".join(("oracle", *PAPER_SCHEMES)))
+    ap.add_argument("--schemes", default=",".join(("load-balance-oracle", *PAPER_SCHEMES)))
     ap.add_argument("--page-tokens", type=int, default=None, help="engine page size of the simulated caches")
     args = ap.parse_args(argv)
     topo = Topology.from_config(load_config(resolve_deployment(args.deployment)), page_tokens=args.page_tokens)
     weights = region_weights(topo)
     schemes = [s for s in args.schemes.split(",") if s]
-    if "oracle" not in schemes:
-        schemes.insert(0, "oracle")
+    if "load-balance-oracle" not in schemes:
+        schemes.insert(0, "load-balance-oracle")
     t0 = time.perf_counter()
     rates: dict[str, list[float]] = {s: [] for s in schemes}
     cpu_rates: dict[str, list[float]] = {s: [] for s in schemes}
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
                            duration_s=args.duration)
             rates[scheme].append(res.completed / (time.perf_counter() - t))
             cpu_rates[scheme].append(res.completed / max(time.process_time() - c, 1e-9))
-    ref, cpu_ref = statistics.median(rates["oracle"]), statistics.median(cpu_rates["oracle"])
+    ref, cpu_ref = statistics.median(rates["load-balance-oracle"]), statistics.median(cpu_rates["load-balance-oracle"])
     print(f"{args.deployment} / {args.workload} at {args.rate:g} req/s for {args.duration:g} virtual s, "
           f"page {topo.block_size} tokens, "
           f"median of {args.repeats} (wall {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})")

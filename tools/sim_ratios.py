@@ -21,7 +21,7 @@ from pathlib import Path
 PAPER_P99_RATIO_MIXED_3000 = {"central-directory": 1.6, "planetserve": 5.7, "skywalker": 6.2,
                               "consistent-hash": 14.0, "chord": 14.0, "dynamo": 1.3}
 # Fig. 14 (Mixed, 2750 req/s, 30 s): peak load factors.
-PAPER_LF_PEAK = {"oracle": 1.02, "kvcompass": 1.03, "central-directory": 1.02, "dynamo": 1.03,
+PAPER_LF_PEAK = {"load-balance-oracle": 1.02, "kvcompass": 1.03, "central-directory": 1.02, "dynamo": 1.03,
                  "skywalker": 1.68, "consistent-hash": 1.85, "chord": 1.85, "planetserve": 1.48}
 
 
@@ -32,7 +32,7 @@ def ratio_rows(rows: list[dict], workload: str | None, rate: float | None) -> li
     if "kvcompass" not in by:
         raise SystemExit(f"no kvcompass row for workload={workload} rate={rate}")
     ours = by["kvcompass"]
-    oracle = by.get("oracle")
+    oracle = by.get("load-balance-oracle")
     paper = PAPER_P99_RATIO_MIXED_3000 if (workload == "mixed" and rate == 3000) else {}
     out = []
     for scheme, r in sorted(by.items(), key=lambda kv: kv[0] != "kvcompass"):

@@ -164,7 +164,7 @@ def fig11(args) -> list[dict]:
 
 def fig14(args) -> list[dict]:
     d, w = _sizes(args.quick, 30.0, 3.0)
-    schemes = args.schemes or (*PAPER_SCHEMES, "oracle")
+    schemes = args.schemes or (*PAPER_SCHEMES, "load-balance-oracle")
     return sweep("fig14", "census-64x8", ("mixed",), schemes, args.rates or [2750], args.out,
                  duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
 
@@ -273,7 +273,7 @@ def fig9(args) -> list[dict]:
     lam0 = topo.n_workers / es  # no-reuse capacity, req/s
     fractions = [0.1, 0.3, 0.5, 0.7, 0.9, 1.2, 1.5] if not args.quick else [0.3, 0.7, 1.2]
     d, w = _sizes(args.quick, 20.0, 3.0)
-    rows, _ = run_grid(cfg_path, "mixed", args.schemes or ["random", "oracle", "kvcompass"],
+    rows, _ = run_grid(cfg_path, "mixed", args.schemes or ["random", "load-balance-oracle", "kvcompass"],
                        [round(f * lam0, 1) for f in fractions], seed=args.seed, duration_s=d, warmup_s=w,
                        settings=SimSettings(eviction="lfu", seed=args.seed), progress=args.progress,
                        page_tokens=PAGE_TOKENS[0], jobs=args.jobs)
