@@ -5,7 +5,8 @@
 Reads a ``summary.json`` written by ``kvcompassd sim`` or an experiment and prints, per
 baseline, its P99 TTFT and throughput relative to KVCompass in the same run, with the paper's
 ratio where §5.3 gives one (Mixed, 3000 req/s), and every scheme's peak load factor against the
-Oracle's (Fig. 14 gives the peaks at 2750 req/s).
+load-balance oracle's, the bound on it (Fig. 14 gives the paper's peaks at 2750 req/s, its
+Oracle's under our oracle's name).
 """
 
 from __future__ import annotations
