@@ -273,3 +273,34 @@ def test_a_missing_empty_or_non_file_trace_is_an_error(tmp_path):
     (tmp_path / "binary.jsonl").write_bytes(first + b'\n\xff\xfe\n')
     with pytest.raises(WorkloadError, match=r"binary\.jsonl:2: not UTF-8"):
         read_mooncake(tmp_path / "binary.jsonl")
+
+
+_json_values = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**70) | st.floats() | st.text(max_size=5),
+                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+                            max_leaves=12)
+_fields = st.fixed_dictionaries({}, optional={"timestamp": _json_values, "input_length": _json_values,
+                                              "output_length": _json_values, "hash_ids": _json_values})
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(st.one_of(_fields.map(json.dumps), st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")),
+                                st.just("[" * 5000)), min_size=1, max_size=4))
+def test_any_trace_file_is_records_or_a_named_error(tmp_path_factory, lines):
+    """Whatever a file holds, the reader returns valid records or raises WorkloadError naming
+    the file: never another exception (a huge int, deep nesting, bytes that are not UTF-8)."""
+    path = tmp_path_factory.mktemp("trace") / "t.jsonl"
+    path.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
+    try:
+        recs = read_mooncake(path)
+    except WorkloadError as exc:
+        assert str(path) in str(exc)
+        return
+    for r in recs:
+        assert r.input_length >= 1 and len(r.hash_ids) == -(-r.input_length // 512)
+
+
+def test_a_huge_input_length_is_a_named_error_not_an_overflow(tmp_path):
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 10**400, "output_length": 1, "hash_ids": [1]}) + "\n")
+    with pytest.raises(WorkloadError, match=r"huge\.jsonl:1: field 'hash_ids' has 1 blocks"):
+        read_mooncake(path)

@@ -181,6 +181,8 @@ def read_mooncake(path: str | Path, *, limit: int | None = None,
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise WorkloadError(f"{where}: not JSON ({exc.msg})") from None
+            except RecursionError:
+                raise WorkloadError(f"{where}: not JSON (nested too deeply)") from None
             if not isinstance(obj, dict):
                 raise WorkloadError(f"{where}: expected a JSON object")
             for fld in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -198,7 +200,7 @@ def read_mooncake(path: str | Path, *, limit: int | None = None,
                 raise WorkloadError(f"{where}: field 'output_length' must be a non-negative int")
             if not isinstance(ids, list) or not all(_json_int(h) and h >= 0 for h in ids):
                 raise WorkloadError(f"{where}: field 'hash_ids' must be a list of non-negative ints")
-            if len(ids) != math.ceil(n_in / block_tokens):
+            if len(ids) != -(-n_in // block_tokens):  # integer ceil: a huge input_length must not overflow
                 raise WorkloadError(
                     f"{where}: field 'hash_ids' has {len(ids)} blocks for input_length {n_in} "
                     f"(expected ceil({n_in}/{block_tokens}); is the block size {block_tokens} right?)"
