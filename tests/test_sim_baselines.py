@@ -136,8 +136,10 @@ def test_load_balance_oracle_peak_is_at_or_below_every_schemes():
         res = simulate(topo, make_policy(name, topo, seed=0), stream, settings=SimSettings(eviction="lfu"))
         assert res.completed == 300, name
         peaks[name] = load_factor_peak(res)
+        if name == "load-balance-oracle":
+            slack = res.extra["lf_bound_slack"]
     bound = peaks.pop("load-balance-oracle")
-    assert 1.0 <= bound <= min(peaks.values()), (bound, peaks)
+    assert 1.0 <= bound <= min(1.0 + slack, *peaks.values()), (bound, slack, peaks)
 
 
 @pytest.mark.parametrize("name", ["central-directory", "dynamo", "skywalker"])

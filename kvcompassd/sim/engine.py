@@ -516,7 +516,7 @@ class Simulation:
         for (w, b), ms in self._load.items():
             bins[w, b] += ms
         extra: dict[str, Any] = {"migrations": self.migrations}
-        for attr in ("hops_total", "lookups"):
+        for attr in ("hops_total", "lookups", "lf_bound_slack"):
             if hasattr(self.policy, attr):
                 extra[attr] = getattr(self.policy, attr)
         for outcome, n in getattr(self.policy, "hot_misses_by_outcome", {}).items():
