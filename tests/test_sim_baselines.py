@@ -11,11 +11,14 @@ from kvcompassd.sim.baselines import BASELINES, make_baseline
 from kvcompassd.sim.baselines.directory import CentralDirectoryPolicy
 from kvcompassd.sim.baselines.hashing import ChordPolicy, ConsistentHashPolicy
 from kvcompassd.sim.blockmirror import GlobalBlockMap, chain_keys
-from kvcompassd.sim.engine import SimSettings, simulate
+from kvcompassd.sim.engine import ExactWorkerState, SimSettings, request_window, simulate
+from kvcompassd.sim.metrics import load_factor_peak
 from kvcompassd.sim.policy import PolicyError
+from kvcompassd.sim.schemes import ALL_SCHEMES, make_policy
 from kvcompassd.sim.synthetic import MixedWorkload
 from kvcompassd.sim.workloads import Request
 from kvcompassd.worker.prefixcache import PrefixCache
+from kvcompassd.worker.workermodel import WorkerTiming
 
 
 def req(i, tokens, region="a", t=0.0, out=1):
@@ -70,17 +73,76 @@ def test_central_directory_pays_one_round_trip_and_finds_holders():
     assert after.worker_index == 0 and after.claimed_tokens == 320
 
 
-def test_oracle_picks_the_least_loaded_worker():
+def exact_state(topo):
+    """The simulator's exact worker state over real caches and worker timings, as the engine builds it."""
+    caches = [PrefixCache(block_size=topo.block_size, vram_tokens=10_000) for _ in topo.worker_ids]
+    timings = [WorkerTiming.from_worker_config(topo.config.worker(w), reload_ms_per_token=topo.gamma_ms_per_token)
+               for w in topo.worker_ids]
+    blocks = GlobalBlockMap(topo.n_workers, topo.block_size)
+    return ExactWorkerState(caches, timings, blocks), caches, blocks
+
+
+def test_load_balance_oracle_stays_in_the_requests_region_when_that_is_as_good():
     topo = two_region_topology(2, 2)
-    oracle = make_baseline("oracle", topo)
-    for w, q in enumerate([30.0, 5.0, 80.0, 12.0]):
-        oracle.on_worker_load(w, q, now=0.0)
-    assert oracle.route(req(0, np.arange(50)), now=0.0).worker_index == 1
-    oracle.on_worker_load(1, 100.0, now=0.0)
-    assert oracle.route(req(1, np.arange(50)), now=0.0).worker_index == 3
+    oracle = make_baseline("load-balance-oracle", topo)
+    oracle.attach_exact_state(exact_state(topo)[0])
+    rng = np.random.default_rng(3)
+    # A lone request from b on an idle fleet: a worker of b, not a-0 across the WAN.
+    assert topo.worker_region[oracle.route(req(0, rng.integers(0, 50_000, 200), region="b"), now=0.0).worker_index] == 1
+    second = oracle.route(req(1, rng.integers(0, 50_000, 200), region="b"), now=0.0).worker_index
+    assert topo.worker_region[second] == 1  # the other b worker, as idle as the a ones
+    # Both b workers now carry a request: balance sends the third to a, and the WAN is charged.
+    third = oracle.route(req(2, rng.integers(0, 50_000, 200), region="b"), now=0.0).worker_index
+    assert topo.worker_region[third] == 0
 
 
-@pytest.mark.parametrize("name", ["oracle", "central-directory", "dynamo", "skywalker"])
+def test_load_balance_oracle_is_credited_with_the_exact_cached_length_and_counts_decode():
+    topo = two_region_topology(2, 2)
+    state, caches, blocks = exact_state(topo)
+    oracle = make_baseline("load-balance-oracle", topo)
+    oracle.attach_exact_state(state)
+    tokens = np.random.default_rng(4).integers(0, 50_000, 330)
+    blocks.apply(1, caches[1].insert(tokens[:320].tolist(), now=0.0))
+    d = oracle.route(req(0, tokens, out=21), now=0.0)
+    # a-1 holds 320 tokens: only the 10 others are prefilled there, the cheapest total.
+    assert d.worker_index == 1 and d.claimed_tokens == 320
+    timing = state._timings[1]
+    decode = 20 * timing.decode_step_ms(timing.max_running) / timing.max_running
+    assert oracle.totals_ms[1] == pytest.approx(10 * timing.prefill_ms_per_token + decode)
+    # The next request is a miss everywhere: it costs full prefill plus its decode share on a-0.
+    d = oracle.route(req(1, np.arange(100), out=5), now=0.0)
+    assert d.worker_index == 0 and d.claimed_tokens == 0
+    assert oracle.totals_ms[0] == pytest.approx(100 * timing.prefill_ms_per_token
+                                                + 4 * timing.decode_step_ms(timing.max_running) / timing.max_running)
+
+
+def test_load_balance_oracle_counts_exactly_what_the_load_factor_counts():
+    topo = two_region_topology(3, 2, vram=20_000, dram=40_000)
+    oracle = make_baseline("load-balance-oracle", topo)
+    res = simulate(topo, oracle, MixedWorkload(100.0, {"a": 3.0, "b": 2.0}, seed=2),
+                   settings=SimSettings(eviction="lfu"), max_requests=200)
+    np.testing.assert_allclose(oracle.totals_ms, res.load_bins.sum(axis=1), rtol=1e-9)
+    assert (res.records["claimed_tokens"] == res.records["reused_tokens"]).all()  # exact, never false
+    with pytest.raises(PolicyError, match="exact worker state"):
+        make_baseline("load-balance-oracle", topo).route(req(0, np.arange(10)), now=0.0)
+
+
+def test_load_balance_oracle_peak_is_at_or_below_every_schemes():
+    """The bound, on a small fixed run: every scheme replays one stream on fresh workers."""
+    topo = two_region_topology(3, 2, vram=20_000, dram=40_000)
+    stream = request_window(MixedWorkload(150.0, {"a": 3.0, "b": 2.0}, seed=7), duration_s=None, max_requests=300)
+    peaks = {}
+    for name in ALL_SCHEMES:
+        res = simulate(topo, make_policy(name, topo, seed=0), stream, settings=SimSettings(eviction="lfu"))
+        assert res.completed == 300, name
+        peaks[name] = load_factor_peak(res)
+        if name == "load-balance-oracle":
+            slack = res.extra["lf_bound_slack"]
+    bound = peaks.pop("load-balance-oracle")
+    assert 1.0 <= bound <= min(1.0 + slack, *peaks.values()), (bound, slack, peaks)
+
+
+@pytest.mark.parametrize("name", ["central-directory", "dynamo", "skywalker"])
 def test_load_aware_routers_count_what_they_sent_until_a_report_includes_it(name):
     """Two requests in one report interval: without counting the first, the second would see
     the same least-loaded worker and pile onto it."""

@@ -139,7 +139,7 @@ def test_a_request_due_while_clients_were_busy_is_sent_when_one_frees_never_in_t
 
 def test_clients_bound_the_requests_outstanding():
     topo = two_region_topology(3, 2, vram=20_000, dram=40_000)
-    res = simulate(topo, make_baseline("oracle", topo), MixedWorkload(2000.0, {"a": 3.0, "b": 2.0}, seed=5),
+    res = simulate(topo, make_baseline("load-balance-oracle", topo), MixedWorkload(2000.0, {"a": 3.0, "b": 2.0}, seed=5),
                    settings=SimSettings(eviction="lfu", clients=4), max_requests=200)
     r = res.records
     assert sorted(r["id"].tolist()) == list(range(200))
@@ -174,7 +174,7 @@ def test_conservation_and_determinism_on_mixed():
 def test_chat_with_jitter_is_seeded():
     topo = two_region_topology(2, 2)
     weights = {"a": 1.0, "b": 1.0}
-    runs = [simulate(topo, make_baseline("oracle", topo), ChatWorkload(100.0, weights, flavour="lmsys", seed=1),
+    runs = [simulate(topo, make_baseline("load-balance-oracle", topo), ChatWorkload(100.0, weights, flavour="lmsys", seed=1),
                      settings=SimSettings(wan_jitter=0.5, seed=s), max_requests=100) for s in (1, 1, 2)]
     assert np.array_equal(runs[0].records["ttft_ms"], runs[1].records["ttft_ms"])
     assert not np.array_equal(runs[0].records["ttft_ms"], runs[2].records["ttft_ms"])

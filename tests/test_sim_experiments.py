@@ -23,10 +23,10 @@ def test_fig19_cross_region_only_share_on_mooncake(tmp_path):
 
 
 def test_fig14_quick_writes_heatmap_and_peaks(tmp_path):
-    assert main(["fig14", "--quick", "--out", str(tmp_path), "--schemes", "oracle,consistent-hash",
+    assert main(["fig14", "--quick", "--out", str(tmp_path), "--schemes", "load-balance-oracle,consistent-hash",
                  "--rates", "60", "--page-tokens", "64"]) == 0
     rows = json.loads((tmp_path / "fig14" / "summary.json").read_text())
-    assert {r["scheme"] for r in rows} == {"oracle", "consistent-hash"}
+    assert {r["scheme"] for r in rows} == {"load-balance-oracle", "consistent-hash"}
     assert all(r["load_factor_peak"] >= 1.0 for r in rows)
     assert (tmp_path / "fig14" / "mixed" / "load_factor.png").stat().st_size > 0
     logged = [json.loads(line) for line in (tmp_path / "fig14" / "points.jsonl").read_text().splitlines()]

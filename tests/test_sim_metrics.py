@@ -85,17 +85,17 @@ def test_warmup_excludes_early_requests():
 
 def test_cli_writes_tables_and_plots(tmp_path):
     out = tmp_path / "run"
-    rc = main(["--deployment", "northamerica-11", "--workload", "lmsys", "--schemes", "oracle,consistent-hash",
+    rc = main(["--deployment", "northamerica-11", "--workload", "lmsys", "--schemes", "load-balance-oracle,consistent-hash",
                "--rates", "40,80", "--requests", "80", "--out", str(out), "--track-cross-region"])
     assert rc == 0
     rows = json.loads((out / "summary.json").read_text())
-    assert [(r["scheme"], r["rate"]) for r in rows] == [("oracle", 40), ("consistent-hash", 40),
-                                                        ("oracle", 80), ("consistent-hash", 80)]
+    assert [(r["scheme"], r["rate"]) for r in rows] == [("load-balance-oracle", 40), ("consistent-hash", 40),
+                                                        ("load-balance-oracle", 80), ("consistent-hash", 80)]
     assert all(r["requests"] == 80 for r in rows)
     for name in ("summary.csv", "summary.md", "p99_ttft_vs_rate.png", "ttft_box.png", "e2e_box.png",
                  "throughput.png", "load_factor.png"):
         assert (out / name).stat().st_size > 0
-    assert "| oracle | 40 |" in (out / "summary.md").read_text()
+    assert "| load-balance-oracle | 40 |" in (out / "summary.md").read_text()
 
 
 def test_cli_rejects_unknown_scheme(tmp_path):

@@ -28,12 +28,12 @@ def _same(a: tuple[dict, object], b: tuple[dict, object]) -> None:
 
 def test_parallel_points_equal_serial_points():
     cfg = resolve_deployment("census-64x8")
-    points = grid_points(cfg, "wildchat", ["oracle", "kvcompass", "consistent-hash"], [150.0, 300.0], seed=3,
+    points = grid_points(cfg, "wildchat", ["load-balance-oracle", "kvcompass", "consistent-hash"], [150.0, 300.0], seed=3,
                          duration_s=0.4, warmup_s=0.1, settings=SimSettings(eviction="lru", seed=3), page_tokens=64)
     serial = run_points(points, jobs=1)
     cli._STREAM_CACHE.clear()  # forked workers must build their own streams, not inherit the parent's
     parallel = run_points(points, jobs=2)
-    assert [r["scheme"] for r, _ in serial] == ["oracle", "kvcompass", "consistent-hash"] * 2
+    assert [r["scheme"] for r, _ in serial] == ["load-balance-oracle", "kvcompass", "consistent-hash"] * 2
     assert [r["rate"] for r, _ in serial] == [150.0] * 3 + [300.0] * 3
     for a, b in zip(serial, parallel, strict=True):
         _same(a, b)

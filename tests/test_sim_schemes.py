@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,27 @@ def test_trace_workloads_load_from_the_package_without_an_override():
     for name in ("mooncake", "azure-conv", "azure-code"):
         first = next(make_workload(name, 5.0, {"us": 1.0, "eu": 1.0}, seed=1))
         assert len(first.tokens) > 0 and first.region in ("us", "eu"), name
+
+
+FORMAT = Path(__file__).parent / "data" / "mooncake_format"
+
+
+def test_traces_pointing_at_a_file_is_an_error_not_a_fall_back():
+    with pytest.raises(WorkloadError, match="is a file, not a directory"):
+        traces_dir(FORMAT / "good.jsonl")
+    with pytest.raises(WorkloadError, match="is a file"):
+        make_workload("mooncake", 1.0, {"us": 1.0}, traces=FORMAT / "good.jsonl")
+
+
+def test_a_trace_file_replays_as_the_mooncake_workload_at_the_asked_rate():
+    reqs = list(make_workload("mooncake", 20.0, {"us": 1.0}, seed=1, trace=FORMAT / "good.jsonl"))
+    assert [r.prompt_tokens for r in reqs] == [1100, 700, 1700, 300, 1024, 2100]
+    # Native rate: 5 gaps over 0.9 s; at 20 req/s the same gaps scaled to span 0.25 s.
+    assert reqs[-1].arrival_s == pytest.approx(5 / 20.0)
+    assert reqs[1].arrival_s == pytest.approx(0.120 * (5 / 0.9) / 20.0)
+    with pytest.raises(WorkloadError, match="workload 'mooncake', not 'mixed'"):
+        make_workload("mixed", 1.0, {"us": 1.0}, trace=FORMAT / "good.jsonl")
+    with pytest.raises(WorkloadError, match=r"bad_json\.jsonl:3: not JSON"):
+        make_workload("mooncake", 1.0, {"us": 1.0}, trace=FORMAT / "bad_json.jsonl")
+    with pytest.raises(WorkloadError, match="does not exist"):
+        make_workload("mooncake", 1.0, {"us": 1.0}, trace=FORMAT / "nope.jsonl")

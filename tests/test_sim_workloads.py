@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +214,93 @@ def test_weighted_choice_draws_what_generator_choice_draws(weights, seed) -> Non
     for _ in range(50):
         assert weighted_choice(ours, named) == names[int(reference.choice(len(names), p=p / p.sum()))]
     assert ours.random() == reference.random()
+
+
+# ---------------------------------------------------------------------------- a trace a user brings
+
+FORMAT = Path(__file__).parent / "data" / "mooncake_format"
+
+
+def test_a_users_mooncake_format_trace_replays_its_prompts_and_sessions():
+    recs = read_mooncake(FORMAT / "good.jsonl")
+    assert [r.input_length for r in recs] == [1100, 700, 1700, 300, 1024, 2100]  # the blank line skipped
+    reqs = list(mooncake_requests(FORMAT / "good.jsonl", W, seed=2))
+    assert [r.prompt_tokens for r in reqs] == [1100, 700, 1700, 300, 1024, 2100]
+    assert reqs[3].output_tokens == 1  # an output_length of 0 still decodes the first token
+    # Turn 2 carries turn 1 (blocks 0-1 whole) and so continues its session and region.
+    assert reqs[2].session == reqs[0].session and reqs[2].region == reqs[0].region
+    assert reqs[4].session == reqs[1].session and reqs[3].session not in (reqs[0].session, reqs[1].session)
+    assert np.array_equal(reqs[2].tokens[:1024], reqs[0].tokens[:1024])
+    assert not np.array_equal(reqs[1].tokens[:512], reqs[0].tokens[:512])
+
+
+def test_the_block_size_of_a_trace_is_a_parameter():
+    recs = read_mooncake(FORMAT / "good_block16.jsonl", block_tokens=16)
+    assert len(recs[0].hash_ids) == 69  # ceil(1100 / 16)
+    reqs = list(mooncake_requests(FORMAT / "good_block16.jsonl", W, block_tokens=16))
+    assert [r.prompt_tokens for r in reqs] == [1100, 700, 1700, 300, 1024, 2100]
+    # At 512 tokens a block the same file's counts do not fit: named, with the hint.
+    with pytest.raises(WorkloadError, match=r"good_block16\.jsonl:1: .*block size 512"):
+        read_mooncake(FORMAT / "good_block16.jsonl")
+    with pytest.raises(WorkloadError, match="block size must be a positive"):
+        read_mooncake(FORMAT / "good.jsonl", block_tokens=0)
+
+
+@pytest.mark.parametrize(("name", "line", "what"), [
+    ("bad_json.jsonl", 3, "not JSON"),
+    ("bad_missing_field.jsonl", 2, "missing field 'output_length'"),
+    ("bad_block_count.jsonl", 4, "'hash_ids' has 2 blocks for input_length 1100"),
+    ("bad_timestamp_order.jsonl", 3, "earlier than the previous record"),
+    ("bad_types.jsonl", 1, "'input_length' must be a positive int"),
+    ("bad_not_object.jsonl", 2, "expected a JSON object"),
+    ("bad_bool.jsonl", 2, "'output_length' must be a non-negative int"),
+])
+def test_a_malformed_trace_line_is_named_by_file_and_line(name, line, what):
+    with pytest.raises(WorkloadError) as err:
+        read_mooncake(FORMAT / name)
+    assert f"{FORMAT / name}:{line}: " in str(err.value) and what in str(err.value)
+
+
+def test_a_missing_empty_or_non_file_trace_is_an_error(tmp_path):
+    with pytest.raises(WorkloadError, match="does not exist"):
+        read_mooncake(tmp_path / "nope.jsonl")
+    with pytest.raises(WorkloadError, match="is not a file"):
+        read_mooncake(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(WorkloadError, match="holds no records"):
+        read_mooncake(tmp_path / "empty.jsonl")
+    first = (FORMAT / "good.jsonl").read_bytes().splitlines()[0]
+    (tmp_path / "binary.jsonl").write_bytes(first + b'\n\xff\xfe\n')
+    with pytest.raises(WorkloadError, match=r"binary\.jsonl:2: not UTF-8"):
+        read_mooncake(tmp_path / "binary.jsonl")
+
+
+_json_values = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**70) | st.floats() | st.text(max_size=5),
+                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+                            max_leaves=12)
+_fields = st.fixed_dictionaries({}, optional={"timestamp": _json_values, "input_length": _json_values,
+                                              "output_length": _json_values, "hash_ids": _json_values})
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(st.one_of(_fields.map(json.dumps), st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")),
+                                st.just("[" * 5000)), min_size=1, max_size=4))
+def test_any_trace_file_is_records_or_a_named_error(tmp_path_factory, lines):
+    """Whatever a file holds, the reader returns valid records or raises WorkloadError naming
+    the file: never another exception (a huge int, deep nesting, bytes that are not UTF-8)."""
+    path = tmp_path_factory.mktemp("trace") / "t.jsonl"
+    path.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
+    try:
+        recs = read_mooncake(path)
+    except WorkloadError as exc:
+        assert str(path) in str(exc)
+        return
+    for r in recs:
+        assert r.input_length >= 1 and len(r.hash_ids) == -(-r.input_length // 512)
+
+
+def test_a_huge_input_length_is_a_named_error_not_an_overflow(tmp_path):
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 10**400, "output_length": 1, "hash_ids": [1]}) + "\n")
+    with pytest.raises(WorkloadError, match=r"huge\.jsonl:1: field 'hash_ids' has 1 blocks"):
+        read_mooncake(path)

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deployment", default="census-64x8")
     ap.add_argument("--points", default="mixed:3000:2,wildchat:200:5", help="workload:rate:duration_s, comma-separated")
-    ap.add_argument("--schemes", default=",".join(("oracle", *PAPER_SCHEMES)))
+    ap.add_argument("--schemes", default=",".join(("load-balance-oracle", *PAPER_SCHEMES)))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the digests as JSON")
     ap.add_argument("--compare", default=None, help="rerun a saved file's points and schemes and compare")

@@ -3,7 +3,13 @@
 Example::
 
     python -m kvcompassd.sim.cli --deployment census-64x8 --workload mixed \\
-        --schemes kvcompass,dynamo,oracle --rates 1000,3000 --duration 20 --warmup 5 --out out/sim
+        --schemes kvcompass,dynamo,load-balance-oracle --rates 1000,3000 --duration 20 --warmup 5 --out out/sim
+
+Your own Mooncake-format trace (JSON lines: ``timestamp`` ms, ``input_length``,
+``output_length``, ``hash_ids``; ``--trace-block-tokens`` tokens per id, 512 as Mooncake's)::
+
+    python -m kvcompassd.sim.cli --trace my_trace.jsonl --deployment testbed-3continent \\
+        --schemes kvcompass,dynamo --rates 50 --requests 2000
 
 Writes ``summary.csv``, ``summary.json``, ``summary.md`` and PNG plots into ``--out``
 (``requests-<scheme>-<rate>.csv`` too with ``--per-request``).
@@ -31,8 +37,9 @@ from . import plots
 from .engine import SimResult, SimSettings, request_window, simulate, sparse_collections
 from .metrics import load_factors, summarize
 from .policy import Topology
-from .schemes import ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights
-from .workloads import Request
+from .schemes import (ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights,
+                      traces_dir)
+from .workloads import MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, read_mooncake
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 
@@ -47,6 +54,19 @@ def resolve_deployment(name_or_path: str) -> Path:
     raise SystemExit(f"no deployment {name_or_path!r}: not a file and not {cand}")
 
 
+def check_workload_sources(workload: str, *, traces: str | None = None, trace: str | None = None,
+                           trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> None:
+    """Read and check the files a workload replays before any simulation starts, so a missing
+    file or a malformed line stops the command with the file and line named (``WorkloadError``),
+    never a silent fall-back to the bundled traces."""
+    if trace is not None:
+        if workload != "mooncake":
+            raise WorkloadError(f"--trace replays a Mooncake-format file as workload 'mooncake', not {workload!r}")
+        read_mooncake(trace, block_tokens=trace_block_tokens)
+    elif traces is not None or workload in ("mooncake", "azure-conv", "azure-code"):
+        traces_dir(traces)
+
+
 def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -57,7 +77,8 @@ def _floats(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvcompassd sim", description="Simulate KVCompass and the baselines.")
     ap.add_argument("--deployment", default="census-64x8", help="config name under config/ or a TOML path")
-    ap.add_argument("--workload", default="mixed", choices=WORKLOADS)
+    ap.add_argument("--workload", default=None, choices=WORKLOADS,
+                    help="default: mixed, or mooncake with --trace")
     ap.add_argument("--schemes", default="kvcompass,central-directory,planetserve,consistent-hash,chord,skywalker,dynamo",
                     help=f"comma-separated, from {', '.join(ALL_SCHEMES)}")
     ap.add_argument("--rates", type=_floats, default=[1000.0], help="comma-separated req/s")
@@ -71,7 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--update-loss", type=float, default=0.0)
     ap.add_argument("--wan-jitter", type=float, default=0.0, help="fraction, e.g. 0.5 for +-50%%")
     ap.add_argument("--track-cross-region", action="store_true", help="measure the cross-region-only hit share")
-    ap.add_argument("--traces", default=None, help="directory holding mooncake/ and azure_llm_2023/ (default: the traces the package ships)")
+    ap.add_argument("--traces", default=None,
+                    help="directory holding mooncake/synthetic_trace.jsonl and azure_llm_2023/AzureLLMInferenceTrace_"
+                         "{conv,code}.csv (default: the traces the package ships)")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="replay this Mooncake-format JSONL file (timestamp ms, input_length, output_length, "
+                         "hash_ids) as the workload; --rates rescales its inter-arrival gaps")
+    ap.add_argument("--trace-block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
+                    help=f"tokens per hash id of --trace (default {MOONCAKE_BLOCK_TOKENS}, as Mooncake's traces)")
     ap.add_argument("--page-tokens", type=int, default=None,
                     help="engine page size of the simulated caches (default: the index block size)")
     ap.add_argument("--out", type=Path, default=Path("out/sim"))
@@ -99,6 +127,8 @@ class GridPoint:
     traces: str | None
     policy_options: dict[str, Any]
     page_tokens: int | None
+    trace: str | None = None  # a Mooncake-format file replayed as workload "mooncake"
+    trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
 
 # One request stream per process, reused while consecutive points share (workload, rate, ...):
@@ -110,13 +140,13 @@ def _stream(point: GridPoint, topo: Topology) -> list[Request]:
     """The requests ``simulate`` would pull from the generator: arrival-ordered, those before
     ``duration_s`` and at most ``max_requests`` of them (so a replay equals a fresh run)."""
     key = (point.cfg_path, point.workload, point.rate, point.seed, point.duration_s, point.max_requests,
-           point.regions_by, point.traces, point.page_tokens)
+           point.regions_by, point.traces, point.page_tokens, point.trace, point.trace_block_tokens)
     cached = _STREAM_CACHE.get(key)
     if cached is not None:
         return cached
     _STREAM_CACHE.clear()
     gen = make_workload(point.workload, point.rate, region_weights(topo, point.regions_by), seed=point.seed,
-                        traces=point.traces)
+                        traces=point.traces, trace=point.trace, trace_block_tokens=point.trace_block_tokens)
     stream = request_window(gen, duration_s=point.duration_s, max_requests=point.max_requests)
     _STREAM_CACHE[key] = stream
     return stream
@@ -197,7 +227,8 @@ def grid_points(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Se
                 duration_s: float | None = None, max_requests: int | None = None, warmup_s: float = 0.0,
                 settings: SimSettings | None = None, regions_by: str = "workers", traces: str | None = None,
                 policy_options: dict[str, Any] | None = None, page_tokens: int | None = None,
-                run_progress: bool = False) -> list[GridPoint]:
+                run_progress: bool = False, trace: str | None = None,
+                trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[GridPoint]:
     """Every scheme at every rate (rate-major), all replaying one request stream per rate.
     ``run_progress`` shows a bar inside each run (serial runs only)."""
     if duration_s is None and max_requests is None:
@@ -205,7 +236,8 @@ def grid_points(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Se
     base = dataclasses.replace(settings or SimSettings(eviction=DEFAULT_EVICTION[workload], seed=seed),
                                progress=run_progress)
     return [GridPoint(Path(cfg_path), workload, scheme, float(rate), seed, duration_s, max_requests, warmup_s, base,
-                   regions_by, traces, dict(policy_options or {}), page_tokens)
+                   regions_by, traces, dict(policy_options or {}), page_tokens,
+                   None if trace is None else str(trace), trace_block_tokens)
             for rate in rates for scheme in schemes]
 
 
@@ -213,13 +245,14 @@ def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Seque
              duration_s: float | None = None, max_requests: int | None = None, warmup_s: float = 0.0,
              settings: SimSettings | None = None, regions_by: str = "workers", traces: str | None = None,
              progress: bool = False, policy_options: dict[str, Any] | None = None,
-             page_tokens: int | None = None,
+             page_tokens: int | None = None, trace: str | None = None,
+             trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
              jobs: int = 1) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
     """Every scheme at every rate on fresh workers and the same request stream (same seed)."""
     points = grid_points(cfg_path, workload, schemes, rates, seed=seed, duration_s=duration_s,
                          max_requests=max_requests, warmup_s=warmup_s, settings=settings, regions_by=regions_by,
                          traces=traces, policy_options=policy_options, page_tokens=page_tokens,
-                         run_progress=progress and jobs <= 1)
+                         run_progress=progress and jobs <= 1, trace=trace, trace_block_tokens=trace_block_tokens)
     done = run_points(points, jobs=jobs, progress=progress, desc=f"{workload}@{Path(cfg_path).stem}")
     rows = [summary for summary, _ in done]
     results = {(p.scheme, p.rate): result for p, (_, result) in zip(points, done)}
@@ -295,15 +328,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in schemes if s not in ALL_SCHEMES]
     if unknown:
         raise SystemExit(f"unknown scheme(s) {unknown}; known: {', '.join(ALL_SCHEMES)}")
-    eviction = DEFAULT_EVICTION[args.workload] if args.eviction == "auto" else args.eviction
+    workload = args.workload or ("mooncake" if args.trace is not None else "mixed")
+    try:
+        check_workload_sources(workload, traces=args.traces, trace=args.trace,
+                               trace_block_tokens=args.trace_block_tokens)
+    except WorkloadError as exc:
+        raise SystemExit(f"kvcompassd sim: {exc}") from None
+    eviction = DEFAULT_EVICTION[workload] if args.eviction == "auto" else args.eviction
     settings = SimSettings(eviction=eviction, update_delay_ms=args.update_delay_ms, update_loss=args.update_loss,
                            wan_jitter=args.wan_jitter, seed=args.seed, track_truth=args.track_cross_region)
     cfg_path = resolve_deployment(args.deployment)
-    rows, results = run_grid(cfg_path, args.workload, schemes, args.rates, seed=args.seed, duration_s=args.duration,
+    rows, results = run_grid(cfg_path, workload, schemes, args.rates, seed=args.seed, duration_s=args.duration,
                              max_requests=args.requests, warmup_s=args.warmup, settings=settings,
                              regions_by=args.regions_by, traces=args.traces, progress=args.progress,
-                             page_tokens=args.page_tokens, jobs=args.jobs)
-    title = f"{args.workload} on {cfg_path.stem}"
+                             page_tokens=args.page_tokens, jobs=args.jobs, trace=args.trace,
+                             trace_block_tokens=args.trace_block_tokens)
+    source = workload if args.trace is None else f"{Path(args.trace).name} (Mooncake format)"
+    title = f"{source} on {cfg_path.stem}"
     write_outputs(rows, results, args.out, title=title, warmup_s=args.warmup, per_request=args.per_request,
                   make_plots=not args.no_plots)
     sys.stdout.write(markdown_table(rows, title))

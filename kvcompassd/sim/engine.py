@@ -118,6 +118,58 @@ class SimResult:
         return len(self.records["id"])
 
 
+def decode_share_ms(timing: WorkerTiming, output_tokens: int) -> float:
+    """A request's share of its worker's decode: its output tokens after the first at a full
+    batch's per-sequence step cost (the first comes out of prefill)."""
+    return (output_tokens - 1) * timing.decode_step_ms(timing.max_running) / timing.max_running
+
+
+def request_work_ms(timing: WorkerTiming, prompt_tokens: int, cached_vram: int, cached_dram: int,
+                    output_tokens: int) -> float:
+    """GPU compute one request costs its worker, as the load factor counts it (``load_bins``):
+    prefill of the uncached prompt, reload of the DRAM-cached part, and its decode share."""
+    return timing.prefill_ms(prompt_tokens - cached_vram - cached_dram, cached_dram) + decode_share_ms(
+        timing, output_tokens)
+
+
+def usable_cached(match_vram: int, match_dram: int, prompt_tokens: int) -> tuple[int, int]:
+    """(VRAM, DRAM) cached tokens a request reuses: an engine always computes the last prompt token."""
+    vram = min(match_vram, prompt_tokens - 1)
+    return vram, min(match_dram, prompt_tokens - 1 - vram)
+
+
+class ExactWorkerState:
+    """What only an oracle may read: every worker's prefix cache as it is now, and the compute
+    a request would cost there exactly as the load factor counts it. Read-only."""
+
+    def __init__(self, caches: list[PrefixCache], timings: list[WorkerTiming], blocks: GlobalBlockMap) -> None:
+        self._caches = caches
+        self._timings = timings
+        self._blocks = blocks  # every cache's events applied at once: which workers hold any prefix
+        self._uncached: tuple[np.ndarray, np.ndarray] | None = None
+
+    def cached(self, worker_index: int, tokens: np.ndarray) -> tuple[int, int]:
+        """(VRAM, DRAM) tokens of ``tokens`` the worker would reuse if the request arrived now."""
+        match = self._caches[worker_index].match(tokens)
+        return usable_cached(match.vram_tokens, match.dram_tokens, len(tokens))
+
+    def holders(self, tokens: np.ndarray) -> list[int]:
+        """The workers caching at least one full page of ``tokens`` (all others reuse nothing)."""
+        return sorted(self._blocks.longest(chain_keys(tokens, self._blocks.block_size)))
+
+    def work_ms(self, worker_index: int, prompt_tokens: int, cached_vram: int, cached_dram: int,
+                output_tokens: int) -> float:
+        return request_work_ms(self._timings[worker_index], prompt_tokens, cached_vram, cached_dram, output_tokens)
+
+    def uncached_work_ms(self, prompt_tokens: int, output_tokens: int) -> np.ndarray:
+        """``work_ms`` on every worker with nothing cached (one vector, not a call per worker)."""
+        if self._uncached is None:
+            self._uncached = (np.array([t.prefill_ms(1) for t in self._timings]),
+                              np.array([decode_share_ms(t, 2) for t in self._timings]))
+        per_prompt, per_output = self._uncached
+        return per_prompt * prompt_tokens + per_output * (output_tokens - 1)
+
+
 class Simulation:
     def __init__(self, topo: Topology, policy: RoutingPolicy, settings: SimSettings = SimSettings()) -> None:
         self.topo = topo
@@ -138,16 +190,25 @@ class Simulation:
         self.models = [WorkerQueueModel(t) for t in self.timings]
         # A policy that reads no cache events (it keeps BasePolicy's no-op) gets none built, when
         # nothing else needs them: no truth map, and no loss or delay draws that depend on them.
+        attach = getattr(policy, "attach_exact_state", None)  # an oracle's privilege; no real router has it
         silent = (isinstance(policy, BasePolicy) and type(policy).on_cache_events is BasePolicy.on_cache_events
-                  and not settings.track_truth and settings.update_loss == 0 and settings.update_delay_ms == 0)
+                  and not settings.track_truth and settings.update_loss == 0 and settings.update_delay_ms == 0
+                  and attach is None)
         self.caches = [
             PrefixCache(block_size=topo.block_size, vram_tokens=cfg.worker(w).vram_kv_tokens,
                         dram_tokens=cfg.worker(w).dram_kv_tokens, policy=settings.eviction, emit_events=not silent)
             for w in topo.worker_ids
         ]
-        self.truth = GlobalBlockMap(topo.n_workers, topo.block_size) if settings.track_truth else None
+        # The exact global cache map, applied as the caches change (no delay, no loss): for the
+        # cross-region-only share and false-lookup causes (``truth``), and for an oracle.
+        exact_map = (GlobalBlockMap(topo.n_workers, topo.block_size)
+                     if settings.track_truth or attach is not None else None)
+        self._exact_map = exact_map
+        self.truth = exact_map if settings.track_truth else None
         if self.truth is not None:
             policy.on_truth_tracked()
+        if attach is not None:
+            attach(ExactWorkerState(self.caches, self.timings, exact_map))
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._wake_version = [0] * topo.n_workers
@@ -182,8 +243,8 @@ class Simulation:
     def _emit_cache_events(self, w: int, events: list, now: float) -> None:
         if not events:
             return
-        if self.truth is not None:
-            self.truth.apply(w, events)
+        if self._exact_map is not None:
+            self._exact_map.apply(w, events)
         if self.s.update_loss > 0 and self.rng.random() < self.s.update_loss:
             self.events_lost += len(events)
             return
@@ -273,9 +334,7 @@ class Simulation:
         st = self._inflight[rid]
         w, req = st.worker, st.req
         lease, match, events = self.caches[w].lock(req.tokens, now=now)
-        # An engine always computes at least the last prompt token.
-        vram = min(match.vram_tokens, req.prompt_tokens - 1)
-        dram = min(match.dram_tokens, req.prompt_tokens - 1 - vram)
+        vram, dram = usable_cached(match.vram_tokens, match.dram_tokens, req.prompt_tokens)
         st.lease, st.cached_vram, st.cached_dram, st.at_worker = lease, vram, dram, now
         self._emit_cache_events(w, events, now)
         self.models[w].admit(rid, req.prompt_tokens, vram, dram, req.output_tokens, now=now)
@@ -283,12 +342,10 @@ class Simulation:
         self._process_worker(w, now, admitted=self.timings[w].prefill_ms(req.prompt_tokens - vram - dram, dram))
 
     def _account_load(self, w: int, now: float, st: _InFlight) -> None:
-        timing = self.timings[w]
-        prefill = timing.prefill_ms(st.req.prompt_tokens - st.cached_vram - st.cached_dram, st.cached_dram)
-        # A request's share of decode: its output tokens at a full batch's per-sequence step cost.
-        decode = (st.req.output_tokens - 1) * timing.decode_step_ms(timing.max_running) / timing.max_running
+        work = request_work_ms(self.timings[w], st.req.prompt_tokens, st.cached_vram, st.cached_dram,
+                               st.req.output_tokens)
         key = (w, int(now // self.s.load_bin_s))
-        self._load[key] = self._load.get(key, 0.0) + prefill + decode
+        self._load[key] = self._load.get(key, 0.0) + work
 
     def _process_worker(self, w: int, now: float, *, admitted: float | None = None) -> None:
         model = self.models[w]
@@ -342,7 +399,7 @@ class Simulation:
         req, rows = st.req, self._rows
         timing = self.timings[st.worker]
         prefill = timing.prefill_ms(req.prompt_tokens - st.cached_vram - st.cached_dram, st.cached_dram)
-        decode = (req.output_tokens - 1) * timing.decode_step_ms(timing.max_running) / timing.max_running
+        decode = decode_share_ms(timing, req.output_tokens)
         values = (
             req.id, req.arrival_s, st.edge_region, st.worker, int(self.topo.worker_region[st.worker]), req.session,
             req.prompt_tokens, req.output_tokens, st.claimed, st.cached_vram + st.cached_dram, st.cached_dram,
@@ -459,7 +516,7 @@ class Simulation:
         for (w, b), ms in self._load.items():
             bins[w, b] += ms
         extra: dict[str, Any] = {"migrations": self.migrations}
-        for attr in ("hops_total", "lookups"):
+        for attr in ("hops_total", "lookups", "lf_bound_slack"):
             if hasattr(self.policy, attr):
                 extra[attr] = getattr(self.policy, attr)
         for outcome, n in getattr(self.policy, "hot_misses_by_outcome", {}).items():

@@ -73,7 +73,7 @@ from .cli import grid_points, markdown_table, resolve_deployment, run_grid, run_
 from .engine import SimSettings
 from .geo import NORTH_AMERICA_16, population_weights
 from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_workload, traces_dir
-from .workloads import MOONCAKE_BLOCK_TOKENS, read_mooncake, session_regions
+from .workloads import MOONCAKE_BLOCK_TOKENS, WorkloadError, read_mooncake, session_regions
 
 WORKLOADS3 = ("mixed", "wildchat", "lmsys")
 FIG12_RATES = (200, 1000, 2000, 2750, 3000, 4000, 6000)  # the paper's Fig. 12 axis, req/s
@@ -164,7 +164,7 @@ def fig11(args) -> list[dict]:
 
 def fig14(args) -> list[dict]:
     d, w = _sizes(args.quick, 30.0, 3.0)
-    schemes = args.schemes or (*PAPER_SCHEMES, "oracle")
+    schemes = args.schemes or (*PAPER_SCHEMES, "load-balance-oracle")
     return sweep("fig14", "census-64x8", ("mixed",), schemes, args.rates or [2750], args.out,
                  duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs)
 
@@ -273,7 +273,7 @@ def fig9(args) -> list[dict]:
     lam0 = topo.n_workers / es  # no-reuse capacity, req/s
     fractions = [0.1, 0.3, 0.5, 0.7, 0.9, 1.2, 1.5] if not args.quick else [0.3, 0.7, 1.2]
     d, w = _sizes(args.quick, 20.0, 3.0)
-    rows, _ = run_grid(cfg_path, "mixed", args.schemes or ["random", "oracle", "kvcompass"],
+    rows, _ = run_grid(cfg_path, "mixed", args.schemes or ["random", "load-balance-oracle", "kvcompass"],
                        [round(f * lam0, 1) for f in fractions], seed=args.seed, duration_s=d, warmup_s=w,
                        settings=SimSettings(eviction="lfu", seed=args.seed), progress=args.progress,
                        page_tokens=PAGE_TOKENS[0], jobs=args.jobs)
@@ -310,19 +310,20 @@ def fig19(args) -> list[dict]:
     """Appendix D: share of reusable >=1024-token prefixes cached only in another region, on
     the Mooncake trace, first turns replayed in arrival order, root sessions assigned to 16
     North-American regions by population, unlimited per-region caches, over 20 seeds."""
-    path = traces_dir(args.traces) / "mooncake" / "synthetic_trace.jsonl"
+    block = args.trace_block_tokens
+    path = Path(args.trace) if args.trace else traces_dir(args.traces) / "mooncake" / "synthetic_trace.jsonl"
     weights = population_weights(NORTH_AMERICA_16)
-    recs = read_mooncake(path)
+    recs = read_mooncake(path, block_tokens=block)
     from .workloads import mooncake_sessions
 
-    sessions = mooncake_sessions(recs)
+    sessions = mooncake_sessions(recs, block_tokens=block)
     first = set()
     seen_sessions = set()
     for i, s in enumerate(sessions):
         if s not in seen_sessions:
             seen_sessions.add(s)
             first.add(i)
-    min_blocks = 1024 // MOONCAKE_BLOCK_TOKENS
+    min_blocks = max(1, -(-1024 // block))  # blocks covering the 1024-token threshold
     seeds = range(args.seed, args.seed + (3 if args.quick else 20))
     rows = []
     for seed in seeds:
@@ -356,11 +357,11 @@ def fig19(args) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({"mean_remote_only_share": share, "runs": rows}, indent=1))
     (out / "summary.md").write_text(
-        f"# Fig. 19-style cross-region-only hits (Mooncake synthetic trace, 16 NA regions)\n\n"
+        f"# Fig. 19-style cross-region-only hits ({path.name}, 16 NA regions)\n\n"
         f"Mean share of >=1024-token hits cached only in another region over {len(rows)} seeds: "
         f"**{100 * share:.1f} %** (paper, Fig. 19: Mooncake-Conv 78.4 %, Mooncake-Tool 20.2 %; "
         f"the four Qwen-Bailian traces 9.8-26.4 %).\n")
-    plots.bars({"Mooncake-synthetic": 100 * share}, out / "fig19.png", ylabel="% of cross-region hit only",
+    plots.bars({path.stem: 100 * share}, out / "fig19.png", ylabel="% of cross-region hit only",
                title="Cross-region-only hits (>=1024 tokens)", fmt="{:.1f}%")
     return rows
 
@@ -378,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--schemes", type=lambda s: [x for x in s.split(",") if x], default=None)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=None)
     ap.add_argument("--traces", default=None, help="override the traces the package ships (mooncake/, azure_llm_2023/)")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="fig19: this Mooncake-format JSONL file instead of the bundled synthetic trace")
+    ap.add_argument("--trace-block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
+                    help=f"tokens per hash id of --trace (default {MOONCAKE_BLOCK_TOKENS})")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--requests-per-point", type=int, default=REQUESTS_PER_POINT,
                     help="fig12/fig16: measure about this many arrivals after the warm-up (0: the full "
@@ -393,6 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="KVCompass: fingerprint bits per entry of the index tables (default: the deployment's; "
                          "the paper's keyless views have none), e.g. table5 --fingerprint-bits 8")
     args = ap.parse_args(argv)
+    try:  # the files the experiments replay, checked before any run: a bad one names its line
+        if args.trace is not None:
+            read_mooncake(args.trace, block_tokens=args.trace_block_tokens)
+        elif args.traces is not None:
+            traces_dir(args.traces)
+    except WorkloadError as exc:
+        raise SystemExit(f"kvcompassd.sim.experiments: {exc}") from None
     PAGE_TOKENS[0] = args.page_tokens
     KVCOMPASS_OPTIONS.clear()
     if args.fingerprint_bits is not None:

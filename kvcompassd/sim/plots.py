@@ -17,7 +17,7 @@ from .baselines import SHORT  # noqa: E402
 STYLE = {
     "central-directory": ("tab:purple", "s"), "planetserve": ("tab:brown", "v"),
     "consistent-hash": ("tab:orange", "^"), "chord": ("tab:olive", "D"), "skywalker": ("tab:green", "P"),
-    "dynamo": ("tab:blue", "X"), "kvcompass": ("tab:red", "o"), "oracle": ("black", "*"),
+    "dynamo": ("tab:blue", "X"), "kvcompass": ("tab:red", "o"), "load-balance-oracle": ("black", "*"),
 }
 
 

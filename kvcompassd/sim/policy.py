@@ -11,8 +11,11 @@ feeds; each policy documents which of them it reads:
   tokens the worker actually reused and the queue estimates of the workers in ``w``'s region
   (piggybacked, as in KVCompass).
 - ``on_worker_load(w, queue_ms, now)``: the true queueing delay of ``w`` whenever it changes.
-  Only designs that read live load (a region's own balancer reading its local workers, the
-  Oracle) may use it, and only for the workers they could see.
+  Only designs that read live load (a region's own balancer reading its local workers) may use
+  it, and only for the workers they could see.
+- optional ``attach_exact_state(state)``: the simulator's exact worker state
+  (``engine.ExactWorkerState``: every cache as it is now, each request's compute as the load
+  factor counts it). No real router has it; only the load-balance oracle, a bound, reads it.
 - ``next_timer()/on_timer(now)``: periodic work such as broadcasts.
 - optional ``take_migrations() -> list[MigrationOrdered]``: polled after every route and timer;
   the engine carries the orders out (intra-region copy at ``INTRA_REGION_GBPS``, or shipping the

@@ -18,7 +18,8 @@ from kvcompassd.core.ablation import Ablation
 from .baselines import BASELINES, make_baseline
 from .policy import PolicyError, Topology
 from .synthetic import AzureWorkload, ChatWorkload, MixedWorkload
-from .workloads import Request, WorkloadError, mooncake_requests, read_azure, read_mooncake, rescale
+from .workloads import (MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, mooncake_requests, read_azure, read_mooncake,
+                        rescale)
 
 KVCOMPASS_VARIANTS: dict[str, Ablation] = {
     "kvcompass": Ablation(),
@@ -66,14 +67,39 @@ def traces_dir(override: str | Path | None = None) -> Path:
     """The directory holding ``mooncake/`` and ``azure_llm_2023/``: ``override`` when given (it
     must exist: a mistyped ``--traces`` is an error, not a silent fall-back), else the package's."""
     path = Path(override) if override is not None else TRACES
+    if path.exists() and not path.is_dir():
+        raise WorkloadError(f"traces directory {str(path)!r} is a file, not a directory "
+                            f"(to replay one Mooncake-format file, give it as --trace)")
     if not path.is_dir():
         raise WorkloadError(f"traces directory {str(path)!r} does not exist"
                             + ("" if override is not None else " (the package was installed without its data)"))
     return path
 
 
+def mooncake_stream(path: str | Path, rate: float, weights: Mapping[str, float], *, seed: int = 0,
+                    block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Iterator[Request]:
+    """A Mooncake-format trace replayed at ``rate`` req/s: its inter-arrival gaps scaled by
+    (native rate / ``rate``), so the trace's burstiness is kept. The file is read and checked
+    completely before the first request is returned."""
+    recs = read_mooncake(path, block_tokens=block_tokens)
+    span_s = (recs[-1].timestamp_ms - recs[0].timestamp_ms) / 1000.0
+    if len(recs) < 2 or span_s <= 0:
+        raise WorkloadError(f"trace file {str(path)!r}: replaying at a rate needs at least two records "
+                            f"with different timestamps")
+    native = (len(recs) - 1) / span_s
+    return rescale(mooncake_requests(path, weights, seed=seed, block_tokens=block_tokens, records=recs),
+                   rate, native)
+
+
 def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed: int = 0,
-                  traces: str | Path | None = None) -> Iterator[Request]:
+                  traces: str | Path | None = None, trace: str | Path | None = None,
+                  trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Iterator[Request]:
+    """``trace``: a Mooncake-format JSONL file a user brings, replayed as workload ``mooncake``
+    instead of the bundled synthetic trace (``trace_block_tokens`` tokens per hash id)."""
+    if trace is not None:
+        if name != "mooncake":
+            raise WorkloadError(f"a trace file replays as workload 'mooncake', not {name!r}")
+        return mooncake_stream(trace, rate, weights, seed=seed, block_tokens=trace_block_tokens)
     if name == "mixed":
         return iter(MixedWorkload(rate, weights, seed=seed))
     if name in ("wildchat", "lmsys"):
@@ -83,8 +109,5 @@ def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed:
         trace = read_azure(traces_dir(traces) / "azure_llm_2023" / f"AzureLLMInferenceTrace_{kind}.csv")
         return iter(AzureWorkload(rate, weights, trace, seed=seed))
     if name == "mooncake":
-        path = traces_dir(traces) / "mooncake" / "synthetic_trace.jsonl"
-        recs = read_mooncake(path)
-        native = (len(recs) - 1) / ((recs[-1].timestamp_ms - recs[0].timestamp_ms) / 1000.0)
-        return rescale(mooncake_requests(path, weights, seed=seed), rate, native)
+        return mooncake_stream(traces_dir(traces) / "mooncake" / "synthetic_trace.jsonl", rate, weights, seed=seed)
     raise WorkloadError(f"unknown workload {name!r}; known: {WORKLOADS}")

@@ -13,6 +13,7 @@ import bisect
 import csv
 import hashlib
 import heapq
+import itertools
 import json
 import math
 from collections import OrderedDict
@@ -132,44 +133,87 @@ class MooncakeRecord:
     hash_ids: tuple[int, ...]
 
 
-def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[MooncakeRecord]:
-    """Parse a Mooncake FAST'25 trace (jsonl: timestamp ms, input_length, output_length, hash_ids)."""
+MAX_TRACE_LINE_BYTES = 16 << 20  # one record; a 1 M-token prompt is ~2,000 block ids at 512 tokens
+
+
+def _json_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_mooncake(path: str | Path, *, limit: int | None = None,
+                  block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[MooncakeRecord]:
+    """Parse a Mooncake-format trace (FAST'25; JSON lines of ``timestamp`` in ms,
+    ``input_length``, ``output_length`` and ``hash_ids``, one id per ``block_tokens``-token block
+    of the prompt). Every fault is a ``WorkloadError`` naming the file and, for a record, its
+    line: a missing or unreadable file, a line that is not a JSON object, a missing or mistyped
+    field, a block count that does not fit the input length, timestamps that go backwards (the
+    simulator replays in arrival order), no records at all."""
+    if not (_json_int(block_tokens) and block_tokens > 0):
+        raise WorkloadError(f"block size must be a positive number of tokens, got {block_tokens!r}")
+    path = Path(path)
+    if not path.exists():
+        raise WorkloadError(f"trace file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise WorkloadError(f"trace {str(path)!r} is not a file")
     records: list[MooncakeRecord] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    last_ts = 0.0
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise WorkloadError(f"trace file {str(path)!r} cannot be read ({exc.strerror})") from None
+    with fh:
+        for lineno in itertools.count(1):
             if limit is not None and len(records) >= limit:
                 break
+            raw = fh.readline(MAX_TRACE_LINE_BYTES + 1)
+            if not raw:
+                break
+            where = f"{path}:{lineno}"
+            if len(raw) > MAX_TRACE_LINE_BYTES:
+                raise WorkloadError(f"{where}: line longer than {MAX_TRACE_LINE_BYTES} bytes")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise WorkloadError(f"{where}: not UTF-8 text") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise WorkloadError(f"{where}: not JSON ({exc.msg})") from None
+            except RecursionError:
+                raise WorkloadError(f"{where}: not JSON (nested too deeply)") from None
             if not isinstance(obj, dict):
-                raise WorkloadError(f"{where}: expected an object")
+                raise WorkloadError(f"{where}: expected a JSON object")
             for fld in ("timestamp", "input_length", "output_length", "hash_ids"):
                 if fld not in obj:
                     raise WorkloadError(f"{where}: missing field {fld!r}")
             ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
-            if not isinstance(ts, (int, float)) or ts < 0:
-                raise WorkloadError(f"{where}: field 'timestamp' must be a non-negative number")
-            if not isinstance(n_in, int) or n_in < 1:
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+                raise WorkloadError(f"{where}: field 'timestamp' must be a non-negative number (ms)")
+            if ts < last_ts:
+                raise WorkloadError(f"{where}: timestamp {ts} is earlier than the previous record's {last_ts} "
+                                    f"(records must be in arrival order)")
+            if not _json_int(n_in) or n_in < 1:
                 raise WorkloadError(f"{where}: field 'input_length' must be a positive int")
-            if not isinstance(n_out, int) or n_out < 0:
+            if not _json_int(n_out) or n_out < 0:
                 raise WorkloadError(f"{where}: field 'output_length' must be a non-negative int")
-            if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
+            if not isinstance(ids, list) or not all(_json_int(h) and h >= 0 for h in ids):
                 raise WorkloadError(f"{where}: field 'hash_ids' must be a list of non-negative ints")
-            if len(ids) != math.ceil(n_in / MOONCAKE_BLOCK_TOKENS):
+            if len(ids) != -(-n_in // block_tokens):  # integer ceil: a huge input_length must not overflow
                 raise WorkloadError(
                     f"{where}: field 'hash_ids' has {len(ids)} blocks for input_length {n_in} "
-                    f"(expected ceil({n_in}/{MOONCAKE_BLOCK_TOKENS}))"
+                    f"(expected ceil({n_in}/{block_tokens}); is the block size {block_tokens} right?)"
                 )
+            last_ts = float(ts)
             records.append(MooncakeRecord(float(ts), n_in, n_out, tuple(ids)))
+    if not records:
+        raise WorkloadError(f"trace file {str(path)!r} holds no records")
     return records
 
 
-def mooncake_sessions(records: Sequence[MooncakeRecord]) -> list[int]:
+def mooncake_sessions(records: Sequence[MooncakeRecord], *,
+                      block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
     """Session id per record. The synthetic trace has no session field; a record continues the
     earlier conversation whose *whole* prompt (all but its possibly partial last block) is a
     prefix of this prompt, if it is long enough to extend it: a follow-up turn carries the
@@ -196,7 +240,7 @@ def mooncake_sessions(records: Sequence[MooncakeRecord]) -> list[int]:
             session = next_session
             next_session += 1
         sessions.append(session)
-        full_blocks = rec.input_length // MOONCAKE_BLOCK_TOKENS
+        full_blocks = rec.input_length // block_tokens
         if full_blocks:
             owner_of_chain[ids[:full_blocks]] = i
     return sessions
@@ -223,16 +267,20 @@ def mooncake_requests(
     seed: int = 0,
     limit: int | None = None,
     tenant: str = "",
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    records: Sequence[MooncakeRecord] | None = None,
 ) -> Iterator[Request]:
-    """Replay a Mooncake trace: block ids become deterministic 512-token segments (equal id ⇒
-    equal tokens; ids are prefix-chained, so equal ids give equal prefixes); root sessions are
-    assigned to regions in proportion to ``region_weights`` and follow-ups inherit the region."""
-    records = read_mooncake(path, limit=limit)
-    sessions = mooncake_sessions(records)
+    """Replay a Mooncake-format trace: block ids become deterministic ``block_tokens``-token
+    segments (equal id ⇒ equal tokens; ids are prefix-chained, so equal ids give equal
+    prefixes); root sessions are assigned to regions in proportion to ``region_weights`` and
+    follow-ups inherit the region. ``records``: the file already read (``read_mooncake``)."""
+    if records is None:
+        records = read_mooncake(path, limit=limit, block_tokens=block_tokens)
+    sessions = mooncake_sessions(records, block_tokens=block_tokens)
     regions = session_regions(sessions, region_weights, seed=seed)
     segs = SegmentTokens()
     for i, (rec, session, region) in enumerate(zip(records, sessions, regions)):
-        parts = [segs.get(segment_key("mooncake", h), MOONCAKE_BLOCK_TOKENS) for h in rec.hash_ids]
+        parts = [segs.get(segment_key("mooncake", h), block_tokens) for h in rec.hash_ids]
         tokens = np.concatenate(parts)[: rec.input_length]
         yield Request(i, rec.timestamp_ms / 1000.0, region, session, tokens, max(1, rec.output_length), tenant)
 

@@ -1,4 +1,4 @@
-"""The paper's baselines (§5.1) and the Oracle, each a ``RoutingPolicy`` (see each module's
+"""The paper's baselines (§5.1) and the load-balance oracle (a bound, not a router), each a ``RoutingPolicy`` (see each module's
 docstring for what its design lets it see)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from ..policy import PolicyError, Topology
 from .directory import CentralDirectoryPolicy
 from .dynamo import DynamoPolicy
 from .hashing import ChordPolicy, ConsistentHashPolicy
-from .oracle import OraclePolicy
+from .oracle import LoadBalanceOraclePolicy
 from .planetserve import PlanetServePolicy
 from .random_policy import RandomPolicy
 from .skywalker import SkyWalkerPolicy
@@ -22,13 +22,13 @@ BASELINES: dict[str, Callable[..., Any]] = {
     "central-directory": CentralDirectoryPolicy,
     "skywalker": SkyWalkerPolicy,
     "dynamo": DynamoPolicy,
-    "oracle": OraclePolicy,
+    "load-balance-oracle": LoadBalanceOraclePolicy,
     "random": RandomPolicy,
 }
 
 # Short names as in the paper's figures.
 SHORT = {"central-directory": "CD", "planetserve": "PS", "consistent-hash": "CH", "chord": "ChD",
-         "skywalker": "SW", "dynamo": "Dyn", "kvcompass": "KVC", "oracle": "Oracle", "random": "Rand"}
+         "skywalker": "SW", "dynamo": "Dyn", "kvcompass": "KVC", "load-balance-oracle": "LB-Oracle", "random": "Rand"}
 
 
 def make_baseline(name: str, topo: Topology, **options: Any):
