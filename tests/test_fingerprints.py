@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from structlog.testing import capture_logs
+from structlog.testing import CapturingLogger
 
 from kvcompassd.core.config import ConfigError, load_config, parse_config
 from kvcompassd.core.fingerprints import (MAX_FINGERPRINT_BITS, budget_shortfall, expected_false_claims,
@@ -129,8 +129,9 @@ def test_the_shortfall_names_the_bits_needed_and_their_cost():
     assert "+11.6 bits per entry" in text and "false_lookup_budget = 0.002" in text
 
 
-def test_the_edge_warns_once_at_start_up_when_the_bits_fall_short(tmp_path):
+def test_the_edge_warns_once_at_start_up_when_the_bits_fall_short(tmp_path, monkeypatch):
     from kvcompassd.certs import Role, init_ca, issue
+    from kvcompassd import edge as edge_module
     from kvcompassd.edge import EdgeNode
 
     cfg = load_config(CONFIG / "testbed-3continent.toml")
@@ -141,10 +142,13 @@ def test_the_edge_warns_once_at_start_up_when_the_bits_fall_short(tmp_path):
     tls = issue(tmp_path / "ca", tmp_path / "edge", role=Role.EDGE, node_id=me.id)
 
     def warnings(bits: int) -> list[dict]:
+        # The edge module's own logger, replaced: a logger structlog already cached (any earlier
+        # test that configured logging) would not see capture_logs' processors.
+        captured = CapturingLogger()
+        monkeypatch.setattr(edge_module, "log", captured)
         short = dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, fingerprint_bits=bits))
-        with capture_logs() as logs:
-            EdgeNode(short, me, tls)
-        return [e for e in logs if e["log_level"] == "warning"]
+        EdgeNode(short, me, tls)
+        return [{"event": call.args[0], **call.kwargs} for call in captured.calls if call.method_name == "warning"]
 
     (warned,) = warnings(4)
     assert warned["event"] == "fingerprint bits below the false-lookup budget" and warned["edge"] == me.id
