@@ -149,3 +149,68 @@ async def test_closing_the_stream_aborts_the_request_in_the_engine():
             nxt = engine.generate(list(range(1, 30)), {"max_new_tokens": 2}, stream=True, rid="next")
             assert [type(item).__name__ async for item in nxt][-1] == "EngineFinished"
             assert worker.engine.model.now < 20.0
+
+
+@contextlib.asynccontextmanager
+async def hostile_engine(handler):
+    """A real HTTP server answering the agent's control reads with ``handler``."""
+    app = web.Application()
+    app.router.add_get("/v1/loads", handler)
+    app.router.add_get("/server_info", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield EngineClient(f"http://127.0.0.1:{port}", session)
+    finally:
+        await runner.cleanup()
+
+
+async def test_control_reads_refuse_an_oversized_answer():
+    from kvcompassd.engine import client as client_module
+
+    async def huge(request):
+        response = web.StreamResponse()
+        await response.prepare(request)
+        chunk = b" " * (256 * 1024)
+        for _ in range(client_module.MAX_CONTROL_BODY // len(chunk) + 2):
+            await response.write(chunk)
+        return response
+
+    async with hostile_engine(huge) as engine:
+        with pytest.raises(EngineError, match="more than"):
+            await engine.load(0.1)
+        with pytest.raises(EngineError, match="more than"):
+            await engine.server_info()
+
+
+async def test_control_reads_of_a_stalled_engine_end_at_their_deadline(monkeypatch):
+    from kvcompassd.engine import client as client_module
+
+    monkeypatch.setattr(client_module, "CONTROL_TIMEOUT", aiohttp.ClientTimeout(total=0.2))
+    release = asyncio.Event()
+
+    async def stalled(request):
+        await release.wait()  # never answers while the test runs
+        return web.json_response({})
+
+    async with hostile_engine(stalled) as engine:
+        try:
+            with pytest.raises(EngineError, match="TimeoutError|timeout"):
+                await engine.load(0.1)
+            with pytest.raises(EngineError, match="TimeoutError|timeout"):
+                await engine.server_info()
+        finally:
+            release.set()
+
+
+async def test_control_reads_refuse_json_nested_past_the_interpreters_limit():
+    async def nested(request):
+        return web.Response(body=b"[" * 200_000 + b"]" * 200_000, content_type="application/json")
+
+    async with hostile_engine(nested) as engine:
+        with pytest.raises(EngineError):
+            await engine.load(0.1)

@@ -142,22 +142,37 @@ class EngineClient:
     async def load(self, prefill_ms_per_token: float) -> EngineLoad:
         """Read ``/v1/loads``; the queueing delay is the prefill work queued ahead of a new prompt."""
         try:
-            async with self.session.get(f"{self.base}/v1/loads") as resp:
+            async with self.session.get(f"{self.base}/v1/loads", timeout=CONTROL_TIMEOUT) as resp:
                 if resp.status != 200:
                     raise EngineError(f"/v1/loads answered HTTP {resp.status}")
-                data = await resp.json(content_type=None)
-        except (aiohttp.ClientError, ValueError) as exc:
-            raise EngineError(f"load reading failed: {exc}") from exc
+                data = await _bounded_json(resp, "/v1/loads")
+        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
+            raise EngineError(f"load reading failed: {str(exc) or type(exc).__name__}") from exc
         return parse_loads(data, prefill_ms_per_token)
 
     async def server_info(self) -> dict:
         try:
-            async with self.session.get(f"{self.base}/server_info") as resp:
+            async with self.session.get(f"{self.base}/server_info", timeout=CONTROL_TIMEOUT) as resp:
                 if resp.status != 200:
                     raise EngineStatusError("/server_info", resp.status)
-                return await resp.json(content_type=None)
-        except (aiohttp.ClientError, ValueError) as exc:
-            raise EngineError(f"server info failed: {exc}") from exc
+                return await _bounded_json(resp, "/server_info")
+        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
+            raise EngineError(f"server info failed: {str(exc) or type(exc).__name__}") from exc
+
+
+# The engine's small control answers (/v1/loads, /server_info) are read within a deadline and a
+# size bound: an engine that stalls or streams garbage must not hang or bloat its agent.
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+MAX_CONTROL_BODY = 1 << 20
+
+
+async def _bounded_json(resp: aiohttp.ClientResponse, what: str):
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > MAX_CONTROL_BODY:
+            raise ValueError(f"{what} answered more than {MAX_CONTROL_BODY} bytes")
+    return json.loads(body)
 
 
 def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
