@@ -65,6 +65,22 @@ class BadRequest(RequestError):
         super().__init__(status, message, param=param, code=code)
 
 
+# What the edge's chat rendering passes to the template; any other field of a message (tool_calls,
+# name, ...) would change what the engine renders, so it is refused by name, never dropped.
+RENDERED_MESSAGE_FIELDS = frozenset({"role", "content"})
+
+
+def _refuse_unrendered_message_fields(messages) -> None:
+    if not isinstance(messages, list):
+        return  # the tokenizer's own check names what is wrong
+    for i, message in enumerate(messages):
+        if isinstance(message, dict):
+            for key in message:
+                if key not in RENDERED_MESSAGE_FIELDS:
+                    raise BadRequest(f"messages[{i}].{str(key)[:64]} is not supported by this edge",
+                                     param=f"messages[{i}].{str(key)[:64]}", code="unsupported_parameter")
+
+
 def route_label(request: web.Request) -> str:
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else None
@@ -291,6 +307,7 @@ class FrontDoor:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         def parse(body, request_id):
             params, stream = self._openai_params(body, chat=True)
+            _refuse_unrendered_message_fields(body.get("messages"))
             tokens = self._tokens(self.tokenizer.apply_chat_template(body.get("messages")), "messages")
             fwd = ForwardRequest(request_id, tokens, params, stream)
             return fwd, OpenAIRender("chat.completion", request_id, self.settings.model, len(tokens),

@@ -153,3 +153,15 @@ async def test_generate_honours_stop_token_ids_and_zero_new_tokens(client):
                                                                "sampling_params": {"max_new_tokens": 0}}) as r:
         zero = await r.json()
     assert r.status == 200 and zero["output_ids"] == [] and zero["text"] == ""
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[1].tool_calls"),
+    ({"role": "user", "content": "hi", "name": "alice"}, "messages[1].name"),
+])
+async def test_message_fields_the_edge_would_not_render_are_refused_by_name(client, message, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=MODEL, messages=[MESSAGES[0], message], max_tokens=2)
+    assert caught.value.param == param and caught.value.code == "unsupported_parameter", caught.value.body
