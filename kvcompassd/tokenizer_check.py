@@ -116,7 +116,7 @@ async def _call(session: aiohttp.ClientSession, method: str, url: str, body: Any
                 raise ValueError(f"{url} answered HTTP {resp.status}: {_excerpt(text)}")
             return await _read_json(resp)
     except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
-        raise WorkerUnreachable(f"{url}: {exc or type(exc).__name__}") from exc
+        raise WorkerUnreachable(f"{url}: {str(exc) or type(exc).__name__}") from exc
     except (aiohttp.ClientError, UnicodeDecodeError) as exc:
         raise ValueError(f"{url}: {exc}") from exc
 
@@ -197,7 +197,7 @@ async def probe_via_agent(peer: Peer, edge_id: str, worker: WorkerConfig, tokeni
                 await exchange.send(TokenizationRequested(edge_id, PROBE_TEXT, {"messages": list(PROBE_MESSAGES)}))
                 reply = await anext(aiter(exchange), None)  # the agent answers with one message
     except (TimeoutError, TransportError) as exc:
-        raise WorkerUnreachable(f"agent {worker.id}: {exc or type(exc).__name__}") from exc
+        raise WorkerUnreachable(f"agent {worker.id}: {str(exc) or type(exc).__name__}") from exc
     if isinstance(reply, ErrorReported):
         return WorkerVerdict(worker.id, False, f"its agent refused the probe: {reply.detail}"[:MAX_REASON_CHARS])
     if not isinstance(reply, TokenizationAnswered) or reply.worker != worker.id:

@@ -492,13 +492,3 @@ class EmulatedWorker:
         if self.publisher is not None:
             await self.publisher.close()
 
-
-async def run_emulated_worker(cfg: EmulatorSettings) -> None:
-    """``kvcompassd emulate-worker``: serve until cancelled (a restart is a new process, so
-    the KV-event seq starts again at 0 with an empty cache, as SGLang's does)."""
-    worker = EmulatedWorker(cfg)
-    await worker.start()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await worker.stop()
