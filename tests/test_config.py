@@ -461,3 +461,44 @@ def test_frontdoor_limits_are_read_validated_and_dumped() -> None:
     data["frontdoor"] = {"max_body": 1}
     with pytest.raises(ConfigError, match=r"\[frontdoor\] field 'max_body': unknown field"):
         parse_config(data)
+
+
+# ---------------------------------------------------------------- prefill-decode roles
+
+
+def disaggregated() -> dict:
+    data = minimal()
+    data["workers"] = [
+        {**data["workers"][0], "role": "prefill", "bootstrap_port": 8998},
+        {**data["workers"][0], "id": "a-1", "role": "decode"},
+        data["workers"][1],
+    ]
+    return data
+
+
+def test_worker_roles_default_to_mixed_and_round_trip() -> None:
+    cfg = parse_config(disaggregated(), "x.toml")
+    assert [w.role for w in cfg.workers] == ["prefill", "decode", "mixed"]
+    assert cfg.disaggregated and not parse_config(minimal(), "x.toml").disaggregated
+    assert [cfg.routable(w) for w in cfg.workers] == [True, False, True]
+    assert parse_config(tomllib.loads(dump_config(cfg)), "y.toml") == cfg
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: d["workers"][0].update(role="leader"), "[[workers]] #1 field 'role': expected one of mixed, prefill, decode, got 'leader'"),
+    (lambda d: d["workers"].pop(1), "[[workers]] field 'role': region 'a' has prefill workers but no decode worker"),
+    (lambda d: d["workers"][1].update(kv_events="tcp://127.0.0.1:5557"), "a decode worker publishes nothing"),
+    (lambda d: d["workers"][2].update(bootstrap_port=8998), "only a prefill worker has a bootstrap port"),
+    (lambda d: d["workers"][0].update(bootstrap_port=70000), "bootstrap_port"),
+])
+def test_role_errors_name_the_table_and_field(mutate, expected: str) -> None:
+    data = disaggregated()
+    mutate(data)
+    assert expected in error_of(data)
+
+
+def test_a_fleet_of_decode_workers_only_is_refused() -> None:
+    data = minimal()
+    for w in data["workers"]:
+        w["role"] = "decode"
+    assert "every worker is a decode worker" in error_of(data)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from clusters import make_cluster
@@ -221,3 +223,19 @@ def test_withheld_workers_get_no_requests_and_no_replicas():
         pass
     else:
         raise AssertionError("an unknown worker index must be refused")
+
+
+def test_decode_workers_of_a_disaggregated_fleet_are_never_routed_to():
+    """A decode worker only receives KV a prefill worker hands it: no request is routed there,
+    even when it is the only idle worker, and releasing a withheld worker does not free it."""
+    cfg, layout, shards, view = _world()
+    cfg = replace(cfg, workers=tuple(replace(w, role="decode") if w.id in ("us-0", "us-2") else
+                                     replace(w, role="prefill") if w.id == "us-1" else w for w in cfg.workers))
+    router = Router(cfg, "us", view, now=0.0)
+    us0, us2 = layout.worker_ids.index("us-0"), layout.worker_ids.index("us-2")
+    assert router.withheld == {us0, us2}
+    router.queues.set_local("us-1", 5000.0, now=0.0)  # the prefill worker is busy; decoders idle
+    assert router.decide(PROMPT, now=0.0).worker in ("us-1", "eu-0", "eu-1")
+    router.withhold(us0, False)
+    assert router.withheld == {us0, us2}
+    assert router.decide_from(router.lookup.lookup(PROMPT), now=0.0).worker not in ("us-0", "us-2")

@@ -18,9 +18,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 __all__ = [
+    "WORKER_ROLES",
     "ClusterConfig",
     "ConfigError",
     "ConfigSocket",
@@ -185,6 +186,9 @@ class LinkConfig:
         _as_float(self, "one_way_ms")
 
 
+WORKER_ROLES: Final = ("mixed", "prefill", "decode")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One inference worker (a model replica) and how to reach its engine and agent."""
@@ -207,10 +211,26 @@ class WorkerConfig:
     # The operator's word that this worker is `kvcompassd emulate-worker`, not SGLang: only then may
     # edges run the byte tokenizer (and the edge checks the worker says so too).
     emulated: bool = False
+    # Prefill-decode disaggregation (paper App. C): "mixed" serves whole requests; a "prefill"
+    # worker computes and publishes a prompt's KV and hands it to a "decode" worker of its region,
+    # which streams the tokens. Only mixed and prefill workers are routed to and indexed.
+    role: str = "mixed"
+    # A prefill worker's KV-transfer bootstrap port (SGLang's --disaggregation-bootstrap-port),
+    # which the router names in every request it hands to a prefill-decode pair.
+    bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
         _check_str("region", self.region)
+        if self.role not in WORKER_ROLES:
+            _fail("role", f"expected one of {', '.join(WORKER_ROLES)}, got {self.role!r}")
+        if self.bootstrap_port is not None:
+            if self.role != "prefill":
+                _fail("bootstrap_port", f"only a prefill worker has a bootstrap port (role is {self.role!r})")
+            _check_int("bootstrap_port", self.bootstrap_port, lo=1, hi=65535)
+        if self.role == "decode" and (self.kv_events is not None or self.kv_events_replay is not None):
+            _fail("kv_events", "a decode worker publishes nothing to the index (only prefill and mixed "
+                  "workers do): drop kv_events and kv_events_replay")
         if not isinstance(self.emulated, bool):
             _fail("emulated", f"expected true or false, got {self.emulated!r}")
         _check_float("prefill_ms_per_token", self.prefill_ms_per_token, lo=0.0, lo_open=True)
@@ -677,6 +697,7 @@ class ClusterConfig:
                 raise ConfigError(f"shards {missing} have no maintenance unit (cluster.shards = {self.shards})",
                                   table="[[maintenance]]", field="shard")
 
+        self._check_disaggregated_regions()
         check_socket_collisions(self)
         object.__setattr__(self, "links", self._complete_links(region_names))
         one_way: dict[tuple[str, str], float] = {}
@@ -692,6 +713,28 @@ class ClusterConfig:
             "_workers_by_region",
             {r.name: tuple(w for w in self.workers if w.region == r.name) for r in self.regions},
         )
+
+    def _check_disaggregated_regions(self) -> None:
+        """A region that prefills hands its KV to a decode worker of the same region."""
+        roles: dict[str, set[str]] = {}
+        for w in self.workers:
+            roles.setdefault(w.region, set()).add(w.role)
+        for region, present in roles.items():
+            if "prefill" in present and "decode" not in present:
+                raise ConfigError(f"region {region!r} has prefill workers but no decode worker to hand their KV to",
+                                  table="[[workers]]", field="role")
+        if all(w.role == "decode" for w in self.workers):
+            raise ConfigError("no worker can be routed to (every worker is a decode worker)",
+                              table="[[workers]]", field="role")
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when any worker is a prefill or decode worker."""
+        return any(w.role != "mixed" for w in self.workers)
+
+    def routable(self, worker: WorkerConfig) -> bool:
+        """Whether requests are routed to ``worker`` (decode workers only receive handed-over KV)."""
+        return worker.role != "decode"
 
     @staticmethod
     def _check_entries(table: str, entries: tuple[Any, ...], cls: type) -> None:

@@ -103,8 +103,13 @@ class Router:
         self._local_list = tuple(self._local.tolist())
         self._local_indexes = tuple(np.flatnonzero(self._local).tolist())
         self.top_k = top_k
+        # Workers no request is routed to: decode workers of a disaggregated fleet only receive
+        # KV handed over by a prefill worker of their region.
+        self._unroutable = frozenset(self.layout.worker_index(w.id) for w in cfg.workers if not cfg.routable(w))
+        for index in self._unroutable:
+            self.queues.withhold(self.layout.worker_ids[index])
         # Workers this edge routes nothing to (e.g. tokenizer not verified, or refused).
-        self._withheld: frozenset[int] = frozenset()
+        self._withheld: frozenset[int] = self._unroutable
         self._last_sent = np.zeros(len(self.layout.worker_ids), dtype=np.int64)  # dispatch counter per worker
         self._sent_count = 0
         # A miss without local holders can only plan a migration when a remote match reaches its
@@ -137,8 +142,8 @@ class Router:
         if not 0 <= worker_index < len(self.layout.worker_ids):
             raise ValueError(f"no worker index {worker_index}")
         change = self._withheld.union if withheld else self._withheld.difference
-        self._withheld = frozenset(change((worker_index,)))
-        self.queues.withhold(self.layout.worker_ids[worker_index], withheld)
+        self._withheld = frozenset(change((worker_index,))) | self._unroutable
+        self.queues.withhold(self.layout.worker_ids[worker_index], withheld or worker_index in self._unroutable)
 
     def decide(self, tokens, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
