@@ -27,15 +27,12 @@ from typing import Any, ClassVar, Final
 
 import msgpack
 
-from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 from kvcompassd.core.messages import (  # the core's messages and field types: this module adds their codec
     COUNT,
-    I64_MAX,
     I64_MIN,
     ID,
     MAX_FRAME_BYTES,
     MAX_ID_CHARS,
-    MILLIS,
     QUEUE_VECTOR,
     REGION,
     REQUEST_ID,
@@ -44,6 +41,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     Blob as Blob,  # re-exported: tests walk every message's field types
     Bool,
     Choice,
+    EventColumns as EventColumns,
     FieldType,
     Float as Float,
     Int,
@@ -51,13 +49,19 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     MessageError,
     MiB,
     Pairs as Pairs,
+    PiggybackSent,
+    PrefixEventsReported,
     QueueVectorBroadcast,
     ResyncRequested,
     ShardSnapshotSent,
     Text,
     UpdateBatchPublished,
     UpdatesSubscribed,
+    ViewCopyRequested,
     WireMessage,
+    WorkerLoadReported,
+    WorkerRegistered,
+    WorkerWithdrawn,
     _fail,
 )
 
@@ -189,44 +193,6 @@ class Params(FieldType):
         raise _fail(where, "null, bool, number, string, bytes, list or mapping", value)
 
 
-_EVENT_TYPES: Final = (PrefixCached, TierChanged, PrefixEvicted)
-
-
-class EventColumns(FieldType):
-    """A report's index events: :class:`IndexEventColumns` (a tuple of event objects is accepted
-    and converted). On the wire ``[ops, keys]``: one op byte per event and the keys as packed
-    little-endian uint64, so a report of thousands of events decodes without a Python object
-    per event."""
-
-    def __init__(self, max_items: int) -> None:
-        self.max_items = max_items
-
-    def check(self, value: Any, where: str) -> IndexEventColumns:
-        if isinstance(value, (tuple, list)):
-            for i, event in enumerate(value):
-                if type(event) not in _EVENT_TYPES:
-                    raise _fail(f"{where}[{i}]", "PrefixCached, TierChanged or PrefixEvicted", event)
-            value = IndexEventColumns.from_events(value)
-        elif not isinstance(value, IndexEventColumns):
-            raise _fail(where, "IndexEventColumns or a tuple of index events", value)
-        if len(value) > self.max_items:
-            raise WireError(f"{where}: {len(value)} events exceeds {self.max_items}")
-        return value
-
-    def to_wire(self, value: IndexEventColumns) -> list[bytes]:
-        return [value.ops, value.keys]
-
-    def from_wire(self, raw: Any, where: str) -> IndexEventColumns:
-        if type(raw) is not list or len(raw) != 2 or type(raw[0]) is not bytes or type(raw[1]) is not bytes:
-            raise _fail(where, "[ops, keys] as two byte strings", raw)
-        if len(raw[0]) > self.max_items:
-            raise WireError(f"{where}: {len(raw[0])} events exceeds {self.max_items}")
-        try:
-            return IndexEventColumns(raw[0], raw[1])
-        except ValueError as exc:
-            raise WireError(f"{where}: {exc}") from None
-
-
 # Shared field types.
 MAX_PROMPT_TOKENS: Final = 1 << 20
 
@@ -234,54 +200,6 @@ MAX_PROMPT_TOKENS: Final = 1 << 20
 # --------------------------------------------------------------------------------------------
 # Messages.
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixEventsReported(WireMessage):
-    """agent -> maintenance: a worker's index events, numbered per worker incarnation.
-
-    ``events`` are columns (:class:`IndexEventColumns`); built from a tuple of event objects,
-    which must all be the report's worker's."""
-
-    worker: str
-    seq: int
-    events: IndexEventColumns
-    WIRE: ClassVar = {"worker": ID, "seq": Int(0, I64_MAX), "events": EventColumns(1 << 20)}
-
-    def __post_init__(self) -> None:
-        if isinstance(self.events, (tuple, list)):
-            for i, event in enumerate(self.events):
-                if getattr(event, "worker", self.worker) != self.worker:
-                    raise WireError(
-                        f"PrefixEventsReported.events[{i}]: worker {event.worker!r} is not the "
-                        f"report's worker {self.worker!r}"
-                    )
-        WireMessage.__post_init__(self)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerWithdrawn(WireMessage):
-    """agent -> maintenance: the worker is gone; drop every prefix it holds."""
-
-    worker: str
-    WIRE: ClassVar = {"worker": ID}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRegistered(WireMessage):
-    """agent -> maintenance: the worker (re)started; ``incarnation`` grows with every restart."""
-
-    worker: str
-    incarnation: int
-    WIRE: ClassVar = {"worker": ID, "incarnation": Int(0, U64_MAX)}
-
-
-@dataclass(frozen=True, slots=True)
-class ViewCopyRequested(WireMessage):
-    """edge -> edge: send me your views (answered with ShardSnapshotSent on the same exchange)."""
-
-    edge: str
-    WIRE: ClassVar = {"edge": ID}
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,27 +312,6 @@ class RequestRejected(WireMessage):
         "status": Int(400, 499),
         "message": Text(4 * KiB, allow_empty=True),
     }
-
-
-@dataclass(frozen=True, slots=True)
-class PiggybackSent(WireMessage):
-    """agent -> edges of its region (datagram): a response just carried this region's queue
-    vector to ``to_region``, so the edges may skip their next broadcast there (paper §3.4)."""
-
-    worker: str
-    to_region: str
-    WIRE: ClassVar = {"worker": ID, "to_region": REGION}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoadReported(WireMessage):
-    """agent -> edge: a worker's current queueing delay and batch occupancy."""
-
-    worker: str
-    queue_ms: float
-    running: int
-    waiting: int
-    WIRE: ClassVar = {"worker": ID, "queue_ms": MILLIS, "running": COUNT, "waiting": COUNT}
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,10 @@ Rules:
 - ``WIRE`` lists the fields in declaration order (the wire order; ``wire._spec`` checks it).
 - Field types bound every size (characters, items, bytes), so a decoded message is bounded.
 
-Here: the index-sync messages (``kvcompassd.core.sync``) and the queue vector
-(``kvcompassd.core.queues``). The remaining messages are still defined in ``kvcompassd.wire``.
+Here: every message of the discovery plane: the index-sync messages (``kvcompassd.core.sync``),
+the queue vector and load reports (``kvcompassd.core.queues``), the agents' index events and
+worker lifecycle (``kvcompassd.core.index``), and view copies between edges. ``kvcompassd.wire``
+defines only the request-forwarding, admin, tokenizer and error messages of the daemons' shell.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
+from .events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
+
 __all__ = [
     "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "REGION", "SEQ", "SHARD", "TABLES", "Blob", "Bool", "Choice",
-    "FieldType", "Float", "Int", "MessageError", "Pairs", "QueueVectorBroadcast", "ResyncRequested", "ShardSnapshotSent", "Text",
-    "UpdateBatchPublished", "UpdatesSubscribed", "WireMessage",
+    "EventColumns", "FieldType", "Float", "Int", "MessageError", "Pairs", "PiggybackSent", "PrefixEventsReported",
+    "QueueVectorBroadcast", "ResyncRequested", "ShardSnapshotSent", "Text", "UpdateBatchPublished", "UpdatesSubscribed",
+    "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerWithdrawn",
 ]
 
 KiB: Final = 1024
@@ -249,3 +254,113 @@ class QueueVectorBroadcast(WireMessage):
     sent_at: float
     vector: tuple[tuple[str, float], ...]
     WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR}
+
+
+# Index events reported by agents, worker lifecycle, view copies and load reports.
+
+
+_EVENT_TYPES: Final = (PrefixCached, TierChanged, PrefixEvicted)
+
+
+class EventColumns(FieldType):
+    """A report's index events: :class:`IndexEventColumns` (a tuple of event objects is accepted
+    and converted). On the wire ``[ops, keys]``: one op byte per event and the keys as packed
+    little-endian uint64, so a report of thousands of events decodes without a Python object
+    per event."""
+
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+
+    def check(self, value: Any, where: str) -> IndexEventColumns:
+        if isinstance(value, (tuple, list)):
+            for i, event in enumerate(value):
+                if type(event) not in _EVENT_TYPES:
+                    raise _fail(f"{where}[{i}]", "PrefixCached, TierChanged or PrefixEvicted", event)
+            value = IndexEventColumns.from_events(value)
+        elif not isinstance(value, IndexEventColumns):
+            raise _fail(where, "IndexEventColumns or a tuple of index events", value)
+        if len(value) > self.max_items:
+            raise MessageError(f"{where}: {len(value)} events exceeds {self.max_items}")
+        return value
+
+    def to_wire(self, value: IndexEventColumns) -> list[bytes]:
+        return [value.ops, value.keys]
+
+    def from_wire(self, raw: Any, where: str) -> IndexEventColumns:
+        if type(raw) is not list or len(raw) != 2 or type(raw[0]) is not bytes or type(raw[1]) is not bytes:
+            raise _fail(where, "[ops, keys] as two byte strings", raw)
+        if len(raw[0]) > self.max_items:
+            raise MessageError(f"{where}: {len(raw[0])} events exceeds {self.max_items}")
+        try:
+            return IndexEventColumns(raw[0], raw[1])
+        except ValueError as exc:
+            raise MessageError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixEventsReported(WireMessage):
+    """agent -> maintenance: a worker's index events, numbered per worker incarnation.
+
+    ``events`` are columns (:class:`IndexEventColumns`); built from a tuple of event objects,
+    which must all be the report's worker's."""
+
+    worker: str
+    seq: int
+    events: IndexEventColumns
+    WIRE: ClassVar = {"worker": ID, "seq": Int(0, I64_MAX), "events": EventColumns(1 << 20)}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.events, (tuple, list)):
+            for i, event in enumerate(self.events):
+                if getattr(event, "worker", self.worker) != self.worker:
+                    raise MessageError(
+                        f"PrefixEventsReported.events[{i}]: worker {event.worker!r} is not the "
+                        f"report's worker {self.worker!r}"
+                    )
+        WireMessage.__post_init__(self)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerWithdrawn(WireMessage):
+    """agent -> maintenance: the worker is gone; drop every prefix it holds."""
+
+    worker: str
+    WIRE: ClassVar = {"worker": ID}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRegistered(WireMessage):
+    """agent -> maintenance: the worker (re)started; ``incarnation`` grows with every restart."""
+
+    worker: str
+    incarnation: int
+    WIRE: ClassVar = {"worker": ID, "incarnation": Int(0, U64_MAX)}
+
+
+@dataclass(frozen=True, slots=True)
+class ViewCopyRequested(WireMessage):
+    """edge -> edge: send me your views (answered with ShardSnapshotSent on the same exchange)."""
+
+    edge: str
+    WIRE: ClassVar = {"edge": ID}
+
+
+@dataclass(frozen=True, slots=True)
+class PiggybackSent(WireMessage):
+    """agent -> edges of its region (datagram): a response just carried this region's queue
+    vector to ``to_region``, so the edges may skip their next broadcast there (paper §3.4)."""
+
+    worker: str
+    to_region: str
+    WIRE: ClassVar = {"worker": ID, "to_region": REGION}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoadReported(WireMessage):
+    """agent -> edge: a worker's current queueing delay and batch occupancy."""
+
+    worker: str
+    queue_ms: float
+    running: int
+    waiting: int
+    WIRE: ClassVar = {"worker": ID, "queue_ms": MILLIS, "running": COUNT, "waiting": COUNT}
