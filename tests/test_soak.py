@@ -14,7 +14,7 @@ TOOL = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 
 @pytest.mark.slow
 def test_short_soak_serves_every_request_and_converges(tmp_path):
-    run = subprocess.run([sys.executable, str(TOOL), "--minutes", "0.4", "--rate", "4", "--sample-s", "1",
+    run = subprocess.run([sys.executable, str(TOOL), "--minutes", "0.2", "--rate", "4", "--sample-s", "1",
                           "--time-scale", "0", "--workdir", str(tmp_path)],
                          capture_output=True, text=True, timeout=420)
     report = run.stdout + run.stderr
