@@ -49,6 +49,7 @@ from kvcompassd.engine.subscriber import (
     PublisherRestarted,
 )
 from kvcompassd.metrics import AgentMetrics
+from kvcompassd.pacing import LoadPollSchedule
 from kvcompassd.reports import ReportCoalescer
 from kvcompassd.tokenizer_check import answer_for_agent
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
@@ -99,6 +100,7 @@ class AgentNode:
         *,
         replay_endpoint: str | None = None,
         load_interval: float = 0.02,
+        load_idle_interval: float | None = None,
         chaos_drop_engine_batches: float = 0.0,
     ):
         if not worker.agent or not worker.http:
@@ -131,6 +133,10 @@ class AgentNode:
         self._last_reading: tuple | None = None
         self._last_report = float("-inf")
         self._heartbeat_s = cfg.score.broadcast_period_ms / 1000.0
+        # Idle, the engine is read once per heartbeat, not 50 times a second (issue 30 item 4).
+        idle = self._heartbeat_s if load_idle_interval is None else load_idle_interval
+        self.load_schedule = LoadPollSchedule(busy_s=load_interval, idle_s=max(load_interval, idle))
+        self._load_wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.migrations: list[dict] = []
         self.address: tuple[str, int] | None = None
@@ -268,6 +274,7 @@ class AgentNode:
         an engine batch of 150 k blocks must not stall QUIC keep-alives and load reports for
         seconds (the maintenance unit would withdraw this worker). Reports are diffs, so a
         registration sent between two slices and the diffs that follow stay consistent."""
+        self._work_arriving()
         done = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -328,6 +335,7 @@ class AgentNode:
             try:
                 load = await self.engine.load(self.worker.prefill_ms_per_token)
             except EngineError as exc:
+                self.load_schedule.failed()
                 self._load_failures += 1
                 if self.engine_up and self._load_failures >= ENGINE_DOWN_AFTER:
                     self._engine_down(str(exc))
@@ -344,6 +352,8 @@ class AgentNode:
                 # Edges want a live value, not a stream of identical ones: report a change at
                 # once, an unchanged load only as a heartbeat every broadcast period.
                 reading = (load.queue_ms, load.running, load.waiting)
+                self.load_schedule.observed(changed=reading != self._last_reading,
+                                            busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0)
                 now = time.monotonic()
                 if reading != self._last_reading or now - self._last_report >= self._heartbeat_s:
                     self._last_reading, self._last_report = reading, now
@@ -354,7 +364,21 @@ class AgentNode:
                                 peer.send_datagram(report)
                             except TransportError:
                                 pass
-            await asyncio.sleep(self.load_interval)
+            await self._sleep_until_next_reading()
+
+    async def _sleep_until_next_reading(self) -> None:
+        self._load_wake.clear()
+        try:
+            async with asyncio.timeout(self.load_schedule.delay_s):
+                await self._load_wake.wait()
+        except TimeoutError:
+            pass
+
+    def _work_arriving(self) -> None:
+        """A forwarded request or KV events: the engine's load is about to move."""
+        if self.load_schedule.delay_s > self.load_schedule.busy_s:
+            self.load_schedule.woken()
+            self._load_wake.set()
 
     def _engine_down(self, reason: str) -> None:
         """Take the worker out of the index while its engine does not answer, but keep the
@@ -384,6 +408,7 @@ class AgentNode:
 
     def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo):
         if isinstance(message, RequestForwarded):
+            self._work_arriving()
             return self._serve(peer, message, channel)
         if isinstance(message, QueueVectorBroadcast):
             # Only an edge of this worker's region speaks for its queues (the vector this agent
@@ -398,6 +423,7 @@ class AgentNode:
             self.region_vector[self.worker.id] = self.queue_ms
             return None
         if isinstance(message, MigrationRequested):
+            self._work_arriving()
             return self._migrate(message)
         if isinstance(message, TokenizationRequested):
             return self._tokenize(message, channel)

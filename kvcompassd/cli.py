@@ -128,7 +128,12 @@ def cmd_agent(args) -> int:
     from kvcompassd.agent import AgentNode
 
     worker = _lookup(cfg.workers, args.id, "worker")
+    if not 0 < args.load_poll_ms <= 10_000 or not (args.load_idle_poll_ms is None or
+                                                   args.load_poll_ms <= args.load_idle_poll_ms <= 10_000):
+        raise SystemExit("kvcompassd agent: need 0 < --load-poll-ms <= --load-idle-poll-ms <= 10000")
     node = AgentNode(cfg, worker, tls, replay_endpoint=args.replay_endpoint,
+                     load_interval=args.load_poll_ms / 1000.0,
+                     load_idle_interval=None if args.load_idle_poll_ms is None else args.load_idle_poll_ms / 1000.0,
                      chaos_drop_engine_batches=args.chaos_drop_engine_batches)
     return _serve(node, _metrics_address(args, cfg, worker, "agent_metrics"), args)
 
@@ -208,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-endpoint", default=None, help="engine's KV-event replay socket (default: from /server_info)")
     p.add_argument("--chaos-drop-engine-batches", type=float, default=0.0, metavar="P",
                    help="fault injection: drop this share of the engine's live event batches (recovered by replay)")
+    p.add_argument("--load-poll-ms", type=float, default=20.0, metavar="MS",
+                   help="read the engine's load this often while it works (default 20)")
+    p.add_argument("--load-idle-poll-ms", type=float, default=None, metavar="MS",
+                   help="back off to this period while the engine sits idle (default: the broadcast period)")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("emulate-worker", help="an SGLang-compatible emulated worker (no GPU)")

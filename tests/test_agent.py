@@ -126,3 +126,59 @@ async def test_a_failure_while_applying_engine_events_does_not_end_the_following
         await pub.close()
         await agent.node.close()
         ctx.destroy(linger=0)
+
+
+async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_reader(cluster):
+    """Idle, the agent backs off its /v1/loads readings; the KV events of a request arriving at
+    the engine bring the next reading at once, not after the idle period (here 60 s, past the
+    hang guard, so a missed wake-up fails the test instead of passing late)."""
+    from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
+
+    cfg, tls = cluster
+    engine = EmulatedWorker(EmulatorSettings(port=0, kv_events_endpoint="tcp://127.0.0.1:*",
+                                             kv_replay_endpoint="tcp://127.0.0.1:*", time_scale=0.0,
+                                             worker_id=cfg.workers[0].id, block_size=cfg.index.block_size))
+    await engine.start()
+    worker = dataclasses.replace(cfg.workers[0], http=engine.http_url, kv_events=engine.kv_events_endpoint,
+                                 kv_events_replay=engine.kv_replay_endpoint)
+    agent = AgentNode(cfg, worker, tls, load_interval=0.01, load_idle_interval=60.0)
+    readings = []
+    async with aiohttp.ClientSession() as session:
+        agent._http = session
+        agent.engine = EngineClient(engine.http_url, session)
+        load = agent.engine.load
+
+        async def counted(beta):
+            readings.append(1)
+            return await load(beta)
+
+        agent.engine.load = counted
+        sleeping_long, sleep = asyncio.Event(), agent._sleep_until_next_reading
+
+        async def noted_sleep():
+            if agent.load_schedule.delay_s >= 60.0:
+                sleeping_long.set()
+            await sleep()
+
+        agent._sleep_until_next_reading = noted_sleep
+        tasks = [asyncio.create_task(agent._follow_engine_events()), asyncio.create_task(agent._load_loop())]
+        try:
+            async with asyncio.timeout(GUARD_S):
+                while agent.load_schedule.delay_s < 60.0:  # backed off: 0.01 s doubling to 60 s
+                    agent.load_schedule.observed(changed=False, busy=False)
+                    await asyncio.sleep(0.01)
+                await sleeping_long.wait()  # no reading until the 60 s have passed, or a wake-up
+                before = len(readings)
+                async with session.post(f"{engine.http_url}/generate", json={
+                        "input_ids": list(range(3 * cfg.index.block_size)),
+                        "sampling_params": {"max_new_tokens": 1}}) as resp:
+                    assert resp.status == 200
+                while len(readings) == before:
+                    await asyncio.sleep(0.01)
+            assert agent.load_schedule.delay_s < 60.0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await agent.node.close()
+            await engine.stop()
