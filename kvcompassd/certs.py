@@ -165,11 +165,23 @@ def init_ca(directory: str | os.PathLike[str], *, cluster_name: str, days: int =
     return files
 
 
+# RFC 1123 host names (a leading "*." wildcard allowed, as X.509 DNS names may carry one).
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
 def _san_entry(value: str) -> x509.GeneralName:
+    """An IP address or a DNS host name; anything else (a URL, a port, spaces, an empty label)
+    would end up in the certificate and never match the name a peer dials, so it is refused."""
     try:
         return x509.IPAddress(ipaddress.ip_address(value))
     except ValueError:
-        return x509.DNSName(value)
+        pass
+    name = value[2:] if value.startswith("*.") else value
+    labels = name.rstrip(".").split(".") if isinstance(name, str) else []
+    if (not isinstance(value, str) or not name or len(name) > 253 or not labels
+            or not all(_DNS_LABEL.fullmatch(label) for label in labels)):
+        raise CertError(f"subject alternative name {value!r} is neither an IP address nor a DNS host name")
+    return x509.DNSName(value)
 
 
 def issue(

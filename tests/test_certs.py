@@ -87,3 +87,22 @@ def test_certificate_without_identity_is_refused(ca_dir):
 
 def test_identity_uri_format():
     assert identity_uri("edge", "edge-us") == "kvc://role/edge/id/edge-us"
+
+
+@pytest.mark.parametrize("san", ["edge.example.com", "*.region-us.example", "10.0.0.5", "::1", "localhost",
+                                 "host-1.internal."])
+def test_host_names_and_addresses_are_accepted_as_alternative_names(ca_dir, tmp_path, san):
+    files = issue(ca_dir, tmp_path, role="edge", node_id="edge-us", sans=(san,))
+    names = x509.load_pem_x509_certificate(files.cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert san in {str(v) for v in names.get_values_for_type(x509.DNSName)} | {
+        str(v) for v in names.get_values_for_type(x509.IPAddress)}
+
+
+@pytest.mark.parametrize("san", ["https://edge.example.com", "edge.example.com:4433", "two words", "",
+                                 "a..b", "-edge.example", "edge-.example", "x" * 64 + ".example", "10.0.0.5/24",
+                                 "*"])
+def test_a_malformed_alternative_name_is_refused_and_nothing_is_written(ca_dir, tmp_path, san):
+    with pytest.raises(CertError, match="neither an IP address nor a DNS host name"):
+        issue(ca_dir, tmp_path, role="edge", node_id="edge-us", sans=(san,))
+    assert not list(tmp_path.iterdir())
