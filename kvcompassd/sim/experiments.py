@@ -69,7 +69,8 @@ from pathlib import Path
 import numpy as np
 
 from . import plots
-from .cli import grid_points, markdown_table, resolve_deployment, run_grid, run_points, write_outputs
+from .cli import (WINDOW_COLUMNS, grid_points, markdown_table, resolve_deployment, run_grid, run_points, window_text,
+                  write_outputs)
 from .engine import SimSettings
 from .geo import NORTH_AMERICA_16, population_weights
 from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_workload, traces_dir
@@ -101,6 +102,14 @@ def _save(rows: list[dict], out: Path, title: str, extra_columns: Sequence[tuple
         w = csv.DictWriter(fh, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+
+
+def _window_header() -> str:
+    return " | ".join(header for _, header, _ in WINDOW_COLUMNS)
+
+
+def _window_cells(row: dict) -> str:
+    return " | ".join(fmt.format(row[key]) for key, _, fmt in WINDOW_COLUMNS)
 
 
 def point_duration(rate: float, full_s: float, warmup_s: float, requests_per_point: int | None) -> float:
@@ -201,7 +210,8 @@ def fig15(args) -> list[dict]:
     plots.bars({r["scheme"]: 100 * r["throughput_vs_full"] if full else r["throughput_tok_s"] / 1e3 for r in rows},
                args.out / "fig15" / "ablation.png",
                ylabel="Throughput (% of full)" if full else "Throughput (Ktok/s)",
-               title=f"Ablation (Mixed, testbed, closed loop, {clients} clients)", fmt="{:.1f}")
+               title=f"Ablation (Mixed, testbed, closed loop, {clients} clients)", fmt="{:.1f}",
+               window=window_text(rows))
     return rows
 
 
@@ -226,9 +236,10 @@ def table4(args) -> list[dict]:
     done = run_points(points, jobs=args.jobs, progress=args.progress, desc="table4", log=out / "points.jsonl")
     rows = [dict(summary, variant=label) for (summary, _), label in zip(done, labels)]
     _save(rows, out, f"Table 4: sensitivity (Mixed, {rate:g} req/s)")
-    lines = ["| variant | scheme | P99 TTFT (ms) | hit rate (%) |", "|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['scheme']} | {r['ttft_p99_ms']:.0f} | {100 * r['hit_rate']:.1f} |" for r in rows]
-    (out / "table4.md").write_text("\n".join(lines) + "\n")
+    lines = [f"| variant | scheme | {_window_header()} | P99 TTFT (ms) | hit rate (%) |", "|---" * 8 + "|"]
+    lines += [f"| {r['variant']} | {r['scheme']} | {_window_cells(r)} | {r['ttft_p99_ms']:.0f} | "
+              f"{100 * r['hit_rate']:.1f} |" for r in rows]
+    (out / "table4.md").write_text("\n".join([*lines, "", f"Window: {window_text(rows)}."]) + "\n")
     return rows
 
 
@@ -241,17 +252,18 @@ def table5(args) -> list[dict]:
     rows = sweep("table5", "census-64x8", WORKLOADS3, args.schemes or ["kvcompass"], args.rates or [1000, 3000],
                  args.out, duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs,
                  track_truth=True)
-    lines = ["| workload | req/s | scheme | end-to-end false-lookup rate (%) | among claimed (%) "
+    lines = [f"| workload | req/s | scheme | {_window_header()} | end-to-end false-lookup rate (%) | among claimed (%) "
              "| lost in flight (%) | within a page (%) | view ahead of the worker (%) "
              "| of which: index behind the worker (%) | view behind the index (%) | keyless false hit (%) "
              "| edge's pending credit (%) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['rate']:g} | {r['scheme']} | {100 * r['false_lookup_rate']:.2f} | "
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['rate']:g} | {r['scheme']} | {_window_cells(r)} | "
+              f"{100 * r['false_lookup_rate']:.2f} | "
               f"{100 * r['false_lookup_rate_claimed']:.2f} | {100 * r['false_lost_in_flight']:.2f} | "
               f"{100 * r['false_within_page']:.2f} | {100 * r['false_view_ahead']:.2f} | "
               f"{100 * r['false_index_behind']:.2f} | {100 * r['false_view_behind']:.2f} | "
               f"{100 * r['false_keyless']:.2f} | {100 * r['false_pending']:.2f} |" for r in rows]
-    (args.out / "table5" / "table5.md").write_text("\n".join(lines) + "\n")
+    (args.out / "table5" / "table5.md").write_text("\n".join([*lines, "", f"Window: {window_text(rows)}."]) + "\n")
     return rows
 
 
@@ -301,7 +313,8 @@ def fig9(args) -> list[dict]:
     ax.axvline(lam0, color="gray", lw=0.8)
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(out / "mg1.png", dpi=150)
+    fig.text(0.5, 0.0, window_text(rows), ha="center", va="top", fontsize=5.5, color="dimgray")
+    fig.savefig(out / "mg1.png", dpi=150, bbox_inches="tight")
     plt.close(fig)
     return rows
 
@@ -353,16 +366,23 @@ def fig19(args) -> list[dict]:
         rows.append({"seed": seed, "first_turns": local + remote_only + cold, "hits": hits, "local": local,
                      "remote_only": remote_only, "remote_only_share": remote_only / hits if hits else float("nan")})
     share = float(np.mean([r["remote_only_share"] for r in rows]))
+    # Not timed: the window is the whole trace (its first turns, no warm-up) under each seed.
+    window = {"trace": path.name, "records": len(recs), "first_turns": len(first), "seeds": [r["seed"] for r in rows]}
+    window_line = (f"whole trace {path.name} ({len(recs):,} records, {len(first):,} first turns, no warm-up); "
+                   f"seeds {rows[0]['seed']}-{rows[-1]['seed']} ({len(rows)})")
+    for r in rows:
+        r["window"] = window_line
     out = args.out / "fig19"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"mean_remote_only_share": share, "runs": rows}, indent=1))
+    (out / "summary.json").write_text(json.dumps({"mean_remote_only_share": share, "window": window, "runs": rows},
+                                                 indent=1))
     (out / "summary.md").write_text(
         f"# Fig. 19-style cross-region-only hits ({path.name}, 16 NA regions)\n\n"
         f"Mean share of >=1024-token hits cached only in another region over {len(rows)} seeds: "
         f"**{100 * share:.1f} %** (paper, Fig. 19: Mooncake-Conv 78.4 %, Mooncake-Tool 20.2 %; "
-        f"the four Qwen-Bailian traces 9.8-26.4 %).\n")
+        f"the four Qwen-Bailian traces 9.8-26.4 %).\n\nWindow: {window_line}.\n")
     plots.bars({path.stem: 100 * share}, out / "fig19.png", ylabel="% of cross-region hit only",
-               title="Cross-region-only hits (>=1024 tokens)", fmt="{:.1f}%")
+               title="Cross-region-only hits (>=1024 tokens)", fmt="{:.1f}%", window=window_line)
     return rows
 
 
@@ -412,8 +432,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     for name in names:
         rows = EXPERIMENTS[name](args)
+        sys.stdout.write(report(name, rows))
         print(f"{name}: {len(rows)} rows -> {args.out / name}")
     return 0
+
+
+# Columns an experiment's printed table adds to cli.COLUMNS (which carry each point's window).
+REPORT_COLUMNS = {"table4": (("variant", "variant", "{}"),), "fig15": FIG15_COLUMNS,
+                  "fig9": (("rho", "rho", "{:.2f}"), ("queue_mean_ms", "queue ms", "{:.1f}"),
+                           ("pk_mean_queue_ms", "P-K queue ms", "{:.1f}"))}
+
+
+def report(name: str, rows: list[dict]) -> str:
+    """What an experiment prints: every point's figures with the window it measured beside them
+    (seed, warm-up and measured seconds, measured requests), so a figure quoted from the output
+    carries its window."""
+    if rows and "scheme" not in rows[0]:  # fig19: one row per seed over the whole trace
+        lines = [f"{name}: seed {r['seed']}: remote-only share {100 * r['remote_only_share']:.1f} % of "
+                 f"{r['hits']:,} hits ({r['first_turns']:,} first turns)" for r in rows]
+        return "\n".join([*lines, f"{name} window: {rows[0]['window']}", ""])
+    tables = []
+    for workload, deployment in dict.fromkeys((r.get("workload"), r.get("deployment")) for r in rows):
+        mine = [r for r in rows if (r.get("workload"), r.get("deployment")) == (workload, deployment)]
+        tables.append(markdown_table(mine, f"{name}: {workload} on {deployment}", REPORT_COLUMNS.get(name, ())))
+    return "\n".join(tables)
 
 
 if __name__ == "__main__":
