@@ -176,8 +176,9 @@ def read_rows(paths: list[Path]) -> list[dict]:
 
 
 def run(deployment: str, workload: str, rate: float, schemes: list[str], seeds: list[int], durations: list[float],
-        warmup: float | None, jobs: int = 1) -> list[dict]:
-    """Every scheme at every (seed, duration), the schemes of a (seed, duration) on one stream."""
+        warmup: float | None, jobs: int = 1, log: Path | None = None) -> list[dict]:
+    """Every scheme at every (seed, duration), the schemes of a (seed, duration) on one stream;
+    ``log`` gets each run's summary as it finishes (JSON lines, readable with ``--rows``)."""
     cfg = resolve_deployment(deployment)
     points = []
     for seed in seeds:
@@ -188,7 +189,7 @@ def run(deployment: str, workload: str, rate: float, schemes: list[str], seeds: 
                 raise SystemExit(f"warm-up {w:g} s leaves nothing of a {duration:g} s run to measure")
             points += grid_points(cfg, workload, schemes, [rate], seed=seed, duration_s=duration, warmup_s=w,
                                   settings=settings)
-    return [summary for summary, _ in run_points(points, jobs=jobs)]
+    return [summary for summary, _ in run_points(points, jobs=jobs, log=log)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=Path, nargs="+", default=None,
                     help="read these summary.json / points.jsonl files instead of running")
     ap.add_argument("--jobs", type=int, default=1, help="simulations in parallel processes (results unchanged)")
-    ap.add_argument("--out", type=Path, default=None, help="also write the rows and the spread as JSON")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the rows and the spread as JSON (and each run as it ends to OUT.points.jsonl)")
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     if len(schemes) < 2:
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("the rows hold several (deployment, workload, rate) points: pick one with --workload/--rate")
     else:
         rows = run(args.deployment, args.workload or "wildchat", 150.0 if args.rate is None else args.rate, schemes,
-                   args.seeds, args.durations, args.warmup, jobs=args.jobs)
+                   args.seeds, args.durations, args.warmup, jobs=args.jobs,
+                   log=None if args.out is None else args.out.with_suffix(".points.jsonl"))
     if not any(r["scheme"] == schemes[0] for r in rows):
         ap.error(f"no runs of {schemes[0]!r} to compare with")
     try:

@@ -186,8 +186,13 @@ def measured_window(stream: Sequence[Request], *, duration_s: float | None, warm
 def window_text(rows: Sequence[dict[str, Any]]) -> str:
     """One line naming the windows and seeds ``rows`` were measured over, e.g. "seed 0; warm-up
     5 s + measured 2.5-15 s; 7,500-75,000 measured requests" (a range where points differ)."""
+    def value(r: dict[str, Any], key: str) -> Any:
+        if key == "measured_s" and r.get(key) is None and r.get("duration_s") is not None:
+            return r["duration_s"] - (r.get("warmup_s") or 0.0)  # a row written before measured_s was
+        return r.get(key)
+
     def span(key: str, fmt: str) -> str:
-        values = sorted({r[key] for r in rows if r.get(key) is not None})
+        values = sorted({value(r, key) for r in rows if value(r, key) is not None})
         if not values:
             return "?"
         lo, hi = fmt.format(values[0]), fmt.format(values[-1])

@@ -11,27 +11,33 @@ request stream. See tools/sim_bench.py for simulated requests per CPU second.
 
 Sweep sizes (fig12, fig16): a point keeps the paper-sized window's warm-up (5 s of 20 s for
 Fig. 12) and then measures about ``--requests-per-point`` arrivals (default 7,500), never past the
-full window; ``--requests-per-point 0`` restores the full window at every rate. At 200 and 1000
-req/s that is the full window; at 6000 req/s 6.25 s instead of 20 s (the whole sweep: ~2.6x fewer
-arrivals). Why this is sound:
+full window; ``--requests-per-point 0`` restores the full window at every rate. Only the 200 req/s
+point keeps the full 20 s; the 1000 req/s point lasts 12.5 s, 3000 req/s 7.5 s (2.5 s measured),
+6000 req/s 6.25 s (the whole sweep: ~2.6x fewer arrivals). Every table, plot and printed row
+names the window it measured (seed, warm-up and measured seconds, measured requests; ``cli.
+measured_window``), so a sweep point's figure is never mistaken for a full-window run's. What
+the shortening keeps and what it changes:
 - P99 samples: ~7,500 measured requests, ~75 above the P99; the rank of the empirical P99 has a
   binomial s.d. of sqrt(n p (1-p)) ~ 8.6, so its 95 % interval is about P98.8-P99.2. Every
-  scheme replays the same requests (common random numbers), so the ratios between schemes at a
-  point are steadier than each P99 alone.
+  scheme replays the same requests (common random numbers).
 - Warm caches and sessions: the warm-up is the same 5 s as an unshortened point, not a share of
   the window. Shared prefixes warm with arrivals, but a follow-up turn reuses its own history
-  only if its previous turn was simulated, which takes seconds (think times average 3 s): with
-  5 s of warm-up ~80 % of follow-ups have theirs, as in the full window. (A first version scaled
-  the warm-up with the window, 0.4 s at 6000 req/s; its hit rates fell with the rate for that
-  reason alone.)
-- Overload: past capacity a backlog grows with time, so a shorter measured window lowers the
-  P99 of an overloaded scheme. That favours whichever scheme is overloaded more (at high rates,
-  the baselines): it can understate KVCompass's advantage at 2000-6000 req/s, never inflate
-  it, and no baseline is weakened. Throughput counts every token of the run over its duration
-  (first arrival to last completion, as vLLM's and SGLang's serving benchmarks do); past
-  capacity that is the rate at which the pool works off the backlog. Ratios quoted against
-  the paper's at an operating point come from a full 20 s run of that point (``python -m
-  kvcompassd.sim.cli ... --duration 20 --warmup 5``).
+  only if its previous turn was simulated, which takes seconds (think times average 3 s). (A
+  first version scaled the warm-up with the window, 0.4 s at 6000 req/s; its hit rates fell with
+  the rate for that reason alone.)
+- Overload: past capacity a backlog grows with time, so every overloaded scheme's P99 grows
+  with the measured window, each at its own pace: the ratios between schemes are the window's,
+  and they move with it in either direction. Measured on Mixed at 3000 req/s (census-64x8, seed
+  0), the sweep's 7.5 s point gave the baselines' P99 over KVCompass's as 1.48 (central
+  directory), 2.09 (PlanetServe), 1.48 (SkyWalker), 1.67 (consistent hashing), 3.61 (Chord), 1.33
+  (Dynamo); the full 20 s point (``python -m kvcompassd.sim.cli --deployment census-64x8
+  --workload mixed --rates 3000 --duration 20 --warmup 5``) gave 1.18, 1.45, 1.31, 1.41, 2.92 and
+  1.16: the short window INFLATED KVCompass's advantage there. A ratio quoted from a sweep
+  point is that point's window's; ``tools/sim_seeds.py --durations 7.5,20 --warmup 5`` gives a
+  ratio's spread over seeds and windows (docs/simulator-measurements.md has it for this
+  point). Throughput counts every token of the run over its duration (first arrival to last
+  completion, as vLLM's and SGLang's serving benchmarks do); past capacity that is the rate at
+  which the pool works off the backlog.
 
 Rates: the paper's simulated rates are used for the census deployments (Fig. 12: 200-6000
 req/s; Fig. 16: 400-18000). The testbed experiments (Fig. 11, 15) ran full-size prompts on RTX
@@ -41,7 +47,8 @@ capacity (~0.15-1.6 x lambda0, lambda0 =
 workers / (mean prompt x beta)) instead of the same absolute rates.
 
 Capacity at the paper's census rates: Mixed is calibrated to the paper's own simulator (see
-``synthetic``): lambda0 = 662 req/s on the 64x8 census against the paper's ~667 (Fig. 9), and
+``synthetic``): lambda0 = 668 req/s on the 64x8 census (``fig9``'s estimate from 20,000 Mixed
+requests of seed 0) against the paper's ~667 (Fig. 9), and
 the paper's knee for KVCompass is ~1.65 lambda0 (§3.5), i.e. ~1,100 req/s. So the paper's own
 sweep is past capacity from ~1,100 req/s on, and 3000 req/s is ~4.5 lambda0; its text calls
 6000 "sustained overload". With decode included (a request costs its GPU the uncached prefill,
