@@ -135,6 +135,10 @@ def _fmt_stats(s: dict) -> str:
             f"mean {s['mean']:.3f} +- {s['sd']:.3f} (n={s['n']})")
 
 
+def _fmt_value(v: float) -> str:
+    return f"{v:20,.0f}" if abs(v) >= 100 else f"{v:20.4g}"
+
+
 def render(rows: list[dict], lead: str, metric: str) -> str:
     """The per-run table (each run's window and seed beside its figures) and the spread of every
     scheme's ratio to ``lead``."""
@@ -148,7 +152,7 @@ def render(rows: list[dict], lead: str, metric: str) -> str:
     for window, seed in runs:
         mine = {r["scheme"]: r for r in rows if window_of(r) == window and int(r["seed"]) == seed}
         n = mine[lead]["requests"] if lead in mine else ""
-        cells = [f"{mine[s][metric]:20.4g}" if s in mine else f"{'-':>20s}" for s in schemes]
+        cells = [_fmt_value(mine[s][metric]) if s in mine else f"{'-':>20s}" for s in schemes]
         lines.append(f"{window_label(window):36s} {seed:4d} {n:>7} " + " ".join(cells))
     for scheme, v in spread(rows, lead, metric).items():
         lines.append(f"{scheme} / {lead} {metric}:")
