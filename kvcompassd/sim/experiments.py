@@ -47,8 +47,9 @@ capacity (~0.15-1.6 x lambda0, lambda0 =
 workers / (mean prompt x beta)) instead of the same absolute rates.
 
 Capacity at the paper's census rates: Mixed is calibrated to the paper's own simulator (see
-``synthetic``): lambda0 = 668 req/s on the 64x8 census (``fig9``'s estimate from 20,000 Mixed
-requests of seed 0) against the paper's ~667 (Fig. 9), and
+``synthetic``): lambda0 = 668 req/s on the 64x8 census (``fig9``'s estimate: the first 20,000
+Mixed requests of seed 0 at the config's beta; ``synthetic``'s 662 is the first 30,000 at
+beta = 0.085 ms/token) against the paper's ~667 (Fig. 9), and
 the paper's knee for KVCompass is ~1.65 lambda0 (§3.5), i.e. ~1,100 req/s. So the paper's own
 sweep is past capacity from ~1,100 req/s on, and 3000 req/s is ~4.5 lambda0; its text calls
 6000 "sustained overload". With decode included (a request costs its GPU the uncached prefill,
