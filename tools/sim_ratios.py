@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvcompassd.sim.cli import window_text
+
 # §5.3: "At 3000 req/s on Mixed, KVCompass achieves P99 TTFT 1.6x lower than the Central
 # Directory, 5.7x lower than PlanetServe, 6.2x lower than SkyWalker, 14x lower than the DHT
 # schemes, and 1.3x lower than Dynamo."
@@ -62,8 +64,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--rate", type=float, default=3000.0)
     args = ap.parse_args(argv)
-    rows = ratio_rows(json.loads(args.summary.read_text()), args.workload, args.rate)
-    print(f"{args.workload} at {args.rate:g} req/s ({args.summary})")
+    every = json.loads(args.summary.read_text())
+    rows = ratio_rows(every, args.workload, args.rate)
+    picked = [r for r in every if r.get("workload") == args.workload and float(r["rate"]) == args.rate]
+    # The window beside the ratios: past capacity they move with it (a 7.5 s sweep point's are not a 20 s run's).
+    print(f"{args.workload} at {args.rate:g} req/s ({args.summary}); window: {window_text(picked)}")
     print("| scheme | P99 TTFT ms | P99 / KVCompass | paper | throughput / KVCompass | hit % | LF peak | "
           "LF peak / Oracle | paper LF peak |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -166,9 +166,43 @@ def _run_point(point: GridPoint) -> tuple[dict[str, Any], SimResult]:
     result.scheme = point.scheme
     summary = summarize(result, warmup_s=point.warmup_s).as_dict()
     summary.update(rate=point.rate, workload=point.workload, deployment=cfg.name, seed=point.seed,
-                   duration_s=point.duration_s, warmup_s=point.warmup_s, cpu_s=cpu,
-                   sim_requests_per_cpu_s=result.completed / max(cpu, 1e-9), **result.extra)
+                   duration_s=point.duration_s, warmup_s=point.warmup_s,
+                   **measured_window(stream, duration_s=point.duration_s, warmup_s=point.warmup_s),
+                   cpu_s=cpu, sim_requests_per_cpu_s=result.completed / max(cpu, 1e-9), **result.extra)
     return summary, result
+
+
+def measured_window(stream: Sequence[Request], *, duration_s: float | None, warmup_s: float) -> dict[str, Any]:
+    """The window a run measured, recorded beside its figures: ``arrivals_s`` virtual seconds of
+    arrivals (``duration_s``, or up to the last arrival of a run cut by ``--requests``), of which
+    the first ``warmup_s`` are excluded and the remaining ``measured_s`` measured;
+    ``arrivals`` requests in all (``requests``, the measured ones, is the summary's)."""
+    last = stream[-1].arrival_s if stream else 0.0
+    arrivals_s = duration_s if duration_s is not None else last
+    return {"arrivals": len(stream), "arrivals_s": float(arrivals_s),
+            "measured_s": max(float(arrivals_s) - warmup_s, 0.0)}
+
+
+def window_text(rows: Sequence[dict[str, Any]]) -> str:
+    """One line naming the windows and seeds ``rows`` were measured over, e.g. "seed 0; warm-up
+    5 s + measured 2.5-15 s; 7,500-75,000 measured requests" (a range where points differ)."""
+    def value(r: dict[str, Any], key: str) -> Any:
+        if key == "measured_s" and r.get(key) is None and r.get("duration_s") is not None:
+            return r["duration_s"] - (r.get("warmup_s") or 0.0)  # a row written before measured_s was
+        return r.get(key)
+
+    def span(key: str, fmt: str) -> str:
+        values = sorted({value(r, key) for r in rows if value(r, key) is not None})
+        if not values:
+            return "?"
+        lo, hi = fmt.format(values[0]), fmt.format(values[-1])
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    seeds = sorted({r["seed"] for r in rows if r.get("seed") is not None})
+    seed = "seed ?" if not seeds else (f"seed {seeds[0]}" if len(seeds) == 1 else
+                                        "seeds " + ",".join(str(s) for s in seeds))
+    return (f"{seed}; warm-up {span('warmup_s', '{:g}')} s + measured {span('measured_s', '{:g}')} s; "
+            f"{span('requests', '{:,}')} measured requests")
 
 
 def run_points(points: Sequence[GridPoint], *, jobs: int = 1, progress: bool = False, desc: str = "sim",
@@ -282,22 +316,28 @@ def write_outputs(rows: list[dict[str, Any]], results: dict[tuple[str, float], S
         return
     rates = sorted({r["rate"] for r in rows})
     if len(rates) > 1:
-        plots.p99_vs_rate(rows, out / "p99_ttft_vs_rate.png", title=f"{title}: P99 TTFT")
+        plots.p99_vs_rate(rows, out / "p99_ttft_vs_rate.png", title=f"{title}: P99 TTFT", window=window_text(rows))
     top = rates[len(rates) // 2]
+    window = window_text([r for r in rows if r["rate"] == top])
     at = {s: res for (s, r), res in results.items() if r == top}
     mask = {s: res.records["arrival_s"] >= warmup_s for s, res in at.items()}
     plots.boxes({s: res.records["ttft_ms"][mask[s]] for s, res in at.items()}, out / "ttft_box.png",
-                ylabel="TTFT (ms)", title=f"{title}: TTFT at {top:g} req/s")
+                ylabel="TTFT (ms)", title=f"{title}: TTFT at {top:g} req/s", window=window)
     plots.boxes({s: res.records["e2e_ms"][mask[s]] for s, res in at.items()}, out / "e2e_box.png",
-                ylabel="E2E Latency (ms)", title=f"{title}: E2E at {top:g} req/s")
+                ylabel="E2E Latency (ms)", title=f"{title}: E2E at {top:g} req/s", window=window)
     thr = {r["scheme"]: r["throughput_tok_s"] / 1e6 for r in rows if r["rate"] == top}
-    plots.bars(thr, out / "throughput.png", ylabel="Throughput (Mtok/s)", title=f"{title}: throughput at {top:g} req/s")
+    plots.bars(thr, out / "throughput.png", ylabel="Throughput (Mtok/s)", title=f"{title}: throughput at {top:g} req/s",
+               window=window)
     lf = {s: load_factors(res, warmup_s) for s, res in at.items()}
     peaks = {r["scheme"]: r["load_factor_peak"] for r in rows if r["rate"] == top}
-    plots.heatmaps(lf, peaks, out / "load_factor.png", title=f"{title}: per-worker load factor at {top:g} req/s")
+    plots.heatmaps(lf, peaks, out / "load_factor.png", title=f"{title}: per-worker load factor at {top:g} req/s",
+                   window=window)
 
 
-COLUMNS = (("scheme", "scheme", "{}"), ("rate", "req/s", "{:g}"), ("requests", "n", "{}"),
+# The window of each row (seed, warm-up, measured seconds, measured requests) sits beside its figures.
+WINDOW_COLUMNS = (("seed", "seed", "{}"), ("warmup_s", "warm-up s", "{:g}"), ("measured_s", "measured s", "{:g}"),
+                  ("requests", "n", "{}"))
+COLUMNS = (("scheme", "scheme", "{}"), ("rate", "req/s", "{:g}"), *WINDOW_COLUMNS,
            ("ttft_p50_ms", "TTFT P50 ms", "{:.0f}"), ("ttft_p99_ms", "TTFT P99 ms", "{:.0f}"),
            ("e2e_p99_ms", "E2E P99 ms", "{:.0f}"), ("throughput_tok_s", "Ktok/s", "{:.1f}"),
            ("hit_rate", "hit %", "{:.1%}"), ("load_factor_peak", "LF peak", "{:.2f}"),
@@ -319,6 +359,7 @@ def markdown_table(rows: list[dict[str, Any]], title: str,
                 v = v / 1000.0
             cells.append(fmt.format(v) if v != "" else "")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Window: {window_text(rows)}."]
     return "\n".join(lines) + "\n"
 
 

@@ -11,27 +11,33 @@ request stream. See tools/sim_bench.py for simulated requests per CPU second.
 
 Sweep sizes (fig12, fig16): a point keeps the paper-sized window's warm-up (5 s of 20 s for
 Fig. 12) and then measures about ``--requests-per-point`` arrivals (default 7,500), never past the
-full window; ``--requests-per-point 0`` restores the full window at every rate. At 200 and 1000
-req/s that is the full window; at 6000 req/s 6.25 s instead of 20 s (the whole sweep: ~2.6x fewer
-arrivals). Why this is sound:
+full window; ``--requests-per-point 0`` restores the full window at every rate. Only the 200 req/s
+point keeps the full 20 s; the 1000 req/s point lasts 12.5 s, 3000 req/s 7.5 s (2.5 s measured),
+6000 req/s 6.25 s (the whole sweep: ~2.6x fewer arrivals). Every table, plot and printed row
+names the window it measured (seed, warm-up and measured seconds, measured requests; ``cli.
+measured_window``), so a sweep point's figure is never mistaken for a full-window run's. What
+the shortening keeps and what it changes:
 - P99 samples: ~7,500 measured requests, ~75 above the P99; the rank of the empirical P99 has a
   binomial s.d. of sqrt(n p (1-p)) ~ 8.6, so its 95 % interval is about P98.8-P99.2. Every
-  scheme replays the same requests (common random numbers), so the ratios between schemes at a
-  point are steadier than each P99 alone.
+  scheme replays the same requests (common random numbers).
 - Warm caches and sessions: the warm-up is the same 5 s as an unshortened point, not a share of
   the window. Shared prefixes warm with arrivals, but a follow-up turn reuses its own history
-  only if its previous turn was simulated, which takes seconds (think times average 3 s): with
-  5 s of warm-up ~80 % of follow-ups have theirs, as in the full window. (A first version scaled
-  the warm-up with the window, 0.4 s at 6000 req/s; its hit rates fell with the rate for that
-  reason alone.)
-- Overload: past capacity a backlog grows with time, so a shorter measured window lowers the
-  P99 of an overloaded scheme. That favours whichever scheme is overloaded more (at high rates,
-  the baselines): it can understate KVCompass's advantage at 2000-6000 req/s, never inflate
-  it, and no baseline is weakened. Throughput counts every token of the run over its duration
-  (first arrival to last completion, as vLLM's and SGLang's serving benchmarks do); past
-  capacity that is the rate at which the pool works off the backlog. Ratios quoted against
-  the paper's at an operating point come from a full 20 s run of that point (``python -m
-  kvcompassd.sim.cli ... --duration 20 --warmup 5``).
+  only if its previous turn was simulated, which takes seconds (think times average 3 s). (A
+  first version scaled the warm-up with the window, 0.4 s at 6000 req/s; its hit rates fell with
+  the rate for that reason alone.)
+- Overload: past capacity a backlog grows with time, so every overloaded scheme's P99 grows
+  with the measured window, each at its own pace: the ratios between schemes are the window's,
+  and they move with it in either direction. Measured on Mixed at 3000 req/s (census-64x8, seed
+  0), the sweep's 7.5 s point gave the baselines' P99 over KVCompass's as 1.48 (central
+  directory), 2.09 (PlanetServe), 1.48 (SkyWalker), 1.67 (consistent hashing), 3.61 (Chord), 1.33
+  (Dynamo); the full 20 s point (``python -m kvcompassd.sim.cli --deployment census-64x8
+  --workload mixed --rates 3000 --duration 20 --warmup 5``) gave 1.18, 1.45, 1.31, 1.41, 2.92 and
+  1.16: the short window INFLATED KVCompass's advantage there. A ratio quoted from a sweep
+  point is that point's window's; ``tools/sim_seeds.py --durations 7.5,20 --warmup 5`` gives a
+  ratio's spread over seeds and windows (docs/simulator-measurements.md has it for this
+  point). Throughput counts every token of the run over its duration (first arrival to last
+  completion, as vLLM's and SGLang's serving benchmarks do); past capacity that is the rate at
+  which the pool works off the backlog.
 
 Rates: the paper's simulated rates are used for the census deployments (Fig. 12: 200-6000
 req/s; Fig. 16: 400-18000). The testbed experiments (Fig. 11, 15) ran full-size prompts on RTX
@@ -41,7 +47,9 @@ capacity (~0.15-1.6 x lambda0, lambda0 =
 workers / (mean prompt x beta)) instead of the same absolute rates.
 
 Capacity at the paper's census rates: Mixed is calibrated to the paper's own simulator (see
-``synthetic``): lambda0 = 662 req/s on the 64x8 census against the paper's ~667 (Fig. 9), and
+``synthetic``): lambda0 = 668 req/s on the 64x8 census (``fig9``'s estimate: the first 20,000
+Mixed requests of seed 0 at the config's beta; ``synthetic``'s 662 is the first 30,000 at
+beta = 0.085 ms/token) against the paper's ~667 (Fig. 9), and
 the paper's knee for KVCompass is ~1.65 lambda0 (§3.5), i.e. ~1,100 req/s. So the paper's own
 sweep is past capacity from ~1,100 req/s on, and 3000 req/s is ~4.5 lambda0; its text calls
 6000 "sustained overload". With decode included (a request costs its GPU the uncached prefill,
@@ -69,7 +77,8 @@ from pathlib import Path
 import numpy as np
 
 from . import plots
-from .cli import grid_points, markdown_table, resolve_deployment, run_grid, run_points, write_outputs
+from .cli import (WINDOW_COLUMNS, grid_points, markdown_table, resolve_deployment, run_grid, run_points, window_text,
+                  write_outputs)
 from .engine import SimSettings
 from .geo import NORTH_AMERICA_16, population_weights
 from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_workload, traces_dir
@@ -101,6 +110,14 @@ def _save(rows: list[dict], out: Path, title: str, extra_columns: Sequence[tuple
         w = csv.DictWriter(fh, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+
+
+def _window_header() -> str:
+    return " | ".join(header for _, header, _ in WINDOW_COLUMNS)
+
+
+def _window_cells(row: dict) -> str:
+    return " | ".join(fmt.format(row[key]) for key, _, fmt in WINDOW_COLUMNS)
 
 
 def point_duration(rate: float, full_s: float, warmup_s: float, requests_per_point: int | None) -> float:
@@ -201,7 +218,8 @@ def fig15(args) -> list[dict]:
     plots.bars({r["scheme"]: 100 * r["throughput_vs_full"] if full else r["throughput_tok_s"] / 1e3 for r in rows},
                args.out / "fig15" / "ablation.png",
                ylabel="Throughput (% of full)" if full else "Throughput (Ktok/s)",
-               title=f"Ablation (Mixed, testbed, closed loop, {clients} clients)", fmt="{:.1f}")
+               title=f"Ablation (Mixed, testbed, closed loop, {clients} clients)", fmt="{:.1f}",
+               window=window_text(rows))
     return rows
 
 
@@ -226,9 +244,10 @@ def table4(args) -> list[dict]:
     done = run_points(points, jobs=args.jobs, progress=args.progress, desc="table4", log=out / "points.jsonl")
     rows = [dict(summary, variant=label) for (summary, _), label in zip(done, labels)]
     _save(rows, out, f"Table 4: sensitivity (Mixed, {rate:g} req/s)")
-    lines = ["| variant | scheme | P99 TTFT (ms) | hit rate (%) |", "|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['scheme']} | {r['ttft_p99_ms']:.0f} | {100 * r['hit_rate']:.1f} |" for r in rows]
-    (out / "table4.md").write_text("\n".join(lines) + "\n")
+    lines = [f"| variant | scheme | {_window_header()} | P99 TTFT (ms) | hit rate (%) |", "|---" * 8 + "|"]
+    lines += [f"| {r['variant']} | {r['scheme']} | {_window_cells(r)} | {r['ttft_p99_ms']:.0f} | "
+              f"{100 * r['hit_rate']:.1f} |" for r in rows]
+    (out / "table4.md").write_text("\n".join([*lines, "", f"Window: {window_text(rows)}."]) + "\n")
     return rows
 
 
@@ -241,17 +260,18 @@ def table5(args) -> list[dict]:
     rows = sweep("table5", "census-64x8", WORKLOADS3, args.schemes or ["kvcompass"], args.rates or [1000, 3000],
                  args.out, duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs,
                  track_truth=True)
-    lines = ["| workload | req/s | scheme | end-to-end false-lookup rate (%) | among claimed (%) "
+    lines = [f"| workload | req/s | scheme | {_window_header()} | end-to-end false-lookup rate (%) | among claimed (%) "
              "| lost in flight (%) | within a page (%) | view ahead of the worker (%) "
              "| of which: index behind the worker (%) | view behind the index (%) | keyless false hit (%) "
              "| edge's pending credit (%) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['rate']:g} | {r['scheme']} | {100 * r['false_lookup_rate']:.2f} | "
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['rate']:g} | {r['scheme']} | {_window_cells(r)} | "
+              f"{100 * r['false_lookup_rate']:.2f} | "
               f"{100 * r['false_lookup_rate_claimed']:.2f} | {100 * r['false_lost_in_flight']:.2f} | "
               f"{100 * r['false_within_page']:.2f} | {100 * r['false_view_ahead']:.2f} | "
               f"{100 * r['false_index_behind']:.2f} | {100 * r['false_view_behind']:.2f} | "
               f"{100 * r['false_keyless']:.2f} | {100 * r['false_pending']:.2f} |" for r in rows]
-    (args.out / "table5" / "table5.md").write_text("\n".join(lines) + "\n")
+    (args.out / "table5" / "table5.md").write_text("\n".join([*lines, "", f"Window: {window_text(rows)}."]) + "\n")
     return rows
 
 
@@ -301,7 +321,8 @@ def fig9(args) -> list[dict]:
     ax.axvline(lam0, color="gray", lw=0.8)
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(out / "mg1.png", dpi=150)
+    fig.text(0.5, 0.0, window_text(rows), ha="center", va="top", fontsize=5.5, color="dimgray")
+    fig.savefig(out / "mg1.png", dpi=150, bbox_inches="tight")
     plt.close(fig)
     return rows
 
@@ -353,16 +374,23 @@ def fig19(args) -> list[dict]:
         rows.append({"seed": seed, "first_turns": local + remote_only + cold, "hits": hits, "local": local,
                      "remote_only": remote_only, "remote_only_share": remote_only / hits if hits else float("nan")})
     share = float(np.mean([r["remote_only_share"] for r in rows]))
+    # Not timed: the window is the whole trace (its first turns, no warm-up) under each seed.
+    window = {"trace": path.name, "records": len(recs), "first_turns": len(first), "seeds": [r["seed"] for r in rows]}
+    window_line = (f"whole trace {path.name} ({len(recs):,} records, {len(first):,} first turns, no warm-up); "
+                   f"seeds {rows[0]['seed']}-{rows[-1]['seed']} ({len(rows)})")
+    for r in rows:
+        r["window"] = window_line
     out = args.out / "fig19"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"mean_remote_only_share": share, "runs": rows}, indent=1))
+    (out / "summary.json").write_text(json.dumps({"mean_remote_only_share": share, "window": window, "runs": rows},
+                                                 indent=1))
     (out / "summary.md").write_text(
         f"# Fig. 19-style cross-region-only hits ({path.name}, 16 NA regions)\n\n"
         f"Mean share of >=1024-token hits cached only in another region over {len(rows)} seeds: "
         f"**{100 * share:.1f} %** (paper, Fig. 19: Mooncake-Conv 78.4 %, Mooncake-Tool 20.2 %; "
-        f"the four Qwen-Bailian traces 9.8-26.4 %).\n")
+        f"the four Qwen-Bailian traces 9.8-26.4 %).\n\nWindow: {window_line}.\n")
     plots.bars({path.stem: 100 * share}, out / "fig19.png", ylabel="% of cross-region hit only",
-               title="Cross-region-only hits (>=1024 tokens)", fmt="{:.1f}%")
+               title="Cross-region-only hits (>=1024 tokens)", fmt="{:.1f}%", window=window_line)
     return rows
 
 
@@ -412,8 +440,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     for name in names:
         rows = EXPERIMENTS[name](args)
+        sys.stdout.write(report(name, rows))
         print(f"{name}: {len(rows)} rows -> {args.out / name}")
     return 0
+
+
+# Columns an experiment's printed table adds to cli.COLUMNS (which carry each point's window).
+REPORT_COLUMNS = {"table4": (("variant", "variant", "{}"),), "fig15": FIG15_COLUMNS,
+                  "fig9": (("rho", "rho", "{:.2f}"), ("queue_mean_ms", "queue ms", "{:.1f}"),
+                           ("pk_mean_queue_ms", "P-K queue ms", "{:.1f}"))}
+
+
+def report(name: str, rows: list[dict]) -> str:
+    """What an experiment prints: every point's figures with the window it measured beside them
+    (seed, warm-up and measured seconds, measured requests), so a figure quoted from the output
+    carries its window."""
+    if rows and "scheme" not in rows[0]:  # fig19: one row per seed over the whole trace
+        lines = [f"{name}: seed {r['seed']}: remote-only share {100 * r['remote_only_share']:.1f} % of "
+                 f"{r['hits']:,} hits ({r['first_turns']:,} first turns)" for r in rows]
+        return "\n".join([*lines, f"{name} window: {rows[0]['window']}", ""])
+    tables = []
+    for workload, deployment in dict.fromkeys((r.get("workload"), r.get("deployment")) for r in rows):
+        mine = [r for r in rows if (r.get("workload"), r.get("deployment")) == (workload, deployment)]
+        tables.append(markdown_table(mine, f"{name}: {workload} on {deployment}", REPORT_COLUMNS.get(name, ())))
+    return "\n".join(tables)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,19 @@ def _style(scheme: str) -> tuple[str, str]:
     return STYLE.get(scheme, ("gray", "."))
 
 
-def p99_vs_rate(rows: Sequence[Mapping], path: Path, *, title: str, metric: str = "ttft_p99_ms") -> None:
+def _save(fig, path: Path, window: str) -> None:
+    """Save ``fig``; a non-empty ``window`` (the seeds and window the figures were measured over,
+    ``cli.window_text``) is printed under it, so a figure never travels without its window."""
+    if window:
+        fig.text(0.5, 0.0, window, ha="center", va="top", fontsize=5.5, color="dimgray")
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+    else:
+        fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def p99_vs_rate(rows: Sequence[Mapping], path: Path, *, title: str, metric: str = "ttft_p99_ms",
+                window: str = "") -> None:
     fig, ax = plt.subplots(figsize=(4.2, 3.0))
     for scheme in dict.fromkeys(r["scheme"] for r in rows):
         pts = sorted((r["rate"], r[metric]) for r in rows if r["scheme"] == scheme)
@@ -39,11 +51,10 @@ def p99_vs_rate(rows: Sequence[Mapping], path: Path, *, title: str, metric: str 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+    _save(fig, path, window)
 
 
-def boxes(samples: Mapping[str, np.ndarray], path: Path, *, ylabel: str, title: str) -> None:
+def boxes(samples: Mapping[str, np.ndarray], path: Path, *, ylabel: str, title: str, window: str = "") -> None:
     fig, ax = plt.subplots(figsize=(4.2, 3.0))
     names = list(samples)
     data = [np.maximum(samples[n], 1e-3) for n in names]
@@ -57,11 +68,11 @@ def boxes(samples: Mapping[str, np.ndarray], path: Path, *, ylabel: str, title: 
     ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+    _save(fig, path, window)
 
 
-def bars(values: Mapping[str, float], path: Path, *, ylabel: str, title: str, fmt: str = "{:.2f}") -> None:
+def bars(values: Mapping[str, float], path: Path, *, ylabel: str, title: str, fmt: str = "{:.2f}",
+         window: str = "") -> None:
     fig, ax = plt.subplots(figsize=(4.2, 3.0))
     names = list(values)
     ys = [values[n] for n in names]
@@ -72,11 +83,11 @@ def bars(values: Mapping[str, float], path: Path, *, ylabel: str, title: str, fm
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+    _save(fig, path, window)
 
 
-def heatmaps(factors: Mapping[str, np.ndarray], peaks: Mapping[str, float], path: Path, *, title: str) -> None:
+def heatmaps(factors: Mapping[str, np.ndarray], peaks: Mapping[str, float], path: Path, *, title: str,
+             window: str = "") -> None:
     n = len(factors)
     cols = min(4, n)
     rows = (n + cols - 1) // cols
@@ -96,5 +107,4 @@ def heatmaps(factors: Mapping[str, np.ndarray], peaks: Mapping[str, float], path
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="load factor")
     fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+    _save(fig, path, window)
