@@ -29,10 +29,11 @@ census), and the remote pairs at ``n1 (1 + (levels - 1)/2)`` (at most 13,216 on 
 10,704 on census-64x8), so a holder of a 100 K-token history was credited a sixth of it.
 Continuing the paper's rule to the model's context (``index.context_tokens``, 131,072 for the
 shipped configs) would take every remote pair on in steps of ``n1 / 2`` and the own-region
-doublings to 131,072: on the testbed 88 lengths for the farthest pair and 242 registered lengths
-in all (48 today); on census-64x8, whose nearby regions have an ``n1`` of a block or two, up to
-1,638 lengths for one pair and 4,869 registered lengths, each a key every worker registers (and
-evicts) for every cached prompt that long, and a table read per lookup.
+doublings to 131,072: on the testbed 87 lengths for one pair and 239 registered lengths in all
+(48 before); on census-64x8, whose nearby regions have an ``n1`` of a block or two, up to 1,637
+lengths for one pair and 4,852 registered lengths (147 before), each a key every worker
+registers (and evicts) for every cached prompt that long, and a table read per lookup
+(tools/bench_levels.py counts them).
 
 What we do instead: the longest length of the paper's plan (its union, ``A``) is the start of
 one ladder of long lengths shared by every pair: the fewest equal geometric steps of at most
@@ -44,8 +45,10 @@ union's last gap below ``A`` is wider than ``long_growth`` (census-64x8: 10,704 
 longest remote length to the last doubling), it is split like the ladder, once for all pairs. A match
 past ``A`` is credited at least ``1 / long_growth`` (80 %) of itself, and a prompt of
 ``context_tokens`` costs ``log(context / A) / log(long_growth)`` more keys: ten on the testbed
-and the census (58 and 157 registered lengths instead of 48 and 147), whatever the number of
-pairs. With ``context_tokens`` at or below ``A`` nothing is added (the paper's plan). Lengths of
+and eleven on census-64x8 (58 and 158 registered lengths instead of 48 and 147), whatever the
+number of pairs; registering a 131,072-token prompt costs 2.1x (testbed) and 3.4x (census) one
+SHA-256 over it on the index side, against 1.0x and 2.7x when only its first 16,384 tokens were
+indexed (tools/bench_levels.py). With ``context_tokens`` at or below ``A`` nothing is added (the paper's plan). Lengths of
 the paper's plan above ``context_tokens`` are kept: no prompt reaches them, so they cost nothing.
 """
 
