@@ -35,7 +35,7 @@ from kvcompassd.core.config import load_config
 
 from . import plots
 from .engine import SimResult, SimSettings, request_window, simulate, sparse_collections
-from .metrics import load_factors, summarize
+from .metrics import load_factors, reuse_by_length_table, summarize
 from .policy import Topology
 from .schemes import (ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights,
                       traces_dir)
@@ -271,6 +271,7 @@ def write_outputs(rows: list[dict[str, Any]], results: dict[tuple[str, float], S
         w.writerows(rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=float))
     (out / "summary.md").write_text(markdown_table(rows, title))
+    (out / "reuse_by_length.md").write_text(reuse_by_length_table(rows, f"{title}: reuse by prompt length"))
     if per_request:
         for (scheme, rate), res in results.items():
             cols = list(res.records)
