@@ -39,6 +39,7 @@ from .metrics import load_factors, reuse_by_length_table, summarize
 from .policy import Topology
 from .schemes import (ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights,
                       traces_dir)
+from .synthetic import servable_prompt_tokens
 from .workloads import MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, read_mooncake
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
@@ -146,7 +147,8 @@ def _stream(point: GridPoint, topo: Topology) -> list[Request]:
         return cached
     _STREAM_CACHE.clear()
     gen = make_workload(point.workload, point.rate, region_weights(topo, point.regions_by), seed=point.seed,
-                        traces=point.traces, trace=point.trace, trace_block_tokens=point.trace_block_tokens)
+                        traces=point.traces, trace=point.trace, trace_block_tokens=point.trace_block_tokens,
+                        max_prompt_tokens=servable_prompt_tokens(topo.config))
     stream = request_window(gen, duration_s=point.duration_s, max_requests=point.max_requests)
     _STREAM_CACHE[key] = stream
     return stream
