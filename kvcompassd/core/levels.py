@@ -42,14 +42,17 @@ one ladder of long lengths shared by every pair: the fewest equal geometric step
 lengths already registered between it and ``A`` (``bridged_lengths``: no new keys, steps of at
 most ``long_growth`` where the registered lengths allow), then ``A`` and the ladder. Where the
 union's last gap below ``A`` is wider than ``long_growth`` (census-64x8: 10,704 -> 16,384, the
-longest remote length to the last doubling), it is split like the ladder, once for all pairs. A match
-past ``A`` is credited at least ``1 / long_growth`` (80 %) of itself, and a prompt of
+longest remote length to the last doubling), it is split like the ladder, once for all pairs.
+
+A match past ``A`` is credited at least ``1 / long_growth`` (80 %) of itself, and a prompt of
 ``context_tokens`` costs ``log(context / A) / log(long_growth)`` more keys: ten on the testbed
 and eleven on census-64x8 (58 and 158 registered lengths instead of 48 and 147), whatever the
-number of pairs; registering a 131,072-token prompt costs 2.1x (testbed) and 3.4x (census) one
+number of pairs. Registering a 131,072-token prompt costs 2.1x (testbed) and 3.4x (census) one
 SHA-256 over it on the index side, against 1.0x and 2.7x when only its first 16,384 tokens were
-indexed (tools/bench_levels.py). With ``context_tokens`` at or below ``A`` nothing is added (the paper's plan). Lengths of
-the paper's plan above ``context_tokens`` are kept: no prompt reaches them, so they cost nothing.
+indexed; an edge's decision on a 100,000-token prompt costs 1.1x one SHA-256 over it, against
+0.35x (tools/bench_levels.py, tools/bench_forward.py): hashing the whole prompt is the price.
+With ``context_tokens`` at or below ``A`` nothing is added (the paper's plan); lengths of the
+paper's plan above ``context_tokens`` are kept (no prompt reaches them: they cost nothing).
 """
 
 from __future__ import annotations
