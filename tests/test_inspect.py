@@ -34,7 +34,9 @@ def test_holders_shows_the_view_and_apart_from_it_what_the_edge_just_sent_withou
     clock[0] = 0.5
     after = describe_edge(edge, "holders", {"tokens": tokens})
     assert after["holders"] == before["holders"]
-    assert after["pending"] == [{"worker": "us-2", "region": "us", "matched": 1024, "view_matched": 64}]
+    # The pending ledger credits the longest own-region length <= 1500: 1280 (the long lengths
+    # go on from the plan's longest, 1024, in steps of 1.25).
+    assert after["pending"] == [{"worker": "us-2", "region": "us", "matched": 1280, "view_matched": 64}]
     assert after["chosen"] == sent.worker  # scored as the next decision would be
     held = len(router.pending)
     assert describe_edge(edge, "holders", {"tokens": tokens})["pending"] == after["pending"] and len(router.pending) == held

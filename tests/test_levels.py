@@ -11,16 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.core.config import ClusterConfig, IndexParams, LinkConfig, RegionConfig, WorkerConfig, load_config
-from kvcompassd.core.levels import LevelError, LevelPlan, filled_lengths, refined_lengths, remote_lengths
+from kvcompassd.core.levels import (LevelError, LevelPlan, bridged_lengths, filled_lengths, long_lengths, refined_lengths,
+                                     remote_lengths)
 
 TESTBED = Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml"
 
 
 def doublings_only_testbed() -> ClusterConfig:
-    """The testbed without its own-region fill (same_region_max_step 2): the hand-computed
-    lengths below are the doublings and the refinement; the fill has its own test."""
+    """The testbed without its own-region fill (same_region_max_step 2) and within the paper's
+    reach (context_tokens 16384: no long lengths): the hand-computed lengths below are the
+    doublings and the refinement; the fill and the long lengths have their own tests."""
     cfg = load_config(TESTBED)
-    return dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, same_region_max_step=2.0))
+    return dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, same_region_max_step=2.0,
+                                                              context_tokens=16384))
 
 
 def test_testbed_first_lengths_by_hand() -> None:
@@ -116,7 +119,8 @@ def test_remote_lengths_are_block_aligned_increasing_and_profitable(rtt, beta, b
 @given(min_tokens=st.sampled_from([16, 32, 64, 128]), levels=st.integers(1, 8))
 def test_same_region_lengths_double(min_tokens, levels) -> None:
     cfg = load_config(TESTBED)
-    index = IndexParams(same_region_min_tokens=min_tokens, levels=levels, same_region_growth=2.0)  # doublings only
+    # Doublings only, within the paper's reach (a context shorter than every length adds none).
+    index = IndexParams(same_region_min_tokens=min_tokens, levels=levels, same_region_growth=2.0, context_tokens=16)
     cfg = ClusterConfig(name=cfg.name, model=cfg.model, regions=cfg.regions, workers=cfg.workers,
                         links=cfg.links, index=index)
     plan = LevelPlan.from_config(cfg)
@@ -152,7 +156,8 @@ def test_refined_own_lengths_keep_the_doublings_and_add_only_registered_ones(
 
 def test_max_step_fills_the_bare_doublings_and_registers_them() -> None:
     base = LevelPlan.from_config(doublings_only_testbed())
-    plan = LevelPlan.from_config(load_config(TESTBED))  # same_region_max_step = 1.25
+    cfg = load_config(TESTBED)  # same_region_max_step = 1.25
+    plan = LevelPlan.from_config(dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, context_tokens=16384)))
     # The testbed registers nothing below its first remote length (2976), so each doubling up
     # to 2048 is split into four steps of 2^(1/4) = 1.19 (block-aligned: 64 -> 80 -> 96 -> 112
     # -> 128), and every gap above wider than 1.25 into the fewest equal steps (2048 -> 2976 in
@@ -185,3 +190,108 @@ def test_filled_lengths_keep_every_length_and_close_every_gap(lengths: set[int],
     for a, b in zip(filled, filled[1:]):
         # The next length is no further than one step (rounded up to the block) above the last.
         assert b <= -(-math.ceil(a * max_step - 1e-9) // 16) * 16
+
+
+# ---------------------------------------------------------------- long prompts (issue 28)
+
+LADDER = (16384, 20176, 24848, 30576, 37648, 46352, 57056, 70240, 86480, 106464, 131072)
+
+
+def within_paper_reach(cfg: ClusterConfig) -> ClusterConfig:
+    return dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, context_tokens=cfg.index.block_size))
+
+
+def test_testbed_reaches_its_context_in_ten_shared_steps() -> None:
+    cfg = load_config(TESTBED)
+    assert cfg.index.context_tokens == 131072 and cfg.index.long_growth == 1.25
+    paper = LevelPlan.from_config(within_paper_reach(cfg))
+    plan = LevelPlan.from_config(cfg)
+    # 16384 -> 131072 (8x) in the fewest equal steps of at most 1.25: ten of 8^(1/10) = 1.231,
+    # each rounded up to the block; shared by every pair, so ten more registered keys in all.
+    assert plan.registration_lengths() == paper.registration_lengths() + LADDER[1:]
+    assert plan.max_length == 131072
+    for origin in ("us", "eu", "asia"):
+        for target in ("us", "eu", "asia"):
+            before, after = paper.lengths_toward(origin, target), plan.lengths_toward(origin, target)
+            assert after[:len(before)] == before  # the paper's lengths are kept as they were
+            assert after[-len(LADDER):] == LADDER
+    # From asia toward us the paper's lengths stop at 3.5 x 2976 = 10416; the lookup goes on by
+    # registered lengths within 1.25 of each other (12320 from eu-asia, 13216 from us-eu).
+    assert plan.lengths_toward("asia", "us")[5:] == (10416, 12320, 13216) + LADDER
+
+
+def test_census_fills_the_gap_below_the_last_doubling_once() -> None:
+    census = Path(__file__).resolve().parent.parent / "config" / "census-64x8.toml"
+    cfg = load_config(census)
+    paper = LevelPlan.from_config(within_paper_reach(cfg))
+    plan = LevelPlan.from_config(cfg)
+    assert paper.registration_lengths()[-2:] == (10704, 16384)  # 1.53 apart: one length between
+    assert plan.registration_lengths() == paper.registration_lengths()[:-1] + (13248,) + LADDER
+    assert plan.lengths_toward("us", "us")[-len(LADDER) - 2:] == (10368, 13248) + LADDER
+
+
+def test_long_lengths_and_bridges_by_hand() -> None:
+    assert long_lengths(16384, 131072, 1.25, 16) == LADDER[1:]
+    assert long_lengths(16384, 16384, 1.25, 16) == ()
+    assert long_lengths(100, 150, 2.0, 16) == (144,)  # the context rounded down to the block
+    # From 10416 by registered lengths: 12320 is the longest within 1.25 (13020); 13216 then
+    # ends within one step of the top (16384 <= 16528).
+    assert bridged_lengths(10416, 16384, [9440, 11328, 12320, 13216, 16384], 1.25, 16) == (12320, 13216)
+    assert bridged_lengths(1000, 16384, [5000], 1.25, 16) == (5000,)  # too sparse: the nearest one
+    assert bridged_lengths(1000, 16384, [], 1.25, 16) == ()
+
+
+regions = st.integers(2, 4)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    n_regions=regions,
+    rtts=st.lists(st.floats(0.0, 400.0), min_size=6, max_size=6),
+    betas=st.lists(st.floats(0.005, 0.5), min_size=4, max_size=4),
+    block=st.sampled_from([1, 16, 64, 256]),
+    levels=st.integers(1, 8),
+    min_blocks=st.integers(1, 8),
+    max_step=st.sampled_from([1.25, 1.5, 2.0]),
+    context_blocks=st.integers(1, 1 << 14),
+    long_growth=st.floats(1.1, 4.0),
+)
+def test_long_lengths_reach_the_context_increasing_aligned_and_bounded(
+        n_regions, rtts, betas, block, levels, min_blocks, max_step, context_blocks, long_growth) -> None:
+    names = [f"r{i}" for i in range(n_regions)]
+    workers = tuple(WorkerConfig(f"w{i}", name, betas[i], 10.0, 1, 1) for i, name in enumerate(names))
+    links = tuple(LinkConfig((a, b), rtts[k % len(rtts)]) for k, (a, b) in
+                  enumerate((a, b) for i, a in enumerate(names) for b in names[i + 1:]))
+    context = min(block * context_blocks, 1 << 24)
+    index = IndexParams(block_size=block, levels=levels, same_region_min_tokens=block * min_blocks,
+                        same_region_max_step=max_step, context_tokens=context, long_growth=long_growth)
+    cfg = ClusterConfig(name="c", model="m", regions=tuple(RegionConfig(n) for n in names), workers=workers,
+                        links=links, index=index)
+    plan = LevelPlan.from_config(cfg)
+    paper = LevelPlan.from_config(within_paper_reach(cfg))
+    top = paper.max_length
+    registered = set(plan.registration_lengths())
+    for origin in names:
+        for target in names:
+            lengths, before = plan.lengths_toward(origin, target), paper.lengths_toward(origin, target)
+            assert all(c % block == 0 and c > 0 for c in lengths)
+            assert all(b > a for a, b in zip(lengths, lengths[1:]))
+            assert set(before) <= set(lengths) <= registered
+            assert lengths[:len(before)] == before or context > top  # nothing changes within reach
+            if context > top:
+                assert lengths[-1] == context  # every pair reaches the longest prompt
+                past = [c for c in lengths if c >= top]
+                assert past[0] == top
+                for a, b in zip(past, past[1:]):  # past the paper's lengths: steps of <= long_growth
+                    assert b <= -(-math.ceil(a * long_growth - 1e-9) // block) * block
+            else:
+                assert lengths == before
+    # Bounded: the shared ladder, and at most the split of the union's last gap, are new keys.
+    extra = len(registered) - len(paper.registration_lengths())
+    if context > top:
+        ladder = math.ceil(math.log(context / top) / math.log(long_growth) - 1e-9)
+        union = paper.registration_lengths()
+        gap = math.ceil(math.log(union[-1] / union[-2]) / math.log(long_growth) - 1e-9) - 1 if len(union) > 1 else 0
+        assert extra <= ladder + max(0, gap)
+    else:
+        assert extra == 0

@@ -48,7 +48,7 @@ def test_idle_cluster_prefers_the_local_holder():
     router = Router(cfg, "us", view, now=0.0)
     d = router.decide(PROMPT, now=0.0)
     assert d.worker == "us-1" and d.local and d.outcome == "local_hit"
-    assert d.claimed_tokens == LevelPlan.from_config(cfg).lengths_toward("us", "us")[-1]
+    assert d.claimed_tokens == LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-1] == 2000
     assert d.candidates[0].worker == "us-1" and len(d.candidates) == 3
 
 
@@ -56,13 +56,14 @@ def test_loaded_holder_loses_to_an_idle_recompute_only_when_the_formula_says_so(
     cfg, layout, shards, view = _world()
     _register(cfg, shards, view, "us-1", PROMPT, 2000)
     router = Router(cfg, "us", view, now=0.0)
-    # Own-region lengths double 32 ... 1024 (until the longest remote length, 1008): the holder
-    # is credited 1024 tokens, a saving of beta * 1024 = 102.4 ms (lambda = 0 while an idle
-    # worker exists). It wins while its queue is shorter than that, and loses beyond.
-    assert LevelPlan.from_config(cfg).lengths_toward("us", "us")[-1] == 1024
-    router.queues.set_local("us-1", 95.0, now=0.0)
+    # Own-region lengths double 32 ... 1024 (until the longest remote length, 1008), then go on
+    # in steps of 1.25 toward the context (1280, 1600, 2000, ...): the holder is credited 2000
+    # tokens, a saving of beta * 2000 = 200 ms (lambda = 0 while an idle worker exists). It wins
+    # while its queue is shorter than that, and loses beyond.
+    assert LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-4:] == (1024, 1280, 1600, 2000)
+    router.queues.set_local("us-1", 195.0, now=0.0)
     assert router.decide(PROMPT, now=0.0).worker == "us-1"
-    router.queues.set_local("us-1", 110.0, now=0.0)
+    router.queues.set_local("us-1", 205.0, now=0.0)
     d = router.decide(PROMPT, now=0.0)
     assert d.worker in ("us-0", "us-2") and d.outcome == "recompute"
 
@@ -72,9 +73,11 @@ def test_long_remote_match_beats_local_recompute_and_belief_discounts_false_clai
     _register(cfg, shards, view, "eu-0", PROMPT, 2000, Tier.VRAM)
     router = Router(cfg, "us", view, now=0.0)
     d = router.decide(PROMPT, now=0.0)
-    # n1 toward eu = ceil(40 ms / 0.1) = 400 tokens; then block-aligned steps of n1/2.
-    assert LevelPlan.from_config(cfg).lengths_toward("us", "eu") == (400, 608, 800, 1008)
-    assert d.worker == "eu-0" and d.outcome == "remote_hit" and d.claimed_tokens == 1008
+    # n1 toward eu = ceil(40 ms / 0.1) = 400 tokens; then block-aligned steps of n1/2; then the
+    # long lengths from the plan's longest (1024) in steps of 1.25 toward the context.
+    assert LevelPlan.from_config(cfg).lengths_toward_upto("us", "eu", 2000) == (
+        400, 608, 800, 1008, 1024, 1280, 1600, 2000)
+    assert d.worker == "eu-0" and d.outcome == "remote_hit" and d.claimed_tokens == 2000
     # The worker keeps reusing nothing of what the edge credits it with: belief decays.
     for t in range(20):
         router.on_response("eu-0", claimed_tokens=1000, reused_tokens=0, queue_vector={"eu-0": 0.0, "eu-1": 0.0}, now=t)
@@ -153,7 +156,7 @@ def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     first = router.decide(first_turn, now=0.0)
     assert first.outcome == "recompute" and not first.pending
     later = router.decide(follow_up, now=0.4)
-    assert later.worker == first.worker and later.claimed_tokens == 1024  # longest own length <= 1500
+    assert later.worker == first.worker and later.claimed_tokens == 1280  # longest own length <= 1500
     assert later.tier == Tier.VRAM and later.outcome == "local_hit" and later.pending
     # Ready only after its queue (0) and prefill (1500 tokens x 0.1 ms): 150 ms after dispatch.
     early = Router(cfg, "us", view, now=0.0)
@@ -205,9 +208,12 @@ def test_withheld_workers_get_no_requests_and_no_replicas():
         return [d.migration.destination_worker for i in range(3)
                 if (d := router.decide(PROMPT[::-1].copy(), now=1.0 + 0.1 * i)).migration is not None]
 
-    # The hot remote family is replicated onto idle us-2, unless us-2 is withheld.
-    assert replicas(world([])[1]) == ["us-2"]
-    layout, router = world(["us-2"])
+    # Every decision goes to eu-0 (its 2,000-token match is credited in full), so the hot remote
+    # family is replicated onto the first idle local worker, us-0, unless it is withheld; with
+    # every local worker withheld there is no replica.
+    assert replicas(world([])[1]) == ["us-0"]
+    assert replicas(world(["us-0"])[1]) == ["us-1"]
+    layout, router = world(["us-0", "us-1", "us-2"])
     assert replicas(router) == [] and router.hot.hot_misses["recompute", "no_idle_worker"] == 1
 
     layout, router = world(["us-1", "us-2"])

@@ -9,7 +9,7 @@ import pytest
 
 from kvcompassd.sim.cli import main
 from kvcompassd.sim.engine import RECORD_FIELDS, SimResult
-from kvcompassd.sim.metrics import load_factor_peak, load_factors, summarize
+from kvcompassd.sim.metrics import load_factor_peak, load_factors, reuse_by_length_table, summarize
 
 
 def result(n: int = 100) -> SimResult:
@@ -32,6 +32,24 @@ def result(n: int = 100) -> SimResult:
     rec["false_cause"] = np.array([1, 1, 2, 7, 6] + [0] * (n - 5))
     bins = np.array([[1.0, 1.0], [1.0, 1.0], [2.0, 4.0]])  # worker 2 is the hot one
     return SimResult("x", rec, bins, 5.0, 1.0)
+
+
+def test_reuse_by_prompt_length_by_hand_and_beside_dynamo():
+    r = result()
+    # Prompts of 1,000 / 10,000 / 40,000 / 131,072 tokens; reuse 400, 5,000, 10,000, 131,072.
+    r.records["prompt_tokens"] = np.resize([1000, 10_000, 40_000, 131_072], 100)
+    r.records["reused_tokens"] = np.resize([400, 5000, 10_000, 131_072], 100)
+    s = summarize(r)
+    assert (s.requests_lt8k, s.requests_8k_32k, s.requests_ge32k) == (25, 25, 50)
+    assert s.reuse_lt8k == pytest.approx(0.4) and s.reuse_8k_32k == pytest.approx(0.5)
+    assert s.reuse_ge32k == pytest.approx(141_072 / 171_072)
+    empty = summarize(result())  # every prompt 1,000 tokens: the long buckets are empty
+    assert empty.requests_ge32k == 0 and np.isnan(empty.reuse_ge32k)
+    rows = [dict(s.as_dict(), scheme="kvcompass", workload="long", rate=2.0),
+            dict(s.as_dict(), scheme="dynamo", workload="long", rate=2.0, reuse_ge32k=0.8)]
+    table = reuse_by_length_table(rows, "t")
+    line = next(x for x in table.splitlines() if "| kvcompass |" in x)
+    assert "82.5 (50) | +2.5" in line and "40.0 (25) | +0.0" in line
 
 
 def test_summary_by_hand():

@@ -12,7 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from kvcompassd.sim.blockmirror import chain_keys
 from kvcompassd.sim.schemes import traces_dir
-from kvcompassd.sim.synthetic import ChatWorkload, MixedWorkload, ZipfSampler
+from kvcompassd.core.config import load_config
+from kvcompassd.sim.synthetic import (ChatWorkload, LongContextParams, LongContextWorkload, MixedWorkload, ZipfSampler,
+                                     servable_prompt_tokens)
 from kvcompassd.sim.workloads import (
     ArrivalProcess, Request, WorkloadError, limit_stream, mooncake_requests, mooncake_sessions, read_azure,
     read_mooncake, rescale, trace_rate, weighted_choice,
@@ -304,3 +306,46 @@ def test_a_huge_input_length_is_a_named_error_not_an_overflow(tmp_path):
     path.write_text(json.dumps({"timestamp": 0, "input_length": 10**400, "output_length": 1, "hash_ids": [1]}) + "\n")
     with pytest.raises(WorkloadError, match=r"huge\.jsonl:1: field 'hash_ids' has 1 blocks"):
         read_mooncake(path)
+
+
+def test_long_context_sessions_are_long_multi_turn_and_shared_across_regions():
+    params = LongContextParams(max_prompt_tokens=96_256)  # the testbed's cap
+    make = lambda seed: iter(LongContextWorkload(2.0, W, seed=seed, params=params))  # noqa: E731
+    a = list(itertools.islice(make(5), 150))
+    b = list(itertools.islice(make(5), 150))
+    assert [r.arrival_s for r in a] == [r.arrival_s for r in b]
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:])) and [r.id for r in a] == list(range(150))
+    lengths = np.array([r.prompt_tokens for r in a])
+    assert lengths.min() >= 32_768 and lengths.max() <= 96_256
+    last: dict[int, Request] = {}
+    follow = 0
+    for r in a:
+        prev = last.get(r.session)
+        if prev is not None:  # a follow-up turn extends its session's previous prompt
+            assert r.prompt_tokens > prev.prompt_tokens and np.array_equal(r.tokens[: prev.prompt_tokens], prev.tokens)
+            follow += 1
+        last[r.session] = r
+    assert follow > 30
+    # Sessions of different regions open with the same 32 K tokens (a shared document or
+    # repository after the tenant's system prompt): cross-region reuse exists to be found.
+    regions_by_head: dict[bytes, set[str]] = {}
+    for r in a:
+        regions_by_head.setdefault(r.tokens[:32_768].tobytes(), set()).add(r.region)
+    assert any(len(regions) > 1 for regions in regions_by_head.values())
+
+
+def test_long_context_calibration():
+    # The statistics its docstring states: ~64 K tokens per request over 2,000 planned
+    # sessions (~4 turns each), ~60 K under the testbed's 96 K cap.
+    full = LongContextWorkload(1.0, W, seed=0)
+    assert 60_000 <= full.mean_prompt_tokens(2000) <= 68_000
+    assert 3.5 <= full.mean_turns() <= 4.5
+    testbed = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
+    assert servable_prompt_tokens(testbed) == 98_304 - 2048
+    capped = LongContextWorkload(1.0, W, seed=0, params=LongContextParams(max_prompt_tokens=servable_prompt_tokens(testbed)))
+    assert 56_000 <= capped.mean_prompt_tokens(2000) <= 64_000
+    with pytest.raises(WorkloadError, match="max_prompt_tokens"):
+        LongContextWorkload(1.0, W, params=LongContextParams(max_prompt_tokens=20_000))
+    with pytest.raises(WorkloadError, match="document_share"):
+        LongContextWorkload(1.0, W, params=LongContextParams(document_share=1.5))

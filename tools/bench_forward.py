@@ -1,7 +1,7 @@
 """The paper's forwarding microbenchmark: one edge's ``Router.decide`` on a large view.
 
     python tools/bench_forward.py [--entries 10000000] [--levels 5] [--repeat 5000] [--rounds 10]
-        [--tokens 4096] [--configs testbed-3continent,census-64x8]
+        [--tokens 4096] [--context-tokens N] [--configs testbed-3continent,census-64x8]
 
 Per deployment config: the shards' Ludo tables are filled with ``--entries`` random keys in
 total (each key on its own shard, ``key % N``; one random holder per key, a second in a quarter)
@@ -84,8 +84,11 @@ def rate_per_s(fn, repeat: int) -> float:
     return repeat / (time.perf_counter() - t0)
 
 
-def with_levels(cfg: ClusterConfig, levels: int) -> ClusterConfig:
-    return dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, levels=levels))
+def with_levels(cfg: ClusterConfig, levels: int, context_tokens: int | None = None) -> ClusterConfig:
+    index = dataclasses.replace(cfg.index, levels=levels)
+    if context_tokens is not None:
+        index = dataclasses.replace(index, context_tokens=context_tokens)
+    return dataclasses.replace(cfg, index=index)
 
 
 def build_view(cfg: ClusterConfig, entries: int, prompt: np.ndarray, seed: int) -> tuple[EdgeIndexView, float, int]:
@@ -137,7 +140,7 @@ def build_view(cfg: ClusterConfig, entries: int, prompt: np.ndarray, seed: int) 
 
 
 def bench_config(name: str, args: argparse.Namespace) -> None:
-    cfg = with_levels(load_config(CONFIG_DIR / f"{name}.toml"), args.levels)
+    cfg = with_levels(load_config(CONFIG_DIR / f"{name}.toml"), args.levels, args.context_tokens)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, 128_256, size=args.tokens, dtype=np.uint32)
     view, build_s, total = build_view(cfg, args.entries, prompt, args.seed)
@@ -232,7 +235,8 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
 
     hits = {cfg.workers[i].id: int(m) for i, m in enumerate(found.matched.tolist()) if m}
     print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "
-          f"{len(view.layout.groups)} region groups, levels={cfg.index.levels}; edge {region!r}")
+          f"{len(view.layout.groups)} region groups, levels={cfg.index.levels}, "
+          f"context_tokens={cfg.index.context_tokens} ({len(lk.query_lengths)} query lengths); edge {region!r}")
     print(f"view: {total:,} entries ({sum(v['memory_bytes'] for v in view.stats()) / 2**20:.0f} MiB), "
           f"built in {build_s:.1f} s; prompt {len(prompt)} tokens; holders found: {hits}")
     print(f"{'case':<54} {'P50 µs':>9} {'P99 µs':>9} {'dec/s':>9} {'P50/SHA':>8}")
@@ -251,6 +255,9 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=10_000_000, help="view entries in total (all shards and groups)")
     parser.add_argument("--levels", type=int, default=5, help="index.levels (the paper's benchmark: five)")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--context-tokens", type=int, default=None,
+                        help="index.context_tokens (default: the config's); 16384 gives the paper's reach, "
+                             "without the long lengths")
     parser.add_argument("--repeat", type=int, default=5000, help="samples per case")
     parser.add_argument("--rounds", type=int, default=10,
                         help="the SHA-256 reference and the decision cases alternate in this many rounds")

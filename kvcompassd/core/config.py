@@ -343,6 +343,11 @@ class IndexParams:
     false_lookup_budget: float = 0.002
     max_load: float = 0.95
     initial_capacity: int = 65536
+    # The longest prompt the model serves (its context length, tokens). Past the paper's lengths
+    # (core/levels.py), every pair's lookup goes on to it in equal geometric steps of at most
+    # long_growth, shared by all pairs, so a 128 K-token prompt costs a few more keys, not ~200.
+    context_tokens: int = 131072
+    long_growth: float = 1.25
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, lo=1, hi=1 << 20)
@@ -369,6 +374,13 @@ class IndexParams:
             _fail("max_load", f"must be < 1, got {self.max_load}")
         _as_float(self, "max_load")
         _check_int("initial_capacity", self.initial_capacity, lo=1)
+        _check_int("context_tokens", self.context_tokens, lo=self.block_size, hi=1 << 24)
+        if self.context_tokens % self.block_size:
+            _fail("context_tokens", f"must be a multiple of block_size {self.block_size}, got {self.context_tokens}")
+        # 1.1 from 64 tokens to the 16 M bound is 131 long lengths at most; below it the keys
+        # (one registration each) would cost more than the credit they add.
+        _check_float("long_growth", self.long_growth, lo=1.1, hi=4.0)
+        _as_float(self, "long_growth")
 
     @property
     def workers_per_group(self) -> int:

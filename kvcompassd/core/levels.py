@@ -22,6 +22,37 @@ equal (geometric) steps, and registers the new lengths: with 1.25, the bound the
 aims at, the testbed reads and registers 36 own-region lengths instead of 15 (four per doubling
 below 2,048), so a local holder is credited at least 80 % of its match (a 1,900-token history
 counts as 1,728 tokens, not 1,024).
+
+Long prompts (issue 28). The rules above stop at the paper's lengths: the own-region doublings
+end at the first one past the longest remote length (16,384 tokens on the testbed and the
+census), and the remote pairs at ``n1 (1 + (levels - 1)/2)`` (at most 13,216 on the testbed,
+10,704 on census-64x8), so a holder of a 100 K-token history was credited a sixth of it.
+Continuing the paper's rule to the model's context (``index.context_tokens``, 131,072 for the
+shipped configs) would take every remote pair on in steps of ``n1 / 2`` and the own-region
+doublings to 131,072: on the testbed 87 lengths for one pair and 239 registered lengths in all
+(48 before); on census-64x8, whose nearby regions have an ``n1`` of a block or two, up to 1,637
+lengths for one pair and 4,852 registered lengths (147 before), each a key every worker
+registers (and evicts) for every cached prompt that long, and a table read per lookup
+(tools/bench_levels.py counts them).
+
+What we do instead: the longest length of the paper's plan (its union, ``A``) is the start of
+one ladder of long lengths shared by every pair: the fewest equal geometric steps of at most
+``index.long_growth`` (1.25) from ``A`` to ``context_tokens`` (``split_gap``; 16,384 ->
+131,072 is ten steps of 1.231). Every pair with workers reads on from its own last length: the
+lengths already registered between it and ``A`` (``bridged_lengths``: no new keys, steps of at
+most ``long_growth`` where the registered lengths allow), then ``A`` and the ladder. Where the
+union's last gap below ``A`` is wider than ``long_growth`` (census-64x8: 10,704 -> 16,384, the
+longest remote length to the last doubling), it is split like the ladder, once for all pairs.
+
+A match past ``A`` is credited at least ``1 / long_growth`` (80 %) of itself, and a prompt of
+``context_tokens`` costs ``log(context / A) / log(long_growth)`` more keys: ten on the testbed
+and eleven on census-64x8 (58 and 158 registered lengths instead of 48 and 147), whatever the
+number of pairs. Registering a 131,072-token prompt costs 2.1x (testbed) and 3.4x (census) one
+SHA-256 over it on the index side, against 1.0x and 2.7x when only its first 16,384 tokens were
+indexed; an edge's decision on a 100,000-token prompt costs 1.1x one SHA-256 over it, against
+0.35x (tools/bench_levels.py, tools/bench_forward.py): hashing the whole prompt is the price.
+With ``context_tokens`` at or below ``A`` nothing is added (the paper's plan); lengths of the
+paper's plan above ``context_tokens`` are kept (no prompt reaches them: they cost nothing).
 """
 
 from __future__ import annotations
@@ -31,7 +62,8 @@ from dataclasses import dataclass, field
 
 from .config import ClusterConfig
 
-__all__ = ["LevelPlan", "LevelError"]
+__all__ = ["LevelPlan", "LevelError", "bridged_lengths", "filled_lengths", "long_lengths", "refined_lengths",
+           "remote_lengths", "split_gap"]
 
 
 class LevelError(ValueError):
@@ -86,14 +118,51 @@ def filled_lengths(lengths: tuple[int, ...], max_step: float, block: int) -> tup
         return lengths
     out = [lengths[0]]
     for nxt in lengths[1:]:
-        low = out[-1]
-        steps = math.ceil(math.log(nxt / low) / math.log(max_step) - 1e-9)
-        for j in range(1, steps):
-            length = _round_up(math.ceil(low * (nxt / low) ** (j / steps) - 1e-9), block)
-            if out[-1] < length < nxt:
-                out.append(length)
+        out += split_gap(out[-1], nxt, max_step, block)
         out.append(nxt)
     return tuple(out)
+
+
+def split_gap(low: int, high: int, max_step: float, block: int) -> list[int]:
+    """The block-aligned lengths strictly between ``low`` and ``high`` that split the gap into
+    the fewest geometrically equal steps of at most ``max_step``."""
+    steps = math.ceil(math.log(high / low) / math.log(max_step) - 1e-9)
+    out: list[int] = []
+    for j in range(1, steps):
+        length = _round_up(math.ceil(low * (high / low) ** (j / steps) - 1e-9), block)
+        if (out[-1] if out else low) < length < high:
+            out.append(length)
+    return out
+
+
+def long_lengths(top: int, context_tokens: int, growth: float, block: int) -> tuple[int, ...]:
+    """The shared ladder past ``top``: the fewest block-aligned lengths up to ``context_tokens``
+    (rounded down to the block) in equal geometric steps of at most ``growth``; () if the
+    context does not reach past ``top``."""
+    end = context_tokens // block * block
+    if end <= top:
+        return ()
+    return (*split_gap(top, end, growth, block), end)
+
+
+def bridged_lengths(last: int, top: int, registered: list[int], growth: float, block: int) -> tuple[int, ...]:
+    """Registered lengths strictly between ``last`` and ``top`` that a lookup reads on its way
+    from ``last`` to ``top``: greedily the longest within one step of ``growth`` (rounded up to
+    the block), or, when the registered lengths leave a wider gap, the nearest one past it. They
+    are registered already: reading them adds no key."""
+    between = [c for c in registered if last < c < top]
+    out: list[int] = []
+    current = last
+    while True:
+        reach = _round_up(math.ceil(current * growth - 1e-9), block)
+        if top <= reach:
+            return tuple(out)
+        ahead = [c for c in between if c > current]
+        if not ahead:
+            return tuple(out)
+        within = [c for c in ahead if c <= reach]
+        current = within[-1] if within else ahead[0]
+        out.append(current)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +214,22 @@ class LevelPlan:
                 if registered is not None:
                     own = refined_lengths(own, registered, index.same_region_growth)
                 toward[(origin, origin)] = filled_lengths(own, index.same_region_max_step, index.block_size)
+        # The long lengths, after the paper's plan is complete (see the module docstring).
+        paper = _union(toward)
+        top = paper[-1] if paper else 0
+        ladder = long_lengths(top, index.context_tokens, index.long_growth, index.block_size)
+        if ladder:
+            # Where the paper's union is too sparse just below A (the census: 10,704 -> 16,384),
+            # that one gap is filled too, once for every pair: they all cross it.
+            below = split_gap(paper[-2], top, index.long_growth, index.block_size) if len(paper) > 1 else []
+            paper = sorted(paper + list(below))
+            for pair, lengths in toward.items():
+                if lengths:
+                    # Pairs already past the filled gap (own regions reach A) read it too.
+                    lengths = tuple(sorted(set(lengths) | {b for b in below if lengths[0] < b < lengths[-1]}))
+                    last = lengths[-1]
+                    bridge = bridged_lengths(last, top, paper, index.long_growth, index.block_size)
+                    toward[pair] = lengths + bridge + ((top,) if last < top else ()) + ladder
         return cls(toward=toward, block_size=index.block_size)
 
     def lengths_toward(self, origin: str, target: str) -> tuple[int, ...]:

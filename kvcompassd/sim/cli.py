@@ -35,10 +35,11 @@ from kvcompassd.core.config import load_config
 
 from . import plots
 from .engine import SimResult, SimSettings, request_window, simulate, sparse_collections
-from .metrics import load_factors, summarize
+from .metrics import load_factors, reuse_by_length_table, summarize
 from .policy import Topology
 from .schemes import (ALL_SCHEMES, DEFAULT_EVICTION, WORKLOADS, make_policy, make_workload, region_weights,
                       traces_dir)
+from .synthetic import servable_prompt_tokens
 from .workloads import MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, read_mooncake
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
@@ -146,7 +147,8 @@ def _stream(point: GridPoint, topo: Topology) -> list[Request]:
         return cached
     _STREAM_CACHE.clear()
     gen = make_workload(point.workload, point.rate, region_weights(topo, point.regions_by), seed=point.seed,
-                        traces=point.traces, trace=point.trace, trace_block_tokens=point.trace_block_tokens)
+                        traces=point.traces, trace=point.trace, trace_block_tokens=point.trace_block_tokens,
+                        max_prompt_tokens=servable_prompt_tokens(topo.config))
     stream = request_window(gen, duration_s=point.duration_s, max_requests=point.max_requests)
     _STREAM_CACHE[key] = stream
     return stream
@@ -305,6 +307,7 @@ def write_outputs(rows: list[dict[str, Any]], results: dict[tuple[str, float], S
         w.writerows(rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=float))
     (out / "summary.md").write_text(markdown_table(rows, title))
+    (out / "reuse_by_length.md").write_text(reuse_by_length_table(rows, f"{title}: reuse by prompt length"))
     if per_request:
         for (scheme, rate), res in results.items():
             cols = list(res.records)

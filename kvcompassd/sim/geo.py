@@ -314,6 +314,8 @@ def render_toml(spec: DeploymentSpec) -> str:
         *_fingerprint_lines(spec),
         "max_load = 0.95",
         "initial_capacity = 65536",
+        "context_tokens = 131072   # the model's context length: indexed lengths reach it (core/levels.py)",
+        "long_growth = 1.25        # past the paper's lengths, shared steps of at most this factor",
         "",
         "[score]",
         "lambda_max = 64.0",

@@ -1,5 +1,10 @@
 """Metrics of one simulation run (paper §5.1-5.8): latency percentiles, throughput, load factor,
-reuse, false lookups and the cross-region-only share."""
+reuse (overall and by prompt length), false lookups and the cross-region-only share.
+
+Reuse by prompt length (issue 28): the share of prompt tokens reused among the measured requests
+whose prompt is under 8 K tokens, 8-32 K, and 32 K or more (to the model's context, 128 K on the
+shipped configs). ``reuse_by_length_table`` sets each scheme's beside Dynamo's exact match, whose
+reuse is what an index that sees every block can find."""
 
 from __future__ import annotations
 
@@ -10,6 +15,10 @@ import numpy as np
 from .engine import SimResult
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_PENDING, FALSE_VIEW_AHEAD,
                      FALSE_VIEW_BEHIND, FALSE_WITHIN_PAGE)
+
+
+# (lower bound, upper bound or None, Summary field suffix, label): prompt tokens in [lower, upper).
+PROMPT_BUCKETS = ((0, 8192, "lt8k", "<8K"), (8192, 32768, "8k_32k", "8-32K"), (32768, None, "ge32k", ">=32K"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +36,14 @@ class Summary:
     reused_tokens: int
     recomputed_tokens: int
     hit_rate: float                  # reused / prompt tokens
+    # The same by prompt length (PROMPT_BUCKETS; NaN where no measured request falls), and how
+    # many measured requests fall there.
+    reuse_lt8k: float
+    reuse_8k_32k: float
+    reuse_ge32k: float
+    requests_lt8k: int
+    requests_8k_32k: int
+    requests_ge32k: int
     dram_share_of_reuse: float
     false_lookup_rate: float         # requests whose worker reused less than the policy claimed
     false_lookup_rate_claimed: float  # ... among requests with a positive claim
@@ -101,6 +118,7 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
 
     def cause_share(*codes: int) -> float:
         return float(np.isin(cause, codes).sum() / known.sum()) if known.any() else float("nan")
+    by_length = reuse_by_length(prompt, reused)
     remote_only = r["remote_only"][m]
     tracked = remote_only >= 0
     n = int(m.sum())
@@ -118,6 +136,8 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         reused_tokens=int(reused.sum()),
         recomputed_tokens=int((prompt - reused).sum()),
         hit_rate=float(reused.sum() / prompt.sum()),
+        **{f"reuse_{suffix}": share for suffix, (share, _) in by_length.items()},
+        **{f"requests_{suffix}": count for suffix, (_, count) in by_length.items()},
         dram_share_of_reuse=float(dram.sum() / reused.sum()) if reused.sum() else 0.0,
         false_lookup_rate=float(false.mean()),
         false_lookup_rate_claimed=float(false[has_claim].mean()) if has_claim.any() else 0.0,
@@ -137,3 +157,37 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         wall_s=result.wall_s,
         sim_requests_per_wall_s=result.completed / result.wall_s if result.wall_s > 0 else float("inf"),
     )
+
+
+def reuse_by_length(prompt: np.ndarray, reused: np.ndarray) -> dict[str, tuple[float, int]]:
+    """Per ``PROMPT_BUCKETS`` suffix: (reused / prompt tokens, requests) of the requests whose
+    prompt length falls in it; NaN share for an empty bucket."""
+    out = {}
+    for lower, upper, suffix, _ in PROMPT_BUCKETS:
+        inside = (prompt >= lower) & (prompt < upper) if upper is not None else prompt >= lower
+        tokens = float(prompt[inside].sum())
+        out[suffix] = (float(reused[inside].sum()) / tokens if tokens else float("nan"), int(inside.sum()))
+    return out
+
+
+def reuse_by_length_table(rows: list[dict], title: str, reference: str = "dynamo") -> str:
+    """Markdown: per (workload, rate) and scheme, reuse by prompt length, and the points it is
+    above (+) or below (-) the ``reference`` scheme's (Dynamo's exact match) at the same point."""
+    head = " | ".join(f"{label} reuse % (n) | vs {reference}" for *_, label in PROMPT_BUCKETS)
+    lines = [f"# {title}", "", f"| workload | rate | scheme | {head} |",
+             "|---|---|---|" + "---|---|" * len(PROMPT_BUCKETS)]
+    ref = {(r.get("workload"), r.get("rate")): r for r in rows if r["scheme"] == reference}
+    for r in rows:
+        other = ref.get((r.get("workload"), r.get("rate")))
+        cells = []
+        for *_, suffix, _ in PROMPT_BUCKETS:
+            share, n = r.get(f"reuse_{suffix}", float("nan")), r.get(f"requests_{suffix}", 0)
+            cells.append(f"{100 * share:.1f} ({n})" if n else "-")
+            if other is None or not n or not other.get(f"requests_{suffix}"):
+                cells.append("")
+            else:
+                cells.append(f"{100 * (share - other[f'reuse_{suffix}']):+.1f}")
+        rate = r.get("rate", "")
+        lines.append(f"| {r.get('workload', '')} | {rate:g} | {r['scheme']} | " + " | ".join(cells) + " |"
+                     if rate != "" else f"| {r.get('workload', '')} |  | {r['scheme']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ from kvcompassd.core.ablation import Ablation
 
 from .baselines import BASELINES, make_baseline
 from .policy import PolicyError, Topology
-from .synthetic import AzureWorkload, ChatWorkload, MixedWorkload
+from .synthetic import AzureWorkload, ChatWorkload, LongContextParams, LongContextWorkload, MixedWorkload
 from .workloads import (MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, mooncake_requests, read_azure, read_mooncake,
                         rescale)
 
@@ -33,7 +33,7 @@ ALL_SCHEMES = tuple(KVCOMPASS_VARIANTS) + tuple(BASELINES)
 
 # §5.1: LFU for Mixed, LRU for WildChat and LMSYS (the best policy for each workload).
 DEFAULT_EVICTION = {"mixed": "lfu", "wildchat": "lru", "lmsys": "lru", "mooncake": "lru",
-                    "azure-conv": "lru", "azure-code": "lru"}
+                    "azure-conv": "lru", "azure-code": "lru", "long": "lru"}
 WORKLOADS = tuple(DEFAULT_EVICTION)
 # The public traces ship inside the package (kvcompassd/data/traces, with their licences).
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
@@ -93,15 +93,22 @@ def mooncake_stream(path: str | Path, rate: float, weights: Mapping[str, float],
 
 def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed: int = 0,
                   traces: str | Path | None = None, trace: str | Path | None = None,
-                  trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Iterator[Request]:
+                  trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                  max_prompt_tokens: int | None = None) -> Iterator[Request]:
     """``trace``: a Mooncake-format JSONL file a user brings, replayed as workload ``mooncake``
-    instead of the bundled synthetic trace (``trace_block_tokens`` tokens per hash id)."""
+    instead of the bundled synthetic trace (``trace_block_tokens`` tokens per hash id).
+    ``max_prompt_tokens``: the longest prompt workload ``long`` may send (the fleet's, see
+    ``synthetic.servable_prompt_tokens``; default the model's 128 K context); other workloads
+    keep their own lengths."""
     if trace is not None:
         if name != "mooncake":
             raise WorkloadError(f"a trace file replays as workload 'mooncake', not {name!r}")
         return mooncake_stream(trace, rate, weights, seed=seed, block_tokens=trace_block_tokens)
     if name == "mixed":
         return iter(MixedWorkload(rate, weights, seed=seed))
+    if name == "long":
+        params = LongContextParams() if max_prompt_tokens is None else LongContextParams(max_prompt_tokens=max_prompt_tokens)
+        return iter(LongContextWorkload(rate, weights, seed=seed, params=params))
     if name in ("wildchat", "lmsys"):
         return iter(ChatWorkload(rate, weights, flavour=name, seed=seed))
     if name in ("azure-conv", "azure-code"):

@@ -1,4 +1,5 @@
-"""Synthetic workload generators: Mixed (§5.1), WildChat-like and LMSYS-like chat, Azure-shaped.
+"""Synthetic workload generators: Mixed (§5.1), WildChat-like and LMSYS-like chat, Azure-shaped,
+and long-context sessions (documents and agents of 32 K-128 K tokens; ``LongContextWorkload``).
 
 Every generator is a lazy, seeded iterator of ``Request`` in arrival order. A *session* is a
 conversation or an agent trajectory; its turns arrive after think times, and every turn's
@@ -93,6 +94,7 @@ class SessionWorkload:
     """Base: Poisson (or Azure-shaped) session starts, follow-up turns after think times."""
 
     name = "base"
+    shared_segments_cached = 50_000  # shared segments' tokens kept for reuse (SegmentTokens)
 
     def __init__(self, rate: float, region_weights: Mapping[str, float], *, seed: int = 0,
                  common: CommonParams = CommonParams(), azure: AzureTrace | None = None) -> None:
@@ -112,6 +114,17 @@ class SessionWorkload:
     def plan(self, rng: np.random.Generator, tenant: int, sid: int) -> list[Turn]:
         raise NotImplementedError
 
+    def mean_prompt_tokens(self, sessions: int = 2000, seed: int = 0) -> float:
+        """Mean prompt tokens per request over ``sessions`` planned sessions (no tokens made):
+        the mean a long run's requests have, for capacity estimates."""
+        rng = np.random.default_rng(seed)
+        tokens = turns = 0
+        for sid in range(sessions):
+            for turn in self.plan(rng, int(rng.integers(self.common.tenants)), sid):
+                tokens += sum(seg[1] for seg in turn.segments)
+                turns += 1
+        return tokens / turns
+
     def system_prompt(self, tenant: int) -> Segment:
         lo, hi = self.common.system_prompt_tokens
         length = lo + segment_key(self.name, "sys-len", tenant) % (hi - lo + 1)
@@ -120,7 +133,7 @@ class SessionWorkload:
     def __iter__(self) -> Iterator[Request]:
         rng = np.random.default_rng(self.seed)
         starts = ArrivalProcess(self.rate / self.mean_turns(), seed=self.seed + 1, azure=self._azure).times()
-        segs = SegmentTokens()
+        segs = SegmentTokens(self.shared_segments_cached)
         heap: list[tuple[float, int, _Session]] = []
         # Sessions start ``prewarm`` seconds before time 0 and only turns from time 0 on are
         # emitted, so the request rate is stationary from the first request (follow-up turns
@@ -315,3 +328,130 @@ class AzureWorkload(SessionWorkload):
         body = max(1, int(self.trace.context_tokens[i]) - system[1])
         return [Turn((system, (segment_key(self.name, "body", sid), body, False)),
                      max(1, int(self.trace.generated_tokens[i])))]
+
+
+@dataclass(frozen=True, slots=True)
+class LongContextParams:
+    """Long-context sessions (``LongContextWorkload``); lengths in tokens."""
+
+    max_prompt_tokens: int = 131_072 - 2048  # the model's context less the longest answer
+    document_share: float = 0.5     # document sessions; coding-agent sessions take the rest
+    documents_per_tenant: int = 48
+    document_zipf: float = 1.0
+    document_tokens_median: float = 56_000.0
+    document_tokens_sigma: float = 0.45
+    questions_mean: float = 3.0
+    question_tokens_median: float = 80.0
+    answer_tokens_median: float = 250.0
+    repos_per_tenant: int = 24
+    repo_zipf: float = 1.0
+    repo_tokens_median: float = 40_000.0
+    repo_tokens_sigma: float = 0.3
+    task_tokens_median: float = 600.0
+    agent_steps_mean: float = 6.0
+    observation_tokens_median: float = 2_500.0
+    action_tokens_median: float = 150.0
+
+
+LONG_COMMON = CommonParams(tenants=8, system_prompt_tokens=(300, 1200), think_time_mean_s=20.0,
+                           prewarm_think_times=6.0)
+
+
+class LongContextWorkload(SessionWorkload):
+    """Long-context serving: documents and coding-agent sessions of 32 K-128 K tokens, multi-turn,
+    their documents and repositories shared by sessions from every region.
+
+    Calibration. No public trace gives the joint shape of long-context sessions (the Mooncake
+    production trace of issue 28 has prompts up to ~126 K tokens but no session ids), so the
+    parameters are chosen, not fitted, in the way Mixed's are: the public datasets' shapes,
+    scaled to the model's context, and the statistics they give pinned by a test
+    (tests/test_sim_workloads.py) rather than asserted here:
+    - Documents (LooGLE, LongBench v2: long documents, several questions each): half the
+      sessions. A document is 56 K tokens at the median (lognormal, sigma 0.45), clipped to
+      32 K-``max_prompt_tokens`` less room for its questions, chosen Zipf(1.0) among its tenant's
+      48; a session asks a geometric number of questions (mean 3; ~80 tokens each, answers
+      ~250) about it, each turn extending the last (history + answer + question).
+    - Coding agents (SWE-bench-style trajectories over a repository): the other half. The
+      repository context is 40 K tokens at the median (sigma 0.3, at least 32 K), Zipf(1.0) among
+      its tenant's 24, then a task statement (~600 tokens, the session's own) and a geometric
+      number of steps (mean 6), each adding the previous action (~150 tokens, the output) and a
+      tool observation (~2.5 K tokens, heavy-tailed); the session ends before its prompt would
+      pass ``max_prompt_tokens``.
+    - 8 tenants (long-context deployments serve fewer, larger customers), system prompts of
+      300-1,200 tokens; sessions start in regions by the usual weights, so one tenant's
+      popular documents and repositories are asked for from every region.
+    - Think times of 20 s on average (tool runs and test suites; reading a long answer): a
+      turn's prefill alone takes ~5 s at beta = 0.085 ms/token, so the Mixed workload's 3 s
+      would send most follow-ups before their previous turn's prefix exists anywhere.
+    What it gives (pinned by the test): a mean prompt of ~64 K tokens over 2,000 planned
+    sessions (``mean_prompt_tokens``; ~4 turns each), every prompt >= 32 K, ~30 % of the first
+    3,000 requests (seed 0) >= 64 K; a mean no-reuse prefill of ~5.4 s at beta = 0.085, i.e.
+    lambda0 = workers / (mean prompt x beta) ~ 11.8 req/s on census-64x8. The testbed's RTX
+    5090s hold 96 K tokens of KV in VRAM, so prompts there are capped at what every worker can
+    serve (``servable_prompt_tokens``: 96,256), a mean of ~60 K and lambda0 ~ 2.8 req/s.
+    """
+
+    name = "long"
+    shared_segments_cached = 512  # documents and repositories are ~200 KiB of tokens each
+
+    def __init__(self, rate: float, region_weights: Mapping[str, float], *, seed: int = 0,
+                 params: LongContextParams = LongContextParams(), common: CommonParams = LONG_COMMON,
+                 azure: AzureTrace | None = None) -> None:
+        super().__init__(rate, region_weights, seed=seed, common=common, azure=azure)
+        if not 0 <= params.document_share <= 1:
+            raise WorkloadError(f"document_share must be in [0, 1], got {params.document_share!r}")
+        if params.max_prompt_tokens < LONG_MIN_TOKENS + 4096:
+            raise WorkloadError(f"max_prompt_tokens must be >= {LONG_MIN_TOKENS + 4096} (long prompts start at "
+                                f"{LONG_MIN_TOKENS}), got {params.max_prompt_tokens!r}")
+        self.params = params
+        self._documents = ZipfSampler(params.documents_per_tenant, params.document_zipf)
+        self._repos = ZipfSampler(params.repos_per_tenant, params.repo_zipf)
+
+    def mean_turns(self) -> float:
+        p = self.params
+        return p.document_share * p.questions_mean + (1 - p.document_share) * p.agent_steps_mean
+
+    def _item(self, kind: str, tenant: int, rank: int, median: float, sigma: float, hi: int) -> Segment:
+        item_rng = np.random.default_rng(segment_key(self.name, kind, "len", tenant, rank))
+        return (segment_key(self.name, kind, tenant, rank),
+                lognormal_int(item_rng, median, sigma, LONG_MIN_TOKENS, hi), True)
+
+    def plan(self, rng: np.random.Generator, tenant: int, sid: int) -> list[Turn]:
+        p = self.params
+        system = self.system_prompt(tenant)
+        if rng.random() < p.document_share:
+            room = 4096  # the questions and answers of a few turns
+            doc = self._item("document", tenant, self._documents.sample(rng), p.document_tokens_median,
+                             p.document_tokens_sigma, p.max_prompt_tokens - system[1] - room)
+            questions = int(rng.geometric(1.0 / p.questions_mean))
+            qs = [lognormal_int(rng, p.question_tokens_median, 0.6, 8, 1000) for _ in range(questions)]
+            answers = [lognormal_int(rng, p.answer_tokens_median, 0.6, 16, 2048) for _ in range(questions)]
+            return self._capped(_chat_turns([system, doc], qs, answers, self.name, sid))
+        repo = self._item("repo", tenant, self._repos.sample(rng), p.repo_tokens_median, p.repo_tokens_sigma,
+                          p.max_prompt_tokens - system[1] - 8192)
+        task = (segment_key(self.name, "task", sid), lognormal_int(rng, p.task_tokens_median, 0.6, 50, 4000), False)
+        steps = int(rng.geometric(1.0 / p.agent_steps_mean))
+        observations = [lognormal_int(rng, p.observation_tokens_median, 0.9, 20, 32_000) for _ in range(steps)]
+        actions = [lognormal_int(rng, p.action_tokens_median, 0.6, 8, 2048) for _ in range(steps)]
+        return self._capped(_chat_turns([system, repo], [task[1]] + observations[1:], actions, self.name, sid,
+                                        [task]))
+
+    def _capped(self, turns: list[Turn]) -> list[Turn]:
+        """The turns up to the last whose prompt fits ``max_prompt_tokens`` (the first always does)."""
+        out = []
+        for turn in turns:
+            if out and sum(seg[1] for seg in turn.segments) > self.params.max_prompt_tokens:
+                break
+            out.append(turn)
+        return out
+
+
+LONG_MIN_TOKENS = 32_768  # every shared document or repository is at least this long
+
+
+def servable_prompt_tokens(cfg) -> int:
+    """The longest prompt every worker of ``cfg`` (a ``ClusterConfig``) can serve with its answer:
+    the model's context (``index.context_tokens``) or the smallest VRAM KV capacity, whichever is
+    less, less the longest answer (2,048 tokens)."""
+    vram = min((w.vram_kv_tokens for w in cfg.workers if w.vram_kv_tokens), default=cfg.index.context_tokens)
+    return min(cfg.index.context_tokens, vram) - 2048
