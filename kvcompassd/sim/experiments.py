@@ -398,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fingerprint-bits", type=int, default=None,
                     help="KVCompass: fingerprint bits per entry of the index tables (default: the deployment's; "
                          "the paper's keyless views have none), e.g. table5 --fingerprint-bits 8")
+    ap.add_argument("--paper-reach", action="store_true",
+                    help="fig_long: also run KVCompass with the paper's indexed lengths only (to 16 K tokens)")
     args = ap.parse_args(argv)
     try:  # the files the experiments replay, checked before any run: a bad one names its line
         if args.trace is not None:
