@@ -26,6 +26,8 @@ def test_sim_replays_a_users_trace_file(tmp_path, capsys):
     # A run cut by --requests measured up to its last arrival, with no warm-up: that window is printed.
     assert all(r["arrivals"] == 6 and r["warmup_s"] == 0.0 and r["measured_s"] == r["arrivals_s"] > 0 for r in rows)
     assert f"Window: seed 0; warm-up 0 s + measured {rows[0]['measured_s']:g} s; 6 measured requests." in printed
+    logged = [json.loads(line) for line in (tmp_path / "points.jsonl").read_text().splitlines()]
+    assert [r["scheme"] for r in logged] == ["dynamo", "random"]  # each run as it ended
 
 
 def test_sim_trace_block_size_is_a_flag(tmp_path):

@@ -25,18 +25,18 @@ def test_capacity_follows_the_fleet_and_its_servable_prompts():
 
 def test_fig_long_tiny_run_reports_every_scheme_its_window_and_reuse_by_length(tmp_path):
     rows = run_long(tmp_path, deployments=("testbed-3continent",), schemes=("kvcompass", "dynamo"), fractions=(0.5,),
-                    requests_per_point=10, warmup_s=2.0, capacity_sessions=300)
-    assert [r["scheme"] for r in rows] == ["kvcompass", "dynamo"]
+                    requests_per_point=10, warmup_s=2.0, capacity_sessions=300, paper_reach=True)
+    assert [r["scheme"] for r in rows] == ["kvcompass", "dynamo", "kvcompass-paper-reach"]
     for r in rows:
         assert r["load"] == 0.5 and r["rate"] == pytest.approx(0.5 * r["lambda0"], abs=1e-3)
         assert r["window"] == f"2-{2.0 + 10 / r['rate']:.0f}"
         # Every prompt of the workload is >= 32 K tokens: the long bucket holds them all.
         assert r["requests"] == r["requests_ge32k"] > 0 and r["requests_lt8k"] == r["requests_8k_32k"] == 0
         assert 0.0 <= r["reuse_ge32k"] <= 1.0
-    assert rows[0]["requests"] == rows[1]["requests"]  # one request stream for both schemes
+    assert rows[0]["requests"] == rows[1]["requests"] == rows[2]["requests"]  # one request stream for all
     table = (tmp_path / "reuse_by_length.md").read_text()
     assert "| long@testbed-3continent | " in table and "| dynamo |" in table
     assert json.loads((tmp_path / "summary.json").read_text())[0]["scheme"] == "kvcompass"
     text = report(rows)
     assert "testbed-3continent at 0.5 x lambda0" in text and f"arrivals {rows[0]['window']} s measured" in text
-    assert "seed 0" in text and text.count("P99 TTFT") == 2
+    assert "seed 0" in text and text.count("P99 TTFT") == 3

@@ -296,3 +296,13 @@ def test_live_load_stays_in_its_region_and_reaches_others_by_broadcast_or_piggyb
     eu_workers = {i: 10.0 for i, w in enumerate(topo.worker_ids) if w.startswith("eu-")}
     policy.on_response(eu0, req, 0, eu_workers, now=0.4)  # inside the trend window: no trend yet
     assert policy.routers[us].queues.get("eu-0") == pytest.approx(30.0)
+
+
+def test_context_tokens_option_sets_the_index_reach_only():
+    topo = _topo()
+    long = KVCompassPolicy(topo, wan_propagation=False)
+    paper = KVCompassPolicy(topo, wan_propagation=False, context_tokens=topo.config.index.block_size)
+    assert long.plan.max_length == topo.config.index.context_tokens == 131072
+    assert paper.plan.max_length < 131072 and paper.cfg.index.context_tokens == topo.config.index.block_size
+    assert set(paper.plan.registration_lengths()) < set(long.plan.registration_lengths())
+    assert paper.routers[0].plan.max_length == paper.plan.max_length  # the edges use the same plan

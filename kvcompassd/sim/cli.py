@@ -12,7 +12,8 @@ Your own Mooncake-format trace (JSON lines: ``timestamp`` ms, ``input_length``,
         --schemes kvcompass,dynamo --rates 50 --requests 2000
 
 Writes ``summary.csv``, ``summary.json``, ``summary.md`` and PNG plots into ``--out``
-(``requests-<scheme>-<rate>.csv`` too with ``--per-request``).
+(``requests-<scheme>-<rate>.csv`` too with ``--per-request``), and ``points.jsonl`` as each run
+ends, so a long grid cut short keeps what it measured (``tools/sim_seeds.py --rows`` reads it).
 """
 
 from __future__ import annotations
@@ -282,14 +283,15 @@ def run_grid(cfg_path: Path, workload: str, schemes: Sequence[str], rates: Seque
              settings: SimSettings | None = None, regions_by: str = "workers", traces: str | None = None,
              progress: bool = False, policy_options: dict[str, Any] | None = None,
              page_tokens: int | None = None, trace: str | None = None,
-             trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-             jobs: int = 1) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
-    """Every scheme at every rate on fresh workers and the same request stream (same seed)."""
+             trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS, jobs: int = 1,
+             log: Path | None = None) -> tuple[list[dict[str, Any]], dict[tuple[str, float], SimResult]]:
+    """Every scheme at every rate on fresh workers and the same request stream (same seed);
+    ``log``: each summary appended as its run ends (``run_points``)."""
     points = grid_points(cfg_path, workload, schemes, rates, seed=seed, duration_s=duration_s,
                          max_requests=max_requests, warmup_s=warmup_s, settings=settings, regions_by=regions_by,
                          traces=traces, policy_options=policy_options, page_tokens=page_tokens,
                          run_progress=progress and jobs <= 1, trace=trace, trace_block_tokens=trace_block_tokens)
-    done = run_points(points, jobs=jobs, progress=progress, desc=f"{workload}@{Path(cfg_path).stem}")
+    done = run_points(points, jobs=jobs, progress=progress, desc=f"{workload}@{Path(cfg_path).stem}", log=log)
     rows = [summary for summary, _ in done]
     results = {(p.scheme, p.rate): result for p, (_, result) in zip(points, done)}
     return rows, results
@@ -386,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              max_requests=args.requests, warmup_s=args.warmup, settings=settings,
                              regions_by=args.regions_by, traces=args.traces, progress=args.progress,
                              page_tokens=args.page_tokens, jobs=args.jobs, trace=args.trace,
-                             trace_block_tokens=args.trace_block_tokens)
+                             trace_block_tokens=args.trace_block_tokens, log=args.out / "points.jsonl")
     source = workload if args.trace is None else f"{Path(args.trace).name} (Mooncake format)"
     title = f"{source} on {cfg_path.stem}"
     write_outputs(rows, results, args.out, title=title, warmup_s=args.warmup, per_request=args.per_request,

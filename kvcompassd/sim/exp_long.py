@@ -2,7 +2,10 @@
 documents and coding agents of 32 K-128 K tokens) at 0.25, 0.5, 1 and 1.5 x the fleet's no-reuse
 capacity, on the testbed and census-64x8.
 
-    python -m kvcompassd.sim.experiments fig_long [--quick] [--seed 0] [--schemes ...] [--jobs N]
+    python -m kvcompassd.sim.experiments fig_long [--quick] [--seed 0] [--schemes ...] [--jobs N] [--paper-reach]
+
+``--paper-reach`` adds ``kvcompass-paper-reach``: KVCompass with the paper's indexed lengths only
+(to 16 K; ``KVCompassPolicy(context_tokens=...)``), on the same requests, for the before/after.
 
 The no-reuse capacity is the one Fig. 9 uses, lambda0 = workers / (mean prompt x mean beta),
 with the mean prompt of the workload as that fleet serves it (the testbed's prompts are capped
@@ -20,6 +23,8 @@ mean TTFT, throughput (every token of the run over its duration) and reuse by pr
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,9 +60,11 @@ def no_reuse_capacity(deployment: str, *, seed: int = 0, sessions: int = 2000) -
 def run_long(out: Path, *, deployments: Sequence[str] = DEPLOYMENTS, schemes: Sequence[str] = PAPER_SCHEMES,
              fractions: Sequence[float] = LOAD_FRACTIONS, requests_per_point: int = REQUESTS_PER_POINT,
              warmup_s: float = WARMUP_S, seed: int = 0, jobs: int = 1, progress: bool = False,
-             page_tokens: int | None = None, capacity_sessions: int = 2000) -> list[dict]:
+             page_tokens: int | None = None, capacity_sessions: int = 2000, paper_reach: bool = False) -> list[dict]:
     """Every (deployment, load, scheme) point; rows carry ``load`` (x lambda0), ``lambda0`` and
-    ``window`` (the measured arrivals' seconds) besides the summary."""
+    ``window`` (the measured arrivals' seconds) besides the summary. ``paper_reach`` adds
+    ``kvcompass-paper-reach``: KVCompass with the paper's indexed lengths only (no long lengths),
+    on the same requests."""
     points, meta = [], []
     for deployment in deployments:
         lam0 = no_reuse_capacity(deployment, seed=seed, sessions=capacity_sessions)
@@ -68,18 +75,22 @@ def run_long(out: Path, *, deployments: Sequence[str] = DEPLOYMENTS, schemes: Se
             duration = warmup_s + requests_per_point / rate
             mine = grid_points(cfg_path, "long", schemes, [rate], seed=seed, duration_s=duration, warmup_s=warmup_s,
                                settings=settings, page_tokens=page_tokens, run_progress=progress and jobs <= 1)
+            if paper_reach:
+                block = load_config(cfg_path).index.block_size  # a context below every length adds none
+                mine += [dataclasses.replace(p, scheme="kvcompass", policy_options={"context_tokens": block})
+                         for p in grid_points(cfg_path, "long", ["kvcompass"], [rate], seed=seed, duration_s=duration,
+                                              warmup_s=warmup_s, settings=settings, page_tokens=page_tokens)]
             points += mine
             meta += [(deployment, fraction, lam0, duration)] * len(mine)
     done = run_points(points, jobs=jobs, progress=progress, desc="fig_long", log=out / "points.jsonl")
     rows = []
-    for (summary, _), (deployment, fraction, lam0, duration) in zip(done, meta):
-        rows.append(dict(summary, load=fraction, lambda0=lam0, window=f"{warmup_s:g}-{duration:.0f}",
+    for point, (summary, _), (deployment, fraction, lam0, duration) in zip(points, done, meta):
+        scheme = "kvcompass-paper-reach" if "context_tokens" in point.policy_options else summary["scheme"]
+        rows.append(dict(summary, scheme=scheme, load=fraction, lambda0=lam0, window=f"{warmup_s:g}-{duration:.0f}",
                          workload=f"long@{deployment}"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(markdown_table(rows, "fig_long: long-context sessions", COLUMNS))
     (out / "reuse_by_length.md").write_text(reuse_by_length_table(rows, "fig_long: reuse by prompt length"))
-    import json
-
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=float))
     return rows
 
@@ -107,6 +118,6 @@ def fig_long(args) -> list[dict]:
     quick = args.quick
     rows = run_long(args.out / "fig_long", schemes=args.schemes or PAPER_SCHEMES, seed=args.seed, jobs=args.jobs,
                     progress=args.progress, requests_per_point=120 if quick else REQUESTS_PER_POINT,
-                    warmup_s=20.0 if quick else WARMUP_S)
+                    warmup_s=20.0 if quick else WARMUP_S, paper_reach=args.paper_reach)
     print(report(rows))
     return rows

@@ -3,7 +3,10 @@
     python -m kvcompassd.sim.experiments fig12 [--quick] [--out out/experiments]
     python -m kvcompassd.sim.experiments {fig9,fig11,fig12,fig14,fig15,fig16,table4,table5,fig19,fig_long,all}
 
-Each writes its table (CSV/JSON/Markdown) and PNG plots under ``--out/<name>/``.
+Each writes its table (CSV/JSON/Markdown) and PNG plots under ``--out/<name>/`` and prints every
+point's figures beside the window it measured: seed, warm-up and measured seconds, measured
+requests (``seed``, ``warmup_s``, ``measured_s``, ``requests``, ``arrivals``, ``arrivals_s`` in
+the JSON; the same line under each table and plot).
 
 Cost: points run in ``--jobs`` processes (default one per core; results identical to a serial
 run, tests/test_sim_parallel.py), and the schemes of one (workload, rate) replay one generated
@@ -426,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fingerprint-bits", type=int, default=None,
                     help="KVCompass: fingerprint bits per entry of the index tables (default: the deployment's; "
                          "the paper's keyless views have none), e.g. table5 --fingerprint-bits 8")
+    ap.add_argument("--paper-reach", action="store_true",
+                    help="fig_long: also run KVCompass with the paper's indexed lengths only (to 16 K tokens)")
     args = ap.parse_args(argv)
     try:  # the files the experiments replay, checked before any run: a bad one names its line
         if args.trace is not None:
@@ -456,7 +461,7 @@ def report(name: str, rows: list[dict]) -> str:
     """What an experiment prints: every point's figures with the window it measured beside them
     (seed, warm-up and measured seconds, measured requests), so a figure quoted from the output
     carries its window."""
-    if rows and "scheme" not in rows[0]:  # fig19: one row per seed over the whole trace
+    if name == "fig19":  # one row per seed over the whole trace
         lines = [f"{name}: seed {r['seed']}: remote-only share {100 * r['remote_only_share']:.1f} % of "
                  f"{r['hits']:,} hits ({r['first_turns']:,} first turns)" for r in rows]
         return "\n".join([*lines, f"{name} window: {rows[0]['window']}", ""])

@@ -80,7 +80,9 @@ class KVCompassPolicy(BasePolicy):
     ``consistency`` (cross-level consistency of the lookup), the update transport
     (``update_delay_ms``, ``update_loss``, ``repair``, ``wan_propagation``,
     ``flush_interval_ms``; see the module docstring), ``seed`` (loss draws only) and ``top_k``
-    (score terms kept per decision: the daemon logs 3, the simulator needs none)."""
+    (score terms kept per decision: the daemon logs 3, the simulator needs none).
+    ``context_tokens`` replaces ``[index] context_tokens`` (how far the indexed lengths reach;
+    core/levels.py), e.g. 16384 for the paper's reach against the same prompts."""
 
     name = "kvcompass"
 
@@ -98,6 +100,7 @@ class KVCompassPolicy(BasePolicy):
         seed: int = 0,
         top_k: int = 0,
         fingerprint_bits: int | None = None,
+        context_tokens: int | None = None,
     ) -> None:
         super().__init__(topo)
         if not (update_delay_ms >= 0 and math.isfinite(update_delay_ms)):
@@ -108,6 +111,8 @@ class KVCompassPolicy(BasePolicy):
             raise PolicyError(f"flush_interval_ms must be finite and >= 0, got {flush_interval_ms!r}")
         self.flush_interval_s = flush_interval_ms / 1000.0
         cfg = topo.config
+        if context_tokens is not None:  # the index's reach only (16384: the paper's lengths); prompts keep theirs
+            cfg = dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, context_tokens=context_tokens))
         self.cfg = cfg
         self.ablation = ablation or Ablation()
         self.update_delay_ms = float(update_delay_ms)
