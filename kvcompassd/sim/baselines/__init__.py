@@ -13,6 +13,8 @@ from .hashing import ChordPolicy, ConsistentHashPolicy
 from .oracle import LoadBalanceOraclePolicy
 from .planetserve import PlanetServePolicy
 from .random_policy import RandomPolicy
+from .round_robin import RoundRobinPolicy
+from .sglang_cache_aware import SGLangCacheAwarePolicy
 from .skywalker import SkyWalkerPolicy
 
 BASELINES: dict[str, Callable[..., Any]] = {
@@ -24,11 +26,14 @@ BASELINES: dict[str, Callable[..., Any]] = {
     "dynamo": DynamoPolicy,
     "load-balance-oracle": LoadBalanceOraclePolicy,
     "random": RandomPolicy,
+    "round-robin": RoundRobinPolicy,
+    "sglang-cache-aware": SGLangCacheAwarePolicy,
 }
 
 # Short names as in the paper's figures.
 SHORT = {"central-directory": "CD", "planetserve": "PS", "consistent-hash": "CH", "chord": "ChD",
-         "skywalker": "SW", "dynamo": "Dyn", "kvcompass": "KVC", "load-balance-oracle": "LB-Oracle", "random": "Rand"}
+         "skywalker": "SW", "dynamo": "Dyn", "kvcompass": "KVC", "load-balance-oracle": "LB-Oracle", "random": "Rand",
+         "round-robin": "RR", "sglang-cache-aware": "CA"}
 
 
 def make_baseline(name: str, topo: Topology, **options: Any):

@@ -19,6 +19,7 @@ longest is the one used). Nodes use virtual servers (8 per worker, Chord §6) fo
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,8 +50,10 @@ def level_keys(tokens: np.ndarray, block_size: int, lengths: tuple[int, ...]) ->
 class HashRing:
     """A consistent-hash ring with virtual nodes; ``owner(key)`` is the successor's worker."""
 
-    def __init__(self, n_workers: int, vnodes: int, salt: object) -> None:
-        pos = [(_h64(salt, w, v), w) for w in range(n_workers) for v in range(vnodes)]
+    def __init__(self, workers: int | Sequence[int], vnodes: int, salt: object) -> None:
+        """``workers``: the worker indexes on the ring (an int n: all of 0..n-1)."""
+        members = range(workers) if isinstance(workers, int) else [int(w) for w in workers]
+        pos = [(_h64(salt, w, v), w) for w in members for v in range(vnodes)]
         pos.sort()
         self.positions = np.array([p for p, _ in pos], dtype=np.uint64)
         self.owners = np.array([w for _, w in pos], dtype=np.int64)
@@ -74,7 +77,8 @@ class ConsistentHashPolicy(BasePolicy):
     def __init__(self, topo: Topology, *, levels: int = 6, vnodes: int = 160) -> None:
         super().__init__(topo)
         self.lengths = hash_prefix_lengths(levels)
-        self.rings = [HashRing(topo.n_workers, vnodes, ("ch", lvl)) for lvl in range(levels)]
+        # Only routable workers own keys (a disaggregated fleet's decode workers are not).
+        self.rings = [HashRing(topo.routable_workers, vnodes, ("ch", lvl)) for lvl in range(levels)]
 
     def route(self, req: Request, *, now: float) -> RouteDecision:
         level, key = level_keys(req.tokens, self.topo.block_size, self.lengths)[-1]
@@ -88,7 +92,7 @@ class ChordPolicy(BasePolicy):
         super().__init__(topo)
         self.lengths = hash_prefix_lengths(levels)
         # One Chord ring (a DHT), keys of different levels are different keys on it.
-        self.ring = HashRing(topo.n_workers, vnodes, ("chord", seed))
+        self.ring = HashRing(topo.routable_workers, vnodes, ("chord", seed))
         self.m = 64
         n = len(self.ring.positions)
         # Finger tables: finger[k] of node i = index of successor(id_i + 2^k).
