@@ -1,7 +1,7 @@
 """One command per paper experiment. ``--quick`` shrinks durations for a smoke run.
 
     python -m kvcompassd.sim.experiments fig12 [--quick] [--out out/experiments]
-    python -m kvcompassd.sim.experiments {fig9,fig11,fig12,fig14,fig15,fig16,table4,table5,fig19,all}
+    python -m kvcompassd.sim.experiments {fig9,fig11,fig12,fig14,fig15,fig16,fig18,table4,table5,fig19,all}
 
 Each writes its table (CSV/JSON/Markdown) and PNG plots under ``--out/<name>/``.
 
@@ -68,7 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import plots
+from . import exp_fig18, plots
 from .cli import grid_points, markdown_table, resolve_deployment, run_grid, run_points, write_outputs
 from .engine import SimSettings
 from .geo import NORTH_AMERICA_16, population_weights
@@ -368,6 +368,7 @@ def fig19(args) -> list[dict]:
 
 EXPERIMENTS = {"fig9": fig9, "fig11": fig11, "fig12": fig12, "fig14": fig14, "fig15": fig15, "fig16": fig16,
                "table4": table4, "table5": table5, "fig19": fig19}
+EXPERIMENTS["fig18"] = exp_fig18.fig18  # prefill-decode disaggregation (App. C), its own module
 
 
 def main(argv: Sequence[str] | None = None) -> int:

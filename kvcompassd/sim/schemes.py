@@ -17,7 +17,7 @@ from kvcompassd.core.ablation import Ablation
 
 from .baselines import BASELINES, make_baseline
 from .policy import PolicyError, Topology
-from .synthetic import AzureWorkload, ChatWorkload, MixedWorkload
+from .synthetic import MIXED_HOT_SKEW, MIXED_HOT_SKEW_COMMON, AzureWorkload, ChatWorkload, MixedWorkload
 from .workloads import (MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, mooncake_requests, read_azure, read_mooncake,
                         rescale)
 
@@ -32,7 +32,7 @@ PAPER_SCHEMES = ("central-directory", "planetserve", "consistent-hash", "chord",
 ALL_SCHEMES = tuple(KVCOMPASS_VARIANTS) + tuple(BASELINES)
 
 # §5.1: LFU for Mixed, LRU for WildChat and LMSYS (the best policy for each workload).
-DEFAULT_EVICTION = {"mixed": "lfu", "wildchat": "lru", "lmsys": "lru", "mooncake": "lru",
+DEFAULT_EVICTION = {"mixed": "lfu", "mixed-hot": "lfu", "wildchat": "lru", "lmsys": "lru", "mooncake": "lru",
                     "azure-conv": "lru", "azure-code": "lru"}
 WORKLOADS = tuple(DEFAULT_EVICTION)
 # The public traces ship inside the package (kvcompassd/data/traces, with their licences).
@@ -102,6 +102,8 @@ def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed:
         return mooncake_stream(trace, rate, weights, seed=seed, block_tokens=trace_block_tokens)
     if name == "mixed":
         return iter(MixedWorkload(rate, weights, seed=seed))
+    if name == "mixed-hot":  # hot-skew Mixed, full-size prompts (App. C; synthetic.MIXED_HOT_SKEW)
+        return iter(MixedWorkload(rate, weights, seed=seed, params=MIXED_HOT_SKEW, common=MIXED_HOT_SKEW_COMMON))
     if name in ("wildchat", "lmsys"):
         return iter(ChatWorkload(rate, weights, flavour=name, seed=seed))
     if name in ("azure-conv", "azure-code"):
