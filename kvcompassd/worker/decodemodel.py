@@ -52,6 +52,7 @@ class DecodeQueueModel:
         self._waiting: deque[tuple[str, int]] = deque()  # (request id, steps), KV here, no slot yet
         self._batch: dict[str, list] = {}  # request id -> [steps left, first token streamed?]
         self._step_ends: float | None = None  # None: no step running (idle)
+        self._step_started = start
         self._outbox: list[WorkerEvent] = []
         self._ids: set[str] = set()
         self.completed = 0
@@ -68,6 +69,8 @@ class DecodeQueueModel:
         self._run_until(now)
         self._ids.add(request_id)
         self._waiting.append((request_id, decode_steps(output_tokens)))
+        if self._step_ends is not None and self._step_started == self._now and len(self._waiting) == 1:
+            self._start_step()  # a step starting this very instant takes it too (same instant, same batch)
         self._run_until(now)  # an idle worker starts a step at once
 
     def advance(self, *, now: float) -> list[WorkerEvent]:
@@ -119,10 +122,12 @@ class DecodeQueueModel:
             self._end_step()
 
     def _start_step(self) -> None:
+        """Start a step now (or restart one that starts now) with the waiting requests that fit."""
         slots = self.timing.max_running
         while self._waiting and len(self._batch) < slots:
             request_id, steps = self._waiting.popleft()
             self._batch[request_id] = [steps, False]
+        self._step_started = self._now
         self._step_ends = self._now + self.timing.decode_step_ms(len(self._batch)) / 1000.0
 
     def _end_step(self) -> None:
