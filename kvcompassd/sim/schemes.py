@@ -46,7 +46,7 @@ def make_policy(name: str, topo: Topology, *, seed: int = 0, **options: Any):
         except ImportError as exc:
             raise PolicyError(f"scheme {name!r} needs kvcompassd.sim.kvcompass_policy ({exc})") from None
         return KVCompassPolicy(topo, ablation=KVCOMPASS_VARIANTS[name], seed=seed, **options)
-    if name in ("chord", "random"):
+    if name in ("chord", "random", "random-regional"):
         options.setdefault("seed", seed)
     return make_baseline(name, topo, **options)
 

@@ -3,6 +3,7 @@ docstring for what its design lets it see)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,10 @@ BASELINES: dict[str, Callable[..., Any]] = {
     "round-robin": RoundRobinPolicy,
     "sglang-cache-aware": SGLangCacheAwarePolicy,
 }
+# Per-region variants (each edge dispatches among its own region's workers only, as a stock
+# balancer per region would): "<name>-regional".
+for _name in ("random", "round-robin", "consistent-hash", "sglang-cache-aware"):
+    BASELINES[f"{_name}-regional"] = functools.partial(BASELINES[_name], scope="region")
 
 # Short names as in the paper's figures.
 SHORT = {"central-directory": "CD", "planetserve": "PS", "consistent-hash": "CH", "chord": "ChD",

@@ -67,3 +67,22 @@ class RecentAssignments:
 
     def add(self, w: int, now: float) -> None:
         self.current(now)[w] += 1.0
+
+
+SCOPES = ("global", "region")
+
+
+def routable_pools(topo: Topology, scope: str = "global") -> list[np.ndarray]:
+    """Per edge region, the workers its router dispatches among: every routable worker of the
+    fleet (``"global"``, WAN-blind, as the paper's baselines), or those of its own region
+    (``"region"``: a stock per-region balancer; the fleet's if the region has none)."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    fleet = topo.routable_workers
+    if scope == "global":
+        return [fleet] * len(topo.regions)
+    pools = []
+    for r in range(len(topo.regions)):
+        own = fleet[topo.worker_region[fleet] == r]
+        pools.append(own if len(own) else fleet)
+    return pools

@@ -26,6 +26,7 @@ import numpy as np
 from ..blockmirror import chain_keys
 from ..policy import BasePolicy, RouteDecision, Topology, hash_prefix_lengths
 from ..workloads import Request
+from .common import routable_pools
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,15 +75,24 @@ def _mix(key: int, level: int) -> int:
 class ConsistentHashPolicy(BasePolicy):
     name = "consistent-hash"
 
-    def __init__(self, topo: Topology, *, levels: int = 6, vnodes: int = 160) -> None:
+    def __init__(self, topo: Topology, *, levels: int = 6, vnodes: int = 160, scope: str = "global") -> None:
         super().__init__(topo)
         self.lengths = hash_prefix_lengths(levels)
-        # Only routable workers own keys (a disaggregated fleet's decode workers are not).
-        self.rings = [HashRing(topo.routable_workers, vnodes, ("ch", lvl)) for lvl in range(levels)]
+        # Only routable workers own keys (a disaggregated fleet's decode workers are not); with
+        # scope="region" each region's edge hashes onto rings of its own region's workers.
+        rings: dict[tuple[int, ...], list[HashRing]] = {}
+        self._rings_of = []
+        for pool in routable_pools(topo, scope):
+            members = tuple(pool.tolist())
+            if members not in rings:
+                rings[members] = [HashRing(members, vnodes, ("ch", lvl)) for lvl in range(levels)]
+            self._rings_of.append(rings[members])
+        self.rings = self._rings_of[0]
 
     def route(self, req: Request, *, now: float) -> RouteDecision:
         level, key = level_keys(req.tokens, self.topo.block_size, self.lengths)[-1]
-        return RouteDecision(self.rings[level].owner(_mix(key, level)), 0.0, 0)
+        rings = self._rings_of[self.topo.region_index(req.region)]
+        return RouteDecision(rings[level].owner(_mix(key, level)), 0.0, 0)
 
 
 class ChordPolicy(BasePolicy):

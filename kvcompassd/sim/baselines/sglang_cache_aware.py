@@ -1,5 +1,6 @@
 """SGLang's cache-aware router (sgl-router ``--policy cache_aware``; paper Fig. 18's
-"Cache-aware"), one per region's edge, over every routable worker of the fleet (WAN-blind).
+"Cache-aware"), one per region's edge, over every routable worker of the fleet (WAN-blind), or
+with ``scope="region"`` over its own region's.
 
 Its rule, with sgl-router's defaults (cache_threshold 0.3, balance_abs_threshold 64,
 balance_rel_threshold 1.5):
@@ -24,6 +25,7 @@ import numpy as np
 
 from ..policy import BasePolicy, RouteDecision, Topology
 from ..workloads import Request
+from .common import routable_pools
 from .routed_tree import RoutedPrefixTree
 
 
@@ -49,12 +51,12 @@ class SGLangCacheAwarePolicy(BasePolicy):
     name = "sglang-cache-aware"
 
     def __init__(self, topo: Topology, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, max_entries: int = 1 << 22) -> None:
+                 balance_rel_threshold: float = 1.5, max_entries: int = 1 << 22, scope: str = "global") -> None:
         super().__init__(topo)
+        self._pools = routable_pools(topo, scope)
         self.cache_threshold = cache_threshold
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
-        self._pool = topo.routable_workers
         n_regions = len(topo.regions)
         self.trees = [_SizedTree(topo.n_workers, topo.block_size, max_entries) for _ in range(n_regions)]
         self.in_flight = np.zeros((n_regions, topo.n_workers), dtype=np.int64)
@@ -64,7 +66,7 @@ class SGLangCacheAwarePolicy(BasePolicy):
 
     def route(self, req: Request, *, now: float) -> RouteDecision:
         region = self.topo.region_index(req.region)
-        pool = self._pool
+        pool = self._pools[region]
         loads = self.in_flight[region, pool]
         tree = self.trees[region]
         keys = tree.chunk_keys(req.tokens)
