@@ -156,9 +156,12 @@ def write(rows: list[dict[str, Any]], results: dict[str, SimResult], out: Path, 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    colours = {b: f"C{i}" for i, b in enumerate((*BASELINES, "kvcompass"))}
     for scheme, result in results.items():
         ttft = np.sort(_measured_ttft(result, warmup_s))
-        ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=LABELS.get(scheme, scheme))
+        regional = scheme.endswith("-regional")  # dashed, in its fleet-wide counterpart's colour
+        ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=LABELS.get(scheme, scheme),
+                color=colours.get(scheme.removesuffix("-regional")), linestyle="--" if regional else "-")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("CDF")
