@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvcompassd.core.config import load_config, parse_config
+from kvcompassd.sim.baselines import BASELINES
 from kvcompassd.sim.baselines.random_policy import RandomPolicy
 from kvcompassd.sim.baselines.round_robin import RoundRobinPolicy
 from kvcompassd.sim.disaggregated import DisaggregatedSimulation
@@ -21,6 +22,7 @@ from kvcompassd.sim.geo import DEPLOYMENTS, GeoError, render_toml
 from kvcompassd.sim.kvcompass_policy import KVCompassPolicy
 from kvcompassd.sim.policy import BasePolicy, PolicyError, RouteDecision, Topology
 from kvcompassd.sim.schemes import make_policy, make_workload, region_weights
+from kvcompassd.sim.synthetic import MixedWorkload
 from kvcompassd.sim.workloads import Request
 
 CONFIG = Path(__file__).resolve().parent.parent / "config"
@@ -241,3 +243,12 @@ def test_settings_seed_changes_the_draws():
     draws = [simulate(topo, RandomPolicy(topo), reqs, settings=SimSettings(seed=s)).records["decode_worker"]
              for s in (0, 0, 1)]
     assert (draws[0] == draws[1]).all() and not (draws[0] == draws[2]).all()
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES) + ["kvcompass"])
+def test_every_scheme_routes_only_to_prefill_workers(name):
+    topo = Topology.from_config(pd_config({"a": (2, 1), "b": (2, 2)}))
+    reqs = request_window(MixedWorkload(60.0, {"a": 1, "b": 1}, seed=4), duration_s=None, max_requests=80)
+    r = simulate(topo, make_policy(name, topo, seed=0), reqs).records
+    assert len(r["id"]) == 80
+    assert topo.routable[r["worker"]].all() and not topo.routable[r["decode_worker"]].any()

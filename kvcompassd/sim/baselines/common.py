@@ -40,6 +40,12 @@ def prefill_work_ms(topo: Topology, w: int, prompt_tokens: int, matched: int = 0
     return work
 
 
+def closed_cost(topo: Topology) -> np.ndarray:
+    """0 for every routable worker, +inf for the rest (a disaggregated fleet's decode workers):
+    added to a cost vector, it keeps an argmin off workers no request may be routed to."""
+    return np.where(topo.routable, 0.0, np.inf)
+
+
 def argmin_tiebreak(cost: np.ndarray, secondary: np.ndarray) -> int:
     """Lowest cost; among (near-)equal costs the lowest secondary value, then lowest index."""
     best = cost.min()
