@@ -252,3 +252,18 @@ def test_every_scheme_routes_only_to_prefill_workers(name):
     r = simulate(topo, make_policy(name, topo, seed=0), reqs).records
     assert len(r["id"]) == 80
     assert topo.routable[r["worker"]].all() and not topo.routable[r["decode_worker"]].any()
+
+
+def test_an_answer_enters_the_prefill_cache_only_when_the_next_turn_is_prefilled():
+    topo = Topology.from_config(pd_config({"a": (1, 1)}))
+    rng = np.random.default_rng(8)
+    turn1 = rng.integers(0, 50_000, 500)
+    answer = rng.integers(0, 50_000, 200)  # what turn 1's decode produced, on the decode worker
+    turn2 = np.concatenate([turn1, answer, rng.integers(0, 50_000, 60)])
+    turn3 = np.concatenate([turn2, rng.integers(0, 50_000, 60)])
+    reqs = [request(0, turn1, region="a", t=0.0, out=200), request(1, turn2, region="a", t=10.0, out=5),
+            request(2, turn3, region="a", t=20.0, out=5)]
+    r = simulate(topo, Pinned(topo, 0), reqs).records
+    # Turn 2 finds only turn 1's prompt (its full pages), not the answer the decode worker wrote;
+    # turn 3 finds turn 2's whole prompt, the answer included, because turn 2 prefilled it.
+    assert r["reused_tokens"].tolist() == [0, 496, 752]

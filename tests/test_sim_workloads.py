@@ -304,3 +304,20 @@ def test_a_huge_input_length_is_a_named_error_not_an_overflow(tmp_path):
     path.write_text(json.dumps({"timestamp": 0, "input_length": 10**400, "output_length": 1, "hash_ids": [1]}) + "\n")
     with pytest.raises(WorkloadError, match=r"huge\.jsonl:1: field 'hash_ids' has 1 blocks"):
         read_mooncake(path)
+
+
+def test_hot_skew_mixed_is_full_size_with_a_hot_head():
+    # App. C's hot-skew Mixed (synthetic.MIXED_HOT_SKEW): the testbed's full-size prompts put the
+    # 7 prefill workers' no-reuse capacity just above the paper's 24 req/s, and a few prefixes
+    # draw several per cent of all requests each.
+    from collections import Counter
+
+    from kvcompassd.sim.schemes import make_workload
+
+    reqs = list(itertools.islice(make_workload("mixed-hot", 24.0, {"us": 5, "eu": 2, "asia": 3}, seed=0), 6000))
+    prompt = np.array([r.prompt_tokens for r in reqs], dtype=float)
+    lambda0 = 7 * 1000.0 / (0.085 * prompt.mean())
+    assert 2_400 <= prompt.mean() <= 3_300 and 24 < lambda0 < 36
+    heads = Counter(r.tokens[:1024].tobytes() for r in reqs if r.prompt_tokens >= 1024)
+    assert heads.most_common(1)[0][1] / len(reqs) > 0.03
+    assert len({r.tenant for r in reqs}) == 4

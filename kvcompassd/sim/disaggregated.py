@@ -33,7 +33,8 @@ import numpy as np
 from kvcompassd.worker.decodemodel import KV_BYTES_PER_TOKEN, DecodeQueueModel, kv_transfer_ms
 from kvcompassd.worker.workermodel import FirstTokenProduced, RequestFinished
 
-from .engine import FIRST_SUBCLASS_EVENT, Simulation, SimSettings, SimulationError, _InFlight, decode_share_ms
+from .engine import (FIRST_SUBCLASS_EVENT, Simulation, SimSettings, SimulationError, _InFlight, decode_share_ms,
+                     usable_cached)
 from .policy import PolicyError, RoutingPolicy, Topology
 from .workloads import Request
 
@@ -60,7 +61,7 @@ class DisaggregatedSimulation(Simulation):
         self._is_decode = ~topo.routable
         self._gbps = [w.kv_transfer_gbps for w in workers]
         for w in np.flatnonzero(self._is_decode):
-            self.models[w] = DecodeQueueModel(self.timings[w])  # type: ignore[call-overload]
+            self.models[w] = DecodeQueueModel(self.timings[w])  # same wake/advance interface as the prefill model
         self._link_free_at = np.zeros(topo.n_workers)  # when each prefill worker's link is next free
         self._decode_rng = np.random.default_rng([settings.seed, DECODE_DRAW_STREAM])
         self._decode_of: dict[str, int] = {}
@@ -88,8 +89,7 @@ class DisaggregatedSimulation(Simulation):
             return
         w, req = st.worker, st.req
         lease, match, events = self.caches[w].lock(req.tokens, now=now)
-        vram = min(match.vram_tokens, req.prompt_tokens - 1)
-        dram = min(match.dram_tokens, req.prompt_tokens - 1 - vram)
+        vram, dram = usable_cached(match.vram_tokens, match.dram_tokens, req.prompt_tokens)
         st.lease, st.cached_vram, st.cached_dram, st.at_worker = lease, vram, dram, now
         self._emit_cache_events(w, events, now)
         # The prefill worker computes the prompt and samples one token; decoding is elsewhere.

@@ -8,8 +8,8 @@ worker, as ``WorkerQueueModel`` is for a mixed or prefill worker; its step cost 
 A decode worker receives a request whose prompt KV a prefill worker computed and handed over
 (SGLang's PD mode with Mooncake transfer). It prefills nothing. Its scheduler runs decode steps
 back to back while it has requests; a request whose KV arrived joins the batch at the next step
-boundary (or starts a step at once on an idle worker) if one of ``max_running`` slots is free,
-else it waits FIFO. Its first token is streamed when the first step it takes part in ends: the
+boundary (or starts a step at once on an idle worker, or joins a step starting that very
+instant) if one of ``max_running`` slots is free, else it waits FIFO. Its first token is streamed when the first step it takes part in ends: the
 prefill's sampled token goes out with the first decode iteration, as SGLang's decode scheduler
 emits it. It then takes ``max(1, output_tokens - 1)`` steps in all (the prefill produced the
 first token; the colocated model charges the same ``output_tokens - 1`` decode steps).
