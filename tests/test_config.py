@@ -292,7 +292,9 @@ def test_every_shipped_config_loads_with_distinct_sockets(path: Path) -> None:
     keys = [(s.transport, s.host, s.port) for s in sockets]
     assert len(keys) == len(set(keys))
     if cfg.workers[0].kv_events:  # the deployable configs: every replay socket is accounted for
-        assert sum(s.owner.endswith("replay (port + 1)") for s in sockets) == len(cfg.workers)
+        publishing = sum(w.kv_events is not None for w in cfg.workers)  # decode workers publish nothing
+        assert sum(s.owner.endswith("replay (port + 1)") for s in sockets) == publishing
+        assert publishing == sum(w.role != "decode" for w in cfg.workers)
 
 
 def addressed() -> dict:
@@ -505,3 +507,19 @@ def test_a_fleet_of_decode_workers_only_is_refused() -> None:
     for w in data["workers"]:
         w["role"] = "decode"
     assert "every worker is a decode worker" in error_of(data)
+
+
+@pytest.mark.parametrize("gbps", [0, -5.0, float("inf"), "fast"])
+def test_kv_transfer_bandwidth_must_be_a_positive_number(gbps) -> None:
+    data = disaggregated()
+    data["workers"][0]["kv_transfer_gbps"] = gbps
+    assert "field 'kv_transfer_gbps'" in error_of(data)
+
+
+def test_kv_transfer_bandwidth_defaults_and_round_trips() -> None:
+    data = disaggregated()
+    data["workers"][0]["kv_transfer_gbps"] = 25
+    cfg = parse_config(data, "x.toml")
+    assert cfg.workers[0].kv_transfer_gbps == 25.0 and isinstance(cfg.workers[0].kv_transfer_gbps, float)
+    assert cfg.workers[1].kv_transfer_gbps == 100.0
+    assert parse_config(tomllib.loads(dump_config(cfg)), "y.toml") == cfg

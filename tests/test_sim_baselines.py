@@ -221,3 +221,45 @@ def test_every_baseline_runs_the_engine(name):
 def test_unknown_baseline_is_a_clear_error():
     with pytest.raises(PolicyError, match="unknown baseline"):
         make_baseline("nope", two_region_topology())
+
+
+def test_round_robin_cycles_per_router_over_the_fleet_or_its_region():
+    topo = two_region_topology(2, 3)
+    rr = make_baseline("round-robin", topo)
+    assert [rr.route(req(i, np.arange(50), region="a"), now=0).worker_index for i in range(6)] == [0, 1, 2, 3, 4, 0]
+    assert rr.route(req(9, np.arange(50), region="b"), now=0).worker_index == 0  # b's router has its own counter
+    regional = make_baseline("round-robin-regional", topo)
+    assert [regional.route(req(i, np.arange(50), region="b"), now=0).worker_index for i in range(4)] == [2, 3, 4, 2]
+
+
+@pytest.mark.parametrize("name", ["random-regional", "consistent-hash-regional", "sglang-cache-aware-regional"])
+def test_regional_baselines_stay_in_the_edges_region(name):
+    topo = two_region_topology(3, 2)
+    policy = make_policy(name, topo, seed=4)
+    rng = np.random.default_rng(1)
+    for i in range(60):
+        region = "ab"[i % 2]
+        w = policy.route(req(i, rng.integers(0, 50_000, 300), region=region), now=i * 0.01).worker_index
+        assert topo.regions[topo.worker_region[w]] == region
+
+
+def test_sglang_cache_aware_follows_its_own_tree_then_spreads_then_balances():
+    topo = two_region_topology(2, 2)
+    ca = make_baseline("sglang-cache-aware", topo)
+    rng = np.random.default_rng(3)
+    doc = rng.integers(0, 50_000, 1000)
+    first = ca.route(req(0, doc), now=0.0).worker_index
+    # The same document again: matched share 992/1030 > 0.3, so the worker it was sent to.
+    again = ca.route(req(1, np.concatenate([doc, rng.integers(0, 50_000, 30)])), now=0.1)
+    assert again.worker_index == first and again.claimed_tokens == 992
+    # New prefixes go to the worker with the smallest tree: every worker gets one before any gets two.
+    spread = {ca.route(req(2 + i, rng.integers(0, 50_000, 2000)), now=0.2).worker_index for i in range(3)}
+    assert spread == {0, 1, 2, 3} - {first}
+    # Region b's router has its own tree: it has never sent the document anywhere.
+    assert ca.trees[1].longest(ca.trees[1].chunk_keys(doc))[0] == 0
+    # Imbalance (max - min > 64 and max > 1.5 min of its in-flight counts): the least loaded, tree or not.
+    ca.in_flight[0] = [100, 30, 100, 100]
+    assert ca.route(req(9, doc), now=0.3).worker_index == 1
+    # A response returning lowers the count of the router that sent it.
+    ca.on_response(1, req(9, doc), 0, {}, now=0.4)
+    assert ca.in_flight[0, 1] == 30

@@ -218,6 +218,10 @@ class WorkerConfig:
     # A prefill worker's KV-transfer bootstrap port (SGLang's --disaggregation-bootstrap-port),
     # which the router names in every request it hands to a prefill-decode pair.
     bootstrap_port: int | None = None
+    # A prefill worker's KV-transfer bandwidth to the decode workers of its region (Mooncake over
+    # RDMA or TCP), Gbit/s: a handed-over prompt's KV (tokens x KV bytes per token) takes
+    # bytes * 8 / (kv_transfer_gbps * 1e9) s on the sender's link, one transfer after another.
+    kv_transfer_gbps: float = 100.0
 
     def __post_init__(self) -> None:
         _check_str("id", self.id)
@@ -231,6 +235,8 @@ class WorkerConfig:
         if self.role == "decode" and (self.kv_events is not None or self.kv_events_replay is not None):
             _fail("kv_events", "a decode worker publishes nothing to the index (only prefill and mixed "
                   "workers do): drop kv_events and kv_events_replay")
+        _check_float("kv_transfer_gbps", self.kv_transfer_gbps, lo=0.0, lo_open=True)
+        _as_float(self, "kv_transfer_gbps")
         if not isinstance(self.emulated, bool):
             _fail("emulated", f"expected true or false, got {self.emulated!r}")
         _check_float("prefill_ms_per_token", self.prefill_ms_per_token, lo=0.0, lo_open=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcompassd.worker.decodemodel import KV_BYTES_PER_TOKEN
 from kvcompassd.worker.prefixcache import PrefixCache
 from kvcompassd.worker.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
 
@@ -34,9 +35,9 @@ from .policy import (FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_WITHIN_PAGE, 
 from .workloads import Request
 
 _ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY, _CLIENT_FREE = range(7)
+FIRST_SUBCLASS_EVENT = 7  # kinds from here on are a subclass's (``Simulation._other_event``)
 REMOTE_ONLY_MIN_TOKENS = 1024  # appendix D / Fig. 19 threshold
 INTRA_REGION_GBPS = 100.0  # regional network for KV-tensor copies (paper §3.5: tens to hundreds of Gbps)
-KV_BYTES_PER_TOKEN = 128 * 1024
 
 
 class SimulationError(ValueError):
@@ -364,23 +365,35 @@ class Simulation:
                 continue
             if isinstance(ev, FirstTokenProduced):
                 changed = True
-                st.first_token_at = ev.at
-                back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
-                st.ttft_s = ev.at + back - st.req.arrival_s
-                self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=ev.at, lease=st.lease), ev.at)
-                region = int(self.topo.worker_region[w])
-                members = self.topo.workers_in(region)
-                qv = np.maximum(0.0, self._last_q[members] - (ev.at - self._last_q_at[members]) * 1000.0)
-                reused = st.cached_vram + st.cached_dram
-                self._push(ev.at + back, _RESPONSE, (st.req, w, reused, dict(zip(members.tolist(), qv.tolist()))))
+                self._prefilled(w, st, ev.at)
             elif isinstance(ev, RequestFinished):
-                self.caches[w].unlock(st.lease)
-                back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
-                self._record(st, ev.at + back)
-                del self._inflight[rid]
+                self._served(w, rid, st, ev.at)
         if changed or model.waiting > 0:
             self._notify_load(w, now, admitted or 0.0)
         self._schedule_wake(w)
+
+    def _prefilled(self, w: int, st: _InFlight, at: float) -> None:
+        """``w`` finished the prompt's prefill at ``at`` (its first token): the prompt's KV
+        enters the cache, and the response (reused tokens, the region's queue vector) leaves."""
+        st.first_token_at = at
+        back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
+        st.ttft_s = at + back - st.req.arrival_s
+        self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=at, lease=st.lease), at)
+        members = self.topo.workers_in(int(self.topo.worker_region[w]))
+        qv = np.maximum(0.0, self._last_q[members] - (at - self._last_q_at[members]) * 1000.0)
+        reused = st.cached_vram + st.cached_dram
+        self._push(at + back, _RESPONSE, (st.req, w, reused, dict(zip(members.tolist(), qv.tolist()))))
+
+    def _served(self, w: int, rid: str, st: _InFlight, at: float) -> None:
+        """``w`` produced the request's last token at ``at``."""
+        self.caches[w].unlock(st.lease)
+        back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
+        self._record(st, at + back)
+        del self._inflight[rid]
+
+    def _other_event(self, kind: int, payload: Any, now: float) -> None:
+        """An event kind a subclass added (``FIRST_SUBCLASS_EVENT`` and up)."""
+        raise SimulationError(f"unknown event kind {kind}")
 
     def _false_cause(self, st: _InFlight) -> int:
         if st.held_at_decision < 0:
@@ -501,6 +514,8 @@ class Simulation:
                 if held is not None:
                     req, held = held, None
                     send(req, req.arrival_s)
+            else:
+                self._other_event(kind, payload, t)
         if bar is not None:
             bar.close()
         if self._inflight:
@@ -539,9 +554,13 @@ def request_window(requests: Iterable[Request], *, duration_s: float | None,
 def simulate(topo: Topology, policy: RoutingPolicy, requests: Iterable[Request], *,
              settings: SimSettings = SimSettings(), max_requests: int | None = None,
              duration_s: float | None = None) -> SimResult:
-    """One run of ``policy`` over ``requests`` on a fresh set of workers."""
+    """One run of ``policy`` over ``requests`` on a fresh set of workers (prefill and decode
+    pools when the deployment has prefill or decode workers: ``sim.disaggregated``)."""
+    cls = Simulation
+    if getattr(topo.config, "disaggregated", False):
+        from .disaggregated import DisaggregatedSimulation as cls  # imports this module
     with sparse_collections():
-        return Simulation(topo, policy, settings).run(requests, max_requests=max_requests, duration_s=duration_s)
+        return cls(topo, policy, settings).run(requests, max_requests=max_requests, duration_s=duration_s)
 
 
 # A run allocates millions of small objects that live until it ends (block mirrors, cache pages,

@@ -1,7 +1,7 @@
 """One command per paper experiment. ``--quick`` shrinks durations for a smoke run.
 
     python -m kvcompassd.sim.experiments fig12 [--quick] [--out out/experiments]
-    python -m kvcompassd.sim.experiments {fig9,fig11,fig12,fig14,fig15,fig16,table4,table5,fig19,fig_long,all}
+    python -m kvcompassd.sim.experiments {fig9,fig11,fig12,fig14,fig15,fig16,fig18,table4,table5,fig19,fig_long,all}
 
 Each writes its table (CSV/JSON/Markdown) and PNG plots under ``--out/<name>/`` and prints every
 point's figures beside the window it measured: seed, warm-up and measured seconds, measured
@@ -79,7 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import exp_long, plots
+from . import exp_fig18, exp_long, plots
 from .cli import (WINDOW_COLUMNS, grid_points, markdown_table, resolve_deployment, run_grid, run_points, window_text,
                   write_outputs)
 from .engine import SimSettings
@@ -400,6 +400,7 @@ def fig19(args) -> list[dict]:
 EXPERIMENTS = {"fig9": fig9, "fig11": fig11, "fig12": fig12, "fig14": fig14, "fig15": fig15, "fig16": fig16,
                "table4": table4, "table5": table5, "fig19": fig19}
 EXPERIMENTS["fig_long"] = exp_long.fig_long  # long-context sessions (issue 28), its own module
+EXPERIMENTS["fig18"] = exp_fig18.fig18  # prefill-decode disaggregation (App. C), its own module
 
 
 def main(argv: Sequence[str] | None = None) -> int:

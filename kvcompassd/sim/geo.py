@@ -19,7 +19,7 @@ import argparse
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +171,21 @@ class DeploymentSpec:
     dram_kv_tokens: int = A100_DRAM_KV_TOKENS
     max_running: int = A100_MAX_RUNNING
     source: str = ""
+    # Prefill-decode split (paper App. C): this share of each region's workers, rounded and at
+    # least one, are decode workers, the rest prefill workers (0: every worker is mixed).
+    decode_share: float = 0.0
+
+    def roles(self, count: int) -> list[str]:
+        """Roles of one region's ``count`` workers, prefill first (see ``decode_share``)."""
+        if not self.decode_share:
+            return ["mixed"] * count
+        if not 0 < self.decode_share < 1:
+            raise GeoError(f"deployment {self.name}: decode_share must be in (0, 1), got {self.decode_share}")
+        if count < 2:
+            raise GeoError(f"deployment {self.name}: a region of {count} worker cannot hold both a prefill and a "
+                           f"decode worker")
+        decode = min(count - 1, max(1, round(count * self.decode_share)))
+        return ["prefill"] * (count - decode) + ["decode"] * decode
 
     def region_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.workers)
@@ -217,6 +232,16 @@ DEPLOYMENTS: dict[str, DeploymentSpec] = {
         value_bits=64,  # the 30-worker US region needs 64-bit values (32 workers per group)
         shards=8,
         source="paper 5.3: US 30, CN 13, DE 8, 2-3 each in JP, SG, GB, KR, AU; 12-150 ms RTT",
+    ),
+    "census-64x8-pd": DeploymentSpec(
+        name="census-64x8-pd",
+        description="The 64x8 census split into prefill and decode pools, 3 decode per 10 workers as the paper's "
+        "App. C testbed (7 + 3), at least one decode worker per region",
+        workers=(("us", 30), ("cn", 13), ("de", 8), ("jp", 3), ("sg", 3), ("gb", 3), ("kr", 2), ("au", 2)),
+        value_bits=64,
+        shards=8,
+        decode_share=0.3,
+        source="paper 5.3 census counts; App. C prefill-decode split 7:3",
     ),
     "census-128x16": DeploymentSpec(
         name="census-128x16",
@@ -345,12 +370,13 @@ def render_toml(spec: DeploymentSpec) -> str:
     for name, count in spec.workers:
         if count <= 0:
             raise GeoError(f"deployment {spec.name}: region {name!r} has {count} workers")
-        for i in range(count):
+        for i, role in enumerate(spec.roles(count)):
             lines += [
                 "",
                 "[[workers]]",
                 f'id = "{name}-{i}"',
                 f"region = {_toml_str(name)}",
+                *([] if role == "mixed" else [f'role = "{role}"']),
                 f"prefill_ms_per_token = {spec.prefill_ms_per_token}",
                 f"decode_ms_per_token = {spec.decode_ms_per_token}",
                 f"vram_kv_tokens = {spec.vram_kv_tokens}",
@@ -364,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcompassd.sim.geo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("config"), help="directory for the TOML files")
     parser.add_argument("names", nargs="*", help=f"deployments to write (default: all of {sorted(DEPLOYMENTS)})")
+    parser.add_argument("--decode-share", type=float, default=None,
+                        help="write prefill-decode variants <name>-pd-<share> of the named deployments instead: "
+                             "this share of each region's workers decode (at least one), the rest prefill")
     args = parser.parse_args(argv)
     names = args.names or list(DEPLOYMENTS)
     unknown = [n for n in names if n not in DEPLOYMENTS]
@@ -371,8 +400,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown deployment(s) {unknown}; known: {sorted(DEPLOYMENTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        path = args.out / f"{name}.toml"
-        path.write_text(render_toml(DEPLOYMENTS[name]))
+        spec = DEPLOYMENTS[name]
+        if args.decode_share is not None:
+            spec = replace(spec, name=f"{name}-pd-{args.decode_share:g}", decode_share=args.decode_share,
+                           description=f"{spec.description}, split into prefill and decode pools "
+                           f"({args.decode_share:g} of each region decodes)")
+        path = args.out / f"{spec.name}.toml"
+        try:
+            text = render_toml(spec)
+        except GeoError as exc:
+            parser.error(str(exc))
+        path.write_text(text)
         print(f"wrote {path}")
     return 0
 

@@ -116,6 +116,13 @@ class Topology:
     max_running: np.ndarray
     gamma_ms_per_token: float
     block_size: int  # page size of the simulated engines' prefix caches (tokens per KV event block)
+    # Workers a request may be routed to: all but a disaggregated fleet's decode workers, which
+    # only receive KV a prefill worker of their region hands over (config ``routable``).
+    routable: np.ndarray = None  # type: ignore[assignment]  # bool per worker; None: all
+
+    def __post_init__(self) -> None:
+        if self.routable is None:
+            object.__setattr__(self, "routable", np.ones(len(self.worker_ids), dtype=bool))
 
     @classmethod
     def from_config(cls, cfg: Any, *, page_tokens: int | None = None) -> Topology:
@@ -143,6 +150,7 @@ class Topology:
             max_running=np.array([w.max_running for w in workers], dtype=np.int64),
             gamma_ms_per_token=float(cfg.score.gamma_ms_per_token),
             block_size=int(page_tokens or cfg.index.block_size),
+            routable=np.array([cfg.routable(w) for w in workers], dtype=bool),
         )
 
     @property
@@ -157,6 +165,11 @@ class Topology:
 
     def workers_in(self, region: int) -> np.ndarray:
         return np.flatnonzero(self.worker_region == region)
+
+    @property
+    def routable_workers(self) -> np.ndarray:
+        """Indexes of the workers requests may be routed to, in config order."""
+        return np.flatnonzero(self.routable)
 
     def rtt_to_workers(self, region: int) -> np.ndarray:
         """Round trip from an edge in ``region`` to every worker."""

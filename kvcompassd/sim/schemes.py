@@ -17,7 +17,8 @@ from kvcompassd.core.ablation import Ablation
 
 from .baselines import BASELINES, make_baseline
 from .policy import PolicyError, Topology
-from .synthetic import AzureWorkload, ChatWorkload, LongContextParams, LongContextWorkload, MixedWorkload
+from .synthetic import (MIXED_HOT_SKEW, MIXED_HOT_SKEW_COMMON, AzureWorkload, ChatWorkload, LongContextParams,
+                        LongContextWorkload, MixedWorkload)
 from .workloads import (MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, mooncake_requests, read_azure, read_mooncake,
                         rescale)
 
@@ -32,7 +33,7 @@ PAPER_SCHEMES = ("central-directory", "planetserve", "consistent-hash", "chord",
 ALL_SCHEMES = tuple(KVCOMPASS_VARIANTS) + tuple(BASELINES)
 
 # §5.1: LFU for Mixed, LRU for WildChat and LMSYS (the best policy for each workload).
-DEFAULT_EVICTION = {"mixed": "lfu", "wildchat": "lru", "lmsys": "lru", "mooncake": "lru",
+DEFAULT_EVICTION = {"mixed": "lfu", "mixed-hot": "lfu", "wildchat": "lru", "lmsys": "lru", "mooncake": "lru",
                     "azure-conv": "lru", "azure-code": "lru", "long": "lru"}
 WORKLOADS = tuple(DEFAULT_EVICTION)
 # The public traces ship inside the package (kvcompassd/data/traces, with their licences).
@@ -46,7 +47,7 @@ def make_policy(name: str, topo: Topology, *, seed: int = 0, **options: Any):
         except ImportError as exc:
             raise PolicyError(f"scheme {name!r} needs kvcompassd.sim.kvcompass_policy ({exc})") from None
         return KVCompassPolicy(topo, ablation=KVCOMPASS_VARIANTS[name], seed=seed, **options)
-    if name in ("chord", "random"):
+    if name in ("chord", "random", "random-regional"):
         options.setdefault("seed", seed)
     return make_baseline(name, topo, **options)
 
@@ -109,6 +110,8 @@ def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed:
     if name == "long":
         params = LongContextParams() if max_prompt_tokens is None else LongContextParams(max_prompt_tokens=max_prompt_tokens)
         return iter(LongContextWorkload(rate, weights, seed=seed, params=params))
+    if name == "mixed-hot":  # hot-skew Mixed, full-size prompts (App. C; synthetic.MIXED_HOT_SKEW)
+        return iter(MixedWorkload(rate, weights, seed=seed, params=MIXED_HOT_SKEW, common=MIXED_HOT_SKEW_COMMON))
     if name in ("wildchat", "lmsys"):
         return iter(ChatWorkload(rate, weights, flavour=name, seed=seed))
     if name in ("azure-conv", "azure-code"):

@@ -40,6 +40,12 @@ def prefill_work_ms(topo: Topology, w: int, prompt_tokens: int, matched: int = 0
     return work
 
 
+def closed_cost(topo: Topology) -> np.ndarray:
+    """0 for every routable worker, +inf for the rest (a disaggregated fleet's decode workers):
+    added to a cost vector, it keeps an argmin off workers no request may be routed to."""
+    return np.where(topo.routable, 0.0, np.inf)
+
+
 def argmin_tiebreak(cost: np.ndarray, secondary: np.ndarray) -> int:
     """Lowest cost; among (near-)equal costs the lowest secondary value, then lowest index."""
     best = cost.min()
@@ -67,3 +73,22 @@ class RecentAssignments:
 
     def add(self, w: int, now: float) -> None:
         self.current(now)[w] += 1.0
+
+
+SCOPES = ("global", "region")
+
+
+def routable_pools(topo: Topology, scope: str = "global") -> list[np.ndarray]:
+    """Per edge region, the workers its router dispatches among: every routable worker of the
+    fleet (``"global"``, WAN-blind, as the paper's baselines), or those of its own region
+    (``"region"``: a stock per-region balancer; the fleet's if the region has none)."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    fleet = topo.routable_workers
+    if scope == "global":
+        return [fleet] * len(topo.regions)
+    pools = []
+    for r in range(len(topo.regions)):
+        own = fleet[topo.worker_region[fleet] == r]
+        pools.append(own if len(own) else fleet)
+    return pools

@@ -20,7 +20,8 @@ import numpy as np
 from ..blockmirror import GlobalBlockMap
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors, prefill_work_ms
+from .common import (RecentAssignments, argmin_tiebreak, closed_cost, expected_ttft_ms, match_vectors,
+                     prefill_work_ms)
 
 
 def central_region(topo: Topology) -> int:
@@ -39,6 +40,7 @@ class CentralDirectoryPolicy(BasePolicy):
         self._pending = DelayQueue()
         self._report_ms = topo.one_way_ms[topo.worker_region, self.coord]
         self.recent = RecentAssignments(topo.n_workers)
+        self._closed = closed_cost(topo)
 
     def _catch_up(self, now: float) -> None:
         for kind, w, payload, at in self._pending.pop_due(now):
@@ -62,6 +64,7 @@ class CentralDirectoryPolicy(BasePolicy):
         self._catch_up(at_coord)
         matched, dram = match_vectors(topo, self.map, req.tokens)
         cost = expected_ttft_ms(topo, region, req.prompt_tokens, self.loads.current(at_coord), matched, dram)
+        cost += self._closed
         w = argmin_tiebreak(cost, self.recent.current(now))
         self.recent.add(w, now)
         self.loads.add(w, prefill_work_ms(topo, w, req.prompt_tokens, int(matched[w]), bool(dram[w])), at_coord)

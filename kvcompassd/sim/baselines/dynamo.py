@@ -23,7 +23,8 @@ import numpy as np
 from ..blockmirror import GlobalBlockMap
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import RecentAssignments, argmin_tiebreak, expected_ttft_ms, match_vectors, prefill_work_ms
+from .common import (RecentAssignments, argmin_tiebreak, closed_cost, expected_ttft_ms, match_vectors,
+                     prefill_work_ms)
 
 
 class DynamoPolicy(BasePolicy):
@@ -43,6 +44,7 @@ class DynamoPolicy(BasePolicy):
         self._members = [topo.workers_in(r) for r in range(len(topo.regions))]
         self._next = 0.0
         self.recent = [RecentAssignments(topo.n_workers) for _ in topo.regions]  # per regional router
+        self._closed = closed_cost(topo)
 
     def on_cache_events(self, worker_index: int, events: Sequence[Any], *, now: float) -> None:
         self._buffered.append((worker_index, events))
@@ -84,7 +86,7 @@ class DynamoPolicy(BasePolicy):
         local = self._members[region]
         load[local] = self.live.current(now, local)
         matched, dram = match_vectors(topo, self.map, req.tokens)
-        cost = expected_ttft_ms(topo, region, req.prompt_tokens, load, matched, dram)
+        cost = expected_ttft_ms(topo, region, req.prompt_tokens, load, matched, dram) + self._closed
         recent = self.recent[region]
         w = argmin_tiebreak(cost, recent.current(now))
         recent.add(w, now)

@@ -19,12 +19,14 @@ longest is the one used). Nodes use virtual servers (8 per worker, Chord §6) fo
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..blockmirror import chain_keys
 from ..policy import BasePolicy, RouteDecision, Topology, hash_prefix_lengths
 from ..workloads import Request
+from .common import routable_pools
 
 _MASK64 = (1 << 64) - 1
 
@@ -49,8 +51,10 @@ def level_keys(tokens: np.ndarray, block_size: int, lengths: tuple[int, ...]) ->
 class HashRing:
     """A consistent-hash ring with virtual nodes; ``owner(key)`` is the successor's worker."""
 
-    def __init__(self, n_workers: int, vnodes: int, salt: object) -> None:
-        pos = [(_h64(salt, w, v), w) for w in range(n_workers) for v in range(vnodes)]
+    def __init__(self, workers: int | Sequence[int], vnodes: int, salt: object) -> None:
+        """``workers``: the worker indexes on the ring (an int n: all of 0..n-1)."""
+        members = range(workers) if isinstance(workers, int) else [int(w) for w in workers]
+        pos = [(_h64(salt, w, v), w) for w in members for v in range(vnodes)]
         pos.sort()
         self.positions = np.array([p for p, _ in pos], dtype=np.uint64)
         self.owners = np.array([w for _, w in pos], dtype=np.int64)
@@ -71,14 +75,24 @@ def _mix(key: int, level: int) -> int:
 class ConsistentHashPolicy(BasePolicy):
     name = "consistent-hash"
 
-    def __init__(self, topo: Topology, *, levels: int = 6, vnodes: int = 160) -> None:
+    def __init__(self, topo: Topology, *, levels: int = 6, vnodes: int = 160, scope: str = "global") -> None:
         super().__init__(topo)
         self.lengths = hash_prefix_lengths(levels)
-        self.rings = [HashRing(topo.n_workers, vnodes, ("ch", lvl)) for lvl in range(levels)]
+        # Only routable workers own keys (a disaggregated fleet's decode workers are not); with
+        # scope="region" each region's edge hashes onto rings of its own region's workers.
+        rings: dict[tuple[int, ...], list[HashRing]] = {}
+        self._rings_of = []
+        for pool in routable_pools(topo, scope):
+            members = tuple(pool.tolist())
+            if members not in rings:
+                rings[members] = [HashRing(members, vnodes, ("ch", lvl)) for lvl in range(levels)]
+            self._rings_of.append(rings[members])
+        self.rings = self._rings_of[0]
 
     def route(self, req: Request, *, now: float) -> RouteDecision:
         level, key = level_keys(req.tokens, self.topo.block_size, self.lengths)[-1]
-        return RouteDecision(self.rings[level].owner(_mix(key, level)), 0.0, 0)
+        rings = self._rings_of[self.topo.region_index(req.region)]
+        return RouteDecision(rings[level].owner(_mix(key, level)), 0.0, 0)
 
 
 class ChordPolicy(BasePolicy):
@@ -88,7 +102,7 @@ class ChordPolicy(BasePolicy):
         super().__init__(topo)
         self.lengths = hash_prefix_lengths(levels)
         # One Chord ring (a DHT), keys of different levels are different keys on it.
-        self.ring = HashRing(topo.n_workers, vnodes, ("chord", seed))
+        self.ring = HashRing(topo.routable_workers, vnodes, ("chord", seed))
         self.m = 64
         n = len(self.ring.positions)
         # Finger tables: finger[k] of node i = index of successor(id_i + 2^k).

@@ -49,6 +49,7 @@ class LoadBalanceOraclePolicy(BasePolicy):
 
     def __init__(self, topo: Topology) -> None:
         super().__init__(topo)
+        self._closed = np.where(topo.routable, 0.0, np.inf)  # decode workers: never
         self.totals_ms = np.zeros(topo.n_workers)  # compute sent to each worker, as the load factor counts it
         self._exact = None
         self.largest_request_ms = 0.0
@@ -69,7 +70,7 @@ class LoadBalanceOraclePolicy(BasePolicy):
             vram, dram = exact.cached(w, req.tokens)
             held[w] = vram + dram
             work[w] = exact.work_ms(w, req.prompt_tokens, vram, dram, req.output_tokens)
-        after = self.totals_ms + work
+        after = self.totals_ms + work + self._closed
         tied = np.flatnonzero(after <= after.min() + TIE_MS)
         region = self.topo.region_index(req.region)
         rtt = self.topo.rtt_to_workers(region)[tied]

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..policy import BasePolicy, DelayQueue, LoadView, RouteDecision, Topology
 from ..workloads import Request
-from .common import RecentAssignments, argmin_tiebreak
+from .common import RecentAssignments, argmin_tiebreak, closed_cost
 from .routed_tree import RoutedPrefixTree
 
 
@@ -35,6 +35,7 @@ class PlanetServePolicy(BasePolicy):
         self._pending = DelayQueue()
         self._next = 0.0
         self.recent = RecentAssignments(topo.n_workers)
+        self._closed = closed_cost(topo)
 
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         self.live.set(worker_index, queue_ms, now)  # only read by the periodic report below
@@ -64,7 +65,7 @@ class PlanetServePolicy(BasePolicy):
             if load[cand] <= self.overload_ms:
                 w = cand
         if w < 0:
-            w = argmin_tiebreak(topo.rtt_to_workers(region) + load, self.recent.current(now))
+            w = argmin_tiebreak(topo.rtt_to_workers(region) + load + self._closed, self.recent.current(now))
             matched = 0
         self.recent.add(w, now)
         self.tree.record(keys, w, now)

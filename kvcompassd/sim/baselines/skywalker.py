@@ -38,7 +38,8 @@ class SkyWalkerPolicy(BasePolicy):
         self.trees = [RoutedPrefixTree(topo.block_size) for _ in range(n_regions)]
         self._pending = DelayQueue()
         self._next = 0.0
-        self._members = [topo.workers_in(r) for r in range(n_regions)]
+        # Its replicas: a disaggregated fleet's prefill workers (decode workers are never routed to).
+        self._members = [m[topo.routable[m]] for m in (topo.workers_in(r) for r in range(n_regions))]
         self._region_sets = [set(m.tolist()) for m in self._members]
         self.recent = RecentAssignments(topo.n_workers)
 
@@ -96,8 +97,9 @@ class SkyWalkerPolicy(BasePolicy):
                 r, idle = target
                 w, matched = self._pick(r, self.trees[r].chunk_keys(req.tokens), idle, view, now)
                 self.trees[r].record(keys, w, now)
-            else:
-                w, matched = self._pick(region, keys, local, live, now)
+            else:  # (a region of decode workers only waits on the fleet's)
+                waits = local if len(local) else topo.routable_workers
+                w, matched = self._pick(region, keys, waits, live, now)
         self.trees[region].record(keys, w, now)
         self.recent.add(w, now)
         # The balancer counts what it sent until the next live reading or exchange replaces it.
