@@ -322,7 +322,9 @@ class IndexParams:
     # at start-up when fingerprint_bits cannot keep within it; the config generator sizes them by it.
     false_lookup_budget: float = 0.002
     max_load: float = 0.95
-    initial_capacity: int = 65536
+    # Entries per Ludo table before its first growth; 0 sizes each table from the entries its region
+    # group can register in its shard (core/index.py table_capacities), small at first.
+    initial_capacity: int = 0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, lo=1, hi=1 << 20)
@@ -348,7 +350,7 @@ class IndexParams:
         if self.max_load >= 1.0:
             _fail("max_load", f"must be < 1, got {self.max_load}")
         _as_float(self, "max_load")
-        _check_int("initial_capacity", self.initial_capacity, lo=1)
+        _check_int("initial_capacity", self.initial_capacity, lo=0, hi=(1 << 33) - 1)
 
     @property
     def workers_per_group(self) -> int:

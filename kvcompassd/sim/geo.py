@@ -11,6 +11,13 @@ group of links (appendix B), the derived latencies of that group are mapped line
 paper's range, anchored at its shortest and longest link.
 
 Run ``python -m kvcompassd.sim.geo --out config`` to regenerate the deployment files.
+
+Bigger fleets in the census style (``scale_deployment``): every region's worker count times a
+factor, every site split into nearby sub-sites (``SUBSITE_RADIUS_KM`` from it, evenly around it,
+the site's population and workers shared out), one shard per region. The 1,024-worker, 64-region
+fleet shipped in config/ is census-128x16 x 8 split 4 ways; any other size is
+
+    python -m kvcompassd.sim.geo --out config --from census-128x16 --factor 8 --split 4
 """
 
 from __future__ import annotations
@@ -171,6 +178,19 @@ class DeploymentSpec:
     dram_kv_tokens: int = A100_DRAM_KV_TOKENS
     max_running: int = A100_MAX_RUNNING
     source: str = ""
+    # Sites beyond SITES (scale_deployment's sub-sites), looked up first.
+    extra_sites: tuple[Site, ...] = ()
+    # The command that writes this deployment's file (its header names it).
+    command: str = "python -m kvcompassd.sim.geo --out config"
+
+    def site(self, name: str) -> Site:
+        for s in self.extra_sites:
+            if s.name == name:
+                return s
+        try:
+            return SITES[name]
+        except KeyError:
+            raise GeoError(f"deployment {self.name}: unknown region {name!r}") from None
 
     def region_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.workers)
@@ -182,9 +202,7 @@ class DeploymentSpec:
 def link_matrix(spec: DeploymentSpec) -> dict[tuple[str, str], float]:
     """One-way latency for every unordered region pair (keys sorted by config order)."""
     names = spec.region_names()
-    for name in names:
-        if name not in SITES:
-            raise GeoError(f"deployment {spec.name}: unknown region {name!r}")
+    sites = {name: spec.site(name) for name in names}
     if len(set(names)) != len(names):
         raise GeoError(f"deployment {spec.name}: a region is listed twice")
     order = {n: i for i, n in enumerate(names)}
@@ -193,7 +211,7 @@ def link_matrix(spec: DeploymentSpec) -> dict[tuple[str, str], float]:
         return (a, b) if order[a] < order[b] else (b, a)
 
     links = {
-        key(a, b): derived_one_way_ms(SITES[a], SITES[b])
+        key(a, b): derived_one_way_ms(sites[a], sites[b])
         for i, a in enumerate(names)
         for b in names[i + 1 :]
     }
@@ -248,6 +266,85 @@ DEPLOYMENTS: dict[str, DeploymentSpec] = {
 }
 
 
+# Sub-sites of a split site sit this far from it, evenly spaced around it: close enough to be one
+# metro area's data centres (2-4 ms apart one way by the formula above), far enough to be distinct.
+SUBSITE_RADIUS_KM = 150.0
+SUBSITE_SUFFIXES = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _offset(site: Site, km: float, bearing_deg: float) -> tuple[float, float]:
+    """The point ``km`` from ``site`` along ``bearing_deg`` on the sphere (lat, lon, 4 decimals)."""
+    d = km / EARTH_RADIUS_KM
+    lat1, lon1, b = math.radians(site.latitude), math.radians(site.longitude), math.radians(bearing_deg)
+    lat2 = math.asin(math.sin(lat1) * math.cos(d) + math.cos(lat1) * math.sin(d) * math.cos(b))
+    lon2 = lon1 + math.atan2(math.sin(b) * math.sin(d) * math.cos(lat1), math.cos(d) - math.sin(lat1) * math.sin(lat2))
+    lon = (math.degrees(lon2) + 540.0) % 360.0 - 180.0
+    return round(math.degrees(lat2), 4), round(lon, 4)
+
+
+def split_counts(total: int, parts: int) -> list[int]:
+    """``total`` shared over ``parts`` as evenly as possible, the larger shares first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def scale_deployment(base: DeploymentSpec, *, factor: int, split: int, name: str | None = None,
+                     shards: int | None = None) -> DeploymentSpec:
+    """A census-style fleet ``factor`` times ``base``'s workers, each site split into ``split``
+    sub-sites ``SUBSITE_RADIUS_KM`` around it (named ``<site>-a``, ``-b``, ...; ``split=1`` keeps
+    the sites), with one shard per region unless ``shards`` says otherwise. Per-region worker
+    counts are ``base``'s times ``factor``, shared out evenly over the sub-sites; a sub-site that
+    would get no worker is left out. Measured link ranges of ``base`` are not carried over (the
+    sub-sites' links are derived). Value bits are 64 (groups of 32 workers) unless every region
+    fits 16 workers."""
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise GeoError(f"factor must be an integer >= 1, got {factor!r}")
+    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= len(SUBSITE_SUFFIXES):
+        raise GeoError(f"split must be an integer in [1, {len(SUBSITE_SUFFIXES)}], got {split!r}")
+    workers: list[tuple[str, int]] = []
+    extra: list[Site] = []
+    for region, count in base.workers:
+        site = base.site(region)
+        shares = split_counts(count * factor, split)
+        for i, n in enumerate(shares):
+            if n == 0:
+                continue
+            if split == 1:
+                sub = site
+            else:
+                lat, lon = _offset(site, SUBSITE_RADIUS_KM, 45.0 + 360.0 * i / split)
+                sub = Site(f"{region}-{SUBSITE_SUFFIXES[i]}", lat, lon, site.population_m / split,
+                           f"{site.label or region}, site {SUBSITE_SUFFIXES[i]}")
+                extra.append(sub)
+            workers.append((sub.name, n))
+    total = sum(n for _, n in workers)
+    name = name or f"census-{total}x{len(workers)}"
+    command = f"python -m kvcompassd.sim.geo --out config --from {base.name} --factor {factor} --split {split}"
+    if shards is not None:
+        command += f" --shards {shards}"
+    if name != f"census-{total}x{len(workers)}":
+        command += f" --name {name}"
+    return DeploymentSpec(
+        name=name,
+        description=f"{total} workers in {len(workers)} regions: {base.name} x {factor}, each site split into "
+                    f"{split} sites {SUBSITE_RADIUS_KM:g} km around it",
+        workers=tuple(workers),
+        value_bits=32 if max(n for _, n in workers) <= 16 else 64,
+        shards=len(workers) if shards is None else shards,
+        prefill_ms_per_token=base.prefill_ms_per_token,
+        decode_ms_per_token=base.decode_ms_per_token,
+        vram_kv_tokens=base.vram_kv_tokens,
+        dram_kv_tokens=base.dram_kv_tokens,
+        max_running=base.max_running,
+        source=f"{base.name} ({base.source}) scaled by kvcompassd.sim.geo.scale_deployment",
+        extra_sites=tuple(extra),
+        command=command,
+    )
+
+
+# The 1,024-worker, 64-region fleet (issue 31): census-128x16's counts x 8, each site split in 4.
+DEPLOYMENTS["census-1024x64"] = scale_deployment(DEPLOYMENTS["census-128x16"], factor=8, split=4)
+
+
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -284,7 +381,7 @@ def render_toml(spec: DeploymentSpec) -> str:
     lo, hi = min(links.values()), max(links.values())
     lines = [
         f"# {spec.description}.",
-        "# Generated by `python -m kvcompassd.sim.geo --out config` (kvcompassd/sim/geo.py).",
+        f"# Generated by `{spec.command}` (kvcompassd/sim/geo.py).",
         f"# Paper: {spec.source}.",
         "# Latencies the paper does not give are derived from great-circle distance:",
         "#   one_way_ms = great_circle_km / 200 * 1.5 + 2   (fibre at 2/3 c, 1.5x route inflation, 2 ms fixed)",
@@ -313,7 +410,9 @@ def render_toml(spec: DeploymentSpec) -> str:
         f"value_bits = {spec.value_bits}",
         *_fingerprint_lines(spec),
         "max_load = 0.95",
-        "initial_capacity = 65536",
+        "# 0: each table starts at 1/64 of what its region group can register in its shard and grows",
+        "# (core/index.py table_capacities).",
+        "initial_capacity = 0",
         "",
         "[score]",
         "lambda_max = 64.0",
@@ -330,11 +429,11 @@ def render_toml(spec: DeploymentSpec) -> str:
         "pending_hold_ms = 1000.0",
     ]
     for name in spec.region_names():
-        site = SITES[name]
+        site = spec.site(name)
         lines += [
             "",
             "[[regions]]",
-            f"name = {_toml_str(name)}   # {site.label}",
+            f"name = {_toml_str(name)}   # {site.label}" if site.label else f"name = {_toml_str(name)}",
             f"latitude = {site.latitude}",
             f"longitude = {site.longitude}",
         ]
@@ -362,15 +461,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcompassd.sim.geo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("config"), help="directory for the TOML files")
     parser.add_argument("names", nargs="*", help=f"deployments to write (default: all of {sorted(DEPLOYMENTS)})")
+    parser.add_argument("--from", dest="base", metavar="DEPLOYMENT", default=None,
+                        help="write a census-style fleet scaled from this deployment instead (scale_deployment)")
+    parser.add_argument("--factor", type=int, default=8, help="--from: workers per region times this")
+    parser.add_argument("--split", type=int, default=4, help="--from: each site split into this many sub-sites")
+    parser.add_argument("--shards", type=int, default=None, help="--from: index shards (default: one per region)")
+    parser.add_argument("--name", default=None, help="--from: deployment name (default census-<workers>x<regions>)")
     args = parser.parse_args(argv)
-    names = args.names or list(DEPLOYMENTS)
-    unknown = [n for n in names if n not in DEPLOYMENTS]
-    if unknown:
-        parser.error(f"unknown deployment(s) {unknown}; known: {sorted(DEPLOYMENTS)}")
+    if args.base is not None:
+        if args.names:
+            parser.error("--from writes one scaled deployment; name no others")
+        if args.base not in DEPLOYMENTS:
+            parser.error(f"unknown deployment {args.base!r}; known: {sorted(DEPLOYMENTS)}")
+        try:
+            specs = [scale_deployment(DEPLOYMENTS[args.base], factor=args.factor, split=args.split,
+                                      name=args.name, shards=args.shards)]
+        except GeoError as exc:
+            parser.error(str(exc))
+    else:
+        names = args.names or list(DEPLOYMENTS)
+        unknown = [n for n in names if n not in DEPLOYMENTS]
+        if unknown:
+            parser.error(f"unknown deployment(s) {unknown}; known: {sorted(DEPLOYMENTS)}")
+        specs = [DEPLOYMENTS[n] for n in names]
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        path = args.out / f"{name}.toml"
-        path.write_text(render_toml(DEPLOYMENTS[name]))
+    for spec in specs:
+        path = args.out / f"{spec.name}.toml"
+        path.write_text(render_toml(spec))
         print(f"wrote {path}")
     return 0
 

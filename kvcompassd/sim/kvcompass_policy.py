@@ -54,7 +54,7 @@ import numpy as np
 
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted
-from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard, table_capacities
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
@@ -121,8 +121,9 @@ class KVCompassPolicy(BasePolicy):
         n_shards = cfg.shards
         self.n_shards = n_shards
         index = cfg.index
+        capacities = table_capacities(cfg, self.layout)
         self.shards = [
-            MaintenanceShard(self.layout, s, n_shards, epoch=EPOCH, initial_capacity=index.initial_capacity,
+            MaintenanceShard(self.layout, s, n_shards, epoch=EPOCH, initial_capacity=capacities,
                              fingerprint_bits=index.fingerprint_bits if fingerprint_bits is None else fingerprint_bits,
                              max_load=index.max_load)
             for s in range(n_shards)
