@@ -18,6 +18,7 @@ the site's population and workers shared out), one shard per region. The 1,024-w
 fleet shipped in config/ is census-128x16 x 8 split 4 ways; any other size is
 
     python -m kvcompassd.sim.geo --out config --from census-128x16 --factor 8 --split 4
+    python -m kvcompassd.sim.geo --out config --from census-128x16 --workers 10000 --regions 100
 """
 
 from __future__ import annotations
@@ -287,6 +288,63 @@ def split_counts(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+def largest_remainder(total: int, weights: Sequence[float], *, floor: int = 0) -> list[int]:
+    """``total`` shared in proportion to ``weights`` (each share at least ``floor``), rounded by
+    largest remainder so the shares add up exactly; ties go to the earlier entry."""
+    n = len(weights)
+    if total < floor * n:
+        raise GeoError(f"cannot give {n} shares of at least {floor} out of {total}")
+    spare = total - floor * n
+    weight_sum = float(sum(weights))
+    exact = [spare * w / weight_sum for w in weights]
+    shares = [int(math.floor(x)) for x in exact]
+    order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: spare - sum(shares)]:
+        shares[i] += 1
+    return [floor + x for x in shares]
+
+
+def _scaled(base: DeploymentSpec, site_workers: Sequence[int], site_splits: Sequence[int], *, name: str | None,
+            shards: int | None, how: str, command: str) -> DeploymentSpec:
+    workers: list[tuple[str, int]] = []
+    extra: list[Site] = []
+    for (region, _), count, split in zip(base.workers, site_workers, site_splits):
+        site = base.site(region)
+        for i, n in enumerate(split_counts(count, split)):
+            if n == 0:
+                continue
+            if split == 1:
+                sub = site
+            else:
+                lat, lon = _offset(site, SUBSITE_RADIUS_KM, 45.0 + 360.0 * i / split)
+                sub = Site(f"{region}-{SUBSITE_SUFFIXES[i]}", lat, lon, site.population_m / split,
+                           f"{site.label or region}, site {SUBSITE_SUFFIXES[i]}")
+                extra.append(sub)
+            workers.append((sub.name, n))
+    total = sum(n for _, n in workers)
+    default_name = f"census-{total}x{len(workers)}"
+    name = name or default_name
+    if shards is not None:
+        command += f" --shards {shards}"
+    if name != default_name:
+        command += f" --name {name}"
+    return DeploymentSpec(
+        name=name,
+        description=f"{total} workers in {len(workers)} regions: {base.name} {how}",
+        workers=tuple(workers),
+        value_bits=32 if max(n for _, n in workers) <= 16 else 64,
+        shards=len(workers) if shards is None else shards,
+        prefill_ms_per_token=base.prefill_ms_per_token,
+        decode_ms_per_token=base.decode_ms_per_token,
+        vram_kv_tokens=base.vram_kv_tokens,
+        dram_kv_tokens=base.dram_kv_tokens,
+        max_running=base.max_running,
+        source=f"{base.name} ({base.source}) scaled by kvcompassd.sim.geo",
+        extra_sites=tuple(extra),
+        command=command,
+    )
+
+
 def scale_deployment(base: DeploymentSpec, *, factor: int, split: int, name: str | None = None,
                      shards: int | None = None) -> DeploymentSpec:
     """A census-style fleet ``factor`` times ``base``'s workers, each site split into ``split``
@@ -300,45 +358,38 @@ def scale_deployment(base: DeploymentSpec, *, factor: int, split: int, name: str
         raise GeoError(f"factor must be an integer >= 1, got {factor!r}")
     if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= len(SUBSITE_SUFFIXES):
         raise GeoError(f"split must be an integer in [1, {len(SUBSITE_SUFFIXES)}], got {split!r}")
-    workers: list[tuple[str, int]] = []
-    extra: list[Site] = []
-    for region, count in base.workers:
-        site = base.site(region)
-        shares = split_counts(count * factor, split)
-        for i, n in enumerate(shares):
-            if n == 0:
-                continue
-            if split == 1:
-                sub = site
-            else:
-                lat, lon = _offset(site, SUBSITE_RADIUS_KM, 45.0 + 360.0 * i / split)
-                sub = Site(f"{region}-{SUBSITE_SUFFIXES[i]}", lat, lon, site.population_m / split,
-                           f"{site.label or region}, site {SUBSITE_SUFFIXES[i]}")
-                extra.append(sub)
-            workers.append((sub.name, n))
-    total = sum(n for _, n in workers)
-    name = name or f"census-{total}x{len(workers)}"
-    command = f"python -m kvcompassd.sim.geo --out config --from {base.name} --factor {factor} --split {split}"
-    if shards is not None:
-        command += f" --shards {shards}"
-    if name != f"census-{total}x{len(workers)}":
-        command += f" --name {name}"
-    return DeploymentSpec(
-        name=name,
-        description=f"{total} workers in {len(workers)} regions: {base.name} x {factor}, each site split into "
-                    f"{split} sites {SUBSITE_RADIUS_KM:g} km around it",
-        workers=tuple(workers),
-        value_bits=32 if max(n for _, n in workers) <= 16 else 64,
-        shards=len(workers) if shards is None else shards,
-        prefill_ms_per_token=base.prefill_ms_per_token,
-        decode_ms_per_token=base.decode_ms_per_token,
-        vram_kv_tokens=base.vram_kv_tokens,
-        dram_kv_tokens=base.dram_kv_tokens,
-        max_running=base.max_running,
-        source=f"{base.name} ({base.source}) scaled by kvcompassd.sim.geo.scale_deployment",
-        extra_sites=tuple(extra),
-        command=command,
-    )
+    return _scaled(base, [n * factor for _, n in base.workers], [split] * len(base.workers), name=name,
+                   shards=shards, how=f"x {factor}, each site split into {split} sites {SUBSITE_RADIUS_KM:g} km around it",
+                   command=f"python -m kvcompassd.sim.geo --out config --from {base.name} --factor {factor} "
+                           f"--split {split}")
+
+
+def census_fleet(base: DeploymentSpec, *, workers: int, regions: int, name: str | None = None,
+                 shards: int | None = None) -> DeploymentSpec:
+    """Exactly ``workers`` workers in ``regions`` regions shaped like ``base``: each site gets
+    workers and sub-sites in proportion to its worker count (largest remainder, at least one
+    sub-site each), its workers shared evenly over its sub-sites."""
+    sites = len(base.workers)
+    if isinstance(regions, bool) or not isinstance(regions, int) or not sites <= regions <= sites * len(SUBSITE_SUFFIXES):
+        raise GeoError(f"regions must be an integer in [{sites}, {sites * len(SUBSITE_SUFFIXES)}] for {base.name}, "
+                       f"got {regions!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < regions:
+        raise GeoError(f"workers must be an integer >= regions ({regions}), got {workers!r}")
+    counts = [n for _, n in base.workers]
+    splits = largest_remainder(regions, counts, floor=1)
+    if max(splits) > len(SUBSITE_SUFFIXES):
+        raise GeoError(f"{regions} regions would split one site of {base.name} more than {len(SUBSITE_SUFFIXES)} ways")
+    site_workers = largest_remainder(workers, counts, floor=0)
+    # every sub-site needs a worker: move workers from the best-supplied sites if need be
+    for i in range(sites):
+        while site_workers[i] < splits[i]:
+            donor = max(range(sites), key=lambda j: site_workers[j] - splits[j])
+            site_workers[donor] -= 1
+            site_workers[i] += 1
+    return _scaled(base, site_workers, splits, name=name, shards=shards,
+                   how=f"reshaped to {workers} workers in {regions} regions",
+                   command=f"python -m kvcompassd.sim.geo --out config --from {base.name} --workers {workers} "
+                           f"--regions {regions}")
 
 
 # The 1,024-worker, 64-region fleet (issue 31): census-128x16's counts x 8, each site split in 4.
@@ -465,6 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="write a census-style fleet scaled from this deployment instead (scale_deployment)")
     parser.add_argument("--factor", type=int, default=8, help="--from: workers per region times this")
     parser.add_argument("--split", type=int, default=4, help="--from: each site split into this many sub-sites")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="--from: exactly this many workers (with --regions; instead of --factor/--split)")
+    parser.add_argument("--regions", type=int, default=None, help="--from: exactly this many regions (with --workers)")
     parser.add_argument("--shards", type=int, default=None, help="--from: index shards (default: one per region)")
     parser.add_argument("--name", default=None, help="--from: deployment name (default census-<workers>x<regions>)")
     args = parser.parse_args(argv)
@@ -474,8 +528,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.base not in DEPLOYMENTS:
             parser.error(f"unknown deployment {args.base!r}; known: {sorted(DEPLOYMENTS)}")
         try:
-            specs = [scale_deployment(DEPLOYMENTS[args.base], factor=args.factor, split=args.split,
+            if (args.workers is None) != (args.regions is None):
+                parser.error("--workers and --regions go together")
+            if args.workers is not None:
+                specs = [census_fleet(DEPLOYMENTS[args.base], workers=args.workers, regions=args.regions,
                                       name=args.name, shards=args.shards)]
+            else:
+                specs = [scale_deployment(DEPLOYMENTS[args.base], factor=args.factor, split=args.split,
+                                          name=args.name, shards=args.shards)]
         except GeoError as exc:
             parser.error(str(exc))
     else:
