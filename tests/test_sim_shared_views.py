@@ -85,3 +85,22 @@ def test_loss_needs_views_of_their_own():
     assert policy.shared_views
     policy.adopt_update_transport(SimSettings(update_loss=0.2))  # the engine's loss moves into the policy
     assert not policy.shared_views and len(policy.syncs) == len(topo.regions)
+
+
+def test_broadcasts_stop_after_the_last_arrival_and_no_decision_changes():
+    class KeepsBroadcasting(KVCompassPolicy):
+        def on_arrivals_end(self, *, now: float) -> None:
+            self.ended_at = now
+
+    topo = _fleet("scaled-22x8")
+    requests = list(make_workload("mixed", 8.0 * topo.n_workers, region_weights(topo), seed=5))[:150]
+    settings = SimSettings(eviction="lfu", seed=5)
+    full = KeepsBroadcasting(topo)
+    stopped = KVCompassPolicy(topo)
+    a = simulate(topo, full, requests, settings=settings)
+    b = simulate(topo, stopped, requests, settings=settings)
+    for column in ("worker", "claimed_tokens", "ttft_ms", "e2e_ms"):
+        assert np.array_equal(a.records[column], b.records[column]), column
+    assert full.ended_at == requests[-1].arrival_s  # told once, at the last arrival
+    assert stopped.stats()["broadcasts"] < full.stats()["broadcasts"]  # the drain sent none
+    assert stopped.next_timer() is None or stopped.next_timer() > full.ended_at

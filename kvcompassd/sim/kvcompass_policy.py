@@ -178,6 +178,7 @@ class KVCompassPolicy(BasePolicy):
         self._owm_s = topo.one_way_ms / 1000.0  # for piggyback send times and broadcasts
         self._setup_views()
 
+        self._arrivals_done = False
         self._heap: list[tuple[float, int, int, Any]] = []
         self._heap_seq = 0
         self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
@@ -269,6 +270,8 @@ class KVCompassPolicy(BasePolicy):
                 self._flush_pending[payload] = False
                 self._publish(payload, due)
             elif kind == _BROADCAST:
+                if self._arrivals_done:
+                    continue
                 to = self._region_index[payload.to_region]
                 self.routers[to].queues.on_broadcast(payload, now=due)
             elif kind == _RESYNC_AT_SHARD:
@@ -294,7 +297,16 @@ class KVCompassPolicy(BasePolicy):
                     self._push(now + self._owm_s[a, b], _BROADCAST, msg)
             self._next_broadcast = self._broadcast_deadline(now)
 
+    def on_arrivals_end(self, *, now: float) -> None:
+        """No request is left to route: queue estimates feed nothing any more, so the Delta
+        broadcasts stop (at 64 regions they are 4,032 messages per 100 ms, and a run's drain
+        lasts seconds). Index updates go on: the shards' state is reported at the end."""
+        self._arrivals_done = True
+        self._next_broadcast = math.inf
+
     def _broadcast_deadline(self, now: float) -> float:
+        if self._arrivals_done:
+            return math.inf
         deadlines = [d for r in self.routers if (d := r.queues.next_deadline(now=now)) is not None]
         return min(deadlines) if deadlines else math.inf
 
