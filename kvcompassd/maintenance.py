@@ -20,7 +20,7 @@ import structlog
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, MaintenanceConfig
-from kvcompassd.core.index import MaintenanceShard
+from kvcompassd.core.index import MaintenanceShard, table_capacities
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.sync import catch_up
 from kvcompassd.daemon import daemon_transport, split_address
@@ -88,7 +88,7 @@ class MaintenanceNode:
             me.shard,
             cfg.shards,
             epoch=self.epoch,
-            initial_capacity=cfg.index.initial_capacity,
+            initial_capacity=table_capacities(cfg, self.layout),
             fingerprint_bits=cfg.index.fingerprint_bits,
             max_load=cfg.index.max_load,
         )

@@ -22,7 +22,7 @@ def test_great_circle_and_formula():
 
 
 @pytest.mark.parametrize("name, workers, regions", [
-    ("census-64x8", 64, 8), ("census-128x16", 128, 16), ("northamerica-11", 11, 4)])
+    ("census-64x8", 64, 8), ("census-128x16", 128, 16), ("northamerica-11", 11, 4), ("census-1024x64", 1024, 64)])
 def test_committed_configs_match_the_generator_and_load(name, workers, regions):
     text = render_toml(DEPLOYMENTS[name])
     assert (CONFIG / f"{name}.toml").read_text() == text
@@ -100,3 +100,37 @@ def test_more_region_groups_get_more_bits():
     few = bits((("us", 4), ("de", 4)))  # 2 groups
     many = bits((("us", 64), ("de", 64), ("jp", 64), ("gb", 64)))  # 16 groups
     assert many == few + 3
+
+
+def test_a_scaled_census_multiplies_counts_and_splits_sites_nearby():
+    from kvcompassd.sim.geo import GeoError, scale_deployment
+
+    base = DEPLOYMENTS["census-128x16"]
+    spec = scale_deployment(base, factor=8, split=4)
+    assert spec == DEPLOYMENTS["census-1024x64"]  # the shipped one is exactly this
+    assert (spec.worker_count(), len(spec.workers), spec.shards, spec.value_bits) == (1024, 64, 64, 64)
+    counts = dict(spec.workers)
+    for region, n in base.workers:  # each site's count x 8, shared evenly over its four sub-sites
+        subs = [counts[f"{region}-{c}"] for c in "abcd"]
+        assert sum(subs) == 8 * n and max(subs) - min(subs) <= 1
+    # sub-sites are near their site (150 km away) and far from the others
+    us, sub = SITES["us-east"], spec.site("us-east-a")
+    assert great_circle_km(us.latitude, us.longitude, sub.latitude, sub.longitude) == pytest.approx(150, abs=1)
+    links = link_matrix(spec)
+    assert links[("us-east-a", "us-east-b")] < 5 < links[("us-east-a", "cn-a")]
+    # the header names the command that writes the file
+    assert "--from census-128x16 --factor 8 --split 4" in render_toml(spec).splitlines()[1]
+    with pytest.raises(GeoError):
+        scale_deployment(base, factor=0, split=4)
+
+
+def test_a_census_fleet_of_any_size_has_exactly_the_workers_and_regions_asked(tmp_path):
+    from kvcompassd.sim.geo import census_fleet, main
+
+    spec = census_fleet(DEPLOYMENTS["census-128x16"], workers=1000, regions=37, shards=8)
+    assert (spec.worker_count(), len(spec.workers), spec.shards) == (1000, 37, 8)
+    assert all(n >= 1 for _, n in spec.workers)
+    assert main(["--out", str(tmp_path), "--from", "census-128x16", "--workers", "300", "--regions", "20"]) == 0
+    cfg = load_config(tmp_path / "census-300x20.toml")
+    assert (len(cfg.workers), len(cfg.region_names()), cfg.shards) == (300, 20, 20)
+    assert "--workers 300 --regions 20" in (tmp_path / "census-300x20.toml").read_text().splitlines()[1]

@@ -54,7 +54,7 @@ from benchlib import Cluster, cpu_seconds, load_average, median, percentile, qui
 
 from kvcompassd.core.config import load_config  # noqa: E402
 from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier, TierChanged  # noqa: E402
-from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard, table_capacities  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
 from kvcompassd.core.sync import EdgeSync  # noqa: E402
 from kvcompassd.daemon import daemon_transport, split_address, tls_files  # noqa: E402
@@ -121,7 +121,7 @@ def in_process_rate(cfg, layout: IndexLayout, work: Workload, reports=None) -> f
     (``MaintenanceShard.apply``); given ``(shard, IndexEventColumns)`` pairs, it applies those
     reports as columns (``apply_columns``, what a maintenance unit runs on a decoded report):
     the engine batches one by one, or the reports the agent actually sent (coalesced)."""
-    shards = [MaintenanceShard(layout, s, cfg.shards, epoch=1, initial_capacity=cfg.index.initial_capacity,
+    shards = [MaintenanceShard(layout, s, cfg.shards, epoch=1, initial_capacity=table_capacities(cfg, layout),
                                fingerprint_bits=cfg.index.fingerprint_bits, max_load=cfg.index.max_load)
               for s in range(cfg.shards)]
     view = EdgeIndexView(layout, cfg.shards, edge="edge-ref")

@@ -348,7 +348,9 @@ class IndexParams:
     # at start-up when fingerprint_bits cannot keep within it; the config generator sizes them by it.
     false_lookup_budget: float = 0.002
     max_load: float = 0.95
-    initial_capacity: int = 65536
+    # Entries per Ludo table before its first growth; 0 sizes each table from the entries its region
+    # group can register in its shard (core/index.py table_capacities), small at first.
+    initial_capacity: int = 0
     # The longest prompt the model serves (its context length, tokens). Past the paper's lengths
     # (core/levels.py), every pair's lookup goes on to it in equal geometric steps of at most
     # long_growth, shared by all pairs, so a 128 K-token prompt costs a few more keys, not ~200.
@@ -379,7 +381,7 @@ class IndexParams:
         if self.max_load >= 1.0:
             _fail("max_load", f"must be < 1, got {self.max_load}")
         _as_float(self, "max_load")
-        _check_int("initial_capacity", self.initial_capacity, lo=1)
+        _check_int("initial_capacity", self.initial_capacity, lo=0, hi=(1 << 33) - 1)
         _check_int("context_tokens", self.context_tokens, lo=self.block_size, hi=1 << 24)
         if self.context_tokens % self.block_size:
             _fail("context_tokens", f"must be a multiple of block_size {self.block_size}, got {self.context_tokens}")

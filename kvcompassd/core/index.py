@@ -17,9 +17,11 @@ protocol encodes unchanged; the simulator moves the same objects.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -30,6 +32,37 @@ from .messages import ShardSnapshotSent, UpdateBatchPublished
 from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView
 
 TIER_MASK = 3
+
+# Table sizing when ``[index] initial_capacity = 0`` (the default): a table starts at 1/64 of the
+# entries its region group's workers can register in its shard when their caches are full, and
+# grows by 1.5x rebuilds (ludo_c) from there: ~10 growths to full, each shipping one snapshot of
+# the table to every edge, ~3x the full table's snapshot in all, once. A worker registers at most
+# one key per cached block (registration lengths are distinct multiples of the block size), so
+# its cached blocks bound what it adds to a table.
+AUTO_START_DIVISOR = 64
+MIN_TABLE_CAPACITY = 64
+
+
+def full_table_entries(cfg: Any, layout: IndexLayout) -> tuple[int, ...]:
+    """Per region group, the most entries its table in one shard can hold: the group's cached
+    blocks (VRAM + DRAM KV tokens / block size, summed over its workers) over the shards."""
+    block, shards = cfg.index.block_size, cfg.shards
+    out = []
+    for g in layout.groups:
+        blocks = sum((cfg.worker(w).vram_kv_tokens + cfg.worker(w).dram_kv_tokens) // block for w in g.workers)
+        out.append(math.ceil(blocks / shards))
+    return tuple(out)
+
+
+def table_capacities(cfg: Any, layout: IndexLayout | None = None) -> tuple[int, ...]:
+    """Initial capacity of each region group's table in one shard: ``[index] initial_capacity``
+    when it is set, else sized from the expected entries (``full_table_entries`` /
+    ``AUTO_START_DIVISOR``, at least ``MIN_TABLE_CAPACITY``). Tables grow past it as needed."""
+    layout = layout or IndexLayout.from_config(cfg)
+    fixed = cfg.index.initial_capacity
+    if fixed:
+        return (fixed,) * len(layout.groups)
+    return tuple(max(MIN_TABLE_CAPACITY, math.ceil(n / AUTO_START_DIVISOR)) for n in full_table_entries(cfg, layout))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +96,7 @@ class MaintenanceShard:
         shards: int,
         *,
         epoch: int,
-        initial_capacity: int = 65536,
+        initial_capacity: int | Sequence[int] = MIN_TABLE_CAPACITY,
         fingerprint_bits: int = 0,
         max_load: float = 0.95,
         replay_batches: int = 4096,
@@ -75,9 +108,14 @@ class MaintenanceShard:
         self.shards = shards
         self.epoch = epoch
         self.seq = 0
+        # One capacity for every table, or one per region group (``table_capacities``).
+        capacities = ((initial_capacity,) * len(layout.groups) if isinstance(initial_capacity, int)
+                      else tuple(initial_capacity))
+        if len(capacities) != len(layout.groups):
+            raise ValueError(f"{len(capacities)} initial capacities for {len(layout.groups)} region groups")
         self._tables = [
             LudoTable(
-                initial_capacity,
+                capacities[g.group],
                 value_bits=layout.value_bits,
                 fingerprint_bits=fingerprint_bits,
                 max_load=max_load,

@@ -86,6 +86,13 @@ class ViewPointers:
                 break
         return self._array
 
+    def refresh(self, shard: int, group: int) -> None:
+        """Re-read one (shard, group) slot after the caller replaced that view in the shard's dict
+        in place (the simulator's shared table versions), instead of rebuilding every slot. The
+        dict keeps the view alive while the slot points at it."""
+        v = self._state[shard].views.get(group)
+        self._array[shard * self._groups + group] = ffi.NULL if v is None else v._ptr
+
     def _rebuild(self) -> None:
         groups, array = self._groups, self._array
         views = []

@@ -445,26 +445,33 @@ class Simulation:
         outstanding = 0  # closed loop: requests sent whose response the client has not had yet
         held: Request | None = None  # closed loop: the next request, waiting for a free client
 
+        pending_arrivals = 0  # arrivals pushed and not yet routed
+        exhausted = False  # the stream has nothing more to send
+
         def send(req: Request, at: float) -> None:
-            nonlocal outstanding
+            nonlocal outstanding, pending_arrivals
             # Never in the past: a request due earlier than now was waiting for this free client
             # (one freed at the instant the previous request was sent, say).
             at = max(at, self.now)
             outstanding += 1
+            pending_arrivals += 1
             self._push(at, _ARRIVE, req if at == req.arrival_s else replace(req, arrival_s=at))
 
         def pull() -> None:
-            nonlocal arrived, last_arrival, held
+            nonlocal arrived, last_arrival, held, pending_arrivals, exhausted
             if max_requests is not None and arrived >= max_requests:
+                exhausted = True
                 return
             req = next(it, None)
             if req is None or (duration_s is not None and req.arrival_s >= duration_s):
+                exhausted = True
                 return
             if req.arrival_s < last_arrival:
                 raise SimulationError(f"requests must arrive in order: {req.arrival_s} after {last_arrival}")
             last_arrival = req.arrival_s
             arrived += 1
             if clients is None:
+                pending_arrivals += 1
                 self._push(req.arrival_s, _ARRIVE, req)
             elif outstanding < clients:
                 send(req, req.arrival_s)
@@ -488,8 +495,13 @@ class Simulation:
             t, _, kind, payload = heapq.heappop(self._heap)
             self.now = t
             if kind == _ARRIVE:
+                pending_arrivals -= 1
                 self._arrive(payload, t)
                 pull()
+                if exhausted and held is None and pending_arrivals == 0:
+                    end = getattr(policy, "on_arrivals_end", None)  # once: nothing is left to arrive
+                    if end is not None:
+                        end(now=t)
                 if bar is not None:
                     bar.update(1)
             elif kind == _AT_WORKER:

@@ -2,6 +2,7 @@
 
     python -m kvcompassd.sim.experiments fig12 [--quick] [--out out/experiments]
     python -m kvcompassd.sim.experiments {fig9,fig11,fig12,fig14,fig15,fig16,fig18,table4,table5,fig19,fig_long,all}
+    python -m kvcompassd.sim.experiments scale [--quick]   (1,024 x 64; not part of "all": sim/exp_scale.py)
 
 Each writes its table (CSV/JSON/Markdown) and PNG plots under ``--out/<name>/`` and prints every
 point's figures beside the window it measured: seed, warm-up and measured seconds, measured
@@ -397,8 +398,16 @@ def fig19(args) -> list[dict]:
     return rows
 
 
+def scale(args) -> list[dict]:
+    """1,024 workers x 64 regions (issue 31): sim/exp_scale.py."""
+    from .exp_scale import scale as run_scale
+
+    return run_scale(args)
+
+
 EXPERIMENTS = {"fig9": fig9, "fig11": fig11, "fig12": fig12, "fig14": fig14, "fig15": fig15, "fig16": fig16,
-               "table4": table4, "table5": table5, "fig19": fig19}
+               "table4": table4, "table5": table5, "fig19": fig19, "scale": scale}
+NOT_IN_ALL = ("scale",)  # not a paper experiment, and the costliest: run it by name
 EXPERIMENTS["fig_long"] = exp_long.fig_long  # long-context sessions (issue 28), its own module
 EXPERIMENTS["fig18"] = exp_fig18.fig18  # prefill-decode disaggregation (App. C), its own module
 
@@ -432,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "the paper's keyless views have none), e.g. table5 --fingerprint-bits 8")
     ap.add_argument("--paper-reach", action="store_true",
                     help="fig_long: also run KVCompass with the paper's indexed lengths only (to 16 K tokens)")
+    ap.add_argument("--deployment", default=None,
+                    help="scale: this deployment (config name or TOML path) instead of census-1024x64")
     args = ap.parse_args(argv)
     try:  # the files the experiments replay, checked before any run: a bad one names its line
         if args.trace is not None:
@@ -444,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     KVCOMPASS_OPTIONS.clear()
     if args.fingerprint_bits is not None:
         KVCOMPASS_OPTIONS["fingerprint_bits"] = args.fingerprint_bits
-    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    names = [n for n in EXPERIMENTS if n not in NOT_IN_ALL] if args.experiment == "all" else [args.experiment]
     for name in names:
         rows = EXPERIMENTS[name](args)
         sys.stdout.write(report(name, rows))

@@ -11,6 +11,14 @@ group of links (appendix B), the derived latencies of that group are mapped line
 paper's range, anchored at its shortest and longest link.
 
 Run ``python -m kvcompassd.sim.geo --out config`` to regenerate the deployment files.
+
+Bigger fleets in the census style (``scale_deployment``): every region's worker count times a
+factor, every site split into nearby sub-sites (``SUBSITE_RADIUS_KM`` from it, evenly around it,
+the site's population and workers shared out), one shard per region. The 1,024-worker, 64-region
+fleet shipped in config/ is census-128x16 x 8 split 4 ways; any other size is
+
+    python -m kvcompassd.sim.geo --out config --from census-128x16 --factor 8 --split 4
+    python -m kvcompassd.sim.geo --out config --from census-128x16 --workers 10000 --regions 100
 """
 
 from __future__ import annotations
@@ -187,6 +195,20 @@ class DeploymentSpec:
         decode = min(count - 1, max(1, round(count * self.decode_share)))
         return ["prefill"] * (count - decode) + ["decode"] * decode
 
+    # Sites beyond SITES (scale_deployment's sub-sites), looked up first.
+    extra_sites: tuple[Site, ...] = ()
+    # The command that writes this deployment's file (its header names it).
+    command: str = "python -m kvcompassd.sim.geo --out config"
+
+    def site(self, name: str) -> Site:
+        for s in self.extra_sites:
+            if s.name == name:
+                return s
+        try:
+            return SITES[name]
+        except KeyError:
+            raise GeoError(f"deployment {self.name}: unknown region {name!r}") from None
+
     def region_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.workers)
 
@@ -197,9 +219,7 @@ class DeploymentSpec:
 def link_matrix(spec: DeploymentSpec) -> dict[tuple[str, str], float]:
     """One-way latency for every unordered region pair (keys sorted by config order)."""
     names = spec.region_names()
-    for name in names:
-        if name not in SITES:
-            raise GeoError(f"deployment {spec.name}: unknown region {name!r}")
+    sites = {name: spec.site(name) for name in names}
     if len(set(names)) != len(names):
         raise GeoError(f"deployment {spec.name}: a region is listed twice")
     order = {n: i for i, n in enumerate(names)}
@@ -208,7 +228,7 @@ def link_matrix(spec: DeploymentSpec) -> dict[tuple[str, str], float]:
         return (a, b) if order[a] < order[b] else (b, a)
 
     links = {
-        key(a, b): derived_one_way_ms(SITES[a], SITES[b])
+        key(a, b): derived_one_way_ms(sites[a], sites[b])
         for i, a in enumerate(names)
         for b in names[i + 1 :]
     }
@@ -273,6 +293,135 @@ DEPLOYMENTS: dict[str, DeploymentSpec] = {
 }
 
 
+# Sub-sites of a split site sit this far from it, evenly spaced around it: close enough to be one
+# metro area's data centres (2-4 ms apart one way by the formula above), far enough to be distinct.
+SUBSITE_RADIUS_KM = 150.0
+SUBSITE_SUFFIXES = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _offset(site: Site, km: float, bearing_deg: float) -> tuple[float, float]:
+    """The point ``km`` from ``site`` along ``bearing_deg`` on the sphere (lat, lon, 4 decimals)."""
+    d = km / EARTH_RADIUS_KM
+    lat1, lon1, b = math.radians(site.latitude), math.radians(site.longitude), math.radians(bearing_deg)
+    lat2 = math.asin(math.sin(lat1) * math.cos(d) + math.cos(lat1) * math.sin(d) * math.cos(b))
+    lon2 = lon1 + math.atan2(math.sin(b) * math.sin(d) * math.cos(lat1), math.cos(d) - math.sin(lat1) * math.sin(lat2))
+    lon = (math.degrees(lon2) + 540.0) % 360.0 - 180.0
+    return round(math.degrees(lat2), 4), round(lon, 4)
+
+
+def split_counts(total: int, parts: int) -> list[int]:
+    """``total`` shared over ``parts`` as evenly as possible, the larger shares first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def largest_remainder(total: int, weights: Sequence[float], *, floor: int = 0) -> list[int]:
+    """``total`` shared in proportion to ``weights`` (each share at least ``floor``), rounded by
+    largest remainder so the shares add up exactly; ties go to the earlier entry."""
+    n = len(weights)
+    if total < floor * n:
+        raise GeoError(f"cannot give {n} shares of at least {floor} out of {total}")
+    spare = total - floor * n
+    weight_sum = float(sum(weights))
+    exact = [spare * w / weight_sum for w in weights]
+    shares = [int(math.floor(x)) for x in exact]
+    order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: spare - sum(shares)]:
+        shares[i] += 1
+    return [floor + x for x in shares]
+
+
+def _scaled(base: DeploymentSpec, site_workers: Sequence[int], site_splits: Sequence[int], *, name: str | None,
+            shards: int | None, how: str, command: str) -> DeploymentSpec:
+    workers: list[tuple[str, int]] = []
+    extra: list[Site] = []
+    for (region, _), count, split in zip(base.workers, site_workers, site_splits):
+        site = base.site(region)
+        for i, n in enumerate(split_counts(count, split)):
+            if n == 0:
+                continue
+            if split == 1:
+                sub = site
+            else:
+                lat, lon = _offset(site, SUBSITE_RADIUS_KM, 45.0 + 360.0 * i / split)
+                sub = Site(f"{region}-{SUBSITE_SUFFIXES[i]}", lat, lon, site.population_m / split,
+                           f"{site.label or region}, site {SUBSITE_SUFFIXES[i]}")
+                extra.append(sub)
+            workers.append((sub.name, n))
+    total = sum(n for _, n in workers)
+    default_name = f"census-{total}x{len(workers)}"
+    name = name or default_name
+    if shards is not None:
+        command += f" --shards {shards}"
+    if name != default_name:
+        command += f" --name {name}"
+    return DeploymentSpec(
+        name=name,
+        description=f"{total} workers in {len(workers)} regions: {base.name} {how}",
+        workers=tuple(workers),
+        value_bits=32 if max(n for _, n in workers) <= 16 else 64,
+        shards=len(workers) if shards is None else shards,
+        prefill_ms_per_token=base.prefill_ms_per_token,
+        decode_ms_per_token=base.decode_ms_per_token,
+        vram_kv_tokens=base.vram_kv_tokens,
+        dram_kv_tokens=base.dram_kv_tokens,
+        max_running=base.max_running,
+        source=f"{base.name} ({base.source}) scaled by kvcompassd.sim.geo",
+        extra_sites=tuple(extra),
+        command=command,
+    )
+
+
+def scale_deployment(base: DeploymentSpec, *, factor: int, split: int, name: str | None = None,
+                     shards: int | None = None) -> DeploymentSpec:
+    """A census-style fleet ``factor`` times ``base``'s workers, each site split into ``split``
+    sub-sites ``SUBSITE_RADIUS_KM`` around it (named ``<site>-a``, ``-b``, ...; ``split=1`` keeps
+    the sites), with one shard per region unless ``shards`` says otherwise. Per-region worker
+    counts are ``base``'s times ``factor``, shared out evenly over the sub-sites; a sub-site that
+    would get no worker is left out. Measured link ranges of ``base`` are not carried over (the
+    sub-sites' links are derived). Value bits are 64 (groups of 32 workers) unless every region
+    fits 16 workers."""
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise GeoError(f"factor must be an integer >= 1, got {factor!r}")
+    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= len(SUBSITE_SUFFIXES):
+        raise GeoError(f"split must be an integer in [1, {len(SUBSITE_SUFFIXES)}], got {split!r}")
+    return _scaled(base, [n * factor for _, n in base.workers], [split] * len(base.workers), name=name,
+                   shards=shards, how=f"x {factor}, each site split into {split} sites {SUBSITE_RADIUS_KM:g} km around it",
+                   command=f"python -m kvcompassd.sim.geo --out config --from {base.name} --factor {factor} "
+                           f"--split {split}")
+
+
+def census_fleet(base: DeploymentSpec, *, workers: int, regions: int, name: str | None = None,
+                 shards: int | None = None) -> DeploymentSpec:
+    """Exactly ``workers`` workers in ``regions`` regions shaped like ``base``: each site gets
+    workers and sub-sites in proportion to its worker count (largest remainder, at least one
+    sub-site each), its workers shared evenly over its sub-sites."""
+    sites = len(base.workers)
+    if isinstance(regions, bool) or not isinstance(regions, int) or not sites <= regions <= sites * len(SUBSITE_SUFFIXES):
+        raise GeoError(f"regions must be an integer in [{sites}, {sites * len(SUBSITE_SUFFIXES)}] for {base.name}, "
+                       f"got {regions!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < regions:
+        raise GeoError(f"workers must be an integer >= regions ({regions}), got {workers!r}")
+    counts = [n for _, n in base.workers]
+    splits = largest_remainder(regions, counts, floor=1)
+    if max(splits) > len(SUBSITE_SUFFIXES):
+        raise GeoError(f"{regions} regions would split one site of {base.name} more than {len(SUBSITE_SUFFIXES)} ways")
+    site_workers = largest_remainder(workers, counts, floor=0)
+    # every sub-site needs a worker: move workers from the best-supplied sites if need be
+    for i in range(sites):
+        while site_workers[i] < splits[i]:
+            donor = max(range(sites), key=lambda j: site_workers[j] - splits[j])
+            site_workers[donor] -= 1
+            site_workers[i] += 1
+    return _scaled(base, site_workers, splits, name=name, shards=shards,
+                   how=f"reshaped to {workers} workers in {regions} regions",
+                   command=f"python -m kvcompassd.sim.geo --out config --from {base.name} --workers {workers} "
+                           f"--regions {regions}")
+
+
+# The 1,024-worker, 64-region fleet (issue 31): census-128x16's counts x 8, each site split in 4.
+DEPLOYMENTS["census-1024x64"] = scale_deployment(DEPLOYMENTS["census-128x16"], factor=8, split=4)
+
+
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -309,7 +458,7 @@ def render_toml(spec: DeploymentSpec) -> str:
     lo, hi = min(links.values()), max(links.values())
     lines = [
         f"# {spec.description}.",
-        "# Generated by `python -m kvcompassd.sim.geo --out config` (kvcompassd/sim/geo.py).",
+        f"# Generated by `{spec.command}` (kvcompassd/sim/geo.py).",
         f"# Paper: {spec.source}.",
         "# Latencies the paper does not give are derived from great-circle distance:",
         "#   one_way_ms = great_circle_km / 200 * 1.5 + 2   (fibre at 2/3 c, 1.5x route inflation, 2 ms fixed)",
@@ -338,7 +487,9 @@ def render_toml(spec: DeploymentSpec) -> str:
         f"value_bits = {spec.value_bits}",
         *_fingerprint_lines(spec),
         "max_load = 0.95",
-        "initial_capacity = 65536",
+        "# 0: each table starts at 1/64 of what its region group can register in its shard and grows",
+        "# (core/index.py table_capacities).",
+        "initial_capacity = 0",
         "context_tokens = 131072   # the model's context length: indexed lengths reach it (core/levels.py)",
         "long_growth = 1.25        # past the paper's lengths, shared steps of at most this factor",
         "",
@@ -357,11 +508,11 @@ def render_toml(spec: DeploymentSpec) -> str:
         "pending_hold_ms = 1000.0",
     ]
     for name in spec.region_names():
-        site = SITES[name]
+        site = spec.site(name)
         lines += [
             "",
             "[[regions]]",
-            f"name = {_toml_str(name)}   # {site.label}",
+            f"name = {_toml_str(name)}   # {site.label}" if site.label else f"name = {_toml_str(name)}",
             f"latitude = {site.latitude}",
             f"longitude = {site.longitude}",
         ]
@@ -393,16 +544,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode-share", type=float, default=None,
                         help="write prefill-decode variants <name>-pd-<share> of the named deployments instead: "
                              "this share of each region's workers decode (at least one), the rest prefill")
+    parser.add_argument("--from", dest="base", metavar="DEPLOYMENT", default=None,
+                        help="write a census-style fleet scaled from this deployment instead (scale_deployment)")
+    parser.add_argument("--factor", type=int, default=8, help="--from: workers per region times this")
+    parser.add_argument("--split", type=int, default=4, help="--from: each site split into this many sub-sites")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="--from: exactly this many workers (with --regions; instead of --factor/--split)")
+    parser.add_argument("--regions", type=int, default=None, help="--from: exactly this many regions (with --workers)")
+    parser.add_argument("--shards", type=int, default=None, help="--from: index shards (default: one per region)")
+    parser.add_argument("--name", default=None, help="--from: deployment name (default census-<workers>x<regions>)")
     args = parser.parse_args(argv)
-    names = args.names or list(DEPLOYMENTS)
-    unknown = [n for n in names if n not in DEPLOYMENTS]
-    if unknown:
-        parser.error(f"unknown deployment(s) {unknown}; known: {sorted(DEPLOYMENTS)}")
+    if args.base is not None:
+        if args.names:
+            parser.error("--from writes one scaled deployment; name no others")
+        if args.base not in DEPLOYMENTS:
+            parser.error(f"unknown deployment {args.base!r}; known: {sorted(DEPLOYMENTS)}")
+        try:
+            if (args.workers is None) != (args.regions is None):
+                parser.error("--workers and --regions go together")
+            if args.workers is not None:
+                specs = [census_fleet(DEPLOYMENTS[args.base], workers=args.workers, regions=args.regions,
+                                      name=args.name, shards=args.shards)]
+            else:
+                specs = [scale_deployment(DEPLOYMENTS[args.base], factor=args.factor, split=args.split,
+                                          name=args.name, shards=args.shards)]
+        except GeoError as exc:
+            parser.error(str(exc))
+    else:
+        names = args.names or list(DEPLOYMENTS)
+        unknown = [n for n in names if n not in DEPLOYMENTS]
+        if unknown:
+            parser.error(f"unknown deployment(s) {unknown}; known: {sorted(DEPLOYMENTS)}")
+        specs = [DEPLOYMENTS[n] for n in names]
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        spec = DEPLOYMENTS[name]
+    for spec in specs:
         if args.decode_share is not None:
-            spec = replace(spec, name=f"{name}-pd-{args.decode_share:g}", decode_share=args.decode_share,
+            spec = replace(spec, name=f"{spec.name}-pd-{args.decode_share:g}", decode_share=args.decode_share,
                            description=f"{spec.description}, split into prefill and decode pools "
                            f"({args.decode_share:g} of each region decodes)")
         path = args.out / f"{spec.name}.toml"

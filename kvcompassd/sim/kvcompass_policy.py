@@ -17,6 +17,12 @@ Update transport (§5.7), modelled the way the daemon moves updates:
   latency from the shard's region to the edge's plus ``update_delay_ms`` (maintenance -> edge).
   Without it only ``update_delay_ms`` applies. The delay of one (shard, edge) stream is
   constant, so batches arrive in order, as on the daemon's QUIC stream.
+- Shared views: without loss every edge applies the same batches in the same order and differs
+  from the others only by its delay, so by default (``shared_views=None``: when ``update_loss``
+  is 0) the edges' views are one set of shared table versions and each edge's position is worked
+  out from the batches' publish times when it reads (``shared_views.py``): one copy of the index
+  instead of one per edge, no delivery event per (batch, edge), and the same decisions as per-edge
+  views (``shared_views=False``; tests/test_sim_shared_views.py compares them).
 - Loss: each (batch, edge) delivery is lost independently with probability ``update_loss``.
   What an edge does about it is the daemon's own protocol, ``kvcompassd.core.sync`` (one
   ``EdgeSync`` per edge, ``catch_up`` at the shard), which this policy only moves messages for:
@@ -54,7 +60,7 @@ import numpy as np
 
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted
-from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard, table_capacities
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
@@ -64,6 +70,7 @@ from kvcompassd.core.sync import EdgeSync, SyncSettings, SyncStep, catch_up
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.core.messages import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
+from .shared_views import SharedViews
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
                      RouteDecision, Topology)
 from .workloads import Request
@@ -81,6 +88,7 @@ class KVCompassPolicy(BasePolicy):
     (``update_delay_ms``, ``update_loss``, ``repair``, ``wan_propagation``,
     ``flush_interval_ms``; see the module docstring), ``seed`` (loss draws only) and ``top_k``
     (score terms kept per decision: the daemon logs 3, the simulator needs none).
+    ``shared_views`` (None: shared when there is no loss; see the module docstring);
     ``context_tokens`` replaces ``[index] context_tokens`` (how far the indexed lengths reach;
     core/levels.py), e.g. 16384 for the paper's reach against the same prompts."""
 
@@ -101,6 +109,7 @@ class KVCompassPolicy(BasePolicy):
         top_k: int = 0,
         fingerprint_bits: int | None = None,
         context_tokens: int | None = None,
+        shared_views: bool | None = None,
     ) -> None:
         super().__init__(topo)
         if not (update_delay_ms >= 0 and math.isfinite(update_delay_ms)):
@@ -126,8 +135,9 @@ class KVCompassPolicy(BasePolicy):
         n_shards = cfg.shards
         self.n_shards = n_shards
         index = cfg.index
+        capacities = table_capacities(cfg, self.layout)
         self.shards = [
-            MaintenanceShard(self.layout, s, n_shards, epoch=EPOCH, initial_capacity=index.initial_capacity,
+            MaintenanceShard(self.layout, s, n_shards, epoch=EPOCH, initial_capacity=capacities,
                              fingerprint_bits=index.fingerprint_bits if fingerprint_bits is None else fingerprint_bits,
                              max_load=index.max_load)
             for s in range(n_shards)
@@ -137,16 +147,17 @@ class KVCompassPolicy(BasePolicy):
         edge_ids = {}
         for e in cfg.edges:
             edge_ids.setdefault(e.region, e.id)
-        self.views = [EdgeIndexView(self.layout, n_shards, edge=edge_ids.get(r, f"edge-{r}")) for r in self.regions]
-        self.syncs = [EdgeSync(view, SyncSettings(repair=self.repair)) for view in self.views]
-        for sync in self.syncs:
-            for shard in self.shards:
-                sync.on_snapshot(shard.snapshot(), now=0.0)
-        self._edge_of = {v.edge: i for i, v in enumerate(self.views)}
+        self._edge_views = [EdgeIndexView(self.layout, n_shards, edge=edge_ids.get(r, f"edge-{r}"))
+                            for r in self.regions]
+        self._edge_of = {v.edge: i for i, v in enumerate(self._edge_views)}
         self.routers = [
             Router(cfg, r, view, now=0.0, ablation=self.ablation, consistency=consistency, top_k=top_k)
-            for r, view in zip(self.regions, self.views)
+            for r, view in zip(self.regions, self._edge_views)
         ]
+        self._shared_option = shared_views
+        self._shared: SharedViews | None = None
+        self.syncs: list[EdgeSync] = []
+        self._now = 0.0
         salt = namespace_salt(cfg.model, cfg.tenant)
         self._salt = salt
         lengths = list(self.plan.registration_lengths())
@@ -170,7 +181,9 @@ class KVCompassPolicy(BasePolicy):
             for s in range(n_shards):
                 self._edge_to_shard_s[e][s] = owm[e, shard_region[s]] / 1000.0
         self._owm_s = topo.one_way_ms / 1000.0  # for piggyback send times and broadcasts
+        self._setup_views()
 
+        self._arrivals_done = False
         self._heap: list[tuple[float, int, int, Any]] = []
         self._heap_seq = 0
         self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
@@ -196,6 +209,39 @@ class KVCompassPolicy(BasePolicy):
             for e in range(len(self.regions)):
                 self._to_edge_s[s][e] = owm[sr, e] / 1000.0 + extra
 
+    def _setup_views(self) -> None:
+        """Every edge's views from the shards' initial snapshots: shared table versions, or a
+        copy per edge with its sync follower (with loss; or ``shared_views=False``)."""
+        shared = self.update_loss == 0 if self._shared_option is None else self._shared_option
+        if shared and self.update_loss > 0:
+            raise PolicyError("shared views need update_loss = 0: a lost batch makes an edge's state its own")
+        for view in self._edge_views:
+            for st in view.state:
+                st.views, st.epoch, st.seq = {}, -1, -1
+        snapshots = [shard.snapshot() for shard in self.shards]
+        if shared:
+            pointers = [router.lookup.native_plan()[1] for router in self.routers]
+            self._shared, self.syncs = SharedViews(self._edge_views, pointers, self._to_edge_s), []
+            for snap in snapshots:
+                self._shared.install(snap)
+        else:
+            self._shared = None
+            self.syncs = [EdgeSync(view, SyncSettings(repair=self.repair)) for view in self._edge_views]
+            for sync in self.syncs:
+                for snap in snapshots:
+                    sync.on_snapshot(snap, now=0.0)
+
+    @property
+    def views(self) -> list[EdgeIndexView]:
+        """Each region's edge view, as of the latest time the policy was given."""
+        if self._shared is not None:
+            self._shared.advance_all(self._now)
+        return self._edge_views
+
+    @property
+    def shared_views(self) -> bool:
+        return self._shared is not None
+
     def adopt_update_transport(self, settings: Any) -> Any:
         """Take the engine's ``update_delay_ms``/``update_loss`` (a ``SimSettings``) into this
         policy's update stream and return the settings with the engine's copies zeroed."""
@@ -203,6 +249,7 @@ class KVCompassPolicy(BasePolicy):
             if not 0 <= settings.update_loss < 1:
                 raise PolicyError(f"update_loss must be in [0, 1), got {settings.update_loss!r}")
             self.update_loss = float(settings.update_loss)
+            self._setup_views()  # before any event: per-edge views, as loss needs
         if settings.update_delay_ms:
             self.update_delay_ms = float(settings.update_delay_ms)
             self._set_push_delays()
@@ -215,6 +262,8 @@ class KVCompassPolicy(BasePolicy):
         self._heap_seq += 1
 
     def _advance(self, now: float) -> None:
+        if now > self._now:
+            self._now = now
         heap = self._heap
         while heap and heap[0][0] <= now:
             due, _, kind, payload = heapq.heappop(heap)
@@ -226,6 +275,8 @@ class KVCompassPolicy(BasePolicy):
                 self._flush_pending[payload] = False
                 self._publish(payload, due)
             elif kind == _BROADCAST:
+                if self._arrivals_done:
+                    continue
                 to = self._region_index[payload.to_region]
                 self.routers[to].queues.on_broadcast(payload, now=due)
             elif kind == _RESYNC_AT_SHARD:
@@ -251,7 +302,16 @@ class KVCompassPolicy(BasePolicy):
                     self._push(now + self._owm_s[a, b], _BROADCAST, msg)
             self._next_broadcast = self._broadcast_deadline(now)
 
+    def on_arrivals_end(self, *, now: float) -> None:
+        """No request is left to route: queue estimates feed nothing any more, so the Delta
+        broadcasts stop (at 64 regions they are 4,032 messages per 100 ms, and a run's drain
+        lasts seconds). Index updates go on: the shards' state is reported at the end."""
+        self._arrivals_done = True
+        self._next_broadcast = math.inf
+
     def _broadcast_deadline(self, now: float) -> float:
+        if self._arrivals_done:
+            return math.inf
         deadlines = [d for r in self.routers if (d := r.queues.next_deadline(now=now)) is not None]
         return min(deadlines) if deadlines else math.inf
 
@@ -304,10 +364,13 @@ class KVCompassPolicy(BasePolicy):
         if batch is None:
             return
         self.counters["batches_published"] += 1
+        if self._shared is not None:
+            self._shared.publish(batch, now)
+            return
         legs = self._to_edge_s[s]
         loss = self.update_loss
-        lost = self._rng.random(len(self.views)) < loss if loss > 0 else None
-        for e in range(len(self.views)):
+        lost = self._rng.random(len(self._edge_views)) < loss if loss > 0 else None
+        for e in range(len(self._edge_views)):
             if lost is not None and lost[e]:
                 self.counters["batches_lost"] += 1
                 continue
@@ -376,6 +439,8 @@ class KVCompassPolicy(BasePolicy):
             e = self._region_index[req.region]
         except KeyError:
             raise PolicyError(f"request {req.id} enters at unknown region {req.region!r}") from None
+        if self._shared is not None:
+            self._shared.advance(e, now)
         decision: ForwardDecided = self.routers[e].decide(req.tokens, now=now)
         self.counters["decisions"] += 1
         if not decision.local:
@@ -408,7 +473,10 @@ class KVCompassPolicy(BasePolicy):
         shard, worker = self.shards[s], self.worker_ids[decision.worker_index]
         if worker in shard.holders(key):
             return FALSE_INDEX_BEHIND
-        epoch, seq = self.views[self._region_index[req.region]].position(s)
+        e = self._region_index[req.region]
+        if self._shared is not None:
+            self._shared.advance(e, now)
+        epoch, seq = self._edge_views[e].position(s)
         carrier = (self._evicted_in or {}).get((key, worker))
         if epoch != shard.epoch or (carrier is not None and seq < carrier):
             return FALSE_VIEW_BEHIND
@@ -451,6 +519,9 @@ class KVCompassPolicy(BasePolicy):
         while self._heap:
             now = max(now, max(item[0] for item in self._heap))
             self._advance(now)
+        if self._shared is not None:
+            self._now = max(now, self._now, self._shared.last_due())
+            self._shared.advance_all(self._now)
 
     @property
     def hot_misses_by_outcome(self) -> dict[str, int]:
@@ -465,6 +536,9 @@ class KVCompassPolicy(BasePolicy):
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["index_entries"] = sum(s.entries() for s in self.shards)
+        if self._shared is not None:
+            out["batch_deliveries"] = self._shared.deliveries
+            out["table_versions"] = self._shared.live_versions()
         out["gaps_skipped"] = sum(f.gaps_skipped for sync in self.syncs for f in sync.followers)  # repair=False
         out["gap_detections"] = sum(sync.gaps for sync in self.syncs)  # inputs that found a gap (several share one of "resyncs")
         return out

@@ -263,6 +263,11 @@ class BasePolicy:
     def on_timer(self, *, now: float) -> None:
         return None
 
+    def on_arrivals_end(self, *, now: float) -> None:
+        """Every request of the run has been routed (the engine says so once): what only feeds
+        later decisions may stop. The run still drains the requests in flight."""
+        return None
+
 
 def hash_prefix_lengths(levels: int = 6, first: int = 64) -> tuple[int, ...]:
     """The six content-hash levels of the hash-placement baselines: doubling from 64 tokens

@@ -1,0 +1,465 @@
+"""What one edge and one maintenance shard need at a fleet size you name, from per-unit costs
+measured on this machine, with the formulas, and the first resource to break.
+
+    python tools/scale_projection.py --workers 10000 --regions 100 [--shards 100] [--load 0.75]
+        [--edges-per-region 1] [--edge-cores 1] [--shard-cores 1] [--nic-gbps 10]
+        [--edge-memory-gib 64] [--quick]
+
+Measured here, each printed with what was measured:
+
+- apply: an edge's CPU per index update (``EdgeSync.on_batch`` of real update batches into views
+  of the target fleet's region-group tables holding ``--apply-entries`` entries) and a maintenance
+  unit's (``MaintenanceShard.apply_columns`` + ``flush``), on batches of ``--batch-events`` random
+  registrations and evictions;
+- wire: bytes per index update of those batches as ``kvcompassd.wire`` encodes them, raw and
+  compressed as the daemons send them (``encode(..., compress=True)``: zlib);
+- the write load: a KVCompass simulation (``--sim-workers`` x ``--sim-regions``, a census-shaped
+  fleet from ``kvcompassd.sim.geo.census_fleet``, Mixed at ``--load`` x lambda0, caches cut to
+  1/``--sim-cache-divisor`` of an A100's so they fill and evict within ``--sim-seconds``), counted
+  after its first half: blocks stored per request, registrations per stored block, index updates
+  per registration (registrations, tier moves, evictions);
+- registered lengths per cached prompt: the registration lengths (``LevelPlan``) of the simulated
+  fleet and of the target fleet (census_fleet at ``--workers`` x ``--regions``) that the
+  workload's prompts cover, averaged over ``--prompt-sample`` prompts;
+- decision time versus fleet size: the real ``Router.decide`` (the daemon's settings) on views
+  built by tools/bench_forward.py's ``build_view`` for census fleets of ``--decision-sizes``
+  workers (and the target's, up to 16,384) with the target's workers per region (16 to 416
+  regions), P50 over ``--decisions`` decisions, fitted as a + b x W;
+
+Times are CPU time of the measuring thread (``time.thread_time_ns``), so a busy machine's
+neighbours do not inflate them (they still slow caches and memory).
+- view bytes per entry: the keyless views' memory over their entries in the largest of those.
+
+Projection for W workers in R regions, S shards, E edges per region, load f (formulas printed):
+
+    lambda_w  = f x lambda0_w                      requests/s per worker (lambda0_w = 1 / (mean prompt x beta))
+    reg_blk   = reg_blk_sim x len_target / len_sim registrations per stored block at R regions
+    U_w       = lambda_w x blocks_per_req x reg_blk x updates_per_reg     index updates/s per worker
+    U         = W x U_w                             updates/s every edge applies (each edge follows every shard)
+    edge apply cores   = U x t_edge
+    edge inbound       = U x bytes_per_update x 8   (raw; compressed likewise)
+    shard apply cores  = U / S x t_shard
+    shard egress       = U / S x bytes_per_update x 8 x R x E
+    view per edge      = W x cache_blocks_w x reg_blk x bytes_per_entry     (every cache full)
+    decision cores     = W x lambda_w / (R x E) x (a + b x W)
+    queue broadcasts   = (R - 1) x bytes(vector of W/R workers) x 8 / Delta       inbound per edge
+
+Each is compared with its limit; the first to break is the one furthest over (or nearest) its
+limit, and for each the fleet size (same workers per region) at which it reaches its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import os
+import statistics
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_forward import build_view  # noqa: E402
+
+from kvcompassd.core.config import ClusterConfig, parse_config  # noqa: E402
+from kvcompassd.core.events import EventOp, IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged  # noqa: E402
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
+from kvcompassd.core.layout import IndexLayout  # noqa: E402
+from kvcompassd.core.levels import LevelPlan  # noqa: E402
+from kvcompassd.core.messages import QueueVectorBroadcast  # noqa: E402
+from kvcompassd.core.router import Router  # noqa: E402
+from kvcompassd.core.sync import EdgeSync  # noqa: E402
+from kvcompassd.engine.kvevents import BlockStored  # noqa: E402
+from kvcompassd.sim.engine import SimSettings, simulate  # noqa: E402
+from kvcompassd.sim.exp_scale import lambda0  # noqa: E402
+from kvcompassd.sim.geo import DEPLOYMENTS, census_fleet, render_toml  # noqa: E402
+from kvcompassd.sim.kvcompass_policy import KVCompassPolicy  # noqa: E402
+from kvcompassd.sim.policy import Topology  # noqa: E402
+from kvcompassd.sim.schemes import DEFAULT_EVICTION, make_workload, region_weights  # noqa: E402
+from kvcompassd.wire import encode  # noqa: E402
+
+BASE = "census-128x16"
+WORKLOAD = "mixed"
+GIB = 2**30
+
+
+def fleet_config(workers: int, regions: int, *, shards: int | None = None) -> ClusterConfig:
+    """A census-shaped fleet of exactly ``workers`` x ``regions`` as the config loader reads it."""
+    spec = census_fleet(DEPLOYMENTS[BASE], workers=workers, regions=regions, shards=shards)
+    return parse_config(tomllib.loads(render_toml(spec)), spec.name)
+
+
+# ----------------------------------------------------------------------------- apply and wire
+
+
+def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batches: int, seed: int) -> dict:
+    """CPU µs per index update at an edge and at the shard, and bytes per update on the wire,
+    into ``entries`` entries spread over the fleet's region-group tables."""
+    layout = IndexLayout.from_config(cfg)
+    table_entries = max(1024, entries // len(layout.groups))
+    rng = np.random.default_rng(seed)
+    # No growth while measuring (a growth ships a snapshot): room for twice each table's share of the new keys.
+    capacity = int((table_entries + 2 * batch_events * batches // len(layout.groups) + 4096) / cfg.index.max_load)
+    shard = MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=capacity,
+                             fingerprint_bits=cfg.index.fingerprint_bits, max_load=cfg.index.max_load)
+    held: dict[str, list[int]] = {}
+    for g in layout.groups:  # fill every table through the batch insert (no event API for a bulk fill)
+        keys = np.unique(rng.integers(0, 1 << 63, size=table_entries, dtype=np.uint64))
+        owner = rng.integers(0, len(g.workers), size=keys.size)
+        values = np.uint64(1) << (2 * owner).astype(np.uint64)
+        shard._tables[g.group].insert_many(keys, values)
+        shard._tables[g.group].take_updates()
+        for f, w in enumerate(g.workers):
+            held[w] = keys[owner == f][:4096].tolist()
+    view = EdgeIndexView(layout, 1, edge="edge-projection")
+    sync = EdgeSync(view)
+    sync.on_snapshot(shard.snapshot(), now=0.0)
+    workers = list(layout.worker_ids)
+    edge_ns = shard_ns = updates = raw = packed = 0
+    for b in range(batches):
+        # One flush's worth: a few workers' reports, half registrations of new prefixes, half
+        # evictions of ones they hold (the steady state's mix is near one to one).
+        for w in rng.choice(workers, size=min(8, len(workers)), replace=False).tolist():
+            n = batch_events // 8
+            new = rng.integers(0, 1 << 63, size=n - n // 2, dtype=np.uint64)
+            gone = [held[w].pop() for _ in range(min(n // 2, len(held[w])))]
+            keys = np.concatenate([new, np.array(gone, dtype=np.uint64)])
+            ops = bytes([EventOp.CACHED_VRAM]) * new.size + bytes([EventOp.EVICTED]) * len(gone)
+            cols = IndexEventColumns(ops, keys.astype("<u8").tobytes())
+            t0 = time.thread_time_ns()
+            outcome = shard.apply_columns(w, cols)
+            shard_ns += time.thread_time_ns() - t0
+            updates += outcome.applied
+        t0 = time.thread_time_ns()
+        batch = shard.flush()
+        shard_ns += time.thread_time_ns() - t0
+        t0 = time.thread_time_ns()
+        step = sync.on_batch(batch, now=float(b))
+        edge_ns += time.thread_time_ns() - t0
+        if not step.applied:
+            raise RuntimeError(f"the edge refused a batch: {step.reason}")
+        raw += len(encode(batch))
+        packed += len(encode(batch, compress=True))
+    entries = shard.entries()
+    view_bytes = sum(v["memory_bytes"] for v in view.stats())
+    return {"edge_us": edge_ns / 1000 / updates, "shard_us": shard_ns / 1000 / updates, "updates": updates,
+            "bytes_raw": raw / updates, "bytes_zlib": packed / updates, "view_bytes_per_entry": view_bytes / entries,
+            "table_entries": table_entries, "groups": len(layout.groups)}
+
+
+def decision_regions(workers: int, target_workers: int, target_regions: int) -> int:
+    """Regions of a decision-timing fleet: the target's workers per region, 16 to 416 regions."""
+    return min(16 * 26, max(16, round(workers * target_regions / target_workers)))
+
+
+# ----------------------------------------------------------------------------- write load
+
+
+class CountingPolicy(KVCompassPolicy):
+    """KVCompass counting, from ``since`` on, the engine's stored blocks and the index events."""
+
+    since = math.inf
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.blocks = 0
+        self.by_type = {PrefixCached: 0, TierChanged: 0, PrefixEvicted: 0}
+        self.requests = 0
+
+    def on_cache_events(self, worker_index, events, *, now):
+        if now >= self.since:
+            self.blocks += sum(len(e.block_hashes) for e in events if type(e) is BlockStored)
+        super().on_cache_events(worker_index, events, now=now)
+
+    def _shard_apply(self, s, events, now):
+        if now >= self.since:
+            for ev in events:
+                self.by_type[type(ev)] += 1
+        super()._shard_apply(s, events, now)
+
+    def route(self, req, *, now):
+        if now >= self.since:
+            self.requests += 1
+        return super().route(req, now=now)
+
+
+def measure_writes(cfg: ClusterConfig, *, load: float, seconds: float, cache_divisor: int, seed: int) -> dict:
+    small = [dataclasses.replace(w, vram_kv_tokens=max(4096, w.vram_kv_tokens // cache_divisor),
+                                 dram_kv_tokens=w.dram_kv_tokens // cache_divisor) for w in cfg.workers]
+    cfg = dataclasses.replace(cfg, workers=tuple(small))
+    topo = Topology.from_config(cfg)
+    lam0 = lambda0(topo, seed=seed, sample=5000)
+    policy = CountingPolicy(topo, seed=seed)
+    policy.since = seconds / 2
+    requests = make_workload(WORKLOAD, load * lam0, region_weights(topo), seed=seed)
+    simulate(topo, policy, requests, settings=SimSettings(eviction=DEFAULT_EVICTION[WORKLOAD], seed=seed),
+             duration_s=seconds)
+    regs = policy.by_type[PrefixCached]
+    total = sum(policy.by_type.values())
+    if not (policy.blocks and regs and policy.requests):
+        raise RuntimeError("the simulation stored nothing after its first half: give it more --sim-seconds")
+    return {"blocks_per_request": policy.blocks / policy.requests, "reg_per_block": regs / policy.blocks,
+            "updates_per_reg": total / regs, "requests": policy.requests, "lambda0": lam0,
+            "mix": {t.__name__: n for t, n in policy.by_type.items()}}
+
+
+def lengths_per_prompt(cfg: ClusterConfig, prompts: list[int]) -> float:
+    plan = LevelPlan.from_config(cfg)
+    lengths = np.array(plan.registration_lengths())
+    return float(np.mean(np.searchsorted(lengths, np.array(prompts), side="right")))
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def measure_decisions(sizes: list[int], regions_of, *, entries: int, decisions: int, tokens: int,
+                      seed: int) -> list[dict]:
+    out = []
+    rng = np.random.default_rng(seed)
+    for workers in sizes:
+        regions = regions_of(workers)
+        cfg = fleet_config(workers, regions)
+        prompt = rng.integers(0, 128_256, size=tokens, dtype=np.uint32)
+        view, _, total = build_view(cfg, entries, prompt, seed)
+        region = cfg.region_names()[0]
+        router = Router(cfg, region, view, now=0.0)  # the daemon's settings
+        for w in cfg.workers_in(region):
+            router.queues.set_local(w.id, 0.0, now=0.0)
+        clock = itertools.count(0.0, 0.01)
+        for _ in range(min(50, decisions)):
+            router.decide(prompt, now=next(clock))
+        samples = []
+        for _ in range(decisions):
+            t0 = time.thread_time_ns()
+            router.decide(prompt, now=next(clock))
+            samples.append(time.thread_time_ns() - t0)
+        out.append({"workers": workers, "regions": regions, "p50_us": statistics.median(samples) / 1000,
+                    "p99_us": float(np.percentile(samples, 99)) / 1000, "entries": total,
+                    "view_bytes_per_entry": sum(v["memory_bytes"] for v in view.stats()) / max(1, total)})
+        del view, router
+    return out
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    if len(xs) == 1:
+        return 0.0, ys[0] / xs[0]
+    b, a = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
+    return float(a), float(b)
+
+
+def broadcast_bytes(cfg: ClusterConfig, per_region: int) -> int:
+    vector = tuple((f"{cfg.workers[0].region}-{i}", 12.5) for i in range(per_region))
+    regions = cfg.region_names()
+    return len(encode(QueueVectorBroadcast(regions[0], regions[1], 1.0, vector)))
+
+
+# ----------------------------------------------------------------------------- projection
+
+
+@dataclasses.dataclass
+class Units:
+    lambda0_w: float
+    blocks_per_request: float
+    reg_per_block: float  # at the target's region count
+    updates_per_reg: float
+    edge_us: float
+    shard_us: float
+    bytes_raw: float
+    bytes_zlib: float
+    view_bytes_per_entry: float
+    cache_blocks_w: float
+    decision_a_us: float
+    decision_b_us: float
+    broadcast_bytes_per_worker: float
+    broadcast_overhead_bytes: float
+    period_s: float
+
+
+def project(u: Units, workers: float, regions: int, shards: int, edges: int, load: float) -> dict:
+    lam_w = load * u.lambda0_w
+    u_w = lam_w * u.blocks_per_request * u.reg_per_block * u.updates_per_reg
+    fleet = workers * u_w
+    per_edge_requests = workers * lam_w / (regions * edges)
+    vector_bytes = u.broadcast_overhead_bytes + u.broadcast_bytes_per_worker * workers / regions
+    return {
+        "updates_per_worker_s": u_w,
+        "edge_apply_cores": fleet * u.edge_us / 1e6,
+        "edge_inbound_gbps": fleet * u.bytes_raw * 8 / 1e9,
+        "edge_inbound_zlib_gbps": fleet * u.bytes_zlib * 8 / 1e9,
+        "shard_apply_cores": fleet / shards * u.shard_us / 1e6,
+        "shard_egress_gbps": fleet / shards * u.bytes_raw * 8 * regions * edges / 1e9,
+        "shard_egress_zlib_gbps": fleet / shards * u.bytes_zlib * 8 * regions * edges / 1e9,
+        "view_gib": workers * u.cache_blocks_w * u.reg_per_block * u.view_bytes_per_entry / GIB,
+        "decision_us": u.decision_a_us + u.decision_b_us * workers,
+        "decision_cores": per_edge_requests * (u.decision_a_us + u.decision_b_us * workers) / 1e6,
+        "broadcast_mbps": (regions - 1) * vector_bytes * 8 / u.period_s / 1e6,
+    }
+
+
+RESOURCES = (  # (key, what, limit option, unit)
+    ("edge_apply_cores", "edge: applying index updates", "edge_cores", "cores"),
+    ("decision_cores", "edge: forwarding decisions", "edge_cores", "cores"),
+    ("edge_inbound_gbps", "edge: inbound sync (raw)", "nic_gbps", "Gbit/s"),
+    ("view_gib", "edge: views of every shard", "edge_memory_gib", "GiB"),
+    ("shard_apply_cores", "maintenance shard: applying reports", "shard_cores", "cores"),
+    ("shard_egress_gbps", "maintenance shard: egress to every edge (raw)", "nic_gbps", "Gbit/s"),
+)
+
+
+def breaking_point(u: Units, key: str, limit: float, regions: int, shards: int, edges: int, load: float,
+                   workers: int) -> float:
+    """Workers (same workers per region, shards per worker) at which ``key`` reaches ``limit``."""
+    def at(w: float) -> float:
+        scale = w / workers
+        return project(u, w, max(1, round(regions * scale)), max(1, round(shards * scale)), edges, load)[key]
+
+    lo, hi = 1.0, float(workers)
+    if at(hi) < limit:
+        while at(hi) < limit and hi < 1e9:
+            lo, hi = hi, hi * 2
+        if hi >= 1e9:
+            return math.inf
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < limit else (lo, mid)
+    return hi
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=10_000)
+    ap.add_argument("--regions", type=int, default=100)
+    ap.add_argument("--shards", type=int, default=None, help="index shards (default: one per region)")
+    ap.add_argument("--edges-per-region", type=int, default=1)
+    ap.add_argument("--load", type=float, default=0.75, help="offered load as a fraction of lambda0")
+    ap.add_argument("--edge-cores", type=float, default=1.0, help="limit: cores an edge gives each of apply and decide")
+    ap.add_argument("--shard-cores", type=float, default=1.0, help="limit: cores of one maintenance unit")
+    ap.add_argument("--nic-gbps", type=float, default=10.0, help="limit: a node's network, Gbit/s each way")
+    ap.add_argument("--edge-memory-gib", type=float, default=64.0, help="limit: an edge's memory for views")
+    ap.add_argument("--apply-entries", type=int, default=4_000_000,
+                    help="apply: index entries the views hold, over the target fleet's region-group tables")
+    ap.add_argument("--batch-events", type=int, default=512, help="apply: index events per batch")
+    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--sim-workers", type=int, default=32)
+    ap.add_argument("--sim-regions", type=int, default=16)
+    ap.add_argument("--sim-seconds", type=float, default=6.0)
+    ap.add_argument("--sim-cache-divisor", type=int, default=64)
+    ap.add_argument("--prompt-sample", type=int, default=4000)
+    ap.add_argument("--decision-sizes", default="128,1024,4096",
+                    help="workers of the fleets decisions are timed on (the target's too, up to 16,384 workers)")
+    ap.add_argument("--decision-entries", type=int, default=1_000_000, help="view entries of those fleets")
+    ap.add_argument("--decisions", type=int, default=400)
+    ap.add_argument("--tokens", type=int, default=4096, help="decision prompt length")
+    ap.add_argument("--quick", action="store_true", help="small measurements (a smoke run; figures are rough)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.apply_entries, args.batches, args.sim_seconds, args.prompt_sample = 200_000, 30, 3.0, 500
+        args.decision_sizes, args.decision_entries, args.decisions = "32,128", 20_000, 50
+    W, R = args.workers, args.regions
+    S = args.shards or R
+    E = args.edges_per_region
+    started = time.perf_counter()
+    print(f"load average (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+
+    target = fleet_config(W, R, shards=S)
+    sim_cfg = fleet_config(args.sim_workers, args.sim_regions)
+    apply = measure_apply(target, entries=args.apply_entries, batch_events=args.batch_events, batches=args.batches,
+                          seed=args.seed)
+    writes = measure_writes(sim_cfg, load=args.load, seconds=args.sim_seconds, cache_divisor=args.sim_cache_divisor,
+                            seed=args.seed)
+    topo = Topology.from_config(sim_cfg)
+    prompts = [r.prompt_tokens for r in itertools.islice(make_workload(WORKLOAD, 1000.0, region_weights(topo),
+                                                                       seed=args.seed), args.prompt_sample)]
+    len_sim, len_target = lengths_per_prompt(sim_cfg, prompts), lengths_per_prompt(target, prompts)
+    sizes = [int(x) for x in args.decision_sizes.split(",") if x]
+    if not args.quick and W <= 16_384 and W not in sizes:
+        sizes.append(W)
+    dec = measure_decisions(sorted(sizes), lambda w: decision_regions(w, W, R), entries=args.decision_entries,
+                            decisions=args.decisions, tokens=args.tokens, seed=args.seed)
+    a, b = fit_line([d["workers"] for d in dec], [d["p50_us"] for d in dec])
+    bc_small, bc_big = broadcast_bytes(target, 1), broadcast_bytes(target, 101)
+    worker = target.workers[0]
+    lam0_w = writes["lambda0"] / args.sim_workers  # per worker: the fleets share the A100 model and workload
+    units = Units(
+        lambda0_w=lam0_w, blocks_per_request=writes["blocks_per_request"],
+        reg_per_block=writes["reg_per_block"] * len_target / len_sim, updates_per_reg=writes["updates_per_reg"],
+        edge_us=apply["edge_us"], shard_us=apply["shard_us"], bytes_raw=apply["bytes_raw"],
+        bytes_zlib=apply["bytes_zlib"], view_bytes_per_entry=dec[-1]["view_bytes_per_entry"],
+        cache_blocks_w=(worker.vram_kv_tokens + worker.dram_kv_tokens) / target.index.block_size,
+        decision_a_us=a, decision_b_us=b, broadcast_bytes_per_worker=(bc_big - bc_small) / 100,
+        broadcast_overhead_bytes=bc_small - (bc_big - bc_small) / 100,
+        period_s=target.score.broadcast_period_ms / 1000.0)
+    p = project(units, W, R, S, E, args.load)
+
+    print("\n== measured on this machine")
+    print(f"apply ({apply['groups']} region-group tables of {apply['table_entries']:,} entries, {apply['updates']:,} "
+          f"updates in {args.batches} batches of {args.batch_events} events):")
+    print(f"  t_edge  = {units.edge_us:.3f} CPU µs per update (EdgeSync.on_batch)")
+    print(f"  t_shard = {units.shard_us:.3f} CPU µs per update (MaintenanceShard.apply_columns + flush)")
+    print(f"  bytes_per_update = {units.bytes_raw:.1f} raw, {units.bytes_zlib:.1f} compressed "
+          f"(x{units.bytes_zlib / units.bytes_raw:.2f}; wire.encode of UpdateBatchPublished)")
+    mix = ", ".join(f"{k} {v:,}" for k, v in writes["mix"].items())
+    print(f"write load (KVCompass simulation, {args.sim_workers} workers x {args.sim_regions} regions, {WORKLOAD} at "
+          f"{args.load:g} x lambda0 = {args.load * writes['lambda0']:.0f} req/s, caches / {args.sim_cache_divisor}, "
+          f"{args.sim_seconds:g} s, second half: {writes['requests']:,} requests; {mix}):")
+    print(f"  blocks_per_req  = {units.blocks_per_request:.1f} stored blocks per request")
+    print(f"  reg_blk_sim     = {writes['reg_per_block']:.3f} registrations per stored block")
+    print(f"  updates_per_reg = {units.updates_per_reg:.2f} index updates per registration")
+    print(f"  lambda0_w       = {lam0_w:.2f} req/s per worker (1 / (mean prompt x beta))")
+    print(f"registered lengths per cached prompt ({len(prompts):,} {WORKLOAD} prompts): len_sim = {len_sim:.1f} at "
+          f"{args.sim_regions} regions, len_target = {len_target:.1f} at {R} regions -> reg_blk = "
+          f"{units.reg_per_block:.3f}")
+    print("decision time, Router.decide (daemon settings), CPU µs P50 / P99:")
+    for d in dec:
+        print(f"  {d['workers']:>6} workers x {d['regions']:>4} regions, {d['entries']:>10,} entries: "
+              f"{d['p50_us']:8.1f} / {d['p99_us']:8.1f}   ({d['view_bytes_per_entry']:.1f} view bytes per entry)")
+    print(f"  fit: decision_us = {a:.1f} + {b * 1000:.3f} x W / 1000")
+    print(f"queue broadcast: {units.broadcast_overhead_bytes:.0f} + {units.broadcast_bytes_per_worker:.1f} x workers "
+          f"bytes, every {units.period_s * 1000:g} ms to each other region")
+
+    print(f"\n== projected: {W:,} workers x {R} regions, {S} shards, {E} edge(s) per region, load {args.load:g} x lambda0")
+    print(f"  lambda_w = {args.load:g} x {lam0_w:.2f} = {args.load * lam0_w:.2f} req/s per worker")
+    print(f"  U_w = lambda_w x blocks_per_req x reg_blk x updates_per_reg = {p['updates_per_worker_s']:,.0f} updates/s "
+          f"per worker; U = W x U_w = {W * p['updates_per_worker_s']:,.0f}/s")
+    print(f"  edge apply        = U x t_edge                          = {p['edge_apply_cores']:8.2f} cores")
+    print(f"  edge inbound      = U x bytes_per_update x 8           = {p['edge_inbound_gbps']:8.2f} Gbit/s raw, "
+          f"{p['edge_inbound_zlib_gbps']:.2f} compressed")
+    print(f"  edge views        = W x cache_blocks_w x reg_blk x bytes_per_entry = {p['view_gib']:8.1f} GiB "
+          f"(cache_blocks_w = {units.cache_blocks_w:,.0f}, every cache full)")
+    print(f"  decision          = a + b x W                           = {p['decision_us']:8.1f} µs P50")
+    print(f"  edge decisions    = W x lambda_w / (R x E) x decision   = {p['decision_cores']:8.2f} cores")
+    print(f"  queue broadcasts  = (R - 1) x bytes(W/R workers) x 8 / Delta = {p['broadcast_mbps']:8.1f} Mbit/s inbound per edge")
+    print(f"  shard apply       = U / S x t_shard                     = {p['shard_apply_cores']:8.2f} cores")
+    print(f"  shard egress      = U / S x bytes_per_update x 8 x R x E = {p['shard_egress_gbps']:8.2f} Gbit/s raw, "
+          f"{p['shard_egress_zlib_gbps']:.2f} compressed")
+
+    limits = {"edge_cores": args.edge_cores, "shard_cores": args.shard_cores, "nic_gbps": args.nic_gbps,
+              "edge_memory_gib": args.edge_memory_gib}
+    rows = []
+    for key, what, limit_name, unit in RESOURCES:
+        limit = limits[limit_name]
+        rows.append((p[key] / limit, what, p[key], limit, unit,
+                     breaking_point(units, key, limit, R, S, E, args.load, W)))
+    rows.sort(key=lambda r: (-r[0], r[5]))
+    print(f"\n== against the limits (--{'/--'.join(n.replace('_', '-') for n in limits)}), most used first")
+    print(f"  {'resource':<46} {'need':>10} {'limit':>10} {'used':>7} {'reaches its limit at':>22}")
+    for used, what, need, limit, unit, at in rows:
+        where = "never (< 1e9 workers)" if math.isinf(at) else f"{at:,.0f} workers"
+        print(f"  {what:<46} {need:>10.2f} {limit:>7g} {unit:<2} {used:>6.0%} {where:>22}")
+    first = rows[0]
+    verdict = "breaks first" if first[0] >= 1 else "is the first to break, when the fleet grows"
+    print(f"\nfirst resource to break: {first[1]} ({first[0]:.0%} of its limit at {W:,} workers) {verdict}")
+    print(f"(measured and projected in {time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
