@@ -32,7 +32,7 @@ import pytest_asyncio
 from e2e_helpers import admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.core.index import EdgeIndexView
-from kvcompassd.core.sync import EdgeSync
+from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.daemon import tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
@@ -41,7 +41,7 @@ from kvcompassd.wire import (
     ErrorReported,
     NodeIdentity,
     Role,
-    ShardSnapshotSent,
+    SnapshotChunkSent,
     UpdateBatchPublished,
 )
 
@@ -114,9 +114,9 @@ class ProbeEdge:
 
     def _on_message(self, peer, message, channel) -> None:
         step = None
-        if isinstance(message, ShardSnapshotSent):
-            self.snapshots += 1
-            step = self.sync.on_snapshot(message, now=time.monotonic())
+        if isinstance(message, SNAPSHOT_MESSAGES):  # whole, or a transfer's header or chunk
+            self.snapshots += not isinstance(message, SnapshotChunkSent)
+            step = self.sync.on_snapshot_message(message, now=time.monotonic())
         elif isinstance(message, UpdateBatchPublished):
             epoch, seq = self.view.position(self.shard)
             if self.dropping and message.seq % 3 == 0 and message.seq > seq:

@@ -32,6 +32,7 @@ from e2e_helpers import admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.core.snapshots import SnapshotAssembly
 from kvcompassd.daemon import split_address, tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import PeerUnavailable, QuicNode, TransportOptions
@@ -45,6 +46,8 @@ from kvcompassd.wire import (
     ResyncRequested,
     Role,
     ShardSnapshotSent,
+    SnapshotChunkSent,
+    SnapshotTransferStarted,
     UpdateBatchPublished,
     UpdatesSubscribed,
     WorkerRegistered,
@@ -190,7 +193,7 @@ async def test_edge_cannot_write_the_index_but_may_subscribe_on_the_same_connect
         assert (await admin(dep, "mnt-0", "holders", {"key": KEY_A}))["holders"] == {}
         # The same connection still does what an edge may.
         await edge.send(UpdatesSubscribed("edge-probe", 0, 0, -1))
-        snapshot = await edge.next(ShardSnapshotSent)
+        snapshot = await _received_snapshot(edge)
         assert snapshot.shard == 0 and snapshot.epoch == before["epoch"] and snapshot.seq == before["seq"]
     finally:
         await edge.close()
@@ -395,9 +398,18 @@ async def _shard_snapshot(dep, unit: str, shard: int) -> ShardSnapshotSent:
     listener = await probe(dep, "edge-probe", dep.cfg.maintenance[shard].quic, Role.EDGE)
     try:
         await listener.send(UpdatesSubscribed("edge-probe", shard, 0, -1))
-        return await listener.next(ShardSnapshotSent)
+        return await _received_snapshot(listener)
     finally:
         await listener.close()
+
+
+async def _received_snapshot(listener: Probe) -> ShardSnapshotSent:
+    """A unit's snapshot transfer (header, then chunks in order), put back together."""
+    assembly = SnapshotAssembly(await listener.next(SnapshotTransferStarted), max_entries=1 << 30, max_bytes=1 << 30)
+    while not assembly.complete:
+        outcome = assembly.add(await listener.next(SnapshotChunkSent))
+        assert outcome.kind == "added", outcome
+    return assembly.snapshot()
 
 
 def _edge_log(dep, edge: str, event: str) -> list[dict]:
