@@ -377,6 +377,9 @@ class MaintenanceNode:
         if what == "holders":
             key = int(args.get("key", -1))
             return {"key": key, "holders": {w: t.name for w, t in self.shard.holders(key).items()}}
+        if what == "digest":
+            return {"shard": self.me.shard, "position": [self.epoch, self.shard.seq], "entries": self.shard.entries(),
+                    "groups": {str(g): crc for g, crc in self.shard.digests().items()}}
         if what == "entries":
             # The exact (key, value) state per region group, for consistency checks.
             limit = int(args.get("limit", 100_000))

@@ -17,6 +17,7 @@ protocol encodes unchanged; the simulator moves the same objects.
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -234,6 +235,12 @@ class MaintenanceShard:
     def entries(self) -> int:
         return sum(len(t) for t in self._tables)
 
+    def digests(self) -> dict[int, int]:
+        """CRC-32 of every region group's snapshot blob: an edge's view of the same state
+        exports byte-identical blobs (``EdgeIndexView.digests``), so equal digests are equal
+        states, checked without moving the entries."""
+        return {g.group: zlib.crc32(self._tables[g.group].snapshot()) for g in self.layout.groups}
+
     def table_stats(self) -> list[dict]:
         return [
             {"group": g.group, "region": g.region, "entries": len(t), "load": round(t.load, 4),
@@ -352,6 +359,10 @@ class EdgeIndexView:
         if not st.ready:
             raise RuntimeError(f"shard {shard} has no state yet")
         return ShardSnapshotSent(shard, st.epoch, st.seq, tuple((g, v.snapshot()) for g, v in sorted(st.views.items())))
+
+    def digests(self, shard: int) -> dict[int, int]:
+        """CRC-32 of each group's view exported as a snapshot blob (``MaintenanceShard.digests``)."""
+        return {g: zlib.crc32(v.snapshot()) for g, v in sorted(self.state[shard].views.items())}
 
     def stats(self) -> list[dict]:
         out = []

@@ -345,6 +345,8 @@ class ShardFollower:
 
     def _after_install(self, step: SyncStep, now: float) -> SyncStep:
         """Apply the batches held during the transfer, in order; a gap among them asks as usual."""
+        if step.applied:
+            self._need_snapshot = False  # what is still missing (held or dropped batches) a replay brings
         assembly = self._assembly
         if assembly is not None and assembly.position <= self.position:
             self.abandon_transfer()  # a whole snapshot overtook it
