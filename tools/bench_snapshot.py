@@ -80,20 +80,23 @@ def log_records(cluster: Cluster, mode: str, node: str, event: str) -> list[dict
 
 async def fill(cluster: Cluster, entries: int, seed: int) -> None:
     """Register ``entries`` distinct keys for us-0 at the shard's unit."""
+    # Every report is built before connecting: seconds of CPU on a busy machine would otherwise
+    # hold this event loop past the connection's idle timeout.
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(1, 1 << 62, entries + entries // 1000 + 16, dtype=np.uint64))
+    rng.shuffle(keys)
+    keys = keys[:entries]
+    reports = [PrefixEventsReported("us-0", seq, IndexEventColumns(bytes([EventOp.CACHED_VRAM]) * len(part),
+                                                                   part.astype("<u8").tobytes()))
+               for seq, part in enumerate((keys[i:i + REPORT_EVENTS] for i in range(0, entries, REPORT_EVENTS)), 1)]
     node = QuicNode(NodeIdentity(Role.AGENT, "us-0"), tls_files(cluster.tls_dir, "us-0"),
                     on_message=lambda peer, msg, ch: print(f"unit answered: {msg}", file=sys.stderr))
     try:
         peer = await node.connect(split_address(cluster.cfg.maintenance[0].quic, "mnt-0"),
                                   expected_role=Role.MAINTENANCE, timeout=30)
         await peer.send(WorkerRegistered("us-0", 1))
-        rng = np.random.default_rng(seed)
-        keys = np.unique(rng.integers(1, 1 << 62, entries + entries // 1000 + 16, dtype=np.uint64))
-        rng.shuffle(keys)
-        keys = keys[:entries]
-        for seq, start in enumerate(range(0, entries, REPORT_EVENTS), 1):
-            part = keys[start:start + REPORT_EVENTS]
-            columns = IndexEventColumns(bytes([EventOp.CACHED_VRAM]) * len(part), part.astype("<u8").tobytes())
-            await peer.send(PrefixEventsReported("us-0", seq, columns))
+        for report in reports:
+            await peer.send(report)
 
         async def filled() -> bool:
             return (await admin(cluster, "mnt-0", "status"))["entries"] >= entries
