@@ -32,7 +32,7 @@ from e2e_helpers import admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier, TierChanged
-from kvcompassd.core.snapshots import SnapshotAssembly
+from kvcompassd.core.snapshots import SnapshotAssembly, SnapshotChunker
 from kvcompassd.daemon import split_address, tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import PeerUnavailable, QuicNode, TransportOptions
@@ -468,6 +468,30 @@ async def test_a_unit_cannot_write_another_units_shard_at_an_edge_and_keeps_its_
         await rogue.close()
     # mnt-0's batches still reach the edge: new entries of shard 0 converge.
     await _engine_generate(dep, "us-0", doc(7301, 900))
+    await assert_views_converged(dep, timeout=30)
+
+
+async def test_a_unit_cannot_send_another_units_shard_in_chunks_and_an_edge_cannot_either(dep):
+    # The chunked form of the same attack: mnt-1 (and then an edge) streams shard 0's real
+    # snapshot at a huge seq; both the header and the chunks are refused by sender.
+    real = await _shard_snapshot(dep, "mnt-0", 0)
+    forged = SnapshotChunker(dataclasses.replace(real, seq=real.seq + 10**12), snapshot_id=4242, chunk_bytes=4096)
+    before = {kind: await _refused(dep, "us", kind) for kind in ("SnapshotTransferStarted", "SnapshotChunkSent")}
+    for sender, role in (("mnt-1", None), ("edge-eu", Role.EDGE)):
+        rogue = await probe(dep, sender, dep.cfg.edges_in("us")[0].quic, role)
+        try:
+            await rogue.send(forged.header)
+            for chunk in forged.chunks_from(0):
+                await rogue.send(chunk)
+        finally:
+            await rogue.close()
+
+    async def all_refused():
+        return (await _refused(dep, "us", "SnapshotTransferStarted") == before["SnapshotTransferStarted"] + 2
+                and await _refused(dep, "us", "SnapshotChunkSent") == before["SnapshotChunkSent"] + 2 * forged.chunks)
+
+    await eventually(all_refused, timeout=REPLY_TIMEOUT)
+    assert (await _edge_position(dep, "edge-us", 0))[1] < real.seq + 10**12
     await assert_views_converged(dep, timeout=30)
 
 
