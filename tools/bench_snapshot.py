@@ -43,9 +43,10 @@ from kvcompassd.wire import NodeIdentity, PrefixEventsReported, Role, WorkerRegi
 REPORT_EVENTS = 1 << 17
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """A process's peak (VmHWM) or current (VmRSS) resident set, MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -124,6 +125,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"shard filled: {status['entries']:,} entries in {time.monotonic() - began:.1f} s "
               f"(tables: {[(t['entries'], t['load']) for t in status['tables']]})")
         shard = await admin(cluster, "mnt-0", "digest")
+        unit_before = rss_mib(unit.pid, "VmRSS"), rss_mib(unit.pid)
 
         started = time.monotonic()
         edge = cluster.spawn("edge", "edge-us", "--log-level", "info")
@@ -144,7 +146,8 @@ async def run(args: argparse.Namespace) -> None:
               f"<= {cluster.cfg.sync.snapshot_chunk_bytes:,} bytes (chunks sent {stats['snapshot_chunks_sent']})")
         print(f"new edge: view equal to the shard {elapsed:.2f} s after its process started; "
               f"transfer (header -> last chunk installed) {transfer_s:.2f} s")
-        print(f"peak RSS: edge {peak_rss_mib(edge.pid):.0f} MiB, maintenance {peak_rss_mib(unit.pid):.0f} MiB")
+        print(f"peak RSS: edge {rss_mib(edge.pid):.0f} MiB; maintenance {rss_mib(unit.pid):.0f} MiB (before the "
+              f"edge started: {unit_before[0]:.0f} MiB resident, {unit_before[1]:.0f} MiB peak while filling)")
     finally:
         cluster.stop()
 
