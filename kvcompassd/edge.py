@@ -280,9 +280,10 @@ class EdgeNode:
             log.info("snapshot", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, applied=step.applied,
                      reason=step.reason, source=source)
         elif isinstance(msg, SnapshotTransferStarted):
-            (log.warning if "refused" in step.reason else log.info)("snapshot transfer", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, snapshot_id=msg.snapshot_id,
-                     entries=msg.entries, bytes=msg.total_bytes, chunks=msg.chunks, accepted=step.applied,
-                     reason=step.reason, source=source)
+            level = log.warning if "refused" in step.reason else log.info
+            level("snapshot transfer", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, snapshot_id=msg.snapshot_id,
+                  entries=msg.entries, bytes=msg.total_bytes, chunks=msg.chunks, accepted=step.applied,
+                  reason=step.reason, source=source)
         elif step.reason:
             # A chunk taken says nothing; the last one (installed), duplicates and refusals do.
             level = log.info if step.applied or " again " in step.reason else log.warning
