@@ -461,3 +461,23 @@ def test_frontdoor_limits_are_read_validated_and_dumped() -> None:
     data["frontdoor"] = {"max_body": 1}
     with pytest.raises(ConfigError, match=r"\[frontdoor\] field 'max_body': unknown field"):
         parse_config(data)
+
+
+# ---------------------------------------------------------------- [sync]
+
+
+def test_sync_defaults_parse_validate_and_round_trip() -> None:
+    from kvcompassd.core.config import SyncParams
+
+    assert parse_config(minimal()).sync == SyncParams()
+    data = minimal()
+    data["sync"] = {"snapshot_chunk_bytes": 65536, "max_snapshot_entries": 1000}
+    cfg = parse_config(data)
+    assert cfg.sync.snapshot_chunk_bytes == 65536 and cfg.sync.max_snapshot_entries == 1000
+    assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    for bad, field in [({"snapshot_chunk_bytes": (1 << 20) + 1}, "snapshot_chunk_bytes"),  # over the wire's bound
+                       ({"snapshot_chunk_bytes": 65536, "snapshot_window_bytes": 4096}, "snapshot_window_bytes"),
+                       ({"max_snapshot_bytes": 0}, "max_snapshot_bytes"),
+                       ({"max_buffered_bytes": -1}, "max_buffered_bytes")]:
+        data["sync"] = bad
+        assert error_of(data).startswith(f"x.toml: [sync] field '{field}': ")

@@ -20,6 +20,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .messages import MAX_SNAPSHOT_CHUNK_BYTES
+
 __all__ = [
     "ClusterConfig",
     "ConfigError",
@@ -461,7 +463,7 @@ class SyncParams:
     max_buffered_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        _check_int("snapshot_chunk_bytes", self.snapshot_chunk_bytes, lo=4096, hi=1 << 20)
+        _check_int("snapshot_chunk_bytes", self.snapshot_chunk_bytes, lo=4096, hi=MAX_SNAPSHOT_CHUNK_BYTES)
         _check_int("snapshot_window_bytes", self.snapshot_window_bytes, lo=self.snapshot_chunk_bytes, hi=1 << 30)
         _check_int("max_snapshot_entries", self.max_snapshot_entries, lo=1)
         _check_int("max_snapshot_bytes", self.max_snapshot_bytes, lo=1)
