@@ -106,10 +106,12 @@ class SyncSettings:
 
 @dataclass(frozen=True, slots=True)
 class SyncStep:
-    """What the edge did with one input: applied it or not (and why), and the request to send."""
+    """What the edge did with one input: applied it or not (and why), and the request to send.
+    A transfer's header or chunk counts as applied when it was taken; the last chunk, when the
+    whole snapshot was installed."""
 
     applied: bool
-    send: ResyncRequested | SnapshotResumeRequested | None = None
+    send: Request | None = None
     reason: str = ""
 
 
