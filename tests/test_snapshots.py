@@ -26,6 +26,7 @@ from kvcompassd.wire import (
     ShardSnapshotSent,
     SnapshotChunkSent,
     SnapshotResumeRequested,
+    SnapshotTransferStarted,
     UpdateBatchPublished,
     UpdatesSubscribed,
     WireError,
@@ -271,7 +272,7 @@ def test_batches_beyond_the_hold_bound_are_replayed_after_the_snapshot():
     assert _equal(sync, shard)
 
 
-def test_a_newer_transfer_replaces_one_in_progress_and_an_older_one_is_ignored():
+def test_the_last_header_wins_and_a_stale_one_is_ignored():
     layout = _layout()
     shard = _shard(layout)
     sync = _sync(layout)
@@ -279,8 +280,11 @@ def test_a_newer_transfer_replaces_one_in_progress_and_an_older_one_is_ignored()
     _publish(shard, 1 << 44)
     second, second_messages = _transfer(shard, 500, snapshot_id=2)
     sync.on_snapshot_message(second_messages[0], now=0.0)
-    assert "older" in sync.on_snapshot_message(first_messages[0], now=0.0).reason
-    sync.on_snapshot_message(first_messages[1], now=0.0)  # a stray chunk of the other one
+    # The sender answered a resume with the snapshot it still has, an older one: that is the transfer now.
+    assert sync.on_snapshot_message(first_messages[0], now=0.0).applied
+    assert not sync.on_snapshot_message(second_messages[1], now=0.0).applied  # the replaced one's chunks
+    assert sync.followers[0].transfer.snapshot_id == 1
+    sync.on_snapshot_message(second_messages[0], now=0.0)
     for message in second_messages[1:]:
         sync.on_snapshot_message(message, now=0.0)
     assert _equal(sync, shard)
@@ -473,3 +477,40 @@ def test_a_whole_snapshot_still_installs_and_overtakes_a_transfer_in_progress():
     whole = ShardSnapshotSent(0, shard.epoch, shard.seq, shard.snapshot().tables)
     assert sync.on_snapshot_message(whole, now=0.0).applied
     assert sync.followers[0].transfer is None and _equal(sync, shard)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_forged_headers_and_chunks_never_raise_and_never_change_the_view(data):
+    """A sender that breaks the protocol (any header, chunks with any index, bytes and CRC, even
+    consistent ones of a garbage image) gets refusals; the edge keeps the view it had."""
+    layout = _layout()
+    shard = _shard(layout, keys=100)
+    sync = _sync(layout, max_snapshot_bytes=1 << 16)
+    sync.on_snapshot(shard.snapshot(), now=0.0)
+    before = (sync.view.position(0), sync.view.digests(0))
+    genuine = _transfer(shard, 512)[0].header
+    for _ in range(data.draw(st.integers(1, 30))):
+        if data.draw(st.booleans()):
+            total = data.draw(st.integers(1, 1 << 17))
+            chunk_bytes = data.draw(st.integers(1, 4096))
+            half = total // 2
+            groups = ((0, half), (1, total - half)) if half and data.draw(st.booleans()) else ((0, total),)
+            message = SnapshotTransferStarted(0, data.draw(st.sampled_from([EPOCH, EPOCH + 1, 2**40])),
+                                              data.draw(st.integers(0, 50)), data.draw(st.integers(1, 3)),
+                                              data.draw(st.integers(0, 10**6)), total, chunk_bytes,
+                                              -(-total // chunk_bytes), groups)
+        else:
+            payload = data.draw(st.binary(min_size=1, max_size=600))
+            crc = zlib.crc32(payload) if data.draw(st.booleans()) else data.draw(st.integers(0, 2**32 - 1))
+            message = SnapshotChunkSent(0, data.draw(st.integers(1, 3)), data.draw(st.integers(0, 40)), crc, payload)
+        step = sync.on_snapshot_message(message, now=0.0)
+        assert isinstance(step.reason, str)
+        if step.applied and isinstance(message, SnapshotChunkSent) and sync.followers[0].transfer is None:
+            raise AssertionError(f"a forged image was installed: {step.reason}")
+        assert (sync.view.position(0), sync.view.digests(0)) == before
+    # The genuine transfer still installs afterwards.
+    _publish(shard, 1 << 47)
+    for message in _transfer(shard, 512, snapshot_id=genuine.snapshot_id + 100)[1]:
+        sync.on_snapshot_message(message, now=1.0)
+    assert _equal(sync, shard)

@@ -33,7 +33,8 @@ Rules and invariants:
 
 - A snapshot of any size travels as a transfer (``kvcompassd.core.snapshots``): a header
   ``SnapshotTransferStarted`` naming its position ``(E, S)``, then chunks in order. A header at
-  or below the view's position, or below a transfer in progress, is stale; one beyond the
+  or below the view's position is stale; any other replaces the transfer in progress (a sender
+  streams one at a time, in order, so its last header is the one it sends). One beyond the
   edge's bounds (``SyncSettings.max_snapshot_entries`` / ``max_snapshot_bytes``) is refused
   before anything is buffered, as a snapshot the view rejects is. While a transfer is in
   progress, batches of epoch ``E`` after ``S`` are held (up to ``max_buffered_bytes``; beyond
@@ -226,8 +227,10 @@ class ShardFollower:
                                           f"(chunk {current.next_chunk} next)")
         if at != _NOTHING and got <= at:
             return SyncStep(False, reason=f"stale snapshot transfer {got} <= {at}")
-        if current is not None and got < current.position:
-            return SyncStep(False, reason=f"snapshot transfer {got} older than the one in progress {current.position}")
+        # Otherwise the last header wins, even one older than the transfer in progress: a sender
+        # streams one transfer at a time on an ordered channel, so a new header means the
+        # previous transfer is over (superseded, or gone from the sender, which answered a
+        # resume with what it has now); the previous one's chunks are ignored from here on.
         try:
             assembly = SnapshotAssembly(header, max_entries=self.settings.max_snapshot_entries,
                                         max_bytes=self.settings.max_snapshot_bytes)
