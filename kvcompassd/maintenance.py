@@ -56,6 +56,9 @@ log = structlog.get_logger(__name__)
 # report of 64 events costs to apply.
 DEFAULT_BATCH_DELAY_S = 0.002
 DEFAULT_MAX_BATCH_EVENTS = 4096
+# Kept snapshots are dropped once no transfer has run for this long: an edge that lost its
+# stream comes back within seconds, and a kept image costs as much memory as the shard's view.
+KEEP_SNAPSHOTS_S = 60.0
 
 
 @dataclass
@@ -109,6 +112,8 @@ class MaintenanceNode:
         self.snapshots = SnapshotSource(self.shard, new_id=lambda: secrets.randbits(64) or 1,
                                         chunk_bytes=cfg.sync.snapshot_chunk_bytes)
         self._transfers: dict[str, asyncio.Task] = {}  # edge -> the task sending it a snapshot's chunks
+        self._release_timer: asyncio.TimerHandle | None = None
+        self._stopped = False
         self.workers: dict[str, _WorkerStream] = {}
         self.stats = MaintenanceStats()
         self.metrics = metrics or MaintenanceMetrics()
@@ -130,10 +135,13 @@ class MaintenanceNode:
         log.info("maintenance started", shard=self.me.shard, epoch=self.epoch, address=self.address)
 
     async def stop(self) -> None:
+        self._stopped = True
         self._batches.cancel()
         for task in self._transfers.values():
             task.cancel()
         self._transfers.clear()
+        if self._release_timer is not None:
+            self._release_timer.cancel()
         for timer in self._grace_timers.values():
             timer.cancel()
         self._grace_timers.clear()
@@ -340,10 +348,25 @@ class MaintenanceNode:
         previous = self._transfers.pop(edge, None)
         if previous is not None:
             previous.cancel()
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
         peer.send_encoded(encode(chunker.header))
         task = asyncio.get_running_loop().create_task(self._stream_chunks(peer, edge, chunker, from_chunk))
         self._transfers[edge] = task
-        task.add_done_callback(lambda t, e=edge: self._transfers.pop(e, None) if self._transfers.get(e) is t else None)
+        task.add_done_callback(lambda t, e=edge: self._transfer_done(e, t))
+
+    def _transfer_done(self, edge: str, task: asyncio.Task) -> None:
+        if self._transfers.get(edge) is task:
+            del self._transfers[edge]
+        if not self._transfers and self._release_timer is None and not self._stopped:
+            self._release_timer = asyncio.get_running_loop().call_later(KEEP_SNAPSHOTS_S, self._release_snapshots)
+
+    def _release_snapshots(self) -> None:
+        self._release_timer = None
+        if not self._transfers:
+            log.info("kept snapshots released", bytes=self.snapshots.kept_bytes)
+            self.snapshots.release()
 
     async def _stream_chunks(self, peer: Peer, edge: str, chunker: SnapshotChunker, from_chunk: int) -> None:
         window = self.cfg.sync.snapshot_window_bytes

@@ -151,9 +151,13 @@ def test_snapshot_source_takes_one_snapshot_per_position_and_keeps_the_last_two(
     third = source.latest()
     assert source.taken == 3 and (third.header.epoch, third.header.seq) == (shard.epoch, shard.seq)
     assert source.get(first.snapshot_id) is None and source.get(second.snapshot_id) is second
+    assert source.kept_bytes == second.header.total_bytes + third.header.total_bytes
     # A catch-up that needs a snapshot takes it through the source.
     answer = catch_up(shard, 0, 0, take_snapshot=lambda: source.latest().snapshot)
     assert answer.snapshot is third.snapshot and source.taken == 3
+    source.release()  # nothing kept: a resume gets a new snapshot, taken afresh
+    assert source.get(third.snapshot_id) is None and source.kept_bytes == 0
+    assert source.latest() is not third and source.taken == 4
 
 
 # -- the sync protocol's transfers ---------------------------------------------------------------

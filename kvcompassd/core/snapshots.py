@@ -126,6 +126,14 @@ class SnapshotSource:
         """The kept snapshot ``snapshot_id``, or None once it was dropped (the edge restarts)."""
         return self._kept.get(snapshot_id)
 
+    def release(self) -> None:
+        """Drop every kept snapshot (a shard's images are its size again in memory)."""
+        self._kept.clear()
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(c.header.total_bytes for c in self._kept.values())
+
 
 class SnapshotRefused(ValueError):
     """A transfer the receiver will not take (beyond its bounds); nothing was buffered."""
