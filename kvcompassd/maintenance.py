@@ -9,9 +9,8 @@ size goes out as a transfer (``kvcompassd.core.snapshots``): its header at once,
 chunks paced by the connection's acknowledgements (``[sync] snapshot_window_bytes``), while
 update batches keep flowing to the edge between them; one snapshot serves every edge asking at
 the same position, and the last two are kept (for a minute after the last transfer) so an edge
-that lost the stream can resume. A restarted unit
-starts a new epoch; agents re-register what their engines hold when they reconnect, so the
-shard is rebuilt without any state on disk.
+that lost the stream can resume. A restarted unit starts a new epoch; agents re-register what
+their engines hold when they reconnect, so the shard is rebuilt without any state on disk.
 """
 
 from __future__ import annotations
