@@ -9,6 +9,7 @@ worker's agent (forward requests over QUIC; own-region agents report load), ever
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from typing import Any
 
@@ -24,7 +25,8 @@ from kvcompassd.core.fingerprints import budget_shortfall, fingerprint_choice_fo
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
-from kvcompassd.core.sync import EdgeSync, SyncStep
+from kvcompassd.core.snapshots import SnapshotChunker
+from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync, SyncSettings, SyncStep
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
@@ -43,6 +45,9 @@ from kvcompassd.wire import (
     ResyncRequested,
     Role,
     ShardSnapshotSent,
+    SnapshotChunkSent,
+    SnapshotResumeRequested,
+    SnapshotTransferStarted,
     UpdateBatchPublished,
     ViewCopyRequested,
     WorkerLoadReported,
@@ -74,7 +79,10 @@ class EdgeNode:
         self.clock = time.monotonic
         self.layout = IndexLayout.from_config(cfg)
         self.view = EdgeIndexView(self.layout, cfg.shards, edge=me.id)
-        self.sync = EdgeSync(self.view)  # the index-sync protocol (core/sync.py); this shell moves its messages
+        # The index-sync protocol (core/sync.py); this shell moves its messages.
+        self.sync = EdgeSync(self.view, SyncSettings(max_snapshot_entries=cfg.sync.max_snapshot_entries,
+                                                     max_snapshot_bytes=cfg.sync.max_snapshot_bytes,
+                                                     max_buffered_bytes=cfg.sync.max_buffered_bytes))
         self._sync_timer: asyncio.TimerHandle | None = None
         self._sync_deadline: float | None = None
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
@@ -216,7 +224,11 @@ class EdgeNode:
             if p is peer:
                 sub = self.sync.subscription(shard, now=self.clock())
                 peer.send_encoded(encode(sub))
-                log.info("subscribed", shard=shard, epoch=sub.epoch, seq=sub.seq)
+                if isinstance(sub, SnapshotResumeRequested):
+                    log.info("subscribed, resuming a snapshot", shard=shard, snapshot_id=sub.snapshot_id,
+                             from_chunk=sub.from_chunk)
+                else:
+                    log.info("subscribed", shard=shard, epoch=sub.epoch, seq=sub.seq)
         self._arm_sync_timer()
 
     def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo) -> Any:
@@ -236,7 +248,7 @@ class EdgeNode:
         self.metrics.refused_messages.labels(type(msg).__name__).inc()
         log.warning("message refused", peer=str(peer.identity), type=type(msg).__name__, detail=detail)
 
-    def _shard_owned_by_sender(self, peer: Peer, msg: UpdateBatchPublished | ShardSnapshotSent) -> bool:
+    def _shard_owned_by_sender(self, peer: Peer, msg: Any) -> bool:
         """Only the maintenance unit the config names for a shard writes that shard's view."""
         owner = self.cfg.shard_owner(msg.shard)
         identity = peer.identity
@@ -255,22 +267,42 @@ class EdgeNode:
             log.debug("batch not applied", shard=msg.shard, seq=msg.seq, reason=step.reason)
         self._sync_step(step)
 
-    def _snapshot(self, peer: Peer, msg: ShardSnapshotSent, channel: ChannelInfo) -> None:
-        # A peer edge's snapshots arrive only on the exchange copy_view_from opened, not here.
+    def _snapshot(self, peer: Peer, msg: Any, channel: ChannelInfo) -> None:
+        """A snapshot, whole or a transfer's header or chunk. A peer edge's snapshots arrive
+        only on the exchange copy_view_from opened, not here."""
         if not self._shard_owned_by_sender(peer, msg):
             return
-        step = self.sync.on_snapshot(msg, now=self.clock())
-        log.info("snapshot", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, applied=step.applied, reason=step.reason)
-        self._sync_step(step)
+        self._sync_step(self._take_snapshot_message(msg, source=peer.identity.node_id))
+
+    def _take_snapshot_message(self, msg: Any, *, source: str) -> SyncStep:
+        step = self.sync.on_snapshot_message(msg, now=self.clock())
+        if isinstance(msg, ShardSnapshotSent):
+            log.info("snapshot", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, applied=step.applied,
+                     reason=step.reason, source=source)
+        elif isinstance(msg, SnapshotTransferStarted):
+            level = log.warning if "refused" in step.reason else log.info
+            level("snapshot transfer", shard=msg.shard, epoch=msg.epoch, seq=msg.seq, snapshot_id=msg.snapshot_id,
+                  entries=msg.entries, bytes=msg.total_bytes, chunks=msg.chunks, accepted=step.applied,
+                  reason=step.reason, source=source)
+        elif step.reason:
+            # A chunk taken says nothing; the last one (installed), duplicates and refusals do.
+            level = log.info if step.applied or " again " in step.reason else log.warning
+            level("snapshot chunk", shard=msg.shard, snapshot_id=msg.snapshot_id, index=msg.index,
+                  installed=step.applied, reason=step.reason, source=source)
+        return step
 
     def _sync_step(self, step: SyncStep) -> None:
         if step.send is not None:
             self._request_resync(step.send, step.reason)
         self._arm_sync_timer()
 
-    def _request_resync(self, resync: ResyncRequested, reason: str) -> None:
+    def _request_resync(self, resync: ResyncRequested | SnapshotResumeRequested, reason: str) -> None:
         self.metrics.resyncs.inc()
-        log.info("resync", shard=resync.shard, epoch=resync.epoch, from_seq=resync.from_seq, reason=reason)
+        if isinstance(resync, SnapshotResumeRequested):
+            log.info("snapshot resume", shard=resync.shard, snapshot_id=resync.snapshot_id,
+                     from_chunk=resync.from_chunk, reason=reason)
+        else:
+            log.info("resync", shard=resync.shard, epoch=resync.epoch, from_seq=resync.from_seq, reason=reason)
         peer = self._shard_peers.get(resync.shard)
         if peer is not None and peer.is_connected:
             # Not connected: the subscription on reconnection asks for the same.
@@ -304,6 +336,7 @@ class EdgeNode:
         if target is None:
             raise ValueError(f"unknown edge {edge_id!r}")  # a config error: fail the start
         copied = 0
+        installed_before = [f.snapshots_installed for f in self.sync.followers]
         try:
             async with asyncio.timeout(self.cfg.deadlines.view_copy_timeout_s):
                 peer = await self.node.connect(split_address(target.quic, target.id), expected_role=Role.EDGE,
@@ -311,28 +344,47 @@ class EdgeNode:
                 async with peer.open_stream() as exchange:
                     await exchange.send(ViewCopyRequested(self.me.id))
                     async for reply in exchange:
-                        if isinstance(reply, ShardSnapshotSent):
-                            step = self.sync.on_snapshot(reply, now=self.clock())
-                            copied += step.applied
-                            log.info("copied shard from peer edge", peer=edge_id, shard=reply.shard,
-                                     applied=step.applied, reason=step.reason)
+                        if isinstance(reply, SNAPSHOT_MESSAGES):
+                            self._take_snapshot_message(reply, source=f"edge:{edge_id}")
                         elif isinstance(reply, ErrorReported):
                             raise ViewCopyRefused(f"peer edge refused the copy: {reply.code}: {reply.detail}")
         except (TimeoutError, TransportError, OSError, ViewCopyRefused) as exc:
             reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             log.warning("view copy from peer edge failed: bootstrapping from the maintenance units", peer=edge_id,
-                        error=reason, shards_copied=copied)
-            return bool(copied)
+                        error=reason)
+        finally:
+            # A copy that ended part-way cannot be resumed from the maintenance units: forget it.
+            for follower, before in zip(self.sync.followers, installed_before):
+                if follower.snapshots_installed > before:
+                    copied += 1
+                    log.info("copied shard from peer edge", peer=edge_id, shard=follower.shard,
+                             position=follower.position)
+                if follower.transfer is not None:
+                    follower.abandon_transfer()
         return bool(copied)
 
-    def _view_copy(self, peer: Peer, msg: ViewCopyRequested, channel: ChannelInfo) -> None:
-        if channel.stream is None:
+    async def _view_copy(self, peer: Peer, msg: ViewCopyRequested, channel: ChannelInfo) -> None:
+        """Every ready shard's view, each as a snapshot transfer, paced like a maintenance unit's."""
+        stream = channel.stream
+        if stream is None:
             return
         ready = [s for s in range(self.cfg.shards) if self.view.state[s].ready]
-        for i, shard in enumerate(ready):
-            channel.stream.send_encoded(encode(self.view.snapshot(shard)), end=i == len(ready) - 1)
         if not ready:
-            channel.stream.send_encoded(encode(ErrorReported("unavailable", "this edge has no views yet")), end=True)
+            stream.send_encoded(encode(ErrorReported("unavailable", "this edge has no views yet")), end=True)
+            return
+        window = self.cfg.sync.snapshot_window_bytes
+        try:
+            for shard in ready:
+                # Taken whole now (the image never changes as batches keep arriving), sent in chunks.
+                chunker = SnapshotChunker(self.view.snapshot(shard), snapshot_id=secrets.randbits(64) or 1,
+                                          chunk_bytes=self.cfg.sync.snapshot_chunk_bytes)
+                stream.send_encoded(encode(chunker.header))
+                for chunk in chunker.chunks_from(0):
+                    await peer.wait_unacknowledged_below(window)
+                    stream.send_encoded(encode(chunk))
+            await stream.close()
+        except TransportError as exc:
+            log.info("view copy to peer edge interrupted", peer=str(peer.identity), error=str(exc))
 
     # -- queue estimates ----------------------------------------------------------------------
 
@@ -421,6 +473,8 @@ class EdgeNode:
     _handlers = {
         UpdateBatchPublished: _batch,
         ShardSnapshotSent: _snapshot,
+        SnapshotTransferStarted: _snapshot,
+        SnapshotChunkSent: _snapshot,
         WorkerLoadReported: _load,
         PiggybackSent: _piggyback_sent,
         QueueVectorBroadcast: _broadcast,

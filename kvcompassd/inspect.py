@@ -14,9 +14,9 @@ import numpy as np
 from kvcompassd.core.events import Tier
 from kvcompassd.core.ludo import LudoView
 
-QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations", "lookup")
+QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations", "lookup", "digest")
 # What the other roles answer; anything else is refused, not answered with their status.
-MAINTENANCE_QUERIES = ("status", "holders", "entries")
+MAINTENANCE_QUERIES = ("status", "holders", "entries", "digest")
 AGENT_QUERIES = ("status",)
 
 
@@ -176,6 +176,16 @@ def _lookup(edge, args) -> dict:
             "values": view.lookup_many(np.asarray(keys, dtype=np.uint64)).tolist()}
 
 
+def _digest(edge, args) -> dict:
+    """A shard's position and the CRC-32 of each group's view as a snapshot blob: equal to the
+    maintenance unit's ``digest`` answer exactly when the view equals the shard (any size)."""
+    shard = int(args.get("shard", -1))
+    if not 0 <= shard < edge.cfg.shards:
+        raise ValueError(f"no shard {shard}")
+    return {"shard": shard, "position": list(edge.view.position(shard)),
+            "groups": {str(g): crc for g, crc in edge.view.digests(shard).items()}}
+
+
 def _migrations(edge, args) -> dict:
     hot = [{"trigger": trigger, "outcome": outcome, "misses": n}
            for (trigger, outcome), n in edge.router.hot.hot_misses.items()]
@@ -191,4 +201,5 @@ _QUERIES = {
     "holders": _holders,
     "migrations": _migrations,
     "lookup": _lookup,
+    "digest": _digest,
 }

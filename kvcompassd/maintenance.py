@@ -4,15 +4,20 @@ Agents report their workers' index events; this unit applies them through the co
 (``MaintenanceShard``), coalesces everything applied within ``batch_delay_s`` (2 ms) of the
 previous batch into one update batch ``(epoch, seq)``, encodes it once and pushes the same
 bytes to every subscribed edge on the edge's ordered control channel. Edges that are new,
-restarted, or found a gap get a replay from the bounded log or a snapshot. A restarted unit
-starts a new epoch; agents re-register what their engines hold when they reconnect, so the
-shard is rebuilt without any state on disk.
+restarted, or found a gap get a replay from the bounded log or a snapshot. A snapshot of any
+size goes out as a transfer (``kvcompassd.core.snapshots``): its header at once, then its
+chunks paced by the connection's acknowledgements (``[sync] snapshot_window_bytes``), while
+update batches keep flowing to the edge between them; one snapshot serves every edge asking at
+the same position, and the last two are kept (for a minute after the last transfer) so an edge
+that lost the stream can resume. A restarted unit starts a new epoch; agents re-register what
+their engines hold when they reconnect, so the shard is rebuilt without any state on disk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -22,11 +27,12 @@ from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, MaintenanceConfig
 from kvcompassd.core.index import MaintenanceShard, table_capacities
 from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.snapshots import SnapshotChunker, SnapshotSource
 from kvcompassd.core.sync import catch_up
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.metrics import MaintenanceMetrics
 from kvcompassd.pacing import FlushPacer
-from kvcompassd.transport import ChannelInfo, EncodedMessage, Peer, QuicNode
+from kvcompassd.transport import ChannelInfo, EncodedMessage, Peer, QuicNode, TransportError
 from kvcompassd.wire import (
     AdminAnswered,
     AdminQueried,
@@ -35,6 +41,7 @@ from kvcompassd.wire import (
     PrefixEventsReported,
     ResyncRequested,
     Role,
+    SnapshotResumeRequested,
     UpdatesSubscribed,
     WorkerRegistered,
     WorkerWithdrawn,
@@ -49,6 +56,9 @@ log = structlog.get_logger(__name__)
 # report of 64 events costs to apply.
 DEFAULT_BATCH_DELAY_S = 0.002
 DEFAULT_MAX_BATCH_EVENTS = 4096
+# Kept snapshots are dropped once no transfer has run for this long: an edge that lost its
+# stream comes back within seconds, and a kept image costs as much memory as the shard's view.
+KEEP_SNAPSHOTS_S = 60.0
 
 
 @dataclass
@@ -67,7 +77,10 @@ class MaintenanceStats:
     events_ignored: int = 0
     stale_reports: int = 0
     batches: int = 0
-    snapshots_sent: int = 0
+    snapshots_sent: int = 0  # transfers started (a resumed one counts again)
+    snapshots_resumed: int = 0
+    snapshots_taken: int = 0
+    snapshot_chunks_sent: int = 0
     replays_sent: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
@@ -95,6 +108,12 @@ class MaintenanceNode:
         self.node = QuicNode(NodeIdentity(Role.MAINTENANCE, me.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.subscribers: dict[str, Peer] = {}
+        # Snapshot ids are random: an edge may ask to resume one from an earlier life of this unit.
+        self.snapshots = SnapshotSource(self.shard, new_id=lambda: secrets.randbits(64) or 1,
+                                        chunk_bytes=cfg.sync.snapshot_chunk_bytes)
+        self._transfers: dict[str, asyncio.Task] = {}  # edge -> the task sending it a snapshot's chunks
+        self._release_timer: asyncio.TimerHandle | None = None
+        self._stopped = False
         self.workers: dict[str, _WorkerStream] = {}
         self.stats = MaintenanceStats()
         self.metrics = metrics or MaintenanceMetrics()
@@ -116,7 +135,13 @@ class MaintenanceNode:
         log.info("maintenance started", shard=self.me.shard, epoch=self.epoch, address=self.address)
 
     async def stop(self) -> None:
+        self._stopped = True
         self._batches.cancel()
+        for task in self._transfers.values():
+            task.cancel()
+        self._transfers.clear()
+        if self._release_timer is not None:
+            self._release_timer.cancel()
         for timer in self._grace_timers.values():
             timer.cancel()
         self._grace_timers.clear()
@@ -266,6 +291,24 @@ class MaintenanceNode:
         if self._own_edge(peer, msg, msg.edge, msg.shard):
             self._send_catch_up(peer, msg.epoch, msg.from_seq)
 
+    def _resume_requested(self, peer: Peer, msg: SnapshotResumeRequested, channel: ChannelInfo) -> None:
+        """An edge lost part of a snapshot (its connection broke, or a chunk went missing): send
+        the rest of the same snapshot if it is still kept, else a new one (the edge restarts).
+        It is also the edge's (re)subscription."""
+        if not self._own_edge(peer, msg, msg.edge, msg.shard):
+            return
+        chunker = self.snapshots.get(msg.snapshot_id)
+        if chunker is None or msg.from_chunk >= chunker.chunks:
+            log.info("snapshot resume: not kept any more, sending a new one", edge=msg.edge,
+                     snapshot_id=msg.snapshot_id, from_chunk=msg.from_chunk)
+            self._send_catch_up(peer, 0, 0)
+        else:
+            self.stats.snapshots_resumed += 1
+            log.info("snapshot resumed", edge=msg.edge, snapshot_id=msg.snapshot_id, from_chunk=msg.from_chunk,
+                     chunks=chunker.chunks)
+            self._send_transfer(peer, msg.edge, chunker, msg.from_chunk)
+        self.subscribers[msg.edge] = peer
+
     def _own_edge(self, peer: Peer, msg, edge: str, shard: int) -> bool:
         if peer.identity.node_id != edge:
             self._refuse(peer, msg, "forbidden", f"edge {peer.identity.node_id} may not speak for {edge}")
@@ -281,15 +324,61 @@ class MaintenanceNode:
         # pacer keeps its bookkeeping; catch_up then finds nothing pending.)
         if self._batches.scheduled:
             self._batches.flush_now()
-        answer = catch_up(self.shard, epoch, from_seq)
+        taken = self.snapshots.taken
+        answer = catch_up(self.shard, epoch, from_seq, take_snapshot=lambda: self.snapshots.latest().snapshot)
         self._publish(answer.published)
+        edge = peer.identity.node_id
         if answer.snapshot is None:
             self.stats.replays_sent += 1
-        else:
-            self.stats.snapshots_sent += 1
-            self.metrics.snapshots.inc()
-        for message in answer.messages:
-            peer.send_encoded(EncodedMessage(message).body_for(peer))
+            for message in answer.replay:
+                peer.send_encoded(EncodedMessage(message).body_for(peer))
+            return
+        self.stats.snapshots_sent += 1
+        self.stats.snapshots_taken += self.snapshots.taken - taken
+        self.metrics.snapshots.inc()
+        chunker = self.snapshots.latest()  # the one catch_up just took or reused
+        log.info("snapshot transfer", edge=edge, snapshot_id=chunker.snapshot_id, epoch=chunker.header.epoch,
+                 seq=chunker.header.seq, entries=chunker.header.entries, bytes=chunker.header.total_bytes,
+                 chunks=chunker.chunks, reused=self.snapshots.taken == taken)
+        self._send_transfer(peer, edge, chunker, 0)
+
+    def _send_transfer(self, peer: Peer, edge: str, chunker: SnapshotChunker, from_chunk: int) -> None:
+        """The header now (so the batches published from here on reach the edge after it and are
+        held there), then the chunks from ``from_chunk`` in the background, one transfer per edge."""
+        previous = self._transfers.pop(edge, None)
+        if previous is not None:
+            previous.cancel()
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        peer.send_encoded(encode(chunker.header))
+        task = asyncio.get_running_loop().create_task(self._stream_chunks(peer, edge, chunker, from_chunk))
+        self._transfers[edge] = task
+        task.add_done_callback(lambda t, e=edge: self._transfer_done(e, t))
+
+    def _transfer_done(self, edge: str, task: asyncio.Task) -> None:
+        if self._transfers.get(edge) is task:
+            del self._transfers[edge]
+        if not self._transfers and self._release_timer is None and not self._stopped:
+            self._release_timer = asyncio.get_running_loop().call_later(KEEP_SNAPSHOTS_S, self._release_snapshots)
+
+    def _release_snapshots(self) -> None:
+        self._release_timer = None
+        if not self._transfers:
+            log.info("kept snapshots released", bytes=self.snapshots.kept_bytes)
+            self.snapshots.release()
+
+    async def _stream_chunks(self, peer: Peer, edge: str, chunker: SnapshotChunker, from_chunk: int) -> None:
+        window = self.cfg.sync.snapshot_window_bytes
+        try:
+            for index in range(from_chunk, chunker.chunks):
+                await peer.wait_unacknowledged_below(window)
+                peer.send_encoded(encode(chunker.chunk(index)))
+                self.stats.snapshot_chunks_sent += 1
+        except TransportError as exc:
+            # The edge resumes (or restarts) the transfer when it comes back.
+            log.info("snapshot transfer interrupted", edge=edge, snapshot_id=chunker.snapshot_id,
+                     error=str(exc))
 
     def _admin(self, peer: Peer, msg: AdminQueried, channel: ChannelInfo) -> None:
         from kvcompassd.inspect import MAINTENANCE_QUERIES, refusal
@@ -311,6 +400,9 @@ class MaintenanceNode:
         if what == "holders":
             key = int(args.get("key", -1))
             return {"key": key, "holders": {w: t.name for w, t in self.shard.holders(key).items()}}
+        if what == "digest":
+            return {"shard": self.me.shard, "position": [self.epoch, self.shard.seq], "entries": self.shard.entries(),
+                    "groups": {str(g): crc for g, crc in self.shard.digests().items()}}
         if what == "entries":
             # The exact (key, value) state per region group, for consistency checks.
             limit = int(args.get("limit", 100_000))
@@ -337,5 +429,6 @@ class MaintenanceNode:
         WorkerWithdrawn: _worker_withdrawn,
         UpdatesSubscribed: _subscribed,
         ResyncRequested: _resync_requested,
+        SnapshotResumeRequested: _resume_requested,
         AdminQueried: _admin,
     }

@@ -33,6 +33,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     ID,
     MAX_FRAME_BYTES,
     MAX_ID_CHARS,
+    MAX_SNAPSHOT_CHUNK_BYTES,
     QUEUE_VECTOR,
     REGION,
     REQUEST_ID,
@@ -54,6 +55,9 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     QueueVectorBroadcast,
     ResyncRequested,
     ShardSnapshotSent,
+    SnapshotChunkSent,
+    SnapshotResumeRequested,
+    SnapshotTransferStarted,
     Text,
     UpdateBatchPublished,
     UpdatesSubscribed,
@@ -377,6 +381,9 @@ Message = (
     | ResyncRequested
     | UpdateBatchPublished
     | ShardSnapshotSent
+    | SnapshotTransferStarted
+    | SnapshotChunkSent
+    | SnapshotResumeRequested
     | QueueVectorBroadcast
     | ViewCopyRequested
     | RequestForwarded
@@ -430,6 +437,9 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(11, ResyncRequested, 1 * KiB),
         _spec(12, UpdateBatchPublished, MAX_FRAME_BYTES),
         _spec(13, ShardSnapshotSent, MAX_FRAME_BYTES),
+        _spec(14, SnapshotTransferStarted, 64 * KiB),
+        _spec(15, SnapshotChunkSent, MAX_SNAPSHOT_CHUNK_BYTES + 1 * KiB),
+        _spec(16, SnapshotResumeRequested, 1 * KiB),
         _spec(20, QueueVectorBroadcast, 1 * MiB),
         _spec(21, ViewCopyRequested, 1 * KiB),
         _spec(30, RequestForwarded, 8 * MiB),
@@ -461,6 +471,9 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     # A peer edge answers ViewCopyRequested with snapshots; the receiving edge must accept
     # snapshots from an edge only on an exchange it opened itself.
     ShardSnapshotSent: frozenset({Role.MAINTENANCE, Role.EDGE}),
+    SnapshotTransferStarted: frozenset({Role.MAINTENANCE, Role.EDGE}),  # the same rule as ShardSnapshotSent
+    SnapshotChunkSent: frozenset({Role.MAINTENANCE, Role.EDGE}),
+    SnapshotResumeRequested: frozenset({Role.EDGE}),
     QueueVectorBroadcast: frozenset({Role.EDGE}),
     ViewCopyRequested: frozenset({Role.EDGE}),
     RequestForwarded: frozenset({Role.EDGE}),

@@ -523,3 +523,23 @@ def test_kv_transfer_bandwidth_defaults_and_round_trips() -> None:
     assert cfg.workers[0].kv_transfer_gbps == 25.0 and isinstance(cfg.workers[0].kv_transfer_gbps, float)
     assert cfg.workers[1].kv_transfer_gbps == 100.0
     assert parse_config(tomllib.loads(dump_config(cfg)), "y.toml") == cfg
+
+
+# ---------------------------------------------------------------- [sync]
+
+
+def test_sync_defaults_parse_validate_and_round_trip() -> None:
+    from kvcompassd.core.config import SyncParams
+
+    assert parse_config(minimal()).sync == SyncParams()
+    data = minimal()
+    data["sync"] = {"snapshot_chunk_bytes": 65536, "max_snapshot_entries": 1000}
+    cfg = parse_config(data)
+    assert cfg.sync.snapshot_chunk_bytes == 65536 and cfg.sync.max_snapshot_entries == 1000
+    assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    for bad, field in [({"snapshot_chunk_bytes": (1 << 20) + 1}, "snapshot_chunk_bytes"),  # over the wire's bound
+                       ({"snapshot_chunk_bytes": 65536, "snapshot_window_bytes": 4096}, "snapshot_window_bytes"),
+                       ({"max_snapshot_bytes": 0}, "max_snapshot_bytes"),
+                       ({"max_buffered_bytes": -1}, "max_buffered_bytes")]:
+        data["sync"] = bad
+        assert error_of(data).startswith(f"x.toml: [sync] field '{field}': ")

@@ -32,7 +32,7 @@ import pytest_asyncio
 from e2e_helpers import admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.core.index import EdgeIndexView
-from kvcompassd.core.sync import EdgeSync
+from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.daemon import tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
@@ -41,7 +41,7 @@ from kvcompassd.wire import (
     ErrorReported,
     NodeIdentity,
     Role,
-    ShardSnapshotSent,
+    SnapshotChunkSent,
     UpdateBatchPublished,
 )
 
@@ -114,9 +114,9 @@ class ProbeEdge:
 
     def _on_message(self, peer, message, channel) -> None:
         step = None
-        if isinstance(message, ShardSnapshotSent):
-            self.snapshots += 1
-            step = self.sync.on_snapshot(message, now=time.monotonic())
+        if isinstance(message, SNAPSHOT_MESSAGES):  # whole, or a transfer's header or chunk
+            self.snapshots += not isinstance(message, SnapshotChunkSent)
+            step = self.sync.on_snapshot_message(message, now=time.monotonic())
         elif isinstance(message, UpdateBatchPublished):
             epoch, seq = self.view.position(self.shard)
             if self.dropping and message.seq % 3 == 0 and message.seq > seq:
@@ -126,11 +126,20 @@ class ProbeEdge:
             self.applied += step.applied
         elif isinstance(message, ErrorReported):
             self.errors.append(message)
-        # The QUIC stream is reliable, so the protocol's timeout never fires here; a request
-        # is sent only when a batch or snapshot shows a gap.
+        # A request is sent when a batch or snapshot shows a gap, or (``tick``) when one
+        # outstanding was not answered in time.
         if step is not None and step.send is not None:
-            self.resyncs += 1
-            peer.send_encoded(_encode(step.send))
+            self._request(step.send)
+
+    def _request(self, request) -> None:
+        self.resyncs += 1
+        self.peer.send_encoded(_encode(request))
+
+    def tick(self) -> None:
+        """The sync timer, as the edge daemon arms it: this probe drops batches itself, replays
+        included, so an answered request can still leave a gap only the timeout repairs."""
+        for request in self.sync.on_timer(now=time.monotonic()):
+            self._request(request)
 
     def values(self, group: int, keys: list[int]) -> list[int]:
         view = self.view.view(self.shard, group)
@@ -160,6 +169,7 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
             probe.dropping = False
 
             async def converged() -> bool:
+                probe.tick()
                 state = await admin(dep, unit.id, "entries")
                 for group, kv in state["groups"].items():
                     if probe.values(int(group), kv["keys"]) != kv["values"]:

@@ -28,10 +28,11 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from e2e_helpers import admin, assert_views_converged, doc, eventually
+from e2e_helpers import NotYet, admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier, TierChanged
+from kvcompassd.core.snapshots import SnapshotAssembly, SnapshotChunker
 from kvcompassd.daemon import split_address, tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import PeerUnavailable, QuicNode, TransportOptions
@@ -45,6 +46,8 @@ from kvcompassd.wire import (
     ResyncRequested,
     Role,
     ShardSnapshotSent,
+    SnapshotChunkSent,
+    SnapshotTransferStarted,
     UpdateBatchPublished,
     UpdatesSubscribed,
     WorkerRegistered,
@@ -190,7 +193,7 @@ async def test_edge_cannot_write_the_index_but_may_subscribe_on_the_same_connect
         assert (await admin(dep, "mnt-0", "holders", {"key": KEY_A}))["holders"] == {}
         # The same connection still does what an edge may.
         await edge.send(UpdatesSubscribed("edge-probe", 0, 0, -1))
-        snapshot = await edge.next(ShardSnapshotSent)
+        snapshot = await _received_snapshot(edge)
         assert snapshot.shard == 0 and snapshot.epoch == before["epoch"] and snapshot.seq == before["seq"]
     finally:
         await edge.close()
@@ -395,9 +398,18 @@ async def _shard_snapshot(dep, unit: str, shard: int) -> ShardSnapshotSent:
     listener = await probe(dep, "edge-probe", dep.cfg.maintenance[shard].quic, Role.EDGE)
     try:
         await listener.send(UpdatesSubscribed("edge-probe", shard, 0, -1))
-        return await listener.next(ShardSnapshotSent)
+        return await _received_snapshot(listener)
     finally:
         await listener.close()
+
+
+async def _received_snapshot(listener: Probe) -> ShardSnapshotSent:
+    """A unit's snapshot transfer (header, then chunks in order), put back together."""
+    assembly = SnapshotAssembly(await listener.next(SnapshotTransferStarted), max_entries=1 << 30, max_bytes=1 << 30)
+    while not assembly.complete:
+        outcome = assembly.add(await listener.next(SnapshotChunkSent))
+        assert outcome.kind == "added", outcome
+    return assembly.snapshot()
 
 
 def _edge_log(dep, edge: str, event: str) -> list[dict]:
@@ -456,6 +468,30 @@ async def test_a_unit_cannot_write_another_units_shard_at_an_edge_and_keeps_its_
         await rogue.close()
     # mnt-0's batches still reach the edge: new entries of shard 0 converge.
     await _engine_generate(dep, "us-0", doc(7301, 900))
+    await assert_views_converged(dep, timeout=30)
+
+
+async def test_a_unit_cannot_send_another_units_shard_in_chunks_and_an_edge_cannot_either(dep):
+    # The chunked form of the same attack: mnt-1 (and then an edge) streams shard 0's real
+    # snapshot at a huge seq; both the header and the chunks are refused by sender.
+    real = await _shard_snapshot(dep, "mnt-0", 0)
+    forged = SnapshotChunker(dataclasses.replace(real, seq=real.seq + 10**12), snapshot_id=4242, chunk_bytes=4096)
+    for sender, role in (("mnt-1", None), ("edge-eu", Role.EDGE)):
+        before = {kind: await _refused(dep, "us", kind) for kind in ("SnapshotTransferStarted", "SnapshotChunkSent")}
+        rogue = await probe(dep, sender, dep.cfg.edges_in("us")[0].quic, role)
+        try:
+            await rogue.send(forged.header)
+            for chunk in forged.chunks_from(0):
+                await rogue.send(chunk)
+
+            async def all_refused():
+                got = {kind: await _refused(dep, "us", kind) - n for kind, n in before.items()}
+                return got == {"SnapshotTransferStarted": 1, "SnapshotChunkSent": forged.chunks} or NotYet(repr(got))
+
+            await eventually(all_refused, timeout=REPLY_TIMEOUT)
+        finally:
+            await rogue.close()
+    assert (await _edge_position(dep, "edge-us", 0))[1] < real.seq + 10**12
     await assert_views_converged(dep, timeout=30)
 
 

@@ -87,7 +87,28 @@ def message_strategy(spec: wire.MessageSpec) -> st.SearchStrategy:
         return worker.flatmap(
             lambda w: st.builds(PrefixEventsReported, st.just(w), st.integers(0, 2**63 - 1), index_events_for(w))
         )
+    if spec.cls is wire.SnapshotTransferStarted:
+        return snapshot_headers()
+    if spec.cls is wire.SnapshotChunkSent:  # a chunk is never empty
+        return st.builds(wire.SnapshotChunkSent, **{name: strategy_for(ft) for name, ft in spec.fields
+                                                     if name != "data"}, data=st.binary(min_size=1, max_size=64))
     return st.builds(spec.cls, **{name: strategy_for(ft) for name, ft in spec.fields})
+
+
+@st.composite
+def snapshot_headers(draw) -> wire.SnapshotTransferStarted:
+    """Headers whose byte and chunk counts agree with their tables (the message checks it)."""
+    tables = draw(st.lists(st.tuples(st.integers(0, 65535), st.integers(1, 1 << 34)), min_size=1, max_size=5,
+                           unique_by=lambda p: p[0]))
+    total = sum(n for _, n in tables)
+    chunk_bytes = draw(st.integers(1, wire.MAX_SNAPSHOT_CHUNK_BYTES))
+    chunks = -(-total // chunk_bytes)
+    if chunks > 2**32 - 1:
+        chunk_bytes = wire.MAX_SNAPSHOT_CHUNK_BYTES
+        chunks = -(-total // chunk_bytes)
+    return wire.SnapshotTransferStarted(draw(st.integers(0, 65535)), draw(st.integers(0, 2**64 - 1)),
+                                        draw(st.integers(0, 2**63 - 1)), draw(st.integers(1, 2**64 - 1)),
+                                        draw(st.integers(0, 2**64 - 1)), total, chunk_bytes, chunks, tuple(tables))
 
 
 any_message = st.one_of([message_strategy(spec) for spec in MESSAGE_SPECS.values()])

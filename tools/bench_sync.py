@@ -56,7 +56,7 @@ from kvcompassd.core.config import load_config  # noqa: E402
 from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier, TierChanged  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard, table_capacities  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
-from kvcompassd.core.sync import EdgeSync  # noqa: E402
+from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync  # noqa: E402
 from kvcompassd.daemon import daemon_transport, split_address, tls_files  # noqa: E402
 from kvcompassd.launcher import DeploymentSpec  # noqa: E402
 from kvcompassd.reports import DEFAULT_REPORT_DELAY_S, ReportCoalescer  # noqa: E402
@@ -69,7 +69,7 @@ from kvcompassd.wire import (  # noqa: E402
     PrefixEventsReported,
     ResyncRequested,
     Role,
-    ShardSnapshotSent,
+    SnapshotResumeRequested,
     UpdateBatchPublished,
     WorkerRegistered,
     encode,
@@ -194,7 +194,7 @@ async def _edge_main(config, tls_dir, edge_id, probes, group, before, after, con
         if all(n == len(p) for n, p in zip(next_probe, probes)):
             all_seen.set()
 
-    def resync(request: ResyncRequested | None) -> None:
+    def resync(request: ResyncRequested | SnapshotResumeRequested | None) -> None:
         peer = peers.get(request.shard) if request is not None else None
         if peer is not None and peer.is_connected:
             peer.send_encoded(encode(request))
@@ -203,8 +203,8 @@ async def _edge_main(config, tls_dir, edge_id, probes, group, before, after, con
         if isinstance(message, UpdateBatchPublished):
             resync(sync.on_batch(message, now=time.monotonic()).send)
             check(message.shard)
-        elif isinstance(message, ShardSnapshotSent):
-            resync(sync.on_snapshot(message, now=time.monotonic()).send)
+        elif isinstance(message, SNAPSHOT_MESSAGES):  # whole, or a transfer's header or chunk
+            resync(sync.on_snapshot_message(message, now=time.monotonic()).send)
             check(message.shard)
 
     def on_peer_state(peer, connected: bool) -> None:

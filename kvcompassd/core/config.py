@@ -20,6 +20,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
+from .messages import MAX_SNAPSHOT_CHUNK_BYTES
+
 __all__ = [
     "WORKER_ROLES",
     "ClusterConfig",
@@ -32,6 +34,7 @@ __all__ = [
     "MaintenanceConfig",
     "RegionConfig",
     "ScoreParams",
+    "SyncParams",
     "WorkerConfig",
     "check_socket_collisions",
     "config_sockets",
@@ -481,6 +484,32 @@ class DeadlineParams:
             _as_float(self, name)
 
 
+@dataclass(frozen=True, slots=True)
+class SyncParams:
+    """How shard snapshots reach edges (``[sync]``; ``kvcompassd.core.snapshots``).
+
+    A maintenance unit (or a peer edge) sends a snapshot in chunks of ``snapshot_chunk_bytes``
+    (at most 1 MiB, the wire's bound), keeping at most ``snapshot_window_bytes`` of the
+    connection unacknowledged while it does, so update batches to that edge never queue behind
+    more. An edge refuses a transfer whose header declares more than ``max_snapshot_entries``
+    entries or ``max_snapshot_bytes`` bytes, before it buffers any, and holds at most
+    ``max_buffered_bytes`` of update batches per shard while a transfer is in progress (beyond
+    that it has them replayed afterwards)."""
+
+    snapshot_chunk_bytes: int = 512 * 1024
+    snapshot_window_bytes: int = 4 * 1024 * 1024
+    max_snapshot_entries: int = 1 << 28
+    max_snapshot_bytes: int = 4 << 30
+    max_buffered_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        _check_int("snapshot_chunk_bytes", self.snapshot_chunk_bytes, lo=4096, hi=MAX_SNAPSHOT_CHUNK_BYTES)
+        _check_int("snapshot_window_bytes", self.snapshot_window_bytes, lo=self.snapshot_chunk_bytes, hi=1 << 30)
+        _check_int("max_snapshot_entries", self.max_snapshot_entries, lo=1)
+        _check_int("max_snapshot_bytes", self.max_snapshot_bytes, lo=1)
+        _check_int("max_buffered_bytes", self.max_buffered_bytes, lo=0)
+
+
 # ---------------------------------------------------------------- latency derivation
 
 
@@ -639,6 +668,7 @@ class ClusterConfig:
     deadlines: DeadlineParams = field(default_factory=DeadlineParams)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)
+    sync: SyncParams = field(default_factory=SyncParams)
     _one_way: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _workers_by_id: dict[str, WorkerConfig] = field(init=False, repr=False, compare=False)
     _workers_by_region: dict[str, tuple[WorkerConfig, ...]] = field(init=False, repr=False, compare=False)
@@ -672,6 +702,8 @@ class ClusterConfig:
             raise ConfigError(f"expected TokenizerConfig, got {type(self.tokenizer).__name__}", table="[tokenizer]")
         if not isinstance(self.frontdoor, FrontDoorLimits):
             raise ConfigError(f"expected FrontDoorLimits, got {type(self.frontdoor).__name__}", table="[frontdoor]")
+        if not isinstance(self.sync, SyncParams):
+            raise ConfigError(f"expected SyncParams, got {type(self.sync).__name__}", table="[sync]")
 
         self._check_entries("[[regions]]", self.regions, RegionConfig)
         self._check_entries("[[workers]]", self.workers, WorkerConfig)
@@ -852,7 +884,7 @@ class ClusterConfig:
 # ---------------------------------------------------------------- parsing
 
 _TOP_LEVEL = ("cluster", "index", "score", "frontdoor", "tokenizer", "regions", "links", "workers", "edges",
-              "maintenance", "deadlines")
+              "maintenance", "deadlines", "sync")
 _CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms", "max_datagram_size")
 
 
@@ -919,6 +951,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
     frontdoor = _build(FrontDoorLimits, _table(data, "frontdoor", "[frontdoor]"), "[frontdoor]")
     deadlines = _build(DeadlineParams, _table(data, "deadlines", "[deadlines]"), "[deadlines]")
     tokenizer = _build(TokenizerConfig, _table(data, "tokenizer", "[tokenizer]"), "[tokenizer]")
+    sync = _build(SyncParams, _table(data, "sync", "[sync]"), "[sync]")
     regions = [_build(RegionConfig, raw, f"[[regions]] #{i}") for i, raw in enumerate(_array(data, "regions"), 1)]
     links = [_build(LinkConfig, raw, f"[[links]] #{i}", allowed=("between", "one_way_ms"))
              for i, raw in enumerate(_array(data, "links"), 1)]
@@ -943,6 +976,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
         deadlines=deadlines,
         tokenizer=tokenizer,
         frontdoor=frontdoor,
+        sync=sync,
     )
 
 
@@ -1006,7 +1040,7 @@ def dump_config(cfg: ClusterConfig) -> str:
     lines = ["[cluster]"]
     _emit(lines, cfg, _CLUSTER_KEYS)
     for title, obj in (("index", cfg.index), ("score", cfg.score), ("frontdoor", cfg.frontdoor),
-                       ("tokenizer", cfg.tokenizer), ("deadlines", cfg.deadlines)):
+                       ("tokenizer", cfg.tokenizer), ("deadlines", cfg.deadlines), ("sync", cfg.sync)):
         lines += ["", f"[{title}]"]
         _emit(lines, obj, _field_names(type(obj)))
     for region in cfg.regions:

@@ -18,6 +18,7 @@ protocol encodes unchanged; the simulator moves the same objects.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -272,6 +273,12 @@ class MaintenanceShard:
     def entries(self) -> int:
         return sum(len(t) for t in self._tables)
 
+    def digests(self) -> dict[int, int]:
+        """CRC-32 of every region group's snapshot blob: an edge's view of the same state
+        exports byte-identical blobs (``EdgeIndexView.digests``), so equal digests are equal
+        states, checked without moving the entries."""
+        return {g.group: zlib.crc32(self._tables[g.group].snapshot()) for g in self.layout.groups}
+
     def table_stats(self) -> list[dict]:
         return [
             {"group": g.group, "region": g.region, "entries": len(t), "load": round(t.load, 4),
@@ -323,19 +330,30 @@ class EdgeIndexView:
     def install_snapshot(self, snap: ShardSnapshotSent) -> BatchOutcome:
         """Replace a shard's views with a snapshot if it is newer than the view's position (a
         position never goes back), whole and well-formed."""
-        if not 0 <= snap.shard < self.shards:
-            return BatchOutcome(False, reason=f"snapshot for unknown shard {snap.shard}")
-        st = self.state[snap.shard]
-        if st.ready and (snap.epoch, snap.seq) <= (st.epoch, st.seq):
-            return BatchOutcome(False, reason=f"stale snapshot {(snap.epoch, snap.seq)} <= {(st.epoch, st.seq)}")
-        groups = {g for g, _ in snap.tables}
-        if groups != {g.group for g in self.layout.groups}:
+        return self.install_tables(snap.shard, snap.epoch, snap.seq, snap.tables)
+
+    def install_tables(self, shard: int, epoch: int, seq: int, tables, *, entries: int | None = None) -> BatchOutcome:
+        """``install_snapshot`` from its parts: ``tables`` are (group, blob) pairs, a blob any
+        bytes-like object (a reassembled image's slices are installed without a copy); with
+        ``entries``, the blobs must declare that many entries in all. On any refusal the
+        shard's views and position are unchanged."""
+        if not 0 <= shard < self.shards:
+            return BatchOutcome(False, reason=f"snapshot for unknown shard {shard}")
+        st = self.state[shard]
+        if st.ready and (epoch, seq) <= (st.epoch, st.seq):
+            return BatchOutcome(False, reason=f"stale snapshot {(epoch, seq)} <= {(st.epoch, st.seq)}")
+        groups = [g for g, _ in tables]
+        if len(groups) != len(set(groups)) or set(groups) != {g.group for g in self.layout.groups}:
             return BatchOutcome(False, reason="snapshot does not cover this cluster's region groups")
         try:
-            views = {g: LudoView.from_snapshot(blob) for g, blob in snap.tables}
+            views = {g: LudoView.from_snapshot(blob) for g, blob in tables}
         except LudoError as exc:
             return BatchOutcome(False, reason=f"corrupt snapshot: {exc}")
-        st.views, st.epoch, st.seq = views, snap.epoch, snap.seq
+        if entries is not None and sum(v.snapshot_entries for v in views.values()) != entries:
+            return BatchOutcome(False, reason=f"corrupt snapshot: its tables hold "
+                                              f"{sum(v.snapshot_entries for v in views.values())} entries, "
+                                              f"the transfer declared {entries}")
+        st.views, st.epoch, st.seq = views, epoch, seq
         return _APPLIED
 
     def apply_next(self, batch: UpdateBatchPublished) -> str | None:
@@ -379,6 +397,10 @@ class EdgeIndexView:
         if not st.ready:
             raise RuntimeError(f"shard {shard} has no state yet")
         return ShardSnapshotSent(shard, st.epoch, st.seq, tuple((g, v.snapshot()) for g, v in sorted(st.views.items())))
+
+    def digests(self, shard: int) -> dict[int, int]:
+        """CRC-32 of each group's view exported as a snapshot blob (``MaintenanceShard.digests``)."""
+        return {g: zlib.crc32(v.snapshot()) for g, v in sorted(self.state[shard].views.items())}
 
     def stats(self) -> list[dict]:
         out = []

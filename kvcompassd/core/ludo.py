@@ -473,3 +473,16 @@ def peek_blob(blob: bytes) -> tuple[str, int, int]:
     if rc != lib.KVC_OK:
         _raise(rc, "reading a blob header")
     return ("snapshot" if kind[0] == lib.KVC_BLOB_SNAPSHOT else "records"), int(table_id[0]), int(epoch[0])
+
+
+_SNAPSHOT_ENTRIES_AT = 72  # ludo_internal.h: the snapshot payload starts with `entries u64` after the 72-byte header
+
+
+def snapshot_blob_entries(blob: bytes | bytearray | memoryview) -> int:
+    """The entry count a snapshot blob's payload declares (its table's size when it was taken),
+    read from the header's shape only, like ``peek_blob``; ``LudoView.from_snapshot`` validates
+    the whole blob (CRC included) and reports the same count as ``snapshot_entries``."""
+    kind, _, _ = peek_blob(blob)
+    if kind != "snapshot" or len(blob) < _SNAPSHOT_ENTRIES_AT + 8:
+        raise LudoCorruptError(f"not a snapshot blob ({kind}, {len(blob)} bytes)")
+    return int.from_bytes(bytes(memoryview(blob)[_SNAPSHOT_ENTRIES_AT:_SNAPSHOT_ENTRIES_AT + 8]), "little")

@@ -9,7 +9,8 @@ Rules:
 - ``WIRE`` lists the fields in declaration order (the wire order; ``wire._spec`` checks it).
 - Field types bound every size (characters, items, bytes), so a decoded message is bounded.
 
-Here: every message of the discovery plane: the index-sync messages (``kvcompassd.core.sync``),
+Here: every message of the discovery plane: the index-sync messages (``kvcompassd.core.sync``; a snapshot of any size travels
+in bounded chunks, ``kvcompassd.core.snapshots``),
 the queue vector and load reports (``kvcompassd.core.queues``), the agents' index events and
 worker lifecycle (``kvcompassd.core.index``), and view copies between edges. ``kvcompassd.wire``
 defines only the request-forwarding, admin, tokenizer and error messages of the daemons' shell.
@@ -24,15 +25,22 @@ from typing import Any, ClassVar, Final
 from .events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 
 __all__ = [
-    "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "REGION", "SEQ", "SHARD", "TABLES", "Blob", "Bool", "Choice",
-    "EventColumns", "FieldType", "Float", "Int", "MessageError", "Pairs", "PiggybackSent", "PrefixEventsReported",
-    "QueueVectorBroadcast", "ResyncRequested", "ShardSnapshotSent", "Text", "UpdateBatchPublished", "UpdatesSubscribed",
-    "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerWithdrawn",
+    "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CHUNK_BYTES", "REGION", "SEQ",
+    "SHARD", "TABLES", "Blob", "Bool", "Choice", "EventColumns", "FieldType", "Float", "Int", "MessageError", "Pairs",
+    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "ShardSnapshotSent",
+    "SnapshotChunkSent", "SnapshotResumeRequested", "SnapshotTransferStarted", "Text", "UpdateBatchPublished",
+    "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerWithdrawn",
 ]
 
 KiB: Final = 1024
 MiB: Final = 1024 * KiB
-MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all: a shard snapshot
+MAX_FRAME_BYTES: Final = 16 * MiB  # the largest message of all
+# A snapshot crosses the wire in chunks of at most this many bytes (SnapshotChunkSent), so a
+# shard of any size bootstraps an edge and a chunk never holds the control channel for long.
+MAX_SNAPSHOT_CHUNK_BYTES: Final = 1 * MiB
+# The structural bound of one whole snapshot (every region group's blob together); a receiver
+# bounds what it accepts far lower, by configuration ([sync] max_snapshot_bytes).
+MAX_SNAPSHOT_BYTES: Final = 1 << 40
 MAX_ID_CHARS: Final = 128
 U32_MAX: Final = (1 << 32) - 1
 U64_MAX: Final = (1 << 64) - 1
@@ -178,6 +186,10 @@ SEQ = Int(-1, I64_MAX)  # -1 = "nothing yet"
 COUNT = Int(0, U32_MAX)
 MILLIS = Float(0.0, 1e9)
 TABLES = Pairs(Int(0, 65535), Blob(MAX_FRAME_BYTES), 4096)
+# A whole snapshot in memory (the simulator moves it as is; daemons stream it in chunks, and it
+# encodes as one message only when it fits one frame: the wire's bound for ShardSnapshotSent).
+SNAPSHOT_TABLES = Pairs(Int(0, 65535), Blob(MAX_SNAPSHOT_BYTES), 4096)
+SNAPSHOT_ID = Int(1, U64_MAX)
 QUEUE_VECTOR = Pairs(ID, MILLIS, 8192, unique_first=True)  # worker -> queue ms
 
 
@@ -239,7 +251,69 @@ class ShardSnapshotSent(WireMessage):
     epoch: int
     seq: int
     tables: tuple[tuple[int, bytes], ...]
-    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": SEQ, "tables": TABLES}
+    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": SEQ, "tables": SNAPSHOT_TABLES}
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotTransferStarted(WireMessage):
+    """maintenance (or a peer edge) -> edge: snapshot ``snapshot_id`` of ``shard``, the shard's
+    whole state after batch ``seq`` of ``epoch`` (``entries`` keys), follows in ``chunks``
+    SnapshotChunkSent of ``chunk_bytes`` (the last may be shorter). Its image is every region
+    group's snapshot blob, in ``tables`` order, end to end: ``tables`` = ((group, bytes), ...)."""
+
+    shard: int
+    epoch: int
+    seq: int
+    snapshot_id: int
+    entries: int
+    total_bytes: int
+    chunk_bytes: int
+    chunks: int
+    tables: tuple[tuple[int, int], ...]
+    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": Int(0, I64_MAX), "snapshot_id": SNAPSHOT_ID,
+                      "entries": Int(0, U64_MAX), "total_bytes": Int(1, MAX_SNAPSHOT_BYTES),
+                      "chunk_bytes": Int(1, MAX_SNAPSHOT_CHUNK_BYTES), "chunks": Int(1, U32_MAX),
+                      "tables": Pairs(Int(0, 65535), Int(1, MAX_SNAPSHOT_BYTES), 4096, unique_first=True)}
+
+    def _check(self) -> None:
+        if sum(n for _, n in self.tables) != self.total_bytes:
+            raise MessageError(f"SnapshotTransferStarted: tables add up to {sum(n for _, n in self.tables)} bytes, "
+                               f"not total_bytes {self.total_bytes}")
+        expected = -(-self.total_bytes // self.chunk_bytes)
+        if self.chunks != expected:
+            raise MessageError(f"SnapshotTransferStarted: {self.total_bytes} bytes in chunks of {self.chunk_bytes} "
+                               f"make {expected} chunks, not {self.chunks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotChunkSent(WireMessage):
+    """maintenance (or a peer edge) -> edge: bytes ``[index * chunk_bytes, ...)`` of snapshot
+    ``snapshot_id``'s image; ``crc32`` (zlib's CRC-32) of ``data``, checked by the receiver."""
+
+    shard: int
+    snapshot_id: int
+    index: int
+    crc32: int
+    data: bytes
+    WIRE: ClassVar = {"shard": SHARD, "snapshot_id": SNAPSHOT_ID, "index": Int(0, U32_MAX - 1),
+                      "crc32": Int(0, U32_MAX), "data": Blob(MAX_SNAPSHOT_CHUNK_BYTES)}
+
+    def _check(self) -> None:
+        if not self.data:
+            raise MessageError("SnapshotChunkSent.data: must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotResumeRequested(WireMessage):
+    """edge -> maintenance: send snapshot ``snapshot_id`` of ``shard`` again from chunk
+    ``from_chunk`` (the stream broke off, or a chunk is missing); a sender that no longer holds
+    it starts a new snapshot. Also (re)subscribes the edge to the shard's updates."""
+
+    edge: str
+    shard: int
+    snapshot_id: int
+    from_chunk: int
+    WIRE: ClassVar = {"edge": ID, "shard": SHARD, "snapshot_id": SNAPSHOT_ID, "from_chunk": Int(0, U32_MAX - 1)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +413,8 @@ class WorkerRegistered(WireMessage):
 
 @dataclass(frozen=True, slots=True)
 class ViewCopyRequested(WireMessage):
-    """edge -> edge: send me your views (answered with ShardSnapshotSent on the same exchange)."""
+    """edge -> edge: send me your views (answered on the same exchange with each shard's snapshot in
+    chunks: SnapshotTransferStarted, then its SnapshotChunkSent)."""
 
     edge: str
     WIRE: ClassVar = {"edge": ID}

@@ -31,24 +31,55 @@ Rules and invariants:
   the buckets the lost batches touched stay stale); a new epoch or a rejected batch still loads a
   snapshot.
 
+- A snapshot of any size travels as a transfer (``kvcompassd.core.snapshots``): a header
+  ``SnapshotTransferStarted`` naming its position ``(E, S)``, then chunks in order. A header at
+  or below the view's position is stale; any other replaces the transfer in progress (a sender
+  streams one at a time, in order, so its last header is the one it sends). One beyond the
+  edge's bounds (``SyncSettings.max_snapshot_entries`` / ``max_snapshot_bytes``) is refused
+  before anything is buffered, as a snapshot the view rejects is. While a transfer is in
+  progress, batches of epoch ``E`` after ``S`` are held (up to ``max_buffered_bytes``; beyond
+  that they are dropped and raise the target, so the replay brings them) and applied in order
+  once the last chunk is installed: updates published while the chunks travel are not lost.
+  Duplicate chunks are ignored; a chunk ahead of the next one asks to resume from the next
+  (``SnapshotResumeRequested``, once per gap); a chunk failing its CRC or length abandons the
+  transfer, and the outstanding request's timer asks again. Every chunk taken moves the
+  deadline on (a long transfer is not a stall); a stalled one asks to resume, and so does the
+  (re)subscription while a transfer is in progress. The view changes only when a whole,
+  valid image is installed, so a refused or abandoned transfer never costs the current view.
+
 So the number of requests an edge sends is at most one per gap episode plus one per timeout,
 and a stream with any mix of loss, duplication, delay and reordering converges to the shard's
-state once messages get through (``tests/test_sync.py``).
+state once messages get through (``tests/test_sync.py``, ``tests/test_snapshots.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
-from .messages import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished, UpdatesSubscribed
+from .messages import (
+    ResyncRequested,
+    ShardSnapshotSent,
+    SnapshotChunkSent,
+    SnapshotResumeRequested,
+    SnapshotTransferStarted,
+    UpdateBatchPublished,
+    UpdatesSubscribed,
+)
+from .snapshots import SnapshotAssembly, SnapshotRefused
 
 if TYPE_CHECKING:
     from .index import EdgeIndexView, MaintenanceShard
 
-__all__ = ["CatchUp", "EdgeSync", "ShardFollower", "SyncSettings", "SyncStep", "catch_up"]
+__all__ = ["SNAPSHOT_MESSAGES", "CatchUp", "EdgeSync", "ShardFollower", "SyncSettings", "SyncStep", "catch_up"]
 
 _NOTHING = (-1, -1)  # the position of a view without state: below every real one
+
+# What brings an edge a snapshot: whole (it fits one frame, or in the simulator), or a transfer.
+SNAPSHOT_MESSAGES = (ShardSnapshotSent, SnapshotTransferStarted, SnapshotChunkSent)
+SnapshotMessage = Union[ShardSnapshotSent, SnapshotTransferStarted, SnapshotChunkSent]
+Request = Union[ResyncRequested, SnapshotResumeRequested]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,19 +89,30 @@ class SyncSettings:
     resync_timeout_s: float = 2.0
     max_resync_timeout_s: float = 30.0
     repair: bool = True
+    # What an edge takes of one snapshot transfer (its header declares both before any chunk).
+    max_snapshot_entries: int = 1 << 28
+    max_snapshot_bytes: int = 4 << 30
+    # Live batches held per shard while a transfer is in progress (beyond: replayed after it).
+    max_buffered_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not 0 < self.resync_timeout_s <= self.max_resync_timeout_s:
             raise ValueError(f"need 0 < resync_timeout_s <= max_resync_timeout_s, got "
                              f"{self.resync_timeout_s!r}, {self.max_resync_timeout_s!r}")
+        for name in ("max_snapshot_entries", "max_snapshot_bytes", "max_buffered_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class SyncStep:
-    """What the edge did with one input: applied it or not (and why), and the request to send."""
+    """What the edge did with one input: applied it or not (and why), and the request to send.
+    A transfer's header or chunk counts as applied when it was taken; the last chunk, when the
+    whole snapshot was installed."""
 
     applied: bool
-    send: ResyncRequested | None = None
+    send: Request | None = None
     reason: str = ""
 
 
@@ -81,7 +123,9 @@ class ShardFollower:
     """The edge side of one shard's stream: position, gap detection, the outstanding request."""
 
     __slots__ = ("view", "shard", "edge", "settings", "_target", "_need_snapshot", "_deadline", "_timeout_s",
-                 "gaps", "gaps_skipped", "requests", "snapshots_installed")
+                 "_assembly", "_resume_from", "_buffered", "_buffered_bytes",
+                 "gaps", "gaps_skipped", "requests", "snapshots_installed", "transfers_started",
+                 "transfers_abandoned", "chunks_taken", "batches_held", "batches_dropped")
 
     def __init__(self, view: EdgeIndexView, shard: int, settings: SyncSettings):
         self.view = view
@@ -94,8 +138,17 @@ class ShardFollower:
         self._timeout_s = settings.resync_timeout_s
         self.gaps = 0  # inputs that found a gap (several may share one request)
         self.gaps_skipped = 0  # repair=False: gaps applied over
-        self.requests = 0  # catch-up requests sent (subscriptions included)
+        self.requests = 0  # catch-up requests sent (subscriptions and resumes included)
         self.snapshots_installed = 0
+        self._assembly: SnapshotAssembly | None = None  # the snapshot transfer in progress
+        self._resume_from: int | None = None  # the chunk a resume request asked for, until it came
+        self._buffered: dict[int, UpdateBatchPublished] = {}  # seq -> batch held during the transfer
+        self._buffered_bytes = 0
+        self.transfers_started = 0
+        self.transfers_abandoned = 0
+        self.chunks_taken = 0
+        self.batches_held = 0
+        self.batches_dropped = 0  # not held (the buffer was full): the replay brings them
 
     @property
     def position(self) -> tuple[int, int]:
@@ -111,11 +164,21 @@ class ShardFollower:
     def deadline(self) -> float | None:
         return self._deadline
 
-    def subscription(self, *, now: float) -> UpdatesSubscribed:
+    @property
+    def transfer(self) -> SnapshotAssembly | None:
+        """The snapshot transfer in progress, if any."""
+        return self._assembly
+
+    def subscription(self, *, now: float) -> UpdatesSubscribed | SnapshotResumeRequested:
         """What to send on every (re)connection to the shard's unit. It asks for everything
-        after the view's position, so it stands for any request outstanding before."""
+        after the view's position, so it stands for any request outstanding before; with a
+        transfer in progress it asks to resume that one (which also subscribes)."""
         epoch, seq = self.position
         self.requests += 1
+        if self._assembly is not None:
+            self._resume_from = self._assembly.next_chunk
+            self._deadline = now + self._timeout_s
+            return self._resume()
         if self._target is None and seq < 0:
             self._target, self._need_snapshot = (0, 0), True
         if self._target is not None:
@@ -123,6 +186,9 @@ class ShardFollower:
         return UpdatesSubscribed(self.edge, self.shard, max(epoch, 0), seq)
 
     def on_batch(self, batch: UpdateBatchPublished, *, now: float) -> SyncStep:
+        assembly = self._assembly
+        if assembly is not None and batch.epoch == assembly.header.epoch and batch.seq > assembly.header.seq:
+            return self._hold(batch, now)
         at = self.position
         got = (batch.epoch, batch.seq)
         if got <= at:
@@ -145,21 +211,163 @@ class ShardFollower:
     def on_snapshot(self, snap: ShardSnapshotSent, *, now: float) -> SyncStep:
         installed = self.view.install_snapshot(snap)  # refuses stale ones: a position never goes back
         if not installed.applied:
-            # A view without state needs one; a bad or stale one on top of a good view costs nothing.
-            if self.position == _NOTHING:
-                return self._gap((0, 0), True, installed.reason, now)
-            return SyncStep(False, reason=installed.reason)
+            return self._snapshot_failed(installed.reason, now)
         self.snapshots_installed += 1
         self._check_reached()
-        return _APPLIED
+        return self._after_install(SyncStep(True), now)
+
+    def on_transfer_started(self, header: SnapshotTransferStarted, *, now: float) -> SyncStep:
+        """A snapshot transfer's header: start taking its chunks (see the module rules)."""
+        got = (header.epoch, header.seq)
+        at = self.position
+        current = self._assembly
+        if current is not None and current.snapshot_id == header.snapshot_id:
+            self._progress(now)  # a resumed transfer announces itself again: keep what arrived
+            return SyncStep(False, reason=f"snapshot {header.snapshot_id} already in transfer "
+                                          f"(chunk {current.next_chunk} next)")
+        if at != _NOTHING and got <= at:
+            return SyncStep(False, reason=f"stale snapshot transfer {got} <= {at}")
+        # Otherwise the last header wins, even one older than the transfer in progress: a sender
+        # streams one transfer at a time on an ordered channel, so a new header means the
+        # previous transfer is over (superseded, or gone from the sender, which answered a
+        # resume with what it has now); the previous one's chunks are ignored from here on.
+        try:
+            assembly = SnapshotAssembly(header, max_entries=self.settings.max_snapshot_entries,
+                                        max_bytes=self.settings.max_snapshot_bytes)
+        except SnapshotRefused as exc:
+            return self._snapshot_failed(f"snapshot transfer refused: {exc}", now)
+        if current is not None:
+            self.transfers_abandoned += 1
+        self._assembly, self._resume_from = assembly, None
+        for seq in [q for q, b in self._buffered.items() if b.epoch != header.epoch or b.seq <= header.seq]:
+            self._buffered_bytes -= _batch_bytes(self._buffered.pop(seq))
+        self.transfers_started += 1
+        self._progress(now)
+        return SyncStep(True, reason=f"snapshot {header.snapshot_id} at {got}: {header.chunks} chunks, "
+                                     f"{header.total_bytes} bytes, {header.entries} entries")
+
+    def on_chunk(self, chunk: SnapshotChunkSent, *, now: float) -> SyncStep:
+        """One chunk of the transfer in progress; the last one installs the snapshot."""
+        assembly = self._assembly
+        if assembly is None:
+            return SyncStep(False, reason=f"chunk {chunk.index} of snapshot {chunk.snapshot_id}: no transfer in progress")
+        outcome = assembly.add(chunk)
+        if outcome.kind in ("foreign", "duplicate"):
+            return SyncStep(False, reason=outcome.reason)
+        if outcome.kind == "gap":
+            if self._resume_from == assembly.next_chunk:
+                return SyncStep(False, reason=f"{outcome.reason} (resume already asked)")
+            self._resume_from = assembly.next_chunk
+            self.requests += 1
+            self._progress(now)
+            return SyncStep(False, self._resume(), outcome.reason)
+        if outcome.kind == "corrupt":
+            self.abandon_transfer()
+            return self._snapshot_failed(f"snapshot {assembly.snapshot_id} abandoned: {outcome.reason}", now)
+        self.chunks_taken += 1
+        if self._resume_from is not None and assembly.next_chunk > self._resume_from:
+            self._resume_from = None
+        if not assembly.complete:
+            self._progress(now)
+            return SyncStep(True)
+        self._assembly, self._resume_from = None, None
+        h = assembly.header
+        installed = self.view.install_tables(h.shard, h.epoch, h.seq, assembly.tables(), entries=h.entries)
+        if installed.applied:
+            self.snapshots_installed += 1
+            self._check_reached()
+            return self._after_install(SyncStep(True, reason=f"snapshot {h.snapshot_id} installed at "
+                                                             f"{(h.epoch, h.seq)}"), now)
+        if self.position >= (h.epoch, h.seq):
+            # Batches took the view there meanwhile: the held ones may still be next.
+            return self._after_install(SyncStep(False, reason=installed.reason), now)
+        self._drop_held()
+        return self._snapshot_failed(installed.reason, now)
+
+    def abandon_transfer(self) -> None:
+        """Forget the transfer in progress and the batches held for it (its sender went away
+        for good, e.g. a peer edge's copy that ended part-way); the view is untouched."""
+        if self._assembly is not None:
+            self.transfers_abandoned += 1
+        self._assembly, self._resume_from = None, None
+        self._drop_held()
+        if self._target is None:
+            self._deadline = None
 
     def on_timer(self, *, now: float) -> SyncStep:
-        """Send the outstanding request again if its target was not reached in time."""
+        """Send the outstanding request again if its target was not reached in time, or ask to
+        resume a transfer that stopped making progress."""
         if self._deadline is None or now < self._deadline:
             return SyncStep(False)
         self._timeout_s = min(2 * self._timeout_s, self.settings.max_resync_timeout_s)
         self._deadline = now + self._timeout_s
+        if self._assembly is not None:
+            self._resume_from = self._assembly.next_chunk
+            self.requests += 1
+            return SyncStep(False, self._resume(), f"snapshot {self._assembly.snapshot_id} stalled at chunk "
+                                                   f"{self._assembly.next_chunk}; asked to resume")
+        if self._target is None:
+            self._deadline = None
+            return SyncStep(False)
         return SyncStep(False, self._request(), f"catch-up toward {self._target} timed out; asked again")
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _snapshot_failed(self, reason: str, now: float) -> SyncStep:
+        # A view without state needs one; a bad or stale one on top of a good view costs nothing.
+        if self.position == _NOTHING:
+            return self._gap((0, 0), True, reason, now)
+        return SyncStep(False, reason=reason)
+
+    def _progress(self, now: float) -> None:
+        """A transfer moved: its deadline is one timeout from now (a long transfer is no stall)."""
+        self._deadline = now + self._timeout_s
+
+    def _resume(self) -> SnapshotResumeRequested:
+        assembly = self._assembly
+        return SnapshotResumeRequested(self.edge, self.shard, assembly.snapshot_id, assembly.next_chunk)
+
+    def _hold(self, batch: UpdateBatchPublished, now: float) -> SyncStep:
+        got = (batch.epoch, batch.seq)
+        # Reaching the snapshot's position is not enough any more: the catch-up is over once
+        # the view holds this batch too (the timer asks for a replay if it never comes).
+        self._target = got if self._target is None else max(self._target, got)
+        if batch.seq in self._buffered:
+            return SyncStep(False, reason=f"duplicate batch {got} held during the snapshot transfer")
+        size = _batch_bytes(batch)
+        if self._buffered_bytes + size > self.settings.max_buffered_bytes:
+            self.batches_dropped += 1
+            return SyncStep(False, reason=f"batch {got} not held: {self._buffered_bytes} bytes already held "
+                                          f"during the snapshot transfer; the replay will bring it")
+        self._buffered[batch.seq] = batch
+        self._buffered_bytes += size
+        self.batches_held += 1
+        return SyncStep(False, reason=f"batch {got} held until snapshot {self._assembly.position} is installed")
+
+    def _drop_held(self) -> None:
+        self._buffered.clear()
+        self._buffered_bytes = 0
+
+    def _after_install(self, step: SyncStep, now: float) -> SyncStep:
+        """Apply the batches held during the transfer, in order; a gap among them asks as usual."""
+        if step.applied:
+            self._need_snapshot = False  # what is still missing (held or dropped batches) a replay brings
+        assembly = self._assembly
+        if assembly is not None and assembly.position <= self.position:
+            self.abandon_transfer()  # a whole snapshot overtook it
+        if not self._buffered or self._assembly is not None:
+            if self._target is None and self._assembly is None:
+                self._deadline = None
+            return step
+        held = [self._buffered[seq] for seq in sorted(self._buffered)]
+        self._drop_held()
+        send = step.send
+        for batch in held:
+            outcome = self.on_batch(batch, now=now)
+            send = send or outcome.send
+        if self._target is None:
+            self._deadline = None
+        return SyncStep(step.applied, send, step.reason)
 
     def _gap(self, target: tuple[int, int], snapshot: bool, reason: str, now: float) -> SyncStep:
         self.gaps += 1
@@ -180,8 +388,13 @@ class ShardFollower:
 
     def _check_reached(self) -> None:
         if self._target is not None and self.position >= self._target:
-            self._target, self._need_snapshot, self._deadline = None, False, None
+            self._target, self._need_snapshot = None, False
+            self._deadline = None if self._assembly is None else self._deadline
             self._timeout_s = self.settings.resync_timeout_s
+
+
+def _batch_bytes(batch: UpdateBatchPublished) -> int:
+    return sum(len(blob) for _, blob in batch.tables)
 
 
 class EdgeSync:
@@ -203,10 +416,21 @@ class EdgeSync:
         f = self._follower(snap.shard)
         return SyncStep(False, reason=f"snapshot for unknown shard {snap.shard}") if f is None else f.on_snapshot(snap, now=now)
 
-    def subscription(self, shard: int, *, now: float) -> UpdatesSubscribed:
+    def on_snapshot_message(self, message: SnapshotMessage, *, now: float) -> SyncStep:
+        """A snapshot in any form (``SNAPSHOT_MESSAGES``): whole, or a transfer's header or chunk."""
+        f = self._follower(message.shard)
+        if f is None:
+            return SyncStep(False, reason=f"snapshot for unknown shard {message.shard}")
+        if isinstance(message, SnapshotChunkSent):
+            return f.on_chunk(message, now=now)
+        if isinstance(message, SnapshotTransferStarted):
+            return f.on_transfer_started(message, now=now)
+        return f.on_snapshot(message, now=now)
+
+    def subscription(self, shard: int, *, now: float) -> UpdatesSubscribed | SnapshotResumeRequested:
         return self.followers[shard].subscription(now=now)
 
-    def on_timer(self, *, now: float) -> list[ResyncRequested]:
+    def on_timer(self, *, now: float) -> list[Request]:
         """Requests due again at ``now`` (at most one per shard)."""
         return [step.send for f in self.followers if (step := f.on_timer(now=now)).send is not None]
 
@@ -238,12 +462,15 @@ class CatchUp:
         return self.replay if self.snapshot is None else (self.snapshot,)
 
 
-def catch_up(shard: MaintenanceShard, epoch: int, from_seq: int) -> CatchUp:
+def catch_up(shard: MaintenanceShard, epoch: int, from_seq: int, *,
+             take_snapshot: Callable[[], ShardSnapshotSent] | None = None) -> CatchUp:
     """Everything an edge at ``(epoch, from_seq - 1)`` is missing: the replay log's batches
-    from ``from_seq`` when it still holds them, else a snapshot (see the module rules)."""
+    from ``from_seq`` when it still holds them, else a snapshot (see the module rules), taken
+    by ``take_snapshot`` (default ``shard.snapshot``; a daemon passes one that reuses a
+    snapshot already taken at the same position: ``SnapshotSource``)."""
     published = shard.flush()
     if epoch == shard.epoch and from_seq >= 1:
         replay = shard.replay_from(from_seq)
         if replay is not None:
             return CatchUp(published, replay=tuple(replay))
-    return CatchUp(published, snapshot=shard.snapshot())
+    return CatchUp(published, snapshot=(take_snapshot or shard.snapshot)())

@@ -257,9 +257,9 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         """Bytes handed to QUIC on this connection and not yet acknowledged by the peer."""
         return unacknowledged_stream_bytes(self._quic)
 
-    async def wait_send_buffer(self) -> None:
-        """Wait until the unacknowledged bytes are within ``send_buffer_limit``."""
-        limit = self.node.options.send_buffer_limit
+    async def wait_send_buffer(self, limit: int | None = None) -> None:
+        """Wait until the unacknowledged bytes are within ``limit`` (default ``send_buffer_limit``)."""
+        limit = self.node.options.send_buffer_limit if limit is None else limit
         while self.unacknowledged_bytes > limit:
             if self.terminated:
                 raise PeerUnavailable(f"connection to {self.identity or 'peer'} is not open")

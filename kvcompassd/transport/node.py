@@ -114,6 +114,13 @@ class Peer:
         connection = self._connection
         return 0 if connection is None or connection.terminated else connection.unacknowledged_bytes
 
+    async def wait_unacknowledged_below(self, limit: int) -> None:
+        """Wait until at most ``limit`` bytes sent to this peer are unacknowledged (a bulk
+        sender's own window, e.g. a snapshot's chunks, smaller than ``send_buffer_limit`` so
+        the control messages sent meanwhile do not queue behind much of it). Raises
+        PeerUnavailable when disconnected."""
+        await self._live().wait_send_buffer(limit)
+
     def send_encoded(self, body: bytes) -> None:
         """Send a message already encoded with ``wire.encode`` on the control channel (encode a
         large batch once and send it to many peers). The body is not re-validated here."""
