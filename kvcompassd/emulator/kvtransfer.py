@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcompassd.engine.disaggregated import FAKE_BOOTSTRAP_HOST
 from kvcompassd.worker.kvtransfer import KvTransferTiming
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,6 @@ MAX_FRAME = 64 * 1024
 MAX_ROOMS = 4096  # rooms waiting at once on one prefill worker
 MAX_ROOM = (1 << 63) - 1
 HANDSHAKE_TIMEOUT_S = 5.0  # a connected decode names its room within this
-# SGLang's FAKE_BOOTSTRAP_HOST (disaggregation/utils.py): a prefill that runs for nobody (a
-# warm-up, or the agent recomputing a migrated prefix) computes and caches, then sends nothing.
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
 class TransferFailed(Exception):

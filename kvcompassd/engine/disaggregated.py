@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from kvcompassd.engine.client import EngineClient, EngineError, EngineFinished, EngineOutput, EngineRejected
 
 MAX_ROOM = (1 << 63) - 1
+# SGLang's FAKE_BOOTSTRAP_HOST (disaggregation/utils.py): a prefill for nobody (a warm-up, or an
+# agent recomputing a migrated prefix) computes and caches its KV, then sends it nowhere.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 PREFILL_VERDICT_S = 0.5  # after a decode failure, how long the prefill may take to say it failed first
 
 
