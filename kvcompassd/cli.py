@@ -243,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "another's certificates)")
     p.add_argument("--keep", action="store_true",
                    help="keep the KVCompass deployment running after the table (Ctrl-C or SIGTERM stops it)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill-decode disaggregation: per region 2 prefill + 1 decode emulated workers, the edges "
+                        "as SGLang's prefill-decode router")
+    p.add_argument("--decode-policy", choices=("least_loaded", "random"), default="least_loaded",
+                   help="with --disaggregated: how the edge picks the decode worker in the prefill's region")
     _log_args(p)
     p.set_defaults(func=cmd_demo)
 

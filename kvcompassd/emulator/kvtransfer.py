@@ -135,7 +135,7 @@ class KvSender:
         self.timing, self.time_scale, self.timeout_s = timing, time_scale, timeout_s
         self._rooms: dict[int, _Room] = {}
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
         self.transfers = 0
         self.failures = 0
 
@@ -144,15 +144,19 @@ class KvSender:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
+        """Stop listening; every waiting decode is told the prefill worker is stopping and every
+        connection ends (not cancelled: asyncio logs a cancelled connection handler as an error)."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
-        for room in self._rooms.values():
-            for fut in (room.registered, room.sent):
-                if not fut.done():
-                    fut.cancel()
+        for room_id, room in list(self._rooms.items()):
+            if not room.sent.done():
+                room.sent.set_result({"room": room_id, "ok": False, "error": "the prefill worker is stopping"})
+            if not room.registered.done():
+                room.registered.cancel()
+        for writer in self._connections.values():
+            writer.close()  # a handshake still being read ends at once
+        if self._connections:
+            await asyncio.wait(set(self._connections), timeout=HANDSHAKE_TIMEOUT_S)
         self._rooms.clear()
         if self._server is not None:
             with contextlib.suppress(Exception):
@@ -170,7 +174,7 @@ class KvSender:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         room_id: int | None = None
         entry: _Room | None = None
         try:
@@ -200,7 +204,7 @@ class KvSender:
                 raise TransferFailed(f"the prefill of room {room_id} was abandoned") from None
             writer.write(_frame(reply))
             await writer.drain()
-        except (TransferFailed, TimeoutError, ConnectionError) as exc:
+        except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as exc:
             reason = str(exc) or type(exc).__name__
             log.warning("bootstrap connection refused: %s", reason)
             with contextlib.suppress(ConnectionError, RuntimeError):
@@ -211,7 +215,7 @@ class KvSender:
                 if not entry.sent.done():
                     entry.sent.cancel()  # the sender learns the decode went away
                 del self._rooms[room_id]
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             writer.close()
 
     def abandon(self, bootstrap: Bootstrap, reason: str) -> None:
@@ -240,6 +244,11 @@ class KvSender:
             except TimeoutError:
                 raise TransferFailed(f"no decode instance registered room {bootstrap.room} within "
                                      f"{self.timeout_s:.1f} s") from None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                raise TransferFailed(f"room {bootstrap.room} was abandoned (the worker is stopping)") from None
             if digest != prompt_digest(prompt):
                 entry.sent.set_result({"room": bootstrap.room, "ok": False,
                                        "error": "the decode instance runs another prompt than the prefill"})
