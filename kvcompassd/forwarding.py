@@ -34,6 +34,7 @@ from kvcompassd.engine.client import (
 )
 from kvcompassd.engine.disaggregated import BootstrapFields, DecodeFailed, generate_on_pair, new_bootstrap_room
 from kvcompassd.metrics import EdgeMetrics
+from kvcompassd.worker.kvtransfer import KvTransferTiming
 from kvcompassd.transport import Peer, TransportError
 from kvcompassd.wire import (
     ErrorReported,
@@ -222,6 +223,7 @@ class Forwarder:
         self.decode_chooser = (DecodeChooser.from_config(self.cfg, seed=zlib.crc32(edge_id.encode()))
                                if self.cfg.disaggregated else None)
         self._rooms = random.Random()  # bootstrap rooms: random, as SGLang's router draws them
+        self._transfer = KvTransferTiming.from_config(self.cfg.disaggregation)
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -245,6 +247,14 @@ class Forwarder:
             return
         if self.suspects.back(index, now=self.clock()):
             log.info("worker back: no longer avoided", worker=worker_id, why=why)
+
+    def _expected_ms(self, d: ForwardDecided, req: ForwardRequest) -> float:
+        """What the score expects until the first token; a prefill-decode pair adds the KV's
+        move from prefill to decode (the prompt's, at the configured bandwidth)."""
+        expected = d.score.scores.item(d.worker_index)
+        if self.decode_chooser is not None and self.cfg.worker(d.worker).role == "prefill":
+            expected += self._transfer.transfer_ms(len(req.tokens))
+        return expected
 
     def unreachable(self) -> set[int]:
         """Indexes of QUIC-reached workers whose agent is not connected right now."""
@@ -283,7 +293,7 @@ class Forwarder:
                 break
             decision_us = (time.perf_counter() - t0) * 1e6
             self._observe_decision(req, decision, decision_us, attempt)
-            first_s = self.first_token_timeout(decision.score.scores.item(decision.worker_index))
+            first_s = self.first_token_timeout(self._expected_ms(decision, req))
             produced = False
             try:
                 # aclosing: however this generator ends (the client went away and it is

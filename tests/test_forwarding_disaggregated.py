@@ -10,6 +10,7 @@ import asyncio
 
 import aiohttp
 import numpy as np
+import pytest
 import pytest_asyncio
 import zmq.asyncio
 
@@ -100,3 +101,12 @@ async def test_a_decode_failure_before_the_first_token_moves_to_another_decode_w
     # a-d0 is avoided by the next request although it is still the least loaded
     _, done = await run(fleet, prompt + [1], "r2")
     assert (done.decode_worker, done.attempts) == ("a-d1", 1)
+
+
+async def test_a_pairs_first_token_deadline_allows_for_the_kv_transfer(fleet):
+    tokens = np.arange(1, 4001, dtype=np.uint32)
+    decision = fleet.router.decide(tokens, now=0.0)
+    request = ForwardRequest("r", tokens, {}, True)
+    score_ms = decision.score.scores.item(decision.worker_index)
+    # 4000 tokens x 128 KiB at 12.5 GB/s: the config's defaults
+    assert fleet._expected_ms(decision, request) == pytest.approx(score_ms + 4000 * 131072 / 12.5e9 * 1e3)
