@@ -5,6 +5,7 @@ waits with clear errors, and a decode worker that publishes nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -199,3 +200,27 @@ async def test_sender_and_receiver_agree_on_the_modelled_transfer_and_check_the_
         assert (await first).first_token == 33
     finally:
         await sender.close()
+
+
+async def test_sglangs_own_prefill_decode_router_is_served_by_an_emulated_pair() -> None:
+    """sglang_router's mini_lb (SGLang's Python prefill-decode load balancer) picks the pair,
+    adds the bootstrap fields and merges the responses exactly as it does in front of SGLang."""
+    from sglang_router import mini_lb
+    from sglang_router.router_args import RouterArgs
+
+    async with Pair() as pair:
+        mini_lb.lb = mini_lb.MiniLoadBalancer(RouterArgs(
+            pd_disaggregation=True, policy="random", prefill_urls=[(pair.prefill.http_url, pair.prefill.bootstrap_port)],
+            decode_urls=[pair.decode.http_url]))
+        prompt = list(range(1, 70))
+        response = await mini_lb.handle_generate_request({"input_ids": prompt, "sampling_params": {"max_new_tokens": 6}})
+        assert response.status_code == 200
+        body = json.loads(response.body)
+        assert body["output_ids"] == output_tokens(prompt, 6, 0) and body["meta_info"]["completion_tokens"] == 6
+        streamed = await mini_lb.handle_generate_request({"input_ids": prompt + [1], "stream": True,
+                                                          "sampling_params": {"max_new_tokens": 6}})
+        chunks = [json.loads(line[5:]) for piece in [c async for c in streamed.body_iterator]
+                  for line in piece.decode().split("\n\n") if line.startswith("data: {")]
+        assert chunks[-1]["output_ids"] == output_tokens(prompt + [1], 6, 0)
+        assert chunks[-1]["meta_info"]["cached_tokens"] == 64  # the prefill's reuse, carried to the decode
+        assert pair.prefill.kv_sender.transfers == 2 and pair.decode.engine.kv_received == 2
