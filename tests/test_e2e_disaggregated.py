@@ -105,6 +105,8 @@ async def test_decode_workers_are_never_indexed_and_the_edge_counts_where_decode
         await generate(dep, "us", text + f" q{i}")
     body = await admin(dep, "edge-us", "holders", {"text": text + " q9"})
     assert body["holders"] and all(h["worker"] not in DECODE.values() for h in body["holders"])
+    decode_state = (await admin(dep, "edge-us", "status"))["decode"]
+    assert decode_state["policy"] == "least_loaded" and decode_state["workers"]["us-d0"]["chosen"] >= 3
     for decode in DECODE.values():
         status = await admin(dep, decode, "status")
         assert status["registered_keys"] == 0 and status["engine_batches"] == 0 and status["blocks"] == 0
