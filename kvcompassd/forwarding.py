@@ -14,7 +14,7 @@ import random
 import time
 import zlib
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Collection
 
 import aiohttp
 import numpy as np
@@ -99,7 +99,8 @@ class OutputStalled(WorkerUnavailable):
 
 class DecodeUnavailable(WorkerUnavailable):
     """The decode half of a prefill-decode pair failed before the first token: the decode
-    worker is to blame, not the prefill worker the score chose (which may serve the retry)."""
+    worker is to blame, not the prefill worker the score chose (which may serve the retry).
+    ``decode_worker`` empty: the prefill's region has no decode worker left for the request."""
 
     def __init__(self, decode_worker: str, message: str):
         super().__init__(message)
@@ -282,6 +283,7 @@ class Forwarder:
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
         excluded: set[int] = set()
+        decode_failed: set[str] = set()  # decode workers that failed this request (disaggregated fleets)
         stay_home = False  # set once a remote attempt ran into the first-token deadline
         reasons: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
@@ -298,7 +300,7 @@ class Forwarder:
             try:
                 # aclosing: however this generator ends (the client went away and it is
                 # closed, a deadline), the attempt's cleanup aborts the request at the worker.
-                async with contextlib.aclosing(self._run(decision, req)) as items, \
+                async with contextlib.aclosing(self._run(decision, req, decode_failed)) as items, \
                         contextlib.aclosing(_within_deadlines(items, first_s, self.inter_token_s)) as paced:
                     async for item in paced:
                         if isinstance(item, TokensGenerated):
@@ -317,10 +319,16 @@ class Forwarder:
             except DecodeUnavailable as exc:
                 if produced:
                     raise ForwardError(502, f"decode worker {exc.decode_worker} failed mid-response: {exc}") from exc
-                # The prefill worker is not to blame: it stays eligible, the decode worker is avoided.
+                # The prefill worker is not to blame: it stays eligible, the decode worker is avoided
+                # (by this request for good, by the next ones for a while). With no decode worker
+                # of its region left for this request, the prefill worker cannot serve it either.
                 assert self.decode_chooser is not None
-                self.decode_chooser.failed(exc.decode_worker, now=self.clock())
-                reasons.append(f"{decision.worker}+{exc.decode_worker}: {exc}")
+                if exc.decode_worker:
+                    self.decode_chooser.failed(exc.decode_worker, now=self.clock())
+                    decode_failed.add(exc.decode_worker)
+                else:
+                    excluded.add(decision.worker_index)
+                reasons.append(f"{decision.worker}+{exc.decode_worker or 'no decode worker'}: {exc}")
                 self.metrics.retries.inc()
                 log.warning("decode worker failed before first token; retrying", request_id=req.request_id,
                             worker=decision.worker, decode_worker=exc.decode_worker, attempt=attempt, error=str(exc))
@@ -403,9 +411,9 @@ class Forwarder:
         worker = self.cfg.worker(worker_id)
         return bool(self.local_http and worker.region == self.router.region and worker.http)
 
-    def _run(self, d: ForwardDecided, req: ForwardRequest):
+    def _run(self, d: ForwardDecided, req: ForwardRequest, decode_failed: Collection[str] = ()):
         if self.decode_chooser is not None and self.cfg.worker(d.worker).role == "prefill":
-            return self._run_pair(d, req)
+            return self._run_pair(d, req, decode_failed)
         if self._uses_http(d.worker):
             return self._run_http(self.cfg.worker(d.worker).http, d, req)
         return self._run_quic(d, req)
@@ -472,15 +480,16 @@ class Forwarder:
 
     # -- prefill-decode pairs ------------------------------------------------------------------
 
-    async def _run_pair(self, d: ForwardDecided, req: ForwardRequest):
+    async def _run_pair(self, d: ForwardDecided, req: ForwardRequest, decode_failed: Collection[str] = ()):
         """The score's prefill worker with a decode worker of its region, as SGLang's
         prefill-decode router runs a request: own region over HTTP to both engines, another
-        region through the prefill worker's agent (which reaches the decode worker in its region)."""
+        region through the prefill worker's agent (which reaches the decode worker in its region).
+        ``decode_failed``: decode workers that already failed this request."""
         assert self.decode_chooser is not None
         try:
-            decode = self.decode_chooser.choose(d.region, now=self.clock())
+            decode = self.decode_chooser.choose(d.region, now=self.clock(), exclude=decode_failed)
         except NoDecodeWorkerError as exc:
-            raise WorkerUnavailable(str(exc)) from None
+            raise DecodeUnavailable("", str(exc)) from None
         room = new_bootstrap_room(self._rooms)
         self.decode_chooser.started(decode)
         self.metrics.decode_choices.labels(decode).inc()

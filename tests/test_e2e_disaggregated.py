@@ -122,3 +122,10 @@ async def test_decode_workers_are_never_indexed_and_the_edge_counts_where_decode
     served = re.search(r'sglang:num_requests_total\{model_name="[^"]+"\} (\S+)', decoded)
     assert served and float(served.group(1)) >= 3
     assert info["disaggregation_mode"] == "decode" and info["kv_events_config"] is None
+
+
+async def test_last_a_region_whose_decode_worker_died_has_its_requests_served_by_another_regions_pair(dep):
+    dep.kill("emulate-worker", "us-d0")  # the last test of the module: us has no decode worker left
+    meta = (await generate(dep, "us", doc(50, 600) + " after the failure"))["meta_info"]
+    assert (meta["kvcompass"]["worker"], meta["kvcompass"]["decode_worker"]) == ("eu-p0", "eu-d0")
+    assert meta["kvcompass"]["attempts"] >= 2

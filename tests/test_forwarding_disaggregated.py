@@ -19,7 +19,7 @@ from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings, output_tokens
-from kvcompassd.forwarding import ForwardRequest, Forwarder, GenerationFinished, TokensGenerated
+from kvcompassd.forwarding import ForwardError, ForwardRequest, Forwarder, GenerationFinished, TokensGenerated
 from kvcompassd.launcher import free_loopback_port
 from kvcompassd.metrics import EdgeMetrics
 
@@ -110,3 +110,15 @@ async def test_a_pairs_first_token_deadline_allows_for_the_kv_transfer(fleet):
     score_ms = decision.score.scores.item(decision.worker_index)
     # 4000 tokens x 128 KiB at 12.5 GB/s: the config's defaults
     assert fleet._expected_ms(decision, request) == pytest.approx(score_ms + 4000 * 131072 / 12.5e9 * 1e3)
+
+
+async def test_with_no_decode_worker_of_its_region_left_the_request_fails_without_suspecting_the_prefill(fleet):
+    await fleet.workers["a-d1"].stop()  # both decode workers are gone now
+    request = ForwardRequest("r", np.arange(1, 50, dtype=np.uint32), {"max_new_tokens": 2}, True)
+    with pytest.raises(ForwardError, match="no decode worker left") as info:
+        async with asyncio.timeout(GUARD_S):
+            async for _ in fleet.generate(request):
+                pass
+    assert info.value.status == 503
+    assert "a-p0+a-d0" in str(info.value) and "a-p0+a-d1" in str(info.value)  # each decode worker tried once
+    assert len(fleet.suspects) == 0
