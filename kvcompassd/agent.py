@@ -27,13 +27,12 @@ import aiohttp
 import structlog
 
 from kvcompassd.certs import TlsFiles
-from kvcompassd.core.config import ClusterConfig, WorkerConfig
+from kvcompassd.core.config import ClusterConfig, WorkerConfig, bootstrap_port_of
 from kvcompassd.core.events import IndexEvent, IndexEventColumns, PrefixCached
 from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.core.config import bootstrap_port_of
 from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected, EngineStatusError
 from kvcompassd.engine.disaggregated import (
     FAKE_BOOTSTRAP_HOST,

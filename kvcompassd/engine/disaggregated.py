@@ -127,9 +127,14 @@ async def generate_on_pair(
             if prefill_error is not None:
                 raise prefill_error from exc
             raise DecodeFailed(f"decode: {exc}") from exc
-        prefilled = await prefill_task
         assert decoded is not None
-        yield EngineFinished(cached_tokens=prefilled.cached_tokens, prompt_tokens=decoded.prompt_tokens,
+        try:
+            cached = (await prefill_task).cached_tokens
+        except EngineError:
+            # The decode finished, so the KV did arrive: the answer is whole. The prefill's
+            # figures are lost; SGLang's decode reports the prefill's reuse too.
+            cached = decoded.cached_tokens
+        yield EngineFinished(cached_tokens=cached, prompt_tokens=decoded.prompt_tokens,
                              completion_tokens=decoded.completion_tokens, finish_reason=decoded.finish_reason)
     finally:
         if not prefill_task.done():
