@@ -10,6 +10,9 @@ import json
 import aiohttp
 import pytest
 import zmq.asyncio
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from kvcompassd.emulator.kvtransfer import (
     FAKE_BOOTSTRAP_HOST,
@@ -17,6 +20,7 @@ from kvcompassd.emulator.kvtransfer import (
     Bootstrap,
     KvSender,
     TransferFailed,
+    _read_frame,
     receive_kv,
 )
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings, output_tokens
@@ -224,3 +228,31 @@ async def test_sglangs_own_prefill_decode_router_is_served_by_an_emulated_pair()
         assert chunks[-1]["output_ids"] == output_tokens(prompt + [1], 6, 0)
         assert chunks[-1]["meta_info"]["cached_tokens"] == 64  # the prefill's reuse, carried to the decode
         assert pair.prefill.kv_sender.transfers == 2 and pair.decode.engine.kv_received == 2
+
+
+@hypothesis_settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=64) | st.builds(lambda n, tail: n.to_bytes(4, "big") + tail,
+                                          st.integers(0, 2 * MAX_FRAME), st.binary(max_size=64)))
+def test_a_bootstrap_frame_is_a_json_object_or_a_transfer_failure(data):
+    async def read():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await _read_frame(reader)
+
+    try:
+        assert isinstance(asyncio.run(read()), dict)
+    except TransferFailed:
+        pass
+
+
+@hypothesis_settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(["bootstrap_host", "bootstrap_port", "bootstrap_room", "x"]),
+                       st.none() | st.booleans() | st.integers(-2, 2**64) | st.text(max_size=300), max_size=4))
+def test_bootstrap_fields_are_complete_and_in_range_or_refused(body):
+    try:
+        boot = Bootstrap.from_body(body)
+    except ValueError:
+        return
+    if boot is not None:
+        assert 0 <= boot.room < 2**63 and 0 <= boot.port <= 65535 and 0 < len(boot.host) <= 255
