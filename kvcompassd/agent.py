@@ -27,13 +27,20 @@ import aiohttp
 import structlog
 
 from kvcompassd.certs import TlsFiles
-from kvcompassd.core.config import ClusterConfig, WorkerConfig
+from kvcompassd.core.config import ClusterConfig, WorkerConfig, bootstrap_port_of
 from kvcompassd.core.events import IndexEvent, IndexEventColumns, PrefixCached
 from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected, EngineStatusError
+from kvcompassd.engine.disaggregated import (
+    FAKE_BOOTSTRAP_HOST,
+    BootstrapFields,
+    DecodeFailed,
+    generate_on_pair,
+    new_bootstrap_room,
+)
 from kvcompassd.engine.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -60,6 +67,7 @@ from kvcompassd.wire import (
     MigrationRequested,
     NodeIdentity,
     PiggybackSent,
+    PrefillDecodeForwarded,
     PrefixEventsReported,
     QueueVectorBroadcast,
     RequestFailed,
@@ -150,13 +158,17 @@ class AgentNode:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                            connector=aiohttp.TCPConnector(limit=0))
         self.engine = EngineClient(self.worker.http, self._http)
-        for m in self.cfg.maintenance:
+        # A decode worker's KV is never indexed (its prefill worker's is): its agent follows no
+        # KV events and registers nothing with the maintenance units.
+        for m in self.cfg.maintenance if self.worker.role != "decode" else ():
             self._shard_peers[m.shard] = self.node.peer(split_address(m.quic, m.id), expected_role=Role.MAINTENANCE,
                                                         expected_id=m.id)
         for e in self.cfg.edges_in(self.worker.region):
             self._edge_peers[e.id] = self.node.peer(split_address(e.quic, e.id), expected_role=Role.EDGE,
                                                     expected_id=e.id)
-        if self.worker.kv_events:
+        if self.worker.role == "decode":
+            log.info("decode worker: no KV events followed, nothing indexed")
+        elif self.worker.kv_events:
             self._tasks.append(asyncio.create_task(self._follow_engine_events()))
         else:
             log.warning("no kv_events endpoint configured: this worker's caches will not be indexed")
@@ -407,7 +419,7 @@ class AgentNode:
     # -- messages from edges ------------------------------------------------------------------
 
     def _on_message(self, peer: Peer, message: Any, channel: ChannelInfo):
-        if isinstance(message, RequestForwarded):
+        if isinstance(message, (RequestForwarded, PrefillDecodeForwarded)):
             self._work_arriving()
             return self._serve(peer, message, channel)
         if isinstance(message, QueueVectorBroadcast):
@@ -446,7 +458,7 @@ class AgentNode:
         if channel.stream is not None:
             await channel.stream.send(await answer_for_agent(self._http, self.worker, msg), end=True)
 
-    async def _serve(self, peer: Peer, msg: RequestForwarded, channel: ChannelInfo) -> None:
+    async def _serve(self, peer: Peer, msg: RequestForwarded | PrefillDecodeForwarded, channel: ChannelInfo) -> None:
         """Run a forwarded request until it completes or the edge abandons the exchange (its
         client went away, or a deadline passed there): then the engine request is aborted by
         closing its connection, as SGLang expects, rather than computed for nobody."""
@@ -459,6 +471,13 @@ class AgentNode:
             await stream.send(RequestFailed(msg.request_id, self.worker.id, "engine down", True), end=True)
             self.metrics.requests.labels("refused").inc()
             return
+        if isinstance(msg, PrefillDecodeForwarded):
+            refusal = self._pair_refusal(msg)
+            if refusal is not None:
+                self.metrics.refused_messages.labels("PrefillDecodeForwarded").inc()
+                log_.warning("message refused", peer=str(peer.identity), type="PrefillDecodeForwarded", detail=refusal)
+                await stream.send(ErrorReported("forbidden", refusal), end=True)
+                return
         work = asyncio.ensure_future(self._run_forwarded(stream, msg, log_))
         abandoned = asyncio.ensure_future(stream.wait_aborted())
         try:
@@ -472,13 +491,35 @@ class AgentNode:
                 self.metrics.requests.labels("abandoned").inc()
                 log_.info("edge abandoned the request: engine request aborted")
 
-    async def _run_forwarded(self, stream, msg: RequestForwarded, log_) -> None:
+    def _pair_refusal(self, msg: PrefillDecodeForwarded) -> str | None:
+        """Why this agent cannot run ``msg`` on a prefill-decode pair (None: it can)."""
+        if self.worker.role != "prefill":
+            return f"worker {self.worker.id} is a {self.worker.role} worker, not a prefill worker"
+        try:
+            decode = self.cfg.worker(msg.decode_worker)
+        except KeyError:
+            return f"unknown decode worker {msg.decode_worker!r}"
+        if decode.role != "decode" or decode.region != self.worker.region or not decode.http:
+            return (f"worker {decode.id} is not a decode worker of region {self.worker.region} with an http address "
+                    f"(role {decode.role}, region {decode.region})")
+        return None
+
+    def _generation(self, msg: RequestForwarded | PrefillDecodeForwarded):
+        """The engine request(s) for ``msg``: this engine alone, or with a decode engine of the
+        region as SGLang's prefill-decode router runs a pair."""
+        if isinstance(msg, RequestForwarded):
+            return self.engine.generate(msg.input_ids, msg.sampling_params, stream=True, rid=msg.request_id)
+        decode = self.cfg.worker(msg.decode_worker)
+        bootstrap = BootstrapFields.for_prefill(self.worker.http, bootstrap_port_of(self.worker), msg.bootstrap_room)
+        return generate_on_pair(self.engine, EngineClient(decode.http, self._http), bootstrap, msg.input_ids,
+                                msg.sampling_params, rid=msg.request_id)
+
+    async def _run_forwarded(self, stream, msg: RequestForwarded | PrefillDecodeForwarded, log_) -> None:
         produced = False
         try:
             # Always streamed from the engine: each token goes on at once, and the edge's
             # deadlines see the output as it comes.
-            async with contextlib.aclosing(self.engine.generate(msg.input_ids, msg.sampling_params, stream=True,
-                                                                rid=msg.request_id)) as items:
+            async with contextlib.aclosing(self._generation(msg)) as items:
                 async for item in items:
                     if isinstance(item, EngineOutput):
                         produced = True
@@ -502,9 +543,11 @@ class AgentNode:
                 await stream.send(RequestRejected(msg.request_id, self.worker.id, exc.status, exc.message), end=True)
         except EngineError as exc:
             self.metrics.requests.labels("failed").inc()
-            log_.warning("engine failed the request", error=str(exc), produced=produced)
+            # A pair's decode half failed: name the decode worker, so the edge keeps this one.
+            blamed = msg.decode_worker if isinstance(exc, DecodeFailed) else self.worker.id  # type: ignore[union-attr]
+            log_.warning("engine failed the request", error=str(exc), produced=produced, worker=blamed)
             with contextlib.suppress(TransportError):
-                await stream.send(RequestFailed(msg.request_id, self.worker.id, str(exc)[:1000], not produced), end=True)
+                await stream.send(RequestFailed(msg.request_id, blamed, str(exc)[:1000], not produced), end=True)
         except TransportError as exc:
             log_.warning("edge went away mid-response", error=str(exc))
 
@@ -525,9 +568,12 @@ class AgentNode:
         # SGLang exposes no worker-to-worker KV copy; both modes recompute on this idle engine.
         record = {"request_id": msg.request_id, "source": msg.source_worker, "mode": msg.mode,
                   "tokens": len(msg.input_ids), "ok": False}
+        # A prefill worker computes for nobody with SGLang's fake bootstrap host: cached, not sent.
+        extra = ({"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": new_bootstrap_room()}
+                 if self.worker.role == "prefill" else None)
         try:
             async for _ in self.engine.generate(msg.input_ids, {"max_new_tokens": 1}, stream=False,
-                                                rid=f"migrate-{msg.request_id}"):
+                                                rid=f"migrate-{msg.request_id}", extra=extra):
                 pass
             record["ok"] = True
             self.metrics.migrations.labels(msg.mode).inc()

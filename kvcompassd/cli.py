@@ -148,10 +148,15 @@ def cmd_emulate_worker(args) -> int:
     # The cluster's [tokenizer], as the edges use it (the unit passes no --tokenizer): an
     # emulated worker that tokenised otherwise would be refused by every edge's check.
     tokenizer, chat_template = _edge_tokenizer(cfg, args)
+    from kvcompassd.worker.kvtransfer import KvTransferTiming
+
+    roles = {"role": args.role} if args.role else {}
     settings = EmulatorSettings.from_worker_config(
         worker, model=cfg.model, block_size=cfg.index.block_size, time_scale=args.time_scale,
         eviction=args.eviction, seed=args.seed, kv_events_style=args.kv_events_style,
-        tokenizer=tokenizer or "byte", chat_template=chat_template)
+        tokenizer=tokenizer or "byte", chat_template=chat_template,
+        kv_transfer=KvTransferTiming.for_worker(cfg, worker),
+        transfer_timeout_s=cfg.disaggregation.transfer_timeout_s, **roles)
     install_uvloop()
     asyncio.run(serve_until_signalled(_EmulatedWorkerMode(EmulatedWorker(settings))))
     return 0
@@ -227,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-style", choices=("map", "positional"), default="map",
                    help="event encoding: map (SGLang 0.5.23, vLLM) or positional (older SGLang)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--role", choices=("mixed", "prefill", "decode"), default=None,
+                   help="override the worker's role in the config: SGLang's --disaggregation-mode (a prefill "
+                        "worker listens on the worker's bootstrap_port, SGLang's default 8998 without one)")
     p.add_argument("--tokenizer", default=None,
                    help="override the config's [tokenizer] path (default: it, else 'byte'): a Hugging Face "
                         "tokenizer directory, or 'byte'")
@@ -244,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "another's certificates)")
     p.add_argument("--keep", action="store_true",
                    help="keep the KVCompass deployment running after the table (Ctrl-C or SIGTERM stops it)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill-decode disaggregation: per region 2 prefill + 1 decode emulated workers, the edges "
+                        "as SGLang's prefill-decode router")
+    p.add_argument("--decode-policy", choices=("least_loaded", "random"), default="least_loaded",
+                   help="with --disaggregated: how the edge picks the decode worker in the prefill's region")
     _log_args(p)
     p.set_defaults(func=cmd_demo)
 

@@ -176,7 +176,8 @@ def kept_running_note(dep: LocalDeployment) -> str:
     lines = ["KVCompass deployment kept running (Ctrl-C or SIGTERM stops every node):"]
     lines += [f"  {e.id:<12} front door http://{e.http}/v1  (/health, /metrics)  admin QUIC {e.quic}" for e in cfg.edges]
     lines += [f"  {m.id:<12} admin QUIC {m.quic}" for m in cfg.maintenance]
-    lines += [f"  {w.id:<12} emulated worker {w.http}, agent QUIC {w.agent}" for w in cfg.workers]
+    lines += [f"  {w.id:<12} emulated {'' if w.role == 'mixed' else w.role + ' '}worker {w.http}, agent QUIC {w.agent}"
+              for w in cfg.workers]
     lines += [f"  configs      {', '.join(str(p) for p in dep.configs.values())}",
               f"  TLS          {dep.tls_dir} (admin certificate: admin.pem)",
               f"  logs         {dep.workdir / 'logs'} (one JSON log per node)",
@@ -188,13 +189,26 @@ def kept_running_note(dep: LocalDeployment) -> str:
 def _print_results(rows: list[dict], root: Path, kept: bool) -> None:
     print()
     print(render_table(rows) if rows else "(nothing measured)")
-    by_run = {r["run"]: r for r in rows}
+    by_run = {r["run"].removesuffix(" (P/D)"): r for r in rows}
     kvc, off = by_run.get("KVCompass"), by_run.get("no cross-region reuse")
     if kvc and off and kvc["ttft_p99_ms"]:
         print(f"\nP99 TTFT ratio (no cross-region / KVCompass): {off['ttft_p99_ms'] / kvc['ttft_p99_ms']:.2f}x")
     if kept:
         print(f"configs, certificates and logs under {root}")
     sys.stdout.flush()
+
+
+def demo_spec(disaggregated: bool = False, decode_policy: str = "least_loaded") -> DeploymentSpec:
+    """The demo's fleet: 7 workers serving whole requests, or, disaggregated, 2 prefill + 1
+    decode workers per region (the edges play SGLang's prefill-decode router)."""
+    if disaggregated:
+        return DeploymentSpec.disaggregated(prefill=2, decode=1, decode_policy=decode_policy)
+    return DeploymentSpec()
+
+
+def fleet_note(spec: DeploymentSpec) -> str:
+    decode = sum(spec.decode_workers.values())
+    return f" ({sum(spec.workers.values()) - decode} prefill + {decode} decode)" if decode else ""
 
 
 def _with_budget_fingerprints(spec: DeploymentSpec) -> DeploymentSpec:
@@ -209,7 +223,8 @@ async def _demo(args, stop_signal: list[int]) -> int:
 
     Cancellation (SIGINT, SIGTERM) unwinds through each deployment's ``async with``, which
     stops every node it started; what the cut-short run measured is still summarised."""
-    spec = _with_budget_fingerprints(DeploymentSpec())
+    disaggregated = getattr(args, "disaggregated", False)
+    spec = _with_budget_fingerprints(demo_spec(disaggregated, getattr(args, "decode_policy", "least_loaded")))
     requests = bundled_workload(args.requests, list(spec.workers))
     keep_files = bool(args.workdir) or args.keep
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvcompass-demo-"))
@@ -217,7 +232,9 @@ async def _demo(args, stop_signal: list[int]) -> int:
     measuring = True
     try:
         for i, (name, edge_args) in enumerate(RUNS):
-            print(f"[{i + 1}/{len(RUNS)}] starting {sum(spec.workers.values())} emulated workers, "
+            if disaggregated:
+                name += " (P/D)"
+            print(f"[{i + 1}/{len(RUNS)}] starting {sum(spec.workers.values())} emulated workers{fleet_note(spec)}, "
                   f"{len(spec.workers)} edges, {spec.shards} maintenance units ({name}) ...", flush=True)
             dep = LocalDeployment(spec, root / f"run{i}", time_scale=args.time_scale, wan_scale=args.wan_scale,
                                   edge_args=edge_args)

@@ -401,6 +401,8 @@ class EdgeNode:
         if forwarder is not None and last is not None and now - last > self._load_silence_s:
             forwarder.worker_back(msg.worker, f"load reports resumed after {now - last:.1f} s")
         self.router.queues.set_local(msg.worker, msg.queue_ms, now=now, running=msg.running)
+        if forwarder is not None and forwarder.decode_chooser is not None:
+            forwarder.decode_chooser.load_reported(msg.worker, msg.running, msg.waiting)
 
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:

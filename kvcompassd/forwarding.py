@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+import zlib
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable, Collection
 
 import aiohttp
 import numpy as np
 import structlog
 
+from kvcompassd.core.config import bootstrap_port_of
+from kvcompassd.core.decode_choice import DecodeChooser, NoDecodeWorkerError
 from kvcompassd.core.layout import UnknownWorkerError
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.core.score import NoEligibleWorkerError
@@ -28,11 +32,14 @@ from kvcompassd.engine.client import (
     EngineOutput,
     EngineRejected,
 )
+from kvcompassd.engine.disaggregated import BootstrapFields, DecodeFailed, generate_on_pair, new_bootstrap_room
 from kvcompassd.metrics import EdgeMetrics
+from kvcompassd.worker.kvtransfer import KvTransferTiming
 from kvcompassd.transport import Peer, TransportError
 from kvcompassd.wire import (
     ErrorReported,
     MigrationRequested,
+    PrefillDecodeForwarded,
     RequestFailed,
     RequestForwarded,
     RequestRejected,
@@ -65,6 +72,7 @@ class GenerationFinished:
     attempts: int
     decision_us: float
     queue_vector: tuple[tuple[str, float], ...] = ()  # the serving region's, piggybacked
+    decode_worker: str = ""  # a disaggregated fleet's: the decode worker that streamed the tokens
 
 
 class ForwardError(Exception):
@@ -87,6 +95,16 @@ class FirstTokenLate(WorkerUnavailable):
 
 class OutputStalled(WorkerUnavailable):
     """A worker that had produced output brought no more within the inter-token deadline."""
+
+
+class DecodeUnavailable(WorkerUnavailable):
+    """The decode half of a prefill-decode pair failed before the first token: the decode
+    worker is to blame, not the prefill worker the score chose (which may serve the retry).
+    ``decode_worker`` empty: the prefill's region has no decode worker left for the request."""
+
+    def __init__(self, decode_worker: str, message: str):
+        super().__init__(message)
+        self.decode_worker = decode_worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +220,10 @@ class Forwarder:
         self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
         self._remote_workers = {i for i, r in enumerate(router.worker_regions) if r != router.region}
         self.migrations: list[dict] = []  # recent, for kvcompassctl
+        # Disaggregated fleets: the decode worker of each request, in its prefill's region.
+        self.decode_chooser = (DecodeChooser.from_config(self.cfg, seed=zlib.crc32(edge_id.encode()))
+                               if self.cfg.disaggregated else None)
+        self._rooms = random.Random()  # bootstrap rooms: random, as SGLang's router draws them
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -225,6 +247,14 @@ class Forwarder:
             return
         if self.suspects.back(index, now=self.clock()):
             log.info("worker back: no longer avoided", worker=worker_id, why=why)
+
+    def _expected_ms(self, d: ForwardDecided, req: ForwardRequest) -> float:
+        """What the score expects until the first token; a prefill-decode pair adds the KV's
+        move from prefill to decode (the prompt's, at the configured bandwidth)."""
+        expected = d.score.scores.item(d.worker_index)
+        if self.decode_chooser is not None and self.cfg.worker(d.worker).role == "prefill":
+            expected += KvTransferTiming.for_worker(self.cfg, self.cfg.worker(d.worker)).transfer_ms(len(req.tokens))
+        return expected
 
     def unreachable(self) -> set[int]:
         """Indexes of QUIC-reached workers whose agent is not connected right now."""
@@ -252,6 +282,7 @@ class Forwarder:
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
         excluded: set[int] = set()
+        decode_failed: set[str] = set()  # decode workers that failed this request (disaggregated fleets)
         stay_home = False  # set once a remote attempt ran into the first-token deadline
         reasons: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
@@ -263,12 +294,12 @@ class Forwarder:
                 break
             decision_us = (time.perf_counter() - t0) * 1e6
             self._observe_decision(req, decision, decision_us, attempt)
-            first_s = self.first_token_timeout(decision.score.scores.item(decision.worker_index))
+            first_s = self.first_token_timeout(self._expected_ms(decision, req))
             produced = False
             try:
                 # aclosing: however this generator ends (the client went away and it is
                 # closed, a deadline), the attempt's cleanup aborts the request at the worker.
-                async with contextlib.aclosing(self._run(decision, req)) as items, \
+                async with contextlib.aclosing(self._run(decision, req, decode_failed)) as items, \
                         contextlib.aclosing(_within_deadlines(items, first_s, self.inter_token_s)) as paced:
                     async for item in paced:
                         if isinstance(item, TokensGenerated):
@@ -284,6 +315,22 @@ class Forwarder:
                 log.info("engine rejected the request", request_id=req.request_id, worker=decision.worker,
                          status=exc.status, error=exc.message)
                 raise ForwardError(exc.status, exc.message) from None
+            except DecodeUnavailable as exc:
+                if produced:
+                    raise ForwardError(502, f"decode worker {exc.decode_worker} failed mid-response: {exc}") from exc
+                # The prefill worker is not to blame: it stays eligible, the decode worker is avoided
+                # (by this request for good, by the next ones for a while). With no decode worker
+                # of its region left for this request, the prefill worker cannot serve it either.
+                assert self.decode_chooser is not None
+                if exc.decode_worker:
+                    self.decode_chooser.failed(exc.decode_worker, now=self.clock())
+                    decode_failed.add(exc.decode_worker)
+                else:
+                    excluded.add(decision.worker_index)
+                reasons.append(f"{decision.worker}+{exc.decode_worker or 'no decode worker'}: {exc}")
+                self.metrics.retries.inc()
+                log.warning("decode worker failed before first token; retrying", request_id=req.request_id,
+                            worker=decision.worker, decode_worker=exc.decode_worker, attempt=attempt, error=str(exc))
             except WorkerUnavailable as exc:
                 avoided_s = self.suspects.failed(decision.worker_index, now=self.clock())
                 if produced:
@@ -354,6 +401,7 @@ class Forwarder:
             finish_reason=done.finish_reason,
             attempts=attempt,
             decision_us=decision_us,
+            decode_worker=done.decode_worker,
         )
 
     # -- the two paths ------------------------------------------------------------------------
@@ -362,24 +410,28 @@ class Forwarder:
         worker = self.cfg.worker(worker_id)
         return bool(self.local_http and worker.region == self.router.region and worker.http)
 
-    def _run(self, d: ForwardDecided, req: ForwardRequest):
+    def _run(self, d: ForwardDecided, req: ForwardRequest, decode_failed: Collection[str] = ()):
+        if self.decode_chooser is not None and self.cfg.worker(d.worker).role == "prefill":
+            return self._run_pair(d, req, decode_failed)
         if self._uses_http(d.worker):
             return self._run_http(self.cfg.worker(d.worker).http, d, req)
         return self._run_quic(d, req)
 
-    async def _run_quic(self, d: ForwardDecided, req: ForwardRequest):
+    async def _run_quic(self, d: ForwardDecided, req: ForwardRequest,
+                        message: RequestForwarded | PrefillDecodeForwarded | None = None):
         peer = self.agent_peer(d.worker)
         if peer is None or not peer.is_connected:
             raise WorkerUnavailable("agent not connected")
-        message = RequestForwarded(
-            request_id=req.request_id,
-            edge=self.edge_id,
-            origin_region=self.router.region,
-            input_ids=tuple(req.tokens.tolist()),
-            sampling_params=req.sampling_params,
-            stream=True,  # output as it comes, whatever the client asked: the deadlines need it
-            claimed_tokens=d.claimed_tokens,
-        )
+        if message is None:
+            message = RequestForwarded(
+                request_id=req.request_id,
+                edge=self.edge_id,
+                origin_region=self.router.region,
+                input_ids=tuple(req.tokens.tolist()),
+                sampling_params=req.sampling_params,
+                stream=True,  # output as it comes, whatever the client asked: the deadlines need it
+                claimed_tokens=d.claimed_tokens,
+            )
         exchange = None
         try:
             exchange = peer.open_stream()
@@ -395,6 +447,8 @@ class Forwarder:
                 elif isinstance(reply, RequestRejected):
                     raise EngineRejected(reply.status, reply.message)
                 elif isinstance(reply, RequestFailed):
+                    if isinstance(message, PrefillDecodeForwarded) and reply.worker == message.decode_worker:
+                        raise DecodeUnavailable(reply.worker, reply.reason or "decode worker failed")
                     raise WorkerUnavailable(reply.reason or "agent reported failure")
                 elif isinstance(reply, ErrorReported):
                     raise WorkerUnavailable(f"agent refused: {reply.code}: {reply.detail}")
@@ -420,6 +474,60 @@ class Forwarder:
                         yield _from_engine(item)
         except EngineRejected:
             raise
+        except EngineError as exc:
+            raise WorkerUnavailable(str(exc)) from exc
+
+    # -- prefill-decode pairs ------------------------------------------------------------------
+
+    async def _run_pair(self, d: ForwardDecided, req: ForwardRequest, decode_failed: Collection[str] = ()):
+        """The score's prefill worker with a decode worker of its region, as SGLang's
+        prefill-decode router runs a request: own region over HTTP to both engines, another
+        region through the prefill worker's agent (which reaches the decode worker in its region).
+        ``decode_failed``: decode workers that already failed this request."""
+        assert self.decode_chooser is not None
+        try:
+            decode = self.decode_chooser.choose(d.region, now=self.clock(), exclude=decode_failed)
+        except NoDecodeWorkerError as exc:
+            raise DecodeUnavailable("", str(exc)) from None
+        room = new_bootstrap_room(self._rooms)
+        self.decode_chooser.started(decode)
+        self.metrics.decode_choices.labels(decode).inc()
+        log.info("prefill-decode pair", request_id=req.request_id, prefill=d.worker, decode=decode, room=room)
+        if self._uses_http(d.worker):
+            runner = self._run_http_pair(d, req, decode, room)
+        else:
+            runner = self._run_quic(d, req, PrefillDecodeForwarded(
+                request_id=req.request_id, edge=self.edge_id, origin_region=self.router.region,
+                input_ids=tuple(req.tokens.tolist()), sampling_params=req.sampling_params, stream=True,
+                claimed_tokens=d.claimed_tokens, decode_worker=decode, bootstrap_room=room))
+        try:
+            async with contextlib.aclosing(runner) as items:
+                async for item in items:
+                    if isinstance(item, GenerationFinished):
+                        self.decode_chooser.served(decode)
+                        item = replace(item, decode_worker=decode)
+                    yield item
+        finally:
+            self.decode_chooser.finished(decode)
+
+    async def _run_http_pair(self, d: ForwardDecided, req: ForwardRequest, decode: str, room: int):
+        prefill_cfg, decode_cfg = self.cfg.worker(d.worker), self.cfg.worker(decode)
+        if not decode_cfg.http:
+            raise DecodeUnavailable(decode, f"decode worker {decode} has no http address in the config")
+        bootstrap = BootstrapFields.for_prefill(prefill_cfg.http, bootstrap_port_of(prefill_cfg), room)
+        pair = generate_on_pair(EngineClient(prefill_cfg.http, self.http), EngineClient(decode_cfg.http, self.http),
+                                bootstrap, req.tokens, req.sampling_params, rid=req.request_id)
+        try:
+            async with contextlib.aclosing(pair) as items:
+                async for item in items:
+                    if isinstance(item, EngineOutput):
+                        yield TokensGenerated(item.token_ids, item.text)
+                    else:
+                        yield _from_engine(item)
+        except EngineRejected:
+            raise
+        except DecodeFailed as exc:
+            raise DecodeUnavailable(decode, str(exc)) from exc
         except EngineError as exc:
             raise WorkerUnavailable(str(exc)) from exc
 

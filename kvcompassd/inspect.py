@@ -51,8 +51,12 @@ async def describe_edge_paced(edge, what: str, args: dict) -> dict:
 
 def _status_head(edge) -> dict:
     pending = edge.router.pending
-    return {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
+    head = {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
             "resyncs": edge.sync.requests, "pending_keys": None if pending is None else len(pending)}
+    chooser = getattr(getattr(edge, "forwarder", None), "decode_chooser", None)
+    if chooser is not None:  # a disaggregated fleet: where this edge sends the decodes
+        head["decode"] = chooser.describe()
+    return head
 
 
 def _status(edge, args) -> dict:

@@ -52,6 +52,17 @@ class DeploymentSpec:
     score: dict = field(default_factory=dict)
     # The cluster's [tokenizer] path (None: byte); emulated workers get it as --tokenizer too.
     tokenizer: str | None = None
+    # Prefill-decode disaggregation: how many of each region's workers are decode workers (the
+    # others are prefill workers); empty = every worker serves whole requests.
+    decode_workers: dict[str, int] = field(default_factory=dict)
+    decode_policy: str = "least_loaded"
+
+    @classmethod
+    def disaggregated(cls, prefill: int = 2, decode: int = 1, regions: tuple[str, ...] = ("us", "eu", "asia"),
+                      **overrides) -> DeploymentSpec:
+        """Per region ``prefill`` prefill workers and ``decode`` decode workers."""
+        return cls(workers={r: prefill + decode for r in regions}, decode_workers={r: decode for r in regions},
+                   **overrides)
 
 
 def _ephemeral_port_low() -> int:
@@ -107,10 +118,16 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
     _free_port = ports.get
     workers = []
     for region in regions:
+        decode = spec.decode_workers.get(region, 0)
+        if not 0 <= decode < spec.workers[region] and spec.decode_workers:
+            raise ValueError(f"region {region}: {decode} decode workers of {spec.workers[region]} leaves none to prefill")
         for i in range(spec.workers[region]):
+            role = ("decode" if i >= spec.workers[region] - decode else "prefill") if spec.decode_workers else "mixed"
+            name = {"mixed": f"{region}-{i}", "prefill": f"{region}-p{i}",
+                    "decode": f"{region}-d{i - (spec.workers[region] - decode)}"}[role]
             events = _free_port(pair=True)
             workers.append({
-                "id": f"{region}-{i}",
+                "id": name,
                 "region": region,
                 "prefill_ms_per_token": spec.prefill_ms_per_token,
                 "decode_ms_per_token": spec.decode_ms_per_token,
@@ -122,6 +139,12 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
                 "agent": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}",
                 "emulated": True,
             })
+            if role != "mixed":
+                workers[-1]["role"] = role
+            if role == "prefill":
+                workers[-1]["bootstrap_port"] = _free_port()
+            if role == "decode":  # publishes nothing: its KV is never indexed
+                del workers[-1]["kv_events"]
     data = {
         # Relayed "regions" are WAN paths on loopback addresses: send WAN-sized packets through them.
         "cluster": {"name": name, "model": "kvcompass-demo", "shards": spec.shards,
@@ -140,6 +163,8 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
         "maintenance": [{"id": f"mnt-{s}", "shard": s, "quic": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}"}
                         for s in range(spec.shards)],
     }
+    if spec.decode_workers:
+        data["disaggregation"] = {"decode_policy": spec.decode_policy}
     return parse_config(data, f"<{name}>")
 
 

@@ -106,6 +106,8 @@ class EdgeMetrics:
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
                                         "authority for them (a shard it does not own, a region it is not in), by "
                                         "message type", ["message"], registry=r)
+        self.decode_choices = Counter("kvcompass_decode_choices", "Disaggregated requests handed to each decode "
+                                      "worker (with the prefill worker the score chose)", ["worker"], registry=r)
         self.refusals = Counter("kvcompass_frontdoor_refusals", "Requests and connections the front door refused "
                                 "for its limits, by reason (httplimits.REFUSAL_REASONS)", ["reason"], registry=r)
 

@@ -123,7 +123,7 @@ def include_usage(body: dict) -> bool:
 
 
 def kvcompass_info(done: GenerationFinished) -> dict:
-    return {
+    info = {
         "worker": done.worker,
         "region": done.region,
         "cached_tokens": done.cached_tokens,
@@ -131,6 +131,9 @@ def kvcompass_info(done: GenerationFinished) -> dict:
         "attempts": done.attempts,
         "decision_us": round(done.decision_us, 1),
     }
+    if done.decode_worker:  # a disaggregated fleet: ``worker`` prefilled, this one decoded
+        info["decode_worker"] = done.decode_worker
+    return info
 
 
 def _finish_reason(done: GenerationFinished) -> str:

@@ -29,6 +29,7 @@ import msgpack
 
 from kvcompassd.core.messages import (  # the core's messages and field types: this module adds their codec
     COUNT,
+    I64_MAX,
     I64_MIN,
     ID,
     MAX_FRAME_BYTES,
@@ -229,6 +230,35 @@ class RequestForwarded(WireMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillDecodeForwarded(WireMessage):
+    """edge -> a prefill worker's agent: run this prompt on your prefill engine and on the decode
+    worker ``decode_worker`` of your region, as SGLang's prefill-decode router does, with
+    ``bootstrap_room`` as the pair's room; the replies are :class:`RequestForwarded`'s (a
+    ``RequestFailed`` naming ``decode_worker`` says the decode half failed)."""
+
+    request_id: str
+    edge: str
+    origin_region: str
+    input_ids: tuple[int, ...]
+    sampling_params: dict[str, Any]
+    stream: bool
+    claimed_tokens: int
+    decode_worker: str
+    bootstrap_room: int
+    WIRE: ClassVar = {
+        "request_id": REQUEST_ID,
+        "edge": ID,
+        "origin_region": REGION,
+        "input_ids": TokenIds(MAX_PROMPT_TOKENS),
+        "sampling_params": Params(),
+        "stream": Bool(),
+        "claimed_tokens": Int(0, MAX_PROMPT_TOKENS),
+        "decode_worker": ID,
+        "bootstrap_room": Int(0, I64_MAX),
+    }
+
+
+@dataclass(frozen=True, slots=True)
 class MigrationRequested(WireMessage):
     """edge -> agent: load this prompt's prefix onto ``destination_worker`` (copy or recompute)."""
 
@@ -387,6 +417,7 @@ Message = (
     | QueueVectorBroadcast
     | ViewCopyRequested
     | RequestForwarded
+    | PrefillDecodeForwarded
     | MigrationRequested
     | ResponseChunked
     | ResponseCompleted
@@ -444,6 +475,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(21, ViewCopyRequested, 1 * KiB),
         _spec(30, RequestForwarded, 8 * MiB),
         _spec(31, MigrationRequested, 8 * MiB),
+        _spec(32, PrefillDecodeForwarded, 8 * MiB),
         _spec(40, ResponseChunked, 8 * MiB),
         _spec(41, ResponseCompleted, 1 * MiB),
         _spec(42, RequestFailed, 16 * KiB),
@@ -477,6 +509,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     QueueVectorBroadcast: frozenset({Role.EDGE}),
     ViewCopyRequested: frozenset({Role.EDGE}),
     RequestForwarded: frozenset({Role.EDGE}),
+    PrefillDecodeForwarded: frozenset({Role.EDGE}),
     MigrationRequested: frozenset({Role.EDGE}),
     ResponseChunked: frozenset({Role.AGENT}),
     ResponseCompleted: frozenset({Role.AGENT}),

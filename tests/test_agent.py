@@ -22,7 +22,7 @@ from kvcompassd.emulator.publisher import KvEventPublisher
 from kvcompassd.engine.client import EngineClient
 from kvcompassd.engine.kvevents import BlockStored
 from kvcompassd.launcher import DeploymentSpec, build_cluster
-from kvcompassd.wire import Role
+from kvcompassd.wire import PrefillDecodeForwarded, Role
 
 GUARD_S = 30.0  # hang guard only
 
@@ -182,3 +182,22 @@ async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_
             await asyncio.gather(*tasks, return_exceptions=True)
             await agent.node.close()
             await engine.stop()
+
+
+def test_a_prefill_workers_agent_runs_pairs_only_with_a_decode_worker_of_its_region(tmp_path):
+    cfg = build_cluster(DeploymentSpec.disaggregated(prefill=2, decode=1, regions=("us", "eu"), wan=False,
+                                                     one_way_ms={("us", "eu"): 10.0}))
+    certs.init_ca(tmp_path, cluster_name=cfg.name)
+    for worker in ("us-p0", "us-d0"):
+        certs.issue(tmp_path, tmp_path, role=Role.AGENT, node_id=worker)
+
+    def refusal(agent_worker: str, decode_worker: str) -> str | None:
+        agent = AgentNode(cfg, cfg.worker(agent_worker), tls_files(str(tmp_path), agent_worker))
+        message = PrefillDecodeForwarded("r", "edge-us", "us", (1, 2), {}, True, 0, decode_worker, 5)
+        return agent._pair_refusal(message)
+
+    assert refusal("us-p0", "us-d0") is None
+    assert "not a decode worker of region us" in refusal("us-p0", "eu-d0")
+    assert "not a decode worker of region us" in refusal("us-p0", "us-p1")
+    assert "unknown decode worker" in refusal("us-p0", "nowhere")
+    assert "is a decode worker, not a prefill worker" in refusal("us-d0", "us-d0")

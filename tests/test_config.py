@@ -18,7 +18,9 @@ from kvcompassd.core.config import (
     IndexParams,
     RegionConfig,
     ScoreParams,
+    SGLANG_BOOTSTRAP_PORT,
     WorkerConfig,
+    bootstrap_port_of,
     check_socket_collisions,
     config_sockets,
     derive_one_way_ms,
@@ -543,3 +545,28 @@ def test_sync_defaults_parse_validate_and_round_trip() -> None:
                        ({"max_buffered_bytes": -1}, "max_buffered_bytes")]:
         data["sync"] = bad
         assert error_of(data).startswith(f"x.toml: [sync] field '{field}': ")
+
+
+def test_disaggregation_table_is_validated_and_round_trips() -> None:
+    data = disaggregated()
+    data["disaggregation"] = {"decode_policy": "random", "kv_bytes_per_token": 65536, "transfer_timeout_s": 5}
+    cfg = parse_config(data, "x.toml")
+    assert (cfg.disaggregation.decode_policy, cfg.disaggregation.kv_bytes_per_token) == ("random", 65536)
+    assert parse_config(tomllib.loads(dump_config(cfg)), "y.toml") == cfg
+    assert cfg.decode_workers_in("a") == (cfg.workers[1],) and cfg.decode_workers_in("b") == ()
+    for bad, expected in [({"decode_policy": "round_robin"}, "field 'decode_policy': expected one of least_loaded, random"),
+                          ({"kv_transfer_gb_per_s": 12.5}, "[disaggregation] field 'kv_transfer_gb_per_s': unknown field"),
+                          ({"kv_bytes_per_token": 0}, "kv_bytes_per_token"),
+                          ({"transfer_timeout_s": -1}, "transfer_timeout_s"),
+                          ({"bandwidth": 1}, "[disaggregation] field 'bandwidth': unknown field")]:
+        data["disaggregation"] = bad
+        assert expected in error_of(data)
+
+
+def test_a_prefill_workers_bootstrap_port_is_one_of_its_hosts_sockets() -> None:
+    data = disaggregated()
+    data["workers"][0].update(http="http://10.0.0.1:30000", bootstrap_port=30000)
+    assert "bootstrap_port binds tcp 10.0.0.1:30000" in error_of(data)
+    del data["workers"][0]["bootstrap_port"]
+    cfg = parse_config(data, "x.toml")  # SGLang's default port, 8998, is free on that host
+    assert bootstrap_port_of(cfg.workers[0]) == SGLANG_BOOTSTRAP_PORT == 8998

@@ -199,6 +199,8 @@ def test_events_of_another_worker_are_refused():
         (lambda: UpdateBatchPublished(0, 0, 0, ((0, "not bytes"),)), "bytes"),
         (lambda: wire.QueueVectorBroadcast("us", "eu", math.nan, ()), "finite"),
         (lambda: wire.MigrationRequested("r", (), "a", "b", "teleport"), "one of"),
+        (lambda: wire.PrefillDecodeForwarded("r", "e", "us", (1,), {}, True, 0, "us-d", 2**63), "outside"),
+        (lambda: wire.PrefillDecodeForwarded("r", "e", "us", (1,), {}, True, 0, "", 1), "must not be empty"),
     ],
 )
 def test_invalid_messages_are_refused_on_construction(build, fragment):

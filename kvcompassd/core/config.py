@@ -23,7 +23,10 @@ from typing import Any, Final
 from .messages import MAX_SNAPSHOT_CHUNK_BYTES
 
 __all__ = [
+    "DECODE_POLICIES",
+    "SGLANG_BOOTSTRAP_PORT",
     "WORKER_ROLES",
+    "DisaggregationParams",
     "ClusterConfig",
     "ConfigError",
     "ConfigSocket",
@@ -36,6 +39,7 @@ __all__ = [
     "ScoreParams",
     "SyncParams",
     "WorkerConfig",
+    "bootstrap_port_of",
     "check_socket_collisions",
     "config_sockets",
     "derive_one_way_ms",
@@ -510,6 +514,41 @@ class SyncParams:
         _check_int("max_buffered_bytes", self.max_buffered_bytes, lo=0)
 
 
+DECODE_POLICIES: Final = ("least_loaded", "random")
+SGLANG_BOOTSTRAP_PORT: Final = 8998  # SGLang's --disaggregation-bootstrap-port default
+
+
+def bootstrap_port_of(worker: WorkerConfig) -> int:
+    """A prefill worker's KV-transfer bootstrap port: the configured one, else SGLang's default."""
+    return worker.bootstrap_port if worker.bootstrap_port is not None else SGLANG_BOOTSTRAP_PORT
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationParams:
+    """Prefill-decode disaggregation (``[disaggregation]``; used only when workers have roles).
+
+    The edge picks the prefill worker with the score and a decode worker of the prefill's region
+    by ``decode_policy``: ``least_loaded`` (fewest requests in flight, as this edge counts them
+    plus what the region's agents report) or ``random`` (the paper's control, App. C). The KV of
+    the whole prompt moves from prefill to decode in ``kv_bytes_per_token * tokens * 8 /
+    (kv_transfer_gbps * 1e9)`` s over the prefill worker's link (its ``kv_transfer_gbps``);
+    128 KiB/token is Llama-3.1-8B in BF16 (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes).
+    A decode instance waits at most
+    ``transfer_timeout_s`` for its KV before it fails the request. The transfer's time is
+    ``kvcompassd.worker.kvtransfer``'s, which the simulator and the emulated worker share."""
+
+    decode_policy: str = "least_loaded"
+    kv_bytes_per_token: int = 131_072
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.decode_policy not in DECODE_POLICIES:
+            _fail("decode_policy", f"expected one of {', '.join(DECODE_POLICIES)}, got {self.decode_policy!r}")
+        _check_int("kv_bytes_per_token", self.kv_bytes_per_token, lo=1, hi=1 << 30)
+        _check_float("transfer_timeout_s", self.transfer_timeout_s, lo=0.0, lo_open=True)
+        _as_float(self, "transfer_timeout_s")
+
+
 # ---------------------------------------------------------------- latency derivation
 
 
@@ -590,6 +629,10 @@ def config_sockets(cfg: ClusterConfig, overrides: Mapping[str, Mapping[str, str]
                         found.append(("kv_events replay (port + 1)", transport, parsed[0], parsed[1] + 1))
                     elif replay.startswith("tcp://") and (at := _split_host_port(replay)) is not None:
                         found.append(("kv_events_replay", transport, *at))
+            if table == "[[workers]]" and entry.role == "prefill" and found:
+                # the engine's KV-transfer bootstrap server, on the engine's host
+                host = next((h for label, _, h, _ in found if label.startswith("http")), found[0][2])
+                found.append(("bootstrap_port", "tcp", host, bootstrap_port_of(entry)))
             # A wildcard bind address (edges' "0.0.0.0:8080") is on the host the entry's other
             # addresses name; with none, it is on a host of its own.
             home = next((h for _, _, h, _ in found if h not in _WILDCARD_HOSTS), f"<host of {table} #{i}>")
@@ -669,6 +712,7 @@ class ClusterConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)
     sync: SyncParams = field(default_factory=SyncParams)
+    disaggregation: DisaggregationParams = field(default_factory=DisaggregationParams)
     _one_way: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _workers_by_id: dict[str, WorkerConfig] = field(init=False, repr=False, compare=False)
     _workers_by_region: dict[str, tuple[WorkerConfig, ...]] = field(init=False, repr=False, compare=False)
@@ -704,6 +748,9 @@ class ClusterConfig:
             raise ConfigError(f"expected FrontDoorLimits, got {type(self.frontdoor).__name__}", table="[frontdoor]")
         if not isinstance(self.sync, SyncParams):
             raise ConfigError(f"expected SyncParams, got {type(self.sync).__name__}", table="[sync]")
+        if not isinstance(self.disaggregation, DisaggregationParams):
+            raise ConfigError(f"expected DisaggregationParams, got {type(self.disaggregation).__name__}",
+                              table="[disaggregation]")
 
         self._check_entries("[[regions]]", self.regions, RegionConfig)
         self._check_entries("[[workers]]", self.workers, WorkerConfig)
@@ -853,6 +900,10 @@ class ClusterConfig:
         except KeyError:
             raise KeyError(f"unknown region {region!r}") from None
 
+    def decode_workers_in(self, region: str) -> tuple[WorkerConfig, ...]:
+        """The decode workers a prefill worker of ``region`` hands its KV to."""
+        return tuple(w for w in self.workers_in(region) if w.role == "decode")
+
     # -- authority: who may speak for a shard or a region ------------------------------------
 
     def shard_owner(self, shard: int) -> str | None:
@@ -884,7 +935,7 @@ class ClusterConfig:
 # ---------------------------------------------------------------- parsing
 
 _TOP_LEVEL = ("cluster", "index", "score", "frontdoor", "tokenizer", "regions", "links", "workers", "edges",
-              "maintenance", "deadlines", "sync")
+              "maintenance", "deadlines", "sync", "disaggregation")
 _CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms", "max_datagram_size")
 
 
@@ -952,6 +1003,8 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
     deadlines = _build(DeadlineParams, _table(data, "deadlines", "[deadlines]"), "[deadlines]")
     tokenizer = _build(TokenizerConfig, _table(data, "tokenizer", "[tokenizer]"), "[tokenizer]")
     sync = _build(SyncParams, _table(data, "sync", "[sync]"), "[sync]")
+    disaggregation = _build(DisaggregationParams, _table(data, "disaggregation", "[disaggregation]"),
+                            "[disaggregation]")
     regions = [_build(RegionConfig, raw, f"[[regions]] #{i}") for i, raw in enumerate(_array(data, "regions"), 1)]
     links = [_build(LinkConfig, raw, f"[[links]] #{i}", allowed=("between", "one_way_ms"))
              for i, raw in enumerate(_array(data, "links"), 1)]
@@ -977,6 +1030,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
         tokenizer=tokenizer,
         frontdoor=frontdoor,
         sync=sync,
+        disaggregation=disaggregation,
     )
 
 
@@ -1040,7 +1094,8 @@ def dump_config(cfg: ClusterConfig) -> str:
     lines = ["[cluster]"]
     _emit(lines, cfg, _CLUSTER_KEYS)
     for title, obj in (("index", cfg.index), ("score", cfg.score), ("frontdoor", cfg.frontdoor),
-                       ("tokenizer", cfg.tokenizer), ("deadlines", cfg.deadlines), ("sync", cfg.sync)):
+                       ("tokenizer", cfg.tokenizer), ("deadlines", cfg.deadlines), ("sync", cfg.sync),
+                       ("disaggregation", cfg.disaggregation)):
         lines += ["", f"[{title}]"]
         _emit(lines, obj, _field_names(type(obj)))
     for region in cfg.regions:

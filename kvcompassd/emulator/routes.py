@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvcompassd.worker.workermodel import WorkerModelError
+from kvcompassd.emulator.kvtransfer import Bootstrap, TransferFailed
 from kvcompassd.emulator.server import (
     MAX_TOKEN_ID,
     VERSION,
@@ -133,14 +134,14 @@ def _generation(engine: EmulatedEngine, rid: str, prompt: list[int], max_new: in
 
 def server_info(engine: EmulatedEngine) -> dict[str, Any]:
     s, publisher = engine.settings, engine.publisher
-    kv_events = {  # SGLang's --kv-events-config JSON, as it would be passed on the command line
+    kv_events = None if publisher is None else {  # SGLang's --kv-events-config JSON, as on its command line
         "publisher": "zmq",
         "endpoint": publisher.endpoint,
         "replay_endpoint": publisher.replay_endpoint,
         "topic": s.kv_events_topic,
         "buffer_steps": s.replay_buffer_steps,
     }
-    return {
+    info = {
         "model_path": s.model,
         "served_model_name": s.model,
         "tokenizer_path": _tokenizer_path(engine),
@@ -150,12 +151,21 @@ def server_info(engine: EmulatedEngine) -> dict[str, Any]:
         "radix_eviction_policy": s.eviction,
         "enable_hierarchical_cache": s.dram_kv_tokens > 0,
         "hicache_size_tokens": s.dram_kv_tokens,
-        "kv_events_config": json.dumps(kv_events),
+        "kv_events_config": json.dumps(kv_events) if publisher is not None else None,
+        "disaggregation_mode": _disaggregation_mode(engine),
         "version": VERSION,
         "emulator": {"worker_id": s.worker_id, "time_scale": s.time_scale, "seed": s.seed,
                      "block_size": s.block_size, "timing": dataclasses.asdict(s.timing)},
         "internal_states": [{"last_gen_throughput": engine.load()["gen_throughput"]}],
     }
+    if engine.kv_sender is not None:
+        info["disaggregation_bootstrap_port"] = engine.kv_sender.port
+    return info
+
+
+def _disaggregation_mode(engine: EmulatedEngine) -> str:
+    """SGLang's ``--disaggregation-mode``: "null" for a worker that serves whole requests."""
+    return "null" if engine.settings.role == "mixed" else engine.settings.role
 
 
 def _tokenizer_path(engine: EmulatedEngine) -> str:
@@ -168,7 +178,7 @@ def model_info(engine: EmulatedEngine) -> dict[str, Any]:
     return {"model_path": s.model, "served_model_name": s.model, "tokenizer_path": _tokenizer_path(engine),
             "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
             "load_format": "dummy", "reasoning_parser": None, "tool_call_parser": None,
-            "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
+            "disaggregation_mode": _disaggregation_mode(engine), "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": None, "architectures": None}
 
 
@@ -223,6 +233,9 @@ def _handler(fn: Callable[[EmulatedEngine, web.Request], Any]) -> Callable[[web.
             return await fn(request.app[ENGINE], request)
         except (BadRequest, WorkerModelError, TokenizerError) as exc:
             return _error(400, str(exc))
+        except TransferFailed as exc:
+            # SGLang aborts a request whose KV transfer failed with a server-side error.
+            return _error(500, f"KV transfer failed: {exc}")
 
     return handle
 
@@ -248,6 +261,7 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string")
     gen = _generation(engine, rid, prompt, max_new, params)
+    gen.bootstrap = _bootstrap(engine, body)
 
     def shape(g: Generation) -> dict[str, Any]:
         return {"text": g.text(), "output_ids": list(g.output), "meta_info": g.meta_info()}
@@ -255,14 +269,36 @@ async def generate(engine: EmulatedEngine, request: web.Request) -> web.StreamRe
     if body.get("stream"):
         response = await _sse_start(request)
         # aclosing: a write to a client that went away ends the request in the engine now.
-        async with contextlib.aclosing(engine.generate(gen, stream=True)) as outputs:
-            async for g in outputs:
-                await _sse_send(response, shape(g))
+        try:
+            async with contextlib.aclosing(engine.generate(gen, stream=True)) as outputs:
+                async for g in outputs:
+                    await _sse_send(response, shape(g))
+        except TransferFailed as exc:
+            # After the 200 headers: SGLang's streamed error event, then the end of the stream.
+            await _sse_send(response, {"error": {"message": f"KV transfer failed: {exc}", "code": 500}})
         await _sse_send(response, None)
         return response
     async for _ in engine.generate(gen, stream=False):
         pass
     return web.json_response(shape(gen))
+
+
+def _bootstrap(engine: EmulatedEngine, body: dict[str, Any]) -> Bootstrap | None:
+    """The request's bootstrap fields, which a prefill or decode worker needs (a mixed one
+    ignores them, as SGLang does outside disaggregation mode)."""
+    role = engine.settings.role
+    if role == "mixed":
+        return None
+    try:
+        bootstrap = Bootstrap.from_body(body)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    if bootstrap is None:
+        raise BadRequest(f"this worker runs in disaggregation mode {role}: give bootstrap_host, bootstrap_port "
+                         "and bootstrap_room, as SGLang's prefill-decode router does")
+    if role == "decode" and bootstrap.fake:
+        raise BadRequest("a decode worker cannot serve a request with the fake bootstrap host")
+    return bootstrap
 
 
 def _usage(g: Generation) -> dict[str, Any]:
@@ -276,6 +312,9 @@ def _usage(g: Generation) -> dict[str, Any]:
 
 async def _openai(engine: EmulatedEngine, request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await _body(request)
+    if engine.settings.role != "mixed":
+        raise BadRequest(f"this emulated worker runs in disaggregation mode {engine.settings.role}: "
+                         "it serves /generate with bootstrap fields only")
     if chat:
         prompt = chat_tokens(engine, body.get("messages"))
     else:

@@ -34,8 +34,10 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvcompassd.worker.kvtransfer import KvTransferTiming
 from kvcompassd.worker.prefixcache import EvictionPolicy, PrefixCache
 from kvcompassd.worker.workermodel import FirstTokenProduced, WorkerModelError, WorkerQueueModel, WorkerTiming
+from kvcompassd.emulator.kvtransfer import Bootstrap, KvSender, receive_kv
 from kvcompassd.emulator.publisher import KvEventPublisher
 from kvcompassd.tokenizer import Tokenizer, load_tokenizer
 
@@ -74,6 +76,15 @@ class EmulatorSettings:
     max_new_tokens_limit: int = 32_768
     tokenizer: str = "byte"  # or a Hugging Face tokenizer directory: what text and chats become
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's template
+    # Prefill-decode disaggregation (SGLang's --disaggregation-mode): a "prefill" worker computes
+    # and caches the prompt and hands its KV to the decode instance named by the request's
+    # bootstrap fields, through its bootstrap server on bootstrap_port (0 = ephemeral); a
+    # "decode" worker waits for that KV (at most transfer_timeout_s), streams the tokens and
+    # publishes no KV events.
+    role: str = "mixed"
+    bootstrap_port: int = 8998
+    kv_transfer: KvTransferTiming = field(default_factory=KvTransferTiming)
+    transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -88,6 +99,9 @@ class EmulatorSettings:
             ("replay_buffer_steps", self.replay_buffer_steps > 0),
             ("default_max_new_tokens", 0 < self.default_max_new_tokens <= self.max_new_tokens_limit),
             ("tokenizer", isinstance(self.tokenizer, str) and bool(self.tokenizer)),
+            ("role", self.role in ("mixed", "prefill", "decode")),
+            ("bootstrap_port", 0 <= self.bootstrap_port <= 65535),
+            ("transfer_timeout_s", self.transfer_timeout_s > 0),
         ]
         for name, ok in checks:
             if not ok:
@@ -113,6 +127,9 @@ class EmulatorSettings:
         if getattr(worker, "kv_events_replay", None):
             values["kv_replay_endpoint"] = worker.kv_events_replay
         values["kv_events_topic"] = getattr(worker, "kv_events_topic", "")
+        values["role"] = getattr(worker, "role", "mixed")
+        if getattr(worker, "bootstrap_port", None) is not None:
+            values["bootstrap_port"] = worker.bootstrap_port
         values.update(overrides)
         return cls(**values)
 
@@ -177,6 +194,8 @@ class Generation:
     finished: bool = False
     started: float = 0.0
     e2e_latency: float = 0.0
+    bootstrap: Bootstrap | None = None  # a disaggregated request's (prefill and decode roles)
+    prefill_only: bool = False  # a prefill instance's: ends with the first token
 
     def text(self) -> str:
         """The output as SGLang's detokenizer returns it: without the matched stop (unless
@@ -198,6 +217,8 @@ class Generation:
     def finish_reason(self) -> dict[str, Any] | None:
         if not self.finished:
             return None
+        if self.prefill_only:  # SGLang's prefill server: FINISH_LENGTH(length=0) once the KV went
+            return {"type": "length", "length": 0}
         if self.matched is not None:
             return {"type": "stop", "matched": self.matched}
         return {"type": "length", "length": self.max_new_tokens}
@@ -240,8 +261,8 @@ class _Metrics:
 class EmulatedEngine:
     """Cache, queue model, publisher and clock of one emulated worker."""
 
-    def __init__(self, settings: EmulatorSettings, publisher: KvEventPublisher,
-                 tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, settings: EmulatorSettings, publisher: KvEventPublisher | None,
+                 tokenizer: Tokenizer | None = None, kv_sender: KvSender | None = None) -> None:
         self.settings = settings
         self.publisher = publisher
         self.tokenizer = tokenizer or load_tokenizer(settings.tokenizer, settings.chat_template)
@@ -260,6 +281,8 @@ class EmulatedEngine:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self._recent_tokens: list[tuple[float, int]] = []
+        self.kv_sender = kv_sender  # a prefill worker's bootstrap server
+        self.kv_received = 0  # a decode worker's completed hand-overs
 
     # -------------------------------------------------------------------------- clock
 
@@ -318,32 +341,63 @@ class EmulatedEngine:
     # -------------------------------------------------------------------------- requests
 
     def _publish(self, events: list) -> None:
-        if events:
+        if events and self.publisher is not None:  # a decode worker publishes nothing
             self.publisher.publish(events)
 
     async def generate(self, gen: Generation, *, stream: bool) -> AsyncIterator[Generation]:
-        """Run one request; yields ``gen`` whenever new tokens are out (last: finished)."""
+        """Run one request; yields ``gen`` whenever new tokens are out (last: finished).
+
+        A prefill worker stops after the first token, once its KV went to the decode instance
+        (raises :class:`TransferFailed` if it could not); a decode worker first waits for that
+        KV, then decodes without a prefill (raises :class:`TransferFailed` if it never comes)."""
         if gen.rid in self._waiters:
             raise WorkerModelError(f"request id {gen.rid!r} is already running")
+        role = self.settings.role
         gen.started = time.perf_counter()
         self.inflight += 1
-        output = gen.stop_at(output_tokens(gen.prompt, gen.max_new_tokens, self.settings.seed))
-        # SGLang matches at most len-1 prompt tokens: one must be computed for the logits
-        lease, found, events = self.cache.lock(gen.prompt[:-1], now=self.model_now())
-        self._publish(events)
-        gen.cached_tokens = found.total_tokens
+        lease = None
         try:
+            output = gen.stop_at(output_tokens(gen.prompt, gen.max_new_tokens, self.settings.seed))
+            if role == "decode":
+                assert gen.bootstrap is not None  # the route refuses a decode request without one
+                kv = await receive_kv(gen.bootstrap, self.settings.worker_id, gen.prompt,
+                                      timeout_s=self.settings.transfer_timeout_s)
+                self.kv_received += 1
+                if output:
+                    output = gen.stop_at([kv.first_token] + output[1:])
+                gen.cached_tokens = kv.cached_tokens  # the prefill's, as SGLang's decode reports it
+                vram, dram = len(gen.prompt), 0  # the prompt's KV is all here: no prefill
+            else:
+                # SGLang matches at most len-1 prompt tokens: one must be computed for the logits
+                lease, found, events = self.cache.lock(gen.prompt[:-1], now=self.model_now())
+                self._publish(events)
+                gen.cached_tokens = found.total_tokens
+                vram, dram = found.vram_tokens, found.dram_tokens
+            if role == "prefill":
+                gen.prefill_only = True
+                output = output[:1]
             first = done = None
             if self.delays:
                 first, done = self._loop.create_future(), self._loop.create_future()
                 self._waiters[gen.rid] = (first, done)
                 # max_new_tokens = 0 still runs the prefill (its logits are dropped)
-                self.model.admit(gen.rid, len(gen.prompt), found.vram_tokens, found.dram_tokens,
-                                 max(1, len(output)), now=self.model_now())
+                self.model.admit(gen.rid, len(gen.prompt), vram, dram, max(1, len(output)), now=self.model_now())
                 self._wake.set()
                 await first
             self.metrics.ttft.labels(self.metrics.model).observe(time.perf_counter() - gen.started)
-            self._publish(self.cache.insert(gen.prompt, now=self.model_now(), lease=lease))
+            if lease is not None:
+                self._publish(self.cache.insert(gen.prompt, now=self.model_now(), lease=lease))
+            if role == "prefill":
+                if done is not None:
+                    await done
+                if gen.bootstrap is not None and self.kv_sender is not None:
+                    first_token = output[0] if output else output_tokens(gen.prompt, 1, self.settings.seed)[0]
+                    await self.kv_sender.hand_over(gen.bootstrap, gen.prompt, first_token, gen.cached_tokens)
+                gen.output, gen.emitted, gen.finished = output, len(output), True
+                gen.e2e_latency = time.perf_counter() - gen.started
+                self._account(gen)
+                yield gen
+                return
             gen.output, gen.emitted = output[:1], min(1, len(output))
             if done is not None and stream and len(output) > 1:
                 yield gen
@@ -358,8 +412,9 @@ class EmulatedEngine:
                 await done
             gen.output, gen.emitted, gen.finished = output, len(output), True
             gen.e2e_latency = time.perf_counter() - gen.started
-            # like cache_finished_req: the last token's KV was never computed
-            self._publish(self.cache.insert(gen.prompt + output[:-1], now=self.model_now(), lease=lease))
+            if lease is not None:
+                # like cache_finished_req: the last token's KV was never computed
+                self._publish(self.cache.insert(gen.prompt + output[:-1], now=self.model_now(), lease=lease))
             self._account(gen)
             yield gen
         finally:
@@ -367,8 +422,11 @@ class EmulatedEngine:
                 # Closed early (the client disconnected, as SGLang notices): the request
                 # stops holding its slot and the GPU.
                 self._wake.set()
+            if role == "prefill" and not gen.finished and gen.bootstrap is not None and self.kv_sender is not None:
+                self.kv_sender.abandon(gen.bootstrap, "the prefill request ended before its KV was computed")
             self._waiters.pop(gen.rid, None)
-            self.cache.unlock(lease)
+            if lease is not None:
+                self.cache.unlock(lease)
             self.inflight -= 1
 
     def _account(self, gen: Generation) -> None:
@@ -436,6 +494,7 @@ class EmulatedWorker:
         self._ctx = context
         self.engine: EmulatedEngine | None = None
         self.publisher: KvEventPublisher | None = None
+        self.kv_sender: KvSender | None = None
         self._runner: web.AppRunner | None = None
         self.http_url = ""
         # Fault injection: every route answers 503, as an engine whose HTTP side is down or
@@ -445,12 +504,17 @@ class EmulatedWorker:
     async def start(self) -> None:
         s = self.settings
         tokenizer = load_tokenizer(s.tokenizer, s.chat_template)  # a bad tokenizer fails before any socket
-        self.publisher = KvEventPublisher(
-            s.kv_events_endpoint, s.kv_replay_endpoint, topic=s.kv_events_topic,
-            buffer_steps=s.replay_buffer_steps, style=s.kv_events_style, context=self._ctx,  # type: ignore[arg-type]
-        )
-        await self.publisher.start()
-        self.engine = EmulatedEngine(s, self.publisher, tokenizer)
+        if s.role != "decode":  # a decode worker's KV is never indexed: it publishes nothing
+            self.publisher = KvEventPublisher(
+                s.kv_events_endpoint, s.kv_replay_endpoint, topic=s.kv_events_topic,
+                buffer_steps=s.replay_buffer_steps, style=s.kv_events_style, context=self._ctx,  # type: ignore[arg-type]
+            )
+            await self.publisher.start()
+        if s.role == "prefill":
+            self.kv_sender = KvSender(s.host, s.bootstrap_port, s.kv_transfer, time_scale=s.time_scale,
+                                      timeout_s=s.transfer_timeout_s)
+            await self.kv_sender.start()
+        self.engine = EmulatedEngine(s, self.publisher, tokenizer, kv_sender=self.kv_sender)
         self.engine.start()
         from kvcompassd.emulator.routes import build_app  # the HTTP layer imports this module
 
@@ -470,8 +534,13 @@ class EmulatedWorker:
         await site.start()
         port = self._runner.addresses[0][1]
         self.http_url = f"http://{s.host}:{port}"
-        log.info("emulated worker %s on %s, KV events on %s (replay %s)", s.worker_id, self.http_url,
-                 self.publisher.endpoint, self.publisher.replay_endpoint)
+        if self.publisher is not None:
+            log.info("emulated %s worker %s on %s, KV events on %s (replay %s)", s.role, s.worker_id, self.http_url,
+                     self.publisher.endpoint, self.publisher.replay_endpoint)
+        else:
+            log.info("emulated %s worker %s on %s, no KV events", s.role, s.worker_id, self.http_url)
+        if self.kv_sender is not None:
+            log.info("emulated worker %s: KV-transfer bootstrap on %s:%d", s.worker_id, s.host, self.kv_sender.port)
 
     @property
     def kv_events_endpoint(self) -> str:
@@ -483,12 +552,19 @@ class EmulatedWorker:
         assert self.publisher is not None
         return self.publisher.replay_endpoint
 
+    @property
+    def bootstrap_port(self) -> int | None:
+        """A prefill worker's bound bootstrap port (None in the other roles)."""
+        return self.kv_sender.port if self.kv_sender is not None else None
+
     async def stop(self) -> None:
         if self.engine is not None:
             await self.engine.close()  # first: lets handlers blocked on the model return
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.kv_sender is not None:
+            await self.kv_sender.close()
         if self.publisher is not None:
             await self.publisher.close()
 

@@ -111,13 +111,18 @@ class EngineClient:
         self.session = session
 
     async def generate(
-        self, input_ids: Sequence[int], sampling_params: dict, *, stream: bool, rid: str | None = None
+        self, input_ids: Sequence[int], sampling_params: dict, *, stream: bool, rid: str | None = None,
+        extra: dict | None = None,
     ) -> AsyncIterator[EngineOutput | EngineFinished]:
-        """Run a prompt; yields outputs then one ``EngineFinished``. Raises ``EngineError``."""
+        """Run a prompt; yields outputs then one ``EngineFinished``. Raises ``EngineError``.
+        ``extra``: further top-level fields of SGLang's ``GenerateReqInput`` (the bootstrap
+        fields of a prefill-decode pair)."""
         ids = input_ids.tolist() if hasattr(input_ids, "tolist") else [int(t) for t in input_ids]
         body = {"input_ids": ids, "sampling_params": sampling_params, "stream": stream}
         if rid:
             body["rid"] = rid
+        if extra:
+            body.update(extra)
         try:
             # Leaving this block before the end (the caller closed this generator: its client
             # went away, or a deadline passed) closes the connection, which SGLang and the

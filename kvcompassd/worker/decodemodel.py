@@ -17,9 +17,9 @@ first token; the colocated model charges the same ``output_tokens - 1`` decode s
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
+from .kvtransfer import KvTransferTiming
 from .workermodel import FirstTokenProduced, RequestFinished, WorkerEvent, WorkerModelError, WorkerTiming
 
 # KV bytes per token of Llama-3.1-8B in BF16: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes.
@@ -30,9 +30,10 @@ def kv_transfer_ms(tokens: int, gbps: float, *, bytes_per_token: int = KV_BYTES_
     """Milliseconds to move ``tokens`` tokens of KV over a ``gbps`` Gbit/s link (size / bandwidth)."""
     if tokens < 0:
         raise WorkerModelError(f"tokens must be >= 0, got {tokens}")
-    if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
-        raise WorkerModelError(f"gbps must be a finite number > 0, got {gbps!r}")
-    return tokens * bytes_per_token * 8 / (gbps * 1e9) * 1000.0
+    try:
+        return KvTransferTiming(bytes_per_token, gbps).transfer_ms(tokens)  # the emulator's formula too
+    except ValueError as exc:
+        raise WorkerModelError(str(exc)) from None
 
 
 def decode_steps(output_tokens: int) -> int:
