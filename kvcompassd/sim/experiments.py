@@ -31,15 +31,16 @@ the shortening keeps and what it changes:
   the rate for that reason alone.)
 - Overload: past capacity a backlog grows with time, so every overloaded scheme's P99 grows
   with the measured window, each at its own pace: the ratios between schemes are the window's,
-  and they move with it in either direction. Measured on Mixed at 3000 req/s (census-64x8, seed
-  0), the sweep's 7.5 s point gave the baselines' P99 over KVCompass's as 1.48 (central
-  directory), 2.09 (PlanetServe), 1.48 (SkyWalker), 1.67 (consistent hashing), 3.61 (Chord), 1.33
-  (Dynamo); the full 20 s point (``python -m kvcompassd.sim.cli --deployment census-64x8
-  --workload mixed --rates 3000 --duration 20 --warmup 5``) gave 1.18, 1.45, 1.31, 1.41, 2.92 and
-  1.16: the short window INFLATED KVCompass's advantage there. A ratio quoted from a sweep
-  point is that point's window's; ``tools/sim_seeds.py --durations 7.5,20 --warmup 5`` gives a
+  and they move with it; nothing makes the short window favour one side. Measured on Mixed at
+  3000 req/s (census-64x8, seed 0), the sweep's 7.5 s point (5 s warm-up + 2.5 s measured) gave
+  the baselines' P99 over KVCompass's as 1.48 (central directory), 2.08 (PlanetServe), 1.47
+  (SkyWalker), 1.67 (consistent hashing), 3.59 (Chord), 1.32 (Dynamo); the full 20 s point
+  (``python -m kvcompassd.sim.cli --deployment census-64x8 --workload mixed --rates 3000
+  --duration 20 --warmup 5``, 5 s + 15 s) gave 1.18, 1.45, 1.31, 1.41, 2.93 and 1.16: the short
+  window inflated every one of KVCompass's six leads there. A ratio quoted from a sweep point
+  is that point's window's; ``tools/sim_seeds.py --durations 7.5,20 --warmup 5`` gives a
   ratio's spread over seeds and windows (docs/simulator-measurements.md has it for this
-  point). Throughput counts every token of the run over its duration (first arrival to last
+  point, with the seeds). Throughput counts every token of the run over its duration (first arrival to last
   completion, as vLLM's and SGLang's serving benchmarks do); past capacity that is the rate at
   which the pool works off the backlog.
 
