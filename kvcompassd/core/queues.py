@@ -92,7 +92,7 @@ _MAX_TREND = 100.0  # ms per ms; a sanity bound, far above any real fill rate
 _SURPRISE_WEIGHT = 0.25
 _SURPRISE_FADE_PERIODS = 30
 # Charges awaiting retirement (one per request in flight): the oldest go beyond this.
-_MAX_CHARGES = 1 << 16
+_MAX_CHARGES = 1 << 14
 
 __all__ = ["QueueEstimateError", "QueueEstimates", "QueueVectorBroadcast", "QueueVectorError"]
 

@@ -48,7 +48,7 @@ DEFAULT_MIN_SAMPLES = 5
 DEFAULT_MIN_TOKENS = 64
 # Dispatches awaiting their first token or end: a shell that loses track of some (a bug, a
 # cancelled task) must not grow the table without end; the oldest are dropped first.
-MAX_OPEN_DISPATCHES = 1 << 16
+MAX_OPEN_DISPATCHES = 1 << 14
 
 
 class RatesError(ValueError):
