@@ -202,6 +202,10 @@ class Forwarder:
         self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
         self._remote_workers = {i for i, r in enumerate(router.worker_regions) if r != router.region}
         self.migrations: list[dict] = []  # recent, for kvcompassctl
+        rates = router.rates
+        for i, worker in enumerate(workers):  # read when scraped: nothing per request
+            metrics.learned_prefill.labels(worker).set_function(lambda i=i: rates.prefill_ms_per_token(i))
+            metrics.learned_decode.labels(worker).set_function(lambda i=i: rates.decode_ms_per_token(i))
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 

@@ -40,8 +40,24 @@ def test_a_worker_five_times_faster_than_configured_is_learned():
     assert rates.prefill_ms_per_token(us0) == pytest.approx(BETA / 5)
     assert rates.decode_ms_per_token(us0) == pytest.approx(DECODE / 5)
     other = cfg.worker_ids().index("us-1")
-    assert rates.prefill_ms_per_token(other) == BETA  # no samples: the configured rate stands
+    assert rates.prefill_ms_per_token(other) == pytest.approx(BETA / 5)  # no samples of its own: the fleet's
     assert len(rates) == 0  # every dispatch ended
+
+
+def test_a_worker_with_samples_of_its_own_keeps_its_rate_and_the_others_take_the_fleets():
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t, n = 0.0, 0
+    for _ in range(6):
+        _serve(rates, n, 0, sent=t, first=t + rtt + 0.5, end=t + rtt + 0.5, uncached=1000, output=1)  # 5x slower
+        _serve(rates, n + 1, 1, sent=t, first=t + rtt + 0.1, end=t + rtt + 0.1, uncached=1000, output=1)
+        _serve(rates, n + 2, 1, sent=t + 0.5, first=t + 0.5 + rtt + 0.1, end=t + 0.6 + rtt, uncached=1000, output=1)
+        t, n = t + 1.0, n + 3
+    assert rates.prefill_ms_per_token(0) == pytest.approx(0.5)
+    assert rates.prefill_ms_per_token(1) == pytest.approx(0.1)
+    assert rates.prefill_ms_per_token(2) == pytest.approx(0.1)  # the fleet's median: worker 1 sent more
+    assert rates.prefill_rates().tolist() == pytest.approx([0.5, 0.1, 0.1])
 
 
 def test_the_round_trip_to_a_remote_worker_is_not_counted_as_prefill():

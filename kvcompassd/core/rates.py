@@ -23,8 +23,11 @@ dominate. Decode: the time from the first token to the end over the tokens after
 Each sample becomes the log of its ratio to the configured rate, clipped to +-log(bound), and a
 worker's rate is the configured one times exp(median of its last ``window`` log-ratios): one
 outlier (a request queued behind another edge's work, a pause of the host) moves the median by
-at most one rank, and the rate follows a real change within half a window. Until ``min_samples``
-samples the configured rate stands.
+at most one rank, and the rate follows a real change within half a window. A worker with fewer
+than ``min_samples`` samples of its own takes the fleet's factor (the median over every
+worker's samples): a configured rate that is off is usually off for the whole fleet (another
+GPU, another model), and a worker the edge has not sent to yet must not look cheaper than the
+ones it has measured. Before any sample the configured rates stand.
 
 Times are seconds (``now``), rates milliseconds per token, as in the config.
 """
@@ -112,6 +115,10 @@ class LearnedRates:
         self._rtt_s = tuple(cfg.rtt_ms(region, w.region) / 1000.0 for w in cfg.workers)
         self._prefill = [RateEstimator(bound=bound, window=window, min_samples=min_samples) for _ in cfg.workers]
         self._decode = [RateEstimator(bound=bound, window=window, min_samples=min_samples) for _ in cfg.workers]
+        # The fleet's factors: every worker's samples, over a longer window.
+        self._fleet_prefill = RateEstimator(bound=bound, window=2 * window + 1, min_samples=min_samples)
+        self._fleet_decode = RateEstimator(bound=bound, window=2 * window + 1, min_samples=min_samples)
+        self._min_samples = min_samples
         self._min_tokens = min_tokens
         self._max_open = max_open
         # dispatch -> [worker, sent at, first token at (or None), service ms (or None)]
@@ -142,17 +149,19 @@ class LearnedRates:
 
     def finished(self, dispatch: int, *, uncached_tokens: int, output_tokens: int, now: float) -> bool:
         """The dispatch ended, its worker having computed ``uncached_tokens`` and produced
-        ``output_tokens``; True if that worker's prefill rate changed."""
+        ``output_tokens``; True if one of that worker's rates changed."""
         record = self._open.pop(dispatch, None)
         if record is None or record[2] is None:
             return False
         worker, _, first_at, service_ms = record
+        changed = False
         if output_tokens >= 2:
-            decode_ms = 1000.0 * (now - first_at) / (output_tokens - 1)
-            self._decode[worker].observe(decode_ms / self.configured_decode[worker])
-        if uncached_tokens < self._min_tokens:
-            return False
-        return self._prefill[worker].observe(service_ms / uncached_tokens / self.configured_prefill[worker])
+            ratio = 1000.0 * (now - first_at) / (output_tokens - 1) / self.configured_decode[worker]
+            changed = self._decode[worker].observe(ratio) | self._fleet_decode.observe(ratio)
+        if uncached_tokens >= self._min_tokens:
+            ratio = service_ms / uncached_tokens / self.configured_prefill[worker]
+            changed = self._prefill[worker].observe(ratio) | self._fleet_prefill.observe(ratio) | changed
+        return changed
 
     def worker_of(self, dispatch: int) -> int:
         """The worker an open dispatch went to (-1: not open)."""
@@ -163,17 +172,24 @@ class LearnedRates:
         """The dispatch failed: it says nothing about its worker's rates."""
         self._open.pop(dispatch, None)
 
+    def _factor(self, own: RateEstimator, fleet: RateEstimator) -> float:
+        return own.factor if len(own) >= self._min_samples else fleet.factor
+
     def prefill_factor(self, worker: int) -> float:
-        return self._prefill[worker].factor
+        return self._factor(self._prefill[worker], self._fleet_prefill)
 
     def decode_factor(self, worker: int) -> float:
-        return self._decode[worker].factor
+        return self._factor(self._decode[worker], self._fleet_decode)
 
     def prefill_ms_per_token(self, worker: int) -> float:
-        return self.configured_prefill[worker] * self._prefill[worker].factor
+        return self.configured_prefill[worker] * self.prefill_factor(worker)
 
     def decode_ms_per_token(self, worker: int) -> float:
-        return self.configured_decode[worker] * self._decode[worker].factor
+        return self.configured_decode[worker] * self.decode_factor(worker)
+
+    def prefill_rates(self) -> np.ndarray:
+        """Every worker's prefill ms per token (config worker order)."""
+        return np.array([self.prefill_ms_per_token(i) for i in range(len(self.configured_prefill))])
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Learned rates and sample counts (config worker order), for inspection and metrics."""

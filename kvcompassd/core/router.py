@@ -365,17 +365,20 @@ class Router:
         self.rates.first_token(dispatch, now=now)
 
     def on_finished(self, dispatch: int, *, prompt_tokens: int, cached_tokens: int, output_tokens: int,
-                    now: float) -> None:
+                    now: float) -> int | None:
         """The decision's request ended: retire the rest of its charge and learn its worker's
-        rates from it (``cached_tokens`` as the worker reported them)."""
+        rates from it (``cached_tokens`` as the worker reported them). Returns the worker's
+        index when one of its learned rates changed, else None."""
         self.queues.retire(dispatch, now=now)
         if self.pending is not None:
             self.pending.drop_dispatch(dispatch)
         worker = self.rates.worker_of(dispatch)
-        if self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
-                               output_tokens=int(output_tokens), now=now):
-            self.scorer.set_prefill_rate(worker, self.rates.prefill_ms_per_token(worker))
-            self._beta_list = self.scorer.beta_list
+        if not self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
+                                   output_tokens=int(output_tokens), now=now):
+            return None
+        self.scorer.set_prefill_rates(self.rates.prefill_rates())  # the fleet's factor may have moved too
+        self._beta_list = self.scorer.beta_list
+        return worker
 
     def on_response(
         self,
