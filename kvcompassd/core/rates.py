@@ -20,6 +20,12 @@ A sample is ``service / uncached tokens`` (the worker's own ``cached_tokens`` co
 end), taken only over ``min_tokens`` uncached tokens, where the fixed per-request costs do not
 dominate. Decode: the time from the first token to the end over the tokens after the first.
 
+Samples timed from arrival also count a request's fixed costs (HTTP, tokenising, a loaded host's
+scheduling): on a busy host the rate reads high, which errs toward keeping prefixes on their
+holders. Timing only backlogs (first token to first token) leaves those costs out but errs the
+other way: a busy edge reads a backlog's first tokens in bunches, a few ms apart, and the rate
+read low sent a holder's requests away (tried against tests/test_e2e_costmodel.py).
+
 Each sample becomes the log of its ratio to the configured rate, clipped to +-log(bound), and a
 worker's rate is the configured one times exp(median of its last ``window`` log-ratios): one
 outlier (a request queued behind another edge's work, a pause of the host) moves the median by
