@@ -7,6 +7,8 @@ is recorded (its group, the worker that served it read off its output tokens, th
 reused, its latency), and every ``--poll-ms`` each worker's ``/v1/loads`` (its queue and running
 requests). The slowest ``--tail`` percent of requests are then put down to one cause each:
 
+- ``stale``: a miss the edge had credited as a hit (its view or pending ledger still listed a
+  prefix the worker had evicted: it chose the worker for a reuse that was not there);
 - ``evicted``: a miss on the worker that had served the group's previous request with a hit
   (its prefix was evicted in between: eviction churn);
 - ``spread``: a miss elsewhere (the edge sent the group to a worker without its prefix);
@@ -73,8 +75,10 @@ async def closed_loop(url: str, args, prompts: Prompts, who: WhoServed, seconds:
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     ok = False
                 if ok:
+                    meta = data.get("meta_info") or {}
                     records.append({"group": group, "text": text, "output_ids": data.get("output_ids"),
-                                    "cached": int((data.get("meta_info") or {}).get("cached_tokens") or 0),
+                                    "cached": int(meta.get("cached_tokens") or 0),
+                                    "claimed": int((meta.get("kvcompass") or {}).get("claimed_tokens") or 0),
                                     "sent": sent, "latency_ms": (time.monotonic() - sent) * 1000.0})
 
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
@@ -90,7 +94,9 @@ def classify(records: list[dict], shared: int, readings: dict[str, list[tuple[fl
         series = readings.get(r["worker"], [])
         at = bisect.bisect_right([t for t, _, _ in series], r["sent"]) - 1
         r["queue_ms"], r["running"] = (series[at][1], series[at][2]) if at >= 0 else (0.0, 0)
-        if not hit:
+        if not hit and r["claimed"] > r["cached"]:
+            r["cause"] = "stale"  # the edge credited a prefix the worker no longer had
+        elif not hit:
             r["cause"] = "evicted" if last_hit_on.get(r["group"]) == r["worker"] else "spread"
         else:
             r["cause"] = "queued" if r["queue_ms"] > 0.0 else "other"
@@ -111,7 +117,7 @@ def report(args, records: list[dict]) -> None:
     print(f"{len(records)} requests, P50 {percentile(latencies, 50):.0f} ms, P99 {percentile(latencies, 99):.0f} ms; "
           f"tail = slowest {args.tail:g} % ({len(tail)} requests, >= {cut:.0f} ms)")
     print(f"{'cause':<9}{'tail share':>11}{'all share':>10}{'mean ms (tail)':>15}{'mean ms (all)':>14}")
-    for cause in ("evicted", "spread", "queued", "other"):
+    for cause in ("stale", "evicted", "spread", "queued", "other"):
         in_tail = [r for r in tail if r["cause"] == cause]
         in_all = [r for r in records if r["cause"] == cause]
         print(f"{cause:<9}{len(in_tail) / max(1, len(tail)):>11.2f}{len(in_all) / max(1, len(records)):>10.2f}"
