@@ -25,7 +25,9 @@ from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-TRUE_BETA = 0.1  # ms per token the workers really take (the config's beta times the time scale)
+# ms per token the workers really take (the config's beta times the time scale): slow enough that
+# a queue lasts long enough for the test to see it on a busy machine
+TRUE_BETA = 0.5
 MAX_NEW = 4
 WORKERS = 3
 SEEDS = {f"us-{i}": i + 1 for i in range(WORKERS)}
@@ -112,10 +114,10 @@ async def test_follow_ups_of_a_shared_prefix_two_at_a_time_stay_on_its_holder(de
 
 async def test_a_holder_whose_true_queue_is_shorter_than_the_prefill_it_saves_keeps_the_request(dep):
     # A 2,048-token prefix (the longest level: all of it is credited) and 128-byte suffixes. A
-    # burst of 8 queues ~8 x 13 ms of true prefill on the holder (at 0.1 ms/token), which the
-    # agent reports in wall ms. A request that comes while the edge sees over 60 ms of it still
-    # belongs on the holder: recomputing its 2,048 shared tokens elsewhere takes ~205 ms. Priced
-    # at a configured beta 5x too low that saving looked like 41 ms and the request went elsewhere.
+    # burst of 12 queues ~12 x 70 ms of true prefill on the holder (at 0.5 ms/token), which the
+    # agent reports in wall ms. A request that comes while the edge sees over 300 ms of it still
+    # belongs on the holder: recomputing its 2,048 shared tokens elsewhere takes ~1,024 ms. Priced
+    # at a configured beta 5x too low that saving looked like 205 ms and the request went elsewhere.
     shared = doc(50, 2048)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         holder = await warm_holder(session, dep, shared, 128)
@@ -127,10 +129,10 @@ async def test_a_holder_whose_true_queue_is_shorter_than_the_prefill_it_saves_ke
 
         for attempt in range(10):
             burst = [asyncio.create_task(served(session, dep, shared + f" burst {attempt} {n} " + doc(2000 + n, 128)))
-                     for n in range(8)]
+                     for n in range(12)]
             try:
                 async def queued():
-                    return await holder_queue_ms() >= 60.0 or all(t.done() for t in burst)
+                    return await holder_queue_ms() >= 300.0 or all(t.done() for t in burst)
 
                 await eventually(queued, timeout=30.0, interval=0.0)
                 if not all(t.done() for t in burst):  # caught while the holder has a queue
@@ -139,4 +141,4 @@ async def test_a_holder_whose_true_queue_is_shorter_than_the_prefill_it_saves_ke
                     return
             finally:
                 await asyncio.gather(*burst)
-        pytest.fail("the edge never saw 60 ms of queue on the holder during a burst")
+        pytest.fail("the edge never saw 300 ms of queue on the holder during a burst")
