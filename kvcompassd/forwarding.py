@@ -224,6 +224,10 @@ class Forwarder:
         self.decode_chooser = (DecodeChooser.from_config(self.cfg, seed=zlib.crc32(edge_id.encode()))
                                if self.cfg.disaggregated else None)
         self._rooms = random.Random()  # bootstrap rooms: random, as SGLang's router draws them
+        rates = router.rates
+        for i, worker in enumerate(workers):  # read when scraped: nothing per request
+            metrics.learned_prefill.labels(worker).set_function(lambda i=i: rates.prefill_ms_per_token(i))
+            metrics.learned_decode.labels(worker).set_function(lambda i=i: rates.decode_ms_per_token(i))
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -303,6 +307,9 @@ class Forwarder:
                         contextlib.aclosing(_within_deadlines(items, first_s, self.inter_token_s)) as paced:
                     async for item in paced:
                         if isinstance(item, TokensGenerated):
+                            if not produced:
+                                # Its prefill is done: the charge for it goes, the prompt is there.
+                                self.router.on_first_token(decision.dispatch, now=self.clock())
                             produced = True
                             yield item
                         else:
@@ -311,7 +318,7 @@ class Forwarder:
                 raise WorkerUnavailable("response ended without completion")
             except EngineRejected as exc:
                 # The request's own fault: every worker would refuse it the same way.
-                self.router.on_failed(decision.worker_index)
+                self.router.on_failed(decision.worker_index, dispatch=decision.dispatch, now=self.clock())
                 log.info("engine rejected the request", request_id=req.request_id, worker=decision.worker,
                          status=exc.status, error=exc.message)
                 raise ForwardError(exc.status, exc.message) from None
@@ -340,7 +347,7 @@ class Forwarder:
                     raise ForwardError(status, f"worker {decision.worker} failed mid-response: {exc}") from exc
                 reasons.append(f"{decision.worker}: {exc}")
                 excluded.add(decision.worker_index)
-                self.router.on_failed(decision.worker_index)
+                self.router.on_failed(decision.worker_index, dispatch=decision.dispatch, now=self.clock())
                 if isinstance(exc, FirstTokenLate) and not decision.local:
                     # The request has spent its deadline on a crawling WAN path (shared by that
                     # region's workers, and likely not the only one): it stays in the edge's own
@@ -349,6 +356,10 @@ class Forwarder:
                 self.metrics.retries.inc()
                 log.warning("worker failed before first token; retrying", request_id=req.request_id,
                             worker=decision.worker, attempt=attempt, error=str(exc), avoided_s=avoided_s)
+            finally:
+                # Whatever else ended the attempt (a mid-response failure, the client went away):
+                # its charge goes (a no-op after a completion or failure retired it).
+                self.router.on_aborted(decision.dispatch, now=self.clock())
         raise ForwardError(503, "no worker could serve the request: " + "; ".join(reasons))
 
     def _observe_decision(self, req: ForwardRequest, d: ForwardDecided, decision_us: float, attempt: int) -> None:
@@ -380,6 +391,10 @@ class Forwarder:
     def _finished(self, req, d: ForwardDecided, done: GenerationFinished, attempt: int, decision_us: float):
         now = self.clock()
         self.suspects.served(d.worker_index)
+        router = self.router
+        router.on_first_token(d.dispatch, now=now)  # a no-op unless it ended without output
+        router.on_finished(d.dispatch, prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
+                           output_tokens=done.completion_tokens, now=now)
         self.router.on_response(
             d.worker,
             claimed_tokens=d.claimed_tokens,

@@ -114,9 +114,12 @@ def _queues(edge, args) -> dict:
     ages = q.ages(now=now)
     current = q.queue_ms(now=now)  # what the score uses now: values carried to now at their trend
     trends = q.trends()
+    rates = edge.router.rates  # the rates the score and the charges use (core/rates.py)
     return {"workers": [{"worker": w, "region": edge.cfg.worker(w).region, "queue_ms": float(current[i]),
                          "reported_ms": float(q.queue_ms()[i]), "trend_ms_per_ms": round(float(trends[i]), 4),
-                         "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3)}
+                         "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3),
+                         "prefill_ms_per_token": round(rates.prefill_ms_per_token(i), 6),
+                         "decode_ms_per_token": round(rates.decode_ms_per_token(i), 6)}
                         for i, w in enumerate(edge.layout.worker_ids)],
             # Per remote region, the selection correction queue_ms includes (QueueEstimates docstring).
             "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()},

@@ -102,6 +102,11 @@ class EdgeMetrics:
         self.claimed_tokens = Counter("kvcompass_claimed_tokens", "Prefix tokens the edge credited winners with", registry=r)
         self.reused_tokens = Counter("kvcompass_reused_tokens", "Prefix tokens workers reported reusing", registry=r)
         self.retries = Counter("kvcompass_retries", "Requests retried on the next best worker", registry=r)
+        self.learned_prefill = Gauge("kvcompass_learned_prefill_ms_per_token", "Each worker's prefill rate as "
+                                     "this edge learned it from the first tokens it saw (core/rates.py)",
+                                     ["worker"], registry=r)
+        self.learned_decode = Gauge("kvcompass_learned_decode_ms_per_token", "Each worker's decode rate as this "
+                                    "edge learned it from the ends it saw", ["worker"], registry=r)
         self.migrations = Counter("kvcompass_migrations", "Hot-prefix migrations requested, by mode", ["mode"], registry=r)
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
                                         "authority for them (a shard it does not own, a region it is not in), by "

@@ -237,6 +237,37 @@ async def test_loads_and_metrics_reflect_queued_and_running_requests() -> None:
         await session.close()
 
 
+@pytest.mark.parametrize("time_scale", [0.5, 2.0])
+async def test_queue_readings_are_in_wall_milliseconds_at_any_time_scale(time_scale: float) -> None:
+    # Edges age a reading at one wall ms per ms: a worker run at time_scale s waits s model ms
+    # per model ms. Two 64-token prompts queued behind a third in prefill, at 1 s per token:
+    # 128-192 s of model time ahead of a new arrival (one output token each: no decode), so
+    # 128-192 s times the scale on the wall.
+    timing = WorkerTiming(prefill_ms_per_token=1000.0, max_running=1)
+    worker = EmulatedWorker(settings(timing=timing, time_scale=time_scale))
+    await worker.start()
+    session = aiohttp.ClientSession()
+    url = worker.http_url
+    body = {"sampling_params": {"max_new_tokens": 1}}
+    tasks = [asyncio.create_task(session.post(f"{url}/generate", json={"input_ids": [i] * 64, **body}))
+             for i in range(3)]
+    try:
+        async def load() -> dict:
+            async with session.get(f"{url}/v1/loads") as response:
+                return (await response.json())["loads"][0]
+
+        async with asyncio.timeout(10):
+            while (current := await load())["num_waiting_reqs"] < 2:
+                await asyncio.sleep(0.01)
+        assert 128_000 * time_scale <= current["estimated_queue_ms"] <= 193_000 * time_scale
+    finally:
+        await worker.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await session.close()
+
+
 def test_settings_validation_and_from_worker_config() -> None:
     with pytest.raises(EmulatorConfigError, match="eviction"):
         EmulatorSettings(eviction="random")

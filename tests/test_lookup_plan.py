@@ -357,7 +357,7 @@ def test_slot_constructor_builds_what_the_dataclass_builds():
     from kvcompassd.core.router import ForwardDecided
 
     build = slot_constructor(ForwardDecided)
-    args = ("w", 1, "r", 64, Tier.DRAM, 0.5, 100, False, None, None, 3, False)
+    args = ("w", 1, "r", 64, Tier.DRAM, 0.5, 100, False, None, None, 3, False, 7)
     made = build(*args)
     assert made == ForwardDecided(*args) and made.outcome == "remote_hit"
     with pytest.raises(FrozenInstanceError):

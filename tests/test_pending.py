@@ -161,3 +161,32 @@ def test_a_failed_worker_is_forgotten():
     assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.1) is not None
     assert matched.tolist() == [0, 128, 0]
     assert ledger.forget(2) == 0
+
+
+def test_a_first_token_credits_the_prompt_from_then_when_sooner_than_estimated():
+    ledger = _ledger(hold_s=1.0)
+    # Estimated ready in 2 s (a long modelled queue); the worker was faster: first token at 0.01.
+    ledger.note_sent(1, KEYS, 130, 0, ready_at=2.0, now=0.0, dispatch=7)
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.05) is None
+    assert ledger.mark_ready(7, now=0.01)
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.05) is not None
+    assert matched.tolist() == [0, 128, 0]
+    # It holds for hold_s from the first token, not from the estimate.
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=1.02) is None
+    assert not ledger.mark_ready(7, now=0.02)  # once
+
+
+def test_mark_ready_leaves_keys_a_later_dispatch_took_and_estimates_already_past():
+    ledger = _ledger(hold_s=1.0)
+    ledger.note_sent(0, KEYS, 130, 0, ready_at=2.0, now=0.0, dispatch=1)
+    ledger.note_sent(1, KEYS, 130, 0, ready_at=3.0, now=0.0, dispatch=2)  # the same prompt, later
+    assert not ledger.mark_ready(1, now=0.01)  # worker 1 owns those keys now
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.5) is None
+    ledger.note_sent(2, KEYS, 130, 0, ready_at=0.1, now=0.0, dispatch=3)
+    assert not ledger.mark_ready(3, now=0.2)  # already credited from its estimate
+    ledger.drop_dispatch(2)
+    assert not ledger.mark_ready(2, now=0.3)
+    assert ledger.forget(2) == 2

@@ -73,6 +73,79 @@ def test_local_readings_drain_one_ms_per_ms_and_dispatches_add_to_what_is_left()
     assert q.queue_ms(now=5.0)[EU0] == 10.0
 
 
+def test_a_charge_goes_when_the_first_token_comes_back_not_at_the_next_reading() -> None:
+    # A worker far faster than its configured beta: each dispatch is charged 150 ms of prefill
+    # and its first token is back a millisecond later. Without retiring, a burst of 10 left a
+    # phantom queue of ~1.5 s on the holder until the next reading.
+    q = us_edge()
+    q.set_local("us-0", 0.0, now=1.0)
+    handles = [q.note_dispatched("us-0", 150.0, now=1.0) for _ in range(10)]
+    assert q.queue_ms(now=1.0)[0] == pytest.approx(1500.0)
+    for n, h in enumerate(handles):
+        q.retire_prefill(h, now=1.001 + n * 0.001)
+    assert q.queue_ms(now=1.011)[0] == 0.0
+    assert q.is_persistently_idle("us-0", now=1.011 + CFG.score.idle_period_ms / 1000.0)
+    for h in handles:
+        q.retire(h, now=1.02)  # the ends: nothing left to take out
+    assert q.queue_ms(now=1.02)[0] == 0.0 and q.open_charges() == 0
+
+
+def test_what_is_left_of_a_charge_is_what_a_fifo_worker_has_not_drained() -> None:
+    q = us_edge()
+    q.set_local("us-0", 40.0, now=1.0)  # 40 ms ahead of the dispatch
+    h = q.note_dispatched("us-0", 100.0, now=1.0)
+    # 60 ms later the worker has drained the 40 ahead and 20 of ours: 80 are left of ours.
+    assert q.retire_prefill(h, now=1.06) == pytest.approx(80.0)
+    assert q.queue_ms(now=1.06)[0] == pytest.approx(0.0)
+    assert q.retire_prefill(h, now=1.07) == 0.0  # once only
+    # A worker slower than charged: past its charge, nothing is left to take out.
+    h = q.note_dispatched("us-0", 10.0, now=2.0)
+    assert q.retire_prefill(h, now=2.5) == 0.0
+
+
+def test_a_reading_since_the_dispatch_speaks_for_the_worker() -> None:
+    q = us_edge()
+    h1 = q.note_dispatched("us-1", 100.0, now=1.0)
+    h2 = q.note_dispatched("us-1", 100.0, now=1.0)
+    q.set_local("us-1", 120.0, now=1.01)  # the engine's own queue, with our work in it
+    q.retire(h1, now=1.02)  # failed before its first token: still nothing to take from the reading
+    assert q.retire_prefill(h2, now=1.02) == 0.0
+    assert q.queue_ms(now=1.02)[1] == pytest.approx(110.0)
+    assert q.open_charges() == 1
+    q.retire(h2, now=1.03)
+    assert q.open_charges() == 0
+
+
+def test_an_unfinished_charge_is_retired_whole_at_a_failure_and_remote_ones_do_not_drain() -> None:
+    q = us_edge()
+    h = q.note_dispatched("us-2", 100.0, now=1.0)
+    q.retire(h, now=1.01)  # no first token: all that is left goes
+    assert q.queue_ms(now=1.01)[2] == 0.0
+    h = q.note_dispatched("eu-0", 100.0, now=1.0)  # remote values follow their trend (0 here)
+    assert q.retire_prefill(h, now=1.5) == pytest.approx(100.0)
+    assert q.queue_ms(now=1.5)[EU0] == 0.0
+    q.retire(12345, now=2.0)  # unknown handles are ignored
+    assert q.retire_prefill(12345, now=2.0) == 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(min_value=0.0, max_value=500.0), st.floats(min_value=0.0, max_value=0.2)),
+                min_size=1, max_size=30))
+def test_retiring_every_charge_never_leaves_more_than_the_reading(dispatches) -> None:
+    """However charges and first tokens interleave, once every dispatch has ended the estimate
+    is at most what the last reading said, aged: no phantom queue survives its requests."""
+    q = us_edge()
+    q.set_local("us-0", 50.0, now=1.0)
+    t, handles = 1.0, []
+    for ms, gap in dispatches:
+        handles.append(q.note_dispatched("us-0", ms, now=t))
+        t += gap
+    for h in handles:
+        q.retire(h, now=t)
+    assert q.queue_ms(now=t)[0] <= max(0.0, 50.0 - (t - 1.0) * 1000.0) + 1e-6
+    assert q.open_charges() == 0
+
+
 def test_piggyback_from_a_peer_is_validated_before_anything_changes() -> None:
     q = us_edge()
     with pytest.raises(QueueVectorError, match="reported worker 'asia-0'"):

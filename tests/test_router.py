@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from clusters import make_cluster
 from kvcompassd.core.ablation import Ablation
@@ -245,3 +246,62 @@ def test_decode_workers_of_a_disaggregated_fleet_are_never_routed_to():
     router.withhold(us0, False)
     assert router.withheld == {us0, us2}
     assert router.decide_from(router.lookup.lookup(PROMPT), now=0.0).worker not in ("us-0", "us-2")
+
+def test_a_first_token_retires_the_dispatch_charge_and_an_end_teaches_the_rate():
+    cfg, layout, shards, view = _world()
+    router = Router(cfg, "us", view, now=0.0)
+    prompt = PROMPT[:1000]
+    d = router.decide(prompt, now=1.0)
+    i = d.worker_index
+    assert router.queues.queue_ms(now=1.0)[i] == pytest.approx(0.1 * 1000)  # charged beta * uncached
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    router.on_first_token(d.dispatch, now=1.0 + rtt + 0.02)  # 20 ms: a worker 5x faster than configured
+    assert router.queues.queue_ms(now=1.0 + rtt + 0.02)[i] == 0.0  # no phantom queue
+    router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=4, now=1.1)
+    # Four more like it and the worker's learned rate is a fifth of the configured one, in the
+    # score (the C kernel reads it) and in the next charge.
+    others = [j for j in range(len(layout.worker_ids)) if j != i]
+    failed = router.decide(prompt, now=1.5, exclude=others)
+    router.on_failed(i, dispatch=failed.dispatch, now=1.5)  # a failure teaches nothing, retires its charge
+    assert router.queues.queue_ms(now=1.5)[i] == 0.0
+    t = 2.0
+    for _ in range(4):
+        d = router.decide(prompt, now=t, exclude=others)
+        router.on_first_token(d.dispatch, now=t + rtt + 0.02)
+        router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=1, now=t + rtt + 0.02)
+        t += 1.0
+    assert router.rates.prefill_ms_per_token(i) == pytest.approx(0.02)
+    assert router.scorer.beta[i] == pytest.approx(0.02)
+    d = router.decide(prompt, now=t, exclude=others)
+    assert d.score.terms(i).prefill_ms == pytest.approx(0.02 * 1000)
+    assert d.score.scores[i] == pytest.approx(0.02 * 1000 + cfg.rtt_ms("us", "us"))
+    assert router.queues.queue_ms(now=t)[i] == pytest.approx(0.02 * 1000)
+    router.on_aborted(d.dispatch, now=t)  # the client went away before its first token
+    assert router.queues.queue_ms(now=t)[i] == 0.0
+    assert router.queues.open_charges() == 0 and len(router.rates) == 0
+
+
+def test_charges_retired_at_the_first_token_keep_a_burst_of_one_prefix_on_its_holder():
+    # Configured beta 5x too high: each dispatch to the holder of a 1,600-token prefix is charged
+    # 5x its real prefill. A burst of follow-ups whose first tokens come back fast stays on the
+    # holder once charges retire at the first token; left to age, they pushed the burst away.
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 1600)
+    holder = layout.worker_index("us-1")
+    rng = np.random.default_rng(3)
+
+    def burst(router, retire: bool) -> list[int]:
+        served, t = [], 1.0
+        for _ in range(40):
+            prompt = np.concatenate([PROMPT[:1600], rng.integers(0, 30000, 400, dtype=np.uint32)])
+            d = router.decide(prompt, now=t)
+            served.append(d.worker_index)
+            if retire:
+                router.on_first_token(d.dispatch, now=t + 0.002)
+            t += 0.002  # 500 req/s, no reading in between (an idle-looking worker reports every 100 ms)
+        return served
+
+    kept = burst(Router(cfg, "us", view, now=0.0), retire=True)
+    assert kept.count(holder) == len(kept)
+    aged = burst(Router(cfg, "us", view, now=0.0), retire=False)
+    assert aged.count(holder) <= len(aged) // 2

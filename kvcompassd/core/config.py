@@ -433,6 +433,11 @@ class ScoreParams:
     # follow-up sooner than that found nothing (testbed LMSYS 25 req/s, seeds 0-4: P99 above
     # Dynamo's by up to 3.3 %, equal at all five with the ledger).
     pending_hold_ms: float = 1000.0
+    # The edge learns each worker's prefill and decode rates from the first tokens and ends it
+    # sees (core/rates.py) and scores with them; a learned rate stays within this factor of the
+    # configured one either way (1 turns learning off). A configured beta 5x off routed against
+    # the cache (issue 30: affinity 0.27 on fast workers); 16 covers that with room.
+    learned_rate_bound: float = 16.0
 
     def __post_init__(self) -> None:
         _check_float("lambda_max", self.lambda_max, lo=0.0)
@@ -448,9 +453,10 @@ class ScoreParams:
         _check_float("idle_period_ms", self.idle_period_ms, lo=0.0)
         _check_float("occupancy_ms_per_running", self.occupancy_ms_per_running, lo=0.0)
         _check_float("pending_hold_ms", self.pending_hold_ms, lo=0.0)
+        _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",
-                     "pending_hold_ms"):
+                     "pending_hold_ms", "learned_rate_bound"):
             _as_float(self, name)
 
 

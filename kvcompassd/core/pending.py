@@ -15,6 +15,10 @@ prompt (the queue it scored plus the prefill it charged): a request that got the
 find the prefix still being computed. It ends when a lookup finds the view holding that length
 for that worker (from then on the index is authoritative, evictions included) or ``hold_s``
 after ``ready_at`` (the worker may never have cached it: a failed request, a full cache).
+A dispatch noted with its id is credited from the moment the edge sees its first token come back
+(``mark_ready``: the worker has computed the prompt), when that is sooner than the estimate: on a
+worker faster than its configured rate the estimate is too late, and a follow-up inside it went
+elsewhere.
 """
 
 from __future__ import annotations
@@ -60,11 +64,13 @@ class PendingHoldings:
         # Per group: (length, index of its key among the query keys), ascending.
         group_reads = tuple(tuple((int(n), position[int(n)]) for n in row if n > 0) for row in np.asarray(group_lengths))
         self._worker_reads = tuple(group_reads[g] for g in np.asarray(worker_group).tolist())
-        # key -> its latest dispatch, a record (worker, ready_at, expires, keys) shared by all the
-        # keys it noted; records in dispatch order, for purging. (Few objects per dispatch: the
-        # ledger runs once per request, and garbage it leaves costs collector pauses.)
-        self._by_key: dict[int, tuple[int, float, float, list[int]]] = {}
-        self._records: deque[tuple[int, float, float, list[int]]] = deque()
+        # key -> its latest dispatch, a record (worker, ready_at, expires, keys, dispatch id or
+        # None) shared by all the keys it noted; records in dispatch order, for purging; records
+        # by dispatch id until marked ready. (Few objects per dispatch: the ledger runs once per
+        # request, and garbage it leaves costs collector pauses.)
+        self._by_key: dict[int, tuple[int, float, float, list[int], int | None]] = {}
+        self._records: deque[tuple[int, float, float, list[int], int | None]] = deque()
+        self._by_dispatch: dict[int, tuple[int, float, float, list[int], int | None]] = {}
 
     def __len__(self) -> int:
         """Keys held (expired ones included until purged)."""
@@ -75,23 +81,46 @@ class PendingHoldings:
         return sum(record[0] == worker for record in self._by_key.values())
 
     def note_sent(self, worker: int, keys: np.ndarray, prompt_len: int, shown: int, *, ready_at: float,
-                  now: float) -> int:
+                  now: float, dispatch: int | None = None) -> int:
         """Record that ``worker`` will hold, from ``ready_at``, the prompt whose query keys are ``keys``.
 
         ``shown`` is the match the view already showed for the worker; only longer lengths are
-        noted. Returns how many lengths were noted.
+        noted. ``dispatch`` names the request for ``mark_ready``. Returns how many lengths were
+        noted.
         """
         if not ready_at >= now:
             raise PendingHoldingsError(f"ready_at must be >= now, got {ready_at!r} < {now!r}")
         self._purge(now)
         noted = [keys.item(at) for length, at in self._worker_reads[worker] if shown < length <= prompt_len]
         if noted:
-            record = (worker, ready_at, ready_at + self.hold_s, noted)
+            record = (worker, ready_at, ready_at + self.hold_s, noted, dispatch)
             by_key = self._by_key
             for key in noted:
                 by_key[key] = record
             self._records.append(record)
+            if dispatch is not None and ready_at > now:
+                self._by_dispatch[dispatch] = record
         return len(noted)
+
+    def mark_ready(self, dispatch: int, *, now: float) -> bool:
+        """The dispatch's first token came back: its worker holds the prompt from ``now`` if
+        that is sooner than the estimate. Returns whether its keys were moved earlier."""
+        record = self._by_dispatch.pop(dispatch, None)
+        if record is None or record[1] <= now:
+            return False
+        earlier = (record[0], now, now + self.hold_s, record[3], None)
+        by_key, moved = self._by_key, False
+        for key in record[3]:
+            if by_key.get(key) is record:  # not since sent again (a later dispatch owns it)
+                by_key[key] = earlier
+                moved = True
+        if moved:
+            self._records.append(earlier)
+        return moved
+
+    def drop_dispatch(self, dispatch: int) -> None:
+        """Forget a dispatch's id (it ended without a first token; ``forget`` drops its keys)."""
+        self._by_dispatch.pop(dispatch, None)
 
     def overlay(self, keys: list[int], matched: np.ndarray, tier: np.ndarray, *, now: float,
                 read_only: bool = False) -> np.ndarray | None:
@@ -114,7 +143,7 @@ class PendingHoldings:
             record = by_key.get(key)
             if record is None:
                 continue
-            worker, ready_at, expires, _ = record
+            worker, ready_at, expires, _, _ = record
             if expires <= now or ready_at > now:
                 continue
             length = query[at]
@@ -136,6 +165,8 @@ class PendingHoldings:
         dropped = [key for key, record in by_key.items() if record[0] == worker]
         for key in dropped:
             del by_key[key]
+        for dispatch in [d for d, record in self._by_dispatch.items() if record[0] == worker]:
+            del self._by_dispatch[dispatch]
         return len(dropped)
 
     def _purge(self, now: float) -> None:
@@ -148,3 +179,5 @@ class PendingHoldings:
             for key in record[3]:
                 if by_key.get(key) is record:
                     del by_key[key]
+            if record[4] is not None and self._by_dispatch.get(record[4]) is record:
+                del self._by_dispatch[record[4]]

@@ -58,6 +58,16 @@ fill, and never gets them back. ``queue_ms`` therefore adds ``score.occupancy_ms
 per request an own-region worker is running (its agent reports the count with each reading).
 Only the score sees it: the stored values, in-flight accounting and the broadcast vectors carry
 the queue alone.
+
+A dispatch's charge lasts only as long as the work it stands for. ``note_dispatched`` returns a
+handle; when the edge sees the request's first token come back (its prefill is done),
+``retire_prefill`` takes out what is left of its prefill charge, and ``retire`` at its end (or
+failure) the rest: all of it if no first token came. What is left of a charge is what a FIFO
+worker has not drained yet: the charge less the time since the dispatch beyond the work that was
+ahead of it. A value replaced since the dispatch (a reading, a broadcast) speaks for the worker
+from then on, and retiring changes nothing. Without this a charge aged at one ms per ms until the
+next reading: a worker that finished in a millisecond carried a queue of the modelled prefill,
+and on fast workers the score sent every prefix group away from its holder (issue 30).
 """
 
 from __future__ import annotations
@@ -81,6 +91,8 @@ _MAX_TREND = 100.0  # ms per ms; a sanity bound, far above any real fill rate
 # fades without new ones, in broadcast periods (so a region the edge stopped choosing is tried again).
 _SURPRISE_WEIGHT = 0.25
 _SURPRISE_FADE_PERIODS = 30
+# Charges awaiting retirement (one per request in flight): the oldest go beyond this.
+_MAX_CHARGES = 1 << 14
 
 __all__ = ["QueueEstimateError", "QueueEstimates", "QueueVectorBroadcast", "QueueVectorError"]
 
@@ -130,6 +142,12 @@ class QueueEstimates:
         self._trend_anchor: list[tuple[float, float] | None] = [None] * n  # (received at, ms)
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
+        # Charges awaiting retirement (module docstring): handle -> [worker, sent at, ms ahead of
+        # it, prefill ms still charged, value epoch at dispatch]; the epoch of a worker's value
+        # moves each time a reading or vector replaces it.
+        self._charges: dict[int, list] = {}
+        self._next_handle = 0
+        self._epoch = [0] * n
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
         self._corrected: tuple[float, np.ndarray, np.ndarray] | None = None  # same, with the surprise
         # The selection correction (module docstring): per remote region, the smoothed surprise
@@ -219,6 +237,7 @@ class QueueEstimates:
             values[i] = ms
             self._taken_at[i] = now
             self._refreshed_at[i] = now
+            self._epoch[i] += 1
             if ms > 0.0:
                 self._zero_since[i] = math.inf
             elif self._zero_since[i] == math.inf:
@@ -313,8 +332,9 @@ class QueueEstimates:
         self._last_heard_from[msg.from_region] = now
         return True
 
-    def note_dispatched(self, worker_id: str, added_ms: float, *, now: float) -> None:
-        """Count work this edge just sent to a worker until a reading includes it.
+    def note_dispatched(self, worker_id: str, added_ms: float, *, now: float) -> int:
+        """Count work this edge just sent to a worker until a reading includes it, or until the
+        edge sees it done (``retire_prefill``, ``retire`` with the returned handle).
 
         Readings arrive every few tens of milliseconds (local) or every Delta (remote); without
         this, a burst of requests inside one reading interval would all see the same idle
@@ -326,11 +346,17 @@ class QueueEstimates:
             added = added_ms  # what the Router passes, once per request: no conversion, no message
         else:
             added = _check_ms(added_ms, f"worker {worker_id!r}", QueueEstimateError)
-        if added == 0.0:
-            return
         now = float(now)
+        handle = self._next_handle
+        self._next_handle = handle + 1
+        charges = self._charges
+        if len(charges) >= _MAX_CHARGES:
+            del charges[next(iter(charges))]  # a shell that lost track of some: oldest first
+        if added == 0.0:
+            return handle
         values = self._ms.copy()
-        values[i] = self._aged_ms(now).item(i) + added  # the decision just aged them at this now
+        ahead = self._aged_ms(now).item(i)  # the decision just aged them at this now
+        values[i] = ahead + added
         if self._in_flight_s[i] > 0.0:
             self._sent_since_value[i] += added
             pos = self._region_pos.item(i)
@@ -346,6 +372,42 @@ class QueueEstimates:
         self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
+        charges[handle] = [i, now, ahead, added, self._epoch[i]]
+        return handle
+
+    def retire_prefill(self, handle: int, *, now: float) -> float:
+        """The dispatch's first token came back: take out what is left of its prefill charge.
+        Returns the ms taken out (0 for an unknown handle, a replaced value, a second call)."""
+        charge = self._charges.get(handle)
+        if charge is None or charge[3] == 0.0:
+            return 0.0
+        i, sent_at, ahead, charged, epoch = charge
+        charge[3] = 0.0
+        if epoch != self._epoch[i]:
+            return 0.0  # a reading or vector replaced the value: it speaks for the worker now
+        now = float(now)
+        # A FIFO worker drains what was ahead of the dispatch first, then the dispatch itself;
+        # a remote value does not drain (it follows its trend), so there all of it is left.
+        drained = max(0.0, -self._rate.item(i)) * max(0.0, now - sent_at) * 1000.0
+        left = min(charged, max(0.0, ahead + charged - drained))
+        if left > 0.0:
+            values = self._ms.copy()
+            values[i] = max(0.0, self._aged_ms(now).item(i) - left)
+            self._taken_at[i] = now
+            if values[i] == 0.0 and self._zero_since[i] == math.inf:
+                self._zero_since[i] = now
+            self._ms = _snapshot(values)
+        return left
+
+    def retire(self, handle: int, *, now: float) -> None:
+        """The dispatch ended (or failed): retire what is left of its charge (all of it when no
+        first token came) and forget the handle."""
+        self.retire_prefill(handle, now=now)
+        self._charges.pop(handle, None)
+
+    def open_charges(self) -> int:
+        """Dispatches whose charge awaits retirement."""
+        return len(self._charges)
 
     def note_piggyback_sent(self, to_region: str, *, now: float) -> None:
         """One of this region's agents answered a request from ``to_region`` with our vector."""

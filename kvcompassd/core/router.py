@@ -2,7 +2,10 @@
 
 ``Router`` is what an edge (daemon or simulator) drives per request: ``decide(tokens, now=...)``
 returns a ``ForwardDecided`` naming the winner and the score terms of the top candidates;
-``on_response`` feeds back what the chosen worker actually reused and its region's queue vector.
+``on_response`` feeds back what the chosen worker actually reused and its region's queue vector;
+``on_first_token`` and ``on_finished`` (or ``on_failed``) say when the decision's request produced
+its first token and ended, which retires its charge in the queue estimates, credits its prompt
+in the pending ledger and teaches the edge its workers' rates (``core/rates.py``).
 It owns no sockets and reads no clock.
 
 A decision is one C call (``lookup_plan.ForwardKernel``: prefix keys, lookup, score, tie rotation,
@@ -32,6 +35,7 @@ from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORT
 from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .pending import PendingHoldings
 from .queues import QueueEstimates
+from .rates import LearnedRates
 from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms, request_terms
 
 
@@ -51,6 +55,7 @@ class ForwardDecided:
     migration: MigrationPlanned | None = None
     top_k: int = 3
     pending: bool = False  # the winner was credited from the edge's pending ledger, beyond its view
+    dispatch: int = -1  # names the request in on_first_token / on_finished / on_failed
 
     @property
     def candidates(self) -> tuple[ScoreTerms, ...]:
@@ -121,6 +126,7 @@ class Router:
             floors.append(never if first is None else max(1, first))
         self._miss_summary = MissSummary(self._local, np.array(floors, dtype=np.int64))
         self._beta_list = self.scorer.beta_list
+        self.rates = LearnedRates(cfg, region)
         self._gamma = self.scorer.gamma
         hold_ms = cfg.score.pending_hold_ms
         self.pending = (PendingHoldings(self.lookup.group_lengths, self.lookup.query_lengths, self.layout.worker_group,
@@ -253,11 +259,12 @@ class Router:
         prefill, reload = request_terms(self._beta_list[chosen], prompt_len, reused,
                                         self._gamma if code == Tier.DRAM else 0.0)
         work = prefill + reload
+        dispatch = self.queues.note_dispatched(worker, work, now=now)
         if keys is not None:
             # Cached there once the queue ahead of it and its own prefill are done.
             ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
-            self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now)
-        self.queues.note_dispatched(worker, work, now=now)
+            self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
+        self.rates.sent(dispatch, chosen, now=now)
         return _new_forward_decided(
             worker,
             chosen,
@@ -271,6 +278,7 @@ class Router:
             migration,
             self.top_k,
             shown is not None and claimed > shown.item(chosen),
+            dispatch,
         )
 
     def _observe(self, found: LookupResult, result: ScoreResult, chosen: int, now: float,
@@ -333,10 +341,49 @@ class Router:
         keys = self.lookup.query_keys(np.asarray(tokens, dtype=np.uint32))
         return self.pending.overlay(keys.tolist(), matched, tier, now=now, read_only=True)
 
-    def on_failed(self, worker_index: int) -> None:
-        """A worker failed a request before its first token: it will not hold that prompt."""
+    def on_failed(self, worker_index: int, *, dispatch: int | None = None, now: float | None = None) -> None:
+        """A worker failed a request before its first token: it will not hold that prompt. With
+        the decision's ``dispatch`` (and ``now``), its charge is retired too."""
         if self.pending is not None:
             self.pending.forget(worker_index)
+        if dispatch is not None:
+            if now is None:
+                raise ValueError("on_failed with a dispatch needs now")
+            self.queues.retire(dispatch, now=now)
+            self.rates.dropped(dispatch)
+
+    def on_aborted(self, dispatch: int, *, now: float) -> None:
+        """The decision's request ended otherwise (the client went away, the worker failed
+        mid-response): retire what is left of its charge; it teaches nothing. A no-op after
+        ``on_finished`` or ``on_failed``."""
+        self.queues.retire(dispatch, now=now)
+        self.rates.dropped(dispatch)
+        if self.pending is not None:
+            self.pending.drop_dispatch(dispatch)
+
+    def on_first_token(self, dispatch: int, *, now: float) -> None:
+        """The decision's request produced its first token (its prefill is done): retire its
+        prefill charge, credit its prompt from now, time its prefill."""
+        self.queues.retire_prefill(dispatch, now=now)
+        if self.pending is not None:
+            self.pending.mark_ready(dispatch, now=now)
+        self.rates.first_token(dispatch, now=now)
+
+    def on_finished(self, dispatch: int, *, prompt_tokens: int, cached_tokens: int, output_tokens: int,
+                    now: float) -> int | None:
+        """The decision's request ended: retire the rest of its charge and learn its worker's
+        rates from it (``cached_tokens`` as the worker reported them). Returns the worker's
+        index when one of its learned rates changed, else None."""
+        self.queues.retire(dispatch, now=now)
+        if self.pending is not None:
+            self.pending.drop_dispatch(dispatch)
+        worker = self.rates.worker_of(dispatch)
+        if not self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
+                                   output_tokens=int(output_tokens), now=now):
+            return None
+        self.scorer.set_prefill_rates(self.rates.prefill_rates())  # the fleet's factor may have moved too
+        self._beta_list = self.scorer.beta_list
+        return worker
 
     def on_response(
         self,

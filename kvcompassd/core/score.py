@@ -179,7 +179,10 @@ class JointScorer:
         params = cfg.score
         latency = cfg.rtt_ms if params.wan == "rtt" else cfg.one_way_ms
         self.wan_ms = _frozen(np.array([latency(origin_region, r) for r in self.worker_regions], dtype=np.float64))
-        self.beta = _frozen(np.array([w.prefill_ms_per_token for w in cfg.workers], dtype=np.float64))
+        # The C loop reads beta from this buffer, so a learned rate (``set_prefill_rates``) takes
+        # effect at the next decision; everyone else reads the read-only view.
+        self._beta_buffer = np.array([w.prefill_ms_per_token for w in cfg.workers], dtype=np.float64)
+        self.beta = _frozen(self._beta_buffer.view())
         local = np.array([r == origin_region for r in self.worker_regions], dtype=bool)
         self.is_local = _frozen(local)
         # Plain-Python copies for the per-candidate breakdown (top-k), where numpy scalars cost more.
@@ -199,8 +202,16 @@ class JointScorer:
         penalty = np.where(local, 0.0, np.inf) if local.any() else np.zeros(self.n_workers)
         self._remote_penalty = _frozen(penalty)
         self._flags: dict[Ablation, int] = {}
-        self._kernel = ScoreKernel(self.wan_ms, self.beta, self._local_factor, self._remote_penalty,
+        self._kernel = ScoreKernel(self.wan_ms, self._beta_buffer, self._local_factor, self._remote_penalty,
                                    gamma=self.gamma, lambda_max=self.lambda_max, tau=self.tau_ms)
+
+    def set_prefill_rates(self, ms_per_token: np.ndarray) -> None:
+        """Score the workers at these prefill rates from now on (rates the edge learned)."""
+        rates = np.asarray(ms_per_token, dtype=np.float64)
+        if rates.shape != self._shape or not (np.isfinite(rates).all() and (rates > 0.0).all()):
+            raise ScoreInputError(f"prefill rates must be {self.n_workers} finite numbers > 0")
+        np.copyto(self._beta_buffer, rates)
+        self.beta_list = tuple(self._beta_buffer.tolist())
 
     def _bad_shape(self, name: str, array: object) -> ScoreInputError:
         shape = getattr(array, "shape", type(array).__name__)

@@ -451,7 +451,11 @@ class EmulatedEngine:
         if self.delays:
             now = self.model_now()
             running, waiting = self.model.running, self.model.waiting
-            pending, queue_ms = self.model.pending_prefill_tokens, self.model.queue_ms(now=now)
+            # The model's clock runs time_scale times slower than the wall's: its wait for a new
+            # arrival, in the wall milliseconds every reader of a load (the agent, the edge aging
+            # it) counts in.
+            pending = self.model.pending_prefill_tokens
+            queue_ms = self.model.queue_ms(now=now) * self.settings.time_scale
         else:
             running, waiting, pending, queue_ms = self.inflight, 0, 0, 0.0
         used = self.cache.vram_used_tokens
@@ -472,7 +476,7 @@ class EmulatedEngine:
             "utilization": round(running / self.settings.timing.max_running, 4),
             "max_running_requests": self.settings.timing.max_running,
             "num_total_reqs": running + waiting,
-            # emulator extension: the model's exact wait for a new arrival
+            # emulator extension: the model's exact wait for a new arrival, in wall ms
             "estimated_queue_ms": round(queue_ms, 3),
         }
 

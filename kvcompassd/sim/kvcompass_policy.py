@@ -188,7 +188,8 @@ class KVCompassPolicy(BasePolicy):
         self._heap_seq = 0
         self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
         self._flush_pending = [False] * n_shards
-        self._claims: dict[int, tuple[int, int, bool]] = {}  # request id -> (edge, claimed tokens, from the ledger)
+        # request id -> (edge, claimed tokens, from the ledger, the decision's dispatch)
+        self._claims: dict[int, tuple[int, int, bool, int]] = {}
         # With the engine's exact cache map (on_truth_tracked): (key, worker) -> the seq of the
         # batch that carries its eviction, for explain_claim; dropped when it is cached again.
         self._evicted_in: dict[tuple[int, str], int] | None = None
@@ -447,7 +448,7 @@ class KVCompassPolicy(BasePolicy):
             self.counters["remote_decisions"] += 1
         if decision.migration is not None:
             self._plan_migration(decision.migration, req, now)
-        self._claims[req.id] = (e, decision.claimed_tokens, decision.pending)
+        self._claims[req.id] = (e, decision.claimed_tokens, decision.pending, decision.dispatch)
         return RouteDecision(decision.worker_index, 0.0, decision.claimed_tokens)
 
     def _plan_migration(self, plan: MigrationPlanned, req: Request, now: float) -> None:
@@ -490,11 +491,18 @@ class KVCompassPolicy(BasePolicy):
     def on_response(self, worker_index: int, req: Request, reused_tokens: int,
                     queue_vector: Mapping[int, float], *, now: float) -> None:
         self._advance(now)
-        e, claimed, _ = self._claims.pop(req.id, (self._region_index[req.region], 0, False))
+        e, claimed, _, dispatch = self._claims.pop(req.id, (self._region_index[req.region], 0, False, -1))
         ids = self.worker_ids
         vector = {ids[i]: float(ms) for i, ms in queue_vector.items()}
-        self.routers[e].on_response(ids[worker_index], claimed_tokens=claimed, reused_tokens=int(reused_tokens),
-                                    queue_vector=vector, now=now)
+        router = self.routers[e]
+        # The response reaches the edge with the first token, as the daemon's first byte: the
+        # dispatch's charge is retired and its prefill timed on the virtual clock. The engine
+        # reports no end to policies, so the dispatch ends here (its decode is not timed).
+        router.on_first_token(dispatch, now=now)
+        router.on_finished(dispatch, prompt_tokens=len(req.tokens), cached_tokens=int(reused_tokens), output_tokens=1,
+                           now=now)
+        router.on_response(ids[worker_index], claimed_tokens=claimed, reused_tokens=int(reused_tokens),
+                           queue_vector=vector, now=now)
         g = self._worker_region[worker_index]
         if g != e and vector:
             # The worker's region piggybacked its vector toward the edge's region when the

@@ -1,0 +1,208 @@
+"""Each worker's prefill and decode rates as an edge observes them (sans-IO).
+
+The score charges a worker ``beta`` ms per uncached token, from the config. A configured beta
+that is off (another GPU, another model, a new batch size) makes the edge route against its own
+cache: too high and each dispatch charges the holder of a prefix a queue that does not exist, so
+the group is spread over every worker; too low and the prefill a hit saves looks smaller than the
+true queue ahead of the holder. The edge forwards every request itself and sees its first token
+and its end come back, so it measures the rates instead.
+
+Prefill: a worker prefills one request after another (SGLang's scheduler, the emulator's model),
+so the service time of a request, as the edge sees it, is the time from whichever came later --
+the request reaching the worker, or the previous first token this edge saw from that worker --
+to its own first token:
+
+    service = min(first_token - sent - RTT,  first_token - previous_first_token)
+
+(a worker's first tokens reach the edge one way after they are produced, so the previous one's
+one-way cancels out; the round trip to the worker's region is the WAN share of the first case).
+A sample is ``service / uncached tokens`` (the worker's own ``cached_tokens`` count, known at the
+end), taken only over ``min_tokens`` uncached tokens, where the fixed per-request costs do not
+dominate. Decode: the time from the first token to the end over the tokens after the first.
+
+Samples timed from arrival also count a request's fixed costs (HTTP, tokenising, a loaded host's
+scheduling): on a busy host the rate reads high, which errs toward keeping prefixes on their
+holders. Timing only backlogs (first token to first token) leaves those costs out but errs the
+other way: a busy edge reads a backlog's first tokens in bunches, a few ms apart, and the rate
+read low sent a holder's requests away (tried against tests/test_e2e_costmodel.py).
+
+Each sample becomes the log of its ratio to the configured rate, clipped to +-log(bound), and a
+worker's rate is the configured one times exp(median of its last ``window`` log-ratios): one
+outlier (a request queued behind another edge's work, a pause of the host) moves the median by
+at most one rank, and the rate follows a real change within half a window. A worker with fewer
+than ``min_samples`` samples of its own takes the fleet's factor (the median over every
+worker's samples): a configured rate that is off is usually off for the whole fleet (another
+GPU, another model), and a worker the edge has not sent to yet must not look cheaper than the
+ones it has measured. Before any sample the configured rates stand.
+
+Times are seconds (``now``), rates milliseconds per token, as in the config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from .config import ClusterConfig
+
+__all__ = ["LearnedRates", "RateEstimator", "RatesError"]
+
+# Samples a median is taken over, and how many a worker needs before its rate moves.
+DEFAULT_WINDOW = 31
+DEFAULT_MIN_SAMPLES = 5
+# A prefill sample needs this many uncached tokens: below it the per-request overheads (HTTP,
+# scheduling, the first decode step) outweigh the per-token work.
+DEFAULT_MIN_TOKENS = 64
+# Dispatches awaiting their first token or end: a shell that loses track of some (a bug, a
+# cancelled task) must not grow the table without end; the oldest are dropped first.
+MAX_OPEN_DISPATCHES = 1 << 14
+
+
+class RatesError(ValueError):
+    """Bad arguments to the rate estimators."""
+
+
+class RateEstimator:
+    """One rate's multiplier: exp(median of the last ``window`` clipped log-ratios)."""
+
+    __slots__ = ("_bound", "_samples", "_min_samples", "factor")
+
+    def __init__(self, *, bound: float, window: int = DEFAULT_WINDOW, min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
+        if not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound >= 1.0):
+            raise RatesError(f"bound must be a finite number >= 1, got {bound!r}")
+        if not (isinstance(window, int) and window >= 1 and isinstance(min_samples, int)
+                and 1 <= min_samples <= window):
+            raise RatesError(f"need 1 <= min_samples <= window, got {min_samples!r}, {window!r}")
+        self._bound = math.log(bound)
+        self._samples: deque[float] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self.factor = 1.0  # observed rate / configured rate
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def observe(self, ratio: float) -> bool:
+        """Fold one observed/configured ratio; True if the factor changed."""
+        if not (ratio > 0.0 and math.isfinite(ratio)):
+            return False  # 0, negative, nan, inf: a broken clock or a zero-length sample
+        bound = self._bound
+        self._samples.append(min(bound, max(-bound, math.log(ratio))))
+        if len(self._samples) < self._min_samples:
+            return False
+        ordered = sorted(self._samples)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        factor = math.exp(median)
+        changed = factor != self.factor
+        self.factor = factor
+        return changed
+
+
+class LearnedRates:
+    """The prefill and decode rates of every worker, as one edge of ``region`` observes them.
+
+    The shell reports each dispatch's life: ``sent`` when it goes, ``first_token`` when the
+    first output comes back, ``finished`` at its end (or ``dropped`` if it failed). ``finished``
+    returns whether a worker's prefill rate changed; ``prefill_ms_per_token`` then holds the new
+    rates (config worker order).
+    """
+
+    def __init__(self, cfg: ClusterConfig, region: str, *, window: int = DEFAULT_WINDOW,
+                 min_samples: int = DEFAULT_MIN_SAMPLES, min_tokens: int = DEFAULT_MIN_TOKENS,
+                 max_open: int = MAX_OPEN_DISPATCHES) -> None:
+        if region not in cfg.region_names():
+            raise RatesError(f"unknown region {region!r}")
+        bound = cfg.score.learned_rate_bound
+        self.enabled = bound > 1.0
+        self.configured_prefill = tuple(w.prefill_ms_per_token for w in cfg.workers)
+        self.configured_decode = tuple(w.decode_ms_per_token for w in cfg.workers)
+        self._rtt_s = tuple(cfg.rtt_ms(region, w.region) / 1000.0 for w in cfg.workers)
+        self._prefill = [RateEstimator(bound=bound, window=window, min_samples=min_samples) for _ in cfg.workers]
+        self._decode = [RateEstimator(bound=bound, window=window, min_samples=min_samples) for _ in cfg.workers]
+        # The fleet's factors: every worker's samples, over a longer window.
+        self._fleet_prefill = RateEstimator(bound=bound, window=2 * window + 1, min_samples=min_samples)
+        self._fleet_decode = RateEstimator(bound=bound, window=2 * window + 1, min_samples=min_samples)
+        self._min_samples = min_samples
+        self._min_tokens = min_tokens
+        self._max_open = max_open
+        # dispatch -> [worker, sent at, first token at (or None), service ms (or None)]
+        self._open: dict[int, list] = {}
+        self._last_first = [-math.inf] * len(cfg.workers)  # the latest first token seen per worker
+
+    def __len__(self) -> int:
+        """Dispatches awaiting their end."""
+        return len(self._open)
+
+    def sent(self, dispatch: int, worker: int, *, now: float) -> None:
+        if not self.enabled:
+            return
+        if len(self._open) >= self._max_open:
+            del self._open[next(iter(self._open))]
+        self._open[dispatch] = [worker, now, None, None]
+
+    def first_token(self, dispatch: int, *, now: float) -> None:
+        record = self._open.get(dispatch)
+        if record is None or record[2] is not None:
+            return
+        worker, sent_at = record[0], record[1]
+        after_previous = now - self._last_first[worker]
+        after_arrival = now - sent_at - self._rtt_s[worker]
+        record[2] = now
+        record[3] = 1000.0 * min(after_previous, after_arrival)
+        self._last_first[worker] = max(self._last_first[worker], now)
+
+    def finished(self, dispatch: int, *, uncached_tokens: int, output_tokens: int, now: float) -> bool:
+        """The dispatch ended, its worker having computed ``uncached_tokens`` and produced
+        ``output_tokens``; True if one of that worker's rates changed."""
+        record = self._open.pop(dispatch, None)
+        if record is None or record[2] is None:
+            return False
+        worker, _, first_at, service_ms = record
+        changed = False
+        if output_tokens >= 2:
+            ratio = 1000.0 * (now - first_at) / (output_tokens - 1) / self.configured_decode[worker]
+            changed = self._decode[worker].observe(ratio) | self._fleet_decode.observe(ratio)
+        if uncached_tokens >= self._min_tokens:
+            ratio = service_ms / uncached_tokens / self.configured_prefill[worker]
+            changed = self._prefill[worker].observe(ratio) | self._fleet_prefill.observe(ratio) | changed
+        return changed
+
+    def worker_of(self, dispatch: int) -> int:
+        """The worker an open dispatch went to (-1: not open)."""
+        record = self._open.get(dispatch)
+        return -1 if record is None else record[0]
+
+    def dropped(self, dispatch: int) -> None:
+        """The dispatch failed: it says nothing about its worker's rates."""
+        self._open.pop(dispatch, None)
+
+    def _factor(self, own: RateEstimator, fleet: RateEstimator) -> float:
+        return own.factor if len(own) >= self._min_samples else fleet.factor
+
+    def prefill_factor(self, worker: int) -> float:
+        return self._factor(self._prefill[worker], self._fleet_prefill)
+
+    def decode_factor(self, worker: int) -> float:
+        return self._factor(self._decode[worker], self._fleet_decode)
+
+    def prefill_ms_per_token(self, worker: int) -> float:
+        return self.configured_prefill[worker] * self.prefill_factor(worker)
+
+    def decode_ms_per_token(self, worker: int) -> float:
+        return self.configured_decode[worker] * self.decode_factor(worker)
+
+    def prefill_rates(self) -> np.ndarray:
+        """Every worker's prefill ms per token (config worker order)."""
+        return np.array([self.prefill_ms_per_token(i) for i in range(len(self.configured_prefill))])
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Learned rates and sample counts (config worker order), for inspection and metrics."""
+        n = len(self.configured_prefill)
+        return {
+            "prefill_ms_per_token": np.array([self.prefill_ms_per_token(i) for i in range(n)]),
+            "decode_ms_per_token": np.array([self.decode_ms_per_token(i) for i in range(n)]),
+            "prefill_samples": np.array([len(e) for e in self._prefill]),
+            "decode_samples": np.array([len(e) for e in self._decode]),
+        }

@@ -1,0 +1,178 @@
+"""Learned worker rates: service times from first tokens, the WAN taken out, robust medians."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clusters import make_cluster
+from kvcompassd.core.config import ConfigError
+from kvcompassd.core.rates import LearnedRates, RateEstimator, RatesError
+
+BETA = 0.1  # configured ms per token
+DECODE = 10.0  # make_cluster's
+
+
+def _cfg(**score):
+    return make_cluster({"us": 2, "eu": 1}, one_way_ms=50.0, prefill_ms_per_token=BETA,
+                        **score)
+
+
+def _serve(rates, dispatch, worker, *, sent, first, end, uncached, output=5):
+    rates.sent(dispatch, worker, now=sent)
+    rates.first_token(dispatch, now=first)
+    return rates.finished(dispatch, uncached_tokens=uncached, output_tokens=output, now=end)
+
+
+def test_a_worker_five_times_faster_than_configured_is_learned():
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    us0 = cfg.worker_ids().index("us-0")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0  # within the region
+    t = 0.0
+    for n in range(10):
+        # 1,000 uncached tokens in 20 ms (0.02 ms/token, a fifth of 0.1), one at a time.
+        _serve(rates, n, us0, sent=t, first=t + rtt + 0.020, end=t + rtt + 0.020 + 4 * 0.002, uncached=1000)
+        t += 1.0
+    assert rates.prefill_ms_per_token(us0) == pytest.approx(BETA / 5)
+    assert rates.decode_ms_per_token(us0) == pytest.approx(DECODE / 5)
+    other = cfg.worker_ids().index("us-1")
+    assert rates.prefill_ms_per_token(other) == pytest.approx(BETA / 5)  # no samples of its own: the fleet's
+    assert len(rates) == 0  # every dispatch ended
+
+
+def test_a_worker_with_samples_of_its_own_keeps_its_rate_and_the_others_take_the_fleets():
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t, n = 0.0, 0
+    for _ in range(6):
+        _serve(rates, n, 0, sent=t, first=t + rtt + 0.5, end=t + rtt + 0.5, uncached=1000, output=1)  # 5x slower
+        _serve(rates, n + 1, 1, sent=t, first=t + rtt + 0.1, end=t + rtt + 0.1, uncached=1000, output=1)
+        _serve(rates, n + 2, 1, sent=t + 0.5, first=t + 0.5 + rtt + 0.1, end=t + 0.6 + rtt, uncached=1000, output=1)
+        t, n = t + 1.0, n + 3
+    assert rates.prefill_ms_per_token(0) == pytest.approx(0.5)
+    assert rates.prefill_ms_per_token(1) == pytest.approx(0.1)
+    assert rates.prefill_ms_per_token(2) == pytest.approx(0.1)  # the fleet's median: worker 1 sent more
+    assert rates.prefill_rates().tolist() == pytest.approx([0.5, 0.1, 0.1])
+
+
+def test_the_round_trip_to_a_remote_worker_is_not_counted_as_prefill():
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    eu0 = cfg.worker_ids().index("eu-0")
+    rtt = cfg.rtt_ms("us", "eu") / 1000.0
+    t = 0.0
+    for n in range(10):
+        _serve(rates, n, eu0, sent=t, first=t + rtt + 0.5, end=t + rtt + 0.6, uncached=1000)  # 0.5 ms/token
+        t += 5.0
+    assert rates.prefill_ms_per_token(eu0) == pytest.approx(0.5)
+
+
+def test_a_request_queued_behind_the_previous_one_is_timed_from_its_first_token():
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t = 0.0
+    for n in range(0, 20, 2):
+        # Two requests sent together: the second waits for the first's prefill (100 ms each at
+        # 0.05 ms/token), so its first token comes 200 ms after sending, 100 ms after the first's.
+        rates.sent(n, 0, now=t)
+        rates.sent(n + 1, 0, now=t)
+        rates.first_token(n, now=t + rtt + 0.1)
+        rates.first_token(n + 1, now=t + rtt + 0.2)
+        rates.finished(n, uncached_tokens=2000, output_tokens=1, now=t + rtt + 0.1)
+        rates.finished(n + 1, uncached_tokens=2000, output_tokens=1, now=t + rtt + 0.2)
+        t += 1.0
+    assert rates.prefill_ms_per_token(0) == pytest.approx(0.05)
+
+
+def test_short_prompts_failures_and_unknown_dispatches_teach_nothing():
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    for n in range(10):
+        assert not _serve(rates, n, 0, sent=n, first=n + 0.5, end=n + 0.5, uncached=10)  # under min_tokens
+    assert rates.prefill_ms_per_token(0) == BETA
+    rates.sent(100, 0, now=20.0)
+    rates.first_token(100, now=20.001)
+    rates.dropped(100)  # failed mid-response
+    assert not rates.finished(100, uncached_tokens=1000, output_tokens=3, now=21.0)
+    rates.first_token(999, now=1.0)  # never sent
+    assert not rates.finished(999, uncached_tokens=1000, output_tokens=3, now=2.0)
+    rates.sent(101, 0, now=30.0)
+    assert not rates.finished(101, uncached_tokens=1000, output_tokens=3, now=31.0)  # no first token seen
+    assert rates.snapshot()["prefill_samples"].tolist() == [0, 0, 0] and len(rates) == 0
+
+
+def test_learning_can_be_turned_off_and_the_bound_is_validated():
+    rates = LearnedRates(_cfg(learned_rate_bound=1.0), "us")
+    for n in range(10):
+        _serve(rates, n, 0, sent=n, first=n + 0.002, end=n + 0.003, uncached=1000)
+    assert rates.prefill_ms_per_token(0) == BETA and len(rates) == 0
+    for bad in (0.5, math.inf, "2"):
+        with pytest.raises(ConfigError):
+            _cfg(learned_rate_bound=bad)
+    with pytest.raises(RatesError):
+        LearnedRates(_cfg(), "mars")
+
+
+def test_the_open_dispatches_are_bounded():
+    rates = LearnedRates(_cfg(), "us", max_open=4)
+    for n in range(10):
+        rates.sent(n, 0, now=float(n))
+    assert len(rates) == 4 and rates.worker_of(9) == 0 and rates.worker_of(0) == -1
+
+
+def test_a_learned_rate_stays_within_the_bound():
+    est = RateEstimator(bound=4.0, window=5, min_samples=1)
+    for _ in range(5):
+        est.observe(1e-6)
+    assert est.factor == pytest.approx(0.25)
+    for _ in range(5):
+        est.observe(1e9)
+    assert est.factor == pytest.approx(4.0)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        assert not est.observe(bad)
+    assert est.factor == pytest.approx(4.0)
+    with pytest.raises(RatesError):
+        RateEstimator(bound=0.5)
+    with pytest.raises(RatesError):
+        RateEstimator(bound=2.0, window=3, min_samples=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    true_log=st.floats(min_value=-math.log(5.0), max_value=math.log(5.0)),
+    noise=st.lists(st.floats(min_value=-0.2, max_value=0.2), min_size=31, max_size=120),
+    outlier_at=st.lists(st.integers(min_value=0, max_value=3), min_size=30, max_size=30),
+    outlier_log=st.lists(st.floats(min_value=-20.0, max_value=20.0), min_size=30, max_size=30),
+)
+def test_the_learned_rate_converges_to_the_true_one_under_noise_and_outliers(true_log, noise, outlier_at,
+                                                                             outlier_log):
+    """Whatever the noise (up to +-0.2 in log, about +-22 %) and whatever the outliers (any value,
+    one in every four samples at most), after a window of samples the estimate is within the
+    noise of the true rate: fewer than half of any window are outliers, so the median lies
+    between the least and the greatest of the good samples."""
+    est = RateEstimator(bound=16.0)
+    for n, e in enumerate(noise):
+        block, slot = divmod(n, 4)
+        if block < len(outlier_at) and slot == outlier_at[block]:
+            est.observe(math.exp(outlier_log[block]))
+        else:
+            est.observe(math.exp(true_log + e))
+    if len(noise) >= 31:
+        assert abs(math.log(est.factor) - true_log) <= 0.2 + 1e-9
+
+
+@settings(max_examples=50, deadline=None)
+@given(before=st.floats(min_value=-1.5, max_value=1.5), after=st.floats(min_value=-1.5, max_value=1.5))
+def test_the_learned_rate_follows_a_change_within_a_window(before, after):
+    est = RateEstimator(bound=16.0, window=31)
+    for _ in range(40):
+        est.observe(math.exp(before))
+    for _ in range(16):
+        est.observe(math.exp(after))
+    assert math.log(est.factor) == pytest.approx(after, abs=1e-9)
