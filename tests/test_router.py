@@ -282,18 +282,19 @@ def test_a_first_token_retires_the_dispatch_charge_and_an_end_teaches_the_rate()
 
 
 def test_charges_retired_at_the_first_token_keep_a_burst_of_one_prefix_on_its_holder():
-    # Configured beta 5x too high: each dispatch to the holder of a 1,600-token prefix is charged
-    # 5x its real prefill. A burst of follow-ups whose first tokens come back fast stays on the
+    # Each dispatch to the holder of an 800-token prefix is charged its modelled prefill of the
+    # 1,200 tokens that follow (120 ms), more than the hit saves (80 ms), while the worker is in
+    # fact done within 2 ms. A burst of follow-ups whose first tokens come back fast stays on the
     # holder once charges retire at the first token; left to age, they pushed the burst away.
     cfg, layout, shards, view = _world()
-    _register(cfg, shards, view, "us-1", PROMPT, 1600)
+    _register(cfg, shards, view, "us-1", PROMPT, 800)
     holder = layout.worker_index("us-1")
     rng = np.random.default_rng(3)
 
     def burst(router, retire: bool) -> list[int]:
         served, t = [], 1.0
         for _ in range(40):
-            prompt = np.concatenate([PROMPT[:1600], rng.integers(0, 30000, 400, dtype=np.uint32)])
+            prompt = np.concatenate([PROMPT[:800], rng.integers(0, 30000, 1200, dtype=np.uint32)])
             d = router.decide(prompt, now=t)
             served.append(d.worker_index)
             if retire:
