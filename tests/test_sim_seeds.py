@@ -75,7 +75,7 @@ def test_spread_is_over_seeds_within_each_window_and_over_all_runs() -> None:
     assert every["n"] == 4 and every["seeds"] == [0, 1] and every["windows"] == 2 and every["lead_wins"] == 4
     assert (every["min"], every["median"], every["max"]) == pytest.approx((1.1, 1.35, 2.1))
     text = sim_seeds.render(rows, "kvcompass", "ttft_p99_ms")
-    assert "over 2 seeds x 2 windows: min 1.100  median 1.350  max 2.100" in text
+    assert "over all 4 runs (2 seeds, 2 windows): min 1.100  median 1.350  max 2.100" in text
     assert "census-64x8 / mixed at 3000 req/s" in text
 
 
@@ -95,7 +95,7 @@ def test_a_short_run_reports_every_seed_and_window_and_rereads_its_rows(tmp_path
     assert run.returncode == 0, run.stderr
     assert "dynamo / kvcompass ttft_p99_ms:" in run.stdout, run.stdout
     assert "warm-up 0.5 s + measured 1 s: seed 0 " in run.stdout and "/2 seeds" in run.stdout, run.stdout
-    assert "over 2 seeds x 2 windows:" in run.stdout and "/4 runs" in run.stdout, run.stdout
+    assert "over all 4 runs (2 seeds, 2 windows):" in run.stdout and "/4 runs" in run.stdout, run.stdout
     body = json.loads(out.read_text())
     assert sorted((r["seed"], r["measured_s"], r["scheme"]) for r in body["rows"]) == [
         (s, m, scheme) for s in (0, 1) for m in (1.0, 1.5) for scheme in ("dynamo", "kvcompass")]

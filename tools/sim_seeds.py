@@ -161,7 +161,7 @@ def render(rows: list[dict], lead: str, metric: str) -> str:
             lines.append(f"  {label}: {per_seed}; {lead} {better} at {s['lead_wins']}/{s['n']} seeds; "
                          f"{_fmt_stats(s)}")
         a = v["all"]
-        lines.append(f"  over {len(a['seeds'])} seeds x {a['windows']} windows: {_fmt_stats(a)}; "
+        lines.append(f"  over all {a['n']} runs ({len(a['seeds'])} seeds, {a['windows']} windows): {_fmt_stats(a)}; "
                      f"{lead} {better} at {a['lead_wins']}/{a['n']} runs")
     return "\n".join(lines) + "\n"
 
