@@ -225,7 +225,9 @@ def measure_decisions(sizes: list[int], regions_of, *, entries: int, decisions: 
     rng = np.random.default_rng(seed)
     for workers in sizes:
         regions = regions_of(workers)
-        cfg = fleet_config(workers, regions)
+        # At most 16 shards: a decision reads one table per (key, group) whatever the shard count,
+        # and build_view gives every table room for 1,024 entries more.
+        cfg = fleet_config(workers, regions, shards=min(regions, 16))
         prompt = rng.integers(0, 128_256, size=tokens, dtype=np.uint32)
         view, _, total = build_view(cfg, entries, prompt, seed)
         region = cfg.region_names()[0]
