@@ -4,6 +4,7 @@ the positions and claims explained when read."""
 
 from __future__ import annotations
 
+import itertools
 import tomllib
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def test_broadcasts_stop_after_the_last_arrival_and_no_decision_changes():
             self.ended_at = now
 
     topo = _fleet("scaled-22x8")
-    requests = list(make_workload("mixed", 8.0 * topo.n_workers, region_weights(topo), seed=5))[:150]
+    requests = list(itertools.islice(make_workload("mixed", 8.0 * topo.n_workers, region_weights(topo), seed=5), 150))
     settings = SimSettings(eviction="lfu", seed=5)
     full = KeepsBroadcasting(topo)
     stopped = KVCompassPolicy(topo)

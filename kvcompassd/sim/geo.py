@@ -430,7 +430,7 @@ def _gib(kv_tokens: int) -> str:
     return f"{kv_tokens * KV_BYTES_PER_TOKEN / 2**30:g}"
 
 
-def _fingerprint_lines(spec: DeploymentSpec) -> list[str]:
+def _fingerprint_lines(spec: DeploymentSpec, *, over_budget: bool = False) -> list[str]:
     """``fingerprint_bits`` sized for the default false-lookup budget, with its budget and cost.
 
     Uses the same function as the edge's start-up check (core/fingerprints.py), with the levels,
@@ -439,6 +439,12 @@ def _fingerprint_lines(spec: DeploymentSpec) -> list[str]:
     layout = IndexLayout(spec.region_names(), tuple((f"{name}-{i}", name) for name, n in spec.workers
                                                     for i in range(n)), spec.value_bits)
     choice = fingerprint_bits_for(groups=len(layout.groups), levels=6, load=0.95, budget=FALSE_LOOKUP_BUDGET)
+    if not choice.achievable and over_budget:
+        # What a projection of a fleet this big needs: the most bits, and the budget it misses.
+        return [f"# {len(layout.groups)} region groups need {choice.needed_bits} fingerprint bits for a false-lookup "
+                f"budget of {FALSE_LOOKUP_BUDGET:g}; the index stores at most {MAX_FINGERPRINT_BITS}.",
+                f"fingerprint_bits = {MAX_FINGERPRINT_BITS}",
+                f"false_lookup_budget = {FALSE_LOOKUP_BUDGET!r}"]
     if not choice.achievable:
         raise GeoError(f"deployment {spec.name}: {len(layout.groups)} region groups need {choice.needed_bits} "
                        f"fingerprint bits for a false-lookup budget of {FALSE_LOOKUP_BUDGET}; the index stores "
@@ -452,8 +458,10 @@ def _fingerprint_lines(spec: DeploymentSpec) -> list[str]:
     ]
 
 
-def render_toml(spec: DeploymentSpec) -> str:
-    """The cluster config for ``spec`` (format: the shared config contract)."""
+def render_toml(spec: DeploymentSpec, *, over_budget: bool = False) -> str:
+    """The cluster config for ``spec`` (format: the shared config contract). A fleet whose region
+    groups no fingerprint width keeps within the false-lookup budget is an error, unless
+    ``over_budget`` (then the widest, with the shortfall in a comment)."""
     links = link_matrix(spec)
     lo, hi = min(links.values()), max(links.values())
     lines = [
@@ -485,7 +493,7 @@ def render_toml(spec: DeploymentSpec) -> str:
         "same_region_growth = 1.25",
         "same_region_max_step = 2.0",
         f"value_bits = {spec.value_bits}",
-        *_fingerprint_lines(spec),
+        *_fingerprint_lines(spec, over_budget=over_budget),
         "max_load = 0.95",
         "# 0: each table starts at 1/64 of what its region group can register in its shard and grows",
         "# (core/index.py table_capacities).",

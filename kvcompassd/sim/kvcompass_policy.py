@@ -70,7 +70,7 @@ from kvcompassd.core.sync import EdgeSync, SyncSettings, SyncStep, catch_up
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.core.messages import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
 
-from .shared_views import SharedViews
+from .shared_views import SharedViews, lookup_readers
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
                      RouteDecision, Topology)
 from .workloads import Request
@@ -222,7 +222,8 @@ class KVCompassPolicy(BasePolicy):
         snapshots = [shard.snapshot() for shard in self.shards]
         if shared:
             pointers = [router.lookup.native_plan()[1] for router in self.routers]
-            self._shared, self.syncs = SharedViews(self._edge_views, pointers, self._to_edge_s), []
+            readers = [lookup_readers(r.lookup.group_lengths, r.lookup.query_lengths) for r in self.routers]
+            self._shared, self.syncs = SharedViews(self._edge_views, pointers, readers, self._to_edge_s), []
             for snap in snapshots:
                 self._shared.install(snap)
         else:
@@ -440,8 +441,8 @@ class KVCompassPolicy(BasePolicy):
             e = self._region_index[req.region]
         except KeyError:
             raise PolicyError(f"request {req.id} enters at unknown region {req.region!r}") from None
-        if self._shared is not None:
-            self._shared.advance(e, now)
+        if self._shared is not None:  # the tables this prompt's lookup reads, brought to now
+            self._shared.prepare(e, self.routers[e].lookup.query_keys(req.tokens), now)
         decision: ForwardDecided = self.routers[e].decide(req.tokens, now=now)
         self.counters["decisions"] += 1
         if not decision.local:
@@ -476,7 +477,7 @@ class KVCompassPolicy(BasePolicy):
             return FALSE_INDEX_BEHIND
         e = self._region_index[req.region]
         if self._shared is not None:
-            self._shared.advance(e, now)
+            self._shared.position(e, s, now)
         epoch, seq = self._edge_views[e].position(s)
         carrier = (self._evicted_in or {}).get((key, worker))
         if epoch != shard.epoch or (carrier is not None and seq < carrier):

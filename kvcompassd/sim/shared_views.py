@@ -9,11 +9,14 @@ is read: a batch published at ``t`` has reached edge ``e`` once ``t + d(s, e) <=
 float sum as the per-edge delivery events' due times, so every read sees exactly the state the
 per-edge views had (tests/test_sim_shared_views.py runs both and compares every decision).
 
-A version is made only when an edge moves to it: in place from the highest version below it that
-no edge is at any more, else as a copy of it (its snapshot), or from a snapshot blob in between (a
-table that grew); then the blobs up to it are applied. Versions below every edge's are freed, with
-their blobs. Every ``SWEEP_S`` of virtual time all edges are brought up to date, so an edge that
-reads rarely does not pin old versions and batches.
+An edge's tables are brought to its position only where it reads: before a decision, the
+(shard, group) tables its lookup plan reads for that prompt's keys (each key on shard
+``key % N``, read by the groups whose lengths include it); the C lookup reads no other. A version
+is made only when an edge moves to it: in place from the highest version below it that no edge is
+at any more, else as a copy of it (its snapshot), or from a snapshot blob in between (a table that
+grew); then the blobs up to it are applied. Versions below every edge's are freed, with their
+blobs. Every ``SWEEP_S`` of virtual time every edge's every table is brought up to date, so
+tables an edge has not read lately do not pin old versions.
 
 Loss, and the repair it needs, make an edge's state diverge from every other's: the policy keeps
 per-edge views for ``update_loss > 0`` (kvcompass_policy.py).
@@ -21,7 +24,10 @@ per-edge views for ``update_loss > 0`` (kvcompass_policy.py).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.ludo import LudoView, peek_blob
@@ -30,13 +36,13 @@ from kvcompassd.core.messages import ShardSnapshotSent, UpdateBatchPublished
 
 __all__ = ["SharedViews", "SWEEP_S"]
 
-SWEEP_S = 0.25  # virtual seconds between bringing every edge up to date
+SWEEP_S = 1.0  # virtual seconds between bringing every table of every edge up to date
 
 
 class _Versions:
     """The live versions of one (shard, group) table and the blobs between them."""
 
-    __slots__ = ("views", "refs", "blobs", "snapshot", "blob_base", "latest")
+    __slots__ = ("views", "refs", "blobs", "snapshot", "blob_base", "latest", "seqs")
 
     def __init__(self, view: LudoView, edges: int) -> None:
         self.views: dict[int, LudoView] = {0: view}
@@ -45,8 +51,10 @@ class _Versions:
         self.snapshot: list[bool] = []  # blobs[i] is a snapshot (the table grew or was rebuilt)
         self.blob_base = 0
         self.latest = 0
+        self.seqs: list[int] = []  # seqs[k - 1]: the shard's batch that made version k
 
-    def add(self, blob: bytes) -> int:
+    def add(self, blob: bytes, seq: int) -> int:
+        self.seqs.append(seq)
         self.blobs.append(blob)
         self.snapshot.append(peek_blob(blob)[0] == "snapshot")
         self.latest += 1
@@ -73,10 +81,11 @@ class _Versions:
         return view
 
     def collect(self) -> None:
-        """Free the versions below every edge's, and the blobs only they needed."""
-        lowest = min(v for v, r in self.refs.items() if r > 0)
-        for v in [v for v in self.views if v < lowest]:
+        """Free the versions no edge is at (an edge behind a version rebuilds from its own, so
+        none is needed as a base), and the blobs below every edge's version."""
+        for v in [v for v, r in self.refs.items() if r == 0]:
             del self.views[v], self.refs[v]
+        lowest = min(self.refs)
         if lowest > self.blob_base:
             cut = lowest - self.blob_base
             del self.blobs[:cut], self.snapshot[:cut]
@@ -87,24 +96,23 @@ class SharedViews:
     """Every edge's view of every shard, as shared table versions (see the module docstring).
 
     ``edges`` are the edges' ``EdgeIndexView`` objects (their state dicts are kept pointing at
-    the versions each edge is at, in place), ``pointers`` each edge's Router's ``ViewPointers``
-    and ``delays[s][e]`` the seconds from shard ``s`` publishing to edge ``e`` applying."""
+    the versions each edge is at, in place), ``pointers`` each edge's Router's ``ViewPointers``,
+    ``readers[e][i]`` the groups edge ``e``'s lookup reads at its ``i``-th query length, and
+    ``delays[s][e]`` the seconds from shard ``s`` publishing to edge ``e`` applying."""
 
     def __init__(self, edges: Sequence[EdgeIndexView], pointers: Sequence[ViewPointers],
-                 delays: Sequence[Sequence[float]]) -> None:
+                 readers: Sequence[Sequence[tuple[int, ...]]], delays: Sequence[Sequence[float]]) -> None:
         self.edges = list(edges)
         self.pointers = list(pointers)
+        self.readers = [list(r) for r in readers]
         self.delays = delays  # the policy's own rows: a changed update delay applies here too
         n_shards = self.edges[0].shards if self.edges else 0
         self.shards = n_shards
         self._tables: list[dict[int, _Versions]] = [{} for _ in range(n_shards)]
-        # Per shard: (publish time, ((group, version), ...)) of each batch from _batch_base[s] + 1 on.
-        self._batches: list[list[tuple[float, tuple[tuple[int, int], ...]]]] = [[] for _ in range(n_shards)]
-        self._batch_base = [0] * n_shards
-        self._position = [[0] * n_shards for _ in self.edges]  # batches of each shard each edge applied
+        self._times: list[list[float]] = [[] for _ in range(n_shards)]  # publish time of each batch
+        self._base_seq = [0] * n_shards  # the seq of the snapshot the edges started from
         self._version = [[{} for _ in range(n_shards)] for _ in self.edges]  # edge -> shard -> group -> version
         self._next_sweep = SWEEP_S
-        self.deliveries = 0  # (batch, edge) applications, as the per-edge views would count them
 
     def install(self, snap: ShardSnapshotSent) -> None:
         """The shard's initial state, shared by every edge (version 0 of each of its tables)."""
@@ -116,47 +124,60 @@ class SharedViews:
             st.views = {g: t.views[0] for g, t in tables.items()}
             st.epoch, st.seq = snap.epoch, snap.seq
             self._version[e][s] = dict.fromkeys(tables, 0)
-            self._position[e][s] = snap.seq
-        self._batch_base[s] = snap.seq
+        self._base_seq[s] = snap.seq
 
     def publish(self, batch: UpdateBatchPublished, now: float) -> None:
         """A batch the shard published at ``now``: it reaches each edge ``delays[s][e]`` later."""
         s = batch.shard
-        if batch.seq != self._batch_base[s] + len(self._batches[s]) + 1:
+        times = self._times[s]
+        if batch.seq != self._base_seq[s] + len(times) + 1:
             raise ValueError(f"shard {s}: batch {batch.seq} published out of order")
+        times.append(now)
         tables = self._tables[s]
-        self._batches[s].append((now, tuple((g, tables[g].add(blob)) for g, blob in batch.tables)))
+        for g, blob in batch.tables:
+            tables[g].add(blob, batch.seq)
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_S
             self.advance_all(now)
 
-    def advance(self, e: int, now: float) -> None:
-        """Bring edge ``e`` to what it has received by ``now``."""
-        positions, versions, edge = self._position[e], self._version[e], self.edges[e]
-        delays = self.delays
-        for s in range(self.shards):
-            batches = self._batches[s]
-            i = positions[s] - self._batch_base[s]
-            d = delays[s][e]
-            if i >= len(batches) or batches[i][0] + d > now:
-                continue
-            target: dict[int, int] = {}
-            n = len(batches)
-            while i < n and batches[i][0] + d <= now:
-                for g, v in batches[i][1]:
-                    target[g] = v
-                i += 1
-            moved = i + self._batch_base[s] - positions[s]
-            self.deliveries += moved
-            positions[s] += moved
-            edge.state[s].seq = positions[s]
-            mine = versions[s]
-            for g, k in target.items():
-                self._move(e, s, g, mine, k)
+    def position(self, e: int, s: int, now: float) -> int:
+        """The seq of the last batch of shard ``s`` that edge ``e`` has by ``now``: those with
+        ``publish time + delay <= now``, the sum the per-edge delivery events were due at."""
+        times, d = self._times[s], self.delays[s][e]
+        i = bisect_right(times, now - d)
+        n = len(times)
+        while i < n and times[i] + d <= now:
+            i += 1
+        while i > 0 and times[i - 1] + d > now:
+            i -= 1
+        seq = self._base_seq[s] + i
+        self.edges[e].state[s].seq = seq
+        return seq
 
-    def _move(self, e: int, s: int, g: int, mine: dict[int, int], k: int) -> None:
-        t = self._tables[s][g]
-        j = mine[g]
+    def prepare(self, e: int, keys: np.ndarray, now: float) -> None:
+        """Bring the tables edge ``e`` reads for a prompt with these query keys to ``now``."""
+        n = self.shards
+        readers, mine, tables = self.readers[e], self._version[e], self._tables
+        positions: dict[int, int] = {}
+        for i, key in enumerate(keys.tolist()):
+            s = key % n
+            versions, shard_tables = mine[s], tables[s]
+            pos = None
+            for g in readers[i]:
+                t = shard_tables[g]
+                cur = versions[g]
+                if cur == t.latest:
+                    continue
+                if pos is None:
+                    pos = positions.get(s)
+                    if pos is None:
+                        pos = positions[s] = self.position(e, s, now)
+                k = bisect_right(t.seqs, pos)
+                if k != cur:
+                    self._move(e, s, g, t, versions, k)
+
+    def _move(self, e: int, s: int, g: int, t: _Versions, versions: dict[int, int], k: int) -> None:
+        j = versions[g]
         t.refs[j] -= 1
         view = t.views.get(k)
         if view is None:
@@ -165,37 +186,42 @@ class SharedViews:
             t.refs[k] = 1
         else:
             t.refs[k] += 1
-        mine[g] = k
+        versions[g] = k
         self.edges[e].state[s].views[g] = view
         self.pointers[e].refresh(s, g)
         if t.refs.get(j, 0) == 0:  # j is nobody's now (or was moved on in place)
             t.collect()
 
+    def advance(self, e: int, now: float) -> None:
+        """Every table of edge ``e`` to what it has received by ``now``."""
+        mine = self._version[e]
+        for s in range(self.shards):
+            pos = self.position(e, s, now)
+            versions = mine[s]
+            for g, t in self._tables[s].items():
+                cur = versions[g]
+                if cur == t.latest:
+                    continue
+                k = bisect_right(t.seqs, pos)
+                if k != cur:
+                    self._move(e, s, g, t, versions, k)
+
     def advance_all(self, now: float) -> None:
-        """Every edge up to ``now``; then drop the batches every edge has applied."""
         for e in range(len(self.edges)):
             self.advance(e, now)
-        for s in range(self.shards):
-            low = min((p[s] for p in self._position), default=self._batch_base[s])
-            cut = low - self._batch_base[s]
-            if cut > 0:
-                del self._batches[s][:cut]
-                self._batch_base[s] = low
+
+    @property
+    def deliveries(self) -> int:
+        """(batch, edge) deliveries so far, as the per-edge views would count them."""
+        return sum(edge.state[s].seq - self._base_seq[s] for edge in self.edges for s in range(self.shards))
 
     def last_due(self) -> float:
         """When the last batch published so far reaches its last edge."""
         due = 0.0
-        for s, batches in enumerate(self._batches):
-            if batches:
-                due = max(due, batches[-1][0] + max(self.delays[s], default=0.0))
+        for s, times in enumerate(self._times):
+            if times:
+                due = max(due, times[-1] + max(self.delays[s], default=0.0))
         return due
-
-    def lagging(self, now: float) -> bool:
-        """Whether some edge has a batch still on its way at ``now``."""
-        for s, batches in enumerate(self._batches):
-            if batches and batches[-1][0] + max(self.delays[s], default=0.0) > now:
-                return True
-        return False
 
     def live_versions(self) -> int:
         """Table versions held (a table every edge reads at one version counts once)."""
@@ -203,3 +229,14 @@ class SharedViews:
 
     def memory_bytes(self) -> int:
         return sum(v.memory_bytes for tables in self._tables for t in tables.values() for v in t.views.values())
+
+
+def lookup_readers(group_lengths: np.ndarray, query_lengths: np.ndarray) -> list[tuple[int, ...]]:
+    """For each query length (index), the groups whose lookup lengths include it."""
+    index = {n: i for i, n in enumerate(query_lengths.tolist())}
+    readers: list[list[int]] = [[] for _ in index]
+    for g, row in enumerate(group_lengths.tolist()):
+        for n in row:
+            if n:
+                readers[index[n]].append(g)
+    return [tuple(r) for r in readers]
