@@ -37,7 +37,8 @@ the shortening keeps and what it changes:
   (SkyWalker), 1.67 (consistent hashing), 3.59 (Chord), 1.32 (Dynamo); the full 20 s point
   (``python -m kvcompassd.sim.cli --deployment census-64x8 --workload mixed --rates 3000
   --duration 20 --warmup 5``, 5 s + 15 s) gave 1.18, 1.45, 1.31, 1.41, 2.93 and 1.16: the short
-  window inflated every one of KVCompass's six leads there. A ratio quoted from a sweep point
+  window inflated every one of KVCompass's six leads there (Dynamo at seeds 1 and 2: 1.45 and
+  1.31 short, 1.17 and 1.16 full). A ratio quoted from a sweep point
   is that point's window's; ``tools/sim_seeds.py --durations 7.5,20 --warmup 5`` gives a
   ratio's spread over seeds and windows (docs/simulator-measurements.md has it for this
   point, with the seeds). Throughput counts every token of the run over its duration (first arrival to last
