@@ -73,8 +73,15 @@ def _ephemeral_port_low() -> int:
         return 32768  # Linux's default
 
 
+# Every port handed out in this process, by any _Ports: a port picked earlier but not yet bound
+# (a node's --metrics chosen before its cluster was built, say) binds fine, so without this list
+# a later pick could return it again and the second node would refuse its config (two sockets on
+# one port) or fail to bind.
+_HANDED_OUT: set[int] = set()
+
+
 class _Ports:
-    """Free loopback ports, each handed out once, from below the kernel's ephemeral range.
+    """Free loopback ports, each handed out once per process, from below the kernel's ephemeral range.
 
     Listen ports picked from the ephemeral range raced the nodes' own outgoing sockets: a node
     that dials a peer binds an ephemeral UDP port, which could be the one a node started a moment
@@ -100,9 +107,11 @@ class _Ports:
         for _ in range(500):
             port = self._rng.randint(self._low, self._high)
             wanted = [port, port + 1] if pair else [port]
-            if any(p in self.taken for p in wanted) or not all(self._bindable(p, kind) for p in wanted):
+            if any(p in self.taken or p in _HANDED_OUT for p in wanted) or not all(
+                    self._bindable(p, kind) for p in wanted):
                 continue
             self.taken.update(wanted)
+            _HANDED_OUT.update(wanted)
             return port
         raise RuntimeError("no free loopback port found")
 

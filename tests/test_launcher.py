@@ -15,8 +15,10 @@ from kvcompassd.launcher import (
     LocalDeployment,
     NodeProcess,
     _ephemeral_port_low,
+    _HANDED_OUT,
     _Ports,
     build_cluster,
+    free_loopback_port,
 )
 
 
@@ -35,10 +37,25 @@ def test_ports_are_unique_below_the_ephemeral_range_and_pairs_reserve_the_next_p
 def test_a_port_in_use_is_not_handed_out():
     rng_seed = 11
     first = _Ports(random.Random(rng_seed)).get(socket.SOCK_DGRAM)
+    _HANDED_OUT.discard(first)  # as if another process had picked it: only the bind check stands
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:
         busy.bind(("127.0.0.1", first))
         again = _Ports(random.Random(rng_seed)).get(socket.SOCK_DGRAM)  # same draws, first one busy
     assert again != first
+
+
+def test_a_port_handed_out_but_not_yet_bound_is_not_handed_out_again_in_the_process():
+    # A test picks a node's --metrics port, then builds its cluster: the same draws must not give
+    # the cluster that port (seen as "two sockets on one host cannot share a port" at start-up).
+    first = _Ports(random.Random(23)).get()
+    assert _Ports(random.Random(23)).get() != first
+    metrics = free_loopback_port()
+    assert metrics not in {int(a.rsplit(":", 1)[1]) for a in _addresses(build_cluster(DeploymentSpec()))}
+
+
+def _addresses(cfg) -> list[str]:
+    return [a for w in cfg.workers for a in (w.http, w.kv_events, w.agent) if a] + \
+        [a for e in cfg.edges for a in (e.http, e.quic) if a] + [m.quic for m in cfg.maintenance]
 
 
 def test_cluster_addresses_are_distinct():
