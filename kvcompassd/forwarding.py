@@ -224,6 +224,8 @@ class Forwarder:
         self.decode_chooser = (DecodeChooser.from_config(self.cfg, seed=zlib.crc32(edge_id.encode()))
                                if self.cfg.disaggregated else None)
         self._rooms = random.Random()  # bootstrap rooms: random, as SGLang's router draws them
+        self._transfer_of = {w.id: KvTransferTiming.for_worker(self.cfg, w) for w in self.cfg.workers
+                             if w.role == "prefill"}
         rates = router.rates
         for i, worker in enumerate(workers):  # read when scraped: nothing per request
             metrics.learned_prefill.labels(worker).set_function(lambda i=i: rates.prefill_ms_per_token(i))
@@ -257,7 +259,7 @@ class Forwarder:
         move from prefill to decode (the prompt's, at the configured bandwidth)."""
         expected = d.score.scores.item(d.worker_index)
         if self.decode_chooser is not None and self.cfg.worker(d.worker).role == "prefill":
-            expected += KvTransferTiming.for_worker(self.cfg, self.cfg.worker(d.worker)).transfer_ms(len(req.tokens))
+            expected += self._transfer_of[d.worker].transfer_ms(len(req.tokens))
         return expected
 
     def unreachable(self) -> set[int]:
@@ -480,13 +482,9 @@ class Forwarder:
             # Streamed from the engine whatever the client asked, so that the deadlines see
             # each token; closing this generator closes the connection, which aborts the
             # request at the engine.
-            async with contextlib.aclosing(engine.generate(req.tokens, req.sampling_params, stream=True,
-                                                           rid=req.request_id)) as items:
-                async for item in items:
-                    if isinstance(item, EngineOutput):
-                        yield TokensGenerated(item.token_ids, item.text)
-                    else:
-                        yield _from_engine(item)
+            async for item in _forwarded(engine.generate(req.tokens, req.sampling_params, stream=True,
+                                                         rid=req.request_id)):
+                yield item
         except EngineRejected:
             raise
         except EngineError as exc:
@@ -533,12 +531,8 @@ class Forwarder:
         pair = generate_on_pair(EngineClient(prefill_cfg.http, self.http), EngineClient(decode_cfg.http, self.http),
                                 bootstrap, req.tokens, req.sampling_params, rid=req.request_id)
         try:
-            async with contextlib.aclosing(pair) as items:
-                async for item in items:
-                    if isinstance(item, EngineOutput):
-                        yield TokensGenerated(item.token_ids, item.text)
-                    else:
-                        yield _from_engine(item)
+            async for item in _forwarded(pair):
+                yield item
         except EngineRejected:
             raise
         except DecodeFailed as exc:
@@ -597,6 +591,14 @@ def _served(cached: int, prompt: int, completion: int, finish: str, queue_vector
 def _completed(reply: ResponseCompleted) -> GenerationFinished:
     return _served(reply.cached_tokens, reply.prompt_tokens, reply.completion_tokens, reply.finish_reason,
                    reply.queue_vector)
+
+
+async def _forwarded(engine_items):
+    """An engine's stream as the edge forwards it; closing this generator closes the engine's
+    (its connection, which aborts the request at the engine)."""
+    async with contextlib.aclosing(engine_items) as items:
+        async for item in items:
+            yield TokensGenerated(item.token_ids, item.text) if isinstance(item, EngineOutput) else _from_engine(item)
 
 
 def _from_engine(done: EngineFinished) -> GenerationFinished:

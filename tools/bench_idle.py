@@ -7,7 +7,8 @@ Starts two loopback deployments of the demo's shape side by side (7 emulated wor
 agents, 3 edges, 2 maintenance units, no WAN relays): the *reference* runs every agent at the
 fixed 20 ms load reading (``--load-idle-poll-ms 20``, the agents' behaviour before they backed
 off while idle), the *candidate* at the defaults. After both are ready and have settled, it
-reads every process's CPU time (``/proc/<pid>/stat``) at the start and end of each window and
+reads every process's CPU time (``/proc/<pid>/stat``) at the start and end of each window (and
+prints the machine's load average at each window's end) and
 prints, per role and in all, the median over windows of the cores used, the cores per worker,
 and the candidate ÷ reference ratio. Both run in the same windows, so load from other tenants
 of the machine falls on both alike.
@@ -61,17 +62,18 @@ async def main() -> int:
             await dep.start(timeout=args.start_timeout_s)
         await asyncio.sleep(args.settle_s)
         cores: dict[str, dict[str, list[float]]] = {name: {r: [] for r in ROLES} for name in deployments}
-        for _ in range(args.windows):
+        for window in range(1, args.windows + 1):
             start = {name: role_cpu(dep) for name, dep in deployments.items()}
             t0 = time.monotonic()
             await asyncio.sleep(args.window_s)
             elapsed = time.monotonic() - t0
+            # The machine's other load in this window (both deployments' own share included).
+            print(f"window {window}: {elapsed:.1f} s, load average {load_average()}", flush=True)
             for name, dep in deployments.items():
                 end = role_cpu(dep)
                 for role in ROLES:
                     cores[name][role].append((end[role] - start[name][role]) / elapsed)
-        print(f"idle CPU, {args.windows} windows of {args.window_s:g} s, {workers} workers each; "
-              f"load average {load_average()}")
+        print(f"idle CPU, {args.windows} windows of {args.window_s:g} s, {workers} workers each")
         print(f"{'role':<16}" + "".join(f"{name:>28}" for name in deployments) + f"{'ratio':>8}")
         totals = {name: [sum(cores[name][r][i] for r in ROLES) for i in range(args.windows)] for name in deployments}
         rows = [(role, [median(cores[name][role]) for name in deployments]) for role in ROLES]
