@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ import aiohttp
 
 from kvcompassd import certs
 from kvcompassd.core.config import ClusterConfig, dump_config, parse_config
+from kvcompassd.loopback_ports import _Ports, free_loopback_port  # noqa: F401  (re-exported for tests and tools)
 from kvcompassd.ctl import query
 from kvcompassd.wanemu import WanEmulator
 from kvcompassd.wire import Role
@@ -63,62 +63,6 @@ class DeploymentSpec:
         """Per region ``prefill`` prefill workers and ``decode`` decode workers."""
         return cls(workers={r: prefill + decode for r in regions}, decode_workers={r: decode for r in regions},
                    **overrides)
-
-
-def _ephemeral_port_low() -> int:
-    """The first port of the kernel's ephemeral range (outgoing sockets are bound from there on)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-# Every port handed out in this process, by any _Ports: a port picked earlier but not yet bound
-# (a node's --metrics chosen before its cluster was built, say) binds fine, so without this list
-# a later pick could return it again and the second node would refuse its config (two sockets on
-# one port) or fail to bind.
-_HANDED_OUT: set[int] = set()
-
-
-class _Ports:
-    """Free loopback ports, each handed out once per process, from below the kernel's ephemeral range.
-
-    Listen ports picked from the ephemeral range raced the nodes' own outgoing sockets: a node
-    that dials a peer binds an ephemeral UDP port, which could be the one a node started a moment
-    later was told to listen on ('Address already in use' at start-up). Below that range only
-    explicit binds compete. p + 1 is reserved too where asked (the engine's replay socket)."""
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self.taken: set[int] = set()
-        self._rng = rng or random.Random()
-        ephemeral_low = _ephemeral_port_low()
-        self._low, self._high = max(1024, ephemeral_low // 2), max(1025, ephemeral_low - 2)
-
-    @staticmethod
-    def _bindable(port: int, kind: int) -> bool:
-        with socket.socket(socket.AF_INET, kind) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    def get(self, kind: int = socket.SOCK_STREAM, pair: bool = False) -> int:
-        for _ in range(500):
-            port = self._rng.randint(self._low, self._high)
-            wanted = [port, port + 1] if pair else [port]
-            if any(p in self.taken or p in _HANDED_OUT for p in wanted) or not all(
-                    self._bindable(p, kind) for p in wanted):
-                continue
-            self.taken.update(wanted)
-            _HANDED_OUT.update(wanted)
-            return port
-        raise RuntimeError("no free loopback port found")
-
-
-def free_loopback_port(kind: int = socket.SOCK_STREAM) -> int:
-    """A loopback port below the ephemeral range that binds now (e.g. a node's ``--metrics``)."""
-    return _Ports().get(kind)
 
 
 def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:

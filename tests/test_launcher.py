@@ -1,54 +1,20 @@
-"""The launcher: listen ports never collide with each other nor with the kernel's ephemeral
-ports, which the nodes' own outgoing sockets take; stopping leaves no node running."""
+"""The launcher: a cluster's addresses are distinct and never a port handed out before it;
+stopping leaves no node running."""
 
 import asyncio
-import random
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from kvcompassd.launcher import (
-    DeploymentSpec,
-    LocalDeployment,
-    NodeProcess,
-    _ephemeral_port_low,
-    _HANDED_OUT,
-    _Ports,
-    build_cluster,
-    free_loopback_port,
-)
+from kvcompassd.launcher import DeploymentSpec, LocalDeployment, NodeProcess, build_cluster
+from kvcompassd.loopback_ports import free_loopback_port
 
 
-def test_ports_are_unique_below_the_ephemeral_range_and_pairs_reserve_the_next_port():
-    ports = _Ports(random.Random(7))
-    low = _ephemeral_port_low()
-    handed = []
-    for i in range(200):
-        pair = i % 3 == 0
-        port = ports.get(socket.SOCK_DGRAM if i % 2 else socket.SOCK_STREAM, pair=pair)
-        handed += [port, port + 1] if pair else [port]
-    assert len(handed) == len(set(handed))
-    assert all(1024 <= p < low for p in handed)
-
-
-def test_a_port_in_use_is_not_handed_out():
-    rng_seed = 11
-    first = _Ports(random.Random(rng_seed)).get(socket.SOCK_DGRAM)
-    _HANDED_OUT.discard(first)  # as if another process had picked it: only the bind check stands
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:
-        busy.bind(("127.0.0.1", first))
-        again = _Ports(random.Random(rng_seed)).get(socket.SOCK_DGRAM)  # same draws, first one busy
-    assert again != first
-
-
-def test_a_port_handed_out_but_not_yet_bound_is_not_handed_out_again_in_the_process():
-    # A test picks a node's --metrics port, then builds its cluster: the same draws must not give
-    # the cluster that port (seen as "two sockets on one host cannot share a port" at start-up).
-    first = _Ports(random.Random(23)).get()
-    assert _Ports(random.Random(23)).get() != first
+def test_a_port_handed_out_before_the_cluster_is_not_one_of_its_addresses():
+    # A test picks a node's --metrics port, then builds its cluster: the cluster must not get it
+    # (seen as "two sockets on one host cannot share a port" at start-up).
     metrics = free_loopback_port()
     assert metrics not in {int(a.rsplit(":", 1)[1]) for a in _addresses(build_cluster(DeploymentSpec()))}
 
