@@ -30,7 +30,7 @@ from .events import (OP_NEEDS_HOLDER, OP_TIER_AFTER, EventOp, IndexEvent, IndexE
                      PrefixEvicted, Tier, TierChanged)
 from .layout import IndexLayout
 from .messages import ShardSnapshotSent, UpdateBatchPublished
-from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView
+from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView, apply_batch
 
 TIER_MASK = 3
 
@@ -365,11 +365,13 @@ class EdgeIndexView:
         for group, _ in batch.tables:
             if group not in st.views:
                 return f"batch names unknown group {group}"
-        # Ludo blobs carry absolute state, so a blob that fails validation part-way through
-        # leaves earlier blobs applied harmlessly; the snapshot asked for repairs the rest.
+        # One C call for the whole batch (no Python per table or record). Record blobs are all
+        # validated before any view changes; with a snapshot among them (a table grew) they go
+        # one by one, and as Ludo blobs carry absolute state, a blob refused part-way leaves the
+        # earlier ones applied harmlessly; the snapshot asked for repairs the rest.
+        views = st.views
         try:
-            for group, blob in batch.tables:
-                st.views[group].apply(blob)
+            apply_batch([views[group] for group, _ in batch.tables], [blob for _, blob in batch.tables])
         except LudoError as exc:
             return f"batch rejected by the view: {exc}"
         st.seq = batch.seq
