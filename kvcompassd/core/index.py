@@ -101,6 +101,7 @@ class MaintenanceShard:
         fingerprint_bits: int = 0,
         max_load: float = 0.95,
         replay_batches: int = 4096,
+        table_salt: int = 0,
     ):
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} out of range for {shards} shards")
@@ -120,7 +121,9 @@ class MaintenanceShard:
                 value_bits=layout.value_bits,
                 fingerprint_bits=fingerprint_bits,
                 max_load=max_load,
-                seed=(shard << 16) ^ g.group,
+                # The table id: ``table_salt`` keeps another stream's tables of the same shard
+                # (kvcompassd.core.streams) apart, so its blobs are refused as foreign.
+                seed=(shard << 16) ^ g.group ^ (table_salt << 40),
             )
             for g in layout.groups
         ]
