@@ -95,6 +95,9 @@ class ShardStreams:
         # Each stream's tables get their own ids, so a blob of one stream is refused by another's views.
         self.filtered = {r: MaintenanceShard(layout, shard, shards, epoch=epoch, table_salt=i + 1, **shard_options)
                          for i, r in enumerate(names)}
+        # Updates (changed fields) each stream took so far, the full one under None: what its
+        # subscribers apply (tools/scale_projection.py compares them).
+        self.applied: dict[str | None, int] = dict.fromkeys([None, *names], 0)
 
     def stream(self, region: str | None) -> MaintenanceShard:
         """The shard an edge of ``region`` follows (None: everything)."""
@@ -112,6 +115,7 @@ class ShardStreams:
         n = len(columns)
         lengths_arr = as_lengths(lengths, n)
         outcome = self.full.apply_columns(worker, columns)
+        self.applied[None] += outcome.applied
         try:
             group = self.layout.slot(worker).group
         except ValueError:
@@ -120,15 +124,17 @@ class ShardStreams:
         for region, shard in self.filtered.items():
             keep = self.filters[region].keeps(group, lengths_arr)
             if keep.all():
-                shard.apply_columns(worker, columns)
+                self.applied[region] += shard.apply_columns(worker, columns).applied
             elif keep.any():
-                shard.apply_columns(worker, IndexEventColumns(ops[keep].tobytes(), keys[keep].tobytes()))
+                kept = IndexEventColumns(ops[keep].tobytes(), keys[keep].tobytes())
+                self.applied[region] += shard.apply_columns(worker, kept).applied
         return outcome
 
     def apply(self, events: Sequence[IndexEvent], lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
         """``apply_columns`` for event objects (of any workers), in order."""
         lengths_arr = as_lengths(lengths, len(events))
         outcome = self.full.apply(events)
+        self.applied[None] += outcome.applied
         for region, shard in self.filtered.items():
             filt = self.filters[region]
             kept = []
@@ -140,7 +146,7 @@ class ShardStreams:
                 if length == UNKNOWN_LENGTH or length in filt.per_group[group]:
                     kept.append(event)
             if kept:
-                shard.apply(kept)
+                self.applied[region] += shard.apply(kept).applied
         return outcome
 
     def withdraw_worker(self, worker: str) -> ApplyOutcome:
