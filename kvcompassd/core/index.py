@@ -365,16 +365,17 @@ class EdgeIndexView:
         st = self.state[batch.shard]
         if not st.ready or batch.epoch != st.epoch or batch.seq != st.seq + 1:
             raise ValueError(f"batch {(batch.epoch, batch.seq)} is not next after {(st.epoch, st.seq)}")
-        for group, _ in batch.tables:
-            if group not in st.views:
-                return f"batch names unknown group {group}"
         # One C call for the whole batch (no Python per table or record). Record blobs are all
         # validated before any view changes; with a snapshot among them (a table grew) they go
         # one by one, and as Ludo blobs carry absolute state, a blob refused part-way leaves the
         # earlier ones applied harmlessly; the snapshot asked for repairs the rest.
         views = st.views
         try:
-            apply_batch([views[group] for group, _ in batch.tables], [blob for _, blob in batch.tables])
+            targets = [views[group] for group, _ in batch.tables]
+        except KeyError as exc:
+            return f"batch names unknown group {exc.args[0]}"
+        try:
+            apply_batch(targets, [blob for _, blob in batch.tables])
         except LudoError as exc:
             return f"batch rejected by the view: {exc}"
         st.seq = batch.seq

@@ -481,6 +481,12 @@ def apply_batch(views: list[LudoView], blobs: list[Any]) -> None:
         raise LudoError(f"{n} views for {len(blobs)} blobs")
     if n == 0:
         return
+    if n == 1:  # one table changed (most batches of a region's stream): no arrays to build
+        try:
+            views[0].apply(blobs[0])
+        except LudoError as exc:
+            raise BatchApplyError(0, exc) from None
+        return
     bufs = [_blob_buffer(b) for b in blobs]
     failed = ffi.new("size_t *")
     rc = lib.kvc_views_apply_batch(ffi.new("kvc_view *[]", [v._ptr for v in views]), ffi.new("uint8_t *[]", bufs),
