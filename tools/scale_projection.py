@@ -102,7 +102,7 @@ def fleet_config(workers: int, regions: int, *, shards: int | None = None) -> Cl
 
 
 def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batches: int, seed: int,
-                  small_batch_events: int = 32) -> dict:
+                  small_batch_events: int = 4) -> dict:
     """CPU µs per index update at an edge and at the shard, and bytes per update on the wire,
     into ``entries`` entries spread over the fleet's region-group tables."""
     layout = IndexLayout.from_config(cfg)
@@ -132,8 +132,9 @@ def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batche
         for _ in range(batches):
             # One flush's worth: a few workers' reports, half registrations of new prefixes, half
             # evictions of ones they hold (the steady state's mix is near one to one).
-            for w in rng.choice(workers, size=min(8, len(workers)), replace=False).tolist():
-                n = max(2, batch_events // 8)
+            spread = min(8, len(workers), batch_events)
+            for w in rng.choice(workers, size=spread, replace=False).tolist():
+                n = batch_events // spread
                 new = rng.integers(0, 1 << 63, size=n - n // 2, dtype=np.uint64)
                 gone = [held[w].pop() for _ in range(min(n // 2, len(held[w])))]
                 keys = np.concatenate([new, np.array(gone, dtype=np.uint64)])
@@ -157,8 +158,8 @@ def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batche
                 "batches": batches}
 
     big = run(batch_events, batches)
-    # Small batches (what a region's filtered stream carries per flush): the per-batch cost is
-    # the intercept of a line through the two batch sizes.
+    # Small batches, a few workers' one event each (what a region's stream carries per flush at
+    # 10,000 x 100): the per-batch cost is the intercept of a line through the two batch sizes.
     small = run(small_batch_events, batches)
     updates = big["updates"]
     per_batch = [(m["updates"] / m["batches"], m["edge_ns"] / 1000 / m["batches"], m["raw"] / m["batches"])
@@ -423,7 +424,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decision-entries", type=int, default=1_000_000, help="view entries of those fleets")
     ap.add_argument("--decisions", type=int, default=400)
     ap.add_argument("--tokens", type=int, default=4096, help="decision prompt length")
-    ap.add_argument("--small-batch-events", type=int, default=32,
+    ap.add_argument("--small-batch-events", type=int, default=4,
                     help="apply: events per batch of the second, small-batch run (per-batch cost)")
     ap.add_argument("--streams", choices=("full", "region"), default="full",
                     help="what the limits table projects: one stream for every edge (what the daemons send "
@@ -546,6 +547,12 @@ def main(argv=None) -> int:
     print(f"  shard apply       = U / S x t_shard x (1 + sum of shares) = {pr['shard_apply_cores']:8.2f} cores")
     print(f"  shard egress      = (U / S x sum of shares x bytes_update + min(1 / flush, U / S) x R x bytes_batch) "
           f"x 8 x E = {pr['shard_egress_gbps']:8.2f} Gbit/s raw, {pr['shard_egress_zlib_gbps']:.2f} compressed")
+    slower = [(ms, project(dataclasses.replace(region_units, flush_s=ms / 1000), W, R, S, E, args.load))
+              for ms in (5.0, 20.0, 50.0) if ms > args.flush_ms]
+    if slower:
+        print("  a longer flush (fewer, fuller batches; that much more staleness): " + "; ".join(
+            f"{ms:g} ms: edge apply {q['edge_apply_cores']:.2f} cores, inbound {q['edge_inbound_gbps']:.2f} Gbit/s, "
+            f"shard egress {q['shard_egress_gbps']:.2f} Gbit/s" for ms, q in slower))
     if args.streams == "region":
         print("  (the limits below: per-edge-region streams)")
 
