@@ -8,9 +8,14 @@ measured on this machine, with the formulas, and the first resource to break.
 Measured here, each printed with what was measured:
 
 - apply: an edge's CPU per index update (``EdgeSync.on_batch`` of real update batches into views
-  of the target fleet's region-group tables holding ``--apply-entries`` entries) and a maintenance
-  unit's (``MaintenanceShard.apply_columns`` + ``flush``), on batches of ``--batch-events`` random
-  registrations and evictions;
+  of the target fleet's region-group tables holding ``--apply-entries`` entries, one C call per
+  batch) and a maintenance unit's (``MaintenanceShard.apply_columns`` + ``flush``), on batches of
+  ``--batch-events`` random registrations and evictions; and again on batches of
+  ``--small-batch-events`` (what a region's stream carries per flush at 10,000 x 100), the line
+  through the two giving the cost per batch (``t_batch``, bytes_batch) and per update (``t_update``);
+- per-edge-region streams (``kvcompassd.core.streams``): the share of the fleet's updates each
+  edge region's stream carries, from registrations of the workload's prompts by random workers
+  of the target fleet (``share_edge``: the most-served region's; the sum over regions);
 - wire: bytes per index update of those batches as ``kvcompassd.wire`` encodes them, raw and
   compressed as the daemons send them (``encode(..., compress=True)``: zlib);
 - the write load: a KVCompass simulation (``--sim-workers`` x ``--sim-regions``, a census-shaped
@@ -44,6 +49,16 @@ Projection for W workers in R regions, S shards, E edges per region, load f (for
     view per edge      = W x cache_blocks_w x reg_blk x bytes_per_entry     (every cache full)
     decision cores     = W x lambda_w / (R x E) x (a + b x W)
     queue broadcasts   = (R - 1) x bytes(vector of W/R workers) x 8 / Delta       inbound per edge
+
+and with per-edge-region streams (printed beside; ``--streams region`` puts them in the limits
+table), a flush every F s (``--flush-ms``; at most one batch per shard's stream per flush):
+
+    U_e   = U x share_edge, B_e = S x min(1 / F, U_e / S)
+    edge apply cores   = U_e x t_update + B_e x t_batch
+    edge inbound       = (U_e x bytes_update + B_e x bytes_batch) x 8
+    shard apply cores  = U / S x t_shard x (1 + sum of shares)
+    shard egress       = (U / S x sum of shares x bytes_update + min(1 / F, U / S) x R x bytes_batch) x 8 x E
+    view per edge      = (as above) x share_edge
 
 Each is compared with its limit; the first to break is the one furthest over (or nearest) its
 limit, and for each the fleet size (same workers per region) at which it reaches its limit.
