@@ -451,6 +451,9 @@ def main(argv=None) -> int:
                     help="what the limits table projects: one stream for every edge (what the daemons send "
                          "today) or per-edge-region streams (kvcompassd.core.streams)")
     ap.add_argument("--flush-ms", type=float, default=2.0, help="the maintenance unit's batch delay")
+    ap.add_argument("--updates-per-worker-s", type=float, default=None,
+                    help="project this write load (index updates per worker per second) instead of the "
+                         "simulated one (its blocks per request are scaled to give it)")
     ap.add_argument("--quick", action="store_true", help="small measurements (a smoke run; figures are rough)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -492,6 +495,12 @@ def main(argv=None) -> int:
         decision_a_us=a, decision_b_us=b, broadcast_bytes_per_worker=(bc_big - bc_small) / 100,
         broadcast_overhead_bytes=bc_small - (bc_big - bc_small) / 100,
         period_s=target.score.broadcast_period_ms / 1000.0)
+    if args.updates_per_worker_s:
+        simulated = project(units, W, R, S, E, args.load)["updates_per_worker_s"]
+        units = dataclasses.replace(units, blocks_per_request=units.blocks_per_request * args.updates_per_worker_s
+                                    / simulated)
+        print(f"write load set by --updates-per-worker-s: {args.updates_per_worker_s:g} updates/s per worker "
+              f"(the simulation gave {simulated:.0f}): blocks_per_req scaled to {units.blocks_per_request:.1f}")
     full_units = units
     region_units = dataclasses.replace(
         units, share_edge=filtering["max"], share_regions_sum=filtering["sum"], edge_us=apply["t_update_us"],
