@@ -512,27 +512,27 @@ def main(argv=None) -> int:
     print("\n== measured on this machine")
     print(f"apply ({apply['groups']} region-group tables of {apply['table_entries']:,} entries, {apply['updates']:,} "
           f"updates in {args.batches} batches of {args.batch_events} events):")
-    print(f"  t_edge  = {units.edge_us:.3f} CPU µs per update (EdgeSync.on_batch)")
-    print(f"  t_shard = {units.shard_us:.3f} CPU µs per update (MaintenanceShard.apply_columns + flush)")
+    print(f"  t_edge  = {full_units.edge_us:.3f} CPU µs per update (EdgeSync.on_batch)")
+    print(f"  t_shard = {full_units.shard_us:.3f} CPU µs per update (MaintenanceShard.apply_columns + flush)")
     print(f"  per batch and per update (a line through batches of {apply['small_updates_per_batch']:.0f} and "
           f"{apply['big_updates_per_batch']:.0f} updates): t_batch = {apply['t_batch_us']:.2f} µs, t_update = "
           f"{apply['t_update_us']:.3f} µs; bytes_batch = {apply['bytes_batch']:.0f}, bytes_update = "
           f"{apply['bytes_update']:.1f} (small batches alone: {apply['small_edge_us']:.3f} µs per update)")
-    print(f"  bytes_per_entry = {units.view_bytes_per_entry:.1f} view bytes per entry (those tables, at load "
+    print(f"  bytes_per_entry = {full_units.view_bytes_per_entry:.1f} view bytes per entry (those tables, at load "
           f"{apply['load']:.2f})")
-    print(f"  bytes_per_update = {units.bytes_raw:.1f} raw, {units.bytes_zlib:.1f} compressed "
-          f"(x{units.bytes_zlib / units.bytes_raw:.2f}; wire.encode of UpdateBatchPublished)")
+    print(f"  bytes_per_update = {full_units.bytes_raw:.1f} raw, {full_units.bytes_zlib:.1f} compressed "
+          f"(x{full_units.bytes_zlib / full_units.bytes_raw:.2f}; wire.encode of UpdateBatchPublished)")
     mix = ", ".join(f"{k} {v:,}" for k, v in writes["mix"].items())
     print(f"write load (KVCompass simulation, {args.sim_workers} workers x {args.sim_regions} regions, {WORKLOAD} at "
           f"{args.load:g} x lambda0 = {args.load * writes['lambda0']:.0f} req/s, caches / {args.sim_cache_divisor}, "
           f"{args.sim_seconds:g} s, second half: {writes['requests']:,} requests; {mix}):")
-    print(f"  blocks_per_req  = {units.blocks_per_request:.1f} stored blocks per request")
+    print(f"  blocks_per_req  = {full_units.blocks_per_request:.1f} stored blocks per request")
     print(f"  reg_blk_sim     = {writes['reg_per_block']:.3f} registrations per stored block")
-    print(f"  updates_per_reg = {units.updates_per_reg:.2f} index updates per registration")
+    print(f"  updates_per_reg = {full_units.updates_per_reg:.2f} index updates per registration")
     print(f"  lambda0_w       = {lam0_w:.2f} req/s per worker (1 / (mean prompt x beta))")
     print(f"registered lengths per cached prompt ({len(prompts):,} {WORKLOAD} prompts): len_sim = {len_sim:.1f} at "
           f"{args.sim_regions} regions, len_target = {len_target:.1f} at {R} regions -> reg_blk = "
-          f"{units.reg_per_block:.3f}")
+          f"{full_units.reg_per_block:.3f}")
     print(f"per-edge-region streams (kvcompassd.core.streams, {filtering['total']:,} registrations of "
           f"{max(50, args.prompt_sample // 10)} {WORKLOAD} prompts by random workers of the target fleet): an edge "
           f"receives {filtering['mean']:.1%} of the fleet's updates on average (x{1 / filtering['mean']:.1f} fewer), "
@@ -544,8 +544,8 @@ def main(argv=None) -> int:
         print(f"  {d['workers']:>6} workers x {d['regions']:>4} regions, {d['entries']:>10,} entries: "
               f"{d['p50_us']:8.1f} / {d['p99_us']:8.1f}   ({d['view_bytes_per_entry']:.1f} view bytes per entry)")
     print(f"  fit: decision_us = {a:.1f} + {b * 1000:.3f} x W / 1000")
-    print(f"queue broadcast: {units.broadcast_overhead_bytes:.0f} + {units.broadcast_bytes_per_worker:.1f} x workers "
-          f"bytes, every {units.period_s * 1000:g} ms to each other region")
+    print(f"queue broadcast: {full_units.broadcast_overhead_bytes:.0f} + {full_units.broadcast_bytes_per_worker:.1f} x workers "
+          f"bytes, every {full_units.period_s * 1000:g} ms to each other region")
 
     print(f"\n== projected: {W:,} workers x {R} regions, {S} shards, {E} edge(s) per region, load {args.load:g} x lambda0")
     print(f"  lambda_w = {args.load:g} x {lam0_w:.2f} = {args.load * lam0_w:.2f} req/s per worker")
