@@ -636,3 +636,28 @@ def test_blob_checksums_are_zlibs_crc32_at_every_length(capacity, n, fingerprint
         want = zlib.crc32(blob[HEADER:], zlib.crc32(blob[:64]))
         assert struct.unpack_from("<I", blob, 64)[0] == want
     LudoView.from_snapshot(blobs[-1])  # and the reader's check agrees with the writer's
+
+
+def test_batch_apply_refuses_an_old_epochs_records_and_a_payload_error_before_changing_any_view():
+    rng = random.Random(8)
+    grown = LudoTable(8, seed=31)
+    steady = LudoTable(4000, seed=32)
+    views = [synced_view(grown), synced_view(steady)]
+    fill(grown, 4, rng)
+    stale = grown.take_updates()[0]  # epoch 1 records
+    fill(grown, 200, rng)  # grows: a new epoch, shipped as a snapshot
+    views[0].apply(grown.take_updates()[0])
+    fill(steady, 50, rng)
+    good = steady.take_updates()[0]
+    before = [v.snapshot() for v in views]
+    with pytest.raises(BatchApplyError) as caught:
+        apply_batch(views, [stale, good])
+    assert caught.value.index == 0 and isinstance(caught.value.cause, LudoEpochError)
+    bad = bytearray(good)
+    bad[HEADER + 8:HEADER + 12] = struct.pack("<I", 0xFFFFFFFF)  # a bucket index past the table
+    with pytest.raises(BatchApplyError) as caught:
+        apply_batch(views, [grown.snapshot(), reseal(bytes(bad))])
+    assert caught.value.index == 1 and isinstance(caught.value.cause, LudoCorruptError)
+    assert views[1].snapshot() == before[1]
+    apply_batch(views[1:], [good])
+    assert views[1].snapshot() == steady.snapshot()
