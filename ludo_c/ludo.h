@@ -161,6 +161,17 @@ void kvc_view_free(kvc_view *view);
  * The whole blob is validated first; on any error the view is unchanged. */
 int kvc_view_apply(kvc_view *view, const uint8_t *blob, size_t len);
 
+/* Apply one update batch: blobs[i] (lens[i] bytes) to views[i], for i < n, in one call. Every
+ * blob's header, checksum and table id are checked before any view changes. When every blob is a
+ * record blob and no view is named twice, the rest of each (epoch, geometry, payload) is checked
+ * too before anything is written, so a refused batch changes nothing. Otherwise (a snapshot among
+ * them, a view named twice) they are then applied one after the other as kvc_view_apply would,
+ * and the blobs before a refused one stay applied (records carry absolute state: harmless).
+ * Returns KVC_OK, or the first refused blob's error with *failed set to its index; KVC_ERR_ARG
+ * for a NULL view or pointer. */
+int kvc_views_apply_batch(kvc_view *const *views, const uint8_t *const *blobs, const size_t *lens,
+                          size_t n, size_t *failed);
+
 /* Value stored for key; 0 for an empty slot, a fingerprint mismatch, or key >= 2^63. A key never
  * inserted may return a non-zero value (a false hit) unless fingerprints reject it. */
 uint64_t kvc_view_lookup(const kvc_view *view, uint64_t key);

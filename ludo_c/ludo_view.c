@@ -290,7 +290,17 @@ static int same_geometry(const kvc_geometry *a, const kvc_geometry *b)
            a->locator_seed == b->locator_seed;
 }
 
-static int apply_records(kvc_view *v, const uint8_t *blob, const kvc_header *hdr)
+/* A record blob's payload, checked against its view. */
+typedef struct {
+    const uint8_t *pb, *pw; /* bucket records, then locator word records */
+    uint64_t nbk, nw;
+    size_t bsize;
+    uint64_t big_seeds; /* new overflow entries it may need (over-counts repeats: harmless) */
+} records_part;
+
+/* Validate a record blob's payload against the view (header and CRC already checked); changes
+ * nothing. */
+static int check_records(const kvc_view *v, const uint8_t *blob, const kvc_header *hdr, records_part *out)
 {
     const kvc_geometry *g = &v->geo;
     const uint8_t *p = blob + KVC_HEADER_SIZE;
@@ -301,7 +311,7 @@ static int apply_records(kvc_view *v, const uint8_t *blob, const kvc_header *hdr
     const uint8_t *pb = p + 8, *pw = pb + nbk * bsize;
     unsigned d = g->fp_bits, vbytes = g->value_bits / 8u;
     uint64_t big_seeds = 0;
-    for (uint64_t i = 0; i < nbk; i++) { /* validate everything first */
+    for (uint64_t i = 0; i < nbk; i++) {
         const uint8_t *r = pb + i * bsize;
         if (kvc_get32(r) >= g->nb)
             return KVC_ERR_MALFORMED;
@@ -316,33 +326,88 @@ static int apply_records(kvc_view *v, const uint8_t *blob, const kvc_header *hdr
     for (uint64_t i = 0; i < nw; i++)
         if (kvc_get32(pw + i * KVC_RECORD_WORD_SIZE) >= (uint64_t)v->wa + v->wb)
             return KVC_ERR_MALFORMED;
-    if (ov_reserve(v, big_seeds) != KVC_OK) /* the only step that can fail; nothing changed yet */
-        return KVC_ERR_NOMEM;
-    for (uint64_t i = 0; i < nbk; i++) {
-        const uint8_t *r = pb + i * bsize;
-        if (i + 8 < nbk) { /* overlap the misses of later records with this one */
-            uint32_t ahead = kvc_get32(r + 8 * bsize);
-            __builtin_prefetch(&v->seeds[ahead / SEEDS_PER_WORD], 1);
-            if (v->vals32)
-                __builtin_prefetch(&v->vals32[(uint64_t)ahead * 4u], 1);
-            else
-                __builtin_prefetch(&v->vals64[(uint64_t)ahead * 4u], 1);
-        }
-        uint32_t b = kvc_get32(r);
-        set_seed(v, b, kvc_get16(r + 4));
-        for (unsigned s = 0; s < 4; s++) {
-            uint64_t slot = (uint64_t)b * 4u + s;
-            set_value(v, slot, vbytes == 4 ? kvc_get32(r + 6 + 4 * s) : kvc_get64(r + 6 + 8 * s));
-            if (d)
-                fp_set(v->fps, d, slot, kvc_get16(r + 6 + 4 * vbytes + 2 * s));
-        }
+    *out = (records_part){pb, pw, nbk, nw, bsize, big_seeds};
+    return KVC_OK;
+}
+
+/* Prefetch, for writing, every line one bucket record will touch. */
+static inline void prefetch_bucket(const kvc_view *v, uint32_t b)
+{
+    __builtin_prefetch(&v->seeds[b / SEEDS_PER_WORD], 1);
+    if (v->vals32)
+        __builtin_prefetch(&v->vals32[(uint64_t)b * 4u], 1);
+    else
+        __builtin_prefetch(&v->vals64[(uint64_t)b * 4u], 1);
+    if (v->fps)
+        __builtin_prefetch(&v->fps[((uint64_t)b * 4u * v->geo.fp_bits) >> 3], 1);
+}
+
+/* A bucket's four d-bit fingerprints in one read-modify-write (plus one byte when they reach past
+ * 64 bits): four fp_set calls would each reload the word the previous one just stored at another
+ * offset, which the CPU cannot forward from its store buffer (a stall each). */
+static inline void fp4_set(uint8_t *fps, unsigned d, uint32_t bucket, const uint8_t *rec_fps)
+{
+    uint64_t bit = (uint64_t)bucket * 4u * d, fields = 0;
+    for (unsigned s = 0; s < 4; s++)
+        fields |= (uint64_t)kvc_get16(rec_fps + 2 * s) << (s * d);
+    unsigned shift = (unsigned)(bit & 7), width = 4u * d;
+    uint8_t *p = fps + (bit >> 3);
+    uint64_t mask = width == 64 ? ~UINT64_C(0) : (UINT64_C(1) << width) - 1u, w;
+    memcpy(&w, p, 8);
+    w = (w & ~(mask << shift)) | (fields << shift);
+    memcpy(p, &w, 8);
+    if (shift + width > 64) { /* the top bits spill into the ninth byte */
+        unsigned spill = shift + width - 64;
+        uint8_t high = (uint8_t)(fields >> (64 - shift)), keep = (uint8_t)~((1u << spill) - 1u);
+        p[8] = (uint8_t)((p[8] & keep) | (high & (uint8_t)~keep));
     }
-    for (uint64_t i = 0; i < nw; i++) {
-        const uint8_t *r = pw + i * KVC_RECORD_WORD_SIZE;
-        if (i + 8 < nw)
+}
+
+static inline void write_bucket(kvc_view *v, const uint8_t *r)
+{
+    unsigned d = v->geo.fp_bits;
+    uint32_t b = kvc_get32(r);
+    uint64_t base = (uint64_t)b * 4u;
+    set_seed(v, b, kvc_get16(r + 4));
+    if (v->vals32) {
+        for (unsigned s = 0; s < 4; s++)
+            v->vals32[base + s] = kvc_get32(r + 6 + 4 * s);
+        if (d)
+            fp4_set(v->fps, d, b, r + 6 + 16);
+    } else {
+        for (unsigned s = 0; s < 4; s++)
+            v->vals64[base + s] = kvc_get64(r + 6 + 8 * s);
+        if (d)
+            fp4_set(v->fps, d, b, r + 6 + 32);
+    }
+}
+
+/* Write a checked part; the overflow map must have room for its big seeds (ov_reserve). */
+static void write_records(kvc_view *v, const records_part *pt)
+{
+    for (uint64_t i = 0; i < pt->nbk; i++) {
+        const uint8_t *r = pt->pb + i * pt->bsize;
+        if (i + 8 < pt->nbk) /* overlap the misses of later records with this one */
+            prefetch_bucket(v, kvc_get32(r + 8 * pt->bsize));
+        write_bucket(v, r);
+    }
+    for (uint64_t i = 0; i < pt->nw; i++) {
+        const uint8_t *r = pt->pw + i * KVC_RECORD_WORD_SIZE;
+        if (i + 8 < pt->nw)
             __builtin_prefetch(&v->words[kvc_get32(r + 8 * KVC_RECORD_WORD_SIZE)], 1);
         v->words[kvc_get32(r)] = kvc_get64(r + 4);
     }
+}
+
+static int apply_records(kvc_view *v, const uint8_t *blob, const kvc_header *hdr)
+{
+    records_part pt;
+    int rc = check_records(v, blob, hdr, &pt);
+    if (rc != KVC_OK)
+        return rc;
+    if (ov_reserve(v, pt.big_seeds) != KVC_OK) /* the only step that can fail; nothing changed yet */
+        return KVC_ERR_NOMEM;
+    write_records(v, &pt);
     return KVC_OK;
 }
 
@@ -372,6 +437,112 @@ int kvc_view_apply(kvc_view *v, const uint8_t *blob, size_t len)
     view_release(v);
     *v = fresh;
     return KVC_OK;
+}
+
+/* ---------------------------------------------------------------- applying a whole batch */
+
+#define BATCH_STACK 64u  /* parts kept on the stack; a bigger batch allocates */
+
+static int cmp_ptr(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)*(void *const *)a, y = (uintptr_t)*(void *const *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* 1 if some view appears twice (a later blob must then be checked against an earlier one's result). */
+static int views_repeat(kvc_view *const *views, size_t n)
+{
+    if (n < 2)
+        return 0;
+    if (n <= 8) {
+        for (size_t i = 0; i < n; i++)
+            for (size_t j = i + 1; j < n; j++)
+                if (views[i] == views[j])
+                    return 1;
+        return 0;
+    }
+    kvc_view **sorted = malloc(n * sizeof *sorted);
+    if (!sorted)
+        return 1; /* the sequential path needs no memory */
+    memcpy(sorted, views, n * sizeof *sorted);
+    qsort(sorted, n, sizeof *sorted, cmp_ptr);
+    int repeat = 0;
+    for (size_t i = 1; i < n && !repeat; i++)
+        repeat = sorted[i] == sorted[i - 1];
+    free(sorted);
+    return repeat;
+}
+
+int kvc_views_apply_batch(kvc_view *const *views, const uint8_t *const *blobs, const size_t *lens,
+                          size_t n, size_t *failed)
+{
+    if (!failed)
+        return KVC_ERR_ARG;
+    *failed = 0;
+    if (n == 0)
+        return KVC_OK;
+    if (!views || !blobs || !lens)
+        return KVC_ERR_ARG;
+    for (size_t i = 0; i < n; i++)
+        if (!views[i] || !blobs[i]) {
+            *failed = i;
+            return KVC_ERR_ARG;
+        }
+    kvc_header stack_hdrs[BATCH_STACK];
+    records_part stack_parts[BATCH_STACK];
+    kvc_header *hdrs = n <= BATCH_STACK ? stack_hdrs : malloc(n * sizeof *hdrs);
+    records_part *parts = n <= BATCH_STACK ? stack_parts : malloc(n * sizeof *parts);
+    int rc = hdrs && parts ? KVC_OK : KVC_ERR_NOMEM;
+    /* Every header, checksum and owner first: a damaged or foreign blob changes nothing. */
+    int simple = rc == KVC_OK && !views_repeat(views, n);
+    for (size_t i = 0; i < n && rc == KVC_OK; i++) {
+        rc = kvc_header_read(blobs[i], lens[i], &hdrs[i]);
+        if (rc == KVC_OK)
+            rc = kvc_blob_check_crc(blobs[i], &hdrs[i]);
+        if (rc == KVC_OK && hdrs[i].geo.table_id != views[i]->geo.table_id)
+            rc = KVC_ERR_FOREIGN;
+        if (rc != KVC_OK)
+            *failed = i;
+        simple = simple && hdrs[i].kind == KVC_BLOB_RECORDS;
+    }
+    if (rc == KVC_OK && !simple) {
+        /* A snapshot among them (a table that grew) or a table named twice: one blob after the
+         * other, each checked against what the blobs before it left. */
+        for (size_t i = 0; i < n && rc == KVC_OK; i++)
+            if ((rc = kvc_view_apply(views[i], blobs[i], lens[i])) != KVC_OK)
+                *failed = i;
+    } else if (rc == KVC_OK) {
+        for (size_t i = 0; i < n && rc == KVC_OK; i++) { /* the rest of every check: nothing changes yet */
+            const kvc_view *v = views[i];
+            if (hdrs[i].geo.epoch != v->geo.epoch)
+                rc = KVC_ERR_EPOCH;
+            else if (!same_geometry(&hdrs[i].geo, &v->geo))
+                rc = KVC_ERR_GEOMETRY;
+            else
+                rc = check_records(v, blobs[i], &hdrs[i], &parts[i]);
+            if (rc != KVC_OK)
+                *failed = i;
+        }
+        for (size_t i = 0; i < n && rc == KVC_OK; i++) /* only capacity: no lookup sees it */
+            if (ov_reserve(views[i], parts[i].big_seeds) != KVC_OK) {
+                rc = KVC_ERR_NOMEM;
+                *failed = i;
+            }
+        /* Each blob's records go in with their own prefetch pipeline (one pipeline across the
+         * blobs measured slower: its bookkeeping cost more than the restarts), the next blob's
+         * first buckets fetched while this one goes in. */
+        for (size_t i = 0; i < n && rc == KVC_OK; i++) {
+            if (i + 1 < n)
+                for (uint64_t j = 0; j < parts[i + 1].nbk && j < 8; j++)
+                    prefetch_bucket(views[i + 1], kvc_get32(parts[i + 1].pb + j * parts[i + 1].bsize));
+            write_records(views[i], &parts[i]);
+        }
+    }
+    if (hdrs != stack_hdrs)
+        free(hdrs);
+    if (parts != stack_parts)
+        free(parts);
+    return rc;
 }
 
 /* ---------------------------------------------------------------- lookups */

@@ -25,11 +25,10 @@ void *kvc_alloc(size_t bytes, int zero)
 
 #include "ludo_crc_table.h"
 
-/* Slice-by-8: eight table lookups per 8 input bytes instead of one per byte. */
-uint32_t kvc_crc32_update(uint32_t crc, const uint8_t *p, size_t n)
+/* Slice-by-8 on the raw (not inverted) CRC state: eight table lookups per 8 input bytes. */
+static uint32_t crc32_table_raw(uint32_t crc, const uint8_t *p, size_t n)
 {
     const uint32_t (*T)[256] = kvc_crc_tables;
-    crc = ~crc;
     for (; n >= 8; n -= 8, p += 8) {
         uint32_t one = kvc_get32(p) ^ crc, two = kvc_get32(p + 4);
         crc = T[7][one & 0xffu] ^ T[6][(one >> 8) & 0xffu] ^ T[5][(one >> 16) & 0xffu] ^ T[4][one >> 24] ^
@@ -37,7 +36,79 @@ uint32_t kvc_crc32_update(uint32_t crc, const uint8_t *p, size_t n)
     }
     while (n--)
         crc = T[0][(crc ^ *p++) & 0xffu] ^ (crc >> 8);
-    return ~crc;
+    return crc;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVC_CRC_CLMUL 1
+
+/* CRC-32 (IEEE, reflected) by carry-less multiplication: fold 64 bytes at a time, then 16, then
+ * Barrett-reduce (Intel's "Fast CRC Computation Using PCLMULQDQ"; the constants are the Linux
+ * kernel's crc32-pclmul ones). n is a multiple of 16 and at least 64; crc is the raw state. About
+ * ten times the table's speed: it was a third of an edge's CPU per applied update. */
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_clmul_raw(uint32_t crc, const uint8_t *p, size_t n)
+{
+    const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);
+    const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
+    const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124);
+    const __m128i poly = _mm_set_epi64x(0x1f7011641, 0x1db710641);
+    const __m128i mask32 = _mm_set_epi32(0, 0, 0, -1);
+    __m128i x1 = _mm_loadu_si128((const __m128i *)p), x2 = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 32)), x4 = _mm_loadu_si128((const __m128i *)(p + 48));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+    for (p += 64, n -= 64; n >= 64; p += 64, n -= 64) {
+#define KVC_FOLD(x, k, next) _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), \
+                                                         _mm_clmulepi64_si128(x, k, 0x11)), next)
+        x1 = KVC_FOLD(x1, k1k2, _mm_loadu_si128((const __m128i *)p));
+        x2 = KVC_FOLD(x2, k1k2, _mm_loadu_si128((const __m128i *)(p + 16)));
+        x3 = KVC_FOLD(x3, k1k2, _mm_loadu_si128((const __m128i *)(p + 32)));
+        x4 = KVC_FOLD(x4, k1k2, _mm_loadu_si128((const __m128i *)(p + 48)));
+    }
+    x1 = KVC_FOLD(x1, k3k4, x2);
+    x1 = KVC_FOLD(x1, k3k4, x3);
+    x1 = KVC_FOLD(x1, k3k4, x4);
+    for (; n >= 16; p += 16, n -= 16)
+        x1 = KVC_FOLD(x1, k3k4, _mm_loadu_si128((const __m128i *)p));
+#undef KVC_FOLD
+    /* 128 -> 64 bits, then 64 -> 32, then the Barrett reduction */
+    x2 = _mm_clmulepi64_si128(k3k4, x1, 0x01);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
+    x2 = _mm_and_si128(x1, mask32);
+    x1 = _mm_srli_si128(x1, 4);
+    x1 = _mm_xor_si128(x1, _mm_clmulepi64_si128(x2, k5, 0x00));
+    x2 = _mm_and_si128(x1, mask32);
+    x2 = _mm_clmulepi64_si128(x2, poly, 0x10);
+    x2 = _mm_and_si128(x2, mask32);
+    x2 = _mm_clmulepi64_si128(x2, poly, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+
+static int crc_clmul_usable(void)
+{
+    static int usable = -1; /* a benign race: every thread computes the same answer */
+    if (usable < 0) {
+        __builtin_cpu_init();
+        usable = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+    }
+    return usable;
+}
+#endif
+
+uint32_t kvc_crc32_update(uint32_t crc, const uint8_t *p, size_t n)
+{
+    crc = ~crc;
+#ifdef KVC_CRC_CLMUL
+    if (n >= 64 && crc_clmul_usable()) {
+        size_t bulk = n & ~(size_t)15;
+        crc = crc32_clmul_raw(crc, p, bulk);
+        p += bulk;
+        n -= bulk;
+    }
+#endif
+    return ~crc32_table_raw(crc, p, n);
 }
 
 size_t kvc_snapshot_payload_size(const kvc_geometry *geo)

@@ -32,8 +32,10 @@ from kvcompassd.core.ludo import (
     LudoValueRangeError,
     LudoVersionError,
     LudoView,
+    apply_batch,
     peek_blob,
 )
+from kvcompassd.core.ludo import BatchApplyError
 
 HEADER = 72
 KEYS = st.integers(0, KEY_LIMIT - 1)
@@ -535,3 +537,127 @@ def test_edit_fields_refuses_bad_arguments_before_editing():
         table.edit_fields(np.array([KEY_LIMIT], dtype=np.uint64), ops[:1], EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)
     with pytest.raises(LudoError, match="uint64 keys"):
         table.edit_fields(keys.astype(np.int64), ops, EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)
+
+
+# ---------------------------------------------------------------------------- batch apply
+
+
+@settings(max_examples=60, deadline=None)
+@given(fingerprint_bits=st.sampled_from([0, 1, 7, 13, 15, 16]), value_bits=st.sampled_from([32, 64]),
+       rounds=st.lists(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["insert", "remove", "update"]),
+                                          st.integers(1, 60)), max_size=6), min_size=1, max_size=5),
+       seed=st.integers(0, 2**32 - 1))
+def test_batch_apply_keeps_views_byte_identical_to_their_tables(fingerprint_bits, value_bits, rounds, seed):
+    """One ``apply_batch`` per round of edits over several tables (growths included: a snapshot
+    among the blobs) leaves every view exporting its table's snapshot byte for byte, as applying
+    the blobs one by one does (fingerprints of 15 and 16 bits spill past a 64-bit word)."""
+    rng = random.Random(seed)
+    tables = [LudoTable(rng.choice([8, 200]), value_bits=value_bits, fingerprint_bits=fingerprint_bits,
+                        seed=100 + i) for i in range(4)]
+    batched = [synced_view(t) for t in tables]
+    single = [LudoView.from_snapshot(t.snapshot()) for t in tables]
+    held: list[dict[int, int]] = [{} for _ in tables]
+    for edits in rounds:
+        for t, op, n in edits:
+            table, oracle = tables[t], held[t]
+            if op == "insert":
+                oracle.update(fill(table, n, rng, value_bits) if not oracle else {})
+                fresh = {rng.randrange(KEY_LIMIT): rng.randrange(1, 1 << value_bits) for _ in range(n)}
+                fresh = {k: v for k, v in fresh.items() if k not in oracle}
+                table.insert_many(list(fresh), list(fresh.values()))
+                oracle.update(fresh)
+            elif oracle:
+                keys = rng.sample(list(oracle), min(n, len(oracle)))
+                if op == "remove":
+                    table.remove_many(keys)
+                    for k in keys:
+                        del oracle[k]
+                else:
+                    values = [rng.randrange(1, 1 << value_bits) for _ in keys]
+                    table.update_many(keys, values)
+                    oracle.update(zip(keys, values))
+        pairs = [(i, blob) for i, table in enumerate(tables) for blob in table.take_updates()]
+        rng.shuffle(pairs)  # distinct tables: their order in a batch does not matter
+        apply_batch([batched[i] for i, _ in pairs], [blob for _, blob in pairs])
+        for i, blob in pairs:
+            single[i].apply(blob)
+    for table, view, one, oracle in zip(tables, batched, single, held):
+        assert view.snapshot() == table.snapshot() == one.snapshot()
+        assert view_matches(view, oracle)
+
+
+def test_batch_apply_refuses_a_bad_blob_before_changing_any_view():
+    rng = random.Random(3)
+    tables = [LudoTable(4000, fingerprint_bits=8, seed=10 + i) for i in range(3)]
+    views = [synced_view(t) for t in tables]
+    for t in tables:
+        fill(t, 500, rng)
+    blobs = [t.take_updates()[0] for t in tables]
+    before = [v.snapshot() for v in views]
+    damaged = bytearray(blobs[2])
+    damaged[-1] ^= 0xFF
+    for bad, error in ((bytes(damaged), LudoCorruptError), (blobs[0], LudoForeignError), (b"short", LudoCorruptError)):
+        with pytest.raises(BatchApplyError) as caught:
+            apply_batch(views, [blobs[0], blobs[1], bad])
+        assert caught.value.index == 2 and isinstance(caught.value.cause, error)
+        assert [v.snapshot() for v in views] == before  # validated first: nothing changed
+    with pytest.raises(LudoError):
+        apply_batch(views, blobs[:2])  # one blob per view
+    apply_batch(views, blobs)
+    assert [v.snapshot() for v in views] == [t.snapshot() for t in tables]
+    apply_batch([], [])
+
+
+def test_batch_apply_takes_a_view_named_twice_in_order():
+    rng = random.Random(4)
+    table = LudoTable(4000, seed=5)
+    view = synced_view(table)
+    fill(table, 300, rng)
+    first = table.take_updates()[0]
+    fill(table, 300, rng)
+    second = table.take_updates()[0]
+    apply_batch([view, view], [first, second])
+    assert view.snapshot() == table.snapshot()
+
+
+@settings(max_examples=80, deadline=None)
+@given(capacity=st.integers(1, 3000), n=st.integers(0, 400), fingerprint_bits=st.sampled_from([0, 3, 15]),
+       seed=st.integers(0, 2**32 - 1))
+def test_blob_checksums_are_zlibs_crc32_at_every_length(capacity, n, fingerprint_bits, seed):
+    """The C CRC-32 (carry-less multiplication where the CPU has it, tables elsewhere) is the
+    IEEE one zlib computes, over the header's first 64 bytes and then the payload, for blobs of
+    every length (snapshots and records, the tails past a multiple of 16 included)."""
+    rng = random.Random(seed)
+    table = LudoTable(capacity, fingerprint_bits=fingerprint_bits, seed=seed)
+    blobs = [table.snapshot()]
+    fill(table, min(n, capacity), rng)
+    blobs += table.take_updates() + [table.snapshot()]
+    for blob in blobs:
+        want = zlib.crc32(blob[HEADER:], zlib.crc32(blob[:64]))
+        assert struct.unpack_from("<I", blob, 64)[0] == want
+    LudoView.from_snapshot(blobs[-1])  # and the reader's check agrees with the writer's
+
+
+def test_batch_apply_refuses_an_old_epochs_records_and_a_payload_error_before_changing_any_view():
+    rng = random.Random(8)
+    grown = LudoTable(8, seed=31)
+    steady = LudoTable(4000, seed=32)
+    views = [synced_view(grown), synced_view(steady)]
+    fill(grown, 4, rng)
+    stale = grown.take_updates()[0]  # epoch 1 records
+    fill(grown, 200, rng)  # grows: a new epoch, shipped as a snapshot
+    views[0].apply(grown.take_updates()[0])
+    fill(steady, 50, rng)
+    good = steady.take_updates()[0]
+    before = [v.snapshot() for v in views]
+    with pytest.raises(BatchApplyError) as caught:
+        apply_batch(views, [stale, good])
+    assert caught.value.index == 0 and isinstance(caught.value.cause, LudoEpochError)
+    bad = bytearray(good)
+    bad[HEADER + 8:HEADER + 12] = struct.pack("<I", 0xFFFFFFFF)  # a bucket index past the table
+    with pytest.raises(BatchApplyError) as caught:
+        apply_batch(views, [grown.snapshot(), reseal(bytes(bad))])
+    assert caught.value.index == 1 and isinstance(caught.value.cause, LudoCorruptError)
+    assert views[1].snapshot() == before[1]
+    apply_batch(views[1:], [good])
+    assert views[1].snapshot() == steady.snapshot()

@@ -8,9 +8,14 @@ measured on this machine, with the formulas, and the first resource to break.
 Measured here, each printed with what was measured:
 
 - apply: an edge's CPU per index update (``EdgeSync.on_batch`` of real update batches into views
-  of the target fleet's region-group tables holding ``--apply-entries`` entries) and a maintenance
-  unit's (``MaintenanceShard.apply_columns`` + ``flush``), on batches of ``--batch-events`` random
-  registrations and evictions;
+  of the target fleet's region-group tables holding ``--apply-entries`` entries, one C call per
+  batch) and a maintenance unit's (``MaintenanceShard.apply_columns`` + ``flush``), on batches of
+  ``--batch-events`` random registrations and evictions; and again on batches of
+  ``--small-batch-events`` (what a region's stream carries per flush at 10,000 x 100), the line
+  through the two giving the cost per batch (``t_batch``, bytes_batch) and per update (``t_update``);
+- per-edge-region streams (``kvcompassd.core.streams``): the share of the fleet's updates each
+  edge region's stream carries, from registrations of the workload's prompts by random workers
+  of the target fleet (``share_edge``: the most-served region's; the sum over regions);
 - wire: bytes per index update of those batches as ``kvcompassd.wire`` encodes them, raw and
   compressed as the daemons send them (``encode(..., compress=True)``: zlib);
 - the write load: a KVCompass simulation (``--sim-workers`` x ``--sim-regions``, a census-shaped
@@ -45,6 +50,16 @@ Projection for W workers in R regions, S shards, E edges per region, load f (for
     decision cores     = W x lambda_w / (R x E) x (a + b x W)
     queue broadcasts   = (R - 1) x bytes(vector of W/R workers) x 8 / Delta       inbound per edge
 
+and with per-edge-region streams (printed beside; ``--streams region`` puts them in the limits
+table), a flush every F s (``--flush-ms``; at most one batch per shard's stream per flush):
+
+    U_e   = U x share_edge, B_e = S x min(1 / F, U_e / S)
+    edge apply cores   = U_e x t_update + B_e x t_batch
+    edge inbound       = (U_e x bytes_update + B_e x bytes_batch) x 8
+    shard apply cores  = U / S x t_shard x (1 + sum of shares)
+    shard egress       = (U / S x sum of shares x bytes_update + min(1 / F, U / S) x R x bytes_batch) x 8 x E
+    view per edge      = (as above) x share_edge
+
 Each is compared with its limit; the first to break is the one furthest over (or nearest) its
 limit, and for each the fleet size (same workers per region) at which it reaches its limit.
 """
@@ -76,6 +91,7 @@ from kvcompassd.core.layout import IndexLayout  # noqa: E402
 from kvcompassd.core.levels import LevelPlan  # noqa: E402
 from kvcompassd.core.messages import QueueVectorBroadcast  # noqa: E402
 from kvcompassd.core.router import Router  # noqa: E402
+from kvcompassd.core.streams import ShardStreams  # noqa: E402
 from kvcompassd.core.sync import EdgeSync  # noqa: E402
 from kvcompassd.engine.kvevents import BlockStored  # noqa: E402
 from kvcompassd.sim.engine import SimSettings, simulate  # noqa: E402
@@ -100,14 +116,15 @@ def fleet_config(workers: int, regions: int, *, shards: int | None = None) -> Cl
 # ----------------------------------------------------------------------------- apply and wire
 
 
-def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batches: int, seed: int) -> dict:
+def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batches: int, seed: int,
+                  small_batch_events: int = 4) -> dict:
     """CPU µs per index update at an edge and at the shard, and bytes per update on the wire,
     into ``entries`` entries spread over the fleet's region-group tables."""
     layout = IndexLayout.from_config(cfg)
     table_entries = max(1024, entries // len(layout.groups))
     rng = np.random.default_rng(seed)
     # No growth while measuring (a growth ships a snapshot): room for twice each table's share of the new keys.
-    capacity = int((table_entries + 2 * batch_events * batches // len(layout.groups) + 4096) / cfg.index.max_load)
+    capacity = int((table_entries + 4 * batch_events * batches // len(layout.groups) + 8192) / cfg.index.max_load)
     shard = MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=capacity,
                              fingerprint_bits=cfg.index.fingerprint_bits, max_load=cfg.index.max_load)
     held: dict[str, list[int]] = {}
@@ -123,37 +140,87 @@ def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batche
     sync = EdgeSync(view)
     sync.on_snapshot(shard.snapshot(), now=0.0)
     workers = list(layout.worker_ids)
-    edge_ns = shard_ns = updates = raw = packed = 0
-    for b in range(batches):
-        # One flush's worth: a few workers' reports, half registrations of new prefixes, half
-        # evictions of ones they hold (the steady state's mix is near one to one).
-        for w in rng.choice(workers, size=min(8, len(workers)), replace=False).tolist():
-            n = batch_events // 8
-            new = rng.integers(0, 1 << 63, size=n - n // 2, dtype=np.uint64)
-            gone = [held[w].pop() for _ in range(min(n // 2, len(held[w])))]
-            keys = np.concatenate([new, np.array(gone, dtype=np.uint64)])
-            ops = bytes([EventOp.CACHED_VRAM]) * new.size + bytes([EventOp.EVICTED]) * len(gone)
-            cols = IndexEventColumns(ops, keys.astype("<u8").tobytes())
+    clock = itertools.count(0.0)
+
+    def run(batch_events: int, batches: int) -> dict:
+        shard_ns = updates = raw = packed = 0
+        published = []
+        for _ in range(batches):
+            # One flush's worth: a few workers' reports, half registrations of new prefixes, half
+            # evictions of ones they hold (the steady state's mix is near one to one).
+            spread = min(8, len(workers), batch_events)
+            for w in rng.choice(workers, size=spread, replace=False).tolist():
+                n = batch_events // spread
+                new = rng.integers(0, 1 << 63, size=n - n // 2, dtype=np.uint64)
+                gone = [held[w].pop() for _ in range(min(n // 2, len(held[w])))]
+                keys = np.concatenate([new, np.array(gone, dtype=np.uint64)])
+                ops = bytes([EventOp.CACHED_VRAM]) * new.size + bytes([EventOp.EVICTED]) * len(gone)
+                cols = IndexEventColumns(ops, keys.astype("<u8").tobytes())
+                t0 = time.thread_time_ns()
+                outcome = shard.apply_columns(w, cols)
+                shard_ns += time.thread_time_ns() - t0
+                updates += outcome.applied
             t0 = time.thread_time_ns()
-            outcome = shard.apply_columns(w, cols)
+            batch = shard.flush()
             shard_ns += time.thread_time_ns() - t0
-            updates += outcome.applied
+            published.append(batch)
+            raw += len(encode(batch))
+            packed += len(encode(batch, compress=True))
+        # The edge's side afterwards, back to back, as an edge process that does only this would
+        # (interleaved with the shard's work above, the edge's tables and code are cold: the
+        # small batches then cost ~3x more; an edge that also decides sits in between).
         t0 = time.thread_time_ns()
-        batch = shard.flush()
-        shard_ns += time.thread_time_ns() - t0
-        t0 = time.thread_time_ns()
-        step = sync.on_batch(batch, now=float(b))
-        edge_ns += time.thread_time_ns() - t0
-        if not step.applied:
-            raise RuntimeError(f"the edge refused a batch: {step.reason}")
-        raw += len(encode(batch))
-        packed += len(encode(batch, compress=True))
+        for batch in published:
+            step = sync.on_batch(batch, now=next(clock))
+            if not step.applied:
+                raise RuntimeError(f"the edge refused a batch: {step.reason}")
+        edge_ns = time.thread_time_ns() - t0
+        return {"edge_ns": edge_ns, "shard_ns": shard_ns, "updates": updates, "raw": raw, "packed": packed,
+                "batches": batches}
+
+    big = run(batch_events, batches)
+    # Small batches, a few workers' one event each (what a region's stream carries per flush at
+    # 10,000 x 100): the per-batch cost is the intercept of a line through the two batch sizes.
+    small = run(small_batch_events, batches)
+    updates = big["updates"]
+    per_batch = [(m["updates"] / m["batches"], m["edge_ns"] / 1000 / m["batches"], m["raw"] / m["batches"])
+                 for m in (small, big)]
+    (n1, t1, b1), (n2, t2, b2) = per_batch
+    t_update = (t2 - t1) / (n2 - n1)
+    bytes_update = (b2 - b1) / (n2 - n1)
     entries = shard.entries()
     view_bytes = sum(v["memory_bytes"] for v in view.stats())
-    return {"edge_us": edge_ns / 1000 / updates, "shard_us": shard_ns / 1000 / updates, "updates": updates,
-            "bytes_raw": raw / updates, "bytes_zlib": packed / updates, "view_bytes_per_entry": view_bytes / entries,
-            "table_entries": table_entries, "groups": len(layout.groups),
-            "load": entries / sum(t.slots for t in shard._tables)}
+    return {"edge_us": big["edge_ns"] / 1000 / updates, "shard_us": big["shard_ns"] / 1000 / updates, "updates": updates,
+            "bytes_raw": big["raw"] / updates, "bytes_zlib": big["packed"] / updates,
+            "view_bytes_per_entry": view_bytes / entries, "table_entries": table_entries, "groups": len(layout.groups),
+            "load": entries / sum(t.slots for t in shard._tables),
+            "t_update_us": t_update, "t_batch_us": max(0.0, t1 - t_update * n1),
+            "bytes_update": bytes_update, "bytes_batch": max(0.0, b1 - bytes_update * n1),
+            "small_updates_per_batch": n1, "big_updates_per_batch": n2, "small_edge_us": small["edge_ns"] / 1000 / small["updates"]}
+
+
+def measure_filtering(cfg: ClusterConfig, prompt_lengths: list[int], *, seed: int) -> dict:
+    """The share of the fleet's index updates each edge region's stream carries
+    (``kvcompassd.core.streams``): one registration per length of random prompts cached by
+    random workers, through a one-shard ``ShardStreams`` of the fleet (the share does not depend
+    on the shard count)."""
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    streams = ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=64, fingerprint_bits=0)
+    registered = np.array(plan.registration_lengths(), dtype=np.uint32)
+    rng = np.random.default_rng(seed)
+    workers = list(layout.worker_ids)
+    for tokens in prompt_lengths:
+        lengths = registered[: int(np.searchsorted(registered, tokens, side="right"))]
+        if lengths.size == 0:
+            continue
+        keys = rng.integers(0, 1 << 63, size=lengths.size, dtype=np.uint64)
+        cols = IndexEventColumns(bytes([EventOp.CACHED_VRAM]) * lengths.size, keys.astype("<u8").tobytes())
+        streams.apply_columns(workers[int(rng.integers(len(workers)))], cols, lengths)
+    total = streams.applied[None]
+    shares = {r: streams.applied[r] / total for r in streams.filtered}
+    worst = max(shares, key=shares.get)
+    return {"total": total, "mean": float(np.mean(list(shares.values()))), "max": shares[worst], "worst": worst,
+            "min": min(shares.values()), "sum": float(sum(shares.values())), "regions": len(shares)}
 
 
 def decision_regions(workers: int, target_workers: int, target_regions: int) -> int:
@@ -284,23 +351,40 @@ class Units:
     broadcast_bytes_per_worker: float
     broadcast_overhead_bytes: float
     period_s: float
+    # Per-edge-region streams (kvcompassd.core.streams); the defaults are one stream for all.
+    share_edge: float = 1.0  # updates the most-served edge receives, over all the fleet's
+    share_regions_sum: float | None = None  # sum over edge regions of their shares (None: R, no filter)
+    t_batch_us: float = 0.0  # an edge's CPU per batch, beyond t_edge per update
+    bytes_per_batch: float = 0.0  # a batch's bytes beyond bytes_per_update each
+    flush_s: float = 0.002  # the maintenance unit's batch_delay_s: at most one batch per stream per flush
 
 
 def project(u: Units, workers: float, regions: int, shards: int, edges: int, load: float) -> dict:
     lam_w = load * u.lambda0_w
     u_w = lam_w * u.blocks_per_request * u.reg_per_block * u.updates_per_reg
     fleet = workers * u_w
+    shares = regions if u.share_regions_sum is None else u.share_regions_sum
+    edge_updates = fleet * u.share_edge  # what the most-served edge receives
+    # Each shard's stream to an edge carries at most one batch per flush, and none without updates.
+    edge_batches = shards * min(1.0 / u.flush_s, edge_updates / shards) if u.t_batch_us or u.bytes_per_batch else 0.0
     per_edge_requests = workers * lam_w / (regions * edges)
     vector_bytes = u.broadcast_overhead_bytes + u.broadcast_bytes_per_worker * workers / regions
+    # A shard sends each region's edges that region's stream: its updates, and its batches' overhead.
+    shard_stream_bytes = (fleet / shards * shares * u.bytes_raw
+                          + min(1.0 / u.flush_s, fleet / shards) * regions * u.bytes_per_batch)
+    zlib_ratio = u.bytes_zlib / u.bytes_raw
     return {
         "updates_per_worker_s": u_w,
-        "edge_apply_cores": fleet * u.edge_us / 1e6,
-        "edge_inbound_gbps": fleet * u.bytes_raw * 8 / 1e9,
-        "edge_inbound_zlib_gbps": fleet * u.bytes_zlib * 8 / 1e9,
-        "shard_apply_cores": fleet / shards * u.shard_us / 1e6,
-        "shard_egress_gbps": fleet / shards * u.bytes_raw * 8 * regions * edges / 1e9,
-        "shard_egress_zlib_gbps": fleet / shards * u.bytes_zlib * 8 * regions * edges / 1e9,
-        "view_gib": workers * u.cache_blocks_w * u.reg_per_block * u.view_bytes_per_entry / GIB,
+        "edge_updates_s": edge_updates,
+        "edge_batches_s": edge_batches,
+        "edge_apply_cores": (edge_updates * u.edge_us + edge_batches * u.t_batch_us) / 1e6,
+        "edge_inbound_gbps": (edge_updates * u.bytes_raw + edge_batches * u.bytes_per_batch) * 8 / 1e9,
+        "edge_inbound_zlib_gbps": (edge_updates * u.bytes_raw + edge_batches * u.bytes_per_batch) * zlib_ratio * 8 / 1e9,
+        # Filtered: the full tables plus every region's stream, each applying its share of the updates.
+        "shard_apply_cores": fleet / shards * u.shard_us * (1 if u.share_regions_sum is None else 1 + shares) / 1e6,
+        "shard_egress_gbps": shard_stream_bytes * 8 * edges / 1e9,
+        "shard_egress_zlib_gbps": shard_stream_bytes * zlib_ratio * 8 * edges / 1e9,
+        "view_gib": workers * u.cache_blocks_w * u.reg_per_block * u.share_edge * u.view_bytes_per_entry / GIB,
         "decision_us": u.decision_a_us + u.decision_b_us * workers,
         "decision_cores": per_edge_requests * (u.decision_a_us + u.decision_b_us * workers) / 1e6,
         "broadcast_mbps": (regions - 1) * vector_bytes * 8 / u.period_s / 1e6,
@@ -361,6 +445,15 @@ def main(argv=None) -> int:
     ap.add_argument("--decision-entries", type=int, default=1_000_000, help="view entries of those fleets")
     ap.add_argument("--decisions", type=int, default=400)
     ap.add_argument("--tokens", type=int, default=4096, help="decision prompt length")
+    ap.add_argument("--small-batch-events", type=int, default=4,
+                    help="apply: events per batch of the second, small-batch run (per-batch cost)")
+    ap.add_argument("--streams", choices=("full", "region"), default="full",
+                    help="what the limits table projects: one stream for every edge (what the daemons send "
+                         "today) or per-edge-region streams (kvcompassd.core.streams)")
+    ap.add_argument("--flush-ms", type=float, default=2.0, help="the maintenance unit's batch delay")
+    ap.add_argument("--updates-per-worker-s", type=float, default=None,
+                    help="project this write load (index updates per worker per second) instead of the "
+                         "simulated one (its blocks per request are scaled to give it)")
     ap.add_argument("--quick", action="store_true", help="small measurements (a smoke run; figures are rough)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -376,13 +469,14 @@ def main(argv=None) -> int:
     target = fleet_config(W, R, shards=S)
     sim_cfg = fleet_config(args.sim_workers, args.sim_regions)
     apply = measure_apply(target, entries=args.apply_entries, batch_events=args.batch_events, batches=args.batches,
-                          seed=args.seed)
+                          seed=args.seed, small_batch_events=args.small_batch_events)
     writes = measure_writes(sim_cfg, load=args.load, seconds=args.sim_seconds, cache_divisor=args.sim_cache_divisor,
                             seed=args.seed)
     topo = Topology.from_config(sim_cfg)
     prompts = [r.prompt_tokens for r in itertools.islice(make_workload(WORKLOAD, 1000.0, region_weights(topo),
                                                                        seed=args.seed), args.prompt_sample)]
     len_sim, len_target = lengths_per_prompt(sim_cfg, prompts), lengths_per_prompt(target, prompts)
+    filtering = measure_filtering(target, prompts[: max(50, args.prompt_sample // 10)], seed=args.seed)
     sizes = [int(x) for x in args.decision_sizes.split(",") if x]
     if not args.quick and W <= 16_384 and W not in sizes:
         sizes.append(W)
@@ -401,51 +495,96 @@ def main(argv=None) -> int:
         decision_a_us=a, decision_b_us=b, broadcast_bytes_per_worker=(bc_big - bc_small) / 100,
         broadcast_overhead_bytes=bc_small - (bc_big - bc_small) / 100,
         period_s=target.score.broadcast_period_ms / 1000.0)
-    p = project(units, W, R, S, E, args.load)
+    if args.updates_per_worker_s:
+        simulated = project(units, W, R, S, E, args.load)["updates_per_worker_s"]
+        units = dataclasses.replace(units, blocks_per_request=units.blocks_per_request * args.updates_per_worker_s
+                                    / simulated)
+        print(f"write load set by --updates-per-worker-s: {args.updates_per_worker_s:g} updates/s per worker "
+              f"(the simulation gave {simulated:.0f}): blocks_per_req scaled to {units.blocks_per_request:.1f}")
+    full_units = units
+    region_units = dataclasses.replace(
+        units, share_edge=filtering["max"], share_regions_sum=filtering["sum"], edge_us=apply["t_update_us"],
+        t_batch_us=apply["t_batch_us"], bytes_raw=apply["bytes_update"], bytes_per_batch=apply["bytes_batch"],
+        bytes_zlib=apply["bytes_zlib"] * apply["bytes_update"] / apply["bytes_raw"], flush_s=args.flush_ms / 1000)
+    p_full, p_region = project(full_units, W, R, S, E, args.load), project(region_units, W, R, S, E, args.load)
+    units, p = (region_units, p_region) if args.streams == "region" else (full_units, p_full)
 
     print("\n== measured on this machine")
     print(f"apply ({apply['groups']} region-group tables of {apply['table_entries']:,} entries, {apply['updates']:,} "
           f"updates in {args.batches} batches of {args.batch_events} events):")
-    print(f"  t_edge  = {units.edge_us:.3f} CPU µs per update (EdgeSync.on_batch)")
-    print(f"  t_shard = {units.shard_us:.3f} CPU µs per update (MaintenanceShard.apply_columns + flush)")
-    print(f"  bytes_per_entry = {units.view_bytes_per_entry:.1f} view bytes per entry (those tables, at load "
+    print(f"  t_edge  = {full_units.edge_us:.3f} CPU µs per update (EdgeSync.on_batch)")
+    print(f"  t_shard = {full_units.shard_us:.3f} CPU µs per update (MaintenanceShard.apply_columns + flush)")
+    print(f"  per batch and per update (a line through batches of {apply['small_updates_per_batch']:.0f} and "
+          f"{apply['big_updates_per_batch']:.0f} updates): t_batch = {apply['t_batch_us']:.2f} µs, t_update = "
+          f"{apply['t_update_us']:.3f} µs; bytes_batch = {apply['bytes_batch']:.0f}, bytes_update = "
+          f"{apply['bytes_update']:.1f} (small batches alone: {apply['small_edge_us']:.3f} µs per update)")
+    print(f"  bytes_per_entry = {full_units.view_bytes_per_entry:.1f} view bytes per entry (those tables, at load "
           f"{apply['load']:.2f})")
-    print(f"  bytes_per_update = {units.bytes_raw:.1f} raw, {units.bytes_zlib:.1f} compressed "
-          f"(x{units.bytes_zlib / units.bytes_raw:.2f}; wire.encode of UpdateBatchPublished)")
+    print(f"  bytes_per_update = {full_units.bytes_raw:.1f} raw, {full_units.bytes_zlib:.1f} compressed "
+          f"(x{full_units.bytes_zlib / full_units.bytes_raw:.2f}; wire.encode of UpdateBatchPublished)")
     mix = ", ".join(f"{k} {v:,}" for k, v in writes["mix"].items())
     print(f"write load (KVCompass simulation, {args.sim_workers} workers x {args.sim_regions} regions, {WORKLOAD} at "
           f"{args.load:g} x lambda0 = {args.load * writes['lambda0']:.0f} req/s, caches / {args.sim_cache_divisor}, "
           f"{args.sim_seconds:g} s, second half: {writes['requests']:,} requests; {mix}):")
-    print(f"  blocks_per_req  = {units.blocks_per_request:.1f} stored blocks per request")
+    print(f"  blocks_per_req  = {full_units.blocks_per_request:.1f} stored blocks per request")
     print(f"  reg_blk_sim     = {writes['reg_per_block']:.3f} registrations per stored block")
-    print(f"  updates_per_reg = {units.updates_per_reg:.2f} index updates per registration")
+    print(f"  updates_per_reg = {full_units.updates_per_reg:.2f} index updates per registration")
     print(f"  lambda0_w       = {lam0_w:.2f} req/s per worker (1 / (mean prompt x beta))")
     print(f"registered lengths per cached prompt ({len(prompts):,} {WORKLOAD} prompts): len_sim = {len_sim:.1f} at "
           f"{args.sim_regions} regions, len_target = {len_target:.1f} at {R} regions -> reg_blk = "
-          f"{units.reg_per_block:.3f}")
+          f"{full_units.reg_per_block:.3f}")
+    print(f"per-edge-region streams (kvcompassd.core.streams, {filtering['total']:,} registrations of "
+          f"{max(50, args.prompt_sample // 10)} {WORKLOAD} prompts by random workers of the target fleet): an edge "
+          f"receives {filtering['mean']:.1%} of the fleet's updates on average (x{1 / filtering['mean']:.1f} fewer), "
+          f"{filtering['max']:.1%} at most ({filtering['worst']}: x{1 / filtering['max']:.1f} fewer), "
+          f"{filtering['min']:.1%} at least; all {filtering['regions']} regions' streams together "
+          f"{filtering['sum']:.2f} x the full stream")
     print("decision time, Router.decide (daemon settings), CPU µs P50 / P99:")
     for d in dec:
         print(f"  {d['workers']:>6} workers x {d['regions']:>4} regions, {d['entries']:>10,} entries: "
               f"{d['p50_us']:8.1f} / {d['p99_us']:8.1f}   ({d['view_bytes_per_entry']:.1f} view bytes per entry)")
     print(f"  fit: decision_us = {a:.1f} + {b * 1000:.3f} x W / 1000")
-    print(f"queue broadcast: {units.broadcast_overhead_bytes:.0f} + {units.broadcast_bytes_per_worker:.1f} x workers "
-          f"bytes, every {units.period_s * 1000:g} ms to each other region")
+    print(f"queue broadcast: {full_units.broadcast_overhead_bytes:.0f} + {full_units.broadcast_bytes_per_worker:.1f} x workers "
+          f"bytes, every {full_units.period_s * 1000:g} ms to each other region")
 
     print(f"\n== projected: {W:,} workers x {R} regions, {S} shards, {E} edge(s) per region, load {args.load:g} x lambda0")
     print(f"  lambda_w = {args.load:g} x {lam0_w:.2f} = {args.load * lam0_w:.2f} req/s per worker")
     print(f"  U_w = lambda_w x blocks_per_req x reg_blk x updates_per_reg = {p['updates_per_worker_s']:,.0f} updates/s "
           f"per worker; U = W x U_w = {W * p['updates_per_worker_s']:,.0f}/s")
-    print(f"  edge apply        = U x t_edge                          = {p['edge_apply_cores']:8.2f} cores")
-    print(f"  edge inbound      = U x bytes_per_update x 8           = {p['edge_inbound_gbps']:8.2f} Gbit/s raw, "
-          f"{p['edge_inbound_zlib_gbps']:.2f} compressed")
-    print(f"  edge views        = W x cache_blocks_w x reg_blk x bytes_per_entry = {p['view_gib']:8.1f} GiB "
-          f"(cache_blocks_w = {units.cache_blocks_w:,.0f}, every cache full)")
-    print(f"  decision          = a + b x W                           = {p['decision_us']:8.1f} µs P50")
-    print(f"  edge decisions    = W x lambda_w / (R x E) x decision   = {p['decision_cores']:8.2f} cores")
-    print(f"  queue broadcasts  = (R - 1) x bytes(W/R workers) x 8 / Delta = {p['broadcast_mbps']:8.1f} Mbit/s inbound per edge")
-    print(f"  shard apply       = U / S x t_shard                     = {p['shard_apply_cores']:8.2f} cores")
-    print(f"  shard egress      = U / S x bytes_per_update x 8 x R x E = {p['shard_egress_gbps']:8.2f} Gbit/s raw, "
-          f"{p['shard_egress_zlib_gbps']:.2f} compressed")
+    pf = p_full
+    print("  -- one stream for every edge (what the daemons send today):")
+    print(f"  edge apply        = U x t_edge                          = {pf['edge_apply_cores']:8.2f} cores")
+    print(f"  edge inbound      = U x bytes_per_update x 8           = {pf['edge_inbound_gbps']:8.2f} Gbit/s raw, "
+          f"{pf['edge_inbound_zlib_gbps']:.2f} compressed")
+    print(f"  edge views        = W x cache_blocks_w x reg_blk x bytes_per_entry = {pf['view_gib']:8.1f} GiB "
+          f"(cache_blocks_w = {full_units.cache_blocks_w:,.0f}, every cache full)")
+    print(f"  decision          = a + b x W                           = {pf['decision_us']:8.1f} µs P50")
+    print(f"  edge decisions    = W x lambda_w / (R x E) x decision   = {pf['decision_cores']:8.2f} cores")
+    print(f"  queue broadcasts  = (R - 1) x bytes(W/R workers) x 8 / Delta = {pf['broadcast_mbps']:8.1f} Mbit/s inbound per edge")
+    print(f"  shard apply       = U / S x t_shard                     = {pf['shard_apply_cores']:8.2f} cores")
+    print(f"  shard egress      = U / S x bytes_per_update x 8 x R x E = {pf['shard_egress_gbps']:8.2f} Gbit/s raw, "
+          f"{pf['shard_egress_zlib_gbps']:.2f} compressed")
+
+    pr, ru = p_region, region_units
+    print(f"  -- per-edge-region streams (kvcompassd.core.streams; not yet sent by the daemons), flush every "
+          f"{args.flush_ms:g} ms:")
+    print(f"  U_e = U x share_edge = {W * pr['updates_per_worker_s']:,.0f} x {ru.share_edge:.4f} = "
+          f"{pr['edge_updates_s']:,.0f} updates/s; B_e = S x min(1 / flush, U_e / S) = {pr['edge_batches_s']:,.0f} batches/s")
+    print(f"  edge apply        = U_e x t_update + B_e x t_batch      = {pr['edge_apply_cores']:8.2f} cores")
+    print(f"  edge inbound      = (U_e x bytes_update + B_e x bytes_batch) x 8 = {pr['edge_inbound_gbps']:8.2f} Gbit/s raw, "
+          f"{pr['edge_inbound_zlib_gbps']:.2f} compressed")
+    print(f"  edge views        = W x cache_blocks_w x reg_blk x share_edge x bytes_per_entry = {pr['view_gib']:8.1f} GiB")
+    print(f"  shard apply       = U / S x t_shard x (1 + sum of shares) = {pr['shard_apply_cores']:8.2f} cores")
+    print(f"  shard egress      = (U / S x sum of shares x bytes_update + min(1 / flush, U / S) x R x bytes_batch) "
+          f"x 8 x E = {pr['shard_egress_gbps']:8.2f} Gbit/s raw, {pr['shard_egress_zlib_gbps']:.2f} compressed")
+    slower = [(ms, project(dataclasses.replace(region_units, flush_s=ms / 1000), W, R, S, E, args.load))
+              for ms in (5.0, 20.0, 50.0) if ms > args.flush_ms]
+    if slower:
+        print("  a longer flush (fewer, fuller batches; that much more staleness): " + "; ".join(
+            f"{ms:g} ms: edge apply {q['edge_apply_cores']:.2f} cores, inbound {q['edge_inbound_gbps']:.2f} Gbit/s, "
+            f"shard egress {q['shard_egress_gbps']:.2f} Gbit/s" for ms, q in slower))
+    if args.streams == "region":
+        print("  (the limits below: per-edge-region streams)")
 
     limits = {"edge_cores": args.edge_cores, "shard_cores": args.shard_cores, "nic_gbps": args.nic_gbps,
               "edge_memory_gib": args.edge_memory_gib}

@@ -30,7 +30,7 @@ from .events import (OP_NEEDS_HOLDER, OP_TIER_AFTER, EventOp, IndexEvent, IndexE
                      PrefixEvicted, Tier, TierChanged)
 from .layout import IndexLayout
 from .messages import ShardSnapshotSent, UpdateBatchPublished
-from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView
+from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView, apply_batch
 
 TIER_MASK = 3
 
@@ -101,6 +101,7 @@ class MaintenanceShard:
         fingerprint_bits: int = 0,
         max_load: float = 0.95,
         replay_batches: int = 4096,
+        table_salt: int = 0,
     ):
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} out of range for {shards} shards")
@@ -120,7 +121,9 @@ class MaintenanceShard:
                 value_bits=layout.value_bits,
                 fingerprint_bits=fingerprint_bits,
                 max_load=max_load,
-                seed=(shard << 16) ^ g.group,
+                # The table id: ``table_salt`` keeps another stream's tables of the same shard
+                # (kvcompassd.core.streams) apart, so its blobs are refused as foreign.
+                seed=(shard << 16) ^ g.group ^ (table_salt << 40),
             )
             for g in layout.groups
         ]
@@ -362,14 +365,17 @@ class EdgeIndexView:
         st = self.state[batch.shard]
         if not st.ready or batch.epoch != st.epoch or batch.seq != st.seq + 1:
             raise ValueError(f"batch {(batch.epoch, batch.seq)} is not next after {(st.epoch, st.seq)}")
-        for group, _ in batch.tables:
-            if group not in st.views:
-                return f"batch names unknown group {group}"
-        # Ludo blobs carry absolute state, so a blob that fails validation part-way through
-        # leaves earlier blobs applied harmlessly; the snapshot asked for repairs the rest.
+        # One C call for the whole batch (no Python per table or record). Record blobs are all
+        # validated before any view changes; with a snapshot among them (a table grew) they go
+        # one by one, and as Ludo blobs carry absolute state, a blob refused part-way leaves the
+        # earlier ones applied harmlessly; the snapshot asked for repairs the rest.
+        views = st.views
         try:
-            for group, blob in batch.tables:
-                st.views[group].apply(blob)
+            targets = [views[group] for group, _ in batch.tables]
+        except KeyError as exc:
+            return f"batch names unknown group {exc.args[0]}"
+        try:
+            apply_batch(targets, [blob for _, blob in batch.tables])
         except LudoError as exc:
             return f"batch rejected by the view: {exc}"
         st.seq = batch.seq

@@ -460,6 +460,44 @@ class LudoView:
         return f"LudoView(id={self.table_id}, slots={self.slots}, epoch={self.epoch})"
 
 
+class BatchApplyError(LudoError):
+    """``apply_batch`` refused a blob: ``index`` is its position in the batch, ``cause`` the error
+    ``LudoView.apply`` would have raised for it."""
+
+    def __init__(self, index: int, cause: Exception):
+        super().__init__(str(cause))
+        self.index = index
+        self.cause = cause
+
+
+def apply_batch(views: list[LudoView], blobs: list[Any]) -> None:
+    """Apply ``blobs[i]`` to ``views[i]`` for every i in one C call (``kvc_views_apply_batch``):
+    record blobs of distinct views are all validated before any view changes, then written with
+    one prefetch pipeline over the whole batch; with a snapshot among them or a view named twice
+    they go one after the other, as ``LudoView.apply`` of each in order. Raises
+    ``BatchApplyError`` naming the first blob refused."""
+    n = len(views)
+    if n != len(blobs):
+        raise LudoError(f"{n} views for {len(blobs)} blobs")
+    if n == 0:
+        return
+    if n == 1:  # one table changed (most batches of a region's stream): no arrays to build
+        try:
+            views[0].apply(blobs[0])
+        except LudoError as exc:
+            raise BatchApplyError(0, exc) from None
+        return
+    bufs = [_blob_buffer(b) for b in blobs]
+    failed = ffi.new("size_t *")
+    rc = lib.kvc_views_apply_batch(ffi.new("kvc_view *[]", [v._ptr for v in views]), ffi.new("uint8_t *[]", bufs),
+                                   ffi.new("size_t[]", [len(b) for b in bufs]), n, failed)
+    if rc != lib.KVC_OK:
+        i = int(failed[0])
+        cls, text = _ERRORS.get(rc, (LudoError, f"unknown error code {rc}"))
+        raise BatchApplyError(i, cls(f"applying blob {i} of a batch to the view of table {views[i].table_id} at "
+                                     f"epoch {views[i].epoch}: {text}"))
+
+
 def peek_blob(blob: bytes) -> tuple[str, int, int]:
     """(kind "snapshot"/"records", table id, epoch) from a blob's header, for routing.
 

@@ -1,0 +1,164 @@
+"""Per-edge-region update streams: each edge receives only the index updates it can use.
+
+An edge of region ``o`` reads region group ``g``'s table only at the lengths toward ``g``'s
+region (``LevelPlan.lengths_toward(o, region(g))``: the latency-derived levels), and workers
+register every cached prefix at every length of the union over all pairs. So most of what a
+shard publishes is never read by a given edge: at 1,024 x 64 an edge looks up ~25 of the ~560
+lengths a prompt registers toward a remote region (tools/scale_projection.py measures the share).
+
+A keyless Ludo view cannot be thinned record by record (a record carries a whole bucket's absolute
+state, and the locator words are shared by every key), so the filtering happens one level up:
+``ShardStreams`` keeps, beside the shard's full tables, one ``MaintenanceShard`` per edge region
+holding only the entries of the lengths that region reads (its ``LengthFilter``). Each is a
+stream of its own, with its own ``(epoch, seq)`` numbering, replay log and snapshots, so the sync
+protocol (``kvcompassd.core.sync``) and ``catch_up`` work on it unchanged; an edge's views follow
+its region's stream, chosen by the maintenance side from the edge's certified region (an edge
+declares nothing it could get wrong).
+
+Decisions: for every key an edge looks up that is registered, its region's table holds the same
+value as the full table (a key has one length: every event of that key passes or none does), so
+its lookups see the same holders and tiers. Keys never registered read some slot's value either
+way (a keyless false hit): the filtered tables are other tables with the same load, so such
+answers differ key by key but not in rate (tests/test_streams.py).
+
+Events whose length is unknown (an agent that does not report lengths) pass every filter: the
+region's table then holds a superset, which costs bytes, never a decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .events import IndexEvent, IndexEventColumns
+from .index import ApplyOutcome, MaintenanceShard
+from .layout import IndexLayout
+from .levels import LevelPlan
+from .messages import UpdateBatchPublished
+
+__all__ = ["LengthFilter", "ShardStreams", "UNKNOWN_LENGTH"]
+
+UNKNOWN_LENGTH = 0  # an event whose length was not reported: every filter passes it
+LENGTH_DTYPE = np.dtype("<u4")
+
+
+@dataclass(frozen=True, slots=True)
+class LengthFilter:
+    """The lengths an edge of ``region`` reads in each region group's table (group order)."""
+
+    region: str
+    per_group: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        for lengths in self.per_group:
+            if list(lengths) != sorted(set(lengths)) or any(n <= 0 for n in lengths):
+                raise ValueError(f"a group's lengths must be ascending distinct positive ints, got {lengths}")
+
+    @classmethod
+    def for_edge_region(cls, plan: LevelPlan, layout: IndexLayout, region: str) -> LengthFilter:
+        """What ``PrefixLookup`` of an edge in ``region`` reads, group by group."""
+        return cls(region, tuple(tuple(plan.lengths_toward(region, g.region)) for g in layout.groups))
+
+    def keeps(self, group: int, lengths: np.ndarray) -> np.ndarray:
+        """Per length, whether this region's table of ``group`` takes it (unknown ones: yes)."""
+        wanted = np.asarray(self.per_group[group], dtype=LENGTH_DTYPE)
+        return np.isin(lengths, wanted) | (lengths == UNKNOWN_LENGTH)
+
+
+def as_lengths(lengths: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
+    """Each event's indexed length as a uint32 array of ``n`` (all unknown for None)."""
+    if lengths is None:
+        return np.zeros(n, dtype=LENGTH_DTYPE)
+    arr = np.asarray(lengths)
+    if arr.shape != (n,) or (arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0
+                                           or int(arr.max()) > np.iinfo(LENGTH_DTYPE).max)):
+        raise ValueError(f"need {n} event lengths as integers in [0, 2^32), got {arr.dtype} of shape {arr.shape}")
+    return arr.astype(LENGTH_DTYPE, copy=False)
+
+
+class ShardStreams:
+    """One shard's full tables and one filtered stream per edge region (see the module docstring).
+
+    ``full`` is the shard as before (exact holders, and the stream of any subscriber that
+    asks for everything); ``stream(region)`` is the shard an edge of ``region`` follows. Every
+    write goes to ``full`` and, thinned by each region's filter, to that region's shard; ``flush``
+    publishes one batch per stream that changed."""
+
+    def __init__(self, layout: IndexLayout, plan: LevelPlan, shard: int, shards: int, *, epoch: int,
+                 regions: Iterable[str] | None = None, **shard_options) -> None:
+        self.layout = layout
+        self.full = MaintenanceShard(layout, shard, shards, epoch=epoch, **shard_options)
+        names = list(dict.fromkeys(regions if regions is not None else (g.region for g in layout.groups)))
+        self.filters = {r: LengthFilter.for_edge_region(plan, layout, r) for r in names}
+        # Each stream's tables get their own ids, so a blob of one stream is refused by another's views.
+        self.filtered = {r: MaintenanceShard(layout, shard, shards, epoch=epoch, table_salt=i + 1, **shard_options)
+                         for i, r in enumerate(names)}
+        # Updates (changed fields) each stream took so far, the full one under None: what its
+        # subscribers apply (tools/scale_projection.py compares them).
+        self.applied: dict[str | None, int] = dict.fromkeys([None, *names], 0)
+
+    def stream(self, region: str | None) -> MaintenanceShard:
+        """The shard an edge of ``region`` follows (None: everything)."""
+        if region is None:
+            return self.full
+        try:
+            return self.filtered[region]
+        except KeyError:
+            raise ValueError(f"no update stream for region {region!r}") from None
+
+    def apply_columns(self, worker: str, columns: IndexEventColumns,
+                      lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
+        """Apply one worker's events to every stream; ``lengths`` (one per event, 0 = unknown)
+        decide which regions' streams take each. Returns the full shard's outcome."""
+        n = len(columns)
+        lengths_arr = as_lengths(lengths, n)
+        outcome = self.full.apply_columns(worker, columns)
+        self.applied[None] += outcome.applied
+        try:
+            group = self.layout.slot(worker).group
+        except ValueError:
+            return outcome  # the full shard named it already
+        ops, keys = columns.op_array(), columns.key_array()
+        for region, shard in self.filtered.items():
+            keep = self.filters[region].keeps(group, lengths_arr)
+            if keep.all():
+                self.applied[region] += shard.apply_columns(worker, columns).applied
+            elif keep.any():
+                kept = IndexEventColumns(ops[keep].tobytes(), keys[keep].tobytes())
+                self.applied[region] += shard.apply_columns(worker, kept).applied
+        return outcome
+
+    def apply(self, events: Sequence[IndexEvent], lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
+        """``apply_columns`` for event objects (of any workers), in order."""
+        lengths_arr = as_lengths(lengths, len(events))
+        outcome = self.full.apply(events)
+        self.applied[None] += outcome.applied
+        for region, shard in self.filtered.items():
+            filt = self.filters[region]
+            kept = []
+            for event, length in zip(events, lengths_arr.tolist()):
+                try:
+                    group = self.layout.slot(event.worker).group
+                except ValueError:
+                    continue
+                if length == UNKNOWN_LENGTH or length in filt.per_group[group]:
+                    kept.append(event)
+            if kept:
+                self.applied[region] += shard.apply(kept).applied
+        return outcome
+
+    def withdraw_worker(self, worker: str) -> ApplyOutcome:
+        for shard in self.filtered.values():
+            shard.withdraw_worker(worker)
+        return self.full.withdraw_worker(worker)
+
+    def flush(self) -> dict[str | None, UpdateBatchPublished]:
+        """Each stream's batch of what it applied since the last flush (None: the full one)."""
+        out: dict[str | None, UpdateBatchPublished] = {}
+        for region, shard in ((None, self.full), *self.filtered.items()):
+            batch = shard.flush()
+            if batch is not None:
+                out[region] = batch
+        return out

@@ -1,0 +1,287 @@
+"""Per-edge-region update streams (kvcompassd.core.streams): an edge that follows only its region's
+stream looks up the same holders and makes the same decisions as one that follows everything,
+receives fewer updates, and keeps the sync protocol's gap detection and repair."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import tomllib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.core.config import parse_config
+from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicted, Tier
+from kvcompassd.core.index import EdgeIndexView
+from kvcompassd.core.keys import prefix_keys
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.messages import ResyncRequested
+from kvcompassd.core.router import Router
+from kvcompassd.core.streams import LengthFilter, ShardStreams, as_lengths
+from kvcompassd.core.sync import EdgeSync, catch_up
+from kvcompassd.sim.geo import DEPLOYMENTS, census_fleet, render_toml
+
+
+def fleet(workers: int, regions: int, shards: int):
+    spec = census_fleet(DEPLOYMENTS["census-128x16"], workers=workers, regions=regions, shards=shards)
+    cfg = parse_config(tomllib.loads(render_toml(spec, over_budget=True)), spec.name)
+    # 16 fingerprint bits: keyless false hits (which differ between any two tables) stay out of
+    # the comparison; what is compared is what the tables hold.
+    return dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, fingerprint_bits=16))
+
+
+def streams_for(cfg, plan, layout):
+    return [ShardStreams(layout, plan, s, cfg.shards, epoch=7, initial_capacity=64,
+                         fingerprint_bits=cfg.index.fingerprint_bits) for s in range(cfg.shards)]
+
+
+def register(streams, cfg, plan, salt, rng: random.Random, prompts: list[np.ndarray], rounds: int):
+    """Workers cache random prompts' prefixes (every registration length they cover) and evict
+    some; every event goes to its key's shard with its length."""
+    held: dict[tuple[str, int], int] = {}  # (worker, key) -> length
+    workers = [w.id for w in cfg.workers]
+    for _ in range(rounds):
+        worker = rng.choice(workers)
+        tokens = rng.choice(prompts)[: rng.randrange(1, len(prompts[0]) + 1)]
+        lengths = plan.registration_lengths_upto(len(tokens))
+        if not lengths:
+            continue
+        keys = prefix_keys(tokens, lengths, salt)
+        tier = rng.choice([Tier.VRAM, Tier.DRAM])
+        events = [(PrefixCached(worker, int(k), tier), n) for k, n in zip(keys.tolist(), lengths)]
+        if held and rng.random() < 0.3:  # evict a few of what some worker holds
+            for (w, k) in rng.sample(sorted(held), min(len(held), 5)):
+                events.append((PrefixEvicted(w, k), held.pop((w, k))))
+        for event, n in events:
+            if isinstance(event, PrefixCached):
+                held[(event.worker, event.key)] = n
+        for s, stream in enumerate(streams):
+            mine = [(e, n) for e, n in events if e.key % cfg.shards == s]
+            if mine:
+                stream.apply([e for e, _ in mine], [n for _, n in mine])
+    return held
+
+
+def follow(view: EdgeIndexView, sync: EdgeSync, batches) -> None:
+    for batch in batches:
+        step = sync.on_batch(batch, now=0.0)
+        assert step.applied, step.reason
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(workers=st.integers(24, 96), regions=st.integers(16, 20), shards=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_regions_stream_gives_the_same_lookups_and_decisions_as_the_full_one(workers, regions, shards, seed):
+    cfg = fleet(workers, regions, shards)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    rng = random.Random(seed)
+    nprng = np.random.default_rng(seed)
+    longest = min(plan.max_length + 64, 40_000)
+    prompts = [nprng.integers(0, 128_000, size=longest, dtype=np.uint32) for _ in range(4)]
+    streams = streams_for(cfg, plan, layout)
+    region = rng.choice(cfg.region_names())
+    full_view, own_view = EdgeIndexView(layout, cfg.shards, edge="full"), EdgeIndexView(layout, cfg.shards, edge="own")
+    full_sync, own_sync = EdgeSync(full_view), EdgeSync(own_view)
+    for stream in streams:
+        full_sync.on_snapshot(stream.full.snapshot(), now=0.0)
+        own_sync.on_snapshot(stream.stream(region).snapshot(), now=0.0)
+    full_router, own_router = Router(cfg, region, full_view, now=0.0), Router(cfg, region, own_view, now=0.0)
+    salt = full_router.lookup.salt
+    received = {"full": 0, "own": 0}
+    found = 0
+    for _ in range(3):
+        register(streams, cfg, plan, salt, rng, prompts, rounds=15)
+        for stream in streams:
+            published = stream.flush()
+            for key, view, sync in ((None, full_view, full_sync), (region, own_view, own_sync)):
+                if key in published:
+                    follow(view, sync, [published[key]])
+                    received["full" if key is None else "own"] += sum(
+                        len(blob) for _, blob in published[key].tables)
+        for router in (full_router, own_router):
+            for w in cfg.workers_in(region):
+                router.queues.set_local(w.id, 0.0, now=0.0)
+        for tokens in prompts + [nprng.integers(0, 128_000, size=3000, dtype=np.uint32)]:
+            for cut in (len(tokens), len(tokens) // 3):
+                a, b = full_router.lookup.lookup(tokens[:cut]), own_router.lookup.lookup(tokens[:cut])
+                assert np.array_equal(a.matched, b.matched) and np.array_equal(a.tier, b.tier)
+                found += int(a.matched.any())
+                da, db = full_router.decide(tokens[:cut], now=1.0), own_router.decide(tokens[:cut], now=1.0)
+                assert (da.worker, da.claimed_tokens, da.tier) == (db.worker, db.claimed_tokens, db.tier)
+    assert received["own"] < received["full"]  # it received less: the lengths it never reads
+    assert found  # holders were found, not just misses compared
+
+
+def test_registered_keys_read_the_same_value_in_the_regions_table():
+    """Below the decisions: every registered key at a length the region reads holds the full
+    table's value in the region's table, and keys at other lengths are not there at all."""
+    cfg = fleet(64, 16, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    rng, nprng = random.Random(5), np.random.default_rng(5)
+    prompts = [nprng.integers(0, 128_000, size=plan.max_length, dtype=np.uint32) for _ in range(4)]
+    (stream,) = streams_for(cfg, plan, layout)
+    salt = Router(cfg, cfg.region_names()[0], EdgeIndexView(layout, 1, edge="x"), now=0.0).lookup.salt
+    held = register([stream], cfg, plan, salt, rng, prompts, rounds=60)
+    stream.flush()
+    keys_of_full, values_of_full = {}, {}
+    for g, (keys, values) in stream.full.group_items().items():
+        keys_of_full[g] = dict(zip(keys.tolist(), values.tolist()))
+        values_of_full[g] = values
+    length_of = {k: n for (_, k), n in held.items()}
+    checked = 0
+    for region in cfg.region_names():
+        shard = stream.stream(region)
+        filt = stream.filters[region]
+        for g, (keys, values) in shard.group_items().items():
+            mine = dict(zip(keys.tolist(), values.tolist()))
+            for key, value in keys_of_full[g].items():
+                if length_of[key] in filt.per_group[g]:
+                    assert mine.get(key) == value
+                    checked += 1
+                else:
+                    assert key not in mine
+    assert checked > 0
+
+
+def test_a_filtered_stream_repairs_gaps_with_its_own_sequence_numbers():
+    """Loss on a region's stream: the follower sees the gap in that stream's numbering, asks
+    that stream's shard, and ends byte-identical to it (replay, then a snapshot once the replay
+    log is gone); the full stream's numbering is another one."""
+    cfg = fleet(48, 16, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    rng, nprng = random.Random(11), np.random.default_rng(11)
+    prompts = [nprng.integers(0, 128_000, size=plan.max_length, dtype=np.uint32) for _ in range(4)]
+    stream = ShardStreams(layout, plan, 0, 1, epoch=3, initial_capacity=64, replay_batches=4,
+                          fingerprint_bits=cfg.index.fingerprint_bits)
+    region = cfg.region_names()[1]
+    mine = stream.stream(region)
+    view = EdgeIndexView(layout, 1, edge="e")
+    sync = EdgeSync(view)
+    sync.on_snapshot(mine.snapshot(), now=0.0)
+    salt = Router(cfg, region, view, now=0.0).lookup.salt
+    lost_replayable = lost_forever = 0
+    for i in range(30):
+        register([stream], cfg, plan, salt, rng, prompts, rounds=3)
+        published = stream.flush()
+        batch = published.get(region)
+        if batch is None:
+            continue
+        assert batch.seq == mine.seq  # numbered in the region's stream
+        if i in (4, 5):
+            lost_replayable += 1
+            continue
+        if 12 <= i < 22:
+            lost_forever += 1
+            continue
+        step = sync.on_batch(batch, now=float(i))
+        if step.send is not None:
+            assert isinstance(step.send, ResyncRequested)
+            answer = catch_up(mine, step.send.epoch, step.send.from_seq)
+            assert answer.published is None
+            for message in answer.messages:
+                if message.__class__.__name__ == "ShardSnapshotSent":
+                    sync.on_snapshot(message, now=float(i))
+                else:
+                    sync.on_batch(message, now=float(i))
+    assert lost_replayable and lost_forever
+    assert sync.gaps >= 2 and sync.followers[0].snapshots_installed >= 1
+    assert view.position(0) == (mine.epoch, mine.seq)
+    assert view.digests(0) == mine.digests()
+    assert stream.full.seq != mine.seq or stream.full.digests() != mine.digests()
+
+
+def test_a_blob_of_another_stream_is_refused_as_foreign():
+    cfg = fleet(32, 16, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    stream = ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=256)
+    a, b = cfg.region_names()[:2]
+    view = EdgeIndexView(layout, 1, edge="e")
+    sync = EdgeSync(view)
+    sync.on_snapshot(stream.stream(a).snapshot(), now=0.0)
+    worker = cfg.workers_in(b)[0].id
+    lengths = LengthFilter.for_edge_region(plan, layout, a).per_group[layout.slot(worker).group]
+    stream.apply([PrefixCached(worker, 12345, Tier.VRAM)], [lengths[0]])
+    published = stream.flush()
+    other = dataclasses.replace(published[None], seq=1)
+    step = sync.on_batch(other, now=0.0)
+    assert not step.applied and "another table" in step.reason
+    assert sync.on_batch(published[a], now=0.0).applied
+
+
+def test_lengths_are_checked_and_unknown_lengths_pass_every_filter():
+    cfg = fleet(32, 16, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    with pytest.raises(ValueError):
+        as_lengths([1, 2], 3)
+    with pytest.raises(ValueError):
+        as_lengths([-1], 1)
+    with pytest.raises(ValueError):
+        as_lengths([1.5], 1)
+    with pytest.raises(ValueError):
+        LengthFilter("x", ((32, 16),))
+    stream = ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=256)
+    worker = cfg.workers[0].id
+    stream.apply([PrefixCached(worker, 99, Tier.VRAM)])  # no lengths: an older agent
+    assert all(s.entries() == 1 for s in stream.filtered.values())
+    never = plan.max_length + 1  # no region reads it
+    stream.apply([PrefixCached(worker, 100, Tier.VRAM)], [never])
+    assert stream.full.entries() == 2 and all(s.entries() == 1 for s in stream.filtered.values())
+
+
+def test_columns_and_event_objects_fill_the_streams_alike():
+    cfg = fleet(48, 16, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    rng = random.Random(2)
+    by_objects, by_columns = (ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=256) for _ in range(2))
+    registered = plan.registration_lengths()
+    for worker in [w.id for w in cfg.workers][:12]:
+        events = [PrefixCached(worker, rng.randrange(1 << 63), rng.choice([Tier.VRAM, Tier.DRAM])) for _ in range(80)]
+        lengths = [rng.choice(registered) if rng.random() < 0.9 else 0 for _ in events]
+        events += [PrefixEvicted(worker, e.key) for e in events[:20]]
+        lengths += lengths[:20]
+        by_objects.apply(events, lengths)
+        by_columns.apply_columns(worker, IndexEventColumns.from_events(events), np.array(lengths, dtype=np.uint32))
+    for region in [None, *cfg.region_names()]:
+        assert by_objects.stream(region).digests() == by_columns.stream(region).digests()
+    assert by_columns.stream(cfg.region_names()[0]).entries() < by_columns.full.entries()
+
+
+@pytest.mark.slow
+def test_at_1024_by_64_each_region_receives_far_fewer_updates_for_the_same_decisions():
+    """The issue's fleet size (one shard: the filter does not depend on the shard count): edges of
+    three regions follow their regions' streams beside an edge following everything, and decide
+    alike on the registered prompts and fresh ones, on at most a quarter of the updates."""
+    cfg = fleet(1024, 64, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    rng, nprng = random.Random(1), np.random.default_rng(1)
+    prompts = [nprng.integers(0, 128_000, size=min(plan.max_length, 24_000), dtype=np.uint32) for _ in range(8)]
+    (stream,) = streams_for(cfg, plan, layout)
+    regions = cfg.region_names()[:: len(cfg.region_names()) // 3][:3]
+    views = {r: EdgeIndexView(layout, 1, edge=f"edge-{r}") for r in [None, *regions]}
+    syncs = {r: EdgeSync(v) for r, v in views.items()}
+    for r, sync in syncs.items():
+        sync.on_snapshot(stream.stream(r).snapshot(), now=0.0)
+    salt = Router(cfg, regions[0], views[None], now=0.0).lookup.salt
+    register([stream], cfg, plan, salt, rng, prompts, rounds=120)
+    published = stream.flush()
+    for r, sync in syncs.items():
+        follow(views[r], sync, [published[r]])
+    found = 0
+    for r in regions:
+        assert stream.applied[r] * 4 <= stream.applied[None]
+        full, own = Router(cfg, r, views[None], now=0.0), Router(cfg, r, views[r], now=0.0)
+        for router in (full, own):
+            for w in cfg.workers_in(r):
+                router.queues.set_local(w.id, 0.0, now=0.0)
+        for tokens in prompts + [nprng.integers(0, 128_000, size=5000, dtype=np.uint32)]:
+            for cut in (len(tokens), len(tokens) // 4):
+                a, b = full.lookup.lookup(tokens[:cut]), own.lookup.lookup(tokens[:cut])
+                assert np.array_equal(a.matched, b.matched) and np.array_equal(a.tier, b.tier)
+                found += int(a.matched.any())
+                da, db = full.decide(tokens[:cut], now=1.0), own.decide(tokens[:cut], now=1.0)
+                assert (da.worker, da.claimed_tokens) == (db.worker, db.claimed_tokens)
+    assert found >= len(regions) * len(prompts)  # holders were found, not just misses compared
