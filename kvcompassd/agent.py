@@ -31,6 +31,7 @@ from kvcompassd.core.config import ClusterConfig, WorkerConfig, bootstrap_port_o
 from kvcompassd.core.events import IndexEvent, IndexEventColumns, PrefixCached
 from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.queues import STEADY_REPEATS
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected, EngineStatusError
@@ -140,7 +141,8 @@ class AgentNode:
         self._load_failures = 0
         self._last_reading: tuple | None = None
         self._last_report = float("-inf")
-        self._heartbeat_s = cfg.score.broadcast_period_ms / 1000.0
+        self._unchanged_reports = 0
+        self._heartbeat_s = cfg.idle.heartbeat_ms / 1000.0
         # Idle, the engine is read once per heartbeat, not 50 times a second (issue 30 item 4).
         idle = self._heartbeat_s if load_idle_interval is None else load_idle_interval
         self.load_schedule = LoadPollSchedule(busy_s=load_interval, idle_s=max(load_interval, idle))
@@ -362,12 +364,15 @@ class AgentNode:
                 self.region_vector[self.worker.id] = load.queue_ms
                 self.metrics.queue_ms.set(load.queue_ms)
                 # Edges want a live value, not a stream of identical ones: report a change at
-                # once, an unchanged load only as a heartbeat every broadcast period.
+                # once, an unchanged load a few more times (a datagram may be lost), then only
+                # as a heartbeat every [idle] heartbeat_ms.
                 reading = (load.queue_ms, load.running, load.waiting)
-                self.load_schedule.observed(changed=reading != self._last_reading,
+                changed = reading != self._last_reading
+                self.load_schedule.observed(changed=changed,
                                             busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0)
                 now = time.monotonic()
-                if reading != self._last_reading or now - self._last_report >= self._heartbeat_s:
+                self._unchanged_reports = 0 if changed else self._unchanged_reports + 1
+                if self._unchanged_reports <= STEADY_REPEATS or now - self._last_report >= self._heartbeat_s:
                     self._last_reading, self._last_report = reading, now
                     report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting)
                     for peer in self._edge_peers.values():

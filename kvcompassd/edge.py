@@ -24,6 +24,7 @@ from kvcompassd.core.config import ClusterConfig, EdgeConfig, WorkerConfig
 from kvcompassd.core.fingerprints import budget_shortfall, fingerprint_choice_for_config
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.queues import STEADY_REPEATS
 from kvcompassd.core.router import Router
 from kvcompassd.core.snapshots import SnapshotChunker
 from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync, SyncSettings, SyncStep
@@ -109,7 +110,12 @@ class EdgeNode:
         self._edge_peers: dict[str, Peer] = {}
         self._own_agents = frozenset(w.id for w in cfg.workers_in(me.region))
         self._last_load_report: dict[str, float] = {}
-        self._load_silence_s = 3 * cfg.score.broadcast_period_ms / 1000.0
+        # An idle agent reports an unchanged load once per heartbeat: three missed ones are a silence.
+        self._heartbeat_s = cfg.idle.heartbeat_ms / 1000.0
+        self._load_silence_s = 3 * self._heartbeat_s
+        self._vector_to_agents: tuple | None = None  # last sent, and when (sent again on change or heartbeat)
+        self._vector_to_agents_at = float("-inf")
+        self._vector_to_agents_repeats = 0
         self._worker_index = {w: i for i, w in enumerate(self.layout.worker_ids)}
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
@@ -393,7 +399,7 @@ class EdgeNode:
             self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's load")
             return
         now = self.clock()
-        # An agent reports at least every broadcast period while its engine answers; readings
+        # An agent reports at least every [idle] heartbeat while its engine answers; readings
         # that resume after a silence say the engine is back (it was down or frozen).
         last = self._last_load_report.get(msg.worker)
         self._last_load_report[msg.worker] = now
@@ -428,14 +434,22 @@ class EdgeNode:
         period = self.cfg.score.broadcast_period_ms / 1000.0
         while True:
             now = self.clock()
-            for msg in self.router.queues.due_broadcasts(now=now):  # already the wire's message
+            # Unchanged vectors go out only every heartbeat (core/queues.py, due_broadcasts).
+            for msg in self.router.queues.due_broadcasts(now=now, heartbeat_s=self._heartbeat_s):
                 for e in self.cfg.edges_in(msg.to_region):
                     self._send_datagram(self._edge_peers.get(e.id), msg)
-            # Own-region agents piggyback this vector on their responses to other regions.
-            local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
-                                         vector=self.router.queues.local_vector(now=now))
-            for w in self._own_agents:
-                self._send_datagram(self._agent_peers.get(w), local)
+            # Own-region agents piggyback this vector on their responses to other regions: a
+            # new one each period while it changes, an unchanged one every heartbeat.
+            # (and an unchanged one STEADY_REPEATS more periods first, in case a datagram was lost).
+            vector = self.router.queues.local_vector(now=now)
+            repeats = self._vector_to_agents_repeats + 1 if vector == self._vector_to_agents else 0
+            if repeats <= STEADY_REPEATS or now - self._vector_to_agents_at >= self._heartbeat_s:
+                self._vector_to_agents, self._vector_to_agents_at = vector, now
+                self._vector_to_agents_repeats = repeats
+                local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
+                                             vector=vector)
+                for w in self._own_agents:
+                    self._send_datagram(self._agent_peers.get(w), local)
             ages = self.router.queues.ages(now=now)
             finite = ages[np.isfinite(ages)]
             self.metrics.queue_age.set(float(finite.max()) if finite.size else 0.0)

@@ -415,3 +415,65 @@ def test_own_region_occupancy_enters_the_score_only() -> None:
         with pytest.raises(QueueEstimateError, match="running"):
             q.set_local("us-0", 0.0, now=2.0, running=bad)
     assert q.queue_ms(now=2.0)[us0] == pytest.approx(4 * per)  # a refused reading changes nothing
+
+
+# ---- idle suppression: due_broadcasts(heartbeat_s=...) and steady vectors --------------------
+
+
+def test_an_unchanged_vector_goes_out_steady_twice_then_only_every_heartbeat() -> None:
+    q = us_edge()
+    q.set_local("us-0", 30.0, now=0.0)
+    sent = {}
+    for k in range(0, 31):  # every 100 ms period for 3 s
+        now = k * 0.1
+        for b in q.due_broadcasts(now=now, heartbeat_s=1.0):
+            sent.setdefault(b.to_region, []).append((round(now, 1), b.steady))
+    # The value drains to 0 by 0.03 s... after 0.0 each period is the same all-zero vector.
+    for region in ("eu", "asia"):
+        assert sent[region] == [(0.0, False), (0.1, False), (0.2, True), (0.3, True), (1.3, True), (2.3, True)]
+
+
+def test_a_change_is_broadcast_within_one_period_even_while_quiet() -> None:
+    q = us_edge()
+    for k in range(11):
+        q.due_broadcasts(now=k * 0.1, heartbeat_s=1.0)  # sent at 0.0, then steady at 0.1 and 0.2
+    assert q.due_broadcasts(now=1.1, heartbeat_s=1.0) == ()  # quiet until 1.2
+    q.set_local("us-1", 400.0, now=1.25)
+    out = q.due_broadcasts(now=1.3, heartbeat_s=1.0)
+    assert {b.to_region for b in out} == {"eu", "asia"} and not any(b.steady for b in out)
+    assert dict(out[0].vector)["us-1"] == pytest.approx(350.0)
+
+
+def test_without_a_heartbeat_every_period_is_sent_as_before() -> None:
+    q = us_edge()
+    counts = [len(q.due_broadcasts(now=k * 0.101)) for k in range(20)]
+    assert counts == [2] * 20
+
+
+def test_a_steady_vector_is_held_without_its_trend_until_the_next() -> None:
+    q = us_edge()
+    # eu-0 rose 0 -> 300 ms over a trend window: a rising trend.
+    for k, ms in enumerate((0.0, 100.0, 200.0, 300.0)):
+        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 0.6 * k, (("eu-0", ms),)), now=0.2 + 0.6 * k)
+    assert q.trends()[EU0] > 0
+    moving = q.queue_ms(now=2.5)[EU0]
+    assert moving > 300.0  # carried along the rise
+    # Then it drained to 0 and stopped: the sender says steady and goes quiet.
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 2.6, (("eu-0", 0.0),), steady=True), now=2.8)
+    assert q.trends()[EU0] == 0.0
+    assert q.queue_ms(now=3.8)[EU0] == 0.0  # a heartbeat later: still 0, not 0 plus a second of trend
+
+
+def test_a_lost_steady_datagram_is_made_good_by_the_repeat() -> None:
+    sender, receiver = us_edge(), QueueEstimates(CFG, "eu", now=0.0)
+    sender.set_local("us-0", 500.0, now=0.0)
+    got = []
+    for k in range(15):
+        for b in sender.due_broadcasts(now=k * 0.1, heartbeat_s=1.0):
+            if b.to_region == "eu":
+                got.append(b)
+    assert [b.steady for b in got] == [False] * 6 + [True, True]  # drains until 0.5 s, then steady twice
+    for b in got[:-2] + got[-1:]:  # the first steady one lost
+        receiver.on_broadcast(b, now=b.sent_at + 0.05)
+    us0 = CFG.worker_ids().index("us-0")
+    assert receiver.trends()[us0] == 0.0 and receiver.queue_ms(now=5.0)[us0] == 0.0
