@@ -432,32 +432,39 @@ class EdgeNode:
 
     async def _broadcast_loop(self) -> None:
         period = self.cfg.score.broadcast_period_ms / 1000.0
+        gauges_at = float("-inf")
         while True:
             now = self.clock()
             # Unchanged vectors go out only every heartbeat (core/queues.py, due_broadcasts).
-            for msg in self.router.queues.due_broadcasts(now=now, heartbeat_s=self._heartbeat_s):
+            broadcasts = self.router.queues.due_broadcasts(now=now, heartbeat_s=self._heartbeat_s)
+            sent = bool(broadcasts)
+            for msg in broadcasts:
                 for e in self.cfg.edges_in(msg.to_region):
                     self._send_datagram(self._edge_peers.get(e.id), msg)
             # Own-region agents piggyback this vector on their responses to other regions: a
-            # new one each period while it changes, an unchanged one every heartbeat.
-            # (and an unchanged one STEADY_REPEATS more periods first, in case a datagram was lost).
+            # new one each period while it changes, an unchanged one STEADY_REPEATS more periods
+            # (a datagram may be lost), then every heartbeat.
             vector = self.router.queues.local_vector(now=now)
             repeats = self._vector_to_agents_repeats + 1 if vector == self._vector_to_agents else 0
             if repeats <= STEADY_REPEATS or now - self._vector_to_agents_at >= self._heartbeat_s:
                 self._vector_to_agents, self._vector_to_agents_at = vector, now
                 self._vector_to_agents_repeats = repeats
+                sent = True
                 local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
                                              vector=vector)
                 for w in self._own_agents:
                     self._send_datagram(self._agent_peers.get(w), local)
-            ages = self.router.queues.ages(now=now)
-            finite = ages[np.isfinite(ages)]
-            self.metrics.queue_age.set(float(finite.max()) if finite.size else 0.0)
-            for region, ms in self.router.queues.surprises(now=now).items():
-                self.metrics.queue_correction.labels(region=region).set(ms)
-            for region, k in self.router.queues.herd_factors(now=now).items():
-                self.metrics.herd_factor.labels(region=region).set(k)
-            deadline = self.router.queues.next_deadline(now=self.clock())
+            # The gauges move only with the values (and fade slowly): idle, once per heartbeat.
+            if sent or now - gauges_at >= self._heartbeat_s:
+                gauges_at = now
+                ages = self.router.queues.ages(now=now)
+                finite = ages[np.isfinite(ages)]
+                self.metrics.queue_age.set(float(finite.max()) if finite.size else 0.0)
+                for region, ms in self.router.queues.surprises(now=now).items():
+                    self.metrics.queue_correction.labels(region=region).set(ms)
+                for region, k in self.router.queues.herd_factors(now=now).items():
+                    self.metrics.herd_factor.labels(region=region).set(k)
+            deadline = self.router.queues.next_deadline(now=self.clock(), heartbeat_s=self._heartbeat_s)
             await asyncio.sleep(max(0.001, min(period, (deadline or now + period) - self.clock())))
 
     @staticmethod

@@ -477,3 +477,16 @@ def test_a_lost_steady_datagram_is_made_good_by_the_repeat() -> None:
         receiver.on_broadcast(b, now=b.sent_at + 0.05)
     us0 = CFG.worker_ids().index("us-0")
     assert receiver.trends()[us0] == 0.0 and receiver.queue_ms(now=5.0)[us0] == 0.0
+
+
+def test_a_quiet_region_is_next_looked_at_in_a_period_not_at_once() -> None:
+    q = us_edge()
+    for k in range(3):
+        q.due_broadcasts(now=k * 0.1, heartbeat_s=1.0)  # 0.0, then steady at 0.1 and 0.2
+    # Without the heartbeat every region is overdue at once (a timer armed there spins);
+    # with it, a quiet region is next checked one period on (a change may be due then).
+    assert q.next_deadline(now=0.55) == 0.55
+    assert q.next_deadline(now=0.55, heartbeat_s=1.0) == pytest.approx(0.65)
+    assert q.next_deadline(now=1.15, heartbeat_s=1.0) == pytest.approx(1.2)  # its heartbeat comes first
+    assert q.due_broadcasts(now=0.65, heartbeat_s=1.0) == ()
+    assert len(q.due_broadcasts(now=1.2, heartbeat_s=1.0)) == 2

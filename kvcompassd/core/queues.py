@@ -462,12 +462,22 @@ class QueueEstimates:
             out.append(QueueVectorBroadcast(self.region, r, now, vector, steady=unchanged))
         return tuple(out)
 
-    def next_deadline(self, *, now: float) -> float | None:
-        """When ``due_broadcasts`` will next have something (now if overdue); None with one region."""
+    def next_deadline(self, *, now: float, heartbeat_s: float | None = None) -> float | None:
+        """When ``due_broadcasts`` will next have something (now if overdue); None with one region.
+
+        With ``heartbeat_s``, a region gone quiet (its vector sent unchanged ``STEADY_REPEATS``
+        times) is next asked about one period from ``now`` (its vector may change by then) or at
+        its heartbeat, whichever is first, instead of at once."""
         if not self._remote_regions:
             return None
-        earliest = min(self._last_sent_to.values()) + self._period_s
-        return max(float(now), earliest)
+        now = float(now)
+        if heartbeat_s is None:
+            earliest = min(self._last_sent_to.values()) + self._period_s
+        else:
+            earliest = min(min(last + heartbeat_s, max(last + self._period_s, now + self._period_s))
+                           if self._unchanged_sends[r] >= STEADY_REPEATS else last + self._period_s
+                           for r, last in self._last_sent_to.items())
+        return max(now, earliest)
 
     # ------------------------------------------------------------ queries
 
