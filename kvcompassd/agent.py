@@ -200,7 +200,8 @@ class AgentNode:
             rng = random.Random(self.worker.id)
             drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
         self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop,
-                                            topic=self.worker.kv_events_topic)
+                                            topic=self.worker.kv_events_topic,
+                                            idle_probe_max=self.cfg.idle.engine_probe_max_ms / 1000.0)
         retry = FOLLOW_RETRY_S
         while True:
             try:

@@ -531,13 +531,21 @@ class IdleParams:
     own agents. An edge takes an agent's load reports as resumed after a silence of three
     heartbeats (its engine was down or frozen). Liveness of the connections themselves is
     the transport's keepalives, not this. Set it to ``score.broadcast_period_ms`` for the
-    behaviour before it existed (every report every period)."""
+    behaviour before it existed (every report every period).
+
+    ``engine_probe_max_ms``: after a second without KV events an agent asks its engine's
+    replay socket for batches it missed (a lost last batch, a restart); while such probes find
+    nothing the silence before the next doubles up to this. Any event, or a probe that finds
+    something, brings the second back."""
 
     heartbeat_ms: float = 1000.0
+    engine_probe_max_ms: float = 8000.0
 
     def __post_init__(self) -> None:
         _check_float("heartbeat_ms", self.heartbeat_ms, lo=0.0, hi=10_000.0, lo_open=True)
-        _as_float(self, "heartbeat_ms")
+        _check_float("engine_probe_max_ms", self.engine_probe_max_ms, lo=1000.0, hi=60_000.0)
+        for name in ("heartbeat_ms", "engine_probe_max_ms"):
+            _as_float(self, name)
 
 
 DECODE_POLICIES: Final = ("least_loaded", "random")
