@@ -285,13 +285,19 @@ class AgentNode:
             self.metrics.engine_batches.labels("odd_seq").inc()
 
     async def _apply_in_slices(self, batch: EventBatch) -> None:
-        """Apply a batch ``SLICE_BLOCKS`` blocks at a time, yielding to the loop between slices:
+        """Apply a batch in one pass (``BlockTree.apply_events``), or a huge one ``SLICE_BLOCKS``
+        blocks at a time, yielding to the loop between slices:
         an engine batch of 150 k blocks must not stall QUIC keep-alives and load reports for
         seconds (the maintenance unit would withdraw this worker). Reports are diffs, so a
         registration sent between two slices and the diffs that follow stay consistent."""
         self._work_arriving()
+        events = batch.events
+        if sum(len(e.block_hashes) for e in events if type(e) is not AllBlocksCleared) <= SLICE_BLOCKS:
+            self._enqueue(self.tree.apply_events(events))  # the usual batch: one pass, one diff
+            return
+        pending: list[KvEvent] = []
         done = 0
-        for event in batch.events:
+        for event in events:
             if isinstance(event, BlockStored):
                 parts: Iterable[KvEvent] = event.slices(SLICE_BLOCKS)
             elif isinstance(event, BlockRemoved) and len(event.block_hashes) > SLICE_BLOCKS:
@@ -300,11 +306,14 @@ class AgentNode:
             else:
                 parts = (event,)
             for part in parts:
-                self._enqueue(self.tree.apply(part))
+                pending.append(part)
                 done += len(part.block_hashes) if not isinstance(part, AllBlocksCleared) else SLICE_BLOCKS
                 if done >= SLICE_BLOCKS:
-                    done = 0
+                    self._enqueue(self.tree.apply_events(pending))
+                    pending, done = [], 0
                     await asyncio.sleep(0)
+        if pending:
+            self._enqueue(self.tree.apply_events(pending))
 
     def _enqueue(self, events: list[IndexEvent]) -> None:
         self.reports.add_events(events)

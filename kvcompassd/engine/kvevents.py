@@ -387,8 +387,8 @@ def _decode_positional(raw: Sequence[Any]) -> KvEvent:
 def _decode_map(raw: Mapping[Any, Any]) -> KvEvent:
     kind = raw.get("type")
     if kind == "BlockStored":
-        missing = [k for k in ("block_hashes", "token_ids", "block_size") if k not in raw]
-        if missing:
+        if not ("block_hashes" in raw and "token_ids" in raw and "block_size" in raw):
+            missing = [k for k in ("block_hashes", "token_ids", "block_size") if k not in raw]
             raise KvEventError(f"BlockStored map lacks {', '.join(missing)}")
         return _stored(
             raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"], raw["block_size"],
@@ -403,10 +403,48 @@ def _decode_map(raw: Mapping[Any, Any]) -> KvEvent:
     raise KvEventError(f"unknown event type {kind!r}")
 
 
+_INT64_END = 1 << 63
+
+
+def _signed_int64s(values: Any) -> bool:
+    """Whether ``values`` is a non-empty array of plain ints that are already canonical
+    (signed int64): what the engines send, which the fast paths below take as is."""
+    if type(values) is not list or not values:
+        return False
+    if len(values) == 1:  # one block per event is what SGLang and vLLM send
+        value = values[0]
+        return type(value) is int and INT64_MIN <= value < _INT64_END
+    return set(map(type, values)) == {int} and INT64_MIN <= min(values) and max(values) < _INT64_END
+
+
+def _plain_optional(value: Any, kind: type) -> bool:
+    return value is None or type(value) is kind
+
+
 def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
             lora_name: Any = None, group_idx: Any = None) -> BlockStored:
     if not isinstance(tokens, (list, tuple)):
         raise KvEventError(f"token_ids must be an array, got {type(tokens).__name__}")
+    # The shapes the engines send are checked here once and the event built without the
+    # constructor's second pass over the same fields (decoding was a third of an agent's CPU,
+    # issue 30 item 4). Anything else takes the validating constructor, which rejects it with
+    # its usual error; both build equal events (tests/test_kvevents.py checks it).
+    if (type(block_size) is int and block_size > 0 and _signed_int64s(hashes)
+            and (parent is None or (type(parent) is int and INT64_MIN <= parent < _INT64_END))
+            and _plain_optional(lora_id, int) and _plain_optional(medium, str) and _plain_optional(lora_name, str)
+            and (group_idx is None or (type(group_idx) is int and 0 <= group_idx < (1 << 32)))
+            and (len(hashes) - 1) * block_size < len(tokens) <= len(hashes) * block_size
+            and set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
+        event = _new_block_stored(BlockStored)
+        _set_hashes(event, tuple(hashes))
+        _set_parent(event, parent)
+        _set_tokens(event, tuple(tokens))
+        _set_block_size(event, block_size)
+        _set_lora(event, lora_id)
+        _set_medium(event, medium)
+        _set_lora_name(event, lora_name)
+        _set_group(event, group_idx)
+        return event
     return BlockStored(
         block_hashes=_hash_tuple(hashes, "block_hashes"),
         parent_block_hash=None if parent is None else canonical_hash(parent, "parent_block_hash"),
@@ -420,6 +458,13 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
 
 
 def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
+    if (_signed_int64s(hashes) and _plain_optional(medium, str)
+            and (group_idx is None or (type(group_idx) is int and 0 <= group_idx < (1 << 32)))):
+        event = _new_block_stored(BlockRemoved)  # as _stored: checked once, built directly
+        _set_removed_hashes(event, tuple(hashes))
+        _set_removed_medium(event, medium)
+        _set_removed_group(event, group_idx)
+        return event
     return BlockRemoved(block_hashes=_hash_tuple(hashes, "block_hashes"), medium=_optional_str(medium, "medium"),
                         group_idx=group_idx)
 
