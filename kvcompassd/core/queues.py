@@ -11,6 +11,9 @@ Remote regions reach it through two channels:
   one of our agents answered (``note_piggyback_sent``) or that we broadcast to. A received
   broadcast *replaces* the estimate (``on_broadcast``): it is the sender's own live view at
   ``sent_at``, newer than anything we hold, and averaging it with older values would only add lag.
+  The daemons go quiet while nothing moves (``due_broadcasts`` with ``heartbeat_s``): a vector
+  that stopped changing goes out marked ``steady`` a few times, then only every heartbeat; a
+  receiver holds a steady vector's values as they are (no trend) until the next one.
 
 A broadcast or piggybacked vector cannot include the work this edge sent within the last round
 trip to the worker's region: that work was still crossing the WAN when the worker was read. Each such dispatch (``note_dispatched``) is kept until it is one round trip old and
