@@ -490,3 +490,57 @@ def test_a_quiet_region_is_next_looked_at_in_a_period_not_at_once() -> None:
     assert q.next_deadline(now=1.15, heartbeat_s=1.0) == pytest.approx(1.2)  # its heartbeat comes first
     assert q.due_broadcasts(now=0.65, heartbeat_s=1.0) == ()
     assert len(q.due_broadcasts(now=1.2, heartbeat_s=1.0)) == 2
+
+
+def test_an_idle_then_busy_then_idle_region_is_followed_by_the_others() -> None:
+    # Two edges exchange vectors as the daemons do (heartbeat 1 s, a period 100 ms, us -> eu
+    # one way 160 ms): idle, a few heartbeats cross; busy, every period carries the live value
+    # and eu's estimate follows it; idle again, eu holds 0 and the sends stop.
+    us, eu = us_edge(), QueueEstimates(CFG, "eu", now=0.0)
+    us0 = CFG.worker_ids().index("us-0")
+    one_way = CFG.one_way_ms("us", "eu") / 1000.0
+    in_flight: list[tuple[float, QueueVectorBroadcast]] = []
+    sent = []
+
+    def step(now: float) -> None:
+        for b in us.due_broadcasts(now=now, heartbeat_s=1.0):
+            if b.to_region == "eu":
+                in_flight.append((now + one_way, b))
+                sent.append(now)
+        while in_flight and in_flight[0][0] <= now:
+            arrival, b = in_flight.pop(0)
+            eu.on_broadcast(b, now=arrival)
+
+    ticks = iter(k * 0.1001 for k in range(1000))
+    for now in ticks:  # 10 s idle
+        step(now)
+        if now > 10.0:
+            break
+    assert len(sent) <= 3 + 10  # the first, two steady repeats, then a heartbeat a second
+    assert eu.queue_ms(now=now)[us0] == 0.0
+    busy_from = now
+    for k, now in enumerate(ticks):  # 2 s busy: us-0 read at 300-380 ms of queue every period
+        us.set_local("us-0", 300.0 + 20.0 * (k % 5), now=now)
+        step(now)
+        if now > busy_from + 2.0:
+            break
+        if now > busy_from + one_way + 0.11:  # one period and the crossing later, eu sees it
+            assert 150.0 <= eu.queue_ms(now=now)[us0] <= 500.0
+    assert len([t for t in sent if t > busy_from]) >= 19  # every period while it moves
+    # A reading that stops moving (a backlog stuck at 400 ms) is held by eu, not re-sent.
+    stuck_from = now
+    for now in ticks:
+        us.set_local("us-0", 400.0, now=now)
+        step(now)
+        if now > stuck_from + 2.0:
+            break
+    assert eu.queue_ms(now=now)[us0] == 400.0
+    assert len([t for t in sent if t > stuck_from]) <= 5  # one change, two repeats, a heartbeat
+    quiet_from = now
+    for now in ticks:  # idle again: us-0 drains, the vector stops moving, eu holds 0
+        step(now)
+        if now > quiet_from + 10.0:
+            break
+    assert eu.queue_ms(now=now)[us0] == 0.0 and eu.queue_ms(now=now + 5.0)[us0] == 0.0
+    assert eu.trends()[us0] == 0.0
+    assert len([t for t in sent if t > quiet_from + 1.0]) <= 10  # heartbeats only
