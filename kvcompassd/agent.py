@@ -201,7 +201,8 @@ class AgentNode:
             drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
         self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop,
                                             topic=self.worker.kv_events_topic,
-                                            idle_probe_max=self.cfg.idle.engine_probe_max_ms / 1000.0)
+                                            idle_probe_max=self.cfg.idle.engine_probe_max_ms / 1000.0,
+                                            coalesce=True)
         retry = FOLLOW_RETRY_S
         while True:
             try:

@@ -343,3 +343,17 @@ def test_events_applied_in_one_pass_leave_the_state_and_net_registrations_of_one
                 del registered[e.key]
         assert one_pass.registered() == one_by_one.registered() == registered
         assert len(one_pass) == len(one_by_one) and one_pass.detached_count == one_by_one.detached_count
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_captured_engine_batches_coalesced_as_the_agent_decodes_them_mirror_the_same(engine: str) -> None:
+    from kvcompassd.engine.kvevents import PayloadDecoder
+
+    plain, coalesced = BlockTree("w0", (16, 32, 48), prefix_key, page_size=16), BlockTree(
+        "w0", (16, 32, 48), prefix_key, page_size=16)
+    for frames in load_capture(engine)["live"]:
+        plain.apply_batch(decode_message(frames))
+        decoder = PayloadDecoder(frames[2], 0, coalesce=True)
+        decoder.step(1 << 20)
+        coalesced.apply_events(decoder.result.events)
+        assert coalesced.registered() == plain.registered() and len(coalesced) == len(plain)
