@@ -19,7 +19,14 @@ import numpy as np
 from kvcompassd.worker.prefixcache import PrefixCache
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.engine.kvevents import BlockRemoved, BlockStored, canonical_hash, decode_message, encode_batch
+from kvcompassd.engine.kvevents import (
+    BlockRemoved,
+    BlockStored,
+    PayloadDecoder,
+    canonical_hash,
+    decode_message,
+    encode_batch,
+)
 
 
 def sha_keys(tokens: np.ndarray, lengths) -> list[int]:
@@ -110,6 +117,24 @@ def bench_codec_and_tree(quick: bool) -> None:
     per_batch = median_rate(lambda: salted(True), n_events, 3)
     print(f"agent's mirror (salted keys): one pass per batch {per_batch:,.0f} block events/s; one event at a time "
           f"{per_event:,.0f}/s; ratio {per_batch / per_event:.2f}")
+
+    # The agent's whole ingestion of a batch: decoded with runs coalesced, mirrored in one pass;
+    # the reference decodes through the validating constructors and mirrors one event at a time.
+    def ingest(agent_path: bool) -> None:
+        tree = BlockTree("w", lengths, salt=b"bench", page_size=16)
+        for payload in payloads:
+            if agent_path:
+                decoder = PayloadDecoder(payload, 0, coalesce=True)
+                decoder.step(1 << 30)
+                tree.apply_events(decoder.result.events)
+            else:
+                for event in constructed(payload):
+                    tree.apply(event)
+
+    ingest_ref = median_rate(lambda: ingest(False), len(batches), 3)
+    ingest_new = median_rate(lambda: ingest(True), len(batches), 3)
+    print(f"agent's ingestion (decode + mirror): {ingest_new:,.0f} batches/s ({1e6 / ingest_new:.0f} us each); "
+          f"reference {ingest_ref:,.0f}/s ({1e6 / ingest_ref:.0f} us); ratio {ingest_new / ingest_ref:.2f}")
 
     tokens = sum(len(p) for p in prompts)
 
