@@ -320,14 +320,18 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     def _keepalive_due(self) -> None:
         """PING unless something ack-eliciting went out within the interval (which already
         restarted the peer's idle timer, if it arrived) or came in (our ACK of it restarts the
-        peer's timer, and its arrival restarted ours). Both ends run this, so an idle
-        connection settles on one end pinging and the other acknowledging, half the packets of
-        both pinging; an end that stops hearing the other's pings pings itself."""
+        peer's timer, and its arrival restarted ours). The dialling end counts what came in
+        over one interval, the accepting end over one and a half: an idle connection then has
+        the dialling end ping and the accepting end acknowledge, half the packets of both
+        pinging (with equal thresholds two ends whose timers fire in step each ping just before
+        hearing the other's, and both go on pinging), and an accepting end whose peer's pings
+        stop arriving pings itself half an interval later."""
         if self.terminated:
             return
         interval = self.node.options.keepalive_interval
         now = self._loop.time()
-        if now - last_ack_eliciting_sent(self._quic) >= interval * 0.9 and now - self._heard_at >= interval * 0.9:
+        unheard = interval * (0.9 if self.outbound else 1.5)
+        if now - last_ack_eliciting_sent(self._quic) >= interval * 0.9 and now - self._heard_at >= unheard:
             self._quic.send_ping(0)
             self.transmit()
         self._schedule_keepalive()
