@@ -20,7 +20,8 @@ maintenance units; the emulated workers are the GPU side) per worker, and candid
 reference. Busy: a closed loop of ``--concurrency`` clients per deployment POSTs ``/generate``
 to its ``us`` edge (one of 8 shared 1,500-character prefixes plus a unique 500-character
 suffix, 8 new tokens) and it prints each role's CPU per served request (median over windows),
-agents + maintenance ÷ the edges (issue 30's target: at most 1) and candidate ÷ reference.
+gross and net of the role's idle CPU, agents + maintenance ÷ the edges (issue 30's target: at
+most 1) and candidate ÷ reference.
 Both deployments run in the same windows, so load from other tenants of the machine falls on
 both alike.
 """
@@ -142,24 +143,32 @@ def print_idle(cores: dict[str, dict[str, list[float]]], windows: int, window_s:
 
 
 def print_busy(cpu: dict[str, dict[str, list[float]]], requests: dict[str, list[int]], windows: int,
-               window_s: float) -> None:
+               window_s: float, idle: dict[str, dict[str, list[float]]] | None) -> None:
+    """Each role's CPU per served request: gross (all it used in the window), and net of what
+    it uses idle (the idle windows' median, when measured): what serving added."""
     names = list(cpu)
     print(f"CPU per served request, {windows} windows of {window_s:g} s (requests per window: "
           + ", ".join(f"{name} {requests[name]}" for name in names) + ")")
-    print(f"{'role':<26}" + "".join(f"{name:>30}" for name in names) + f"{'ratio':>8}")
+    print(f"{'role':<34}" + "".join(f"{name:>30}" for name in names) + f"{'ratio':>8}")
 
-    def per_request(name: str, roles: tuple[str, ...]) -> float:
-        return median([sum(cpu[name][r][i] for r in roles) / max(1, requests[name][i]) * 1e6 for i in range(windows)])
+    def used(name: str, roles: tuple[str, ...], i: int, net: bool) -> float:
+        base = sum(median(idle[name][r]) for r in roles) * window_s if net and idle else 0.0
+        return max(0.0, sum(cpu[name][r][i] for r in roles) - base)
 
-    for label, roles in (("emulate-worker", ("emulate-worker",)), ("agents", ("agent",)), ("edges", ("edge",)),
-                         ("maintenance", ("maintenance",)), ("agents + maintenance", ("agent", "maintenance"))):
-        ref, cand = (per_request(name, roles) for name in names)
-        print(f"{label:<26}{ref:>27.0f} us{cand:>27.0f} us{cand / ref if ref > 0 else float('nan'):>8.2f}")
-    ratios = []
-    for name in names:
-        ratios.append(median([sum(cpu[name][r][i] for r in ("agent", "maintenance")) / cpu[name]["edge"][i]
-                              for i in range(windows) if cpu[name]["edge"][i] > 0]))
-    print(f"{'(agents+maint.) / edges':<26}{ratios[0]:>30.2f}{ratios[1]:>30.2f}   target <= 1")
+    def per_request(name: str, roles: tuple[str, ...], net: bool) -> float:
+        return median([used(name, roles, i, net) / max(1, requests[name][i]) * 1e6 for i in range(windows)])
+
+    kinds = (False, True) if idle else (False,)
+    for net in kinds:
+        for label, roles in (("emulate-worker", ("emulate-worker",)), ("agents", ("agent",)), ("edges", ("edge",)),
+                             ("maintenance", ("maintenance",)), ("agents + maintenance", ("agent", "maintenance"))):
+            ref, cand = (per_request(name, roles, net) for name in names)
+            label = f"{label}{' (net of idle)' if net else ''}"
+            print(f"{label:<34}{ref:>27.0f} us{cand:>27.0f} us{cand / ref if ref > 0 else float('nan'):>8.2f}")
+        ratios = [median([used(name, ("agent", "maintenance"), i, net) / used(name, ("edge",), i, net)
+                          for i in range(windows) if used(name, ("edge",), i, net) > 0]) for name in names]
+        label = f"(agents+maint.) / edges{' net' if net else ''}"
+        print(f"{label:<34}{ratios[0]:>30.2f}{ratios[1]:>30.2f}   target <= 1")
 
 
 async def main() -> int:
@@ -186,6 +195,7 @@ async def main() -> int:
         for dep in deployments.values():
             await dep.start(timeout=args.start_timeout_s)
         await asyncio.sleep(args.settle_s)
+        cores = None
         if args.windows:
             cores, _ = await measure(deployments, args.windows, args.window_s)
             print_idle(cores, args.windows, args.window_s, workers)
@@ -197,7 +207,7 @@ async def main() -> int:
                 await asyncio.sleep(args.settle_s)  # caches warm, prefixes indexed
                 cpu, requests = await measure(deployments, args.busy_windows, args.busy_window_s,
                                               served=lambda name: loops[name].served)
-            print_busy(cpu, requests, args.busy_windows, args.busy_window_s)
+            print_busy(cpu, requests, args.busy_windows, args.busy_window_s, cores)
             failed = {name: loop.failed for name, loop in loops.items() if loop.failed}
             if failed:
                 print(f"failed requests: {failed}")
