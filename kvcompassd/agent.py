@@ -31,6 +31,7 @@ from kvcompassd.core.config import ClusterConfig, WorkerConfig, bootstrap_port_o
 from kvcompassd.core.events import IndexEvent, IndexEventColumns, PrefixCached
 from kvcompassd.core.keys import namespace_salt
 from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.queues import STEADY_REPEATS
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected, EngineStatusError
@@ -140,7 +141,8 @@ class AgentNode:
         self._load_failures = 0
         self._last_reading: tuple | None = None
         self._last_report = float("-inf")
-        self._heartbeat_s = cfg.score.broadcast_period_ms / 1000.0
+        self._unchanged_reports = 0
+        self._heartbeat_s = cfg.idle.heartbeat_ms / 1000.0
         # Idle, the engine is read once per heartbeat, not 50 times a second (issue 30 item 4).
         idle = self._heartbeat_s if load_idle_interval is None else load_idle_interval
         self.load_schedule = LoadPollSchedule(busy_s=load_interval, idle_s=max(load_interval, idle))
@@ -198,7 +200,9 @@ class AgentNode:
             rng = random.Random(self.worker.id)
             drop = lambda seq: seq > 0 and rng.random() < self.chaos_drop  # noqa: E731
         self.subscriber = KvEventSubscriber(self.worker.kv_events, replay, self._on_engine_events, drop=drop,
-                                            topic=self.worker.kv_events_topic)
+                                            topic=self.worker.kv_events_topic,
+                                            idle_probe_max=self.cfg.idle.engine_probe_max_ms / 1000.0,
+                                            coalesce=True)
         retry = FOLLOW_RETRY_S
         while True:
             try:
@@ -282,13 +286,19 @@ class AgentNode:
             self.metrics.engine_batches.labels("odd_seq").inc()
 
     async def _apply_in_slices(self, batch: EventBatch) -> None:
-        """Apply a batch ``SLICE_BLOCKS`` blocks at a time, yielding to the loop between slices:
+        """Apply a batch in one pass (``BlockTree.apply_events``), or a huge one ``SLICE_BLOCKS``
+        blocks at a time, yielding to the loop between slices:
         an engine batch of 150 k blocks must not stall QUIC keep-alives and load reports for
         seconds (the maintenance unit would withdraw this worker). Reports are diffs, so a
         registration sent between two slices and the diffs that follow stay consistent."""
         self._work_arriving()
+        events = batch.events
+        if sum(len(e.block_hashes) for e in events if type(e) is not AllBlocksCleared) <= SLICE_BLOCKS:
+            self._enqueue(self.tree.apply_events(events))  # the usual batch: one pass, one diff
+            return
+        pending: list[KvEvent] = []
         done = 0
-        for event in batch.events:
+        for event in events:
             if isinstance(event, BlockStored):
                 parts: Iterable[KvEvent] = event.slices(SLICE_BLOCKS)
             elif isinstance(event, BlockRemoved) and len(event.block_hashes) > SLICE_BLOCKS:
@@ -297,11 +307,14 @@ class AgentNode:
             else:
                 parts = (event,)
             for part in parts:
-                self._enqueue(self.tree.apply(part))
+                pending.append(part)
                 done += len(part.block_hashes) if not isinstance(part, AllBlocksCleared) else SLICE_BLOCKS
                 if done >= SLICE_BLOCKS:
-                    done = 0
+                    self._enqueue(self.tree.apply_events(pending))
+                    pending, done = [], 0
                     await asyncio.sleep(0)
+        if pending:
+            self._enqueue(self.tree.apply_events(pending))
 
     def _enqueue(self, events: list[IndexEvent]) -> None:
         self.reports.add_events(events)
@@ -362,12 +375,15 @@ class AgentNode:
                 self.region_vector[self.worker.id] = load.queue_ms
                 self.metrics.queue_ms.set(load.queue_ms)
                 # Edges want a live value, not a stream of identical ones: report a change at
-                # once, an unchanged load only as a heartbeat every broadcast period.
+                # once, an unchanged load a few more times (a datagram may be lost), then only
+                # as a heartbeat every [idle] heartbeat_ms.
                 reading = (load.queue_ms, load.running, load.waiting)
-                self.load_schedule.observed(changed=reading != self._last_reading,
+                changed = reading != self._last_reading
+                self.load_schedule.observed(changed=changed,
                                             busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0)
                 now = time.monotonic()
-                if reading != self._last_reading or now - self._last_report >= self._heartbeat_s:
+                self._unchanged_reports = 0 if changed else self._unchanged_reports + 1
+                if self._unchanged_reports <= STEADY_REPEATS or now - self._last_report >= self._heartbeat_s:
                     self._last_reading, self._last_report = reading, now
                     report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting)
                     for peer in self._edge_peers.values():

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-poll-ms", type=float, default=20.0, metavar="MS",
                    help="read the engine's load this often while it works (default 20)")
     p.add_argument("--load-idle-poll-ms", type=float, default=None, metavar="MS",
-                   help="back off to this period while the engine sits idle (default: the broadcast period)")
+                   help="back off to this period while the engine sits idle (default: [idle] heartbeat_ms)")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("emulate-worker", help="an SGLang-compatible emulated worker (no GPU)")

@@ -24,6 +24,7 @@ from kvcompassd.core.config import ClusterConfig, EdgeConfig, WorkerConfig
 from kvcompassd.core.fingerprints import budget_shortfall, fingerprint_choice_for_config
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.queues import STEADY_REPEATS
 from kvcompassd.core.router import Router
 from kvcompassd.core.snapshots import SnapshotChunker
 from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync, SyncSettings, SyncStep
@@ -109,7 +110,12 @@ class EdgeNode:
         self._edge_peers: dict[str, Peer] = {}
         self._own_agents = frozenset(w.id for w in cfg.workers_in(me.region))
         self._last_load_report: dict[str, float] = {}
-        self._load_silence_s = 3 * cfg.score.broadcast_period_ms / 1000.0
+        # An idle agent reports an unchanged load once per heartbeat: three missed ones are a silence.
+        self._heartbeat_s = cfg.idle.heartbeat_ms / 1000.0
+        self._load_silence_s = 3 * self._heartbeat_s
+        self._vector_to_agents: tuple | None = None  # last sent, and when (sent again on change or heartbeat)
+        self._vector_to_agents_at = float("-inf")
+        self._vector_to_agents_repeats = 0
         self._worker_index = {w: i for i, w in enumerate(self.layout.worker_ids)}
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
@@ -393,7 +399,7 @@ class EdgeNode:
             self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's load")
             return
         now = self.clock()
-        # An agent reports at least every broadcast period while its engine answers; readings
+        # An agent reports at least every [idle] heartbeat while its engine answers; readings
         # that resume after a silence say the engine is back (it was down or frozen).
         last = self._last_load_report.get(msg.worker)
         self._last_load_report[msg.worker] = now
@@ -426,24 +432,39 @@ class EdgeNode:
 
     async def _broadcast_loop(self) -> None:
         period = self.cfg.score.broadcast_period_ms / 1000.0
+        gauges_at = float("-inf")
         while True:
             now = self.clock()
-            for msg in self.router.queues.due_broadcasts(now=now):  # already the wire's message
+            # Unchanged vectors go out only every heartbeat (core/queues.py, due_broadcasts).
+            broadcasts = self.router.queues.due_broadcasts(now=now, heartbeat_s=self._heartbeat_s)
+            sent = bool(broadcasts)
+            for msg in broadcasts:
                 for e in self.cfg.edges_in(msg.to_region):
                     self._send_datagram(self._edge_peers.get(e.id), msg)
-            # Own-region agents piggyback this vector on their responses to other regions.
-            local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
-                                         vector=self.router.queues.local_vector(now=now))
-            for w in self._own_agents:
-                self._send_datagram(self._agent_peers.get(w), local)
-            ages = self.router.queues.ages(now=now)
-            finite = ages[np.isfinite(ages)]
-            self.metrics.queue_age.set(float(finite.max()) if finite.size else 0.0)
-            for region, ms in self.router.queues.surprises(now=now).items():
-                self.metrics.queue_correction.labels(region=region).set(ms)
-            for region, k in self.router.queues.herd_factors(now=now).items():
-                self.metrics.herd_factor.labels(region=region).set(k)
-            deadline = self.router.queues.next_deadline(now=self.clock())
+            # Own-region agents piggyback this vector on their responses to other regions: a
+            # new one each period while it changes, an unchanged one STEADY_REPEATS more periods
+            # (a datagram may be lost), then every heartbeat.
+            vector = self.router.queues.local_vector(now=now)
+            repeats = self._vector_to_agents_repeats + 1 if vector == self._vector_to_agents else 0
+            if repeats <= STEADY_REPEATS or now - self._vector_to_agents_at >= self._heartbeat_s:
+                self._vector_to_agents, self._vector_to_agents_at = vector, now
+                self._vector_to_agents_repeats = repeats
+                sent = True
+                local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
+                                             vector=vector)
+                for w in self._own_agents:
+                    self._send_datagram(self._agent_peers.get(w), local)
+            # The gauges move only with the values (and fade slowly): idle, once per heartbeat.
+            if sent or now - gauges_at >= self._heartbeat_s:
+                gauges_at = now
+                ages = self.router.queues.ages(now=now)
+                finite = ages[np.isfinite(ages)]
+                self.metrics.queue_age.set(float(finite.max()) if finite.size else 0.0)
+                for region, ms in self.router.queues.surprises(now=now).items():
+                    self.metrics.queue_correction.labels(region=region).set(ms)
+                for region, k in self.router.queues.herd_factors(now=now).items():
+                    self.metrics.herd_factor.labels(region=region).set(k)
+            deadline = self.router.queues.next_deadline(now=self.clock(), heartbeat_s=self._heartbeat_s)
             await asyncio.sleep(max(0.001, min(period, (deadline or now + period) - self.clock())))
 
     @staticmethod

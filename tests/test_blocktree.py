@@ -305,3 +305,55 @@ def test_any_event_sequence_applies_and_clears_without_error(events: list, max_d
     assert len(tree._detached) <= max_detached
     tree.apply(AllBlocksCleared())
     assert tree.registered() == {} and len(tree) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(operation, max_size=40), st.randoms(use_true_random=False), st.integers(1, 8))
+def test_events_applied_in_one_pass_leave_the_state_and_net_registrations_of_one_by_one(ops: list, rnd,
+                                                                                      chunk: int) -> None:
+    # The agent applies a batch's events in one pass (apply_events): one diff per batch. The
+    # tree must end as event-by-event application leaves it, and the emitted stream alone must
+    # take the registrations from where they were to where they are.
+    parents: dict[int, int | None] = {0: None}
+    for h in range(1, 12):
+        parents[h] = rnd.choice([None, *range(h)])
+    tokens = {h: tuple(range(h * 10, h * 10 + BLOCK)) for h in range(12)}
+    events = [BlockStored((h,), parents[h], tokens[h], BLOCK, None, medium) if kind == "store"
+              else BlockRemoved((h,), medium) if kind == "remove" else AllBlocksCleared()
+              for kind, h, medium in ops]
+    one_pass, one_by_one = BlockTree("w", LENGTHS, prefix_key), BlockTree("w", LENGTHS, prefix_key)
+    registered: dict[int, Tier] = {}
+    for start in range(0, len(events), chunk):
+        batch = events[start:start + chunk]
+        emitted = one_pass.apply_events(batch)
+        for event in batch:
+            one_by_one.apply(event)
+        keys = [e.key for e in emitted]
+        after_clear = [i for i, e in enumerate(batch) if isinstance(e, AllBlocksCleared)]
+        if not after_clear:
+            assert len(keys) == len(set(keys))  # one net change per key
+        for e in emitted:
+            if isinstance(e, PrefixCached):
+                assert e.key not in registered
+                registered[e.key] = e.tier
+            elif isinstance(e, TierChanged):
+                assert registered[e.key] != e.tier
+                registered[e.key] = e.tier
+            else:
+                del registered[e.key]
+        assert one_pass.registered() == one_by_one.registered() == registered
+        assert len(one_pass) == len(one_by_one) and one_pass.detached_count == one_by_one.detached_count
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_captured_engine_batches_coalesced_as_the_agent_decodes_them_mirror_the_same(engine: str) -> None:
+    from kvcompassd.engine.kvevents import PayloadDecoder
+
+    plain, coalesced = BlockTree("w0", (16, 32, 48), prefix_key, page_size=16), BlockTree(
+        "w0", (16, 32, 48), prefix_key, page_size=16)
+    for frames in load_capture(engine)["live"]:
+        plain.apply_batch(decode_message(frames))
+        decoder = PayloadDecoder(frames[2], 0, coalesce=True)
+        decoder.step(1 << 20)
+        coalesced.apply_events(decoder.result.events)
+        assert coalesced.registered() == plain.registered() and len(coalesced) == len(plain)

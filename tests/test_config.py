@@ -570,3 +570,26 @@ def test_a_prefill_workers_bootstrap_port_is_one_of_its_hosts_sockets() -> None:
     del data["workers"][0]["bootstrap_port"]
     cfg = parse_config(data, "x.toml")  # SGLang's default port, 8998, is free on that host
     assert bootstrap_port_of(cfg.workers[0]) == SGLANG_BOOTSTRAP_PORT == 8998
+
+
+def test_idle_heartbeat_defaults_parses_validates_and_round_trips() -> None:
+    from kvcompassd.core.config import IdleParams
+
+    assert parse_config(minimal()).idle == IdleParams() and IdleParams().heartbeat_ms == 1000.0
+    data = minimal()
+    data["idle"] = {"heartbeat_ms": 2500, "engine_probe_max_ms": 4000}
+    cfg = parse_config(data)
+    assert cfg.idle.heartbeat_ms == 2500.0 and isinstance(cfg.idle.heartbeat_ms, float)
+    assert cfg.idle.engine_probe_max_ms == 4000.0
+    assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    for bad, expected in [({"heartbeat_ms": 0}, "[idle] field 'heartbeat_ms': must be > 0"),
+                          ({"heartbeat_ms": 20_000}, "[idle] field 'heartbeat_ms': must be <= 10000"),
+                          ({"heartbeat_ms": "1s"}, "[idle] field 'heartbeat_ms': expected a number"),
+                          ({"period_ms": 1}, "[idle] field 'period_ms': unknown field"),
+                          ({"engine_probe_max_ms": 500}, "[idle] field 'engine_probe_max_ms': must be >= 1000"),
+                          ({"engine_probe_max_ms": 120_000}, "[idle] field 'engine_probe_max_ms': must be <= 60000")]:
+        data["idle"] = bad
+        assert expected in error_of(data)
+    # Slower than the broadcast period would make a changing value wait for a heartbeat.
+    data["idle"] = {"heartbeat_ms": 50}
+    assert "[idle] field 'heartbeat_ms': must be >= [score] broadcast_period_ms (100.0)" in error_of(data)

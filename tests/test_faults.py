@@ -132,3 +132,21 @@ async def test_dead_worker_is_retried_before_first_token_then_withdrawn_and_retu
 
 async def _not(check):
     return not await check()
+
+
+async def test_an_idle_plane_goes_quiet_then_serves_and_converges_when_busy(dep):
+    """Idle, unchanged loads and queue vectors travel only as [idle] heartbeats (1 s): eu's
+    estimates of the us workers age well past the broadcast period (at 100 ms they never
+    did). Work arriving then is served in both regions and the index converges as before."""
+    period_s = dep.cfg.score.broadcast_period_ms / 1000.0
+
+    async def quiet():
+        body = await admin(dep, "edge-eu", "queues")
+        ages = [w["age_s"] for w in body["workers"] if w["region"] == "us"]
+        return all(age is not None and age > 3.5 * period_s for age in ages)
+
+    await eventually(quiet, timeout=30)
+    for i in range(6):
+        reply = await generate(dep, ["us", "eu"][i % 2], doc(400 + i, 700))
+        assert reply["meta_info"]["kvcompass"]["worker"]
+    await assert_views_converged(dep, timeout=30)

@@ -384,3 +384,130 @@ def test_sequence_tracker() -> None:
     assert (check.verdict, check.missing_from, check.missing_to) == (SeqVerdict.GAP, 0, 99)
     late.skip_to(100)
     assert late.check_live(100).verdict is SeqVerdict.NEXT
+
+
+# The decoder builds the events the engines send (int64 hashes, plain token ids) without the
+# constructor's second validation pass: it must build exactly what the constructor builds, for
+# every field shape, and leave anything else to the constructor's checks.
+wire_hashes = st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.binary(min_size=0, max_size=70), st.booleans(),
+                        st.floats(allow_nan=False), st.none())
+wire_tokens = st.one_of(st.integers(-2, (1 << 32) + 2), st.booleans(), st.lists(st.integers(0, 9), max_size=2),
+                        st.text(max_size=2))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(wire_hashes, min_size=0, max_size=3), st.one_of(st.none(), wire_hashes),
+       st.lists(st.one_of(st.integers(0, 1000), wire_tokens), min_size=0, max_size=10),
+       st.one_of(st.integers(-1, 4), st.booleans(), st.just(2.0)),
+       st.one_of(st.none(), st.integers(0, 3), st.just("x")), st.one_of(st.none(), st.sampled_from(["GPU", "CPU"]), st.just(3)),
+       st.one_of(st.none(), st.just("adapter"), st.just(7)), st.one_of(st.none(), st.integers(-1, 2), st.just(1 << 32)),
+       st.sampled_from(["stored", "removed"]))
+def test_decoded_events_equal_the_validating_constructors(hashes, parent, tokens, size, lora, medium, lora_name, group,
+                                                         kind) -> None:
+    if kind == "stored":
+        raw = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+               "block_size": size, "lora_id": lora, "medium": medium, "lora_name": lora_name, "group_idx": group}
+    else:
+        raw = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": group}
+    payload = msgpack.packb([1.0, [raw], 0], use_bin_type=True)
+    try:
+        if kind == "stored":
+            expected = BlockStored(tuple(hashes), parent, tuple(tokens), size, lora, medium, lora_name, group)
+        else:
+            expected = BlockRemoved(tuple(hashes), medium, group)
+    except KvEventError:
+        with pytest.raises(KvEventError):
+            decode_payload(payload, seq=0)
+        return
+    except TypeError:  # unhashable odd values the constructor cannot even compare
+        return
+    decoded = decode_payload(payload, seq=0).events[0]
+    assert decoded == expected and type(decoded) is type(expected)
+    assert [type(h) for h in decoded.block_hashes] == [type(h) for h in expected.block_hashes]
+
+
+# The agent decodes with coalesce=True: runs of events that continue one another become one
+# event. Applied to a block mirror, the batch must leave exactly what the engine's own events
+# leave, and a batch must be rejected exactly when it is rejected without coalescing.
+chain_hashes = st.integers(-3, 12)
+
+
+@st.composite
+def engine_like_events(draw: st.DrawFn) -> list:
+    events, last = [], None
+    for _ in range(draw(st.integers(0, 14))):
+        kind = draw(st.sampled_from(["stored"] * 5 + ["removed"] * 2 + ["cleared", "odd"]))
+        if kind == "stored":
+            h = draw(chain_hashes)
+            parent = last if draw(st.integers(0, 4)) else draw(st.one_of(st.none(), chain_hashes))
+            size = draw(st.sampled_from([4, 4, 4, 2]))
+            fill = draw(st.sampled_from([size, size, size, 1]))
+            events.append({"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
+                           "token_ids": list(range(h * 10 % 50, h * 10 % 50 + fill)), "block_size": size,
+                           "lora_id": draw(st.sampled_from([None, None, 1])),
+                           "medium": draw(st.sampled_from([None, None, "CPU"]))})
+            last = h
+        elif kind == "removed":
+            events.append({"type": "BlockRemoved", "block_hashes": draw(st.lists(chain_hashes, min_size=1, max_size=2)),
+                           "medium": draw(st.sampled_from([None, None, "CPU"]))})
+        elif kind == "cleared":
+            events.append({"type": "AllBlocksCleared"})
+        else:  # shapes the fast path leaves to the validating constructors, good or bad
+            events.append(draw(st.sampled_from([
+                {"type": "BlockStored", "block_hashes": [b"\x01" * 8], "parent_block_hash": None,
+                 "token_ids": [1, 2], "block_size": 4},
+                {"type": "BlockStored", "block_hashes": [(1 << 64) - 1], "parent_block_hash": None,
+                 "token_ids": [1, 2, 3, 4], "block_size": 4},
+                {"type": "BlockRemoved", "block_hashes": [1.5]},
+                {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None, "token_ids": [-1],
+                 "block_size": 4},
+                ["BlockStored", [4], None, [1, 2, 3, 4], 4, None, None],
+            ])))
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(engine_like_events(), st.integers(1, 16), st.booleans())
+def test_coalesced_decoding_leaves_a_mirror_as_the_engines_events_do(raw_events: list, step: int,
+                                                                    stream: bool) -> None:
+    from kvcompassd.engine.blocktree import BlockTree
+
+    payload = msgpack.packb([1.0, raw_events, 0], use_bin_type=True)
+
+    def decoded(coalesce: bool):
+        decoder = PayloadDecoder(payload, 3, stream=stream, coalesce=coalesce)
+        while not decoder.step(step):
+            pass
+        return decoder.result
+
+    try:
+        plain = decoded(False)
+    except KvEventError as exc:
+        with pytest.raises(KvEventError) as caught:
+            decoded(True)
+        assert str(caught.value) == str(exc)
+        return
+    merged = decoded(True)
+    assert len(merged.events) <= len(plain.events) and (merged.seq, merged.ts) == (plain.seq, plain.ts)
+    key = lambda tokens, lengths: [hash((tuple(tokens[:n]), n)) & ((1 << 63) - 1) for n in lengths]  # noqa: E731
+    one, other = BlockTree("w", (4, 8, 12), key, page_size=4), BlockTree("w", (4, 8, 12), key, page_size=4)
+    for event in plain.events:
+        one.apply(event)
+    for event in merged.events:
+        other.apply(event)
+    assert one.registered() == other.registered()
+    assert len(one) == len(other) and one.detached_count == other.detached_count
+    assert one.ignored_removals == other.ignored_removals
+
+
+def test_a_chain_of_single_block_stores_and_a_run_of_removals_become_one_event_each() -> None:
+    stores = [BlockStored((h,), h - 1 if h else None, tuple(range(4 * h, 4 * h + 4)), 4, None, "GPU") for h in range(5)]
+    events = [*stores, BlockRemoved((4,), "GPU"), BlockRemoved((3,), "GPU"), AllBlocksCleared(),
+              BlockStored((9,), None, (1, 2), 4)]
+    payload = encode_payload(1.0, events)
+    decoder = PayloadDecoder(payload, 0, coalesce=True)
+    decoder.step(100)
+    assert decoder.result.events == (
+        BlockStored(tuple(range(5)), None, tuple(range(20)), 4, None, "GPU"),
+        BlockRemoved((4, 3), "GPU"), AllBlocksCleared(), BlockStored((9,), None, (1, 2), 4))
+    assert decode_payload(payload, 0).events == tuple(events)  # without coalescing: the engine's events

@@ -415,3 +415,132 @@ def test_own_region_occupancy_enters_the_score_only() -> None:
         with pytest.raises(QueueEstimateError, match="running"):
             q.set_local("us-0", 0.0, now=2.0, running=bad)
     assert q.queue_ms(now=2.0)[us0] == pytest.approx(4 * per)  # a refused reading changes nothing
+
+
+# ---- idle suppression: due_broadcasts(heartbeat_s=...) and steady vectors --------------------
+
+
+def test_an_unchanged_vector_goes_out_steady_twice_then_only_every_heartbeat() -> None:
+    q = us_edge()
+    q.set_local("us-0", 30.0, now=0.0)
+    sent = {}
+    for k in range(0, 31):  # every 100 ms period for 3 s
+        now = k * 0.1
+        for b in q.due_broadcasts(now=now, heartbeat_s=1.0):
+            sent.setdefault(b.to_region, []).append((round(now, 1), b.steady))
+    # The value drains to 0 by 0.03 s... after 0.0 each period is the same all-zero vector.
+    for region in ("eu", "asia"):
+        assert sent[region] == [(0.0, False), (0.1, False), (0.2, True), (0.3, True), (1.3, True), (2.3, True)]
+
+
+def test_a_change_is_broadcast_within_one_period_even_while_quiet() -> None:
+    q = us_edge()
+    for k in range(11):
+        q.due_broadcasts(now=k * 0.1, heartbeat_s=1.0)  # sent at 0.0, then steady at 0.1 and 0.2
+    assert q.due_broadcasts(now=1.1, heartbeat_s=1.0) == ()  # quiet until 1.2
+    q.set_local("us-1", 400.0, now=1.25)
+    out = q.due_broadcasts(now=1.3, heartbeat_s=1.0)
+    assert {b.to_region for b in out} == {"eu", "asia"} and not any(b.steady for b in out)
+    assert dict(out[0].vector)["us-1"] == pytest.approx(350.0)
+
+
+def test_without_a_heartbeat_every_period_is_sent_as_before() -> None:
+    q = us_edge()
+    counts = [len(q.due_broadcasts(now=k * 0.101)) for k in range(20)]
+    assert counts == [2] * 20
+
+
+def test_a_steady_vector_is_held_without_its_trend_until_the_next() -> None:
+    q = us_edge()
+    # eu-0 rose 0 -> 300 ms over a trend window: a rising trend.
+    for k, ms in enumerate((0.0, 100.0, 200.0, 300.0)):
+        assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 0.6 * k, (("eu-0", ms),)), now=0.2 + 0.6 * k)
+    assert q.trends()[EU0] > 0
+    moving = q.queue_ms(now=2.5)[EU0]
+    assert moving > 300.0  # carried along the rise
+    # Then it drained to 0 and stopped: the sender says steady and goes quiet.
+    assert q.on_broadcast(QueueVectorBroadcast("eu", "us", 2.6, (("eu-0", 0.0),), steady=True), now=2.8)
+    assert q.trends()[EU0] == 0.0
+    assert q.queue_ms(now=3.8)[EU0] == 0.0  # a heartbeat later: still 0, not 0 plus a second of trend
+
+
+def test_a_lost_steady_datagram_is_made_good_by_the_repeat() -> None:
+    sender, receiver = us_edge(), QueueEstimates(CFG, "eu", now=0.0)
+    sender.set_local("us-0", 500.0, now=0.0)
+    got = []
+    for k in range(15):
+        for b in sender.due_broadcasts(now=k * 0.1, heartbeat_s=1.0):
+            if b.to_region == "eu":
+                got.append(b)
+    assert [b.steady for b in got] == [False] * 6 + [True, True]  # drains until 0.5 s, then steady twice
+    for b in got[:-2] + got[-1:]:  # the first steady one lost
+        receiver.on_broadcast(b, now=b.sent_at + 0.05)
+    us0 = CFG.worker_ids().index("us-0")
+    assert receiver.trends()[us0] == 0.0 and receiver.queue_ms(now=5.0)[us0] == 0.0
+
+
+def test_a_quiet_region_is_next_looked_at_in_a_period_not_at_once() -> None:
+    q = us_edge()
+    for k in range(3):
+        q.due_broadcasts(now=k * 0.1, heartbeat_s=1.0)  # 0.0, then steady at 0.1 and 0.2
+    # Without the heartbeat every region is overdue at once (a timer armed there spins);
+    # with it, a quiet region is next checked one period on (a change may be due then).
+    assert q.next_deadline(now=0.55) == 0.55
+    assert q.next_deadline(now=0.55, heartbeat_s=1.0) == pytest.approx(0.65)
+    assert q.next_deadline(now=1.15, heartbeat_s=1.0) == pytest.approx(1.2)  # its heartbeat comes first
+    assert q.due_broadcasts(now=0.65, heartbeat_s=1.0) == ()
+    assert len(q.due_broadcasts(now=1.2, heartbeat_s=1.0)) == 2
+
+
+def test_an_idle_then_busy_then_idle_region_is_followed_by_the_others() -> None:
+    # Two edges exchange vectors as the daemons do (heartbeat 1 s, a period 100 ms, us -> eu
+    # one way 160 ms): idle, a few heartbeats cross; busy, every period carries the live value
+    # and eu's estimate follows it; idle again, eu holds 0 and the sends stop.
+    us, eu = us_edge(), QueueEstimates(CFG, "eu", now=0.0)
+    us0 = CFG.worker_ids().index("us-0")
+    one_way = CFG.one_way_ms("us", "eu") / 1000.0
+    in_flight: list[tuple[float, QueueVectorBroadcast]] = []
+    sent = []
+
+    def step(now: float) -> None:
+        for b in us.due_broadcasts(now=now, heartbeat_s=1.0):
+            if b.to_region == "eu":
+                in_flight.append((now + one_way, b))
+                sent.append(now)
+        while in_flight and in_flight[0][0] <= now:
+            arrival, b = in_flight.pop(0)
+            eu.on_broadcast(b, now=arrival)
+
+    ticks = iter(k * 0.1001 for k in range(1000))
+    for now in ticks:  # 10 s idle
+        step(now)
+        if now > 10.0:
+            break
+    assert len(sent) <= 3 + 10  # the first, two steady repeats, then a heartbeat a second
+    assert eu.queue_ms(now=now)[us0] == 0.0
+    busy_from = now
+    for k, now in enumerate(ticks):  # 2 s busy: us-0 read at 300-380 ms of queue every period
+        us.set_local("us-0", 300.0 + 20.0 * (k % 5), now=now)
+        step(now)
+        if now > busy_from + 2.0:
+            break
+        if now > busy_from + one_way + 0.11:  # one period and the crossing later, eu sees it
+            assert 150.0 <= eu.queue_ms(now=now)[us0] <= 500.0
+    assert len([t for t in sent if t > busy_from]) >= 19  # every period while it moves
+    # A reading that stops moving (a backlog stuck at 400 ms) is held by eu, not re-sent.
+    stuck_from = now
+    for now in ticks:
+        us.set_local("us-0", 400.0, now=now)
+        step(now)
+        if now > stuck_from + 2.0:
+            break
+    assert eu.queue_ms(now=now)[us0] == 400.0
+    assert len([t for t in sent if t > stuck_from]) <= 5  # one change, two repeats, a heartbeat
+    quiet_from = now
+    for now in ticks:  # idle again: us-0 drains, the vector stops moving, eu holds 0
+        step(now)
+        if now > quiet_from + 10.0:
+            break
+    assert eu.queue_ms(now=now)[us0] == 0.0 and eu.queue_ms(now=now + 5.0)[us0] == 0.0
+    assert eu.trends()[us0] == 0.0
+    assert len([t for t in sent if t > quiet_from + 1.0]) <= 10  # heartbeats only

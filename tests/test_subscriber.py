@@ -532,3 +532,27 @@ async def test_a_replay_that_no_longer_reaches_the_last_batch_reports_the_hole(c
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await pub.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_idle_engine_is_probed_ever_less_often_and_a_missed_batch_still_found(ctx, engine: str) -> None:
+    rec = RecordedEngine(load_capture(engine), ctx)
+    await rec.start()
+    follower = Follower(rec, ctx, idle_probe=0.02, idle_probe_max=0.16)
+    try:
+        await follower.start()
+        await rec.publish(0)
+        await settle(follower, 0)
+        # Probes that find nothing double the silence before the next, up to the bound.
+        await wait_for(lambda: follower.sub.probe_delay == 0.16)
+        probes = follower.sub.catch_ups
+        await rec.publish(1)  # live: the base period again
+        await settle(follower, 1)
+        await wait_for(lambda: follower.sub.catch_ups > probes)
+        await rec.publish(2, withhold=True)  # lost live: only a probe finds it, however slow
+        await settle(follower, 2)
+        assert follower.kinds() == [("EventBatch", i) for i in range(3)]
+        assert follower.sub.catch_ups - probes < 16  # not one every 20 ms
+    finally:
+        await follower.stop()
+        await rec.close()

@@ -520,6 +520,34 @@ class SyncParams:
         _check_int("max_buffered_bytes", self.max_buffered_bytes, lo=0)
 
 
+@dataclass(frozen=True, slots=True)
+class IdleParams:
+    """What the plane sends while nothing changes (``[idle]``; issue 30 item 4).
+
+    A value that moves is sent at once (load readings) or within a broadcast period (queue
+    vectors); one that does not is sent again only every ``heartbeat_ms``: an agent's
+    unchanged load report to its edges (which also read the engine only that often while it
+    sits idle) and an edge's unchanged queue vector to the other regions' edges and to its
+    own agents. An edge takes an agent's load reports as resumed after a silence of three
+    heartbeats (its engine was down or frozen). Liveness of the connections themselves is
+    the transport's keepalives, not this. Set it to ``score.broadcast_period_ms`` for the
+    behaviour before it existed (every report every period).
+
+    ``engine_probe_max_ms``: after a second without KV events an agent asks its engine's
+    replay socket for batches it missed (a lost last batch, a restart); while such probes find
+    nothing the silence before the next doubles up to this. Any event, or a probe that finds
+    something, brings the second back."""
+
+    heartbeat_ms: float = 1000.0
+    engine_probe_max_ms: float = 8000.0
+
+    def __post_init__(self) -> None:
+        _check_float("heartbeat_ms", self.heartbeat_ms, lo=0.0, hi=10_000.0, lo_open=True)
+        _check_float("engine_probe_max_ms", self.engine_probe_max_ms, lo=1000.0, hi=60_000.0)
+        for name in ("heartbeat_ms", "engine_probe_max_ms"):
+            _as_float(self, name)
+
+
 DECODE_POLICIES: Final = ("least_loaded", "random")
 SGLANG_BOOTSTRAP_PORT: Final = 8998  # SGLang's --disaggregation-bootstrap-port default
 
@@ -719,6 +747,7 @@ class ClusterConfig:
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)
     sync: SyncParams = field(default_factory=SyncParams)
     disaggregation: DisaggregationParams = field(default_factory=DisaggregationParams)
+    idle: IdleParams = field(default_factory=IdleParams)
     _one_way: dict[tuple[str, str], float] = field(init=False, repr=False, compare=False)
     _workers_by_id: dict[str, WorkerConfig] = field(init=False, repr=False, compare=False)
     _workers_by_region: dict[str, tuple[WorkerConfig, ...]] = field(init=False, repr=False, compare=False)
@@ -757,6 +786,11 @@ class ClusterConfig:
         if not isinstance(self.disaggregation, DisaggregationParams):
             raise ConfigError(f"expected DisaggregationParams, got {type(self.disaggregation).__name__}",
                               table="[disaggregation]")
+        if not isinstance(self.idle, IdleParams):
+            raise ConfigError(f"expected IdleParams, got {type(self.idle).__name__}", table="[idle]")
+        if self.idle.heartbeat_ms < self.score.broadcast_period_ms:
+            raise ConfigError(f"must be >= [score] broadcast_period_ms ({self.score.broadcast_period_ms}), "
+                              f"got {self.idle.heartbeat_ms}", table="[idle]", field="heartbeat_ms")
 
         self._check_entries("[[regions]]", self.regions, RegionConfig)
         self._check_entries("[[workers]]", self.workers, WorkerConfig)
@@ -941,7 +975,7 @@ class ClusterConfig:
 # ---------------------------------------------------------------- parsing
 
 _TOP_LEVEL = ("cluster", "index", "score", "frontdoor", "tokenizer", "regions", "links", "workers", "edges",
-              "maintenance", "deadlines", "sync", "disaggregation")
+              "maintenance", "deadlines", "sync", "disaggregation", "idle")
 _CLUSTER_KEYS = ("name", "model", "tenant", "shards", "intra_region_one_way_ms", "max_datagram_size")
 
 
@@ -1011,6 +1045,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
     sync = _build(SyncParams, _table(data, "sync", "[sync]"), "[sync]")
     disaggregation = _build(DisaggregationParams, _table(data, "disaggregation", "[disaggregation]"),
                             "[disaggregation]")
+    idle = _build(IdleParams, _table(data, "idle", "[idle]"), "[idle]")
     regions = [_build(RegionConfig, raw, f"[[regions]] #{i}") for i, raw in enumerate(_array(data, "regions"), 1)]
     links = [_build(LinkConfig, raw, f"[[links]] #{i}", allowed=("between", "one_way_ms"))
              for i, raw in enumerate(_array(data, "links"), 1)]
@@ -1037,6 +1072,7 @@ def _parse(data: Mapping[str, Any]) -> ClusterConfig:
         frontdoor=frontdoor,
         sync=sync,
         disaggregation=disaggregation,
+        idle=idle,
     )
 
 
@@ -1101,7 +1137,7 @@ def dump_config(cfg: ClusterConfig) -> str:
     _emit(lines, cfg, _CLUSTER_KEYS)
     for title, obj in (("index", cfg.index), ("score", cfg.score), ("frontdoor", cfg.frontdoor),
                        ("tokenizer", cfg.tokenizer), ("deadlines", cfg.deadlines), ("sync", cfg.sync),
-                       ("disaggregation", cfg.disaggregation)):
+                       ("disaggregation", cfg.disaggregation), ("idle", cfg.idle)):
         lines += ["", f"[{title}]"]
         _emit(lines, obj, _field_names(type(obj)))
     for region in cfg.regions:

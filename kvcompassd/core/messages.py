@@ -321,13 +321,18 @@ class QueueVectorBroadcast(WireMessage):
     """Region ``from_region``'s per-worker queue delays (ms) at ``sent_at`` (s, the sender's
     clock): edge -> edge as a datagram every Delta (``QueueEstimates.due_broadcasts``), and
     edge -> its own region's agents (``to_region == from_region``), which piggyback it on their
-    answers to other regions. Each worker appears once."""
+    answers to other regions. Each worker appears once. ``steady``: the values have stopped
+    moving, and the sender sends them again only when one changes or after ``[idle]
+    heartbeat_ms`` (``QueueEstimates.due_broadcasts`` with ``heartbeat_s``): a receiver holds
+    them as they are until then, rather than carrying them along a trend."""
 
     from_region: str
     to_region: str
     sent_at: float
     vector: tuple[tuple[str, float], ...]
-    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR}
+    steady: bool = False
+    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR,
+                      "steady": Bool()}
 
 
 # Index events reported by agents, worker lifecycle, view copies and load reports.

@@ -11,6 +11,9 @@ Remote regions reach it through two channels:
   one of our agents answered (``note_piggyback_sent``) or that we broadcast to. A received
   broadcast *replaces* the estimate (``on_broadcast``): it is the sender's own live view at
   ``sent_at``, newer than anything we hold, and averaging it with older values would only add lag.
+  The daemons go quiet while nothing moves (``due_broadcasts`` with ``heartbeat_s``): a vector
+  that stopped changing goes out marked ``steady`` a few times, then only every heartbeat; a
+  receiver holds a steady vector's values as they are (no trend) until the next one.
 
 A broadcast or piggybacked vector cannot include the work this edge sent within the last round
 trip to the worker's region: that work was still crossing the WAN when the worker was read. Each such dispatch (``note_dispatched``) is kept until it is one round trip old and
@@ -93,6 +96,10 @@ _SURPRISE_WEIGHT = 0.25
 _SURPRISE_FADE_PERIODS = 30
 # Charges awaiting retirement (one per request in flight): the oldest go beyond this.
 _MAX_CHARGES = 1 << 14
+# A vector that stopped changing is broadcast this many more periods (marked steady) before
+# the sender goes quiet until its heartbeat: one lost datagram does not leave a receiver
+# carrying the values along an old trend.
+STEADY_REPEATS = 2
 
 __all__ = ["QueueEstimateError", "QueueEstimates", "QueueVectorBroadcast", "QueueVectorError"]
 
@@ -177,6 +184,10 @@ class QueueEstimates:
         self._in_flight_total = [0.0] * n  # sum of each deque's ms, kept as entries come and go
         self._zero_since = [math.inf] * n  # when the queue last became 0; inf while busy or unknown
         self._last_sent_to = {r: -math.inf for r in self._remote_regions}
+        # Idle suppression (due_broadcasts with heartbeat_s): per remote region, the vector last
+        # broadcast to it and how many times in a row it went out unchanged.
+        self._last_vector_to: dict[str, tuple | None] = {r: None for r in self._remote_regions}
+        self._unchanged_sends = {r: 0 for r in self._remote_regions}
         self._last_broadcast_from = {r: -math.inf for r in self._remote_regions}  # sender's clock
         self._last_heard_from = {r: -math.inf for r in self._remote_regions}
 
@@ -327,7 +338,14 @@ class QueueEstimates:
             return False
         self._last_broadcast_from[msg.from_region] = msg.sent_at
         now = float(now)
-        self._note_trend(updates, now)
+        if msg.steady:
+            # The sender's values stopped moving and it goes quiet until one changes: hold
+            # them (no trend) rather than carry them along the slope they had while moving.
+            for i, ms in updates:
+                self._rate[i] = 0.0
+                self._trend_anchor[i] = (now, ms)
+        else:
+            self._note_trend(updates, now)
         self._store(updates, now)
         self._last_heard_from[msg.from_region] = now
         return True
@@ -415,8 +433,13 @@ class QueueEstimates:
             raise QueueEstimateError(f"unknown or own region {to_region!r}")
         self._last_sent_to[to_region] = max(self._last_sent_to[to_region], float(now))
 
-    def due_broadcasts(self, *, now: float) -> tuple[QueueVectorBroadcast, ...]:
+    def due_broadcasts(self, *, now: float, heartbeat_s: float | None = None) -> tuple[QueueVectorBroadcast, ...]:
         """Broadcasts to send now: to every remote region that got no vector from us within Delta.
+
+        With ``heartbeat_s`` (the daemons' ``[idle] heartbeat_ms``), a vector that has stopped
+        changing goes out marked ``steady`` for ``STEADY_REPEATS`` periods (a datagram may be
+        lost), then only every ``heartbeat_s`` until it changes: an idle region sends nothing
+        else. Without it (the simulator), every period as before.
 
         Returned broadcasts count as sent (the shell sends them all).
         """
@@ -426,16 +449,38 @@ class QueueEstimates:
         if not due:
             return ()
         vector = self.local_vector(now=now)
+        if heartbeat_s is None:
+            for r in due:
+                self._last_sent_to[r] = now
+            return tuple(QueueVectorBroadcast(self.region, r, now, vector) for r in due)
+        out = []
         for r in due:
+            unchanged = vector == self._last_vector_to[r]
+            if (unchanged and self._unchanged_sends[r] >= STEADY_REPEATS
+                    and now < self._last_sent_to[r] + heartbeat_s):
+                continue
+            self._unchanged_sends[r] = self._unchanged_sends[r] + 1 if unchanged else 0
+            self._last_vector_to[r] = vector
             self._last_sent_to[r] = now
-        return tuple(QueueVectorBroadcast(self.region, r, now, vector) for r in due)
+            out.append(QueueVectorBroadcast(self.region, r, now, vector, steady=unchanged))
+        return tuple(out)
 
-    def next_deadline(self, *, now: float) -> float | None:
-        """When ``due_broadcasts`` will next have something (now if overdue); None with one region."""
+    def next_deadline(self, *, now: float, heartbeat_s: float | None = None) -> float | None:
+        """When ``due_broadcasts`` will next have something (now if overdue); None with one region.
+
+        With ``heartbeat_s``, a region gone quiet (its vector sent unchanged ``STEADY_REPEATS``
+        times) is next asked about one period from ``now`` (its vector may change by then) or at
+        its heartbeat, whichever is first, instead of at once."""
         if not self._remote_regions:
             return None
-        earliest = min(self._last_sent_to.values()) + self._period_s
-        return max(float(now), earliest)
+        now = float(now)
+        if heartbeat_s is None:
+            earliest = min(self._last_sent_to.values()) + self._period_s
+        else:
+            earliest = min(min(last + heartbeat_s, max(last + self._period_s, now + self._period_s))
+                           if self._unchanged_sends[r] >= STEADY_REPEATS else last + self._period_s
+                           for r, last in self._last_sent_to.items())
+        return max(now, earliest)
 
     # ------------------------------------------------------------ queries
 

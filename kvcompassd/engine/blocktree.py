@@ -197,6 +197,37 @@ class BlockTree:
             out.extend(self.apply(event))
         return out
 
+    def apply_events(self, events: Iterable[KvEvent]) -> list[IndexEvent]:
+        """Apply ``events`` in order in one pass and return the net change of the keys they
+        touched (one diff at the end, not one per event): the same final state as ``apply``
+        on each, and index events that take the registrations from where they were to where
+        they are (a key stored and evicted within the events is not announced at all)."""
+        out: list[IndexEvent] = []
+        touched: set[int] = set()
+        page_size = self._page_size
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                if event.group_idx or (page_size is not None and event.block_size != page_size):  # type: ignore[union-attr]
+                    self._refuse(event)  # type: ignore[arg-type]
+                else:
+                    self._store(event, touched)  # type: ignore[arg-type]
+            elif kind is BlockRemoved:
+                if event.group_idx:  # type: ignore[union-attr]
+                    self._refuse(event)  # type: ignore[arg-type]
+                else:
+                    self._remove(event, touched)  # type: ignore[arg-type]
+            elif kind is AllBlocksCleared:
+                if touched:
+                    out.extend(self._diff(touched))
+                    touched = set()
+                out.extend(self.withdraw_all())
+            else:
+                raise TypeError(f"not a KV event: {event!r}")
+        if touched:
+            out.extend(self._diff(touched))
+        return out
+
     def apply(self, event: KvEvent) -> list[IndexEvent]:
         touched: set[int] = set()
         if isinstance(event, BlockStored):

@@ -387,8 +387,8 @@ def _decode_positional(raw: Sequence[Any]) -> KvEvent:
 def _decode_map(raw: Mapping[Any, Any]) -> KvEvent:
     kind = raw.get("type")
     if kind == "BlockStored":
-        missing = [k for k in ("block_hashes", "token_ids", "block_size") if k not in raw]
-        if missing:
+        if not ("block_hashes" in raw and "token_ids" in raw and "block_size" in raw):
+            missing = [k for k in ("block_hashes", "token_ids", "block_size") if k not in raw]
             raise KvEventError(f"BlockStored map lacks {', '.join(missing)}")
         return _stored(
             raw["block_hashes"], raw.get("parent_block_hash"), raw["token_ids"], raw["block_size"],
@@ -403,10 +403,48 @@ def _decode_map(raw: Mapping[Any, Any]) -> KvEvent:
     raise KvEventError(f"unknown event type {kind!r}")
 
 
+_INT64_END = 1 << 63
+
+
+def _signed_int64s(values: Any) -> bool:
+    """Whether ``values`` is a non-empty array of plain ints that are already canonical
+    (signed int64): what the engines send, which the fast paths below take as is."""
+    if type(values) is not list or not values:
+        return False
+    if len(values) == 1:  # one block per event is what SGLang and vLLM send
+        value = values[0]
+        return type(value) is int and INT64_MIN <= value < _INT64_END
+    return set(map(type, values)) == {int} and INT64_MIN <= min(values) and max(values) < _INT64_END
+
+
+def _plain_optional(value: Any, kind: type) -> bool:
+    return value is None or type(value) is kind
+
+
 def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
             lora_name: Any = None, group_idx: Any = None) -> BlockStored:
     if not isinstance(tokens, (list, tuple)):
         raise KvEventError(f"token_ids must be an array, got {type(tokens).__name__}")
+    # The shapes the engines send are checked here once and the event built without the
+    # constructor's second pass over the same fields (decoding was a third of an agent's CPU,
+    # issue 30 item 4). Anything else takes the validating constructor, which rejects it with
+    # its usual error; both build equal events (tests/test_kvevents.py checks it).
+    if (type(block_size) is int and block_size > 0 and _signed_int64s(hashes)
+            and (parent is None or (type(parent) is int and INT64_MIN <= parent < _INT64_END))
+            and _plain_optional(lora_id, int) and _plain_optional(medium, str) and _plain_optional(lora_name, str)
+            and (group_idx is None or (type(group_idx) is int and 0 <= group_idx < (1 << 32)))
+            and (len(hashes) - 1) * block_size < len(tokens) <= len(hashes) * block_size
+            and set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
+        event = _new_block_stored(BlockStored)
+        _set_hashes(event, tuple(hashes))
+        _set_parent(event, parent)
+        _set_tokens(event, tuple(tokens))
+        _set_block_size(event, block_size)
+        _set_lora(event, lora_id)
+        _set_medium(event, medium)
+        _set_lora_name(event, lora_name)
+        _set_group(event, group_idx)
+        return event
     return BlockStored(
         block_hashes=_hash_tuple(hashes, "block_hashes"),
         parent_block_hash=None if parent is None else canonical_hash(parent, "parent_block_hash"),
@@ -419,7 +457,96 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
     )
 
 
+def _plain_group(group_idx: Any) -> bool:
+    return group_idx is None or (type(group_idx) is int and 0 <= group_idx < (1 << 32))
+
+
+def _decode_coalesced(raws: list[Any], first_index: int) -> list[KvEvent]:
+    """Decode ``raws`` (events ``first_index``...) with each run of map-form events that
+    continue one another built as one event: BlockStored events of one block size, medium,
+    LoRA and group, each one's parent the last block of the one before (whose blocks were all
+    full), as one store of all their blocks; BlockRemoved events of one medium and group as
+    one removal of all their hashes. A block tree applies a store's blocks, and a removal's
+    hashes, one after the other in order, so it ends as the original events leave it; the
+    engines publish one event per block, and this builds one object per run of them instead
+    (issue 30 item 4). Each event is checked as :func:`_stored` / :func:`_removed` check it;
+    any other event, or one that fails the checks, goes through :func:`_decode_event` as
+    usual (and an invalid one rejects the batch with its usual error)."""
+    out: list[KvEvent] = []
+    kind = None  # of the open run: "stored" or "removed"
+    run_key: tuple = ()
+    hashes: list[BlockHash] = []
+    tokens: list[int] = []
+    parent: Any = None
+
+    def close() -> None:
+        if kind == "stored":
+            size, lora_id, medium, lora_name, group_idx = run_key
+            event = _new_block_stored(BlockStored)
+            _set_hashes(event, tuple(hashes))
+            _set_parent(event, parent)
+            _set_tokens(event, tuple(tokens))
+            _set_block_size(event, size)
+            _set_lora(event, lora_id)
+            _set_medium(event, medium)
+            _set_lora_name(event, lora_name)
+            _set_group(event, group_idx)
+            out.append(event)
+        elif kind == "removed":
+            event = _new_block_stored(BlockRemoved)
+            _set_removed_hashes(event, tuple(hashes))
+            _set_removed_medium(event, run_key[0])
+            _set_removed_group(event, run_key[1])
+            out.append(event)
+
+    for offset, raw in enumerate(raws):
+        kind_here = raw.get("type") if type(raw) is dict else None
+        if kind_here == "BlockStored":
+            event_hashes, event_tokens, size = raw.get("block_hashes"), raw.get("token_ids"), raw.get("block_size")
+            event_parent, lora_id, medium = raw.get("parent_block_hash"), raw.get("lora_id"), raw.get("medium")
+            lora_name, group_idx = raw.get("lora_name"), raw.get("group_idx")
+            if (type(size) is int and size > 0 and _signed_int64s(event_hashes) and type(event_tokens) is list
+                    and (event_parent is None or (type(event_parent) is int and INT64_MIN <= event_parent < _INT64_END))
+                    and _plain_optional(lora_id, int) and _plain_optional(medium, str)
+                    and _plain_optional(lora_name, str) and _plain_group(group_idx)
+                    and (len(event_hashes) - 1) * size < len(event_tokens) <= len(event_hashes) * size
+                    and set(map(type, event_tokens)) == {int} and min(event_tokens) >= 0
+                    and max(event_tokens) <= MAX_TOKEN_ID):
+                key = (size, lora_id, medium, lora_name, group_idx)
+                if (kind == "stored" and key == run_key and event_parent == hashes[-1]
+                        and len(tokens) == len(hashes) * size):
+                    hashes.extend(event_hashes)
+                    tokens.extend(event_tokens)
+                    continue
+                close()
+                kind, run_key, parent = "stored", key, event_parent
+                hashes, tokens = list(event_hashes), list(event_tokens)
+                continue
+        elif kind_here == "BlockRemoved":
+            event_hashes, medium, group_idx = raw.get("block_hashes"), raw.get("medium"), raw.get("group_idx")
+            if _signed_int64s(event_hashes) and _plain_optional(medium, str) and _plain_group(group_idx):
+                key = (medium, group_idx)
+                if kind == "removed" and key == run_key:
+                    hashes.extend(event_hashes)
+                    continue
+                close()
+                kind, run_key, hashes = "removed", key, list(event_hashes)
+                continue
+        close()
+        kind = None
+        out.append(_decode_event(raw, first_index + offset))
+    close()
+    return out
+
+
 def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
+    if (_signed_int64s(hashes) and _plain_optional(medium, str)
+            and (group_idx is None or (type(group_idx) is int and 0 <= group_idx < (1 << 32)))):
+        event = _new_block_stored(BlockRemoved)  # as _stored: checked once, built directly
+        _set_removed_hashes(event, tuple(hashes))
+        _set_removed_medium(event, medium)
+        _set_removed_group(event, group_idx)
+        return event
     return BlockRemoved(block_hashes=_hash_tuple(hashes, "block_hashes"), medium=_optional_str(medium, "medium"),
                         group_idx=group_idx)
 
@@ -446,12 +573,18 @@ class PayloadDecoder:
     one by one); smaller ones and the map form are unpacked whole, then their events are decoded
     in slices."""
 
-    __slots__ = ("_decoded", "_dp_rank", "_raw_events", "_remaining", "_trailing", "_ts", "_unpacker", "result",
+    __slots__ = ("_coalesce", "_consumed", "_decoded", "_dp_rank", "_raw_events", "_remaining", "_trailing", "_ts",
+                 "_unpacker", "result",
                  "seq")
 
-    def __init__(self, payload: bytes, seq: int, *, stream: bool | None = None) -> None:
+    def __init__(self, payload: bytes, seq: int, *, stream: bool | None = None, coalesce: bool = False) -> None:
         """``stream``: read the array form event by event (default: for payloads above
-        ``STREAM_ABOVE_BYTES``; one ``unpackb`` is faster for the usual small batches)."""
+        ``STREAM_ABOVE_BYTES``; one ``unpackb`` is faster for the usual small batches).
+        ``coalesce``: build each run of events that continue one another as one event
+        (:func:`_decode_coalesced`; a block mirror's view of the batch, not the engine's
+        events one for one)."""
+        self._coalesce = coalesce
+        self._consumed = 0
         if len(payload) > MAX_PAYLOAD_BYTES:
             raise KvEventError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
         self.seq = seq
@@ -515,13 +648,21 @@ class PayloadDecoder:
         try:
             decoded = self._decoded
             n = min(max_events, self._remaining)
-            if self._raw_events is not None:
-                start = len(decoded)
+            start = self._consumed
+            if self._coalesce:
+                if self._raw_events is not None:
+                    raws = self._raw_events[start:start + n]
+                else:
+                    unpack = self._unpacker.unpack  # type: ignore[union-attr]
+                    raws = [unpack() for _ in range(n)]
+                decoded.extend(_decode_coalesced(raws, start))
+            elif self._raw_events is not None:
                 decoded.extend(_decode_event(raw, start + i) for i, raw in enumerate(self._raw_events[start:start + n]))
             else:
                 unpack = self._unpacker.unpack  # type: ignore[union-attr]
-                for _ in range(n):
-                    decoded.append(_decode_event(unpack(), len(decoded)))
+                for i in range(n):
+                    decoded.append(_decode_event(unpack(), start + i))
+            self._consumed = start + n
             self._remaining -= n
             if self._remaining:
                 return False

@@ -122,8 +122,10 @@ class KvEventSubscriber:
         topic: str = "",
         replay_timeout: float = 2.0,
         idle_probe: float | None = 1.0,
+        idle_probe_max: float | None = None,
         context: zmq.asyncio.Context | None = None,
         drop: Callable[[int], bool] | None = None,
+        coalesce: bool = False,
     ) -> None:
         """``topic`` is the engine's ``topic`` setting (the engines' default is empty).
         ``replay_timeout`` bounds the wait for each replay reply. ``drop(seq) -> bool``
@@ -136,7 +138,14 @@ class KvEventSubscriber:
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout
         self._idle_probe = idle_probe
+        # While probes find nothing new, the silence before the next one doubles up to this.
+        self._idle_probe_max = idle_probe if idle_probe_max is None or idle_probe is None else max(idle_probe,
+                                                                                                   idle_probe_max)
+        self.probe_delay = idle_probe
         self._drop = drop
+        # Deliver each batch with runs of events that continue one another as one event
+        # (PayloadDecoder coalesce): what a block mirror needs, at a fraction of the objects.
+        self._coalesce = coalesce
         self.tracker = SequenceTracker()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.Socket | None = None
@@ -199,12 +208,17 @@ class KvEventSubscriber:
                     # of an inner future that completed as the task was cancelled, swallowing
                     # the cancellation, and this loop would then run forever.
                     try:
-                        async with asyncio.timeout(self._idle_probe):
+                        async with asyncio.timeout(self.probe_delay):
                             frames = await self._sub.recv_multipart()
                     except TimeoutError:
-                        self._disconnected()  # the catch-up checks the publisher anyway
+                        disconnected = self._disconnected()  # the catch-up checks the publisher anyway
+                        before = self.delivered
                         await self.catch_up()
+                        # An idle engine with nothing missed: probe it ever less often.
+                        self.probe_delay = (self._idle_probe if disconnected or self.delivered > before
+                                            or self.replay_failing else min(self._idle_probe_max, 2 * self.probe_delay))
                         continue
+                    self.probe_delay = self._idle_probe
                 await self.handle_live(frames)
         finally:
             with contextlib.suppress(zmq.ZMQError):
@@ -320,7 +334,7 @@ class KvEventSubscriber:
         self.tracker.applied(seq)
         self._last_digest = _digest(payload)
         try:
-            decoder = PayloadDecoder(payload, seq)
+            decoder = PayloadDecoder(payload, seq, coalesce=self._coalesce)
             while not decoder.step(DECODE_SLICE_EVENTS):
                 await asyncio.sleep(0)  # a huge batch: let QUIC keep-alives and load reports run
         except KvEventError as exc:

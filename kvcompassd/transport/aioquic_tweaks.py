@@ -178,3 +178,10 @@ def tracked_sent_packets(quic: QuicConnection) -> int:
 def last_ack_eliciting_sent(quic: QuicConnection) -> float:
     """When (loop time) the connection last sent an ack-eliciting packet after the handshake."""
     return quic._loss._time_of_last_sent_ack_eliciting_packet
+
+
+def acknowledgement_due(quic: QuicConnection) -> bool:
+    """Whether the connection owes the peer an ACK in the 1-RTT space: checked right after a
+    datagram was received, it says the datagram held an ack-eliciting packet (data or PING)."""
+    space = quic._spaces.get(Epoch.ONE_RTT)
+    return space is not None and space.ack_at is not None

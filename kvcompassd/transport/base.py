@@ -51,11 +51,17 @@ class TransportOptions:
     max_datagram_size: int | None = None
     exchange_streams: int = 4  # QUIC streams shared by the exchanges this node opens per connection
     idle_timeout: float = 10.0  # a silent peer is declared dead after this
-    # Both ends of a connection PING when they sent nothing ack-eliciting for this share of
-    # idle_timeout. The peer's idle timer restarts on every packet it *receives*, so under loss
-    # what counts is how many tries fit in one idle timeout: with 8, a path losing 30 % of its
-    # packets in each direction goes silent for a whole timeout with probability 0.3^8 < 1e-4
-    # (with one end pinging every third, it needed a ping *and* its ACK through, 0.51^3 = 13 %).
+    # The dialling end of a connection PINGs when for this share of idle_timeout it neither
+    # sent nor received anything ack-eliciting, the accepting end when it also heard nothing
+    # ack-eliciting for one and a half of it: an idle connection has the dialling end pinging
+    # and the accepting end acknowledging (half the packets of both pinging; issue 30 item 4),
+    # and an accepting end whose peer's pings stop arriving pings itself. An idle timer
+    # restarts on every packet its end *receives*, so under loss what counts is how many
+    # tries fit in one idle timeout: with 8,
+    # on a path losing 30 % of its packets each way an end hears nothing in one interval with
+    # probability ~0.3 (its ping or the ACK lost, and no ping of the peer's came), so it goes
+    # silent for a whole timeout with probability 0.3^8 < 1e-4 (aioquic also resends a lost
+    # PING). With one end pinging every third it was 0.51^3 = 13 %.
     keepalives_per_idle_timeout: int = 8
     handshake_timeout: float = 5.0
     reconnect_initial: float = 0.05

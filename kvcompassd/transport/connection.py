@@ -23,6 +23,7 @@ from aioquic.quic.connection import QuicConnection
 
 from kvcompassd.certs import CertError, peer_identity
 from kvcompassd.transport.aioquic_tweaks import (
+    acknowledgement_due,
     elicit_ack_for_ack_only_backlog,
     install_pacer,
     last_ack_eliciting_sent,
@@ -100,6 +101,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         )
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._keepalive: asyncio.TimerHandle | None = None
+        self._heard_at = float("-inf")  # when the peer last sent us an ack-eliciting packet
         self._control = SerialDispatcher(node.deliver)
         self._datagrams = SerialDispatcher(node.deliver)
 
@@ -140,7 +142,10 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         # aioquic's version transmits after every datagram; the event loop reads many datagrams
         # per wake-up, so one transmit per loop turn answers them all (one packet with the
         # acknowledgements and any replies, where aioquic would build and send several).
-        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        now = self._loop.time()
+        self._quic.receive_datagram(data, addr, now=now)
+        if acknowledgement_due(self._quic):
+            self._heard_at = now  # an ack-eliciting packet: our ACK answers it, no PING needed
         self._process_events()
         self._transmit_soon()
         if self._drain_waiters:  # acknowledgements may have freed send buffer
@@ -314,11 +319,19 @@ class QuicConnectionTransport(QuicConnectionProtocol):
 
     def _keepalive_due(self) -> None:
         """PING unless something ack-eliciting went out within the interval (which already
-        restarted the peer's idle timer, if it arrived); both ends do this."""
+        restarted the peer's idle timer, if it arrived) or came in (our ACK of it restarts the
+        peer's timer, and its arrival restarted ours). The dialling end counts what came in
+        over one interval, the accepting end over one and a half: an idle connection then has
+        the dialling end ping and the accepting end acknowledge, half the packets of both
+        pinging (with equal thresholds two ends whose timers fire in step each ping just before
+        hearing the other's, and both go on pinging), and an accepting end whose peer's pings
+        stop arriving pings itself half an interval later."""
         if self.terminated:
             return
         interval = self.node.options.keepalive_interval
-        if self._loop.time() - last_ack_eliciting_sent(self._quic) >= interval * 0.9:
+        now = self._loop.time()
+        unheard = interval * (0.9 if self.outbound else 1.5)
+        if now - last_ack_eliciting_sent(self._quic) >= interval * 0.9 and now - self._heard_at >= unheard:
             self._quic.send_ping(0)
             self.transmit()
         self._schedule_keepalive()
