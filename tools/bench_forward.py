@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +45,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcompassd.core.ablation import Ablation  # noqa: E402
-from kvcompassd.core.config import ClusterConfig, load_config  # noqa: E402
+from kvcompassd.core.config import ClusterConfig, load_config, parse_config  # noqa: E402
 from kvcompassd.core.events import PrefixCached, Tier  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
 from kvcompassd.core.keys import namespace_salt, prefix_keys, prefix_keys_reference, sha256_backend  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
 from kvcompassd.core.levels import LevelPlan  # noqa: E402
 from kvcompassd.core.router import Router  # noqa: E402
+from kvcompassd.sim.geo import DEPLOYMENTS, census_fleet, render_toml  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 FILL_CHUNK = 1 << 20
@@ -139,8 +141,21 @@ def build_view(cfg: ClusterConfig, entries: int, prompt: np.ndarray, seed: int) 
     return view, time.perf_counter() - t0, total
 
 
+def named_config(name: str) -> ClusterConfig:
+    """A shipped config (``config/NAME.toml``) or ``census:WxR[/S]``: a census-shaped fleet of W
+    workers in R regions (``kvcompassd.sim.geo.census_fleet`` from census-128x16), S shards
+    (default: the generator's)."""
+    if not name.startswith("census:"):
+        return load_config(CONFIG_DIR / f"{name}.toml")
+    size, _, shards = name[len("census:"):].partition("/")
+    workers, _, regions = size.partition("x")
+    spec = census_fleet(DEPLOYMENTS["census-128x16"], workers=int(workers), regions=int(regions),
+                        shards=int(shards) if shards else None)
+    return parse_config(tomllib.loads(render_toml(spec, over_budget=True)), spec.name)
+
+
 def bench_config(name: str, args: argparse.Namespace) -> None:
-    cfg = with_levels(load_config(CONFIG_DIR / f"{name}.toml"), args.levels, args.context_tokens)
+    cfg = with_levels(named_config(name), args.levels, args.context_tokens)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, 128_256, size=args.tokens, dtype=np.uint32)
     view, build_s, total = build_view(cfg, args.entries, prompt, args.seed)
@@ -233,6 +248,26 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
          median_us(lambda: observe(next(mclock)), args.repeat)),
     ]
 
+    # The daemon's decision split into its stages, each the C function the fused call runs (or the
+    # Python around it), timed alone on the same inputs; "Python around" is the decision's P50 less
+    # the fused call's median.
+    plan, pointers = lk.native_plan()
+    score_kernel, flags = daemon.scorer.kernel, daemon.scorer.kernel_flags(daemon.ablation)
+    split = [
+        ("hashing (prefix_keys, C SHA-256)", median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
+        ("C lookup (LookupPlan.run: view reads + decode)",
+         median_us(lambda: plan.run(pointers.pointers(), keys), args.repeat)),
+        ("score (ScoreKernel.run: C joint score)",
+         median_us(lambda: score_kernel.run(float(len(prompt)), queue, belief, found.matched, found.tier, None, flags),
+                   args.repeat)),
+        ("miss summary (MissSummary.flags)",
+         median_us(lambda: daemon._miss_summary.flags(found.matched, scored.scores, queue, scored.chosen),
+                   args.repeat)),
+    ]
+    fused = median_us(lambda: kernel.run(prompt, queue, belief, None), args.repeat)
+    split.append(("fused C call (all of the above + tie rotation)", fused))
+    split.append(("Python around the C call (decide P50 - fused)", rows[0][1] - fused))
+
     hits = {cfg.workers[i].id: int(m) for i, m in enumerate(found.matched.tolist()) if m}
     print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "
           f"{len(view.layout.groups)} region groups, levels={cfg.index.levels}, "
@@ -248,6 +283,10 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     print(f"{'stage (each timed alone)':<54} {'median µs':>9} {'':>9} {'':>9} {'x SHA':>8}")
     for label, us in stages:
         print(f"  {label:<52} {us:>9.2f} {'':>9} {'':>9} {us / sha:>8.2f}")
+    print(f"{'split of the daemon decision (P50 ' + format(rows[0][1], '.2f') + ' µs)':<54} "
+          f"{'median µs':>9} {'share':>9} {'':>9} {'x SHA':>8}")
+    for label, us in split:
+        print(f"  {label:<52} {us:>9.2f} {us / rows[0][1]:>9.0%} {'':>9} {us / sha:>8.2f}")
 
 
 def main() -> None:
