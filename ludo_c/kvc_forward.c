@@ -48,3 +48,40 @@ int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes,
     result->family = family >= 0 && (size_t)family < n_keys ? (int64_t)keys_out[family] : -1;
     return isfinite(scores_out[best]) ? KVC_OK : KVC_FORWARD_NONE_ELIGIBLE;
 }
+
+void kvc_queue_aged(size_t n, const double *ms, const double *taken_at, const double *rate, double now,
+                    double *out)
+{
+    for (size_t i = 0; i < n; i++) {
+        double age = (now - taken_at[i]) * 1000.0;
+        age = 0.0 >= age ? 0.0 : age; /* np.maximum(0.0, age): a NaN age stays NaN */
+        double value = ms[i] + rate[i] * age;
+        out[i] = 0.0 >= value ? 0.0 : value;
+    }
+}
+
+/* a ranks before b (a scanned after b, so only strictly better moves it up) */
+static int kvc_top_before(double a, double b)
+{
+    return !isnan(a) && (isnan(b) || a < b);
+}
+
+size_t kvc_top_k(size_t n, const double *scores, size_t k, int64_t *out)
+{
+    size_t held = 0;
+    for (size_t i = 0; i < n && k > 0; i++) {
+        double s = scores[i];
+        if (held == k && !kvc_top_before(s, scores[out[held - 1]]))
+            continue;
+        /* insert i after every held index it does not rank before (ties keep index order) */
+        size_t at = held < k ? held : k - 1;
+        while (at > 0 && kvc_top_before(s, scores[out[at - 1]])) {
+            out[at] = out[at - 1];
+            at--;
+        }
+        out[at] = (int64_t)i;
+        if (held < k)
+            held++;
+    }
+    return held;
+}

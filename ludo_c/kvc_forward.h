@@ -85,6 +85,18 @@ int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes,
                        const int64_t *last_sent, uint64_t *keys_out, int64_t *matched_out,
                        uint8_t *tier_out, double *scores_out, kvc_forward_result *result);
 
+/* The queue estimates carried to `now` (kvcompassd.core.queues, QueueEstimates._aged_ms):
+ *   out[i] = max(0, ms[i] + rate[i] * max(0, (now - taken_at[i]) * 1000))
+ * numpy's operations in numpy's order (np.maximum(0, x) keeps a NaN x), so the values are the
+ * same bit for bit. out may be ms. */
+void kvc_queue_aged(size_t n, const double *ms, const double *taken_at, const double *rate, double now,
+                    double *out);
+
+/* The indexes of the k lowest scores, best first, as the first k of numpy's stable argsort:
+ * ascending score, equal scores in index order, NaN after every number. Writes min(k, n)
+ * indexes to out and returns how many. O(n * k): for the few best candidates of a decision. */
+size_t kvc_top_k(size_t n, const double *scores, size_t k, int64_t *out);
+
 /* CDEF-END */
 
 #endif /* KVC_FORWARD_H */

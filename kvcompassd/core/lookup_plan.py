@@ -14,6 +14,10 @@ and need nothing.
 ``MissSummary`` tells the Router what a decision means to the hot-prefix detector, and
 ``slot_constructor`` builds the per-request frozen dataclasses cheaply.
 
+``top_k`` picks a decision's best few workers and ``QueueAging`` carries an edge's queue
+estimates to ``now``, each one C loop over the workers (the Python they replace cost more than
+the rest of a decision at 10,000 workers).
+
 ``ForwardKernel`` fuses a whole decision into one C call (``ludo_c/kvc_forward.c``): the prefix
 keys at the query lengths, a ``LookupPlan``'s reads, a ``ScoreKernel``'s score, the tie rotation
 and a ``MissSummary``, each the same C function its own wrapper calls; the Router drives it.
@@ -32,8 +36,8 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers",
-           "slot_constructor", "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION",
+__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "QueueAging", "ScoreKernel",
+           "ViewPointers", "slot_constructor", "top_k", "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION",
            "SCORE_LOAD_AWARE", "SCORE_TIER_AWARE"]
 
 SCORE_LOAD_AWARE = int(lib.KVC_SCORE_LOAD_AWARE)
@@ -48,6 +52,8 @@ _lookup_plan = lib.kvc_lookup_plan
 _score_joint = lib.kvc_score_joint
 _miss_summary = lib.kvc_miss_summary
 _forward_decide = lib.kvc_forward_decide
+_queue_aged = lib.kvc_queue_aged
+_top_k = lib.kvc_top_k
 _NONE_ELIGIBLE = int(lib.KVC_FORWARD_NONE_ELIGIBLE)
 _NULL = ffi.NULL
 _empty = np.empty
@@ -374,6 +380,50 @@ class ForwardKernel:
     def keys(self) -> np.ndarray:
         """The keys the last ``run`` computed, at every query length (valid up to its n_keys)."""
         return self._keys
+
+
+# Beyond this many, a sort beats the C loop's O(n * k) (top_k is for the few best candidates).
+_TOP_K_LOOP = 64
+
+
+def top_k(scores: np.ndarray, k: int) -> list[int]:
+    """Indexes of the ``k`` lowest ``scores`` (float64), best first: the first ``k`` of numpy's
+    stable argsort (equal scores in index order, NaN last), in one O(n x k) pass."""
+    if k <= 0:
+        return []
+    if k > _TOP_K_LOOP or scores.__class__ is not np.ndarray or scores.dtype != _F64 or scores.ndim != 1 \
+            or not scores.flags.c_contiguous:
+        return np.asarray(scores).argsort(kind="stable")[:k].tolist()
+    out = _empty(min(k, scores.size), _int64)
+    held = _top_k(scores.size, _from_buffer("double[]", scores), k, _from_buffer("int64_t[]", out))
+    return out[:held].tolist()
+
+
+class QueueAging:
+    """``max(0, ms + rate x max(0, (now - taken_at) x 1000))`` per worker in one C loop, bit for
+    bit numpy's result (``kvc_queue_aged``). ``taken_at`` and ``rate`` are the owner's arrays,
+    updated in place between calls (float64, contiguous, ``n`` long); ``ms`` comes with each call."""
+
+    __slots__ = ("n", "_taken_at", "_rate", "_c")
+
+    def __init__(self, taken_at: np.ndarray, rate: np.ndarray) -> None:
+        for name, a in (("taken_at", taken_at), ("rate", rate)):
+            if not (a.__class__ is np.ndarray and a.dtype == _F64 and a.ndim == 1 and a.flags.c_contiguous):
+                raise LookupPlanError(f"{name} must be a contiguous 1-D float64 array")
+        if rate.shape != taken_at.shape:
+            raise LookupPlanError("taken_at and rate must have one length")
+        self.n = int(taken_at.size)
+        self._taken_at, self._rate = taken_at, rate  # keep the buffers behind the pointers alive
+        self._c = (_from_buffer("double[]", taken_at), _from_buffer("double[]", rate))
+
+    def aged(self, ms: np.ndarray, now: float) -> np.ndarray:
+        """A new array: ``ms`` (contiguous float64, ``n`` long) carried to ``now``."""
+        if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (self.n,) and ms.flags.c_contiguous):
+            raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({self.n},)")
+        out = _empty(self.n, _float64)
+        taken_at, rate = self._c
+        _queue_aged(self.n, _from_buffer("double[]", ms), taken_at, rate, now, _from_buffer("double[]", out))
+        return out
 
 
 def slot_constructor(cls: type) -> Callable[..., Any]:

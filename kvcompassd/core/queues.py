@@ -80,6 +80,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .config import ClusterConfig
+from .lookup_plan import QueueAging
 from .messages import QueueVectorBroadcast
 
 # The trend of a remote worker's queue is its values' slope over this many broadcast periods
@@ -139,6 +140,7 @@ class QueueEstimates:
         # How each value moves between readings, ms per ms: own-region readings drain (-1);
         # a remote value follows the trend of its worker's vectors (0 until two are apart).
         self._rate = np.where(local, -1.0, 0.0)
+        self._aging = QueueAging(self._taken_at, self._rate)  # reads both arrays, updated in place
         self._trend_anchor: list[tuple[float, float] | None] = [None] * n  # (received at, ms)
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
@@ -467,8 +469,8 @@ class QueueEstimates:
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
-        age_ms = np.maximum(0.0, (float(now) - self._taken_at) * 1000.0)
-        aged = _snapshot(np.maximum(0.0, ms + self._rate * age_ms))
+        # max(0, ms + rate x max(0, (now - taken_at) x 1000)), one C loop (bit for bit numpy's)
+        aged = _snapshot(self._aging.aged(ms, float(now)))
         self._aged = (now, ms, aged)
         return aged
 
