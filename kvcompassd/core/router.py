@@ -166,7 +166,8 @@ class Router:
         keys = None
         if pending is not None:
             keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
-            shown = pending.overlay(keys.tolist(), matched, tier, now=now)
+            # An empty ledger raises nothing (its purge can wait for the next note_sent).
+            shown = pending.overlay(keys.tolist(), matched, tier, now=now) if len(pending) else None
             if shown is not None:
                 return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief, eligible,
                                       now)
