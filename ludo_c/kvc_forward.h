@@ -85,6 +85,17 @@ int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes,
                        const int64_t *last_sent, uint64_t *keys_out, int64_t *matched_out,
                        uint8_t *tier_out, double *scores_out, kvc_forward_result *result);
 
+/* kvc_score_joint's scores (the same operations in the same order: the same bits) with its
+ * argmin and the decision's tie rotation folded into the one pass over the workers: returns the
+ * argmin (the first minimum, or the first NaN; -1 if n == 0) and writes to chosen_out the first
+ * of the workers scoring exactly as it with the least last_sent (last_sent NULL: the argmin).
+ * The queue's minimum (for lam) is taken in four lanes. What kvc_forward_decide runs. */
+int64_t kvc_score_choose(size_t n, double prompt_len, const double *wan, const double *beta, const double *queue,
+                         const double *belief, const int64_t *matched, const uint8_t *tier,
+                         const double *local_factor, const double *remote_penalty, const uint8_t *eligible,
+                         double gamma, double lambda_max, double tau, unsigned flags, const int64_t *last_sent,
+                         double *scores_out, double *lam_out, int64_t *chosen_out);
+
 /* The queue estimates carried to `now` (kvcompassd.core.queues, QueueEstimates._aged_ms):
  *   out[i] = max(0, ms[i] + rate[i] * max(0, (now - taken_at[i]) * 1000))
  * numpy's operations in numpy's order (np.maximum(0, x) keeps a NaN x), so the values are the

@@ -168,6 +168,9 @@ uint64_t kvc_view_lookup(const kvc_view *view, uint64_t key);
 /* Batch lookup with software prefetching across the batch; values_out[i] as kvc_view_lookup. */
 void kvc_view_lookup_many(const kvc_view *view, const uint64_t *keys, size_t n,
                           uint64_t *values_out);
+/* kvc_view_lookup of keys[i] in views[i] (NULL: 0) for i < n, the reads overlapped as in
+ * kvc_view_lookup_many. */
+void kvc_view_lookup_multi(const kvc_view *const *views, const uint64_t *keys, size_t n, uint64_t *out);
 
 /* Epoch, table id, geometry and accounting of the view. */
 uint64_t kvc_view_epoch(const kvc_view *view);
