@@ -1,13 +1,22 @@
 """The paper's forwarding microbenchmark: one edge's ``Router.decide`` on a large view.
 
     python tools/bench_forward.py [--entries 10000000] [--levels 5] [--repeat 5000] [--rounds 10]
-        [--tokens 4096] [--context-tokens N] [--configs testbed-3continent,census-64x8]
+        [--tokens 4096] [--context-tokens N] [--in-flight 64]
+        [--configs testbed-3continent,census-64x8[,census:10000x100]]
+
+``census:WxR[/S]`` names a census-shaped fleet of W workers in R regions (S shards), generated
+by ``kvcompassd.sim.geo`` as tools/scale_projection.py does; issue 31 measures the decision at
+``census:10000x100`` with ``--entries 2000000``.
 
 Per deployment config: the shards' Ludo tables are filled with ``--entries`` random keys in
 total (each key on its own shard, ``key % N``; one random holder per key, a second in a quarter)
 through the tables' batch insert, plus the benchmark prompt registered by one worker per region
 at every length it covers, so the lookup finds real holders. One edge view is built from the
 shards' snapshots, and one edge (the first region's) decides for a ``--tokens`` prompt.
+
+Each decision's request ends ``--in-flight`` decisions later (``Router.on_aborted``, outside the
+timed call), as a daemon ends its requests: the edge's per-dispatch ledgers hold what is in
+flight, not every dispatch ever made.
 
 Printed per config, all measured in the same run on one thread:
 - one SHA-256 pass over the prompt's uint32 bytes (the reference of issue 3's targets), sampled
@@ -24,12 +33,16 @@ Printed per config, all measured in the same run on one thread:
   native lookup alone (``PrefixLookup.lookup``), the reference lookup's view reads (one
   ``LudoView.lookup`` per group and level) and numpy decode (``PrefixLookup._decode``), score
   (``JointScorer.score``), top-k (``ScoreResult.top(3)``) and the migration detector
-  (observation + ``HotPrefixDetector.observe``).
+  (observation + ``HotPrefixDetector.observe``);
+- the daemon decision's split: hashing, the C lookup, the C score, the miss summary (each the C
+  function the fused call runs, through its wrapper), the fused call, and the Python around it
+  (the decision's P50 less the fused call's median).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -59,16 +72,37 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 FILL_CHUNK = 1 << 20
 
 
-def samples_ns(fn, repeat: int) -> list[int]:
+def samples_ns(fn, repeat: int, after=None) -> list[int]:
+    """``repeat`` timings of ``fn()``; ``after(result)``, if given, runs untimed after each call."""
     for _ in range(min(200, repeat)):
-        fn()
+        result = fn()
+        if after is not None:
+            after(result)
     out = []
     clock = time.perf_counter_ns
     for _ in range(repeat):
         t0 = clock()
-        fn()
+        result = fn()
         out.append(clock() - t0)
+        if after is not None:
+            after(result)
     return out
+
+
+class InFlight:
+    """Ends each decision's request ``depth`` decisions later (``Router.on_aborted``: its charge
+    and ledgers retired, nothing learned), as a daemon with ``depth`` requests in flight ends
+    them: without it every dispatch stays open and the edge's per-dispatch ledgers fill to their
+    caps, which no serving edge does."""
+
+    def __init__(self, router: Router, clock, depth: int) -> None:
+        self.router, self.clock, self.depth = router, clock, depth
+        self.open: collections.deque[int] = collections.deque()
+
+    def __call__(self, decision) -> None:
+        self.open.append(decision.dispatch)
+        if len(self.open) > self.depth:
+            self.router.on_aborted(self.open.popleft(), now=self.clock())
 
 
 def p(samples: list[int], q: float) -> float:
@@ -80,10 +114,15 @@ def median_us(fn, repeat: int) -> float:
     return statistics.median(samples_ns(fn, repeat)) / 1000.0
 
 
-def rate_per_s(fn, repeat: int) -> float:
+def rate_per_s(fn, repeat: int, after=None) -> float:
+    """Calls of ``fn`` per second in a tight loop (``after(result)`` included, if given)."""
     t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
+    if after is None:
+        for _ in range(repeat):
+            fn()
+    else:
+        for _ in range(repeat):
+            after(fn())
     return repeat / (time.perf_counter() - t0)
 
 
@@ -190,21 +229,33 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     # A slowly advancing clock keeps the hot-prefix windows realistic (no flood of one family).
     clocks = [itertools.count(0.0, 0.01) for _ in cases]
     feeds = [make() for _, _, make in cases]
+    # The time each case's decisions were last made at, for the requests it ends.
+    last_now = [0.0] * len(cases)
+
+    def stamped(k: int):
+        def tick() -> float:
+            last_now[k] = next(clocks[k])
+            return last_now[k]
+        return tick
+
+    ticks = [stamped(k) for k in range(len(cases))]
+    ends = [InFlight(router, (lambda k=k: last_now[k]), args.in_flight) if args.in_flight else None
+            for k, (_, router, _) in enumerate(cases)]
     sha_samples: list[int] = []
     case_samples: list[list[int]] = [[] for _ in cases]
     per_round = max(1, args.repeat // args.rounds)
     for _ in range(args.rounds):
         sha_samples += samples_ns(lambda: hashlib.sha256(salt + data).digest(), per_round)
-        for (_, router, _), clock, feed, out in zip(cases, clocks, feeds, case_samples):
-            out += samples_ns(lambda: router.decide(next(feed), now=next(clock)), per_round)
+        for (_, router, _), tick, feed, end, out in zip(cases, ticks, feeds, ends, case_samples):
+            out += samples_ns(lambda: router.decide(next(feed), now=tick()), per_round, end)
     sha = statistics.median(sha_samples) / 1000.0
     rows = []
-    for (label, router, _), clock, feed, s in zip(cases, clocks, feeds, case_samples):
-        rate = rate_per_s(lambda: router.decide(next(feed), now=next(clock)), args.repeat)
+    for (label, router, _), tick, feed, end, s in zip(cases, ticks, feeds, ends, case_samples):
+        rate = rate_per_s(lambda: router.decide(next(feed), now=tick()), args.repeat, end)
         rows.append((label, p(s, 50), p(s, 99), rate))
 
-    on_clock, on_feed = clocks[-1], feeds[-1]
-    credited = sum(ledger_on.decide(next(on_feed), now=next(on_clock)).pending for _ in range(len(unheld)))
+    on_tick, on_feed = ticks[-1], feeds[-1]
+    credited = sum(ledger_on.decide(next(on_feed), now=on_tick()).pending for _ in range(len(unheld)))
 
     # Stage breakdown on the same inputs.
     lk = daemon.lookup
@@ -305,6 +356,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5000, help="samples per case")
     parser.add_argument("--rounds", type=int, default=10,
                         help="the SHA-256 reference and the decision cases alternate in this many rounds")
+    parser.add_argument("--in-flight", type=int, default=64,
+                        help="each decision's request ends this many decisions later (Router.on_aborted, untimed "
+                             "except in dec/s), as in a daemon with that many requests in flight; 0: never")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default="testbed-3continent,census-64x8")
     args = parser.parse_args()
