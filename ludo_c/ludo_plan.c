@@ -24,9 +24,8 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
 {
     if (shards == 0 || (groups != 0 && max_levels == 0))
         return KVC_ERR_ARG;
-    for (size_t w = 0; w < workers; w++)
-        if (worker_group[w] < 0 || (size_t)worker_group[w] >= groups || worker_shift[w] > 62 || (worker_shift[w] & 1))
-            return KVC_ERR_ARG;
+    /* Each worker's group and shift are checked where the decode below reads them (the reads
+     * before it do not use them): a bad one returns KVC_ERR_ARG with the outputs unspecified. */
 
     /* Read every group's levels, shortest first, while they fit the prompt (keys in range).
      * Level by level across groups, so that consecutive reads are independent and their cache
@@ -77,6 +76,8 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
 
     /* Per worker: the level its rule selects, and its 2-bit field there. */
     for (size_t w = 0; w < workers; w++) {
+        if (worker_group[w] < 0 || (size_t)worker_group[w] >= groups || worker_shift[w] > 62 || (worker_shift[w] & 1))
+            return KVC_ERR_ARG;
         size_t g = (size_t)worker_group[w];
         unsigned shift = worker_shift[w];
         const uint64_t *values = values_out + g * max_levels;

@@ -30,6 +30,7 @@ pointers come from ``LudoView._ptr``, the wrapper's cffi handle (the C API takes
 from __future__ import annotations
 
 from dataclasses import fields
+from operator import attrgetter, is_ as _is
 from typing import Any, Callable
 
 import numpy as np
@@ -61,6 +62,7 @@ _int64 = np.int64
 _uint8 = np.uint8
 _float64 = np.float64
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
+_views_of = attrgetter("views")
 
 
 class LookupPlanError(ValueError):
@@ -85,11 +87,9 @@ class ViewPointers:
         self._array = ffi.new("kvc_view *[]", max(1, len(self._state) * groups))
 
     def pointers(self) -> Any:
-        dicts = self._dicts
-        for i, st in enumerate(self._state):
-            if st.views is not dicts[i]:
-                self._rebuild()
-                break
+        # One identity test per shard, iterated in C (a Python loop cost µs per decision at 100 shards).
+        if not all(map(_is, map(_views_of, self._state), self._dicts)):
+            self._rebuild()
         return self._array
 
     def refresh(self, shard: int, group: int) -> None:
@@ -286,12 +286,11 @@ class ForwardKernel:
     query lengths, None if it is not one) and ``backend``, the prefix keys' SHA-256 backend code
     (``keys.SHA256_BACKENDS``).
 
-    The C call writes into buffers made once; each run returns fresh copies of the per-worker
-    arrays (a decision keeps them), which costs less than handing new buffers to C every time.
+    Each run hands C new per-worker arrays to write (a decision keeps them): at 10,000 workers a
+    copy of reused buffers cost more than the cffi handles of new ones.
     """
 
-    __slots__ = ("workers", "_plan", "_pointers", "_result", "_keys", "_matched", "_tier", "_scores",
-                 "_outputs", "_belief", "_belief_c", "_keep")
+    __slots__ = ("workers", "_plan", "_pointers", "_result", "_keys", "_outputs", "_belief", "_belief_c", "_keep")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -315,9 +314,6 @@ class ForwardKernel:
         self.workers = n
         self._pointers = pointers
         self._keys = np.zeros(max(1, query.size), dtype=np.uint64)
-        self._matched = np.zeros(n, dtype=np.int64)
-        self._tier = np.zeros(n, dtype=np.uint8)
-        self._scores = np.zeros(n, dtype=np.float64)
         c = ffi.new("kvc_forward_plan *")
         salt_c = ffi.new("uint8_t[]", salt) if salt else _NULL
         c.salt, c.salt_len = salt_c, len(salt)
@@ -334,9 +330,7 @@ class ForwardKernel:
         c.local, c.floors = miss._c
         c.family_index = -1 if family_index is None else family_index
         self._plan = c
-        self._outputs = (_from_buffer("int64_t[]", last_sent), _from_buffer("uint64_t[]", self._keys),
-                         _from_buffer("int64_t[]", self._matched), _from_buffer("uint8_t[]", self._tier),
-                         _from_buffer("double[]", self._scores))
+        self._outputs = (_from_buffer("int64_t[]", last_sent), _from_buffer("uint64_t[]", self._keys))
         self._belief: np.ndarray | None = None  # beliefs change on responses only: their pointer is kept
         self._belief_c = _NULL
         # The struct borrows these buffers: keep them (and their owners) alive with it.
@@ -364,9 +358,12 @@ class ForwardKernel:
             raise LookupPlanError(f"queue, belief and eligible must hold {n} values")
         self._pointers.pointers()  # rewrites the plan's view array in place after a snapshot
         result = self._result
-        last_sent, keys, matched, tier, scores = self._outputs
+        last_sent, keys = self._outputs
+        # New arrays each decision (a decision keeps them), written by C in place: no copy.
+        matched, tier, scores = _empty(n, _int64), _empty(n, _uint8), _empty(n, _float64)
         rc = _forward_decide(self._plan, tokens_c, len(tokens_c) >> 2, queue_c, self._belief_c, eligible_c,
-                             last_sent, keys, matched, tier, scores, result)
+                             last_sent, keys, _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier),
+                             _from_buffer("double[]", scores), result)
         if rc:
             if rc != _NONE_ELIGIBLE:
                 raise LookupPlanError(f"kvc_forward_decide rejected its arguments (code {rc})")
@@ -374,8 +371,7 @@ class ForwardKernel:
         else:
             best = result.best
         family = result.family
-        return (self._matched.copy(), self._tier.copy(), self._scores.copy(), best, result.chosen, result.lam,
-                result.miss, None if family < 0 else family)
+        return matched, tier, scores, best, result.chosen, result.lam, result.miss, None if family < 0 else family
 
     def keys(self) -> np.ndarray:
         """The keys the last ``run`` computed, at every query length (valid up to its n_keys)."""
