@@ -313,7 +313,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
         ("hashing (prefix_keys, C SHA-256)", median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
         ("C lookup (LookupPlan.run: view reads + decode)",
          median_us(lambda: plan.run(pointers.pointers(), keys), args.repeat)),
-        ("score (ScoreKernel.run: C joint score)",
+        ("score (ScoreKernel.run: kvc_score_choose)",
          median_us(lambda: score_kernel.run(float(len(prompt)), queue, belief, found.matched, found.tier, None, flags),
                    args.repeat)),
         ("miss summary (MissSummary.flags)",

@@ -50,7 +50,7 @@ MISS_REMOTE_WORTH = int(lib.KVC_MISS_REMOTE_WORTH)
 
 _from_buffer = ffi.from_buffer
 _lookup_plan = lib.kvc_lookup_plan
-_score_joint = lib.kvc_score_joint
+_score_choose = lib.kvc_score_choose
 _miss_summary = lib.kvc_miss_summary
 _forward_decide = lib.kvc_forward_decide
 _queue_aged = lib.kvc_queue_aged
@@ -203,14 +203,15 @@ class LookupPlan:
 
 
 class ScoreKernel:
-    """The joint score's C loop over fixed per-worker constants (``kvc_score_joint``).
+    """The joint score's C loop over fixed per-worker constants (``kvc_score_choose``, the scores
+    and argmin of ``kvc_score_joint`` in one pass).
 
     ``run`` takes the per-request arrays, contiguous and n long: float64 queue and belief, int64
     matched, uint8 tier, bool or uint8 eligible (or None); the caller checks shapes and dtypes
     (``JointScorer`` does). Returns (argmin, lam, scores).
     """
 
-    __slots__ = ("n", "_constants", "_params", "_arrays", "_lam")
+    __slots__ = ("n", "_constants", "_params", "_arrays", "_lam", "_chosen")
 
     def __init__(self, wan: np.ndarray, beta: np.ndarray, local_factor: np.ndarray, remote_penalty: np.ndarray,
                  *, gamma: float, lambda_max: float, tau: float) -> None:
@@ -222,6 +223,7 @@ class ScoreKernel:
         self._constants = tuple(_from_buffer("double[]", a) for a in arrays)
         self._params = (float(gamma), float(lambda_max), float(tau))
         self._lam = ffi.new("double *")  # reused: a kernel serves one thread
+        self._chosen = ffi.new("int64_t *")  # (the tie rotation's answer: unused without last_sent)
 
     def run(self, prompt_len: float, queue: np.ndarray, belief: np.ndarray, matched: np.ndarray, tier: np.ndarray,
             eligible: np.ndarray | None, flags: int) -> tuple[int, float, np.ndarray]:
@@ -230,11 +232,12 @@ class ScoreKernel:
         lam = self._lam
         wan, beta, local_factor, remote_penalty = self._constants
         gamma, lambda_max, tau = self._params
-        chosen = _score_joint(
+        # kvc_score_choose: kvc_score_joint's scores and argmin in one pass (what the fused call runs)
+        chosen = _score_choose(
             n, prompt_len, wan, beta, _from_buffer("double[]", queue), _from_buffer("double[]", belief),
             _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier), local_factor, remote_penalty,
             _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
-            gamma, lambda_max, tau, flags, _from_buffer("double[]", scores), lam)
+            gamma, lambda_max, tau, flags, _NULL, _from_buffer("double[]", scores), lam, self._chosen)
         return chosen, lam[0], scores
 
 
