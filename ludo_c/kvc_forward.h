@@ -2,10 +2,11 @@
  * kvc_forward.h -- one edge forwarding decision in one C call (kvcompassd issue 3, paper 3.4).
  *
  * Hashes the prompt at the edge's query lengths (kvc_prefix_keys), reads every (shard, region
- * group) view at them (kvc_lookup_plan), scores every worker (kvc_score_joint), rotates exact
- * ties toward the least recently sent worker and summarises the decision for the hot-prefix
- * detector (kvc_miss_summary): the same functions, called in the order the Python Router calls
- * their wrappers, so the results are the same bit for bit. The caller owns every buffer; nothing
+ * group) view at them (kvc_lookup_plan), scores every worker and rotates exact ties toward the
+ * least recently sent worker in one pass (kvc_score_choose: kvc_score_joint's scores, its argmin
+ * and the tie rotation) and summarises the decision for the hot-prefix detector
+ * (kvc_miss_summary): the functions the Python Router's wrappers call, so the results are the
+ * same bit for bit. The caller owns every buffer; nothing
  * is allocated, no clock is read.
  *
  * Everything between CDEF-BEGIN and CDEF-END is also fed to cffi's cdef: plain declarations only.
