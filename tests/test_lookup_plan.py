@@ -425,3 +425,37 @@ def test_queue_aging_reads_its_arrays_as_they_change_and_checks_shapes():
         QueueAging(np.zeros(3), np.zeros(2))
     with pytest.raises(LookupPlanError):
         QueueAging(np.zeros(3, dtype=np.int64), np.zeros(3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(picks=st.lists(st.tuples(st.integers(-1, 2), st.one_of(st.integers(0, 2**63 - 1), st.just(2**64 - 1))),
+                      max_size=120),
+       fingerprint_bits=st.sampled_from([0, 8]))
+def test_lookups_across_views_equal_one_lookup_each(picks, fingerprint_bits):
+    """``kvc_view_lookup_multi`` (the fused call's reads) answers each (view, key) pair as
+    ``kvc_view_lookup`` does: in any mix of views, with missing views (NULL) and keys >= 2^63."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+    from kvcompassd.core.ludo import LudoTable, LudoView
+
+    rng = np.random.default_rng(len(picks))
+    views = []
+    for seed in range(3):
+        table = LudoTable(64, seed=seed + 1, fingerprint_bits=fingerprint_bits)
+        keys = np.unique(rng.integers(0, 2**63 - 1, size=40, dtype=np.uint64))
+        table.insert_many(keys.tolist(), rng.integers(1, 2**32 - 1, size=keys.size).tolist())
+        views.append((LudoView.from_snapshot(table.snapshot()), keys))
+    pairs = []
+    for which, key in picks:  # half the keys inserted ones, so hits are read too
+        view = None if which < 0 else views[which][0]
+        if which >= 0 and key % 2 and key < 2**63:
+            key = int(views[which][1][key % views[which][1].size])
+        pairs.append((view, key))
+    pointers = ffi.new("kvc_view *[]", max(1, len(pairs)))
+    for i, (view, _) in enumerate(pairs):
+        pointers[i] = ffi.NULL if view is None else view._ptr
+    keys = np.array([key for _, key in pairs], dtype=np.uint64)
+    out = np.full(len(pairs), 12345, dtype=np.uint64)
+    lib.kvc_view_lookup_multi(pointers, ffi.from_buffer("uint64_t[]", keys), len(pairs),
+                              ffi.from_buffer("uint64_t[]", out))
+    expected = [0 if view is None else int(lib.kvc_view_lookup(view._ptr, key)) for view, key in pairs]
+    assert out.tolist() == expected
