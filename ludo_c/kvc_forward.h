@@ -2,10 +2,11 @@
  * kvc_forward.h -- one edge forwarding decision in one C call (kvcompassd issue 3, paper 3.4).
  *
  * Hashes the prompt at the edge's query lengths (kvc_prefix_keys), reads every (shard, region
- * group) view at them (kvc_lookup_plan), scores every worker (kvc_score_joint), rotates exact
- * ties toward the least recently sent worker and summarises the decision for the hot-prefix
- * detector (kvc_miss_summary): the same functions, called in the order the Python Router calls
- * their wrappers, so the results are the same bit for bit. The caller owns every buffer; nothing
+ * group) view at them (kvc_lookup_plan), scores every worker and rotates exact ties toward the
+ * least recently sent worker in one pass (kvc_score_choose: kvc_score_joint's scores, its argmin
+ * and the tie rotation) and summarises the decision for the hot-prefix detector
+ * (kvc_miss_summary): the functions the Python Router's wrappers call, so the results are the
+ * same bit for bit. The caller owns every buffer; nothing
  * is allocated, no clock is read.
  *
  * Everything between CDEF-BEGIN and CDEF-END is also fed to cffi's cdef: plain declarations only.
@@ -84,6 +85,29 @@ int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes,
                        const double *queue, const double *belief, const uint8_t *eligible,
                        const int64_t *last_sent, uint64_t *keys_out, int64_t *matched_out,
                        uint8_t *tier_out, double *scores_out, kvc_forward_result *result);
+
+/* kvc_score_joint's scores (the same operations in the same order: the same bits) with its
+ * argmin and the decision's tie rotation folded into the one pass over the workers: returns the
+ * argmin (the first minimum, or the first NaN; -1 if n == 0) and writes to chosen_out the first
+ * of the workers scoring exactly as it with the least last_sent (last_sent NULL: the argmin).
+ * The queue's minimum (for lam) is taken in four lanes. What kvc_forward_decide runs. */
+int64_t kvc_score_choose(size_t n, double prompt_len, const double *wan, const double *beta, const double *queue,
+                         const double *belief, const int64_t *matched, const uint8_t *tier,
+                         const double *local_factor, const double *remote_penalty, const uint8_t *eligible,
+                         double gamma, double lambda_max, double tau, unsigned flags, const int64_t *last_sent,
+                         double *scores_out, double *lam_out, int64_t *chosen_out);
+
+/* The queue estimates carried to `now` (kvcompassd.core.queues, QueueEstimates._aged_ms):
+ *   out[i] = max(0, ms[i] + rate[i] * max(0, (now - taken_at[i]) * 1000))
+ * numpy's operations in numpy's order (np.maximum(0, x) keeps a NaN x), so the values are the
+ * same bit for bit. out may be ms. */
+void kvc_queue_aged(size_t n, const double *ms, const double *taken_at, const double *rate, double now,
+                    double *out);
+
+/* The indexes of the k lowest scores, best first, as the first k of numpy's stable argsort:
+ * ascending score, equal scores in index order, NaN after every number. Writes min(k, n)
+ * indexes to out and returns how many. O(n * k): for the few best candidates of a decision. */
+size_t kvc_top_k(size_t n, const double *scores, size_t k, int64_t *out);
 
 /* CDEF-END */
 

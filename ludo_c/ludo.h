@@ -179,6 +179,9 @@ uint64_t kvc_view_lookup(const kvc_view *view, uint64_t key);
 /* Batch lookup with software prefetching across the batch; values_out[i] as kvc_view_lookup. */
 void kvc_view_lookup_many(const kvc_view *view, const uint64_t *keys, size_t n,
                           uint64_t *values_out);
+/* kvc_view_lookup of keys[i] in views[i] (NULL: 0) for i < n, the reads overlapped as in
+ * kvc_view_lookup_many. */
+void kvc_view_lookup_multi(const kvc_view *const *views, const uint64_t *keys, size_t n, uint64_t *out);
 
 /* Epoch, table id, geometry and accounting of the view. */
 uint64_t kvc_view_epoch(const kvc_view *view);
@@ -235,7 +238,8 @@ void kvc_bench_view_lookups(const kvc_view *view, const uint64_t *keys, size_t n
  *                 field has missed. 0: the longest level with a hit (the paper's plain rule).
  *   values_out    [groups * max_levels] scratch, left holding the values read (0 = not read).
  *   matched_out   [workers]: the matched length, 0 = none; tier_out [workers]: the field there.
- * Returns KVC_OK, or KVC_ERR_ARG (no shard, a worker naming no group, a bad shift). */
+ * Returns KVC_OK, or KVC_ERR_ARG (no shard, a worker naming no group, a bad shift; the outputs
+ * are then unspecified). */
 int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
                     const uint64_t *keys, size_t n_keys,
                     const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,

@@ -24,9 +24,8 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
 {
     if (shards == 0 || (groups != 0 && max_levels == 0))
         return KVC_ERR_ARG;
-    for (size_t w = 0; w < workers; w++)
-        if (worker_group[w] < 0 || (size_t)worker_group[w] >= groups || worker_shift[w] > 62 || (worker_shift[w] & 1))
-            return KVC_ERR_ARG;
+    /* Each worker's group and shift are checked where the decode below reads them (the reads
+     * before it do not use them): a bad one returns KVC_ERR_ARG with the outputs unspecified. */
 
     /* Read every group's levels, shortest first, while they fit the prompt (keys in range).
      * Level by level across groups, so that consecutive reads are independent and their cache
@@ -41,7 +40,12 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
         for (size_t i = 0; i < count; i++)
             alive[i] = KVC_FIELD_LOW_BITS;
         for (size_t level = 0; level < max_levels; level++) {
-            int any = 0;
+            /* This level's reads of the chunk's live groups, then all of them at once
+             * (kvc_view_lookup_multi overlaps their cache misses). */
+            const kvc_view *read_view[KVC_PLAN_CHUNK_GROUPS];
+            uint64_t read_key[KVC_PLAN_CHUNK_GROUPS], read_value[KVC_PLAN_CHUNK_GROUPS];
+            size_t read_group[KVC_PLAN_CHUNK_GROUPS];
+            size_t reads = 0;
             for (size_t i = 0; i < count; i++) {
                 if (!alive[i])
                     continue;
@@ -52,20 +56,28 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
                     continue;
                 }
                 uint64_t key = keys[k];
-                const kvc_view *view = views[(key % shards) * groups + g];
-                uint64_t v = view ? kvc_view_lookup(view, key) : 0;
-                values_out[g * max_levels + level] = v;
-                any = 1;
+                read_view[reads] = views[(key % shards) * groups + g];
+                read_key[reads] = key;
+                read_group[reads] = i;
+                reads++;
+            }
+            if (!reads)
+                break;
+            kvc_view_lookup_multi(read_view, read_key, reads, read_value);
+            for (size_t r = 0; r < reads; r++) {
+                size_t i = read_group[r];
+                uint64_t v = read_value[r];
+                values_out[(first + i) * max_levels + level] = v;
                 if (consistency)
                     alive[i] &= (v | (v >> 1)) & KVC_FIELD_LOW_BITS;
             }
-            if (!any)
-                break;
         }
     }
 
     /* Per worker: the level its rule selects, and its 2-bit field there. */
     for (size_t w = 0; w < workers; w++) {
+        if (worker_group[w] < 0 || (size_t)worker_group[w] >= groups || worker_shift[w] > 62 || (worker_shift[w] & 1))
+            return KVC_ERR_ARG;
         size_t g = (size_t)worker_group[w];
         unsigned shift = worker_shift[w];
         const uint64_t *values = values_out + g * max_levels;

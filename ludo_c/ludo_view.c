@@ -605,6 +605,45 @@ void kvc_view_lookup_many(const kvc_view *v, const uint64_t *keys, size_t n, uin
     }
 }
 
+/* kvc_view_lookup_many's three passes over (view, key) pairs, each key read in its own view
+ * (NULL: 0): the reads of one forwarding decision span every (shard, group) view. */
+void kvc_view_lookup_multi(const kvc_view *const *views, const uint64_t *keys, size_t n, uint64_t *out)
+{
+    uint32_t bucket[LOOKUP_BLOCK];
+    for (size_t base = 0; base < n; base += LOOKUP_BLOCK) {
+        size_t m = n - base < LOOKUP_BLOCK ? n - base : LOOKUP_BLOCK;
+        const uint64_t *k = keys + base;
+        const kvc_view *const *vs = views + base;
+        for (size_t i = 0; i < m; i++) {
+            const kvc_view *v = vs[i];
+            if (!v)
+                continue;
+            uint32_t a, b;
+            kvc_cells(k[i], v->geo.locator_seed, v->geo.ma, v->geo.mb, &a, &b);
+            __builtin_prefetch(&v->words[a >> 6]);
+            __builtin_prefetch(&v->words[v->wa + (b >> 6)]);
+        }
+        for (size_t i = 0; i < m; i++) {
+            const kvc_view *v = vs[i];
+            if (!v)
+                continue;
+            uint32_t bk = locate_bucket(v, k[i]);
+            bucket[i] = bk;
+            __builtin_prefetch(&v->seeds[bk / SEEDS_PER_WORD]);
+            if (v->vals32)
+                __builtin_prefetch(&v->vals32[(uint64_t)bk * 4u]);
+            else
+                __builtin_prefetch(&v->vals64[(uint64_t)bk * 4u]);
+            if (v->fps)
+                __builtin_prefetch(&v->fps[((uint64_t)bk * 4u * v->geo.fp_bits) >> 3]);
+        }
+        for (size_t i = 0; i < m; i++) {
+            const kvc_view *v = vs[i];
+            out[base + i] = !v || k[i] >= KVC_KEY_LIMIT ? 0 : finish_lookup(v, k[i], bucket[i]);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- accounting */
 
 uint64_t kvc_view_epoch(const kvc_view *v) { return v->geo.epoch; }

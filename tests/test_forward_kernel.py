@@ -161,3 +161,77 @@ def test_kernel_arguments_are_checked():
         with pytest.raises(LookupPlanError, match="must hold 23 values"):
             kernel.run(_prompt(1, 100), *short)
     assert kernel.run(_prompt(1, 100), queue, belief, None)[3] >= 0
+
+
+# Adversarial per-worker values: signed zeros, infinities and NaN beside ordinary numbers, and
+# many exact ties (repeated values), so the one-pass argmin, tie rotation and four-lane queue
+# minimum meet every case the separate passes handle.
+_value = st.one_of(st.sampled_from([0.0, -0.0, 1.0, 2.5, np.inf, np.nan]), st.floats(0.0, 1e4))
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.all((a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))))
+
+
+@settings(max_examples=400, deadline=None)
+@given(rows=st.lists(st.tuples(_value, _value, _value, _value, st.integers(0, 5000), st.integers(0, 3),
+                               st.sampled_from([0.0, 1.0]), st.sampled_from([0.0, np.inf]), st.booleans(),
+                               st.integers(0, 3)), min_size=1, max_size=40),
+       prompt_len=st.integers(0, 5000), flags=st.integers(0, 7), with_eligible=st.booleans(),
+       with_last_sent=st.booleans(), gamma=st.sampled_from([0.0, 0.01, 3.0]), lambda_max=st.sampled_from([0.0, 2.0]),
+       tau=st.sampled_from([1.0, 250.0]))
+def test_one_pass_score_and_choice_equal_the_score_then_ties(rows, prompt_len, flags, with_eligible, with_last_sent,
+                                                             gamma, lambda_max, tau):
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    wan, beta, queue, belief, matched, tier, local, penalty, eligible, last_sent = zip(*rows)
+    f64 = [np.array(a, dtype=np.float64) for a in (wan, beta, queue, belief, local, penalty)]
+    wan, beta, queue, belief, local, penalty = f64
+    matched, tier = np.array(matched, dtype=np.int64), np.array(tier, dtype=np.uint8)
+    eligible = np.array(eligible, dtype=np.uint8) if with_eligible else None
+    last_sent = np.array(last_sent, dtype=np.int64) if with_last_sent else None
+    n = len(rows)
+
+    def ptr(kind, a):
+        return ffi.NULL if a is None else ffi.from_buffer(kind, a)
+
+    common = (n, float(prompt_len), ptr("double[]", wan), ptr("double[]", beta), ptr("double[]", queue),
+              ptr("double[]", belief), ptr("int64_t[]", matched), ptr("uint8_t[]", tier), ptr("double[]", local),
+              ptr("double[]", penalty), ptr("uint8_t[]", eligible), gamma, lambda_max, tau, flags)
+    expected_scores, expected_lam = np.zeros(n), ffi.new("double *")
+    best = lib.kvc_score_joint(*common, ptr("double[]", expected_scores), expected_lam)
+    chosen = best  # the tie rotation kvc_forward_decide ran before
+    if last_sent is not None:
+        for i in range(best + 1, n):
+            if expected_scores[i] == expected_scores[best] and last_sent[i] < last_sent[chosen]:
+                chosen = i
+    scores, lam, chosen_out = np.zeros(n), ffi.new("double *"), ffi.new("int64_t *")
+    got = lib.kvc_score_choose(*common, ptr("int64_t[]", last_sent), ptr("double[]", scores), lam, chosen_out)
+    # Bit for bit (signed zeros included), except a NaN's sign and payload, which C leaves to the
+    # compiler's choice of operand order.
+    assert _same_bits(scores, expected_scores)
+    assert _same_bits(np.array([lam[0]]), np.array([expected_lam[0]]))
+    assert (got, chosen_out[0]) == (best, chosen)
+
+
+def test_the_queue_minimum_keeps_the_first_zero_and_a_leading_nan():
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    def lam_of(queue):
+        queue = np.array(queue, dtype=np.float64)
+        n = queue.size
+        ones, zeros = np.ones(n), np.zeros(n)
+        lam, chosen = ffi.new("double *"), ffi.new("int64_t *")
+        lib.kvc_score_choose(n, 10.0, ffi.from_buffer("double[]", zeros), ffi.from_buffer("double[]", ones),
+                             ffi.from_buffer("double[]", queue), ffi.from_buffer("double[]", zeros),
+                             ffi.from_buffer("int64_t[]", np.zeros(n, dtype=np.int64)),
+                             ffi.from_buffer("uint8_t[]", np.zeros(n, dtype=np.uint8)),
+                             ffi.from_buffer("double[]", ones), ffi.from_buffer("double[]", zeros), ffi.NULL,
+                             0.0, 1e9, 1.0, int(lib.KVC_SCORE_LOAD_AWARE), ffi.NULL,
+                             ffi.from_buffer("double[]", np.zeros(n)), lam, chosen)
+        return lam[0]
+
+    assert np.signbit(lam_of([5.0] * 9 + [-0.0, 0.0]))  # the first zero is -0.0
+    assert not np.signbit(lam_of([5.0] * 6 + [0.0] + [5.0] * 5 + [-0.0]))
+    assert lam_of([np.nan] + [1.0] * 12) == 1e9  # a leading NaN is the minimum: lam = lambda_max
+    assert lam_of([7.0, np.nan] + [3.0] * 10 + [2.0]) == 2.0

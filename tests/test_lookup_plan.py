@@ -14,7 +14,7 @@ from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.lookup import PrefixLookup
-from kvcompassd.core.lookup_plan import LookupPlan, LookupPlanError, ViewPointers
+from kvcompassd.core.lookup_plan import LookupPlan, LookupPlanError, QueueAging, ViewPointers, top_k
 from kvcompassd.core.score import JointScorer
 
 SHARDS = 3
@@ -372,3 +372,90 @@ def test_slot_constructor_builds_what_the_dataclass_builds():
 
     with pytest.raises(TypeError, match="__post_init__"):
         slot_constructor(Checked)
+
+
+# Scores as a decision produces them: finite, +inf (ineligible), and the odd NaN; many exact ties.
+_scores = st.lists(st.one_of(st.sampled_from([0.0, -0.0, 1.5, 2.0, np.inf, -np.inf, np.nan]),
+                             st.floats(-1e6, 1e6, allow_nan=False)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(scores=_scores, k=st.integers(0, 90))
+def test_top_k_is_the_head_of_a_stable_argsort(scores, k):
+    array = np.array(scores, dtype=np.float64)
+    assert top_k(array, k) == array.argsort(kind="stable")[:k].tolist()
+
+
+def test_top_k_of_a_large_tied_fleet_and_of_other_dtypes():
+    scores = np.full(10_000, 7.0)
+    scores[[9_999, 5_000]] = 3.0
+    assert top_k(scores, 3) == [5_000, 9_999, 0]  # ties in index order
+    assert top_k(scores[::2], 2) == [2_500, 0]  # a strided view: the sort path
+    assert top_k(np.array([3, 1, 2]), 2) == [1, 2]  # integers too
+    assert top_k(scores, 100) == scores.argsort(kind="stable")[:100].tolist()  # beyond the loop's k
+
+
+_times = st.floats(-1e3, 1e3, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(st.one_of(st.floats(0.0, 1e5), st.just(np.inf)), _times,
+                               st.one_of(st.sampled_from([-1.0, 0.0]), st.floats(-1.0, 100.0))), min_size=1,
+                     max_size=40),
+       now=_times)
+def test_queue_aging_equals_numpy_bit_for_bit(rows, now):
+    ms, taken_at, rate = (np.array(column, dtype=np.float64) for column in zip(*rows))
+    expected = np.maximum(0.0, ms + rate * np.maximum(0.0, (now - taken_at) * 1000.0))
+    aged = QueueAging(taken_at, rate).aged(ms, now)
+    assert aged.tobytes() == expected.tobytes()  # bit for bit, signed zeros and NaN included
+
+
+def test_queue_aging_reads_its_arrays_as_they_change_and_checks_shapes():
+    taken_at, rate = np.zeros(3), np.array([-1.0, 0.0, 2.0])
+    aging = QueueAging(taken_at, rate)
+    ms = np.array([5.0, 5.0, 5.0])
+    assert aging.aged(ms, 0.002).tolist() == [3.0, 5.0, 9.0]
+    taken_at[0], rate[1] = 0.002, -1.0  # updated in place by the owner
+    assert aging.aged(ms, 0.002).tolist() == [5.0, 3.0, 9.0]
+    with pytest.raises(LookupPlanError):
+        aging.aged(np.zeros(4), 0.0)
+    with pytest.raises(LookupPlanError):
+        aging.aged(np.zeros(3, dtype=np.float32), 0.0)
+    with pytest.raises(LookupPlanError):
+        QueueAging(np.zeros(3), np.zeros(2))
+    with pytest.raises(LookupPlanError):
+        QueueAging(np.zeros(3, dtype=np.int64), np.zeros(3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(picks=st.lists(st.tuples(st.integers(-1, 2), st.one_of(st.integers(0, 2**63 - 1), st.just(2**64 - 1))),
+                      max_size=120),
+       fingerprint_bits=st.sampled_from([0, 8]))
+def test_lookups_across_views_equal_one_lookup_each(picks, fingerprint_bits):
+    """``kvc_view_lookup_multi`` (the fused call's reads) answers each (view, key) pair as
+    ``kvc_view_lookup`` does: in any mix of views, with missing views (NULL) and keys >= 2^63."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+    from kvcompassd.core.ludo import LudoTable, LudoView
+
+    rng = np.random.default_rng(len(picks))
+    views = []
+    for seed in range(3):
+        table = LudoTable(64, seed=seed + 1, fingerprint_bits=fingerprint_bits)
+        keys = np.unique(rng.integers(0, 2**63 - 1, size=40, dtype=np.uint64))
+        table.insert_many(keys.tolist(), rng.integers(1, 2**32 - 1, size=keys.size).tolist())
+        views.append((LudoView.from_snapshot(table.snapshot()), keys))
+    pairs = []
+    for which, key in picks:  # half the keys inserted ones, so hits are read too
+        view = None if which < 0 else views[which][0]
+        if which >= 0 and key % 2 and key < 2**63:
+            key = int(views[which][1][key % views[which][1].size])
+        pairs.append((view, key))
+    pointers = ffi.new("kvc_view *[]", max(1, len(pairs)))
+    for i, (view, _) in enumerate(pairs):
+        pointers[i] = ffi.NULL if view is None else view._ptr
+    keys = np.array([key for _, key in pairs], dtype=np.uint64)
+    out = np.full(len(pairs), 12345, dtype=np.uint64)
+    lib.kvc_view_lookup_multi(pointers, ffi.from_buffer("uint64_t[]", keys), len(pairs),
+                              ffi.from_buffer("uint64_t[]", out))
+    expected = [0 if view is None else int(lib.kvc_view_lookup(view._ptr, key)) for view, key in pairs]
+    assert out.tolist() == expected

@@ -1,13 +1,22 @@
 """The paper's forwarding microbenchmark: one edge's ``Router.decide`` on a large view.
 
     python tools/bench_forward.py [--entries 10000000] [--levels 5] [--repeat 5000] [--rounds 10]
-        [--tokens 4096] [--context-tokens N] [--configs testbed-3continent,census-64x8]
+        [--tokens 4096] [--context-tokens N] [--in-flight 64]
+        [--configs testbed-3continent,census-64x8[,census:10000x100]]
+
+``census:WxR[/S]`` names a census-shaped fleet of W workers in R regions (S shards), generated
+by ``kvcompassd.sim.geo`` as tools/scale_projection.py does; issue 31 measures the decision at
+``census:10000x100`` with ``--entries 2000000``.
 
 Per deployment config: the shards' Ludo tables are filled with ``--entries`` random keys in
 total (each key on its own shard, ``key % N``; one random holder per key, a second in a quarter)
 through the tables' batch insert, plus the benchmark prompt registered by one worker per region
 at every length it covers, so the lookup finds real holders. One edge view is built from the
 shards' snapshots, and one edge (the first region's) decides for a ``--tokens`` prompt.
+
+Each decision's request ends ``--in-flight`` decisions later (``Router.on_aborted``, outside the
+timed call), as a daemon ends its requests: the edge's per-dispatch ledgers hold what is in
+flight, not every dispatch ever made.
 
 Printed per config, all measured in the same run on one thread:
 - one SHA-256 pass over the prompt's uint32 bytes (the reference of issue 3's targets), sampled
@@ -24,12 +33,16 @@ Printed per config, all measured in the same run on one thread:
   native lookup alone (``PrefixLookup.lookup``), the reference lookup's view reads (one
   ``LudoView.lookup`` per group and level) and numpy decode (``PrefixLookup._decode``), score
   (``JointScorer.score``), top-k (``ScoreResult.top(3)``) and the migration detector
-  (observation + ``HotPrefixDetector.observe``).
+  (observation + ``HotPrefixDetector.observe``);
+- the daemon decision's split: hashing, the C lookup, the C score, the miss summary (each the C
+  function the fused call runs, through its wrapper), the fused call, and the Python around it
+  (the decision's P50 less the fused call's median).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -37,6 +50,7 @@ import os
 import statistics
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -44,28 +58,51 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcompassd.core.ablation import Ablation  # noqa: E402
-from kvcompassd.core.config import ClusterConfig, load_config  # noqa: E402
+from kvcompassd.core.config import ClusterConfig, load_config, parse_config  # noqa: E402
 from kvcompassd.core.events import PrefixCached, Tier  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
 from kvcompassd.core.keys import namespace_salt, prefix_keys, prefix_keys_reference, sha256_backend  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
 from kvcompassd.core.levels import LevelPlan  # noqa: E402
 from kvcompassd.core.router import Router  # noqa: E402
+from kvcompassd.core.score import ScoreResult  # noqa: E402
+from kvcompassd.sim.geo import DEPLOYMENTS, census_fleet, render_toml  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 FILL_CHUNK = 1 << 20
 
 
-def samples_ns(fn, repeat: int) -> list[int]:
+def samples_ns(fn, repeat: int, after=None) -> list[int]:
+    """``repeat`` timings of ``fn()``; ``after(result)``, if given, runs untimed after each call."""
     for _ in range(min(200, repeat)):
-        fn()
+        result = fn()
+        if after is not None:
+            after(result)
     out = []
     clock = time.perf_counter_ns
     for _ in range(repeat):
         t0 = clock()
-        fn()
+        result = fn()
         out.append(clock() - t0)
+        if after is not None:
+            after(result)
     return out
+
+
+class InFlight:
+    """Ends each decision's request ``depth`` decisions later (``Router.on_aborted``: its charge
+    and ledgers retired, nothing learned), as a daemon with ``depth`` requests in flight ends
+    them: without it every dispatch stays open and the edge's per-dispatch ledgers fill to their
+    caps, which no serving edge does."""
+
+    def __init__(self, router: Router, clock, depth: int) -> None:
+        self.router, self.clock, self.depth = router, clock, depth
+        self.open: collections.deque[int] = collections.deque()
+
+    def __call__(self, decision) -> None:
+        self.open.append(decision.dispatch)
+        if len(self.open) > self.depth:
+            self.router.on_aborted(self.open.popleft(), now=self.clock())
 
 
 def p(samples: list[int], q: float) -> float:
@@ -77,10 +114,15 @@ def median_us(fn, repeat: int) -> float:
     return statistics.median(samples_ns(fn, repeat)) / 1000.0
 
 
-def rate_per_s(fn, repeat: int) -> float:
+def rate_per_s(fn, repeat: int, after=None) -> float:
+    """Calls of ``fn`` per second in a tight loop (``after(result)`` included, if given)."""
     t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
+    if after is None:
+        for _ in range(repeat):
+            fn()
+    else:
+        for _ in range(repeat):
+            after(fn())
     return repeat / (time.perf_counter() - t0)
 
 
@@ -139,8 +181,21 @@ def build_view(cfg: ClusterConfig, entries: int, prompt: np.ndarray, seed: int) 
     return view, time.perf_counter() - t0, total
 
 
+def named_config(name: str) -> ClusterConfig:
+    """A shipped config (``config/NAME.toml``) or ``census:WxR[/S]``: a census-shaped fleet of W
+    workers in R regions (``kvcompassd.sim.geo.census_fleet`` from census-128x16), S shards
+    (default: the generator's)."""
+    if not name.startswith("census:"):
+        return load_config(CONFIG_DIR / f"{name}.toml")
+    size, _, shards = name[len("census:"):].partition("/")
+    workers, _, regions = size.partition("x")
+    spec = census_fleet(DEPLOYMENTS["census-128x16"], workers=int(workers), regions=int(regions),
+                        shards=int(shards) if shards else None)
+    return parse_config(tomllib.loads(render_toml(spec, over_budget=True)), spec.name)
+
+
 def bench_config(name: str, args: argparse.Namespace) -> None:
-    cfg = with_levels(load_config(CONFIG_DIR / f"{name}.toml"), args.levels, args.context_tokens)
+    cfg = with_levels(named_config(name), args.levels, args.context_tokens)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, 128_256, size=args.tokens, dtype=np.uint32)
     view, build_s, total = build_view(cfg, args.entries, prompt, args.seed)
@@ -174,21 +229,33 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     # A slowly advancing clock keeps the hot-prefix windows realistic (no flood of one family).
     clocks = [itertools.count(0.0, 0.01) for _ in cases]
     feeds = [make() for _, _, make in cases]
+    # The time each case's decisions were last made at, for the requests it ends.
+    last_now = [0.0] * len(cases)
+
+    def stamped(k: int):
+        def tick() -> float:
+            last_now[k] = next(clocks[k])
+            return last_now[k]
+        return tick
+
+    ticks = [stamped(k) for k in range(len(cases))]
+    ends = [InFlight(router, (lambda k=k: last_now[k]), args.in_flight) if args.in_flight else None
+            for k, (_, router, _) in enumerate(cases)]
     sha_samples: list[int] = []
     case_samples: list[list[int]] = [[] for _ in cases]
     per_round = max(1, args.repeat // args.rounds)
     for _ in range(args.rounds):
         sha_samples += samples_ns(lambda: hashlib.sha256(salt + data).digest(), per_round)
-        for (_, router, _), clock, feed, out in zip(cases, clocks, feeds, case_samples):
-            out += samples_ns(lambda: router.decide(next(feed), now=next(clock)), per_round)
+        for (_, router, _), tick, feed, end, out in zip(cases, ticks, feeds, ends, case_samples):
+            out += samples_ns(lambda: router.decide(next(feed), now=tick()), per_round, end)
     sha = statistics.median(sha_samples) / 1000.0
     rows = []
-    for (label, router, _), clock, feed, s in zip(cases, clocks, feeds, case_samples):
-        rate = rate_per_s(lambda: router.decide(next(feed), now=next(clock)), args.repeat)
+    for (label, router, _), tick, feed, end, s in zip(cases, ticks, feeds, ends, case_samples):
+        rate = rate_per_s(lambda: router.decide(next(feed), now=tick()), args.repeat, end)
         rows.append((label, p(s, 50), p(s, 99), rate))
 
-    on_clock, on_feed = clocks[-1], feeds[-1]
-    credited = sum(ledger_on.decide(next(on_feed), now=next(on_clock)).pending for _ in range(len(unheld)))
+    on_tick, on_feed = ticks[-1], feeds[-1]
+    credited = sum(ledger_on.decide(next(on_feed), now=on_tick()).pending for _ in range(len(unheld)))
 
     # Stage breakdown on the same inputs.
     lk = daemon.lookup
@@ -228,10 +295,34 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
         ("reference: decode, PrefixLookup._decode", median_us(lambda: lk._decode(values), args.repeat)),
         ("score: JointScorer.score", median_us(lambda: daemon.scorer.score(found.prompt_len, found.matched, found.tier,
                                                                            queue, belief), args.repeat)),
-        ("top-k: ScoreResult.top(3)", median_us(lambda: scored.top(3), args.repeat)),
+        # A fresh result each time: a result keeps its top-k once built.
+        ("top-k: ScoreResult.top(3), first read (with its ScoreResult)",
+         median_us(lambda: ScoreResult(scored.chosen, scored.worker, scored.lam, scored.scores, daemon.scorer,
+                                       found.prompt_len, found.matched, found.tier, queue, belief,
+                                       daemon.ablation).top(3), args.repeat)),
         ("migration: observation + HotPrefixDetector.observe",
          median_us(lambda: observe(next(mclock)), args.repeat)),
     ]
+
+    # The daemon's decision split into its stages, each the C function the fused call runs (or the
+    # Python around it), timed alone on the same inputs; "Python around" is the decision's P50 less
+    # the fused call's median.
+    plan, pointers = lk.native_plan()
+    score_kernel, flags = daemon.scorer.kernel, daemon.scorer.kernel_flags(daemon.ablation)
+    split = [
+        ("hashing (prefix_keys, C SHA-256)", median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
+        ("C lookup (LookupPlan.run: view reads + decode)",
+         median_us(lambda: plan.run(pointers.pointers(), keys), args.repeat)),
+        ("score (ScoreKernel.run: kvc_score_choose)",
+         median_us(lambda: score_kernel.run(float(len(prompt)), queue, belief, found.matched, found.tier, None, flags),
+                   args.repeat)),
+        ("miss summary (MissSummary.flags)",
+         median_us(lambda: daemon._miss_summary.flags(found.matched, scored.scores, queue, scored.chosen),
+                   args.repeat)),
+    ]
+    fused = median_us(lambda: kernel.run(prompt, queue, belief, None), args.repeat)
+    split.append(("fused C call (all of the above + tie rotation)", fused))
+    split.append(("Python around the C call (decide P50 - fused)", rows[0][1] - fused))
 
     hits = {cfg.workers[i].id: int(m) for i, m in enumerate(found.matched.tolist()) if m}
     print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "
@@ -248,6 +339,10 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     print(f"{'stage (each timed alone)':<54} {'median µs':>9} {'':>9} {'':>9} {'x SHA':>8}")
     for label, us in stages:
         print(f"  {label:<52} {us:>9.2f} {'':>9} {'':>9} {us / sha:>8.2f}")
+    print(f"{'split of the daemon decision (P50 ' + format(rows[0][1], '.2f') + ' µs)':<54} "
+          f"{'median µs':>9} {'share':>9} {'':>9} {'x SHA':>8}")
+    for label, us in split:
+        print(f"  {label:<52} {us:>9.2f} {us / rows[0][1]:>9.0%} {'':>9} {us / sha:>8.2f}")
 
 
 def main() -> None:
@@ -261,6 +356,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5000, help="samples per case")
     parser.add_argument("--rounds", type=int, default=10,
                         help="the SHA-256 reference and the decision cases alternate in this many rounds")
+    parser.add_argument("--in-flight", type=int, default=64,
+                        help="each decision's request ends this many decisions later (Router.on_aborted, untimed "
+                             "except in dec/s), as in a daemon with that many requests in flight; 0: never")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default="testbed-3continent,census-64x8")
     args = parser.parse_args()

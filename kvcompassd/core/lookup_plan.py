@@ -14,6 +14,10 @@ and need nothing.
 ``MissSummary`` tells the Router what a decision means to the hot-prefix detector, and
 ``slot_constructor`` builds the per-request frozen dataclasses cheaply.
 
+``top_k`` picks a decision's best few workers and ``QueueAging`` carries an edge's queue
+estimates to ``now``, each one C loop over the workers (the Python they replace cost more than
+the rest of a decision at 10,000 workers).
+
 ``ForwardKernel`` fuses a whole decision into one C call (``ludo_c/kvc_forward.c``): the prefix
 keys at the query lengths, a ``LookupPlan``'s reads, a ``ScoreKernel``'s score, the tie rotation
 and a ``MissSummary``, each the same C function its own wrapper calls; the Router drives it.
@@ -26,14 +30,15 @@ pointers come from ``LudoView._ptr``, the wrapper's cffi handle (the C API takes
 from __future__ import annotations
 
 from dataclasses import fields
+from operator import attrgetter, is_ as _is
 from typing import Any, Callable
 
 import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "ScoreKernel", "ViewPointers",
-           "slot_constructor", "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION",
+__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "QueueAging", "ScoreKernel",
+           "ViewPointers", "slot_constructor", "top_k", "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION",
            "SCORE_LOAD_AWARE", "SCORE_TIER_AWARE"]
 
 SCORE_LOAD_AWARE = int(lib.KVC_SCORE_LOAD_AWARE)
@@ -45,9 +50,11 @@ MISS_REMOTE_WORTH = int(lib.KVC_MISS_REMOTE_WORTH)
 
 _from_buffer = ffi.from_buffer
 _lookup_plan = lib.kvc_lookup_plan
-_score_joint = lib.kvc_score_joint
+_score_choose = lib.kvc_score_choose
 _miss_summary = lib.kvc_miss_summary
 _forward_decide = lib.kvc_forward_decide
+_queue_aged = lib.kvc_queue_aged
+_top_k = lib.kvc_top_k
 _NONE_ELIGIBLE = int(lib.KVC_FORWARD_NONE_ELIGIBLE)
 _NULL = ffi.NULL
 _empty = np.empty
@@ -55,6 +62,7 @@ _int64 = np.int64
 _uint8 = np.uint8
 _float64 = np.float64
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
+_views_of = attrgetter("views")
 
 
 class LookupPlanError(ValueError):
@@ -79,11 +87,9 @@ class ViewPointers:
         self._array = ffi.new("kvc_view *[]", max(1, len(self._state) * groups))
 
     def pointers(self) -> Any:
-        dicts = self._dicts
-        for i, st in enumerate(self._state):
-            if st.views is not dicts[i]:
-                self._rebuild()
-                break
+        # One identity test per shard, iterated in C (a Python loop cost µs per decision at 100 shards).
+        if not all(map(_is, map(_views_of, self._state), self._dicts)):
+            self._rebuild()
         return self._array
 
     def refresh(self, shard: int, group: int) -> None:
@@ -197,14 +203,15 @@ class LookupPlan:
 
 
 class ScoreKernel:
-    """The joint score's C loop over fixed per-worker constants (``kvc_score_joint``).
+    """The joint score's C loop over fixed per-worker constants (``kvc_score_choose``, the scores
+    and argmin of ``kvc_score_joint`` in one pass).
 
     ``run`` takes the per-request arrays, contiguous and n long: float64 queue and belief, int64
     matched, uint8 tier, bool or uint8 eligible (or None); the caller checks shapes and dtypes
     (``JointScorer`` does). Returns (argmin, lam, scores).
     """
 
-    __slots__ = ("n", "_constants", "_params", "_arrays", "_lam")
+    __slots__ = ("n", "_constants", "_params", "_arrays", "_lam", "_chosen")
 
     def __init__(self, wan: np.ndarray, beta: np.ndarray, local_factor: np.ndarray, remote_penalty: np.ndarray,
                  *, gamma: float, lambda_max: float, tau: float) -> None:
@@ -216,6 +223,7 @@ class ScoreKernel:
         self._constants = tuple(_from_buffer("double[]", a) for a in arrays)
         self._params = (float(gamma), float(lambda_max), float(tau))
         self._lam = ffi.new("double *")  # reused: a kernel serves one thread
+        self._chosen = ffi.new("int64_t *")  # (the tie rotation's answer: unused without last_sent)
 
     def run(self, prompt_len: float, queue: np.ndarray, belief: np.ndarray, matched: np.ndarray, tier: np.ndarray,
             eligible: np.ndarray | None, flags: int) -> tuple[int, float, np.ndarray]:
@@ -224,11 +232,12 @@ class ScoreKernel:
         lam = self._lam
         wan, beta, local_factor, remote_penalty = self._constants
         gamma, lambda_max, tau = self._params
-        chosen = _score_joint(
+        # kvc_score_choose: kvc_score_joint's scores and argmin in one pass (what the fused call runs)
+        chosen = _score_choose(
             n, prompt_len, wan, beta, _from_buffer("double[]", queue), _from_buffer("double[]", belief),
             _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier), local_factor, remote_penalty,
             _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
-            gamma, lambda_max, tau, flags, _from_buffer("double[]", scores), lam)
+            gamma, lambda_max, tau, flags, _NULL, _from_buffer("double[]", scores), lam, self._chosen)
         return chosen, lam[0], scores
 
 
@@ -280,12 +289,11 @@ class ForwardKernel:
     query lengths, None if it is not one) and ``backend``, the prefix keys' SHA-256 backend code
     (``keys.SHA256_BACKENDS``).
 
-    The C call writes into buffers made once; each run returns fresh copies of the per-worker
-    arrays (a decision keeps them), which costs less than handing new buffers to C every time.
+    Each run hands C new per-worker arrays to write (a decision keeps them): at 10,000 workers a
+    copy of reused buffers cost more than the cffi handles of new ones.
     """
 
-    __slots__ = ("workers", "_plan", "_pointers", "_result", "_keys", "_matched", "_tier", "_scores",
-                 "_outputs", "_belief", "_belief_c", "_keep")
+    __slots__ = ("workers", "_plan", "_pointers", "_result", "_keys", "_outputs", "_belief", "_belief_c", "_keep")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -309,9 +317,6 @@ class ForwardKernel:
         self.workers = n
         self._pointers = pointers
         self._keys = np.zeros(max(1, query.size), dtype=np.uint64)
-        self._matched = np.zeros(n, dtype=np.int64)
-        self._tier = np.zeros(n, dtype=np.uint8)
-        self._scores = np.zeros(n, dtype=np.float64)
         c = ffi.new("kvc_forward_plan *")
         salt_c = ffi.new("uint8_t[]", salt) if salt else _NULL
         c.salt, c.salt_len = salt_c, len(salt)
@@ -328,9 +333,7 @@ class ForwardKernel:
         c.local, c.floors = miss._c
         c.family_index = -1 if family_index is None else family_index
         self._plan = c
-        self._outputs = (_from_buffer("int64_t[]", last_sent), _from_buffer("uint64_t[]", self._keys),
-                         _from_buffer("int64_t[]", self._matched), _from_buffer("uint8_t[]", self._tier),
-                         _from_buffer("double[]", self._scores))
+        self._outputs = (_from_buffer("int64_t[]", last_sent), _from_buffer("uint64_t[]", self._keys))
         self._belief: np.ndarray | None = None  # beliefs change on responses only: their pointer is kept
         self._belief_c = _NULL
         # The struct borrows these buffers: keep them (and their owners) alive with it.
@@ -358,9 +361,12 @@ class ForwardKernel:
             raise LookupPlanError(f"queue, belief and eligible must hold {n} values")
         self._pointers.pointers()  # rewrites the plan's view array in place after a snapshot
         result = self._result
-        last_sent, keys, matched, tier, scores = self._outputs
+        last_sent, keys = self._outputs
+        # New arrays each decision (a decision keeps them), written by C in place: no copy.
+        matched, tier, scores = _empty(n, _int64), _empty(n, _uint8), _empty(n, _float64)
         rc = _forward_decide(self._plan, tokens_c, len(tokens_c) >> 2, queue_c, self._belief_c, eligible_c,
-                             last_sent, keys, matched, tier, scores, result)
+                             last_sent, keys, _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier),
+                             _from_buffer("double[]", scores), result)
         if rc:
             if rc != _NONE_ELIGIBLE:
                 raise LookupPlanError(f"kvc_forward_decide rejected its arguments (code {rc})")
@@ -368,12 +374,55 @@ class ForwardKernel:
         else:
             best = result.best
         family = result.family
-        return (self._matched.copy(), self._tier.copy(), self._scores.copy(), best, result.chosen, result.lam,
-                result.miss, None if family < 0 else family)
+        return matched, tier, scores, best, result.chosen, result.lam, result.miss, None if family < 0 else family
 
     def keys(self) -> np.ndarray:
         """The keys the last ``run`` computed, at every query length (valid up to its n_keys)."""
         return self._keys
+
+
+# Beyond this many, a sort beats the C loop's O(n * k) (top_k is for the few best candidates).
+_TOP_K_LOOP = 64
+
+
+def top_k(scores: np.ndarray, k: int) -> list[int]:
+    """Indexes of the ``k`` lowest ``scores`` (float64), best first: the first ``k`` of numpy's
+    stable argsort (equal scores in index order, NaN last), in one O(n x k) pass."""
+    if k <= 0:
+        return []
+    if k > _TOP_K_LOOP or scores.__class__ is not np.ndarray or scores.dtype != _F64 or scores.ndim != 1 \
+            or not scores.flags.c_contiguous:
+        return np.asarray(scores).argsort(kind="stable")[:k].tolist()
+    out = _empty(min(k, scores.size), _int64)
+    held = _top_k(scores.size, _from_buffer("double[]", scores), k, _from_buffer("int64_t[]", out))
+    return out[:held].tolist()
+
+
+class QueueAging:
+    """``max(0, ms + rate x max(0, (now - taken_at) x 1000))`` per worker in one C loop, bit for
+    bit numpy's result (``kvc_queue_aged``). ``taken_at`` and ``rate`` are the owner's arrays,
+    updated in place between calls (float64, contiguous, ``n`` long); ``ms`` comes with each call."""
+
+    __slots__ = ("n", "_taken_at", "_rate", "_c")
+
+    def __init__(self, taken_at: np.ndarray, rate: np.ndarray) -> None:
+        for name, a in (("taken_at", taken_at), ("rate", rate)):
+            if not (a.__class__ is np.ndarray and a.dtype == _F64 and a.ndim == 1 and a.flags.c_contiguous):
+                raise LookupPlanError(f"{name} must be a contiguous 1-D float64 array")
+        if rate.shape != taken_at.shape:
+            raise LookupPlanError("taken_at and rate must have one length")
+        self.n = int(taken_at.size)
+        self._taken_at, self._rate = taken_at, rate  # keep the buffers behind the pointers alive
+        self._c = (_from_buffer("double[]", taken_at), _from_buffer("double[]", rate))
+
+    def aged(self, ms: np.ndarray, now: float) -> np.ndarray:
+        """A new array: ``ms`` (contiguous float64, ``n`` long) carried to ``now``."""
+        if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (self.n,) and ms.flags.c_contiguous):
+            raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({self.n},)")
+        out = _empty(self.n, _float64)
+        taken_at, rate = self._c
+        _queue_aged(self.n, _from_buffer("double[]", ms), taken_at, rate, now, _from_buffer("double[]", out))
+        return out
 
 
 def slot_constructor(cls: type) -> Callable[..., Any]:

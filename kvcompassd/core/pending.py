@@ -24,6 +24,7 @@ elsewhere.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 
 import numpy as np
@@ -63,7 +64,12 @@ class PendingHoldings:
         position = {n: i for i, n in enumerate(self._query)}
         # Per group: (length, index of its key among the query keys), ascending.
         group_reads = tuple(tuple((int(n), position[int(n)]) for n in row if n > 0) for row in np.asarray(group_lengths))
-        self._worker_reads = tuple(group_reads[g] for g in np.asarray(worker_group).tolist())
+        # Per worker, its group's lengths and their key indexes as two lists, so that note_sent
+        # finds the lengths in (shown, prompt_len] by bisection rather than a pass over them all.
+        split = tuple(([n for n, _ in reads], [at for _, at in reads]) for reads in group_reads)
+        if any(lengths != sorted(set(lengths)) for lengths, _ in split):
+            raise PendingHoldingsError("each group's lengths must ascend (0 pads at the end)")
+        self._worker_lengths = tuple(split[g] for g in np.asarray(worker_group).tolist())
         # key -> its latest dispatch, a record (worker, ready_at, expires, keys, dispatch id or
         # None) shared by all the keys it noted; records in dispatch order, for purging; records
         # by dispatch id until marked ready. (Few objects per dispatch: the ledger runs once per
@@ -91,7 +97,8 @@ class PendingHoldings:
         if not ready_at >= now:
             raise PendingHoldingsError(f"ready_at must be >= now, got {ready_at!r} < {now!r}")
         self._purge(now)
-        noted = [keys.item(at) for length, at in self._worker_reads[worker] if shown < length <= prompt_len]
+        lengths, ats = self._worker_lengths[worker]  # ascending: the lengths in (shown, prompt_len]
+        noted = [keys.item(at) for at in ats[bisect_right(lengths, shown):bisect_right(lengths, prompt_len)]]
         if noted:
             record = (worker, ready_at, ready_at + self.hold_s, noted, dispatch)
             by_key = self._by_key

@@ -77,12 +77,13 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 
 import numpy as np
 
 from .config import ClusterConfig
+from .lookup_plan import QueueAging
 from .messages import QueueVectorBroadcast
 
 # The trend of a remote worker's queue is its values' slope over this many broadcast periods
@@ -146,13 +147,15 @@ class QueueEstimates:
         # How each value moves between readings, ms per ms: own-region readings drain (-1);
         # a remote value follows the trend of its worker's vectors (0 until two are apart).
         self._rate = np.where(local, -1.0, 0.0)
+        self._aging = QueueAging(self._taken_at, self._rate)  # reads both arrays, updated in place
         self._trend_anchor: list[tuple[float, float] | None] = [None] * n  # (received at, ms)
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
+        self._occupied = 0  # own-region workers whose occupancy is > 0 (none: nothing to add)
         # Charges awaiting retirement (module docstring): handle -> [worker, sent at, ms ahead of
         # it, prefill ms still charged, value epoch at dispatch]; the epoch of a worker's value
         # moves each time a reading or vector replaces it.
-        self._charges: dict[int, list] = {}
+        self._charges: OrderedDict[int, list] = OrderedDict()  # the oldest goes first at the cap, in O(1)
         self._next_handle = 0
         self._epoch = [0] * n
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
@@ -163,6 +166,7 @@ class QueueEstimates:
         regions = {r: k for k, r in enumerate(self._remote_regions)}
         self._region_pos = np.array([regions.get(self._region_of[w], -1) for w in self.worker_ids], dtype=np.intp)
         self._surprise = np.zeros(len(self._remote_regions) + 1)  # last slot: the own region, always 0
+        self._surprised = False  # some surprise > 0 (a Python bool: numpy's any() per decision costs µs)
         self._surprise_at = np.full(len(self._remote_regions) + 1, float(now))
         self._surprise_fade_s = _SURPRISE_FADE_PERIODS * self._period_s
         self._chosen_at = [-math.inf] * n
@@ -263,6 +267,7 @@ class QueueEstimates:
         kept = self._surprise.item(pos) * self._fade(self._surprise_at, pos, now)
         self._surprise[pos] = _SURPRISE_WEIGHT * surprise_ms + (1.0 - _SURPRISE_WEIGHT) * kept
         self._surprise_at[pos] = now
+        self._surprised = bool((self._surprise > 0.0).any())
 
     def _herd_now(self, pos: int, now: float) -> float:
         """Region ``pos``'s herd factor, faded toward 1 by the time since its last sample."""
@@ -291,7 +296,9 @@ class QueueEstimates:
         if isinstance(running, bool) or not isinstance(running, (int, np.integer)) or running < 0:
             raise QueueEstimateError(f"worker {worker_id!r}: running must be an int >= 0, got {running!r}")
         queue = _check_ms(queue_ms, f"worker {worker_id!r}", QueueEstimateError)
-        self._occupancy[i] = self._occupancy_ms_per_running * int(running)
+        occupancy = self._occupancy_ms_per_running * int(running)
+        self._occupied += (occupancy > 0.0) - (self._occupancy.item(i) > 0.0)
+        self._occupancy[i] = occupancy
         self._store([(i, queue)], float(now))  # a new _ms: queue_ms recomputes with the occupancy
 
     def _remote_updates(self, from_region: str, vector: Mapping[str, float] | tuple[tuple[str, float], ...]
@@ -369,7 +376,7 @@ class QueueEstimates:
         self._next_handle = handle + 1
         charges = self._charges
         if len(charges) >= _MAX_CHARGES:
-            del charges[next(iter(charges))]  # a shell that lost track of some: oldest first
+            charges.popitem(last=False)  # a shell that lost track of some: oldest first
         if added == 0.0:
             return handle
         values = self._ms.copy()
@@ -498,8 +505,8 @@ class QueueEstimates:
         aged = self._aged_ms(now)
         # Until some remote pick has surprised this edge (below capacity, usually never) there
         # is nothing to add.
-        corrected = aged if not (self._surprise > 0.0).any() else aged + self._correction(float(now))[self._region_pos]
-        if self._occupancy_ms_per_running > 0.0:
+        corrected = aged if not self._surprised else aged + self._correction(float(now))[self._region_pos]
+        if self._occupied:  # adding zeros would change no value (aged values are never -0.0)
             corrected = corrected + self._occupancy
         if corrected is not aged:
             corrected = _snapshot(corrected)
@@ -512,8 +519,8 @@ class QueueEstimates:
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
-        age_ms = np.maximum(0.0, (float(now) - self._taken_at) * 1000.0)
-        aged = _snapshot(np.maximum(0.0, ms + self._rate * age_ms))
+        # max(0, ms + rate x max(0, (now - taken_at) x 1000)), one C loop (bit for bit numpy's)
+        aged = _snapshot(self._aging.aged(ms, float(now)))
         self._aged = (now, ms, aged)
         return aged
 

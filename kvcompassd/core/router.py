@@ -36,7 +36,7 @@ from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPre
 from .pending import PendingHoldings
 from .queues import QueueEstimates
 from .rates import LearnedRates
-from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms, request_terms
+from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,7 @@ class ForwardDecided:
 _new_forward_decided = slot_constructor(ForwardDecided)
 # Tier by 2-bit field code; the invalid code 3 goes through Tier() (and raises) as before.
 _TIER_BY_CODE = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
+_DRAM = int(Tier.DRAM)
 
 
 class Router:
@@ -104,6 +105,8 @@ class Router:
         self.belief = CacheBelief(len(self.layout.worker_ids), cfg.score.belief_weight)
         self.hot = HotPrefixDetector(cfg, region, self.plan, queues=self.queues, ablation=self.ablation)
         self.worker_regions = tuple(w.region for w in cfg.workers)
+        self._worker_ids = self.layout.worker_ids
+        self._migration = self.ablation.migration
         self._local = np.array([r == region for r in self.worker_regions], dtype=bool)
         self._local_list = tuple(self._local.tolist())
         self._local_indexes = tuple(np.flatnonzero(self._local).tolist())
@@ -166,7 +169,8 @@ class Router:
         keys = None
         if pending is not None:
             keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
-            shown = pending.overlay(keys.tolist(), matched, tier, now=now)
+            # An empty ledger raises nothing (its purge can wait for the next note_sent).
+            shown = pending.overlay(keys.tolist(), matched, tier, now=now) if len(pending) else None
             if shown is not None:
                 return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief, eligible,
                                       now)
@@ -242,25 +246,24 @@ class Router:
         ``keys`` the prompt's query keys that fit it (None without the pending ledger) and
         ``shown`` the view's matches when the ledger raised some (None when it did not).
         """
-        self._sent_count += 1
-        self._last_sent[chosen] = self._sent_count
-        worker = self.layout.worker_ids[chosen]
+        self._sent_count = sent = self._sent_count + 1
+        self._last_sent[chosen] = sent
+        worker = self._worker_ids[chosen]
         claimed = int(matched.item(chosen))
         local = self._local_list[chosen]
         migration = None
         # A local hit is never a miss of its family: the detector has nothing to count.
-        if self.ablation.migration and family_key is not None and not (local and claimed):
+        if self._migration and family_key is not None and not (local and claimed):
             found = new_lookup_result(prompt_len, matched, tier, family_key)
             migration = self._observe(found, result, chosen, now, miss)
         code = tier.item(chosen)
         # Prefill (and reload) time the request adds to the chosen worker's queue.
         reused = min(belief.item(chosen) * float(claimed), float(prompt_len))
-        # The request's own terms of the score at λ = 0: the work itself, not its weight.
-        prefill, reload = request_terms(self._beta_list[chosen], prompt_len, reused,
-                                        self._gamma if code == Tier.DRAM else 0.0)
-        work = prefill + reload
+        # The request's own terms of the score at λ = 0, the work itself, not its weight
+        # (request_terms' statement, inline: prefill + reload).
+        work = self._beta_list[chosen] * (prompt_len - reused) + (self._gamma if code == _DRAM else 0.0) * reused
         dispatch = self.queues.note_dispatched(worker, work, now=now)
-        if keys is not None:
+        if keys is not None and claimed < prompt_len:  # a full match leaves no longer length to note
             # Cached there once the queue ahead of it and its own prefill are done.
             ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
             self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)

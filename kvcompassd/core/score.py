@@ -26,7 +26,7 @@ import numpy as np
 from .ablation import FULL, Ablation
 from .config import ClusterConfig
 from .events import Tier
-from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreKernel
+from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreKernel, top_k
 
 __all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms"]
 
@@ -87,7 +87,7 @@ class ScoreResult:
     """
 
     __slots__ = ("chosen", "worker", "lam", "scores", "_scorer", "_prompt_len", "_matched", "_tier",
-                 "_queue", "_belief", "_ablation")
+                 "_queue", "_belief", "_ablation", "_top")
 
     def __init__(self, chosen: int, worker: str, lam: float, scores: np.ndarray, scorer: JointScorer,
                  prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue: np.ndarray,
@@ -104,6 +104,7 @@ class ScoreResult:
         _set_queue(self, queue)
         _set_belief(self, belief)
         _set_ablation(self, ablation)
+        _set_top(self, None)  # (k, the top k's terms) once asked for
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ScoreResult is read-only")
@@ -150,19 +151,25 @@ class ScoreResult:
         )
 
     def top(self, k: int = 3) -> tuple[ScoreTerms, ...]:
-        """The ``k`` best-scoring eligible workers, best first (ties in config order)."""
+        """The ``k`` best-scoring eligible workers, best first (ties in config order).
+
+        Built when first asked for (logs, metrics, inspection), then kept: a decision's readers
+        ask for the same ``k`` several times, and nothing is built for a decision nobody reads.
+        """
         if k <= 0:
             return ()
-        scores = self.scores.tolist()
-        if k == 1:
-            order = [self.chosen]
-        else:
-            order = self.scores.argsort(kind="stable")[:k].tolist()
-        return tuple(self._terms(i, scores[i]) for i in order if math.isfinite(scores[i]))
+        cached = self._top
+        if cached is not None and cached[0] == k:
+            return cached[1]
+        scores = self.scores
+        order = [self.chosen] if k == 1 else top_k(scores, k)
+        top = tuple(self._terms(i, s) for i in order if math.isfinite(s := scores.item(i)))
+        _set_top(self, (k, top))
+        return top
 
 
 (_set_chosen, _set_worker, _set_lam, _set_scores, _set_scorer, _set_prompt_len, _set_matched, _set_tier, _set_queue,
- _set_belief, _set_ablation) = (getattr(ScoreResult, name).__set__ for name in ScoreResult.__slots__)
+ _set_belief, _set_ablation, _set_top) = (getattr(ScoreResult, name).__set__ for name in ScoreResult.__slots__)
 
 
 class JointScorer:
