@@ -209,7 +209,8 @@ class SharedViewWriter(EdgeIndexView):
                     continue
                 view = views[group]
                 if not view.apply_in_place(item):  # the overflow map is out of room: a bigger image
-                    view = self._new_image(batch.shard, group, view)
+                    # Room for every bucket record of the blob (each takes more than 16 bytes).
+                    view = self._new_image(batch.shard, group, view, extra_room=len(item) // 16)
                     if not view.apply_in_place(item):
                         raise LudoError("a new image has no room for one batch")
                     views[group] = view
@@ -231,8 +232,8 @@ class SharedViewWriter(EdgeIndexView):
 
     # -- images ---------------------------------------------------------------------------------
 
-    def _new_image(self, shard: int, group: int, source: LudoView) -> MappedView:
-        room = _overflow_room(source)
+    def _new_image(self, shard: int, group: int, source: LudoView, *, extra_room: int = 0) -> MappedView:
+        room = _overflow_room(source) + extra_room
         size = int(lib.kvc_view_image_size(source._ptr, room))
         if size == 0:
             raise LudoError("view too large for an image")
