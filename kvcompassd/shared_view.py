@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +92,36 @@ def _map_readonly(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+_SEGMENT_NAME = re.compile(r"^kvc-[A-Za-z0-9_]{1,12}-(\d+)-[0-9a-f]{8}-")
+
+
+def reap_stale_segments() -> list[str]:
+    """Unlink the segments of writers whose process is gone (killed before ``close()``): each
+    name carries its writer's pid. Segments of live writers, or of other users, are left alone."""
+    reaped = []
+    try:
+        names = os.listdir(SEGMENT_DIR)
+    except FileNotFoundError:
+        return reaped
+    for name in names:
+        m = _SEGMENT_NAME.match(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or a pid reused since: the segment then waits for a later reap)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process: alive
+        try:
+            os.unlink(SEGMENT_DIR / name)
+            reaped.append(name)
+        except OSError:
+            pass
+    return reaped
+
+
 def _unlink(name: str) -> None:
     try:
         os.unlink(SEGMENT_DIR / name)
@@ -143,6 +174,7 @@ class SharedViewWriter(EdgeIndexView):
 
     def __init__(self, layout: IndexLayout, shards: int, *, edge: str):
         super().__init__(layout, shards, edge=edge)
+        reap_stale_segments()
         self.groups = len(layout.groups)
         self.prefix = f"kvc-{''.join(c if c.isalnum() else '_' for c in edge)[:12]}-{os.getpid()}-{secrets.token_hex(4)}"
         self.directory_name = f"{self.prefix}-dir"

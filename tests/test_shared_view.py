@@ -349,3 +349,20 @@ def test_readers_never_see_a_torn_table_while_another_process_writes():
     finally:
         p.join(timeout=120)
     assert p.exitcode == 0
+
+
+def test_segments_of_a_writer_killed_before_close_are_reaped_and_live_ones_kept():
+    gone = multiprocessing.get_context("spawn").Process(target=os.getpid)
+    gone.start()
+    gone.join()
+    dead = shared_view.SEGMENT_DIR / f"kvc-edge_us-{gone.pid}-0123abcd-dir"
+    alive = shared_view.SEGMENT_DIR / f"kvc-edge_us-{os.getpid()}-0123abcd-dir"
+    foreign = shared_view.SEGMENT_DIR / f"kvc-not-a-writer-{gone.pid}"
+    for path in (dead, alive, foreign):
+        path.write_bytes(b"x")
+    try:
+        assert dead.name in shared_view.reap_stale_segments()
+        assert not dead.exists() and alive.exists() and foreign.exists()
+    finally:
+        for path in (dead, alive, foreign):
+            path.unlink(missing_ok=True)
