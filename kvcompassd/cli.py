@@ -118,7 +118,10 @@ def cmd_edge(args) -> int:
                                 http_address=args.http, **common)
         return _serve(node, None, args)
     if args.workers > 1:
-        from kvcompassd.edge_workers import SyncEdgeNode
+        from kvcompassd.edge_workers import MAX_WORKERS, SyncEdgeNode
+
+        if args.workers > MAX_WORKERS:
+            raise SystemExit(f"kvcompassd edge: --workers must be at most {MAX_WORKERS}")
 
         node = SyncEdgeNode(cfg, me, tls, workers=args.workers, front_door_args=_front_door_args(args),
                             copy_from=args.copy_view_from, **common)
@@ -221,6 +224,13 @@ def cmd_sim(args) -> int:
     return sim_main(args.sim_args)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompassd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -241,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-local-http", action="store_true", help="reach own-region workers over QUIC too")
     p.add_argument("--no-cross-region", action="store_true", help="ablation: never reuse or forward across regions")
     p.add_argument("--copy-view-from", default=None, help="bootstrap the views from this peer edge")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
+    p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
                    help="N front-door processes on the HTTP port (SO_REUSEPORT) sharing one copy of the views "
                         "in shared memory (Linux); this process syncs the views and is one of them")
     p.set_defaults(func=cmd_edge)

@@ -99,6 +99,9 @@ class _QueueFanout:
     def __init__(self, queues: Any, fanout: _Fanout) -> None:
         self._queues = queues
         self._fanout = fanout
+        # What every decision calls, bound here rather than found through __getattr__ each time.
+        self.queue_ms = queues.queue_ms
+        self.note_dispatched = queues.note_dispatched
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queues, name)
