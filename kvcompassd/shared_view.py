@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ NAME_BYTES = 48
 # between its growth rebuilds (each of which makes a new image anyway).
 OVERFLOW_ROOM_DIVISOR = 8
 MIN_OVERFLOW_ROOM = 64
+# A writer inside one batch for longer than this has died or hung there (a batch takes well under
+# a millisecond; a grown image's copy, tens of ms): the read fails instead of spinning forever.
+WRITER_STALL_S = 2.0
 
 _HEADER_WORDS = 8  # magic, seq, generation, shards, groups, 3 reserved
 _SLOT_DTYPE = np.dtype([("generation", "<u8"), ("bytes", "<u8"), ("name", f"S{NAME_BYTES}")])
@@ -357,10 +361,16 @@ class SharedViewReader:
         """Start a read: wait out a write in progress, re-map what the writer switched; the
         sequence number to pass to ``valid`` after the read."""
         seq_ptr = self._dir.seq_ptr
+        waited_since = None
         while True:
             start = lib.kvc_seq_read_begin(seq_ptr)
             if start & 1:
                 self.retries += 1
+                now = time.monotonic()
+                if waited_since is None:
+                    waited_since = now
+                elif now - waited_since > WRITER_STALL_S:
+                    raise SharedViewError(f"the view's writer has been inside one write for over {WRITER_STALL_S} s")
                 os.sched_yield()  # the writer is inside one batch: microseconds to a few ms
                 continue
             if int(self._dir.header[2]) != self._generation:

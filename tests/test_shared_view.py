@@ -366,3 +366,13 @@ def test_segments_of_a_writer_killed_before_close_are_reaped_and_live_ones_kept(
     finally:
         for path in (dead, alive, foreign):
             path.unlink(missing_ok=True)
+
+
+def test_a_writer_stuck_inside_a_write_fails_reads_instead_of_hanging_them(world, monkeypatch):
+    monkeypatch.setattr(shared_view, "WRITER_STALL_S", 0.05)
+    reader = world.reader()
+    world.writer._begin()  # as if the writer died inside a batch
+    with pytest.raises(shared_view.SharedViewError, match="inside one write"):
+        reader.begin()
+    world.writer._end()
+    reader.begin()
