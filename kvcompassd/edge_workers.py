@@ -67,6 +67,7 @@ log = structlog.get_logger(__name__)
 MAX_WORKERS = 64
 MAX_FRAME = 64 * 1024
 READY_TIMEOUT_S = 60.0
+RESTART_DELAY_S = 1.0
 
 
 def _pack(*frame: Any) -> bytes:
@@ -138,8 +139,10 @@ class SyncEdgeNode(EdgeNode):
         self.router.queues = _QueueFanout(self.router.queues, self.fanout)
         self._withhold = self.router.withhold
         self.router.withhold = self._withhold_and_tell  # type: ignore[method-assign]
-        self._children: list[subprocess.Popen] = []
+        self._children: dict[socket.socket, subprocess.Popen] = {}  # by control socket
         self._front_doors_ready = False
+        self._stopping = False
+        self.front_doors_restarted = 0
 
     def health(self) -> dict:
         # Ready once every front door serves too: a client's connection may land on any of them.
@@ -152,10 +155,13 @@ class SyncEdgeNode(EdgeNode):
         self._withhold(worker_index, withheld)
         self._send_withheld()
 
-    def _send_withheld(self) -> None:
+    def _withheld_frame(self) -> tuple:
         check = self.tokenizer_check
         checked = check is not None and check.settled.is_set()
-        self.fanout.send("withheld", sorted(self.router.withheld), checked)
+        return "withheld", sorted(self.router.withheld), checked
+
+    def _send_withheld(self) -> None:
+        self.fanout.send(*self._withheld_frame())
 
     async def start(self) -> None:
         await super().start()
@@ -179,30 +185,36 @@ class SyncEdgeNode(EdgeNode):
         self._send_withheld()
 
     async def _start_front_doors(self) -> None:
-        host, port = self.http_address
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-        ready: list[asyncio.Future] = []
-        loop = asyncio.get_running_loop()
-        for _ in range(self.workers - 1):
-            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            argv = [sys.executable, "-m", "kvcompassd", "edge-frontdoor", *self._front_door_args,
-                    "--view-directory", self.shared_view.directory_name, "--control-fd", str(theirs.fileno()),
-                    "--http", f"{host}:{port}"]
-            child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
-            theirs.close()
-            mine.setblocking(False)
-            self._children.append(child)
-            done = loop.create_future()
-            ready.append(done)
-            loop.add_reader(mine.fileno(), self._from_front_door, mine, done)
-            self.fanout.sockets.append(mine)
-        self._send_withheld()
+        ready = [self._spawn_front_door() for _ in range(self.workers - 1)]
         if ready:
             async with asyncio.timeout(READY_TIMEOUT_S):
                 await asyncio.gather(*ready)
         self._front_doors_ready = True
-        log.info("front doors started", workers=self.workers, pids=[c.pid for c in self._children],
+        log.info("front doors started", workers=self.workers, pids=self.front_door_pids(),
                  view_directory=self.shared_view.directory_name)
+
+    def _spawn_front_door(self) -> asyncio.Future:
+        """Start one front-door process; the future is done when it serves the port."""
+        host, port = self.http_address
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", "kvcompassd", "edge-frontdoor", *self._front_door_args,
+                "--view-directory", self.shared_view.directory_name, "--control-fd", str(theirs.fileno()),
+                "--http", f"{host}:{port}"]
+        try:
+            child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.send(_pack(*self._withheld_frame()))  # what it waits for before serving (buffered until read)
+        mine.setblocking(False)
+        self._children[mine] = child
+        ready = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().add_reader(mine.fileno(), self._from_front_door, mine, ready)
+        self.fanout.sockets.append(mine)
+        return ready
 
     def _from_front_door(self, sock: socket.socket, ready: asyncio.Future) -> None:
         try:
@@ -211,34 +223,64 @@ class SyncEdgeNode(EdgeNode):
             return
         except OSError:
             data = b""
-        if not data:
-            asyncio.get_running_loop().remove_reader(sock.fileno())
-            if not ready.done():
-                ready.set_exception(RuntimeError("a front door exited before it was ready"))
-            else:
-                log.warning("a front door exited")
+        if data:
+            frame = msgpack.unpackb(data, raw=False)
+            if frame and frame[0] == "ready" and not ready.done():
+                ready.set_result(frame[1])
+                self._send_withheld()  # anything that changed while it started
             return
-        frame = msgpack.unpackb(data, raw=False)
-        if frame and frame[0] == "ready" and not ready.done():
-            ready.set_result(frame[1])
+        # The front door exited: its socket left the port's group, the others keep serving.
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(sock.fileno())
+        if sock in self.fanout.sockets:
+            self.fanout.sockets.remove(sock)
+        child = self._children.pop(sock, None)
+        sock.close()
+        if not ready.done():
+            ready.set_exception(RuntimeError("a front door exited before it was ready"))
+            return
+        if self._stopping:
+            return
+        log.warning("a front door exited: starting another", pid=child.pid if child else None)
+        self.front_doors_restarted += 1
+        self._tasks.append(asyncio.create_task(self._replace_front_door(child)))
+
+    async def _replace_front_door(self, gone: subprocess.Popen | None) -> None:
+        if gone is not None:  # reap it (it closed its control socket: it is exiting)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(gone.wait), timeout=20)
+            except TimeoutError:
+                gone.kill()
+            log.info("front door reaped", pid=gone.pid, exit_code=gone.returncode)
+        await asyncio.sleep(RESTART_DELAY_S)  # a front door that dies at once does not spin
+        if self._stopping:
+            return
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await self._spawn_front_door()
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            log.error("a replacement front door did not start", error=str(exc))
 
     async def _stop_front_doors(self) -> None:
+        self._stopping = True
         loop = asyncio.get_running_loop()
-        for sock in self.fanout.sockets:
+        for sock in list(self._children):
             try:
                 loop.remove_reader(sock.fileno())
             except (ValueError, OSError):
                 pass
-        for child in self._children:
+        children = list(self._children.values())
+        for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
-        for child in self._children:
+        for child in children:
             try:
                 await asyncio.wait_for(asyncio.to_thread(child.wait), timeout=20)
             except TimeoutError:
                 child.kill()
-        for sock in self.fanout.sockets:
+        for sock in list(self._children):
             sock.close()
+        self._children.clear()
         self.fanout.sockets.clear()
 
     async def stop(self) -> None:
@@ -250,7 +292,7 @@ class SyncEdgeNode(EdgeNode):
         return f"{super().status()}, {self.workers} front doors"
 
     def front_door_pids(self) -> list[int]:
-        return [c.pid for c in self._children]
+        return [c.pid for c in self._children.values()]
 
 
 class FrontDoorProcess:

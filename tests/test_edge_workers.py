@@ -4,6 +4,8 @@ over its own QUIC connections to remote agents."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import aiohttp
@@ -108,3 +110,20 @@ async def test_the_front_door_maps_the_views_without_a_copy(dep, doors):
             private += int(head[1]) * 1024
     assert rss > 0  # it maps the views...
     assert private <= 0.05 * rss  # ...which the edge process holds too: one copy on the host
+
+
+async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep, doors):
+    (pid,) = (k for k in doors if k)
+    os.kill(pid, signal.SIGKILL)
+
+    async def replaced():
+        async with aiohttp.ClientSession() as s:  # a new connection each time: any process
+            async with s.get(dep.edge_url("us") + "/health") as r:
+                body = await r.json()
+        door = body.get("front_door")
+        return door is not None and door != pid and body["ready"]
+
+    await eventually(replaced, timeout=90)
+    # Requests go on being served meanwhile and after, by whichever process takes the connection.
+    for i in range(4):
+        assert (await generate(dep, "us", doc(130 + i, 300)))["meta_info"]["kvcompass"]["worker"]
