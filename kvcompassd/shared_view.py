@@ -66,7 +66,7 @@ def _directory_bytes(shards: int, groups: int) -> int:
 class _Directory:
     """Typed views over a directory segment's bytes (the writer's or a reader's mapping)."""
 
-    __slots__ = ("buffer", "header", "positions", "slots", "seq_ptr", "_keep")
+    __slots__ = ("buffer", "header", "positions", "slots", "seq_ptr", "generation_ptr", "_keep")
 
     def __init__(self, buffer: Any, shards: int, groups: int) -> None:
         self.buffer = buffer
@@ -77,13 +77,28 @@ class _Directory:
         raw = ffi.from_buffer("uint8_t[]", buffer)
         self._keep = raw
         self.seq_ptr = ffi.cast("uint64_t *", raw) + 1
+        self.generation_ptr = ffi.cast("uint64_t *", raw) + 2  # header[2], read per decision: no numpy
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _advise_huge_pages(mapping: mmap.mmap) -> mmap.mmap:
+    # Lookups touch the arrays at random, as a private view's (kvc_alloc advises those too); on a
+    # host whose shmem_enabled is "advise" this gives the image huge pages, elsewhere it is a no-op.
+    if len(mapping) >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return mapping
 
 
 def _create_segment(name: str, size: int) -> mmap.mmap:
     fd = os.open(SEGMENT_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return _advise_huge_pages(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
     finally:
         os.close(fd)
 
@@ -91,7 +106,7 @@ def _create_segment(name: str, size: int) -> mmap.mmap:
 def _map_readonly(name: str) -> mmap.mmap:
     fd = os.open(SEGMENT_DIR / name, os.O_RDONLY)
     try:
-        return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        return _advise_huge_pages(mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ))
     finally:
         os.close(fd)
 
@@ -324,6 +339,10 @@ class SharedViewWriter(EdgeIndexView):
         _unlink(self.directory_name)
 
 
+_read_begin = lib.kvc_seq_read_begin
+_read_valid = lib.kvc_seq_read_valid
+
+
 class SharedViewReader:
     """A read-only ``EdgeIndexView`` look-alike over a ``SharedViewWriter``'s segments."""
 
@@ -360,6 +379,12 @@ class SharedViewReader:
     def begin(self) -> int:
         """Start a read: wait out a write in progress, re-map what the writer switched; the
         sequence number to pass to ``valid`` after the read."""
+        start = _read_begin(self._dir.seq_ptr)
+        if not start & 1 and self._dir.generation_ptr[0] == self._generation:
+            return start  # the common case: two loads
+        return self._begin_slowly()
+
+    def _begin_slowly(self) -> int:
         seq_ptr = self._dir.seq_ptr
         waited_since = None
         while True:
@@ -379,7 +404,7 @@ class SharedViewReader:
             return start
 
     def valid(self, start: int) -> bool:
-        if lib.kvc_seq_read_valid(self._dir.seq_ptr, start):
+        if _read_valid(self._dir.seq_ptr, start):
             return True
         self.retries += 1
         return False

@@ -139,6 +139,52 @@ def measure_memory(entries: int) -> None:
         writer.close()
 
 
+def measure_decisions(entries: int, rounds: int, per_round: int) -> None:
+    """The only work a front door adds to a request's decision: the sequence lock around the C
+    call. Router.decide over the private view and over the mapped one, in one process, rounds
+    interleaved (ABBA), same prompts."""
+    import time
+
+    from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier
+    from kvcompassd.core.index import EdgeIndexView
+    from kvcompassd.core.router import Router
+    from kvcompassd.shared_view import SharedViewReader, SharedViewWriter, share_router_view
+
+    cfg, layout, shards = _cluster_config(entries)
+    private = EdgeIndexView(layout, SHARDS, edge="edge-us")
+    writer = SharedViewWriter(layout, SHARDS, edge="edge-us")
+    try:
+        keys = np.random.default_rng(2).integers(0, 1 << 62, entries, dtype=np.uint64)
+        op = IndexEventColumns.from_events([PrefixCached("us-1", 2, Tier.VRAM)]).ops[:1]
+        for s, shard in enumerate(shards):
+            mine = keys[keys % SHARDS == s]
+            for i in range(0, len(mine), 100_000):
+                part = mine[i:i + 100_000]
+                shard.apply_columns("us-1", IndexEventColumns(op * len(part), part.astype("<u8").tobytes()))
+                shard.flush()
+            snap = shard.snapshot()
+            assert private.install_tables(s, snap.epoch, snap.seq, snap.tables).applied
+            assert writer.install_tables(s, snap.epoch, snap.seq, snap.tables).applied
+        reader = SharedViewReader(layout, SHARDS, writer.directory_name, edge="edge-us")
+        routers = {"private view": Router(cfg, "us", private, now=0.0), "mapped view": Router(cfg, "us", reader, now=0.0)}
+        share_router_view(routers["mapped view"], reader)
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(0, 30000, 2000, dtype=np.uint32) for _ in range(64)]
+        samples: dict[str, list[float]] = {name: [] for name in routers}
+        for r in range(rounds):
+            for name in (("private view", "mapped view") if r % 2 == 0 else ("mapped view", "private view")):
+                router = routers[name]
+                t0 = time.process_time()
+                for i in range(per_round):
+                    router.decide(prompts[i % len(prompts)], now=0.0)
+                samples[name].append((time.process_time() - t0) / per_round * 1e6)
+        for name, values in samples.items():
+            print(f"Router.decide over the {name}: median {median(values):.1f} us CPU per decision "
+                  f"({rounds} rounds of {per_round}, 2,000-token prompts, {entries:,} entries)")
+    finally:
+        writer.close()
+
+
 async def start_edge(cluster: Cluster, workers: int) -> int:
     edge = cluster.cfg.edges[0]
     proc = cluster.spawn("edge", edge.id, "--workers", str(workers))
@@ -209,10 +255,13 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--runs", type=int, default=1, help="0: memory only")
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--decision-rounds", type=int, default=20, help="0: skip the per-decision measure")
     args = p.parse_args()
     quiet_logs()
     if args.entries:
         measure_memory(args.entries)
+    if args.decision_rounds:
+        measure_decisions(max(args.entries, 100_000), args.decision_rounds, 500)
     if args.runs:
         asyncio.run(measure_cpu(args))
 
