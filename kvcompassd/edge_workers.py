@@ -121,6 +121,27 @@ class _QueueFanout:
         self._fanout.send("piggyback", to_region, now)
 
 
+QUEUE_FRAMES = frozenset({"load", "vector", "piggyback"})
+
+
+def apply_queue_frame(queues: Any, frame: list, *, now: float) -> None:
+    """Apply a reading process 0 copied (``_QueueFanout``) to a front door's queue estimates, at
+    the time process 0 took it (never later than ``now``). ValueError for a frame that is not one."""
+    kind = frame[0]
+    if kind == "load":
+        _, worker, queue_ms, at, running = frame
+        queues.set_local(worker, queue_ms, now=min(at, now), running=running)
+    elif kind == "vector":
+        msg = decode(frame[1])
+        if not isinstance(msg, QueueVectorBroadcast):
+            raise ValueError(f"not a queue vector: {type(msg).__name__}")
+        queues.on_broadcast(msg, now=min(frame[2], now))
+    elif kind == "piggyback":
+        queues.note_piggyback_sent(frame[1], now=min(frame[2], now))
+    else:
+        raise ValueError(f"not a queue frame: {kind!r}")
+
+
 class SyncEdgeNode(EdgeNode):
     """Process 0 of ``edge --workers N``: the edge, its views in shared memory, N-1 more front doors."""
 
@@ -132,7 +153,11 @@ class SyncEdgeNode(EdgeNode):
             # The decode chooser's loads are not copied to the front doors (yet).
             raise ValueError("--workers > 1 does not serve prefill-decode disaggregation yet")
         self.shared_view = SharedViewWriter(IndexLayout.from_config(cfg), cfg.shards, edge=me.id)
-        super().__init__(cfg, me, tls, view=self.shared_view, reuse_port=True, **kwargs)
+        try:
+            super().__init__(cfg, me, tls, view=self.shared_view, reuse_port=True, **kwargs)
+        except BaseException:
+            self.shared_view.close()  # refused before it started: leave nothing in /dev/shm
+            raise
         self.workers = workers
         self._front_door_args = list(front_door_args)
         self.fanout = _Fanout()
@@ -284,9 +309,11 @@ class SyncEdgeNode(EdgeNode):
         self.fanout.sockets.clear()
 
     async def stop(self) -> None:
-        await self._stop_front_doors()
-        await super().stop()
-        self.shared_view.close()
+        try:
+            await self._stop_front_doors()
+            await super().stop()
+        finally:
+            self.shared_view.close()
 
     def status(self) -> str:
         return f"{super().status()}, {self.workers} front doors"
@@ -401,18 +428,9 @@ class FrontDoorProcess:
                 log.warning("control frame refused", error=str(exc))
 
     def apply_control(self, frame: list) -> None:
-        kind, now = frame[0], self.clock()
-        queues = self.router.queues
-        if kind == "load":
-            _, worker, queue_ms, at, running = frame
-            queues.set_local(worker, queue_ms, now=min(at, now), running=running)
-        elif kind == "vector":
-            msg = decode(frame[1])
-            if not isinstance(msg, QueueVectorBroadcast):
-                raise ValueError(f"not a queue vector: {type(msg).__name__}")
-            queues.on_broadcast(msg, now=min(frame[2], now))
-        elif kind == "piggyback":
-            queues.note_piggyback_sent(frame[1], now=min(frame[2], now))
+        kind = frame[0]
+        if kind in QUEUE_FRAMES:
+            apply_queue_frame(self.router.queues, frame, now=self.clock())
         elif kind == "withheld":
             withheld, self._checked = set(frame[1]), bool(frame[2])
             for i in range(len(self.layout.worker_ids)):

@@ -1,6 +1,7 @@
-"""``edge --workers 2`` through real daemons: two front-door processes on one port (SO_REUSEPORT),
-the second deciding over the first's views mapped from shared memory, forwarding over HTTP and
-over its own QUIC connections to remote agents."""
+"""``edge --workers 2``: the readings process 0 copies to its front doors leave their queue
+estimates equal to its own; and through real daemons, two front-door processes on one port
+(SO_REUSEPORT), the second deciding over the first's views mapped from shared memory, forwarding
+over HTTP and over its own QUIC connections to remote agents."""
 
 from __future__ import annotations
 
@@ -12,14 +13,56 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+import msgpack
+import numpy as np
+import socket
+
 from e2e_helpers import admin, doc, eventually, generate
+from kvcompassd.core.config import load_config
+from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
+from kvcompassd.edge_workers import _Fanout, _QueueFanout, apply_queue_frame
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SPEC = DeploymentSpec(workers={"us": 2, "eu": 1}, one_way_ms={("us", "eu"): 10.0}, shards=2,
                       prefill_ms_per_token=0.05, decode_ms_per_token=1.0, fingerprint_bits=16)
+TESTBED = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
 MAX_CONNECTIONS = 64  # SO_REUSEPORT hashes each new connection: P(all on one of 2) = 2^-63
+
+
+async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_edges():
+    fanout = _Fanout()
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setblocking(False)
+    fanout.sockets.append(mine)
+    edge = _QueueFanout(QueueEstimates(TESTBED, "us", now=0.0), fanout)
+    door = QueueEstimates(TESTBED, "us", now=0.0)
+    us = [w.id for w in TESTBED.workers if w.region == "us"]
+    eu = [w.id for w in TESTBED.workers if w.region == "eu"]
+    edge.set_local(us[0], 120.0, now=0.5, running=3)
+    edge.on_broadcast(QueueVectorBroadcast("eu", "us", 0.4, ((eu[0], 30.0), (eu[1], 5.0))), now=0.6)
+    with pytest.raises(ValueError):  # refused by the edge: nothing is copied
+        edge.on_broadcast(QueueVectorBroadcast("eu", "asia", 0.4, ((eu[0], 1.0),)), now=0.7)
+    edge.note_piggyback_sent("eu", now=0.8)
+    theirs.setblocking(False)
+    frames = []
+    while True:
+        try:
+            frames.append(msgpack.unpackb(theirs.recv(65536), raw=False))
+        except BlockingIOError:
+            break
+    assert [f[0] for f in frames] == ["load", "vector", "piggyback"]
+    for frame in frames:
+        apply_queue_frame(door, frame, now=0.9)
+    for now in (0.9, 1.5, 4.0):
+        assert np.array_equal(door.queue_ms(now=now), edge.queue_ms(now=now))
+    with pytest.raises(ValueError):
+        apply_queue_frame(door, ["withheld", [], True], now=1.0)
+    theirs.close()
+    edge.set_local(us[1], 1.0, now=1.0)  # a front door gone: dropped from the fan-out, no error
+    assert fanout.sockets == []
+    mine.close()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
