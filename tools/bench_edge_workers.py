@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -143,8 +144,6 @@ def measure_decisions(entries: int, rounds: int, per_round: int) -> None:
     """The only work a front door adds to a request's decision: the sequence lock around the C
     call. Router.decide over the private view and over the mapped one, in one process, rounds
     interleaved (ABBA), same prompts."""
-    import time
-
     from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier
     from kvcompassd.core.index import EdgeIndexView
     from kvcompassd.core.router import Router
@@ -221,27 +220,38 @@ async def measure_cpu(args) -> None:
             for n in (1, args.workers, args.workers, 1):
                 pid = await start_edge(cluster, n)
                 await asyncio.sleep(1.0)  # agents report load to the new edge
+                # What the processes burn with no requests (keepalives, timers, readings copied):
+                # at the few requests/s of a loaded 2-core host it weighs on the CPU per request.
+                idle0 = tree_cpu_seconds(pid)
+                await asyncio.sleep(args.idle_seconds)
+                idle_rate = (tree_cpu_seconds(pid) - idle0) / args.idle_seconds
+                results[("idle", n)].append(idle_rate)
                 for concurrency in args.concurrency:
                     prompts = Prompts(8, 1500, 500, seed=run * 1000 + concurrency)
                     await flush_caches([w.http for w in cfg.workers])
                     await closed_loop([url], concurrency, args.warmup, prompts, args.max_new_tokens, who)
-                    cpu0 = tree_cpu_seconds(pid)
+                    cpu0, t0 = tree_cpu_seconds(pid), time.monotonic()
                     r = await closed_loop([url], concurrency, args.seconds, prompts, args.max_new_tokens, who)
-                    r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / max(1, r["requests"]) * 1e6
+                    busy = tree_cpu_seconds(pid) - cpu0
+                    r["cpu_us"] = busy / max(1, r["requests"]) * 1e6
+                    r["net_us"] = (busy - idle_rate * (time.monotonic() - t0)) / max(1, r["requests"]) * 1e6
                     results[(n, concurrency)].append(r)
                     print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.0f} req/s  "
-                          f"P50 {r['p50_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req  affinity {r['affinity']:.2f}  "
+                          f"P50 {r['p50_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req ({r['net_us']:6.0f} net of idle)  "
+                          f"idle {idle_rate * 1000:5.1f} ms/s  affinity {r['affinity']:.2f}  "
                           f"reuse {r['reuse']:.2f}  errors {r['errors']}", flush=True)
                 stop_edge(cluster)
         finally:
             cluster.stop()
     print(f"\nedge CPU per request (edge process + front-door children), medians; load average {load_average()}")
-    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'CPU us/req':>11}{'affinity':>9}{'reuse':>7}")
+    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'CPU us/req':>11}{'net of idle':>12}"
+          f"{'idle ms/s':>10}{'affinity':>9}{'reuse':>7}")
     for concurrency in args.concurrency:
         for n in sorted({1, args.workers}):
             rs = results[(n, concurrency)]
             print(f"{concurrency:>4} {n:>8}{median([r['rps'] for r in rs]):>9.0f}{median([r['p50_ms'] for r in rs]):>9.2f}"
-                  f"{median([r['cpu_us'] for r in rs]):>11.0f}{median([r['affinity'] for r in rs]):>9.2f}"
+                  f"{median([r['cpu_us'] for r in rs]):>11.0f}{median([r['net_us'] for r in rs]):>12.0f}"
+                  f"{median(results[('idle', n)]) * 1000:>10.1f}{median([r['affinity'] for r in rs]):>9.2f}"
                   f"{median([r['reuse'] for r in rs]):>7.2f}")
 
 
@@ -253,6 +263,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[16])
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU is sampled this long per setting")
     p.add_argument("--runs", type=int, default=1, help="0: memory only")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--decision-rounds", type=int, default=20, help="0: skip the per-decision measure")
