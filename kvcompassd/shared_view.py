@@ -97,8 +97,13 @@ def _advise_huge_pages(mapping: mmap.mmap) -> mmap.mmap:
 def _create_segment(name: str, size: int) -> mmap.mmap:
     fd = os.open(SEGMENT_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        # Reserve the memory now: a tmpfs that runs out under a mapping answers writes with
+        # SIGBUS, this answers ENOSPC here, where the caller can refuse the image instead.
+        os.posix_fallocate(fd, 0, size)
         return _advise_huge_pages(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+    except BaseException:
+        _unlink(name)
+        raise
     finally:
         os.close(fd)
 
@@ -209,11 +214,19 @@ class SharedViewWriter(EdgeIndexView):
     # -- the EdgeIndexView interface, over images -----------------------------------------------
 
     def install_tables(self, shard: int, epoch: int, seq: int, tables, *, entries: int | None = None) -> BatchOutcome:
+        st = self.state[shard] if 0 <= shard < self.shards else None
+        before = None if st is None else (st.views, st.epoch, st.seq)
         outcome = super().install_tables(shard, epoch, seq, tables, entries=entries)  # validates, builds private views
         if not outcome.applied:
             return outcome
-        st = self.state[shard]
-        images = {g: self._new_image(shard, g, v) for g, v in st.views.items()}  # private copies freed below
+        try:
+            images = {g: self._new_image(shard, g, v) for g, v in st.views.items()}  # private copies freed below
+        except OSError as exc:
+            # No shared memory for it (/dev/shm full): the shard stays as it was; the sync
+            # protocol asks for the snapshot again on its timer.
+            st.views, st.epoch, st.seq = before
+            self._drop_pending(shard)
+            return BatchOutcome(False, reason=f"no shared memory for the view's images: {exc}")
         self._begin()
         try:
             for g, image in images.items():
@@ -247,7 +260,11 @@ class SharedViewWriter(EdgeIndexView):
                 else:
                     ready.append((group, blob, False))
             except LudoError as exc:
+                self._drop_pending(batch.shard)
                 return f"batch rejected by the view: {exc}"
+            except OSError as exc:
+                self._drop_pending(batch.shard)
+                return f"no shared memory for the view's images: {exc}"
         views = dict(st.views)
         self._begin()
         try:
@@ -267,7 +284,11 @@ class SharedViewWriter(EdgeIndexView):
                     views[group] = view
                     self._publish(batch.shard, group, view)
         except LudoError as exc:
+            self._drop_pending(batch.shard)
             return f"batch rejected by the view: {exc}"
+        except OSError as exc:  # a bigger image found no shared memory: the records not applied are repaired by a resync
+            self._drop_pending(batch.shard)
+            return f"no shared memory for the view's images: {exc}"
         finally:
             if any(views[g] is not st.views[g] for g in views):
                 st.views = views  # a new dict: the readers' (and this process's) pointer arrays rebuild
@@ -306,6 +327,11 @@ class SharedViewWriter(EdgeIndexView):
             _unlink(stale)
         self._pending[(shard, group)] = name
         return view
+
+    def _drop_pending(self, shard: int) -> None:
+        """Unlink images written for a shard's install or batch that did not go through."""
+        for key in [k for k in self._pending if k[0] == shard]:
+            _unlink(self._pending.pop(key))
 
     def _publish(self, shard: int, group: int, view: MappedView) -> None:
         """Name the image in the directory (inside the window); unlink the one it replaces."""

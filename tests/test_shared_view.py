@@ -376,3 +376,35 @@ def test_a_writer_stuck_inside_a_write_fails_reads_instead_of_hanging_them(world
         reader.begin()
     world.writer._end()
     reader.begin()
+
+
+def test_no_shared_memory_refuses_the_install_or_batch_and_keeps_the_view(world, monkeypatch):
+    import errno
+
+    reader = world.reader()
+    keys = [2 * k for k in range(1, 3000)]  # shard 0: enough to grow its 64-entry table
+    world.apply(PrefixCached("us-0", k, Tier.VRAM) for k in keys[:20])
+    reader.begin()
+    before = reader.view(0, 0).lookup_many(keys)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_view.os, "posix_fallocate", full)
+    for k in keys:
+        world.shards[0].apply([PrefixCached("us-0", k, Tier.VRAM)])
+    batch = world.shards[0].flush()  # the grown table: a snapshot blob, which needs a new image
+    assert world.private.apply_next(batch) is None
+    assert "no shared memory" in world.writer.apply_next(batch)
+    snap = world.shards[0].snapshot()
+    outcome = world.writer.install_snapshot(snap)
+    assert not outcome.applied and "no shared memory" in outcome.reason
+    assert world.writer.position(0) == (snap.epoch, snap.seq - 1)  # where it was
+    reader.begin()
+    assert np.array_equal(reader.view(0, 0).lookup_many(keys), before)  # the mapped view is untouched
+    images = [n for n in _segments(world.writer.prefix) if not n.endswith("-dir")]
+    assert images == sorted(world.writer._names.values())  # nothing half-made is left behind
+    monkeypatch.undo()
+    assert world.writer.install_snapshot(snap).applied  # the sync protocol's retry goes through
+    reader.begin()
+    assert np.array_equal(reader.view(0, 0).lookup_many(keys), world.private.view(0, 0).lookup_many(keys))
