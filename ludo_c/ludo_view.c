@@ -70,12 +70,15 @@ static inline uint32_t ov_dist(uint32_t a, uint32_t b, uint32_t cap) { return b 
 
 static unsigned ov_get(const kvc_view *v, uint32_t bucket)
 {
-    for (uint32_t i = ov_home(bucket, v->ov_cap);; i = ov_next(i, v->ov_cap)) {
+    /* At most one lap: a map read while another process writes it (kvc_shared.h) may be full. */
+    uint32_t i = ov_home(bucket, v->ov_cap);
+    for (uint32_t probes = 0; probes < v->ov_cap; probes++, i = ov_next(i, v->ov_cap)) {
         if (v->ov_bucket[i] == bucket + 1u)
             return v->ov_seed[i];
         if (v->ov_bucket[i] == 0)
             return 0; /* cannot happen for a sentinel bucket; seed 0 keeps lookup defined */
     }
+    return 0;
 }
 
 static void ov_put_nogrow(kvc_view *v, uint32_t bucket, unsigned seed)

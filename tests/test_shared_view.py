@@ -408,3 +408,21 @@ def test_no_shared_memory_refuses_the_install_or_batch_and_keeps_the_view(world,
     assert world.writer.install_snapshot(snap).applied  # the sync protocol's retry goes through
     reader.begin()
     assert np.array_equal(reader.view(0, 0).lookup_many(keys), world.private.view(0, 0).lookup_many(keys))
+
+
+@settings(max_examples=200, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 191), st.integers(0, 255)), min_size=1, max_size=8))
+def test_an_image_with_a_damaged_header_is_refused_or_read_within_its_bounds(edits):
+    w = World(initial_capacity=64, fingerprint_bits=6)
+    try:
+        image = bytearray(w.writer.view(0, 0)._image)
+        for at, value in edits:
+            image[at] = value
+        try:
+            view = MappedView.attach(image)
+        except LudoError:
+            return
+        # Accepted: every array it names lies inside the buffer, so any lookup stays in it.
+        view.lookup_many(np.arange(0, 1 << 62, (1 << 62) // 2000, dtype=np.uint64))
+    finally:
+        w.close()
