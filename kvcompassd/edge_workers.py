@@ -358,12 +358,13 @@ class FrontDoorProcess:
         self.control.setblocking(False)
         asyncio.get_running_loop().add_reader(self.control.fileno(), self._on_control)
         for w in self.cfg.workers:
-            if w.agent:
-                self._agent_peers[w.id] = self.node.peer(split_address(w.agent, w.id), expected_role=Role.AGENT,
-                                                         expected_id=w.id)
+            # Requests reach own-region workers over HTTP: their agents are dialed only when a
+            # migration names one (no idle QUIC session per front door and agent for nothing).
+            if w.agent and (w.region != self.me.region or not self.local_http):
+                self._agent_peer(w.id)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                            connector=aiohttp.TCPConnector(limit=0))
-        self.forwarder = Forwarder(self.me.id, self.router, self._agent_peers.get, self._http, clock=self.clock,
+        self.forwarder = Forwarder(self.me.id, self.router, self._agent_peer, self._http, clock=self.clock,
                                    metrics=self.metrics, local_http=self.local_http)
         async with asyncio.timeout(READY_TIMEOUT_S):
             await self._state_received.wait()  # the withheld workers, before any request is decided
@@ -391,6 +392,19 @@ class FrontDoorProcess:
         if self._http is not None:
             await self._http.close()
         await self.node.close()
+
+    def _agent_peer(self, worker_id: str) -> Peer | None:
+        peer = self._agent_peers.get(worker_id)
+        if peer is None:
+            try:
+                worker = self.cfg.worker(worker_id)
+            except (KeyError, ValueError):
+                return None
+            if not worker.agent:
+                return None
+            peer = self._agent_peers[worker_id] = self.node.peer(split_address(worker.agent, worker_id),
+                                                                 expected_role=Role.AGENT, expected_id=worker_id)
+        return peer
 
     def status(self) -> str:
         return f"front door of edge {self.me.id}, pid {os.getpid()}"
