@@ -7,15 +7,21 @@ proportional and private memory from ``/proc/<pid>/smaps`` for those mappings, p
 USS (``smaps_rollup`` Private_*) before and after mapping. The private share of the mapped view
 is what a second front door adds (target: at most 5 % of the view).
 
+Decision: ``Router.decide`` over the private view and over the mapped one in one process, rounds
+interleaved, 2,000-token prompts: what a front door adds per request (the sequence lock).
+
 CPU: a loopback cluster of ``--cluster-workers`` zero-delay emulated workers (as
 ``tools/bench_edge.py``), one maintenance unit, their agents, and ``edge-us`` started with
 ``--workers 1``, then ``--workers N``, then N, then 1 (ABBA) per run; closed-loop ``/generate``
 load at each ``--concurrency``; CPU per request = user+system time of the edge process and its
-front-door children over the requests served. On a 2-core host the requests/s of N processes
-cannot scale past the cores the workers and agents leave; the CPU per request says what N cores
-would do (target: N processes' CPU per request no higher than one process's).
+front-door children over the requests served, and their idle CPU with no requests (each process's
+keepalives and timers, which weigh on the per-request figure at a loaded host's few requests/s).
+On a 2-core host the requests/s of N processes cannot scale past the cores the workers and agents
+leave; the CPU per request says what N cores would do (target: N processes' CPU per request no
+higher than one process's).
 
-    .venv/bin/python tools/bench_edge_workers.py [--entries 2000000] [--workers 2] [--runs 1] [--seconds 6]
+    .venv/bin/python tools/bench_edge_workers.py [--entries 2000000] [--decision-rounds 20] [--workers 2]
+        [--runs 1] [--seconds 6] [--concurrency 16]
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -144,6 +149,8 @@ def measure_decisions(entries: int, rounds: int, per_round: int) -> None:
     """The only work a front door adds to a request's decision: the sequence lock around the C
     call. Router.decide over the private view and over the mapped one, in one process, rounds
     interleaved (ABBA), same prompts."""
+    import time
+
     from kvcompassd.core.events import IndexEventColumns, PrefixCached, Tier
     from kvcompassd.core.index import EdgeIndexView
     from kvcompassd.core.router import Router
@@ -230,27 +237,25 @@ async def measure_cpu(args) -> None:
                     prompts = Prompts(8, 1500, 500, seed=run * 1000 + concurrency)
                     await flush_caches([w.http for w in cfg.workers])
                     await closed_loop([url], concurrency, args.warmup, prompts, args.max_new_tokens, who)
-                    cpu0, t0 = tree_cpu_seconds(pid), time.monotonic()
+                    cpu0 = tree_cpu_seconds(pid)
                     r = await closed_loop([url], concurrency, args.seconds, prompts, args.max_new_tokens, who)
-                    busy = tree_cpu_seconds(pid) - cpu0
-                    r["cpu_us"] = busy / max(1, r["requests"]) * 1e6
-                    r["net_us"] = (busy - idle_rate * (time.monotonic() - t0)) / max(1, r["requests"]) * 1e6
+                    r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / max(1, r["requests"]) * 1e6
                     results[(n, concurrency)].append(r)
                     print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.0f} req/s  "
-                          f"P50 {r['p50_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req ({r['net_us']:6.0f} net of idle)  "
+                          f"P50 {r['p50_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req  "
                           f"idle {idle_rate * 1000:5.1f} ms/s  affinity {r['affinity']:.2f}  "
                           f"reuse {r['reuse']:.2f}  errors {r['errors']}", flush=True)
                 stop_edge(cluster)
         finally:
             cluster.stop()
     print(f"\nedge CPU per request (edge process + front-door children), medians; load average {load_average()}")
-    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'CPU us/req':>11}{'net of idle':>12}"
-          f"{'idle ms/s':>10}{'affinity':>9}{'reuse':>7}")
+    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'CPU us/req':>11}{'idle ms/s':>10}"
+          f"{'affinity':>9}{'reuse':>7}")
     for concurrency in args.concurrency:
         for n in sorted({1, args.workers}):
             rs = results[(n, concurrency)]
             print(f"{concurrency:>4} {n:>8}{median([r['rps'] for r in rs]):>9.0f}{median([r['p50_ms'] for r in rs]):>9.2f}"
-                  f"{median([r['cpu_us'] for r in rs]):>11.0f}{median([r['net_us'] for r in rs]):>12.0f}"
+                  f"{median([r['cpu_us'] for r in rs]):>11.0f}"
                   f"{median(results[('idle', n)]) * 1000:>10.1f}{median([r['affinity'] for r in rs]):>9.2f}"
                   f"{median([r['reuse'] for r in rs]):>7.2f}")
 
