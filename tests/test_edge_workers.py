@@ -103,9 +103,12 @@ async def _generate(dep, session: aiohttp.ClientSession, text: str) -> dict:
 
 
 async def _registered(dep, text: str, worker: str) -> None:
+    """Until the shared view itself shows the worker's whole registration: process 0's pending
+    ledger (its own, per process) credits the prompt it sent beyond the view until then."""
     async def check():
         body = await admin(dep, "edge-us", "holders", {"text": text})
-        return any(h["worker"] == worker for h in body["holders"])
+        return (any(h["worker"] == worker for h in body["holders"])
+                and not any(p["worker"] == worker for p in body["pending"]))
 
     await eventually(check)
 
