@@ -105,15 +105,48 @@ def cmd_edge(args) -> int:
     me = _lookup(cfg.edges, args.id, "edge")
     keys = frozenset(k.strip() for k in Path(args.api_keys_file).read_text().split() if k.strip()) if args.api_keys_file else frozenset()
     ablation = Ablation(cross_region=not args.no_cross_region)
-    node = EdgeNode(
-        cfg, me, tls,
-        tokenizer=load_tokenizer(*_edge_tokenizer(cfg, args)),
-        frontdoor=FrontDoorSettings(model=cfg.model, max_prompt_tokens=args.max_prompt_tokens, api_keys=keys),
-        local_http=not args.no_local_http,
-        ablation=ablation,
-        copy_from=args.copy_view_from,
-    )
+    common = dict(tokenizer=load_tokenizer(*_edge_tokenizer(cfg, args)),
+                  frontdoor=FrontDoorSettings(model=cfg.model, max_prompt_tokens=args.max_prompt_tokens, api_keys=keys),
+                  local_http=not args.no_local_http, ablation=ablation)
+    if getattr(args, "front_door", False):  # `edge-frontdoor`: started by an `edge --workers N`
+        import socket
+
+        from kvcompassd.edge_workers import FrontDoorProcess
+
+        control = socket.socket(fileno=args.control_fd)
+        node = FrontDoorProcess(cfg, me, tls, view_directory=args.view_directory, control=control,
+                                http_address=args.http, **common)
+        return _serve(node, None, args)
+    if args.workers > 1:
+        from kvcompassd.edge_workers import MAX_WORKERS, SyncEdgeNode
+
+        if args.workers > MAX_WORKERS:
+            raise SystemExit(f"kvcompassd edge: --workers must be at most {MAX_WORKERS}")
+
+        node = SyncEdgeNode(cfg, me, tls, workers=args.workers, front_door_args=_front_door_args(args),
+                            copy_from=args.copy_view_from, **common)
+    else:
+        node = EdgeNode(cfg, me, tls, copy_from=args.copy_view_from, **common)
     return _serve(node, _metrics_address(args, cfg, me), args)
+
+
+def _front_door_args(args) -> list[str]:
+    """The ``edge`` arguments a front-door process of ``--workers N`` takes over."""
+    out = ["--config", str(args.config), "--id", args.id, "--tls-dir", str(args.tls_dir),
+           "--max-prompt-tokens", str(args.max_prompt_tokens), "--log-level", args.log_level]
+    for flag, value in (("--tokenizer", args.tokenizer), ("--chat-template", args.chat_template),
+                        ("--api-keys-file", args.api_keys_file)):
+        if value is not None:
+            out += [flag, str(value)]
+    for limit in args.frontdoor_limit:
+        out += ["--frontdoor-limit", limit]
+    if args.no_local_http:
+        out.append("--no-local-http")
+    if args.no_cross_region:
+        out.append("--no-cross-region")
+    if args.log_json is not None:
+        out.append("--log-json" if args.log_json else "--no-log-json")
+    return out
 
 
 def _edge_tokenizer(cfg, args) -> tuple[str | None, str | None]:
@@ -191,6 +224,13 @@ def cmd_sim(args) -> int:
     return sim_main(args.sim_args)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompassd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,7 +251,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-local-http", action="store_true", help="reach own-region workers over QUIC too")
     p.add_argument("--no-cross-region", action="store_true", help="ablation: never reuse or forward across regions")
     p.add_argument("--copy-view-from", default=None, help="bootstrap the views from this peer edge")
+    p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                   help="N front-door processes on the HTTP port (SO_REUSEPORT) sharing one copy of the views "
+                        "in shared memory (Linux); this process syncs the views and is one of them")
     p.set_defaults(func=cmd_edge)
+
+    p = sub.add_parser("edge-frontdoor", help=argparse.SUPPRESS)  # started by `edge --workers N` only
+    _node_args(p)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--chat-template", default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=131072)
+    p.add_argument("--api-keys-file", default=None)
+    p.add_argument("--frontdoor-limit", action="append", default=[])
+    p.add_argument("--no-local-http", action="store_true")
+    p.add_argument("--no-cross-region", action="store_true")
+    p.add_argument("--view-directory", required=True)
+    p.add_argument("--control-fd", type=int, required=True)
+    p.add_argument("--http", required=True)
+    p.set_defaults(func=cmd_edge, front_door=True, copy_view_from=None, workers=1)
 
     p = sub.add_parser("agent", help="beside one inference engine")
     _node_args(p)

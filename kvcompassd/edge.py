@@ -74,12 +74,16 @@ class EdgeNode:
         local_http: bool = True,
         ablation: Ablation | None = None,
         copy_from: str | None = None,
+        view: EdgeIndexView | None = None,
+        reuse_port: bool = False,
     ):
         self.cfg = cfg
         self.me = me
         self.clock = time.monotonic
         self.layout = IndexLayout.from_config(cfg)
-        self.view = EdgeIndexView(self.layout, cfg.shards, edge=me.id)
+        # ``view``: the views kept in shared memory for more front doors (kvcompassd/edge_workers.py).
+        self.view = view if view is not None else EdgeIndexView(self.layout, cfg.shards, edge=me.id)
+        self.reuse_port = reuse_port
         # The index-sync protocol (core/sync.py); this shell moves its messages.
         self.sync = EdgeSync(self.view, SyncSettings(max_snapshot_entries=cfg.sync.max_snapshot_entries,
                                                      max_snapshot_bytes=cfg.sync.max_snapshot_bytes,
@@ -153,7 +157,7 @@ class EdgeNode:
         self._runner = guard.runner(self.frontdoor.app)
         await self._runner.setup()
         host, port = split_address(self.me.http, f"[[edges]] {self.me.id} http")
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, reuse_port=self.reuse_port or None)
         await site.start()
         self.http_address = site._server.sockets[0].getsockname()[:2]
         self._tasks.append(asyncio.create_task(self._broadcast_loop()))

@@ -70,12 +70,15 @@ static inline uint32_t ov_dist(uint32_t a, uint32_t b, uint32_t cap) { return b 
 
 static unsigned ov_get(const kvc_view *v, uint32_t bucket)
 {
-    for (uint32_t i = ov_home(bucket, v->ov_cap);; i = ov_next(i, v->ov_cap)) {
+    /* At most one lap: a map read while another process writes it (kvc_shared.h) may be full. */
+    uint32_t i = ov_home(bucket, v->ov_cap);
+    for (uint32_t probes = 0; probes < v->ov_cap; probes++, i = ov_next(i, v->ov_cap)) {
         if (v->ov_bucket[i] == bucket + 1u)
             return v->ov_seed[i];
         if (v->ov_bucket[i] == 0)
             return 0; /* cannot happen for a sentinel bucket; seed 0 keeps lookup defined */
     }
+    return 0;
 }
 
 static void ov_put_nogrow(kvc_view *v, uint32_t bucket, unsigned seed)
@@ -705,4 +708,214 @@ int kvc_view_snapshot_write(const kvc_view *v, uint8_t *buf, size_t len)
         kvc_put64(p, v->words[i]);
     kvc_header_write(buf, KVC_BLOB_SNAPSHOT, &v->geo, payload);
     return KVC_OK;
+}
+
+/* ---------------------------------------------------------------- images in shared memory */
+/* kvc_shared.h: a view whose arrays live in a buffer other processes map. */
+
+#include "kvc_shared.h"
+
+#define KVC_IMAGE_MAGIC UINT64_C(0x31474D4943564B) /* "KVCIMG1" */
+#define KVC_IMAGE_ALIGN 64u
+
+typedef struct kvc_image_header {
+    uint64_t magic, bytes;
+    uint64_t table_id, epoch, bucket_seed, locator_seed, entries;
+    uint32_t nb, ma, mb, value_bits, fp_bits, wa, wb, ov_cap, ov_n, reserved;
+    uint64_t off_words, off_seeds, off_vals, off_fps, off_ov_bucket, off_ov_seed;
+} kvc_image_header;
+
+typedef struct image_sections {
+    uint64_t words, seeds, vals, fps, ov_bucket, ov_seed, bytes;
+} image_sections;
+
+static uint64_t align_up(uint64_t x) { return (x + KVC_IMAGE_ALIGN - 1u) & ~(uint64_t)(KVC_IMAGE_ALIGN - 1u); }
+
+/* Smallest map capacity holding `need` buckets at load <= 0.85 (ov_reserve's rule), 16 at least. */
+static uint64_t image_ov_cap(uint64_t need)
+{
+    uint64_t cap = 16u;
+    while (need * 20u > cap * 17u)
+        cap += cap / 2u;
+    return cap;
+}
+
+/* Offsets of every section for a geometry; bytes = 0 when the image cannot be described. */
+static image_sections image_layout(uint32_t nb, uint32_t wa, uint32_t wb, unsigned value_bits, unsigned d,
+                                   uint64_t ov_cap)
+{
+    image_sections s;
+    uint64_t slots = (uint64_t)nb * 4u;
+    s.words = align_up(sizeof(kvc_image_header));
+    s.seeds = align_up(s.words + 8u * ((uint64_t)wa + wb));
+    s.vals = align_up(s.seeds + 8u * (((uint64_t)nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD));
+    s.fps = align_up(s.vals + slots * (value_bits / 8u));
+    s.ov_bucket = align_up(s.fps + (d ? (slots * d + 7) / 8 + 8 : 0u));
+    s.ov_seed = align_up(s.ov_bucket + 4u * ov_cap);
+    s.bytes = align_up(s.ov_seed + 2u * ov_cap);
+    return s;
+}
+
+size_t kvc_view_image_size(const kvc_view *v, uint64_t overflow_room)
+{
+    uint64_t cap = image_ov_cap((uint64_t)v->ov_n + overflow_room);
+    if (cap >= (UINT64_C(1) << 32))
+        return 0;
+    return (size_t)image_layout(v->geo.nb, v->wa, v->wb, v->geo.value_bits, v->geo.fp_bits, cap).bytes;
+}
+
+int kvc_view_image_write(const kvc_view *v, uint8_t *buf, size_t len, uint64_t overflow_room)
+{
+    uint64_t cap = image_ov_cap((uint64_t)v->ov_n + overflow_room);
+    if (!buf || cap >= (UINT64_C(1) << 32) || ((uintptr_t)buf & (KVC_IMAGE_ALIGN - 1u)))
+        return KVC_ERR_ARG;
+    unsigned d = v->geo.fp_bits;
+    image_sections s = image_layout(v->geo.nb, v->wa, v->wb, v->geo.value_bits, d, cap);
+    if (len != s.bytes)
+        return KVC_ERR_ARG;
+    uint64_t slots = (uint64_t)v->geo.nb * 4u;
+    memset(buf, 0, s.bytes);
+    kvc_image_header h;
+    memset(&h, 0, sizeof h);
+    h.magic = KVC_IMAGE_MAGIC;
+    h.bytes = s.bytes;
+    h.table_id = v->geo.table_id;
+    h.epoch = v->geo.epoch;
+    h.bucket_seed = v->geo.bucket_seed;
+    h.locator_seed = v->geo.locator_seed;
+    h.entries = v->entries;
+    h.nb = v->geo.nb;
+    h.ma = v->geo.ma;
+    h.mb = v->geo.mb;
+    h.value_bits = v->geo.value_bits;
+    h.fp_bits = d;
+    h.wa = v->wa;
+    h.wb = v->wb;
+    h.ov_cap = (uint32_t)cap;
+    h.ov_n = v->ov_n;
+    h.off_words = s.words;
+    h.off_seeds = s.seeds;
+    h.off_vals = s.vals;
+    h.off_fps = d ? s.fps : 0u;
+    h.off_ov_bucket = s.ov_bucket;
+    h.off_ov_seed = s.ov_seed;
+    memcpy(buf, &h, sizeof h);
+    memcpy(buf + s.words, v->words, 8u * ((uint64_t)v->wa + v->wb));
+    memcpy(buf + s.seeds, v->seeds, 8u * (((uint64_t)v->geo.nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD));
+    if (v->geo.value_bits == 32)
+        memcpy(buf + s.vals, v->vals32, slots * 4u);
+    else
+        memcpy(buf + s.vals, v->vals64, slots * 8u);
+    if (d)
+        memcpy(buf + s.fps, v->fps, (slots * d + 7) / 8 + 8);
+    /* The map's probe sequences depend on its capacity: re-insert every bucket. */
+    kvc_view img;
+    memset(&img, 0, sizeof img);
+    img.ov_bucket = (uint32_t *)(buf + s.ov_bucket);
+    img.ov_seed = (uint16_t *)(buf + s.ov_seed);
+    img.ov_cap = (uint32_t)cap;
+    for (uint32_t i = 0; i < v->ov_cap; i++)
+        if (v->ov_bucket[i])
+            ov_put_nogrow(&img, v->ov_bucket[i] - 1u, v->ov_seed[i]);
+    return KVC_OK;
+}
+
+static int section_ok(uint64_t off, uint64_t size, uint64_t bytes)
+{
+    return off % 8u == 0 && off >= sizeof(kvc_image_header) && off <= bytes && size <= bytes - off;
+}
+
+int kvc_view_attach(kvc_view **out, const uint8_t *buf, size_t len)
+{
+    if (!out || !buf || ((uintptr_t)buf & 7u) || len < sizeof(kvc_image_header))
+        return KVC_ERR_ARG;
+    kvc_image_header h;
+    memcpy(&h, buf, sizeof h);
+    if (h.magic != KVC_IMAGE_MAGIC)
+        return KVC_ERR_MAGIC;
+    if (h.bytes > len)
+        return KVC_ERR_TRUNCATED;
+    if ((h.value_bits != 32 && h.value_bits != 64) || h.fp_bits > 16 || h.nb < 2 || h.nb > KVC_MAX_BUCKETS ||
+        h.ma == 0 || h.mb == 0 || h.wa != kvc_words_for(h.ma) || h.wb != kvc_words_for(h.mb) || h.ov_cap < 16 ||
+        (uint64_t)h.ov_n * 20u > (uint64_t)h.ov_cap * 17u || (h.fp_bits == 0) != (h.off_fps == 0))
+        return KVC_ERR_GEOMETRY;
+    uint64_t slots = (uint64_t)h.nb * 4u;
+    if (!section_ok(h.off_words, 8u * ((uint64_t)h.wa + h.wb), h.bytes) ||
+        !section_ok(h.off_seeds, 8u * (((uint64_t)h.nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD), h.bytes) ||
+        !section_ok(h.off_vals, slots * (h.value_bits / 8u), h.bytes) ||
+        (h.fp_bits && !section_ok(h.off_fps, (slots * h.fp_bits + 7) / 8 + 8, h.bytes)) ||
+        !section_ok(h.off_ov_bucket, 4u * (uint64_t)h.ov_cap, h.bytes) ||
+        !section_ok(h.off_ov_seed, 2u * (uint64_t)h.ov_cap, h.bytes) || h.entries > slots)
+        return KVC_ERR_MALFORMED;
+    kvc_view *v = calloc(1, sizeof *v);
+    if (!v)
+        return KVC_ERR_NOMEM;
+    uint8_t *base = (uint8_t *)(uintptr_t)buf; /* a reader never writes through it (kvc_shared.h) */
+    v->geo.table_id = h.table_id;
+    v->geo.epoch = h.epoch;
+    v->geo.nb = h.nb;
+    v->geo.ma = h.ma;
+    v->geo.mb = h.mb;
+    v->geo.value_bits = h.value_bits;
+    v->geo.fp_bits = h.fp_bits;
+    v->geo.bucket_seed = h.bucket_seed;
+    v->geo.locator_seed = h.locator_seed;
+    v->entries = h.entries;
+    v->slot_base = kvc_slot_base(h.bucket_seed);
+    v->fp_seed = kvc_fp_seed(h.table_id); /* as build_from_snapshot derives it */
+    v->wa = h.wa;
+    v->wb = h.wb;
+    v->words = (uint64_t *)(base + h.off_words);
+    v->seeds = (uint64_t *)(base + h.off_seeds);
+    if (h.value_bits == 32)
+        v->vals32 = (uint32_t *)(base + h.off_vals);
+    else
+        v->vals64 = (uint64_t *)(base + h.off_vals);
+    v->fps = h.fp_bits ? base + h.off_fps : NULL;
+    v->ov_bucket = (uint32_t *)(base + h.off_ov_bucket);
+    v->ov_seed = (uint16_t *)(base + h.off_ov_seed);
+    v->ov_cap = h.ov_cap;
+    v->ov_n = h.ov_n;
+    *out = v;
+    return KVC_OK;
+}
+
+void kvc_view_detach(kvc_view *v)
+{
+    free(v); /* the arrays belong to the image */
+}
+
+uint64_t kvc_view_overflow_room(const kvc_view *v)
+{
+    uint64_t most = (uint64_t)v->ov_cap * 17u / 20u;
+    return most > v->ov_n ? most - v->ov_n : 0u;
+}
+
+int kvc_view_image_apply(kvc_view *v, const uint8_t *blob, size_t len)
+{
+    kvc_header hdr;
+    int rc = read_checked(blob, len, &hdr);
+    if (rc != KVC_OK)
+        return rc;
+    if (hdr.geo.table_id != v->geo.table_id)
+        return KVC_ERR_FOREIGN;
+    if (hdr.kind != KVC_BLOB_RECORDS)
+        return KVC_ERR_ARG;
+    if (hdr.geo.epoch != v->geo.epoch)
+        return KVC_ERR_EPOCH;
+    if (!same_geometry(&hdr.geo, &v->geo))
+        return KVC_ERR_GEOMETRY;
+    /* Room for every record's big seed (an over-count: some buckets are in the map already), so
+     * apply_records' ov_reserve finds room and never reallocates the image's map. */
+    const uint8_t *p = blob + KVC_HEADER_SIZE;
+    uint64_t nbk = kvc_get32(p), nw = kvc_get32(p + 4);
+    size_t bsize = kvc_record_bucket_size(v->geo.value_bits, v->geo.fp_bits);
+    if (hdr.payload_len != 8u + nbk * bsize + nw * KVC_RECORD_WORD_SIZE)
+        return KVC_ERR_MALFORMED;
+    uint64_t big = 0;
+    for (uint64_t i = 0; i < nbk; i++)
+        big += kvc_get16(p + 8 + i * bsize + 4) > KVC_SEED_INLINE_MAX;
+    if (big > kvc_view_overflow_room(v))
+        return KVC_ERR_FULL;
+    return apply_records(v, blob, &hdr);
 }

@@ -42,3 +42,11 @@ def test_a_metrics_address_on_a_configured_port_is_refused_before_anything_start
                  "--metrics", "127.0.0.1:8080", "--log-level", "error"]) == 2
     err = capsys.readouterr().err
     assert "(mnt-0) metrics (command line)" in err and "(edge-us) http" in err
+
+
+@pytest.mark.parametrize("workers", ["0", "-2", "two"])
+def test_edge_workers_must_be_a_positive_count(tmp_path, capsys, workers):
+    with pytest.raises(SystemExit) as exc:
+        main(["edge", "--config", str(tmp_path / "c.toml"), "--id", "edge-us", "--tls-dir", str(tmp_path),
+              "--workers", workers])
+    assert exc.value.code == 2 and "--workers" in capsys.readouterr().err

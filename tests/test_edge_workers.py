@@ -1,0 +1,178 @@
+"""``edge --workers 2``: the readings process 0 copies to its front doors leave their queue
+estimates equal to its own; and through real daemons, two front-door processes on one port
+(SO_REUSEPORT), the second deciding over the first's views mapped from shared memory, forwarding
+over HTTP and over its own QUIC connections to remote agents."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+import msgpack
+import numpy as np
+import socket
+
+from e2e_helpers import admin, doc, eventually, generate
+from kvcompassd.core.config import load_config
+from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
+from kvcompassd.edge_workers import _Fanout, _QueueFanout, apply_queue_frame
+from kvcompassd.launcher import DeploymentSpec, LocalDeployment
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SPEC = DeploymentSpec(workers={"us": 2, "eu": 1}, one_way_ms={("us", "eu"): 10.0}, shards=2,
+                      prefill_ms_per_token=0.05, decode_ms_per_token=1.0, fingerprint_bits=16)
+TESTBED = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
+MAX_CONNECTIONS = 64  # SO_REUSEPORT hashes each new connection: P(all on one of 2) = 2^-63
+
+
+async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_edges():
+    fanout = _Fanout()
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setblocking(False)
+    fanout.sockets.append(mine)
+    edge = _QueueFanout(QueueEstimates(TESTBED, "us", now=0.0), fanout)
+    door = QueueEstimates(TESTBED, "us", now=0.0)
+    us = [w.id for w in TESTBED.workers if w.region == "us"]
+    eu = [w.id for w in TESTBED.workers if w.region == "eu"]
+    edge.set_local(us[0], 120.0, now=0.5, running=3)
+    edge.on_broadcast(QueueVectorBroadcast("eu", "us", 0.4, ((eu[0], 30.0), (eu[1], 5.0))), now=0.6)
+    with pytest.raises(ValueError):  # refused by the edge: nothing is copied
+        edge.on_broadcast(QueueVectorBroadcast("eu", "asia", 0.4, ((eu[0], 1.0),)), now=0.7)
+    edge.note_piggyback_sent("eu", now=0.8)
+    theirs.setblocking(False)
+    frames = []
+    while True:
+        try:
+            frames.append(msgpack.unpackb(theirs.recv(65536), raw=False))
+        except BlockingIOError:
+            break
+    assert [f[0] for f in frames] == ["load", "vector", "piggyback"]
+    for frame in frames:
+        apply_queue_frame(door, frame, now=0.9)
+    for now in (0.9, 1.5, 4.0):
+        assert np.array_equal(door.queue_ms(now=now), edge.queue_ms(now=now))
+    with pytest.raises(ValueError):
+        apply_queue_frame(door, ["withheld", [], True], now=1.0)
+    theirs.close()
+    edge.set_local(us[1], 1.0, now=1.0)  # a front door gone: dropped from the fan-out, no error
+    assert fanout.sockets == []
+    mine.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def dep(tmp_path_factory):
+    d = LocalDeployment(SPEC, tmp_path_factory.mktemp("edge-workers"), time_scale=1.0,
+                        node_args={"edge:edge-us": ("--workers", "2")})
+    async with d:
+        yield d
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def doors(dep):
+    """One keep-alive connection to each front door of edge-us: {front door pid or 0: session}.
+    A connection stays on the process that accepted it, so a session speaks to one process."""
+    found: dict[int, aiohttp.ClientSession] = {}
+    for _ in range(MAX_CONNECTIONS):
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        async with s.get(dep.edge_url("us") + "/health") as r:
+            body = await r.json()
+        key = body.get("front_door", 0)
+        if key in found or not body["ready"]:
+            await s.close()
+        else:
+            found[key] = s
+        if len(found) == 2:
+            break
+    assert len(found) == 2, f"connections reached only {sorted(found)}"
+    yield found
+    for s in found.values():
+        await s.close()
+
+
+async def _generate(dep, session: aiohttp.ClientSession, text: str) -> dict:
+    async with session.post(dep.edge_url("us") + "/generate",
+                            json={"text": text, "sampling_params": {"max_new_tokens": 3}}) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["meta_info"]["kvcompass"]
+
+
+async def _registered(dep, text: str, worker: str) -> None:
+    """Until the shared view itself shows the worker's whole registration: process 0's pending
+    ledger (its own, per process) credits the prompt it sent beyond the view until then."""
+    async def check():
+        body = await admin(dep, "edge-us", "holders", {"text": text})
+        return (any(h["worker"] == worker for h in body["holders"])
+                and not any(p["worker"] == worker for p in body["pending"]))
+
+    await eventually(check)
+
+
+async def test_both_front_doors_accept_connections_on_one_port(doors):
+    assert 0 in doors and len(doors) == 2  # process 0 (the edge) and one front-door process
+
+
+async def test_front_doors_send_a_registered_prefix_to_its_holder_alike(dep, doors):
+    shared = doc(110, 1200)
+    holder = (await _generate(dep, doors[0], shared + " first"))["worker"]
+    await _registered(dep, shared + " second", holder)
+    decisions = {}
+    for key, session in doors.items():
+        got = [await _generate(dep, session, shared + f" question {i}") for i in range(3)]
+        decisions[key] = [(d["worker"], d["claimed_tokens"]) for d in got]
+    assert all(w == holder and claimed > 0 for w, claimed in decisions[0])
+    (other,) = (k for k in doors if k)
+    assert decisions[other] == decisions[0]
+
+
+async def test_a_front_door_forwards_a_remote_hit_through_the_remote_agent(dep, doors):
+    shared = doc(120, 4000)
+    first = (await generate(dep, "eu", shared + " one"))["meta_info"]["kvcompass"]
+    holder = first["worker"]
+    assert holder == "eu-0"
+    await _registered(dep, shared + " two", holder)
+    decisions = {key: await _generate(dep, session, shared + " two") for key, session in doors.items()}
+    (other,) = (k for k in doors if k)
+    assert decisions[other]["worker"] == decisions[0]["worker"] == "eu-0"
+    assert decisions[other]["claimed_tokens"] == decisions[0]["claimed_tokens"] > 0
+
+
+async def test_the_front_door_maps_the_views_without_a_copy(dep, doors):
+    (pid,) = (k for k in doors if k)
+    rss = private = 0
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            inside = len(head) >= 6 and head[5].startswith("/dev/shm/kvc-")
+        elif inside and head[0] == "Rss:":
+            rss += int(head[1]) * 1024
+        elif inside and head[0] in ("Private_Clean:", "Private_Dirty:"):
+            private += int(head[1]) * 1024
+    assert rss > 0  # it maps the views...
+    assert private <= 0.05 * rss  # ...which the edge process holds too: one copy on the host
+
+
+async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep, doors):
+    (pid,) = (k for k in doors if k)
+    os.kill(pid, signal.SIGKILL)
+
+    async def replaced():
+        try:
+            async with aiohttp.ClientSession() as s:  # a new connection each time: any process
+                async with s.get(dep.edge_url("us") + "/health") as r:
+                    body = await r.json()
+        except aiohttp.ClientError:
+            return False  # a connection the kernel queued on the killed process's socket: reset
+        door = body.get("front_door")
+        return door is not None and door != pid and body["ready"]
+
+    await eventually(replaced, timeout=90)
+    # Requests go on being served meanwhile and after, by whichever process takes the connection.
+    for i in range(4):
+        assert (await generate(dep, "us", doc(130 + i, 300)))["meta_info"]["kvcompass"]["worker"]
