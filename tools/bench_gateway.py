@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import collections
 import itertools
+import json
 import os
 import random
 import shutil
@@ -504,12 +505,14 @@ async def main_async(args) -> None:
     print(f"bench_gateway: arms {', '.join(args.routers)}; concurrency {args.concurrency}; {os.cpu_count()} cores; "
           f"load average {load_average()}", flush=True)
     out: list[str] = []
+    everything: dict[str, dict] = {}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         for mode, time_scale, vram in plans:
             bench = Bench(args, session, mode, time_scale, vram)
             results = await bench.run(binaries)
             out += report(bench.label, args, results)
+            everything[bench.label] = results
             if not args.keep_logs:
                 shutil.rmtree(bench.workdir, ignore_errors=True)
     print("\n".join(out))
@@ -517,6 +520,8 @@ async def main_async(args) -> None:
           "(kvcompassd: edge + agents + maintenance unit). affin: share of each prefix group's requests served "
           "by its top worker (read off the output tokens). reuse: share served with the whole prefix cached "
           f"(d.reuse: direct round robin's). Load average at the end: {load_average()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -543,6 +548,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--service-vram-tokens", type=int, nargs="+", default=list(SERVICE_VRAM_TOKENS))
     p.add_argument("--plane-log-level", default="warning", help="the kvcompassd daemons' (the routers run at warn)")
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--json", help="also write the results here (mode -> arm -> figures)")
     p.add_argument("--quick", action="store_true", help="zero-delay only, 1 s windows (~2 minutes)")
     args = p.parse_args(argv)
     if args.quick:
