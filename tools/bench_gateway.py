@@ -68,6 +68,19 @@ ROUTER_PINS = {"smg": "smg==1.13.0", "sglang-router": "sglang-router==0.3.2", "v
 ARMS = (KVCOMPASSD, *ROUTER_PINS)
 DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcompassd" / "bench-routers"
 AMPLE_VRAM_TOKENS = 200_000
+# Runs ``python -m kvcompassd ...`` under cProfile with the process's CPU clock (so that time spent
+# waiting for a core on a loaded machine is not charged to whatever function was running).
+PROFILED = """import cProfile, runpy, sys, time
+out = sys.argv[1]
+sys.argv = sys.argv[2:]
+profiler = cProfile.Profile(time.process_time)
+profiler.enable()
+try:
+    runpy.run_module("kvcompassd", run_name="__main__", alter_sys=True)
+finally:
+    profiler.disable()
+    profiler.dump_stats(out)
+"""
 SERVICE_VRAM_TOKENS = (16384, 8192)
 
 
@@ -275,6 +288,7 @@ class Bench:
         for key in self._plane_keys():  # read when the nodes are spawned
             self.deployment.node_args[key] = ("--log-level", args.plane_log_level)
         self.worker_urls = [w.http for w in self.deployment.cfg.workers]
+        self.profile_dir = Path(args.profile_edge) if args.profile_edge else None
         self.label = f"{mode} (VRAM {vram_tokens} tokens/worker)"
 
     def _plane_keys(self) -> list[str]:
@@ -285,6 +299,12 @@ class Bench:
     async def start_workers(self) -> None:
         """Start the deployment's processes, then stop all but the workers: direct first."""
         await self.deployment.start(wait=False)
+        if self.profile_dir is not None:
+            self.profile_dir.mkdir(parents=True, exist_ok=True)
+            for e in self.deployment.cfg.edges:
+                node = self.deployment.nodes[f"edge:{e.id}"]
+                out = self.profile_dir / f"{self.mode}-{e.id}.prof"
+                node.argv = [sys.executable, "-c", PROFILED, str(out), "kvcompassd", *node.argv[3:]]
         for url in self.worker_urls:
             await self._wait_ok(url + "/v1/loads")
         self.stop_plane()
@@ -548,6 +568,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--service-vram-tokens", type=int, nargs="+", default=list(SERVICE_VRAM_TOKENS))
     p.add_argument("--plane-log-level", default="warning", help="the kvcompassd daemons' (the routers run at warn)")
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--profile-edge", metavar="DIR", help="run the edge under cProfile (CPU clock), DIR/<mode>-<id>.prof")
     p.add_argument("--json", help="also write the results here (mode -> arm -> figures)")
     p.add_argument("--quick", action="store_true", help="zero-delay only, 1 s windows (~2 minutes)")
     args = p.parse_args(argv)
