@@ -51,6 +51,7 @@ def test_window_stats(tool):
     assert stats["p50_ms"] == pytest.approx(100.0) and stats["p99_ms"] == pytest.approx(198.0)  # nearest rank
     assert stats["mean_ms"] == pytest.approx(100.5)
     assert stats["affinity"] == 1.0 and stats["reuse"] == 1.0 and stats["unattributed"] == 0
+    assert stats["elapsed_s"] == 2.0
 
 
 def _w(rps, p50, p99, mean, requests=100, cpu=None, affinity=0.25, reuse=0.5):
@@ -69,6 +70,13 @@ def test_compare_takes_means_of_the_abba_windows_and_cpu_per_request(tool):
     # CPU over both windows / requests over both windows: 0.5 s / 1000 and 0.4 s / 1000
     assert x["cpu_us.edge"] == pytest.approx(500.0) and x["cpu_us.agents"] == pytest.approx(400.0)
     assert x["affinity"] == pytest.approx(0.95) and x["direct_affinity"] == pytest.approx(0.25)
+    assert not any(k.startswith("cpu_net_us.") for k in x)
+    # Idle, the edge burns 0.05 cores: over the windows' 2 s, 0.1 s of its 0.5 s is not the requests'.
+    for w in routed:
+        w["elapsed_s"] = 1.0
+    net = tool.compare(direct, routed, idle={"edge": 0.05, "workers": 0.01})
+    assert net["cpu_net_us.edge"] == pytest.approx(400.0) and "cpu_net_us.agents" not in net
+    assert net["cpu_us.edge"] == pytest.approx(500.0)
 
 
 def test_who_served_is_read_off_the_emulators_output_tokens(tool):
@@ -127,6 +135,7 @@ def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     assert x["errors"] == 0 and x["unattributed"] == 0
     assert x["rps"] > 0 and x["direct_rps"] > 0 and x["ratio"] > 0
     assert x["cpu_us.edge"] > 0 and x["cpu_us.agents"] > 0 and x["cpu_us.maintenance"] >= 0
+    assert "cpu_net_us.edge" in x
     assert 0 <= x["affinity"] <= 1 and 0 <= x["reuse"] <= 1
     assert set(arm["idle"]) == {"edge", "agents", "maintenance", "workers"}
     assert "kvcompassd" in run.stdout and "÷direct" in run.stdout

@@ -147,6 +147,7 @@ def window_stats(latencies_s: list[float], elapsed_s: float, served: list[tuple[
         "reuse": reuse_share(cached_tokens, shared_tokens),
         "unattributed": sum(w is None for _, w in served),
         "errors": errors,
+        "elapsed_s": elapsed_s,
     }
 
 
@@ -155,9 +156,11 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def compare(direct: list[dict], routed: list[dict]) -> dict:
+def compare(direct: list[dict], routed: list[dict], idle: dict[str, float] | None = None) -> dict:
     """An arm's ABBA windows at one concurrency against its direct ones: means over each side's
-    windows (their order cancels a linear drift of the machine's load)."""
+    windows (their order cancels a linear drift of the machine's load). With the arm's ``idle``
+    rates (cores), also the CPU per request net of what the process burns idle
+    (``cpu_net_us.<process>``): what one more request costs, apart from the fixed cost."""
     d = {k: _mean(w[k] for w in direct) for k in ("rps", "p50_ms", "p99_ms", "mean_ms")}
     r = {k: _mean(w[k] for w in routed) for k in ("rps", "p50_ms", "p99_ms", "mean_ms", "affinity", "reuse")}
     out = {
@@ -172,7 +175,11 @@ def compare(direct: list[dict], routed: list[dict]) -> dict:
     }
     requests = sum(w["requests"] for w in routed)
     for key in {k for w in routed for k in w.get("cpu_s", {})}:
-        out[f"cpu_us.{key}"] = sum(w["cpu_s"].get(key, 0.0) for w in routed) / requests * 1e6 if requests else float("nan")
+        cpu = sum(w["cpu_s"].get(key, 0.0) for w in routed)
+        out[f"cpu_us.{key}"] = cpu / requests * 1e6 if requests else float("nan")
+        if idle is not None and key in idle:
+            fixed = idle[key] * sum(w["elapsed_s"] for w in routed)
+            out[f"cpu_net_us.{key}"] = (cpu - fixed) / requests * 1e6 if requests else float("nan")
     return out
 
 
@@ -440,7 +447,7 @@ class Bench:
                 self.stop_plane()
         await direct(cs[::-1])
         loads.append(load_average())
-        return {"by_c": {c: compare(windows[("direct", c)], windows[("router", c)]) for c in cs},
+        return {"by_c": {c: compare(windows[("direct", c)], windows[("router", c)], idle) for c in cs},
                 "idle": idle, "idle_direct": idle_direct, "loads": loads}
 
     async def run(self, binaries: dict[str, str]) -> dict:
@@ -486,19 +493,21 @@ def report(label: str, args, results: dict) -> list[str]:
              f"prefixes + {args.suffix_chars}-char suffixes, max_new_tokens {args.max_new_tokens}, "
              f"{args.seconds if label.startswith('zero') else args.service_seconds:g} s windows (ABBA: 2 direct + 2 router per point)"]
     header = (f"{'arm':<13}{'c':>4}{'direct/s':>10}{'req/s':>9}{'÷direct':>8}{'+P50ms':>8}{'+P99ms':>9}{'P99ms':>9}"
-              f"{'mean ms':>9}{'d.mean':>8}{'CPU us/req':>11}{'edge':>7}{'agents':>8}{'maint':>7}{'affin':>7}{'reuse':>7}"
-              f"{'d.reuse':>8}")
+              f"{'mean ms':>9}{'d.mean':>8}{'CPU us/req':>11}{'edge':>7}{'agents':>8}{'maint':>7}{'net':>7}"
+              f"{'affin':>7}{'reuse':>7}{'d.reuse':>8}")
     lines += [header, "-" * len(header)]
     for name, r in results.items():
         for c, x in r["by_c"].items():
             parts = {k.split(".", 1)[1]: v for k, v in x.items() if k.startswith("cpu_us.")}
             total = sum(parts.values())
+            # The router's own process net of its idle burn (kvcompassd: the edge's).
+            net = x.get("cpu_net_us.edge", x.get("cpu_net_us.router", float("nan")))
             lines.append(
                 f"{name:<13}{c:>4}{_f(x['direct_rps'], '.0f'):>10}{_f(x['rps'], '.0f'):>9}{_f(x['ratio'], '.2f'):>8}"
                 f"{_f(x['added_p50_ms'], '+.2f'):>8}{_f(x['added_p99_ms'], '+.2f'):>9}{_f(x['p99_ms'], '.1f'):>9}"
                 f"{_f(x['mean_ms'], '.2f'):>9}{_f(x['direct_mean_ms'], '.2f'):>8}{_f(total, '.0f'):>11}"
                 f"{_f(parts.get('edge', float('nan')), '.0f'):>7}{_f(parts.get('agents', float('nan')), '.0f'):>8}"
-                f"{_f(parts.get('maintenance', float('nan')), '.0f'):>7}{_f(x['affinity'], '.2f'):>7}"
+                f"{_f(parts.get('maintenance', float('nan')), '.0f'):>7}{_f(net, '.0f'):>7}{_f(x['affinity'], '.2f'):>7}"
                 f"{_f(x['reuse'], '.2f'):>7}{_f(x['direct_reuse'], '.2f'):>8}"
                 + (f"  errors {x['errors']}" if x["errors"] else "")
                 + (f"  unattributed {x['unattributed']}" if x["unattributed"] else ""))
@@ -537,7 +546,8 @@ async def main_async(args) -> None:
                 shutil.rmtree(bench.workdir, ignore_errors=True)
     print("\n".join(out))
     print("\nCPU us/req: the arm's processes' user+system CPU over its measured windows ÷ requests served "
-          "(kvcompassd: edge + agents + maintenance unit). affin: share of each prefix group's requests served "
+          "(kvcompassd: edge + agents + maintenance unit); net: the router's (kvcompassd: the edge's) less its "
+          "idle burn over the windows, i.e. what a request adds. affin: share of each prefix group's requests served "
           "by its top worker (read off the output tokens). reuse: share served with the whole prefix cached "
           f"(d.reuse: direct round robin's). Load average at the end: {load_average()}")
     if args.json:
