@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 import orjson
+import yarl
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class EngineClient:
     def __init__(self, base_url: str, session: aiohttp.ClientSession):
         self.base = base_url.rstrip("/")
         self.session = session
+        self._generate_url = yarl.URL(f"{self.base}/generate")  # parsed once, not per request
 
     async def generate(
         self, input_ids: Sequence[int], sampling_params: dict, *, stream: bool, rid: str | None = None,
@@ -149,7 +151,7 @@ class EngineClient:
             # Leaving this block before the end (the caller closed this generator: its client
             # went away, or a deadline passed) closes the connection, which SGLang and the
             # emulated worker take as an abort of the request.
-            async with self.session.post(f"{self.base}/generate", data=generate_body(input_ids, fields),
+            async with self.session.post(self._generate_url, data=generate_body(input_ids, fields),
                                          headers=_JSON_HEADERS) as resp:
                 if resp.status != 200:
                     raise _failure(resp.status, (await resp.content.read(64 * 1024)).decode("utf-8", "replace"))
