@@ -230,6 +230,7 @@ class Forwarder:
         for i, worker in enumerate(workers):  # read when scraped: nothing per request
             metrics.learned_prefill.labels(worker).set_function(lambda i=i: rates.prefill_ms_per_token(i))
             metrics.learned_decode.labels(worker).set_function(lambda i=i: rates.decode_ms_per_token(i))
+        self._engines: dict[str, EngineClient] = {}  # own-region workers' HTTP clients, by base URL
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -477,7 +478,9 @@ class Forwarder:
                 exchange.abort()  # no-op after a completion; else the agent stops working on it
 
     async def _run_http(self, base: str, d: ForwardDecided, req: ForwardRequest):
-        engine = EngineClient(base, self.http)
+        engine = self._engines.get(base)
+        if engine is None:  # one per worker, not per request
+            engine = self._engines[base] = EngineClient(base, self.http)
         try:
             # Streamed from the engine whatever the client asked, so that the deadlines see
             # each token; closing this generator closes the connection, which aborts the

@@ -111,7 +111,7 @@ class FrontDoor:
         ])
 
     def _count(self, request: web.Request, status: int) -> None:
-        self.metrics.requests.labels(route_label(request), str(status)).inc()
+        self.metrics.count_request(route_label(request), status)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -195,7 +195,7 @@ class FrontDoor:
             try:
                 fwd, render = parse(await self._json(request), request_id)
             except Refused as exc:
-                self.metrics.requests.labels(route, str(exc.status)).inc()
+                self.metrics.count_request(route, exc.status)
                 response = error_response(exc.status, str(exc), code=exc.code, headers=exc.headers,
                                           request_id=request_id)
                 if exc.close:
@@ -203,7 +203,7 @@ class FrontDoor:
                 return response
             except (RequestError, TokenizerError) as exc:
                 status = getattr(exc, "status", 400)
-                self.metrics.requests.labels(route, str(status)).inc()
+                self.metrics.count_request(route, status)
                 log.info("bad request", route=route, status=status, error=str(exc))
                 return error_response(status, str(exc), request_id=request_id, param=getattr(exc, "param", None),
                                       code=getattr(exc, "code", None))
@@ -215,7 +215,7 @@ class FrontDoor:
             structlog.contextvars.unbind_contextvars("request_id")
 
     def _forward_error(self, route: str, exc: ForwardError, request_id: str) -> web.Response:
-        self.metrics.requests.labels(route, str(exc.status)).inc()
+        self.metrics.count_request(route, exc.status)
         return error_response(exc.status, str(exc), code=getattr(exc, "code", None), request_id=request_id)
 
     async def _whole(self, route, fwd: ForwardRequest, render, started) -> web.Response:
@@ -271,7 +271,7 @@ class FrontDoor:
 
     def _observe(self, route: str, started: float, first: float | None) -> None:
         end = time.perf_counter()
-        self.metrics.requests.labels(route, "200").inc()
+        self.metrics.count_request(route, 200)
         self.metrics.request_seconds.observe(end - started)
         if first is not None:
             self.metrics.ttft_seconds.observe(first - started)

@@ -115,6 +115,16 @@ class EdgeMetrics:
                                       "worker (with the prefill worker the score chose)", ["worker"], registry=r)
         self.refusals = Counter("kvcompass_frontdoor_refusals", "Requests and connections the front door refused "
                                 "for its limits, by reason (httplimits.REFUSAL_REASONS)", ["reason"], registry=r)
+        # Labelled children looked up once: prometheus_client's labels() validates and hashes its
+        # arguments under a lock on every call. Keys are bounded (routes and statuses are fixed sets).
+        self._request_counts: dict[tuple[str, int], Counter] = {}
+
+    def count_request(self, route: str, status: int) -> None:
+        """``requests{route, status}`` + 1."""
+        child = self._request_counts.get((route, status))
+        if child is None:
+            child = self._request_counts[(route, status)] = self.requests.labels(route, str(status))
+        child.inc()
 
     def watch_views(self, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
         """Export each shard view's (shard, epoch, seq), read when scraped (see

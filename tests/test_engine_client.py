@@ -214,3 +214,125 @@ async def test_control_reads_refuse_json_nested_past_the_interpreters_limit():
     async with hostile_engine(nested) as engine:
         with pytest.raises(EngineError):
             await engine.load(0.1)
+
+
+def counting_session() -> tuple[aiohttp.ClientSession, list[int]]:
+    """A session that counts the TCP connections it opens."""
+    opened: list[int] = []
+
+    async def on_created(session, ctx, params) -> None:
+        opened.append(1)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(on_created)
+    return aiohttp.ClientSession(trace_configs=[trace]), opened
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_requests_in_sequence_share_one_kept_alive_connection(stream):
+    """A streamed answer ends with ``[DONE]`` and then the body's end: the client reads that end,
+    so the connection goes back to the pool instead of each request paying a new one."""
+    worker = EmulatedWorker(settings())
+    await worker.start()
+    try:
+        session, opened = counting_session()
+        async with session:
+            engine = EngineClient(worker.http_url, session)
+            for i in range(12):
+                async with asyncio.timeout(GUARD_S):
+                    items = [item async for item in engine.generate(list(range(1, 60)), {"max_new_tokens": 4},
+                                                                    stream=stream, rid=f"r{i}")]
+                assert type(items[-1]).__name__ == "EngineFinished"
+        assert len(opened) == 1
+    finally:
+        await worker.stop()
+
+
+@contextlib.asynccontextmanager
+async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0):
+    """An engine that streams one chunk, ``[DONE]``, then ``tail`` (repeated ``forever``, or
+    followed by a stall that never ends the body); with an empty ``tail``, it ends the body
+    ``pause_s`` after ``[DONE]`` (as a separate write, the way SGLang's server ends its stream)."""
+    stop = asyncio.Event()
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"text":"ab","output_ids":[97,98],"meta_info":{"cached_tokens":3}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        if not tail:
+            await asyncio.sleep(pause_s)
+            await resp.write_eof()
+            return resp
+        while not stop.is_set():
+            await resp.write(tail)
+            if not forever:
+                await stop.wait()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield EngineClient(f"http://127.0.0.1:{port}", session)
+    finally:
+        stop.set()
+        await runner.cleanup()
+
+
+async def test_the_body_ending_after_done_keeps_the_connection():
+    """The body's end comes a moment after ``[DONE]``: the client waits for it (bounded) rather
+    than dropping the connection."""
+    opened: list[int] = []
+
+    async def on_created(session, ctx, params) -> None:
+        opened.append(1)
+
+    async with engine_after_done(b"", forever=False, pause_s=0.05) as engine:
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(on_created)
+        async with aiohttp.ClientSession(trace_configs=[trace]) as session:
+            engine = EngineClient(engine.base, session)
+            for _ in range(3):
+                async with asyncio.timeout(GUARD_S):
+                    items = [item async for item in engine.generate([1, 2, 3], {"max_new_tokens": 2}, stream=True)]
+                assert items[-1].cached_tokens == 3
+    assert len(opened) == 1
+
+
+@pytest.mark.parametrize("tail,forever", [(b"x" * 4096, True), (b"\n", False)])
+async def test_what_follows_done_costs_at_most_the_connection(monkeypatch, tail, forever):
+    """An engine that keeps sending after ``[DONE]``, or never ends the body, still gives a
+    finished request: the client reads a bounded amount for a bounded time, then lets the
+    connection go."""
+    from kvcompassd.engine import client
+
+    monkeypatch.setattr(client, "DRAIN_TIMEOUT_S", 0.05)
+    async with engine_after_done(tail, forever=forever) as engine:
+        async with asyncio.timeout(GUARD_S):
+            items = [item async for item in engine.generate([1, 2, 3], {"max_new_tokens": 2}, stream=True)]
+    assert items[0] == EngineOutput((97, 98), "ab")
+    assert type(items[-1]).__name__ == "EngineFinished" and items[-1].cached_tokens == 3
+
+
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=50),
+       dtype=st.sampled_from(["uint32", "int64", "list", "tuple"]),
+       fields=st.dictionaries(st.sampled_from(["sampling_params", "stream", "rid", "bootstrap_room"]),
+                              st.one_of(st.booleans(), st.text(max_size=8), st.integers(-2**70, 2**70),
+                                        st.floats(allow_nan=False, allow_infinity=False),
+                                        st.dictionaries(st.text(max_size=4), st.integers(), max_size=3))))
+def test_generate_body_is_the_json_of_ids_and_fields(ids, dtype, fields):
+    from kvcompassd.engine.client import generate_body
+    import numpy as np
+
+    given_ids = {"uint32": lambda: np.asarray(ids, dtype=np.uint32), "int64": lambda: np.asarray(ids, dtype=np.int64),
+                 "list": lambda: list(ids), "tuple": lambda: tuple(ids)}[dtype]()
+    assert json.loads(generate_body(given_ids, fields)) == {"input_ids": ids, **fields}
+    strided = np.asarray(ids + ids, dtype=np.uint32)[::2]  # a view orjson cannot write directly
+    assert json.loads(generate_body(strided, {}))["input_ids"] == (ids + ids)[::2]

@@ -17,7 +17,10 @@ prefix affinity: the share of each group's requests that went to the group's top
 reuse: the share of requests whose group prefix the serving worker had cached. Each worker's
 VRAM (``--vram-tokens``) holds half of the groups' prefixes, so routing decides reuse; every
 point starts from empty caches (``/flush_cache``) and a ``--warmup`` that is not measured.
-"direct" sends round-robin over the workers (a router that costs nothing and knows nothing).
+"direct" sends round-robin over the workers (a router that costs nothing and knows nothing),
+with nothing of the plane running: its points come before the plane starts and after it stops,
+in reverse order. ``tools/bench_gateway.py`` is the comparison against the public routers; this
+tool adds the QUIC path.
 
     .venv/bin/python tools/bench_edge.py [--quick] [--runs 3] [--seconds 8] [--concurrency 1 16 64]
 """
@@ -186,6 +189,7 @@ async def flush_caches(worker_urls: list[str]) -> None:
 
 
 async def start_cluster(args) -> tuple[Cluster, dict[str, str], dict[str, int]]:
+    """The cluster's files and its workers; the plane (``start_plane``) runs only for its paths."""
     spec = DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
                           max_running=args.max_running, vram_kv_tokens=args.vram_tokens,
                           dram_kv_tokens=args.dram_tokens)
@@ -202,19 +206,43 @@ async def start_cluster(args) -> tuple[Cluster, dict[str, str], dict[str, int]]:
     seeds = {w.id: i + 1 for i, w in enumerate(cfg.workers)}
     for w in cfg.workers:
         cluster.spawn("emulate-worker", w.id, "--time-scale", "0", "--seed", str(seeds[w.id]))
+    for w in cfg.workers:
+        await cluster.wait_http(f"{w.http}/v1/loads")
+    urls = {"edge-http": f"http://{cfg.edges[0].http}", "edge-quic": f"http://{quic_edge.http}"}
+    return cluster, urls, seeds
+
+
+def plane_keys(cluster: Cluster) -> list[str]:
+    cfg = cluster.cfg
+    return ([f"maintenance:{m.id}" for m in cfg.maintenance] + [f"edge:{e.id}" for e in cfg.edges]
+            + [f"agent:{w.id}" for w in cfg.workers])
+
+
+async def start_plane(cluster: Cluster, urls: dict[str, str]) -> None:
+    cfg = cluster.cfg
     for m in cfg.maintenance:
         cluster.spawn("maintenance", m.id)
     cluster.spawn("edge", cfg.edges[0].id)
     cluster.spawn("edge", QUIC_EDGE, "--no-local-http")
     for w in cfg.workers:
         cluster.spawn("agent", w.id)
-    for w in cfg.workers:
-        await cluster.wait_http(f"{w.http}/v1/loads")
-    urls = {"edge-http": f"http://{cfg.edges[0].http}", "edge-quic": f"http://{quic_edge.http}"}
     for url in urls.values():
         await cluster.wait_http(f"{url}/health", ready_key="ready")
     await asyncio.sleep(1.5)  # agents register and report load within a poll period
-    return cluster, urls, seeds
+
+
+def stop_processes(cluster: Cluster, keys: list[str]) -> None:
+    """Stop (SIGTERM, then SIGKILL) and forget the processes under ``keys``."""
+    procs = [cluster.procs.pop(key) for key in keys if key in cluster.procs]
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def start_smg(cluster: Cluster, args) -> tuple[subprocess.Popen, str] | None:
@@ -239,13 +267,35 @@ async def start_smg(cluster: Cluster, args) -> tuple[subprocess.Popen, str] | No
 
 
 async def run_once(args, run: int, results: dict) -> None:
+    """Direct at every concurrency with only the workers running, then the plane (and smg) up for
+    the routed paths, then the plane stopped and direct again in reverse order (ABBA): the
+    agents and edges must not burn the machine on the direct traffic's KV events."""
     cluster, edge_urls, seeds = await start_cluster(args)
     try:
         cfg = cluster.cfg
         worker_urls = [w.http for w in cfg.workers]
+        who = WhoServed(seeds, args.max_new_tokens)
+
+        async def point(name, urls, concurrency, router_pids, helper_pids) -> None:
+            # Same prompt stream for every path at this concurrency; warm the caches first.
+            prompts = Prompts(args.groups, args.prefix_chars, args.suffix_chars, seed=run * 1000 + concurrency)
+            await flush_caches(worker_urls)  # no path inherits the caches the previous one left
+            await closed_loop(urls, concurrency, args.warmup, prompts, args.max_new_tokens, who)
+            cpu0 = sum(tree_cpu_seconds(p) for p in router_pids)
+            helper0 = sum(cpu_seconds(p) for p in helper_pids)
+            r = await closed_loop(urls, concurrency, args.seconds, prompts, args.max_new_tokens, who)
+            r["cpu_us"] = (sum(tree_cpu_seconds(p) for p in router_pids) - cpu0) / max(1, r["requests"]) * 1e6 if router_pids else float("nan")
+            r["helper_us"] = (sum(cpu_seconds(p) for p in helper_pids) - helper0) / max(1, r["requests"]) * 1e6 if helper_pids else float("nan")
+            results[(name, concurrency)].append(r)
+            print(f"  run {run + 1} c={concurrency:<3} {name:<10} {r['rps']:8.0f} req/s  P50 {r['p50_ms']:6.2f} ms  "
+                  f"P99 {r['p99_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req  affinity {r['affinity']:.2f}  reuse {r['reuse']:.2f}  "
+                  f"errors {r['errors']}  attribution mismatches {r['mismatched']}", flush=True)
+
+        for concurrency in args.concurrency:
+            await point("direct", worker_urls, concurrency, [], [])
+        await start_plane(cluster, edge_urls)
         paths: dict[str, tuple[list[str], list[int], list[int]]] = {
             # name: (urls, pids whose CPU is the router's, pids of the path's helpers)
-            "direct": (worker_urls, [], []),
             "edge-http": ([edge_urls["edge-http"]], [cluster.procs[f"edge:{cfg.edges[0].id}"].pid], []),
             "edge-quic": ([edge_urls["edge-quic"]], [cluster.procs[f"edge:{QUIC_EDGE}"].pid],
                           [cluster.procs[f"agent:{w.id}"].pid for w in cfg.workers]),
@@ -256,7 +306,6 @@ async def run_once(args, run: int, results: dict) -> None:
                 paths["smg"] = ([started[1]], [started[0].pid], [])
             elif run == 0:
                 print("smg is not installed or did not start: no peer row", file=sys.stderr)
-        who = WhoServed(seeds, args.max_new_tokens)
         # What each router burns with no requests (keepalives, queue-vector datagrams, health checks).
         idle_pids = {name: pids + helpers for name, (_, pids, helpers) in paths.items() if pids}
         before = {name: sum(tree_cpu_seconds(p) for p in pids) for name, pids in idle_pids.items()}
@@ -265,19 +314,10 @@ async def run_once(args, run: int, results: dict) -> None:
             results[("idle", name)].append((sum(tree_cpu_seconds(p) for p in pids) - before[name]) / args.idle_seconds)
         for concurrency in args.concurrency:
             for name, (urls, router_pids, helper_pids) in paths.items():
-                # Same prompt stream for every path at this concurrency; warm the caches first.
-                prompts = Prompts(args.groups, args.prefix_chars, args.suffix_chars, seed=run * 1000 + concurrency)
-                await flush_caches(worker_urls)  # no path inherits the caches the previous one left
-                await closed_loop(urls, concurrency, args.warmup, prompts, args.max_new_tokens, who)
-                cpu0 = sum(tree_cpu_seconds(p) for p in router_pids)
-                helper0 = sum(cpu_seconds(p) for p in helper_pids)
-                r = await closed_loop(urls, concurrency, args.seconds, prompts, args.max_new_tokens, who)
-                r["cpu_us"] = (sum(tree_cpu_seconds(p) for p in router_pids) - cpu0) / max(1, r["requests"]) * 1e6 if router_pids else float("nan")
-                r["helper_us"] = (sum(cpu_seconds(p) for p in helper_pids) - helper0) / max(1, r["requests"]) * 1e6 if helper_pids else float("nan")
-                results[(name, concurrency)].append(r)
-                print(f"  run {run + 1} c={concurrency:<3} {name:<10} {r['rps']:8.0f} req/s  P50 {r['p50_ms']:6.2f} ms  "
-                      f"P99 {r['p99_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req  affinity {r['affinity']:.2f}  reuse {r['reuse']:.2f}  "
-                      f"errors {r['errors']}  attribution mismatches {r['mismatched']}", flush=True)
+                await point(name, urls, concurrency, router_pids, helper_pids)
+        stop_processes(cluster, plane_keys(cluster) + ["smg:smg"])
+        for concurrency in reversed(args.concurrency):
+            await point("direct", worker_urls, concurrency, [], [])
     finally:
         cluster.stop()
 

@@ -7,12 +7,16 @@ tokens whose prefix keys the index holds.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+import numpy as np
+import orjson
+import yarl
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,26 @@ def _failure(status: int, body: str) -> EngineError:
     return EngineError(f"engine answered HTTP {status}: {body[:300]}")
 
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def generate_body(input_ids, fields: dict) -> bytes:
+    """``/generate``'s JSON body: ``input_ids`` (a uint32 array or a sequence of ints) written
+    straight from the array by orjson, the other ``fields`` by ``json`` as ever. A prompt's
+    thousands of ids through a Python list and ``json.dumps`` were a tenth of the edge's CPU
+    per request."""
+    if isinstance(input_ids, np.ndarray):
+        ids = input_ids if input_ids.dtype == np.uint32 else input_ids.tolist()
+    else:
+        ids = [int(t) for t in input_ids] if not isinstance(input_ids, list) else input_ids
+    try:
+        encoded = orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:  # orjson.JSONEncodeError: a non-contiguous view, an int past 64 bits
+        encoded = json.dumps(ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]).encode()
+    rest = json.dumps(fields).encode()
+    return b'{"input_ids":' + encoded + (b"," + rest[1:] if len(rest) > 2 else b"}")
+
+
 def finished_from_meta(meta: dict, prompt_tokens: int, completion_tokens: int) -> EngineFinished:
     finish = meta.get("finish_reason")
     if isinstance(finish, dict):  # SGLang reports {"type": "length", "length": n}
@@ -109,6 +133,7 @@ class EngineClient:
     def __init__(self, base_url: str, session: aiohttp.ClientSession):
         self.base = base_url.rstrip("/")
         self.session = session
+        self._generate_url = yarl.URL(f"{self.base}/generate")  # parsed once, not per request
 
     async def generate(
         self, input_ids: Sequence[int], sampling_params: dict, *, stream: bool, rid: str | None = None,
@@ -117,17 +142,17 @@ class EngineClient:
         """Run a prompt; yields outputs then one ``EngineFinished``. Raises ``EngineError``.
         ``extra``: further top-level fields of SGLang's ``GenerateReqInput`` (the bootstrap
         fields of a prefill-decode pair)."""
-        ids = input_ids.tolist() if hasattr(input_ids, "tolist") else [int(t) for t in input_ids]
-        body = {"input_ids": ids, "sampling_params": sampling_params, "stream": stream}
+        fields = {"sampling_params": sampling_params, "stream": stream}
         if rid:
-            body["rid"] = rid
+            fields["rid"] = rid
         if extra:
-            body.update(extra)
+            fields.update(extra)
         try:
             # Leaving this block before the end (the caller closed this generator: its client
             # went away, or a deadline passed) closes the connection, which SGLang and the
             # emulated worker take as an abort of the request.
-            async with self.session.post(f"{self.base}/generate", json=body) as resp:
+            async with self.session.post(self._generate_url, data=generate_body(input_ids, fields),
+                                         headers=_JSON_HEADERS) as resp:
                 if resp.status != 200:
                     raise _failure(resp.status, (await resp.content.read(64 * 1024)).decode("utf-8", "replace"))
                 if not stream:
@@ -214,6 +239,27 @@ def _raise_if_aborted(meta) -> None:
     raise EngineError(f"engine aborted the request (status {status}): {message}")
 
 
+# After ``[DONE]`` the end of the body (the chunked terminator) is on its way: read it, so that the
+# connection goes back to the keep-alive pool. Left unread, aiohttp closes the connection, and
+# half the requests paid a new TCP connection to their worker. Bounded: an engine that sends more,
+# or stalls, costs its connection, never the request.
+DRAIN_MAX_BYTES = 64 * 1024
+DRAIN_TIMEOUT_S = 1.0
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    content, read = resp.content, 0
+    if content.at_eof():
+        return
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            while not content.at_eof() and read <= DRAIN_MAX_BYTES:
+                piece = await content.readany()
+                if not piece:
+                    break
+                read += len(piece)
+
+
 async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
     """SGLang's streamed ``/generate``: SSE ``data:`` lines with cumulative ``text`` and
     ``output_ids`` (incremental in builds with incremental streaming), ending with ``[DONE]``."""
@@ -226,6 +272,7 @@ async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
+            await _drain(resp)
             break
         chunk = json.loads(payload)
         if not isinstance(chunk, dict):

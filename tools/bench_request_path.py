@@ -1,0 +1,177 @@
+"""The edge's request path alone: front door, decision and forward to a worker, CPU per request.
+
+This process runs the edge's request path as the edge daemon builds it (``FrontDoor`` under its
+``FrontDoorGuard`` runner, a ``Forwarder`` with a real ``Router`` on an empty index view, the
+aiohttp client session the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
+worker and a closed-loop client runs in a child process. Nothing else shares the edge's process
+(no QUIC, no index updates, no load polls), so its CPU time over a window divided by the requests
+served is what one request costs the edge's HTTP and forwarding path. ``--profile FILE`` writes a
+cProfile of the measured windows (CPU clock) for the shares.
+
+    python tools/bench_request_path.py [--concurrency 16] [--seconds 5] [--windows 3] [--profile out.prof]
+
+Run it against two checkouts (``PYTHONPATH=...``) back to back, alternating, to compare them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import uvloop
+from aiohttp import web
+
+from kvcompassd.core.config import dump_config
+from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.router import Router
+from kvcompassd.forwarding import Forwarder
+from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
+from kvcompassd.httplimits import FrontDoorGuard
+from kvcompassd.launcher import DeploymentSpec, build_cluster
+from kvcompassd.logs import configure_logging
+from kvcompassd.metrics import EdgeMetrics
+from kvcompassd.tokenizer import ByteTokenizer
+
+
+def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int, suffix_chars: int,
+                   out: multiprocessing.Queue) -> None:
+    """Closed loop in its own process: ``concurrency`` clients for ``seconds``; puts (served, errors)."""
+
+    async def run() -> tuple[int, int]:
+        served = errors = 0
+        prefixes = [chr(97 + g) * prefix_chars for g in range(8)]
+        stop_at = time.monotonic() + seconds
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one(i: int) -> None:
+                nonlocal served, errors
+                n = 0
+                while time.monotonic() < stop_at:
+                    n += 1
+                    text = prefixes[(i + n) % 8] + f" {i}-{n} " + "x" * suffix_chars
+                    body = {"text": text, "sampling_params": {"max_new_tokens": 8}}
+                    try:
+                        async with session.post(url + "/generate", json=body) as resp:
+                            await resp.read()
+                            if resp.status == 200:
+                                served += 1
+                            else:
+                                errors += 1
+                    except aiohttp.ClientError:
+                        errors += 1
+            await asyncio.gather(*(one(i) for i in range(concurrency)))
+        return served, errors
+
+    out.put(uvloop.run(run()))
+
+
+async def wait_worker(url: str, proc: subprocess.Popen) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the emulated worker exited with {proc.returncode}")
+            try:
+                async with session.get(url + "/v1/loads") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError("the emulated worker did not come up")
+
+
+async def main_async(args) -> None:
+    cfg = build_cluster(DeploymentSpec(workers={"us": 1}, one_way_ms={}, shards=1, wan=False,
+                                       vram_kv_tokens=200_000, dram_kv_tokens=0, max_running=64))
+    workdir = Path(tempfile.mkdtemp(prefix="kvbench-path-"))
+    config = workdir / "cluster.toml"
+    config.write_text(dump_config(cfg))
+    worker = cfg.workers[0]
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompassd", "emulate-worker", "--config", str(config), "--id",
+                             worker.id, "--time-scale", "0", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await wait_worker(worker.http, proc)
+        layout = IndexLayout.from_config(cfg)
+        view = EdgeIndexView(layout, 1, edge=cfg.edges[0].id)
+        view.install_snapshot(MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64).snapshot())
+        router = Router(cfg, worker.region, view, now=time.monotonic())  # the edge's clock
+        metrics = EdgeMetrics()
+        guard = FrontDoorGuard(cfg.frontdoor, metrics)  # as edge.py builds it
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                        connector=aiohttp.TCPConnector(limit=0))  # as edge.py opens it
+        forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, session,
+                              clock=time.monotonic, metrics=metrics)
+        frontdoor = FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model=cfg.model), metrics, guard=guard)
+        runner = guard.runner(frontdoor.app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        profiler = cProfile.Profile(time.process_time) if args.profile else None
+        per_request: list[float] = []
+        ctx = multiprocessing.get_context("spawn")
+        for window in range(args.windows + 1):  # the first warms up, unmeasured
+            out = ctx.Queue()
+            client = ctx.Process(target=client_process, args=(url, args.concurrency, args.seconds, args.prefix_chars,
+                                                              args.suffix_chars, out))
+            client.start()
+            await asyncio.sleep(0.5)  # the child's interpreter starting is not the edge's
+            cpu0 = time.process_time()
+            if profiler is not None and window:
+                profiler.enable()
+            served, errors = await asyncio.to_thread(out.get)
+            if profiler is not None and window:
+                profiler.disable()
+            cpu = time.process_time() - cpu0
+            await asyncio.to_thread(client.join)
+            if window and served:
+                per_request.append(cpu / served * 1e6)
+                print(f"  window {window}: {served} requests ({errors} errors), edge CPU {cpu / served * 1e6:.0f} us/request",
+                      flush=True)
+        await runner.cleanup()
+        await forwarder.close()
+        await session.close()
+        result = {"concurrency": args.concurrency, "us_per_request": per_request,
+                  "median_us": statistics.median(per_request) if per_request else float("nan"),
+                  "load_average": os.getloadavg()}
+        print(f"edge request path, c = {args.concurrency}: median {result['median_us']:.0f} us of CPU per request over "
+              f"{len(per_request)} windows of {args.seconds:g} s; load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result))
+        if profiler is not None:
+            profiler.dump_stats(args.profile)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--prefix-chars", type=int, default=1500)
+    p.add_argument("--suffix-chars", type=int, default=500)
+    p.add_argument("--profile", metavar="FILE", help="cProfile of the measured windows (CPU clock)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--log-level", default="warning", help="the edge daemon's default is info: a line per request")
+    args = p.parse_args()
+    configure_logging(args.log_level, json=True, node="edge-bench")
+    uvloop.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
