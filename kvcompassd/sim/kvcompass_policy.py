@@ -502,8 +502,10 @@ class KVCompassPolicy(BasePolicy):
         router.on_first_token(dispatch, now=now)
         router.on_finished(dispatch, prompt_tokens=len(req.tokens), cached_tokens=int(reused_tokens), output_tokens=1,
                            now=now)
+        if self._shared is not None and reused_tokens < claimed:  # the tables a shortfall's check reads, as of now
+            self._shared.prepare(e, router.lookup.query_keys(req.tokens[:claimed]), now)
         router.on_response(ids[worker_index], claimed_tokens=claimed, reused_tokens=int(reused_tokens),
-                           queue_vector=vector, now=now)
+                           queue_vector=vector, now=now, tokens=req.tokens)
         g = self._worker_region[worker_index]
         if g != e and vector:
             # The worker's region piggybacked its vector toward the edge's region when the
@@ -545,6 +547,8 @@ class KVCompassPolicy(BasePolicy):
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["index_entries"] = sum(s.entries() for s in self.shards)
+        for cause in self.routers[0].explained_shortfalls if self.routers else ():  # not held against belief
+            out[f"shortfalls_{cause}"] = sum(r.explained_shortfalls[cause] for r in self.routers)
         if self._shared is not None:
             out["batch_deliveries"] = self._shared.deliveries
             out["table_versions"] = self._shared.live_versions()
