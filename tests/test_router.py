@@ -352,6 +352,24 @@ def test_a_dram_copy_a_busy_worker_could_not_reload_is_not_a_false_entry():
     assert router.explain_shortfall(PROMPT, layout.worker_index("us-2"), 1024) == SHORTFALL_EVICTED
 
 
+def test_the_decisions_dram_tier_explains_a_shortfall_after_the_recompute_is_back_in_vram():
+    # The daemon learns the reuse at the request's end: by then the worker's recompute of the
+    # prompt is in the view again, in VRAM. The decision's tier still says what was claimed.
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000, Tier.DRAM)
+    router = Router(cfg, "us", view, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker == "us-1" and d.tier == Tier.DRAM and d.claimed_tokens == 2000
+    _register(cfg, shards, view, "us-1", PROMPT, 2000, Tier.VRAM)
+    index = layout.worker_index("us-1")
+    assert router.explain_shortfall(PROMPT, index, 2000) is None  # the view alone: a VRAM entry not delivered
+    assert router.explain_shortfall(None, index, 2000, Tier.DRAM) == SHORTFALL_DRAM  # no lookup needed
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=0, now=1.0, tokens=PROMPT, claimed_tier=d.tier)
+    assert router.belief.get(index) == 1.0 and router.explained_shortfalls[SHORTFALL_DRAM] == 1
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=0, now=2.0, tokens=PROMPT, claimed_tier=Tier.VRAM)
+    assert router.belief.get(index) < 1.0
+
+
 def test_a_shortfall_the_view_still_contradicts_lowers_the_belief():
     # The view still lists the worker at the claimed length in VRAM (a keyless false hit, or an
     # eviction not yet propagated): that is what the belief discounts.

@@ -346,16 +346,21 @@ class Router:
         keys = self.lookup.query_keys(np.asarray(tokens, dtype=np.uint32))
         return self.pending.overlay(keys.tolist(), matched, tier, now=now, read_only=True)
 
-    def explain_shortfall(self, tokens, worker_index: int, claimed_tokens: int) -> str | None:
+    def explain_shortfall(self, tokens, worker_index: int, claimed_tokens: int,
+                          claimed_tier: Tier | None = None) -> str | None:
         """Why worker ``worker_index`` reused less of the prompt ``tokens`` than the
-        ``claimed_tokens`` the edge credited it with, as far as the view can tell now:
+        ``claimed_tokens`` the edge credited it with (in ``claimed_tier``, the decision's), as far
+        as the index can tell:
 
+        - ``SHORTFALL_DRAM``: the claim was on the worker's DRAM copy (the decision's tier), or
+          the view lists it there now. The worker holds the prefix but found no VRAM to reload
+          it into: a loaded worker whose VRAM is pinned by the requests ahead (on 96 K-token
+          GPUs, one or two long prompts). The decision's tier tells it without a lookup, and
+          still does when the worker's recompute of the prompt is back in the view by the time
+          the response is (the daemon learns the reuse at the request's end).
         - ``SHORTFALL_EVICTED``: the view no longer credits the worker with the claim. The index
           has applied the eviction of that prefix from that worker (turnover after the decision)
           or never listed it (a claim of the pending ledger).
-        - ``SHORTFALL_DRAM``: the view still lists the claim, in the worker's DRAM. It holds the
-          prefix but found no VRAM to reload it into: a loaded worker whose VRAM is pinned by
-          the requests ahead (on 96 K-token GPUs, one or two long prompts).
         - None: the view lists the claim in VRAM and the worker did not deliver it: a false or
           stale entry, which is what the cache belief discounts.
 
@@ -365,6 +370,10 @@ class Router:
         long prompts away from their holders (>=32 K reuse 36 % against Dynamo's 43 %). One
         lookup over the claimed prefix, on shortfalls only."""
         if claimed_tokens <= 0:
+            return None
+        if claimed_tier == Tier.DRAM:
+            return SHORTFALL_DRAM
+        if tokens is None:
             return None
         found = self.lookup.lookup(np.asarray(tokens)[:claimed_tokens])
         if int(found.matched.item(worker_index)) < claimed_tokens:
@@ -426,17 +435,19 @@ class Router:
         queue_vector: Mapping[str, float] | None = None,
         now: float,
         tokens=None,
+        claimed_tier: Tier | None = None,
     ) -> None:
         """Fold a response into the cache belief and (for a remote region) the queue estimates.
 
-        With the prompt's ``tokens``, a shortfall (``reused < claimed``) the index explains is
-        not held against the worker (``explain_shortfall``: the index has recorded the prefix's
-        eviction, or lists it in DRAM, which a busy worker could not reload). The belief is for
-        claims the index shows in VRAM and the worker does not deliver (keyless false hits,
-        evictions not yet propagated). Without ``tokens`` every shortfall counts."""
+        With the decision's ``claimed_tier`` and the prompt's ``tokens``, a shortfall
+        (``reused < claimed``) the index explains is not held against the worker
+        (``explain_shortfall``: a DRAM copy a busy worker could not reload, or an eviction the
+        index has since recorded). The belief is for claims the index shows in VRAM and the
+        worker does not deliver (keyless false hits, evictions not yet propagated). Without
+        either every shortfall counts."""
         index = self.layout.worker_index(worker)
-        cause = (self.explain_shortfall(tokens, index, claimed_tokens)
-                 if tokens is not None and reused_tokens < claimed_tokens else None)
+        cause = (self.explain_shortfall(tokens, index, claimed_tokens, claimed_tier)
+                 if reused_tokens < claimed_tokens else None)
         if cause is None:
             self.belief.observe(index, claimed_tokens, reused_tokens)
         else:
