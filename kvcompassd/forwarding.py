@@ -404,6 +404,8 @@ class Forwarder:
             reused_tokens=done.cached_tokens,
             queue_vector=dict(done.queue_vector) or None,
             now=now,
+            tokens=req.tokens,  # a shortfall the index explains is not held against the worker
+            claimed_tier=d.tier,
         )
         self.metrics.claimed_tokens.inc(d.claimed_tokens)
         self.metrics.reused_tokens.inc(done.cached_tokens)

@@ -9,12 +9,12 @@ import pytest
 
 from clusters import make_cluster
 from kvcompassd.core.ablation import Ablation
-from kvcompassd.core.events import PrefixCached, Tier
+from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
-from kvcompassd.core.router import Router
+from kvcompassd.core.router import SHORTFALL_DRAM, SHORTFALL_EVICTED, Router
 
 SHARDS = 2
 
@@ -306,3 +306,81 @@ def test_charges_retired_at_the_first_token_keep_a_burst_of_one_prefix_on_its_ho
     assert kept.count(holder) == len(kept)
     aged = burst(Router(cfg, "us", view, now=0.0), retire=False)
     assert aged.count(holder) <= len(aged) // 2
+
+
+def _evict(cfg, shards, view, worker, tokens, cached):
+    plan = LevelPlan.from_config(cfg)
+    keys = prefix_keys(tokens, plan.registration_lengths_upto(cached), namespace_salt(cfg.model))
+    for k in keys:
+        shards[int(k) % SHARDS].apply([PrefixEvicted(worker, int(k))])
+    for s in shards:
+        if (b := s.flush()) is not None:
+            assert view.apply_next(b) is None
+
+
+def test_a_shortfall_the_index_has_explained_leaves_the_belief_alone():
+    # The holder had the prompt when the edge sent it there and lost it to cache turnover on
+    # the way; by the response the index has applied the eviction: not a false entry.
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker == "us-1" and d.claimed_tokens == 2000
+    index = layout.worker_index("us-1")
+    assert router.explain_shortfall(PROMPT, index, 2000) is None
+    _evict(cfg, shards, view, "us-1", PROMPT, 2000)
+    assert router.explain_shortfall(PROMPT, index, 2000) == SHORTFALL_EVICTED
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=0, now=1.0, tokens=PROMPT)
+    assert router.belief.get(index) == 1.0
+    assert router.explained_shortfalls == {SHORTFALL_EVICTED: 1, SHORTFALL_DRAM: 0}
+    # Without the prompt (an older caller) the shortfall counts, as before.
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=0, now=1.0)
+    assert router.belief.get(index) < 1.0
+
+
+def test_a_dram_copy_a_busy_worker_could_not_reload_is_not_a_false_entry():
+    # The index lists the prefix in the worker's DRAM, as it is: the worker reused less because
+    # its VRAM was pinned by the requests ahead, which its queue estimate prices, not its belief.
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000, Tier.DRAM)
+    router = Router(cfg, "us", view, now=0.0)
+    index = layout.worker_index("us-1")
+    assert router.explain_shortfall(PROMPT, index, 2000) == SHORTFALL_DRAM
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=0, now=1.0, tokens=PROMPT)
+    assert router.belief.get(index) == 1.0 and router.explained_shortfalls[SHORTFALL_DRAM] == 1
+    # A shorter claim the view does not back at all on another worker: evicted (never listed).
+    assert router.explain_shortfall(PROMPT, layout.worker_index("us-2"), 1024) == SHORTFALL_EVICTED
+
+
+def test_the_decisions_dram_tier_explains_a_shortfall_after_the_recompute_is_back_in_vram():
+    # The daemon learns the reuse at the request's end: by then the worker's recompute of the
+    # prompt is in the view again, in VRAM. The decision's tier still says what was claimed.
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000, Tier.DRAM)
+    router = Router(cfg, "us", view, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker == "us-1" and d.tier == Tier.DRAM and d.claimed_tokens == 2000
+    _register(cfg, shards, view, "us-1", PROMPT, 2000, Tier.VRAM)
+    index = layout.worker_index("us-1")
+    assert router.explain_shortfall(PROMPT, index, 2000) is None  # the view alone: a VRAM entry not delivered
+    assert router.explain_shortfall(None, index, 2000, Tier.DRAM) == SHORTFALL_DRAM  # no lookup needed
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=0, now=1.0, tokens=PROMPT, claimed_tier=d.tier)
+    assert router.belief.get(index) == 1.0 and router.explained_shortfalls[SHORTFALL_DRAM] == 1
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=0, now=2.0, tokens=PROMPT, claimed_tier=Tier.VRAM)
+    assert router.belief.get(index) < 1.0
+
+
+def test_a_shortfall_the_view_still_contradicts_lowers_the_belief():
+    # The view still lists the worker at the claimed length in VRAM (a keyless false hit, or an
+    # eviction not yet propagated): that is what the belief discounts.
+    cfg, layout, shards, view = _world()
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    index = layout.worker_index("us-1")
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=500, now=1.0, tokens=PROMPT)
+    assert router.belief.get(index) == pytest.approx(1.0 - cfg.score.belief_weight * 0.75)
+    assert sum(router.explained_shortfalls.values()) == 0
+    # A full reuse is no shortfall: nothing to check, the belief recovers as before.
+    router.on_response("us-1", claimed_tokens=2000, reused_tokens=2000, now=2.0, tokens=PROMPT)
+    assert router.belief.get(index) > 1.0 - cfg.score.belief_weight * 0.75
+    assert sum(router.explained_shortfalls.values()) == 0

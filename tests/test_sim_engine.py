@@ -8,7 +8,7 @@ from sim_fixtures import BETA, DECODE, ONE_WAY, two_region_topology
 
 from kvcompassd.sim.baselines import make_baseline
 from kvcompassd.sim.engine import SimSettings, SimulationError, simulate
-from kvcompassd.sim.policy import BasePolicy, MigrationOrdered, PolicyError, RouteDecision
+from kvcompassd.sim.policy import FALSE_NO_VRAM_ROOM, BasePolicy, MigrationOrdered, PolicyError, RouteDecision
 from kvcompassd.sim.synthetic import ChatWorkload, MixedWorkload
 from kvcompassd.sim.workloads import Request
 
@@ -242,3 +242,21 @@ def test_a_policy_timer_that_never_advances_is_reported():
     topo = two_region_topology(1, 0)
     with pytest.raises(SimulationError, match="timer stuck"):
         simulate(topo, StuckTimer(topo, worker=0), [req(0, 1.0, TOKENS)])
+
+
+def test_a_dram_copy_that_finds_no_vram_to_reload_into_is_told_apart_from_one_lost_in_flight():
+    # One worker with 40 pages of VRAM. TOKENS (20 pages) is demoted to DRAM by a 40-page prompt;
+    # that prompt's follow-up pins all 40 VRAM pages while its long suffix is prefilled, so a
+    # request for TOKENS arriving meanwhile finds its prefix held (in DRAM) and nowhere to reload it.
+    topo = two_region_topology(1, 0, vram=640, dram=10_000)
+    filler = np.arange(20_000, 20_640)
+    follow_up = np.concatenate([filler, np.arange(30_000, 35_000)])
+    mine = np.concatenate([TOKENS, np.arange(40_000, 40_100)])
+    stream = [req(0, 0.0, TOKENS), req(1, 1.0, filler), req(2, 2.0, follow_up), req(3, 2.001, mine),
+              req(4, 10.0, mine)]
+    res = simulate(topo, Fixed(topo, worker=0, claim=320), stream, settings=SimSettings(track_truth=True))
+    r = res.records
+    assert r["held_at_decision"][3] == 320 and r["reused_tokens"][3] == 0
+    assert r["false_cause"][3] == FALSE_NO_VRAM_ROOM
+    # Once the pins are gone the same claim is delivered: no false lookup.
+    assert r["reused_tokens"][4] >= 320 and r["false_cause"][4] == 0

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvcompassd.sim import experiments
-from kvcompassd.sim.exp_long import no_reuse_capacity, report, run_long
+from kvcompassd.sim.exp_long import main, no_reuse_capacity, report, run_long, targets_table
 
 
 def test_fig_long_is_registered_as_an_experiment():
@@ -40,3 +40,50 @@ def test_fig_long_tiny_run_reports_every_scheme_its_window_and_reuse_by_length(t
     text = report(rows)
     assert "testbed-3continent at 0.5 x lambda0" in text and f"arrivals {rows[0]['window']} s measured" in text
     assert "seed 0" in text and text.count("P99 TTFT") == 3
+
+
+def _pooled(scheme, p99, thr, reuse, workload="long@testbed-3continent", load=0.5):
+    return {"workload": workload, "load": load, "scheme": scheme, "rate": 1.0, "lambda0": 2.0, "window": "30-130",
+            "warmup_s": 30.0, "seeds": [0, 1, 2], "requests": 300, "measured_s": [100.0] * 3,
+            "ttft_p99_ms": p99, "ttft_mean_ms": p99 / 3, "throughput_tok_s": thr, "reuse_ge32k": reuse,
+            "requests_ge32k": 300, "seed_p99_ms": [p99] * 3}
+
+
+def test_targets_table_checks_each_point_within_one_percent_and_two_reuse_points():
+    pooled = [_pooled("kvcompass", 10_100.0, 99_100.0, 0.41), _pooled("dynamo", 10_000.0, 100_000.0, 0.43),
+              _pooled("chord", 20_000.0, 90_000.0, 0.10),
+              _pooled("kvcompass", 10_200.0, 98_900.0, 0.30, load=1.0), _pooled("dynamo", 10_000.0, 100_000.0, 0.33,
+                                                                               load=1.0)]
+    table = targets_table(pooled)
+    met, missed = [line for line in table.splitlines() if line.startswith("| long@")]
+    # 1 % above the best P99, 0.9 % below the best throughput, 2 points under Dynamo: met.
+    assert "| 10.10 / 10.00 (dynamo) | yes |" in met and "| 99.1 / 100.0 (dynamo) | yes |" in met
+    assert met.endswith("| 41.0 / 43.0 | yes |")
+    assert "| 10.20 / 10.00 (dynamo) | NO |" in missed and "| 98.9 / 100.0 (dynamo) | NO |" in missed
+    assert missed.endswith("| 30.0 / 33.0 | NO |")
+    assert "met at 1/2 points (P99), 1/2 (throughput), 1/2 (>=32K reuse)" in table
+
+
+def test_one_command_pools_seeds_of_the_mooncake_trace_and_prints_windows(tmp_path, capsys):
+    assert main(["--deployments", "testbed-3continent", "--workloads", "mooncake", "--schemes", "kvcompass,dynamo",
+                 "--loads", "0.5", "--seeds", "0-1", "--requests-per-point", "4", "--warmup", "1",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted((r["scheme"], r["seed"]) for r in rows) == [("dynamo", 0), ("dynamo", 1), ("kvcompass", 0),
+                                                             ("kvcompass", 1)]
+    assert all(r["workload"] == "mooncake@testbed-3continent" for r in rows)
+    pooled = json.loads((tmp_path / "pooled.json").read_text())
+    assert {p["scheme"]: p["requests"] for p in pooled} == {
+        s: sum(r["requests"] for r in rows if r["scheme"] == s) for s in ("kvcompass", "dynamo")}
+    assert all(p["seeds"] == [0, 1] for p in pooled)
+    # lambda0 of the trace: 14 workers over its mean prompt's prefill.
+    assert pooled[0]["lambda0"] == pytest.approx(no_reuse_capacity("testbed-3continent", workload="mooncake"))
+    assert "mooncake@testbed-3continent at 0.5 x lambda0" in out and "warm-up 1 s + measured" in out
+    assert "seeds 0,1" in out and "| mooncake@testbed-3continent | 0.5 (" in out
+    assert (tmp_path / "targets.md").read_text() in out
+
+
+def test_a_missing_trace_stops_the_command_naming_the_file(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["--workloads", "mooncake", "--trace", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)])

@@ -106,7 +106,7 @@ def test_table5_quick_splits_every_false_lookup_by_cause(tmp_path):
     assert sorted(r["workload"] for r in rows) == ["lmsys", "mixed", "wildchat"]
     assert any(r["false_lookup_rate"] > 0 for r in rows)
     for r in rows:  # with the exact cache map tracked, the two causes cover every false lookup
-        causes = r["false_lost_in_flight"] + r["false_within_page"] + r["false_view_ahead"]
+        causes = r["false_lost_in_flight"] + r["false_no_vram_room"] + r["false_within_page"] + r["false_view_ahead"]
         assert causes == pytest.approx(r["false_lookup_rate"])
         # KVCompass explains each stale or false entry by the index that was behind, or neither,
         # or its own pending ledger.

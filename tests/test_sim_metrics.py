@@ -10,6 +10,7 @@ import pytest
 from kvcompassd.sim.cli import main
 from kvcompassd.sim.engine import RECORD_FIELDS, SimResult
 from kvcompassd.sim.metrics import load_factor_peak, load_factors, reuse_by_length_table, summarize
+from kvcompassd.sim.policy import FALSE_NO_VRAM_ROOM
 
 
 def result(n: int = 100) -> SimResult:
@@ -65,6 +66,16 @@ def test_summary_by_hand():
     assert s.false_view_ahead == pytest.approx(0.02)
     assert s.false_keyless == pytest.approx(0.01) and s.false_index_behind == 0.0 and s.false_view_behind == 0.0
     assert s.false_pending == pytest.approx(0.01)
+    assert s.false_no_vram_room == 0.0
+
+
+def test_a_dram_copy_without_vram_to_reload_into_is_its_own_cause():
+    r = result()
+    r.records["claimed_tokens"][5] = 800  # a sixth false lookup: the holder had no VRAM free
+    r.records["false_cause"][5] = FALSE_NO_VRAM_ROOM
+    s = summarize(r)
+    assert s.false_lookup_rate == pytest.approx(0.06) and s.false_no_vram_room == pytest.approx(0.01)
+    assert s.false_lost_in_flight == pytest.approx(0.02)  # the other causes as they were
     assert s.cross_region_share == pytest.approx(0.25)
     assert s.remote_only_share == pytest.approx(10 / 40)
     # Totals per worker 2, 2, 6 -> mean 10/3 -> peak 6 / (10/3) = 1.8

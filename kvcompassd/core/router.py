@@ -74,6 +74,9 @@ _new_forward_decided = slot_constructor(ForwardDecided)
 # Tier by 2-bit field code; the invalid code 3 goes through Tier() (and raises) as before.
 _TIER_BY_CODE = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
 _DRAM = int(Tier.DRAM)
+# Why a response reused less than its claim, where the view can tell (Router.explain_shortfall).
+SHORTFALL_EVICTED = "evicted"
+SHORTFALL_DRAM = "dram"
 
 
 class Router:
@@ -120,6 +123,8 @@ class Router:
         self._withheld: frozenset[int] = self._unroutable
         self._last_sent = np.zeros(len(self.layout.worker_ids), dtype=np.int64)  # dispatch counter per worker
         self._sent_count = 0
+        # Responses short of their claim that the index explained, by cause (on_response).
+        self.explained_shortfalls = dict.fromkeys((SHORTFALL_EVICTED, SHORTFALL_DRAM), 0)
         # A miss without local holders can only plan a migration when a remote match reaches its
         # region's first length toward us (trigger a): that least match, per remote worker.
         never = np.iinfo(np.int64).max
@@ -344,6 +349,42 @@ class Router:
         keys = self.lookup.query_keys(np.asarray(tokens, dtype=np.uint32))
         return self.pending.overlay(keys.tolist(), matched, tier, now=now, read_only=True)
 
+    def explain_shortfall(self, tokens, worker_index: int, claimed_tokens: int,
+                          claimed_tier: Tier | None = None) -> str | None:
+        """Why worker ``worker_index`` reused less of the prompt ``tokens`` than the
+        ``claimed_tokens`` the edge credited it with (in ``claimed_tier``, the decision's), as far
+        as the index can tell:
+
+        - ``SHORTFALL_DRAM``: the claim was on the worker's DRAM copy (the decision's tier), or
+          the view lists it there now. The worker holds the prefix but found no VRAM to reload
+          it into: a loaded worker whose VRAM is pinned by the requests ahead (on 96 K-token
+          GPUs, one or two long prompts). The decision's tier tells it without a lookup, and
+          still does when the worker's recompute of the prompt is back in the view by the time
+          the response is (the daemon learns the reuse at the request's end).
+        - ``SHORTFALL_EVICTED``: the view no longer credits the worker with the claim. The index
+          has applied the eviction of that prefix from that worker (turnover after the decision)
+          or never listed it (a claim of the pending ledger).
+        - None: the view lists the claim in VRAM and the worker did not deliver it: a false or
+          stale entry, which is what the cache belief discounts.
+
+        Why it matters (issue 28): on the testbed ~a quarter of the long prompts' claims fell
+        short, nearly all DRAM copies that a busy holder could not reload; counting them lowered
+        the holders' belief and with it every later claim on them, true or not, so the edge sent
+        long prompts away from their holders (>=32 K reuse 36 % against Dynamo's 43 %). One
+        lookup over the claimed prefix, on shortfalls only."""
+        if claimed_tokens <= 0:
+            return None
+        if claimed_tier == Tier.DRAM:
+            return SHORTFALL_DRAM
+        if tokens is None:
+            return None
+        found = self.lookup.lookup(np.asarray(tokens)[:claimed_tokens])
+        if int(found.matched.item(worker_index)) < claimed_tokens:
+            return SHORTFALL_EVICTED
+        if int(found.tier.item(worker_index)) == Tier.DRAM:
+            return SHORTFALL_DRAM
+        return None
+
     def on_failed(self, worker_index: int, *, dispatch: int | None = None, now: float | None = None) -> None:
         """A worker failed a request before its first token: it will not hold that prompt. With
         the decision's ``dispatch`` (and ``now``), its charge is retired too."""
@@ -396,10 +437,24 @@ class Router:
         reused_tokens: int,
         queue_vector: Mapping[str, float] | None = None,
         now: float,
+        tokens=None,
+        claimed_tier: Tier | None = None,
     ) -> None:
-        """Fold a response into the cache belief and (for a remote region) the queue estimates."""
+        """Fold a response into the cache belief and (for a remote region) the queue estimates.
+
+        With the decision's ``claimed_tier`` and the prompt's ``tokens``, a shortfall
+        (``reused < claimed``) the index explains is not held against the worker
+        (``explain_shortfall``: a DRAM copy a busy worker could not reload, or an eviction the
+        index has since recorded). The belief is for claims the index shows in VRAM and the
+        worker does not deliver (keyless false hits, evictions not yet propagated). Without
+        either every shortfall counts."""
         index = self.layout.worker_index(worker)
-        self.belief.observe(index, claimed_tokens, reused_tokens)
+        cause = (self.explain_shortfall(tokens, index, claimed_tokens, claimed_tier)
+                 if reused_tokens < claimed_tokens else None)
+        if cause is None:
+            self.belief.observe(index, claimed_tokens, reused_tokens)
+        else:
+            self.explained_shortfalls[cause] += 1
         region = self.worker_regions[index]
         if queue_vector and region != self.region:
             self.queues.on_piggyback(region, queue_vector, now=now)

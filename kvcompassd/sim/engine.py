@@ -30,7 +30,7 @@ from kvcompassd.worker.prefixcache import PrefixCache
 from kvcompassd.worker.workermodel import FirstTokenProduced, RequestFinished, WorkerQueueModel, WorkerTiming
 
 from .blockmirror import GlobalBlockMap, chain_keys
-from .policy import (FALSE_LOST_IN_FLIGHT, FALSE_VIEW_AHEAD, FALSE_WITHIN_PAGE, BasePolicy, MigrationOrdered,
+from .policy import (FALSE_LOST_IN_FLIGHT, FALSE_NO_VRAM_ROOM, FALSE_VIEW_AHEAD, FALSE_WITHIN_PAGE, BasePolicy, MigrationOrdered,
                      PolicyError, RoutingPolicy, Topology)
 from .workloads import Request
 
@@ -89,6 +89,7 @@ class _InFlight:
     remote_only: int = -1
     held_at_decision: int = -1  # tokens the chosen worker really held when the edge chose it (-1: untracked)
     claim_source: int = FALSE_VIEW_AHEAD  # the cause if the worker held less already (explain_claim)
+    reload_short: bool = False  # it held more at arrival than its lock could reuse (no VRAM to reload DRAM into)
     migration: bool = False
 
 
@@ -334,7 +335,11 @@ class Simulation:
     def _at_worker(self, rid: str, now: float) -> None:
         st = self._inflight[rid]
         w, req = st.worker, st.req
+        held = self.caches[w].match(req.tokens) if self.truth is not None and st.claimed else None
         lease, match, events = self.caches[w].lock(req.tokens, now=now)
+        if held is not None:  # for false_cause: a DRAM copy the lock found no VRAM to reload into
+            st.reload_short = (match.vram_tokens + match.dram_tokens < held.vram_tokens + held.dram_tokens
+                               and held.vram_tokens + held.dram_tokens >= st.claimed)
         vram, dram = usable_cached(match.vram_tokens, match.dram_tokens, req.prompt_tokens)
         st.lease, st.cached_vram, st.cached_dram, st.at_worker = lease, vram, dram, now
         self._emit_cache_events(w, events, now)
@@ -402,7 +407,7 @@ class Simulation:
         if st.claimed <= reused:
             return 0
         if st.held_at_decision >= st.claimed:
-            return FALSE_LOST_IN_FLIGHT
+            return FALSE_NO_VRAM_ROOM if st.reload_short else FALSE_LOST_IN_FLIGHT
         page = self.topo.block_size
         if st.held_at_decision >= st.claimed // page * page:
             return FALSE_WITHIN_PAGE

@@ -261,19 +261,21 @@ def table5(args) -> list[dict]:
     d, w = _sizes(args.quick, 20.0, 2.0)
     # The exact cache map (track_truth) tells why each claim was false (policy.FALSE_*): lost
     # between the decision and the request's arrival, a prompt diverging inside the page that
-    # holds the claimed length, or already wrong in the edge's view. 1000 req/s is
+    # holds the claimed length, or already wrong in the edge's view (or still held, in DRAM, with
+    # no VRAM free to reload it into: FALSE_NO_VRAM_ROOM). 1000 req/s is
     # near the fleet's capacity, 3000 (the paper's operating point) far past it.
     rows = sweep("table5", "census-64x8", WORKLOADS3, args.schemes or ["kvcompass"], args.rates or [1000, 3000],
                  args.out, duration=d, warmup=w, seed=args.seed, progress=args.progress, jobs=args.jobs,
                  track_truth=True)
     lines = [f"| workload | req/s | scheme | {_window_header()} | end-to-end false-lookup rate (%) | among claimed (%) "
-             "| lost in flight (%) | within a page (%) | view ahead of the worker (%) "
+             "| lost in flight (%) | no VRAM to reload (%) | within a page (%) | view ahead of the worker (%) "
              "| of which: index behind the worker (%) | view behind the index (%) | keyless false hit (%) "
              "| edge's pending credit (%) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['rate']:g} | {r['scheme']} | {_window_cells(r)} | "
               f"{100 * r['false_lookup_rate']:.2f} | "
               f"{100 * r['false_lookup_rate_claimed']:.2f} | {100 * r['false_lost_in_flight']:.2f} | "
+              f"{100 * r['false_no_vram_room']:.2f} | "
               f"{100 * r['false_within_page']:.2f} | {100 * r['false_view_ahead']:.2f} | "
               f"{100 * r['false_index_behind']:.2f} | {100 * r['false_view_behind']:.2f} | "
               f"{100 * r['false_keyless']:.2f} | {100 * r['false_pending']:.2f} |" for r in rows]

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from kvcompassd.core.ablation import Ablation
-from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted
+from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard, table_capacities
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
@@ -189,7 +189,7 @@ class KVCompassPolicy(BasePolicy):
         self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
         self._flush_pending = [False] * n_shards
         # request id -> (edge, claimed tokens, from the ledger, the decision's dispatch)
-        self._claims: dict[int, tuple[int, int, bool, int]] = {}
+        self._claims: dict[int, tuple[int, int, bool, int, Tier]] = {}  # ... and the claim's tier
         # With the engine's exact cache map (on_truth_tracked): (key, worker) -> the seq of the
         # batch that carries its eviction, for explain_claim; dropped when it is cached again.
         self._evicted_in: dict[tuple[int, str], int] | None = None
@@ -449,7 +449,7 @@ class KVCompassPolicy(BasePolicy):
             self.counters["remote_decisions"] += 1
         if decision.migration is not None:
             self._plan_migration(decision.migration, req, now)
-        self._claims[req.id] = (e, decision.claimed_tokens, decision.pending, decision.dispatch)
+        self._claims[req.id] = (e, decision.claimed_tokens, decision.pending, decision.dispatch, decision.tier)
         return RouteDecision(decision.worker_index, 0.0, decision.claimed_tokens)
 
     def _plan_migration(self, plan: MigrationPlanned, req: Request, now: float) -> None:
@@ -492,7 +492,8 @@ class KVCompassPolicy(BasePolicy):
     def on_response(self, worker_index: int, req: Request, reused_tokens: int,
                     queue_vector: Mapping[int, float], *, now: float) -> None:
         self._advance(now)
-        e, claimed, _, dispatch = self._claims.pop(req.id, (self._region_index[req.region], 0, False, -1))
+        e, claimed, _, dispatch, tier = self._claims.pop(req.id, (self._region_index[req.region], 0, False, -1,
+                                                                  Tier.ABSENT))
         ids = self.worker_ids
         vector = {ids[i]: float(ms) for i, ms in queue_vector.items()}
         router = self.routers[e]
@@ -502,8 +503,10 @@ class KVCompassPolicy(BasePolicy):
         router.on_first_token(dispatch, now=now)
         router.on_finished(dispatch, prompt_tokens=len(req.tokens), cached_tokens=int(reused_tokens), output_tokens=1,
                            now=now)
+        if self._shared is not None and reused_tokens < claimed and tier != Tier.DRAM:  # what its check reads, now
+            self._shared.prepare(e, router.lookup.query_keys(req.tokens[:claimed]), now)
         router.on_response(ids[worker_index], claimed_tokens=claimed, reused_tokens=int(reused_tokens),
-                           queue_vector=vector, now=now)
+                           queue_vector=vector, now=now, tokens=req.tokens, claimed_tier=tier)
         g = self._worker_region[worker_index]
         if g != e and vector:
             # The worker's region piggybacked its vector toward the edge's region when the
@@ -545,6 +548,8 @@ class KVCompassPolicy(BasePolicy):
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["index_entries"] = sum(s.entries() for s in self.shards)
+        for cause in self.routers[0].explained_shortfalls if self.routers else ():  # not held against belief
+            out[f"shortfalls_{cause}"] = sum(r.explained_shortfalls[cause] for r in self.routers)
         if self._shared is not None:
             out["batch_deliveries"] = self._shared.deliveries
             out["table_versions"] = self._shared.live_versions()

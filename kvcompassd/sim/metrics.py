@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .engine import SimResult
-from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_PENDING, FALSE_VIEW_AHEAD,
-                     FALSE_VIEW_BEHIND, FALSE_WITHIN_PAGE)
+from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_LOST_IN_FLIGHT, FALSE_NO_VRAM_ROOM, FALSE_PENDING,
+                     FALSE_VIEW_AHEAD, FALSE_VIEW_BEHIND, FALSE_WITHIN_PAGE)
 
 
 # (lower bound, upper bound or None, Summary field suffix, label): prompt tokens in [lower, upper).
@@ -49,6 +49,7 @@ class Summary:
     false_lookup_rate_claimed: float  # ... among requests with a positive claim
     # The false lookups split by cause (share of requests; NaN if untracked; policy.FALSE_*):
     false_lost_in_flight: float      # the worker held the claim when chosen, lost it before the request came
+    false_no_vram_room: float        # ... held it still when the request came, in DRAM, and had no VRAM to reload it into
     false_within_page: float         # the prompt diverges inside the page holding the claimed length
     false_view_ahead: float          # the worker held less than claimed already when chosen (stale or false entry)
     # ... of which, where the policy can tell (KVCompass; policy.FALSE_INDEX_BEHIND etc.):
@@ -142,6 +143,7 @@ def summarize(result: SimResult, *, warmup_s: float = 0.0) -> Summary:
         false_lookup_rate=float(false.mean()),
         false_lookup_rate_claimed=float(false[has_claim].mean()) if has_claim.any() else 0.0,
         false_lost_in_flight=cause_share(FALSE_LOST_IN_FLIGHT),
+        false_no_vram_room=cause_share(FALSE_NO_VRAM_ROOM),
         false_within_page=cause_share(FALSE_WITHIN_PAGE),
         false_view_ahead=cause_share(FALSE_VIEW_AHEAD, FALSE_INDEX_BEHIND, FALSE_VIEW_BEHIND, FALSE_KEYLESS,
                                      FALSE_PENDING),

@@ -48,6 +48,8 @@ FALSE_INDEX_BEHIND = 4    # the index still listed the worker: its eviction had 
 FALSE_VIEW_BEHIND = 5     # the index had dropped it, but the edge's view had not applied that batch yet
 FALSE_KEYLESS = 6         # the view had every change to the key and still named the worker: a keyless false hit
 FALSE_PENDING = 7         # the edge credited a prompt it had just sent the worker (pending ledger), not yet held
+FALSE_NO_VRAM_ROOM = 8    # it still held the claim when the request came, partly in DRAM, and found no unpinned
+                          # VRAM to reload it into (the requests ahead pin theirs): a loaded holder
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
