@@ -73,6 +73,7 @@ class GenerationFinished:
     decision_us: float
     queue_vector: tuple[tuple[str, float], ...] = ()  # the serving region's, piggybacked
     decode_worker: str = ""  # a disaggregated fleet's: the decode worker that streamed the tokens
+    pending_credited: bool = False  # the claim came from the edge's pending ledger, beyond its view
 
 
 class ForwardError(Exception):
@@ -419,6 +420,7 @@ class Forwarder:
             attempts=attempt,
             decision_us=decision_us,
             decode_worker=done.decode_worker,
+            pending_credited=d.pending,
         )
 
     # -- the two paths ------------------------------------------------------------------------

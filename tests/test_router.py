@@ -150,19 +150,21 @@ def test_exact_ties_rotate_instead_of_piling_onto_the_first_worker():
 
 def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     """The view shows nothing yet (the registration is still crossing the WAN): the pending
-    ledger credits the worker the edge sent the first turn to, once its prefill is done."""
+    ledger credits the worker the edge sent the first turn to, once its first token came back."""
     cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
     first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
     router = Router(cfg, "us", view, now=0.0)
     first = router.decide(first_turn, now=0.0)
     assert first.outcome == "recompute" and not first.pending
+    # Past the estimate (its queue, 0, and prefill, 150 ms) but no first token yet: the worker
+    # may still be computing the prompt, and a follow-up there would miss.
+    assert router.decide(follow_up, now=0.2).claimed_tokens == 0
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(first_turn, now=0.0)
+    router.on_first_token(first.dispatch, now=0.3)
     later = router.decide(follow_up, now=0.4)
     assert later.worker == first.worker and later.claimed_tokens == 1280  # longest own length <= 1500
     assert later.tier == Tier.VRAM and later.outcome == "local_hit" and later.pending
-    # Ready only after its queue (0) and prefill (1500 tokens x 0.1 ms): 150 ms after dispatch.
-    early = Router(cfg, "us", view, now=0.0)
-    early.decide(first_turn, now=0.0)
-    assert early.decide(follow_up, now=0.1).claimed_tokens == 0
     # Had that worker failed the first turn, nothing would be credited to it.
     failed = Router(cfg, "us", view, now=0.0)
     failed.on_failed(failed.decide(first_turn, now=0.0).worker_index)
@@ -173,6 +175,63 @@ def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     router_off.decide(first_turn, now=0.0)
     router_off.decide(follow_up, now=0.1)
     assert router_off.decide(follow_up, now=0.4).claimed_tokens == 0
+
+
+def test_the_estimate_based_ledger_credits_from_the_estimated_end_of_the_prefill():
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0, pending_observed=False)
+    first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(first_turn, now=0.0)
+    later = router.decide(follow_up, now=0.4)  # no first token reported: the estimate speaks
+    assert later.worker == first.worker and later.claimed_tokens == 1280 and later.pending
+    # Ready only after its queue (0) and prefill (1500 tokens x 0.1 ms): 150 ms after dispatch.
+    early = Router(cfg, "us", view, now=0.0)
+    early.decide(first_turn, now=0.0)
+    assert early.decide(follow_up, now=0.1).claimed_tokens == 0
+
+
+def test_a_response_that_reused_less_than_credited_ends_the_credit_and_full_hits_keep_the_group():
+    """Under cache pressure a worker evicts (or could not cache) a prompt the ledger credits it
+    with: the group's requests went on missing there. The first response that reports less than
+    the credit ends it; a worker whose responses report the credited tokens keeps the group."""
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
+    group = PROMPT[:1500]
+    rng = np.random.default_rng(8)
+
+    def member() -> np.ndarray:
+        return np.concatenate([group, rng.integers(0, 30000, 200, dtype=np.uint32)])
+
+    def serve(router, d, now, cached):
+        router.on_first_token(d.dispatch, now=now)
+        router.on_finished(d.dispatch, prompt_tokens=d.prompt_len, cached_tokens=cached, output_tokens=1, now=now)
+        router.on_response(d.worker, claimed_tokens=d.claimed_tokens, reused_tokens=cached, now=now)
+
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(member(), now=0.0)
+    holder = first.worker_index
+    serve(router, first, 0.2, 0)
+    # A worker that keeps reporting full hits keeps its group.
+    t = 0.25
+    for _ in range(5):
+        d = router.decide(member(), now=t)
+        assert d.worker_index == holder and d.claimed_tokens == 1280 and d.pending
+        serve(router, d, t + 0.01, d.claimed_tokens)
+        t += 0.02
+    # It evicted the prefix: the next request misses there, and its response ends the credit.
+    d = router.decide(member(), now=t)
+    assert d.worker_index == holder and d.claimed_tokens == 1280
+    serve(router, d, t + 0.01, 0)
+    assert router.pending.refuted > 0
+    after = router.decide(member(), now=t + 0.02)
+    assert after.claimed_tokens == 0 and not after.pending
+    # The estimate-based ledger credits the evicted prefix on until its hold ends.
+    cfg_old, _, _, view_old = _world(pending_hold_ms=1000.0, pending_observed=False)
+    old = Router(cfg_old, "us", view_old, now=0.0)
+    first = old.decide(member(), now=0.0)
+    serve(old, first, 0.2, 0)
+    d = old.decide(member(), now=0.3)
+    serve(old, d, 0.31, 0)
+    assert old.decide(member(), now=0.32).claimed_tokens == 1280
 
 
 def test_pending_credit_is_the_same_on_the_native_and_the_reference_path():

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import bisect
 import collections
+import json
 import sys
 import time
 from pathlib import Path
@@ -66,20 +67,32 @@ async def closed_loop(url: str, args, prompts: Prompts, who: WhoServed, seconds:
         async def client() -> None:
             while time.monotonic() < stop_at:
                 group, text = prompts.next()
-                body = {"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens}}
+                body = {"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens}, "stream": True}
                 sent = time.monotonic()
+                first = None
+                data: dict = {}
                 try:
+                    # Streamed, so that the first token's arrival is known: when the worker had the
+                    # prompt computed (and a later request of its group could have reused it).
                     async with session.post(url + "/generate", json=body) as resp:
-                        data = await resp.json(content_type=None)
                         ok = resp.status == 200
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                        async for line in resp.content:
+                            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                                continue
+                            if first is None:
+                                first = time.monotonic()
+                            data = json.loads(line[5:])
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     ok = False
-                if ok:
+                if ok and data:
                     meta = data.get("meta_info") or {}
+                    info = meta.get("kvcompass") or {}
                     records.append({"group": group, "text": text, "output_ids": data.get("output_ids"),
                                     "cached": int(meta.get("cached_tokens") or 0),
-                                    "claimed": int((meta.get("kvcompass") or {}).get("claimed_tokens") or 0),
-                                    "sent": sent, "latency_ms": (time.monotonic() - sent) * 1000.0})
+                                    "claimed": int(info.get("claimed_tokens") or 0),
+                                    "pending": bool(info.get("pending")),
+                                    "sent": sent, "first": first if first is not None else time.monotonic(),
+                                    "latency_ms": (time.monotonic() - sent) * 1000.0})
 
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
     for r in records:
@@ -95,7 +108,7 @@ def classify(records: list[dict], shared: int, readings: dict[str, list[tuple[fl
         at = bisect.bisect_right([t for t, _, _ in series], r["sent"]) - 1
         r["queue_ms"], r["running"] = (series[at][1], series[at][2]) if at >= 0 else (0.0, 0)
         if not hit and r["claimed"] > r["cached"]:
-            r["cause"] = "stale"  # the edge credited a prefix the worker no longer had
+            r["cause"] = "stale-ledger" if r["pending"] else "stale-view"  # credited a prefix the worker lacked
         elif not hit:
             r["cause"] = "evicted" if last_hit_on.get(r["group"]) == r["worker"] else "spread"
         else:
@@ -116,16 +129,34 @@ def report(args, records: list[dict]) -> None:
           f"bytes), {args.seconds:g} s; load average {load_average()}")
     print(f"{len(records)} requests, P50 {percentile(latencies, 50):.0f} ms, P99 {percentile(latencies, 99):.0f} ms; "
           f"tail = slowest {args.tail:g} % ({len(tail)} requests, >= {cut:.0f} ms)")
-    print(f"{'cause':<9}{'tail share':>11}{'all share':>10}{'mean ms (tail)':>15}{'mean ms (all)':>14}")
-    for cause in ("stale", "evicted", "spread", "queued", "other"):
+    print(f"{'cause':<13}{'tail share':>11}{'all share':>10}{'mean ms (tail)':>15}{'mean ms (all)':>14}")
+    for cause in ("stale-view", "stale-ledger", "evicted", "spread", "queued", "other"):
         in_tail = [r for r in tail if r["cause"] == cause]
         in_all = [r for r in records if r["cause"] == cause]
-        print(f"{cause:<9}{len(in_tail) / max(1, len(tail)):>11.2f}{len(in_all) / max(1, len(records)):>10.2f}"
+        print(f"{cause:<13}{len(in_tail) / max(1, len(tail)):>11.2f}{len(in_all) / max(1, len(records)):>10.2f}"
               f"{_mean_latency(in_tail):>15.0f}{_mean_latency(in_all):>14.0f}")
     by_worker = collections.Counter(r["worker"] for r in records)
     tail_by_worker = collections.Counter(r["worker"] for r in tail)
     print("per worker (share of requests / of the tail): " + ", ".join(
         f"{w} {by_worker[w] / len(records):.2f}/{tail_by_worker[w] / max(1, len(tail)):.2f}" for w in sorted(by_worker, key=str)))
+    for cause in ("stale-view", "stale-ledger"):
+        # Was the group's previous request on that worker done (its prompt computed) when this one was sent?
+        done = inflight = none = 0
+        for r in records:
+            if r["cause"] != cause:
+                continue
+            before = [q for q in records if q["group"] == r["group"] and q["worker"] == r["worker"]
+                      and q["sent"] < r["sent"]]
+            if not before:
+                none += 1
+                continue
+            q = max(before, key=lambda q: q["sent"])
+            if q["first"] <= r["sent"]:
+                done += 1
+            else:
+                inflight += 1
+        print(f"{cause}: previous request of the group on that worker had its first token before it was sent {done}, "
+              f"not yet {inflight}, none {none}")
     queued = sorted(r["queue_ms"] for r in tail)
     print(f"worker queue reading at a tail request's arrival: P50 {percentile(queued, 50):.0f} ms, "
           f"max {queued[-1] if queued else float('nan'):.0f} ms; running P50 "
@@ -146,6 +177,8 @@ async def run(args) -> None:
         records = await closed_loop(url, args, prompts, who, args.seconds)
         stop.set()
         await poller
+        print("load readings per worker:", {w: len(v) for w, v in readings.items()},
+              "running P50 of all readings:", percentile([x[2] for v in readings.values() for x in v], 50))
         classify(records, prompts.shared_tokens, readings)
         report(args, records)
     finally:
