@@ -47,7 +47,11 @@ from kvcompassd.launcher import DeploymentSpec  # noqa: E402
 _LEARNED = re.compile(r'^kvcompass_learned_prefill_ms_per_token\{worker="([^"]+)"\} (\S+)$', re.M)
 
 
-async def start(args, beta_error: float) -> tuple[Cluster, str, dict[str, int]]:
+async def start(args, beta_error: float, *, score: dict | None = None,
+                workers_only: bool = False) -> tuple[Cluster, str, dict[str, int]]:
+    """A fresh cluster; ``score`` overrides fields of the edge's ``[score]``; ``workers_only``
+    starts the emulated workers and nothing of the plane (for a direct round-robin reference),
+    and returns no edge URL."""
     spec = DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
                           max_running=args.max_running, vram_kv_tokens=args.vram_tokens,
                           dram_kv_tokens=args.dram_tokens, prefill_ms_per_token=args.beta,
@@ -57,7 +61,7 @@ async def start(args, beta_error: float) -> tuple[Cluster, str, dict[str, int]]:
     true_config.write_text(cluster.config_path.read_text())
     cfg = cluster.cfg
     wrong = replace(cfg, workers=tuple(replace(w, prefill_ms_per_token=w.prefill_ms_per_token * beta_error)
-                                       for w in cfg.workers))
+                                       for w in cfg.workers), score=replace(cfg.score, **(score or {})))
     cluster.config_path.write_text(dump_config(wrong))
     seeds = {w.id: i + 1 for i, w in enumerate(cfg.workers)}
     for w in cfg.workers:
@@ -65,6 +69,10 @@ async def start(args, beta_error: float) -> tuple[Cluster, str, dict[str, int]]:
         cluster.config_path, edge_config = true_config, cluster.config_path
         cluster.spawn("emulate-worker", w.id, "--time-scale", str(args.time_scale), "--seed", str(seeds[w.id]))
         cluster.config_path = edge_config
+    if workers_only:
+        for w in cfg.workers:
+            await cluster.wait_http(f"{w.http}/v1/loads")
+        return cluster, "", seeds
     for m in cfg.maintenance:
         cluster.spawn("maintenance", m.id)
     cluster.spawn("edge", cfg.edges[0].id)
