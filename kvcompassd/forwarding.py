@@ -231,6 +231,8 @@ class Forwarder:
         for i, worker in enumerate(workers):  # read when scraped: nothing per request
             metrics.learned_prefill.labels(worker).set_function(lambda i=i: rates.prefill_ms_per_token(i))
             metrics.learned_decode.labels(worker).set_function(lambda i=i: rates.decode_ms_per_token(i))
+        if router.pending is not None:
+            metrics.pending_refuted.set_function(lambda: router.pending.refuted)
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 

@@ -195,7 +195,8 @@ def test_mark_ready_leaves_keys_a_later_dispatch_took_and_estimates_already_past
 # -- from_first_token: credit what the edge observed ------------------------------------------
 
 def _observed(hold_s=1.0, **kw):
-    return PendingHoldings(GROUP_LENGTHS, QUERY_LENGTHS, WORKER_GROUP, hold_s=hold_s, from_first_token=True, **kw)
+    return PendingHoldings(GROUP_LENGTHS, QUERY_LENGTHS, WORKER_GROUP, hold_s=hold_s, from_first_token=True,
+                           refute_misses=True, **kw)
 
 
 def test_a_dispatch_is_credited_from_its_first_token_not_from_the_estimate():

@@ -178,7 +178,7 @@ def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
 
 
 def test_the_estimate_based_ledger_credits_from_the_estimated_end_of_the_prefill():
-    cfg, layout, shards, view = _world(pending_hold_ms=1000.0, pending_observed=False)
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0, pending_from_first_token=False, pending_refute=False)
     first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
     router = Router(cfg, "us", view, now=0.0)
     first = router.decide(first_turn, now=0.0)
@@ -225,7 +225,7 @@ def test_a_response_that_reused_less_than_credited_ends_the_credit_and_full_hits
     after = router.decide(member(), now=t + 0.02)
     assert after.claimed_tokens == 0 and not after.pending
     # The estimate-based ledger credits the evicted prefix on until its hold ends.
-    cfg_old, _, _, view_old = _world(pending_hold_ms=1000.0, pending_observed=False)
+    cfg_old, _, _, view_old = _world(pending_hold_ms=1000.0, pending_from_first_token=False, pending_refute=False)
     old = Router(cfg_old, "us", view_old, now=0.0)
     first = old.decide(member(), now=0.0)
     serve(old, first, 0.2, 0)

@@ -8,11 +8,12 @@ and the running requests' prompts), a closed loop of ``--concurrency`` streaming
 cache flushed, in ABBA order over ``--runs`` (the machine's load drifts; the order spreads it):
 
 - ``direct``: client-side round robin straight to the workers, nothing of the plane running;
-- ``observed``: the edge with ``[score] pending_observed = true`` (the default: the pending
-  ledger credits a dispatch from its first token, and a response that reused less than its
-  worker was credited with ends that credit);
-- ``estimated``: the edge with ``pending_observed = false`` (the ledger before: credited from the
-  estimated end of the prefill, held 1 s whatever the responses say).
+- ``observed``: the edge with ``[score] pending_from_first_token`` and ``pending_refute`` (the
+  defaults: the pending ledger credits a dispatch from its first token, and a response that
+  reused less than its worker was credited with ends that credit);
+- ``refute-only`` / ``first-token-only``: one of the two;
+- ``estimated``: neither (the ledger before: credited from the estimated end of the prefill,
+  held 1 s whatever the responses say).
 
 Every request is recorded (its group, the worker that served it read off its output tokens, the
 tokens it reused and was credited with, its first token and its end), and every ``--poll-ms``
@@ -61,8 +62,10 @@ from benchlib import median, percentile, quiet_logs  # noqa: E402
 
 VARIANTS: dict[str, dict | None] = {
     "direct": None,
-    "observed": {"pending_observed": True},
-    "estimated": {"pending_observed": False},
+    "observed": {"pending_from_first_token": True, "pending_refute": True},
+    "refute-only": {"pending_from_first_token": False, "pending_refute": True},
+    "first-token-only": {"pending_from_first_token": True, "pending_refute": False},
+    "estimated": {"pending_from_first_token": False, "pending_refute": False},
 }
 CAUSES = ("stale-view", "stale-ledger", "evicted", "spread", "queued", "other")
 
@@ -288,7 +291,7 @@ async def run(args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["direct", "observed", "estimated"])
     p.add_argument("--runs", type=int, default=1, help="each variant once per run, in ABBA order")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--time-scale", type=float, default=1.0)

@@ -5,8 +5,9 @@ on a virtual clock, so its figures do not move with the machine's load (issue 30
 each), a closed loop of ``--clients`` sending prompts of ``--groups`` shared prefixes of
 ``--prefix-tokens`` plus a unique suffix of ``--suffix-tokens``, ``--output-tokens`` each, for
 ``--requests`` requests per seed (the first ``--warmup`` not measured). Each ``--variants`` entry is KVCompass with one ``[score]``
-override (``observed``: ``pending_observed = true``, the default; ``estimated``: false;
-``no-ledger``: ``pending_hold_ms = 0``); ``round-robin`` is the reference and
+override of the pending ledger (``observed``: ``pending_from_first_token`` and ``pending_refute``,
+the defaults; ``refute-only`` and ``first-token-only``: one of them; ``estimated``: neither, the
+ledger before; ``no-ledger``: ``pending_hold_ms = 0``); ``round-robin`` is the reference and
 ``sglang-cache-aware`` the simulator's model of SGLang's cache-aware router. It prints, per
 variant, the medians over ``--seeds`` of throughput, TTFT and end-to-end P50/P99, reuse (the
 share of requests that reused their group's prefix) and the false-claim share, with ratios to
@@ -34,8 +35,10 @@ from kvcompassd.sim.workloads import Request
 VARIANTS = {  # None: a baseline scheme of the simulator, by that name
     "round-robin": None,
     "sglang-cache-aware": None,
-    "observed": {"pending_observed": True},
-    "estimated": {"pending_observed": False},
+    "observed": {"pending_from_first_token": True, "pending_refute": True},
+    "refute-only": {"pending_from_first_token": False, "pending_refute": True},
+    "first-token-only": {"pending_from_first_token": True, "pending_refute": False},
+    "estimated": {"pending_from_first_token": False, "pending_refute": False},
     "no-ledger": {"pending_hold_ms": 0.0},
 }
 

@@ -433,12 +433,14 @@ class ScoreParams:
     # follow-up sooner than that found nothing (testbed LMSYS 25 req/s, seeds 0-4: P99 above
     # Dynamo's by up to 3.3 %, equal at all five with the ledger).
     pending_hold_ms: float = 1000.0
-    # The pending ledger credits only what the edge observed (core/pending.py): a dispatch from
-    # its first token (not from the estimate of its queue and prefill), and a response that
-    # reused less than its worker was credited with ends that credit. Under cache pressure an
-    # early estimate and a prefix the worker had evicted sent a group's requests on to a miss
-    # (issue 30.8); false restores the estimate-based ledger, for comparison.
-    pending_observed: bool = True
+    # The pending ledger credits what the edge observed (core/pending.py). from_first_token: a
+    # dispatch is credited from its first token, not from the estimate of its queue and prefill
+    # (a worker that matches prompts on arrival misses a follow-up sent while it computes).
+    # refute: a response that reused less than its worker was credited with ends that credit (a
+    # prefix the worker evicted or could not cache sent the group's requests on to a miss; issue
+    # 30.8). Both false: the estimate-based ledger of before, for comparison.
+    pending_from_first_token: bool = True
+    pending_refute: bool = True
     # The edge learns each worker's prefill and decode rates from the first tokens and ends it
     # sees (core/rates.py) and scores with them; a learned rate stays within this factor of the
     # configured one either way (1 turns learning off). A configured beta 5x off routed against
@@ -459,8 +461,9 @@ class ScoreParams:
         _check_float("idle_period_ms", self.idle_period_ms, lo=0.0)
         _check_float("occupancy_ms_per_running", self.occupancy_ms_per_running, lo=0.0)
         _check_float("pending_hold_ms", self.pending_hold_ms, lo=0.0)
-        if not isinstance(self.pending_observed, bool):
-            _fail("pending_observed", f"expected true or false, got {self.pending_observed!r}")
+        for name in ("pending_from_first_token", "pending_refute"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"expected true or false, got {getattr(self, name)!r}")
         _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",

@@ -20,14 +20,16 @@ A dispatch noted with its id is credited from the moment the edge sees its first
 worker faster than its configured rate the estimate is too late, and a follow-up inside it went
 elsewhere.
 
-With ``from_first_token`` (``[score] pending_observed``) the ledger credits only what the edge saw:
-- a dispatch noted with its id is credited from its first token and never from the estimate. A
+The ledger can credit only what the edge saw:
+- with ``from_first_token`` (``[score] pending_from_first_token``), a dispatch noted with its id is
+  credited from its first token and never from the estimate. A
   worker matches a prompt when it arrives, so a follow-up sent while the prompt is still being
   computed misses there; an estimate that is early (a worker or host slower than modelled) sent
   the group's next requests to a worker that did not yet have their prefix (issue 30.8: most of
   the ledger's false claims under cache pressure came from dispatches whose first token had not
   yet come back);
-- a response that reused fewer tokens than the worker was credited with (``refute``) ends that
+- with ``refute_misses`` (``[score] pending_refute``), a response that reused fewer tokens than
+  the worker was credited with (``refute``) ends that
   worker's credits for the prompt's lengths beyond what it reused, those that started before
   the request was sent: the worker did not hold them when the request got there (evicted, or
   never cached: a full cache cannot insert), and crediting them on sent the group's next
@@ -72,16 +74,19 @@ class PendingHoldings:
     """
 
     def __init__(self, group_lengths: np.ndarray, query_lengths: np.ndarray, worker_group: np.ndarray, *,
-                 hold_s: float, from_first_token: bool = False, max_open: int = MAX_OPEN_DISPATCHES) -> None:
+                 hold_s: float, from_first_token: bool = False, refute_misses: bool = False,
+                 max_open: int = MAX_OPEN_DISPATCHES) -> None:
         if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not (math.isfinite(hold_s)
                                                                                      and hold_s > 0):
             raise PendingHoldingsError(f"hold_s must be a finite number > 0, got {hold_s!r}")
-        if not isinstance(from_first_token, bool):
-            raise PendingHoldingsError(f"from_first_token must be true or false, got {from_first_token!r}")
+        for name, flag in (("from_first_token", from_first_token), ("refute_misses", refute_misses)):
+            if not isinstance(flag, bool):
+                raise PendingHoldingsError(f"{name} must be true or false, got {flag!r}")
         if isinstance(max_open, bool) or not isinstance(max_open, int) or max_open < 1:
             raise PendingHoldingsError(f"max_open must be an int >= 1, got {max_open!r}")
         self.hold_s = float(hold_s)
         self.from_first_token = from_first_token
+        self.refute_misses = refute_misses
         self._max_open = max_open
         self._query = [int(n) for n in query_lengths]
         position = {n: i for i, n in enumerate(self._query)}
@@ -95,7 +100,7 @@ class PendingHoldings:
         self._by_key: dict[int, tuple[int, float, float, list[int], int | None]] = {}
         self._records: deque[tuple[int, float, float, list[int], int | None]] = deque()
         self._by_dispatch: dict[int, tuple[int, float, float, list[int], int | None]] = {}
-        # With from_first_token: dispatch -> (worker, sent at, [(length, key)] of the lengths it
+        # With refute_misses: dispatch -> (worker, sent at, [(length, key)] of the lengths it
         # was credited with), for ``refute`` when its response comes back.
         self._claims: dict[int, tuple[int, float, list[tuple[int, int]]]] = {}
         self.refuted = 0  # credits ended by a response that reused less (for metrics and tests)
@@ -122,7 +127,7 @@ class PendingHoldings:
         self._purge(now)
         reads = self._worker_reads[worker]
         awaiting = self.from_first_token and dispatch is not None
-        if awaiting and shown > 0:
+        if self.refute_misses and dispatch is not None and shown > 0:
             self._open(self._claims, dispatch, (worker, now, [(length, keys.item(at)) for length, at in reads
                                                               if length <= shown]))
         noted = [keys.item(at) for length, at in reads if shown < length <= prompt_len]
@@ -177,7 +182,7 @@ class PendingHoldings:
         """The dispatch's response says its worker reused ``reused_tokens`` of the prompt: end
         the worker's credits beyond that which started before the dispatch was sent (it did not
         hold them when the request arrived). Ends the dispatch's tracking; returns how many
-        credits ended. A no-op without ``from_first_token`` or for a dispatch not credited."""
+        credits ended. A no-op without ``refute_misses`` or for a dispatch not credited."""
         claim = self._claims.pop(dispatch, None)
         self._release_dispatch(dispatch)
         if claim is None:

@@ -130,7 +130,9 @@ class Router:
         self._gamma = self.scorer.gamma
         hold_ms = cfg.score.pending_hold_ms
         self.pending = (PendingHoldings(self.lookup.group_lengths, self.lookup.query_lengths, self.layout.worker_group,
-                                        hold_s=hold_ms / 1000.0, from_first_token=cfg.score.pending_observed)
+                                        hold_s=hold_ms / 1000.0,
+                                        from_first_token=cfg.score.pending_from_first_token,
+                                        refute_misses=cfg.score.pending_refute)
                         if hold_ms > 0 else None)
         self._kernel: ForwardKernel | None = None
         if native:
