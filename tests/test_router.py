@@ -150,21 +150,19 @@ def test_exact_ties_rotate_instead_of_piling_onto_the_first_worker():
 
 def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     """The view shows nothing yet (the registration is still crossing the WAN): the pending
-    ledger credits the worker the edge sent the first turn to, once its first token came back."""
+    ledger credits the worker the edge sent the first turn to, once its prefill is done."""
     cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
     first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
     router = Router(cfg, "us", view, now=0.0)
     first = router.decide(first_turn, now=0.0)
     assert first.outcome == "recompute" and not first.pending
-    # Past the estimate (its queue, 0, and prefill, 150 ms) but no first token yet: the worker
-    # may still be computing the prompt, and a follow-up there would miss.
-    assert router.decide(follow_up, now=0.2).claimed_tokens == 0
-    router = Router(cfg, "us", view, now=0.0)
-    first = router.decide(first_turn, now=0.0)
-    router.on_first_token(first.dispatch, now=0.3)
     later = router.decide(follow_up, now=0.4)
     assert later.worker == first.worker and later.claimed_tokens == 1280  # longest own length <= 1500
     assert later.tier == Tier.VRAM and later.outcome == "local_hit" and later.pending
+    # Ready only after its queue (0) and prefill (1500 tokens x 0.1 ms): 150 ms after dispatch.
+    early = Router(cfg, "us", view, now=0.0)
+    early.decide(first_turn, now=0.0)
+    assert early.decide(follow_up, now=0.1).claimed_tokens == 0
     # Had that worker failed the first turn, nothing would be credited to it.
     failed = Router(cfg, "us", view, now=0.0)
     failed.on_failed(failed.decide(first_turn, now=0.0).worker_index)
@@ -177,17 +175,20 @@ def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     assert router_off.decide(follow_up, now=0.4).claimed_tokens == 0
 
 
-def test_the_estimate_based_ledger_credits_from_the_estimated_end_of_the_prefill():
-    cfg, layout, shards, view = _world(pending_hold_ms=1000.0, pending_from_first_token=False, pending_refute=False)
+def test_from_first_token_the_ledger_credits_a_prompt_only_once_its_first_token_came_back():
+    """For workers that match a prompt when it arrives: past the estimate (its queue, 0, and
+    prefill, 150 ms) but without a first token the worker may still be computing the prompt,
+    and a follow-up there would miss."""
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0, pending_from_first_token=True)
     first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
     router = Router(cfg, "us", view, now=0.0)
     first = router.decide(first_turn, now=0.0)
-    later = router.decide(follow_up, now=0.4)  # no first token reported: the estimate speaks
+    assert router.decide(follow_up, now=0.2).claimed_tokens == 0
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(first_turn, now=0.0)
+    router.on_first_token(first.dispatch, now=0.3)
+    later = router.decide(follow_up, now=0.4)
     assert later.worker == first.worker and later.claimed_tokens == 1280 and later.pending
-    # Ready only after its queue (0) and prefill (1500 tokens x 0.1 ms): 150 ms after dispatch.
-    early = Router(cfg, "us", view, now=0.0)
-    early.decide(first_turn, now=0.0)
-    assert early.decide(follow_up, now=0.1).claimed_tokens == 0
 
 
 def test_a_response_that_reused_less_than_credited_ends_the_credit_and_full_hits_keep_the_group():
@@ -224,8 +225,8 @@ def test_a_response_that_reused_less_than_credited_ends_the_credit_and_full_hits
     assert router.pending.refuted > 0
     after = router.decide(member(), now=t + 0.02)
     assert after.claimed_tokens == 0 and not after.pending
-    # The estimate-based ledger credits the evicted prefix on until its hold ends.
-    cfg_old, _, _, view_old = _world(pending_hold_ms=1000.0, pending_from_first_token=False, pending_refute=False)
+    # Without refute the ledger credits the evicted prefix on until its hold ends.
+    cfg_old, _, _, view_old = _world(pending_hold_ms=1000.0, pending_refute=False)
     old = Router(cfg_old, "us", view_old, now=0.0)
     first = old.decide(member(), now=0.0)
     serve(old, first, 0.2, 0)

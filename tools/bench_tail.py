@@ -8,10 +8,10 @@ and the running requests' prompts), a closed loop of ``--concurrency`` streaming
 cache flushed, in ABBA order over ``--runs`` (the machine's load drifts; the order spreads it):
 
 - ``direct``: client-side round robin straight to the workers, nothing of the plane running;
-- ``observed``: the edge with ``[score] pending_from_first_token`` and ``pending_refute`` (the
-  defaults: the pending ledger credits a dispatch from its first token, and a response that
-  reused less than its worker was credited with ends that credit);
-- ``refute-only`` / ``first-token-only``: one of the two;
+- ``refute``: the edge as configured by default (``[score] pending_refute``: a response that
+  reused less than its worker was credited with ends that credit in the pending ledger);
+- ``refute+first-token`` / ``first-token``: with ``pending_from_first_token`` too / alone (the
+  ledger credits a dispatch from its first token, not from the estimate);
 - ``estimated``: neither (the ledger before: credited from the estimated end of the prefill,
   held 1 s whatever the responses say).
 
@@ -32,7 +32,7 @@ one cause each:
 
 It prints one line per window (with the load average at its start and end: the figures move
 with the machine's load), then per variant the medians over runs of req/s, P50, P99, reuse and
-affinity, with their ratios to ``direct`` and of ``observed`` to ``estimated``, and the causes
+affinity, with their ratios to ``direct`` and of each ledger to ``estimated``, and the causes
 behind the tail of the last window of each edge variant.
 
     .venv/bin/python tools/bench_tail.py --vram-tokens 8192 --concurrency 64 --seconds 20 --runs 2
@@ -62,10 +62,10 @@ from benchlib import median, percentile, quiet_logs  # noqa: E402
 
 VARIANTS: dict[str, dict | None] = {
     "direct": None,
-    "observed": {"pending_from_first_token": True, "pending_refute": True},
-    "refute-only": {"pending_from_first_token": False, "pending_refute": True},
-    "first-token-only": {"pending_from_first_token": True, "pending_refute": False},
-    "estimated": {"pending_from_first_token": False, "pending_refute": False},
+    "refute": {"pending_refute": True, "pending_from_first_token": False},
+    "refute+first-token": {"pending_refute": True, "pending_from_first_token": True},
+    "first-token": {"pending_refute": False, "pending_from_first_token": True},
+    "estimated": {"pending_refute": False, "pending_from_first_token": False},
 }
 CAUSES = ("stale-view", "stale-ledger", "evicted", "spread", "queued", "other")
 
@@ -212,7 +212,7 @@ async def measure(args, variant: str, run_no: int) -> dict:
 
 
 def _line(w: dict) -> str:
-    return (f"  run {w['run'] + 1} {w['variant']:<10} {w['began']} UTC load {w['load'][0]:5.1f}->{w['load'][1]:5.1f}  "
+    return (f"  run {w['run'] + 1} {w['variant']:<18} {w['began']} UTC load {w['load'][0]:5.1f}->{w['load'][1]:5.1f}  "
             f"{w['rps']:6.1f} req/s  P50 {w['p50_ms']:6.0f}  P99 {w['p99_ms']:6.0f}  mean {w['mean_ms']:6.0f} ms  "
             f"reuse {w['reuse']:.2f}  affinity {w['affinity']:.2f}  stale view/ledger "
             f"{w['stale-view']:.2f}/{w['stale-ledger']:.2f}  errors {w['errors']}")
@@ -256,7 +256,7 @@ def report(args, windows: list[dict]) -> None:
                                                           "stale-view", "stale-ledger")}
            for v, ws in by_variant.items()}
     loads = {v: (min(w["load"][0] for w in ws), max(w["load"][1] for w in ws)) for v, ws in by_variant.items()}
-    header = (f"{'variant':<11}{'req/s':>7}{'x direct':>9}{'P50 ms':>8}{'P99 ms':>8}{'P99/direct':>11}{'mean ms':>8}"
+    header = (f"{'variant':<19}{'req/s':>7}{'x direct':>9}{'P50 ms':>8}{'P99 ms':>8}{'P99/direct':>11}{'mean ms':>8}"
               f"{'reuse':>7}{'affinity':>9}{'stale view':>11}{'stale ledger':>13}{'load':>13}")
     print(header)
     print("-" * len(header))
@@ -265,12 +265,15 @@ def report(args, windows: list[dict]) -> None:
         m = med[v]
         rps_ratio = m["rps"] / direct["rps"] if direct else float("nan")
         p99_ratio = m["p99_ms"] / direct["p99_ms"] if direct else float("nan")
-        print(f"{v:<11}{m['rps']:>7.1f}{rps_ratio:>9.2f}{m['p50_ms']:>8.0f}{m['p99_ms']:>8.0f}{p99_ratio:>11.2f}"
+        print(f"{v:<19}{m['rps']:>7.1f}{rps_ratio:>9.2f}{m['p50_ms']:>8.0f}{m['p99_ms']:>8.0f}{p99_ratio:>11.2f}"
               f"{m['mean_ms']:>8.0f}{m['reuse']:>7.2f}{m['affinity']:>9.2f}{m['stale-view']:>11.2f}"
               f"{m['stale-ledger']:>13.2f}{f'{loads[v][0]:.1f}-{loads[v][1]:.1f}':>13}")
-    if "observed" in med and "estimated" in med:
-        o, e = med["observed"], med["estimated"]
-        print(f"observed / estimated: req/s {o['rps'] / e['rps']:.2f}, P50 {o['p50_ms'] / e['p50_ms']:.2f}, "
+    e = med.get("estimated")
+    for v in args.variants:
+        if e is None or v in ("estimated", "direct"):
+            continue
+        o = med[v]
+        print(f"{v} / estimated: req/s {o['rps'] / e['rps']:.2f}, P50 {o['p50_ms'] / e['p50_ms']:.2f}, "
               f"P99 {o['p99_ms'] / e['p99_ms']:.2f}, reuse {o['reuse'] - e['reuse']:+.2f}, "
               f"stale claims {o['stale-view'] + o['stale-ledger']:.2f} vs {e['stale-view'] + e['stale-ledger']:.2f}")
     for v in args.variants:
@@ -291,7 +294,7 @@ async def run(args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["direct", "observed", "estimated"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["direct", "refute", "estimated"])
     p.add_argument("--runs", type=int, default=1, help="each variant once per run, in ABBA order")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--time-scale", type=float, default=1.0)

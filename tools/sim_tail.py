@@ -5,8 +5,8 @@ on a virtual clock, so its figures do not move with the machine's load (issue 30
 each), a closed loop of ``--clients`` sending prompts of ``--groups`` shared prefixes of
 ``--prefix-tokens`` plus a unique suffix of ``--suffix-tokens``, ``--output-tokens`` each, for
 ``--requests`` requests per seed (the first ``--warmup`` not measured). Each ``--variants`` entry is KVCompass with one ``[score]``
-override of the pending ledger (``observed``: ``pending_from_first_token`` and ``pending_refute``,
-the defaults; ``refute-only`` and ``first-token-only``: one of them; ``estimated``: neither, the
+override of the pending ledger (``refute``: ``pending_refute``, the default; ``first-token``:
+``pending_from_first_token`` alone; ``refute+first-token``: both; ``estimated``: neither, the
 ledger before; ``no-ledger``: ``pending_hold_ms = 0``); ``round-robin`` is the reference and
 ``sglang-cache-aware`` the simulator's model of SGLang's cache-aware router. It prints, per
 variant, the medians over ``--seeds`` of throughput, TTFT and end-to-end P50/P99, reuse (the
@@ -35,10 +35,10 @@ from kvcompassd.sim.workloads import Request
 VARIANTS = {  # None: a baseline scheme of the simulator, by that name
     "round-robin": None,
     "sglang-cache-aware": None,
-    "observed": {"pending_from_first_token": True, "pending_refute": True},
-    "refute-only": {"pending_from_first_token": False, "pending_refute": True},
-    "first-token-only": {"pending_from_first_token": True, "pending_refute": False},
-    "estimated": {"pending_from_first_token": False, "pending_refute": False},
+    "refute": {"pending_refute": True, "pending_from_first_token": False},
+    "refute+first-token": {"pending_refute": True, "pending_from_first_token": True},
+    "first-token": {"pending_refute": False, "pending_from_first_token": True},
+    "estimated": {"pending_refute": False, "pending_from_first_token": False},
     "no-ledger": {"pending_hold_ms": 0.0},
 }
 
@@ -84,7 +84,7 @@ def run_one(args, variant: str, seed: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                   default=["round-robin", "sglang-cache-aware", "observed", "estimated"])
+                   default=["round-robin", "sglang-cache-aware", "refute", "estimated"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--clients", type=int, default=64)
@@ -105,7 +105,7 @@ def main() -> None:
             began = time.perf_counter()
             r = run_one(args, variant, seed)
             results[variant].append(r)
-            print(f"  seed {seed} {variant:<12} {r['rps']:7.1f} req/s  TTFT P50/P99 {r['ttft_p50']:7.0f}/{r['ttft_p99']:7.0f}"
+            print(f"  seed {seed} {variant:<19} {r['rps']:7.1f} req/s  TTFT P50/P99 {r['ttft_p50']:7.0f}/{r['ttft_p99']:7.0f}"
                   f"  e2e P50/P99 {r['e2e_p50']:7.0f}/{r['e2e_p99']:7.0f} ms  reuse {r['reuse']:.2f}  false claims "
                   f"{r['false']:.3f}  ({time.perf_counter() - began:.0f} s wall)", flush=True)
     print(f"\nsimulated cache pressure: {args.workers} workers, {args.vram_tokens} VRAM tokens each, {args.clients} "
@@ -114,13 +114,13 @@ def main() -> None:
     med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in results.items()}
     ref = med.get("round-robin")
     est = med.get("estimated")
-    header = (f"{'variant':<13}{'req/s':>8}{'x rr':>6}{'x est':>7}{'TTFT P50':>9}{'TTFT P99':>9}{'e2e P50':>8}"
+    header = (f"{'variant':<20}{'req/s':>8}{'x rr':>6}{'x est':>7}{'TTFT P50':>9}{'TTFT P99':>9}{'e2e P50':>8}"
               f"{'e2e P99':>8}{'P99 x rr':>9}{'P99 x est':>10}{'reuse':>7}{'false':>7}")
     print(header)
     print("-" * len(header))
     for v in args.variants:
         m = med[v]
-        print(f"{v:<13}{m['rps']:>8.1f}{m['rps'] / ref['rps'] if ref else float('nan'):>6.2f}"
+        print(f"{v:<20}{m['rps']:>8.1f}{m['rps'] / ref['rps'] if ref else float('nan'):>6.2f}"
               f"{m['rps'] / est['rps'] if est else float('nan'):>7.2f}{m['ttft_p50']:>9.0f}{m['ttft_p99']:>9.0f}"
               f"{m['e2e_p50']:>8.0f}{m['e2e_p99']:>8.0f}{m['e2e_p99'] / ref['e2e_p99'] if ref else float('nan'):>9.2f}"
               f"{m['e2e_p99'] / est['e2e_p99'] if est else float('nan'):>10.2f}{m['reuse']:>7.2f}{m['false']:>7.3f}")
