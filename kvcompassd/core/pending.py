@@ -20,21 +20,19 @@ A dispatch noted with its id is credited from the moment the edge sees its first
 worker faster than its configured rate the estimate is too late, and a follow-up inside it went
 elsewhere.
 
-The ledger can credit only what the edge saw:
-- with ``from_first_token`` (``[score] pending_from_first_token``), a dispatch noted with its id is
-  credited from its first token and never from the estimate. A
-  worker matches a prompt when it arrives, so a follow-up sent while the prompt is still being
-  computed misses there; an estimate that is early (a worker or host slower than modelled) sent
-  the group's next requests to a worker that did not yet have their prefix (issue 30.8: most of
-  the ledger's false claims under cache pressure came from dispatches whose first token had not
-  yet come back);
-- with ``refute_misses`` (``[score] pending_refute``), a response that reused fewer tokens than
-  the worker was credited with (``refute``) ends that
-  worker's credits for the prompt's lengths beyond what it reused, those that started before
-  the request was sent: the worker did not hold them when the request got there (evicted, or
-  never cached: a full cache cannot insert), and crediting them on sent the group's next
-  requests to the same miss. A prompt the worker computes and caches again comes back through
-  its registration in the view.
+What the edge sees of the responses corrects the ledger:
+- with ``refute_misses`` (``[score] pending_refute``, on by default), a response that reused
+  fewer tokens than its worker was credited with (``refute``) ends that worker's credits for the
+  prompt's lengths beyond what it reused, those that started before the request was sent: the
+  worker did not hold them when the request got there (evicted, or never cached: a cache full of
+  running requests' pages cannot insert), and crediting them on for the hold sent the group's
+  next requests to the same miss (issue 30.8). A prompt the worker computes and caches again
+  comes back through its registration in the view;
+- with ``from_first_token`` (``[score] pending_from_first_token``, off by default), a dispatch
+  noted with its id is credited from its first token and never from the estimate. That suits a
+  worker that matches a prompt when it arrives (the emulator, the simulator's worker), where a
+  follow-up sent while the prompt is still being computed misses; SGLang and vLLM match when
+  they schedule a request, after the prefill ahead of it, so there the follow-up hits.
 """
 
 from __future__ import annotations
