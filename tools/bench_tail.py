@@ -262,6 +262,8 @@ def report(args, windows: list[dict]) -> None:
     print("-" * len(header))
     direct = med.get("direct")
     for v in args.variants:
+        if v not in med:
+            continue
         m = med[v]
         rps_ratio = m["rps"] / direct["rps"] if direct else float("nan")
         p99_ratio = m["p99_ms"] / direct["p99_ms"] if direct else float("nan")
@@ -270,14 +272,14 @@ def report(args, windows: list[dict]) -> None:
               f"{m['stale-ledger']:>13.2f}{f'{loads[v][0]:.1f}-{loads[v][1]:.1f}':>13}")
     e = med.get("estimated")
     for v in args.variants:
-        if e is None or v in ("estimated", "direct"):
+        if e is None or v in ("estimated", "direct") or v not in med:
             continue
         o = med[v]
         print(f"{v} / estimated: req/s {o['rps'] / e['rps']:.2f}, P50 {o['p50_ms'] / e['p50_ms']:.2f}, "
               f"P99 {o['p99_ms'] / e['p99_ms']:.2f}, reuse {o['reuse'] - e['reuse']:+.2f}, "
               f"stale claims {o['stale-view'] + o['stale-ledger']:.2f} vs {e['stale-view'] + e['stale-ledger']:.2f}")
     for v in args.variants:
-        if VARIANTS[v] is not None:
+        if VARIANTS[v] is not None and by_variant.get(v):
             causes(by_variant[v][-1])
 
 
@@ -286,7 +288,12 @@ async def run(args) -> list[dict]:
     for run_no in range(args.runs):
         order = args.variants if run_no % 2 == 0 else list(reversed(args.variants))
         for variant in order:
-            w = await measure(args, variant, run_no)
+            try:
+                w = await measure(args, variant, run_no)
+            except (RuntimeError, TimeoutError) as exc:  # a cluster that did not come up (a loaded host)
+                print(f"  run {run_no + 1} {variant}: no window ({str(exc).splitlines()[0]}); load {load_now():.1f}",
+                      flush=True)
+                continue
             print(_line(w), flush=True)
             windows.append(w)
     return windows
