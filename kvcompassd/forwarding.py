@@ -73,6 +73,7 @@ class GenerationFinished:
     decision_us: float
     queue_vector: tuple[tuple[str, float], ...] = ()  # the serving region's, piggybacked
     decode_worker: str = ""  # a disaggregated fleet's: the decode worker that streamed the tokens
+    pending_credited: bool = False  # the claim came from the edge's pending ledger, beyond its view
 
 
 class ForwardError(Exception):
@@ -231,6 +232,8 @@ class Forwarder:
             metrics.learned_prefill.labels(worker).set_function(lambda i=i: rates.prefill_ms_per_token(i))
             metrics.learned_decode.labels(worker).set_function(lambda i=i: rates.decode_ms_per_token(i))
         self._engines: dict[str, EngineClient] = {}  # own-region workers' HTTP clients, by base URL
+        if router.pending is not None:
+            metrics.pending_refuted.set_function(lambda: router.pending.refuted)
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -422,6 +425,7 @@ class Forwarder:
             attempts=attempt,
             decision_us=decision_us,
             decode_worker=done.decode_worker,
+            pending_credited=d.pending,
         )
 
     # -- the two paths ------------------------------------------------------------------------

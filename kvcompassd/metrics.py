@@ -89,6 +89,9 @@ class EdgeMetrics:
         self.requests = Counter("kvcompass_requests", "Requests at the front door, by route and status", ["route", "status"], registry=r)
         self.decisions = Counter("kvcompass_decisions", "Forwarding decisions by outcome (local_hit, remote_hit, recompute)", ["outcome"], registry=r)
         self.pending_credits = Counter("kvcompass_pending_credits", "Decisions whose winner was credited with a prompt the edge had just sent it, not yet in the view", registry=r)
+        self.pending_refuted = Gauge("kvcompass_pending_refuted", "Pending-ledger credits ended by a response that "
+                                     "reused fewer tokens than its worker was credited with (a count, read when scraped)",
+                                     registry=r)
         self.decision_seconds = Histogram("kvcompass_decision_seconds", "Lookup + score time per decision", buckets=_DECISION_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kvcompass_ttft_seconds", "Time to first token seen at the edge", buckets=_REQUEST_BUCKETS, registry=r)
         self.request_seconds = Histogram("kvcompass_request_seconds", "End-to-end request time at the edge", buckets=_REQUEST_BUCKETS, registry=r)

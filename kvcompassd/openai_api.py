@@ -133,6 +133,8 @@ def kvcompass_info(done: GenerationFinished) -> dict:
     }
     if done.decode_worker:  # a disaggregated fleet: ``worker`` prefilled, this one decoded
         info["decode_worker"] = done.decode_worker
+    if done.pending_credited:  # the claim was the edge's pending ledger's, not its index view's
+        info["pending"] = True
     return info
 
 

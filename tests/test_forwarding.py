@@ -190,6 +190,22 @@ async def test_a_worker_that_failed_is_not_credited_with_the_prompt_it_never_com
     assert ledger.held_by(edge.router.layout.worker_index("a-1")) > 0
 
 
+@pytest.mark.parametrize("edge", [({"a": 2}, (), {"pending_hold_ms": 1000.0})], indirect=True)
+async def test_a_response_that_reused_less_than_the_ledger_credited_ends_that_credit(pki, edge):
+    await start_agents(pki, edge, {"a-0": "serve", "a-1": "serve"})
+    _, first = await run(edge, "r1", LONG_PROMPT)
+    assert first.claimed_tokens == 0
+    # Credited from r1's first token, the same prompt goes to the same worker ...
+    _, second = await run(edge, "r2", LONG_PROMPT)
+    assert second.worker == first.worker and second.claimed_tokens > 0 and second.pending_credited
+    # ... which reports that it reused nothing (it never cached it): the credit ends there.
+    assert second.cached_tokens == 0 and edge.router.pending.refuted > 0
+    matched = np.zeros(len(edge.router.layout.worker_ids), dtype=np.int64)
+    tier = np.zeros(len(matched), dtype=np.uint8)
+    assert edge.router.pending_matches(LONG_PROMPT, matched, tier, now=0.0) is None
+    assert edge.metrics.registry.get_sample_value("kvcompass_pending_refuted") == edge.router.pending.refuted
+
+
 def test_suspicion_doubles_with_each_failure_expires_and_is_cleared_by_a_served_request():
     suspects = SuspectWorkers(initial_s=5.0, max_s=12.0)
     assert suspects.failed(3, now=100.0) == 5.0 and suspects.current(now=104.9) == {3}

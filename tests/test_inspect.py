@@ -31,6 +31,7 @@ def test_holders_shows_the_view_and_apart_from_it_what_the_edge_just_sent_withou
     assert [h["worker"] for h in before["holders"]] == ["us-2"] and before["pending"] == []
     sent = router.decide(PROMPT[:1500], now=0.0)
     assert sent.worker == "us-2" and sent.claimed_tokens == 64
+    router.on_first_token(sent.dispatch, now=0.3)  # credited from its first token
     clock[0] = 0.5
     after = describe_edge(edge, "holders", {"tokens": tokens})
     assert after["holders"] == before["holders"]

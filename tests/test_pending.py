@@ -190,3 +190,176 @@ def test_mark_ready_leaves_keys_a_later_dispatch_took_and_estimates_already_past
     ledger.drop_dispatch(2)
     assert not ledger.mark_ready(2, now=0.3)
     assert ledger.forget(2) == 2
+
+
+# -- from_first_token: credit what the edge observed ------------------------------------------
+
+def _observed(hold_s=1.0, **kw):
+    return PendingHoldings(GROUP_LENGTHS, QUERY_LENGTHS, WORKER_GROUP, hold_s=hold_s, from_first_token=True,
+                           refute_misses=True, **kw)
+
+
+def test_a_dispatch_is_credited_from_its_first_token_not_from_the_estimate():
+    ledger = _observed()
+    ledger.note_sent(1, KEYS, 130, 0, ready_at=0.2, now=0.0, dispatch=7)
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.5) is None  # past the estimate: still nothing
+    assert ledger.mark_ready(7, now=0.6)
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.6) is not None
+    assert matched.tolist() == [0, 128, 0]
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=1.6) is None  # hold_s from the first token
+    # Without an id there is nothing to wait for: the estimate speaks, as before.
+    ledger.note_sent(0, KEYS, 64, 0, ready_at=2.0, now=2.0)
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=2.0) is not None and matched.tolist() == [64, 0, 0]
+
+
+def test_a_dispatch_that_ends_without_a_first_token_is_never_credited_and_leaves_nothing():
+    ledger = _observed()
+    ledger.note_sent(1, KEYS, 130, 0, ready_at=0.0, now=0.0, dispatch=1)
+    ledger.note_sent(0, KEYS[:1], 32, 0, ready_at=0.0, now=0.0, dispatch=2)  # takes the 32 key
+    ledger.drop_dispatch(1)
+    assert len(ledger) == 1  # worker 0's 32, still awaiting dispatch 2
+    assert not ledger.mark_ready(1, now=0.1)
+    assert ledger.refute(2, 0) == 0 and len(ledger) == 0
+
+
+def test_refute_ends_the_credits_beyond_what_was_reused_that_started_before_the_send():
+    ledger = _observed()
+    ledger.note_sent(0, KEYS, 128, 0, ready_at=0.0, now=0.0, dispatch=1)
+    ledger.mark_ready(1, now=0.1)  # worker 0 credited 32, 64, 128 from 0.1
+    matched, tier = _view()
+    ledger.overlay(KEYS.tolist(), matched, tier, now=0.2)
+    assert matched.tolist() == [128, 0, 0]
+    # Dispatch 2 goes to worker 0 on that credit (128) and finds only 32 there.
+    ledger.note_sent(0, KEYS, 128, 128, ready_at=0.2, now=0.2, dispatch=2)
+    assert ledger.refute(2, 32) == 2  # 64 and 128 end; 32 was reused
+    matched, tier = _view()
+    ledger.overlay(KEYS.tolist(), matched, tier, now=0.3)
+    assert matched.tolist() == [32, 0, 0]
+    assert ledger.refuted == 2 and ledger.refute(2, 0) == 0  # once
+
+
+def test_refute_leaves_full_hits_later_first_tokens_and_other_workers_credits():
+    ledger = _observed()
+    ledger.note_sent(0, KEYS, 128, 0, ready_at=0.0, now=0.0, dispatch=1)
+    ledger.mark_ready(1, now=0.1)
+    ledger.note_sent(0, KEYS, 128, 128, ready_at=0.2, now=0.2, dispatch=2)
+    assert ledger.refute(2, 128) == 0  # a full hit: the worker keeps its credit (and its group)
+    # Dispatch 3 is sent on the credit; meanwhile dispatch 4 recomputes the prompt there and its
+    # first token comes back before dispatch 3's response: that credit is newer than the miss.
+    ledger.note_sent(0, KEYS, 128, 128, ready_at=0.3, now=0.3, dispatch=3)
+    ledger.forget(0)
+    ledger.note_sent(0, KEYS, 128, 0, ready_at=0.3, now=0.3, dispatch=4)
+    ledger.mark_ready(4, now=0.35)
+    assert ledger.refute(3, 0) == 0
+    # Credits are per worker: a miss on worker 2 says nothing about worker 0's for the same keys.
+    ledger.note_sent(2, KEYS, 128, 64, ready_at=0.4, now=0.4, dispatch=5)
+    assert ledger.refute(5, 0) == 0
+    matched, tier = _view()
+    ledger.overlay(KEYS.tolist(), matched, tier, now=0.5)
+    assert matched[0] == 128
+
+
+def test_open_dispatches_are_bounded():
+    ledger = _observed(max_open=2)
+    for d in range(5):
+        ledger.note_sent(d % 3, KEYS + np.uint64(10 * d), 128, 32, ready_at=0.0, now=0.0, dispatch=d)
+    assert len(ledger._by_dispatch) == 2 and len(ledger._claims) == 2
+    assert len(ledger) <= 2 * 3  # the forgotten dispatches' awaiting keys went with them
+    with pytest.raises(PendingHoldingsError):
+        _observed(max_open=0)
+    with pytest.raises(PendingHoldingsError):
+        PendingHoldings(GROUP_LENGTHS, QUERY_LENGTHS, WORKER_GROUP, hold_s=1.0, from_first_token=1)
+
+
+_onote = st.tuples(st.just("note"), st.integers(0, 2), st.lists(st.integers(0, 3), min_size=4, max_size=4),
+                   st.integers(1, 140), st.sampled_from([0, 32, 64, 96, 128]))
+_omark = st.tuples(st.just("mark"), st.integers(0, 12))
+_orefute = st.tuples(st.just("refute"), st.integers(0, 12), st.sampled_from([0, 32, 64, 96, 128]))
+_odrop = st.tuples(st.just("drop"), st.integers(0, 12))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.floats(0, 0.3), st.one_of(_onote, _omark, _orefute, _odrop, _look, _fail)),
+                    max_size=40))
+def test_the_observed_ledger_matches_a_reference_model(ops):
+    """With from_first_token: a dispatch's keys are credited from its first token for hold_s,
+    each key to its latest dispatch; a dispatch ending without a first token releases the keys
+    it still owns; ``refute`` ends the dispatch's worker's credits beyond the reused length that
+    started no later than the dispatch was sent."""
+    hold = 0.6
+    ledger = _observed(hold_s=hold)
+    query = QUERY_LENGTHS.tolist()
+    inf = float("inf")
+    latest: dict[int, tuple] = {}  # key -> (worker, ready, expires, tag)
+    awaiting: dict[int, int] = {}  # dispatch -> worker, until its first token or end
+    claims: dict[int, tuple] = {}  # dispatch -> (worker, sent, [(length, key)])
+    now, next_dispatch = 0.0, 0
+
+    def release(d):
+        for key in [k for k, v in latest.items() if v[3] == ("await", d)]:
+            del latest[key]
+
+    for step, op in ops:
+        now += step
+        if op[0] == "note":
+            _, worker, ids, prompt_len, shown = op
+            d, next_dispatch = next_dispatch, next_dispatch + 1
+            keys = np.array([1000 * n + i for n, i in zip(query, ids)], dtype=np.uint64)
+            ledger.note_sent(worker, keys, prompt_len, shown, ready_at=now, now=now, dispatch=d)
+            reads = [n for n in GROUP_LENGTHS[WORKER_GROUP[worker]].tolist() if n > 0]
+            if shown > 0:
+                claims[d] = (worker, now, [(n, int(keys[query.index(n)])) for n in reads if n <= shown])
+            noted = [n for n in reads if shown < n <= prompt_len]
+            for n in noted:
+                latest[int(keys[query.index(n)])] = (worker, inf, inf, ("await", d))
+            if noted:
+                awaiting[d] = worker
+        elif op[0] == "mark":
+            d = op[1]
+            ledger.mark_ready(d, now=now)
+            if awaiting.pop(d, None) is not None:
+                for key, v in list(latest.items()):
+                    if v[3] == ("await", d):
+                        latest[key] = (v[0], now, now + hold, ("ready", d))
+        elif op[0] == "refute":
+            _, d, reused = op
+            ledger.refute(d, reused)
+            if awaiting.pop(d, None) is not None:
+                release(d)
+            claim = claims.pop(d, None)
+            if claim is not None:
+                worker, sent, credited = claim
+                for n, key in credited:
+                    v = latest.get(key)
+                    if n > reused and v is not None and v[0] == worker and v[1] <= sent:
+                        del latest[key]
+        elif op[0] == "drop":
+            ledger.drop_dispatch(op[1])
+            claims.pop(op[1], None)
+            if awaiting.pop(op[1], None) is not None:
+                release(op[1])
+        elif op[0] == "fail":
+            ledger.forget(op[1])
+            latest = {k: v for k, v in latest.items() if v[0] != op[1]}
+            awaiting = {d: w for d, w in awaiting.items() if w != op[1]}
+            claims = {d: c for d, c in claims.items() if c[0] != op[1]}
+        else:
+            _, ids, view = op
+            keys = [1000 * n + i for n, i in zip(query, ids)]
+            matched = np.array(view, dtype=np.int64)
+            tier = np.where(matched > 0, Tier.DRAM, 0).astype(np.uint8)
+            expected = matched.copy()
+            for at, key in enumerate(keys):
+                v = latest.get(key)
+                if v is None or v[1] > now or v[2] <= now:
+                    continue
+                if view[v[0]] >= query[at]:
+                    del latest[key]
+                else:
+                    expected[v[0]] = max(expected[v[0]], query[at])
+            ledger.overlay(keys, matched, tier, now=now)
+            assert matched.tolist() == expected.tolist()
+        live = sum(v[2] > now for v in latest.values())
+        assert live <= len(ledger) <= len(latest)

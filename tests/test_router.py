@@ -175,6 +175,66 @@ def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     assert router_off.decide(follow_up, now=0.4).claimed_tokens == 0
 
 
+def test_from_first_token_the_ledger_credits_a_prompt_only_once_its_first_token_came_back():
+    """For workers that match a prompt when it arrives: past the estimate (its queue, 0, and
+    prefill, 150 ms) but without a first token the worker may still be computing the prompt,
+    and a follow-up there would miss."""
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0, pending_from_first_token=True)
+    first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(first_turn, now=0.0)
+    assert router.decide(follow_up, now=0.2).claimed_tokens == 0
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(first_turn, now=0.0)
+    router.on_first_token(first.dispatch, now=0.3)
+    later = router.decide(follow_up, now=0.4)
+    assert later.worker == first.worker and later.claimed_tokens == 1280 and later.pending
+
+
+def test_a_response_that_reused_less_than_credited_ends_the_credit_and_full_hits_keep_the_group():
+    """Under cache pressure a worker evicts (or could not cache) a prompt the ledger credits it
+    with: the group's requests went on missing there. The first response that reports less than
+    the credit ends it; a worker whose responses report the credited tokens keeps the group."""
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
+    group = PROMPT[:1500]
+    rng = np.random.default_rng(8)
+
+    def member() -> np.ndarray:
+        return np.concatenate([group, rng.integers(0, 30000, 200, dtype=np.uint32)])
+
+    def serve(router, d, now, cached):
+        router.on_first_token(d.dispatch, now=now)
+        router.on_finished(d.dispatch, prompt_tokens=d.prompt_len, cached_tokens=cached, output_tokens=1, now=now)
+        router.on_response(d.worker, claimed_tokens=d.claimed_tokens, reused_tokens=cached, now=now)
+
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(member(), now=0.0)
+    holder = first.worker_index
+    serve(router, first, 0.2, 0)
+    # A worker that keeps reporting full hits keeps its group.
+    t = 0.25
+    for _ in range(5):
+        d = router.decide(member(), now=t)
+        assert d.worker_index == holder and d.claimed_tokens == 1280 and d.pending
+        serve(router, d, t + 0.01, d.claimed_tokens)
+        t += 0.02
+    # It evicted the prefix: the next request misses there, and its response ends the credit.
+    d = router.decide(member(), now=t)
+    assert d.worker_index == holder and d.claimed_tokens == 1280
+    serve(router, d, t + 0.01, 0)
+    assert router.pending.refuted > 0
+    after = router.decide(member(), now=t + 0.02)
+    assert after.claimed_tokens == 0 and not after.pending
+    # Without refute the ledger credits the evicted prefix on until its hold ends.
+    cfg_old, _, _, view_old = _world(pending_hold_ms=1000.0, pending_refute=False)
+    old = Router(cfg_old, "us", view_old, now=0.0)
+    first = old.decide(member(), now=0.0)
+    serve(old, first, 0.2, 0)
+    d = old.decide(member(), now=0.3)
+    serve(old, d, 0.31, 0)
+    assert old.decide(member(), now=0.32).claimed_tokens == 1280
+
+
 def test_pending_credit_is_the_same_on_the_native_and_the_reference_path():
     cfg, layout, shards, view = _world(pending_hold_ms=300.0)
     _register(cfg, shards, view, "eu-0", PROMPT, 2000)

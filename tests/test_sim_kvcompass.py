@@ -135,8 +135,10 @@ def test_a_false_claim_of_the_pending_ledger_is_put_down_to_it():
     prompt = _prompt(13)
     first = policy.route(_request(0, prompt, "us"), now=0.0)
     assert first.claimed_tokens == 0
-    # No engine here: the worker never reports caching it. After its estimated prefill the edge
-    # credits it anyway, and a false claim that follows is the ledger's, not the index's.
+    # No engine here: the worker never reports caching it. Once its response (the first token)
+    # reached the edge, the edge credits it anyway, and a false claim that follows is the
+    # ledger's, not the index's.
+    policy.on_response(first.worker_index, _request(0, prompt, "us"), 0, {}, now=0.2)
     again = policy.route(_request(1, prompt, "us"), now=0.5)
     assert again.worker_index == first.worker_index and again.claimed_tokens > 0
     assert policy.explain_claim(_request(1, prompt, "us"), again, now=0.5) == FALSE_PENDING

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import re
 import sys
 from dataclasses import replace
@@ -47,7 +48,11 @@ from kvcompassd.launcher import DeploymentSpec  # noqa: E402
 _LEARNED = re.compile(r'^kvcompass_learned_prefill_ms_per_token\{worker="([^"]+)"\} (\S+)$', re.M)
 
 
-async def start(args, beta_error: float) -> tuple[Cluster, str, dict[str, int]]:
+async def start(args, beta_error: float, *, score: dict | None = None,
+                workers_only: bool = False) -> tuple[Cluster, str, dict[str, int]]:
+    """A fresh cluster; ``score`` overrides fields of the edge's ``[score]``; ``workers_only``
+    starts the emulated workers and nothing of the plane (for a direct round-robin reference),
+    and returns no edge URL."""
     spec = DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
                           max_running=args.max_running, vram_kv_tokens=args.vram_tokens,
                           dram_kv_tokens=args.dram_tokens, prefill_ms_per_token=args.beta,
@@ -57,7 +62,7 @@ async def start(args, beta_error: float) -> tuple[Cluster, str, dict[str, int]]:
     true_config.write_text(cluster.config_path.read_text())
     cfg = cluster.cfg
     wrong = replace(cfg, workers=tuple(replace(w, prefill_ms_per_token=w.prefill_ms_per_token * beta_error)
-                                       for w in cfg.workers))
+                                       for w in cfg.workers), score=replace(cfg.score, **(score or {})))
     cluster.config_path.write_text(dump_config(wrong))
     seeds = {w.id: i + 1 for i, w in enumerate(cfg.workers)}
     for w in cfg.workers:
@@ -65,6 +70,10 @@ async def start(args, beta_error: float) -> tuple[Cluster, str, dict[str, int]]:
         cluster.config_path, edge_config = true_config, cluster.config_path
         cluster.spawn("emulate-worker", w.id, "--time-scale", str(args.time_scale), "--seed", str(seeds[w.id]))
         cluster.config_path = edge_config
+    if workers_only:
+        for w in cfg.workers:
+            await cluster.wait_http(f"{w.http}/v1/loads")
+        return cluster, "", seeds
     for m in cfg.maintenance:
         cluster.spawn("maintenance", m.id)
     cluster.spawn("edge", cfg.edges[0].id)
@@ -87,7 +96,8 @@ async def learned_rates(url: str) -> dict[str, float]:
 async def run(args) -> dict:
     results: dict = collections.defaultdict(list)
     for run_no in range(args.runs):
-        for beta_error in args.beta_errors:
+        # ABBA over runs: the machine's load drifts, and the order spreads it over the factors.
+        for beta_error in (args.beta_errors if run_no % 2 == 0 else list(reversed(args.beta_errors))):
             cluster, url, seeds = await start(args, beta_error)
             try:
                 who = WhoServed(seeds, args.max_new_tokens)
@@ -97,14 +107,17 @@ async def run(args) -> dict:
                                       seed=run_no * 1000 + concurrency)
                     await flush_caches(worker_urls)
                     await closed_loop([url], concurrency, args.warmup, prompts, args.max_new_tokens, who)
+                    load_before = os.getloadavg()[0]
                     r = await closed_loop([url], concurrency, args.seconds, prompts, args.max_new_tokens, who)
+                    r["load"] = (load_before, os.getloadavg()[0])
                     rates = await learned_rates(url)
                     r["learned"] = median(list(rates.values())) if rates else float("nan")
                     results[(beta_error, concurrency)].append(r)
                     print(f"  run {run_no + 1} beta x{beta_error:g} c={concurrency:<3} {r['rps']:7.1f} req/s  "
                           f"P50 {r['p50_ms']:8.2f} ms  P99 {r['p99_ms']:8.2f} ms  affinity {r['affinity']:.2f}  "
                           f"reuse {r['reuse']:.2f}  learned beta {r['learned']:.4f}  errors {r['errors']}  "
-                          f"attribution mismatches {r['mismatched']}", flush=True)
+                          f"attribution mismatches {r['mismatched']}  load {r['load'][0]:.1f}->{r['load'][1]:.1f}",
+                          flush=True)
             finally:
                 cluster.stop()
     return results
@@ -118,19 +131,21 @@ def report(args, results: dict) -> None:
           f"{args.max_new_tokens}, {args.warmup:g} s warmup + {args.seconds:g} s per point; medians of {args.runs} "
           f"run(s); load average {load_average()}")
     header = (f"{'beta x':>7}{'conc':>5}{'req/s':>9}{'vs x1':>7}{'P50 ms':>10}{'P99 ms':>10}{'affinity':>9}"
-              f"{'reuse':>7}{'learned beta':>13}")
+              f"{'reuse':>7}{'vs x1':>7}{'learned beta':>13}{'load':>12}")
     print(header)
     print("-" * len(header))
     for concurrency in args.concurrency:
         right = results.get((1.0, concurrency))
         base = median([r["rps"] for r in right]) if right else float("nan")
+        base_reuse = median([r["reuse"] for r in right]) if right else float("nan")
         for beta_error in args.beta_errors:
             rs = results[(beta_error, concurrency)]
             rps = median([r["rps"] for r in rs])
             print(f"{beta_error:>7g}{concurrency:>5}{rps:>9.1f}{rps / base:>7.2f}"
                   f"{median([r['p50_ms'] for r in rs]):>10.2f}{median([r['p99_ms'] for r in rs]):>10.2f}"
                   f"{median([r['affinity'] for r in rs]):>9.2f}{median([r['reuse'] for r in rs]):>7.2f}"
-                  f"{median([r['learned'] for r in rs]):>13.4f}")
+                  f"{median([r['reuse'] for r in rs]) - base_reuse:>+7.2f}{median([r['learned'] for r in rs]):>13.4f}"
+                  f"{min(r['load'][0] for r in rs):>6.1f}-{max(r['load'][1] for r in rs):<5.1f}")
 
 
 def main() -> None:

@@ -433,6 +433,15 @@ class ScoreParams:
     # follow-up sooner than that found nothing (testbed LMSYS 25 req/s, seeds 0-4: P99 above
     # Dynamo's by up to 3.3 %, equal at all five with the ledger).
     pending_hold_ms: float = 1000.0
+    # What the pending ledger believes of the responses it sees (core/pending.py). refute: a
+    # response that reused less than its worker was credited with ends that credit (a prefix
+    # the worker evicted or could not cache sent the group's requests on to the same miss for
+    # the whole hold; issue 30.8). from_first_token: a dispatch is credited from its first token,
+    # not from the estimate of its queue and prefill; right for a worker that matches a prompt
+    # when it arrives (the emulator, the simulator), wrong for SGLang and vLLM, which match when
+    # they schedule it (after the prefill ahead of it), so off by default.
+    pending_refute: bool = True
+    pending_from_first_token: bool = False
     # The edge learns each worker's prefill and decode rates from the first tokens and ends it
     # sees (core/rates.py) and scores with them; a learned rate stays within this factor of the
     # configured one either way (1 turns learning off). A configured beta 5x off routed against
@@ -453,6 +462,9 @@ class ScoreParams:
         _check_float("idle_period_ms", self.idle_period_ms, lo=0.0)
         _check_float("occupancy_ms_per_running", self.occupancy_ms_per_running, lo=0.0)
         _check_float("pending_hold_ms", self.pending_hold_ms, lo=0.0)
+        for name in ("pending_refute", "pending_from_first_token"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"expected true or false, got {getattr(self, name)!r}")
         _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",

@@ -19,6 +19,20 @@ A dispatch noted with its id is credited from the moment the edge sees its first
 (``mark_ready``: the worker has computed the prompt), when that is sooner than the estimate: on a
 worker faster than its configured rate the estimate is too late, and a follow-up inside it went
 elsewhere.
+
+What the edge sees of the responses corrects the ledger:
+- with ``refute_misses`` (``[score] pending_refute``, on by default), a response that reused
+  fewer tokens than its worker was credited with (``refute``) ends that worker's credits for the
+  prompt's lengths beyond what it reused, those that started before the request was sent: the
+  worker did not hold them when the request got there (evicted, or never cached: a cache full of
+  running requests' pages cannot insert), and crediting them on for the hold sent the group's
+  next requests to the same miss (issue 30.8). A prompt the worker computes and caches again
+  comes back through its registration in the view;
+- with ``from_first_token`` (``[score] pending_from_first_token``, off by default), a dispatch
+  noted with its id is credited from its first token and never from the estimate. That suits a
+  worker that matches a prompt when it arrives (the emulator, the simulator's worker), where a
+  follow-up sent while the prompt is still being computed misses; SGLang and vLLM match when
+  they schedule a request, after the prefill ahead of it, so there the follow-up hits.
 """
 
 from __future__ import annotations
@@ -31,9 +45,13 @@ import numpy as np
 
 from .events import Tier
 
-__all__ = ["PendingHoldings", "PendingHoldingsError"]
+__all__ = ["MAX_OPEN_DISPATCHES", "PendingHoldings", "PendingHoldingsError"]
 
 _VRAM = int(Tier.VRAM)
+_NOT_YET = math.inf  # the ready time of a dispatch awaiting its first token
+# Dispatches tracked between their send and their end: each ends with a first token, a
+# response or a failure, so this only bounds memory if a shell never reports one.
+MAX_OPEN_DISPATCHES = 1 << 14
 
 
 class PendingHoldingsError(ValueError):
@@ -55,11 +73,20 @@ class PendingHoldings:
     """
 
     def __init__(self, group_lengths: np.ndarray, query_lengths: np.ndarray, worker_group: np.ndarray, *,
-                 hold_s: float) -> None:
+                 hold_s: float, from_first_token: bool = False, refute_misses: bool = False,
+                 max_open: int = MAX_OPEN_DISPATCHES) -> None:
         if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not (math.isfinite(hold_s)
                                                                                      and hold_s > 0):
             raise PendingHoldingsError(f"hold_s must be a finite number > 0, got {hold_s!r}")
+        for name, flag in (("from_first_token", from_first_token), ("refute_misses", refute_misses)):
+            if not isinstance(flag, bool):
+                raise PendingHoldingsError(f"{name} must be true or false, got {flag!r}")
+        if isinstance(max_open, bool) or not isinstance(max_open, int) or max_open < 1:
+            raise PendingHoldingsError(f"max_open must be an int >= 1, got {max_open!r}")
         self.hold_s = float(hold_s)
+        self.from_first_token = from_first_token
+        self.refute_misses = refute_misses
+        self._max_open = max_open
         self._query = [int(n) for n in query_lengths]
         position = {n: i for i, n in enumerate(self._query)}
         # Per group: (length, index of its key among the query keys), ascending.
@@ -77,6 +104,10 @@ class PendingHoldings:
         self._by_key: dict[int, tuple[int, float, float, list[int], int | None]] = {}
         self._records: deque[tuple[int, float, float, list[int], int | None]] = deque()
         self._by_dispatch: dict[int, tuple[int, float, float, list[int], int | None]] = {}
+        # With refute_misses: dispatch -> (worker, sent at, [(length, key)] of the lengths it
+        # was credited with), for ``refute`` when its response comes back.
+        self._claims: dict[int, tuple[int, float, list[tuple[int, int]]]] = {}
+        self.refuted = 0  # credits ended by a response that reused less (for metrics and tests)
 
     def __len__(self) -> int:
         """Keys held (expired ones included until purged)."""
@@ -90,24 +121,51 @@ class PendingHoldings:
                   now: float, dispatch: int | None = None) -> int:
         """Record that ``worker`` will hold, from ``ready_at``, the prompt whose query keys are ``keys``.
 
-        ``shown`` is the match the view already showed for the worker; only longer lengths are
-        noted. ``dispatch`` names the request for ``mark_ready``. Returns how many lengths were
-        noted.
+        ``shown`` is the match the worker was credited with at the decision (its view's, raised
+        by this ledger); only longer lengths are noted. ``dispatch`` names the request for
+        ``mark_ready`` and ``refute``; with ``from_first_token`` its lengths are credited only
+        from ``mark_ready`` (``ready_at`` is then unused). Returns how many lengths were noted.
         """
         if not ready_at >= now:
             raise PendingHoldingsError(f"ready_at must be >= now, got {ready_at!r} < {now!r}")
         self._purge(now)
-        lengths, ats = self._worker_lengths[worker]  # ascending: the lengths in (shown, prompt_len]
-        noted = [keys.item(at) for at in ats[bisect_right(lengths, shown):bisect_right(lengths, prompt_len)]]
+        lengths, ats = self._worker_lengths[worker]  # ascending
+        awaiting = self.from_first_token and dispatch is not None
+        above_shown = bisect_right(lengths, shown)
+        if self.refute_misses and dispatch is not None and shown > 0:
+            self._open(self._claims, dispatch, (worker, now, [(lengths[i], keys.item(ats[i]))
+                                                              for i in range(above_shown)]))
+        noted = [keys.item(at) for at in ats[above_shown:bisect_right(lengths, prompt_len)]]  # (shown, prompt_len]
         if noted:
-            record = (worker, ready_at, ready_at + self.hold_s, noted, dispatch)
+            if awaiting:
+                # Credited from the first token only; kept out of the purge order until then.
+                record = (worker, _NOT_YET, _NOT_YET, noted, dispatch)
+                self._open(self._by_dispatch, dispatch, record)
+            else:
+                record = (worker, ready_at, ready_at + self.hold_s, noted, dispatch)
+                self._records.append(record)
+                if dispatch is not None and ready_at > now:
+                    self._by_dispatch[dispatch] = record
             by_key = self._by_key
             for key in noted:
                 by_key[key] = record
-            self._records.append(record)
-            if dispatch is not None and ready_at > now:
-                self._by_dispatch[dispatch] = record
         return len(noted)
+
+    def _open(self, table: dict, dispatch: int, entry: tuple) -> None:
+        if len(table) >= self._max_open:  # a shell that never reported these: forget the oldest
+            oldest = next(iter(table))
+            stale = table.pop(oldest)
+            if table is self._by_dispatch:
+                self._release(stale)
+        table[dispatch] = entry
+
+    def _release(self, record: tuple) -> None:
+        """Drop the keys a dispatch awaiting its first token still owns (it will not get one)."""
+        if record[1] == _NOT_YET:
+            by_key = self._by_key
+            for key in record[3]:
+                if by_key.get(key) is record:
+                    del by_key[key]
 
     def mark_ready(self, dispatch: int, *, now: float) -> bool:
         """The dispatch's first token came back: its worker holds the prompt from ``now`` if
@@ -125,9 +183,37 @@ class PendingHoldings:
             self._records.append(earlier)
         return moved
 
+    def refute(self, dispatch: int, reused_tokens: int) -> int:
+        """The dispatch's response says its worker reused ``reused_tokens`` of the prompt: end
+        the worker's credits beyond that which started before the dispatch was sent (it did not
+        hold them when the request arrived). Ends the dispatch's tracking; returns how many
+        credits ended. A no-op without ``refute_misses`` or for a dispatch not credited."""
+        claim = self._claims.pop(dispatch, None)
+        self._release_dispatch(dispatch)
+        if claim is None:
+            return 0
+        worker, sent_at, credited = claim
+        by_key, ended = self._by_key, 0
+        for length, key in credited:
+            if length <= reused_tokens:
+                continue
+            record = by_key.get(key)
+            if record is not None and record[0] == worker and record[1] <= sent_at:
+                del by_key[key]
+                ended += 1
+        self.refuted += ended
+        return ended
+
     def drop_dispatch(self, dispatch: int) -> None:
-        """Forget a dispatch's id (it ended without a first token; ``forget`` drops its keys)."""
-        self._by_dispatch.pop(dispatch, None)
+        """Forget a dispatch's id (it ended; ``forget`` drops the keys of a worker that failed
+        it). A dispatch still awaiting its first token will not be credited."""
+        self._claims.pop(dispatch, None)
+        self._release_dispatch(dispatch)
+
+    def _release_dispatch(self, dispatch: int) -> None:
+        record = self._by_dispatch.pop(dispatch, None)
+        if record is not None:
+            self._release(record)
 
     def overlay(self, keys: list[int], matched: np.ndarray, tier: np.ndarray, *, now: float,
                 read_only: bool = False) -> np.ndarray | None:
@@ -174,6 +260,8 @@ class PendingHoldings:
             del by_key[key]
         for dispatch in [d for d, record in self._by_dispatch.items() if record[0] == worker]:
             del self._by_dispatch[dispatch]
+        for dispatch in [d for d, claim in self._claims.items() if claim[0] == worker]:
+            del self._claims[dispatch]
         return len(dropped)
 
     def _purge(self, now: float) -> None:

@@ -138,7 +138,10 @@ class Router:
         self._gamma = self.scorer.gamma
         hold_ms = cfg.score.pending_hold_ms
         self.pending = (PendingHoldings(self.lookup.group_lengths, self.lookup.query_lengths, self.layout.worker_group,
-                                        hold_s=hold_ms / 1000.0) if hold_ms > 0 else None)
+                                        hold_s=hold_ms / 1000.0,
+                                        from_first_token=cfg.score.pending_from_first_token,
+                                        refute_misses=cfg.score.pending_refute)
+                        if hold_ms > 0 else None)
         self._kernel: ForwardKernel | None = None
         if native:
             lookup_plan, pointers = self.lookup.native_plan()
@@ -420,7 +423,8 @@ class Router:
         index when one of its learned rates changed, else None."""
         self.queues.retire(dispatch, now=now)
         if self.pending is not None:
-            self.pending.drop_dispatch(dispatch)
+            # A worker that reused less than it was credited with did not hold the rest.
+            self.pending.refute(dispatch, int(cached_tokens))
         worker = self.rates.worker_of(dispatch)
         if not self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
                                    output_tokens=int(output_tokens), now=now):
