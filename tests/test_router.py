@@ -235,6 +235,24 @@ def test_a_response_that_reused_less_than_credited_ends_the_credit_and_full_hits
     assert old.decide(member(), now=0.32).claimed_tokens == 1280
 
 
+def test_a_whole_prompt_credited_by_the_ledger_is_refuted_by_a_response_that_reused_less():
+    """A repeated prompt the ledger credits in full (its length is an indexed one) leaves no
+    longer length to note, but its credit is still recorded for the response to refute."""
+    cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
+    prompt = PROMPT[:1280]
+    router = Router(cfg, "us", view, now=0.0)
+    first = router.decide(prompt, now=0.0)
+    router.on_first_token(first.dispatch, now=0.2)
+    router.on_finished(first.dispatch, prompt_tokens=1280, cached_tokens=0, output_tokens=1, now=0.2)
+    again = router.decide(prompt, now=0.25)
+    assert again.worker_index == first.worker_index and again.claimed_tokens == again.prompt_len == 1280
+    assert again.pending
+    router.on_first_token(again.dispatch, now=0.26)
+    router.on_finished(again.dispatch, prompt_tokens=1280, cached_tokens=0, output_tokens=1, now=0.26)
+    assert router.pending.refuted > 0
+    assert router.decide(prompt, now=0.27).claimed_tokens == 0
+
+
 def test_pending_credit_is_the_same_on_the_native_and_the_reference_path():
     cfg, layout, shards, view = _world(pending_hold_ms=300.0)
     _register(cfg, shards, view, "eu-0", PROMPT, 2000)

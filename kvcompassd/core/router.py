@@ -271,7 +271,10 @@ class Router:
         # (request_terms' statement, inline: prefill + reload).
         work = self._beta_list[chosen] * (prompt_len - reused) + (self._gamma if code == _DRAM else 0.0) * reused
         dispatch = self.queues.note_dispatched(worker, work, now=now)
-        if keys is not None and claimed < prompt_len:  # a full match leaves no longer length to note
+        from_ledger = shown is not None and claimed > shown.item(chosen)
+        # A full match leaves no longer length to note, but one the ledger credited is still
+        # recorded, for a response that reuses less to refute it.
+        if keys is not None and (claimed < prompt_len or from_ledger):
             # Cached there once the queue ahead of it and its own prefill are done.
             ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
             self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
@@ -288,7 +291,7 @@ class Router:
             result,
             migration,
             self.top_k,
-            shown is not None and claimed > shown.item(chosen),
+            from_ledger,
             dispatch,
         )
 
