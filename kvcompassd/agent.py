@@ -57,7 +57,7 @@ from kvcompassd.engine.subscriber import (
     PublisherRestarted,
 )
 from kvcompassd.metrics import AgentMetrics
-from kvcompassd.pacing import LoadPollSchedule
+from kvcompassd.pacing import LoadPollSchedule, LoadReports
 from kvcompassd.reports import ReportCoalescer
 from kvcompassd.tokenizer_check import answer_for_agent
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
@@ -139,13 +139,11 @@ class AgentNode:
         # the answer re-registers the mirror (kept: the engine process and its cache may be fine).
         self._withdrawn = False
         self._load_failures = 0
-        self._last_reading: tuple | None = None
-        self._last_report = float("-inf")
-        self._unchanged_reports = 0
         self._heartbeat_s = cfg.idle.heartbeat_ms / 1000.0
         # Idle, the engine is read once per heartbeat, not 50 times a second (issue 30 item 4).
         idle = self._heartbeat_s if load_idle_interval is None else load_idle_interval
         self.load_schedule = LoadPollSchedule(busy_s=load_interval, idle_s=max(load_interval, idle))
+        self.load_reports = LoadReports(heartbeat_s=self._heartbeat_s, steady_repeats=STEADY_REPEATS)
         self._load_wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.migrations: list[dict] = []
@@ -357,10 +355,12 @@ class AgentNode:
 
     async def _load_loop(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 load = await self.engine.load(self.worker.prefill_ms_per_token)
             except EngineError as exc:
                 self.load_schedule.failed()
+                self.load_reports.failed()
                 self._load_failures += 1
                 if self.engine_up and self._load_failures >= ENGINE_DOWN_AFTER:
                     self._engine_down(str(exc))
@@ -374,18 +374,15 @@ class AgentNode:
                 self.queue_ms = load.queue_ms
                 self.region_vector[self.worker.id] = load.queue_ms
                 self.metrics.queue_ms.set(load.queue_ms)
-                # Edges want a live value, not a stream of identical ones: report a change at
-                # once, an unchanged load a few more times (a datagram may be lost), then only
-                # as a heartbeat every [idle] heartbeat_ms.
-                reading = (load.queue_ms, load.running, load.waiting)
-                changed = reading != self._last_reading
+                # Edges want a live value, not a stream of identical ones (LoadReports says
+                # which readings go, and marks the first after a freeze or failure).
+                changed, send, resumed = self.load_reports.reading(
+                    (load.queue_ms, load.running, load.waiting), started=started, now=time.monotonic())
                 self.load_schedule.observed(changed=changed,
                                             busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0)
-                now = time.monotonic()
-                self._unchanged_reports = 0 if changed else self._unchanged_reports + 1
-                if self._unchanged_reports <= STEADY_REPEATS or now - self._last_report >= self._heartbeat_s:
-                    self._last_reading, self._last_report = reading, now
-                    report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting)
+                if send:
+                    report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting,
+                                                resumed=resumed)
                     for peer in self._edge_peers.values():
                         if peer.is_connected:
                             try:

@@ -408,7 +408,9 @@ class EdgeNode:
         last = self._last_load_report.get(msg.worker)
         self._last_load_report[msg.worker] = now
         forwarder = getattr(self, "forwarder", None)  # None while start() copies views
-        if forwarder is not None and last is not None and now - last > self._load_silence_s:
+        if forwarder is not None and msg.resumed:
+            forwarder.worker_back(msg.worker, "its engine answers again after a stall")
+        elif forwarder is not None and last is not None and now - last > self._load_silence_s:
             forwarder.worker_back(msg.worker, f"load reports resumed after {now - last:.1f} s")
         self.router.queues.set_local(msg.worker, msg.queue_ms, now=now, running=msg.running)
         if forwarder is not None and forwarder.decode_chooser is not None:

@@ -85,3 +85,43 @@ class LoadPollSchedule:
     def woken(self) -> None:
         """Work is arriving: poll fast again."""
         self.delay_s = self.busy_s
+
+
+# A load reading that takes longer than this came from an engine that stopped answering for a
+# while (frozen, swapping, paused): a control endpoint answers in milliseconds.
+ENGINE_STALL_S = 0.3
+
+
+class LoadReports:
+    """Which of its engine's load readings an agent sends its edges (sans-IO).
+
+    A changed reading goes at once; an unchanged one ``steady_repeats`` more times (a datagram
+    may be lost), then once per ``heartbeat_s``. A reading after a failed one, or one the engine
+    took longer than ``stall_s`` to answer, goes at once marked ``resumed``: idle, an agent
+    reports only every heartbeat, so the edges cannot tell a short freeze from the report gap
+    and need to be told that the engine is answering again."""
+
+    def __init__(self, *, heartbeat_s: float, steady_repeats: int, stall_s: float = ENGINE_STALL_S) -> None:
+        if not (heartbeat_s > 0 and stall_s > 0 and steady_repeats >= 0):
+            raise ValueError(f"need heartbeat_s > 0, stall_s > 0, steady_repeats >= 0, got "
+                             f"{heartbeat_s!r}, {stall_s!r}, {steady_repeats!r}")
+        self.heartbeat_s, self.steady_repeats, self.stall_s = heartbeat_s, steady_repeats, stall_s
+        self._last: tuple | None = None
+        self._last_sent = float("-inf")
+        self._unchanged = 0
+        self._unanswered = False
+
+    def failed(self) -> None:
+        """A reading failed: the next one that succeeds is a resumption."""
+        self._unanswered = True
+
+    def reading(self, reading: tuple, *, started: float, now: float) -> tuple[bool, bool, bool]:
+        """A reading asked for at ``started`` came back at ``now``: (changed, send, resumed)."""
+        resumed = self._unanswered or now - started > self.stall_s
+        self._unanswered = False
+        changed = reading != self._last
+        self._unchanged = 0 if changed else self._unchanged + 1
+        send = resumed or self._unchanged <= self.steady_repeats or now - self._last_sent >= self.heartbeat_s
+        if send:
+            self._last, self._last_sent = reading, now
+        return changed, send, resumed

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcompassd.pacing import LoadPollSchedule
+from kvcompassd.pacing import LoadPollSchedule, LoadReports
 
 
 def test_an_idle_unchanged_engine_is_read_ever_less_often_up_to_the_idle_period():
@@ -56,3 +56,44 @@ def test_the_delay_stays_between_the_two_periods(busy, factor, steps):
         idle_run = idle_run + 1 if step == "idle" else 0
         assert busy <= schedule.delay_s <= busy * factor
         assert schedule.delay_s == pytest.approx(min(busy * factor, busy * 2 ** idle_run))
+
+
+def _reports() -> LoadReports:
+    return LoadReports(heartbeat_s=1.0, steady_repeats=2, stall_s=0.3)
+
+
+def test_an_unchanged_reading_goes_twice_more_then_once_per_heartbeat():
+    reports, sent = _reports(), []
+    for i in range(40):  # one reading every 0.1 s, always the same
+        now = i * 0.1
+        changed, send, resumed = reports.reading((0.0, 0, 0), started=now - 0.001, now=now)
+        assert changed == (i == 0) and not resumed
+        if send:
+            sent.append(round(now, 1))
+    assert sent == [0.0, 0.1, 0.2, 1.2, 2.2, 3.2]
+
+
+def test_a_changed_reading_goes_at_once():
+    reports = _reports()
+    for i in range(5):
+        reports.reading((0.0, 0, 0), started=i * 0.1, now=i * 0.1)
+    assert reports.reading((5.0, 1, 0), started=0.5, now=0.5) == (True, True, False)
+
+
+def test_the_first_reading_after_a_stall_or_a_failure_goes_at_once_marked_resumed():
+    # Idle, an agent reports once a second: a one-second freeze of its engine is no longer a
+    # silence the edge can see, so the agent says so.
+    reports = _reports()
+    for i in range(5):
+        reports.reading((0.0, 0, 0), started=i * 0.1, now=i * 0.1)
+    assert reports.reading((0.0, 0, 0), started=0.5, now=0.5 + 1.2) == (False, True, True)  # it hung 1.2 s
+    assert reports.reading((0.0, 0, 0), started=1.8, now=1.801)[2] is False  # answered promptly again
+    reports.failed()
+    assert reports.reading((0.0, 0, 0), started=2.0, now=2.001) == (False, True, True)
+    assert reports.reading((0.0, 0, 0), started=2.1, now=2.101)[2] is False
+
+
+def test_load_reports_refuse_nonsense_settings():
+    for bad in ({"heartbeat_s": 0.0}, {"stall_s": -1.0}, {"steady_repeats": -1}):
+        with pytest.raises(ValueError):
+            LoadReports(**{"heartbeat_s": 1.0, "steady_repeats": 2, "stall_s": 0.3, **bad})

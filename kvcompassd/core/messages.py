@@ -437,10 +437,13 @@ class PiggybackSent(WireMessage):
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoadReported(WireMessage):
-    """agent -> edge: a worker's current queueing delay and batch occupancy."""
+    """agent -> edge: a worker's current queueing delay and batch occupancy. ``resumed``: the
+    engine answered this reading after failing or stalling the ones before (the edge stops
+    avoiding the worker)."""
 
     worker: str
     queue_ms: float
     running: int
     waiting: int
-    WIRE: ClassVar = {"worker": ID, "queue_ms": MILLIS, "running": COUNT, "waiting": COUNT}
+    resumed: bool = False
+    WIRE: ClassVar = {"worker": ID, "queue_ms": MILLIS, "running": COUNT, "waiting": COUNT, "resumed": Bool()}
