@@ -343,6 +343,12 @@ class AgentNode:
         log.info("registered with maintenance", shard=shard, incarnation=self.incarnation, keys=len(events))
 
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:
+        if connected and peer.identity is not None and peer.identity.role == Role.EDGE:
+            # A new edge knows nothing of this worker's load: read and report it now, not at
+            # the next idle heartbeat (an unknown worker is never taken for an idle one).
+            self.load_reports.listener_joined()
+            self._load_wake.set()
+            return
         if not connected or peer.identity is None or peer.identity.role != Role.MAINTENANCE:
             return
         if self._withdrawn:

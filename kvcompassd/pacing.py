@@ -96,7 +96,8 @@ class LoadReports:
     """Which of its engine's load readings an agent sends its edges (sans-IO).
 
     A changed reading goes at once; an unchanged one ``steady_repeats`` more times (a datagram
-    may be lost), then once per ``heartbeat_s``. A reading after a failed one, or one the engine
+    may be lost), then once per ``heartbeat_s``; the first after an edge connects goes too (it
+    would otherwise know nothing of an idle worker for a heartbeat). A reading after a failed one, or one the engine
     took longer than ``stall_s`` to answer, goes at once marked ``resumed``: idle, an agent
     reports only every heartbeat, so the edges cannot tell a short freeze from the report gap
     and need to be told that the engine is answering again."""
@@ -110,6 +111,11 @@ class LoadReports:
         self._last_sent = float("-inf")
         self._unchanged = 0
         self._unanswered = False
+        self._due = False
+
+    def listener_joined(self) -> None:
+        """An edge connected (or reconnected): it has no reading yet, so the next one goes."""
+        self._due = True
 
     def failed(self) -> None:
         """A reading failed: the next one that succeeds is a resumption."""
@@ -121,7 +127,9 @@ class LoadReports:
         self._unanswered = False
         changed = reading != self._last
         self._unchanged = 0 if changed else self._unchanged + 1
-        send = resumed or self._unchanged <= self.steady_repeats or now - self._last_sent >= self.heartbeat_s
+        send = (resumed or self._due or self._unchanged <= self.steady_repeats
+                or now - self._last_sent >= self.heartbeat_s)
+        self._due = False
         if send:
             self._last, self._last_sent = reading, now
         return changed, send, resumed

@@ -54,7 +54,7 @@ async def test_a_document_hot_abroad_is_replicated_to_an_idle_worker_and_then_se
 
     body = await admin(dep, "edge-us", "migrations")
     hot = {(h["trigger"], h["outcome"]): h["misses"] for h in body["hot_prefix_misses"]}
-    assert hot[("recompute", "planned")] == 1 and hot[("recompute", "no_idle_worker")] == 0
+    assert hot[("recompute", "planned")] == 1 and hot[("recompute", "no_idle_worker")] == 0, body
     [record] = body["migrations"]
     assert record["source"] == "eu-0" and record["destination"] in ("us-0", "us-1")
     # The triggering prompt, all of it: the index saw eu-0's match only up to its longest level.

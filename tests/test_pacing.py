@@ -97,3 +97,13 @@ def test_load_reports_refuse_nonsense_settings():
     for bad in ({"heartbeat_s": 0.0}, {"stall_s": -1.0}, {"steady_repeats": -1}):
         with pytest.raises(ValueError):
             LoadReports(**{"heartbeat_s": 1.0, "steady_repeats": 2, "stall_s": 0.3, **bad})
+
+
+def test_the_first_reading_after_an_edge_joined_goes_even_unchanged():
+    reports = _reports()
+    for i in range(10):
+        reports.reading((0.0, 0, 0), started=i * 0.1, now=i * 0.1)
+    assert reports.reading((0.0, 0, 0), started=1.0, now=1.0)[1] is False  # steady, within the heartbeat
+    reports.listener_joined()
+    assert reports.reading((0.0, 0, 0), started=1.05, now=1.05) == (False, True, False)
+    assert reports.reading((0.0, 0, 0), started=1.1, now=1.1)[1] is False
