@@ -7,6 +7,7 @@
  * with native=False, JointScorer's numpy path) are tested equal to these.
  */
 #include "ludo.h"
+#include "kvc_score_term.h"
 
 #include <math.h>
 
@@ -138,21 +139,8 @@ int64_t kvc_score_joint(size_t n, double prompt_len,
     *lam_out = lam;
     int scale = lam != 0.0; /* NaN counts as set, as Python's truth test does */
     for (size_t i = 0; i < n; i++) {
-        double s = (flags & KVC_SCORE_LOAD_AWARE) ? wan[i] + queue[i] : wan[i];
-        double cost = scale ? beta[i] * (1.0 + lam) : beta[i];
-        s = s + cost * prompt_len;
-        double coef = (flags & KVC_SCORE_TIER_AWARE) ? (tier[i] == 2 ? gamma : 0.0) - cost : -cost;
-        double effective = belief[i] * (double)matched[i];
-        if (effective > prompt_len)
-            effective = prompt_len;
-        if (!(flags & KVC_SCORE_CROSS_REGION)) {
-            effective = effective * local_factor[i];
-            s = s + remote_penalty[i];
-        }
-        effective = effective * coef;
-        s = s + effective;
-        if (eligible && !eligible[i])
-            s = INFINITY;
+        double s = kvc_score_at(i, prompt_len, wan, beta, queue, belief, matched, tier, local_factor,
+                                remote_penalty, eligible, gamma, scale, lam, flags);
         scores_out[i] = s;
     }
     /* numpy's argmin: the first minimum, or the first NaN if any. */
