@@ -578,6 +578,27 @@ uint64_t kvc_view_lookup(const kvc_view *v, uint64_t key)
     return finish_lookup(v, key, locate_bucket(v, key));
 }
 
+/* The batched lookups' first two passes: the key's two locator words, then its bucket's seed,
+ * values and fingerprints, fetched ahead so that a block's cache misses overlap. */
+static inline void prefetch_locator(const kvc_view *v, uint64_t key)
+{
+    uint32_t a, b;
+    kvc_cells(key, v->geo.locator_seed, v->geo.ma, v->geo.mb, &a, &b);
+    __builtin_prefetch(&v->words[a >> 6]);
+    __builtin_prefetch(&v->words[v->wa + (b >> 6)]);
+}
+
+static inline void prefetch_bucket_read(const kvc_view *v, uint32_t bk)
+{
+    __builtin_prefetch(&v->seeds[bk / SEEDS_PER_WORD]);
+    if (v->vals32)
+        __builtin_prefetch(&v->vals32[(uint64_t)bk * 4u]);
+    else
+        __builtin_prefetch(&v->vals64[(uint64_t)bk * 4u]);
+    if (v->fps)
+        __builtin_prefetch(&v->fps[((uint64_t)bk * 4u * v->geo.fp_bits) >> 3]);
+}
+
 /* Three passes over blocks of keys: prefetch locator words, then the bucket's seed word and
  * values, then finish. Each pass issues independent misses so their latencies overlap. */
 void kvc_view_lookup_many(const kvc_view *v, const uint64_t *keys, size_t n, uint64_t *out)
@@ -587,21 +608,11 @@ void kvc_view_lookup_many(const kvc_view *v, const uint64_t *keys, size_t n, uin
         size_t m = n - base < LOOKUP_BLOCK ? n - base : LOOKUP_BLOCK;
         const uint64_t *k = keys + base;
         for (size_t i = 0; i < m; i++) {
-            uint32_t a, b;
-            kvc_cells(k[i], v->geo.locator_seed, v->geo.ma, v->geo.mb, &a, &b);
-            __builtin_prefetch(&v->words[a >> 6]);
-            __builtin_prefetch(&v->words[v->wa + (b >> 6)]);
+            prefetch_locator(v, k[i]);
         }
         for (size_t i = 0; i < m; i++) {
-            uint32_t bk = locate_bucket(v, k[i]);
-            bucket[i] = bk;
-            __builtin_prefetch(&v->seeds[bk / SEEDS_PER_WORD]);
-            if (v->vals32)
-                __builtin_prefetch(&v->vals32[(uint64_t)bk * 4u]);
-            else
-                __builtin_prefetch(&v->vals64[(uint64_t)bk * 4u]);
-            if (v->fps)
-                __builtin_prefetch(&v->fps[((uint64_t)bk * 4u * v->geo.fp_bits) >> 3]);
+            bucket[i] = locate_bucket(v, k[i]);
+            prefetch_bucket_read(v, bucket[i]);
         }
         for (size_t i = 0; i < m; i++)
             out[base + i] = k[i] >= KVC_KEY_LIMIT ? 0 : finish_lookup(v, k[i], bucket[i]);
@@ -621,24 +632,14 @@ void kvc_view_lookup_multi(const kvc_view *const *views, const uint64_t *keys, s
             const kvc_view *v = vs[i];
             if (!v)
                 continue;
-            uint32_t a, b;
-            kvc_cells(k[i], v->geo.locator_seed, v->geo.ma, v->geo.mb, &a, &b);
-            __builtin_prefetch(&v->words[a >> 6]);
-            __builtin_prefetch(&v->words[v->wa + (b >> 6)]);
+            prefetch_locator(v, k[i]);
         }
         for (size_t i = 0; i < m; i++) {
             const kvc_view *v = vs[i];
             if (!v)
                 continue;
-            uint32_t bk = locate_bucket(v, k[i]);
-            bucket[i] = bk;
-            __builtin_prefetch(&v->seeds[bk / SEEDS_PER_WORD]);
-            if (v->vals32)
-                __builtin_prefetch(&v->vals32[(uint64_t)bk * 4u]);
-            else
-                __builtin_prefetch(&v->vals64[(uint64_t)bk * 4u]);
-            if (v->fps)
-                __builtin_prefetch(&v->fps[((uint64_t)bk * 4u * v->geo.fp_bits) >> 3]);
+            bucket[i] = locate_bucket(v, k[i]);
+            prefetch_bucket_read(v, bucket[i]);
         }
         for (size_t i = 0; i < m; i++) {
             const kvc_view *v = vs[i];
