@@ -435,16 +435,7 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
             and (group_idx is None or (type(group_idx) is int and 0 <= group_idx < (1 << 32)))
             and (len(hashes) - 1) * block_size < len(tokens) <= len(hashes) * block_size
             and set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
-        event = _new_block_stored(BlockStored)
-        _set_hashes(event, tuple(hashes))
-        _set_parent(event, parent)
-        _set_tokens(event, tuple(tokens))
-        _set_block_size(event, block_size)
-        _set_lora(event, lora_id)
-        _set_medium(event, medium)
-        _set_lora_name(event, lora_name)
-        _set_group(event, group_idx)
-        return event
+        return _checked_stored(hashes, parent, tokens, block_size, lora_id, medium, lora_name, group_idx)
     return BlockStored(
         block_hashes=_hash_tuple(hashes, "block_hashes"),
         parent_block_hash=None if parent is None else canonical_hash(parent, "parent_block_hash"),
@@ -455,6 +446,21 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
         lora_name=lora_name,  # checked by BlockStored
         group_idx=group_idx,
     )
+
+
+def _checked_stored(hashes, parent, tokens, block_size, lora_id, medium, lora_name, group_idx) -> BlockStored:
+    """A BlockStored from fields already checked as its constructor checks them (the fast path's
+    one place that writes the slots directly)."""
+    event = _new_block_stored(BlockStored)
+    _set_hashes(event, tuple(hashes))
+    _set_parent(event, parent)
+    _set_tokens(event, tuple(tokens))
+    _set_block_size(event, block_size)
+    _set_lora(event, lora_id)
+    _set_medium(event, medium)
+    _set_lora_name(event, lora_name)
+    _set_group(event, group_idx)
+    return event
 
 
 def _plain_group(group_idx: Any) -> bool:
@@ -482,16 +488,7 @@ def _decode_coalesced(raws: list[Any], first_index: int) -> list[KvEvent]:
     def close() -> None:
         if kind == "stored":
             size, lora_id, medium, lora_name, group_idx = run_key
-            event = _new_block_stored(BlockStored)
-            _set_hashes(event, tuple(hashes))
-            _set_parent(event, parent)
-            _set_tokens(event, tuple(tokens))
-            _set_block_size(event, size)
-            _set_lora(event, lora_id)
-            _set_medium(event, medium)
-            _set_lora_name(event, lora_name)
-            _set_group(event, group_idx)
-            out.append(event)
+            out.append(_checked_stored(hashes, parent, tokens, size, lora_id, medium, lora_name, group_idx))
         elif kind == "removed":
             event = _new_block_stored(BlockRemoved)
             _set_removed_hashes(event, tuple(hashes))
