@@ -150,6 +150,8 @@ async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_
 
         async def counted(beta):
             readings.append(1)
+            if len(readings) == 1:
+                await asyncio.sleep(0.5)
             return await load(beta)
 
         agent.engine.load = counted
@@ -164,10 +166,12 @@ async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_
         tasks = [asyncio.create_task(agent._follow_engine_events()), asyncio.create_task(agent._load_loop())]
         try:
             async with asyncio.timeout(GUARD_S):
-                while agent.load_schedule.delay_s < 60.0:  # backed off: 0.01 s doubling to 60 s
+                # Backed off: 0.01 s doubling to 60 s. Until the loop sleeps at 60 s, since a
+                # reading still in flight (the first is a change) sets the period back to 0.01 s.
+                while not sleeping_long.is_set():
                     agent.load_schedule.observed(changed=False, busy=False)
                     await asyncio.sleep(0.01)
-                await sleeping_long.wait()  # no reading until the 60 s have passed, or a wake-up
+                # Now no reading until the 60 s have passed, or a wake-up.
                 before = len(readings)
                 async with session.post(f"{engine.http_url}/generate", json={
                         "input_ids": list(range(3 * cfg.index.block_size)),
