@@ -186,7 +186,8 @@ def measure_decisions(entries: int, rounds: int, per_round: int) -> None:
                 samples[name].append((time.process_time() - t0) / per_round * 1e6)
         for name, values in samples.items():
             print(f"Router.decide over the {name}: median {median(values):.1f} us CPU per decision "
-                  f"({rounds} rounds of {per_round}, 2,000-token prompts, {entries:,} entries)")
+                  f"({rounds} rounds of {per_round}, 2,000-token prompts, {entries:,} entries); "
+                  f"load average {load_average()}")
     finally:
         writer.close()
 
@@ -244,7 +245,7 @@ async def measure_cpu(args) -> None:
                     print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.0f} req/s  "
                           f"P50 {r['p50_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req  "
                           f"idle {idle_rate * 1000:5.1f} ms/s  affinity {r['affinity']:.2f}  "
-                          f"reuse {r['reuse']:.2f}  errors {r['errors']}", flush=True)
+                          f"reuse {r['reuse']:.2f}  errors {r['errors']}  load {load_average()}", flush=True)
                 stop_edge(cluster)
         finally:
             cluster.stop()

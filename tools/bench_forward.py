@@ -328,6 +328,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "
           f"{len(view.layout.groups)} region groups, levels={cfg.index.levels}, "
           f"context_tokens={cfg.index.context_tokens} ({len(lk.query_lengths)} query lengths); edge {region!r}")
+    print("load average (1/5/15 min) before this config's rounds: %.2f %.2f %.2f" % os.getloadavg())
     print(f"view: {total:,} entries ({sum(v['memory_bytes'] for v in view.stats()) / 2**20:.0f} MiB), "
           f"built in {build_s:.1f} s; prompt {len(prompt)} tokens; holders found: {hits}")
     print(f"{'case':<54} {'P50 µs':>9} {'P99 µs':>9} {'dec/s':>9} {'P50/SHA':>8}")

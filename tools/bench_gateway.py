@@ -332,10 +332,14 @@ class Bench:
                 "agents": [nodes[f"agent:{w.id}"].proc.pid for w in cfg.workers],
                 "maintenance": [nodes[f"maintenance:{m.id}"].proc.pid for m in cfg.maintenance]}
 
-    async def _wait_ok(self, url: str, timeout: float = 60.0, body: dict | None = None) -> None:
+    async def _wait_ok(self, url: str, timeout: float = 60.0, body: dict | None = None,
+                       alive=None, what: str = "answering 200") -> None:
+        """Poll ``url`` (POST ``body``, else GET) until it answers 200; ``alive()`` raises if the
+        process behind it died (default: the deployment's nodes)."""
+        alive = alive or self.deployment._check_alive
         deadline = time.monotonic() + timeout
         while True:
-            self.deployment._check_alive()
+            alive()
             try:
                 method = self.session.post if body is not None else self.session.get
                 async with method(url, json=body, timeout=aiohttp.ClientTimeout(total=5)) as resp:
@@ -345,7 +349,7 @@ class Bench:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not answering 200 after {timeout} s")
+                raise TimeoutError(f"{url} not {what} after {timeout} s")
             await asyncio.sleep(0.2)
 
     async def flush(self) -> None:
@@ -398,20 +402,11 @@ class Bench:
         return proc, url
 
     async def _wait_router(self, proc: subprocess.Popen, url: str, probe: dict, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+        def alive() -> None:
             if proc.poll() is not None:
                 raise RuntimeError(f"router exited with {proc.returncode}; log in {self.workdir / 'logs'}")
-            try:
-                async with self.session.post(url, json=probe, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    if resp.status == 200:
-                        await resp.read()
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not serving after {timeout} s; log in {self.workdir / 'logs'}")
-            await asyncio.sleep(0.2)
+
+        await self._wait_ok(url, timeout, probe, alive, what=f"serving; log in {self.workdir / 'logs'}")
 
     async def arm(self, name: str, binary: str | None) -> dict:
         """ABBA: direct at each concurrency, the router's windows forth and back, direct back."""
