@@ -176,3 +176,70 @@ def test_the_learned_rate_follows_a_change_within_a_window(before, after):
     for _ in range(16):
         est.observe(math.exp(after))
     assert math.log(est.factor) == pytest.approx(after, abs=1e-9)
+
+
+def test_a_wait_for_other_edges_work_is_not_learned_as_prefill():
+    # us-0 prefills at the configured 0.1 ms/token, but other edges keep it 900 ms behind: each of
+    # this edge's 1,000-token requests waits 900 ms, then prefills in 100 ms. The edge sent each
+    # with that queue estimated ahead of it and none of its own work there: no prefill sample
+    # (timed, each read 1 ms/token, ten times too slow). Requests that find it idle still teach.
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t = 0.0
+    for n in range(10):
+        rates.sent(n, 0, now=t, ahead_ms=900.0, work_ms=100.0)
+        rates.first_token(n, now=t + rtt + 1.0)
+        rates.finished(n, uncached_tokens=1000, output_tokens=1, now=t + rtt + 1.0)
+        t += 5.0
+    assert rates.prefill_ms_per_token(0) == BETA and rates.snapshot()["prefill_samples"].tolist() == [0, 0, 0]
+    for n in range(10, 20):
+        # 0.05 ms/token (twice as fast as configured) from requests that found it idle (a
+        # queue estimate within a tenth of the request's own prefill counts as idle)
+        _serve(rates, n, 0, sent=t, first=t + rtt + 0.05, end=t + rtt + 0.05, uncached=1000) if n % 2 else (
+            rates.sent(n, 0, now=t, ahead_ms=9.0, work_ms=100.0), rates.first_token(n, now=t + rtt + 0.05),
+            rates.finished(n, uncached_tokens=1000, output_tokens=1, now=t + rtt + 0.05))
+        t += 5.0
+    assert rates.prefill_ms_per_token(0) == pytest.approx(0.05)
+
+
+def test_the_edges_own_requests_ahead_still_time_a_backlog_from_first_token_to_first_token():
+    # Two requests sent together, the second with the first's charge (100 ms) ahead of it and
+    # nothing else: the worker (0.05 ms/token) serves them back to back, and the second is timed
+    # from the first's first token. Once the first token came back, the charge is no longer
+    # ahead: a third request sent then with 100 ms ahead waits for someone else's work.
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t = 0.0
+    for n in range(0, 30, 3):
+        rates.sent(n, 0, now=t, ahead_ms=0.0, work_ms=100.0)
+        rates.sent(n + 1, 0, now=t, ahead_ms=100.0, work_ms=100.0)
+        rates.first_token(n, now=t + rtt + 0.1)
+        rates.first_token(n + 1, now=t + rtt + 0.2)
+        rates.sent(n + 2, 0, now=t + rtt + 0.2, ahead_ms=100.0, work_ms=100.0)
+        rates.first_token(n + 2, now=t + 2 * rtt + 0.5)  # behind 200 ms of others' work
+        for k in range(3):
+            rates.finished(n + k, uncached_tokens=2000, output_tokens=1, now=t + 1.0)
+        t += 2.0
+    assert rates.prefill_ms_per_token(0) == pytest.approx(0.05)
+    assert rates.snapshot()["prefill_samples"].tolist() == [20, 0, 0]  # two of every three
+
+
+def test_a_failed_or_evicted_dispatch_is_no_longer_ahead_of_the_next():
+    rates = LearnedRates(_cfg(), "us", max_open=2)
+    rates.sent(1, 0, now=0.0, work_ms=100.0)
+    rates.dropped(1)
+    rates.sent(2, 0, now=0.0, work_ms=100.0)
+    rates.sent(3, 1, now=0.0, work_ms=50.0)
+    rates.sent(4, 1, now=0.0, work_ms=50.0)  # the cap drops dispatch 2 (never answered)
+    assert rates.worker_of(2) == -1
+    rates.sent(5, 0, now=0.0, ahead_ms=100.0, work_ms=100.0)  # 100 ms ahead is nobody's of ours now
+    rates.first_token(5, now=0.3)
+    rates.finished(5, uncached_tokens=1000, output_tokens=1, now=0.3)
+    assert rates.snapshot()["prefill_samples"].tolist() == [0, 0, 0]
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(RatesError):
+            rates.sent(9, 0, now=1.0, ahead_ms=bad)
+        with pytest.raises(RatesError):
+            rates.sent(9, 0, now=1.0, work_ms=bad)

@@ -462,3 +462,32 @@ def test_a_shortfall_the_view_still_contradicts_lowers_the_belief():
     router.on_response("us-1", claimed_tokens=2000, reused_tokens=2000, now=2.0, tokens=PROMPT)
     assert router.belief.get(index) > 1.0 - cfg.score.belief_weight * 0.75
     assert sum(router.explained_shortfalls.values()) == 0
+
+
+def test_a_worker_other_edges_keep_busy_is_not_learned_slower():
+    # us-0 is 2 s behind with other edges' work (its live reading) and prefills at the configured
+    # 0.1 ms/token: every request this edge sends there comes back 2.1 s later. The decision
+    # tells the rates what it estimated ahead, so the wait is not taken for prefill (it was
+    # learned 16x too slow, the bound, and the score then priced us-0 out at any load).
+    cfg, layout, shards, view = _world()
+    router = Router(cfg, "us", view, now=0.0)
+    w = layout.worker_index("us-0")
+    others = [j for j in range(len(layout.worker_ids)) if j != w]
+    prompt = PROMPT[:1000]
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t = 1.0
+    for _ in range(8):
+        router.queues.set_local("us-0", 2000.0, now=t)
+        d = router.decide(prompt, now=t, exclude=others)
+        router.on_first_token(d.dispatch, now=t + rtt + 2.1)
+        router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=1, now=t + rtt + 2.1)
+        t += 3.0
+    assert router.rates.prefill_ms_per_token(w) == pytest.approx(0.1)
+    # Found idle, the same worker teaches its rate (here 0.05 ms/token).
+    for _ in range(8):
+        router.queues.set_local("us-0", 0.0, now=t)
+        d = router.decide(prompt, now=t, exclude=others)
+        router.on_first_token(d.dispatch, now=t + rtt + 0.05)
+        router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=1, now=t + rtt + 0.05)
+        t += 3.0
+    assert router.rates.prefill_ms_per_token(w) == pytest.approx(0.05)

@@ -16,6 +16,22 @@ to its own first token:
 
 (a worker's first tokens reach the edge one way after they are produced, so the previous one's
 one-way cancels out; the round trip to the worker's region is the WAN share of the first case).
+
+Both terms hold only this edge's own work: the first the wait for the queue ahead of the request,
+the second every request the worker served since this edge's previous first token from it. A
+worker that other edges keep busy puts their work in both, and nothing at the edge can tell how
+much. So a prefill sample is taken only from a request the edge sent with no more than its own
+requests ahead of it (``sent``'s ``ahead_ms``, the queue estimate it scored the worker with, at
+most this edge's own prefills not yet done there, plus a tenth of the request's own): others' work
+in the wait, if any, is then within the noise the median absorbs. Without this, past capacity
+(every worker seconds behind), each edge learned the workers it shares with the others 1.5-8x
+slower than they are, and the score, which prices prefill at (1 + lambda) beta with lambda in the
+tens, then compares learned betas more than queues: the EU edge kept long prompts on its own two
+workers behind 10 s queues while the others waited 3 s (issue 28: the Mooncake trace at 1.5x the
+testbed's capacity, P99 TTFT 14.4 s against the central directory's 8.7 s). Under sustained
+overload no sample qualifies, and the rates learned before stand; a request that finds its
+worker idle always teaches.
+
 A sample is ``service / uncached tokens`` (the worker's own ``cached_tokens`` count, known at the
 end), taken only over ``min_tokens`` uncached tokens, where the fixed per-request costs do not
 dominate. Decode: the time from the first token to the end over the tokens after the first.
@@ -58,6 +74,9 @@ DEFAULT_MIN_TOKENS = 64
 # Dispatches awaiting their first token or end: a shell that loses track of some (a bug, a
 # cancelled task) must not grow the table without end; the oldest are dropped first.
 MAX_OPEN_DISPATCHES = 1 << 14
+# A prefill sample is taken when the queue ahead of the request was at most this edge's own
+# prefills there plus this share of the request's own: others' work can then err it by that much.
+FOREIGN_WORK_TOLERANCE = 0.1
 
 
 class RatesError(ValueError):
@@ -127,32 +146,53 @@ class LearnedRates:
         self._min_samples = min_samples
         self._min_tokens = min_tokens
         self._max_open = max_open
-        # dispatch -> [worker, sent at, first token at (or None), service ms (or None)]
+        # dispatch -> [worker, sent at, first token at (or None), service ms (or None), prefill ms
+        # ahead of this edge's later dispatches until its first token, whether it may be sampled]
         # (ordered: the oldest goes first at the cap, in O(1); a dict's next(iter()) after many
         # deletions from its front scans them all, 12 µs a decision at the cap)
         self._open: OrderedDict[int, list] = OrderedDict()
         self._last_first = [-math.inf] * len(cfg.workers)  # the latest first token seen per worker
+        # Per worker: the prefill ms of this edge's dispatches there still awaiting their first token.
+        self._own_ahead_ms = [0.0] * len(cfg.workers)
 
     def __len__(self) -> int:
         """Dispatches awaiting their end."""
         return len(self._open)
 
-    def sent(self, dispatch: int, worker: int, *, now: float) -> None:
+    def sent(self, dispatch: int, worker: int, *, now: float, ahead_ms: float = 0.0, work_ms: float = 0.0) -> None:
+        """The dispatch went to ``worker`` at ``now``. ``ahead_ms``: the queue the edge estimated
+        ahead of it there; ``work_ms``: the prefill it charged for it (the module docstring says
+        why: a request that may have waited for other edges' work teaches no prefill rate)."""
         if not self.enabled:
             return
+        if not (0.0 <= ahead_ms < math.inf and 0.0 <= work_ms < math.inf):
+            raise RatesError(f"ahead_ms and work_ms must be finite and >= 0, got {ahead_ms!r}, {work_ms!r}")
         if len(self._open) >= self._max_open:
-            self._open.popitem(last=False)
-        self._open[dispatch] = [worker, now, None, None]
+            self._release(self._open.popitem(last=False)[1])
+        own = self._own_ahead_ms[worker]
+        self._own_ahead_ms[worker] = own + work_ms
+        alone = ahead_ms <= own + FOREIGN_WORK_TOLERANCE * work_ms  # nobody else's work ahead of it
+        self._open[dispatch] = [worker, now, None, None, work_ms, alone]
+
+    def _release(self, record: list) -> None:
+        """A dispatch's prefill is no longer ahead of this edge's next ones (first token, end, failure)."""
+        if record[2] is None and record[4]:
+            worker = record[0]
+            left = self._own_ahead_ms[worker] - record[4]
+            self._own_ahead_ms[worker] = left if left > 1e-9 else 0.0
+            record[4] = 0.0
 
     def first_token(self, dispatch: int, *, now: float) -> None:
         record = self._open.get(dispatch)
         if record is None or record[2] is not None:
             return
+        self._release(record)
         worker, sent_at = record[0], record[1]
         after_previous = now - self._last_first[worker]
         after_arrival = now - sent_at - self._rtt_s[worker]
         record[2] = now
-        record[3] = 1000.0 * min(after_previous, after_arrival)
+        if record[5]:  # else others' work may have been ahead of it: no prefill sample
+            record[3] = 1000.0 * min(after_previous, after_arrival)
         self._last_first[worker] = max(self._last_first[worker], now)
 
     def finished(self, dispatch: int, *, uncached_tokens: int, output_tokens: int, now: float) -> bool:
@@ -160,13 +200,15 @@ class LearnedRates:
         ``output_tokens``; True if one of that worker's rates changed."""
         record = self._open.pop(dispatch, None)
         if record is None or record[2] is None:
+            if record is not None:
+                self._release(record)
             return False
-        worker, _, first_at, service_ms = record
+        worker, _, first_at, service_ms, _, _ = record
         changed = False
         if output_tokens >= 2:
             ratio = 1000.0 * (now - first_at) / (output_tokens - 1) / self.configured_decode[worker]
             changed = self._decode[worker].observe(ratio) | self._fleet_decode.observe(ratio)
-        if uncached_tokens >= self._min_tokens:
+        if uncached_tokens >= self._min_tokens and service_ms is not None:
             ratio = service_ms / uncached_tokens / self.configured_prefill[worker]
             changed = self._prefill[worker].observe(ratio) | self._fleet_prefill.observe(ratio) | changed
         return changed
@@ -178,7 +220,9 @@ class LearnedRates:
 
     def dropped(self, dispatch: int) -> None:
         """The dispatch failed: it says nothing about its worker's rates."""
-        self._open.pop(dispatch, None)
+        record = self._open.pop(dispatch, None)
+        if record is not None:
+            self._release(record)
 
     def _factor(self, own: RateEstimator, fleet: RateEstimator) -> float:
         return own.factor if len(own) >= self._min_samples else fleet.factor

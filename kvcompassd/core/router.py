@@ -278,7 +278,8 @@ class Router:
             # Cached there once the queue ahead of it and its own prefill are done.
             ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
             self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
-        self.rates.sent(dispatch, chosen, now=now)
+        # What was ahead of it there, and its own prefill: a wait for other edges' work is no prefill rate.
+        self.rates.sent(dispatch, chosen, now=now, ahead_ms=result.queue_ms.item(chosen), work_ms=work)
         return _new_forward_decided(
             worker,
             chosen,
