@@ -87,3 +87,28 @@ def test_one_command_pools_seeds_of_the_mooncake_trace_and_prints_windows(tmp_pa
 def test_a_missing_trace_stops_the_command_naming_the_file(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         main(["--workloads", "mooncake", "--trace", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)])
+
+
+def test_saved_runs_pool_again_with_a_scheme_rerun_replacing_its_runs(tmp_path, capsys):
+    common = ["--deployments", "testbed-3continent", "--workloads", "mooncake", "--loads", "0.5", "--seeds", "0",
+              "--requests-per-point", "4", "--warmup", "1"]
+    assert main(common + ["--schemes", "kvcompass,dynamo", "--out", str(tmp_path / "all")]) == 0
+    assert main(common + ["--schemes", "kvcompass", "--out", str(tmp_path / "rerun")]) == 0
+    capsys.readouterr()
+    assert main(["--pool-from", str(tmp_path / "all"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "pooled.json").read_text() == (tmp_path / "all" / "pooled.json").read_text()
+    # The rerun's kvcompass run replaces the first one's (marked here to tell them apart).
+    rerun = tmp_path / "rerun" / "runs.jsonl"
+    row = json.loads(rerun.read_text())
+    row["_ttft_ms"] = [1e6] * len(row["_ttft_ms"])
+    rerun.write_text(json.dumps(row) + "\n")
+    assert main(["--pool-from", str(tmp_path / "all"), str(tmp_path / "rerun"), "--out", str(tmp_path / "merged")]) == 0
+    pooled = {p["scheme"]: p for p in json.loads((tmp_path / "merged" / "pooled.json").read_text())}
+    first = {p["scheme"]: p for p in json.loads((tmp_path / "all" / "pooled.json").read_text())}
+    assert pooled["kvcompass"]["ttft_p99_ms"] == 1e6 and pooled["dynamo"] == first["dynamo"]
+    assert "| mooncake@testbed-3continent | 0.5 (" in capsys.readouterr().out
+    rerun.write_text(rerun.read_text() + "{not json\n")
+    with pytest.raises(SystemExit, match=r"runs.jsonl:2: not a saved run"):
+        main(["--pool-from", str(tmp_path / "rerun"), "--out", str(tmp_path / "bad")])
+    with pytest.raises(SystemExit, match="no runs saved there"):
+        main(["--pool-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")])

@@ -9,6 +9,7 @@ The targets table of issue 28 over seeds, with the Mooncake trace too, is this m
     python -m kvcompassd.sim.exp_long [--deployments testbed-3continent,census-64x8] [--workloads long,mooncake]
         [--trace FILE] [--loads 0.25,0.5,1,1.5] [--seeds 0-2] [--requests-per-point 1200] [--warmup 60]
         [--schemes ...] [--jobs N] [--out DIR]
+    python -m kvcompassd.sim.exp_long --pool-from DIR [DIR ...] --out DIR   # pool saved runs again
 
 Each (fleet, workload, load) replays one request stream per seed for every scheme, at the rate
 of the first seed's lambda0 (the Mooncake trace: its own arrivals rescaled to that rate, a seed
@@ -131,10 +132,39 @@ def run_long(out: Path, *, deployments: Sequence[str] = DEPLOYMENTS, schemes: Se
     (out / "summary.md").write_text(markdown_table(public, "fig_long: long-context sessions", COLUMNS))
     (out / "reuse_by_length.md").write_text(reuse_by_length_table(public, "fig_long: reuse by prompt length"))
     (out / "summary.json").write_text(json.dumps(public, indent=1, default=float))
+    # Every run with what pooling needs (its TTFTs, tokens, span): ``--pool-from`` pools them again
+    # with runs made later (one scheme rerun on new code, the others kept).
+    (out / "runs.jsonl").write_text("".join(json.dumps(r, default=float) + "\n" for r in rows))
+    write_pooled(out, rows)
+    return rows
+
+
+def write_pooled(out: Path, rows: Sequence[dict]) -> list[dict]:
+    """``pooled.json`` and ``targets.md`` under ``out`` from ``rows`` (``pool``)."""
     pooled = pool(rows)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "pooled.json").write_text(json.dumps(pooled, indent=1, default=float))
     (out / "targets.md").write_text(targets_table(pooled))
-    return rows
+    return pooled
+
+
+def read_runs(dirs: Sequence[Path]) -> list[dict]:
+    """The runs ``run_long`` saved (``runs.jsonl``) under each of ``dirs``; a run of a later
+    directory replaces an earlier one of the same workload, load, seed and scheme (a scheme rerun
+    on new code over the others' runs). Order: first appearance."""
+    runs: dict[tuple, dict] = {}
+    for d in dirs:
+        path = Path(d) / "runs.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no runs saved there (run_long writes runs.jsonl)")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                row = json.loads(line)
+                key = (row["workload"], row["load"], row["seed"], row["scheme"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a saved run ({exc})") from None
+            runs[key] = row
+    return list(runs.values())
 
 
 def _pool_inputs(result, warmup_s: float) -> dict:
@@ -317,7 +347,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="simulations in parallel processes (results unchanged)")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("out/fig_long_targets"))
+    ap.add_argument("--pool-from", type=Path, nargs="+", metavar="DIR",
+                    help="run nothing: pool the runs saved under these --out directories (a later one's run "
+                         "replaces an earlier one's of the same workload, load, seed and scheme) into --out")
     args = ap.parse_args(argv)
+    if args.pool_from:
+        try:
+            pooled = write_pooled(args.out, read_runs(args.pool_from))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"fig_long: {exc}") from None
+        sys.stdout.write(pooled_report(pooled) + "\n\n" + targets_table(pooled))
+        return 0
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad:
         ap.error(f"unknown workloads {bad}; fig_long runs {', '.join(WORKLOADS)}")
