@@ -243,3 +243,44 @@ def test_a_failed_or_evicted_dispatch_is_no_longer_ahead_of_the_next():
             rates.sent(9, 0, now=1.0, ahead_ms=bad)
         with pytest.raises(RatesError):
             rates.sent(9, 0, now=1.0, work_ms=bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["sent", "first", "end", "drop"]), st.integers(0, 7), st.integers(0, 2),
+                              st.floats(min_value=0.0, max_value=5000.0)), max_size=80))
+def test_the_own_work_ahead_is_what_is_open_and_not_yet_prefilled(ops):
+    """Whatever the order of sends, first tokens, ends and failures (repeats and unknown
+    dispatches included, the cap evicting the oldest), each worker's own work ahead is the
+    charge of the dispatches there still awaiting their first token, and nothing once all end."""
+    rates = LearnedRates(_cfg(), "us", max_open=5)
+    opened: list[int] = []  # open dispatches, oldest first
+    charge: dict[int, tuple[int, float]] = {}  # open, no first token yet: dispatch -> (worker, ms)
+    t = 0.0
+    for op, dispatch, worker, ms in ops:
+        t += 0.01
+        if op == "sent":
+            if dispatch in opened:
+                continue  # the shell never reuses an open dispatch's number
+            if len(opened) == 5:  # the cap drops the oldest open dispatch
+                charge.pop(opened.pop(0), None)
+            rates.sent(dispatch, worker, now=t, ahead_ms=ms, work_ms=ms)
+            opened.append(dispatch)
+            charge[dispatch] = (worker, ms)
+        elif op == "first":
+            rates.first_token(dispatch, now=t)
+            charge.pop(dispatch, None)
+        else:
+            if op == "end":
+                rates.finished(dispatch, uncached_tokens=1000, output_tokens=2, now=t)
+            else:
+                rates.dropped(dispatch)
+            charge.pop(dispatch, None)
+            if dispatch in opened:
+                opened.remove(dispatch)
+        assert len(rates) == len(opened)
+        for w in range(3):
+            expected = sum(m for cw, m in charge.values() if cw == w)
+            assert rates.own_work_ahead_ms(w) == pytest.approx(expected, abs=1e-6)
+    for dispatch in opened:
+        rates.dropped(dispatch)
+    assert [rates.own_work_ahead_ms(w) for w in range(3)] == [0.0, 0.0, 0.0]

@@ -213,6 +213,10 @@ class LearnedRates:
             changed = self._prefill[worker].observe(ratio) | self._fleet_prefill.observe(ratio) | changed
         return changed
 
+    def own_work_ahead_ms(self, worker: int) -> float:
+        """The prefill ms this edge charged for its dispatches to ``worker`` that await their first token."""
+        return self._own_ahead_ms[worker]
+
     def worker_of(self, dispatch: int) -> int:
         """The worker an open dispatch went to (-1: not open)."""
         record = self._open.get(dispatch)
