@@ -23,10 +23,16 @@ sees 1/N of the fresh charges between load readings (at most one broadcast perio
 front door (or the same requests in the same order at one process), decisions are exactly those
 of a single-process edge: tests/test_shared_view.py and tests/test_edge_workers.py.
 
+Metrics: every front door writes its counters and histograms to files in a directory of the
+edge's (prometheus_client's multiprocess mode), which process 0 merges with its own at every
+scrape; a front door answers ``/metrics`` with process 0's merged text
+(``kvcompassd/metrics_front_doors.py``).
+
 Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
 ``["piggyback", to_region, now]``, ``["withheld", [worker index...], checked]``,
-``["back", worker, reason]``; front door -> process 0: ``["ready", pid]``. ``now`` is
+``["back", worker, reason]``, ``["metrics", asked, last, text bytes]`` (one chunk of the edge's
+metrics); front door -> process 0: ``["ready", pid]``, ``["metrics?", asked]``. ``now`` is
 ``time.monotonic()``, one clock for every process of the host.
 """
 
@@ -45,6 +51,7 @@ import aiohttp
 import msgpack
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.ablation import Ablation
@@ -57,7 +64,9 @@ from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.httplimits import FrontDoorGuard
 from kvcompassd.metrics import EdgeMetrics
-from kvcompassd.shared_view import SharedViewReader, SharedViewWriter, share_router_view
+from kvcompassd.metrics_front_doors import (ENVIRONMENT, PUBLISH_PERIOD_S, EdgeWideRegistry,
+                                            FrontDoorMetricsDirectory, FrontDoorPublisher)
+from kvcompassd.shared_view import SEGMENT_DIR, SharedViewReader, SharedViewWriter, share_router_view
 from kvcompassd.tokenizer import ByteTokenizer, Tokenizer
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode
 from kvcompassd.wire import ErrorReported, NodeIdentity, QueueVectorBroadcast, Role, decode, encode
@@ -66,6 +75,8 @@ log = structlog.get_logger(__name__)
 
 MAX_WORKERS = 64
 MAX_FRAME = 64 * 1024
+METRICS_CHUNK = 48 * 1024  # of the metrics text per control frame (inside MAX_FRAME)
+METRICS_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
 
@@ -153,11 +164,15 @@ class SyncEdgeNode(EdgeNode):
             # The decode chooser's loads are not copied to the front doors (yet).
             raise ValueError("--workers > 1 does not serve prefill-decode disaggregation yet")
         self.shared_view = SharedViewWriter(IndexLayout.from_config(cfg), cfg.shards, edge=me.id)
+        self.front_door_metrics = FrontDoorMetricsDirectory(SEGMENT_DIR / f"{self.shared_view.prefix}-metrics")
         try:
             super().__init__(cfg, me, tls, view=self.shared_view, reuse_port=True, **kwargs)
         except BaseException:
             self.shared_view.close()  # refused before it started: leave nothing in /dev/shm
+            self.front_door_metrics.close()
             raise
+        # What the metrics port and /metrics serve: this process's metrics and every front door's.
+        self.metrics.registry = EdgeWideRegistry(self.metrics.registry, self.front_door_metrics)
         self.workers = workers
         self._front_door_args = list(front_door_args)
         self.fanout = _Fanout()
@@ -166,6 +181,7 @@ class SyncEdgeNode(EdgeNode):
         self.router.withhold = self._withhold_and_tell  # type: ignore[method-assign]
         self._children: dict[socket.socket, subprocess.Popen] = {}  # by control socket
         self._front_doors_ready = False
+        self._metrics_sends: set[asyncio.Task] = set()
         self._stopping = False
         self.front_doors_restarted = 0
 
@@ -222,6 +238,7 @@ class SyncEdgeNode(EdgeNode):
         """Start one front-door process; the future is done when it serves the port."""
         host, port = self.http_address
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        env.update(self.front_door_metrics.environment())
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-m", "kvcompassd", "edge-frontdoor", *self._front_door_args,
                 "--view-directory", self.shared_view.directory_name, "--control-fd", str(theirs.fileno()),
@@ -249,10 +266,17 @@ class SyncEdgeNode(EdgeNode):
         except OSError:
             data = b""
         if data:
-            frame = msgpack.unpackb(data, raw=False)
-            if frame and frame[0] == "ready" and not ready.done():
-                ready.set_result(frame[1])
-                self._send_withheld()  # anything that changed while it started
+            try:
+                frame = msgpack.unpackb(data, raw=False)
+                if frame and frame[0] == "ready" and not ready.done():
+                    ready.set_result(frame[1])
+                    self._send_withheld()  # anything that changed while it started
+                elif frame and frame[0] == "metrics?":
+                    task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
+                    self._metrics_sends.add(task)
+                    task.add_done_callback(self._metrics_sends.discard)
+            except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+                log.warning("front door frame refused", error=str(exc))
             return
         # The front door exited: its socket left the port's group, the others keep serving.
         loop = asyncio.get_running_loop()
@@ -270,13 +294,28 @@ class SyncEdgeNode(EdgeNode):
         self.front_doors_restarted += 1
         self._tasks.append(asyncio.create_task(self._replace_front_door(child)))
 
+    async def _send_metrics(self, sock: socket.socket, asked: int) -> None:
+        """The edge's metrics (this process's and every front door's) to the front door that
+        was asked for /metrics, in chunks that fit a control frame."""
+        text = generate_latest(self.metrics.registry)
+        loop = asyncio.get_running_loop()
+        chunks = [text[i:i + METRICS_CHUNK] for i in range(0, len(text), METRICS_CHUNK)] or [b""]
+        try:
+            for k, chunk in enumerate(chunks):
+                await loop.sock_sendall(sock, _pack("metrics", asked, k == len(chunks) - 1, chunk))
+        except OSError as exc:
+            log.warning("metrics not sent to a front door", error=str(exc))
+
     async def _replace_front_door(self, gone: subprocess.Popen | None) -> None:
         if gone is not None:  # reap it (it closed its control socket: it is exiting)
             try:
                 await asyncio.wait_for(asyncio.to_thread(gone.wait), timeout=20)
             except TimeoutError:
                 gone.kill()
+                await asyncio.to_thread(gone.wait)
             log.info("front door reaped", pid=gone.pid, exit_code=gone.returncode)
+            # It writes no more: its counts stay in the edge's totals once, its live gauges go.
+            self.front_door_metrics.retire(gone.pid)
         await asyncio.sleep(RESTART_DELAY_S)  # a front door that dies at once does not spin
         if self._stopping:
             return
@@ -288,6 +327,8 @@ class SyncEdgeNode(EdgeNode):
 
     async def _stop_front_doors(self) -> None:
         self._stopping = True
+        for task in list(self._metrics_sends):
+            task.cancel()
         loop = asyncio.get_running_loop()
         for sock in list(self._children):
             try:
@@ -314,6 +355,7 @@ class SyncEdgeNode(EdgeNode):
             await super().stop()
         finally:
             self.shared_view.close()
+            self.front_door_metrics.close()
 
     def status(self) -> str:
         return f"{super().status()}, {self.workers} front doors"
@@ -353,6 +395,10 @@ class FrontDoorProcess:
         self.http_address: tuple[str, int] | None = None
         self._http: aiohttp.ClientSession | None = None
         self.forwarder: Forwarder | None = None
+        self.publisher: FrontDoorPublisher | None = None
+        self._metrics_asked = 0
+        self._metrics_answer: asyncio.Future | None = None
+        self._metrics_chunks: list[bytes] = []
 
     async def start(self) -> None:
         self.control.setblocking(False)
@@ -369,8 +415,11 @@ class FrontDoorProcess:
         async with asyncio.timeout(READY_TIMEOUT_S):
             await self._state_received.wait()  # the withheld workers, before any request is decided
         guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
-        self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
-                                   health=self.health, guard=guard)
+        self.frontdoor = _OneOfManyFrontDoors(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
+                                              health=self.health, guard=guard, edge_metrics=self.edge_metrics)
+        self.publisher = FrontDoorPublisher(self.metrics, lambda: self.router.hot.hot_misses)
+        if os.environ.get(ENVIRONMENT):  # the edge reads this process's metrics from its files
+            self._publishing = asyncio.create_task(self._publish_metrics())
         self._runner = guard.runner(self.frontdoor.app)
         await self._runner.setup()
         host, port = split_address(self.http_address_arg, "--http")
@@ -380,7 +429,37 @@ class FrontDoorProcess:
         self.control.send(_pack("ready", os.getpid()))
         log.info("front door started", http=self.http_address, view_directory=self.view.directory_name)
 
+    async def _publish_metrics(self) -> None:
+        while True:
+            self.publisher.publish()
+            await asyncio.sleep(PUBLISH_PERIOD_S)
+
+    async def edge_metrics(self) -> bytes:
+        """The edge's metrics text, as process 0 merges them (this process's, fresh, among them).
+        Concurrent asks share one answer."""
+        if self._metrics_answer is None or self._metrics_answer.done():
+            if self.publisher is not None:
+                self.publisher.publish()
+            self._metrics_asked += 1
+            self._metrics_chunks = []
+            self._metrics_answer = asyncio.get_running_loop().create_future()
+            await asyncio.get_running_loop().sock_sendall(self.control, _pack("metrics?", self._metrics_asked))
+        async with asyncio.timeout(METRICS_TIMEOUT_S):
+            return await asyncio.shield(self._metrics_answer)
+
+    def _metrics_chunk(self, asked: int, last: bool, chunk: bytes) -> None:
+        answer = self._metrics_answer
+        if answer is None or answer.done() or asked != self._metrics_asked:
+            return  # an answer nobody waits for any more
+        self._metrics_chunks.append(bytes(chunk))
+        if last:
+            answer.set_result(b"".join(self._metrics_chunks))
+            self._metrics_chunks = []
+
     async def stop(self) -> None:
+        publishing = getattr(self, "_publishing", None)
+        if publishing is not None:
+            publishing.cancel()
         try:
             asyncio.get_running_loop().remove_reader(self.control.fileno())
         except (ValueError, OSError):
@@ -454,5 +533,24 @@ class FrontDoorProcess:
         elif kind == "back":
             if self.forwarder is not None:
                 self.forwarder.worker_back(frame[1], frame[2])
+        elif kind == "metrics":
+            self._metrics_chunk(int(frame[1]), bool(frame[2]), frame[3])
         else:
             raise ValueError(f"unknown control frame {kind!r}")
+
+
+class _OneOfManyFrontDoors(FrontDoor):
+    """A front door of ``edge --workers N`` other than process 0: ``/metrics`` says the edge's
+    (every process's), not this process's alone."""
+
+    def __init__(self, *args: Any, edge_metrics: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._edge_metrics = edge_metrics
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._edge_metrics()
+        except (TimeoutError, OSError) as exc:
+            log.warning("edge metrics unavailable", error=str(exc))
+            return web.Response(status=503, text="the edge process did not answer for its metrics\n")
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 import msgpack
 import numpy as np
@@ -149,7 +150,8 @@ async def test_the_front_door_maps_the_views_without_a_copy(dep, doors):
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and not head[0].endswith(":"):
-            inside = len(head) >= 6 and head[5].startswith("/dev/shm/kvc-")
+            # The view's images, not the front door's own metrics files (kvc-...-metrics/).
+            inside = len(head) >= 6 and head[5].startswith("/dev/shm/kvc-") and "-metrics/" not in head[5]
         elif inside and head[0] == "Rss:":
             rss += int(head[1]) * 1024
         elif inside and head[0] in ("Private_Clean:", "Private_Dirty:"):
@@ -158,8 +160,40 @@ async def test_the_front_door_maps_the_views_without_a_copy(dep, doors):
     assert private <= 0.05 * rss  # ...which the edge process holds too: one copy on the host
 
 
+async def _metrics(dep, session: aiohttp.ClientSession) -> dict[tuple[str, tuple], float]:
+    async with session.get(dep.edge_url("us") + "/metrics") as r:
+        assert r.status == 200, await r.text()
+        text = await r.text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+GENERATED = ("kvcompass_requests_total", (("route", "/generate"), ("status", "200")))
+REQUEST_TIMES = ("kvcompass_request_seconds_count", ())
+
+
+async def test_every_front_doors_requests_are_counted_whichever_process_is_scraped(dep, doors):
+    before = await _metrics(dep, doors[0])
+    for i, session in enumerate(doors.values()):
+        for k in range(2 + i):  # 2 at process 0, 3 at the other
+            await _generate(dep, session, doc(140 + 10 * i + k, 300))
+    for session in doors.values():  # process 0 merges; the other front door asks process 0
+        after = await _metrics(dep, session)
+        assert after[GENERATED] - before[GENERATED] == 5
+        assert after[REQUEST_TIMES] - before[REQUEST_TIMES] == 5
+    (pid,) = (k for k in doors if k)
+    learned = {dict(k[1]).get("pid") for k in after if k[0] == "kvcompass_learned_prefill_ms_per_token"}
+    assert str(pid) in learned and len(learned) == 2  # each process's own rates, by pid
+
+    async def both_connections_counted():  # a function gauge the front door publishes each second
+        return (await _metrics(dep, doors[0]))[("kvcompass_frontdoor_connections", ())] >= 2
+
+    await eventually(both_connections_counted)
+
+
 async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep, doors):
     (pid,) = (k for k in doors if k)
+    counted = (await _metrics(dep, doors[0]))[GENERATED]
     os.kill(pid, signal.SIGKILL)
 
     async def replaced():
@@ -173,6 +207,8 @@ async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep
         return door is not None and door != pid and body["ready"]
 
     await eventually(replaced, timeout=90)
+    # The dead front door's requests are still counted, once.
+    assert (await _metrics(dep, doors[0]))[GENERATED] == counted
     # Requests go on being served meanwhile and after, by whichever process takes the connection.
     for i in range(4):
         assert (await generate(dep, "us", doc(130 + i, 300)))["meta_info"]["kvcompass"]["worker"]
