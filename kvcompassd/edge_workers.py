@@ -19,7 +19,15 @@ Why: sharing them would put a cross-process lock (or atomics on every score inpu
 decision's path, which is what N processes are for avoiding; and the kernel keeps a client's
 keep-alive connection on one process, so the requests that most need the ledger (a conversation's
 next turn on the same connection) meet their own process's credit. The cost is that each process
-sees 1/N of the fresh charges between load readings (at most one broadcast period). With one
+sees 1/N of the fresh charges between load readings (at most one broadcast period).
+
+A prefill-decode fleet runs the same way: every front door picks the prefill worker by the score
+and a decode worker of its region by the decode chooser (``core/decode_choice.py``), whose
+reported loads process 0 copies like the queue readings; each process counts its own requests in
+flight and avoids for a while a decode worker that failed one of its own requests (another
+process learns it on its first failure there and retries the request on another decode worker).
+Bootstrap rooms are drawn from a per-process random source seeded by the OS, 63 bits as SGLang's
+router draws them, so two processes' rooms collide no more than two requests' in one process. With one
 front door (or the same requests in the same order at one process), decisions are exactly those
 of a single-process edge: tests/test_shared_view.py and tests/test_edge_workers.py.
 
@@ -31,7 +39,8 @@ scrape; a front door answers ``/metrics`` with process 0's merged text
 Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
 ``["piggyback", to_region, now]``, ``["withheld", [worker index...], checked]``,
-``["back", worker, reason]``, ``["metrics", asked, last, text bytes]`` (one chunk of the edge's
+``["back", worker, reason]``, ``["decode_load", worker, running, waiting]`` (a decode worker's
+reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]`` (one chunk of the edge's
 metrics); front door -> process 0: ``["ready", pid]``, ``["metrics?", asked]``. ``now`` is
 ``time.monotonic()``, one clock for every process of the host.
 """
@@ -160,9 +169,6 @@ class SyncEdgeNode(EdgeNode):
                  front_door_args: list[str], **kwargs: Any):
         if not 1 <= workers <= MAX_WORKERS:
             raise ValueError(f"--workers must be in [1, {MAX_WORKERS}], got {workers}")
-        if workers > 1 and any(w.role != "mixed" for w in cfg.workers):
-            # The decode chooser's loads are not copied to the front doors (yet).
-            raise ValueError("--workers > 1 does not serve prefill-decode disaggregation yet")
         self.shared_view = SharedViewWriter(IndexLayout.from_config(cfg), cfg.shards, edge=me.id)
         self.front_door_metrics = FrontDoorMetricsDirectory(SEGMENT_DIR / f"{self.shared_view.prefix}-metrics")
         try:
@@ -213,6 +219,15 @@ class SyncEdgeNode(EdgeNode):
             self.fanout.send("back", worker_id, why)
 
         self.forwarder.worker_back = worker_back  # type: ignore[method-assign]
+        chooser = self.forwarder.decode_chooser
+        if chooser is not None:  # a prefill-decode fleet: every front door chooses decode workers
+            reported = chooser.load_reported
+
+            def decode_load_reported(worker: str, running: int, waiting: int) -> None:
+                reported(worker, running, waiting)
+                self.fanout.send("decode_load", worker, int(running), int(waiting))
+
+            chooser.load_reported = decode_load_reported  # type: ignore[method-assign]
         try:
             await self._start_front_doors()
         except BaseException:
@@ -533,6 +548,10 @@ class FrontDoorProcess:
         elif kind == "back":
             if self.forwarder is not None:
                 self.forwarder.worker_back(frame[1], frame[2])
+        elif kind == "decode_load":
+            chooser = self.forwarder.decode_chooser if self.forwarder is not None else None
+            if chooser is not None:
+                chooser.load_reported(frame[1], int(frame[2]), int(frame[3]))
         elif kind == "metrics":
             self._metrics_chunk(int(frame[1]), bool(frame[2]), frame[3])
         else:
