@@ -109,6 +109,21 @@ class EdgeWideRegistry(CollectorRegistry):
     def collect(self) -> Iterator[Metric]:
         yield from merge_families(self.own.collect(), self.front_doors.families(), own_pid=self.pid)
 
+    def restricted_registry(self, names: Iterable[str]) -> _Restricted:
+        # A scrape asking for some names (``?name[]=``): the merged families, filtered.
+        return _Restricted(self, frozenset(names))
+
+
+class _Restricted:
+    def __init__(self, registry: EdgeWideRegistry, names: frozenset[str]) -> None:
+        self._registry, self._names = registry, names
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            kept = metric._restricted_metric(self._names)
+            if kept:
+                yield kept
+
 
 def _key(sample) -> tuple:
     return sample.name, tuple(sorted(sample.labels.items()))

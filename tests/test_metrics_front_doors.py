@@ -84,6 +84,10 @@ def test_the_edge_counts_every_front_doors_requests_once(tmp_path):
     learned = {dict(k[1])["pid"]: v for k, v in got.items() if k[0] == "kvcompass_learned_prefill_ms_per_token"}
     assert learned == {"1": 0.7, str(pids[0]): 0.5, str(pids[1]): 0.5}  # each process's own, by pid
 
+    # A scrape that names what it wants (``?name[]=``) gets the merged samples too.
+    text = generate_latest(m.registry.restricted_registry(["kvcompass_requests_total"])).decode()
+    assert 'kvcompass_requests_total{route="/generate",status="200"} 7.0' in text.splitlines()
+
     for n, pid in enumerate(pids):  # each dies (it has exited): counted once, before and after
         directory.retire(pid)
         got = _scrape(m)

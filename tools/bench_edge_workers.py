@@ -22,6 +22,13 @@ higher than one process's).
 
     .venv/bin/python tools/bench_edge_workers.py [--entries 2000000] [--decision-rounds 20] [--workers 2]
         [--runs 1] [--seconds 6] [--concurrency 16]
+
+Routing quality of N processes against one (each keeps its own dispatch charges and pending
+ledger, see kvcompassd/edge_workers.py): the same ABBA at the workers' A100 timing under cache
+pressure, where the charges and the ledger decide where a group goes:
+
+    .venv/bin/python tools/bench_edge_workers.py --entries 0 --decision-rounds 0 --time-scale 1
+        --vram-tokens 16384 --concurrency 16 64 --seconds 20 --runs 2
 """
 
 from __future__ import annotations
@@ -208,7 +215,8 @@ def stop_edge(cluster: Cluster) -> None:
 
 async def measure_cpu(args) -> None:
     spec = DeploymentSpec(workers={"us": args.cluster_workers}, one_way_ms={}, shards=1, wan=False,
-                          max_running=64, vram_kv_tokens=200_000, dram_kv_tokens=0)
+                          max_running=64, vram_kv_tokens=args.vram_tokens, dram_kv_tokens=0,
+                          **({"prefill_ms_per_token": args.beta} if args.beta else {}))
     results: dict = collections.defaultdict(list)
     for run in range(args.runs):
         cluster = Cluster(spec)
@@ -216,7 +224,7 @@ async def measure_cpu(args) -> None:
             cfg = cluster.cfg
             seeds = {w.id: i + 1 for i, w in enumerate(cfg.workers)}
             for w in cfg.workers:
-                cluster.spawn("emulate-worker", w.id, "--time-scale", "0", "--seed", str(seeds[w.id]))
+                cluster.spawn("emulate-worker", w.id, "--time-scale", str(args.time_scale), "--seed", str(seeds[w.id]))
             for m in cfg.maintenance:
                 cluster.spawn("maintenance", m.id)
             for w in cfg.workers:
@@ -242,21 +250,23 @@ async def measure_cpu(args) -> None:
                     r = await closed_loop([url], concurrency, args.seconds, prompts, args.max_new_tokens, who)
                     r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / max(1, r["requests"]) * 1e6
                     results[(n, concurrency)].append(r)
-                    print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.0f} req/s  "
-                          f"P50 {r['p50_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req  "
+                    print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.1f} req/s  "
+                          f"P50 {r['p50_ms']:6.2f} ms  P99 {r['p99_ms']:7.2f} ms  CPU {r['cpu_us']:6.0f} us/req  "
                           f"idle {idle_rate * 1000:5.1f} ms/s  affinity {r['affinity']:.2f}  "
                           f"reuse {r['reuse']:.2f}  errors {r['errors']}  load {load_average()}", flush=True)
                 stop_edge(cluster)
         finally:
             cluster.stop()
-    print(f"\nedge CPU per request (edge process + front-door children), medians; load average {load_average()}")
-    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'CPU us/req':>11}{'idle ms/s':>10}"
+    print(f"\nedge CPU per request (edge process + front-door children), medians of {2 * args.runs} windows "
+          f"each; workers at --time-scale {args.time_scale:g}, {args.vram_tokens} VRAM tokens; "
+          f"load average {load_average()}")
+    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'P99 ms':>9}{'CPU us/req':>11}{'idle ms/s':>10}"
           f"{'affinity':>9}{'reuse':>7}")
     for concurrency in args.concurrency:
         for n in sorted({1, args.workers}):
             rs = results[(n, concurrency)]
-            print(f"{concurrency:>4} {n:>8}{median([r['rps'] for r in rs]):>9.0f}{median([r['p50_ms'] for r in rs]):>9.2f}"
-                  f"{median([r['cpu_us'] for r in rs]):>11.0f}"
+            print(f"{concurrency:>4} {n:>8}{median([r['rps'] for r in rs]):>9.1f}{median([r['p50_ms'] for r in rs]):>9.2f}"
+                  f"{median([r['p99_ms'] for r in rs]):>9.2f}{median([r['cpu_us'] for r in rs]):>11.0f}"
                   f"{median(results[('idle', n)]) * 1000:>10.1f}{median([r['affinity'] for r in rs]):>9.2f}"
                   f"{median([r['reuse'] for r in rs]):>7.2f}")
 
@@ -272,6 +282,10 @@ def main() -> None:
     p.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU is sampled this long per setting")
     p.add_argument("--runs", type=int, default=1, help="0: memory only")
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=0.0,
+                   help="the emulated workers' (0: no delays, CPU per request; 1: the A100 model, routing quality)")
+    p.add_argument("--vram-tokens", type=int, default=200_000, help="KV-cache tokens per emulated worker")
+    p.add_argument("--beta", type=float, default=0.0, help="prefill ms per token of the workers (0: the spec's)")
     p.add_argument("--decision-rounds", type=int, default=20, help="0: skip the per-decision measure")
     args = p.parse_args()
     quiet_logs()
