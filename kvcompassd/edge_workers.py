@@ -9,17 +9,25 @@ every front door binds it with ``SO_REUSEPORT`` and the kernel spreads connectio
 A front door forwards as process 0 does: own-region workers over HTTP, others through their agents
 over its own QUIC connections (under the edge's identity).
 
-Queue estimates and the pending ledger are PARTITIONED, not shared. What the edge learns from
-outside (agents' load readings, peer edges' queue vectors, piggyback notes, which workers are
-withheld or back) arrives at process 0, which applies it and copies it to every front door over a
-control socket, so every process holds the same base readings. What a front door adds itself (the
-charge of each dispatch until its first token and end, the pending ledger's credit for a prompt
-until the view shows it, learned rates, the cache belief, tie rotation) stays in that process.
-Why: sharing them would put a cross-process lock (or atomics on every score input) on each
-decision's path, which is what N processes are for avoiding; and the kernel keeps a client's
-keep-alive connection on one process, so the requests that most need the ledger (a conversation's
-next turn on the same connection) meet their own process's credit. The cost is that each process
-sees 1/N of the fresh charges between load readings (at most one broadcast period).
+Queue readings and dispatch charges are SHARED; the pending ledger, learned rates, the cache
+belief and tie rotation are each process's own. What the edge learns from outside (agents' load
+readings, peer edges' queue vectors, piggyback notes, which workers are withheld or back) arrives
+at process 0, which applies it and copies it to every front door over a control socket, so every
+process holds the same base readings. The charge of each dispatch (until its first token and
+end) goes from the process that made it to all the others (``SharedCharges``: a front door's
+through process 0, which holds it too and passes it on), so a decision anywhere sees the queue
+every request of the edge added, as a single-process edge's would, a control frame later.
+Without it each process saw 1/N of the fresh charges between readings, and a burst of requests
+spread over the processes could herd onto a worker each saw idle.
+
+The pending ledger stays per process: sharing it would carry each prompt's keys (a kilobyte or so
+per request) to every process, and the kernel keeps a client's keep-alive connection on one
+process, so the requests that most need the ledger (a conversation's next turn on the same
+connection) meet their own process's credit. Its cost (a new prompt sent by one process is
+credited by the others only once the views show it, tens of ms) and the charges' are measured by
+``tools/bench_edge_workers.py --time-scale 1`` (README). With one front door (or the same requests
+in the same order at one process), decisions are exactly those of a single-process edge:
+tests/test_shared_view.py and tests/test_edge_workers.py.
 
 A prefill-decode fleet runs the same way: every front door picks the prefill worker by the score
 and a decode worker of its region by the decode chooser (``core/decode_choice.py``), whose
@@ -27,9 +35,7 @@ reported loads process 0 copies like the queue readings; each process counts its
 flight and avoids for a while a decode worker that failed one of its own requests (another
 process learns it on its first failure there and retries the request on another decode worker).
 Bootstrap rooms are drawn from a per-process random source seeded by the OS, 63 bits as SGLang's
-router draws them, so two processes' rooms collide no more than two requests' in one process. With one
-front door (or the same requests in the same order at one process), decisions are exactly those
-of a single-process edge: tests/test_shared_view.py and tests/test_edge_workers.py.
+router draws them, so two processes' rooms collide no more than two requests' in one process.
 
 Metrics: every front door writes its counters and histograms to files in a directory of the
 edge's (prometheus_client's multiprocess mode), which process 0 merges with its own at every
@@ -40,8 +46,9 @@ Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET soc
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
 ``["piggyback", to_region, now]``, ``["withheld", [worker index...], checked]``,
 ``["back", worker, reason]``, ``["decode_load", worker, running, waiting]`` (a decode worker's
-reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]`` (one chunk of the edge's
-metrics); front door -> process 0: ``["ready", pid]``, ``["metrics?", asked]``. ``now`` is
+reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]``
+(one chunk of the edge's metrics); front door -> process 0: ``["ready", pid]``,
+``["metrics?", asked]``; both ways, the charge frames of ``SharedCharges``. ``now`` is
 ``time.monotonic()``, one clock for every process of the host.
 """
 
@@ -54,6 +61,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -101,9 +110,11 @@ class _Fanout:
         self.sockets: list[socket.socket] = []
         self.dropped = 0
 
-    def send(self, *frame: Any) -> None:
+    def send(self, *frame: Any, but: socket.socket | None = None) -> None:
         data = _pack(*frame)
         for sock in list(self.sockets):
+            if sock is but:
+                continue
             try:
                 sock.send(data)
             except BlockingIOError:
@@ -142,6 +153,76 @@ class _QueueFanout:
 
 
 QUEUE_FRAMES = frozenset({"load", "vector", "piggyback"})
+CHARGE_FRAMES = frozenset({"charge", "first_token", "retired"})
+# Other processes' dispatches whose charge this process holds (one per request in flight at
+# them); beyond it the oldest are forgotten, as QueueEstimates forgets its own.
+MAX_SHARED_CHARGES = 1 << 14
+
+
+class SharedCharges:
+    """Queue estimates whose dispatch charges every process of the edge holds: each charge this
+    process makes (``note_dispatched``) and each retirement (its request's first token, its end)
+    goes out as a frame (``send``), and the other processes' frames are applied here
+    (``apply_frame``) as if this process had made them, at the time their process did. So the
+    queue a decision sees holds every request the edge sent, whichever process sent it, less
+    what is still on its way (a control frame, tens of microseconds), and the herd factor of a
+    remote region is measured against all of the edge's sends (it is the edge's WAN traffic).
+    Sans-IO: the frames are ``("charge", origin, handle, worker, ms, now)``,
+    ``("first_token", origin, handle, now)`` and ``("retired", origin, handle, now)``."""
+
+    def __init__(self, queues: Any, send: Any, *, origin: int) -> None:
+        self._queues = queues
+        self._send = send
+        self.origin = origin
+        self.queue_ms = queues.queue_ms  # what every decision calls, bound once
+        self._charged: set[int] = set()  # own handles whose charge went out
+        self._theirs: OrderedDict[tuple[int, int], int] = OrderedDict()  # (origin, handle) -> own handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queues, name)
+
+    def note_dispatched(self, worker_id: str, added_ms: float, *, now: float) -> int:
+        handle = self._queues.note_dispatched(worker_id, added_ms, now=now)
+        if added_ms:  # a zero charge changes nothing anywhere
+            if len(self._charged) >= MAX_SHARED_CHARGES:
+                self._charged.clear()  # a shell that lost track of its requests: start over
+            self._charged.add(handle)
+            self._send(("charge", self.origin, handle, worker_id, float(added_ms), float(now)))
+        return handle
+
+    def retire_prefill(self, handle: int, *, now: float) -> float:
+        left = self._queues.retire_prefill(handle, now=now)
+        if handle in self._charged:
+            self._send(("first_token", self.origin, handle, float(now)))
+        return left
+
+    def retire(self, handle: int, *, now: float) -> None:
+        self._queues.retire(handle, now=now)
+        if handle in self._charged:
+            self._charged.discard(handle)
+            self._send(("retired", self.origin, handle, float(now)))
+
+    def apply_frame(self, frame: Sequence[Any], *, now: float) -> None:
+        """Another process's charge or retirement, at the time it made it (never after ``now``).
+        ValueError for a frame that is not one (an unknown worker, a bad charge)."""
+        kind, origin, handle = frame[0], int(frame[1]), int(frame[2])
+        key = (origin, handle)
+        if kind == "charge":
+            _, _, _, worker, added, at = frame
+            theirs = self._theirs
+            if len(theirs) >= MAX_SHARED_CHARGES:
+                theirs.popitem(last=False)
+            theirs[key] = self._queues.note_dispatched(worker, float(added), now=min(float(at), now))
+        elif kind == "first_token":
+            mine = self._theirs.get(key)
+            if mine is not None:
+                self._queues.retire_prefill(mine, now=min(float(frame[3]), now))
+        elif kind == "retired":
+            mine = self._theirs.pop(key, None)
+            if mine is not None:
+                self._queues.retire(mine, now=min(float(frame[3]), now))
+        else:
+            raise ValueError(f"not a charge frame: {kind!r}")
 
 
 def apply_queue_frame(queues: Any, frame: list, *, now: float) -> None:
@@ -182,7 +263,8 @@ class SyncEdgeNode(EdgeNode):
         self.workers = workers
         self._front_door_args = list(front_door_args)
         self.fanout = _Fanout()
-        self.router.queues = _QueueFanout(self.router.queues, self.fanout)
+        self.router.queues = SharedCharges(_QueueFanout(self.router.queues, self.fanout),
+                                           lambda frame: self.fanout.send(*frame), origin=0)
         self._withhold = self.router.withhold
         self.router.withhold = self._withhold_and_tell  # type: ignore[method-assign]
         self._children: dict[socket.socket, subprocess.Popen] = {}  # by control socket
@@ -286,11 +368,15 @@ class SyncEdgeNode(EdgeNode):
                 if frame and frame[0] == "ready" and not ready.done():
                     ready.set_result(frame[1])
                     self._send_withheld()  # anything that changed while it started
+                elif frame and frame[0] in CHARGE_FRAMES:
+                    # A front door's charge: held here too, and passed on to the other front doors.
+                    self.router.queues.apply_frame(frame, now=self.clock())
+                    self.fanout.send(*frame, but=sock)
                 elif frame and frame[0] == "metrics?":
                     task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
                     self._metrics_sends.add(task)
                     task.add_done_callback(self._metrics_sends.discard)
-            except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+            except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
                 log.warning("front door frame refused", error=str(exc))
             return
         # The front door exited: its socket left the port's group, the others keep serving.
@@ -393,6 +479,8 @@ class FrontDoorProcess:
         self.view = SharedViewReader(self.layout, cfg.shards, view_directory, edge=me.id)
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         share_router_view(self.router, self.view)
+        self.router.queues = SharedCharges(self.router.queues, self._send_to_edge, origin=os.getpid())
+        self.charge_frames_dropped = 0
         for i in range(len(self.layout.worker_ids)):  # until process 0 says which workers it verified
             self.router.withhold(i)
         self.metrics = EdgeMetrics()
@@ -487,6 +575,16 @@ class FrontDoorProcess:
             await self._http.close()
         await self.node.close()
 
+    def _send_to_edge(self, frame: tuple) -> None:
+        try:
+            self.control.send(_pack(*frame))
+        except BlockingIOError:
+            # Process 0 stopped reading for a moment: the others miss this charge, which the
+            # worker's next reading replaces anyway.
+            self.charge_frames_dropped += 1
+        except OSError:
+            pass  # process 0 is gone: this front door stops (_on_control)
+
     def _agent_peer(self, worker_id: str) -> Peer | None:
         peer = self._agent_peers.get(worker_id)
         if peer is None:
@@ -539,6 +637,8 @@ class FrontDoorProcess:
         kind = frame[0]
         if kind in QUEUE_FRAMES:
             apply_queue_frame(self.router.queues, frame, now=self.clock())
+        elif kind in CHARGE_FRAMES:
+            self.router.queues.apply_frame(frame, now=self.clock())
         elif kind == "withheld":
             withheld, self._checked = set(frame[1]), bool(frame[2])
             for i in range(len(self.layout.worker_ids)):

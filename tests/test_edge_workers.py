@@ -21,7 +21,7 @@ import socket
 from e2e_helpers import admin, doc, eventually, generate
 from kvcompassd.core.config import load_config
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
-from kvcompassd.edge_workers import _Fanout, _QueueFanout, apply_queue_frame
+from kvcompassd.edge_workers import SharedCharges, _Fanout, _QueueFanout, apply_queue_frame
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -64,6 +64,53 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
     edge.set_local(us[1], 1.0, now=1.0)  # a front door gone: dropped from the fan-out, no error
     assert fanout.sockets == []
     mine.close()
+
+
+async def test_a_charge_made_by_one_process_is_held_by_the_others_until_it_retires():
+    frames: dict[str, list] = {"a": [], "b": []}
+    a = SharedCharges(QueueEstimates(TESTBED, "us", now=0.0), frames["a"].append, origin=0)
+    b = SharedCharges(QueueEstimates(TESTBED, "us", now=0.0), frames["b"].append, origin=4242)
+    alone = QueueEstimates(TESTBED, "us", now=0.0)  # one process making every dispatch itself
+    us = [w.id for w in TESTBED.workers if w.region == "us"]
+    eu = [w.id for w in TESTBED.workers if w.region == "eu"]
+    for q in (a, b, alone):
+        q.set_local(us[0], 40.0, now=0.1, running=1)
+        q.on_broadcast(QueueVectorBroadcast("eu", "us", 0.05, ((eu[0], 30.0), (eu[1], 5.0))), now=0.1)
+
+    def deliver(now: float) -> None:  # what the control sockets carry, in order
+        for frame in frames["a"]:
+            b.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        for frame in frames["b"]:
+            a.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        frames["a"].clear()
+        frames["b"].clear()
+
+    def alike(now: float) -> None:
+        assert np.array_equal(a.queue_ms(now=now), alone.queue_ms(now=now))
+        assert np.array_equal(b.queue_ms(now=now), alone.queue_ms(now=now))
+
+    mine = a.note_dispatched(us[0], 120.0, now=0.2)
+    theirs = b.note_dispatched(eu[1], 300.0, now=0.21)  # a remote worker: in flight for a round trip
+    assert b.note_dispatched(us[1], 0.0, now=0.21) >= 0 and frames["b"][-1][3] == eu[1]  # no frame for nothing
+    one, two = alone.note_dispatched(us[0], 120.0, now=0.2), alone.note_dispatched(eu[1], 300.0, now=0.21)
+    deliver(now=0.22)
+    for now in (0.22, 0.25):
+        alike(now)
+    a.retire_prefill(mine, now=0.23)
+    alone.retire_prefill(one, now=0.23)
+    b.retire(theirs, now=0.24)
+    alone.retire(two, now=0.24)
+    deliver(now=0.26)
+    alike(0.26)
+    a.retire(mine, now=0.27)
+    alone.retire(one, now=0.27)
+    deliver(now=0.28)
+    alike(0.3)
+    assert b._theirs == {} and a._theirs == {}  # every charge of the other process retired
+    with pytest.raises(ValueError):
+        b.apply_frame(["charge", 0, 99, "nobody", 1.0, 0.3], now=0.3)
+    with pytest.raises(ValueError):
+        b.apply_frame(["load", 0, 99], now=0.3)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
