@@ -540,15 +540,21 @@ class FrontDoorProcess:
     async def edge_metrics(self) -> bytes:
         """The edge's metrics text, as process 0 merges them (this process's, fresh, among them).
         Concurrent asks share one answer."""
-        if self._metrics_answer is None or self._metrics_answer.done():
+        answer = self._metrics_answer
+        if answer is None or answer.done():
             if self.publisher is not None:
                 self.publisher.publish()
             self._metrics_asked += 1
             self._metrics_chunks = []
-            self._metrics_answer = asyncio.get_running_loop().create_future()
+            answer = self._metrics_answer = asyncio.get_running_loop().create_future()
             await asyncio.get_running_loop().sock_sendall(self.control, _pack("metrics?", self._metrics_asked))
-        async with asyncio.timeout(METRICS_TIMEOUT_S):
-            return await asyncio.shield(self._metrics_answer)
+        try:
+            async with asyncio.timeout(METRICS_TIMEOUT_S):
+                return await asyncio.shield(answer)
+        except TimeoutError:
+            if not answer.done():  # every waiter gives up; the next scrape asks again
+                answer.set_exception(TimeoutError("the edge process did not answer for its metrics"))
+            raise
 
     def _metrics_chunk(self, asked: int, last: bool, chunk: bytes) -> None:
         answer = self._metrics_answer
