@@ -9,25 +9,23 @@ every front door binds it with ``SO_REUSEPORT`` and the kernel spreads connectio
 A front door forwards as process 0 does: own-region workers over HTTP, others through their agents
 over its own QUIC connections (under the edge's identity).
 
-Queue readings and dispatch charges are SHARED; the pending ledger, learned rates, the cache
+Queue readings, dispatch charges and the pending ledger are SHARED; learned rates, the cache
 belief and tie rotation are each process's own. What the edge learns from outside (agents' load
 readings, peer edges' queue vectors, piggyback notes, which workers are withheld or back) arrives
 at process 0, which applies it and copies it to every front door over a control socket, so every
-process holds the same base readings. The charge of each dispatch (until its first token and
-end) goes from the process that made it to all the others (``SharedCharges``: a front door's
-through process 0, which holds it too and passes it on), so a decision anywhere sees the queue
-every request of the edge added, as a single-process edge's would, a control frame later.
-Without it each process saw 1/N of the fresh charges between readings, and a burst of requests
-spread over the processes could herd onto a worker each saw idle.
+process holds the same base readings. What a decision adds (the charge of its dispatch until its
+first token and end, ``SharedCharges``; the ledger's credit of its prompt until the views show
+it, and what becomes of it, ``SharedLedger``) goes from the process that made it to all the
+others (a front door's through process 0, which applies it too and passes it on). So a decision
+anywhere sees every request of the edge, as a single-process edge's would, a control frame
+later (tens of microseconds). Partitioned, each process saw 1/N of the fresh charges and credits
+between readings: a burst spread over the processes could herd onto a worker each saw idle, and
+a prompt one process had just sent was sent elsewhere by another.
 
-The pending ledger stays per process: sharing it would carry each prompt's keys (a kilobyte or so
-per request) to every process, and the kernel keeps a client's keep-alive connection on one
-process, so the requests that most need the ledger (a conversation's next turn on the same
-connection) meet their own process's credit. Its cost (a new prompt sent by one process is
-credited by the others only once the views show it, tens of ms) and the charges' are measured by
-``tools/bench_edge_workers.py --time-scale 1`` (README). With one front door (or the same requests
-in the same order at one process), decisions are exactly those of a single-process edge:
-tests/test_shared_view.py and tests/test_edge_workers.py.
+Learned rates and the belief stay per process: each learns from the responses it sees, which
+the kernel's spreading of connections makes a sample of the same traffic. With one front door
+(or the same requests in the same order at one process), decisions are exactly those of a
+single-process edge: tests/test_shared_view.py and tests/test_edge_workers.py.
 
 A prefill-decode fleet runs the same way: every front door picks the prefill worker by the score
 and a decode worker of its region by the decode chooser (``core/decode_choice.py``), whose
@@ -48,7 +46,7 @@ Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET soc
 ``["back", worker, reason]``, ``["decode_load", worker, running, waiting]`` (a decode worker's
 reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]``
 (one chunk of the edge's metrics); front door -> process 0: ``["ready", pid]``,
-``["metrics?", asked]``; both ways, the charge frames of ``SharedCharges``. ``now`` is
+``["metrics?", asked]``; both ways, the frames of ``SharedCharges`` and ``SharedLedger``. ``now`` is
 ``time.monotonic()``, one clock for every process of the host.
 """
 
@@ -67,6 +65,7 @@ from typing import Any
 
 import aiohttp
 import msgpack
+import numpy as np
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -154,6 +153,7 @@ class _QueueFanout:
 
 QUEUE_FRAMES = frozenset({"load", "vector", "piggyback"})
 CHARGE_FRAMES = frozenset({"charge", "first_token", "retired"})
+LEDGER_FRAMES = frozenset({"credit", "ready", "refute", "drop", "forget"})
 # Other processes' dispatches whose charge this process holds (one per request in flight at
 # them); beyond it the oldest are forgotten, as QueueEstimates forgets its own.
 MAX_SHARED_CHARGES = 1 << 14
@@ -225,6 +225,103 @@ class SharedCharges:
             raise ValueError(f"not a charge frame: {kind!r}")
 
 
+class SharedLedger:
+    """The pending ledger (``core/pending.py``) every process of the edge holds alike: each
+    prompt this process notes as sent (its query keys, a few dozen), and what becomes of the
+    dispatch (its first token, a response that refutes credits, its end, a worker that failed),
+    goes out as a frame (``send``); the other processes' frames are applied here
+    (``apply_frame``) under dispatch ids of their own (negative: never one of this process's
+    queue handles). So a prompt sent by one process is credited to its worker by every process
+    until the views show it. ``refuted`` counts this process's refutations only (the edge's
+    metric sums the processes'). Sans-IO: ``("credit", origin, dispatch, worker, keys,
+    prompt_len, shown, ready_at, now)``, ``("ready", origin, dispatch, now)``, ``("refute",
+    origin, dispatch, reused)``, ``("drop", origin, dispatch)``, ``("forget", origin, worker)``."""
+
+    def __init__(self, pending: Any, send: Any, *, origin: int) -> None:
+        self._pending = pending
+        self._send = send
+        self.origin = origin
+        self._theirs: OrderedDict[tuple[int, int], int] = OrderedDict()  # (origin, dispatch) -> id here
+        self._next_id = -1
+        self._their_refuted = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pending, name)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @property
+    def refuted(self) -> int:
+        return self._pending.refuted - self._their_refuted
+
+    def note_sent(self, worker: int, keys: np.ndarray, prompt_len: int, shown: int, *, ready_at: float,
+                  now: float, dispatch: int | None = None) -> int:
+        noted = self._pending.note_sent(worker, keys, prompt_len, shown, ready_at=ready_at, now=now,
+                                        dispatch=dispatch)
+        self._send(("credit", self.origin, -1 if dispatch is None else dispatch, worker, keys.tolist(),
+                    int(prompt_len), int(shown), float(ready_at), float(now)))
+        return noted
+
+    def mark_ready(self, dispatch: int, *, now: float) -> bool:
+        self._send(("ready", self.origin, dispatch, float(now)))
+        return self._pending.mark_ready(dispatch, now=now)
+
+    def refute(self, dispatch: int, reused_tokens: int) -> int:
+        self._send(("refute", self.origin, dispatch, int(reused_tokens)))
+        return self._pending.refute(dispatch, reused_tokens)
+
+    def drop_dispatch(self, dispatch: int) -> None:
+        self._send(("drop", self.origin, dispatch))
+        self._pending.drop_dispatch(dispatch)
+
+    def forget(self, worker: int) -> int:
+        self._send(("forget", self.origin, int(worker)))
+        return self._pending.forget(worker)
+
+    def apply_frame(self, frame: Sequence[Any], *, now: float) -> None:
+        """Another process's ledger change, at the time it made it (never after ``now``).
+        ValueError (or TypeError, IndexError) for a frame that is not one."""
+        kind, origin = frame[0], int(frame[1])
+        pending = self._pending
+        if kind == "forget":
+            worker = int(frame[2])
+            if not 0 <= worker < len(pending._worker_lengths):
+                raise ValueError(f"no worker {worker}")
+            pending.forget(worker)
+            return
+        key = (origin, int(frame[2]))
+        if kind == "credit":
+            _, _, sent, worker, keys, prompt_len, shown, ready_at, at = frame
+            if not 0 <= int(worker) < len(pending._worker_lengths):
+                raise ValueError(f"no worker {worker}")
+            dispatch = None
+            if sent >= 0:
+                dispatch = self._next_id
+                self._next_id -= 1
+                theirs = self._theirs
+                if len(theirs) >= MAX_SHARED_CHARGES:
+                    theirs.popitem(last=False)
+                theirs[key] = dispatch
+            at = min(float(at), now)
+            pending.note_sent(int(worker), np.asarray(keys, dtype=np.uint64), int(prompt_len), int(shown),
+                              ready_at=max(float(ready_at), at), now=at, dispatch=dispatch)
+        elif kind == "ready":
+            dispatch = self._theirs.get(key)
+            if dispatch is not None:
+                pending.mark_ready(dispatch, now=min(float(frame[3]), now))
+        elif kind == "refute":
+            dispatch = self._theirs.pop(key, None)
+            if dispatch is not None:
+                self._their_refuted += pending.refute(dispatch, int(frame[3]))
+        elif kind == "drop":
+            dispatch = self._theirs.pop(key, None)
+            if dispatch is not None:
+                pending.drop_dispatch(dispatch)
+        else:
+            raise ValueError(f"not a ledger frame: {kind!r}")
+
+
 def apply_queue_frame(queues: Any, frame: list, *, now: float) -> None:
     """Apply a reading process 0 copied (``_QueueFanout``) to a front door's queue estimates, at
     the time process 0 took it (never later than ``now``). ValueError for a frame that is not one."""
@@ -265,6 +362,8 @@ class SyncEdgeNode(EdgeNode):
         self.fanout = _Fanout()
         self.router.queues = SharedCharges(_QueueFanout(self.router.queues, self.fanout),
                                            lambda frame: self.fanout.send(*frame), origin=0)
+        if self.router.pending is not None:
+            self.router.pending = SharedLedger(self.router.pending, lambda frame: self.fanout.send(*frame), origin=0)
         self._withhold = self.router.withhold
         self.router.withhold = self._withhold_and_tell  # type: ignore[method-assign]
         self._children: dict[socket.socket, subprocess.Popen] = {}  # by control socket
@@ -371,6 +470,9 @@ class SyncEdgeNode(EdgeNode):
                 elif frame and frame[0] in CHARGE_FRAMES:
                     # A front door's charge: held here too, and passed on to the other front doors.
                     self.router.queues.apply_frame(frame, now=self.clock())
+                    self.fanout.send(*frame, but=sock)
+                elif frame and frame[0] in LEDGER_FRAMES and self.router.pending is not None:
+                    self.router.pending.apply_frame(frame, now=self.clock())
                     self.fanout.send(*frame, but=sock)
                 elif frame and frame[0] == "metrics?":
                     task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
@@ -480,6 +582,8 @@ class FrontDoorProcess:
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         share_router_view(self.router, self.view)
         self.router.queues = SharedCharges(self.router.queues, self._send_to_edge, origin=os.getpid())
+        if self.router.pending is not None:
+            self.router.pending = SharedLedger(self.router.pending, self._send_to_edge, origin=os.getpid())
         self.charge_frames_dropped = 0
         for i in range(len(self.layout.worker_ids)):  # until process 0 says which workers it verified
             self.router.withhold(i)
@@ -645,6 +749,9 @@ class FrontDoorProcess:
             apply_queue_frame(self.router.queues, frame, now=self.clock())
         elif kind in CHARGE_FRAMES:
             self.router.queues.apply_frame(frame, now=self.clock())
+        elif kind in LEDGER_FRAMES:
+            if self.router.pending is not None:
+                self.router.pending.apply_frame(frame, now=self.clock())
         elif kind == "withheld":
             withheld, self._checked = set(frame[1]), bool(frame[2])
             for i in range(len(self.layout.worker_ids)):

@@ -21,7 +21,7 @@ import socket
 from e2e_helpers import admin, doc, eventually, generate
 from kvcompassd.core.config import load_config
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
-from kvcompassd.edge_workers import SharedCharges, _Fanout, _QueueFanout, apply_queue_frame
+from kvcompassd.edge_workers import SharedCharges, SharedLedger, _Fanout, _QueueFanout, apply_queue_frame
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -111,6 +111,81 @@ async def test_a_charge_made_by_one_process_is_held_by_the_others_until_it_retir
         b.apply_frame(["charge", 0, 99, "nobody", 1.0, 0.3], now=0.3)
     with pytest.raises(ValueError):
         b.apply_frame(["load", 0, 99], now=0.3)
+
+
+def _ledgers():
+    from kvcompassd.core.index import EdgeIndexView
+    from kvcompassd.core.layout import IndexLayout
+    from kvcompassd.core.pending import PendingHoldings
+    from kvcompassd.core.router import Router
+
+    r = Router(TESTBED, "us", EdgeIndexView(IndexLayout.from_config(TESTBED), TESTBED.shards, edge="edge-us"), now=0.0)
+
+    def ledger():
+        return PendingHoldings(r.lookup.group_lengths, r.lookup.query_lengths, r.layout.worker_group,
+                               hold_s=1.0, refute_misses=True)
+
+    queries = [int(n) for n in r.lookup.query_lengths]
+    return ledger, queries
+
+
+async def test_a_prompt_sent_by_one_process_is_credited_by_the_others_alike():
+    ledger, queries = _ledgers()
+    frames: dict[str, list] = {"a": [], "b": []}
+    a = SharedLedger(ledger(), frames["a"].append, origin=0)
+    b = SharedLedger(ledger(), frames["b"].append, origin=4242)
+    alone = ledger()  # one process sending every prompt itself
+    n = len(TESTBED.workers)
+    keys = np.arange(1, len(queries) + 1, dtype=np.uint64) * 7919  # a prompt's query keys
+    other = keys + 1  # another prompt's
+
+    def deliver(now: float) -> None:
+        for frame in frames["a"]:
+            b.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        for frame in frames["b"]:
+            a.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        frames["a"].clear()
+        frames["b"].clear()
+
+    def credited(holdings, prompt, now: float) -> list[int]:
+        matched, tier = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int8)
+        holdings.overlay(prompt.tolist(), matched, tier, now=now, read_only=True)
+        return matched.tolist()
+
+    def alike(prompt, now: float) -> list[int]:
+        want = credited(alone, prompt, now)
+        assert credited(a, prompt, now) == want and credited(b, prompt, now) == want
+        return want
+
+    prompt_len = queries[-1]
+    for q in (a, alone):
+        q.note_sent(1, keys, prompt_len, 0, ready_at=0.1, now=0.05, dispatch=7)
+    for q in (b, alone):
+        q.note_sent(2, other, prompt_len, 0, ready_at=0.1, now=0.06, dispatch=7 if q is b else 8)
+    deliver(now=0.07)
+    assert max(alike(keys, 0.2)) == prompt_len and max(alike(other, 0.2)) == prompt_len
+    # A third prompt at worker 3, then again there on the strength of that credit alone.
+    third = keys + 2
+    for q in (b, alone):
+        q.note_sent(3, third, prompt_len, 0, ready_at=0.1, now=0.08, dispatch=9)
+    deliver(now=0.09)
+    assert alike(third, 0.2)[3] == prompt_len
+    for q in (a, alone):
+        q.note_sent(3, third, prompt_len, prompt_len, ready_at=0.3, now=0.25, dispatch=10)
+    deliver(now=0.26)
+    # Its response reused only the first length: the credits beyond it end in every process.
+    assert a.refute(10, queries[0]) == alone.refute(10, queries[0]) > 0
+    deliver(now=0.5)
+    assert alike(third, 0.5)[3] == queries[0]
+    assert b.refuted == 0 and a.refuted == alone.refuted  # each process counts its own
+    for q in (a, alone):
+        q.forget(2)
+    deliver(now=0.6)
+    assert max(alike(other, 0.6)) == 0
+    with pytest.raises(ValueError):
+        b.apply_frame(["forget", 0, n], now=0.7)
+    with pytest.raises(ValueError):
+        b.apply_frame(["charge", 0, 1], now=0.7)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
