@@ -199,6 +199,79 @@ def measure_decisions(entries: int, rounds: int, per_round: int) -> None:
         writer.close()
 
 
+def measure_sharing(requests: int, rounds: int) -> None:
+    """What sharing a request's charge and ledger credit costs (``SharedCharges``,
+    ``SharedLedger``): per request, the deciding process sends its dispatch's charge and credit,
+    its first token and its end (six frames over a SOCK_SEQPACKET socket pair, as the control
+    sockets carry them), and the other process receives and applies them. CPU per request on each
+    side, rounds interleaved with the same operations unshared (the deciding process alone)."""
+    import socket
+    import time
+
+    import msgpack
+
+    from kvcompassd.core.index import EdgeIndexView
+    from kvcompassd.core.pending import PendingHoldings
+    from kvcompassd.core.queues import QueueEstimates
+    from kvcompassd.core.router import Router
+    from kvcompassd.edge_workers import MAX_FRAME, SharedCharges, SharedLedger, _pack
+
+    cfg, layout = _layout(1000)
+    r = Router(cfg, "us", EdgeIndexView(layout, SHARDS, edge="edge-us"), now=0.0)
+
+    def ledger():
+        return PendingHoldings(r.lookup.group_lengths, r.lookup.query_lengths, r.layout.worker_group, hold_s=1.0,
+                               refute_misses=True)
+
+    keys = np.arange(1, len(r.lookup.query_lengths) + 1, dtype=np.uint64) * 7919
+    prompt_len = int(r.lookup.query_lengths[-1])
+    workers = [w.id for w in cfg.workers]
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+
+    def send(frame):
+        mine.send(_pack(*frame))
+
+    samples: dict[str, list[float]] = {"alone": [], "sender": [], "receiver": []}
+    for rnd in range(rounds):
+        for shared in ((False, True) if rnd % 2 == 0 else (True, False)):
+            queues, pending = QueueEstimates(cfg, "us", now=0.0), ledger()
+            if shared:
+                queues, pending = SharedCharges(queues, send, origin=0), SharedLedger(pending, send, origin=0)
+                other_q = SharedCharges(QueueEstimates(cfg, "us", now=0.0), lambda f: None, origin=1)
+                other_l = SharedLedger(ledger(), lambda f: None, origin=1)
+            t0 = time.process_time()
+            received = 0.0
+            for i in range(requests):
+                now = i * 1e-3
+                k = keys + np.uint64(i * 1000)
+                worker = i % len(workers)
+                handle = queues.note_dispatched(workers[worker], 50.0, now=now)
+                pending.note_sent(worker, k, prompt_len, 0, ready_at=now + 0.05, now=now, dispatch=handle)
+                queues.retire_prefill(handle, now=now + 0.0005)
+                pending.mark_ready(handle, now=now + 0.0005)
+                queues.retire(handle, now=now + 0.0008)
+                pending.refute(handle, prompt_len)
+                if shared:  # the other process's side, timed apart
+                    t1 = time.process_time()
+                    for _ in range(6):
+                        frame = msgpack.unpackb(theirs.recv(MAX_FRAME), raw=False)
+                        (other_q if frame[0] in ("charge", "first_token", "retired") else other_l).apply_frame(
+                            frame, now=now + 0.001)
+                    received += time.process_time() - t1
+            total = time.process_time() - t0
+            if shared:
+                samples["sender"].append((total - received) / requests * 1e6)
+                samples["receiver"].append(received / requests * 1e6)
+            else:
+                samples["alone"].append(total / requests * 1e6)
+    print(f"a request's charge and ledger credit, CPU per request (medians of {rounds} rounds of {requests:,}): "
+          f"unshared {median(samples['alone']):.1f} us; shared, the deciding process "
+          f"{median(samples['sender']):.1f} us and each other process {median(samples['receiver']):.1f} us; "
+          f"load average {load_average()}")
+
+
 async def start_edge(cluster: Cluster, workers: int) -> int:
     edge = cluster.cfg.edges[0]
     proc = cluster.spawn("edge", edge.id, "--workers", str(workers))
@@ -287,12 +360,15 @@ def main() -> None:
     p.add_argument("--vram-tokens", type=int, default=200_000, help="KV-cache tokens per emulated worker")
     p.add_argument("--beta", type=float, default=0.0, help="prefill ms per token of the workers (0: the spec's)")
     p.add_argument("--decision-rounds", type=int, default=20, help="0: skip the per-decision measure")
+    p.add_argument("--sharing-rounds", type=int, default=10, help="0: skip the charge and ledger sharing measure")
     args = p.parse_args()
     quiet_logs()
     if args.entries:
         measure_memory(args.entries)
     if args.decision_rounds:
         measure_decisions(max(args.entries, 100_000), args.decision_rounds, 500)
+    if args.sharing_rounds:
+        measure_sharing(2000, args.sharing_rounds)
     if args.runs:
         asyncio.run(measure_cpu(args))
 
