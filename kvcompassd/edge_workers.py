@@ -241,6 +241,7 @@ class SharedLedger:
         self._pending = pending
         self._send = send
         self.origin = origin
+        self.overlay = pending.overlay  # what every decision calls, bound once
         self._theirs: OrderedDict[tuple[int, int], int] = OrderedDict()  # (origin, dispatch) -> id here
         self._next_id = -1
         self._their_refuted = 0
