@@ -479,7 +479,7 @@ class SyncEdgeNode(EdgeNode):
                     task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
                     self._metrics_sends.add(task)
                     task.add_done_callback(self._metrics_sends.discard)
-            except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
+            except (ValueError, TypeError, IndexError, KeyError, OverflowError, msgpack.UnpackException) as exc:
                 log.warning("front door frame refused", error=str(exc))
             return
         # The front door exited: its socket left the port's group, the others keep serving.
@@ -741,7 +741,7 @@ class FrontDoorProcess:
                 return
             try:
                 self.apply_control(msgpack.unpackb(data, raw=False))
-            except (ValueError, TypeError, IndexError, KeyError) as exc:
+            except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
                 log.warning("control frame refused", error=str(exc))
 
     def apply_control(self, frame: list) -> None:
