@@ -94,6 +94,8 @@ MAX_WORKERS = 64
 MAX_FRAME = 64 * 1024
 METRICS_CHUNK = 48 * 1024  # of the metrics text per control frame (inside MAX_FRAME)
 METRICS_TIMEOUT_S = 10.0
+DROP_CHECK_S = 1.0
+CONTROL_BUFFER_BYTES = 4 << 20
 READY_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
 
@@ -416,11 +418,25 @@ class SyncEdgeNode(EdgeNode):
             await self._stop_front_doors()
             raise
         self._tasks.append(asyncio.create_task(self._tell_when_checked()))
+        self._tasks.append(asyncio.create_task(self._repair_after_drops()))
 
     async def _tell_when_checked(self) -> None:
         if self.tokenizer_check is not None:
             await self.tokenizer_check.settled.wait()
         self._send_withheld()
+
+    async def _repair_after_drops(self) -> None:
+        """A front door that stopped reading for a while loses frames (``_Fanout``): readings,
+        charges and credits it lost are replaced by the next ones, but which workers are withheld
+        is said only on a change, so it is said again after any loss."""
+        dropped = 0
+        while True:
+            await asyncio.sleep(DROP_CHECK_S)
+            if self.fanout.dropped != dropped:
+                log.warning("control frames dropped by a front door that did not read",
+                            frames=self.fanout.dropped - dropped)
+                dropped = self.fanout.dropped
+                self._send_withheld()
 
     async def _start_front_doors(self) -> None:
         ready = [self._spawn_front_door() for _ in range(self.workers - 1)]
@@ -437,6 +453,10 @@ class SyncEdgeNode(EdgeNode):
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         env.update(self.front_door_metrics.environment())
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for end in (mine, theirs):
+            # Six frames a request each way plus the readings: room for a front door that is not
+            # scheduled for a while (the kernel caps it at net.core.wmem_max).
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CONTROL_BUFFER_BYTES)
         argv = [sys.executable, "-m", "kvcompassd", "edge-frontdoor", *self._front_door_args,
                 "--view-directory", self.shared_view.directory_name, "--control-fd", str(theirs.fileno()),
                 "--http", f"{host}:{port}"]
