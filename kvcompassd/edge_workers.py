@@ -9,24 +9,44 @@ every front door binds it with ``SO_REUSEPORT`` and the kernel spreads connectio
 A front door forwards as process 0 does: own-region workers over HTTP, others through their agents
 over its own QUIC connections (under the edge's identity).
 
-Queue estimates and the pending ledger are PARTITIONED, not shared. What the edge learns from
-outside (agents' load readings, peer edges' queue vectors, piggyback notes, which workers are
-withheld or back) arrives at process 0, which applies it and copies it to every front door over a
-control socket, so every process holds the same base readings. What a front door adds itself (the
-charge of each dispatch until its first token and end, the pending ledger's credit for a prompt
-until the view shows it, learned rates, the cache belief, tie rotation) stays in that process.
-Why: sharing them would put a cross-process lock (or atomics on every score input) on each
-decision's path, which is what N processes are for avoiding; and the kernel keeps a client's
-keep-alive connection on one process, so the requests that most need the ledger (a conversation's
-next turn on the same connection) meet their own process's credit. The cost is that each process
-sees 1/N of the fresh charges between load readings (at most one broadcast period). With one
-front door (or the same requests in the same order at one process), decisions are exactly those
-of a single-process edge: tests/test_shared_view.py and tests/test_edge_workers.py.
+Queue readings, dispatch charges and the pending ledger are SHARED; learned rates, the cache
+belief and tie rotation are each process's own. What the edge learns from outside (agents' load
+readings, peer edges' queue vectors, piggyback notes, which workers are withheld or back) arrives
+at process 0, which applies it and copies it to every front door over a control socket, so every
+process holds the same base readings. What a decision adds (the charge of its dispatch until its
+first token and end, ``SharedCharges``; the ledger's credit of its prompt until the views show
+it, and what becomes of it, ``SharedLedger``) goes from the process that made it to all the
+others (a front door's through process 0, which applies it too and passes it on). So a decision
+anywhere sees every request of the edge, as a single-process edge's would, a control frame
+later (tens of microseconds). Partitioned, each process saw 1/N of the fresh charges and credits
+between readings: a burst spread over the processes could herd onto a worker each saw idle, and
+a prompt one process had just sent was sent elsewhere by another.
+
+Learned rates and the belief stay per process: each learns from the responses it sees, which
+the kernel's spreading of connections makes a sample of the same traffic. With one front door
+(or the same requests in the same order at one process), decisions are exactly those of a
+single-process edge: tests/test_shared_view.py and tests/test_edge_workers.py.
+
+A prefill-decode fleet runs the same way: every front door picks the prefill worker by the score
+and a decode worker of its region by the decode chooser (``core/decode_choice.py``), whose
+reported loads process 0 copies like the queue readings; each process counts its own requests in
+flight and avoids for a while a decode worker that failed one of its own requests (another
+process learns it on its first failure there and retries the request on another decode worker).
+Bootstrap rooms are drawn from a per-process random source seeded by the OS, 63 bits as SGLang's
+router draws them, so two processes' rooms collide no more than two requests' in one process.
+
+Metrics: every front door writes its counters and histograms to files in a directory of the
+edge's (prometheus_client's multiprocess mode), which process 0 merges with its own at every
+scrape; a front door answers ``/metrics`` with process 0's merged text
+(``kvcompassd/metrics_front_doors.py``).
 
 Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
 ``["piggyback", to_region, now]``, ``["withheld", [worker index...], checked]``,
-``["back", worker, reason]``; front door -> process 0: ``["ready", pid]``. ``now`` is
+``["back", worker, reason]``, ``["decode_load", worker, running, waiting]`` (a decode worker's
+reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]``
+(one chunk of the edge's metrics); front door -> process 0: ``["ready", pid]``,
+``["metrics?", asked]``; both ways, the frames of ``SharedCharges`` and ``SharedLedger``. ``now`` is
 ``time.monotonic()``, one clock for every process of the host.
 """
 
@@ -39,12 +59,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import msgpack
+import numpy as np
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.ablation import Ablation
@@ -57,7 +81,9 @@ from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.httplimits import FrontDoorGuard
 from kvcompassd.metrics import EdgeMetrics
-from kvcompassd.shared_view import SharedViewReader, SharedViewWriter, share_router_view
+from kvcompassd.metrics_front_doors import (ENVIRONMENT, PUBLISH_PERIOD_S, EdgeWideRegistry,
+                                            FrontDoorMetricsDirectory, FrontDoorPublisher)
+from kvcompassd.shared_view import SEGMENT_DIR, SharedViewReader, SharedViewWriter, share_router_view
 from kvcompassd.tokenizer import ByteTokenizer, Tokenizer
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode
 from kvcompassd.wire import ErrorReported, NodeIdentity, QueueVectorBroadcast, Role, decode, encode
@@ -66,6 +92,10 @@ log = structlog.get_logger(__name__)
 
 MAX_WORKERS = 64
 MAX_FRAME = 64 * 1024
+METRICS_CHUNK = 48 * 1024  # of the metrics text per control frame (inside MAX_FRAME)
+METRICS_TIMEOUT_S = 10.0
+DROP_CHECK_S = 1.0
+CONTROL_BUFFER_BYTES = 4 << 20
 READY_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
 
@@ -81,9 +111,11 @@ class _Fanout:
         self.sockets: list[socket.socket] = []
         self.dropped = 0
 
-    def send(self, *frame: Any) -> None:
+    def send(self, *frame: Any, but: socket.socket | None = None) -> None:
         data = _pack(*frame)
         for sock in list(self.sockets):
+            if sock is but:
+                continue
             try:
                 sock.send(data)
             except BlockingIOError:
@@ -122,6 +154,175 @@ class _QueueFanout:
 
 
 QUEUE_FRAMES = frozenset({"load", "vector", "piggyback"})
+CHARGE_FRAMES = frozenset({"charge", "first_token", "retired"})
+LEDGER_FRAMES = frozenset({"credit", "ready", "refute", "drop", "forget"})
+# Other processes' dispatches whose charge this process holds (one per request in flight at
+# them); beyond it the oldest are forgotten, as QueueEstimates forgets its own.
+MAX_SHARED_CHARGES = 1 << 14
+
+
+class SharedCharges:
+    """Queue estimates whose dispatch charges every process of the edge holds: each charge this
+    process makes (``note_dispatched``) and each retirement (its request's first token, its end)
+    goes out as a frame (``send``), and the other processes' frames are applied here
+    (``apply_frame``) as if this process had made them, at the time their process did. So the
+    queue a decision sees holds every request the edge sent, whichever process sent it, less
+    what is still on its way (a control frame, tens of microseconds), and the herd factor of a
+    remote region is measured against all of the edge's sends (it is the edge's WAN traffic).
+    Sans-IO: the frames are ``("charge", origin, handle, worker, ms, now)``,
+    ``("first_token", origin, handle, now)`` and ``("retired", origin, handle, now)``."""
+
+    def __init__(self, queues: Any, send: Any, *, origin: int) -> None:
+        self._queues = queues
+        self._send = send
+        self.origin = origin
+        self.queue_ms = queues.queue_ms  # what every decision calls, bound once
+        self._charged: set[int] = set()  # own handles whose charge went out
+        self._theirs: OrderedDict[tuple[int, int], int] = OrderedDict()  # (origin, handle) -> own handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queues, name)
+
+    def note_dispatched(self, worker_id: str, added_ms: float, *, now: float) -> int:
+        handle = self._queues.note_dispatched(worker_id, added_ms, now=now)
+        if added_ms:  # a zero charge changes nothing anywhere
+            if len(self._charged) >= MAX_SHARED_CHARGES:
+                self._charged.clear()  # a shell that lost track of its requests: start over
+            self._charged.add(handle)
+            self._send(("charge", self.origin, handle, worker_id, float(added_ms), float(now)))
+        return handle
+
+    def retire_prefill(self, handle: int, *, now: float) -> float:
+        left = self._queues.retire_prefill(handle, now=now)
+        if handle in self._charged:
+            self._send(("first_token", self.origin, handle, float(now)))
+        return left
+
+    def retire(self, handle: int, *, now: float) -> None:
+        self._queues.retire(handle, now=now)
+        if handle in self._charged:
+            self._charged.discard(handle)
+            self._send(("retired", self.origin, handle, float(now)))
+
+    def apply_frame(self, frame: Sequence[Any], *, now: float) -> None:
+        """Another process's charge or retirement, at the time it made it (never after ``now``).
+        ValueError for a frame that is not one (an unknown worker, a bad charge)."""
+        kind, origin, handle = frame[0], int(frame[1]), int(frame[2])
+        key = (origin, handle)
+        if kind == "charge":
+            _, _, _, worker, added, at = frame
+            theirs = self._theirs
+            if len(theirs) >= MAX_SHARED_CHARGES:
+                theirs.popitem(last=False)
+            theirs[key] = self._queues.note_dispatched(worker, float(added), now=min(float(at), now))
+        elif kind == "first_token":
+            mine = self._theirs.get(key)
+            if mine is not None:
+                self._queues.retire_prefill(mine, now=min(float(frame[3]), now))
+        elif kind == "retired":
+            mine = self._theirs.pop(key, None)
+            if mine is not None:
+                self._queues.retire(mine, now=min(float(frame[3]), now))
+        else:
+            raise ValueError(f"not a charge frame: {kind!r}")
+
+
+class SharedLedger:
+    """The pending ledger (``core/pending.py``) every process of the edge holds alike: each
+    prompt this process notes as sent (its query keys, a few dozen), and what becomes of the
+    dispatch (its first token, a response that refutes credits, its end, a worker that failed),
+    goes out as a frame (``send``); the other processes' frames are applied here
+    (``apply_frame``) under dispatch ids of their own (negative: never one of this process's
+    queue handles). So a prompt sent by one process is credited to its worker by every process
+    until the views show it. ``refuted`` counts this process's refutations only (the edge's
+    metric sums the processes'). Sans-IO: ``("credit", origin, dispatch, worker, keys,
+    prompt_len, shown, ready_at, now)``, ``("ready", origin, dispatch, now)``, ``("refute",
+    origin, dispatch, reused)``, ``("drop", origin, dispatch)``, ``("forget", origin, worker)``."""
+
+    def __init__(self, pending: Any, send: Any, *, origin: int) -> None:
+        self._pending = pending
+        self._send = send
+        self.origin = origin
+        self.overlay = pending.overlay  # what every decision calls, bound once
+        self._theirs: OrderedDict[tuple[int, int], int] = OrderedDict()  # (origin, dispatch) -> id here
+        self._next_id = -1
+        self._their_refuted = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pending, name)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @property
+    def refuted(self) -> int:
+        return self._pending.refuted - self._their_refuted
+
+    def note_sent(self, worker: int, keys: np.ndarray, prompt_len: int, shown: int, *, ready_at: float,
+                  now: float, dispatch: int | None = None) -> int:
+        noted = self._pending.note_sent(worker, keys, prompt_len, shown, ready_at=ready_at, now=now,
+                                        dispatch=dispatch)
+        self._send(("credit", self.origin, -1 if dispatch is None else dispatch, worker, keys.tolist(),
+                    int(prompt_len), int(shown), float(ready_at), float(now)))
+        return noted
+
+    def mark_ready(self, dispatch: int, *, now: float) -> bool:
+        self._send(("ready", self.origin, dispatch, float(now)))
+        return self._pending.mark_ready(dispatch, now=now)
+
+    def refute(self, dispatch: int, reused_tokens: int) -> int:
+        self._send(("refute", self.origin, dispatch, int(reused_tokens)))
+        return self._pending.refute(dispatch, reused_tokens)
+
+    def drop_dispatch(self, dispatch: int) -> None:
+        self._send(("drop", self.origin, dispatch))
+        self._pending.drop_dispatch(dispatch)
+
+    def forget(self, worker: int) -> int:
+        self._send(("forget", self.origin, int(worker)))
+        return self._pending.forget(worker)
+
+    def apply_frame(self, frame: Sequence[Any], *, now: float) -> None:
+        """Another process's ledger change, at the time it made it (never after ``now``).
+        ValueError (or TypeError, IndexError) for a frame that is not one."""
+        kind, origin = frame[0], int(frame[1])
+        pending = self._pending
+        if kind == "forget":
+            worker = int(frame[2])
+            if not 0 <= worker < len(pending._worker_lengths):
+                raise ValueError(f"no worker {worker}")
+            pending.forget(worker)
+            return
+        key = (origin, int(frame[2]))
+        if kind == "credit":
+            _, _, sent, worker, keys, prompt_len, shown, ready_at, at = frame
+            if not 0 <= int(worker) < len(pending._worker_lengths):
+                raise ValueError(f"no worker {worker}")
+            dispatch = None
+            if sent >= 0:
+                dispatch = self._next_id
+                self._next_id -= 1
+                theirs = self._theirs
+                if len(theirs) >= MAX_SHARED_CHARGES:
+                    theirs.popitem(last=False)
+                theirs[key] = dispatch
+            at = min(float(at), now)
+            pending.note_sent(int(worker), np.asarray(keys, dtype=np.uint64), int(prompt_len), int(shown),
+                              ready_at=max(float(ready_at), at), now=at, dispatch=dispatch)
+        elif kind == "ready":
+            dispatch = self._theirs.get(key)
+            if dispatch is not None:
+                pending.mark_ready(dispatch, now=min(float(frame[3]), now))
+        elif kind == "refute":
+            dispatch = self._theirs.pop(key, None)
+            if dispatch is not None:
+                self._their_refuted += pending.refute(dispatch, int(frame[3]))
+        elif kind == "drop":
+            dispatch = self._theirs.pop(key, None)
+            if dispatch is not None:
+                pending.drop_dispatch(dispatch)
+        else:
+            raise ValueError(f"not a ledger frame: {kind!r}")
 
 
 def apply_queue_frame(queues: Any, frame: list, *, now: float) -> None:
@@ -149,23 +350,28 @@ class SyncEdgeNode(EdgeNode):
                  front_door_args: list[str], **kwargs: Any):
         if not 1 <= workers <= MAX_WORKERS:
             raise ValueError(f"--workers must be in [1, {MAX_WORKERS}], got {workers}")
-        if workers > 1 and any(w.role != "mixed" for w in cfg.workers):
-            # The decode chooser's loads are not copied to the front doors (yet).
-            raise ValueError("--workers > 1 does not serve prefill-decode disaggregation yet")
         self.shared_view = SharedViewWriter(IndexLayout.from_config(cfg), cfg.shards, edge=me.id)
+        self.front_door_metrics = FrontDoorMetricsDirectory(SEGMENT_DIR / f"{self.shared_view.prefix}-metrics")
         try:
             super().__init__(cfg, me, tls, view=self.shared_view, reuse_port=True, **kwargs)
         except BaseException:
             self.shared_view.close()  # refused before it started: leave nothing in /dev/shm
+            self.front_door_metrics.close()
             raise
+        # What the metrics port and /metrics serve: this process's metrics and every front door's.
+        self.metrics.registry = EdgeWideRegistry(self.metrics.registry, self.front_door_metrics)
         self.workers = workers
         self._front_door_args = list(front_door_args)
         self.fanout = _Fanout()
-        self.router.queues = _QueueFanout(self.router.queues, self.fanout)
+        self.router.queues = SharedCharges(_QueueFanout(self.router.queues, self.fanout),
+                                           lambda frame: self.fanout.send(*frame), origin=0)
+        if self.router.pending is not None:
+            self.router.pending = SharedLedger(self.router.pending, lambda frame: self.fanout.send(*frame), origin=0)
         self._withhold = self.router.withhold
         self.router.withhold = self._withhold_and_tell  # type: ignore[method-assign]
         self._children: dict[socket.socket, subprocess.Popen] = {}  # by control socket
         self._front_doors_ready = False
+        self._metrics_sends: set[asyncio.Task] = set()
         self._stopping = False
         self.front_doors_restarted = 0
 
@@ -197,17 +403,40 @@ class SyncEdgeNode(EdgeNode):
             self.fanout.send("back", worker_id, why)
 
         self.forwarder.worker_back = worker_back  # type: ignore[method-assign]
+        chooser = self.forwarder.decode_chooser
+        if chooser is not None:  # a prefill-decode fleet: every front door chooses decode workers
+            reported = chooser.load_reported
+
+            def decode_load_reported(worker: str, running: int, waiting: int) -> None:
+                reported(worker, running, waiting)
+                self.fanout.send("decode_load", worker, int(running), int(waiting))
+
+            chooser.load_reported = decode_load_reported  # type: ignore[method-assign]
         try:
             await self._start_front_doors()
         except BaseException:
             await self._stop_front_doors()
             raise
         self._tasks.append(asyncio.create_task(self._tell_when_checked()))
+        self._tasks.append(asyncio.create_task(self._repair_after_drops()))
 
     async def _tell_when_checked(self) -> None:
         if self.tokenizer_check is not None:
             await self.tokenizer_check.settled.wait()
         self._send_withheld()
+
+    async def _repair_after_drops(self) -> None:
+        """A front door that stopped reading for a while loses frames (``_Fanout``): readings,
+        charges and credits it lost are replaced by the next ones, but which workers are withheld
+        is said only on a change, so it is said again after any loss."""
+        dropped = 0
+        while True:
+            await asyncio.sleep(DROP_CHECK_S)
+            if self.fanout.dropped != dropped:
+                log.warning("control frames dropped by a front door that did not read",
+                            frames=self.fanout.dropped - dropped)
+                dropped = self.fanout.dropped
+                self._send_withheld()
 
     async def _start_front_doors(self) -> None:
         ready = [self._spawn_front_door() for _ in range(self.workers - 1)]
@@ -222,7 +451,12 @@ class SyncEdgeNode(EdgeNode):
         """Start one front-door process; the future is done when it serves the port."""
         host, port = self.http_address
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        env.update(self.front_door_metrics.environment())
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for end in (mine, theirs):
+            # Six frames a request each way plus the readings: room for a front door that is not
+            # scheduled for a while (the kernel caps it at net.core.wmem_max).
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CONTROL_BUFFER_BYTES)
         argv = [sys.executable, "-m", "kvcompassd", "edge-frontdoor", *self._front_door_args,
                 "--view-directory", self.shared_view.directory_name, "--control-fd", str(theirs.fileno()),
                 "--http", f"{host}:{port}"]
@@ -249,10 +483,24 @@ class SyncEdgeNode(EdgeNode):
         except OSError:
             data = b""
         if data:
-            frame = msgpack.unpackb(data, raw=False)
-            if frame and frame[0] == "ready" and not ready.done():
-                ready.set_result(frame[1])
-                self._send_withheld()  # anything that changed while it started
+            try:
+                frame = msgpack.unpackb(data, raw=False)
+                if frame and frame[0] == "ready" and not ready.done():
+                    ready.set_result(frame[1])
+                    self._send_withheld()  # anything that changed while it started
+                elif frame and frame[0] in CHARGE_FRAMES:
+                    # A front door's charge: held here too, and passed on to the other front doors.
+                    self.router.queues.apply_frame(frame, now=self.clock())
+                    self.fanout.send(*frame, but=sock)
+                elif frame and frame[0] in LEDGER_FRAMES and self.router.pending is not None:
+                    self.router.pending.apply_frame(frame, now=self.clock())
+                    self.fanout.send(*frame, but=sock)
+                elif frame and frame[0] == "metrics?":
+                    task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
+                    self._metrics_sends.add(task)
+                    task.add_done_callback(self._metrics_sends.discard)
+            except (ValueError, TypeError, IndexError, KeyError, OverflowError, msgpack.UnpackException) as exc:
+                log.warning("front door frame refused", error=str(exc))
             return
         # The front door exited: its socket left the port's group, the others keep serving.
         loop = asyncio.get_running_loop()
@@ -270,13 +518,28 @@ class SyncEdgeNode(EdgeNode):
         self.front_doors_restarted += 1
         self._tasks.append(asyncio.create_task(self._replace_front_door(child)))
 
+    async def _send_metrics(self, sock: socket.socket, asked: int) -> None:
+        """The edge's metrics (this process's and every front door's) to the front door that
+        was asked for /metrics, in chunks that fit a control frame."""
+        text = generate_latest(self.metrics.registry)
+        loop = asyncio.get_running_loop()
+        chunks = [text[i:i + METRICS_CHUNK] for i in range(0, len(text), METRICS_CHUNK)] or [b""]
+        try:
+            for k, chunk in enumerate(chunks):
+                await loop.sock_sendall(sock, _pack("metrics", asked, k == len(chunks) - 1, chunk))
+        except OSError as exc:
+            log.warning("metrics not sent to a front door", error=str(exc))
+
     async def _replace_front_door(self, gone: subprocess.Popen | None) -> None:
         if gone is not None:  # reap it (it closed its control socket: it is exiting)
             try:
                 await asyncio.wait_for(asyncio.to_thread(gone.wait), timeout=20)
             except TimeoutError:
                 gone.kill()
+                await asyncio.to_thread(gone.wait)
             log.info("front door reaped", pid=gone.pid, exit_code=gone.returncode)
+            # It writes no more: its counts stay in the edge's totals once, its live gauges go.
+            self.front_door_metrics.retire(gone.pid)
         await asyncio.sleep(RESTART_DELAY_S)  # a front door that dies at once does not spin
         if self._stopping:
             return
@@ -288,6 +551,8 @@ class SyncEdgeNode(EdgeNode):
 
     async def _stop_front_doors(self) -> None:
         self._stopping = True
+        for task in list(self._metrics_sends):
+            task.cancel()
         loop = asyncio.get_running_loop()
         for sock in list(self._children):
             try:
@@ -314,6 +579,7 @@ class SyncEdgeNode(EdgeNode):
             await super().stop()
         finally:
             self.shared_view.close()
+            self.front_door_metrics.close()
 
     def status(self) -> str:
         return f"{super().status()}, {self.workers} front doors"
@@ -336,6 +602,10 @@ class FrontDoorProcess:
         self.view = SharedViewReader(self.layout, cfg.shards, view_directory, edge=me.id)
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         share_router_view(self.router, self.view)
+        self.router.queues = SharedCharges(self.router.queues, self._send_to_edge, origin=os.getpid())
+        if self.router.pending is not None:
+            self.router.pending = SharedLedger(self.router.pending, self._send_to_edge, origin=os.getpid())
+        self.charge_frames_dropped = 0
         for i in range(len(self.layout.worker_ids)):  # until process 0 says which workers it verified
             self.router.withhold(i)
         self.metrics = EdgeMetrics()
@@ -353,6 +623,10 @@ class FrontDoorProcess:
         self.http_address: tuple[str, int] | None = None
         self._http: aiohttp.ClientSession | None = None
         self.forwarder: Forwarder | None = None
+        self.publisher: FrontDoorPublisher | None = None
+        self._metrics_asked = 0
+        self._metrics_answer: asyncio.Future | None = None
+        self._metrics_chunks: list[bytes] = []
 
     async def start(self) -> None:
         self.control.setblocking(False)
@@ -369,8 +643,11 @@ class FrontDoorProcess:
         async with asyncio.timeout(READY_TIMEOUT_S):
             await self._state_received.wait()  # the withheld workers, before any request is decided
         guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
-        self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
-                                   health=self.health, guard=guard)
+        self.frontdoor = _OneOfManyFrontDoors(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
+                                              health=self.health, guard=guard, edge_metrics=self.edge_metrics)
+        self.publisher = FrontDoorPublisher(self.metrics, lambda: self.router.hot.hot_misses)
+        if os.environ.get(ENVIRONMENT):  # the edge reads this process's metrics from its files
+            self._publishing = asyncio.create_task(self._publish_metrics())
         self._runner = guard.runner(self.frontdoor.app)
         await self._runner.setup()
         host, port = split_address(self.http_address_arg, "--http")
@@ -380,7 +657,43 @@ class FrontDoorProcess:
         self.control.send(_pack("ready", os.getpid()))
         log.info("front door started", http=self.http_address, view_directory=self.view.directory_name)
 
+    async def _publish_metrics(self) -> None:
+        while True:
+            self.publisher.publish()
+            await asyncio.sleep(PUBLISH_PERIOD_S)
+
+    async def edge_metrics(self) -> bytes:
+        """The edge's metrics text, as process 0 merges them (this process's, fresh, among them).
+        Concurrent asks share one answer."""
+        answer = self._metrics_answer
+        if answer is None or answer.done():
+            if self.publisher is not None:
+                self.publisher.publish()
+            self._metrics_asked += 1
+            self._metrics_chunks = []
+            answer = self._metrics_answer = asyncio.get_running_loop().create_future()
+            await asyncio.get_running_loop().sock_sendall(self.control, _pack("metrics?", self._metrics_asked))
+        try:
+            async with asyncio.timeout(METRICS_TIMEOUT_S):
+                return await asyncio.shield(answer)
+        except TimeoutError:
+            if not answer.done():  # every waiter gives up; the next scrape asks again
+                answer.set_exception(TimeoutError("the edge process did not answer for its metrics"))
+            raise
+
+    def _metrics_chunk(self, asked: int, last: bool, chunk: bytes) -> None:
+        answer = self._metrics_answer
+        if answer is None or answer.done() or asked != self._metrics_asked:
+            return  # an answer nobody waits for any more
+        self._metrics_chunks.append(bytes(chunk))
+        if last:
+            answer.set_result(b"".join(self._metrics_chunks))
+            self._metrics_chunks = []
+
     async def stop(self) -> None:
+        publishing = getattr(self, "_publishing", None)
+        if publishing is not None:
+            publishing.cancel()
         try:
             asyncio.get_running_loop().remove_reader(self.control.fileno())
         except (ValueError, OSError):
@@ -392,6 +705,16 @@ class FrontDoorProcess:
         if self._http is not None:
             await self._http.close()
         await self.node.close()
+
+    def _send_to_edge(self, frame: tuple) -> None:
+        try:
+            self.control.send(_pack(*frame))
+        except BlockingIOError:
+            # Process 0 stopped reading for a moment: the others miss this charge, which the
+            # worker's next reading replaces anyway.
+            self.charge_frames_dropped += 1
+        except OSError:
+            pass  # process 0 is gone: this front door stops (_on_control)
 
     def _agent_peer(self, worker_id: str) -> Peer | None:
         peer = self._agent_peers.get(worker_id)
@@ -438,13 +761,18 @@ class FrontDoorProcess:
                 return
             try:
                 self.apply_control(msgpack.unpackb(data, raw=False))
-            except (ValueError, TypeError, IndexError, KeyError) as exc:
+            except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
                 log.warning("control frame refused", error=str(exc))
 
     def apply_control(self, frame: list) -> None:
         kind = frame[0]
         if kind in QUEUE_FRAMES:
             apply_queue_frame(self.router.queues, frame, now=self.clock())
+        elif kind in CHARGE_FRAMES:
+            self.router.queues.apply_frame(frame, now=self.clock())
+        elif kind in LEDGER_FRAMES:
+            if self.router.pending is not None:
+                self.router.pending.apply_frame(frame, now=self.clock())
         elif kind == "withheld":
             withheld, self._checked = set(frame[1]), bool(frame[2])
             for i in range(len(self.layout.worker_ids)):
@@ -454,5 +782,28 @@ class FrontDoorProcess:
         elif kind == "back":
             if self.forwarder is not None:
                 self.forwarder.worker_back(frame[1], frame[2])
+        elif kind == "decode_load":
+            chooser = self.forwarder.decode_chooser if self.forwarder is not None else None
+            if chooser is not None:
+                chooser.load_reported(frame[1], int(frame[2]), int(frame[3]))
+        elif kind == "metrics":
+            self._metrics_chunk(int(frame[1]), bool(frame[2]), frame[3])
         else:
             raise ValueError(f"unknown control frame {kind!r}")
+
+
+class _OneOfManyFrontDoors(FrontDoor):
+    """A front door of ``edge --workers N`` other than process 0: ``/metrics`` says the edge's
+    (every process's), not this process's alone."""
+
+    def __init__(self, *args: Any, edge_metrics: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._edge_metrics = edge_metrics
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._edge_metrics()
+        except (TimeoutError, OSError) as exc:
+            log.warning("edge metrics unavailable", error=str(exc))
+            return web.Response(status=503, text="the edge process did not answer for its metrics\n")
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

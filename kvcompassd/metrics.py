@@ -84,6 +84,9 @@ class _ShardTablesCollector:
 
 
 class EdgeMetrics:
+    # Gauges say how the front doors of ``edge --workers N`` add up (kvcompassd/metrics_front_doors.py):
+    # livesum (a count over processes), livemax (process 0's reading; front doors hold copies),
+    # liveall (per process, a pid label: what each one learned itself).
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvcompass_requests", "Requests at the front door, by route and status", ["route", "status"], registry=r)
@@ -91,25 +94,29 @@ class EdgeMetrics:
         self.pending_credits = Counter("kvcompass_pending_credits", "Decisions whose winner was credited with a prompt the edge had just sent it, not yet in the view", registry=r)
         self.pending_refuted = Gauge("kvcompass_pending_refuted", "Pending-ledger credits ended by a response that "
                                      "reused fewer tokens than its worker was credited with (a count, read when scraped)",
-                                     registry=r)
+                                     registry=r, multiprocess_mode="livesum")
         self.decision_seconds = Histogram("kvcompass_decision_seconds", "Lookup + score time per decision", buckets=_DECISION_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kvcompass_ttft_seconds", "Time to first token seen at the edge", buckets=_REQUEST_BUCKETS, registry=r)
         self.request_seconds = Histogram("kvcompass_request_seconds", "End-to-end request time at the edge", buckets=_REQUEST_BUCKETS, registry=r)
         self.score_terms = Histogram("kvcompass_chosen_score_ms", "Score terms of the chosen worker (ms)", ["term"], buckets=(0.1, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000), registry=r)
         self.batches = Counter("kvcompass_update_batches_applied", "Update batches applied to the views", registry=r)
         self.resyncs = Counter("kvcompass_resyncs_requested", "Resyncs asked of maintenance units", registry=r)
-        self.queue_age = Gauge("kvcompass_queue_estimate_age_seconds", "Age of the oldest remote queue estimate", registry=r)
-        self.queue_correction = Gauge("kvcompass_queue_correction_ms", "Selection correction added to a remote region's queue estimates (ms)", ["region"], registry=r)
-        self.herd_factor = Gauge("kvcompass_queue_herd_factor", "Multiple of each send to a remote region charged to its queue estimates", ["region"], registry=r)
+        self.queue_age = Gauge("kvcompass_queue_estimate_age_seconds", "Age of the oldest remote queue estimate", registry=r,
+                               multiprocess_mode="livemax")
+        self.queue_correction = Gauge("kvcompass_queue_correction_ms", "Selection correction added to a remote region's queue estimates (ms)", ["region"], registry=r,
+                                      multiprocess_mode="livemax")
+        self.herd_factor = Gauge("kvcompass_queue_herd_factor", "Multiple of each send to a remote region charged to its queue estimates", ["region"], registry=r,
+                                 multiprocess_mode="livemax")
         self.false_lookups = Counter("kvcompass_false_lookups", "Responses that reused fewer tokens than the edge claimed", registry=r)
         self.claimed_tokens = Counter("kvcompass_claimed_tokens", "Prefix tokens the edge credited winners with", registry=r)
         self.reused_tokens = Counter("kvcompass_reused_tokens", "Prefix tokens workers reported reusing", registry=r)
         self.retries = Counter("kvcompass_retries", "Requests retried on the next best worker", registry=r)
         self.learned_prefill = Gauge("kvcompass_learned_prefill_ms_per_token", "Each worker's prefill rate as "
                                      "this edge learned it from the first tokens it saw (core/rates.py)",
-                                     ["worker"], registry=r)
+                                     ["worker"], registry=r, multiprocess_mode="liveall")
         self.learned_decode = Gauge("kvcompass_learned_decode_ms_per_token", "Each worker's decode rate as this "
-                                    "edge learned it from the ends it saw", ["worker"], registry=r)
+                                    "edge learned it from the ends it saw", ["worker"], registry=r,
+                                    multiprocess_mode="liveall")
         self.migrations = Counter("kvcompass_migrations", "Hot-prefix migrations requested, by mode", ["mode"], registry=r)
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
                                         "authority for them (a shard it does not own, a region it is not in), by "
@@ -139,9 +146,10 @@ class EdgeMetrics:
         (a second front door on the same metrics takes the gauges over)."""
         if not hasattr(self, "buffered_body_bytes"):
             self.buffered_body_bytes = Gauge("kvcompass_frontdoor_buffered_body_bytes",
-                                             "Request-body bytes the front door holds (its budget's use)", registry=self.registry)
+                                             "Request-body bytes the front door holds (its budget's use)", registry=self.registry,
+                                             multiprocess_mode="livesum")
             self.frontdoor_connections = Gauge("kvcompass_frontdoor_connections", "HTTP connections open at the front door",
-                                               registry=self.registry)
+                                               registry=self.registry, multiprocess_mode="livesum")
         self.buffered_body_bytes.set_function(buffered_bytes)
         self.frontdoor_connections.set_function(connections)
 

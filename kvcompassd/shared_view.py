@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -120,8 +121,8 @@ _SEGMENT_NAME = re.compile(r"^kvc-[A-Za-z0-9_]{1,12}-(\d+)-[0-9a-f]{8}-")
 
 
 def reap_stale_segments() -> list[str]:
-    """Unlink the segments of writers whose process is gone (killed before ``close()``): each
-    name carries its writer's pid. Segments of live writers, or of other users, are left alone."""
+    """Unlink the segments (and front-door metrics directories) of writers whose process is gone
+    (killed before ``close()``): each name carries its writer's pid. Segments of live writers, or of other users, are left alone."""
     reaped = []
     try:
         names = os.listdir(SEGMENT_DIR)
@@ -138,8 +139,12 @@ def reap_stale_segments() -> list[str]:
             pass
         except PermissionError:
             continue  # another user's process: alive
+        path = SEGMENT_DIR / name
         try:
-            os.unlink(SEGMENT_DIR / name)
+            if path.is_dir():  # the metrics directory of the writer's front doors
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
             reaped.append(name)
         except OSError:
             pass

@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 import msgpack
 import numpy as np
@@ -20,7 +21,7 @@ import socket
 from e2e_helpers import admin, doc, eventually, generate
 from kvcompassd.core.config import load_config
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
-from kvcompassd.edge_workers import _Fanout, _QueueFanout, apply_queue_frame
+from kvcompassd.edge_workers import SharedCharges, SharedLedger, _Fanout, _QueueFanout, apply_queue_frame
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -63,6 +64,128 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
     edge.set_local(us[1], 1.0, now=1.0)  # a front door gone: dropped from the fan-out, no error
     assert fanout.sockets == []
     mine.close()
+
+
+async def test_a_charge_made_by_one_process_is_held_by_the_others_until_it_retires():
+    frames: dict[str, list] = {"a": [], "b": []}
+    a = SharedCharges(QueueEstimates(TESTBED, "us", now=0.0), frames["a"].append, origin=0)
+    b = SharedCharges(QueueEstimates(TESTBED, "us", now=0.0), frames["b"].append, origin=4242)
+    alone = QueueEstimates(TESTBED, "us", now=0.0)  # one process making every dispatch itself
+    us = [w.id for w in TESTBED.workers if w.region == "us"]
+    eu = [w.id for w in TESTBED.workers if w.region == "eu"]
+    for q in (a, b, alone):
+        q.set_local(us[0], 40.0, now=0.1, running=1)
+        q.on_broadcast(QueueVectorBroadcast("eu", "us", 0.05, ((eu[0], 30.0), (eu[1], 5.0))), now=0.1)
+
+    def deliver(now: float) -> None:  # what the control sockets carry, in order
+        for frame in frames["a"]:
+            b.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        for frame in frames["b"]:
+            a.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        frames["a"].clear()
+        frames["b"].clear()
+
+    def alike(now: float) -> None:
+        assert np.array_equal(a.queue_ms(now=now), alone.queue_ms(now=now))
+        assert np.array_equal(b.queue_ms(now=now), alone.queue_ms(now=now))
+
+    mine = a.note_dispatched(us[0], 120.0, now=0.2)
+    theirs = b.note_dispatched(eu[1], 300.0, now=0.21)  # a remote worker: in flight for a round trip
+    assert b.note_dispatched(us[1], 0.0, now=0.21) >= 0 and frames["b"][-1][3] == eu[1]  # no frame for nothing
+    one, two = alone.note_dispatched(us[0], 120.0, now=0.2), alone.note_dispatched(eu[1], 300.0, now=0.21)
+    deliver(now=0.22)
+    for now in (0.22, 0.25):
+        alike(now)
+    a.retire_prefill(mine, now=0.23)
+    alone.retire_prefill(one, now=0.23)
+    b.retire(theirs, now=0.24)
+    alone.retire(two, now=0.24)
+    deliver(now=0.26)
+    alike(0.26)
+    a.retire(mine, now=0.27)
+    alone.retire(one, now=0.27)
+    deliver(now=0.28)
+    alike(0.3)
+    assert b._theirs == {} and a._theirs == {}  # every charge of the other process retired
+    with pytest.raises(ValueError):
+        b.apply_frame(["charge", 0, 99, "nobody", 1.0, 0.3], now=0.3)
+    with pytest.raises(ValueError):
+        b.apply_frame(["load", 0, 99], now=0.3)
+
+
+def _ledgers():
+    from kvcompassd.core.index import EdgeIndexView
+    from kvcompassd.core.layout import IndexLayout
+    from kvcompassd.core.pending import PendingHoldings
+    from kvcompassd.core.router import Router
+
+    r = Router(TESTBED, "us", EdgeIndexView(IndexLayout.from_config(TESTBED), TESTBED.shards, edge="edge-us"), now=0.0)
+
+    def ledger():
+        return PendingHoldings(r.lookup.group_lengths, r.lookup.query_lengths, r.layout.worker_group,
+                               hold_s=1.0, refute_misses=True)
+
+    queries = [int(n) for n in r.lookup.query_lengths]
+    return ledger, queries
+
+
+async def test_a_prompt_sent_by_one_process_is_credited_by_the_others_alike():
+    ledger, queries = _ledgers()
+    frames: dict[str, list] = {"a": [], "b": []}
+    a = SharedLedger(ledger(), frames["a"].append, origin=0)
+    b = SharedLedger(ledger(), frames["b"].append, origin=4242)
+    alone = ledger()  # one process sending every prompt itself
+    n = len(TESTBED.workers)
+    keys = np.arange(1, len(queries) + 1, dtype=np.uint64) * 7919  # a prompt's query keys
+    other = keys + 1  # another prompt's
+
+    def deliver(now: float) -> None:
+        for frame in frames["a"]:
+            b.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        for frame in frames["b"]:
+            a.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=now)
+        frames["a"].clear()
+        frames["b"].clear()
+
+    def credited(holdings, prompt, now: float) -> list[int]:
+        matched, tier = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int8)
+        holdings.overlay(prompt.tolist(), matched, tier, now=now, read_only=True)
+        return matched.tolist()
+
+    def alike(prompt, now: float) -> list[int]:
+        want = credited(alone, prompt, now)
+        assert credited(a, prompt, now) == want and credited(b, prompt, now) == want
+        return want
+
+    prompt_len = queries[-1]
+    for q in (a, alone):
+        q.note_sent(1, keys, prompt_len, 0, ready_at=0.1, now=0.05, dispatch=7)
+    for q in (b, alone):
+        q.note_sent(2, other, prompt_len, 0, ready_at=0.1, now=0.06, dispatch=7 if q is b else 8)
+    deliver(now=0.07)
+    assert max(alike(keys, 0.2)) == prompt_len and max(alike(other, 0.2)) == prompt_len
+    # A third prompt at worker 3, then again there on the strength of that credit alone.
+    third = keys + 2
+    for q in (b, alone):
+        q.note_sent(3, third, prompt_len, 0, ready_at=0.1, now=0.08, dispatch=9)
+    deliver(now=0.09)
+    assert alike(third, 0.2)[3] == prompt_len
+    for q in (a, alone):
+        q.note_sent(3, third, prompt_len, prompt_len, ready_at=0.3, now=0.25, dispatch=10)
+    deliver(now=0.26)
+    # Its response reused only the first length: the credits beyond it end in every process.
+    assert a.refute(10, queries[0]) == alone.refute(10, queries[0]) > 0
+    deliver(now=0.5)
+    assert alike(third, 0.5)[3] == queries[0]
+    assert b.refuted == 0 and a.refuted == alone.refuted  # each process counts its own
+    for q in (a, alone):
+        q.forget(2)
+    deliver(now=0.6)
+    assert max(alike(other, 0.6)) == 0
+    with pytest.raises(ValueError):
+        b.apply_frame(["forget", 0, n], now=0.7)
+    with pytest.raises(ValueError):
+        b.apply_frame(["charge", 0, 1], now=0.7)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -149,7 +272,8 @@ async def test_the_front_door_maps_the_views_without_a_copy(dep, doors):
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and not head[0].endswith(":"):
-            inside = len(head) >= 6 and head[5].startswith("/dev/shm/kvc-")
+            # The view's images, not the front door's own metrics files (kvc-...-metrics/).
+            inside = len(head) >= 6 and head[5].startswith("/dev/shm/kvc-") and "-metrics/" not in head[5]
         elif inside and head[0] == "Rss:":
             rss += int(head[1]) * 1024
         elif inside and head[0] in ("Private_Clean:", "Private_Dirty:"):
@@ -158,8 +282,40 @@ async def test_the_front_door_maps_the_views_without_a_copy(dep, doors):
     assert private <= 0.05 * rss  # ...which the edge process holds too: one copy on the host
 
 
+async def _metrics(dep, session: aiohttp.ClientSession) -> dict[tuple[str, tuple], float]:
+    async with session.get(dep.edge_url("us") + "/metrics") as r:
+        assert r.status == 200, await r.text()
+        text = await r.text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+GENERATED = ("kvcompass_requests_total", (("route", "/generate"), ("status", "200")))
+REQUEST_TIMES = ("kvcompass_request_seconds_count", ())
+
+
+async def test_every_front_doors_requests_are_counted_whichever_process_is_scraped(dep, doors):
+    before = await _metrics(dep, doors[0])
+    for i, session in enumerate(doors.values()):
+        for k in range(2 + i):  # 2 at process 0, 3 at the other
+            await _generate(dep, session, doc(140 + 10 * i + k, 300))
+    for session in doors.values():  # process 0 merges; the other front door asks process 0
+        after = await _metrics(dep, session)
+        assert after[GENERATED] - before[GENERATED] == 5
+        assert after[REQUEST_TIMES] - before[REQUEST_TIMES] == 5
+    (pid,) = (k for k in doors if k)
+    learned = {dict(k[1]).get("pid") for k in after if k[0] == "kvcompass_learned_prefill_ms_per_token"}
+    assert str(pid) in learned and len(learned) == 2  # each process's own rates, by pid
+
+    async def both_connections_counted():  # a function gauge the front door publishes each second
+        return (await _metrics(dep, doors[0]))[("kvcompass_frontdoor_connections", ())] >= 2
+
+    await eventually(both_connections_counted)
+
+
 async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep, doors):
     (pid,) = (k for k in doors if k)
+    counted = (await _metrics(dep, doors[0]))[GENERATED]
     os.kill(pid, signal.SIGKILL)
 
     async def replaced():
@@ -173,6 +329,8 @@ async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep
         return door is not None and door != pid and body["ready"]
 
     await eventually(replaced, timeout=90)
+    # The dead front door's requests are still counted, once.
+    assert (await _metrics(dep, doors[0]))[GENERATED] == counted
     # Requests go on being served meanwhile and after, by whichever process takes the connection.
     for i in range(4):
         assert (await generate(dep, "us", doc(130 + i, 300)))["meta_info"]["kvcompass"]["worker"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -358,14 +359,19 @@ def test_segments_of_a_writer_killed_before_close_are_reaped_and_live_ones_kept(
     dead = shared_view.SEGMENT_DIR / f"kvc-edge_us-{gone.pid}-0123abcd-dir"
     alive = shared_view.SEGMENT_DIR / f"kvc-edge_us-{os.getpid()}-0123abcd-dir"
     foreign = shared_view.SEGMENT_DIR / f"kvc-not-a-writer-{gone.pid}"
+    metrics = shared_view.SEGMENT_DIR / f"kvc-edge_us-{gone.pid}-0123abcd-metrics"  # its front doors' files
     for path in (dead, alive, foreign):
         path.write_bytes(b"x")
+    metrics.mkdir()
+    (metrics / "counter_12.db").write_bytes(b"x")
     try:
-        assert dead.name in shared_view.reap_stale_segments()
-        assert not dead.exists() and alive.exists() and foreign.exists()
+        reaped = shared_view.reap_stale_segments()
+        assert dead.name in reaped and metrics.name in reaped
+        assert not dead.exists() and not metrics.exists() and alive.exists() and foreign.exists()
     finally:
         for path in (dead, alive, foreign):
             path.unlink(missing_ok=True)
+        shutil.rmtree(metrics, ignore_errors=True)
 
 
 def test_a_writer_stuck_inside_a_write_fails_reads_instead_of_hanging_them(world, monkeypatch):

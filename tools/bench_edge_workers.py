@@ -22,6 +22,13 @@ higher than one process's).
 
     .venv/bin/python tools/bench_edge_workers.py [--entries 2000000] [--decision-rounds 20] [--workers 2]
         [--runs 1] [--seconds 6] [--concurrency 16]
+
+Routing quality of N processes against one (each keeps its own dispatch charges and pending
+ledger, see kvcompassd/edge_workers.py): the same ABBA at the workers' A100 timing under cache
+pressure, where the charges and the ledger decide where a group goes:
+
+    .venv/bin/python tools/bench_edge_workers.py --entries 0 --decision-rounds 0 --time-scale 1
+        --vram-tokens 16384 --concurrency 16 64 --seconds 20 --runs 2
 """
 
 from __future__ import annotations
@@ -192,6 +199,79 @@ def measure_decisions(entries: int, rounds: int, per_round: int) -> None:
         writer.close()
 
 
+def measure_sharing(requests: int, rounds: int) -> None:
+    """What sharing a request's charge and ledger credit costs (``SharedCharges``,
+    ``SharedLedger``): per request, the deciding process sends its dispatch's charge and credit,
+    its first token and its end (six frames over a SOCK_SEQPACKET socket pair, as the control
+    sockets carry them), and the other process receives and applies them. CPU per request on each
+    side, rounds interleaved with the same operations unshared (the deciding process alone)."""
+    import socket
+    import time
+
+    import msgpack
+
+    from kvcompassd.core.index import EdgeIndexView
+    from kvcompassd.core.pending import PendingHoldings
+    from kvcompassd.core.queues import QueueEstimates
+    from kvcompassd.core.router import Router
+    from kvcompassd.edge_workers import MAX_FRAME, SharedCharges, SharedLedger, _pack
+
+    cfg, layout = _layout(1000)
+    r = Router(cfg, "us", EdgeIndexView(layout, SHARDS, edge="edge-us"), now=0.0)
+
+    def ledger():
+        return PendingHoldings(r.lookup.group_lengths, r.lookup.query_lengths, r.layout.worker_group, hold_s=1.0,
+                               refute_misses=True)
+
+    keys = np.arange(1, len(r.lookup.query_lengths) + 1, dtype=np.uint64) * 7919
+    prompt_len = int(r.lookup.query_lengths[-1])
+    workers = [w.id for w in cfg.workers]
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+
+    def send(frame):
+        mine.send(_pack(*frame))
+
+    samples: dict[str, list[float]] = {"alone": [], "sender": [], "receiver": []}
+    for rnd in range(rounds):
+        for shared in ((False, True) if rnd % 2 == 0 else (True, False)):
+            queues, pending = QueueEstimates(cfg, "us", now=0.0), ledger()
+            if shared:
+                queues, pending = SharedCharges(queues, send, origin=0), SharedLedger(pending, send, origin=0)
+                other_q = SharedCharges(QueueEstimates(cfg, "us", now=0.0), lambda f: None, origin=1)
+                other_l = SharedLedger(ledger(), lambda f: None, origin=1)
+            t0 = time.process_time()
+            received = 0.0
+            for i in range(requests):
+                now = i * 1e-3
+                k = keys + np.uint64(i * 1000)
+                worker = i % len(workers)
+                handle = queues.note_dispatched(workers[worker], 50.0, now=now)
+                pending.note_sent(worker, k, prompt_len, 0, ready_at=now + 0.05, now=now, dispatch=handle)
+                queues.retire_prefill(handle, now=now + 0.0005)
+                pending.mark_ready(handle, now=now + 0.0005)
+                queues.retire(handle, now=now + 0.0008)
+                pending.refute(handle, prompt_len)
+                if shared:  # the other process's side, timed apart
+                    t1 = time.process_time()
+                    for _ in range(6):
+                        frame = msgpack.unpackb(theirs.recv(MAX_FRAME), raw=False)
+                        (other_q if frame[0] in ("charge", "first_token", "retired") else other_l).apply_frame(
+                            frame, now=now + 0.001)
+                    received += time.process_time() - t1
+            total = time.process_time() - t0
+            if shared:
+                samples["sender"].append((total - received) / requests * 1e6)
+                samples["receiver"].append(received / requests * 1e6)
+            else:
+                samples["alone"].append(total / requests * 1e6)
+    print(f"a request's charge and ledger credit, CPU per request (medians of {rounds} rounds of {requests:,}): "
+          f"unshared {median(samples['alone']):.1f} us; shared, the deciding process "
+          f"{median(samples['sender']):.1f} us and each other process {median(samples['receiver']):.1f} us; "
+          f"load average {load_average()}")
+
+
 async def start_edge(cluster: Cluster, workers: int) -> int:
     edge = cluster.cfg.edges[0]
     proc = cluster.spawn("edge", edge.id, "--workers", str(workers))
@@ -208,7 +288,8 @@ def stop_edge(cluster: Cluster) -> None:
 
 async def measure_cpu(args) -> None:
     spec = DeploymentSpec(workers={"us": args.cluster_workers}, one_way_ms={}, shards=1, wan=False,
-                          max_running=64, vram_kv_tokens=200_000, dram_kv_tokens=0)
+                          max_running=64, vram_kv_tokens=args.vram_tokens, dram_kv_tokens=0,
+                          **({"prefill_ms_per_token": args.beta} if args.beta else {}))
     results: dict = collections.defaultdict(list)
     for run in range(args.runs):
         cluster = Cluster(spec)
@@ -216,7 +297,7 @@ async def measure_cpu(args) -> None:
             cfg = cluster.cfg
             seeds = {w.id: i + 1 for i, w in enumerate(cfg.workers)}
             for w in cfg.workers:
-                cluster.spawn("emulate-worker", w.id, "--time-scale", "0", "--seed", str(seeds[w.id]))
+                cluster.spawn("emulate-worker", w.id, "--time-scale", str(args.time_scale), "--seed", str(seeds[w.id]))
             for m in cfg.maintenance:
                 cluster.spawn("maintenance", m.id)
             for w in cfg.workers:
@@ -242,21 +323,23 @@ async def measure_cpu(args) -> None:
                     r = await closed_loop([url], concurrency, args.seconds, prompts, args.max_new_tokens, who)
                     r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / max(1, r["requests"]) * 1e6
                     results[(n, concurrency)].append(r)
-                    print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.0f} req/s  "
-                          f"P50 {r['p50_ms']:6.2f} ms  CPU {r['cpu_us']:6.0f} us/req  "
+                    print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.1f} req/s  "
+                          f"P50 {r['p50_ms']:6.2f} ms  P99 {r['p99_ms']:7.2f} ms  CPU {r['cpu_us']:6.0f} us/req  "
                           f"idle {idle_rate * 1000:5.1f} ms/s  affinity {r['affinity']:.2f}  "
                           f"reuse {r['reuse']:.2f}  errors {r['errors']}  load {load_average()}", flush=True)
                 stop_edge(cluster)
         finally:
             cluster.stop()
-    print(f"\nedge CPU per request (edge process + front-door children), medians; load average {load_average()}")
-    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'CPU us/req':>11}{'idle ms/s':>10}"
+    print(f"\nedge CPU per request (edge process + front-door children), medians of {2 * args.runs} windows "
+          f"each; workers at --time-scale {args.time_scale:g}, {args.vram_tokens} VRAM tokens; "
+          f"load average {load_average()}")
+    print(f"{'conc':>4} {'workers':>8}{'req/s':>9}{'P50 ms':>9}{'P99 ms':>9}{'CPU us/req':>11}{'idle ms/s':>10}"
           f"{'affinity':>9}{'reuse':>7}")
     for concurrency in args.concurrency:
         for n in sorted({1, args.workers}):
             rs = results[(n, concurrency)]
-            print(f"{concurrency:>4} {n:>8}{median([r['rps'] for r in rs]):>9.0f}{median([r['p50_ms'] for r in rs]):>9.2f}"
-                  f"{median([r['cpu_us'] for r in rs]):>11.0f}"
+            print(f"{concurrency:>4} {n:>8}{median([r['rps'] for r in rs]):>9.1f}{median([r['p50_ms'] for r in rs]):>9.2f}"
+                  f"{median([r['p99_ms'] for r in rs]):>9.2f}{median([r['cpu_us'] for r in rs]):>11.0f}"
                   f"{median(results[('idle', n)]) * 1000:>10.1f}{median([r['affinity'] for r in rs]):>9.2f}"
                   f"{median([r['reuse'] for r in rs]):>7.2f}")
 
@@ -272,13 +355,20 @@ def main() -> None:
     p.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU is sampled this long per setting")
     p.add_argument("--runs", type=int, default=1, help="0: memory only")
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=0.0,
+                   help="the emulated workers' (0: no delays, CPU per request; 1: the A100 model, routing quality)")
+    p.add_argument("--vram-tokens", type=int, default=200_000, help="KV-cache tokens per emulated worker")
+    p.add_argument("--beta", type=float, default=0.0, help="prefill ms per token of the workers (0: the spec's)")
     p.add_argument("--decision-rounds", type=int, default=20, help="0: skip the per-decision measure")
+    p.add_argument("--sharing-rounds", type=int, default=10, help="0: skip the charge and ledger sharing measure")
     args = p.parse_args()
     quiet_logs()
     if args.entries:
         measure_memory(args.entries)
     if args.decision_rounds:
         measure_decisions(max(args.entries, 100_000), args.decision_rounds, 500)
+    if args.sharing_rounds:
+        measure_sharing(2000, args.sharing_rounds)
     if args.runs:
         asyncio.run(measure_cpu(args))
 
