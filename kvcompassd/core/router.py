@@ -8,8 +8,9 @@ its first token and ended, which retires its charge in the queue estimates, cred
 in the pending ledger and teaches the edge its workers' rates (``core/rates.py``).
 It owns no sockets and reads no clock.
 
-A decision is one C call (``lookup_plan.ForwardKernel``: prefix keys, lookup, score, tie rotation,
-miss summary); Python only builds the decision objects and updates the edge's state. With
+A decision is one C call (``lookup_plan.SparseForwardKernel``: prefix keys, lookup, score, tie
+rotation, miss summary, with work that follows the holders and the candidates rather than every
+worker); Python only builds the decision objects and updates the edge's state. With
 ``native=False`` it takes every reference path instead (hashlib keys, Python lookup, numpy score):
 tests hold the two equal.
 """
@@ -30,7 +31,7 @@ from .keys import SHA256_BACKENDS, namespace_salt, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
-from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, ForwardKernel, MissSummary,
+from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary, SparseForwardKernel,
                           slot_constructor)
 from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .pending import PendingHoldings
@@ -142,13 +143,14 @@ class Router:
                                         from_first_token=cfg.score.pending_from_first_token,
                                         refute_misses=cfg.score.pending_refute)
                         if hold_ms > 0 else None)
-        self._kernel: ForwardKernel | None = None
+        self._kernel: SparseForwardKernel | None = None
         if native:
             lookup_plan, pointers = self.lookup.native_plan()
-            self._kernel = ForwardKernel(lookup_plan, pointers, self.lookup.query_lengths, salt, self.scorer.kernel,
-                                         self.scorer.kernel_flags(self.ablation), self._miss_summary,
-                                         self._last_sent, family_index=self.lookup.family_index(),
-                                         backend=SHA256_BACKENDS["auto"])
+            self._kernel = SparseForwardKernel(lookup_plan, pointers, self.lookup.query_lengths, salt,
+                                               self.scorer.kernel, self.scorer.kernel_flags(self.ablation),
+                                               self._miss_summary, self._last_sent,
+                                               family_index=self.lookup.family_index(),
+                                               backend=SHA256_BACKENDS["auto"], blocks=self.scorer.blocks)
 
     @property
     def withheld(self) -> frozenset[int]:
@@ -172,7 +174,7 @@ class Router:
         data, prompt_len = token_buffer(tokens)
         queue, belief = self.queues.queue_ms(now=now), self.belief.values
         eligible = self._eligible(exclude) if exclude else None
-        matched, tier, scores, best, chosen, lam, miss, family_key = kernel.run(data, queue, belief, eligible)
+        matched, tier, scores, best, chosen, lam, miss, family_key, complete = kernel.run(data, queue, belief, eligible)
         pending = self.pending
         keys = None
         if pending is not None:
@@ -185,7 +187,7 @@ class Router:
         if best < 0:
             raise NoEligibleWorkerError("no eligible worker for this request")
         result = ScoreResult(best, self.layout.worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
-                             queue, belief, self.ablation)
+                             queue, belief, self.ablation, eligible, complete)
         return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss, keys, None)
 
     def _decide_reference(self, tokens, *, now: float, exclude: Collection[int]) -> ForwardDecided:
