@@ -493,8 +493,8 @@ int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sp
     size_t n_keys = 0;
     while (n_keys < plan->n_query && plan->query_lengths[n_keys] <= (int64_t)n_tokens)
         n_keys++;
-    int rc = kvc_prefix_keys(plan->salt, plan->salt_len, token_bytes, n_tokens, plan->query_lengths, n_keys,
-                             plan->sha_backend, keys_out);
+    int rc = kvc_prefix_keys_paired(plan->salt, plan->salt_len, token_bytes, n_tokens, plan->query_lengths, n_keys,
+                                    plan->sha_backend, keys_out);
     if (rc != KVC_OK)
         return rc;
     size_t held;
