@@ -200,6 +200,31 @@ int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sp
                               uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
                               kvc_forward_sparse_result *result);
 
+/* An edge's queue estimates carried to `now` inside the decision (kvcompassd.core.queues,
+ * QueueEstimates.queue_ms(now)): aged_out[i] as kvc_queue_aged, then
+ *   queue_out[i] = (aged_out[i] + correction[region_slot[i]]) + occupancy[i]
+ * in numpy's order, each term left out when its array is NULL (queue_out may be aged_out when
+ * both are NULL). */
+typedef struct kvc_queue_inputs {
+    const double *ms;
+    const double *taken_at;
+    const double *rate;
+    double now;
+    const double *correction;     /* per region slot, or NULL */
+    const int64_t *region_slot;   /* [workers] each worker's index into correction */
+    const double *occupancy;      /* [workers] or NULL */
+    double *aged_out;             /* [workers] */
+    double *queue_out;            /* [workers] (may be aged_out) */
+} kvc_queue_inputs;
+
+/* kvc_forward_decide_sparse scoring the queue estimates it computes first from `queue_in`
+ * (kvc_queue_inputs): one call for the decision and the estimates it reads. */
+int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                   const uint8_t *token_bytes, size_t n_tokens, const kvc_queue_inputs *queue_in,
+                                   const double *belief, const uint8_t *eligible, const int64_t *last_sent,
+                                   uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
+                                   kvc_forward_sparse_result *result);
+
 /* CDEF-END */
 
 #endif /* KVC_FORWARD_H */

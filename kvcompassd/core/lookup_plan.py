@@ -54,6 +54,7 @@ _score_choose = lib.kvc_score_choose
 _miss_summary = lib.kvc_miss_summary
 _forward_decide = lib.kvc_forward_decide
 _forward_decide_sparse = lib.kvc_forward_decide_sparse
+_forward_decide_sparse_aged = lib.kvc_forward_decide_sparse_aged
 _queue_aged = lib.kvc_queue_aged
 _top_k = lib.kvc_top_k
 _NONE_ELIGIBLE = int(lib.KVC_FORWARD_NONE_ELIGIBLE)
@@ -437,7 +438,7 @@ class SparseForwardKernel(ForwardKernel):
     The pruning bound needs finite beliefs: a belief array with a NaN or an infinity (never the
     Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
 
-    __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite")
+    __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -458,16 +459,13 @@ class SparseForwardKernel(ForwardKernel):
         self._sparse = c
         self._sparse_result = ffi.new("kvc_forward_sparse_result *")
         self._belief_finite = False
+        self._aging: tuple | None = None
 
     def run(self, tokens: Any, queue: np.ndarray, belief: np.ndarray, eligible: np.ndarray | None
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, float, int, int | None, bool]:
         """``ForwardKernel.run``'s answer and whether ``scores`` is complete."""
         n = self.workers
-        if belief is not self._belief:
-            self._belief_c = _from_buffer("double[]", belief)
-            self._belief = belief
-            self._belief_finite = bool(np.isfinite(belief).all()) if len(self._belief_c) == n else False
-        if not self._belief_finite:
+        if not self.belief_finite(belief):
             return (*ForwardKernel.run(self, tokens, queue, belief, eligible), True)
         tokens_c = _from_buffer("uint8_t[]", tokens)
         queue_c = _from_buffer("double[]", queue)
@@ -490,6 +488,75 @@ class SparseForwardKernel(ForwardKernel):
         family = result.family
         return (matched, tier, scores, best, result.chosen, result.lam, result.miss,
                 None if family < 0 else family, bool(result.complete))
+
+    def belief_finite(self, belief: np.ndarray) -> bool:
+        """Whether the sparse path takes ``belief`` (finite, ``workers`` long): checked once per array."""
+        if belief is not self._belief:
+            self._belief_c = _from_buffer("double[]", belief)
+            self._belief = belief
+            self._belief_finite = bool(np.isfinite(belief).all()) if len(self._belief_c) == self.workers else False
+        return self._belief_finite
+
+    def age_from(self, taken_at: np.ndarray, rate: np.ndarray, occupancy: np.ndarray, region_slot: np.ndarray) -> None:
+        """The queue estimates' in-place arrays (``QueueEstimates.aging_arrays``) for ``run_aged``."""
+        n = self.workers
+        for name, a, dtype in (("taken_at", taken_at, _F64), ("rate", rate, _F64), ("occupancy", occupancy, _F64),
+                               ("region_slot", region_slot, _I64)):
+            if not (a.__class__ is np.ndarray and a.dtype == dtype and a.shape == (n,) and a.flags.c_contiguous):
+                raise LookupPlanError(f"{name} must be a contiguous {dtype} array of shape ({n},)")
+        q = ffi.new("kvc_queue_inputs *")
+        q.taken_at, q.rate = _from_buffer("double[]", taken_at), _from_buffer("double[]", rate)
+        q.region_slot = _from_buffer("int64_t[]", region_slot)
+        self._aging = (q, _from_buffer("double[]", occupancy), int(region_slot.max(initial=0)),
+                       (taken_at, rate, occupancy, region_slot))
+
+    def run_aged(self, tokens: Any, ms: np.ndarray, now: float, correction: np.ndarray | None, occupied: bool,
+                 belief: np.ndarray, eligible: np.ndarray | None):
+        """``run`` on the queue estimates carried to ``now`` in the same C call (``age_from``'s
+        arrays, ``ms`` the values as last set, ``correction`` per region slot or None, whether
+        to add the occupancy), for a ``belief`` that ``belief_finite`` took. Returns ``run``'s
+        answer, then the aged values and the estimates the decision scored (one array when
+        nothing was added)."""
+        n = self.workers
+        q, occupancy_c, top_slot, _ = self._aging
+        if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (n,) and ms.flags.c_contiguous):
+            raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({n},)")
+        q.ms, q.now = _from_buffer("double[]", ms), now
+        aged = _empty(n, _float64)
+        q.aged_out = aged_c = _from_buffer("double[]", aged)
+        if correction is None:
+            q.correction = _NULL
+        else:
+            if not (correction.__class__ is np.ndarray and correction.dtype == _F64 and correction.ndim == 1
+                    and correction.size > top_slot and correction.flags.c_contiguous):
+                raise LookupPlanError("correction must be a contiguous float64 array covering every region slot")
+            q.correction = _from_buffer("double[]", correction)
+        q.occupancy = occupancy_c if occupied else _NULL
+        if correction is None and not occupied:
+            queue, q.queue_out = aged, aged_c
+        else:
+            queue = _empty(n, _float64)
+            q.queue_out = _from_buffer("double[]", queue)
+        tokens_c = _from_buffer("uint8_t[]", tokens)
+        eligible_c = _NULL if eligible is None else _from_buffer("uint8_t[]", eligible)
+        if eligible is not None and len(eligible_c) != n:
+            raise LookupPlanError(f"eligible must hold {n} values")
+        self._pointers.pointers()
+        result = self._sparse_result
+        last_sent, keys = self._outputs
+        matched, tier, scores = _empty(n, _int64), _empty(n, _uint8), _empty(n, _float64)
+        rc = _forward_decide_sparse_aged(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2, q, self._belief_c,
+                                         eligible_c, last_sent, keys, _from_buffer("int64_t[]", matched),
+                                         _from_buffer("uint8_t[]", tier), _from_buffer("double[]", scores), result)
+        if rc:
+            if rc != _NONE_ELIGIBLE:
+                raise LookupPlanError(f"kvc_forward_decide_sparse_aged rejected its arguments (code {rc})")
+            best = -1
+        else:
+            best = result.best
+        family = result.family
+        return (matched, tier, scores, best, result.chosen, result.lam, result.miss,
+                None if family < 0 else family, bool(result.complete), aged, queue)
 
     def holders(self) -> np.ndarray:
         """The workers the last sparse ``run`` found holding a prefix (group by group)."""

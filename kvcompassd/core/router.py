@@ -151,6 +151,7 @@ class Router:
                                                self._miss_summary, self._last_sent,
                                                family_index=self.lookup.family_index(),
                                                backend=SHA256_BACKENDS["auto"], blocks=self.scorer.blocks)
+            self._kernel.age_from(*self.queues.aging_arrays())
 
     @property
     def withheld(self) -> frozenset[int]:
@@ -172,9 +173,20 @@ class Router:
         if kernel is None:
             return self._decide_reference(tokens, now=now, exclude=exclude)
         data, prompt_len = token_buffer(tokens)
-        queue, belief = self.queues.queue_ms(now=now), self.belief.values
+        belief, queues = self.belief.values, self.queues
         eligible = self._eligible(exclude) if exclude else None
-        matched, tier, scores, best, chosen, lam, miss, family_key, complete = kernel.run(data, queue, belief, eligible)
+        # The queue estimates carried to now in the same C call, when nothing has them yet.
+        terms = (queues.estimate_terms(now) if kernel.__class__ is SparseForwardKernel and kernel.belief_finite(belief)
+                 else None)
+        if terms is None:
+            queue = queues.queue_ms(now=now)
+            matched, tier, scores, best, chosen, lam, miss, family_key, complete = kernel.run(data, queue, belief,
+                                                                                             eligible)
+        else:
+            ms, correction, occupied = terms
+            matched, tier, scores, best, chosen, lam, miss, family_key, complete, aged, queue = kernel.run_aged(
+                data, ms, now, correction, occupied, belief, eligible)
+            queues.adopt_estimates(now, ms, aged, queue)
         pending = self.pending
         keys = None
         if pending is not None:
