@@ -153,9 +153,11 @@ typedef struct kvc_score_blocks {
  * so far. A skipped worker scores more than the best, so the argmin (the first minimum) and the
  * tie rotation (among scores equal to it, the first of the least last_sent) are kvc_score_choose's.
  * Its scores are written for the workers scored, bit for bit kvc_score_choose's; *complete_out
- * says whether that was every worker. Inputs with a NaN queue, a belief that is not finite, or a
- * best score that is not finite take kvc_score_choose's full pass (complete). Returns the argmin
- * (-1 if n == 0). */
+ * says whether that was every worker. The bound holds for finite wan, beta, belief, local_factor
+ * and matched >= 0: the caller checks those (lookup_plan.SparseForwardKernel checks each belief
+ * array once; the rest are the edge's constants and its lookup's output). A NaN in the queue, a
+ * NaN score or a best score that is not finite take kvc_score_choose's full pass (complete).
+ * Returns the argmin (-1 if n == 0). */
 int64_t kvc_score_choose_pruned(size_t n, double prompt_len, const double *wan, const double *beta,
                                 const double *queue, const double *belief, const int64_t *matched,
                                 const uint8_t *tier, const double *local_factor, const double *remote_penalty,

@@ -514,11 +514,18 @@ class SparseForwardKernel(ForwardKernel):
                  belief: np.ndarray, eligible: np.ndarray | None):
         """``run`` on the queue estimates carried to ``now`` in the same C call (``age_from``'s
         arrays, ``ms`` the values as last set, ``correction`` per region slot or None, whether
-        to add the occupancy), for a ``belief`` that ``belief_finite`` took. Returns ``run``'s
-        answer, then the aged values and the estimates the decision scored (one array when
-        nothing was added)."""
+        to add the occupancy). Returns ``run``'s answer, then the aged values and the estimates
+        the decision scored (one array when nothing was added)."""
         n = self.workers
-        q, occupancy_c, top_slot, _ = self._aging
+        if self._aging is None:
+            raise LookupPlanError("run_aged needs the queue estimates' arrays (age_from)")
+        q, occupancy_c, top_slot, arrays = self._aging
+        if not self.belief_finite(belief):  # the full C call, on the same estimates
+            aged = _empty(n, _float64)
+            _queue_aged(n, _from_buffer("double[]", ms), q.taken_at, q.rate, now, _from_buffer("double[]", aged))
+            queue = aged if correction is None else aged + correction[arrays[3]]
+            queue = queue + arrays[2] if occupied else queue
+            return (*ForwardKernel.run(self, tokens, queue, belief, eligible), True, aged, queue)
         if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (n,) and ms.flags.c_contiguous):
             raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({n},)")
         q.ms, q.now = _from_buffer("double[]", ms), now

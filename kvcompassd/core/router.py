@@ -176,8 +176,7 @@ class Router:
         belief, queues = self.belief.values, self.queues
         eligible = self._eligible(exclude) if exclude else None
         # The queue estimates carried to now in the same C call, when nothing has them yet.
-        terms = (queues.estimate_terms(now) if kernel.__class__ is SparseForwardKernel and kernel.belief_finite(belief)
-                 else None)
+        terms = queues.estimate_terms(now) if kernel.__class__ is SparseForwardKernel else None
         if terms is None:
             queue = queues.queue_ms(now=now)
             matched, tier, scores, best, chosen, lam, miss, family_key, complete = kernel.run(data, queue, belief,
