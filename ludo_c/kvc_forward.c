@@ -524,26 +524,29 @@ int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sp
 }
 
 int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
-                                   const uint8_t *token_bytes, size_t n_tokens, const kvc_queue_inputs *queue_in,
-                                   const double *belief, const uint8_t *eligible, const int64_t *last_sent,
-                                   uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
-                                   kvc_forward_sparse_result *result)
+                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                   const double *correction, int add_occupancy, const double *belief,
+                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                   int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
+                                   double *queue_out, kvc_forward_sparse_result *result)
 {
     size_t n = plan->workers;
-    const kvc_queue_inputs *q = queue_in;
-    kvc_queue_aged(n, q->ms, q->taken_at, q->rate, q->now, q->aged_out);
-    if (q->correction || q->occupancy) {
+    if (!sparse->taken_at || !sparse->rate || (correction && !sparse->region_slot) ||
+        (add_occupancy && !sparse->occupancy))
+        return KVC_ERR_ARG;
+    kvc_queue_aged(n, ms, sparse->taken_at, sparse->rate, now, aged_out);
+    if (correction || add_occupancy) {
         for (size_t i = 0; i < n; i++) {
-            double value = q->aged_out[i];
-            if (q->correction)
-                value = value + q->correction[q->region_slot[i]];
-            if (q->occupancy)
-                value = value + q->occupancy[i];
-            q->queue_out[i] = value;
+            double value = aged_out[i];
+            if (correction)
+                value = value + correction[sparse->region_slot[i]];
+            if (add_occupancy)
+                value = value + sparse->occupancy[i];
+            queue_out[i] = value;
         }
-    } else if (q->queue_out != q->aged_out) {
-        memcpy(q->queue_out, q->aged_out, n * sizeof *q->aged_out);
+    } else if (queue_out != aged_out) {
+        memcpy(queue_out, aged_out, n * sizeof *aged_out);
     }
-    return kvc_forward_decide_sparse(plan, sparse, token_bytes, n_tokens, q->queue_out, belief, eligible, last_sent,
+    return kvc_forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue_out, belief, eligible, last_sent,
                                      keys_out, matched_out, tier_out, scores_out, result);
 }

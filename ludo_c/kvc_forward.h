@@ -179,6 +179,12 @@ typedef struct kvc_forward_sparse {
     kvc_score_blocks blocks;      /* the caller refreshes beta_min when beta changes */
     int remote_floor_free;        /* as kvc_miss_summary_holders */
     int32_t *holders;             /* [workers] scratch, left holding the holders */
+    /* the queue estimates' arrays kvc_forward_decide_sparse_aged reads, [workers] each: when each
+     * value was taken, its rate (ms per ms), the occupancy added, the worker's correction slot */
+    const double *taken_at;
+    const double *rate;
+    const double *occupancy;
+    const int64_t *region_slot;
 } kvc_forward_sparse;
 
 typedef struct kvc_forward_sparse_result {
@@ -202,30 +208,19 @@ int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sp
                               uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
                               kvc_forward_sparse_result *result);
 
-/* An edge's queue estimates carried to `now` inside the decision (kvcompassd.core.queues,
- * QueueEstimates.queue_ms(now)): aged_out[i] as kvc_queue_aged, then
+/* kvc_forward_decide_sparse scoring the queue estimates it first carries to `now`
+ * (kvcompassd.core.queues, QueueEstimates.queue_ms(now)) from the values `ms` and the arrays
+ * sparse->aging names: aged_out[i] as kvc_queue_aged, then
  *   queue_out[i] = (aged_out[i] + correction[region_slot[i]]) + occupancy[i]
- * in numpy's order, each term left out when its array is NULL (queue_out may be aged_out when
- * both are NULL). */
-typedef struct kvc_queue_inputs {
-    const double *ms;
-    const double *taken_at;
-    const double *rate;
-    double now;
-    const double *correction;     /* per region slot, or NULL */
-    const int64_t *region_slot;   /* [workers] each worker's index into correction */
-    const double *occupancy;      /* [workers] or NULL */
-    double *aged_out;             /* [workers] */
-    double *queue_out;            /* [workers] (may be aged_out) */
-} kvc_queue_inputs;
-
-/* kvc_forward_decide_sparse scoring the queue estimates it computes first from `queue_in`
- * (kvc_queue_inputs): one call for the decision and the estimates it reads. */
+ * in numpy's order, the correction left out when NULL and the occupancy unless add_occupancy
+ * (queue_out may be aged_out when neither is added). One call for the decision and the
+ * estimates it reads. */
 int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
-                                   const uint8_t *token_bytes, size_t n_tokens, const kvc_queue_inputs *queue_in,
-                                   const double *belief, const uint8_t *eligible, const int64_t *last_sent,
-                                   uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
-                                   kvc_forward_sparse_result *result);
+                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                   const double *correction, int add_occupancy, const double *belief,
+                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                   int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
+                                   double *queue_out, kvc_forward_sparse_result *result);
 
 /* CDEF-END */
 

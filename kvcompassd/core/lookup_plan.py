@@ -504,11 +504,10 @@ class SparseForwardKernel(ForwardKernel):
                                ("region_slot", region_slot, _I64)):
             if not (a.__class__ is np.ndarray and a.dtype == dtype and a.shape == (n,) and a.flags.c_contiguous):
                 raise LookupPlanError(f"{name} must be a contiguous {dtype} array of shape ({n},)")
-        q = ffi.new("kvc_queue_inputs *")
-        q.taken_at, q.rate = _from_buffer("double[]", taken_at), _from_buffer("double[]", rate)
-        q.region_slot = _from_buffer("int64_t[]", region_slot)
-        self._aging = (q, _from_buffer("double[]", occupancy), int(region_slot.max(initial=0)),
-                       (taken_at, rate, occupancy, region_slot))
+        c = self._sparse
+        c.taken_at, c.rate = _from_buffer("double[]", taken_at), _from_buffer("double[]", rate)
+        c.occupancy, c.region_slot = _from_buffer("double[]", occupancy), _from_buffer("int64_t[]", region_slot)
+        self._aging = (int(region_slot.max(initial=0)), (taken_at, rate, occupancy, region_slot))
 
     def run_aged(self, tokens: Any, ms: np.ndarray, now: float, correction: np.ndarray | None, occupied: bool,
                  belief: np.ndarray, eligible: np.ndarray | None):
@@ -519,31 +518,26 @@ class SparseForwardKernel(ForwardKernel):
         n = self.workers
         if self._aging is None:
             raise LookupPlanError("run_aged needs the queue estimates' arrays (age_from)")
-        q, occupancy_c, top_slot, arrays = self._aging
+        top_slot, arrays = self._aging
+        if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (n,) and ms.flags.c_contiguous):
+            raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({n},)")
+        if correction is not None and not (correction.__class__ is np.ndarray and correction.dtype == _F64
+                                           and correction.ndim == 1 and correction.size > top_slot
+                                           and correction.flags.c_contiguous):
+            raise LookupPlanError("correction must be a contiguous float64 array covering every region slot")
+        aged = _empty(n, _float64)
         if not self.belief_finite(belief):  # the full C call, on the same estimates
-            aged = _empty(n, _float64)
-            _queue_aged(n, _from_buffer("double[]", ms), q.taken_at, q.rate, now, _from_buffer("double[]", aged))
+            c = self._sparse
+            _queue_aged(n, _from_buffer("double[]", ms), c.taken_at, c.rate, now, _from_buffer("double[]", aged))
             queue = aged if correction is None else aged + correction[arrays[3]]
             queue = queue + arrays[2] if occupied else queue
             return (*ForwardKernel.run(self, tokens, queue, belief, eligible), True, aged, queue)
-        if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (n,) and ms.flags.c_contiguous):
-            raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({n},)")
-        q.ms, q.now = _from_buffer("double[]", ms), now
-        aged = _empty(n, _float64)
-        q.aged_out = aged_c = _from_buffer("double[]", aged)
-        if correction is None:
-            q.correction = _NULL
-        else:
-            if not (correction.__class__ is np.ndarray and correction.dtype == _F64 and correction.ndim == 1
-                    and correction.size > top_slot and correction.flags.c_contiguous):
-                raise LookupPlanError("correction must be a contiguous float64 array covering every region slot")
-            q.correction = _from_buffer("double[]", correction)
-        q.occupancy = occupancy_c if occupied else _NULL
+        aged_c = _from_buffer("double[]", aged)
         if correction is None and not occupied:
-            queue, q.queue_out = aged, aged_c
+            queue, queue_c = aged, aged_c
         else:
             queue = _empty(n, _float64)
-            q.queue_out = _from_buffer("double[]", queue)
+            queue_c = _from_buffer("double[]", queue)
         tokens_c = _from_buffer("uint8_t[]", tokens)
         eligible_c = _NULL if eligible is None else _from_buffer("uint8_t[]", eligible)
         if eligible is not None and len(eligible_c) != n:
@@ -552,9 +546,12 @@ class SparseForwardKernel(ForwardKernel):
         result = self._sparse_result
         last_sent, keys = self._outputs
         matched, tier, scores = _empty(n, _int64), _empty(n, _uint8), _empty(n, _float64)
-        rc = _forward_decide_sparse_aged(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2, q, self._belief_c,
-                                         eligible_c, last_sent, keys, _from_buffer("int64_t[]", matched),
-                                         _from_buffer("uint8_t[]", tier), _from_buffer("double[]", scores), result)
+        rc = _forward_decide_sparse_aged(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2,
+                                         _from_buffer("double[]", ms), now,
+                                         _NULL if correction is None else _from_buffer("double[]", correction),
+                                         occupied, self._belief_c, eligible_c, last_sent, keys,
+                                         _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier),
+                                         _from_buffer("double[]", scores), aged_c, queue_c, result)
         if rc:
             if rc != _NONE_ELIGIBLE:
                 raise LookupPlanError(f"kvc_forward_decide_sparse_aged rejected its arguments (code {rc})")
