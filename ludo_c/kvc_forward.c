@@ -196,6 +196,11 @@ int64_t kvc_score_choose(size_t n, double prompt_len, const double *wan, const d
 #define KVC_SPARSE_LOW_BITS 0x5555555555555555ULL
 /* Groups read together, level by level (their state lives on the stack). */
 #define KVC_SPARSE_CHUNK 256
+/* At most this many reads in all (every group at every level that fits): read them in one batch
+ * rather than level by level. A small fleet's lookup is then one round of overlapped misses
+ * instead of one per level; the reads an early stop would have saved are few, and the decode
+ * reads the same values either way. */
+#define KVC_SPARSE_ONE_BATCH 64
 
 /* Give the fields of `fields` (low bits of 2-bit fields) of group g their match at `level`. */
 static size_t kvc_sparse_assign(uint64_t fields, size_t g, size_t level, uint64_t value, const int32_t *field_worker,
@@ -245,6 +250,40 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
             }
             present[i] = alive[i] = fields;
             levels_read[i] = 0;
+        }
+        /* Few reads in all: every group's fitting levels in one batch. */
+        size_t all_reads = 0;
+        for (size_t i = 0; i < count && all_reads <= KVC_SPARSE_ONE_BATCH; i++) {
+            size_t g = first + i;
+            for (size_t level = 0; level < max_levels && present[i]; level++) {
+                int32_t k = level_keys[g * max_levels + level];
+                if (k < 0 || (size_t)k >= n_keys)
+                    break;
+                all_reads++;
+            }
+        }
+        if (all_reads <= KVC_SPARSE_ONE_BATCH) {
+            const kvc_view *batch_view[KVC_SPARSE_ONE_BATCH];
+            uint64_t batch_key[KVC_SPARSE_ONE_BATCH], batch_value[KVC_SPARSE_ONE_BATCH];
+            size_t batch_at[KVC_SPARSE_ONE_BATCH], reads = 0;
+            for (size_t i = 0; i < count; i++) {
+                size_t g = first + i;
+                for (size_t level = 0; level < max_levels && present[i]; level++) {
+                    int32_t k = level_keys[g * max_levels + level];
+                    if (k < 0 || (size_t)k >= n_keys)
+                        break;
+                    uint64_t key = keys[k];
+                    batch_view[reads] = views[(key % shards) * groups + g];
+                    batch_key[reads] = key;
+                    batch_at[reads] = g * max_levels + level;
+                    reads++;
+                    levels_read[i] = level + 1;
+                }
+                alive[i] = 0;
+            }
+            kvc_view_lookup_spread(batch_view, batch_key, reads, batch_value);
+            for (size_t r = 0; r < reads; r++)
+                values_scratch[batch_at[r]] = batch_value[r];
         }
         /* Level by level, the live groups' reads at once (their misses overlap); under
          * consistency a group is read on while one of its workers' runs of hits is unbroken. */
