@@ -75,6 +75,8 @@ _new_forward_decided = slot_constructor(ForwardDecided)
 # Tier by 2-bit field code; the invalid code 3 goes through Tier() (and raises) as before.
 _TIER_BY_CODE = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
 _DRAM = int(Tier.DRAM)
+# Router.decide's keys when the ledger has not read them: the kernel's, sliced in _conclude if needed.
+_KERNEL_KEYS = np.empty(0, dtype=np.uint64)
 # Why a response reused less than its claim, where the view can tell (Router.explain_shortfall).
 SHORTFALL_EVICTED = "evicted"
 SHORTFALL_DRAM = "dram"
@@ -189,12 +191,15 @@ class Router:
         pending = self.pending
         keys = None
         if pending is not None:
-            keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
-            # An empty ledger raises nothing (its purge can wait for the next note_sent).
-            shown = pending.overlay(keys.tolist(), matched, tier, now=now) if len(pending) else None
-            if shown is not None:
-                return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief, eligible,
-                                      now)
+            # An empty ledger raises nothing (its purge can wait for the next note_sent); the
+            # keys are sliced only when something reads them.
+            keys = _KERNEL_KEYS
+            if len(pending):
+                keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
+                shown = pending.overlay(keys.tolist(), matched, tier, now=now)
+                if shown is not None:
+                    return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief,
+                                          eligible, now)
         if best < 0:
             raise NoEligibleWorkerError("no eligible worker for this request")
         result = ScoreResult(best, self.layout.worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
@@ -264,7 +269,8 @@ class Router:
         """Count the dispatch, consult the hot-prefix detector, note it as pending, build the decision.
 
         ``miss`` is the decision's ``MISS_*`` summary when the fused C call computed it already;
-        ``keys`` the prompt's query keys that fit it (None without the pending ledger) and
+        ``keys`` the prompt's query keys that fit it (None without the pending ledger;
+        ``_KERNEL_KEYS``: the fused call's, not sliced yet) and
         ``shown`` the view's matches when the ledger raised some (None when it did not).
         """
         self._sent_count = sent = self._sent_count + 1
@@ -288,6 +294,8 @@ class Router:
         # A full match leaves no longer length to note, but one the ledger credited is still
         # recorded, for a response that reuses less to refute it.
         if keys is not None and (claimed < prompt_len or from_ledger):
+            if keys is _KERNEL_KEYS:
+                keys = self._kernel.keys()[:self.lookup.fitting(prompt_len)]
             # Cached there once the queue ahead of it and its own prefill are done.
             ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
             self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
