@@ -202,16 +202,20 @@ int64_t kvc_score_choose(size_t n, double prompt_len, const double *wan, const d
  * reads the same values either way. */
 #define KVC_SPARSE_ONE_BATCH 64
 
-/* Give the fields of `fields` (low bits of 2-bit fields) of group g their match at `level`. */
+/* Give the fields of `fields` (low bits of 2-bit fields) of group g their match at `level`.
+ * Returns the holders written so far, or SIZE_MAX once they would pass `workers` (a field_worker
+ * map naming one worker twice: refused rather than written past holders_out's end). */
 static size_t kvc_sparse_assign(uint64_t fields, size_t g, size_t level, uint64_t value, const int32_t *field_worker,
                                 const int64_t *level_lengths, size_t max_levels, int64_t *matched_out,
-                                uint8_t *tier_out, int32_t *holders_out, size_t held)
+                                uint8_t *tier_out, int32_t *holders_out, size_t held, size_t workers)
 {
     int64_t length = level_lengths[g * max_levels + level];
     while (fields) {
         unsigned bit = (unsigned)__builtin_ctzll(fields);
         fields &= fields - 1;
         int32_t w = field_worker[g * 32 + bit / 2];
+        if (held >= workers) /* also SIZE_MAX: refused already */
+            return SIZE_MAX;
         matched_out[w] = length;
         tier_out[w] = (uint8_t)((value >> bit) & 3u);
         holders_out[held++] = w;
@@ -317,7 +321,7 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
             }
         }
         /* Each group's fields by where their rule ends them. */
-        for (size_t i = 0; i < count; i++) {
+        for (size_t i = 0; i < count && held != SIZE_MAX; i++) {
             size_t g = first + i, read = levels_read[i];
             const uint64_t *values = values_scratch + g * max_levels;
             if (consistency) {
@@ -329,12 +333,13 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
                     uint64_t still = run & (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
                     if (level > 0 && run != still)
                         held = kvc_sparse_assign(run & ~still, g, level - 1, values[level - 1], field_worker,
-                                                 level_lengths, max_levels, matched_out, tier_out, holders_out, held);
+                                                 level_lengths, max_levels, matched_out, tier_out, holders_out, held,
+                                                 workers);
                     run = still;
                 }
                 if (run && read) /* unbroken through every level read */
                     held = kvc_sparse_assign(run, g, read - 1, values[read - 1], field_worker, level_lengths,
-                                             max_levels, matched_out, tier_out, holders_out, held);
+                                             max_levels, matched_out, tier_out, holders_out, held, workers);
             } else {
                 /* A field's match is the longest level where it hits. */
                 uint64_t left = present[i];
@@ -343,12 +348,14 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
                     uint64_t hit = left & (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
                     if (hit) {
                         held = kvc_sparse_assign(hit, g, level, v, field_worker, level_lengths, max_levels,
-                                                 matched_out, tier_out, holders_out, held);
+                                                 matched_out, tier_out, holders_out, held, workers);
                         left &= ~hit;
                     }
                 }
             }
         }
+        if (held == SIZE_MAX)
+            return KVC_ERR_ARG;
     }
     *n_holders_out = held;
     return KVC_OK;

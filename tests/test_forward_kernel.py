@@ -553,3 +553,45 @@ def test_pruned_decisions_equal_the_reference_router_and_complete_their_scores()
             assert a.score.scores.tobytes() == b.score.scores.tobytes()
             np.testing.assert_array_equal(fast.queues.queue_ms(now=now), slow.queues.queue_ms(now=now))
     assert skipped  # the pruned path did skip workers
+
+
+def test_sparse_lookup_refuses_a_map_that_names_a_worker_twice():
+    """Two fields naming one worker would write more holders than there are workers: refused,
+    nothing written past the buffers; the Python plan refuses two workers in one field."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+    from kvcompassd.core.lookup_plan import LookupPlan
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(61, 600)
+    for worker in (0, 1, 2):  # region a's three workers: one group, fields 0-2
+        _register(w, w.layout.worker_ids[worker], tokens, 600)
+    router = Router(w.cfg, "a", w.views["a"], now=0.0)
+    plan, pointers = router.lookup.native_plan()
+    keys = router.lookup.query_keys(tokens)
+    g = int(plan._worker_group[0])
+    assert (plan._worker_group[:3] == g).all()
+    field_worker = np.full_like(plan.field_worker(), -1)
+    field_worker[g, plan._worker_shift[:3] // 2] = (0, 1, 0)  # worker 0 named twice, in a map of two workers
+    n = 2  # three fields hit: more holders than the buffers hold
+    holders, held = np.zeros(n, dtype=np.int32), ffi.new("size_t *")
+    matched, tier = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint8)
+    values = np.zeros(plan.groups * plan.max_levels, dtype=np.uint64)
+    rc = lib.kvc_lookup_sparse(pointers.pointers(), plan.shards, plan.groups, ffi.from_buffer("uint64_t[]", keys),
+                               keys.size, ffi.from_buffer("int64_t[]", plan._lengths),
+                               ffi.from_buffer("int32_t[]", plan._key_index), plan.max_levels,
+                               ffi.from_buffer("int32_t[]", field_worker), n, 1, ffi.from_buffer("uint64_t[]", values),
+                               ffi.from_buffer("int64_t[]", matched), ffi.from_buffer("uint8_t[]", tier),
+                               ffi.from_buffer("int32_t[]", holders), held)
+    assert rc != 0 and held[0] == 0
+    field_worker[g, plan._worker_shift[2] // 2] = -1  # the control: each worker once
+    rc = lib.kvc_lookup_sparse(pointers.pointers(), plan.shards, plan.groups, ffi.from_buffer("uint64_t[]", keys),
+                               keys.size, ffi.from_buffer("int64_t[]", plan._lengths),
+                               ffi.from_buffer("int32_t[]", plan._key_index), plan.max_levels,
+                               ffi.from_buffer("int32_t[]", field_worker), n, 1, ffi.from_buffer("uint64_t[]", values),
+                               ffi.from_buffer("int64_t[]", matched), ffi.from_buffer("uint8_t[]", tier),
+                               ffi.from_buffer("int32_t[]", holders), held)
+    assert rc == 0 and held[0] == 2 and sorted(holders.tolist()) == [0, 1] and matched.all()
+    shared = LookupPlan(plan._lengths, router.lookup.query_lengths, np.zeros(2, dtype=np.int32),
+                        np.zeros(2, dtype=np.uint8), shards=plan.shards, consistency=True)
+    with pytest.raises(LookupPlanError, match="share one field"):
+        shared.field_worker()
