@@ -7,6 +7,7 @@
 #include "kvc_score_term.h"
 
 #include <math.h>
+#include <string.h>
 
 int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes, size_t n_tokens,
                        const double *queue, const double *belief, const uint8_t *eligible,
@@ -187,4 +188,411 @@ int64_t kvc_score_choose(size_t n, double prompt_len, const double *wan, const d
     default: KVC_SCORE_CHOOSE(7);
     }
 #undef KVC_SCORE_CHOOSE
+}
+
+/* ---- the sparse decision (see kvc_forward.h) ------------------------------------------------ */
+
+/* One bit per 2-bit field: the low bit of each field. */
+#define KVC_SPARSE_LOW_BITS 0x5555555555555555ULL
+/* Groups read together, level by level (their state lives on the stack). */
+#define KVC_SPARSE_CHUNK 256
+/* At most this many reads in all (every group at every level that fits): read them in one batch
+ * rather than level by level. A small fleet's lookup is then one round of overlapped misses
+ * instead of one per level; the reads an early stop would have saved are few, and the decode
+ * reads the same values either way. */
+#define KVC_SPARSE_ONE_BATCH 64
+
+/* Give the fields of `fields` (low bits of 2-bit fields) of group g their match at `level`.
+ * Returns the holders written so far, or SIZE_MAX once they would pass `workers` (a field_worker
+ * map naming one worker twice: refused rather than written past holders_out's end). */
+static size_t kvc_sparse_assign(uint64_t fields, size_t g, size_t level, uint64_t value, const int32_t *field_worker,
+                                const int64_t *level_lengths, size_t max_levels, int64_t *matched_out,
+                                uint8_t *tier_out, int32_t *holders_out, size_t held, size_t workers)
+{
+    int64_t length = level_lengths[g * max_levels + level];
+    while (fields) {
+        unsigned bit = (unsigned)__builtin_ctzll(fields);
+        fields &= fields - 1;
+        int32_t w = field_worker[g * 32 + bit / 2];
+        if (held >= workers) /* also SIZE_MAX: refused already */
+            return SIZE_MAX;
+        matched_out[w] = length;
+        tier_out[w] = (uint8_t)((value >> bit) & 3u);
+        holders_out[held++] = w;
+    }
+    return held;
+}
+
+int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups,
+                      const uint64_t *keys, size_t n_keys,
+                      const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
+                      const int32_t *field_worker, size_t workers, int consistency, uint64_t *values_scratch,
+                      int64_t *matched_out, uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out)
+{
+    *n_holders_out = 0;
+    if (shards == 0 || (groups != 0 && max_levels == 0))
+        return KVC_ERR_ARG;
+    memset(matched_out, 0, workers * sizeof *matched_out);
+    memset(tier_out, 0, workers);
+    size_t held = 0;
+    uint64_t present[KVC_SPARSE_CHUNK], alive[KVC_SPARSE_CHUNK];
+    size_t levels_read[KVC_SPARSE_CHUNK];
+    const kvc_view *read_view[KVC_SPARSE_CHUNK];
+    uint64_t read_key[KVC_SPARSE_CHUNK], read_value[KVC_SPARSE_CHUNK];
+    size_t read_group[KVC_SPARSE_CHUNK];
+    for (size_t first = 0; first < groups; first += KVC_SPARSE_CHUNK) {
+        size_t count = groups - first < KVC_SPARSE_CHUNK ? groups - first : KVC_SPARSE_CHUNK;
+        for (size_t i = 0; i < count; i++) {
+            uint64_t fields = 0;
+            for (unsigned f = 0; f < 32; f++) {
+                int32_t w = field_worker[(first + i) * 32 + f];
+                if (w < 0)
+                    continue;
+                if ((size_t)w >= workers)
+                    return KVC_ERR_ARG;
+                fields |= UINT64_C(1) << (2 * f);
+            }
+            present[i] = alive[i] = fields;
+            levels_read[i] = 0;
+        }
+        /* Few reads in all: every group's fitting levels in one batch. */
+        size_t all_reads = 0;
+        for (size_t i = 0; i < count && all_reads <= KVC_SPARSE_ONE_BATCH; i++) {
+            size_t g = first + i;
+            for (size_t level = 0; level < max_levels && present[i]; level++) {
+                int32_t k = level_keys[g * max_levels + level];
+                if (k < 0 || (size_t)k >= n_keys)
+                    break;
+                all_reads++;
+            }
+        }
+        if (all_reads <= KVC_SPARSE_ONE_BATCH) {
+            const kvc_view *batch_view[KVC_SPARSE_ONE_BATCH];
+            uint64_t batch_key[KVC_SPARSE_ONE_BATCH], batch_value[KVC_SPARSE_ONE_BATCH];
+            size_t batch_at[KVC_SPARSE_ONE_BATCH], reads = 0;
+            for (size_t i = 0; i < count; i++) {
+                size_t g = first + i;
+                for (size_t level = 0; level < max_levels && present[i]; level++) {
+                    int32_t k = level_keys[g * max_levels + level];
+                    if (k < 0 || (size_t)k >= n_keys)
+                        break;
+                    uint64_t key = keys[k];
+                    batch_view[reads] = views[(key % shards) * groups + g];
+                    batch_key[reads] = key;
+                    batch_at[reads] = g * max_levels + level;
+                    reads++;
+                    levels_read[i] = level + 1;
+                }
+                alive[i] = 0;
+            }
+            kvc_view_lookup_spread(batch_view, batch_key, reads, batch_value);
+            for (size_t r = 0; r < reads; r++)
+                values_scratch[batch_at[r]] = batch_value[r];
+        }
+        /* Level by level, the live groups' reads at once (their misses overlap); under
+         * consistency a group is read on while one of its workers' runs of hits is unbroken. */
+        for (size_t level = 0; level < max_levels; level++) {
+            size_t reads = 0;
+            for (size_t i = 0; i < count; i++) {
+                if (!alive[i])
+                    continue;
+                size_t g = first + i;
+                int32_t k = level_keys[g * max_levels + level];
+                if (k < 0 || (size_t)k >= n_keys) {
+                    alive[i] = 0; /* padding, or a length longer than the prompt: the group ends */
+                    continue;
+                }
+                uint64_t key = keys[k];
+                read_view[reads] = views[(key % shards) * groups + g];
+                read_key[reads] = key;
+                read_group[reads] = i;
+                reads++;
+            }
+            if (!reads)
+                break;
+            kvc_view_lookup_spread(read_view, read_key, reads, read_value);
+            for (size_t r = 0; r < reads; r++) {
+                size_t i = read_group[r];
+                uint64_t v = read_value[r];
+                values_scratch[(first + i) * max_levels + level] = v;
+                levels_read[i] = level + 1;
+                if (consistency)
+                    alive[i] &= (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
+            }
+        }
+        /* Each group's fields by where their rule ends them. */
+        for (size_t i = 0; i < count && held != SIZE_MAX; i++) {
+            size_t g = first + i, read = levels_read[i];
+            const uint64_t *values = values_scratch + g * max_levels;
+            if (consistency) {
+                /* A field's match is the last level of its unbroken run of hits from level 0. */
+                uint64_t run = present[i];
+                size_t level = 0;
+                for (; level < read && run; level++) {
+                    uint64_t v = values[level];
+                    uint64_t still = run & (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
+                    if (level > 0 && run != still)
+                        held = kvc_sparse_assign(run & ~still, g, level - 1, values[level - 1], field_worker,
+                                                 level_lengths, max_levels, matched_out, tier_out, holders_out, held,
+                                                 workers);
+                    run = still;
+                }
+                if (run && read) /* unbroken through every level read */
+                    held = kvc_sparse_assign(run, g, read - 1, values[read - 1], field_worker, level_lengths,
+                                             max_levels, matched_out, tier_out, holders_out, held, workers);
+            } else {
+                /* A field's match is the longest level where it hits. */
+                uint64_t left = present[i];
+                for (size_t level = read; level-- > 0 && left;) {
+                    uint64_t v = values[level];
+                    uint64_t hit = left & (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
+                    if (hit) {
+                        held = kvc_sparse_assign(hit, g, level, v, field_worker, level_lengths, max_levels,
+                                                 matched_out, tier_out, holders_out, held, workers);
+                        left &= ~hit;
+                    }
+                }
+            }
+        }
+        if (held == SIZE_MAX)
+            return KVC_ERR_ARG;
+    }
+    *n_holders_out = held;
+    return KVC_OK;
+}
+
+/* kvc_queue_low's answer for a queue without NaN (the least value; of zeros, the first in index
+ * order), in one pass that also says whether there is a NaN (then the answer is unused). */
+static double kvc_queue_low_checked(size_t n, const double *queue, int *nan_out)
+{
+    double lane[4] = {queue[0], queue[0], queue[0], queue[0]};
+    int nan = 0;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) {
+            double q = queue[i + j];
+            nan |= q != q;
+            lane[j] = q < lane[j] ? q : lane[j];
+        }
+    for (; i < n; i++) {
+        double q = queue[i];
+        nan |= q != q;
+        lane[0] = q < lane[0] ? q : lane[0];
+    }
+    double low = lane[0];
+    for (int j = 1; j < 4; j++)
+        if (lane[j] < low)
+            low = lane[j];
+    *nan_out = nan;
+    if (!nan && low == 0.0) /* which zero: the first in index order */
+        for (i = 0; i < n; i++)
+            if (queue[i] == 0.0)
+                return queue[i];
+    return low;
+}
+
+/* The running argmin and tie rotation, order-free: best is the least (score, index), chosen the
+ * least (score, last_sent, index): the first minimum and, among the scores equal to it, the first
+ * of the least last_sent, whichever order the workers come in. */
+typedef struct kvc_running_choice {
+    double score;
+    size_t best, chosen;
+    int any;
+} kvc_running_choice;
+
+static inline void kvc_choice_offer(kvc_running_choice *c, double s, size_t i, const int64_t *last_sent)
+{
+    if (!c->any || s < c->score) {
+        c->score = s;
+        c->best = c->chosen = i;
+        c->any = 1;
+    } else if (s == c->score) {
+        if (i < c->best)
+            c->best = i;
+        if (last_sent ? (last_sent[i] < last_sent[c->chosen] ||
+                         (last_sent[i] == last_sent[c->chosen] && i < c->chosen))
+                      : i < c->chosen)
+            c->chosen = i;
+    }
+}
+
+int64_t kvc_score_choose_pruned(size_t n, double prompt_len, const double *wan, const double *beta,
+                                const double *queue, const double *belief, const int64_t *matched,
+                                const uint8_t *tier, const double *local_factor, const double *remote_penalty,
+                                const uint8_t *eligible, double gamma, double lambda_max, double tau, unsigned flags,
+                                const int64_t *last_sent, const int32_t *holders, size_t n_holders,
+                                const kvc_score_blocks *blocks, double *scores_out, double *lam_out,
+                                int64_t *chosen_out, int *complete_out)
+{
+    *complete_out = 1;
+    size_t block = blocks->block, n_blocks = blocks->n_blocks;
+    double low = 0.0, lam = 0.0;
+    int nan = 0;
+    if (n > 0 && (flags & KVC_SCORE_LOAD_AWARE)) {
+        low = kvc_queue_low_checked(n, queue, &nan);
+        double ratio = low / tau;
+        lam = ratio < lambda_max ? ratio : lambda_max;
+    }
+    int scale = lam != 0.0;
+    if (n == 0 || nan || block == 0 || n_blocks != (n + block - 1) / block || !(1.0 + lam >= 0.0) ||
+        !(prompt_len >= 0.0))
+        goto full;
+    kvc_running_choice c = {0.0, 0, 0, 0};
+    for (size_t h = 0; h < n_holders; h++) {
+        size_t i = (size_t)holders[h];
+        double s = kvc_score_at(i, prompt_len, wan, beta, queue, belief, matched, tier, local_factor, remote_penalty,
+                                eligible, gamma, scale, lam, flags);
+        scores_out[i] = s;
+        if (s != s)
+            goto full;
+        kvc_choice_offer(&c, s, i, last_sent);
+    }
+    /* The block with the least bound first (it sets a low best), then every block whose bound
+     * can still reach the best so far. */
+#define KVC_BLOCK_BOUND(b)                                                                                   \
+    ((flags & KVC_SCORE_CROSS_REGION)                                                                     \
+         ? ((flags & KVC_SCORE_LOAD_AWARE) ? blocks->wan_min[b] + low : blocks->wan_min[b]) +               \
+               (scale ? blocks->beta_min[b] * (1.0 + lam) : blocks->beta_min[b]) * prompt_len               \
+         : ((flags & KVC_SCORE_LOAD_AWARE) ? blocks->wan_min[b] + low : blocks->wan_min[b]) +               \
+               (scale ? blocks->beta_min[b] * (1.0 + lam) : blocks->beta_min[b]) * prompt_len +             \
+               blocks->penalty_min[b])
+    size_t first = 0;
+    double first_bound = KVC_BLOCK_BOUND(0);
+    for (size_t b = 1; b < n_blocks; b++) {
+        double bound = KVC_BLOCK_BOUND(b);
+        if (bound < first_bound) {
+            first_bound = bound;
+            first = b;
+        }
+    }
+    size_t scored = 0;
+    for (size_t step = 0; step <= n_blocks; step++) {
+        size_t b = step == 0 ? first : step - 1;
+        if (step > 0 && b == first)
+            continue;
+        if (c.any && KVC_BLOCK_BOUND(b) > c.score)
+            continue; /* every worker there scores above the best (a holder was scored above) */
+        size_t end = (b + 1) * block < n ? (b + 1) * block : n;
+        for (size_t i = b * block; i < end; i++) {
+            double s = kvc_score_at(i, prompt_len, wan, beta, queue, belief, matched, tier, local_factor,
+                                    remote_penalty, eligible, gamma, scale, lam, flags);
+            scores_out[i] = s;
+            if (s != s)
+                goto full;
+            kvc_choice_offer(&c, s, i, last_sent);
+        }
+        scored++;
+    }
+#undef KVC_BLOCK_BOUND
+    if (!c.any || !isfinite(c.score))
+        goto full;
+    *lam_out = lam;
+    *complete_out = scored == n_blocks;
+    *chosen_out = (int64_t)c.chosen;
+    return (int64_t)c.best;
+full:
+    *complete_out = 1;
+    return kvc_score_choose(n, prompt_len, wan, beta, queue, belief, matched, tier, local_factor, remote_penalty,
+                            eligible, gamma, lambda_max, tau, flags, last_sent, scores_out, lam_out, chosen_out);
+}
+
+unsigned kvc_miss_summary_holders(const int32_t *holders, size_t n_holders, const int64_t *matched,
+                                  const uint8_t *local, const int64_t *floors, int remote_floor_free,
+                                  const double *scores, const double *queue, size_t chosen, size_t n)
+{
+    if (chosen >= n)
+        return 0;
+    unsigned flags = remote_floor_free ? KVC_MISS_REMOTE_WORTH : 0;
+    int lost = 1;
+    double own = scores[chosen], own_queue = queue[chosen];
+    for (size_t h = 0; h < n_holders; h++) {
+        size_t i = (size_t)holders[h];
+        if (local[i]) {
+            if (matched[i] > 0) {
+                flags |= KVC_MISS_LOCAL_HOLDER;
+                if (i == chosen) {
+                    lost = 0;
+                } else {
+                    double unloaded = scores[i] - queue[i] + own_queue;
+                    if (!(unloaded < own))
+                        lost = 0;
+                }
+            }
+        } else if (matched[i] >= floors[i]) {
+            flags |= KVC_MISS_REMOTE_WORTH;
+        }
+    }
+    if ((flags & KVC_MISS_LOCAL_HOLDER) && lost)
+        flags |= KVC_MISS_LOST_TO_LOAD;
+    return flags;
+}
+
+int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                              const uint8_t *token_bytes, size_t n_tokens, const double *queue,
+                              const double *belief, const uint8_t *eligible, const int64_t *last_sent,
+                              uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
+                              kvc_forward_sparse_result *result)
+{
+    size_t workers = plan->workers;
+    if (workers == 0)
+        return KVC_ERR_ARG;
+    size_t n_keys = 0;
+    while (n_keys < plan->n_query && plan->query_lengths[n_keys] <= (int64_t)n_tokens)
+        n_keys++;
+    int rc = kvc_prefix_keys_paired(plan->salt, plan->salt_len, token_bytes, n_tokens, plan->query_lengths, n_keys,
+                                    plan->sha_backend, keys_out);
+    if (rc != KVC_OK)
+        return rc;
+    size_t held;
+    rc = kvc_lookup_sparse(plan->views, plan->shards, plan->groups, keys_out, n_keys, plan->level_lengths,
+                           plan->level_keys, plan->max_levels, sparse->field_worker, workers, plan->consistency,
+                           plan->values_scratch, matched_out, tier_out, sparse->holders, &held);
+    if (rc != KVC_OK)
+        return rc;
+    int64_t chosen_index;
+    int complete;
+    int64_t best = kvc_score_choose_pruned(workers, (double)n_tokens, plan->wan, plan->beta, queue, belief,
+                                           matched_out, tier_out, plan->local_factor, plan->remote_penalty, eligible,
+                                           plan->gamma, plan->lambda_max, plan->tau, plan->score_flags, last_sent,
+                                           sparse->holders, held, &sparse->blocks, scores_out, &result->lam,
+                                           &chosen_index, &complete);
+    result->best = best;
+    result->chosen = chosen_index;
+    result->n_keys = n_keys;
+    result->n_holders = held;
+    result->complete = complete;
+    result->miss = kvc_miss_summary_holders(sparse->holders, held, matched_out, plan->local, plan->floors,
+                                            sparse->remote_floor_free, scores_out, queue, (size_t)chosen_index,
+                                            workers);
+    int64_t family = plan->family_index;
+    result->family = family >= 0 && (size_t)family < n_keys ? (int64_t)keys_out[family] : -1;
+    return isfinite(scores_out[best]) ? KVC_OK : KVC_FORWARD_NONE_ELIGIBLE;
+}
+
+int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                   const double *correction, int add_occupancy, const double *belief,
+                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                   int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
+                                   double *queue_out, kvc_forward_sparse_result *result)
+{
+    size_t n = plan->workers;
+    if (!sparse->taken_at || !sparse->rate || (correction && !sparse->region_slot) ||
+        (add_occupancy && !sparse->occupancy))
+        return KVC_ERR_ARG;
+    kvc_queue_aged(n, ms, sparse->taken_at, sparse->rate, now, aged_out);
+    if (correction || add_occupancy) {
+        for (size_t i = 0; i < n; i++) {
+            double value = aged_out[i];
+            if (correction)
+                value = value + correction[sparse->region_slot[i]];
+            if (add_occupancy)
+                value = value + sparse->occupancy[i];
+            queue_out[i] = value;
+        }
+    } else if (queue_out != aged_out) {
+        memcpy(queue_out, aged_out, n * sizeof *aged_out);
+    }
+    return kvc_forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue_out, belief, eligible, last_sent,
+                                     keys_out, matched_out, tier_out, scores_out, result);
 }

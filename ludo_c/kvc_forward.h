@@ -109,6 +109,119 @@ void kvc_queue_aged(size_t n, const double *ms, const double *taken_at, const do
  * indexes to out and returns how many. O(n * k): for the few best candidates of a decision. */
 size_t kvc_top_k(size_t n, const double *scores, size_t k, int64_t *out);
 
+/* ---- the sparse decision: work in the holders, not in the workers ----------------------------
+ *
+ * At thousands of workers most of a decision's time went into per-worker passes whose answer
+ * was known in advance: decoding every worker's field although a few groups hold the prompt, and
+ * scoring every worker although a whole region's non-holders cannot beat the best score. The
+ * sparse path decodes from per-group bit masks and scores holders first, then only the blocks of
+ * workers whose lower bound can still reach the best score; its answers are those of the
+ * functions above (tests hold them equal). */
+
+/* kvc_lookup_plan's matched and tier for every worker, decoded from each group's run of hits
+ * (bit masks) instead of a pass over every worker's levels: the work grows with the groups read
+ * and the holders found, not with the workers. Reads go level by level over up to 256 groups
+ * at a time, their views' headers fetched ahead (kvc_view_lookup_spread); a group's fields
+ * without a worker are not read on.
+ *   field_worker [groups * 32]: the worker whose 2-bit field is field f of group g at
+ *                g * 32 + f, or -1 (each worker once: the inverse of worker_group/worker_shift).
+ *   values_scratch [groups * max_levels]: left holding the values read (entries not read are
+ *                left as they were: not zeroed).
+ *   holders_out [workers]: the workers with a match, group by group; *n_holders_out of them.
+ * Other arguments as kvc_lookup_plan. Returns KVC_OK, or KVC_ERR_ARG (no shard, a field_worker
+ * entry out of range). */
+int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups,
+                      const uint64_t *keys, size_t n_keys,
+                      const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
+                      const int32_t *field_worker, size_t workers, int consistency, uint64_t *values_scratch,
+                      int64_t *matched_out, uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out);
+
+/* The score's lower bounds per block of `block` consecutive workers (n_blocks = ceil(n / block)):
+ * each block's least wan, beta and remote_penalty. */
+typedef struct kvc_score_blocks {
+    size_t block;
+    size_t n_blocks;
+    const double *wan_min;
+    const double *beta_min;
+    const double *penalty_min;
+} kvc_score_blocks;
+
+/* kvc_score_choose's argmin, lam and tie rotation, scoring only the workers that can reach the
+ * best score: first the `holders` (every worker with matched > 0 must be among them), then each
+ * block whose bound (least wan + least queue + least beta x (1 + lam) x L [+ least penalty]: at
+ * most any non-holder's score there, the same operations being monotone) is not above the best
+ * so far. A skipped worker scores more than the best, so the argmin (the first minimum) and the
+ * tie rotation (among scores equal to it, the first of the least last_sent) are kvc_score_choose's.
+ * Its scores are written for the workers scored, bit for bit kvc_score_choose's; *complete_out
+ * says whether that was every worker. The bound holds for finite wan, beta, belief, local_factor
+ * and matched >= 0: the caller checks those (lookup_plan.SparseForwardKernel checks each belief
+ * array once; the rest are the edge's constants and its lookup's output). A NaN in the queue, a
+ * NaN score or a best score that is not finite take kvc_score_choose's full pass (complete).
+ * Returns the argmin (-1 if n == 0). */
+int64_t kvc_score_choose_pruned(size_t n, double prompt_len, const double *wan, const double *beta,
+                                const double *queue, const double *belief, const int64_t *matched,
+                                const uint8_t *tier, const double *local_factor, const double *remote_penalty,
+                                const uint8_t *eligible, double gamma, double lambda_max, double tau, unsigned flags,
+                                const int64_t *last_sent, const int32_t *holders, size_t n_holders,
+                                const kvc_score_blocks *blocks, double *scores_out, double *lam_out,
+                                int64_t *chosen_out, int *complete_out);
+
+/* kvc_miss_summary from the holders alone (every worker with matched > 0, each once):
+ * remote_floor_free says whether some remote worker has floors[i] <= 0 (a match of 0 reaches
+ * it). The same bits as kvc_miss_summary. */
+unsigned kvc_miss_summary_holders(const int32_t *holders, size_t n_holders, const int64_t *matched,
+                                  const uint8_t *local, const int64_t *floors, int remote_floor_free,
+                                  const double *scores, const double *queue, size_t chosen, size_t n);
+
+/* The sparse decision's constants besides kvc_forward_plan's; arrays borrowed. */
+typedef struct kvc_forward_sparse {
+    const int32_t *field_worker;  /* [groups * 32], as kvc_lookup_sparse */
+    kvc_score_blocks blocks;      /* the caller refreshes beta_min when beta changes */
+    int remote_floor_free;        /* as kvc_miss_summary_holders */
+    int32_t *holders;             /* [workers] scratch, left holding the holders */
+    /* the queue estimates' arrays kvc_forward_decide_sparse_aged reads, [workers] each: when each
+     * value was taken, its rate (ms per ms), the occupancy added, the worker's correction slot */
+    const double *taken_at;
+    const double *rate;
+    const double *occupancy;
+    const int64_t *region_slot;
+} kvc_forward_sparse;
+
+typedef struct kvc_forward_sparse_result {
+    int64_t best;
+    int64_t chosen;
+    double lam;
+    size_t n_keys;
+    unsigned miss;
+    int64_t family;
+    size_t n_holders;   /* holders written to sparse->holders */
+    int complete;       /* every worker's score was written (else holders' and unpruned blocks') */
+} kvc_forward_sparse_result;
+
+/* kvc_forward_decide on the sparse path: kvc_prefix_keys, kvc_lookup_sparse,
+ * kvc_score_choose_pruned, kvc_miss_summary_holders. The same answers as kvc_forward_decide
+ * except that scores_out holds only the scores result->complete says (the workers not scored
+ * score above the best). Returns as kvc_forward_decide. */
+int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                              const uint8_t *token_bytes, size_t n_tokens, const double *queue,
+                              const double *belief, const uint8_t *eligible, const int64_t *last_sent,
+                              uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
+                              kvc_forward_sparse_result *result);
+
+/* kvc_forward_decide_sparse scoring the queue estimates it first carries to `now`
+ * (kvcompassd.core.queues, QueueEstimates.queue_ms(now)) from the values `ms` and the arrays
+ * sparse->aging names: aged_out[i] as kvc_queue_aged, then
+ *   queue_out[i] = (aged_out[i] + correction[region_slot[i]]) + occupancy[i]
+ * in numpy's order, the correction left out when NULL and the occupancy unless add_occupancy
+ * (queue_out may be aged_out when neither is added). One call for the decision and the
+ * estimates it reads. */
+int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                   const double *correction, int add_occupancy, const double *belief,
+                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                   int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
+                                   double *queue_out, kvc_forward_sparse_result *result);
+
 /* CDEF-END */
 
 #endif /* KVC_FORWARD_H */

@@ -133,6 +133,57 @@ static void compress_shani(uint32_t h[8], const uint8_t *data, size_t blocks)
 }
 #endif
 
+#if KVC_SHA256_HAVE_SHANI
+/* compress_shani over one block of each of two independent chains, their instructions
+ * interleaved: sha256rnds2 is latency-bound, so the second chain runs in the first one's shadow. */
+__attribute__((target("sha,sse4.1")))
+static void compress_shani_pair(uint32_t ha[8], const uint8_t *da, uint32_t hb[8], const uint8_t *db)
+{
+    const __m128i byteswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i s0[2], s1[2], save0[2], save1[2], m[2][4];
+    uint32_t *h[2] = {ha, hb};
+    const uint8_t *d[2] = {da, db};
+    for (int c = 0; c < 2; c++) {
+        __m128i tmp = _mm_loadu_si128((const __m128i *)&h[c][0]);
+        __m128i st1 = _mm_loadu_si128((const __m128i *)&h[c][4]);
+        tmp = _mm_shuffle_epi32(tmp, 0xB1);
+        st1 = _mm_shuffle_epi32(st1, 0x1B);
+        s0[c] = _mm_alignr_epi8(tmp, st1, 8);
+        s1[c] = _mm_blend_epi16(st1, tmp, 0xF0);
+        save0[c] = s0[c];
+        save1[c] = s1[c];
+    }
+#pragma GCC unroll 16
+    for (int q = 0; q < 16; q++) {
+#pragma GCC unroll 2
+        for (int c = 0; c < 2; c++) {
+            if (q < 4)
+                m[c][q] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(d[c] + 16 * q)), byteswap);
+            __m128i msg = _mm_add_epi32(m[c][q & 3], _mm_loadu_si128((const __m128i *)&K256[4 * q]));
+            s1[c] = _mm_sha256rnds2_epu32(s1[c], s0[c], msg);
+            if (q >= 3 && q <= 14) {
+                __m128i w7 = _mm_alignr_epi8(m[c][q & 3], m[c][(q + 3) & 3], 4);
+                m[c][(q + 1) & 3] = _mm_sha256msg2_epu32(_mm_add_epi32(m[c][(q + 1) & 3], w7), m[c][q & 3]);
+            }
+            msg = _mm_shuffle_epi32(msg, 0x0E);
+            s0[c] = _mm_sha256rnds2_epu32(s0[c], s1[c], msg);
+            if (q >= 1 && q <= 12)
+                m[c][(q + 3) & 3] = _mm_sha256msg1_epu32(m[c][(q + 3) & 3], m[c][q & 3]);
+        }
+    }
+    for (int c = 0; c < 2; c++) {
+        __m128i st0 = _mm_add_epi32(s0[c], save0[c]);
+        __m128i st1 = _mm_add_epi32(s1[c], save1[c]);
+        __m128i tmp = _mm_shuffle_epi32(st0, 0x1B);
+        st1 = _mm_shuffle_epi32(st1, 0xB1);
+        st0 = _mm_blend_epi16(tmp, st1, 0xF0);
+        st1 = _mm_alignr_epi8(st1, tmp, 8);
+        _mm_storeu_si128((__m128i *)&h[c][0], st0);
+        _mm_storeu_si128((__m128i *)&h[c][4], st1);
+    }
+}
+#endif
+
 /* ---- dispatch ------------------------------------------------------------------------------- */
 
 static int cpu_has_shani(void)
@@ -259,4 +310,30 @@ int kvc_sha256_digest(const uint8_t *data, size_t len, int backend, uint8_t dige
     kvc_sha256_update(&ctx, data, len);
     kvc_sha256_final(&ctx, digest);
     return rc;
+}
+
+int kvc_sha256_compress_pair(int backend, uint32_t ha[8], const uint8_t *da, uint32_t hb[8], const uint8_t *db)
+{
+#if KVC_SHA256_HAVE_SHANI
+    if (backend == KVC_SHA256_SHANI && cpu_has_shani()) {
+        compress_shani_pair(ha, da, hb, db);
+        return 1;
+    }
+#endif
+    (void)backend;
+    (void)ha;
+    (void)da;
+    (void)hb;
+    (void)db;
+    return 0;
+}
+
+void kvc_sha256_compress_blocks(int backend, uint32_t h[8], const uint8_t *data, size_t blocks)
+{
+    compress((uint32_t)backend, h, data, blocks);
+}
+
+void kvc_sha256_initial(uint32_t h[8])
+{
+    memcpy(h, H0, sizeof H0);
 }

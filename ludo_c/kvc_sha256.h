@@ -58,4 +58,13 @@ int kvc_sha256_digest(const uint8_t *data, size_t len, int backend, uint8_t dige
 
 /* CDEF-END */
 
+/* For callers that run several chains at once (kvc_prefix_keys_paired); not part of the cffi API.
+ * The compression function on `backend` (KVC_SHA256_PORTABLE or KVC_SHA256_SHANI, resolved) over
+ * whole 64-byte blocks; the initial chaining value; and one block of each of two independent
+ * chains compressed with their instructions interleaved, which only the SHA-NI backend does:
+ * returns 1 when done, 0 (nothing done) otherwise. */
+void kvc_sha256_compress_blocks(int backend, uint32_t h[8], const uint8_t *data, size_t blocks);
+void kvc_sha256_initial(uint32_t h[8]);
+int kvc_sha256_compress_pair(int backend, uint32_t ha[8], const uint8_t *da, uint32_t hb[8], const uint8_t *db);
+
 #endif /* KVC_SHA256_H */

@@ -182,6 +182,8 @@ void kvc_view_lookup_many(const kvc_view *view, const uint64_t *keys, size_t n,
 /* kvc_view_lookup of keys[i] in views[i] (NULL: 0) for i < n, the reads overlapped as in
  * kvc_view_lookup_many. */
 void kvc_view_lookup_multi(const kvc_view *const *views, const uint64_t *keys, size_t n, uint64_t *out);
+/* kvc_view_lookup_multi, each view's header also fetched ahead: for reads spread over many views. */
+void kvc_view_lookup_spread(const kvc_view *const *views, const uint64_t *keys, size_t n, uint64_t *out);
 
 /* Epoch, table id, geometry and accounting of the view. */
 uint64_t kvc_view_epoch(const kvc_view *view);

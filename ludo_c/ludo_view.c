@@ -27,6 +27,11 @@ struct kvc_view {
 
 /* ---------------------------------------------------------------- small helpers */
 
+/* The prefetch helpers are inlined before GCC's IPA passes run: as out-of-line static functions
+ * whose only effect is __builtin_prefetch, GCC finds them pure and drops every call (gcc 12 -O3
+ * emitted none of the batched lookups' or the apply's prefetches). */
+#define KVC_PREFETCH_HELPER __attribute__((always_inline))
+
 static inline unsigned seed5_get(const uint64_t *seeds, uint32_t b)
 {
     return (unsigned)(seeds[b / SEEDS_PER_WORD] >> (5u * (b % SEEDS_PER_WORD))) & 31u;
@@ -334,7 +339,7 @@ static int check_records(const kvc_view *v, const uint8_t *blob, const kvc_heade
 }
 
 /* Prefetch, for writing, every line one bucket record will touch. */
-static inline void prefetch_bucket(const kvc_view *v, uint32_t b)
+static inline KVC_PREFETCH_HELPER void prefetch_bucket(const kvc_view *v, uint32_t b)
 {
     __builtin_prefetch(&v->seeds[b / SEEDS_PER_WORD], 1);
     if (v->vals32)
@@ -580,7 +585,7 @@ uint64_t kvc_view_lookup(const kvc_view *v, uint64_t key)
 
 /* The batched lookups' first two passes: the key's two locator words, then its bucket's seed,
  * values and fingerprints, fetched ahead so that a block's cache misses overlap. */
-static inline void prefetch_locator(const kvc_view *v, uint64_t key)
+static inline KVC_PREFETCH_HELPER void prefetch_locator(const kvc_view *v, uint64_t key)
 {
     uint32_t a, b;
     kvc_cells(key, v->geo.locator_seed, v->geo.ma, v->geo.mb, &a, &b);
@@ -588,7 +593,7 @@ static inline void prefetch_locator(const kvc_view *v, uint64_t key)
     __builtin_prefetch(&v->words[v->wa + (b >> 6)]);
 }
 
-static inline void prefetch_bucket_read(const kvc_view *v, uint32_t bk)
+static inline KVC_PREFETCH_HELPER void prefetch_bucket_read(const kvc_view *v, uint32_t bk)
 {
     __builtin_prefetch(&v->seeds[bk / SEEDS_PER_WORD]);
     if (v->vals32)
@@ -645,6 +650,27 @@ void kvc_view_lookup_multi(const kvc_view *const *views, const uint64_t *keys, s
             const kvc_view *v = vs[i];
             out[base + i] = !v || k[i] >= KVC_KEY_LIMIT ? 0 : finish_lookup(v, k[i], bucket[i]);
         }
+    }
+}
+
+/* kvc_view_lookup_multi with a pass before the three: each read's view header, fetched ahead.
+ * For reads that each land in a different view of many (an edge's lookup at thousands of workers
+ * spans thousands of views): there the header is itself a cache miss that the first pass would
+ * otherwise take one at a time. */
+void kvc_view_lookup_spread(const kvc_view *const *views, const uint64_t *keys, size_t n, uint64_t *out)
+{
+    for (size_t base = 0; base < n; base += LOOKUP_BLOCK) {
+        size_t m = n - base < LOOKUP_BLOCK ? n - base : LOOKUP_BLOCK;
+        const kvc_view *const *vs = views + base;
+        for (size_t i = 0; i < m; i++) {
+            const char *v = (const char *)vs[i];
+            if (!v)
+                continue;
+            __builtin_prefetch(v);
+            __builtin_prefetch(v + 64);
+            __builtin_prefetch(v + sizeof(kvc_view) - 1);
+        }
+        kvc_view_lookup_multi(vs, keys + base, m, out + base);
     }
 }
 

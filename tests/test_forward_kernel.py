@@ -9,7 +9,7 @@ from hypothesis import example, given, settings, strategies as st
 from kvcompassd.core.ablation import Ablation
 from kvcompassd.core.events import PrefixCached, Tier
 from kvcompassd.core.keys import SHA256_BACKENDS, prefix_keys
-from kvcompassd.core.lookup_plan import ForwardKernel, LookupPlanError, MissSummary
+from kvcompassd.core.lookup_plan import ForwardKernel, LookupPlanError, MissSummary, ScoreBlocks, SparseForwardKernel
 from kvcompassd.core.router import Router
 from kvcompassd.core.score import NoEligibleWorkerError
 
@@ -235,3 +235,363 @@ def test_the_queue_minimum_keeps_the_first_zero_and_a_leading_nan():
     assert not np.signbit(lam_of([5.0] * 6 + [0.0] + [5.0] * 5 + [-0.0]))
     assert lam_of([np.nan] + [1.0] * 12) == 1e9  # a leading NaN is the minimum: lam = lambda_max
     assert lam_of([7.0, np.nan] + [3.0] * 10 + [2.0]) == 2.0
+
+
+# ---- the sparse decision (kvc_forward_decide_sparse and its parts) ----------------------------
+
+def _sparse_lookup(plan, pointers, keys: np.ndarray):
+    """kvc_lookup_sparse through cffi: (matched, tier, holders)."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    field_worker = plan.field_worker()
+    n = plan.workers
+    matched, tier = np.full(n, -7, dtype=np.int64), np.full(n, 9, dtype=np.uint8)  # junk: must be overwritten
+    holders, held = np.zeros(max(1, n), dtype=np.int32), ffi.new("size_t *")
+    values = np.zeros(max(1, plan.groups * plan.max_levels), dtype=np.uint64)
+    rc = lib.kvc_lookup_sparse(pointers.pointers(), plan.shards, plan.groups, ffi.from_buffer("uint64_t[]", keys),
+                               keys.size, ffi.from_buffer("int64_t[]", plan._lengths),
+                               ffi.from_buffer("int32_t[]", plan._key_index), plan.max_levels,
+                               ffi.from_buffer("int32_t[]", field_worker), n, int(plan.consistency),
+                               ffi.from_buffer("uint64_t[]", values), ffi.from_buffer("int64_t[]", matched),
+                               ffi.from_buffer("uint8_t[]", tier), ffi.from_buffer("int32_t[]", holders), held)
+    assert rc == 0
+    return matched, tier, holders[:held[0]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 22), st.integers(0, 3), st.integers(0, 4095),
+                              st.sampled_from([Tier.VRAM, Tier.DRAM])), max_size=15),
+       fingerprint_bits=st.sampled_from([0, 8]), consistency=st.booleans(),
+       prompt_lengths=st.lists(st.integers(1, 900), min_size=1, max_size=4))
+def test_sparse_lookup_equals_the_plan(ops, fingerprint_bits, consistency, prompt_lengths):
+    """Bit-mask decoding gives every worker the plan's match and tier, holes and false hits included."""
+    from kvcompassd.core.lookup import PrefixLookup
+
+    w = World(fingerprint_bits=fingerprint_bits, consistency=consistency, value_bits=32, ready=(0, 1, 2))
+    prompts = [_prompt(500 + p, 900) for p in range(4)]
+    lengths = w.plan.registration_lengths_upto(900)
+    for worker_index, p, mask, tier in ops:
+        # Arbitrary subsets of lengths: runs with holes, as stale or partial registrations leave.
+        chosen = [n for i, n in enumerate(lengths) if mask >> (i % 12) & 1]
+        if chosen:
+            keys = prefix_keys(prompts[p], chosen, w.salt).tolist()
+            w.send([PrefixCached(w.layout.worker_ids[worker_index], k, tier) for k in keys])
+    for region in ("a", "b", "c"):
+        lookup = PrefixLookup(w.layout, w.plan, region, w.salt, w.views[region], consistency=consistency)
+        plan, pointers = lookup.native_plan()
+        for tokens in [p[:n] for p in prompts + [_prompt(999, 900)] for n in prompt_lengths]:
+            keys = lookup.query_keys(tokens)
+            want_matched, want_tier = plan.run(pointers.pointers(), keys)
+            matched, tier, holders = _sparse_lookup(plan, pointers, keys)
+            np.testing.assert_array_equal(matched, want_matched)
+            np.testing.assert_array_equal(tier, want_tier)
+            assert sorted(holders.tolist()) == np.flatnonzero(want_matched).tolist()
+
+
+def test_sparse_lookup_over_more_groups_than_one_read_chunk():
+    """260 region groups (the sparse reads go 256 groups at a time)."""
+    from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+    from kvcompassd.core.keys import namespace_salt
+    from kvcompassd.core.layout import IndexLayout
+    from kvcompassd.core.levels import LevelPlan
+    from kvcompassd.core.lookup import PrefixLookup
+    from clusters import make_cluster
+
+    cfg = make_cluster({"r": 32 * 259 + 1, "s": 1}, shards=2, levels=3, same_region_min_tokens=16)
+    layout = IndexLayout.from_config(cfg)
+    plan, salt = LevelPlan.from_config(cfg), namespace_salt(cfg.model)
+    assert len(layout.groups) > 256
+    shards = [MaintenanceShard(layout, s, 2, epoch=1, initial_capacity=16) for s in range(2)]
+    rng = np.random.default_rng(5)
+    tokens = _prompt(12, 300)
+    keys = prefix_keys(tokens, plan.registration_lengths_upto(300), salt).tolist()
+    for worker in rng.choice(len(layout.worker_ids), 300, replace=False).tolist():
+        for k in keys[:int(rng.integers(1, len(keys) + 1))]:
+            shards[k % 2].apply([PrefixCached(layout.worker_ids[worker], k, Tier(int(rng.integers(1, 3))))])
+    view = EdgeIndexView(layout, 2, edge="e")
+    for s in shards:
+        s.flush()
+        assert view.install_snapshot(s.snapshot()).applied
+    for consistency in (True, False):
+        lookup = PrefixLookup(layout, plan, "r", salt, view, consistency=consistency)
+        lp, pointers = lookup.native_plan()
+        for n in (300, 40, 16):
+            query = lookup.query_keys(tokens[:n])
+            want_matched, want_tier = lp.run(pointers.pointers(), query)
+            matched, tier, holders = _sparse_lookup(lp, pointers, query)
+            np.testing.assert_array_equal(matched, want_matched)
+            np.testing.assert_array_equal(tier, want_tier)
+            assert sorted(holders.tolist()) == np.flatnonzero(want_matched).tolist()
+        assert matched.any() or n < 16
+
+
+# Finite per-worker values with many exact ties; the queue may hold a NaN (the full pass's case).
+_finite = st.one_of(st.sampled_from([0.0, -0.0, 1.0, 2.5]), st.floats(0.0, 1e4))
+
+
+@settings(max_examples=400, deadline=None)
+@given(rows=st.lists(st.tuples(_finite, _finite, st.one_of(_finite, st.sampled_from([np.inf, np.nan])),
+                               st.floats(0.0, 1.0), st.integers(0, 3), st.integers(0, 5000), st.integers(0, 3),
+                               st.sampled_from([0.0, 1.0]), st.sampled_from([0.0, np.inf]), st.booleans(),
+                               st.integers(0, 3)), min_size=1, max_size=60),
+       prompt_len=st.integers(0, 5000), flags=st.integers(0, 7), with_eligible=st.booleans(),
+       with_last_sent=st.booleans(), gamma=st.sampled_from([0.0, 0.01, 3.0]), lambda_max=st.sampled_from([0.0, 2.0]),
+       tau=st.sampled_from([1.0, 250.0]), block=st.sampled_from([1, 2, 3, 7, 64]))
+def test_pruned_score_equals_the_full_pass(rows, prompt_len, flags, with_eligible, with_last_sent, gamma, lambda_max,
+                                           tau, block):
+    """Holders first, then only the blocks whose bound reaches the best: the same argmin, tie
+    rotation, lam and scores (where scored) as kvc_score_choose."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    wan, beta, queue, belief, holds, length, tier, local, penalty, eligible, last_sent = zip(*rows)
+    wan, beta, queue, belief, local, penalty = (np.array(a, dtype=np.float64)
+                                                for a in (wan, beta, queue, belief, local, penalty))
+    matched = np.where(np.array(holds) == 0, np.array(length), 0).astype(np.int64)  # a quarter hold something
+    tier = np.array(tier, dtype=np.uint8)
+    eligible = np.array(eligible, dtype=np.uint8) if with_eligible else None
+    last_sent = np.array(last_sent, dtype=np.int64) if with_last_sent else None
+    n = len(rows)
+    holders = np.flatnonzero(matched).astype(np.int32)
+    starts = np.arange(0, n, block)
+    wan_min, beta_min, penalty_min = (np.minimum.reduceat(a, starts) for a in (wan, beta, penalty))
+
+    def ptr(kind, a):
+        return ffi.NULL if a is None else ffi.from_buffer(kind, a)
+
+    common = (n, float(prompt_len), ptr("double[]", wan), ptr("double[]", beta), ptr("double[]", queue),
+              ptr("double[]", belief), ptr("int64_t[]", matched), ptr("uint8_t[]", tier), ptr("double[]", local),
+              ptr("double[]", penalty), ptr("uint8_t[]", eligible), gamma, lambda_max, tau, flags,
+              ptr("int64_t[]", last_sent))
+    want_scores, want_lam, want_chosen = np.zeros(n), ffi.new("double *"), ffi.new("int64_t *")
+    want_best = lib.kvc_score_choose(*common, ptr("double[]", want_scores), want_lam, want_chosen)
+    blocks = ffi.new("kvc_score_blocks *")
+    blocks.block, blocks.n_blocks = block, starts.size
+    blocks.wan_min, blocks.beta_min = ptr("double[]", wan_min), ptr("double[]", beta_min)
+    blocks.penalty_min = ptr("double[]", penalty_min)
+    scores, lam, chosen, complete = np.full(n, -123.0), ffi.new("double *"), ffi.new("int64_t *"), ffi.new("int *")
+    best = lib.kvc_score_choose_pruned(*common, ptr("int32_t[]", holders), holders.size, blocks,
+                                       ptr("double[]", scores), lam, chosen, complete)
+    assert (best, chosen[0]) == (want_best, want_chosen[0])
+    assert _same_bits(np.array([lam[0]]), np.array([want_lam[0]]))
+    scored = scores != -123.0  # a sentinel no score takes here
+    if complete[0]:
+        assert scored.all()
+    assert scored[holders].all() and scored[best] and scored[chosen[0]]
+    assert _same_bits(scores[scored], want_scores[scored])
+    # Whatever was skipped scores above the best.
+    assert (want_scores[~scored] > want_scores[best]).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.floats(0.0, 50.0), st.floats(0.0, 50.0),
+                               st.integers(-1, 3)), min_size=1, max_size=30),
+       chosen_seed=st.integers(0, 10**6))
+def test_miss_summary_from_the_holders_equals_the_full_summary(data, chosen_seed):
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    local, matched, scores, queue, floors = zip(*data)
+    local = np.array(local, dtype=np.uint8)
+    matched = np.array(matched, dtype=np.int64)
+    scores, queue, floors = np.array(scores), np.array(queue), np.array(floors, dtype=np.int64)
+    n = len(data)
+    chosen = chosen_seed % n
+    holders = np.flatnonzero(matched > 0).astype(np.int32)
+    args = (ffi.from_buffer("int64_t[]", matched), ffi.from_buffer("uint8_t[]", local),
+            ffi.from_buffer("int64_t[]", floors))
+    want = lib.kvc_miss_summary(n, *args, ffi.from_buffer("double[]", scores), ffi.from_buffer("double[]", queue),
+                                chosen)
+    floor_free = int(bool(np.any((local == 0) & (floors <= 0))))
+    got = lib.kvc_miss_summary_holders(ffi.from_buffer("int32_t[]", holders), holders.size, *args, floor_free,
+                                       ffi.from_buffer("double[]", scores), ffi.from_buffer("double[]", queue),
+                                       chosen, n)
+    assert got == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=700), salt=st.binary(max_size=150),
+       picks=st.lists(st.integers(1, 700), min_size=1, max_size=80), backend=st.sampled_from(["auto", "portable"]))
+def test_paired_prefix_keys_equal_hashlib(tokens, salt, picks, backend):
+    """The finals compressed beside the stream give hashlib's keys (lengths dense and sparse,
+    salts across a block boundary, more finals than the jobs held at once)."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+    from kvcompassd.core.keys import prefix_keys_reference
+
+    toks = np.array(tokens, dtype=np.uint32)
+    lengths = np.array(sorted({p for p in picks if p <= toks.size} or {toks.size}), dtype=np.int64)
+    out = np.zeros(lengths.size, dtype=np.uint64)
+    rc = lib.kvc_prefix_keys_paired(salt, len(salt), ffi.from_buffer("uint8_t[]", toks), toks.size,
+                                    ffi.from_buffer("int64_t[]", lengths), lengths.size, SHA256_BACKENDS[backend],
+                                    ffi.from_buffer("uint64_t[]", out))
+    assert rc == 0
+    np.testing.assert_array_equal(out, prefix_keys_reference(toks, lengths, salt))
+    bad = np.array([2, 1], dtype=np.int64)
+    assert lib.kvc_prefix_keys_paired(salt, len(salt), ffi.from_buffer("uint8_t[]", toks), toks.size,
+                                      ffi.from_buffer("int64_t[]", bad), 2, 0, ffi.from_buffer("uint64_t[]", out)) != 0
+
+
+def _sparse_of(router: Router, block: int) -> SparseForwardKernel:
+    plan, pointers = router.lookup.native_plan()
+    kernel = SparseForwardKernel(plan, pointers, router.lookup.query_lengths, router.lookup.salt,
+                                 router.scorer.kernel, router.scorer.kernel_flags(router.ablation),
+                                 router._miss_summary, router._last_sent, family_index=router.lookup.family_index(),
+                                 backend=SHA256_BACKENDS["auto"], blocks=ScoreBlocks(router.scorer.kernel, block))
+    kernel.age_from(*router.queues.aging_arrays())
+    return kernel
+
+
+@settings(max_examples=30, deadline=None)
+@given(holdings=st.lists(st.tuples(st.integers(0, 22), st.integers(0, 3), st.integers(16, 900),
+                                   st.sampled_from([Tier.VRAM, Tier.DRAM])), max_size=12),
+       queue=st.lists(st.floats(0.0, 500.0), min_size=23, max_size=23),
+       belief=st.lists(st.floats(0.0, 1.0), min_size=23, max_size=23),
+       excluded=st.frozensets(st.integers(0, 22), max_size=22),
+       prompt_len=st.integers(0, 900), region=st.sampled_from(["a", "b", "c"]), block=st.sampled_from([1, 2, 5, 32]),
+       ablation=st.sampled_from([Ablation(), Ablation(cross_region=False), Ablation(load_aware=False),
+                                 Ablation(tier_aware=False)]))
+def test_sparse_call_equals_the_full_call(holdings, queue, belief, excluded, prompt_len, region, block, ablation):
+    """kvc_forward_decide_sparse answers as kvc_forward_decide: matches, winner, rotation, lam,
+    miss summary, family, and every score it wrote."""
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    prompts = [_prompt(40 + p, 900) for p in range(4)]
+    for worker_index, p, upto, tier in holdings:
+        _register(w, w.layout.worker_ids[worker_index], prompts[p], upto, tier)
+    router = Router(w.cfg, region, w.views[region], now=0.0, ablation=ablation)
+    router._last_sent[:] = np.arange(23) % 3
+    tokens = prompts[holdings[0][1] if holdings else 0][:prompt_len]
+    queue_ms, beliefs = np.array(queue), np.array(belief)
+    eligible = np.array([i not in excluded for i in range(23)])
+    full = _kernel_of(router, backend=SHA256_BACKENDS["auto"]).run(tokens, queue_ms, beliefs, eligible)
+    sparse = _sparse_of(router, block).run(tokens, queue_ms, beliefs, eligible)
+    matched, tier, scores, best, chosen, lam, miss, family = full
+    s_matched, s_tier, s_scores, s_best, s_chosen, s_lam, s_miss, s_family, complete = sparse
+    np.testing.assert_array_equal(s_matched, matched)
+    np.testing.assert_array_equal(s_tier, tier)
+    assert (s_best, s_lam, s_family) == (best, lam, family)
+    if best >= 0:
+        assert (s_chosen, s_miss) == (chosen, miss)
+        written = np.flatnonzero(matched).tolist() + [best, chosen]
+        assert s_scores[written].tobytes() == scores[written].tobytes()
+        if complete:
+            assert s_scores.tobytes() == scores.tobytes()
+
+
+def test_the_aged_call_adds_correction_and_occupancy_as_numpy_does():
+    """run_aged's estimates: the aged values, plus a region's correction and a worker's
+    occupancy, in QueueEstimates.queue_ms's operations (bit for bit), and the same decision as
+    run on them."""
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(77, 600)
+    _register(w, w.layout.worker_ids[5], tokens, 600)
+    router = Router(w.cfg, "a", w.views["a"], now=0.0)
+    kernel = _sparse_of(router, 4)
+    rng = np.random.default_rng(9)
+    taken_at, rate, occupancy, slot = router.queues.aging_arrays()
+    taken_at[:] = rng.uniform(0.0, 2.0, 23)
+    rate[:] = np.where(rng.random(23) < 0.5, -1.0, rng.uniform(0.0, 3.0, 23))
+    occupancy[:] = np.where(rng.random(23) < 0.5, 0.0, rng.uniform(0.0, 2.0, 23))
+    ms = rng.uniform(0.0, 400.0, 23)
+    correction = rng.uniform(0.0, 30.0, int(slot.max()) + 1)
+    belief = np.ones(23)
+    for corr, occupied in ((None, False), (correction, False), (None, True), (correction, True)):
+        out = kernel.run_aged(tokens, ms, 2.5, corr, occupied, belief, None)
+        aged, queue = out[-2:]
+        want_aged = np.maximum(0.0, ms + rate * np.maximum(0.0, (2.5 - taken_at) * 1000.0))
+        want = want_aged if corr is None else want_aged + corr[slot]
+        want = want + occupancy if occupied else want
+        assert aged.tobytes() == want_aged.tobytes() and queue.tobytes() == want.tobytes()
+        assert (queue is aged) == (corr is None and not occupied)
+        again = kernel.run(tokens, queue, belief, None)
+        assert out[3:8] == again[3:8] and out[0].tobytes() == again[0].tobytes()
+        # A belief the pruned score cannot bound takes the full call, on the same estimates.
+        odd = belief.copy()
+        odd[3] = np.inf
+        full = kernel.run_aged(tokens, ms, 2.5, corr, occupied, odd, None)
+        assert full[-2].tobytes() == want_aged.tobytes() and full[-1].tobytes() == want.tobytes()
+        assert full[8] and full[3:8] == kernel.run(tokens, queue, odd, None)[3:8]
+
+
+def test_pruned_decisions_equal_the_reference_router_and_complete_their_scores():
+    """A Router on the pruned score (blocks of one worker, so most workers are skipped) decides
+    as the reference Router, also after its prefill rates change; a decision's skipped scores
+    are filled in, bit for bit, when read."""
+    from test_lookup_plan import _reference_router
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    prompts = [_prompt(90 + p, 900) for p in range(3)]
+    _register(w, w.layout.worker_ids[0], prompts[0], 900)
+    _register(w, w.layout.worker_ids[9], prompts[0], 400, Tier.DRAM)
+    _register(w, w.layout.worker_ids[17], prompts[1], 700)
+    skipped = 0
+    for region in ("a", "b", "c"):
+        fast = Router(w.cfg, region, w.views[region], now=0.0)
+        fast.scorer._blocks = ScoreBlocks(fast.scorer.kernel, 1)
+        plan, pointers = fast.lookup.native_plan()
+        fast._kernel = SparseForwardKernel(plan, pointers, fast.lookup.query_lengths, fast.lookup.salt,
+                                           fast.scorer.kernel, fast.scorer.kernel_flags(fast.ablation),
+                                           fast._miss_summary, fast._last_sent,
+                                           family_index=fast.lookup.family_index(), backend=SHA256_BACKENDS["auto"],
+                                           blocks=fast.scorer.blocks)
+        fast._kernel.age_from(*fast.queues.aging_arrays())
+        slow = _reference_router(w.cfg, region, w.views[region], Ablation())
+        now = 1.0
+        for step in range(12):
+            if step == 6:  # learned rates: the bounds follow the new beta
+                rates = np.linspace(0.05, 0.4, 23)[::-1].copy()
+                for router in (fast, slow):
+                    router.scorer.set_prefill_rates(rates)
+            for router in (fast, slow):
+                local = w.cfg.workers_in(region)
+                router.queues.set_local(local[step % len(local)].id, 7.0 * step, now=now, running=step % 2)
+            now += 0.05
+            a = fast.decide(prompts[step % 3], now=now)
+            b = slow.decide(prompts[step % 3], now=now)
+            skipped += not a.score._complete
+            assert (a.worker, a.claimed_tokens, a.tier, a.lam, a.migration) == (b.worker, b.claimed_tokens, b.tier,
+                                                                                b.lam, b.migration)
+            assert a.score.total == b.score.total
+            assert a.candidates == b.candidates
+            assert a.score.scores.tobytes() == b.score.scores.tobytes()
+            np.testing.assert_array_equal(fast.queues.queue_ms(now=now), slow.queues.queue_ms(now=now))
+    assert skipped  # the pruned path did skip workers
+
+
+def test_sparse_lookup_refuses_a_map_that_names_a_worker_twice():
+    """Two fields naming one worker would write more holders than there are workers: refused,
+    nothing written past the buffers; the Python plan refuses two workers in one field."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+    from kvcompassd.core.lookup_plan import LookupPlan
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(61, 600)
+    for worker in (0, 1, 2):  # region a's three workers: one group, fields 0-2
+        _register(w, w.layout.worker_ids[worker], tokens, 600)
+    router = Router(w.cfg, "a", w.views["a"], now=0.0)
+    plan, pointers = router.lookup.native_plan()
+    keys = router.lookup.query_keys(tokens)
+    g = int(plan._worker_group[0])
+    assert (plan._worker_group[:3] == g).all()
+    field_worker = np.full_like(plan.field_worker(), -1)
+    field_worker[g, plan._worker_shift[:3] // 2] = (0, 1, 0)  # worker 0 named twice, in a map of two workers
+    n = 2  # three fields hit: more holders than the buffers hold
+    holders, held = np.zeros(n, dtype=np.int32), ffi.new("size_t *")
+    matched, tier = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint8)
+    values = np.zeros(plan.groups * plan.max_levels, dtype=np.uint64)
+    rc = lib.kvc_lookup_sparse(pointers.pointers(), plan.shards, plan.groups, ffi.from_buffer("uint64_t[]", keys),
+                               keys.size, ffi.from_buffer("int64_t[]", plan._lengths),
+                               ffi.from_buffer("int32_t[]", plan._key_index), plan.max_levels,
+                               ffi.from_buffer("int32_t[]", field_worker), n, 1, ffi.from_buffer("uint64_t[]", values),
+                               ffi.from_buffer("int64_t[]", matched), ffi.from_buffer("uint8_t[]", tier),
+                               ffi.from_buffer("int32_t[]", holders), held)
+    assert rc != 0 and held[0] == 0
+    field_worker[g, plan._worker_shift[2] // 2] = -1  # the control: each worker once
+    rc = lib.kvc_lookup_sparse(pointers.pointers(), plan.shards, plan.groups, ffi.from_buffer("uint64_t[]", keys),
+                               keys.size, ffi.from_buffer("int64_t[]", plan._lengths),
+                               ffi.from_buffer("int32_t[]", plan._key_index), plan.max_levels,
+                               ffi.from_buffer("int32_t[]", field_worker), n, 1, ffi.from_buffer("uint64_t[]", values),
+                               ffi.from_buffer("int64_t[]", matched), ffi.from_buffer("uint8_t[]", tier),
+                               ffi.from_buffer("int32_t[]", holders), held)
+    assert rc == 0 and held[0] == 2 and sorted(holders.tolist()) == [0, 1] and matched.all()
+    shared = LookupPlan(plan._lengths, router.lookup.query_lengths, np.zeros(2, dtype=np.int32),
+                        np.zeros(2, dtype=np.uint8), shards=plan.shards, consistency=True)
+    with pytest.raises(LookupPlanError, match="share one field"):
+        shared.field_worker()

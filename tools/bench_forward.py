@@ -29,14 +29,16 @@ Printed per config, all measured in the same run on one thread:
   scored twice; the line after the table says how many of 64 were);
 - the decision broken into its stages, each timed alone on the same inputs: hashing at the
   edge's query lengths (``prefix_keys``, the C SHA-256, and ``prefix_keys_reference``, hashlib),
-  the fused C call the Router makes (``ForwardKernel.run``: hashing + lookup + score), the
+  the fused C call (``SparseForwardKernel.run``: hashing + lookup + score), the
   native lookup alone (``PrefixLookup.lookup``), the reference lookup's view reads (one
   ``LudoView.lookup`` per group and level) and numpy decode (``PrefixLookup._decode``), score
   (``JointScorer.score``), top-k (``ScoreResult.top(3)``) and the migration detector
   (observation + ``HotPrefixDetector.observe``);
 - the daemon decision's split: hashing, the C lookup, the C score, the miss summary (each the C
-  function the fused call runs, through its wrapper), the fused call, and the Python around it
-  (the decision's P50 less the fused call's median).
+  function the fused call runs, called alone through cffi), the fused call as the Router makes it
+  (``SparseForwardKernel.run_aged``: queue aging + all of them), and the Python around it (the
+  decision's P50 less the fused call's median); then the full-pass functions these replaced
+  (``prefix_keys``, ``LookupPlan.run``, ``kvc_score_choose``), for comparison.
 """
 
 from __future__ import annotations
@@ -181,6 +183,61 @@ def build_view(cfg: ClusterConfig, entries: int, prompt: np.ndarray, seed: int) 
     return view, time.perf_counter() - t0, total
 
 
+def sparse_split(router: Router, prompt: np.ndarray, lengths: np.ndarray, keys: np.ndarray, queue: np.ndarray,
+                 belief: np.ndarray, repeat: int) -> list[tuple[str, float]]:
+    """The stages of the Router's fused call (``kvc_forward_decide_sparse_aged``), each its C
+    function called alone through cffi on the decision's inputs: (label, median µs)."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    kernel = router._kernel
+    plan, pointers = router.lookup.native_plan()
+    n = plan.workers
+    tokens = ffi.from_buffer("uint8_t[]", prompt)
+    salt = router.lookup.salt
+    lengths_c = ffi.from_buffer("int64_t[]", np.ascontiguousarray(lengths, dtype=np.int64))
+    keys_out = np.zeros(max(1, lengths.size), dtype=np.uint64)
+    keys_c = ffi.from_buffer("uint64_t[]", keys)
+    field_worker = ffi.from_buffer("int32_t[]", kernel._field_worker)
+    values = ffi.from_buffer("uint64_t[]", np.zeros(max(1, plan.groups * plan.max_levels), dtype=np.uint64))
+    matched, tier = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint8)
+    holders, held = np.zeros(n, dtype=np.int32), ffi.new("size_t *")
+    out = (ffi.from_buffer("int64_t[]", matched), ffi.from_buffer("uint8_t[]", tier),
+           ffi.from_buffer("int32_t[]", holders), held)
+    lookup_args = (plan.shards, plan.groups, keys_c, keys.size, ffi.from_buffer("int64_t[]", plan._lengths),
+                   ffi.from_buffer("int32_t[]", plan._key_index), plan.max_levels, field_worker, n,
+                   int(plan.consistency), values)
+    lib.kvc_lookup_sparse(pointers.pointers(), *lookup_args, *out)
+    score = router.scorer.kernel
+    wan, beta, local_factor, penalty = score._constants
+    gamma, lambda_max, tau = score._params
+    flags = router.scorer.kernel_flags(router.ablation)
+    scores = np.zeros(n)
+    lam, chosen, complete = ffi.new("double *"), ffi.new("int64_t *"), ffi.new("int *")
+    score_args = (n, float(len(prompt)), wan, beta, ffi.from_buffer("double[]", queue),
+                  ffi.from_buffer("double[]", belief), out[0], out[1], local_factor, penalty, ffi.NULL, gamma,
+                  lambda_max, tau, flags, ffi.from_buffer("int64_t[]", router._last_sent), out[2], held[0],
+                  router.scorer.blocks.c, ffi.from_buffer("double[]", scores), lam, chosen, complete)
+    lib.kvc_score_choose_pruned(*score_args)
+    local, floors = router._miss_summary._c
+    floor_free = kernel._sparse.remote_floor_free
+
+    def hashing():
+        return lib.kvc_prefix_keys_paired(salt, len(salt), tokens, len(prompt), lengths_c, lengths.size, 0,
+                                          ffi.from_buffer("uint64_t[]", keys_out))
+
+    stages = [
+        (f"hashing (kvc_prefix_keys_paired, {lengths.size} lengths)", median_us(hashing, repeat)),
+        (f"C lookup (kvc_lookup_sparse: {held[0]} holders)",
+         median_us(lambda: lib.kvc_lookup_sparse(pointers.pointers(), *lookup_args, *out), repeat)),
+        ("score (kvc_score_choose_pruned: holders, then blocks in reach)",
+         median_us(lambda: lib.kvc_score_choose_pruned(*score_args), repeat)),
+        ("miss summary (kvc_miss_summary_holders)",
+         median_us(lambda: lib.kvc_miss_summary_holders(out[2], held[0], out[0], local, floors, floor_free,
+                                                        score_args[-4], score_args[4], chosen[0], n), repeat)),
+    ]
+    return stages
+
+
 def named_config(name: str) -> ClusterConfig:
     """A shipped config (``config/NAME.toml``) or ``census:WxR[/S]``: a census-shaped fleet of W
     workers in R regions (``kvcompassd.sim.geo.census_fleet`` from census-128x16), S shards
@@ -288,7 +345,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
          median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
         (f"hashing: prefix_keys_reference (hashlib), {n_fit} lengths",
          median_us(lambda: prefix_keys_reference(prompt, lengths, salt), args.repeat)),
-        ("fused C call: ForwardKernel.run (hash+lookup+score)",
+        ("fused C call: SparseForwardKernel.run (hash+lookup+score)",
          median_us(lambda: kernel.run(prompt, queue, belief, None), args.repeat)),
         ("PrefixLookup.lookup (C hash, C reads + decode)", median_us(lambda: lk.lookup(prompt), args.repeat)),
         (f"reference: {len(reads)} LudoView.lookup from Python", median_us(view_lookups, args.repeat)),
@@ -308,21 +365,22 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     # Python around it), timed alone on the same inputs; "Python around" is the decision's P50 less
     # the fused call's median.
     plan, pointers = lk.native_plan()
+    split = sparse_split(daemon, prompt, lengths, keys, queue, belief, args.repeat)
+    ms, correction, occupied = daemon.queues.queue_ms(), None, False
+    fused = median_us(lambda: kernel.run_aged(prompt, ms, 1.0, correction, occupied, belief, None), args.repeat)
+    split.append(("fused C call (all of the above + queue aging)", fused))
+    split.append(("Python around the C call (decide P50 - fused)", rows[0][1] - fused))
+    # The full (non-sparse) stages the decision ran before, for comparison.
     score_kernel, flags = daemon.scorer.kernel, daemon.scorer.kernel_flags(daemon.ablation)
-    split = [
-        ("hashing (prefix_keys, C SHA-256)", median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
-        ("C lookup (LookupPlan.run: view reads + decode)",
+    split += [
+        ("  before: hashing one final after another (prefix_keys)",
+         median_us(lambda: prefix_keys(prompt, lengths, salt), args.repeat)),
+        ("  before: C lookup over every worker (LookupPlan.run)",
          median_us(lambda: plan.run(pointers.pointers(), keys), args.repeat)),
-        ("score (ScoreKernel.run: kvc_score_choose)",
+        ("  before: score of every worker (kvc_score_choose)",
          median_us(lambda: score_kernel.run(float(len(prompt)), queue, belief, found.matched, found.tier, None, flags),
                    args.repeat)),
-        ("miss summary (MissSummary.flags)",
-         median_us(lambda: daemon._miss_summary.flags(found.matched, scored.scores, queue, scored.chosen),
-                   args.repeat)),
     ]
-    fused = median_us(lambda: kernel.run(prompt, queue, belief, None), args.repeat)
-    split.append(("fused C call (all of the above + tie rotation)", fused))
-    split.append(("Python around the C call (decide P50 - fused)", rows[0][1] - fused))
 
     hits = {cfg.workers[i].id: int(m) for i, m in enumerate(found.matched.tolist()) if m}
     print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "

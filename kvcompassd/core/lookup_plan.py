@@ -37,7 +37,7 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["ForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "QueueAging", "ScoreKernel",
+__all__ = ["ForwardKernel", "SCORE_BLOCK", "ScoreBlocks", "SparseForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "QueueAging", "ScoreKernel",
            "ViewPointers", "slot_constructor", "top_k", "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION",
            "SCORE_LOAD_AWARE", "SCORE_TIER_AWARE"]
 
@@ -53,6 +53,8 @@ _lookup_plan = lib.kvc_lookup_plan
 _score_choose = lib.kvc_score_choose
 _miss_summary = lib.kvc_miss_summary
 _forward_decide = lib.kvc_forward_decide
+_forward_decide_sparse = lib.kvc_forward_decide_sparse
+_forward_decide_sparse_aged = lib.kvc_forward_decide_sparse_aged
 _queue_aged = lib.kvc_queue_aged
 _top_k = lib.kvc_top_k
 _NONE_ELIGIBLE = int(lib.KVC_FORWARD_NONE_ELIGIBLE)
@@ -196,6 +198,17 @@ class LookupPlan:
         if rc:
             raise LookupPlanError(f"kvc_lookup_plan rejected its arguments (code {rc})")
         return matched, tier
+
+    def field_worker(self) -> np.ndarray:
+        """The inverse of ``worker_group``/``worker_shift`` (``kvc_lookup_sparse``'s map): int32
+        (groups x 32), the worker in each group's 2-bit field, -1 where none."""
+        out = np.full((max(1, self.groups), 32), -1, dtype=np.int32)
+        fields = self._worker_shift.astype(np.intp) // 2
+        if self.workers:
+            out[self._worker_group, fields] = np.arange(self.workers, dtype=np.int32)
+            if np.count_nonzero(out >= 0) != self.workers:
+                raise LookupPlanError("two workers share one field of a group")
+        return out
 
     def values(self) -> np.ndarray:
         """The values read by the last ``run`` (groups x max_levels; 0 where not read): for tests."""
@@ -379,6 +392,179 @@ class ForwardKernel:
     def keys(self) -> np.ndarray:
         """The keys the last ``run`` computed, at every query length (valid up to its n_keys)."""
         return self._keys
+
+
+# Workers per block of the pruned score's lower bounds: a region's workers are consecutive in a
+# census fleet, so a block's least WAN is nearly every worker's.
+SCORE_BLOCK = 32
+
+
+class ScoreBlocks:
+    """The pruned score's per-block lower bounds (``kvc_score_blocks``) over a ``ScoreKernel``'s
+    constants: each block of ``SCORE_BLOCK`` consecutive workers' least wan, beta and remote
+    penalty. ``refresh()`` re-reads beta after the scorer's rates changed (the C loop reads beta
+    live, so a stale least beta would no longer be a bound)."""
+
+    __slots__ = ("n", "block", "_starts", "_wan", "_beta", "_penalty", "_score", "c")
+
+    def __init__(self, score: ScoreKernel, block: int = SCORE_BLOCK) -> None:
+        if block < 1:
+            raise LookupPlanError("block must be >= 1")
+        self.n, self.block, self._score = score.n, block, score
+        self._starts = np.arange(0, max(1, score.n), block)
+        wan, beta, _, penalty = score._arrays
+        self._wan = np.minimum.reduceat(wan, self._starts) if score.n else np.zeros(1)
+        self._beta = np.empty(self._starts.size, dtype=np.float64)
+        self._penalty = np.minimum.reduceat(penalty, self._starts) if score.n else np.zeros(1)
+        self.c = ffi.new("kvc_score_blocks *")
+        self.c.block, self.c.n_blocks = block, (score.n + block - 1) // block
+        self.c.wan_min = _from_buffer("double[]", self._wan)
+        self.c.beta_min = _from_buffer("double[]", self._beta)
+        self.c.penalty_min = _from_buffer("double[]", self._penalty)
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self.n:
+            np.minimum.reduceat(self._score._arrays[1], self._starts, out=self._beta)
+
+
+class SparseForwardKernel(ForwardKernel):
+    """``ForwardKernel`` on the sparse path (``kvc_forward_decide_sparse``): the decode works
+    from each group's bit masks and the score skips blocks of workers that cannot reach the best
+    (``ScoreBlocks``), so a decision's work follows the holders and the candidates, not the
+    workers. The same answers as ``ForwardKernel``; ``run`` also says whether ``scores`` holds
+    every worker's score (``ScoreResult`` completes it when something reads it).
+
+    The pruning bound needs finite beliefs: a belief array with a NaN or an infinity (never the
+    Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
+
+    __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging")
+
+    def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
+                 score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
+                 family_index: int | None, backend: int, blocks: ScoreBlocks) -> None:
+        super().__init__(plan, pointers, query_lengths, salt, score, flags, miss, last_sent,
+                         family_index=family_index, backend=backend)
+        if blocks._score is not score:
+            raise LookupPlanError("the score blocks must bound this score kernel")
+        self._field_worker = plan.field_worker()
+        self._holders = np.zeros(max(1, self.workers), dtype=np.int32)
+        self._blocks = blocks
+        c = ffi.new("kvc_forward_sparse *")
+        c.field_worker = _from_buffer("int32_t[]", self._field_worker)
+        c.blocks = blocks.c[0]
+        remote = miss.local == 0
+        c.remote_floor_free = int(bool(np.any(remote & (miss.floors <= 0))))
+        c.holders = _from_buffer("int32_t[]", self._holders)
+        self._sparse = c
+        self._sparse_result = ffi.new("kvc_forward_sparse_result *")
+        self._belief_finite = False
+        self._aging: tuple | None = None
+
+    def run(self, tokens: Any, queue: np.ndarray, belief: np.ndarray, eligible: np.ndarray | None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, float, int, int | None, bool]:
+        """``ForwardKernel.run``'s answer and whether ``scores`` is complete."""
+        n = self.workers
+        if not self.belief_finite(belief):
+            return (*ForwardKernel.run(self, tokens, queue, belief, eligible), True)
+        tokens_c = _from_buffer("uint8_t[]", tokens)
+        queue_c = _from_buffer("double[]", queue)
+        eligible_c = _NULL if eligible is None else _from_buffer("uint8_t[]", eligible)
+        if len(queue_c) != n or (eligible is not None and len(eligible_c) != n):
+            raise LookupPlanError(f"queue, belief and eligible must hold {n} values")
+        self._pointers.pointers()
+        result = self._sparse_result
+        last_sent, keys = self._outputs
+        matched, tier, scores = _empty(n, _int64), _empty(n, _uint8), _empty(n, _float64)
+        rc = _forward_decide_sparse(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2, queue_c, self._belief_c,
+                                    eligible_c, last_sent, keys, _from_buffer("int64_t[]", matched),
+                                    _from_buffer("uint8_t[]", tier), _from_buffer("double[]", scores), result)
+        if rc:
+            if rc != _NONE_ELIGIBLE:
+                raise LookupPlanError(f"kvc_forward_decide_sparse rejected its arguments (code {rc})")
+            best = -1
+        else:
+            best = result.best
+        family = result.family
+        return (matched, tier, scores, best, result.chosen, result.lam, result.miss,
+                None if family < 0 else family, bool(result.complete))
+
+    def belief_finite(self, belief: np.ndarray) -> bool:
+        """Whether the sparse path takes ``belief`` (finite, ``workers`` long): checked once per array."""
+        if belief is not self._belief:
+            self._belief_c = _from_buffer("double[]", belief)
+            self._belief = belief
+            self._belief_finite = bool(np.isfinite(belief).all()) if len(self._belief_c) == self.workers else False
+        return self._belief_finite
+
+    def age_from(self, taken_at: np.ndarray, rate: np.ndarray, occupancy: np.ndarray, region_slot: np.ndarray) -> None:
+        """The queue estimates' in-place arrays (``QueueEstimates.aging_arrays``) for ``run_aged``."""
+        n = self.workers
+        for name, a, dtype in (("taken_at", taken_at, _F64), ("rate", rate, _F64), ("occupancy", occupancy, _F64),
+                               ("region_slot", region_slot, _I64)):
+            if not (a.__class__ is np.ndarray and a.dtype == dtype and a.shape == (n,) and a.flags.c_contiguous):
+                raise LookupPlanError(f"{name} must be a contiguous {dtype} array of shape ({n},)")
+        c = self._sparse
+        c.taken_at, c.rate = _from_buffer("double[]", taken_at), _from_buffer("double[]", rate)
+        c.occupancy, c.region_slot = _from_buffer("double[]", occupancy), _from_buffer("int64_t[]", region_slot)
+        self._aging = (int(region_slot.max(initial=0)), (taken_at, rate, occupancy, region_slot))
+
+    def run_aged(self, tokens: Any, ms: np.ndarray, now: float, correction: np.ndarray | None, occupied: bool,
+                 belief: np.ndarray, eligible: np.ndarray | None):
+        """``run`` on the queue estimates carried to ``now`` in the same C call (``age_from``'s
+        arrays, ``ms`` the values as last set, ``correction`` per region slot or None, whether
+        to add the occupancy). Returns ``run``'s answer, then the aged values and the estimates
+        the decision scored (one array when nothing was added)."""
+        n = self.workers
+        if self._aging is None:
+            raise LookupPlanError("run_aged needs the queue estimates' arrays (age_from)")
+        top_slot, arrays = self._aging
+        if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (n,) and ms.flags.c_contiguous):
+            raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({n},)")
+        if correction is not None and not (correction.__class__ is np.ndarray and correction.dtype == _F64
+                                           and correction.ndim == 1 and correction.size > top_slot
+                                           and correction.flags.c_contiguous):
+            raise LookupPlanError("correction must be a contiguous float64 array covering every region slot")
+        aged = _empty(n, _float64)
+        if not self.belief_finite(belief):  # the full C call, on the same estimates
+            c = self._sparse
+            _queue_aged(n, _from_buffer("double[]", ms), c.taken_at, c.rate, now, _from_buffer("double[]", aged))
+            queue = aged if correction is None else aged + correction[arrays[3]]
+            queue = queue + arrays[2] if occupied else queue
+            return (*ForwardKernel.run(self, tokens, queue, belief, eligible), True, aged, queue)
+        aged_c = _from_buffer("double[]", aged)
+        if correction is None and not occupied:
+            queue, queue_c = aged, aged_c
+        else:
+            queue = _empty(n, _float64)
+            queue_c = _from_buffer("double[]", queue)
+        tokens_c = _from_buffer("uint8_t[]", tokens)
+        eligible_c = _NULL if eligible is None else _from_buffer("uint8_t[]", eligible)
+        if eligible is not None and len(eligible_c) != n:
+            raise LookupPlanError(f"eligible must hold {n} values")
+        self._pointers.pointers()
+        result = self._sparse_result
+        last_sent, keys = self._outputs
+        matched, tier, scores = _empty(n, _int64), _empty(n, _uint8), _empty(n, _float64)
+        rc = _forward_decide_sparse_aged(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2,
+                                         _from_buffer("double[]", ms), now,
+                                         _NULL if correction is None else _from_buffer("double[]", correction),
+                                         occupied, self._belief_c, eligible_c, last_sent, keys,
+                                         _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier),
+                                         _from_buffer("double[]", scores), aged_c, queue_c, result)
+        if rc:
+            if rc != _NONE_ELIGIBLE:
+                raise LookupPlanError(f"kvc_forward_decide_sparse_aged rejected its arguments (code {rc})")
+            best = -1
+        else:
+            best = result.best
+        family = result.family
+        return (matched, tier, scores, best, result.chosen, result.lam, result.miss,
+                None if family < 0 else family, bool(result.complete), aged, queue)
+
+    def holders(self) -> np.ndarray:
+        """The workers the last sparse ``run`` found holding a prefix (group by group)."""
+        return self._holders[: self._sparse_result.n_holders].copy()
 
 
 # Beyond this many, a sort beats the C loop's O(n * k) (top_k is for the few best candidates).

@@ -167,6 +167,9 @@ class QueueEstimates:
         self._region_pos = np.array([regions.get(self._region_of[w], -1) for w in self.worker_ids], dtype=np.intp)
         self._surprise = np.zeros(len(self._remote_regions) + 1)  # last slot: the own region, always 0
         self._surprised = False  # some surprise > 0 (a Python bool: numpy's any() per decision costs µs)
+        # Each worker's slot in the correction array (the own region's: the last, always 0), for
+        # a caller that adds it in C (aging_arrays).
+        self._region_slot = np.where(self._region_pos < 0, len(self._remote_regions), self._region_pos).astype(np.int64)
         self._surprise_at = np.full(len(self._remote_regions) + 1, float(now))
         self._surprise_fade_s = _SURPRISE_FADE_PERIODS * self._period_s
         self._chosen_at = [-math.inf] * n
@@ -512,6 +515,32 @@ class QueueEstimates:
             corrected = _snapshot(corrected)
         self._corrected = (now, ms, corrected)
         return corrected
+
+    def aging_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The arrays ``queue_ms(now)`` reads that change in place: (taken_at, rate, occupancy,
+        each worker's slot in the correction), for a caller that carries the estimates to ``now``
+        in C (the Router's fused call, ``lookup_plan.SparseForwardKernel.run_aged``) and hands
+        them back with ``adopt_estimates``."""
+        return self._taken_at, self._rate, self._occupancy, self._region_slot
+
+    def estimate_terms(self, now: float) -> tuple[np.ndarray, np.ndarray | None, bool] | None:
+        """What ``queue_ms(now)`` adds up, for such a caller: (the values as last set, the
+        correction per region slot or None, whether the occupancy is added); None when
+        ``queue_ms(now)`` is known already."""
+        cached = self._corrected
+        if cached is not None and cached[0] == now and cached[1] is self._ms:
+            return None
+        return self._ms, (self._correction(float(now)) if self._surprised else None), self._occupied > 0
+
+    def adopt_estimates(self, now: float, ms: np.ndarray, aged: np.ndarray, corrected: np.ndarray) -> None:
+        """Take ``aged`` and ``corrected`` as ``_aged_ms(now)`` and ``queue_ms(now)`` of the values
+        ``ms`` (``estimate_terms``' first), computed by the caller in numpy's operations and
+        order (bit for bit); they become this edge's snapshots."""
+        aged.setflags(write=False)
+        if corrected is not aged:
+            corrected.setflags(write=False)
+        self._aged = (now, ms, aged)
+        self._corrected = (now, ms, corrected)
 
     def _aged_ms(self, now: float) -> np.ndarray:
         """The values carried to ``now``, without the selection correction."""

@@ -8,8 +8,9 @@ its first token and ended, which retires its charge in the queue estimates, cred
 in the pending ledger and teaches the edge its workers' rates (``core/rates.py``).
 It owns no sockets and reads no clock.
 
-A decision is one C call (``lookup_plan.ForwardKernel``: prefix keys, lookup, score, tie rotation,
-miss summary); Python only builds the decision objects and updates the edge's state. With
+A decision is one C call (``lookup_plan.SparseForwardKernel``: prefix keys, lookup, score, tie
+rotation, miss summary, with work that follows the holders and the candidates rather than every
+worker); Python only builds the decision objects and updates the edge's state. With
 ``native=False`` it takes every reference path instead (hashlib keys, Python lookup, numpy score):
 tests hold the two equal.
 """
@@ -30,7 +31,7 @@ from .keys import SHA256_BACKENDS, namespace_salt, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
-from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, ForwardKernel, MissSummary,
+from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary, SparseForwardKernel,
                           slot_constructor)
 from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .pending import PendingHoldings
@@ -74,6 +75,8 @@ _new_forward_decided = slot_constructor(ForwardDecided)
 # Tier by 2-bit field code; the invalid code 3 goes through Tier() (and raises) as before.
 _TIER_BY_CODE = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
 _DRAM = int(Tier.DRAM)
+# Router.decide's keys when the ledger has not read them: the kernel's, sliced in _conclude if needed.
+_KERNEL_KEYS = np.empty(0, dtype=np.uint64)
 # Why a response reused less than its claim, where the view can tell (Router.explain_shortfall).
 SHORTFALL_EVICTED = "evicted"
 SHORTFALL_DRAM = "dram"
@@ -142,13 +145,15 @@ class Router:
                                         from_first_token=cfg.score.pending_from_first_token,
                                         refute_misses=cfg.score.pending_refute)
                         if hold_ms > 0 else None)
-        self._kernel: ForwardKernel | None = None
+        self._kernel: SparseForwardKernel | None = None
         if native:
             lookup_plan, pointers = self.lookup.native_plan()
-            self._kernel = ForwardKernel(lookup_plan, pointers, self.lookup.query_lengths, salt, self.scorer.kernel,
-                                         self.scorer.kernel_flags(self.ablation), self._miss_summary,
-                                         self._last_sent, family_index=self.lookup.family_index(),
-                                         backend=SHA256_BACKENDS["auto"])
+            self._kernel = SparseForwardKernel(lookup_plan, pointers, self.lookup.query_lengths, salt,
+                                               self.scorer.kernel, self.scorer.kernel_flags(self.ablation),
+                                               self._miss_summary, self._last_sent,
+                                               family_index=self.lookup.family_index(),
+                                               backend=SHA256_BACKENDS["auto"], blocks=self.scorer.blocks)
+            self._kernel.age_from(*self.queues.aging_arrays())
 
     @property
     def withheld(self) -> frozenset[int]:
@@ -170,22 +175,35 @@ class Router:
         if kernel is None:
             return self._decide_reference(tokens, now=now, exclude=exclude)
         data, prompt_len = token_buffer(tokens)
-        queue, belief = self.queues.queue_ms(now=now), self.belief.values
+        belief, queues = self.belief.values, self.queues
         eligible = self._eligible(exclude) if exclude else None
-        matched, tier, scores, best, chosen, lam, miss, family_key = kernel.run(data, queue, belief, eligible)
+        # The queue estimates carried to now in the same C call, when nothing has them yet.
+        terms = queues.estimate_terms(now) if kernel.__class__ is SparseForwardKernel else None
+        if terms is None:
+            queue = queues.queue_ms(now=now)
+            matched, tier, scores, best, chosen, lam, miss, family_key, complete = kernel.run(data, queue, belief,
+                                                                                             eligible)
+        else:
+            ms, correction, occupied = terms
+            matched, tier, scores, best, chosen, lam, miss, family_key, complete, aged, queue = kernel.run_aged(
+                data, ms, now, correction, occupied, belief, eligible)
+            queues.adopt_estimates(now, ms, aged, queue)
         pending = self.pending
         keys = None
         if pending is not None:
-            keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
-            # An empty ledger raises nothing (its purge can wait for the next note_sent).
-            shown = pending.overlay(keys.tolist(), matched, tier, now=now) if len(pending) else None
-            if shown is not None:
-                return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief, eligible,
-                                      now)
+            # An empty ledger raises nothing (its purge can wait for the next note_sent); the
+            # keys are sliced only when something reads them.
+            keys = _KERNEL_KEYS
+            if len(pending):
+                keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
+                shown = pending.overlay(keys.tolist(), matched, tier, now=now)
+                if shown is not None:
+                    return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief,
+                                          eligible, now)
         if best < 0:
             raise NoEligibleWorkerError("no eligible worker for this request")
         result = ScoreResult(best, self.layout.worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
-                             queue, belief, self.ablation)
+                             queue, belief, self.ablation, eligible, complete)
         return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss, keys, None)
 
     def _decide_reference(self, tokens, *, now: float, exclude: Collection[int]) -> ForwardDecided:
@@ -251,7 +269,8 @@ class Router:
         """Count the dispatch, consult the hot-prefix detector, note it as pending, build the decision.
 
         ``miss`` is the decision's ``MISS_*`` summary when the fused C call computed it already;
-        ``keys`` the prompt's query keys that fit it (None without the pending ledger) and
+        ``keys`` the prompt's query keys that fit it (None without the pending ledger;
+        ``_KERNEL_KEYS``: the fused call's, not sliced yet) and
         ``shown`` the view's matches when the ledger raised some (None when it did not).
         """
         self._sent_count = sent = self._sent_count + 1
@@ -275,6 +294,8 @@ class Router:
         # A full match leaves no longer length to note, but one the ledger credited is still
         # recorded, for a response that reuses less to refute it.
         if keys is not None and (claimed < prompt_len or from_ledger):
+            if keys is _KERNEL_KEYS:
+                keys = self._kernel.keys()[:self.lookup.fitting(prompt_len)]
             # Cached there once the queue ahead of it and its own prefill are done.
             ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
             self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)

@@ -26,7 +26,7 @@ import numpy as np
 from .ablation import FULL, Ablation
 from .config import ClusterConfig
 from .events import Tier
-from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreKernel, top_k
+from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreBlocks, ScoreKernel, top_k
 
 __all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms"]
 
@@ -86,12 +86,13 @@ class ScoreResult:
     match and tier arrays are fresh.
     """
 
-    __slots__ = ("chosen", "worker", "lam", "scores", "_scorer", "_prompt_len", "_matched", "_tier",
-                 "_queue", "_belief", "_ablation", "_top")
+    __slots__ = ("chosen", "worker", "lam", "_scores", "_scorer", "_prompt_len", "_matched", "_tier",
+                 "_queue", "_belief", "_ablation", "_top", "_eligible", "_complete")
 
     def __init__(self, chosen: int, worker: str, lam: float, scores: np.ndarray, scorer: JointScorer,
                  prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue: np.ndarray,
-                 belief: np.ndarray, ablation: Ablation) -> None:
+                 belief: np.ndarray, ablation: Ablation, eligible: np.ndarray | None = None,
+                 complete: bool = True) -> None:
         # Written through the slot descriptors (``__setattr__`` refuses): one per decision.
         _set_chosen(self, chosen)
         _set_worker(self, worker)
@@ -105,6 +106,10 @@ class ScoreResult:
         _set_belief(self, belief)
         _set_ablation(self, ablation)
         _set_top(self, None)  # (k, the top k's terms) once asked for
+        # The sparse C call scores only the workers that can win (lookup_plan.SparseForwardKernel):
+        # the others' scores are computed when something reads them (the same C loop, same bits).
+        _set_eligible(self, eligible)
+        _set_complete(self, complete)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ScoreResult is read-only")
@@ -118,12 +123,23 @@ class ScoreResult:
         return self._queue
 
     @property
+    def scores(self) -> np.ndarray:
+        """Every worker's score (worker order; +inf for an ineligible one)."""
+        if not self._complete:
+            s = self._scorer
+            _, _, scores = s.kernel.run(float(self._prompt_len), self._queue, self._belief, self._matched,
+                                        self._tier, self._eligible, s.kernel_flags(self._ablation))
+            _set_scores(self, scores)
+            _set_complete(self, True)
+        return self._scores
+
+    @property
     def total(self) -> float:
-        return float(self.scores[self.chosen])
+        return float(self._scores.item(self.chosen))  # the winner is always scored
 
     def terms(self, index: int) -> ScoreTerms:
         """Worker ``index``'s score split into its terms (recomputed here, off the hot path)."""
-        return self._terms(int(index), float(self.scores.item(index)))
+        return self._terms(int(index), float((self._scores if index == self.chosen else self.scores).item(index)))
 
     def _terms(self, index: int, total: float) -> ScoreTerms:
         s, ab = self._scorer, self._ablation
@@ -161,7 +177,7 @@ class ScoreResult:
         cached = self._top
         if cached is not None and cached[0] == k:
             return cached[1]
-        scores = self.scores
+        scores = self._scores if k == 1 else self.scores
         order = [self.chosen] if k == 1 else top_k(scores, k)
         top = tuple(self._terms(i, s) for i in order if math.isfinite(s := scores.item(i)))
         _set_top(self, (k, top))
@@ -169,7 +185,8 @@ class ScoreResult:
 
 
 (_set_chosen, _set_worker, _set_lam, _set_scores, _set_scorer, _set_prompt_len, _set_matched, _set_tier, _set_queue,
- _set_belief, _set_ablation, _set_top) = (getattr(ScoreResult, name).__set__ for name in ScoreResult.__slots__)
+ _set_belief, _set_ablation, _set_top, _set_eligible, _set_complete) = (getattr(ScoreResult, name).__set__
+                                                                         for name in ScoreResult.__slots__)
 
 
 class JointScorer:
@@ -211,6 +228,7 @@ class JointScorer:
         self._flags: dict[Ablation, int] = {}
         self._kernel = ScoreKernel(self.wan_ms, self._beta_buffer, self._local_factor, self._remote_penalty,
                                    gamma=self.gamma, lambda_max=self.lambda_max, tau=self.tau_ms)
+        self._blocks = ScoreBlocks(self._kernel)  # the pruned C score's bounds (lookup_plan.SparseForwardKernel)
 
     def set_prefill_rates(self, ms_per_token: np.ndarray) -> None:
         """Score the workers at these prefill rates from now on (rates the edge learned)."""
@@ -218,6 +236,7 @@ class JointScorer:
         if rates.shape != self._shape or not (np.isfinite(rates).all() and (rates > 0.0).all()):
             raise ScoreInputError(f"prefill rates must be {self.n_workers} finite numbers > 0")
         np.copyto(self._beta_buffer, rates)
+        self._blocks.refresh()
         self.beta_list = tuple(self._beta_buffer.tolist())
 
     def _bad_shape(self, name: str, array: object) -> ScoreInputError:
@@ -281,6 +300,11 @@ class JointScorer:
     def kernel(self) -> ScoreKernel:
         """The C score loop over this scorer's constants (the Router fuses it into its decision)."""
         return self._kernel
+
+    @property
+    def blocks(self) -> ScoreBlocks:
+        """The pruned score's per-block bounds over ``kernel``'s constants, kept current."""
+        return self._blocks
 
     def kernel_flags(self, ablation: Ablation) -> int:
         """The C loop's ``SCORE_*`` flags for an ablation."""
