@@ -27,6 +27,7 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.queues import STEADY_REPEATS
 from kvcompassd.core.router import Router
 from kvcompassd.core.snapshots import SnapshotChunker
+from kvcompassd.core.streams import UnknownEdge, edge_stream
 from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync, SyncSettings, SyncStep
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
@@ -377,6 +378,17 @@ class EdgeNode:
         """Every ready shard's view, each as a snapshot transfer, paced like a maintenance unit's."""
         stream = channel.stream
         if stream is None:
+            return
+        try:
+            same_stream = edge_stream(self.cfg, peer.identity.node_id) == edge_stream(self.cfg, self.me.id)
+        except UnknownEdge as exc:
+            same_stream, why = False, str(exc)
+        else:
+            why = f"this edge's views follow another update stream than edge {peer.identity.node_id}'s"
+        if not same_stream:
+            # Its views would hold other lengths, in tables its units' batches do not fit.
+            self._refuse(peer, msg, why)
+            stream.send_encoded(encode(ErrorReported("forbidden", why)), end=True)
             return
         ready = [s for s in range(self.cfg.shards) if self.view.state[s].ready]
         if not ready:

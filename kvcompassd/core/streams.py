@@ -32,16 +32,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .events import IndexEvent, IndexEventColumns
+from .events import LENGTH_DTYPE, UNKNOWN_LENGTH, IndexEvent, IndexEventColumns
 from .index import ApplyOutcome, MaintenanceShard
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .messages import UpdateBatchPublished
 
-__all__ = ["LengthFilter", "ShardStreams", "UNKNOWN_LENGTH"]
+__all__ = ["LengthFilter", "ShardStreams", "StreamFanout", "UNKNOWN_LENGTH", "UnknownEdge", "edge_stream", "stream_regions"]
 
-UNKNOWN_LENGTH = 0  # an event whose length was not reported: every filter passes it
-LENGTH_DTYPE = np.dtype("<u4")
+# UNKNOWN_LENGTH: an event whose length was not reported: every filter passes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,24 +109,25 @@ class ShardStreams:
 
     def apply_columns(self, worker: str, columns: IndexEventColumns,
                       lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
-        """Apply one worker's events to every stream; ``lengths`` (one per event, 0 = unknown)
-        decide which regions' streams take each. Returns the full shard's outcome."""
+        """Apply one worker's events to every stream; ``lengths`` (one per event, 0 = unknown;
+        by default the columns' own, ``IndexEventColumns.lengths``) decide which regions'
+        streams take each. Returns the full shard's outcome."""
         n = len(columns)
-        lengths_arr = as_lengths(lengths, n)
+        lengths_arr = columns.length_array() if lengths is None else as_lengths(lengths, n)
         outcome = self.full.apply_columns(worker, columns)
         self.applied[None] += outcome.applied
+        if not self.filtered or not n:
+            return outcome
         try:
             group = self.layout.slot(worker).group
         except ValueError:
             return outcome  # the full shard named it already
-        ops, keys = columns.op_array(), columns.key_array()
         for region, shard in self.filtered.items():
             keep = self.filters[region].keeps(group, lengths_arr)
             if keep.all():
                 self.applied[region] += shard.apply_columns(worker, columns).applied
             elif keep.any():
-                kept = IndexEventColumns(ops[keep].tobytes(), keys[keep].tobytes())
-                self.applied[region] += shard.apply_columns(worker, kept).applied
+                self.applied[region] += shard.apply_columns(worker, columns.select(keep)).applied
         return outcome
 
     def apply(self, events: Sequence[IndexEvent], lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
@@ -150,9 +150,12 @@ class ShardStreams:
         return outcome
 
     def withdraw_worker(self, worker: str) -> ApplyOutcome:
-        for shard in self.filtered.values():
-            shard.withdraw_worker(worker)
-        return self.full.withdraw_worker(worker)
+        """Clear ``worker``'s fields in every stream; returns the full shard's outcome."""
+        for region, shard in self.filtered.items():
+            self.applied[region] += shard.withdraw_worker(worker).applied
+        outcome = self.full.withdraw_worker(worker)
+        self.applied[None] += outcome.applied
+        return outcome
 
     def flush(self) -> dict[str | None, UpdateBatchPublished]:
         """Each stream's batch of what it applied since the last flush (None: the full one)."""
@@ -162,3 +165,86 @@ class ShardStreams:
             if batch is not None:
                 out[region] = batch
         return out
+
+
+# -- which edge follows which stream, and who gets each batch (the maintenance unit's send side) --
+
+
+class UnknownEdge(ValueError):
+    """An edge identity the config does not name: it follows no stream of this unit."""
+
+
+def edge_stream(cfg, edge: str) -> str | None:
+    """The stream edge ``edge`` follows: its region's (by the config's ``[[edges]]`` entry for
+    the edge's certified id: an edge claims nothing), or None for the full stream
+    (``[sync] edge_streams = "full"`` or ``full_stream_edges``). Raises ``UnknownEdge``."""
+    region = cfg.edge_region(edge)
+    if region is None:
+        raise UnknownEdge(f"edge {edge!r} is not in this cluster's config ([[edges]]): no update stream for it")
+    return None if cfg.sync.full_stream_for(edge) else region
+
+
+def stream_regions(cfg) -> list[str]:
+    """The regions whose edges follow their region's stream, in config order (a unit keeps one
+    filtered stream per region that has such an edge, and none for regions without edges)."""
+    return list(dict.fromkeys(e.region for e in cfg.edges if not cfg.sync.full_stream_for(e.id)))
+
+
+class StreamFanout:
+    """The subscribed edges of one unit, by the stream each follows (sans-IO).
+
+    ``subscribe`` takes an edge's certified id and an opaque handle (the shell's connection);
+    ``deliveries`` says which handles get which of ``ShardStreams.flush``'s batches. An edge
+    has one subscription: subscribing again (a reconnection) replaces the handle."""
+
+    def __init__(self, cfg, streams: ShardStreams):
+        self.cfg = cfg
+        self.streams = streams
+        self._stream_of: dict[str, str | None] = {}  # edge -> the stream it follows
+        self._handles: dict[str, object] = {}
+
+    def stream_of(self, edge: str) -> str | None:
+        """The stream ``edge`` follows (``edge_stream``), checked against this unit's streams."""
+        stream = edge_stream(self.cfg, edge)
+        if stream is not None and stream not in self.streams.filtered:
+            raise UnknownEdge(f"edge {edge!r}: no update stream for region {stream!r} at this unit")
+        return stream
+
+    def shard_of(self, edge: str) -> MaintenanceShard:
+        """The shard (stream) an edge's catch-ups and snapshots come from."""
+        return self.streams.stream(self.stream_of(edge))
+
+    def subscribe(self, edge: str, handle: object) -> str | None:
+        stream = self.stream_of(edge)
+        self._stream_of[edge] = stream
+        self._handles[edge] = handle
+        return stream
+
+    def unsubscribe(self, edge: str, handle: object | None = None) -> bool:
+        """Drop ``edge``'s subscription (only if it is still ``handle``'s, when given)."""
+        if edge not in self._handles or (handle is not None and self._handles[edge] is not handle):
+            return False
+        del self._handles[edge], self._stream_of[edge]
+        return True
+
+    def handle(self, edge: str) -> object | None:
+        return self._handles.get(edge)
+
+    @property
+    def edges(self) -> list[str]:
+        return sorted(self._handles)
+
+    def followers(self) -> dict[str, list[str]]:
+        """Per stream ("full" for the full one), the subscribed edges following it."""
+        out: dict[str, list[str]] = {}
+        for edge in self.edges:
+            stream = self._stream_of[edge]
+            out.setdefault("full" if stream is None else stream, []).append(edge)
+        return out
+
+    def deliveries(self, published: dict[str | None, UpdateBatchPublished]) -> list[tuple[str, object, str | None]]:
+        """(edge, handle, stream) for every subscribed edge whose stream published a batch
+        (``published[stream]`` is what it gets)."""
+        if not published:
+            return []
+        return [(edge, self._handles[edge], stream) for edge, stream in self._stream_of.items() if stream in published]
