@@ -94,7 +94,8 @@ class EdgeNode:
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         self.metrics = EdgeMetrics()
         self.metrics.watch_hot_prefixes(lambda: self.router.hot.hot_misses)
-        self.metrics.watch_views(lambda: [(s, *self.view.position(s)) for s in range(cfg.shards)])
+        stream = edge_stream(cfg, me.id) or "full"  # the shard streams this edge's views follow
+        self.metrics.watch_views(lambda: [(s, stream, *self.view.position(s)) for s in range(cfg.shards)])
         self.node = QuicNode(NodeIdentity(Role.EDGE, me.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.tokenizer = tokenizer or ByteTokenizer()

@@ -132,7 +132,8 @@ class MaintenanceNode:
         # Entries and load per region group, what an operator sizes initial_capacity and
         # fingerprint_bits by.
         self.metrics.watch_tables(self.shard.table_stats)
-        self.metrics.watch_position(lambda: [(self.me.shard, self.epoch, self.shard.seq)])
+        self.metrics.watch_position(lambda: [(self.me.shard, "full" if r is None else r, self.epoch, s.seq)
+                                             for r, s in ((None, self.streams.full), *self.streams.filtered.items())])
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self._grace_timers: dict[int, asyncio.TimerHandle] = {}  # pending withdrawals, cancelled by stop()
@@ -459,7 +460,8 @@ class MaintenanceNode:
             # edges look up), with the edges following it now.
             "streams": {("full" if r is None else r): {"seq": shard.seq, "entries": shard.entries(),
                                                        "updates": self.streams.applied[r],
-                                                       "edges": followers.get("full" if r is None else r, [])}
+                                                       "edges": followers.get("full" if r is None else r, []),
+                                                       "tables": shard.table_stats()}
                         for r, shard in ((None, self.streams.full), *self.streams.filtered.items())},
             "workers": {w: {"incarnation": s.incarnation, "last_seq": s.last_seq, "stale_reports": s.stale_reports}
                         for w, s in self.workers.items()},
