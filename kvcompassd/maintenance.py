@@ -447,6 +447,7 @@ class MaintenanceNode:
                     "groups": {str(g): {"keys": k[:limit].tolist(), "values": v[:limit].tolist()}
                                for g, (k, v) in shard.group_items().items()}}
         followers = self.fanout.followers()
+        live = self.fanout.live_edges()
         return {
             "mode": "maintenance",
             "id": self.me.id,
@@ -461,6 +462,8 @@ class MaintenanceNode:
             "streams": {("full" if r is None else r): {"seq": shard.seq, "entries": shard.entries(),
                                                        "updates": self.streams.applied[r],
                                                        "edges": followers.get("full" if r is None else r, []),
+                                                       # with [sync] relay, one per region: it forwards
+                                                       "live_to": live.get(r, []),
                                                        "tables": shard.table_stats()}
                         for r, shard in ((None, self.streams.full), *self.streams.filtered.items())},
             "workers": {w: {"incarnation": s.incarnation, "last_seq": s.last_seq, "stale_reports": s.stale_reports}

@@ -161,9 +161,10 @@ def test_edge_views_report_the_entries_their_shard_holds_and_bits_per_entry(dep)
         assert resp.status == 200
 
     def shard_and_view_entries():
-        # edge-eu follows the eu stream (the lengths an eu edge looks up): its views are that stream's tables.
-        tables = json.loads(ctl("mnt-0", "--json", dep=dep).stdout)["streams"]["eu"]["tables"]
-        views = json.loads(ctl("edge-eu", "views", "--json", dep=dep).stdout)["views"]
+        # edge-us follows the us stream (the lengths a us edge looks up, the prompt's among them):
+        # its views are that stream's tables.
+        tables = json.loads(ctl("mnt-0", "--json", dep=dep).stdout)["streams"]["us"]["tables"]
+        views = json.loads(ctl("edge-us", "views", "--json", dep=dep).stdout)["views"]
         return ({t["group"]: t["entries"] for t in tables}, {v["group"]: v["entries"] for v in views}, views)
 
     deadline = time.monotonic() + 60

@@ -1,7 +1,8 @@
 """Per-region update streams on real daemons (kvcompassd.core.streams, maintenance.py): each edge
 follows the stream of the region its certificate's config entry names, holds only the lengths
 its region looks up, and decides as an edge of the same region given the full stream; a unit
-restart and a lost connection converge per stream; an edge the config does not name is refused.
+restart and a lost connection converge per stream; an edge the config does not name is refused;
+a unit sends a stream's live batches to one edge per region, which relays them to the others.
 
 Regions us (2 workers) and eu (1), two edges each; edge-eu-1 follows the full stream
 (``[sync] full_stream_edges``), edge-eu its region's. An eu edge looks toward us only from 4,000
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 import aiohttp
 import pytest
@@ -72,6 +74,11 @@ async def test_a_regions_edge_holds_only_its_lengths_and_decides_as_the_full_str
     streams = status["streams"]
     assert streams["eu"]["edges"] == [REGION_EDGE] and FULL_EDGE in streams["full"]["edges"]
     assert streams["us"]["edges"] == ["edge-us", "edge-us-1"]
+    # [sync] relay: the unit sends the us stream to edge-us only, which forwards it to edge-us-1
+    # (whose view converged above all the same).
+    assert streams["us"]["live_to"] == ["edge-us"] and streams["eu"]["live_to"] == [REGION_EDGE]
+    assert (await admin(dep, "edge-us", "status"))["batches_relayed"] > 0
+    assert (await admin(dep, "edge-us-1", "status"))["batches_relayed"] == 0
     # The eu stream carried fewer updates and holds fewer entries: the us lengths below 944.
     assert 0 < streams["eu"]["entries"] < streams["full"]["entries"], streams
     assert streams["eu"]["updates"] < streams["full"]["updates"], streams
@@ -122,6 +129,32 @@ async def test_an_edge_the_config_does_not_name_is_refused_with_a_clear_error(de
     assert any(r.get("event") == "refused" and "edge-stranger" in r.get("peer", "") for r in lines)
 
 
+async def test_when_the_relaying_edge_stops_the_next_edge_of_its_region_takes_over(dep):
+    dep.kill("edge", "edge-us", signal.SIGTERM)  # its connections close: the unit sees it leave
+
+    async def taken_over():
+        status = await admin(dep, "mnt-0", "status")
+        return status["streams"]["us"]["live_to"] == ["edge-us-1"] and status
+
+    await eventually(taken_over, timeout=60, interval=0.3)
+    await _generate(dep, "edge-us-1", doc(315, 8300))
+    await assert_views_converged(dep, timeout=60)  # the running edges, edge-us-1 among them
+    dep.restart("edge", "edge-us")
+
+    async def back():
+        status = await admin(dep, "mnt-0", "status")
+        return status["streams"]["us"]["live_to"] == ["edge-us"] and status
+
+    await eventually(back, timeout=90, interval=0.5)  # first in config order: it relays again
+    await _generate(dep, "edge-us-1", doc(316, 8300))
+    await eventually(lambda: _ready(dep, "edge-us"), timeout=90, interval=0.5)
+    await assert_views_converged(dep, timeout=60)
+
+
+async def _ready(dep, edge: str) -> bool:
+    return (await admin(dep, edge, "status"))["shards_ready"] == dep.cfg.shards
+
+
 async def test_a_unit_restart_and_an_edge_restart_converge_on_each_stream(dep):
     before = await admin(dep, "mnt-0", "status")
     dep.restart("maintenance", "mnt-0")  # a new epoch: every stream starts again, agents re-register
@@ -140,10 +173,7 @@ async def test_a_unit_restart_and_an_edge_restart_converge_on_each_stream(dep):
     dep.restart("edge", REGION_EDGE)
     await _generate(dep, "edge-us", doc(314, 8300))  # the stream moves on meanwhile
 
-    async def ready():
-        return (await admin(dep, REGION_EDGE, "status"))["shards_ready"] == dep.cfg.shards
-
-    await eventually(ready, timeout=90, interval=0.5)
+    await eventually(lambda: _ready(dep, REGION_EDGE), timeout=90, interval=0.5)
     await assert_views_converged(dep, timeout=90)
     digest = await admin(dep, "mnt-0", "digest", {"edge": REGION_EDGE})
     view = await admin(dep, REGION_EDGE, "digest", {"shard": 0})

@@ -391,3 +391,36 @@ def test_catch_ups_come_from_the_stream_the_edge_follows():
     assert view.position(0) == (9, streams.stream("eu").seq) == (9, 6)
     assert view.digests(0) == streams.stream("eu").digests()
     assert streams.stream("eu").entries() == 6 and streams.full.entries() == 12
+
+
+def test_with_relay_a_units_live_batches_go_to_one_edge_per_region_and_stream():
+    """[sync] relay: three edges per region, one of them per region on the full stream; the unit
+    sends each stream's batch to the first subscribed edge of each (stream, region) only, the
+    others get it from that edge (relays_to), and when it leaves the next one takes over."""
+    from kvcompassd.core.streams import StreamFanout, relays_to, stream_regions
+    from kvcompassd.launcher import DeploymentSpec, build_cluster
+
+    cfg = build_cluster(DeploymentSpec(shards=1, wan=False, edges_per_region=3))
+    cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, full_stream_edges=("edge-us-2", "edge-eu-2",
+                                                                                  "edge-asia-1", "edge-asia-2")))
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    streams = ShardStreams(layout, plan, 0, 1, epoch=1, regions=stream_regions(cfg), initial_capacity=64)
+    fanout = StreamFanout(cfg, streams)
+    for edge in reversed([e.id for e in cfg.edges]):  # subscription order does not pick the relay
+        fanout.subscribe(edge, edge)
+    assert fanout.live_edges() == {"us": ["edge-us"], "eu": ["edge-eu"], "asia": ["edge-asia"],
+                                   None: ["edge-us-2", "edge-eu-2", "edge-asia-1"]}
+    assert relays_to(cfg, "edge-us") == ["edge-us-1"] and relays_to(cfg, "edge-us-2") == []
+    assert relays_to(cfg, "edge-asia-1") == ["edge-asia-2"]  # asia's two full-stream edges
+    streams.apply_columns("us-0", IndexEventColumns.from_events([PrefixCached("us-0", 5, Tier.VRAM)], [64]))
+    published = streams.flush()
+    sent = sorted(edge for edge, _, _ in fanout.deliveries(published))
+    assert sent == ["edge-asia-1", "edge-eu-2", "edge-us", "edge-us-2"]  # 4 sends for 9 edges
+    fanout.unsubscribe("edge-us")
+    assert fanout.live_edges()["us"] == ["edge-us-1"]
+    unrelayed = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, relay=False))
+    assert relays_to(unrelayed, "edge-us") == []
+    plain = StreamFanout(unrelayed, streams)
+    for edge in [e.id for e in cfg.edges]:
+        plain.subscribe(edge, edge)
+    assert len(plain.deliveries(published)) == 6  # every follower of a stream that published

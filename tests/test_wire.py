@@ -345,8 +345,9 @@ def test_well_framed_garbage_fields_raise_only_wire_error(tag, fields):
 def test_check_sender_enforces_roles():
     batch = UpdateBatchPublished(0, 1, 1, ())
     check_sender(Role.MAINTENANCE, batch)
-    with pytest.raises(WireForbidden, match="edge node may not send UpdateBatchPublished"):
-        check_sender("edge", batch)
+    check_sender("edge", batch)  # relayed inside a region (the edge checks who may)
+    with pytest.raises(WireForbidden, match="agent node may not send UpdateBatchPublished"):
+        check_sender("agent", batch)
     with pytest.raises(WireForbidden):
         check_sender(Role.EDGE, WorkerRegistered("us-0", 1))
     for role in Role:

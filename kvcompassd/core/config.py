@@ -532,6 +532,10 @@ class SyncParams:
     # names edges that get the full stream whatever ``edge_streams`` says (a reference edge).
     edge_streams: str = "region"
     full_stream_edges: tuple[str, ...] = ()
+    # A unit sends each stream's live batches to one edge per region (the first of the region's
+    # subscribed edges following it, in config order), which forwards them to the region's other
+    # edges of that stream: the unit's egress does not grow with the edges per region.
+    relay: bool = True
 
     def __post_init__(self) -> None:
         _check_int("snapshot_chunk_bytes", self.snapshot_chunk_bytes, lo=4096, hi=MAX_SNAPSHOT_CHUNK_BYTES)
@@ -539,6 +543,8 @@ class SyncParams:
         _check_int("max_snapshot_entries", self.max_snapshot_entries, lo=1)
         _check_int("max_snapshot_bytes", self.max_snapshot_bytes, lo=1)
         _check_int("max_buffered_bytes", self.max_buffered_bytes, lo=0)
+        if not isinstance(self.relay, bool):
+            _fail("relay", f"expected true or false, got {self.relay!r}")
         if self.edge_streams not in EDGE_STREAMS:
             _fail("edge_streams", f"expected one of {', '.join(EDGE_STREAMS)}, got {self.edge_streams!r}")
         if not isinstance(self.full_stream_edges, (tuple, list)):

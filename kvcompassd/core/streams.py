@@ -38,7 +38,8 @@ from .layout import IndexLayout
 from .levels import LevelPlan
 from .messages import UpdateBatchPublished
 
-__all__ = ["LengthFilter", "ShardStreams", "StreamFanout", "UNKNOWN_LENGTH", "UnknownEdge", "edge_stream", "stream_regions"]
+__all__ = ["LengthFilter", "ShardStreams", "StreamFanout", "UNKNOWN_LENGTH", "UnknownEdge", "edge_stream", "relays_to",
+           "stream_regions"]
 
 # UNKNOWN_LENGTH: an event whose length was not reported: every filter passes it
 
@@ -200,8 +201,10 @@ class StreamFanout:
     def __init__(self, cfg, streams: ShardStreams):
         self.cfg = cfg
         self.streams = streams
+        self.relay = cfg.sync.relay
         self._stream_of: dict[str, str | None] = {}  # edge -> the stream it follows
         self._handles: dict[str, object] = {}
+        self._order = {e.id: (e.region, i) for i, e in enumerate(cfg.edges)}
 
     def stream_of(self, edge: str) -> str | None:
         """The stream ``edge`` follows (``edge_stream``), checked against this unit's streams."""
@@ -242,9 +245,35 @@ class StreamFanout:
             out.setdefault("full" if stream is None else stream, []).append(edge)
         return out
 
+    def live_edges(self) -> dict[str | None, list[str]]:
+        """Per stream, the subscribed edges its live batches go to: every follower, or with
+        ``[sync] relay`` one per region (the first subscribed in config order), which forwards
+        them to its region's other edges of the stream (``relays_to``)."""
+        out: dict[str | None, list[str]] = {}
+        chosen: set[tuple[str | None, str]] = set()
+        for edge in sorted(self._stream_of, key=lambda e: self._order[e][1]):
+            stream, region = self._stream_of[edge], self._order[edge][0]
+            if self.relay and (stream, region) in chosen:
+                continue
+            chosen.add((stream, region))
+            out.setdefault(stream, []).append(edge)
+        return out
+
     def deliveries(self, published: dict[str | None, UpdateBatchPublished]) -> list[tuple[str, object, str | None]]:
-        """(edge, handle, stream) for every subscribed edge whose stream published a batch
-        (``published[stream]`` is what it gets)."""
+        """(edge, handle, stream) for every edge a published batch goes to (``live_edges``;
+        ``published[stream]`` is what it gets)."""
         if not published:
             return []
-        return [(edge, self._handles[edge], stream) for edge, stream in self._stream_of.items() if stream in published]
+        return [(edge, self._handles[edge], stream) for stream, edges in self.live_edges().items()
+                if stream in published for edge in edges]
+
+
+def relays_to(cfg, edge: str) -> list[str]:
+    """The edges ``edge`` forwards its unit's live batches to with ``[sync] relay``: the other
+    edges of its region that follow the same stream (config order). The same relation says
+    whose batches an edge takes besides its unit's: a relaying edge only forwards, and the
+    receiver applies them through its own sync protocol (positions, table ids, CRCs)."""
+    if not cfg.sync.relay:
+        return []
+    region, stream = cfg.edge_region(edge), edge_stream(cfg, edge)
+    return [e.id for e in cfg.edges if e.id != edge and e.region == region and edge_stream(cfg, e.id) == stream]
