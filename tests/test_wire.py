@@ -172,6 +172,7 @@ def test_event_columns_round_trip_through_objects(data):
     assert PrefixEventsReported("w", 1, columns) == PrefixEventsReported("w", 1, events)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_event_lengths_travel_with_the_events_and_a_report_without_them_still_decodes(data):
     """The lengths column (what a unit filters the edge regions' streams by) round-trips, and

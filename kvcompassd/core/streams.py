@@ -98,6 +98,31 @@ class ShardStreams:
         # Updates (changed fields) each stream took so far, the full one under None: what its
         # subscribers apply (tools/scale_projection.py compares them).
         self.applied: dict[str | None, int] = dict.fromkeys([None, *names], 0)
+        # Which streams take an event, by its length, as one gather per report rather than a
+        # membership test per region: per group, a row per known length (then one for any other
+        # length: none, and one for an unknown length: all) and a column per region.
+        known = sorted(set(plan.registration_lengths()).union(
+            *(lengths for f in self.filters.values() for lengths in f.per_group)))
+        self._known = np.array(known, dtype=LENGTH_DTYPE)
+        self._takes = []
+        for g in range(len(layout.groups)):
+            takes = np.zeros((len(known) + 2, len(names)), dtype=bool)
+            for j, r in enumerate(names):
+                takes[np.searchsorted(self._known, self.filters[r].per_group[g]), j] = True
+            takes[-1, :] = True  # UNKNOWN_LENGTH
+            self._takes.append(takes)
+
+    def _rows(self, lengths: np.ndarray) -> np.ndarray:
+        """Each length's row in a group's ``_takes``."""
+        known = self._known
+        other, unknown = len(known), len(known) + 1
+        if not len(known):
+            return np.where(lengths == UNKNOWN_LENGTH, unknown, other)
+        pos = np.searchsorted(known, lengths)
+        found = known[np.minimum(pos, len(known) - 1)] == lengths
+        rows = np.where(found, pos, other)
+        rows[lengths == UNKNOWN_LENGTH] = unknown
+        return rows
 
     def stream(self, region: str | None) -> MaintenanceShard:
         """The shard an edge of ``region`` follows (None: everything)."""
@@ -123,12 +148,13 @@ class ShardStreams:
             group = self.layout.slot(worker).group
         except ValueError:
             return outcome  # the full shard named it already
-        for region, shard in self.filtered.items():
-            keep = self.filters[region].keeps(group, lengths_arr)
-            if keep.all():
+        takes = self._takes[group][self._rows(lengths_arr)]  # (events, regions)
+        some, every = takes.any(axis=0), takes.all(axis=0)
+        for j, (region, shard) in enumerate(self.filtered.items()):
+            if every[j]:
                 self.applied[region] += shard.apply_columns(worker, columns).applied
-            elif keep.any():
-                self.applied[region] += shard.apply_columns(worker, columns.select(keep)).applied
+            elif some[j]:
+                self.applied[region] += shard.apply_columns(worker, columns.select(takes[:, j])).applied
         return outcome
 
     def apply(self, events: Sequence[IndexEvent], lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
