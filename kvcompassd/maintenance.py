@@ -110,6 +110,7 @@ class MaintenanceNode:
             cfg.shards,
             epoch=self.epoch,
             regions=stream_regions(cfg),
+            scale_filtered_capacity=True,  # a region's tables start at the share of lengths it reads
             initial_capacity=table_capacities(cfg, self.layout),
             fingerprint_bits=cfg.index.fingerprint_bits,
             max_load=cfg.index.max_load,

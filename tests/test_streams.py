@@ -424,3 +424,29 @@ def test_with_relay_a_units_live_batches_go_to_one_edge_per_region_and_stream():
     for edge in [e.id for e in cfg.edges]:
         plain.subscribe(edge, edge)
     assert len(plain.deliveries(published)) == 6  # every follower of a stream that published
+
+
+def test_a_regions_tables_can_start_at_the_share_of_lengths_it_reads_and_hold_the_same():
+    cfg = fleet(64, 16, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    capacities = tuple(4096 + 64 * g.group for g in layout.groups)
+    scaled, same = (ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=capacities, fingerprint_bits=16,
+                                 scale_filtered_capacity=scale) for scale in (True, False))
+    region = cfg.region_names()[0]
+    registered = len(plan.registration_lengths())
+    for g, stats in enumerate(scaled.stream(region).table_stats()):
+        assert stats["memory_bytes"] < same.stream(region).table_stats()[g]["memory_bytes"]
+        assert len(scaled.filters[region].per_group[g]) < registered
+    assert scaled.full.table_stats() == same.full.table_stats()
+    rng = random.Random(3)
+    for worker in [w.id for w in cfg.workers][:16]:
+        keys = [rng.randrange(1 << 62) for _ in range(300)]
+        lengths = [rng.choice(plan.registration_lengths()) for _ in keys]
+        columns = IndexEventColumns.from_events([PrefixCached(worker, k, Tier.VRAM) for k in keys], lengths)
+        for streams in (scaled, same):
+            streams.apply_columns(worker, columns)
+    for streams in (scaled, same):
+        streams.flush()
+    for g, (keys, values) in scaled.stream(region).group_items().items():  # the same content, grown as needed
+        other_keys, other_values = same.stream(region).group_items()[g]
+        assert dict(zip(keys.tolist(), values.tolist())) == dict(zip(other_keys.tolist(), other_values.tolist()))

@@ -27,13 +27,14 @@ region's table then holds a superset, which costs bytes, never a decision.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .events import LENGTH_DTYPE, UNKNOWN_LENGTH, IndexEvent, IndexEventColumns
-from .index import ApplyOutcome, MaintenanceShard
+from .index import MIN_TABLE_CAPACITY, ApplyOutcome, MaintenanceShard
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .messages import UpdateBatchPublished
@@ -87,13 +88,16 @@ class ShardStreams:
     publishes one batch per stream that changed."""
 
     def __init__(self, layout: IndexLayout, plan: LevelPlan, shard: int, shards: int, *, epoch: int,
-                 regions: Iterable[str] | None = None, **shard_options) -> None:
+                 regions: Iterable[str] | None = None, scale_filtered_capacity: bool = False,
+                 **shard_options) -> None:
         self.layout = layout
         self.full = MaintenanceShard(layout, shard, shards, epoch=epoch, **shard_options)
         names = list(dict.fromkeys(regions if regions is not None else (g.region for g in layout.groups)))
         self.filters = {r: LengthFilter.for_edge_region(plan, layout, r) for r in names}
         # Each stream's tables get their own ids, so a blob of one stream is refused by another's views.
-        self.filtered = {r: MaintenanceShard(layout, shard, shards, epoch=epoch, table_salt=i + 1, **shard_options)
+        self.filtered = {r: MaintenanceShard(layout, shard, shards, epoch=epoch, table_salt=i + 1,
+                                             **self._filtered_options(shard_options, plan, self.filters[r],
+                                                                      scale_filtered_capacity))
                          for i, r in enumerate(names)}
         # Updates (changed fields) each stream took so far, the full one under None: what its
         # subscribers apply (tools/scale_projection.py compares them).
@@ -111,6 +115,20 @@ class ShardStreams:
                 takes[np.searchsorted(self._known, self.filters[r].per_group[g]), j] = True
             takes[-1, :] = True  # UNKNOWN_LENGTH
             self._takes.append(takes)
+
+    @staticmethod
+    def _filtered_options(options: dict, plan: LevelPlan, length_filter: LengthFilter, scale: bool) -> dict:
+        """A region stream's shard options: with ``scale``, each group's initial capacity is the
+        full table's times the share of the registration lengths the region reads there (a
+        region's tables hold that share of the entries at most; they grow past it if needed)."""
+        capacity = options.get("initial_capacity")
+        if not scale or capacity is None:
+            return options
+        registered = max(1, len(plan.registration_lengths()))
+        per_group = (capacity,) * len(length_filter.per_group) if isinstance(capacity, int) else tuple(capacity)
+        scaled = tuple(max(MIN_TABLE_CAPACITY, math.ceil(c * len(lengths) / registered))
+                       for c, lengths in zip(per_group, length_filter.per_group))
+        return {**options, "initial_capacity": scaled}
 
     def _rows(self, lengths: np.ndarray) -> np.ndarray:
         """Each length's row in a group's ``_takes``."""
