@@ -25,7 +25,7 @@ from kvcompassd import certs
 from kvcompassd.daemon import split_address, tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import QuicNode
-from kvcompassd.wire import ErrorReported, NodeIdentity, Role, UpdatesSubscribed
+from kvcompassd.wire import ErrorReported, NodeIdentity, Role, UpdateBatchPublished, UpdatesSubscribed
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -127,6 +127,31 @@ async def test_an_edge_the_config_does_not_name_is_refused_with_a_clear_error(de
     lines = [json.loads(line) for line in dep.node("maintenance", "mnt-0").log_path.read_text().splitlines()
              if line.startswith("{")]
     assert any(r.get("event") == "refused" and "edge-stranger" in r.get("peer", "") for r in lines)
+
+
+async def test_only_an_edge_of_the_same_region_and_stream_may_relay_batches(dep):
+    """edge-eu (another region) pushes a batch to edge-us as if relaying: refused with a log line,
+    and edge-us's view does not move."""
+    before = (await admin(dep, "edge-us", "digest", {"shard": 0}))["position"]
+    node = QuicNode(NodeIdentity(Role.EDGE, "edge-eu"), tls_files(dep.tls_dir, "edge-eu"),
+                    on_message=lambda peer, msg, ch: None)
+    try:
+        peer = await node.connect(split_address(_edge(dep, "edge-us").quic, "edge-us"), expected_role=Role.EDGE,
+                                  timeout=30)
+        await peer.send(UpdateBatchPublished(0, before[0], before[1] + 1, ()))
+
+        def refused():
+            return [json.loads(line) for line in dep.node("edge", "edge-us").log_path.read_text().splitlines()
+                    if line.startswith("{") and '"message refused"' in line and "does not relay" in line]
+
+        async def logged():
+            return refused()
+
+        (line, *_) = await eventually(logged, timeout=30)
+    finally:
+        await node.close()
+    assert line["peer"] == "edge:edge-eu" and line["type"] == "UpdateBatchPublished"
+    assert (await admin(dep, "edge-us", "digest", {"shard": 0}))["position"] == before
 
 
 async def test_when_the_relaying_edge_stops_the_next_edge_of_its_region_takes_over(dep):
