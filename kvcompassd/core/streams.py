@@ -22,7 +22,17 @@ way (a keyless false hit): the filtered tables are other tables with the same lo
 answers differ key by key but not in rate (tests/test_streams.py).
 
 Events whose length is unknown (an agent that does not report lengths) pass every filter: the
-region's table then holds a superset, which costs bytes, never a decision.
+region's table then holds a superset, which costs bytes, never a decision. Agents report each
+event's length (``IndexEventColumns.lengths``).
+
+The send side (``StreamFanout``, ``edge_stream``, ``relays_to``): the maintenance unit maps each
+subscribed edge's certified id to the stream its ``[[edges]]`` entry's region follows (or the
+full one: ``[sync] edge_streams``, ``full_stream_edges``) and refuses ids the config does not
+name. With ``[sync] relay`` it sends a stream's live batches to one edge per (stream, region),
+the first subscribed in config order, which forwards them unchanged to the region's other edges
+of that stream; receivers take relayed batches only from those edges and apply them through the
+same sync protocol, so a lost or forged position is a gap repaired from the unit (the unit's
+fan-out grows with regions, not with edges per region).
 """
 
 from __future__ import annotations
