@@ -31,8 +31,10 @@ full one: ``[sync] edge_streams``, ``full_stream_edges``) and refuses ids the co
 name. With ``[sync] relay`` it sends a stream's live batches to one edge per (stream, region),
 the first subscribed in config order, which forwards them unchanged to the region's other edges
 of that stream; receivers take relayed batches only from those edges and apply them through the
-same sync protocol, so a lost or forged position is a gap repaired from the unit (the unit's
-fan-out grows with regions, not with edges per region).
+same sync protocol, so a lost batch is a gap repaired from the unit (the unit's fan-out grows with
+regions, not with edges per region). Batches carry no signature of the unit: a receiver checks a
+relayed one as any (position, table ids, CRCs), so it trusts the edges of its own region and
+stream with its view's content, and no other edge.
 """
 
 from __future__ import annotations
