@@ -175,16 +175,25 @@ class ShardStreams:
         if not self.filtered or not n:
             return outcome
         try:
-            group = self.layout.slot(worker).group
+            slot = self.layout.slot(worker)
         except ValueError:
             return outcome  # the full shard named it already
-        takes = self._takes[group][self._rows(lengths_arr)]  # (events, regions)
+        keys, ops = columns.key_array(), columns.op_array()
+        full = self.full
+        checked = full.shards == 1 or not (keys % np.uint64(full.shards) != full.shard).any()
+        takes = self._takes[slot.group][self._rows(lengths_arr)]  # (events, regions)
         some, every = takes.any(axis=0), takes.all(axis=0)
         for j, (region, shard) in enumerate(self.filtered.items()):
-            if every[j]:
-                self.applied[region] += shard.apply_columns(worker, columns).applied
-            elif some[j]:
-                self.applied[region] += shard.apply_columns(worker, columns.select(takes[:, j])).applied
+            if not some[j]:
+                continue
+            if not checked:  # keys of other shards: the checking path names them (and applies none)
+                part = columns if every[j] else columns.select(takes[:, j])
+                self.applied[region] += shard.apply_columns(worker, part).applied
+            elif every[j]:
+                self.applied[region] += shard.apply_checked(slot.group, slot.field, keys, ops)
+            else:
+                mine = takes[:, j]
+                self.applied[region] += shard.apply_checked(slot.group, slot.field, keys[mine], ops[mine])
         return outcome
 
     def apply(self, events: Sequence[IndexEvent], lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
