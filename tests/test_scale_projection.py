@@ -65,6 +65,8 @@ def test_the_per_region_projection_is_its_printed_formulas(tool):
     assert p["shard_egress_gbps"] == pytest.approx((fleet / 5 * 2.0 * 60 + min(100, fleet / 5) * 10 * 300) * 8 * 2 / 1e9)
     assert p["shard_egress_zlib_gbps"] == pytest.approx((fleet / 5 * 2.0 * 20 + min(100, fleet / 5) * 10 * 110) * 8 * 2 / 1e9)
     assert p["view_gib"] == pytest.approx(1000 * 1000 * 0.5 * 0.05 * 10 / 2**30)
+    measured = tool.project(tool.dataclasses.replace(u, shard_us_all_streams=7.0), 1000, 10, 5, 2, 0.5)
+    assert measured["shard_apply_cores"] == pytest.approx(fleet / 5 * 7.0 / 1e6)
 
 
 def test_a_small_run_measures_prints_its_formulas_and_names_what_breaks_first(tool, capsys):
@@ -77,5 +79,5 @@ def test_a_small_run_measures_prints_its_formulas_and_names_what_breaks_first(to
                  "edge apply        = U x t_edge", "shard egress      = U / S x bytes_per_update x 8 x R x E",
                  "400 workers x 20 regions, 20 shards", "first resource to break:",
                  "per-edge-region streams (kvcompassd.core.streams", "edge apply        = U_e x t_update + B_e x t_batch",
-                 "t_batch =", "zlib_batch =", "compression of update batches"):
+                 "t_batch =", "zlib_batch =", "compression of update batches", "t_unit_streams ="):
         assert text in out, text

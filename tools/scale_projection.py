@@ -57,7 +57,7 @@ per shard's stream per flush):
     U_e   = U x share_edge, B_e = S x min(1 / F, U_e / S)
     edge apply cores   = U_e x t_update + B_e x t_batch
     edge inbound       = (U_e x bytes_update + B_e x bytes_batch) x 8   (compressed: zlib_update, zlib_batch)
-    shard apply cores  = U / S x t_shard x (1 + sum of shares)
+    shard apply cores  = U / S x t_unit_streams   (measured: the full tables and every region's stream)
     shard egress       = (U / S x sum of shares x bytes_update + min(1 / F, U / S) x R x bytes_batch) x 8 x E
     view per edge      = (as above) x share_edge
 
@@ -393,6 +393,9 @@ class Units:
     t_batch_us: float = 0.0  # an edge's CPU per batch, beyond t_edge per update
     bytes_per_batch: float = 0.0  # a batch's bytes beyond bytes_per_update each
     zlib_per_batch: float = 0.0  # the same, compressed (bytes_zlib is then per update)
+    # The unit's CPU per update into its full tables and every region's stream, measured as a
+    # whole (ShardStreams.apply_columns); None: t_shard x (1 + sum of shares).
+    shard_us_all_streams: float | None = None
     flush_s: float = 0.002  # the maintenance unit's batch_delay_s: at most one batch per stream per flush
 
 
@@ -419,7 +422,8 @@ def project(u: Units, workers: float, regions: int, shards: int, edges: int, loa
         "edge_inbound_gbps": (edge_updates * u.bytes_raw + edge_batches * u.bytes_per_batch) * 8 / 1e9,
         "edge_inbound_zlib_gbps": (edge_updates * u.bytes_zlib + edge_batches * u.zlib_per_batch) * 8 / 1e9,
         # Filtered: the full tables plus every region's stream, each applying its share of the updates.
-        "shard_apply_cores": fleet / shards * u.shard_us * (1 if u.share_regions_sum is None else 1 + shares) / 1e6,
+        "shard_apply_cores": fleet / shards * (u.shard_us_all_streams if u.shard_us_all_streams is not None else
+                                               u.shard_us * (1 if u.share_regions_sum is None else 1 + shares)) / 1e6,
         "shard_egress_gbps": shard_stream_bytes * 8 * edges / 1e9,
         "shard_egress_zlib_gbps": shard_stream_zlib * 8 * edges / 1e9,
         "view_gib": workers * u.cache_blocks_w * u.reg_per_block * u.share_edge * u.view_bytes_per_entry / GIB,
@@ -543,7 +547,8 @@ def main(argv=None) -> int:
     region_units = dataclasses.replace(
         units, share_edge=filtering["max"], share_regions_sum=filtering["sum"], edge_us=apply["t_update_us"],
         t_batch_us=apply["t_batch_us"], bytes_raw=apply["bytes_update"], bytes_per_batch=apply["bytes_batch"],
-        bytes_zlib=apply["zlib_update"], zlib_per_batch=apply["zlib_batch"], flush_s=args.flush_ms / 1000)
+        bytes_zlib=apply["zlib_update"], zlib_per_batch=apply["zlib_batch"], flush_s=args.flush_ms / 1000,
+        shard_us_all_streams=filtering["unit_us_per_update"])
     p_full, p_region = project(full_units, W, R, S, E, args.load), project(region_units, W, R, S, E, args.load)
     units, p = (region_units, p_region) if args.streams == "region" else (full_units, p_full)
 
@@ -626,7 +631,9 @@ def main(argv=None) -> int:
     print(f"  edge inbound      = (U_e x bytes_update + B_e x bytes_batch) x 8 = {pr['edge_inbound_gbps']:8.2f} Gbit/s raw, "
           f"{pr['edge_inbound_zlib_gbps']:.2f} compressed (U_e x zlib_update + B_e x zlib_batch)")
     print(f"  edge views        = W x cache_blocks_w x reg_blk x share_edge x bytes_per_entry = {pr['view_gib']:8.1f} GiB")
-    print(f"  shard apply       = U / S x t_shard x (1 + sum of shares) = {pr['shard_apply_cores']:8.2f} cores")
+    print(f"  shard apply       = U / S x t_unit_streams               = {pr['shard_apply_cores']:8.2f} cores "
+          f"(t_unit_streams = {ru.shard_us_all_streams:.2f} µs measured; t_shard x (1 + sum of shares) would give "
+          f"{pr['updates_per_worker_s'] * W / S * full_units.shard_us * (1 + ru.share_regions_sum) / 1e6:.2f})")
     print(f"  shard egress      = (U / S x sum of shares x bytes_update + min(1 / flush, U / S) x R x bytes_batch) "
           f"x 8 x E = {pr['shard_egress_gbps']:8.2f} Gbit/s raw, {pr['shard_egress_zlib_gbps']:.2f} compressed")
     slower = [(ms, project(dataclasses.replace(region_units, flush_s=ms / 1000), W, R, S, E, args.load))
