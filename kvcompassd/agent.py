@@ -271,7 +271,7 @@ class AgentNode:
             # concluded from the replay socket's evidence, never from one odd seq (subscriber.py)
             log.warning("engine restarted: withdrawing its registrations", previous_seq=item.previous_seq)
             self.metrics.engine_batches.labels("restart").inc()
-            self._enqueue(self.tree.withdraw_all())
+            self._enqueue(*self.tree.withdraw_all_with_lengths())
         elif isinstance(item, BatchesLost):
             # The engine's replay buffer no longer has them: entries may be stale until the
             # engine reports those blocks again; the edges' cache belief absorbs the difference.
@@ -292,7 +292,7 @@ class AgentNode:
         self._work_arriving()
         events = batch.events
         if sum(len(e.block_hashes) for e in events if type(e) is not AllBlocksCleared) <= SLICE_BLOCKS:
-            self._enqueue(self.tree.apply_events(events))  # the usual batch: one pass, one diff
+            self._enqueue(*self.tree.apply_events_with_lengths(events))  # the usual batch: one pass, one diff
             return
         pending: list[KvEvent] = []
         done = 0
@@ -308,14 +308,15 @@ class AgentNode:
                 pending.append(part)
                 done += len(part.block_hashes) if not isinstance(part, AllBlocksCleared) else SLICE_BLOCKS
                 if done >= SLICE_BLOCKS:
-                    self._enqueue(self.tree.apply_events(pending))
+                    self._enqueue(*self.tree.apply_events_with_lengths(pending))
                     pending, done = [], 0
                     await asyncio.sleep(0)
         if pending:
-            self._enqueue(self.tree.apply_events(pending))
+            self._enqueue(*self.tree.apply_events_with_lengths(pending))
 
-    def _enqueue(self, events: list[IndexEvent]) -> None:
-        self.reports.add_events(events)
+    def _enqueue(self, events: list[IndexEvent], lengths: list[int]) -> None:
+        # Each event's indexed length: the unit sends each edge region only what it looks up.
+        self.reports.add_events(events, lengths)
 
     def _send_report(self, shard: int, report: PrefixEventsReported) -> bool:
         if self._withdrawn:
@@ -336,10 +337,11 @@ class AgentNode:
         accepts any seq above -1."""
         self.incarnation = max(self.incarnation + 1, time.time_ns())
         peer.send_encoded(encode(WorkerRegistered(self.worker.id, self.incarnation)))
-        events = [PrefixCached(self.worker.id, key, tier) for key, tier in self.tree.registered().items()
-                  if key % self.cfg.shards == shard]
+        mine = [(key, tier, length) for key, (tier, length) in self.tree.registered_with_lengths().items()
+                if key % self.cfg.shards == shard]
+        events = [PrefixCached(self.worker.id, key, tier) for key, tier, _ in mine]
         self.reports.discard(shard)
-        self.reports.report(shard, IndexEventColumns.from_events(events))
+        self.reports.report(shard, IndexEventColumns.from_events(events, [length for _, _, length in mine]))
         log.info("registered with maintenance", shard=shard, incarnation=self.incarnation, keys=len(events))
 
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:

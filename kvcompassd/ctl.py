@@ -201,7 +201,10 @@ def render(what: str, body: dict) -> str:
     if body.get("mode") == "maintenance":
         head = {k: body[k] for k in ("id", "shard", "epoch", "seq", "entries") if k in body}
         parts = [table([head]), "", "tables:", table(body.get("tables", [])), "",
-                 f"subscribers: {', '.join(body.get('subscribers', [])) or '(none)'}",
+                 f"subscribers: {', '.join(body.get('subscribers', [])) or '(none)'}", "",
+                 "update streams (full, and one per edge region: the lengths its edges look up):",
+                 table([{"stream": name, **{k: v for k, v in s.items() if k != "tables"}}
+                        for name, s in body.get("streams", {}).items()]), "",
                  "workers:", table([{"worker": w, **v} for w, v in body.get("workers", {}).items()])]
         return "\n".join(parts)
     if body.get("mode") == "agent":

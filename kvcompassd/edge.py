@@ -27,6 +27,8 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.queues import STEADY_REPEATS
 from kvcompassd.core.router import Router
 from kvcompassd.core.snapshots import SnapshotChunker
+from kvcompassd.core.streams import UnknownEdge, edge_stream, relays_to
+from kvcompassd.transport import EncodedMessage
 from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync, SyncSettings, SyncStep
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.forwarding import Forwarder
@@ -93,7 +95,8 @@ class EdgeNode:
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         self.metrics = EdgeMetrics()
         self.metrics.watch_hot_prefixes(lambda: self.router.hot.hot_misses)
-        self.metrics.watch_views(lambda: [(s, *self.view.position(s)) for s in range(cfg.shards)])
+        stream = edge_stream(cfg, me.id) or "full"  # the shard streams this edge's views follow
+        self.metrics.watch_views(lambda: [(s, stream, *self.view.position(s)) for s in range(cfg.shards)])
         self.node = QuicNode(NodeIdentity(Role.EDGE, me.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.tokenizer = tokenizer or ByteTokenizer()
@@ -110,6 +113,11 @@ class EdgeNode:
         self.local_http = local_http
         self.copy_from = copy_from
         self._shard_peers: dict[int, Peer] = {}
+        # [sync] relay: the edges of this region and stream this edge forwards its units' live
+        # batches to (when the unit picks it), and takes theirs from (core/streams.py relays_to).
+        self._relay_group = frozenset(relays_to(cfg, me.id))
+        self._relayed_upto: dict[int, tuple[int, int]] = {}  # shard -> the last position forwarded
+        self.batches_relayed = 0
         self._agent_peers: dict[str, Peer] = {}
         self._edge_peers: dict[str, Peer] = {}
         self._own_agents = frozenset(w.id for w in cfg.workers_in(me.region))
@@ -268,14 +276,41 @@ class EdgeNode:
         return True
 
     def _batch(self, peer: Peer, msg: UpdateBatchPublished, channel: ChannelInfo) -> None:
-        if not self._shard_owned_by_sender(peer, msg):
+        identity = peer.identity
+        if identity.role == Role.EDGE:
+            # A batch relayed by an edge of this region and stream; anyone else may not write the view.
+            if identity.node_id not in self._relay_group:
+                self._refuse(peer, msg, f"edge {identity.node_id} does not relay this edge's update stream")
+                return
+        elif not self._shard_owned_by_sender(peer, msg):
             return
+        else:
+            self._relay(msg)
         step = self.sync.on_batch(msg, now=self.clock())
         if step.applied:
             self.metrics.batches.inc()
         else:
             log.debug("batch not applied", shard=msg.shard, seq=msg.seq, reason=step.reason)
         self._sync_step(step)
+
+    def _relay(self, msg: UpdateBatchPublished) -> None:
+        """Forward the unit's batch, as it came, to this region's other edges of the stream (the
+        unit sends its live batches to one edge per region). Only batches beyond the last one
+        forwarded: a replay this edge asked for is not sent on (the others ask for their own)."""
+        if not self._relay_group or (msg.epoch, msg.seq) <= self._relayed_upto.get(msg.shard, (-1, -1)):
+            return
+        self._relayed_upto[msg.shard] = (msg.epoch, msg.seq)
+        encoded = None
+        for edge in self._relay_group:
+            peer = self._edge_peers.get(edge)
+            if peer is None or not peer.is_connected:
+                continue  # it finds the gap and asks the unit
+            encoded = encoded or EncodedMessage(msg)
+            try:
+                peer.send_encoded(encoded.body_for(peer))
+                self.batches_relayed += 1
+            except TransportError:
+                pass
 
     def _snapshot(self, peer: Peer, msg: Any, channel: ChannelInfo) -> None:
         """A snapshot, whole or a transfer's header or chunk. A peer edge's snapshots arrive
@@ -377,6 +412,17 @@ class EdgeNode:
         """Every ready shard's view, each as a snapshot transfer, paced like a maintenance unit's."""
         stream = channel.stream
         if stream is None:
+            return
+        try:
+            same_stream = edge_stream(self.cfg, peer.identity.node_id) == edge_stream(self.cfg, self.me.id)
+        except UnknownEdge as exc:
+            same_stream, why = False, str(exc)
+        else:
+            why = f"this edge's views follow another update stream than edge {peer.identity.node_id}'s"
+        if not same_stream:
+            # Its views would hold other lengths, in tables its units' batches do not fit.
+            self._refuse(peer, msg, why)
+            stream.send_encoded(encode(ErrorReported("forbidden", why)), end=True)
             return
         ready = [s for s in range(self.cfg.shards) if self.view.state[s].ready]
         if not ready:

@@ -52,6 +52,8 @@ async def describe_edge_paced(edge, what: str, args: dict) -> dict:
 def _status_head(edge) -> dict:
     pending = edge.router.pending
     head = {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
+            # [sync] relay: the unit's batches this edge forwarded to its region's other edges
+            "batches_relayed": getattr(edge, "batches_relayed", 0),
             "resyncs": edge.sync.requests, "pending_keys": None if pending is None else len(pending)}
     chooser = getattr(getattr(edge, "forwarder", None), "decode_chooser", None)
     if chooser is not None:  # a disaggregated fleet: where this edge sends the decodes

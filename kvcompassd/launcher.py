@@ -56,6 +56,9 @@ class DeploymentSpec:
     # others are prefill workers); empty = every worker serves whole requests.
     decode_workers: dict[str, int] = field(default_factory=dict)
     decode_policy: str = "least_loaded"
+    # Edges per region: the first is edge-<region>, the others edge-<region>-1, ...
+    edges_per_region: int = 1
+    sync: dict = field(default_factory=dict)  # the cluster's [sync] table (e.g. edge_streams)
 
     @classmethod
     def disaggregated(cls, prefill: int = 2, decode: int = 1, regions: tuple[str, ...] = ("us", "eu", "asia"),
@@ -111,10 +114,12 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
         "regions": [{"name": r} for r in regions],
         "links": [{"between": [a, b], "one_way_ms": ms} for (a, b), ms in spec.one_way_ms.items()],
         "workers": workers,
-        "edges": [{"id": f"edge-{r}", "region": r, "http": f"127.0.0.1:{_free_port()}",
-                   "quic": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}"} for r in regions],
+        "edges": [{"id": f"edge-{r}" + (f"-{i}" if i else ""), "region": r, "http": f"127.0.0.1:{_free_port()}",
+                   "quic": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}"}
+                  for r in regions for i in range(spec.edges_per_region)],
         "maintenance": [{"id": f"mnt-{s}", "shard": s, "quic": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}"}
                         for s in range(spec.shards)],
+        "sync": dict(spec.sync),
     }
     if spec.decode_workers:
         data["disaggregation"] = {"decode_policy": spec.decode_policy}
@@ -250,6 +255,8 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as session:
             for e in self.cfg.edges:
+                if getattr(self.nodes.get(f"edge:{e.id}"), "expected_down", False):
+                    continue  # a test stopped it
                 while True:
                     self._check_alive()
                     try:
@@ -284,10 +291,12 @@ class LocalDeployment:
 
     async def views_converged(self, edges=None) -> bool:
         """Whether every edge's views (or ``edges``') hold exactly the values of the maintenance
-        units' shards, key by key (admin queries on the direct addresses, not through relays)."""
+        units' streams they follow (their region's, or the full one), key by key (admin queries
+        on the direct addresses, not through relays)."""
+        running = [e for e in self.cfg.edges if not getattr(self.nodes.get(f"edge:{e.id}"), "expected_down", False)]
         for m in self.cfg.maintenance:
-            state = await query(self.cfg, self.tls_dir, "admin", m.id, "entries", {})
-            for e in edges or self.cfg.edges:
+            for e in edges or running:  # an edge a test stopped has no views to compare
+                state = await query(self.cfg, self.tls_dir, "admin", m.id, "entries", {"edge": e.id})
                 for group, kv in state["groups"].items():
                     if not kv["keys"]:
                         continue

@@ -2,8 +2,11 @@
 
 Agents report their workers' index events; this unit applies them through the core
 (``MaintenanceShard``), coalesces everything applied within ``batch_delay_s`` (2 ms) of the
-previous batch into one update batch ``(epoch, seq)``, encodes it once and pushes the same
-bytes to every subscribed edge on the edge's ordered control channel. Edges that are new,
+previous batch into one update batch ``(epoch, seq)`` per stream, encodes it once and pushes the
+same bytes to every subscribed edge of that stream on the edge's ordered control channel. Each
+edge follows its region's stream (``kvcompassd.core.streams``: only the lengths its region looks
+up), chosen from the edge's certified identity, or the full stream (``[sync] edge_streams``);
+each stream has its own ``(epoch, seq)``, replay log and snapshots. Edges that are new,
 restarted, or found a gap get a replay from the bounded log or a snapshot. A snapshot of any
 size goes out as a transfer (``kvcompassd.core.snapshots``): its header at once, then its
 chunks paced by the connection's acknowledgements (``[sync] snapshot_window_bytes``), while
@@ -25,9 +28,11 @@ import structlog
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.config import ClusterConfig, MaintenanceConfig
-from kvcompassd.core.index import MaintenanceShard, table_capacities
+from kvcompassd.core.index import table_capacities
 from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.snapshots import SnapshotChunker, SnapshotSource
+from kvcompassd.core.streams import ShardStreams, StreamFanout, UnknownEdge, stream_regions
 from kvcompassd.core.sync import catch_up
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.metrics import MaintenanceMetrics
@@ -96,21 +101,29 @@ class MaintenanceNode:
         self.layout = IndexLayout.from_config(cfg)
         # A new epoch per start: edges holding an older epoch's state are told to resync.
         self.epoch = epoch if epoch is not None else time.time_ns() // 1_000_000
-        self.shard = MaintenanceShard(
+        # The full tables (exact holders, admin answers) and one filtered stream per region
+        # whose edges follow their region's stream (core/streams.py).
+        self.streams = ShardStreams(
             self.layout,
+            LevelPlan.from_config(cfg),
             me.shard,
             cfg.shards,
             epoch=self.epoch,
+            regions=stream_regions(cfg),
+            scale_filtered_capacity=True,  # a region's tables start at the share of lengths it reads
             initial_capacity=table_capacities(cfg, self.layout),
             fingerprint_bits=cfg.index.fingerprint_bits,
             max_load=cfg.index.max_load,
         )
+        self.shard = self.streams.full
         self.node = QuicNode(NodeIdentity(Role.MAINTENANCE, me.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
-        self.subscribers: dict[str, Peer] = {}
-        # Snapshot ids are random: an edge may ask to resume one from an earlier life of this unit.
-        self.snapshots = SnapshotSource(self.shard, new_id=lambda: secrets.randbits(64) or 1,
-                                        chunk_bytes=cfg.sync.snapshot_chunk_bytes)
+        self.fanout = StreamFanout(cfg, self.streams)
+        # Per stream (None: the full one). Snapshot ids are random: an edge may ask to resume one
+        # from an earlier life of this unit.
+        self.snapshots = {stream: SnapshotSource(self.streams.stream(stream), new_id=lambda: secrets.randbits(64) or 1,
+                                                 chunk_bytes=cfg.sync.snapshot_chunk_bytes)
+                          for stream in (None, *self.streams.filtered)}
         self._transfers: dict[str, asyncio.Task] = {}  # edge -> the task sending it a snapshot's chunks
         self._release_timer: asyncio.TimerHandle | None = None
         self._stopped = False
@@ -120,7 +133,8 @@ class MaintenanceNode:
         # Entries and load per region group, what an operator sizes initial_capacity and
         # fingerprint_bits by.
         self.metrics.watch_tables(self.shard.table_stats)
-        self.metrics.watch_position(lambda: [(self.me.shard, self.epoch, self.shard.seq)])
+        self.metrics.watch_position(lambda: [(self.me.shard, "full" if r is None else r, self.epoch, s.seq)
+                                             for r, s in ((None, self.streams.full), *self.streams.filtered.items())])
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self._grace_timers: dict[int, asyncio.TimerHandle] = {}  # pending withdrawals, cancelled by stop()
@@ -152,12 +166,15 @@ class MaintenanceNode:
 
     # -- messages -----------------------------------------------------------------------------
 
+    @property
+    def subscribers(self) -> list[str]:
+        return self.fanout.edges
+
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:
         if connected or peer.identity is None:
             return
         node_id = peer.identity.node_id
-        if self.subscribers.get(node_id) is peer:
-            del self.subscribers[node_id]
+        if self.fanout.unsubscribe(node_id, peer):
             log.info("edge unsubscribed", edge=node_id)
         if peer.identity.role == Role.AGENT and node_id in self.workers:
             # An agent that stays away cannot serve forwarded requests: after a grace period
@@ -175,7 +192,7 @@ class MaintenanceNode:
                         for p in self.node.peers)
         if stream is None or stream.incarnation != incarnation or connected:
             return
-        outcome = self.shard.withdraw_worker(worker)
+        outcome = self.streams.withdraw_worker(worker)
         self._applied(outcome)
         stream.incarnation = incarnation  # a returning agent registers a newer one
         log.warning("agent gone: worker withdrawn from the shard", worker=worker, withdrawn=outcome.applied)
@@ -220,7 +237,7 @@ class MaintenanceNode:
         if msg.incarnation > stream.incarnation:
             if stream.incarnation >= 0:
                 # The engine restarted: nothing it registered before is in its cache any more.
-                outcome = self.shard.withdraw_worker(msg.worker)
+                outcome = self.streams.withdraw_worker(msg.worker)
                 self._applied(outcome)
                 log.info("worker restarted", worker=msg.worker, withdrawn=outcome.applied)
             stream.incarnation, stream.last_seq = msg.incarnation, -1
@@ -240,7 +257,7 @@ class MaintenanceNode:
             return
         stream.last_seq = msg.seq
         self.stats.reports += 1
-        outcome = self.shard.apply_columns(msg.worker, msg.events)
+        outcome = self.streams.apply_columns(msg.worker, msg.events)  # the report's lengths pick the streams
         self._applied(outcome)
         if outcome.ignored:
             # The rest of the report was applied; tell the agent which events made no sense.
@@ -251,7 +268,7 @@ class MaintenanceNode:
 
     def _worker_withdrawn(self, peer: Peer, msg: WorkerWithdrawn, channel: ChannelInfo) -> None:
         if self._own_worker(peer, msg, msg.worker):
-            self._applied(self.shard.withdraw_worker(msg.worker))
+            self._applied(self.streams.withdraw_worker(msg.worker))
 
     def _applied(self, outcome) -> None:
         self.stats.events_applied += outcome.applied
@@ -264,28 +281,29 @@ class MaintenanceNode:
             self._batches.added(outcome.applied)
 
     def _flush(self) -> None:
-        self._publish(self.shard.flush())
+        self._publish(self.streams.flush())
 
-    def _publish(self, batch) -> None:
-        if batch is None:
+    def _publish(self, published: dict) -> None:
+        """Each stream's batch to the edges following that stream, encoded once per stream."""
+        if not published:
             return
-        self.stats.batches += 1
-        self.metrics.batches.inc()
-        encoded = EncodedMessage(batch)
-        for edge, peer in list(self.subscribers.items()):
+        self.stats.batches += len(published)
+        self.metrics.batches.inc(len(published))
+        encoded = {stream: EncodedMessage(batch) for stream, batch in published.items()}
+        for edge, peer, stream in self.fanout.deliveries(published):
             try:
-                peer.send_encoded(encoded.body_for(peer))
+                peer.send_encoded(encoded[stream].body_for(peer))
             except ConnectionError:
                 # Its resync on reconnection repairs what it misses here.
-                self.subscribers.pop(edge, None)
+                self.fanout.unsubscribe(edge, peer)
 
     def _subscribed(self, peer: Peer, msg: UpdatesSubscribed, channel: ChannelInfo) -> None:
         if not self._own_edge(peer, msg, msg.edge, msg.shard):
             return
         self._send_catch_up(peer, msg.epoch, msg.seq + 1)
         # Added after the catch-up was enqueued, so batches follow it in order.
-        self.subscribers[msg.edge] = peer
-        log.info("edge subscribed", edge=msg.edge, epoch=msg.epoch, seq=msg.seq)
+        stream = self.fanout.subscribe(msg.edge, peer)
+        log.info("edge subscribed", edge=msg.edge, epoch=msg.epoch, seq=msg.seq, stream=stream or "full")
 
     def _resync_requested(self, peer: Peer, msg: ResyncRequested, channel: ChannelInfo) -> None:
         if self._own_edge(peer, msg, msg.edge, msg.shard):
@@ -297,7 +315,8 @@ class MaintenanceNode:
         It is also the edge's (re)subscription."""
         if not self._own_edge(peer, msg, msg.edge, msg.shard):
             return
-        chunker = self.snapshots.get(msg.snapshot_id)
+        # Only a snapshot of the stream this edge follows: another stream's id is "not kept".
+        chunker = self.snapshots[self.fanout.stream_of(msg.edge)].get(msg.snapshot_id)
         if chunker is None or msg.from_chunk >= chunker.chunks:
             log.info("snapshot resume: not kept any more, sending a new one", edge=msg.edge,
                      snapshot_id=msg.snapshot_id, from_chunk=msg.from_chunk)
@@ -307,7 +326,7 @@ class MaintenanceNode:
             log.info("snapshot resumed", edge=msg.edge, snapshot_id=msg.snapshot_id, from_chunk=msg.from_chunk,
                      chunks=chunker.chunks)
             self._send_transfer(peer, msg.edge, chunker, msg.from_chunk)
-        self.subscribers[msg.edge] = peer
+        self.fanout.subscribe(msg.edge, peer)
 
     def _own_edge(self, peer: Peer, msg, edge: str, shard: int) -> bool:
         if peer.identity.node_id != edge:
@@ -315,6 +334,11 @@ class MaintenanceNode:
             return False
         if shard != self.me.shard:
             self._refuse(peer, msg, "malformed", f"this unit owns shard {self.me.shard}, not {shard}")
+            return False
+        try:
+            self.fanout.stream_of(edge)  # which stream is the edge's certified identity's, never its claim
+        except UnknownEdge as exc:
+            self._refuse(peer, msg, "forbidden", str(exc))
             return False
         return True
 
@@ -324,22 +348,25 @@ class MaintenanceNode:
         # pacer keeps its bookkeeping; catch_up then finds nothing pending.)
         if self._batches.scheduled:
             self._batches.flush_now()
-        taken = self.snapshots.taken
-        answer = catch_up(self.shard, epoch, from_seq, take_snapshot=lambda: self.snapshots.latest().snapshot)
-        self._publish(answer.published)
         edge = peer.identity.node_id
+        stream = self.fanout.stream_of(edge)  # checked by _own_edge
+        source = self.snapshots[stream]
+        taken = source.taken
+        answer = catch_up(source.shard, epoch, from_seq, take_snapshot=lambda: source.latest().snapshot)
+        if answer.published is not None:
+            self._publish({stream: answer.published})
         if answer.snapshot is None:
             self.stats.replays_sent += 1
             for message in answer.replay:
                 peer.send_encoded(EncodedMessage(message).body_for(peer))
             return
         self.stats.snapshots_sent += 1
-        self.stats.snapshots_taken += self.snapshots.taken - taken
+        self.stats.snapshots_taken += source.taken - taken
         self.metrics.snapshots.inc()
-        chunker = self.snapshots.latest()  # the one catch_up just took or reused
-        log.info("snapshot transfer", edge=edge, snapshot_id=chunker.snapshot_id, epoch=chunker.header.epoch,
-                 seq=chunker.header.seq, entries=chunker.header.entries, bytes=chunker.header.total_bytes,
-                 chunks=chunker.chunks, reused=self.snapshots.taken == taken)
+        chunker = source.latest()  # the one catch_up just took or reused
+        log.info("snapshot transfer", edge=edge, stream=stream or "full", snapshot_id=chunker.snapshot_id,
+                 epoch=chunker.header.epoch, seq=chunker.header.seq, entries=chunker.header.entries,
+                 bytes=chunker.header.total_bytes, chunks=chunker.chunks, reused=source.taken == taken)
         self._send_transfer(peer, edge, chunker, 0)
 
     def _send_transfer(self, peer: Peer, edge: str, chunker: SnapshotChunker, from_chunk: int) -> None:
@@ -365,8 +392,9 @@ class MaintenanceNode:
     def _release_snapshots(self) -> None:
         self._release_timer = None
         if not self._transfers:
-            log.info("kept snapshots released", bytes=self.snapshots.kept_bytes)
-            self.snapshots.release()
+            log.info("kept snapshots released", bytes=sum(s.kept_bytes for s in self.snapshots.values()))
+            for source in self.snapshots.values():
+                source.release()
 
     async def _stream_chunks(self, peer: Peer, edge: str, chunker: SnapshotChunker, from_chunk: int) -> None:
         window = self.cfg.sync.snapshot_window_bytes
@@ -396,19 +424,31 @@ class MaintenanceNode:
         else:
             peer.send_encoded(encode(reply))
 
+    def _described_stream(self, args: dict):
+        """The stream an admin query names: ``{"edge": id}`` the one that edge follows,
+        ``{"stream": region}`` a region's, ``"full"`` or nothing the full one."""
+        if "edge" in args:
+            return self.fanout.shard_of(str(args["edge"]))
+        stream = args.get("stream", "full")
+        return self.streams.stream(None if stream == "full" else str(stream))
+
     def describe(self, what: str, args: dict) -> dict:
         if what == "holders":
             key = int(args.get("key", -1))
             return {"key": key, "holders": {w: t.name for w, t in self.shard.holders(key).items()}}
         if what == "digest":
-            return {"shard": self.me.shard, "position": [self.epoch, self.shard.seq], "entries": self.shard.entries(),
-                    "groups": {str(g): crc for g, crc in self.shard.digests().items()}}
+            shard = self._described_stream(args)
+            return {"shard": self.me.shard, "position": [self.epoch, shard.seq], "entries": shard.entries(),
+                    "groups": {str(g): crc for g, crc in shard.digests().items()}}
         if what == "entries":
             # The exact (key, value) state per region group, for consistency checks.
+            shard = self._described_stream(args)
             limit = int(args.get("limit", 100_000))
-            return {"shard": self.me.shard, "epoch": self.epoch, "seq": self.shard.seq,
+            return {"shard": self.me.shard, "epoch": self.epoch, "seq": shard.seq,
                     "groups": {str(g): {"keys": k[:limit].tolist(), "values": v[:limit].tolist()}
-                               for g, (k, v) in self.shard.group_items().items()}}
+                               for g, (k, v) in shard.group_items().items()}}
+        followers = self.fanout.followers()
+        live = self.fanout.live_edges()
         return {
             "mode": "maintenance",
             "id": self.me.id,
@@ -417,7 +457,16 @@ class MaintenanceNode:
             "seq": self.shard.seq,
             "entries": self.shard.entries(),
             "tables": self.shard.table_stats(),
-            "subscribers": sorted(self.subscribers),
+            "subscribers": self.subscribers,
+            # What each stream carried: the full one, and each region's (only the lengths its
+            # edges look up), with the edges following it now.
+            "streams": {("full" if r is None else r): {"seq": shard.seq, "entries": shard.entries(),
+                                                       "updates": self.streams.applied[r],
+                                                       "edges": followers.get("full" if r is None else r, []),
+                                                       # with [sync] relay, one per region: it forwards
+                                                       "live_to": live.get(r, []),
+                                                       "tables": shard.table_stats()}
+                        for r, shard in ((None, self.streams.full), *self.streams.filtered.items())},
             "workers": {w: {"incarnation": s.incarnation, "last_seq": s.last_seq, "stale_reports": s.stale_reports}
                         for w, s in self.workers.items()},
             "stats": asdict(self.stats),

@@ -28,32 +28,34 @@ class MaintenanceMetrics:
         when scraped: nothing is added to the write path that flushes a batch every few ms."""
         self.registry.register(_ShardTablesCollector(table_stats))
 
-    def watch_position(self, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
-        """Export the shard's (shard, epoch, seq), read when scraped; an edge exports the same of
-        its view, and the difference of the two seqs is how many batches the view is behind."""
+    def watch_position(self, positions: Callable[[], list[tuple[int, str, int, int]]]) -> None:
+        """Export each of the shard's streams' (shard, stream, epoch, seq), read when scraped
+        (stream: "full" or an edge region's, kvcompassd.core.streams); an edge exports the same
+        of its view, and the difference of the two seqs is how many batches the view is behind."""
         self.registry.register(_PositionCollector("kvcompass_shard", "this maintenance unit's shard", positions))
 
 
 class _PositionCollector:
-    """``<prefix>_epoch{shard}`` and ``<prefix>_seq{shard}``: where an index copy stands."""
+    """``<prefix>_epoch{shard, stream}`` and ``<prefix>_seq{shard, stream}``: where an index copy
+    of a shard's stream stands."""
 
-    def __init__(self, prefix: str, what: str, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
+    def __init__(self, prefix: str, what: str, positions: Callable[[], list[tuple[int, str, int, int]]]) -> None:
         self._prefix, self._what, self._positions = prefix, what, positions
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         return (GaugeMetricFamily(f"{self._prefix}_epoch", f"Epoch of {self._what} (a new one per maintenance start)",
-                                  labels=["shard"]),
+                                  labels=["shard", "stream"]),
                 GaugeMetricFamily(f"{self._prefix}_seq", f"Last update batch (seq within the epoch) of {self._what}",
-                                  labels=["shard"]))
+                                  labels=["shard", "stream"]))
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         yield from self._families()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         epoch, seq = self._families()
-        for shard, e, s in self._positions():
-            epoch.add_metric([str(shard)], e)
-            seq.add_metric([str(shard)], s)
+        for shard, stream, e, s in self._positions():
+            epoch.add_metric([str(shard), stream], e)
+            seq.add_metric([str(shard), stream], s)
         yield epoch
         yield seq
 
@@ -136,8 +138,8 @@ class EdgeMetrics:
             child = self._request_counts[(route, status)] = self.requests.labels(route, str(status))
         child.inc()
 
-    def watch_views(self, positions: Callable[[], list[tuple[int, int, int]]]) -> None:
-        """Export each shard view's (shard, epoch, seq), read when scraped (see
+    def watch_views(self, positions: Callable[[], list[tuple[int, str, int, int]]]) -> None:
+        """Export each shard view's (shard, stream, epoch, seq), read when scraped (see
         ``MaintenanceMetrics.watch_position``: the seqs' difference is the view's lag in batches)."""
         self.registry.register(_PositionCollector("kvcompass_view", "this edge's view of the shard", positions))
 

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvcompassd.core.events import KEY_DTYPE, IndexEvent, IndexEventColumns
+from kvcompassd.core.events import IndexEvent, IndexEventColumns
 from kvcompassd.pacing import FlushPacer
 from kvcompassd.wire import PrefixEventsReported
 
@@ -41,19 +41,19 @@ class ReportCoalescer:
         self._pending: dict[int, list[IndexEventColumns]] = {}
         self._pacer = FlushPacer(self._send_pending, delay_s=delay_s, max_pending=max_events)
 
-    def add_events(self, events: Sequence[IndexEvent]) -> None:
-        """Queue events of this worker for any shards (a key's shard is ``key % shards``)."""
+    def add_events(self, events: Sequence[IndexEvent], lengths: Sequence[int] | None = None) -> None:
+        """Queue events of this worker for any shards (a key's shard is ``key % shards``), with
+        each one's indexed length if known (the unit sends each edge region only the lengths it
+        looks up)."""
         if not events:
             return
-        columns = IndexEventColumns.from_events(events)
+        columns = IndexEventColumns.from_events(events, lengths)
         if self.shards == 1:
             self.add(0, columns)
             return
-        ops, keys = columns.op_array(), columns.key_array()
-        owners = keys % np.uint64(self.shards)
+        owners = columns.key_array() % np.uint64(self.shards)
         for shard in np.unique(owners).tolist():
-            mine = owners == shard
-            self.add(shard, IndexEventColumns(ops[mine].tobytes(), keys[mine].tobytes()))
+            self.add(shard, columns.select(owners == shard))
 
     def add(self, shard: int, columns: IndexEventColumns) -> None:
         """Queue events that all belong to ``shard``."""
@@ -73,10 +73,9 @@ class ReportCoalescer:
 
     def report(self, shard: int, columns: IndexEventColumns) -> None:
         """Send ``columns`` to ``shard`` now, in reports of at most ``max_events``."""
-        n, step, width = len(columns), self.max_events, KEY_DTYPE.itemsize
+        n, step = len(columns), self.max_events
         for i in range(0, n, step):
-            chunk = columns if n <= step else IndexEventColumns(columns.ops[i:i + step],
-                                                                columns.keys[width * i:width * (i + step)])
+            chunk = columns if n <= step else columns.slice(i, i + step)
             self.seq += 1
             if not self._send(shard, PrefixEventsReported(self.worker, self.seq, chunk)):
                 return
@@ -84,6 +83,4 @@ class ReportCoalescer:
     def _send_pending(self) -> None:
         pending, self._pending = self._pending, {}
         for shard, parts in pending.items():
-            joined = parts[0] if len(parts) == 1 else IndexEventColumns(b"".join(p.ops for p in parts),
-                                                                        b"".join(p.keys for p in parts))
-            self.report(shard, joined)
+            self.report(shard, IndexEventColumns.concat(parts))

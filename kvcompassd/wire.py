@@ -499,7 +499,9 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     WorkerRegistered: frozenset({Role.AGENT}),
     UpdatesSubscribed: frozenset({Role.EDGE}),
     ResyncRequested: frozenset({Role.EDGE}),
-    UpdateBatchPublished: frozenset({Role.MAINTENANCE}),
+    # An edge relays its unit's live batches to the other edges of its region and stream
+    # ([sync] relay); a receiver takes them only from such an edge (kvcompassd.core.streams.relays_to).
+    UpdateBatchPublished: frozenset({Role.MAINTENANCE, Role.EDGE}),
     # A peer edge answers ViewCopyRequested with snapshots; the receiving edge must accept
     # snapshots from an edge only on an exchange it opened itself.
     ShardSnapshotSent: frozenset({Role.MAINTENANCE, Role.EDGE}),

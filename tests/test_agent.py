@@ -99,7 +99,7 @@ async def test_a_failure_while_applying_engine_events_does_not_end_the_following
     await pub.start()
     worker = dataclasses.replace(cfg.workers[0], kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint)
     agent = AgentNode(cfg, worker, tls)
-    apply, failures = agent.tree.apply_events, []
+    apply, failures = agent.tree.apply_events_with_lengths, []
 
     def apply_failing_once(events):  # fault injection: the first batch raises
         if not failures:
@@ -107,7 +107,7 @@ async def test_a_failure_while_applying_engine_events_does_not_end_the_following
             raise RuntimeError("injected")
         return apply(events)
 
-    agent.tree.apply_events = apply_failing_once
+    agent.tree.apply_events_with_lengths = apply_failing_once  # what the agent calls
     pub.publish([BlockStored((1,), None, tuple(range(16)), 16)])
     pub.publish([BlockStored((2,), None, tuple(range(100, 116)), 16)])
     task = asyncio.create_task(agent._follow_engine_events())

@@ -357,3 +357,34 @@ def test_captured_engine_batches_coalesced_as_the_agent_decodes_them_mirror_the_
         decoder.step(1 << 20)
         coalesced.apply_events(decoder.result.events)
         assert coalesced.registered() == plain.registered() and len(coalesced) == len(plain)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(operation, max_size=40), st.randoms(use_true_random=False), st.integers(1, 8))
+def test_every_emitted_event_carries_the_length_its_key_hashes(ops: list, rnd, chunk: int) -> None:
+    # What a maintenance unit filters the edge regions' streams by: an event's length must be
+    # the one its key was computed at (evictions and tier changes included), and a
+    # re-registration's lengths those of the keys it sends.
+    parents: dict[int, int | None] = {0: None}
+    for h in range(1, 12):
+        parents[h] = rnd.choice([None, *range(h)])
+    tokens = {h: tuple(range(h * 10, h * 10 + BLOCK)) for h in range(12)}
+
+    def path(h: int) -> tuple[int, ...]:
+        return (path(parents[h]) if parents[h] is not None else ()) + tokens[h]
+
+    length_of = {key_of(path(h)[:n]): n for h in range(12) for n in LENGTHS if n <= len(path(h))}
+    events = [BlockStored((h,), parents[h], tokens[h], BLOCK, None, medium) if kind == "store"
+              else BlockRemoved((h,), medium) if kind == "remove" else AllBlocksCleared()
+              for kind, h, medium in ops]
+    t, plain = BlockTree("w", LENGTHS, prefix_key), BlockTree("w", LENGTHS, prefix_key)
+    for start in range(0, len(events), chunk):
+        emitted, lengths = t.apply_events_with_lengths(events[start:start + chunk])
+        assert emitted == plain.apply_events(events[start:start + chunk])  # the same events as without lengths
+        assert lengths == [length_of[e.key] for e in emitted]
+        with_lengths = t.registered_with_lengths()
+        assert {k: tier for k, (tier, _) in with_lengths.items()} == t.registered()
+        assert all(n == length_of[k] for k, (_, n) in with_lengths.items())
+    withdrawn, lengths = t.withdraw_all_with_lengths()
+    assert all(isinstance(e, PrefixEvicted) for e in withdrawn)
+    assert lengths == [length_of[e.key] for e in withdrawn]

@@ -161,8 +161,10 @@ def test_edge_views_report_the_entries_their_shard_holds_and_bits_per_entry(dep)
         assert resp.status == 200
 
     def shard_and_view_entries():
-        tables = json.loads(ctl("mnt-0", "--json", dep=dep).stdout)["tables"]
-        views = json.loads(ctl("edge-eu", "views", "--json", dep=dep).stdout)["views"]
+        # edge-us follows the us stream (the lengths a us edge looks up, the prompt's among them):
+        # its views are that stream's tables.
+        tables = json.loads(ctl("mnt-0", "--json", dep=dep).stdout)["streams"]["us"]["tables"]
+        views = json.loads(ctl("edge-us", "views", "--json", dep=dep).stdout)["views"]
         return ({t["group"]: t["entries"] for t in tables}, {v["group"]: v["entries"] for v in views}, views)
 
     deadline = time.monotonic() + 60
@@ -191,14 +193,17 @@ def test_the_views_sync_position_is_exported_beside_the_shards(dep):
     # agree once the views caught up (the previous test's prompt put batches through).
     deadline = time.monotonic() + 60
     while True:
-        shard = _sample(f"http://{MNT_METRICS}/metrics", 'kvcompass_shard_seq{shard="0"}')
-        views = [_sample(dep.edge_url(r) + "/metrics", 'kvcompass_view_seq{shard="0"}') for r in ("us", "eu")]
-        if shard is not None and shard > 0 and views == [shard, shard]:
+        # Each edge follows its region's stream; the unit exports every stream's position.
+        shards = [_sample(f"http://{MNT_METRICS}/metrics", f'kvcompass_shard_seq{{shard="0",stream="{r}"}}')
+                  for r in ("us", "eu")]
+        views = [_sample(dep.edge_url(r) + "/metrics", f'kvcompass_view_seq{{shard="0",stream="{r}"}}')
+                 for r in ("us", "eu")]
+        if None not in shards and max(shards) > 0 and views == shards:
             break
-        assert time.monotonic() < deadline, (shard, views)
+        assert time.monotonic() < deadline, (shards, views)
         time.sleep(0.2)
-    epoch = _sample(f"http://{MNT_METRICS}/metrics", 'kvcompass_shard_epoch{shard="0"}')
-    assert epoch == _sample(dep.edge_url("us") + "/metrics", 'kvcompass_view_epoch{shard="0"}') and epoch > 0
+    epoch = _sample(f"http://{MNT_METRICS}/metrics", 'kvcompass_shard_epoch{shard="0",stream="us"}')
+    assert epoch == _sample(dep.edge_url("us") + "/metrics", 'kvcompass_view_epoch{shard="0",stream="us"}') and epoch > 0
 
 
 def test_an_agents_engine_queue_is_exported_with_its_worker_and_region(dep):

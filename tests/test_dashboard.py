@@ -32,9 +32,9 @@ def exported() -> dict[str, set[str]]:
     collectors are fed one row each so that their families show their labels."""
     edge, maintenance, agent = EdgeMetrics(), MaintenanceMetrics(), AgentMetrics(worker="us-0", region="us")
     edge.watch_hot_prefixes(lambda: {("recompute", "planned"): 1})
-    edge.watch_views(lambda: [(0, 1, 2)])
+    edge.watch_views(lambda: [(0, "us", 1, 2)])
     maintenance.watch_tables(lambda: [{"group": 0, "region": "us", "entries": 1, "load": 0.1}])
-    maintenance.watch_position(lambda: [(0, 1, 2)])
+    maintenance.watch_position(lambda: [(0, "us", 1, 2)])
     for metrics in (edge, maintenance, agent):  # one child per labelled metric, so its labels show
         for metric in vars(metrics).values():
             # (a child whose labels the daemon fixed at start, like an agent's region, shows them)

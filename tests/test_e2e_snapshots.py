@@ -13,7 +13,6 @@ import pytest
 import pytest_asyncio
 
 from e2e_helpers import admin, eventually
-from kvcompassd import certs
 from kvcompassd.core.events import EventOp, IndexEventColumns
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.layout import IndexLayout
@@ -35,8 +34,10 @@ from kvcompassd.wire import (
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+# A second edge: the probe below speaks with its certificate (a unit serves only the edges its
+# config names) once that edge is stopped.
 SPEC = DeploymentSpec(workers={"us": 2}, one_way_ms={}, shards=1, wan=False,
-                      prefill_ms_per_token=0.02, decode_ms_per_token=1.0)
+                      prefill_ms_per_token=0.02, decode_ms_per_token=1.0, edges_per_region=2)
 ENTRIES = 300_000
 WRITER = "us-1"  # its agent is stopped; the test writes the worker's fields with its certificate
 
@@ -87,7 +88,7 @@ async def _fill(dep, writer: ShardWriter, keys: np.ndarray) -> None:
 
 
 async def _view_equals_shard(dep, edge: str) -> bool:
-    shard = await admin(dep, "mnt-0", "digest")
+    shard = await admin(dep, "mnt-0", "digest", {"edge": edge})  # the stream that edge follows
     view = await admin(dep, edge, "digest", {"shard": 0})
     return view["position"] == shard["position"] and view["groups"] == shard["groups"]
 
@@ -131,13 +132,13 @@ async def test_a_shard_of_many_chunks_bootstraps_a_new_edge_while_it_keeps_chang
 
 
 class SnapshotProbe:
-    """An edge of our own on the unit's control channel: collects what the unit sends."""
+    """An edge of our own on the unit's control channel: collects what the unit sends. It
+    speaks as the deployment's second edge (stopped first)."""
 
-    NAME = "edge-snapprobe"
+    NAME = "edge-us-1"
 
     def __init__(self, dep):
-        if not (dep.tls_dir / f"{self.NAME}.pem").exists():
-            certs.issue(dep.tls_dir, dep.tls_dir, role=Role.EDGE, node_id=self.NAME)
+        dep.kill("edge", self.NAME)
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.node = QuicNode(NodeIdentity(Role.EDGE, self.NAME), tls_files(dep.tls_dir, self.NAME),
                              on_message=lambda peer, msg, ch: self.inbox.put_nowait(msg))
@@ -187,7 +188,7 @@ async def test_a_unit_resumes_a_snapshot_from_any_chunk_and_restarts_one_it_no_l
     view = EdgeIndexView(IndexLayout.from_config(dep.cfg), 1, edge=probe.NAME)
     h = assembly.header
     assert view.install_tables(0, h.epoch, h.seq, assembly.tables(), entries=h.entries).applied
-    shard = await admin(dep, "mnt-0", "digest")
+    shard = await admin(dep, "mnt-0", "digest", {"edge": probe.NAME})
     assert [h.epoch, h.seq] == shard["position"]
     assert {str(g): crc for g, crc in view.digests(0).items()} == shard["groups"]
     assert (await admin(dep, "mnt-0", "status"))["stats"]["snapshots_resumed"] >= 1

@@ -94,14 +94,17 @@ def make_event(kind: str, key: int):
 @settings(max_examples=60, deadline=None)
 @given(batches=st.lists(events_strategy(), max_size=6), shards=st.integers(1, 4), max_events=st.integers(1, 50))
 def test_reports_carry_each_shards_events_in_order(batches, shards, max_events):
-    """Whatever the batching, each shard receives exactly its events, in order, in reports of
-    at most max_events numbered in increasing order."""
+    """Whatever the batching, each shard receives exactly its events, in order, with each one's
+    indexed length, in reports of at most max_events numbered in increasing order."""
+
+    def length_of(key: int) -> int:  # any function of the key will do
+        return key % 4093 + 1
 
     async def run():
         sent = Recorder()
         reports = ReportCoalescer(WORKER, shards, sent, delay_s=1.0, max_events=max_events)
         for batch in batches:
-            reports.add_events([make_event(k, key) for k, key in batch])
+            reports.add_events([make_event(k, key) for k, key in batch], [length_of(key) for _, key in batch])
         reports.flush()
         return sent.sent
 
@@ -111,6 +114,8 @@ def test_reports_carry_each_shards_events_in_order(batches, shards, max_events):
         expected = tuple(e for e in everything if e.key % shards == shard)
         got = tuple(e for s, r in sent if s == shard for e in r.events.as_events(WORKER))
         assert got == expected
+        lengths = [n for s, r in sent if s == shard for n in r.events.length_array().tolist()]
+        assert lengths == [length_of(e.key) for e in expected]
     assert all(0 < len(r.events) <= max_events for _, r in sent)
     seqs = [r.seq for _, r in sent]
     assert seqs == sorted(set(seqs))

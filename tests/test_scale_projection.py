@@ -50,7 +50,8 @@ def test_the_projection_is_the_printed_formulas(tool):
 
 
 def test_the_per_region_projection_is_its_printed_formulas(tool):
-    u = _units(tool, share_edge=0.05, share_regions_sum=2.0, t_batch_us=4.0, bytes_per_batch=300.0, flush_s=0.01)
+    u = _units(tool, share_edge=0.05, share_regions_sum=2.0, t_batch_us=4.0, bytes_per_batch=300.0, zlib_per_batch=110.0,
+               flush_s=0.01)
     p = tool.project(u, 1000, 10, 5, 2, 0.5)
     u_w = 0.5 * 10.0 * 20.0 * 0.5 * 3.0
     fleet = 1000 * u_w
@@ -59,9 +60,13 @@ def test_the_per_region_projection_is_its_printed_formulas(tool):
     assert p["edge_updates_s"] == pytest.approx(u_e) and p["edge_batches_s"] == pytest.approx(b_e)
     assert p["edge_apply_cores"] == pytest.approx((u_e * 0.5 + b_e * 4.0) / 1e6)
     assert p["edge_inbound_gbps"] == pytest.approx((u_e * 60 + b_e * 300) * 8 / 1e9)
+    assert p["edge_inbound_zlib_gbps"] == pytest.approx((u_e * 20 + b_e * 110) * 8 / 1e9)
     assert p["shard_apply_cores"] == pytest.approx(fleet / 5 * 1.0 * (1 + 2.0) / 1e6)
     assert p["shard_egress_gbps"] == pytest.approx((fleet / 5 * 2.0 * 60 + min(100, fleet / 5) * 10 * 300) * 8 * 2 / 1e9)
+    assert p["shard_egress_zlib_gbps"] == pytest.approx((fleet / 5 * 2.0 * 20 + min(100, fleet / 5) * 10 * 110) * 8 * 2 / 1e9)
     assert p["view_gib"] == pytest.approx(1000 * 1000 * 0.5 * 0.05 * 10 / 2**30)
+    measured = tool.project(tool.dataclasses.replace(u, shard_us_all_streams=7.0), 1000, 10, 5, 2, 0.5)
+    assert measured["shard_apply_cores"] == pytest.approx(fleet / 5 * 7.0 / 1e6)
 
 
 def test_a_small_run_measures_prints_its_formulas_and_names_what_breaks_first(tool, capsys):
@@ -74,5 +79,5 @@ def test_a_small_run_measures_prints_its_formulas_and_names_what_breaks_first(to
                  "edge apply        = U x t_edge", "shard egress      = U / S x bytes_per_update x 8 x R x E",
                  "400 workers x 20 regions, 20 shards", "first resource to break:",
                  "per-edge-region streams (kvcompassd.core.streams", "edge apply        = U_e x t_update + B_e x t_batch",
-                 "t_batch ="):
+                 "t_batch =", "zlib_batch =", "compression of update batches", "t_unit_streams ="):
         assert text in out, text

@@ -56,8 +56,11 @@ from kvcompassd.wire import (
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+# A second edge per region: a unit serves only the edges its config names, so the probes that
+# subscribe speak as edge-us-1 (stopped at the start; it follows the us stream, as edge-us does).
 SPEC = DeploymentSpec(workers={"us": 2, "eu": 1}, one_way_ms={("us", "eu"): 5.0}, shards=2,
-                      prefill_ms_per_token=0.02, decode_ms_per_token=1.0)
+                      prefill_ms_per_token=0.02, decode_ms_per_token=1.0, edges_per_region=2)
+SUBSCRIBER = "edge-us-1"
 PROBE_OPTIONS = TransportOptions(check_outgoing_roles=False, idle_timeout=10.0)
 REPLY_TIMEOUT = 10.0  # hang guard only
 # Keys of shard 0 (mnt-0 owns key % 2 == 0) that no engine ever produces.
@@ -69,6 +72,7 @@ KEY_B = (0x5EC1 << 40) | 4
 async def dep(tmp_path_factory):
     d = LocalDeployment(SPEC, tmp_path_factory.mktemp("security"), time_scale=1.0)
     async with d:
+        d.kill("edge", SUBSCRIBER)
         yield d
 
 
@@ -174,7 +178,7 @@ async def test_peer_with_certificate_from_another_ca_is_refused_by_every_daemon(
 
 
 async def test_edge_cannot_write_the_index_but_may_subscribe_on_the_same_connection(dep):
-    edge = await probe(dep, "edge-probe", mnt0_address(dep), Role.EDGE)
+    edge = await probe(dep, SUBSCRIBER, mnt0_address(dep), Role.EDGE)
     try:
         before = await quiet_state(dep, "mnt-0")
         await edge.send(PrefixEventsReported("us-0", 1 << 40, (PrefixCached("us-0", KEY_A, Tier.VRAM),)))
@@ -191,10 +195,11 @@ async def test_edge_cannot_write_the_index_but_may_subscribe_on_the_same_connect
         assert (await edge.error()).code == "forbidden"
         assert await quiet_state(dep, "mnt-0") == before
         assert (await admin(dep, "mnt-0", "holders", {"key": KEY_A}))["holders"] == {}
-        # The same connection still does what an edge may.
-        await edge.send(UpdatesSubscribed("edge-probe", 0, 0, -1))
+        # The same connection still does what an edge may: its stream (the us region's) comes.
+        mine = await admin(dep, "mnt-0", "entries", {"edge": SUBSCRIBER})
+        await edge.send(UpdatesSubscribed(SUBSCRIBER, 0, 0, -1))
         snapshot = await _received_snapshot(edge)
-        assert snapshot.shard == 0 and snapshot.epoch == before["epoch"] and snapshot.seq == before["seq"]
+        assert snapshot.shard == 0 and snapshot.epoch == before["epoch"] == mine["epoch"] and snapshot.seq == mine["seq"]
     finally:
         await edge.close()
 
@@ -395,9 +400,9 @@ async def test_impostor_connection_still_writes_its_own_fields(impostor, dep):
 
 async def _shard_snapshot(dep, unit: str, shard: int) -> ShardSnapshotSent:
     """The unit's current snapshot of ``shard``, as an edge subscribing from scratch gets it."""
-    listener = await probe(dep, "edge-probe", dep.cfg.maintenance[shard].quic, Role.EDGE)
+    listener = await probe(dep, SUBSCRIBER, dep.cfg.maintenance[shard].quic, Role.EDGE)
     try:
-        await listener.send(UpdatesSubscribed("edge-probe", shard, 0, -1))
+        await listener.send(UpdatesSubscribed(SUBSCRIBER, shard, 0, -1))
         return await _received_snapshot(listener)
     finally:
         await listener.close()

@@ -285,3 +285,168 @@ def test_at_1024_by_64_each_region_receives_far_fewer_updates_for_the_same_decis
                 da, db = full.decide(tokens[:cut], now=1.0), own.decide(tokens[:cut], now=1.0)
                 assert (da.worker, da.claimed_tokens) == (db.worker, db.claimed_tokens)
     assert found >= len(regions) * len(prompts)  # holders were found, not just misses compared
+
+
+# -- the maintenance unit's send side (StreamFanout), without sockets ------------------------------
+
+
+def small_cluster(**sync):
+    from kvcompassd.launcher import DeploymentSpec, build_cluster
+
+    cfg = build_cluster(DeploymentSpec(shards=1, wan=False))
+    return dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, **sync)) if sync else cfg
+
+
+def test_each_edge_gets_the_stream_of_the_region_its_identity_names():
+    """Three edges subscribe; a us worker caches a short prefix (64 tokens: read only inside us)
+    and a long one (read from every region). edge-us's stream carries both, edge-eu's only the
+    long one, edge-asia (named in full_stream_edges) the full stream; each edge's view ends
+    equal to its stream, and the eu edge applied fewer entries than the full stream holds."""
+    from kvcompassd.core.streams import StreamFanout, stream_regions
+
+    cfg = small_cluster(full_stream_edges=("edge-asia",))
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    streams = ShardStreams(layout, plan, 0, 1, epoch=5, regions=stream_regions(cfg), initial_capacity=64)
+    assert sorted(streams.filtered) == ["eu", "us"]  # asia's only edge follows the full stream
+    fanout = StreamFanout(cfg, streams)
+    views = {e.id: EdgeIndexView(layout, 1, edge=e.id) for e in cfg.edges}
+    syncs = {edge: EdgeSync(view) for edge, view in views.items()}
+    for edge in views:
+        fanout.subscribe(edge, edge)  # the handle: here the edge's name
+        syncs[edge].on_snapshot(fanout.shard_of(edge).snapshot(), now=0.0)
+    assert fanout.followers() == {"us": ["edge-us"], "eu": ["edge-eu"], "full": ["edge-asia"]}
+    short = 64
+    assert short not in plan.lengths_toward("eu", "us") and short in plan.lengths_toward("us", "us")
+    long_ = plan.lengths_toward("eu", "us")[0]
+    columns = IndexEventColumns.from_events([PrefixCached("us-0", 11, Tier.VRAM), PrefixCached("us-0", 12, Tier.DRAM)],
+                                            [short, long_])
+    streams.apply_columns("us-0", columns)
+    published = streams.flush()
+    got = {edge: stream for edge, _, stream in fanout.deliveries(published)}
+    assert got == {"edge-us": "us", "edge-eu": "eu", "edge-asia": None}
+    for _edge, handle, stream in fanout.deliveries(published):
+        assert syncs[handle].on_batch(published[stream], now=0.0).applied
+    for edge, view in views.items():
+        assert view.digests(0) == fanout.shard_of(edge).digests()
+    assert streams.stream("eu").entries() == 1 and streams.stream("us").entries() == 2 and streams.full.entries() == 2
+    # Only a short prefix changes: edge-eu's stream publishes nothing, so edge-eu gets nothing.
+    streams.apply_columns("us-0", IndexEventColumns.from_events([PrefixCached("us-0", 13, Tier.VRAM)], [short]))
+    published = streams.flush()
+    assert sorted(edge for edge, _, _ in fanout.deliveries(published)) == ["edge-asia", "edge-us"]
+
+
+def test_an_edge_not_in_the_config_follows_no_stream_and_full_mode_sends_everyone_the_full_one():
+    from kvcompassd.core.streams import StreamFanout, UnknownEdge, edge_stream, stream_regions
+
+    cfg = small_cluster()
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    streams = ShardStreams(layout, plan, 0, 1, epoch=1, regions=stream_regions(cfg), initial_capacity=64)
+    fanout = StreamFanout(cfg, streams)
+    with pytest.raises(UnknownEdge, match="edge-probe.*not in this cluster's config"):
+        fanout.subscribe("edge-probe", object())
+    assert fanout.edges == []
+    assert [edge_stream(cfg, e.id) for e in cfg.edges] == ["us", "eu", "asia"]
+    full = small_cluster(edge_streams="full")
+    assert stream_regions(full) == [] and {edge_stream(full, e.id) for e in full.edges} == {None}
+    # A unit built for other regions (a config that changed under it) refuses rather than guess.
+    partial = ShardStreams(layout, plan, 0, 1, epoch=1, regions=["us"], initial_capacity=64)
+    with pytest.raises(UnknownEdge, match="no update stream for region 'eu'"):
+        StreamFanout(cfg, partial).stream_of("edge-eu")
+    # A reconnection replaces the handle; a stale handle's disconnection does not unsubscribe.
+    old, new = object(), object()
+    fanout.subscribe("edge-us", old)
+    fanout.subscribe("edge-us", new)
+    assert not fanout.unsubscribe("edge-us", old) and fanout.handle("edge-us") is new
+    assert fanout.unsubscribe("edge-us", new) and fanout.edges == []
+
+
+def test_catch_ups_come_from_the_stream_the_edge_follows():
+    """An edge that missed batches of its region's stream is answered from that stream's replay
+    log (its seq numbers), and a new one gets that stream's snapshot."""
+    from kvcompassd.core.streams import StreamFanout, stream_regions
+
+    cfg = small_cluster()
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    streams = ShardStreams(layout, plan, 0, 1, epoch=9, regions=stream_regions(cfg), initial_capacity=64)
+    fanout = StreamFanout(cfg, streams)
+    view = EdgeIndexView(layout, 1, edge="edge-eu")
+    sync = EdgeSync(view)
+    sub = sync.subscription(0, now=0.0)
+    answer = catch_up(fanout.shard_of("edge-eu"), sub.epoch, sub.seq + 1)
+    assert answer.snapshot is not None and sync.on_snapshot(answer.snapshot, now=0.0).applied
+    fanout.subscribe("edge-eu", "edge-eu")
+    far = plan.lengths_toward("eu", "us")
+    for i in range(6):
+        streams.apply_columns("us-1", IndexEventColumns.from_events(
+            [PrefixCached("us-1", 100 + i, Tier.VRAM), PrefixCached("us-1", 200 + i, Tier.VRAM)], [64, far[i]]))
+        published = streams.flush()
+        if i in (1, 2):
+            continue  # lost on the way
+        step = sync.on_batch(published["eu"], now=float(i))
+        if step.send is not None:
+            answer = catch_up(fanout.shard_of("edge-eu"), step.send.epoch, step.send.from_seq)
+            assert answer.snapshot is None and [b.seq for b in answer.replay] == [2, 3, 4]
+            for batch in answer.replay:
+                sync.on_batch(batch, now=float(i))
+    assert view.position(0) == (9, streams.stream("eu").seq) == (9, 6)
+    assert view.digests(0) == streams.stream("eu").digests()
+    assert streams.stream("eu").entries() == 6 and streams.full.entries() == 12
+
+
+def test_with_relay_a_units_live_batches_go_to_one_edge_per_region_and_stream():
+    """[sync] relay: three edges per region, one of them per region on the full stream; the unit
+    sends each stream's batch to the first subscribed edge of each (stream, region) only, the
+    others get it from that edge (relays_to), and when it leaves the next one takes over."""
+    from kvcompassd.core.streams import StreamFanout, relays_to, stream_regions
+    from kvcompassd.launcher import DeploymentSpec, build_cluster
+
+    cfg = build_cluster(DeploymentSpec(shards=1, wan=False, edges_per_region=3))
+    cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, full_stream_edges=("edge-us-2", "edge-eu-2",
+                                                                                  "edge-asia-1", "edge-asia-2")))
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    streams = ShardStreams(layout, plan, 0, 1, epoch=1, regions=stream_regions(cfg), initial_capacity=64)
+    fanout = StreamFanout(cfg, streams)
+    for edge in reversed([e.id for e in cfg.edges]):  # subscription order does not pick the relay
+        fanout.subscribe(edge, edge)
+    assert fanout.live_edges() == {"us": ["edge-us"], "eu": ["edge-eu"], "asia": ["edge-asia"],
+                                   None: ["edge-us-2", "edge-eu-2", "edge-asia-1"]}
+    assert relays_to(cfg, "edge-us") == ["edge-us-1"] and relays_to(cfg, "edge-us-2") == []
+    assert relays_to(cfg, "edge-asia-1") == ["edge-asia-2"]  # asia's two full-stream edges
+    streams.apply_columns("us-0", IndexEventColumns.from_events([PrefixCached("us-0", 5, Tier.VRAM)], [64]))
+    published = streams.flush()
+    sent = sorted(edge for edge, _, _ in fanout.deliveries(published))
+    assert sent == ["edge-asia-1", "edge-eu-2", "edge-us", "edge-us-2"]  # 4 sends for 9 edges
+    fanout.unsubscribe("edge-us")
+    assert fanout.live_edges()["us"] == ["edge-us-1"]
+    unrelayed = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, relay=False))
+    assert relays_to(unrelayed, "edge-us") == []
+    plain = StreamFanout(unrelayed, streams)
+    for edge in [e.id for e in cfg.edges]:
+        plain.subscribe(edge, edge)
+    assert len(plain.deliveries(published)) == 6  # every follower of a stream that published
+
+
+def test_a_regions_tables_can_start_at_the_share_of_lengths_it_reads_and_hold_the_same():
+    cfg = fleet(64, 16, 1)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    capacities = tuple(4096 + 64 * g.group for g in layout.groups)
+    scaled, same = (ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=capacities, fingerprint_bits=16,
+                                 scale_filtered_capacity=scale) for scale in (True, False))
+    region = cfg.region_names()[0]
+    registered = len(plan.registration_lengths())
+    for g, stats in enumerate(scaled.stream(region).table_stats()):
+        assert stats["memory_bytes"] < same.stream(region).table_stats()[g]["memory_bytes"]
+        assert len(scaled.filters[region].per_group[g]) < registered
+    assert scaled.full.table_stats() == same.full.table_stats()
+    rng = random.Random(3)
+    for worker in [w.id for w in cfg.workers][:16]:
+        keys = [rng.randrange(1 << 62) for _ in range(300)]
+        lengths = [rng.choice(plan.registration_lengths()) for _ in keys]
+        columns = IndexEventColumns.from_events([PrefixCached(worker, k, Tier.VRAM) for k in keys], lengths)
+        for streams in (scaled, same):
+            streams.apply_columns(worker, columns)
+    for streams in (scaled, same):
+        streams.flush()
+    for g, (keys, values) in scaled.stream(region).group_items().items():  # the same content, grown as needed
+        other_keys, other_values = same.stream(region).group_items()[g]
+        assert dict(zip(keys.tolist(), values.tolist())) == dict(zip(other_keys.tolist(), other_values.tolist()))

@@ -50,13 +50,14 @@ Projection for W workers in R regions, S shards, E edges per region, load f (for
     decision cores     = W x lambda_w / (R x E) x (a + b x W)
     queue broadcasts   = (R - 1) x bytes(vector of W/R workers) x 8 / Delta       inbound per edge
 
-and with per-edge-region streams (printed beside; ``--streams region`` puts them in the limits
-table), a flush every F s (``--flush-ms``; at most one batch per shard's stream per flush):
+and with per-edge-region streams (printed beside; what the daemons send by default, and what the
+limits table uses unless ``--streams full``), a flush every F s (``--flush-ms``; at most one batch
+per shard's stream per flush):
 
     U_e   = U x share_edge, B_e = S x min(1 / F, U_e / S)
     edge apply cores   = U_e x t_update + B_e x t_batch
-    edge inbound       = (U_e x bytes_update + B_e x bytes_batch) x 8
-    shard apply cores  = U / S x t_shard x (1 + sum of shares)
+    edge inbound       = (U_e x bytes_update + B_e x bytes_batch) x 8   (compressed: zlib_update, zlib_batch)
+    shard apply cores  = U / S x t_unit_streams   (measured: the full tables and every region's stream)
     shard egress       = (U / S x sum of shares x bytes_update + min(1 / F, U / S) x R x bytes_batch) x 8 x E
     view per edge      = (as above) x share_edge
 
@@ -75,8 +76,10 @@ import statistics
 import sys
 import time
 import tomllib
+import zlib
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -100,8 +103,9 @@ from kvcompassd.sim.geo import DEPLOYMENTS, census_fleet, render_toml  # noqa: E
 from kvcompassd.sim.kvcompass_policy import KVCompassPolicy  # noqa: E402
 from kvcompassd.sim.policy import Topology  # noqa: E402
 from kvcompassd.sim.schemes import DEFAULT_EVICTION, make_workload, region_weights  # noqa: E402
-from kvcompassd.wire import encode  # noqa: E402
+from kvcompassd.wire import COMPRESSED_TAG, PROTOCOL_VERSION, compress_encoded, encode  # noqa: E402
 
+WAN_DATAGRAM_BYTES = 1200  # what the daemons send WAN peers: a batch that fits one is sent uncompressed
 BASE = "census-128x16"
 WORKLOAD = "mixed"
 GIB = 2**30
@@ -114,6 +118,11 @@ def fleet_config(workers: int, regions: int, *, shards: int | None = None) -> Cl
 
 
 # ----------------------------------------------------------------------------- apply and wire
+
+
+def _wrapped(payload: bytes) -> int:
+    """Bytes of a compressed message around ``payload`` (``wire.compress_encoded``'s wrapper)."""
+    return len(msgpack.packb([PROTOCOL_VERSION, COMPRESSED_TAG, payload], use_bin_type=True))
 
 
 def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batches: int, seed: int,
@@ -143,8 +152,9 @@ def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batche
     clock = itertools.count(0.0)
 
     def run(batch_events: int, batches: int) -> dict:
-        shard_ns = updates = raw = packed = 0
+        shard_ns = updates = raw = packed = level9 = context = sent = 0
         published = []
+        recent: list[bytes] = []  # the stream's last batches: a per-stream compression context's dictionary
         for _ in range(batches):
             # One flush's worth: a few workers' reports, half registrations of new prefixes, half
             # evictions of ones they hold (the steady state's mix is near one to one).
@@ -164,8 +174,18 @@ def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batche
             batch = shard.flush()
             shard_ns += time.thread_time_ns() - t0
             published.append(batch)
-            raw += len(encode(batch))
-            packed += len(encode(batch, compress=True))
+            plain = encode(batch)
+            raw += len(plain)
+            packed += len(compress_encoded(plain))
+            # What else the data allows: zlib at its best level, and with the stream's previous
+            # batches as a preset dictionary (a compression context kept per stream, which the
+            # one-shot encoding cannot use); and what a 1,200-byte WAN path is sent today
+            # (EncodedMessage compresses only what spans several datagrams).
+            level9 += min(len(plain), _wrapped(zlib.compress(plain, 9)))
+            deflate = zlib.compressobj(9, zdict=b"".join(recent)[-32768:]) if recent else zlib.compressobj(9)
+            context += min(len(plain), _wrapped(deflate.compress(plain) + deflate.flush()))
+            sent += len(plain) if len(plain) <= WAN_DATAGRAM_BYTES else len(compress_encoded(plain))
+            recent = (recent + [plain])[-8:]
         # The edge's side afterwards, back to back, as an edge process that does only this would
         # (interleaved with the shard's work above, the edge's tables and code are cold: the
         # small batches then cost ~3x more; an edge that also decides sits in between).
@@ -176,18 +196,22 @@ def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batche
                 raise RuntimeError(f"the edge refused a batch: {step.reason}")
         edge_ns = time.thread_time_ns() - t0
         return {"edge_ns": edge_ns, "shard_ns": shard_ns, "updates": updates, "raw": raw, "packed": packed,
-                "batches": batches}
+                "level9": level9, "context": context, "sent": sent, "batches": batches}
 
     big = run(batch_events, batches)
     # Small batches, a few workers' one event each (what a region's stream carries per flush at
     # 10,000 x 100): the per-batch cost is the intercept of a line through the two batch sizes.
     small = run(small_batch_events, batches)
     updates = big["updates"]
-    per_batch = [(m["updates"] / m["batches"], m["edge_ns"] / 1000 / m["batches"], m["raw"] / m["batches"])
-                 for m in (small, big)]
-    (n1, t1, b1), (n2, t2, b2) = per_batch
+    per_batch = [(m["updates"] / m["batches"], m["edge_ns"] / 1000 / m["batches"], m["raw"] / m["batches"],
+                  m["packed"] / m["batches"]) for m in (small, big)]
+    (n1, t1, b1, z1), (n2, t2, b2, z2) = per_batch
     t_update = (t2 - t1) / (n2 - n1)
     bytes_update = (b2 - b1) / (n2 - n1)
+    zlib_update = (z2 - z1) / (n2 - n1)
+    compression = {name: {k: m[k] / m["raw"] for k in ("packed", "level9", "context", "sent")}
+                   | {"updates_per_batch": m["updates"] / m["batches"], "raw_per_batch": m["raw"] / m["batches"]}
+                   for name, m in (("small", small), ("big", big))}
     entries = shard.entries()
     view_bytes = sum(v["memory_bytes"] for v in view.stats())
     return {"edge_us": big["edge_ns"] / 1000 / updates, "shard_us": big["shard_ns"] / 1000 / updates, "updates": updates,
@@ -196,6 +220,7 @@ def measure_apply(cfg: ClusterConfig, *, entries: int, batch_events: int, batche
             "load": entries / sum(t.slots for t in shard._tables),
             "t_update_us": t_update, "t_batch_us": max(0.0, t1 - t_update * n1),
             "bytes_update": bytes_update, "bytes_batch": max(0.0, b1 - bytes_update * n1),
+            "zlib_update": zlib_update, "zlib_batch": max(0.0, z1 - zlib_update * n1), "compression": compression,
             "small_updates_per_batch": n1, "big_updates_per_batch": n2, "small_edge_us": small["edge_ns"] / 1000 / small["updates"]}
 
 
@@ -205,22 +230,33 @@ def measure_filtering(cfg: ClusterConfig, prompt_lengths: list[int], *, seed: in
     random workers, through a one-shard ``ShardStreams`` of the fleet (the share does not depend
     on the shard count)."""
     layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
-    streams = ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=64, fingerprint_bits=0)
+    # Tables sized so that none grows while timed (growth is a one-off, not the steady state).
+    capacity = max(64, int(4 * sum(np.searchsorted(plan.registration_lengths(), n, side="right")
+                                   for n in prompt_lengths) / len(layout.groups)))
+    streams = ShardStreams(layout, plan, 0, 1, epoch=1, initial_capacity=capacity, fingerprint_bits=0)
     registered = np.array(plan.registration_lengths(), dtype=np.uint32)
     rng = np.random.default_rng(seed)
     workers = list(layout.worker_ids)
+    apply_ns = reports = 0
     for tokens in prompt_lengths:
         lengths = registered[: int(np.searchsorted(registered, tokens, side="right"))]
         if lengths.size == 0:
             continue
         keys = rng.integers(0, 1 << 63, size=lengths.size, dtype=np.uint64)
-        cols = IndexEventColumns(bytes([EventOp.CACHED_VRAM]) * lengths.size, keys.astype("<u8").tobytes())
-        streams.apply_columns(workers[int(rng.integers(len(workers)))], cols, lengths)
+        cols = IndexEventColumns(bytes([EventOp.CACHED_VRAM]) * lengths.size, keys.astype("<u8").tobytes(),
+                                 lengths.astype("<u4").tobytes())
+        # One prompt's registrations as one report, as the unit applies it: the full tables and
+        # every region's stream.
+        t0 = time.thread_time_ns()
+        streams.apply_columns(workers[int(rng.integers(len(workers)))], cols)
+        apply_ns += time.thread_time_ns() - t0
+        reports += 1
     total = streams.applied[None]
     shares = {r: streams.applied[r] / total for r in streams.filtered}
     worst = max(shares, key=shares.get)
     return {"total": total, "mean": float(np.mean(list(shares.values()))), "max": shares[worst], "worst": worst,
-            "min": min(shares.values()), "sum": float(sum(shares.values())), "regions": len(shares)}
+            "min": min(shares.values()), "sum": float(sum(shares.values())), "regions": len(shares),
+            "unit_us_per_update": apply_ns / 1000 / total, "events_per_report": total / max(1, reports)}
 
 
 def decision_regions(workers: int, target_workers: int, target_regions: int) -> int:
@@ -356,6 +392,10 @@ class Units:
     share_regions_sum: float | None = None  # sum over edge regions of their shares (None: R, no filter)
     t_batch_us: float = 0.0  # an edge's CPU per batch, beyond t_edge per update
     bytes_per_batch: float = 0.0  # a batch's bytes beyond bytes_per_update each
+    zlib_per_batch: float = 0.0  # the same, compressed (bytes_zlib is then per update)
+    # The unit's CPU per update into its full tables and every region's stream, measured as a
+    # whole (ShardStreams.apply_columns); None: t_shard x (1 + sum of shares).
+    shard_us_all_streams: float | None = None
     flush_s: float = 0.002  # the maintenance unit's batch_delay_s: at most one batch per stream per flush
 
 
@@ -372,18 +412,20 @@ def project(u: Units, workers: float, regions: int, shards: int, edges: int, loa
     # A shard sends each region's edges that region's stream: its updates, and its batches' overhead.
     shard_stream_bytes = (fleet / shards * shares * u.bytes_raw
                           + min(1.0 / u.flush_s, fleet / shards) * regions * u.bytes_per_batch)
-    zlib_ratio = u.bytes_zlib / u.bytes_raw
+    shard_stream_zlib = (fleet / shards * shares * u.bytes_zlib
+                         + min(1.0 / u.flush_s, fleet / shards) * regions * u.zlib_per_batch)
     return {
         "updates_per_worker_s": u_w,
         "edge_updates_s": edge_updates,
         "edge_batches_s": edge_batches,
         "edge_apply_cores": (edge_updates * u.edge_us + edge_batches * u.t_batch_us) / 1e6,
         "edge_inbound_gbps": (edge_updates * u.bytes_raw + edge_batches * u.bytes_per_batch) * 8 / 1e9,
-        "edge_inbound_zlib_gbps": (edge_updates * u.bytes_raw + edge_batches * u.bytes_per_batch) * zlib_ratio * 8 / 1e9,
+        "edge_inbound_zlib_gbps": (edge_updates * u.bytes_zlib + edge_batches * u.zlib_per_batch) * 8 / 1e9,
         # Filtered: the full tables plus every region's stream, each applying its share of the updates.
-        "shard_apply_cores": fleet / shards * u.shard_us * (1 if u.share_regions_sum is None else 1 + shares) / 1e6,
+        "shard_apply_cores": fleet / shards * (u.shard_us_all_streams if u.shard_us_all_streams is not None else
+                                               u.shard_us * (1 if u.share_regions_sum is None else 1 + shares)) / 1e6,
         "shard_egress_gbps": shard_stream_bytes * 8 * edges / 1e9,
-        "shard_egress_zlib_gbps": shard_stream_bytes * zlib_ratio * 8 * edges / 1e9,
+        "shard_egress_zlib_gbps": shard_stream_zlib * 8 * edges / 1e9,
         "view_gib": workers * u.cache_blocks_w * u.reg_per_block * u.share_edge * u.view_bytes_per_entry / GIB,
         "decision_us": u.decision_a_us + u.decision_b_us * workers,
         "decision_cores": per_edge_requests * (u.decision_a_us + u.decision_b_us * workers) / 1e6,
@@ -447,9 +489,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="decision prompt length")
     ap.add_argument("--small-batch-events", type=int, default=4,
                     help="apply: events per batch of the second, small-batch run (per-batch cost)")
-    ap.add_argument("--streams", choices=("full", "region"), default="full",
-                    help="what the limits table projects: one stream for every edge (what the daemons send "
-                         "today) or per-edge-region streams (kvcompassd.core.streams)")
+    ap.add_argument("--streams", choices=("full", "region"), default="region",
+                    help="what the limits table projects: per-edge-region streams (kvcompassd.core.streams, "
+                         "the daemons' default) or one stream for every edge ([sync] edge_streams = \"full\")")
     ap.add_argument("--flush-ms", type=float, default=2.0, help="the maintenance unit's batch delay")
     ap.add_argument("--updates-per-worker-s", type=float, default=None,
                     help="project this write load (index updates per worker per second) instead of the "
@@ -505,7 +547,8 @@ def main(argv=None) -> int:
     region_units = dataclasses.replace(
         units, share_edge=filtering["max"], share_regions_sum=filtering["sum"], edge_us=apply["t_update_us"],
         t_batch_us=apply["t_batch_us"], bytes_raw=apply["bytes_update"], bytes_per_batch=apply["bytes_batch"],
-        bytes_zlib=apply["bytes_zlib"] * apply["bytes_update"] / apply["bytes_raw"], flush_s=args.flush_ms / 1000)
+        bytes_zlib=apply["zlib_update"], zlib_per_batch=apply["zlib_batch"], flush_s=args.flush_ms / 1000,
+        shard_us_all_streams=filtering["unit_us_per_update"])
     p_full, p_region = project(full_units, W, R, S, E, args.load), project(region_units, W, R, S, E, args.load)
     units, p = (region_units, p_region) if args.streams == "region" else (full_units, p_full)
 
@@ -522,6 +565,15 @@ def main(argv=None) -> int:
           f"{apply['load']:.2f})")
     print(f"  bytes_per_update = {full_units.bytes_raw:.1f} raw, {full_units.bytes_zlib:.1f} compressed "
           f"(x{full_units.bytes_zlib / full_units.bytes_raw:.2f}; wire.encode of UpdateBatchPublished)")
+    print(f"  compressed per batch and per update (the same line): zlib_batch = {apply['zlib_batch']:.0f}, "
+          f"zlib_update = {apply['zlib_update']:.1f} bytes")
+    print("  compression of update batches, compressed size over raw (zlib level 1 as wire.encode(compress=True) / "
+          "level 9 / level 9 with the stream's previous batches as a preset dictionary / as sent to a WAN peer today, "
+          f"which compresses only a batch over {WAN_DATAGRAM_BYTES} bytes):")
+    for name in ("small", "big"):
+        c = apply["compression"][name]
+        print(f"    batches of {c['updates_per_batch']:.0f} updates ({c['raw_per_batch']:,.0f} bytes raw): "
+              f"x{c['packed']:.2f} / x{c['level9']:.2f} / x{c['context']:.2f} / x{c['sent']:.2f}")
     mix = ", ".join(f"{k} {v:,}" for k, v in writes["mix"].items())
     print(f"write load (KVCompass simulation, {args.sim_workers} workers x {args.sim_regions} regions, {WORKLOAD} at "
           f"{args.load:g} x lambda0 = {args.load * writes['lambda0']:.0f} req/s, caches / {args.sim_cache_divisor}, "
@@ -539,6 +591,11 @@ def main(argv=None) -> int:
           f"{filtering['max']:.1%} at most ({filtering['worst']}: x{1 / filtering['max']:.1f} fewer), "
           f"{filtering['min']:.1%} at least; all {filtering['regions']} regions' streams together "
           f"{filtering['sum']:.2f} x the full stream")
+    print(f"  the unit's apply into the full tables and all {filtering['regions']} regions' streams "
+          f"(ShardStreams.apply_columns, one report per prompt, {filtering['events_per_report']:.0f} events): "
+          f"{filtering['unit_us_per_update']:.2f} CPU µs per update, against t_shard x (1 + sum of shares) = "
+          f"{full_units.shard_us * (1 + filtering['sum']):.2f} (a C call per stream that takes any of a report's "
+          f"events: the unit's cost per report grows with the regions a report reaches)")
     print("decision time, Router.decide (daemon settings), CPU µs P50 / P99:")
     for d in dec:
         print(f"  {d['workers']:>6} workers x {d['regions']:>4} regions, {d['entries']:>10,} entries: "
@@ -552,7 +609,7 @@ def main(argv=None) -> int:
     print(f"  U_w = lambda_w x blocks_per_req x reg_blk x updates_per_reg = {p['updates_per_worker_s']:,.0f} updates/s "
           f"per worker; U = W x U_w = {W * p['updates_per_worker_s']:,.0f}/s")
     pf = p_full
-    print("  -- one stream for every edge (what the daemons send today):")
+    print("  -- one stream for every edge ([sync] edge_streams = \"full\"):")
     print(f"  edge apply        = U x t_edge                          = {pf['edge_apply_cores']:8.2f} cores")
     print(f"  edge inbound      = U x bytes_per_update x 8           = {pf['edge_inbound_gbps']:8.2f} Gbit/s raw, "
           f"{pf['edge_inbound_zlib_gbps']:.2f} compressed")
@@ -566,15 +623,17 @@ def main(argv=None) -> int:
           f"{pf['shard_egress_zlib_gbps']:.2f} compressed")
 
     pr, ru = p_region, region_units
-    print(f"  -- per-edge-region streams (kvcompassd.core.streams; not yet sent by the daemons), flush every "
+    print(f"  -- per-edge-region streams (kvcompassd.core.streams; what the daemons send by default), flush every "
           f"{args.flush_ms:g} ms:")
     print(f"  U_e = U x share_edge = {W * pr['updates_per_worker_s']:,.0f} x {ru.share_edge:.4f} = "
           f"{pr['edge_updates_s']:,.0f} updates/s; B_e = S x min(1 / flush, U_e / S) = {pr['edge_batches_s']:,.0f} batches/s")
     print(f"  edge apply        = U_e x t_update + B_e x t_batch      = {pr['edge_apply_cores']:8.2f} cores")
     print(f"  edge inbound      = (U_e x bytes_update + B_e x bytes_batch) x 8 = {pr['edge_inbound_gbps']:8.2f} Gbit/s raw, "
-          f"{pr['edge_inbound_zlib_gbps']:.2f} compressed")
+          f"{pr['edge_inbound_zlib_gbps']:.2f} compressed (U_e x zlib_update + B_e x zlib_batch)")
     print(f"  edge views        = W x cache_blocks_w x reg_blk x share_edge x bytes_per_entry = {pr['view_gib']:8.1f} GiB")
-    print(f"  shard apply       = U / S x t_shard x (1 + sum of shares) = {pr['shard_apply_cores']:8.2f} cores")
+    print(f"  shard apply       = U / S x t_unit_streams               = {pr['shard_apply_cores']:8.2f} cores "
+          f"(t_unit_streams = {ru.shard_us_all_streams:.2f} µs measured; t_shard x (1 + sum of shares) would give "
+          f"{pr['updates_per_worker_s'] * W / S * full_units.shard_us * (1 + ru.share_regions_sum) / 1e6:.2f})")
     print(f"  shard egress      = (U / S x sum of shares x bytes_update + min(1 / flush, U / S) x R x bytes_batch) "
           f"x 8 x E = {pr['shard_egress_gbps']:8.2f} Gbit/s raw, {pr['shard_egress_zlib_gbps']:.2f} compressed")
     slower = [(ms, project(dataclasses.replace(region_units, flush_s=ms / 1000), W, R, S, E, args.load))

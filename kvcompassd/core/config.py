@@ -523,6 +523,19 @@ class SyncParams:
     max_snapshot_entries: int = 1 << 28
     max_snapshot_bytes: int = 4 << 30
     max_buffered_bytes: int = 64 << 20
+    # Which update stream a maintenance unit sends each edge (kvcompassd.core.streams): "region"
+    # sends an edge only the lengths its region looks up (at 1,024 x 64 several times fewer
+    # updates, the same decisions); "full" sends every edge the whole shard. The full stream
+    # stays available because a region stream costs the unit one more set of (thinner) tables
+    # per edge region, and because an edge whose config reads other lengths than the unit's
+    # (a fleet changing its levels) decides right only on the full stream. ``full_stream_edges``
+    # names edges that get the full stream whatever ``edge_streams`` says (a reference edge).
+    edge_streams: str = "region"
+    full_stream_edges: tuple[str, ...] = ()
+    # A unit sends each stream's live batches to one edge per region (the first of the region's
+    # subscribed edges following it, in config order), which forwards them to the region's other
+    # edges of that stream: the unit's egress does not grow with the edges per region.
+    relay: bool = True
 
     def __post_init__(self) -> None:
         _check_int("snapshot_chunk_bytes", self.snapshot_chunk_bytes, lo=4096, hi=MAX_SNAPSHOT_CHUNK_BYTES)
@@ -530,6 +543,22 @@ class SyncParams:
         _check_int("max_snapshot_entries", self.max_snapshot_entries, lo=1)
         _check_int("max_snapshot_bytes", self.max_snapshot_bytes, lo=1)
         _check_int("max_buffered_bytes", self.max_buffered_bytes, lo=0)
+        if not isinstance(self.relay, bool):
+            _fail("relay", f"expected true or false, got {self.relay!r}")
+        if self.edge_streams not in EDGE_STREAMS:
+            _fail("edge_streams", f"expected one of {', '.join(EDGE_STREAMS)}, got {self.edge_streams!r}")
+        if not isinstance(self.full_stream_edges, (tuple, list)):
+            _fail("full_stream_edges", f"expected an array of edge ids, got {self.full_stream_edges!r}")
+        object.__setattr__(self, "full_stream_edges", tuple(self.full_stream_edges))
+        for edge in self.full_stream_edges:
+            _check_str("full_stream_edges", edge)
+
+    def full_stream_for(self, edge: str) -> bool:
+        """Whether edge ``edge`` follows the full stream rather than its region's."""
+        return self.edge_streams == "full" or edge in self.full_stream_edges
+
+
+EDGE_STREAMS = ("region", "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -832,6 +861,11 @@ class ClusterConfig:
                 region = getattr(entry, "region", None)
                 if region is not None and region not in region_names:
                     raise ConfigError(f"unknown region {region!r}", table=here, field="region")
+
+        edge_ids = {e.id for e in self.edges}
+        for edge in self.sync.full_stream_edges:
+            if edge not in edge_ids:
+                raise ConfigError(f"unknown edge {edge!r}", table="[sync]", field="full_stream_edges")
 
         if self.maintenance:
             by_shard: dict[int, int] = {}

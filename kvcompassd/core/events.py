@@ -8,7 +8,7 @@ the index.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,23 +120,31 @@ OP_TIER_AFTER = bytes(tier for _, tier in OP_MEANING.values())
 OP_NEEDS_HOLDER = bytes(cls is not PrefixCached for cls, _ in OP_MEANING.values())
 KEY_DTYPE = np.dtype("<u8")
 OP_DTYPE = np.dtype("u1")
+LENGTH_DTYPE = np.dtype("<u4")
+UNKNOWN_LENGTH = 0  # an event whose indexed length was not reported (kvcompassd.core.streams passes it everywhere)
 
 
 @dataclass(frozen=True, slots=True)
 class IndexEventColumns:
-    """One worker's index events as two packed columns, validated on construction.
+    """One worker's index events as packed columns, validated on construction.
 
     ``ops`` holds one :class:`EventOp` byte per event, ``keys`` the prefix keys as little-endian
     uint64, in event order. A report carries thousands of events: as columns they are checked,
     sent and applied with array operations, never as one Python object per event. The worker is
     not stored: it is the enclosing report's.
+
+    ``lengths`` (optional: empty, or one little-endian uint32 per event) is each event's indexed
+    prefix length in tokens, ``UNKNOWN_LENGTH`` where not known: a maintenance unit sends each
+    edge region only the lengths it looks up (kvcompassd.core.streams); without lengths (an
+    older agent) every event goes to every region.
     """
 
     ops: bytes
     keys: bytes
+    lengths: bytes = b""
 
     def __post_init__(self) -> None:
-        for name in ("ops", "keys"):
+        for name in ("ops", "keys", "lengths"):
             value = getattr(self, name)
             if not isinstance(value, (bytes, bytearray, memoryview)):
                 raise ValueError(f"{name} must be bytes, got {type(value).__name__}")
@@ -144,6 +152,9 @@ class IndexEventColumns:
         if len(self.keys) != KEY_DTYPE.itemsize * len(self.ops):
             raise ValueError(f"{len(self.ops)} ops need {KEY_DTYPE.itemsize * len(self.ops)} key bytes, "
                              f"got {len(self.keys)}")
+        if self.lengths and len(self.lengths) != LENGTH_DTYPE.itemsize * len(self.ops):
+            raise ValueError(f"{len(self.ops)} ops need {LENGTH_DTYPE.itemsize * len(self.ops)} length bytes "
+                             f"(or none), got {len(self.lengths)}")
         if not self.ops:
             return
         ops = self.op_array()
@@ -156,14 +167,29 @@ class IndexEventColumns:
             raise ValueError(f"event {i}: prefix key {int(keys[i])} is not in [0, 2^63)")
 
     @classmethod
-    def from_events(cls, events: Iterable[IndexEvent]) -> "IndexEventColumns":
-        """Columns of already validated events (of one worker: the caller checks that)."""
+    def from_events(cls, events: Iterable[IndexEvent], lengths: Sequence[int] | None = None) -> "IndexEventColumns":
+        """Columns of already validated events (of one worker: the caller checks that), with
+        each one's indexed length if ``lengths`` is given (one per event)."""
         ops = bytearray()
         keys = []
         for event in events:
             ops.append(EventOp.EVICTED if type(event) is PrefixEvicted else _OP_OF_TIERED[type(event), event.tier])
             keys.append(event.key)
-        return cls(bytes(ops), np.array(keys, dtype=KEY_DTYPE).tobytes())
+        packed_lengths = b""
+        if lengths is not None:
+            if len(lengths) != len(ops):
+                raise ValueError(f"{len(ops)} events need {len(ops)} lengths, got {len(lengths)}")
+            packed_lengths = np.array(lengths, dtype=LENGTH_DTYPE).tobytes()
+        return cls(bytes(ops), np.array(keys, dtype=KEY_DTYPE).tobytes(), packed_lengths)
+
+    @classmethod
+    def concat(cls, parts: Sequence["IndexEventColumns"]) -> "IndexEventColumns":
+        """The events of ``parts`` in order; lengths kept when every part has them, else dropped
+        (unknown lengths cost bytes, never a decision)."""
+        if len(parts) == 1:
+            return parts[0]
+        lengths = b"".join(p.lengths for p in parts) if all(p.lengths or not len(p) for p in parts) else b""
+        return cls(b"".join(p.ops for p in parts), b"".join(p.keys for p in parts), lengths)
 
     @classmethod
     def evictions(cls, keys: np.ndarray) -> "IndexEventColumns":
@@ -172,6 +198,23 @@ class IndexEventColumns:
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    def select(self, mask: np.ndarray) -> "IndexEventColumns":
+        """The events where ``mask`` (a bool array, one per event) is true, lengths included."""
+        lengths = self.length_array()[mask].tobytes() if self.lengths else b""
+        return IndexEventColumns(self.op_array()[mask].tobytes(), self.key_array()[mask].tobytes(), lengths)
+
+    def slice(self, start: int, stop: int) -> "IndexEventColumns":
+        """Events ``start`` to ``stop`` (a report's chunk), lengths included."""
+        k, n = KEY_DTYPE.itemsize, LENGTH_DTYPE.itemsize
+        lengths = self.lengths[n * start:n * stop] if self.lengths else b""
+        return IndexEventColumns(self.ops[start:stop], self.keys[k * start:k * stop], lengths)
+
+    def length_array(self) -> np.ndarray:
+        """Each event's indexed length as uint32 (``UNKNOWN_LENGTH`` everywhere without lengths)."""
+        if not self.lengths:
+            return np.zeros(len(self.ops), dtype=LENGTH_DTYPE)
+        return np.frombuffer(self.lengths, dtype=LENGTH_DTYPE)
 
     def op_array(self) -> np.ndarray:
         """The op codes as a read-only uint8 array (no copy)."""

@@ -175,6 +175,17 @@ class MaintenanceShard:
                         for i in np.flatnonzero(status == EDIT_REFUSED))
         return ApplyOutcome(applied, n - applied - len(ignored), ignored)
 
+    def apply_checked(self, group: int, field: int, keys: np.ndarray, ops: np.ndarray) -> int:
+        """``apply_columns`` of events already checked (this shard's keys, a known worker's slot
+        ``group``/``field``): one C call and nothing else, for a report applied to many streams
+        (kvcompassd.core.streams; the full shard checked it and named what it refused). Returns
+        the fields changed."""
+        status = self._tables[group].edit_fields(keys, ops, OP_TIER_AFTER, OP_NEEDS_HOLDER, shift=2 * field, width=2)
+        applied = int(np.count_nonzero(status == EDIT_CHANGED))
+        if applied:
+            self._dirty.append(group)
+        return applied
+
     def _apply_one(self, event: IndexEvent) -> str | None:
         if event.key % self.shards != self.shard:
             return f"key {event.key} belongs to shard {event.key % self.shards}, not {self.shard}"

@@ -345,7 +345,9 @@ class EventColumns(FieldType):
     """A report's index events: :class:`IndexEventColumns` (a tuple of event objects is accepted
     and converted). On the wire ``[ops, keys]``: one op byte per event and the keys as packed
     little-endian uint64, so a report of thousands of events decodes without a Python object
-    per event."""
+    per event. With lengths (``IndexEventColumns.lengths``), a trailing third element
+    ``[ops, keys, lengths]``: a report without them (an older agent's) still decodes, as events
+    of unknown length."""
 
     def __init__(self, max_items: int) -> None:
         self.max_items = max_items
@@ -363,15 +365,15 @@ class EventColumns(FieldType):
         return value
 
     def to_wire(self, value: IndexEventColumns) -> list[bytes]:
-        return [value.ops, value.keys]
+        return [value.ops, value.keys, value.lengths] if value.lengths else [value.ops, value.keys]
 
     def from_wire(self, raw: Any, where: str) -> IndexEventColumns:
-        if type(raw) is not list or len(raw) != 2 or type(raw[0]) is not bytes or type(raw[1]) is not bytes:
-            raise _fail(where, "[ops, keys] as two byte strings", raw)
+        if type(raw) is not list or len(raw) not in (2, 3) or any(type(part) is not bytes for part in raw):
+            raise _fail(where, "[ops, keys] or [ops, keys, lengths] as byte strings", raw)
         if len(raw[0]) > self.max_items:
             raise MessageError(f"{where}: {len(raw[0])} events exceeds {self.max_items}")
         try:
-            return IndexEventColumns(raw[0], raw[1])
+            return IndexEventColumns(*raw)
         except ValueError as exc:
             raise MessageError(f"{where}: {exc}") from None
 

@@ -22,26 +22,39 @@ way (a keyless false hit): the filtered tables are other tables with the same lo
 answers differ key by key but not in rate (tests/test_streams.py).
 
 Events whose length is unknown (an agent that does not report lengths) pass every filter: the
-region's table then holds a superset, which costs bytes, never a decision.
+region's table then holds a superset, which costs bytes, never a decision. Agents report each
+event's length (``IndexEventColumns.lengths``).
+
+The send side (``StreamFanout``, ``edge_stream``, ``relays_to``): the maintenance unit maps each
+subscribed edge's certified id to the stream its ``[[edges]]`` entry's region follows (or the
+full one: ``[sync] edge_streams``, ``full_stream_edges``) and refuses ids the config does not
+name. With ``[sync] relay`` it sends a stream's live batches to one edge per (stream, region),
+the first subscribed in config order, which forwards them unchanged to the region's other edges
+of that stream; receivers take relayed batches only from those edges and apply them through the
+same sync protocol, so a lost batch is a gap repaired from the unit (the unit's fan-out grows with
+regions, not with edges per region). Batches carry no signature of the unit: a receiver checks a
+relayed one as any (position, table ids, CRCs), so it trusts the edges of its own region and
+stream with its view's content, and no other edge.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .events import IndexEvent, IndexEventColumns
-from .index import ApplyOutcome, MaintenanceShard
+from .events import LENGTH_DTYPE, UNKNOWN_LENGTH, IndexEvent, IndexEventColumns
+from .index import MIN_TABLE_CAPACITY, ApplyOutcome, MaintenanceShard
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .messages import UpdateBatchPublished
 
-__all__ = ["LengthFilter", "ShardStreams", "UNKNOWN_LENGTH"]
+__all__ = ["LengthFilter", "ShardStreams", "StreamFanout", "UNKNOWN_LENGTH", "UnknownEdge", "edge_stream", "relays_to",
+           "stream_regions"]
 
-UNKNOWN_LENGTH = 0  # an event whose length was not reported: every filter passes it
-LENGTH_DTYPE = np.dtype("<u4")
+# UNKNOWN_LENGTH: an event whose length was not reported: every filter passes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +100,59 @@ class ShardStreams:
     publishes one batch per stream that changed."""
 
     def __init__(self, layout: IndexLayout, plan: LevelPlan, shard: int, shards: int, *, epoch: int,
-                 regions: Iterable[str] | None = None, **shard_options) -> None:
+                 regions: Iterable[str] | None = None, scale_filtered_capacity: bool = False,
+                 **shard_options) -> None:
         self.layout = layout
         self.full = MaintenanceShard(layout, shard, shards, epoch=epoch, **shard_options)
         names = list(dict.fromkeys(regions if regions is not None else (g.region for g in layout.groups)))
         self.filters = {r: LengthFilter.for_edge_region(plan, layout, r) for r in names}
         # Each stream's tables get their own ids, so a blob of one stream is refused by another's views.
-        self.filtered = {r: MaintenanceShard(layout, shard, shards, epoch=epoch, table_salt=i + 1, **shard_options)
+        self.filtered = {r: MaintenanceShard(layout, shard, shards, epoch=epoch, table_salt=i + 1,
+                                             **self._filtered_options(shard_options, plan, self.filters[r],
+                                                                      scale_filtered_capacity))
                          for i, r in enumerate(names)}
         # Updates (changed fields) each stream took so far, the full one under None: what its
         # subscribers apply (tools/scale_projection.py compares them).
         self.applied: dict[str | None, int] = dict.fromkeys([None, *names], 0)
+        # Which streams take an event, by its length, as one gather per report rather than a
+        # membership test per region: per group, a row per known length (then one for any other
+        # length: none, and one for an unknown length: all) and a column per region.
+        known = sorted(set(plan.registration_lengths()).union(
+            *(lengths for f in self.filters.values() for lengths in f.per_group)))
+        self._known = np.array(known, dtype=LENGTH_DTYPE)
+        self._takes = []
+        for g in range(len(layout.groups)):
+            takes = np.zeros((len(known) + 2, len(names)), dtype=bool)
+            for j, r in enumerate(names):
+                takes[np.searchsorted(self._known, self.filters[r].per_group[g]), j] = True
+            takes[-1, :] = True  # UNKNOWN_LENGTH
+            self._takes.append(takes)
+
+    @staticmethod
+    def _filtered_options(options: dict, plan: LevelPlan, length_filter: LengthFilter, scale: bool) -> dict:
+        """A region stream's shard options: with ``scale``, each group's initial capacity is the
+        full table's times the share of the registration lengths the region reads there (a
+        region's tables hold that share of the entries at most; they grow past it if needed)."""
+        capacity = options.get("initial_capacity")
+        if not scale or capacity is None:
+            return options
+        registered = max(1, len(plan.registration_lengths()))
+        per_group = (capacity,) * len(length_filter.per_group) if isinstance(capacity, int) else tuple(capacity)
+        scaled = tuple(max(MIN_TABLE_CAPACITY, math.ceil(c * len(lengths) / registered))
+                       for c, lengths in zip(per_group, length_filter.per_group))
+        return {**options, "initial_capacity": scaled}
+
+    def _rows(self, lengths: np.ndarray) -> np.ndarray:
+        """Each length's row in a group's ``_takes``."""
+        known = self._known
+        other, unknown = len(known), len(known) + 1
+        if not len(known):
+            return np.where(lengths == UNKNOWN_LENGTH, unknown, other)
+        pos = np.searchsorted(known, lengths)
+        found = known[np.minimum(pos, len(known) - 1)] == lengths
+        rows = np.where(found, pos, other)
+        rows[lengths == UNKNOWN_LENGTH] = unknown
+        return rows
 
     def stream(self, region: str | None) -> MaintenanceShard:
         """The shard an edge of ``region`` follows (None: everything)."""
@@ -110,24 +165,35 @@ class ShardStreams:
 
     def apply_columns(self, worker: str, columns: IndexEventColumns,
                       lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
-        """Apply one worker's events to every stream; ``lengths`` (one per event, 0 = unknown)
-        decide which regions' streams take each. Returns the full shard's outcome."""
+        """Apply one worker's events to every stream; ``lengths`` (one per event, 0 = unknown;
+        by default the columns' own, ``IndexEventColumns.lengths``) decide which regions'
+        streams take each. Returns the full shard's outcome."""
         n = len(columns)
-        lengths_arr = as_lengths(lengths, n)
+        lengths_arr = columns.length_array() if lengths is None else as_lengths(lengths, n)
         outcome = self.full.apply_columns(worker, columns)
         self.applied[None] += outcome.applied
+        if not self.filtered or not n:
+            return outcome
         try:
-            group = self.layout.slot(worker).group
+            slot = self.layout.slot(worker)
         except ValueError:
             return outcome  # the full shard named it already
-        ops, keys = columns.op_array(), columns.key_array()
-        for region, shard in self.filtered.items():
-            keep = self.filters[region].keeps(group, lengths_arr)
-            if keep.all():
-                self.applied[region] += shard.apply_columns(worker, columns).applied
-            elif keep.any():
-                kept = IndexEventColumns(ops[keep].tobytes(), keys[keep].tobytes())
-                self.applied[region] += shard.apply_columns(worker, kept).applied
+        keys, ops = columns.key_array(), columns.op_array()
+        full = self.full
+        checked = full.shards == 1 or not (keys % np.uint64(full.shards) != full.shard).any()
+        takes = self._takes[slot.group][self._rows(lengths_arr)]  # (events, regions)
+        some, every = takes.any(axis=0), takes.all(axis=0)
+        for j, (region, shard) in enumerate(self.filtered.items()):
+            if not some[j]:
+                continue
+            if not checked:  # keys of other shards: the checking path names them (and applies none)
+                part = columns if every[j] else columns.select(takes[:, j])
+                self.applied[region] += shard.apply_columns(worker, part).applied
+            elif every[j]:
+                self.applied[region] += shard.apply_checked(slot.group, slot.field, keys, ops)
+            else:
+                mine = takes[:, j]
+                self.applied[region] += shard.apply_checked(slot.group, slot.field, keys[mine], ops[mine])
         return outcome
 
     def apply(self, events: Sequence[IndexEvent], lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
@@ -150,9 +216,12 @@ class ShardStreams:
         return outcome
 
     def withdraw_worker(self, worker: str) -> ApplyOutcome:
-        for shard in self.filtered.values():
-            shard.withdraw_worker(worker)
-        return self.full.withdraw_worker(worker)
+        """Clear ``worker``'s fields in every stream; returns the full shard's outcome."""
+        for region, shard in self.filtered.items():
+            self.applied[region] += shard.withdraw_worker(worker).applied
+        outcome = self.full.withdraw_worker(worker)
+        self.applied[None] += outcome.applied
+        return outcome
 
     def flush(self) -> dict[str | None, UpdateBatchPublished]:
         """Each stream's batch of what it applied since the last flush (None: the full one)."""
@@ -162,3 +231,114 @@ class ShardStreams:
             if batch is not None:
                 out[region] = batch
         return out
+
+
+# -- which edge follows which stream, and who gets each batch (the maintenance unit's send side) --
+
+
+class UnknownEdge(ValueError):
+    """An edge identity the config does not name: it follows no stream of this unit."""
+
+
+def edge_stream(cfg, edge: str) -> str | None:
+    """The stream edge ``edge`` follows: its region's (by the config's ``[[edges]]`` entry for
+    the edge's certified id: an edge claims nothing), or None for the full stream
+    (``[sync] edge_streams = "full"`` or ``full_stream_edges``). Raises ``UnknownEdge``."""
+    region = cfg.edge_region(edge)
+    if region is None:
+        raise UnknownEdge(f"edge {edge!r} is not in this cluster's config ([[edges]]): no update stream for it")
+    return None if cfg.sync.full_stream_for(edge) else region
+
+
+def stream_regions(cfg) -> list[str]:
+    """The regions whose edges follow their region's stream, in config order (a unit keeps one
+    filtered stream per region that has such an edge, and none for regions without edges)."""
+    return list(dict.fromkeys(e.region for e in cfg.edges if not cfg.sync.full_stream_for(e.id)))
+
+
+class StreamFanout:
+    """The subscribed edges of one unit, by the stream each follows (sans-IO).
+
+    ``subscribe`` takes an edge's certified id and an opaque handle (the shell's connection);
+    ``deliveries`` says which handles get which of ``ShardStreams.flush``'s batches. An edge
+    has one subscription: subscribing again (a reconnection) replaces the handle."""
+
+    def __init__(self, cfg, streams: ShardStreams):
+        self.cfg = cfg
+        self.streams = streams
+        self.relay = cfg.sync.relay
+        self._stream_of: dict[str, str | None] = {}  # edge -> the stream it follows
+        self._handles: dict[str, object] = {}
+        self._order = {e.id: (e.region, i) for i, e in enumerate(cfg.edges)}
+
+    def stream_of(self, edge: str) -> str | None:
+        """The stream ``edge`` follows (``edge_stream``), checked against this unit's streams."""
+        stream = edge_stream(self.cfg, edge)
+        if stream is not None and stream not in self.streams.filtered:
+            raise UnknownEdge(f"edge {edge!r}: no update stream for region {stream!r} at this unit")
+        return stream
+
+    def shard_of(self, edge: str) -> MaintenanceShard:
+        """The shard (stream) an edge's catch-ups and snapshots come from."""
+        return self.streams.stream(self.stream_of(edge))
+
+    def subscribe(self, edge: str, handle: object) -> str | None:
+        stream = self.stream_of(edge)
+        self._stream_of[edge] = stream
+        self._handles[edge] = handle
+        return stream
+
+    def unsubscribe(self, edge: str, handle: object | None = None) -> bool:
+        """Drop ``edge``'s subscription (only if it is still ``handle``'s, when given)."""
+        if edge not in self._handles or (handle is not None and self._handles[edge] is not handle):
+            return False
+        del self._handles[edge], self._stream_of[edge]
+        return True
+
+    def handle(self, edge: str) -> object | None:
+        return self._handles.get(edge)
+
+    @property
+    def edges(self) -> list[str]:
+        return sorted(self._handles)
+
+    def followers(self) -> dict[str, list[str]]:
+        """Per stream ("full" for the full one), the subscribed edges following it."""
+        out: dict[str, list[str]] = {}
+        for edge in self.edges:
+            stream = self._stream_of[edge]
+            out.setdefault("full" if stream is None else stream, []).append(edge)
+        return out
+
+    def live_edges(self) -> dict[str | None, list[str]]:
+        """Per stream, the subscribed edges its live batches go to: every follower, or with
+        ``[sync] relay`` one per region (the first subscribed in config order), which forwards
+        them to its region's other edges of the stream (``relays_to``)."""
+        out: dict[str | None, list[str]] = {}
+        chosen: set[tuple[str | None, str]] = set()
+        for edge in sorted(self._stream_of, key=lambda e: self._order[e][1]):
+            stream, region = self._stream_of[edge], self._order[edge][0]
+            if self.relay and (stream, region) in chosen:
+                continue
+            chosen.add((stream, region))
+            out.setdefault(stream, []).append(edge)
+        return out
+
+    def deliveries(self, published: dict[str | None, UpdateBatchPublished]) -> list[tuple[str, object, str | None]]:
+        """(edge, handle, stream) for every edge a published batch goes to (``live_edges``;
+        ``published[stream]`` is what it gets)."""
+        if not published:
+            return []
+        return [(edge, self._handles[edge], stream) for stream, edges in self.live_edges().items()
+                if stream in published for edge in edges]
+
+
+def relays_to(cfg, edge: str) -> list[str]:
+    """The edges ``edge`` forwards its unit's live batches to with ``[sync] relay``: the other
+    edges of its region that follow the same stream (config order). The same relation says
+    whose batches an edge takes besides its unit's: a relaying edge only forwards, and the
+    receiver applies them through its own sync protocol (positions, table ids, CRCs)."""
+    if not cfg.sync.relay:
+        return []
+    region, stream = cfg.edge_region(edge), edge_stream(cfg, edge)
+    return [e.id for e in cfg.edges if e.id != edge and e.region == region and edge_stream(cfg, e.id) == stream]

@@ -185,6 +185,20 @@ class BlockTree:
         """Key -> tier as announced so far (a copy)."""
         return dict(self._registered)
 
+    def registered_with_lengths(self) -> dict[int, tuple[Tier, int]]:
+        """Key -> (tier, indexed length) as announced so far (a re-registration's content)."""
+        return {key: (tier, self._length_of(key)) for key, tier in self._registered.items()}
+
+    def _length_of(self, key: int) -> int:
+        """The indexed length of a registered key (the length of any block realising it: a key
+        hashes its length's tokens, so every one has the same); 0 if none does."""
+        holders = self._holders.get(key)
+        if not holders:
+            return 0
+        for _, length in holders:
+            return length
+        return 0
+
     def is_attached(self, block_hash: BlockHash) -> bool:
         block = self._blocks.get(block_hash)
         return block is not None and block.attached
@@ -202,8 +216,14 @@ class BlockTree:
         touched (one diff at the end, not one per event): the same final state as ``apply``
         on each, and index events that take the registrations from where they were to where
         they are (a key stored and evicted within the events is not announced at all)."""
+        return self.apply_events_with_lengths(events)[0]
+
+    def apply_events_with_lengths(self, events: Iterable[KvEvent]) -> tuple[list[IndexEvent], list[int]]:
+        """``apply_events``, and each index event's indexed length (what a maintenance unit
+        filters the edge regions' streams by: kvcompassd.core.streams)."""
         out: list[IndexEvent] = []
-        touched: set[int] = set()
+        lengths: list[int] = []
+        touched: dict[int, int] = {}
         page_size = self._page_size
         for event in events:
             kind = type(event)
@@ -219,17 +239,19 @@ class BlockTree:
                     self._remove(event, touched)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 if touched:
-                    out.extend(self._diff(touched))
-                    touched = set()
-                out.extend(self.withdraw_all())
+                    out.extend(self._diff(touched, lengths))
+                    touched = {}
+                withdrawn, withdrawn_lengths = self.withdraw_all_with_lengths()
+                out.extend(withdrawn)
+                lengths.extend(withdrawn_lengths)
             else:
                 raise TypeError(f"not a KV event: {event!r}")
         if touched:
-            out.extend(self._diff(touched))
-        return out
+            out.extend(self._diff(touched, lengths))
+        return out, lengths
 
     def apply(self, event: KvEvent) -> list[IndexEvent]:
-        touched: set[int] = set()
+        touched: dict[int, int] = {}
         if isinstance(event, BlockStored):
             if event.group_idx or (self._page_size is not None and event.block_size != self._page_size):
                 self._refuse(event)
@@ -260,17 +282,22 @@ class BlockTree:
 
     def withdraw_all(self) -> list[IndexEvent]:
         """Forget every block; PrefixEvicted for every registered key (AllBlocksCleared, restart)."""
+        return self.withdraw_all_with_lengths()[0]
+
+    def withdraw_all_with_lengths(self) -> tuple[list[IndexEvent], list[int]]:
+        """``withdraw_all``, and each eviction's indexed length."""
+        lengths = [self._length_of(key) for key in self._registered]
         out: list[IndexEvent] = [PrefixEvicted(self.worker, key) for key in self._registered]
         self._blocks.clear()
         self._children.clear()
         self._detached.clear()
         self._holders.clear()
         self._registered.clear()
-        return out
+        return out, lengths
 
     # ----------------------------------------------------------------------------- internals
 
-    def _store(self, event: BlockStored, touched: set[int]) -> None:
+    def _store(self, event: BlockStored, touched: dict[int, int]) -> None:
         medium = canonical_medium(event.medium)
         lora = event.is_lora
         hashes = event.block_hashes
@@ -299,7 +326,7 @@ class BlockTree:
             else:
                 self._mark_detached(block)
 
-    def _remove(self, event: BlockRemoved, touched: set[int]) -> None:
+    def _remove(self, event: BlockRemoved, touched: dict[int, int]) -> None:
         medium = canonical_medium(event.medium)
         for block_hash in event.block_hashes:
             block = self._blocks.get(block_hash)
@@ -336,7 +363,7 @@ class BlockTree:
         self._detached[block.hash] = None
         self._trim_detached()
 
-    def _attach(self, root: _Block, touched: set[int]) -> None:
+    def _attach(self, root: _Block, touched: dict[int, int]) -> None:
         """Attach ``root`` (its parent is attached or it is a root) and every detached
         descendant waiting under it."""
         blocks, children, detached = self._blocks, self._children, self._detached
@@ -370,7 +397,7 @@ class BlockTree:
                     if child is not None and not child.attached:
                         stack.append(child)
 
-    def _detach_subtree(self, root: _Block, touched: set[int]) -> None:
+    def _detach_subtree(self, root: _Block, touched: dict[int, int]) -> None:
         stack = [root]
         while stack:
             block = stack.pop()
@@ -390,7 +417,7 @@ class BlockTree:
             self.dropped_blocks += 1
             self._forget(self._blocks[oldest])
 
-    def _refresh_subtree(self, root: _Block, touched: set[int]) -> None:
+    def _refresh_subtree(self, root: _Block, touched: dict[int, int]) -> None:
         """Recompute path tiers below ``root`` after its own tier changed."""
         stack = [root]
         while stack:
@@ -403,13 +430,13 @@ class BlockTree:
             block.path_tier = new_tier
             for length, key in block.anchors:
                 self._holders[key][(block.hash, length)] = new_tier
-                touched.add(key)
+                touched[key] = length
             for child_hash in self._children.get(block.hash, ()):
                 child = self._blocks[child_hash]
                 if child.attached:
                     stack.append(child)
 
-    def _register_anchors(self, block: _Block, touched: set[int]) -> None:
+    def _register_anchors(self, block: _Block, touched: dict[int, int]) -> None:
         indexed = self.indexed_lengths
         start = block.start
         end = start + len(block.tokens)
@@ -429,7 +456,7 @@ class BlockTree:
             block.anchors = [(length, int(key)) for length, key in zip(lengths, keys, strict=True)]
         for length, key in block.anchors:
             self._holders.setdefault(key, {})[(block.hash, length)] = block.path_tier
-            touched.add(key)
+            touched[key] = length
 
     def _salted_anchors(self, block: _Block, lengths: Sequence[int]) -> list[tuple[int, int]]:
         """(length, key) for ``lengths`` inside ``block``, equal to ``prefix_keys`` over the
@@ -456,7 +483,7 @@ class BlockTree:
         block.hash_state = state
         return anchors
 
-    def _withdraw_anchors(self, block: _Block, touched: set[int]) -> None:
+    def _withdraw_anchors(self, block: _Block, touched: dict[int, int]) -> None:
         block.hash_state = None  # its path is changing; a re-attach recomputes it
         for length, key in block.anchors:
             holders = self._holders.get(key)
@@ -464,7 +491,7 @@ class BlockTree:
                 holders.pop((block.hash, length), None)
                 if not holders:
                     del self._holders[key]
-            touched.add(key)
+            touched[key] = length
         block.anchors = []
 
     def _path_tokens(self, block: _Block) -> np.ndarray:
@@ -476,7 +503,9 @@ class BlockTree:
         parts.reverse()
         return np.fromiter(itertools.chain.from_iterable(parts), dtype=np.uint32, count=block.end)
 
-    def _diff(self, touched: Iterable[int]) -> list[IndexEvent]:
+    def _diff(self, touched: dict[int, int], lengths: list[int] | None = None) -> list[IndexEvent]:
+        """Index events taking the touched keys (key -> indexed length) from what was announced
+        to what the mirror holds now; their lengths appended to ``lengths`` if given."""
         out: list[IndexEvent] = []
         for key in sorted(touched):
             holders = self._holders.get(key)
@@ -494,6 +523,8 @@ class BlockTree:
             else:
                 self._registered[key] = new
                 out.append(TierChanged(self.worker, key, new))
+            if lengths is not None:
+                lengths.append(touched[key])
         return out
 
 
