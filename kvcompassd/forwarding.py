@@ -16,7 +16,6 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Collection
 
-import aiohttp
 import numpy as np
 import structlog
 
@@ -32,6 +31,7 @@ from kvcompassd.engine.client import (
     EngineOutput,
     EngineRejected,
 )
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.engine.disaggregated import BootstrapFields, DecodeFailed, generate_on_pair, new_bootstrap_room
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.worker.kvtransfer import KvTransferTiming
@@ -192,7 +192,7 @@ class Forwarder:
         edge_id: str,
         router: Router,
         agent_peer: Callable[[str], Peer | None],
-        http: aiohttp.ClientSession,
+        http: WorkerConnections,
         *,
         clock: Callable[[], float],
         metrics: EdgeMetrics,

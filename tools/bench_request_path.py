@@ -2,7 +2,7 @@
 
 This process runs the edge's request path as the edge daemon builds it (``FrontDoor`` under its
 ``FrontDoorGuard`` runner, a ``Forwarder`` with a real ``Router`` on an empty index view, the
-aiohttp client session the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
+client toward workers the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
 worker and a closed-loop client runs in a child process. Nothing else shares the edge's process
 (no QUIC, no index updates, no load polls), so its CPU time over a window divided by the requests
 served is what one request costs the edge's HTTP and forwarding path. ``--profile FILE`` writes a
@@ -76,6 +76,17 @@ def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int
     out.put(uvloop.run(run()))
 
 
+def worker_client():
+    """The edge's client toward workers, as edge.py opens it: the lean keep-alive pools, or on a
+    checkout from before them (to compare against) aiohttp's session."""
+    try:
+        from kvcompassd.engine.http1 import WorkerConnections
+    except ImportError:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                     connector=aiohttp.TCPConnector(limit=0))
+    return WorkerConnections()
+
+
 async def wait_worker(url: str, proc: subprocess.Popen) -> None:
     async with aiohttp.ClientSession() as session:
         for _ in range(600):
@@ -109,8 +120,7 @@ async def main_async(args) -> None:
         router = Router(cfg, worker.region, view, now=time.monotonic())  # the edge's clock
         metrics = EdgeMetrics()
         guard = FrontDoorGuard(cfg.frontdoor, metrics)  # as edge.py builds it
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                        connector=aiohttp.TCPConnector(limit=0))  # as edge.py opens it
+        session = worker_client()
         forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, session,
                               clock=time.monotonic, metrics=metrics)
         frontdoor = FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model=cfg.model), metrics, guard=guard)
