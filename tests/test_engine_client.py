@@ -235,6 +235,20 @@ async def test_requests_in_sequence_share_one_kept_alive_connection(stream):
         await worker.stop()
 
 
+async def test_a_stream_closed_at_its_finish_keeps_the_connection():
+    """The forwarding path closes the engine's generator as soon as it has the finish (it never
+    asks for the generator's end): the connection, whose response is whole, is kept all the same."""
+    async with emulated() as (_, engine):
+        for i in range(6):
+            outputs = engine.generate(list(range(1, 60)), {"max_new_tokens": 3}, stream=True, rid=f"f{i}")
+            async with asyncio.timeout(GUARD_S):
+                async for item in outputs:
+                    if type(item).__name__ == "EngineFinished":
+                        break
+            await outputs.aclose()
+        assert engine._pool.opened == 1
+
+
 @contextlib.asynccontextmanager
 async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0):
     """An engine that streams one chunk, ``[DONE]``, then ``tail`` (repeated ``forever``, or

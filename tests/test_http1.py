@@ -101,6 +101,19 @@ async def test_bodies_by_length_and_by_chunks_over_one_kept_connection():
         assert pool.opened == 1 and len(clients) == 1
 
 
+async def test_a_block_left_by_an_error_after_the_whole_response_keeps_the_connection():
+    async def whole(request):
+        return web.Response(body=b"all of it")
+
+    async with aiohttp_server([web.get("/", whole)]) as (pool, clients):
+        for _ in range(3):
+            with pytest.raises(LookupError):
+                async with pool.request(b"GET", b"/") as resp:
+                    assert await resp.read(100) == b"all of it"
+                    raise LookupError("the caller's own error, after the response")
+        assert pool.opened == 1 and len(clients) == 1
+
+
 async def test_a_body_framed_by_the_connections_end_is_read_and_the_connection_not_kept():
     async def answer(reader, writer, index):
         await read_request(reader)

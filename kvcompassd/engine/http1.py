@@ -360,9 +360,9 @@ class ConnectionPool:
     async def request(self, method: bytes, path: bytes, body: bytes = b"",
                       headers: bytes = b"") -> AsyncIterator[Response]:
         """Send a request (``headers``: extra raw header lines, each ending ``\\r\\n``); yields
-        the :class:`Response` once its head arrived. Leaving the block with the whole body read
-        keeps the connection for the next request; leaving it before (an error, the caller
-        closing a stream) closes it, which aborts the request in the server."""
+        the :class:`Response` once its head arrived. Leaving the block once the whole body has
+        arrived keeps the connection for the next request; leaving it before (an error, the
+        caller closing a stream) closes it, which aborts the request in the server."""
         if self._closed:
             raise HttpClientError("the connection pool is closed")
         message = self._head(method, path, body, headers)
@@ -387,14 +387,13 @@ class ConnectionPool:
                 connection.abort()
                 raise
             break
-        kept = False
         try:
             yield response
-            # A complete message leaves the connection at a message boundary, whatever of the
-            # body the caller left unread.
-            kept = response.complete and response.keep_alive and response._error is None
         finally:
-            if kept:
+            # However the block was left (the caller's generator closed after its last item,
+            # say), a complete response leaves the connection at a message boundary, whatever of
+            # its body the caller left unread: it is kept.
+            if response.complete and response.keep_alive and response._error is None:
                 self._give_back(connection)
             else:
                 connection.response = None
