@@ -8,7 +8,6 @@ tokens whose prefix keys the index holds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -173,9 +172,17 @@ class EngineClient:
                     yield EngineOutput(ids, str(data.get("text", "")))
                     yield finished_from_meta(data.get("meta_info") or {}, len(input_ids), len(ids))
                     return
-                async with contextlib.aclosing(_stream(resp, len(input_ids))) as items:
-                    async for item in items:
+                streamed = _StreamedGenerate(len(input_ids))
+                while raw := await resp.readline(MAX_STREAM_LINE):
+                    item = streamed.line(raw)
+                    if streamed.done:
+                        # The body's end (the chunked terminator) follows: read it, so that the
+                        # connection is kept (bounded: see DRAIN_*).
+                        await resp.drain(DRAIN_MAX_BYTES, DRAIN_TIMEOUT_S)
+                        break
+                    if item is not None:
                         yield item
+                yield streamed.finished()
         except OSError as exc:
             raise EngineError(f"engine unreachable: {str(exc) or type(exc).__name__}") from exc
         except HttpClientError as exc:
@@ -272,20 +279,30 @@ DRAIN_MAX_BYTES = 64 * 1024
 DRAIN_TIMEOUT_S = 1.0
 
 
-async def _stream(resp: Response, prompt_tokens: int):
-    """SGLang's streamed ``/generate``: SSE ``data:`` lines with cumulative ``text`` and
-    ``output_ids`` (incremental in builds with incremental streaming), ending with ``[DONE]``."""
-    text_sent = ""
-    ids_sent: list[int] = []
-    meta: dict = {}
-    while raw := await resp.readline(MAX_STREAM_LINE):
+class _StreamedGenerate:
+    """SGLang's streamed ``/generate``, line by line: SSE ``data:`` lines with cumulative ``text``
+    and ``output_ids`` (incremental in builds with incremental streaming), ending with
+    ``[DONE]``. Sans-IO, so that the client reads the lines in its own loop (a generator layer
+    less per request and per line)."""
+
+    __slots__ = ("done", "ids_sent", "meta", "prompt_tokens", "text_sent")
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.text_sent = ""
+        self.ids_sent: list[int] = []
+        self.meta: dict = {}
+        self.done = False  # ``[DONE]`` arrived
+
+    def line(self, raw: bytes) -> EngineOutput | None:
+        """The output a line brings, if any; raises ``EngineError`` for an engine's error event."""
         line = raw.strip()
         if not line.startswith(b"data:"):
-            continue
+            return None
         payload = line[5:].strip()
         if payload == b"[DONE]":
-            await resp.drain(DRAIN_MAX_BYTES, DRAIN_TIMEOUT_S)
-            break
+            self.done = True
+            return None
         chunk = orjson.loads(payload)
         if not isinstance(chunk, dict):
             raise EngineError("engine sent a streamed chunk that is not a JSON object")
@@ -298,15 +315,19 @@ async def _stream(resp: Response, prompt_tokens: int):
         _raise_if_aborted(chunk.get("meta_info"))
         text = str(chunk.get("text", ""))
         ids = [int(t) for t in chunk.get("output_ids") or ()]
+        text_sent, ids_sent = self.text_sent, self.ids_sent
         if text.startswith(text_sent):
-            delta_text, text_sent = text[len(text_sent):], text
+            delta_text, self.text_sent = text[len(text_sent):], text
         else:
-            delta_text, text_sent = text, text_sent + text
+            delta_text, self.text_sent = text, text_sent + text
         if len(ids) >= len(ids_sent) and ids[: len(ids_sent)] == ids_sent:
-            delta_ids, ids_sent = ids[len(ids_sent):], ids
+            delta_ids, self.ids_sent = ids[len(ids_sent):], ids
         else:
-            delta_ids, ids_sent = ids, ids_sent + ids
-        meta = chunk.get("meta_info") or meta
+            delta_ids, self.ids_sent = ids, ids_sent + ids
+        self.meta = chunk.get("meta_info") or self.meta
         if delta_ids or delta_text:
-            yield EngineOutput(tuple(delta_ids), delta_text)
-    yield finished_from_meta(meta, prompt_tokens, len(ids_sent))
+            return EngineOutput(tuple(delta_ids), delta_text)
+        return None
+
+    def finished(self) -> EngineFinished:
+        return finished_from_meta(self.meta, self.prompt_tokens, len(self.ids_sent))

@@ -305,6 +305,8 @@ class Response:
         connection can be kept; a server that sends more, or stalls, costs the connection only."""
         read = len(self._buffer)
         self._buffer.clear()
+        if self.complete:  # the usual case: no timer for it
+            return
         with contextlib.suppress(TimeoutError, HttpClientError):
             async with asyncio.timeout(timeout_s):
                 while not self.complete and read <= max_bytes:
