@@ -339,3 +339,15 @@ def test_a_response_split_anywhere_gives_the_same_body(body, sizes, cuts, by_len
         return await response.read(len(body))
 
     assert asyncio.run(run()) == body
+
+
+async def test_a_connection_idle_past_the_idle_timeout_is_not_reused():
+    async def whole(request):
+        return web.Response(body=b"ok")
+
+    async with aiohttp_server([web.get("/", whole)]) as (pool, clients):
+        pool.idle_timeout_s = 0.0  # every idle connection is too old: below any server's own timeout
+        for _ in range(3):
+            async with pool.request(b"GET", b"/") as resp:
+                assert await resp.read(10) == b"ok"
+        assert pool.opened == 3 and len(clients) == 3
