@@ -351,3 +351,39 @@ async def test_a_connection_idle_past_the_idle_timeout_is_not_reused():
             async with pool.request(b"GET", b"/") as resp:
                 assert await resp.read(10) == b"ok"
         assert pool.opened == 3 and len(clients) == 3
+
+
+async def test_an_https_worker_is_reached_over_verified_tls(tmp_path):
+    import ssl
+
+    from kvcompassd.certs import init_ca, issue
+
+    ca = init_ca(tmp_path / "ca", cluster_name="test")
+    files = issue(tmp_path / "ca", tmp_path / "worker", role="agent", node_id="worker-0", sans=("127.0.0.1",))
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(files.cert, files.key)
+
+    async def whole(request):
+        return web.Response(body=b"over tls")
+
+    app = web.Application()
+    app.add_routes([web.get("/", whole)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with asyncio.timeout(GUARD_S):
+            async with WorkerConnections(tls_context=ssl.create_default_context(cafile=str(ca.cert))) as http:
+                pool = http.pool("127.0.0.1", port, tls=True)
+                for _ in range(2):
+                    async with pool.request(b"GET", b"/") as resp:
+                        assert await resp.read(100) == b"over tls"
+                assert pool.opened == 1
+            async with WorkerConnections() as http:  # the system's CAs do not vouch for this one
+                with pytest.raises(ssl.SSLCertVerificationError):
+                    async with http.pool("127.0.0.1", port, tls=True).request(b"GET", b"/"):
+                        pass
+    finally:
+        await runner.cleanup()

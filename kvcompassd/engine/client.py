@@ -136,9 +136,10 @@ class EngineClient:
     def __init__(self, base_url: str, http: WorkerConnections):
         self.base = base_url.rstrip("/")
         url = urlsplit(self.base)
-        if url.scheme != "http" or not url.hostname:
-            raise ValueError(f"an engine's address must be http://host:port[/path], not {base_url!r}")
-        self._pool = http.pool(url.hostname, url.port or 80)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"an engine's address must be http(s)://host[:port][/path], not {base_url!r}")
+        tls = url.scheme == "https"
+        self._pool = http.pool(url.hostname, url.port or (443 if tls else 80), tls=tls)
         prefix = url.path.rstrip("/").encode()
         self._generate_path = prefix + b"/generate"  # made once, not per request
         self._loads_path = prefix + b"/v1/loads"

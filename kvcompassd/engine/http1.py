@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ssl
 import time
 from collections.abc import AsyncIterator
 
@@ -316,9 +317,11 @@ class Response:
 class ConnectionPool:
     """Keep-alive connections to one ``host:port``."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 5.0, idle_timeout_s: float = 4.0,
-                 max_idle: int = 256, max_head_bytes: int = 64 * 1024, max_headers: int = 100) -> None:
+    def __init__(self, host: str, port: int, *, tls: ssl.SSLContext | None = None, connect_timeout_s: float = 5.0,
+                 idle_timeout_s: float = 4.0, max_idle: int = 256, max_head_bytes: int = 64 * 1024,
+                 max_headers: int = 100) -> None:
         self.host, self.port = host, port
+        self.tls = tls  # None: plain TCP
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle = max_idle
@@ -332,7 +335,8 @@ class ConnectionPool:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout_s):
-            _, connection = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+            _, connection = await loop.create_connection(lambda: _Connection(self), self.host, self.port,
+                                                         ssl=self.tls)
         self.opened += 1
         return connection
 
@@ -408,17 +412,22 @@ class ConnectionPool:
 
 
 class WorkerConnections:
-    """One :class:`ConnectionPool` per worker address, made on first use; closed together."""
+    """One :class:`ConnectionPool` per worker address, made on first use; closed together.
+    ``tls_context``: what ``https://`` workers are verified with (default: the system's CAs)."""
 
-    def __init__(self, **pool_options) -> None:
+    def __init__(self, *, tls_context: ssl.SSLContext | None = None, **pool_options) -> None:
         self._options = pool_options
-        self._pools: dict[tuple[str, int], ConnectionPool] = {}
+        self._tls_context = tls_context
+        self._pools: dict[tuple[str, int, bool], ConnectionPool] = {}
 
-    def pool(self, host: str, port: int) -> ConnectionPool:
-        key = (host, port)
+    def pool(self, host: str, port: int, *, tls: bool = False) -> ConnectionPool:
+        key = (host, port, tls)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = ConnectionPool(host, port, **self._options)
+            context = None
+            if tls:
+                context = self._tls_context = self._tls_context or ssl.create_default_context()
+            pool = self._pools[key] = ConnectionPool(host, port, tls=context, **self._options)
         return pool
 
     @property
