@@ -9,10 +9,10 @@ connection's end, read as they arrive (SSE lines for streamed generation).
 
 Bounded: a response head over ``max_head_bytes`` or ``max_headers`` fields, a line over its
 caller's limit and a body over its caller's limit are errors, and a connection stops reading
-while more than ``READ_HIGH_WATER`` bytes wait unconsumed and nobody asks for more (the worker is
-paced by TCP instead of the edge buffering). Connecting has a deadline; the rest is the caller's (the forwarding
-deadlines). Every failure is an :class:`HttpClientError` (or ``OSError`` from connecting),
-which the engine client maps to its own errors.
+while more than ``READ_HIGH_WATER`` bytes wait unconsumed and nobody asks for more (the worker
+is paced by TCP instead of the edge buffering). Connecting has a deadline; the rest is the
+caller's (the forwarding deadlines). Every failure is an :class:`HttpClientError` (or
+``OSError`` from connecting, TLS included), which the engine client maps to its own errors.
 
 A kept-alive connection may have been closed by its server just as a request goes out on it (the
 server's idle timeout): when a reused connection ends before a single byte of the response, the
