@@ -35,6 +35,7 @@ from kvcompassd.core.queues import STEADY_REPEATS
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.client import EngineClient, EngineError, EngineOutput, EngineRejected, EngineStatusError
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.engine.disaggregated import (
     FAKE_BOOTSTRAP_HOST,
     BootstrapFields,
@@ -157,7 +158,8 @@ class AgentNode:
         self.address = await self.node.listen(host, port)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                            connector=aiohttp.TCPConnector(limit=0))
-        self.engine = EngineClient(self.worker.http, self._http)
+        self._engine_http = WorkerConnections()  # keep-alive pools toward this engine (and a decode engine)
+        self.engine = EngineClient(self.worker.http, self._engine_http)
         # A decode worker's KV is never indexed (its prefill worker's is): its agent follows no
         # KV events and registers nothing with the maintenance units.
         for m in self.cfg.maintenance if self.worker.role != "decode" else ():
@@ -180,6 +182,7 @@ class AgentNode:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._http.close()
+        await self._engine_http.close()
         await self.node.close()
 
     def status(self) -> str:
@@ -532,7 +535,7 @@ class AgentNode:
             return self.engine.generate(msg.input_ids, msg.sampling_params, stream=True, rid=msg.request_id)
         decode = self.cfg.worker(msg.decode_worker)
         bootstrap = BootstrapFields.for_prefill(self.worker.http, bootstrap_port_of(self.worker), msg.bootstrap_room)
-        return generate_on_pair(self.engine, EngineClient(decode.http, self._http), bootstrap, msg.input_ids,
+        return generate_on_pair(self.engine, EngineClient(decode.http, self._engine_http), bootstrap, msg.input_ids,
                                 msg.sampling_params, rid=msg.request_id)
 
     async def _run_forwarded(self, stream, msg: RequestForwarded | PrefillDecodeForwarded, log_) -> None:

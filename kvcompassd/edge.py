@@ -31,6 +31,7 @@ from kvcompassd.core.streams import UnknownEdge, edge_stream, relays_to
 from kvcompassd.transport import EncodedMessage
 from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync, SyncSettings, SyncStep
 from kvcompassd.daemon import daemon_transport, split_address
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.httplimits import FrontDoorGuard
@@ -155,7 +156,8 @@ class EdgeNode:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                            connector=aiohttp.TCPConnector(limit=0))
         self._start_tokenizer_check()
-        self.forwarder = Forwarder(self.me.id, self.router, self._agent_peers.get, self._http, clock=self.clock,
+        self._workers_http = WorkerConnections()  # own-region workers' keep-alive pools
+        self.forwarder = Forwarder(self.me.id, self.router, self._agent_peers.get, self._workers_http, clock=self.clock,
                                    metrics=self.metrics, local_http=self.local_http)
         guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
@@ -182,6 +184,8 @@ class EdgeNode:
         if forwarder is not None:
             await forwarder.close()
         await self._http.close()
+        if getattr(self, "_workers_http", None) is not None:
+            await self._workers_http.close()
         await self.node.close()
 
     def status(self) -> str:

@@ -63,7 +63,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
 import msgpack
 import numpy as np
 import structlog
@@ -77,6 +76,7 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.edge import EdgeNode
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.httplimits import FrontDoorGuard
@@ -621,7 +621,7 @@ class FrontDoorProcess:
         self._checked = False
         self._runner: web.AppRunner | None = None
         self.http_address: tuple[str, int] | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._http: WorkerConnections | None = None
         self.forwarder: Forwarder | None = None
         self.publisher: FrontDoorPublisher | None = None
         self._metrics_asked = 0
@@ -636,8 +636,7 @@ class FrontDoorProcess:
             # migration names one (no idle QUIC session per front door and agent for nothing).
             if w.agent and (w.region != self.me.region or not self.local_http):
                 self._agent_peer(w.id)
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                           connector=aiohttp.TCPConnector(limit=0))
+        self._http = WorkerConnections()
         self.forwarder = Forwarder(self.me.id, self.router, self._agent_peer, self._http, clock=self.clock,
                                    metrics=self.metrics, local_http=self.local_http)
         async with asyncio.timeout(READY_TIMEOUT_S):

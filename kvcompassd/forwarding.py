@@ -16,7 +16,6 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Collection
 
-import aiohttp
 import numpy as np
 import structlog
 
@@ -32,6 +31,7 @@ from kvcompassd.engine.client import (
     EngineOutput,
     EngineRejected,
 )
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.engine.disaggregated import BootstrapFields, DecodeFailed, generate_on_pair, new_bootstrap_room
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.worker.kvtransfer import KvTransferTiming
@@ -192,7 +192,7 @@ class Forwarder:
         edge_id: str,
         router: Router,
         agent_peer: Callable[[str], Peer | None],
-        http: aiohttp.ClientSession,
+        http: WorkerConnections,
         *,
         clock: Callable[[], float],
         metrics: EdgeMetrics,
@@ -369,14 +369,16 @@ class Forwarder:
         raise ForwardError(503, "no worker could serve the request: " + "; ".join(reasons))
 
     def _observe_decision(self, req: ForwardRequest, d: ForwardDecided, decision_us: float, attempt: int) -> None:
-        self.metrics.decisions.labels(d.outcome).inc()
+        metrics = self.metrics
+        metrics.count_decision(d.outcome)
         if d.pending:
-            self.metrics.pending_credits.inc()
-        self.metrics.decision_seconds.observe(decision_us / 1e6)
-        if d.candidates:
-            top = d.candidates[0]
-            for term in ("wan_ms", "queue_ms", "prefill_ms", "reload_ms"):
-                self.metrics.score_terms.labels(term).observe(getattr(top, term))
+            metrics.pending_credits.inc()
+        metrics.decision_seconds.observe(decision_us / 1e6)
+        candidates = d.candidates
+        if candidates:
+            top = candidates[0]
+            for term, histogram in metrics.chosen_terms:
+                histogram.observe(getattr(top, term))
         log.info(
             "forward",
             request_id=req.request_id,
@@ -389,7 +391,7 @@ class Forwarder:
             lam=round(d.lam, 3),
             attempt=attempt,
             decision_us=round(decision_us, 1),
-            top=[(c.worker, round(c.total, 2)) for c in d.candidates],
+            top=[(c.worker, round(c.total, 2)) for c in candidates],
         )
         if d.migration is not None:
             self._start_migration(req, d)
@@ -489,11 +491,14 @@ class Forwarder:
             engine = self._engines[base] = EngineClient(base, self.http)
         try:
             # Streamed from the engine whatever the client asked, so that the deadlines see
-            # each token; closing this generator closes the connection, which aborts the
-            # request at the engine.
-            async for item in _forwarded(engine.generate(req.tokens, req.sampling_params, stream=True,
-                                                         rid=req.request_id)):
-                yield item
+            # each token; closing this generator closes the engine's (its connection, which
+            # aborts the request at the engine). Items converted here, not through _forwarded:
+            # a layer of async generator per request and per item is measurable at this rate.
+            async with contextlib.aclosing(engine.generate(req.tokens, req.sampling_params, stream=True,
+                                                           rid=req.request_id)) as items:
+                async for item in items:
+                    yield (TokensGenerated(item.token_ids, item.text) if type(item) is EngineOutput
+                           else _from_engine(item))
         except EngineRejected:
             raise
         except EngineError as exc:

@@ -85,6 +85,9 @@ class _ShardTablesCollector:
         yield load
 
 
+# The chosen worker's score terms observed per decision (ScoreTerms fields, in ms).
+CHOSEN_SCORE_TERMS = ("wan_ms", "queue_ms", "prefill_ms", "reload_ms")
+
 class EdgeMetrics:
     # Gauges say how the front doors of ``edge --workers N`` add up (kvcompassd/metrics_front_doors.py):
     # livesum (a count over processes), livemax (process 0's reading; front doors hold copies),
@@ -130,6 +133,15 @@ class EdgeMetrics:
         # Labelled children looked up once: prometheus_client's labels() validates and hashes its
         # arguments under a lock on every call. Keys are bounded (routes and statuses are fixed sets).
         self._request_counts: dict[tuple[str, int], Counter] = {}
+        self._decision_counts: dict[str, Counter] = {}
+        self.chosen_terms = tuple((term, self.score_terms.labels(term)) for term in CHOSEN_SCORE_TERMS)
+
+    def count_decision(self, outcome: str) -> None:
+        """``decisions{outcome}`` + 1 (outcomes are a fixed set: ForwardDecided.outcome)."""
+        child = self._decision_counts.get(outcome)
+        if child is None:
+            child = self._decision_counts[outcome] = self.decisions.labels(outcome)
+        child.inc()
 
     def count_request(self, route: str, status: int) -> None:
         """``requests{route, status}`` + 1."""

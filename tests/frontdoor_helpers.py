@@ -11,6 +11,7 @@ import pytest_asyncio
 from aiohttp import web
 from clusters import make_cluster
 
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.core.config import FrontDoorLimits
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
@@ -40,8 +41,9 @@ class Served:
         self.limits, self.api_keys = limits, api_keys
 
     async def __aenter__(self):
-        self.session = aiohttp.ClientSession()
-        forwarder = Forwarder("edge-a", self.router, lambda w: None, self.session, clock=lambda: 0.0,
+        self.session = aiohttp.ClientSession()  # the test's client: aiohttp's own
+        self.workers_http = WorkerConnections()  # the edge's, toward its worker
+        forwarder = Forwarder("edge-a", self.router, lambda w: None, self.workers_http, clock=lambda: 0.0,
                               metrics=self.metrics)
         settings = FrontDoorSettings(model=MODEL, max_prompt_tokens=4096, api_keys=self.api_keys)
         self.frontdoor = FrontDoor(forwarder, ByteTokenizer(), settings, self.metrics, guard=self.guard)
@@ -56,6 +58,7 @@ class Served:
     async def __aexit__(self, *exc):
         await self.runner.cleanup()
         await self.session.close()
+        await self.workers_http.close()
 
     async def connect(self):
         return await asyncio.open_connection("127.0.0.1", self.port)

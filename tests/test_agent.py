@@ -15,6 +15,7 @@ import pytest
 import zmq.asyncio
 from aiohttp import web
 
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd import certs
 from kvcompassd.agent import AgentNode
 from kvcompassd.daemon import tls_files
@@ -52,8 +53,8 @@ async def replay_found(cluster, routes: dict) -> str | None:
     agent = AgentNode(cfg, cfg.workers[0], tls)
     runner, url = await serve(routes)
     try:
-        async with aiohttp.ClientSession() as session:
-            agent.engine = EngineClient(url, session)
+        async with WorkerConnections() as http:
+            agent.engine = EngineClient(url, http)
             async with asyncio.timeout(GUARD_S):
                 return await agent.find_replay_endpoint()
     finally:
@@ -143,9 +144,9 @@ async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_
                                  kv_events_replay=engine.kv_replay_endpoint)
     agent = AgentNode(cfg, worker, tls, load_interval=0.01, load_idle_interval=60.0)
     readings = []
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session, WorkerConnections() as http:
         agent._http = session
-        agent.engine = EngineClient(engine.http_url, session)
+        agent.engine = EngineClient(engine.http_url, http)
         load = agent.engine.load
 
         async def counted(beta):

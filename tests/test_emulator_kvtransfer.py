@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.emulator.kvtransfer import (
     FAKE_BOOTSTRAP_HOST,
     MAX_FRAME,
@@ -49,10 +50,12 @@ class Pair:
         await self.prefill.start()
         await self.decode.start()
         self.session = aiohttp.ClientSession()
+        self.http = WorkerConnections()  # the engine client's
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.session.close()
+        await self.http.close()
         await self.prefill.stop()
         await self.decode.stop()
         self.ctx.term()
@@ -63,7 +66,7 @@ class Pair:
 
     async def run(self, prompt: list[int], max_new: int = 8, bootstrap: BootstrapFields | None = None):
         items = [item async for item in generate_on_pair(
-            EngineClient(self.prefill.http_url, self.session), EngineClient(self.decode.http_url, self.session),
+            EngineClient(self.prefill.http_url, self.http), EngineClient(self.decode.http_url, self.http),
             bootstrap or self.bootstrap(), prompt, {"max_new_tokens": max_new}, rid=None)]
         assert isinstance(items[-1], EngineFinished)
         return [t for item in items[:-1] for t in item.token_ids], items[-1]
@@ -126,13 +129,13 @@ async def test_requests_without_bootstrap_fields_are_refused_by_both_roles() -> 
 
 async def test_a_decode_whose_kv_never_comes_fails_within_its_bound() -> None:
     async with Pair(transfer_timeout_s=0.3) as pair:
-        decode = EngineClient(pair.decode.http_url, pair.session)
+        decode = EngineClient(pair.decode.http_url, pair.http)
         with pytest.raises(Exception, match="no KV for room 42"):
             async for _ in decode.generate([1, 2, 3], {"max_new_tokens": 2}, stream=True,
                                            extra=pair.bootstrap(42).body()):
                 pass
         # and a prefill whose decode never registers fails as clearly
-        prefill = EngineClient(pair.prefill.http_url, pair.session)
+        prefill = EngineClient(pair.prefill.http_url, pair.http)
         with pytest.raises(Exception, match="no decode instance registered room 43"):
             async for _ in prefill.generate([1, 2, 3], {"max_new_tokens": 2}, stream=False,
                                             extra=pair.bootstrap(43).body()):
@@ -145,15 +148,15 @@ async def test_pair_failures_blame_the_half_that_broke() -> None:
         # The prefill is unreachable: the decode's wait fails too, and the prefill is blamed.
         wrong = BootstrapFields("127.0.0.1", pair.prefill.bootstrap_port, 5)
         with pytest.raises(PrefillFailed):
-            async for _ in generate_on_pair(EngineClient("http://127.0.0.1:9", pair.session),
-                                            EngineClient(pair.decode.http_url, pair.session), wrong, [1, 2, 3],
+            async for _ in generate_on_pair(EngineClient("http://127.0.0.1:9", pair.http),
+                                            EngineClient(pair.decode.http_url, pair.http), wrong, [1, 2, 3],
                                             {"max_new_tokens": 2}):
                 pass
         # The decode is unreachable: the prefill waits for a registration that never comes, but
         # the decode's failure comes first and is the one reported.
         with pytest.raises(DecodeFailed):
-            async for _ in generate_on_pair(EngineClient(pair.prefill.http_url, pair.session),
-                                            EngineClient("http://127.0.0.1:9", pair.session), pair.bootstrap(),
+            async for _ in generate_on_pair(EngineClient(pair.prefill.http_url, pair.http),
+                                            EngineClient("http://127.0.0.1:9", pair.http), pair.bootstrap(),
                                             [1, 2, 3], {"max_new_tokens": 2}):
                 pass
         # The pair still serves afterwards.

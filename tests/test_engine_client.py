@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 
-import aiohttp
 import pytest
 from aiohttp import web
 from hypothesis import given
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvcompassd.worker.workermodel import WorkerTiming
 from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.engine.client import (
     EngineClient,
     EngineError,
@@ -39,8 +39,8 @@ async def emulated(**overrides):
     worker = EmulatedWorker(settings(**overrides))
     await worker.start()
     try:
-        async with aiohttp.ClientSession() as session:
-            yield worker, EngineClient(worker.http_url, session)
+        async with WorkerConnections() as http:
+            yield worker, EngineClient(worker.http_url, http)
     finally:
         await worker.stop()
 
@@ -121,8 +121,8 @@ async def serve_bytes(status: int, body: bytes, content_type: str):
 async def test_which_engine_answers_blame_the_request(status, body, content_type, rejected):
     runner, url = await serve_bytes(status, body, content_type)
     try:
-        async with aiohttp.ClientSession() as session:
-            engine = EngineClient(url, session)
+        async with WorkerConnections() as http:
+            engine = EngineClient(url, http)
             with pytest.raises(EngineError) as failure:
                 await collect(engine, {"max_new_tokens": 2}, stream=True)
     finally:
@@ -163,8 +163,8 @@ async def hostile_engine(handler):
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        async with aiohttp.ClientSession() as session:
-            yield EngineClient(f"http://127.0.0.1:{port}", session)
+        async with WorkerConnections() as http:
+            yield EngineClient(f"http://127.0.0.1:{port}", http)
     finally:
         await runner.cleanup()
 
@@ -190,7 +190,7 @@ async def test_control_reads_refuse_an_oversized_answer():
 async def test_control_reads_of_a_stalled_engine_end_at_their_deadline(monkeypatch):
     from kvcompassd.engine import client as client_module
 
-    monkeypatch.setattr(client_module, "CONTROL_TIMEOUT", aiohttp.ClientTimeout(total=0.2))
+    monkeypatch.setattr(client_module, "CONTROL_TIMEOUT_S", 0.2)
     release = asyncio.Event()
 
     async def stalled(request):
@@ -216,18 +216,6 @@ async def test_control_reads_refuse_json_nested_past_the_interpreters_limit():
             await engine.load(0.1)
 
 
-def counting_session() -> tuple[aiohttp.ClientSession, list[int]]:
-    """A session that counts the TCP connections it opens."""
-    opened: list[int] = []
-
-    async def on_created(session, ctx, params) -> None:
-        opened.append(1)
-
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_create_end.append(on_created)
-    return aiohttp.ClientSession(trace_configs=[trace]), opened
-
-
 @pytest.mark.parametrize("stream", [True, False])
 async def test_requests_in_sequence_share_one_kept_alive_connection(stream):
     """A streamed answer ends with ``[DONE]`` and then the body's end: the client reads that end,
@@ -235,17 +223,30 @@ async def test_requests_in_sequence_share_one_kept_alive_connection(stream):
     worker = EmulatedWorker(settings())
     await worker.start()
     try:
-        session, opened = counting_session()
-        async with session:
-            engine = EngineClient(worker.http_url, session)
+        async with WorkerConnections() as http:
+            engine = EngineClient(worker.http_url, http)
             for i in range(12):
                 async with asyncio.timeout(GUARD_S):
                     items = [item async for item in engine.generate(list(range(1, 60)), {"max_new_tokens": 4},
                                                                     stream=stream, rid=f"r{i}")]
                 assert type(items[-1]).__name__ == "EngineFinished"
-        assert len(opened) == 1
+            assert http.opened == 1
     finally:
         await worker.stop()
+
+
+async def test_a_stream_closed_at_its_finish_keeps_the_connection():
+    """The forwarding path closes the engine's generator as soon as it has the finish (it never
+    asks for the generator's end): the connection, whose response is whole, is kept all the same."""
+    async with emulated() as (_, engine):
+        for i in range(6):
+            outputs = engine.generate(list(range(1, 60)), {"max_new_tokens": 3}, stream=True, rid=f"f{i}")
+            async with asyncio.timeout(GUARD_S):
+                async for item in outputs:
+                    if type(item).__name__ == "EngineFinished":
+                        break
+            await outputs.aclose()
+        assert engine._pool.opened == 1
 
 
 @contextlib.asynccontextmanager
@@ -254,8 +255,10 @@ async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0)
     followed by a stall that never ends the body); with an empty ``tail``, it ends the body
     ``pause_s`` after ``[DONE]`` (as a separate write, the way SGLang's server ends its stream)."""
     stop = asyncio.Event()
+    clients: set = set()  # the client ends of the connections the server accepted
 
     async def generate(request: web.Request) -> web.StreamResponse:
+        clients.add(request.transport.get_extra_info("peername"))
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -279,8 +282,10 @@ async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        async with aiohttp.ClientSession() as session:
-            yield EngineClient(f"http://127.0.0.1:{port}", session)
+        async with WorkerConnections() as http:
+            engine = EngineClient(f"http://127.0.0.1:{port}", http)
+            engine.connections_accepted = clients
+            yield engine
     finally:
         stop.set()
         await runner.cleanup()
@@ -289,21 +294,12 @@ async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0)
 async def test_the_body_ending_after_done_keeps_the_connection():
     """The body's end comes a moment after ``[DONE]``: the client waits for it (bounded) rather
     than dropping the connection."""
-    opened: list[int] = []
-
-    async def on_created(session, ctx, params) -> None:
-        opened.append(1)
-
     async with engine_after_done(b"", forever=False, pause_s=0.05) as engine:
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_end.append(on_created)
-        async with aiohttp.ClientSession(trace_configs=[trace]) as session:
-            engine = EngineClient(engine.base, session)
-            for _ in range(3):
-                async with asyncio.timeout(GUARD_S):
-                    items = [item async for item in engine.generate([1, 2, 3], {"max_new_tokens": 2}, stream=True)]
-                assert items[-1].cached_tokens == 3
-    assert len(opened) == 1
+        for _ in range(3):
+            async with asyncio.timeout(GUARD_S):
+                items = [item async for item in engine.generate([1, 2, 3], {"max_new_tokens": 2}, stream=True)]
+            assert items[-1].cached_tokens == 3
+        assert len(engine.connections_accepted) == 1
 
 
 @pytest.mark.parametrize("tail,forever", [(b"x" * 4096, True), (b"\n", False)])

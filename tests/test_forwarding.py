@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
 
 from clusters import make_cluster
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.certs import init_ca, issue
 from kvcompassd.core.events import PrefixCached, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
@@ -130,7 +130,7 @@ async def edge(pki, request):
         node = QuicNode(NodeIdentity(Role.EDGE, "edge-a"), pki["edge-a"], on_message=lambda *a: None,
                         options=TransportOptions(idle_timeout=10.0))
         peers: dict[str, object] = {}
-        async with aiohttp.ClientSession() as session:
+        async with WorkerConnections() as session:
             forwarder = Forwarder("edge-a", router, peers.get, session, clock=lambda: 0.0, metrics=EdgeMetrics(),
                                   local_http=False, first_token_floor_s=0.5, first_token_factor=0.0,
                                   inter_token_s=0.5)

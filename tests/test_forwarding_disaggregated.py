@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
 import zmq.asyncio
 
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.core.config import parse_config
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
@@ -57,7 +57,7 @@ async def fleet():
     layout = IndexLayout.from_config(cfg)
     view = EdgeIndexView(layout, 1, edge="edge-a")
     view.install_snapshot(MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64).snapshot())
-    async with aiohttp.ClientSession() as session:
+    async with WorkerConnections() as session:
         forwarder = Forwarder("edge-a", Router(cfg, "a", view, now=0.0), lambda w: None, session, clock=lambda: 0.0,
                               metrics=EdgeMetrics(), first_token_floor_s=10.0)
         forwarder.workers = workers

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from clusters import make_cluster
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.router import Router
@@ -40,8 +40,8 @@ class Edge:
         self.metrics = EdgeMetrics()
         self.api_keys = api_keys
 
-    def app(self, session: aiohttp.ClientSession):
-        forwarder = Forwarder("edge-a", self.router, lambda w: None, session, clock=lambda: 0.0,
+    def app(self, http: WorkerConnections):
+        forwarder = Forwarder("edge-a", self.router, lambda w: None, http, clock=lambda: 0.0,
                               metrics=self.metrics)
         return FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model="m", max_prompt_tokens=4096,
                                                                         api_keys=self.api_keys), self.metrics).app
@@ -62,9 +62,9 @@ async def worker():
 
 @pytest_asyncio.fixture
 async def client(worker):
-    async with aiohttp.ClientSession() as session:
+    async with WorkerConnections() as http:
         edge = Edge(worker.http_url, "http://127.0.0.1:9")
-        async with TestClient(TestServer(edge.app(session))) as c:
+        async with TestClient(TestServer(edge.app(http))) as c:
             c.edge = edge
             yield c
 
@@ -93,9 +93,9 @@ async def test_second_request_reports_reused_tokens_and_streams(client):
 
 
 async def test_api_keys_are_required_when_configured(worker):
-    async with aiohttp.ClientSession() as session:
+    async with WorkerConnections() as http:
         edge = Edge(worker.http_url, "http://127.0.0.1:9", api_keys=frozenset({"sk-good"}))
-        async with TestClient(TestServer(edge.app(session))) as c:
+        async with TestClient(TestServer(edge.app(http))) as c:
             assert (await c.post("/generate", json={"text": "a"})).status == 401
             bad = await c.post("/generate", json={"text": "a"}, headers={"Authorization": "Bearer sk-bad"})
             assert bad.status == 401 and "API key" in (await bad.json())["error"]["message"]

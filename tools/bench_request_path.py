@@ -2,13 +2,13 @@
 
 This process runs the edge's request path as the edge daemon builds it (``FrontDoor`` under its
 ``FrontDoorGuard`` runner, a ``Forwarder`` with a real ``Router`` on an empty index view, the
-aiohttp client session the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
+client toward workers the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
 worker and a closed-loop client runs in a child process. Nothing else shares the edge's process
 (no QUIC, no index updates, no load polls), so its CPU time over a window divided by the requests
 served is what one request costs the edge's HTTP and forwarding path. ``--profile FILE`` writes a
 cProfile of the measured windows (CPU clock) for the shares.
 
-    python tools/bench_request_path.py [--concurrency 16] [--seconds 5] [--windows 3] [--profile out.prof]
+    python tools/bench_request_path.py [--concurrency 16] [--seconds 5] [--windows 3] [--direct] [--profile out.prof]
 
 Run it against two checkouts (``PYTHONPATH=...``) back to back, alternating, to compare them.
 """
@@ -47,10 +47,12 @@ from kvcompassd.tokenizer import ByteTokenizer
 
 def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int, suffix_chars: int,
                    out: multiprocessing.Queue) -> None:
-    """Closed loop in its own process: ``concurrency`` clients for ``seconds``; puts (served, errors)."""
+    """Closed loop in its own process: ``concurrency`` clients for ``seconds``; puts (served,
+    errors, median latency of the served requests in ms)."""
 
-    async def run() -> tuple[int, int]:
+    async def run() -> tuple[int, int, float]:
         served = errors = 0
+        latencies: list[float] = []
         prefixes = [chr(97 + g) * prefix_chars for g in range(8)]
         stop_at = time.monotonic() + seconds
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -62,18 +64,31 @@ def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int
                     text = prefixes[(i + n) % 8] + f" {i}-{n} " + "x" * suffix_chars
                     body = {"text": text, "sampling_params": {"max_new_tokens": 8}}
                     try:
+                        started = time.perf_counter()
                         async with session.post(url + "/generate", json=body) as resp:
                             await resp.read()
                             if resp.status == 200:
                                 served += 1
+                                latencies.append((time.perf_counter() - started) * 1e3)
                             else:
                                 errors += 1
                     except aiohttp.ClientError:
                         errors += 1
             await asyncio.gather(*(one(i) for i in range(concurrency)))
-        return served, errors
+        return served, errors, statistics.median(latencies) if latencies else float("nan")
 
     out.put(uvloop.run(run()))
+
+
+def worker_client():
+    """The edge's client toward workers, as edge.py opens it: the lean keep-alive pools, or on a
+    checkout from before them (to compare against) aiohttp's session."""
+    try:
+        from kvcompassd.engine.http1 import WorkerConnections
+    except ImportError:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                     connector=aiohttp.TCPConnector(limit=0))
+    return WorkerConnections()
 
 
 async def wait_worker(url: str, proc: subprocess.Popen) -> None:
@@ -109,8 +124,7 @@ async def main_async(args) -> None:
         router = Router(cfg, worker.region, view, now=time.monotonic())  # the edge's clock
         metrics = EdgeMetrics()
         guard = FrontDoorGuard(cfg.frontdoor, metrics)  # as edge.py builds it
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                        connector=aiohttp.TCPConnector(limit=0))  # as edge.py opens it
+        session = worker_client()
         forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, session,
                               clock=time.monotonic, metrics=metrics)
         frontdoor = FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model=cfg.model), metrics, guard=guard)
@@ -121,34 +135,53 @@ async def main_async(args) -> None:
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         profiler = cProfile.Profile(time.process_time) if args.profile else None
         per_request: list[float] = []
+        p50_edge: list[float] = []
+        p50_direct: list[float] = []  # the same client straight to the worker, in the windows between
         ctx = multiprocessing.get_context("spawn")
-        for window in range(args.windows + 1):  # the first warms up, unmeasured
+
+        async def closed_loop(target: str) -> tuple[int, int, float, float]:
             out = ctx.Queue()
-            client = ctx.Process(target=client_process, args=(url, args.concurrency, args.seconds, args.prefix_chars,
-                                                              args.suffix_chars, out))
+            client = ctx.Process(target=client_process, args=(target, args.concurrency, args.seconds,
+                                                              args.prefix_chars, args.suffix_chars, out))
             client.start()
             await asyncio.sleep(0.5)  # the child's interpreter starting is not the edge's
             cpu0 = time.process_time()
-            if profiler is not None and window:
+            if profiler is not None and measured:
                 profiler.enable()
-            served, errors = await asyncio.to_thread(out.get)
-            if profiler is not None and window:
+            served, errors, p50 = await asyncio.to_thread(out.get)
+            if profiler is not None and measured:
                 profiler.disable()
             cpu = time.process_time() - cpu0
             await asyncio.to_thread(client.join)
+            return served, errors, p50, cpu
+
+        for window in range(args.windows + 1):  # the first warms up, unmeasured
+            measured = bool(window)
+            served, errors, p50, cpu = await closed_loop(url)
             if window and served:
                 per_request.append(cpu / served * 1e6)
-                print(f"  window {window}: {served} requests ({errors} errors), edge CPU {cpu / served * 1e6:.0f} us/request",
-                      flush=True)
+                p50_edge.append(p50)
+                print(f"  window {window}: {served} requests ({errors} errors), edge CPU {cpu / served * 1e6:.0f} "
+                      f"us/request, P50 {p50:.2f} ms", flush=True)
+            if window and args.direct:
+                measured = False
+                served, errors, p50, _ = await closed_loop(worker.http)
+                if served:
+                    p50_direct.append(p50)
+                    print(f"  direct {window}: {served} requests ({errors} errors), P50 {p50:.2f} ms", flush=True)
         await runner.cleanup()
         await forwarder.close()
         await session.close()
         result = {"concurrency": args.concurrency, "us_per_request": per_request,
                   "median_us": statistics.median(per_request) if per_request else float("nan"),
+                  "p50_ms": p50_edge, "direct_p50_ms": p50_direct,
+                  "added_p50_ms": (statistics.median(p50_edge) - statistics.median(p50_direct)
+                                   if p50_edge and p50_direct else None),
                   "load_average": os.getloadavg()}
         print(f"edge request path, c = {args.concurrency}: median {result['median_us']:.0f} us of CPU per request over "
-              f"{len(per_request)} windows of {args.seconds:g} s; load average "
-              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+              f"{len(per_request)} windows of {args.seconds:g} s"
+              + (f"; added P50 {result['added_p50_ms']:.2f} ms" if result["added_p50_ms"] is not None else "")
+              + f"; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         if args.json:
             Path(args.json).write_text(json.dumps(result))
         if profiler is not None:
@@ -163,6 +196,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--direct", action="store_true",
+                   help="after each measured window, one with the same client straight to the worker: added P50")
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)
     p.add_argument("--profile", metavar="FILE", help="cProfile of the measured windows (CPU clock)")

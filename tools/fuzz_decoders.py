@@ -46,6 +46,7 @@ from typing import Any
 
 import msgpack
 
+from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier, TierChanged
 from kvcompassd.core.ludo import LudoError, LudoTable, LudoView
 from kvcompassd.engine import kvevents
@@ -440,7 +441,6 @@ def http_input(rng: random.Random) -> tuple[str, bytes]:
 
 
 async def fuzz_frontdoor(n: int, seed: int, bound_s: float, concurrency: int = 16) -> Result:
-    import aiohttp
     from aiohttp.test_utils import TestClient, TestServer
 
     from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
@@ -464,8 +464,8 @@ async def fuzz_frontdoor(n: int, seed: int, bound_s: float, concurrency: int = 1
     rng = random.Random(f"{seed}:frontdoor")
     inputs = [http_input(rng) for _ in range(n)]
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession() as session:
-        forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, session, clock=time.monotonic, metrics=metrics)
+    async with WorkerConnections() as http:
+        forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, http, clock=time.monotonic, metrics=metrics)
         app = FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model="m", max_prompt_tokens=4096), metrics).app
         async with TestClient(TestServer(app)) as client:
             queue = iter(inputs)

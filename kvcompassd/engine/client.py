@@ -8,15 +8,16 @@ tokens whose prefix keys the index holds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import aiohttp
+from urllib.parse import urlsplit
+
 import numpy as np
 import orjson
-import yarl
+
+from kvcompassd.engine.http1 import HttpClientError, Response, ResponseTooLarge, WorkerConnections
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ def _failure(status: int, body: str) -> EngineError:
     return EngineError(f"engine answered HTTP {status}: {body[:300]}")
 
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
+_JSON_HEADERS = b"Content-Type: application/json\r\nAccept: */*\r\n"
 
 
 def generate_body(input_ids, fields: dict) -> bytes:
@@ -130,10 +131,19 @@ def finished_from_meta(meta: dict, prompt_tokens: int, completion_tokens: int) -
 
 
 class EngineClient:
-    def __init__(self, base_url: str, session: aiohttp.ClientSession):
+    """One engine's HTTP API over ``http``'s keep-alive pool toward its address."""
+
+    def __init__(self, base_url: str, http: WorkerConnections):
         self.base = base_url.rstrip("/")
-        self.session = session
-        self._generate_url = yarl.URL(f"{self.base}/generate")  # parsed once, not per request
+        url = urlsplit(self.base)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"an engine's address must be http(s)://host[:port][/path], not {base_url!r}")
+        tls = url.scheme == "https"
+        self._pool = http.pool(url.hostname, url.port or (443 if tls else 80), tls=tls)
+        prefix = url.path.rstrip("/").encode()
+        self._generate_path = prefix + b"/generate"  # made once, not per request
+        self._loads_path = prefix + b"/v1/loads"
+        self._server_info_path = prefix + b"/server_info"
 
     async def generate(
         self, input_ids: Sequence[int], sampling_params: dict, *, stream: bool, rid: str | None = None,
@@ -151,58 +161,82 @@ class EngineClient:
             # Leaving this block before the end (the caller closed this generator: its client
             # went away, or a deadline passed) closes the connection, which SGLang and the
             # emulated worker take as an abort of the request.
-            async with self.session.post(self._generate_url, data=generate_body(input_ids, fields),
-                                         headers=_JSON_HEADERS) as resp:
+            async with self._pool.request(b"POST", self._generate_path, generate_body(input_ids, fields),
+                                          _JSON_HEADERS) as resp:
                 if resp.status != 200:
-                    raise _failure(resp.status, (await resp.content.read(64 * 1024)).decode("utf-8", "replace"))
+                    raise _failure(resp.status, (await _read_some(resp, MAX_ERROR_BODY)).decode("utf-8", "replace"))
                 if not stream:
-                    data = await resp.json(content_type=None)
+                    data = orjson.loads(await resp.read(MAX_WHOLE_BODY))
+                    if not isinstance(data, dict):
+                        raise EngineError("engine answered a JSON value that is not an object")
                     ids = tuple(int(t) for t in data.get("output_ids") or ())
                     yield EngineOutput(ids, str(data.get("text", "")))
                     yield finished_from_meta(data.get("meta_info") or {}, len(input_ids), len(ids))
                     return
-                async with contextlib.aclosing(_stream(resp, len(input_ids))) as items:
-                    async for item in items:
+                streamed = _StreamedGenerate(len(input_ids))
+                while raw := await resp.readline(MAX_STREAM_LINE):
+                    item = streamed.line(raw)
+                    if streamed.done:
+                        # The body's end (the chunked terminator) follows: read it, so that the
+                        # connection is kept (bounded: see DRAIN_*).
+                        await resp.drain(DRAIN_MAX_BYTES, DRAIN_TIMEOUT_S)
+                        break
+                    if item is not None:
                         yield item
-        except aiohttp.ClientError as exc:
-            raise EngineError(f"engine unreachable: {exc}") from exc
+                yield streamed.finished()
+        except OSError as exc:
+            raise EngineError(f"engine unreachable: {str(exc) or type(exc).__name__}") from exc
+        except HttpClientError as exc:
+            raise EngineError(f"engine's HTTP exchange failed: {exc}") from exc
+        except TimeoutError as exc:  # connecting took longer than the pool allows
+            raise EngineError("engine unreachable: connecting timed out") from exc
         except ValueError as exc:
             raise EngineError(f"engine sent malformed JSON: {exc}") from exc
 
     async def load(self, prefill_ms_per_token: float) -> EngineLoad:
         """Read ``/v1/loads``; the queueing delay is the prefill work queued ahead of a new prompt."""
         try:
-            async with self.session.get(f"{self.base}/v1/loads", timeout=CONTROL_TIMEOUT) as resp:
-                if resp.status != 200:
-                    raise EngineError(f"/v1/loads answered HTTP {resp.status}")
-                data = await _bounded_json(resp, "/v1/loads")
-        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
+            data = await self._control_json(self._loads_path, "/v1/loads")
+        except (HttpClientError, OSError, TimeoutError, ValueError, RecursionError) as exc:
             raise EngineError(f"load reading failed: {str(exc) or type(exc).__name__}") from exc
         return parse_loads(data, prefill_ms_per_token)
 
     async def server_info(self) -> dict:
         try:
-            async with self.session.get(f"{self.base}/server_info", timeout=CONTROL_TIMEOUT) as resp:
-                if resp.status != 200:
-                    raise EngineStatusError("/server_info", resp.status)
-                return await _bounded_json(resp, "/server_info")
-        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as exc:
+            return await self._control_json(self._server_info_path, "/server_info")
+        except (HttpClientError, OSError, TimeoutError, ValueError, RecursionError) as exc:
             raise EngineError(f"server info failed: {str(exc) or type(exc).__name__}") from exc
+
+    async def _control_json(self, path: bytes, what: str):
+        async with asyncio.timeout(CONTROL_TIMEOUT_S), self._pool.request(b"GET", path, b"", b"") as resp:
+            if resp.status != 200:
+                raise EngineStatusError(what, resp.status)
+            try:
+                body = await resp.read(MAX_CONTROL_BODY)
+            except ResponseTooLarge:
+                raise ValueError(f"{what} answered more than {MAX_CONTROL_BODY} bytes") from None
+        return json.loads(body)
 
 
 # The engine's small control answers (/v1/loads, /server_info) are read within a deadline and a
 # size bound: an engine that stalls or streams garbage must not hang or bloat its agent.
-CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+CONTROL_TIMEOUT_S = 5.0
 MAX_CONTROL_BODY = 1 << 20
+MAX_ERROR_BODY = 64 * 1024  # of an engine's refusal, read for its message
+MAX_WHOLE_BODY = 64 << 20  # a non-streamed answer: a long generation's ids and text
+# A streamed chunk: SGLang's non-incremental streaming repeats every output id so far in each.
+MAX_STREAM_LINE = 16 << 20
 
 
-async def _bounded_json(resp: aiohttp.ClientResponse, what: str):
+async def _read_some(resp: Response, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the body (an error's: its message is all the client needs)."""
     body = bytearray()
-    async for chunk in resp.content.iter_chunked(64 * 1024):
-        body += chunk
-        if len(body) > MAX_CONTROL_BODY:
-            raise ValueError(f"{what} answered more than {MAX_CONTROL_BODY} bytes")
-    return json.loads(body)
+    while len(body) < limit:
+        piece = await resp.readany()
+        if not piece:
+            break
+        body += piece
+    return bytes(body[:limit])
 
 
 def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
@@ -240,41 +274,37 @@ def _raise_if_aborted(meta) -> None:
 
 
 # After ``[DONE]`` the end of the body (the chunked terminator) is on its way: read it, so that the
-# connection goes back to the keep-alive pool. Left unread, aiohttp closes the connection, and
-# half the requests paid a new TCP connection to their worker. Bounded: an engine that sends more,
-# or stalls, costs its connection, never the request.
+# connection goes back to the keep-alive pool instead of each request paying a new connection to
+# its worker. Bounded: an engine that sends more, or stalls, costs its connection, never the request.
 DRAIN_MAX_BYTES = 64 * 1024
 DRAIN_TIMEOUT_S = 1.0
 
 
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    content, read = resp.content, 0
-    if content.at_eof():
-        return
-    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-        async with asyncio.timeout(DRAIN_TIMEOUT_S):
-            while not content.at_eof() and read <= DRAIN_MAX_BYTES:
-                piece = await content.readany()
-                if not piece:
-                    break
-                read += len(piece)
+class _StreamedGenerate:
+    """SGLang's streamed ``/generate``, line by line: SSE ``data:`` lines with cumulative ``text``
+    and ``output_ids`` (incremental in builds with incremental streaming), ending with
+    ``[DONE]``. Sans-IO, so that the client reads the lines in its own loop (a generator layer
+    less per request and per line)."""
 
+    __slots__ = ("done", "ids_sent", "meta", "prompt_tokens", "text_sent")
 
-async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
-    """SGLang's streamed ``/generate``: SSE ``data:`` lines with cumulative ``text`` and
-    ``output_ids`` (incremental in builds with incremental streaming), ending with ``[DONE]``."""
-    text_sent = ""
-    ids_sent: list[int] = []
-    meta: dict = {}
-    async for raw in resp.content:
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.text_sent = ""
+        self.ids_sent: list[int] = []
+        self.meta: dict = {}
+        self.done = False  # ``[DONE]`` arrived
+
+    def line(self, raw: bytes) -> EngineOutput | None:
+        """The output a line brings, if any; raises ``EngineError`` for an engine's error event."""
         line = raw.strip()
         if not line.startswith(b"data:"):
-            continue
+            return None
         payload = line[5:].strip()
         if payload == b"[DONE]":
-            await _drain(resp)
-            break
-        chunk = json.loads(payload)
+            self.done = True
+            return None
+        chunk = orjson.loads(payload)
         if not isinstance(chunk, dict):
             raise EngineError("engine sent a streamed chunk that is not a JSON object")
         if "error" in chunk:
@@ -286,15 +316,19 @@ async def _stream(resp: aiohttp.ClientResponse, prompt_tokens: int):
         _raise_if_aborted(chunk.get("meta_info"))
         text = str(chunk.get("text", ""))
         ids = [int(t) for t in chunk.get("output_ids") or ()]
+        text_sent, ids_sent = self.text_sent, self.ids_sent
         if text.startswith(text_sent):
-            delta_text, text_sent = text[len(text_sent):], text
+            delta_text, self.text_sent = text[len(text_sent):], text
         else:
-            delta_text, text_sent = text, text_sent + text
+            delta_text, self.text_sent = text, text_sent + text
         if len(ids) >= len(ids_sent) and ids[: len(ids_sent)] == ids_sent:
-            delta_ids, ids_sent = ids[len(ids_sent):], ids
+            delta_ids, self.ids_sent = ids[len(ids_sent):], ids
         else:
-            delta_ids, ids_sent = ids, ids_sent + ids
-        meta = chunk.get("meta_info") or meta
+            delta_ids, self.ids_sent = ids, ids_sent + ids
+        self.meta = chunk.get("meta_info") or self.meta
         if delta_ids or delta_text:
-            yield EngineOutput(tuple(delta_ids), delta_text)
-    yield finished_from_meta(meta, prompt_tokens, len(ids_sent))
+            return EngineOutput(tuple(delta_ids), delta_text)
+        return None
+
+    def finished(self) -> EngineFinished:
+        return finished_from_meta(self.meta, self.prompt_tokens, len(self.ids_sent))
