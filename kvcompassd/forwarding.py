@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import zlib
@@ -261,7 +262,7 @@ class Forwarder:
     def _expected_ms(self, d: ForwardDecided, req: ForwardRequest) -> float:
         """What the score expects until the first token; a prefill-decode pair adds the KV's
         move from prefill to decode (the prompt's, at the configured bandwidth)."""
-        expected = d.score.scores.item(d.worker_index)
+        expected = d.score.total  # the winner's own score: reading every worker's would score them all
         if self.decode_chooser is not None and self.cfg.worker(d.worker).role == "prefill":
             expected += self._transfer_of[d.worker].transfer_ms(len(req.tokens))
         return expected
@@ -374,11 +375,13 @@ class Forwarder:
         if d.pending:
             metrics.pending_credits.inc()
         metrics.decision_seconds.observe(decision_us / 1e6)
-        candidates = d.candidates
-        if candidates:
-            top = candidates[0]
+        # The winner's terms alone: the runners-up need every worker scored (the sparse decision
+        # skips the workers that cannot win), so they are logged only at debug level.
+        chosen = d.score.top(1)
+        if chosen:
             for term, histogram in metrics.chosen_terms:
-                histogram.observe(getattr(top, term))
+                histogram.observe(getattr(chosen[0], term))
+        candidates = d.candidates if log.is_enabled_for(logging.DEBUG) else chosen
         log.info(
             "forward",
             request_id=req.request_id,

@@ -17,7 +17,9 @@ from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SPEC = DeploymentSpec(workers={"us": 2, "eu": 2}, one_way_ms={("us", "eu"): 5.0}, shards=2,
+# Two edges per region: an edge copies its views only from a peer that follows the same update
+# stream, i.e. an edge of its own region (edge-eu, the region's relay, and edge-eu-1).
+SPEC = DeploymentSpec(workers={"us": 2, "eu": 2}, one_way_ms={("us", "eu"): 5.0}, shards=2, edges_per_region=2,
                       prefill_ms_per_token=0.02, decode_ms_per_token=1.0)
 
 
@@ -96,9 +98,10 @@ async def test_edge_killed_while_others_serve_then_bootstraps(dep):
         dep.kill("edge", "edge-eu")
         await asyncio.sleep(1.0)
     assert load.failed == [] and load.ok > 0
-    # It comes back by copying a peer edge's views, then catches up from the maintenance units.
+    # It comes back by copying its region peer's views (which took over the relay meanwhile),
+    # then catches up from the maintenance units.
     node = dep.node("edge", "edge-eu")
-    node.argv += ["--copy-view-from", "edge-us"]
+    node.argv += ["--copy-view-from", "edge-eu-1"]
     dep.restart("edge", "edge-eu")
     await dep.wait_ready(60)
     await assert_views_converged(dep, edges=dep.cfg.edges_in("eu"), timeout=30)
