@@ -157,6 +157,10 @@ int kvc_view_new(kvc_view **out, const uint8_t *blob, size_t len);
 /* Free a view (NULL is allowed). */
 void kvc_view_free(kvc_view *view);
 
+/* A new view in the same state as ``src`` (an exact copy of its arrays: the same answers as
+ * kvc_view_new on src's snapshot, without writing and parsing one). KVC_OK or KVC_ERR_NOMEM. */
+int kvc_view_copy(kvc_view **out, const kvc_view *src);
+
 /* Apply a record blob (same table, same epoch) or a snapshot blob (same table, epoch not older).
  * The whole blob is validated first; on any error the view is unchanged. */
 int kvc_view_apply(kvc_view *view, const uint8_t *blob, size_t len);

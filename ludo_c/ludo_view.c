@@ -281,6 +281,44 @@ int kvc_view_new(kvc_view **out, const uint8_t *blob, size_t len)
     return KVC_OK;
 }
 
+static void *dup_array(const void *src, size_t bytes)
+{
+    if (!src)
+        return NULL;
+    void *out = kvc_alloc(bytes, 0);
+    if (out)
+        memcpy(out, src, bytes);
+    return out;
+}
+
+int kvc_view_copy(kvc_view **out, const kvc_view *src)
+{
+    if (!out || !src)
+        return KVC_ERR_ARG;
+    kvc_view *v = kvc_alloc(sizeof *v, 1);
+    if (!v)
+        return KVC_ERR_NOMEM;
+    *v = *src;
+    uint64_t nb = src->geo.nb, slots = 4u * nb;
+    unsigned d = src->geo.fp_bits;
+    v->words = dup_array(src->words, ((size_t)src->wa + src->wb) * sizeof *src->words);
+    v->seeds = dup_array(src->seeds, ((nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD) * sizeof *src->seeds);
+    v->vals32 = dup_array(src->vals32, slots * sizeof *src->vals32);
+    v->vals64 = dup_array(src->vals64, slots * sizeof *src->vals64);
+    v->fps = d ? dup_array(src->fps, (slots * d + 7) / 8 + 8) : NULL;
+    v->ov_bucket = dup_array(src->ov_bucket, (size_t)src->ov_cap * sizeof *src->ov_bucket);
+    v->ov_seed = dup_array(src->ov_seed, (size_t)src->ov_cap * sizeof *src->ov_seed);
+    if ((src->words && !v->words) || (src->seeds && !v->seeds) || (src->vals32 && !v->vals32) ||
+        (src->vals64 && !v->vals64) || (src->fps && d && !v->fps) || (src->ov_bucket && !v->ov_bucket) ||
+        (src->ov_seed && !v->ov_seed)) {
+        view_release(v);
+        free(v);
+        return KVC_ERR_NOMEM;
+    }
+    *out = v;
+    return KVC_OK;
+}
+
 void kvc_view_free(kvc_view *v)
 {
     if (!v)

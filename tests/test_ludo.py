@@ -661,3 +661,36 @@ def test_batch_apply_refuses_an_old_epochs_records_and_a_payload_error_before_ch
     assert views[1].snapshot() == before[1]
     apply_batch(views[1:], [good])
     assert views[1].snapshot() == steady.snapshot()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, fingerprint_bits=st.sampled_from([0, 6]), value_bits=st.sampled_from([32, 64]),
+       copy_at=st.integers(0, 250))
+def test_a_copied_view_is_its_snapshot_and_then_on_its_own(ops, fingerprint_bits, value_bits, copy_at):
+    """copy() (the simulator's shared versions) answers every key as a view built from the
+    original's snapshot, and after it each follows only the blobs applied to it."""
+    table = LudoTable(8, value_bits=value_bits, fingerprint_bits=fingerprint_bits, seed=3)
+    view = synced_view(table)
+    oracle: dict[int, int] = {}
+    copied, oracle_then, probes = None, {}, np.arange(1, 400, dtype=np.uint64) * 7919
+    for n, (op, key, value) in enumerate(ops):
+        if n == copy_at:
+            copied, oracle_then = view.copy(), dict(oracle)
+            rebuilt = LudoView.from_snapshot(view.snapshot())
+            assert np.array_equal(copied.lookup_many(probes), rebuilt.lookup_many(probes))  # keyless answers too
+            assert (copied.epoch, copied.slots, copied.overflow_count) == (rebuilt.epoch, rebuilt.slots,
+                                                                             rebuilt.overflow_count)
+        if op == "insert" and key not in oracle:
+            table.insert(key, value)
+            oracle[key] = value
+        elif op == "remove" and oracle:
+            target = list(oracle)[key % len(oracle)]
+            table.remove(target)
+            del oracle[target]
+        for blob in table.take_updates():
+            view.apply(blob)
+    assert view_matches(view, oracle)
+    if copied is not None:
+        assert view_matches(copied, oracle_then)  # untouched by what the original applied since
+        copied.apply(table.snapshot())
+        assert view_matches(copied, oracle)

@@ -284,3 +284,20 @@ def test_the_own_work_ahead_is_what_is_open_and_not_yet_prefilled(ops):
     for dispatch in opened:
         rates.dropped(dispatch)
     assert [rates.own_work_ahead_ms(w) for w in range(3)] == [0.0, 0.0, 0.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(served=st.lists(st.tuples(st.integers(min_value=0, max_value=2), st.floats(min_value=0.001, max_value=2.0),
+                                 st.integers(min_value=0, max_value=3000)), max_size=40))
+def test_the_rates_vector_is_exactly_each_workers_rate(served):
+    """prefill_rates (what the scorer reads) is bit for bit prefill_ms_per_token of every worker,
+    whichever workers have samples of their own and wherever the fleet's factor stands."""
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t = 0.0
+    for n, (worker, prefill_s, uncached) in enumerate(served):
+        _serve(rates, n, worker, sent=t, first=t + rtt + prefill_s, end=t + rtt + prefill_s, uncached=uncached,
+               output=1)
+        t += 3.0
+        assert rates.prefill_rates().tolist() == [rates.prefill_ms_per_token(w) for w in range(3)]

@@ -389,6 +389,17 @@ class LudoView:
         view._ptr = ffi.gc(out[0], lib.kvc_view_free, size=int(lib.kvc_view_memory_bytes(out[0])))
         return view
 
+    def copy(self) -> LudoView:
+        """An independent view in the same state (as ``from_snapshot(self.snapshot())``, without
+        writing and parsing the snapshot: the simulator's shared views copy tables per version)."""
+        out = ffi.new("kvc_view **")
+        rc = lib.kvc_view_copy(out, self._ptr)
+        if rc != lib.KVC_OK:
+            _raise(rc, "copying a view")
+        view = object.__new__(LudoView)
+        view._ptr = ffi.gc(out[0], lib.kvc_view_free, size=int(lib.kvc_view_memory_bytes(out[0])))
+        return view
+
     def apply(self, blob: bytes) -> None:
         """Apply a record blob or a snapshot; on any error the view is left unchanged."""
         buf = _blob_buffer(blob)

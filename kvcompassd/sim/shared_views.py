@@ -75,7 +75,7 @@ class _Versions:
             view = self.views.pop(base)  # no edge is at it any more: move it on in place
             del self.refs[base]
         else:
-            view = LudoView.from_snapshot(self.views[base].snapshot())
+            view = self.views[base].copy()
         for v in range(start + 1, k + 1):
             view.apply(self.blobs[v - 1 - off])
         return view
