@@ -30,7 +30,6 @@ import pytest
 import pytest_asyncio
 
 from e2e_helpers import admin, assert_views_converged, doc, eventually
-from kvcompassd import certs
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.sync import SNAPSHOT_MESSAGES, EdgeSync
 from kvcompassd.core.layout import IndexLayout
@@ -48,8 +47,12 @@ from kvcompassd.wire import (
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LOSS, JITTER, ONE_WAY_MS = 0.15, 0.2, 120.0
+# Two edges per region: the probe edge speaks as a configured edge (the far region's second, stopped
+# first), since a unit serves only the edges its config names, each its region's stream. No relay
+# inside a region: every edge takes its batches from the unit, over the lossy WAN under test.
 SPEC = DeploymentSpec(workers={"us": 2, "eu": 2}, one_way_ms={("us", "eu"): ONE_WAY_MS}, shards=2,
-                      prefill_ms_per_token=0.02, decode_ms_per_token=1.0)
+                      edges_per_region=2, sync={"relay": False}, prefill_ms_per_token=0.02,
+                      decode_ms_per_token=1.0)
 CONVERGE_S = 90.0  # generous: a connection may die under loss and need its resync
 
 
@@ -92,17 +95,15 @@ class ProbeEdge:
     relay and followed by the edge's sync protocol; it drops batches on purpose while
     ``dropping``, and the protocol repairs the gaps."""
 
-    def __init__(self, dep, shard: int):
-        self.dep, self.shard = dep, shard
-        self.view = EdgeIndexView(IndexLayout.from_config(dep.cfg), dep.cfg.shards, edge="edge-lossprobe")
+    def __init__(self, dep, shard: int, name: str):
+        self.dep, self.shard, self.name = dep, shard, name
+        dep.kill("edge", name)
+        self.view = EdgeIndexView(IndexLayout.from_config(dep.cfg), dep.cfg.shards, edge=name)
         self.sync = EdgeSync(self.view)
         self.dropping = False
         self.dropped = self.applied = self.resyncs = self.snapshots = 0
         self.errors: list[ErrorReported] = []
-        path = dep.tls_dir / "edge-lossprobe.pem"
-        if not path.exists():
-            certs.issue(dep.tls_dir, dep.tls_dir, role=Role.EDGE, node_id="edge-lossprobe")
-        self.node = QuicNode(NodeIdentity(Role.EDGE, "edge-lossprobe"), tls_files(dep.tls_dir, "edge-lossprobe"),
+        self.node = QuicNode(NodeIdentity(Role.EDGE, name), tls_files(dep.tls_dir, name),
                              on_message=self._on_message, options=TransportOptions(idle_timeout=10.0))
 
     async def connect(self, unit: str, from_region: str) -> None:
@@ -157,7 +158,7 @@ def _encode(message) -> bytes:
 async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_the_lossy_wan(dep):
     unit = dep.cfg.maintenance[0]
     far = next(r for r in dep.cfg.region_names() if r != dep.maintenance_region[unit.id])
-    probe = ProbeEdge(dep, unit.shard)
+    probe = ProbeEdge(dep, unit.shard, f"edge-{far}-1")
     try:
         await probe.connect(unit.id, far)
         await eventually(lambda: _ready(probe), timeout=CONVERGE_S)
@@ -170,7 +171,7 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
 
             async def converged() -> bool:
                 probe.tick()
-                state = await admin(dep, unit.id, "entries")
+                state = await admin(dep, unit.id, "entries", {"edge": probe.name})
                 for group, kv in state["groups"].items():
                     if probe.values(int(group), kv["keys"]) != kv["values"]:
                         # A gap shows only when a later batch arrives: make one.

@@ -34,10 +34,12 @@ from kvcompassd.transport.base import LOOPBACK_DATAGRAM_SIZE, QUIC_MIN_DATAGRAM_
 from kvcompassd.transport.aioquic_tweaks import ACK_ONLY_BACKLOG, last_ack_eliciting_sent
 from kvcompassd.transport.framing import HEADER, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
 from kvcompassd.wanemu import WanRelay
+from kvcompassd.core.events import EventOp, IndexEventColumns
 from kvcompassd.wire import (
     ErrorReported,
     Message,
     NodeIdentity,
+    PrefixEventsReported,
     QueueVectorBroadcast,
     RequestForwarded,
     ResponseChunked,
@@ -486,6 +488,9 @@ def test_node_refuses_certificate_of_another_identity(pki):
 # ---- rejected frames keep the connection -----------------------------------------------------
 
 
+_EVIL_EVENTS = IndexEventColumns(bytes([EventOp.CACHED_VRAM]), (1).to_bytes(8, "little"))
+
+
 def test_forbidden_message_gets_error_and_connection_carries_on(run, pki):
     async def scenario():
         server_inbox, edge_inbox = Recorder(reply=answer_with_chunks), Recorder()
@@ -493,14 +498,15 @@ def test_forbidden_message_gets_error_and_connection_carries_on(run, pki):
             pki, "edge-us", edge_inbox, check_outgoing_roles=False
         ) as edge:
             peer = await edge.connect(agent.address)
-            # An edge may not write the index: refused on the control channel...
-            await peer.send(UpdateBatchPublished(0, 1, 1, ((0, b"evil"),)))
+            # An edge may not report a worker's cache (only that worker's agent may): refused on
+            # the control channel...
+            await peer.send(PrefixEventsReported("us-0", 1, _EVIL_EVENTS))
             _, error, channel = await edge_inbox.next()
             assert isinstance(error, ErrorReported) and error.code == "forbidden" and channel.kind == "control"
-            assert "UpdateBatchPublished" in error.detail
+            assert "PrefixEventsReported" in error.detail
             # ...and on an exchange, which stays usable.
             async with peer.open_stream() as exchange:
-                await exchange.send(UpdateBatchPublished(0, 1, 2, ()))
+                await exchange.send(PrefixEventsReported("us-0", 2, _EVIL_EVENTS))
                 reply = await exchange.receive()
                 assert isinstance(reply, ErrorReported) and reply.code == "forbidden"
                 await exchange.send(RequestForwarded("r1", "edge-us", "us", (1,), {}, True, 0), end=True)
@@ -517,7 +523,7 @@ def test_sending_a_forbidden_message_fails_locally(run, pki):
         async with node(pki, "us-0", listen=True) as agent, node(pki, "edge-us") as edge:
             peer = await edge.connect(agent.address)
             with pytest.raises(WireForbidden):
-                await peer.send(UpdateBatchPublished(0, 1, 1, ()))
+                await peer.send(PrefixEventsReported("us-0", 1, _EVIL_EVENTS))
 
     run(scenario())
 
