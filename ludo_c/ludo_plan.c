@@ -8,6 +8,7 @@
  */
 #include "ludo.h"
 #include "kvc_score_term.h"
+#include "kvc_level_reads.h"
 
 #include <math.h>
 
@@ -46,22 +47,8 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
             const kvc_view *read_view[KVC_PLAN_CHUNK_GROUPS];
             uint64_t read_key[KVC_PLAN_CHUNK_GROUPS], read_value[KVC_PLAN_CHUNK_GROUPS];
             size_t read_group[KVC_PLAN_CHUNK_GROUPS];
-            size_t reads = 0;
-            for (size_t i = 0; i < count; i++) {
-                if (!alive[i])
-                    continue;
-                size_t g = first + i;
-                int32_t k = level_keys[g * max_levels + level];
-                if (k < 0 || (size_t)k >= n_keys) {
-                    alive[i] = 0; /* padding, or a length longer than the prompt: the group ends */
-                    continue;
-                }
-                uint64_t key = keys[k];
-                read_view[reads] = views[(key % shards) * groups + g];
-                read_key[reads] = key;
-                read_group[reads] = i;
-                reads++;
-            }
+            size_t reads = kvc_gather_level_reads(views, shards, groups, first, count, level, max_levels, level_keys,
+                                                  keys, n_keys, alive, read_view, read_key, read_group);
             if (!reads)
                 break;
             kvc_view_lookup_multi(read_view, read_key, reads, read_value);
