@@ -103,8 +103,12 @@ async def test_decode_workers_are_never_indexed_and_the_edge_counts_where_decode
     text = doc(30, 900)
     for i in range(3):
         await generate(dep, "us", text + f" q{i}")
-    body = await admin(dep, "edge-us", "holders", {"text": text + " q9"})
-    assert body["holders"] and all(h["worker"] not in DECODE.values() for h in body["holders"])
+
+    async def holders():  # the prefill workers' registrations reach the edge's view asynchronously
+        return (await admin(dep, "edge-us", "holders", {"text": text + " q9"}))["holders"]
+
+    await eventually(holders, timeout=30)
+    assert all(h["worker"] not in DECODE.values() for h in await holders())
     decode_state = (await admin(dep, "edge-us", "status"))["decode"]
     assert decode_state["policy"] == "least_loaded" and decode_state["workers"]["us-d0"]["chosen"] >= 3
     for decode in DECODE.values():

@@ -159,6 +159,7 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
     unit = dep.cfg.maintenance[0]
     far = next(r for r in dep.cfg.region_names() if r != dep.maintenance_region[unit.id])
     probe = ProbeEdge(dep, unit.shard, f"edge-{far}-1")
+    home = next(w for w in dep.cfg.workers if w.region == far)
     try:
         await probe.connect(unit.id, far)
         await eventually(lambda: _ready(probe), timeout=CONVERGE_S)
@@ -174,8 +175,11 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
                 state = await admin(dep, unit.id, "entries", {"edge": probe.name})
                 for group, kv in state["groups"].items():
                     if probe.values(int(group), kv["keys"]) != kv["values"]:
-                        # A gap shows only when a later batch arrives: make one.
-                        await _generate(session, dep.cfg.workers[0].http, doc(9100 + probe.resyncs, 400))
+                        # A gap shows only when a later batch of the probe's stream arrives: make
+                        # one on a worker of the probe's own region (its stream carries every
+                        # length of that region's group; another region's short prompts may
+                        # register no length the probe's region looks up, and send it nothing).
+                        await _generate(session, home.http, doc(9100 + probe.resyncs, 400))
                         return False
                 return probe.view.position(unit.shard) == (state["epoch"], state["seq"])
 
