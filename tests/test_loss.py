@@ -36,6 +36,7 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.daemon import tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import QuicNode, TransportOptions
+from kvcompassd.transport.base import HandshakeFailed
 from kvcompassd.wire import (
     ErrorReported,
     NodeIdentity,
@@ -110,7 +111,13 @@ class ProbeEdge:
         region = self.dep.maintenance_region[unit]
         assert region != from_region, "the probe must reach the unit over the WAN"
         address = await self.dep.wan.address_for(from_region, unit)
-        self.peer = await self.node.connect(address, timeout=30)
+        for attempt in range(3):  # the lossy WAN may eat a handshake: dial again, as an edge does
+            try:
+                self.peer = await self.node.connect(address, timeout=30)
+                break
+            except HandshakeFailed:
+                if attempt == 2:
+                    raise
         await self.peer.send(self.sync.subscription(self.shard, now=time.monotonic()))
 
     def _on_message(self, peer, message, channel) -> None:
