@@ -130,9 +130,13 @@ async def main_async(args) -> None:
         frontdoor = FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model=cfg.model), metrics, guard=guard)
         runner = guard.runner(frontdoor.app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+        async def open_front_door() -> tuple[web.TCPSite, str]:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            return site, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+        site, url = await open_front_door()
         profiler = cProfile.Profile(time.process_time) if args.profile else None
         per_request: list[float] = []
         p50_edge: list[float] = []
@@ -162,13 +166,16 @@ async def main_async(args) -> None:
                 per_request.append(cpu / served * 1e6)
                 p50_edge.append(p50)
                 print(f"  window {window}: {served} requests ({errors} errors), edge CPU {cpu / served * 1e6:.0f} "
-                      f"us/request, P50 {p50:.2f} ms", flush=True)
+                      f"us/request, P50 {p50:.2f} ms, load average {os.getloadavg()[0]:.2f}", flush=True)
             if window and args.direct:
                 measured = False
+                await site.stop()  # direct: no listening front door while the client goes straight to the worker
                 served, errors, p50, _ = await closed_loop(worker.http)
+                site, url = await open_front_door()
                 if served:
                     p50_direct.append(p50)
-                    print(f"  direct {window}: {served} requests ({errors} errors), P50 {p50:.2f} ms", flush=True)
+                    print(f"  direct {window}: {served} requests ({errors} errors), P50 {p50:.2f} ms, "
+                          f"load average {os.getloadavg()[0]:.2f}", flush=True)
         await runner.cleanup()
         await forwarder.close()
         await session.close()
