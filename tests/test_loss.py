@@ -173,7 +173,9 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
         probe.dropping = True
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             for i in range(12):
-                await _generate(session, dep.edge_url(dep.cfg.region_names()[i % 2]), doc(9000 + i, 900))
+                # On a worker of the probe's region: its stream carries every length of that
+                # region's group (a request an edge sends to the other region may send it nothing).
+                await _generate(session, home.http, doc(9000 + i, 900))
             await eventually(lambda: _some_dropped(probe), timeout=CONVERGE_S)
             probe.dropping = False
 
