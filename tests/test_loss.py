@@ -172,11 +172,21 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
         await eventually(lambda: _ready(probe), timeout=CONVERGE_S)
         probe.dropping = True
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            for i in range(12):
-                # On a worker of the probe's region: its stream carries every length of that
-                # region's group (a request an edge sends to the other region may send it nothing).
-                await _generate(session, home.http, doc(9000 + i, 900))
-            await eventually(lambda: _some_dropped(probe), timeout=CONVERGE_S)
+            sent = 0
+
+            async def dropped_some() -> bool:
+                # The probe drops only batches whose seq is a multiple of 3, and a busy agent folds
+                # several requests into one report: keep making batches until one is dropped. On a
+                # worker of the probe's region: its stream carries every length of that region's
+                # group (a request an edge sends to the other region may send it nothing).
+                nonlocal sent
+                if probe.dropped:
+                    return True
+                await _generate(session, home.http, doc(9000 + sent, 900))
+                sent += 1
+                return False
+
+            await eventually(dropped_some, timeout=CONVERGE_S, interval=0.2)
             probe.dropping = False
 
             async def converged() -> bool:
@@ -203,7 +213,3 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
 
 async def _ready(probe: ProbeEdge) -> bool:
     return probe.view.state[probe.shard].ready
-
-
-async def _some_dropped(probe: ProbeEdge) -> bool:
-    return probe.dropped > 0
