@@ -159,9 +159,14 @@ async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_
         sleeping_long, sleep = asyncio.Event(), agent._sleep_until_next_reading
 
         async def noted_sleep():
+            # Only the idle period's sleep is the agent's own: the backoff's shorter ones are cut
+            # to 10 ms. Taken whole, the last one before it could be 41 s, past the hang guard
+            # (a failed run); the schedule's doubling itself is tests/test_pacing.py's.
             if agent.load_schedule.delay_s >= 60.0:
                 sleeping_long.set()
-            await sleep()
+                await sleep()
+            else:
+                await asyncio.sleep(0.01)
 
         agent._sleep_until_next_reading = noted_sleep
         tasks = [asyncio.create_task(agent._follow_engine_events()), asyncio.create_task(agent._load_loop())]
