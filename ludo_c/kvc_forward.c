@@ -6,6 +6,7 @@
 #include "kvc_keys.h"
 #include "kvc_level_reads.h"
 #include "kvc_score_term.h"
+#include "kvc_miss_term.h"
 
 #include <math.h>
 #include <string.h>
@@ -489,29 +490,10 @@ unsigned kvc_miss_summary_holders(const int32_t *holders, size_t n_holders, cons
 {
     if (chosen >= n)
         return 0;
-    unsigned flags = remote_floor_free ? KVC_MISS_REMOTE_WORTH : 0;
-    int lost = 1;
-    double own = scores[chosen], own_queue = queue[chosen];
-    for (size_t h = 0; h < n_holders; h++) {
-        size_t i = (size_t)holders[h];
-        if (local[i]) {
-            if (matched[i] > 0) {
-                flags |= KVC_MISS_LOCAL_HOLDER;
-                if (i == chosen) {
-                    lost = 0;
-                } else {
-                    double unloaded = scores[i] - queue[i] + own_queue;
-                    if (!(unloaded < own))
-                        lost = 0;
-                }
-            }
-        } else if (matched[i] >= floors[i]) {
-            flags |= KVC_MISS_REMOTE_WORTH;
-        }
-    }
-    if ((flags & KVC_MISS_LOCAL_HOLDER) && lost)
-        flags |= KVC_MISS_LOST_TO_LOAD;
-    return flags;
+    kvc_miss_acc acc = kvc_miss_start(remote_floor_free ? KVC_MISS_REMOTE_WORTH : 0, scores, queue, chosen);
+    for (size_t h = 0; h < n_holders; h++)
+        kvc_miss_visit(&acc, (size_t)holders[h], matched, local, floors, scores, queue);
+    return kvc_miss_finish(&acc);
 }
 
 int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,

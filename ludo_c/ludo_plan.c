@@ -9,6 +9,7 @@
 #include "ludo.h"
 #include "kvc_score_term.h"
 #include "kvc_level_reads.h"
+#include "kvc_miss_term.h"
 
 #include <math.h>
 
@@ -151,27 +152,8 @@ unsigned kvc_miss_summary(size_t n, const int64_t *matched, const uint8_t *local
 {
     if (chosen >= n)
         return 0;
-    unsigned flags = 0;
-    int lost = 1;
-    double own = scores[chosen], own_queue = queue[chosen];
-    for (size_t i = 0; i < n; i++) {
-        if (local[i]) {
-            if (matched[i] > 0) {
-                flags |= KVC_MISS_LOCAL_HOLDER;
-                if (i == chosen) {
-                    lost = 0; /* the winner is a holder: nobody lost */
-                } else {
-                    /* Would this holder have won with the winner's queue term? (numpy's order) */
-                    double unloaded = scores[i] - queue[i] + own_queue;
-                    if (!(unloaded < own))
-                        lost = 0;
-                }
-            }
-        } else if (matched[i] >= floors[i]) {
-            flags |= KVC_MISS_REMOTE_WORTH;
-        }
-    }
-    if ((flags & KVC_MISS_LOCAL_HOLDER) && lost)
-        flags |= KVC_MISS_LOST_TO_LOAD;
-    return flags;
+    kvc_miss_acc acc = kvc_miss_start(0, scores, queue, chosen);
+    for (size_t i = 0; i < n; i++)
+        kvc_miss_visit(&acc, i, matched, local, floors, scores, queue);
+    return kvc_miss_finish(&acc);
 }
