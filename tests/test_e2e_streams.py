@@ -27,7 +27,14 @@ from kvcompassd import certs
 from kvcompassd.daemon import split_address, tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import QuicNode
-from kvcompassd.wire import ErrorReported, NodeIdentity, Role, UpdateBatchPublished, UpdatesSubscribed
+from kvcompassd.wire import (
+    ErrorReported,
+    NodeIdentity,
+    Role,
+    ShardPositionAnnounced,
+    UpdateBatchPublished,
+    UpdatesSubscribed,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -156,6 +163,35 @@ async def test_only_an_edge_of_the_same_region_and_stream_may_relay_batches(dep)
     assert (await admin(dep, "edge-us", "digest", {"shard": 0}))["position"] == before
 
 
+async def test_only_the_shards_unit_or_a_relaying_edge_may_announce_a_position_and_only_of_the_edges_stream(dep):
+    """A position announcement above edge-us's view would make it ask for a replay: one from
+    another region's edge, or from the unit for another stream, is refused with a log line, and
+    the view and its requests do not move; the connection carries on."""
+    before = await admin(dep, "edge-us", "digest", {"shard": 0})
+    resyncs = (await admin(dep, "edge-us", "status"))["resyncs"]
+    epoch, seq = before["position"]
+    for sender, role, announced, why in (
+            ("edge-eu", Role.EDGE, ShardPositionAnnounced(0, epoch, seq + 5, "us"), "does not relay"),
+            ("mnt-0", Role.MAINTENANCE, ShardPositionAnnounced(0, epoch, seq + 5, "eu"), "this edge follows 'us'")):
+        node = QuicNode(NodeIdentity(role, sender), tls_files(dep.tls_dir, sender), on_message=lambda *a: None)
+        try:
+            peer = await node.connect(split_address(_edge(dep, "edge-us").quic, "edge-us"), expected_role=Role.EDGE,
+                                      timeout=30)
+            await peer.send(announced)
+
+            async def logged(sender=sender, why=why):
+                return [json.loads(line) for line in dep.node("edge", "edge-us").log_path.read_text().splitlines()
+                        if line.startswith("{") and '"message refused"' in line and why in line
+                        and f'"{role.value}:{sender}"' in line and '"ShardPositionAnnounced"' in line]
+
+            await eventually(logged, timeout=30)
+            assert peer.is_connected
+        finally:
+            await node.close()
+    assert (await admin(dep, "edge-us", "digest", {"shard": 0}))["position"] == before["position"]
+    assert (await admin(dep, "edge-us", "status"))["resyncs"] == resyncs
+
+
 async def test_when_the_relaying_edge_stops_the_next_edge_of_its_region_takes_over(dep):
     dep.kill("edge", "edge-us", signal.SIGTERM)  # its connections close: the unit sees it leave
 
@@ -243,6 +279,7 @@ async def test_an_edge_that_missed_a_quiet_streams_last_batch_catches_up_on_the_
                 return same or NotYet(f"unit {unit['position']}, {follower} {view['position']}")
 
             await eventually(caught_up, timeout=60, interval=0.2)  # the relay is still stopped
+            assert (await admin(dep, "mnt-0", "status"))["stats"]["positions_announced"] > 0
             assert (await admin(dep, follower, "status"))["position_gaps"] > gaps_before
             break
         finally:
