@@ -15,8 +15,9 @@ the same position, and the last two are kept (for a minute after the last transf
 that lost the stream can resume. A stream that has published nothing for ``[sync]
 position_heartbeat_ms`` announces its position to every edge following it
 (``ShardPositionAnnounced``, ``PositionHeartbeats``), so an edge that lost the last batch of a
-quiet stream finds the gap without waiting for the next. A restarted unit starts a new epoch; agents re-register what
-their engines hold when they reconnect, so the shard is rebuilt without any state on disk.
+quiet stream finds the gap without waiting for the next. A restarted unit starts a new epoch;
+agents re-register what their engines hold when they reconnect, so the shard is rebuilt without
+any state on disk.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from kvcompassd.wire import (
     ShardPositionAnnounced,
     SnapshotResumeRequested,
     UpdatesSubscribed,
+    WireError,
     WorkerRegistered,
     WorkerWithdrawn,
     encode,
@@ -329,15 +331,19 @@ class MaintenanceNode:
         On the control stream, so it never overtakes a batch the unit sent that edge before; a
         relayed batch still on its way after a whole idle period costs one needless replay."""
         self._heartbeat_timer = None
-        due = self.heartbeats.due(now=time.monotonic())
-        if due:
-            followers = self.fanout.followers()
+        try:
+            due = self.heartbeats.due(now=time.monotonic())
+            followers = self.fanout.followers() if due else {}
             for stream in due:
                 edges = followers.get("full" if stream is None else stream)
                 if not edges:
                     continue
                 shard = self.streams.stream(stream)
-                body = encode(ShardPositionAnnounced(self.me.shard, shard.epoch, shard.seq, stream or ""))
+                try:
+                    body = encode(ShardPositionAnnounced(self.me.shard, shard.epoch, shard.seq, stream or ""))
+                except WireError as exc:  # e.g. a region name beyond the wire's bound: the others go on
+                    log.error("position announcement not sent", stream=stream or "full", error=str(exc))
+                    continue
                 for edge in edges:
                     peer = self.fanout.handle(edge)
                     try:
@@ -345,7 +351,8 @@ class MaintenanceNode:
                         self.stats.positions_announced += 1
                     except ConnectionError:
                         self.fanout.unsubscribe(edge, peer)  # its resubscription catches it up
-        self._arm_heartbeat()
+        finally:
+            self._arm_heartbeat()  # whatever happened, the next period's announcements
 
     def _subscribed(self, peer: Peer, msg: UpdatesSubscribed, channel: ChannelInfo) -> None:
         if not self._own_edge(peer, msg, msg.edge, msg.shard):

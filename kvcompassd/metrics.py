@@ -106,8 +106,8 @@ class EdgeMetrics:
         self.score_terms = Histogram("kvcompass_chosen_score_ms", "Score terms of the chosen worker (ms)", ["term"], buckets=(0.1, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000), registry=r)
         self.batches = Counter("kvcompass_update_batches_applied", "Update batches applied to the views", registry=r)
         self.resyncs = Counter("kvcompass_resyncs_requested", "Resyncs asked of maintenance units", registry=r)
-        self.position_gaps = Counter("kvcompass_position_gaps", "Gaps a unit's position announcement showed (an idle "
-                                     "stream's last batches were lost: no later batch had shown them)", registry=r)
+        self.position_gaps = Counter("kvcompass_position_gaps", "Catch-ups a unit's position announcement opened (an "
+                                     "idle stream's last batches were lost: no later batch had shown the gap)", registry=r)
         self.queue_age = Gauge("kvcompass_queue_estimate_age_seconds", "Age of the oldest remote queue estimate", registry=r,
                                multiprocess_mode="livemax")
         self.queue_correction = Gauge("kvcompass_queue_correction_ms", "Selection correction added to a remote region's queue estimates (ms)", ["region"], registry=r,

@@ -386,6 +386,7 @@ def test_a_position_follows_the_gap_rules_of_a_batch():
     again = sync.on_position(ShardPositionAnnounced(0, 7, 3, ""), now=0.5)
     assert first.send == ResyncRequested("edge-a", 0, 7, 1) and again.send is None
     assert "already asked" in again.reason and sync.followers[0].outstanding == (7, 3)
+    assert sync.position_gaps == 1  # one catch-up opened; the second position only raised its target
     assert sync.on_timer(now=TIMEOUT) == [ResyncRequested("edge-a", 0, 7, 1)]
     assert sync.next_deadline() == 3 * TIMEOUT  # the timeout doubled
     # A replay reaching only seq 2 does not satisfy the target (7, 3) the later position set.

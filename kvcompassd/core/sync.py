@@ -151,7 +151,7 @@ class ShardFollower:
         self._timeout_s = settings.resync_timeout_s
         self.gaps = 0  # inputs that found a gap (several may share one request)
         self.gaps_skipped = 0  # repair=False: gaps applied over
-        self.position_gaps = 0  # of ``gaps``: found by a position announcement (no batch showed them)
+        self.position_gaps = 0  # catch-ups a position announcement opened (no batch had shown the gap)
         self.requests = 0  # catch-up requests sent (subscriptions and resumes included)
         self.snapshots_installed = 0
         self._assembly: SnapshotAssembly | None = None  # the snapshot transfer in progress
@@ -233,7 +233,7 @@ class ShardFollower:
             # Batches after the snapshot are missing (or on their way): the catch-up is over once
             # the view holds them; the transfer's timer asks for them if they never come.
             self.gaps += 1
-            self.position_gaps += 1
+            self.position_gaps += self._target is None
             self._target = got if self._target is None else max(self._target, got)
             return SyncStep(False, reason=f"position {got} announced beyond the snapshot in transfer "
                                           f"{assembly.position}")
@@ -242,11 +242,11 @@ class ShardFollower:
             return SyncStep(False, reason=f"position {got} announced, view at {at}: nothing missing")
         if at == _NOTHING or announced.epoch != at[0]:
             why = "no state yet" if at == _NOTHING else f"new epoch {announced.epoch} (view at {at[0]})"
-            self.position_gaps += 1
+            self.position_gaps += self._target is None
             return self._gap(got, True, f"position {got} announced: {why}", now)
         if not self.settings.repair:
             return SyncStep(False, reason=f"position {got} announced, view at {at}: repair is off")
-        self.position_gaps += 1
+        self.position_gaps += self._target is None
         return self._gap(got, False, f"position {got} announced, view at {at}: the last batches were lost", now)
 
     def on_snapshot(self, snap: ShardSnapshotSent, *, now: float) -> SyncStep:
@@ -495,7 +495,7 @@ class EdgeSync:
 
     @property
     def position_gaps(self) -> int:
-        """Gaps a position announcement found (no batch had shown them)."""
+        """Catch-ups a position announcement opened (no batch had shown the gap)."""
         return sum(f.position_gaps for f in self.followers)
 
 
