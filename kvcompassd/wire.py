@@ -473,6 +473,8 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(14, SnapshotTransferStarted, 64 * KiB),
         _spec(15, SnapshotChunkSent, MAX_SNAPSHOT_CHUNK_BYTES + 1 * KiB),
         _spec(16, SnapshotResumeRequested, 1 * KiB),
+        # Added within version 2 (a new tag, no version bump): a node without it answers it as an
+        # unknown tag (ErrorReported "malformed") and its connection carries on; see README.
         _spec(17, ShardPositionAnnounced, 1 * KiB),
         _spec(20, QueueVectorBroadcast, 1 * MiB),
         _spec(21, ViewCopyRequested, 1 * KiB),
