@@ -349,6 +349,7 @@ class MaintenanceNode:
                     try:
                         peer.send_encoded(body)
                         self.stats.positions_announced += 1
+                        self.metrics.positions_announced.inc()
                     except ConnectionError:
                         self.fanout.unsubscribe(edge, peer)  # its resubscription catches it up
         finally:

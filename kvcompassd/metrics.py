@@ -19,6 +19,8 @@ class MaintenanceMetrics:
         self.events = Counter("kvcompass_index_events", "Index events from agents, by outcome", ["outcome"], registry=r)
         self.batches = Counter("kvcompass_update_batches_published", "Update batches pushed to edges", registry=r)
         self.snapshots = Counter("kvcompass_snapshots_sent", "Shard snapshots sent to edges", registry=r)
+        self.positions_announced = Counter("kvcompass_positions_announced", "Position announcements of idle streams "
+                                           "sent to edges ([sync] position_heartbeat_ms)", registry=r)
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused, by message type and "
                                         "reason (forbidden: the sender has no authority for it)",
                                         ["message", "reason"], registry=r)
