@@ -304,16 +304,22 @@ class EdgeNode:
         batches were lost. Authorised as a batch is: the shard's owner, or an edge relaying this
         edge's stream (units send announcements to every edge directly; see maintenance.py)."""
         identity = peer.identity
-        if identity.role == Role.EDGE:
-            if identity.node_id not in self._relay_group:
-                self._refuse(peer, msg, f"edge {identity.node_id} does not relay this edge's update stream")
-                return
-        elif not self._shard_owned_by_sender(peer, msg):
-            return
-        if msg.stream != self._stream_name:
+        owner = self.cfg.shard_owner(msg.shard)
+        if identity.role == Role.EDGE and identity.node_id not in self._relay_group:
+            why = f"edge {identity.node_id} does not relay this edge's update stream"
+        elif identity.role != Role.EDGE and (identity.role != Role.MAINTENANCE or identity.node_id != owner):
+            why = f"shard {msg.shard} is owned by {owner!r}"
+        elif msg.stream != self._stream_name:
             # A unit whose config maps this edge to another stream: its positions say nothing of ours.
-            self._refuse(peer, msg, f"position of stream {msg.stream or 'full'!r}; this edge follows "
-                                    f"{self._stream_name or 'full'!r}")
+            why = f"position of stream {msg.stream or 'full'!r}; this edge follows {self._stream_name or 'full'!r}"
+        else:
+            why = None
+        if why is not None:
+            self._refuse(peer, msg, why)
+            try:
+                peer.send_encoded(encode(ErrorReported("forbidden", f"ShardPositionAnnounced refused: {why}")))
+            except TransportError:
+                pass
             return
         before = self.sync.position_gaps
         step = self.sync.on_position(msg, now=self.clock())

@@ -166,18 +166,25 @@ async def test_only_an_edge_of_the_same_region_and_stream_may_relay_batches(dep)
 async def test_only_the_shards_unit_or_a_relaying_edge_may_announce_a_position_and_only_of_the_edges_stream(dep):
     """A position announcement above edge-us's view would make it ask for a replay: one from
     another region's edge, or from the unit for another stream, is refused with a log line, and
-    the view and its requests do not move; the connection carries on."""
+    the sender told why; the view and its requests do not move; the connection carries on."""
     before = await admin(dep, "edge-us", "digest", {"shard": 0})
     resyncs = (await admin(dep, "edge-us", "status"))["resyncs"]
     epoch, seq = before["position"]
     for sender, role, announced, why in (
             ("edge-eu", Role.EDGE, ShardPositionAnnounced(0, epoch, seq + 5, "us"), "does not relay"),
             ("mnt-0", Role.MAINTENANCE, ShardPositionAnnounced(0, epoch, seq + 5, "eu"), "this edge follows 'us'")):
-        node = QuicNode(NodeIdentity(role, sender), tls_files(dep.tls_dir, sender), on_message=lambda *a: None)
+        inbox: asyncio.Queue = asyncio.Queue()
+        node = QuicNode(NodeIdentity(role, sender), tls_files(dep.tls_dir, sender),
+                        on_message=lambda peer, msg, ch: inbox.put_nowait(msg))
         try:
             peer = await node.connect(split_address(_edge(dep, "edge-us").quic, "edge-us"), expected_role=Role.EDGE,
                                       timeout=30)
             await peer.send(announced)
+            async with asyncio.timeout(30):
+                reply = await inbox.get()
+                while not isinstance(reply, ErrorReported):  # what else the edge sends this identity
+                    reply = await inbox.get()
+            assert reply.code == "forbidden" and why in reply.detail, reply
 
             async def logged(sender=sender, why=why):
                 return [json.loads(line) for line in dep.node("edge", "edge-us").log_path.read_text().splitlines()
