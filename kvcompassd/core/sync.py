@@ -36,7 +36,9 @@ Rules and invariants:
   again every such period while it stays idle (``PositionHeartbeats``): a lost *last* batch
   of a quiet stream is then repaired within one heartbeat and one request, where before it
   waited for the stream's next batch. On a busy stream every batch carries the position and
-  no announcement is sent.
+  no announcement is sent. With ``repair=False`` a position of the view's epoch is ignored
+  (the prototype repairs no gap). An announcement that overtakes a batch still on its way (one
+  relayed by another edge, a whole idle period late) costs one needless replay, never state.
 - ``repair=False`` is the paper's prototype (simulator only): a later seq of the same epoch is
   applied on top of the gap, which is never repaired (Ludo records carry absolute state, so only
   the buckets the lost batches touched stay stale); a new epoch or a rejected batch still loads a
@@ -60,7 +62,8 @@ Rules and invariants:
 
 So the number of requests an edge sends is at most one per gap episode plus one per timeout,
 and a stream with any mix of loss, duplication, delay and reordering (announcements among the
-batches) converges to the shard's state once messages get through (``tests/test_sync.py``, ``tests/test_snapshots.py``).
+batches) converges to the shard's state once messages get through (``tests/test_sync.py``,
+``tests/test_snapshots.py``).
 """
 
 from __future__ import annotations
