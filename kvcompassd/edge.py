@@ -48,6 +48,7 @@ from kvcompassd.wire import (
     QueueVectorBroadcast,
     ResyncRequested,
     Role,
+    ShardPositionAnnounced,
     ShardSnapshotSent,
     SnapshotChunkSent,
     SnapshotResumeRequested,
@@ -96,7 +97,8 @@ class EdgeNode:
         self.router = Router(cfg, me.region, self.view, now=self.clock(), ablation=ablation)
         self.metrics = EdgeMetrics()
         self.metrics.watch_hot_prefixes(lambda: self.router.hot.hot_misses)
-        stream = edge_stream(cfg, me.id) or "full"  # the shard streams this edge's views follow
+        self._stream_name = edge_stream(cfg, me.id) or ""  # as announcements name it ("": the full stream)
+        stream = self._stream_name or "full"  # the shard streams this edge's views follow
         self.metrics.watch_views(lambda: [(s, stream, *self.view.position(s)) for s in range(cfg.shards)])
         self.node = QuicNode(NodeIdentity(Role.EDGE, me.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
@@ -295,6 +297,36 @@ class EdgeNode:
             self.metrics.batches.inc()
         else:
             log.debug("batch not applied", shard=msg.shard, seq=msg.seq, reason=step.reason)
+        self._sync_step(step)
+
+    def _position(self, peer: Peer, msg: ShardPositionAnnounced, channel: ChannelInfo) -> None:
+        """An idle stream's position (core/sync.py): the view is behind it if the stream's last
+        batches were lost. Authorised as a batch is: the shard's owner, or an edge relaying this
+        edge's stream (units send announcements to every edge directly; see maintenance.py)."""
+        identity = peer.identity
+        owner = self.cfg.shard_owner(msg.shard)
+        if identity.role == Role.EDGE and identity.node_id not in self._relay_group:
+            why = f"edge {identity.node_id} does not relay this edge's update stream"
+        elif identity.role != Role.EDGE and (identity.role != Role.MAINTENANCE or identity.node_id != owner):
+            why = f"shard {msg.shard} is owned by {owner!r}"
+        elif msg.stream != self._stream_name:
+            # A unit whose config maps this edge to another stream: its positions say nothing of ours.
+            why = f"position of stream {msg.stream or 'full'!r}; this edge follows {self._stream_name or 'full'!r}"
+        else:
+            why = None
+        if why is not None:
+            self._refuse(peer, msg, why)
+            try:
+                peer.send_encoded(encode(ErrorReported("forbidden", f"ShardPositionAnnounced refused: {why}")))
+            except TransportError:
+                pass
+            return
+        before = self.sync.position_gaps
+        step = self.sync.on_position(msg, now=self.clock())
+        if self.sync.position_gaps > before:
+            self.metrics.position_gaps.inc()
+            log.info("gap shown by a position announcement", shard=msg.shard, epoch=msg.epoch, seq=msg.seq,
+                     reason=step.reason)
         self._sync_step(step)
 
     def _relay(self, msg: UpdateBatchPublished) -> None:
@@ -551,6 +583,7 @@ class EdgeNode:
 
     _handlers = {
         UpdateBatchPublished: _batch,
+        ShardPositionAnnounced: _position,
         ShardSnapshotSent: _snapshot,
         SnapshotTransferStarted: _snapshot,
         SnapshotChunkSent: _snapshot,

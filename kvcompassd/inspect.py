@@ -54,7 +54,9 @@ def _status_head(edge) -> dict:
     head = {"mode": "edge", **edge.health(), "batches_applied": edge.view.batches_applied,
             # [sync] relay: the unit's batches this edge forwarded to its region's other edges
             "batches_relayed": getattr(edge, "batches_relayed", 0),
-            "resyncs": edge.sync.requests, "pending_keys": None if pending is None else len(pending)}
+            "resyncs": edge.sync.requests,
+            # gaps an idle stream's position announcement showed ([sync] position_heartbeat_ms)
+            "position_gaps": getattr(edge.sync, "position_gaps", 0), "pending_keys": None if pending is None else len(pending)}
     chooser = getattr(getattr(edge, "forwarder", None), "decode_chooser", None)
     if chooser is not None:  # a disaggregated fleet: where this edge sends the decodes
         head["decode"] = chooser.describe()

@@ -12,8 +12,12 @@ size goes out as a transfer (``kvcompassd.core.snapshots``): its header at once,
 chunks paced by the connection's acknowledgements (``[sync] snapshot_window_bytes``), while
 update batches keep flowing to the edge between them; one snapshot serves every edge asking at
 the same position, and the last two are kept (for a minute after the last transfer) so an edge
-that lost the stream can resume. A restarted unit starts a new epoch; agents re-register what
-their engines hold when they reconnect, so the shard is rebuilt without any state on disk.
+that lost the stream can resume. A stream that has published nothing for ``[sync]
+position_heartbeat_ms`` announces its position to every edge following it
+(``ShardPositionAnnounced``, ``PositionHeartbeats``), so an edge that lost the last batch of a
+quiet stream finds the gap without waiting for the next. A restarted unit starts a new epoch;
+agents re-register what their engines hold when they reconnect, so the shard is rebuilt without
+any state on disk.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.snapshots import SnapshotChunker, SnapshotSource
 from kvcompassd.core.streams import ShardStreams, StreamFanout, UnknownEdge, stream_regions
-from kvcompassd.core.sync import catch_up
+from kvcompassd.core.sync import PositionHeartbeats, catch_up
 from kvcompassd.daemon import daemon_transport, split_address
 from kvcompassd.metrics import MaintenanceMetrics
 from kvcompassd.pacing import FlushPacer
@@ -46,8 +50,10 @@ from kvcompassd.wire import (
     PrefixEventsReported,
     ResyncRequested,
     Role,
+    ShardPositionAnnounced,
     SnapshotResumeRequested,
     UpdatesSubscribed,
+    WireError,
     WorkerRegistered,
     WorkerWithdrawn,
     encode,
@@ -87,6 +93,7 @@ class MaintenanceStats:
     snapshots_taken: int = 0
     snapshot_chunks_sent: int = 0
     replays_sent: int = 0
+    positions_announced: int = 0  # ShardPositionAnnounced sent (one per edge of an idle stream)
     refused: dict[str, int] = field(default_factory=dict)
 
 
@@ -135,6 +142,11 @@ class MaintenanceNode:
         self.metrics.watch_tables(self.shard.table_stats)
         self.metrics.watch_position(lambda: [(self.me.shard, "full" if r is None else r, self.epoch, s.seq)
                                              for r, s in ((None, self.streams.full), *self.streams.filtered.items())])
+        # Idle streams announce their positions: one due time per stream, one timer at the earliest.
+        period_s = cfg.sync.position_heartbeat_ms / 1000.0
+        self.heartbeats = (PositionHeartbeats(period_s, (None, *self.streams.filtered), now=time.monotonic())
+                           if period_s > 0 else None)
+        self._heartbeat_timer: asyncio.TimerHandle | None = None
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self._grace_timers: dict[int, asyncio.TimerHandle] = {}  # pending withdrawals, cancelled by stop()
@@ -146,11 +158,14 @@ class MaintenanceNode:
     async def start(self) -> None:
         host, port = split_address(self.me.quic, f"[[maintenance]] {self.me.id} quic")
         self.address = await self.node.listen(host, port)
+        self._arm_heartbeat()
         log.info("maintenance started", shard=self.me.shard, epoch=self.epoch, address=self.address)
 
     async def stop(self) -> None:
         self._stopped = True
         self._batches.cancel()
+        if self._heartbeat_timer is not None:
+            self._heartbeat_timer.cancel()
         for task in self._transfers.values():
             task.cancel()
         self._transfers.clear()
@@ -289,6 +304,10 @@ class MaintenanceNode:
             return
         self.stats.batches += len(published)
         self.metrics.batches.inc(len(published))
+        if self.heartbeats is not None:
+            now = time.monotonic()
+            for stream in published:  # the batch carries the position: no announcement for a period
+                self.heartbeats.published(stream, now=now)
         encoded = {stream: EncodedMessage(batch) for stream, batch in published.items()}
         for edge, peer, stream in self.fanout.deliveries(published):
             try:
@@ -296,6 +315,45 @@ class MaintenanceNode:
             except ConnectionError:
                 # Its resync on reconnection repairs what it misses here.
                 self.fanout.unsubscribe(edge, peer)
+
+    def _arm_heartbeat(self) -> None:
+        if self.heartbeats is None or self._stopped:
+            return
+        deadline = self.heartbeats.next_deadline()
+        if deadline is not None:
+            self._heartbeat_timer = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()), self._announce_positions)
+
+    def _announce_positions(self) -> None:
+        """Each idle stream's position to every edge following it, directly, relay or not: an
+        announcement is a few bytes, and sent past the relaying edge it also shows an edge the
+        batches a dead or stalled relay never forwarded (relayed, it would die with the relay).
+        On the control stream, so it never overtakes a batch the unit sent that edge before; a
+        relayed batch still on its way after a whole idle period costs one needless replay."""
+        self._heartbeat_timer = None
+        try:
+            due = self.heartbeats.due(now=time.monotonic())
+            followers = self.fanout.followers() if due else {}
+            for stream in due:
+                edges = followers.get("full" if stream is None else stream)
+                if not edges:
+                    continue
+                shard = self.streams.stream(stream)
+                try:
+                    body = encode(ShardPositionAnnounced(self.me.shard, shard.epoch, shard.seq, stream or ""))
+                except WireError as exc:  # e.g. a region name beyond the wire's bound: the others go on
+                    log.error("position announcement not sent", stream=stream or "full", error=str(exc))
+                    continue
+                for edge in edges:
+                    peer = self.fanout.handle(edge)
+                    try:
+                        peer.send_encoded(body)
+                        self.stats.positions_announced += 1
+                        self.metrics.positions_announced.inc()
+                    except ConnectionError:
+                        self.fanout.unsubscribe(edge, peer)  # its resubscription catches it up
+        finally:
+            self._arm_heartbeat()  # whatever happened, the next period's announcements
 
     def _subscribed(self, peer: Peer, msg: UpdatesSubscribed, channel: ChannelInfo) -> None:
         if not self._own_edge(peer, msg, msg.edge, msg.shard):

@@ -19,6 +19,8 @@ class MaintenanceMetrics:
         self.events = Counter("kvcompass_index_events", "Index events from agents, by outcome", ["outcome"], registry=r)
         self.batches = Counter("kvcompass_update_batches_published", "Update batches pushed to edges", registry=r)
         self.snapshots = Counter("kvcompass_snapshots_sent", "Shard snapshots sent to edges", registry=r)
+        self.positions_announced = Counter("kvcompass_positions_announced", "Position announcements of idle streams "
+                                           "sent to edges ([sync] position_heartbeat_ms)", registry=r)
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused, by message type and "
                                         "reason (forbidden: the sender has no authority for it)",
                                         ["message", "reason"], registry=r)
@@ -106,6 +108,8 @@ class EdgeMetrics:
         self.score_terms = Histogram("kvcompass_chosen_score_ms", "Score terms of the chosen worker (ms)", ["term"], buckets=(0.1, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000), registry=r)
         self.batches = Counter("kvcompass_update_batches_applied", "Update batches applied to the views", registry=r)
         self.resyncs = Counter("kvcompass_resyncs_requested", "Resyncs asked of maintenance units", registry=r)
+        self.position_gaps = Counter("kvcompass_position_gaps", "Catch-ups a unit's position announcement opened (an "
+                                     "idle stream's last batches were lost: no later batch had shown the gap)", registry=r)
         self.queue_age = Gauge("kvcompass_queue_estimate_age_seconds", "Age of the oldest remote queue estimate", registry=r,
                                multiprocess_mode="livemax")
         self.queue_correction = Gauge("kvcompass_queue_correction_ms", "Selection correction added to a remote region's queue estimates (ms)", ["region"], registry=r,

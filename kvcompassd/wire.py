@@ -55,6 +55,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     PrefixEventsReported,
     QueueVectorBroadcast,
     ResyncRequested,
+    ShardPositionAnnounced,
     ShardSnapshotSent,
     SnapshotChunkSent,
     SnapshotResumeRequested,
@@ -414,6 +415,7 @@ Message = (
     | SnapshotTransferStarted
     | SnapshotChunkSent
     | SnapshotResumeRequested
+    | ShardPositionAnnounced
     | QueueVectorBroadcast
     | ViewCopyRequested
     | RequestForwarded
@@ -471,6 +473,9 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(14, SnapshotTransferStarted, 64 * KiB),
         _spec(15, SnapshotChunkSent, MAX_SNAPSHOT_CHUNK_BYTES + 1 * KiB),
         _spec(16, SnapshotResumeRequested, 1 * KiB),
+        # Added within version 2 (a new tag, no version bump): a node without it answers it as an
+        # unknown tag (ErrorReported "malformed") and its connection carries on; see README.
+        _spec(17, ShardPositionAnnounced, 1 * KiB),
         _spec(20, QueueVectorBroadcast, 1 * MiB),
         _spec(21, ViewCopyRequested, 1 * KiB),
         _spec(30, RequestForwarded, 8 * MiB),
@@ -508,6 +513,9 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     SnapshotTransferStarted: frozenset({Role.MAINTENANCE, Role.EDGE}),  # the same rule as ShardSnapshotSent
     SnapshotChunkSent: frozenset({Role.MAINTENANCE, Role.EDGE}),
     SnapshotResumeRequested: frozenset({Role.EDGE}),
+    # The unit announces an idle stream's position to every edge following it; an edge takes one
+    # only from the shard's owner or (as a batch) from an edge relaying its region's stream.
+    ShardPositionAnnounced: frozenset({Role.MAINTENANCE, Role.EDGE}),
     QueueVectorBroadcast: frozenset({Role.EDGE}),
     ViewCopyRequested: frozenset({Role.EDGE}),
     RequestForwarded: frozenset({Role.EDGE}),

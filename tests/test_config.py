@@ -547,6 +547,19 @@ def test_sync_defaults_parse_validate_and_round_trip() -> None:
         assert error_of(data).startswith(f"x.toml: [sync] field '{field}': ")
 
 
+def test_sync_position_heartbeat_parses_validates_and_round_trips() -> None:
+    assert parse_config(minimal()).sync.position_heartbeat_ms == 1000.0
+    data = minimal()
+    for value in (250, 0):  # 0: off (edges older than the announcement, until upgraded)
+        data["sync"] = {"position_heartbeat_ms": value}
+        cfg = parse_config(data)
+        assert cfg.sync.position_heartbeat_ms == float(value) and isinstance(cfg.sync.position_heartbeat_ms, float)
+        assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    for bad in (5, -1, 60_001, True, "1s"):
+        data["sync"] = {"position_heartbeat_ms": bad}
+        assert error_of(data).startswith("x.toml: [sync] field 'position_heartbeat_ms': ")
+
+
 def test_disaggregation_table_is_validated_and_round_trips() -> None:
     data = disaggregated()
     data["disaggregation"] = {"decode_policy": "random", "kv_bytes_per_token": 65536, "transfer_timeout_s": 5}

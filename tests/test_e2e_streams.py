@@ -2,7 +2,9 @@
 follows the stream of the region its certificate's config entry names, holds only the lengths
 its region looks up, and decides as an edge of the same region given the full stream; a unit
 restart and a lost connection converge per stream; an edge the config does not name is refused;
-a unit sends a stream's live batches to one edge per region, which relays them to the others.
+a unit sends a stream's live batches to one edge per region, which relays them to the others;
+an edge that missed a quiet stream's last batch (its relay stopped) catches up on the unit's
+position heartbeat, with no later batch.
 
 Regions us (2 workers) and eu (1), two edges each; edge-eu-1 follows the full stream
 (``[sync] full_stream_edges``), edge-eu its region's. An eu edge looks toward us only from 4,000
@@ -20,12 +22,19 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from e2e_helpers import admin, assert_views_converged, doc, eventually
+from e2e_helpers import NotYet, admin, assert_views_converged, doc, eventually
 from kvcompassd import certs
 from kvcompassd.daemon import split_address, tls_files
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 from kvcompassd.transport import QuicNode
-from kvcompassd.wire import ErrorReported, NodeIdentity, Role, UpdateBatchPublished, UpdatesSubscribed
+from kvcompassd.wire import (
+    ErrorReported,
+    NodeIdentity,
+    Role,
+    ShardPositionAnnounced,
+    UpdateBatchPublished,
+    UpdatesSubscribed,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,7 +42,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 # which differ between the region's tables and the full ones (other tables, the same rate).
 SPEC = DeploymentSpec(workers={"us": 2, "eu": 1}, one_way_ms={("us", "eu"): 40.0}, shards=1, wan=False,
                       prefill_ms_per_token=0.02, decode_ms_per_token=1.0, fingerprint_bits=16,
-                      edges_per_region=2, sync={"full_stream_edges": ["edge-eu-1"]})
+                      edges_per_region=2, sync={"full_stream_edges": ["edge-eu-1"], "position_heartbeat_ms": 300})
 REGION_EDGE, FULL_EDGE = "edge-eu", "edge-eu-1"
 SHORT = doc(310, 600)  # registers 64..512 tokens: read only inside us
 LONG = doc(311, 8300)  # also up to 8192: 4000, 6000 and 8000 are read from eu
@@ -154,6 +163,42 @@ async def test_only_an_edge_of_the_same_region_and_stream_may_relay_batches(dep)
     assert (await admin(dep, "edge-us", "digest", {"shard": 0}))["position"] == before
 
 
+async def test_only_the_shards_unit_or_a_relaying_edge_may_announce_a_position_and_only_of_the_edges_stream(dep):
+    """A position announcement above edge-us's view would make it ask for a replay: one from
+    another region's edge, or from the unit for another stream, is refused with a log line, and
+    the sender told why; the view and its requests do not move; the connection carries on."""
+    before = await admin(dep, "edge-us", "digest", {"shard": 0})
+    resyncs = (await admin(dep, "edge-us", "status"))["resyncs"]
+    epoch, seq = before["position"]
+    for sender, role, announced, why in (
+            ("edge-eu", Role.EDGE, ShardPositionAnnounced(0, epoch, seq + 5, "us"), "does not relay"),
+            ("mnt-0", Role.MAINTENANCE, ShardPositionAnnounced(0, epoch, seq + 5, "eu"), "this edge follows 'us'")):
+        inbox: asyncio.Queue = asyncio.Queue()
+        node = QuicNode(NodeIdentity(role, sender), tls_files(dep.tls_dir, sender),
+                        on_message=lambda peer, msg, ch: inbox.put_nowait(msg))
+        try:
+            peer = await node.connect(split_address(_edge(dep, "edge-us").quic, "edge-us"), expected_role=Role.EDGE,
+                                      timeout=30)
+            await peer.send(announced)
+            async with asyncio.timeout(30):
+                reply = await inbox.get()
+                while not isinstance(reply, ErrorReported):  # what else the edge sends this identity
+                    reply = await inbox.get()
+            assert reply.code == "forbidden" and why in reply.detail, reply
+
+            async def logged(sender=sender, why=why):
+                return [json.loads(line) for line in dep.node("edge", "edge-us").log_path.read_text().splitlines()
+                        if line.startswith("{") and '"message refused"' in line and why in line
+                        and f'"{role.value}:{sender}"' in line and '"ShardPositionAnnounced"' in line]
+
+            await eventually(logged, timeout=30)
+            assert peer.is_connected
+        finally:
+            await node.close()
+    assert (await admin(dep, "edge-us", "digest", {"shard": 0}))["position"] == before["position"]
+    assert (await admin(dep, "edge-us", "status"))["resyncs"] == resyncs
+
+
 async def test_when_the_relaying_edge_stops_the_next_edge_of_its_region_takes_over(dep):
     dep.kill("edge", "edge-us", signal.SIGTERM)  # its connections close: the unit sees it leave
 
@@ -203,3 +248,49 @@ async def test_a_unit_restart_and_an_edge_restart_converge_on_each_stream(dep):
     digest = await admin(dep, "mnt-0", "digest", {"edge": REGION_EDGE})
     view = await admin(dep, REGION_EDGE, "digest", {"shard": 0})
     assert view["position"] == digest["position"] and view["groups"] == digest["groups"]
+
+
+async def test_an_edge_that_missed_a_quiet_streams_last_batch_catches_up_on_the_position_heartbeat(dep):
+    """edge-us relays the us stream to edge-us-1. Stopped (SIGSTOP: a relay that hangs right
+    after taking a batch), it never forwards the next batch; no batch follows it, and only the
+    unit's position announcement, sent to every edge directly, shows edge-us-1 the gap."""
+    relay, follower = "edge-us", "edge-us-1"
+    proc = dep.node("edge", relay).proc
+    await assert_views_converged(dep, timeout=60)
+    for attempt in range(3):
+        async def relaying():
+            status = await admin(dep, "mnt-0", "status")
+            us = status["streams"]["us"]
+            return us["live_to"] == [relay] and follower in us["edges"] and status
+
+        before = (await eventually(relaying, timeout=60, interval=0.3))["streams"]["us"]["seq"]
+        gaps_before = (await admin(dep, follower, "status"))["position_gaps"]
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            await _generate(dep, follower, doc(320 + attempt, 2600))  # a us worker's: the us stream moves
+
+            async def published():
+                status = await admin(dep, "mnt-0", "status")
+                return status["streams"]["us"]["seq"] > before and status
+
+            status = await eventually(published, timeout=60, interval=0.2)
+            if status["streams"]["us"]["live_to"] != [relay]:
+                # The unit gave up on the stopped relay (its idle timeout) before publishing: the
+                # batch went to edge-us-1 itself, nothing was missed. Try again.
+                continue
+
+            async def caught_up():
+                unit = await admin(dep, "mnt-0", "digest", {"edge": follower})
+                view = await admin(dep, follower, "digest", {"shard": 0})
+                same = unit["position"] == view["position"] and unit["groups"] == view["groups"]
+                return same or NotYet(f"unit {unit['position']}, {follower} {view['position']}")
+
+            await eventually(caught_up, timeout=60, interval=0.2)  # the relay is still stopped
+            assert (await admin(dep, "mnt-0", "status"))["stats"]["positions_announced"] > 0
+            assert (await admin(dep, follower, "status"))["position_gaps"] > gaps_before
+            break
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            await assert_views_converged(dep, timeout=90)
+    else:
+        raise AssertionError("the unit dropped the stopped relay before every attempt's batch")

@@ -9,7 +9,8 @@ sends batches on the edge's ordered QUIC control stream, which retransmits: *pac
 the WAN becomes delay (and, with enough of it, a dead connection), never a missing batch on a
 live connection. A batch is lost to an edge only when its connection to the maintenance unit
 dies (unit or edge restart, idle timeout under heavy loss) or when the edge refuses a batch;
-the next batch's seq (or the re-subscription's (epoch, seq)) then shows the gap and the unit
+the next batch's seq (or the unit's position heartbeat of an idle stream, or the
+re-subscription's (epoch, seq)) then shows the gap and the unit
 repairs it by replay from its bounded log or by a snapshot. So the tests here check (1) that
 with real packet loss and delay every edge still converges to the shards' exact state and
 requests are served, and (2) that the gap repair works end to end against the real unit: a
@@ -41,6 +42,7 @@ from kvcompassd.wire import (
     ErrorReported,
     NodeIdentity,
     Role,
+    ShardPositionAnnounced,
     SnapshotChunkSent,
     UpdateBatchPublished,
 )
@@ -102,7 +104,7 @@ class ProbeEdge:
         self.view = EdgeIndexView(IndexLayout.from_config(dep.cfg), dep.cfg.shards, edge=name)
         self.sync = EdgeSync(self.view)
         self.dropping = False
-        self.dropped = self.applied = self.resyncs = self.snapshots = 0
+        self.dropped = self.applied = self.resyncs = self.snapshots = self.announcements = 0
         self.errors: list[ErrorReported] = []
         self.node = QuicNode(NodeIdentity(Role.EDGE, name), tls_files(dep.tls_dir, name),
                              on_message=self._on_message, options=TransportOptions(idle_timeout=10.0))
@@ -132,9 +134,12 @@ class ProbeEdge:
                 return
             step = self.sync.on_batch(message, now=time.monotonic())
             self.applied += step.applied
+        elif isinstance(message, ShardPositionAnnounced):  # the unit's heartbeat of an idle stream
+            self.announcements += 1
+            step = self.sync.on_position(message, now=time.monotonic())
         elif isinstance(message, ErrorReported):
             self.errors.append(message)
-        # A request is sent when a batch or snapshot shows a gap, or (``tick``) when one
+        # A request is sent when a batch, snapshot or position shows a gap, or (``tick``) when one
         # outstanding was not answered in time.
         if step is not None and step.send is not None:
             self._request(step.send)
@@ -194,11 +199,8 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
                 state = await admin(dep, unit.id, "entries", {"edge": probe.name})
                 for group, kv in state["groups"].items():
                     if probe.values(int(group), kv["keys"]) != kv["values"]:
-                        # A gap shows only when a later batch of the probe's stream arrives: make
-                        # one on a worker of the probe's own region (its stream carries every
-                        # length of that region's group; another region's short prompts may
-                        # register no length the probe's region looks up, and send it nothing).
-                        await _generate(session, home.http, doc(9100 + probe.resyncs, 400))
+                        # No further request: if the last batches were dropped, the unit's
+                        # position heartbeat of the idle stream shows the gap.
                         return False
                 return probe.view.position(unit.shard) == (state["epoch"], state["seq"])
 
@@ -206,7 +208,8 @@ async def test_edge_that_loses_batches_detects_the_gaps_and_repairs_them_over_th
         assert probe.dropped > 0 and probe.resyncs > 0, (probe.dropped, probe.resyncs)
         assert probe.errors == []
         print(f"\nprobe edge over the lossy WAN: dropped {probe.dropped} batches on purpose, "
-              f"{probe.resyncs} resyncs, {probe.snapshots} snapshots; view equals the shard's exact state")
+              f"{probe.resyncs} resyncs, {probe.snapshots} snapshots, {probe.announcements} position "
+              f"announcements; view equals the shard's exact state")
     finally:
         await probe.node.close()
 

@@ -179,6 +179,30 @@ def test_lost_batches_are_repaired_by_resync_and_views_converge_to_the_shards():
     assert sum(s.entries() for s in policy.shards) > 0
 
 
+def test_a_lost_last_batch_is_repaired_by_the_position_heartbeat_without_a_later_batch():
+    """Loss goes on and no shard publishes again: only the idle shards' position announcements
+    (lost as batches are, and repeated) show an edge that it lost a shard's last batches.
+    Without them (``position_heartbeat_ms=0``) some edge stays behind for good."""
+    positions = {}
+    for heartbeat_ms in (1000.0, 0.0):
+        policy = KVCompassPolicy(_topo(shards=3), update_loss=0.4, update_delay_ms=5.0, seed=7,
+                                 position_heartbeat_ms=heartbeat_ms)
+        _lossy_rounds(policy, 60)
+        policy.settle(now=100.0)
+        positions[heartbeat_ms] = [[view.position(s) for view in policy.views] for s in range(len(policy.shards))]
+        shards = [(shard.epoch, shard.seq) for shard in policy.shards]
+        if heartbeat_ms:
+            assert policy.counters["positions_announced"] > 0
+            assert sum(f.position_gaps for sync in policy.syncs for f in sync.followers) > 0
+            keys = np.concatenate([np.array(list(t.registered()), dtype=np.uint64) for t in policy.trees])
+            _assert_views_equal_shards(policy, keys)
+        else:
+            assert policy.counters["positions_announced"] == 0
+            assert any(p != shards[s] for s, row in enumerate(positions[0.0]) for p in row)
+    with pytest.raises(PolicyError, match="position_heartbeat_ms"):
+        KVCompassPolicy(_topo(), position_heartbeat_ms=-1.0)
+
+
 def test_without_repair_the_edge_skips_gaps_and_never_resyncs_them():
     policy = KVCompassPolicy(_topo(shards=3), update_loss=0.4, repair=False, seed=7)
     _lossy_rounds(policy, 60)

@@ -23,6 +23,7 @@ from kvcompassd.wire import (
     MAX_SNAPSHOT_CHUNK_BYTES,
     ResyncRequested,
     Role,
+    ShardPositionAnnounced,
     ShardSnapshotSent,
     SnapshotChunkSent,
     SnapshotResumeRequested,
@@ -348,11 +349,16 @@ class _Unit:
 
 @PROPERTY
 @given(script=st.lists(st.sampled_from(["deliver"] * 5 + ["pump"] * 5 + ["drop", "dup", "swap", "publish", "tick",
-                                                                         "forget", "resubscribe"]), max_size=200),
-       chunk_bytes=st.integers(200, 1500), had_view=st.booleans(), hold=st.sampled_from([0, 1 << 20]))
-def test_any_chunk_loss_duplication_or_reordering_ends_in_the_exact_view(script, chunk_bytes, had_view, hold):
-    """Whatever happens to the chunks and batches, the view only ever holds a state the shard had
-    (or the view it started with), and once messages get through it equals the shard's."""
+                                                                         "forget", "resubscribe", "announce"]),
+                       max_size=200),
+       chunk_bytes=st.integers(200, 1500), had_view=st.booleans(), hold=st.sampled_from([0, 1 << 20]),
+       heal_by_heartbeat=st.booleans())
+def test_any_chunk_loss_duplication_or_reordering_ends_in_the_exact_view(script, chunk_bytes, had_view, hold,
+                                                                          heal_by_heartbeat):
+    """Whatever happens to the chunks, batches and position announcements, the view only ever
+    holds a state the shard had (or the view it started with), and once messages get through it
+    equals the shard's: after a later batch, or (``heal_by_heartbeat``) with no batch at all,
+    the idle stream's announcements alone."""
     layout = _layout()
     shard = _shard(layout, keys=300)
     states = {shard.seq: shard.digests()}
@@ -368,6 +374,8 @@ def test_any_chunk_loss_duplication_or_reordering_ends_in_the_exact_view(script,
     def deliver(message) -> None:
         if isinstance(message, UpdateBatchPublished):
             step = sync.on_batch(message, now=now)
+        elif isinstance(message, ShardPositionAnnounced):
+            step = sync.on_position(message, now=now)
         else:
             step = sync.on_snapshot_message(message, now=now)
         if step.send is not None:
@@ -383,6 +391,9 @@ def test_any_chunk_loss_duplication_or_reordering_ends_in_the_exact_view(script,
         key += 1
         unit.net.append(_publish(shard, key, worker="b-0"))
         states[shard.seq] = shard.digests()
+
+    def announce() -> None:  # the unit's heartbeat of the idle stream, behind what it sent before
+        unit.net.append(ShardPositionAnnounced(0, shard.epoch, shard.seq, ""))
 
     def tick() -> None:
         nonlocal now
@@ -405,6 +416,8 @@ def test_any_chunk_loss_duplication_or_reordering_ends_in_the_exact_view(script,
             net[0], net[1] = net[1], net[0]
         elif action == "publish":
             publish()
+        elif action == "announce":
+            announce()
         elif action == "tick":
             tick()
         elif action == "forget":
@@ -413,14 +426,18 @@ def test_any_chunk_loss_duplication_or_reordering_ends_in_the_exact_view(script,
             net.clear()
             unit.outbox = []
             unit.receive(sync.subscription(0, now=now))
-    # Heal: everything gets through; a gap shows only when a later batch comes, so make one.
+    # Heal: everything gets through; a gap shows when a later batch comes (make one), or when the
+    # idle stream announces its position.
     for _ in range(60):
         while unit.net or unit.outbox:
             unit.pump()
             deliver(unit.net.pop(0))
         if _equal(sync, shard):
             break
-        publish()
+        if heal_by_heartbeat:
+            announce()
+        else:
+            publish()
         tick()
     assert _equal(sync, shard)
     follower = sync.followers[0]

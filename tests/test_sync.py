@@ -13,8 +13,14 @@ from clusters import make_cluster
 from kvcompassd.core.events import PrefixCached, PrefixEvicted, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.layout import IndexLayout
-from kvcompassd.core.sync import EdgeSync, SyncSettings, catch_up
-from kvcompassd.wire import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished, UpdatesSubscribed
+from kvcompassd.core.sync import EdgeSync, PositionHeartbeats, SyncSettings, catch_up
+from kvcompassd.wire import (
+    ResyncRequested,
+    ShardPositionAnnounced,
+    ShardSnapshotSent,
+    UpdateBatchPublished,
+    UpdatesSubscribed,
+)
 
 SHARDS = 2
 TIMEOUT = 1.0
@@ -179,7 +185,7 @@ def test_unknown_shards_are_refused_with_a_reason():
 
 ACTIONS = st.lists(
     st.tuples(st.sampled_from(["write", "evict", "deliver", "deliver_any", "drop", "duplicate", "answer",
-                               "answer_any", "drop_request", "tick", "restart", "reconnect"]),
+                               "answer_any", "drop_request", "tick", "restart", "reconnect", "announce"]),
               st.integers(0, 1000)),
     max_size=80,
 )
@@ -207,6 +213,8 @@ class Network:
     def _edge_gets(self, message) -> None:
         if isinstance(message, ShardSnapshotSent):
             step = self.sync.on_snapshot(message, now=self.now)
+        elif isinstance(message, ShardPositionAnnounced):
+            step = self.sync.on_position(message, now=self.now)
         else:
             step = self.sync.on_batch(message, now=self.now)
         if step.send is not None:
@@ -271,17 +279,29 @@ class Network:
             self._subscribe()
         elif action == "reconnect":
             self._subscribe()
+        elif action == "announce" and self.subscribed:
+            # The unit's idle-stream heartbeat, in order behind the batches it sent before.
+            self.to_edge.append(self._announcement())
 
-    def heal(self) -> None:
+    def _announcement(self) -> ShardPositionAnnounced:
+        return ShardPositionAnnounced(self.shard.shard, self.shard.epoch, self.shard.seq, "")
+
+    def heal(self, *, by_heartbeat: bool = False) -> None:
         """The network turns reliable and in order; one more write shows any trailing gap, as
-        live traffic would; timers fire when nothing else moves."""
-        probe = 999 * SHARDS
-        self.shard.apply([PrefixCached("a-0", probe, Tier.VRAM)])
-        self.keys.add(probe)
-        batch = self.shard.flush()
-        if self.subscribed:
-            self.to_edge.append(batch)
+        live traffic would (``by_heartbeat``: no write, the idle stream's position announcement
+        shows it); timers fire when nothing else moves."""
+        if not by_heartbeat:
+            probe = 999 * SHARDS
+            self.shard.apply([PrefixCached("a-0", probe, Tier.VRAM)])
+            self.keys.add(probe)
+            batch = self.shard.flush()
+            if self.subscribed:
+                self.to_edge.append(batch)
+        announced = False
         for _ in range(100):
+            if by_heartbeat and not announced and not self.to_edge and not self.to_unit and self.subscribed:
+                announced = True  # the stream is idle: one heartbeat
+                self.to_edge.append(self._announcement())
             if self.to_edge:
                 self._edge_gets(self.to_edge.pop(0))
             elif self.to_unit:
@@ -312,6 +332,116 @@ def test_any_interleaving_converges_with_a_bounded_number_of_requests(actions):
         assert gap_requests == 0
 
 
+@settings(max_examples=300, deadline=None)
+@given(actions=ACTIONS)
+def test_any_interleaving_converges_by_heartbeat_alone_with_a_bounded_number_of_requests(actions):
+    """The same, with no write after the disorder: one position announcement of the idle stream
+    (and the timers) bring the view to the shard's state, a lost last batch included."""
+    net = Network()
+    for action, n in actions:
+        net.step(action, n)
+    net.heal(by_heartbeat=True)
+    assert _converged(net.sync, net.shard)
+    assert net.follower.outstanding is None and net.sync.next_deadline() is None
+    gap_requests = net.follower.requests - net.resent
+    assert gap_requests <= net.disorder + 1
+    if net.disorder == 0:
+        assert gap_requests == 0
+
+
+def test_a_lost_last_batch_is_repaired_by_one_heartbeat_and_one_request():
+    """Before the heartbeat only a later batch showed the gap: a quiet stream's lost last batch
+    left the view behind until the stream's next batch, however long that took."""
+    layout = _layout()
+    s = _shard(layout)
+    sync = _edge(layout, [s, _shard(layout, shard=1)])
+    b1, _b2 = _publish(s, 1), _publish(s, 2)  # b2, the last batch, is lost
+    assert sync.on_batch(b1, now=0.0).applied
+    beats = PositionHeartbeats(1.0, [None], now=0.0)
+    beats.published(None, now=0.0)
+    assert beats.due(now=0.5) == [] and beats.next_deadline() == 1.0
+    assert beats.due(now=1.0) == [None]  # idle for a period: announce
+    step = sync.on_position(ShardPositionAnnounced(0, s.epoch, s.seq, ""), now=1.0)
+    assert step.send == ResyncRequested("edge-a", 0, 7, 2) and "lost" in step.reason
+    assert sync.position_gaps == 1 and sync.requests == 1
+    for message in catch_up(s, 7, 2).messages:
+        assert sync.on_batch(message, now=1.1).applied
+    assert _converged(sync, s) and sync.next_deadline() is None
+    # Announcements at or below the view's position are ignored and ask nothing.
+    for announced in ((7, 2), (7, 1), (6, 50)):
+        step = sync.on_position(ShardPositionAnnounced(0, *announced, ""), now=1.2)
+        assert not step.applied and step.send is None and "nothing missing" in step.reason
+    assert sync.requests == 1 and sync.position_gaps == 1
+
+
+def test_a_position_follows_the_gap_rules_of_a_batch():
+    """Same epoch: a replay; one outstanding request (later positions raise the target) and its
+    timeout doubling; a newer epoch or no state: a snapshot; repair off: nothing asked."""
+    layout = _layout()
+    s = _shard(layout)
+    sync = _edge(layout, [s, _shard(layout, shard=1)])
+    for k in range(3):
+        _publish(s, k)
+    first = sync.on_position(ShardPositionAnnounced(0, 7, 2, ""), now=0.0)
+    again = sync.on_position(ShardPositionAnnounced(0, 7, 3, ""), now=0.5)
+    assert first.send == ResyncRequested("edge-a", 0, 7, 1) and again.send is None
+    assert "already asked" in again.reason and sync.followers[0].outstanding == (7, 3)
+    assert sync.position_gaps == 1  # one catch-up opened; the second position only raised its target
+    assert sync.on_timer(now=TIMEOUT) == [ResyncRequested("edge-a", 0, 7, 1)]
+    assert sync.next_deadline() == 3 * TIMEOUT  # the timeout doubled
+    # A replay reaching only seq 2 does not satisfy the target (7, 3) the later position set.
+    for message in catch_up(s, 7, 1).messages[:2]:
+        assert sync.on_batch(message, now=1.5).applied
+    assert sync.followers[0].outstanding == (7, 3)
+    newer = sync.on_position(ShardPositionAnnounced(1, 9, 0, ""), now=2.0)
+    assert newer.send == ResyncRequested("edge-a", 1, 7, 0)  # from seq 0: a snapshot
+    blank = EdgeSync(EdgeIndexView(layout, SHARDS, edge="edge-a"))
+    assert blank.on_position(ShardPositionAnnounced(0, 7, 0, ""), now=0.0).send == ResyncRequested("edge-a", 0, 0, 0)
+    prototype = _edge(layout, [_shard(layout), _shard(layout, shard=1)], repair=False)
+    step = prototype.on_position(ShardPositionAnnounced(0, 7, 5, ""), now=0.0)
+    assert step.send is None and "repair is off" in step.reason and prototype.requests == 0
+    assert "unknown shard" in sync.on_position(ShardPositionAnnounced(5, 7, 1, ""), now=0.0).reason
+
+
+def test_a_position_during_a_snapshot_transfer_waits_for_it():
+    """At or below the transfer's header: the transfer brings it; beyond: the target rises and
+    the catch-up ends only once the view holds those batches too."""
+    from kvcompassd.core.snapshots import SnapshotChunker
+
+    layout = _layout()
+    s = _shard(layout)
+    _publish(s, 1)
+    sync = EdgeSync(EdgeIndexView(layout, SHARDS, edge="edge-a"))
+    assert isinstance(sync.subscription(0, now=0.0), UpdatesSubscribed)
+    chunker = SnapshotChunker(s.snapshot(), snapshot_id=5, chunk_bytes=4096)
+    assert sync.on_snapshot_message(chunker.header, now=0.0).applied
+    step = sync.on_position(ShardPositionAnnounced(0, 7, 1, ""), now=0.1)
+    assert step.send is None and "transfer reaches it" in step.reason
+    b2 = _publish(s, 2)
+    step = sync.on_position(ShardPositionAnnounced(0, 7, 2, ""), now=0.2)
+    assert step.send is None and "beyond the snapshot" in step.reason and sync.followers[0].outstanding == (7, 2)
+    for chunk in chunker.chunks_from(0):
+        sync.on_snapshot_message(chunk, now=0.3)
+    assert sync.view.position(0) == (7, 1) and sync.followers[0].outstanding == (7, 2)
+    assert sync.on_batch(b2, now=0.4).applied
+    assert _converged(sync, s) and sync.followers[0].outstanding is None
+
+
+def test_heartbeats_are_due_only_on_an_idle_stream():
+    beats = PositionHeartbeats(1.0, ["eu", None], now=0.0)
+    announced = []
+    for t in (0.4, 0.8, 1.2, 1.6):  # "eu" publishes every 0.4 s: never idle for a period
+        beats.published("eu", now=t)
+        announced += [(t, stream) for stream in beats.due(now=t)]
+    assert announced == [(1.2, None)]  # the full stream, idle since the start
+    assert beats.next_deadline() == 2.2  # again a period after its announcement
+    assert beats.due(now=2.2) == [None] and beats.due(now=2.6) == ["eu"]  # eu a period after its last batch
+    beats.stop("eu")
+    assert beats.due(now=10.0) == [None]
+    with pytest.raises(ValueError):
+        PositionHeartbeats(0.0, [None], now=0.0)
+
+
 def test_the_property_model_does_lose_and_repair():
     """The model is not vacuous: a lossy run needs requests and still converges."""
     net = Network()
@@ -323,6 +453,16 @@ def test_the_property_model_does_lose_and_repair():
     assert not _converged(net.sync, net.shard)
     net.heal()
     assert _converged(net.sync, net.shard) and net.follower.requests >= 1
+    # And by heartbeat alone: the last batch lost, no write after it.
+    net = Network()
+    for k in range(5):
+        net.step("write", k)
+        net.step("deliver", 0)
+    net.step("write", 5)
+    net.step("drop", 0)
+    assert not _converged(net.sync, net.shard)
+    net.heal(by_heartbeat=True)
+    assert _converged(net.sync, net.shard) and net.follower.position_gaps == 1 and net.follower.requests == 1
 
 
 @pytest.mark.parametrize("repair", [True, False])

@@ -232,6 +232,11 @@ def test_events_of_another_worker_are_refused():
         (lambda: wire.MigrationRequested("r", (), "a", "b", "teleport"), "one of"),
         (lambda: wire.PrefillDecodeForwarded("r", "e", "us", (1,), {}, True, 0, "us-d", 2**63), "outside"),
         (lambda: wire.PrefillDecodeForwarded("r", "e", "us", (1,), {}, True, 0, "", 1), "must not be empty"),
+        (lambda: wire.ShardPositionAnnounced(0, 1, -1, ""), "seq: -1 outside"),
+        (lambda: wire.ShardPositionAnnounced(65536, 1, 0, ""), "shard: 65536 outside"),
+        (lambda: wire.ShardPositionAnnounced(0, 2**64, 0, ""), "epoch"),
+        (lambda: wire.ShardPositionAnnounced(0, 1, 0, "r" * 129), "longer than"),
+        (lambda: wire.ShardPositionAnnounced(0, 1, 0, None), "a string"),
     ],
 )
 def test_invalid_messages_are_refused_on_construction(build, fragment):
@@ -284,6 +289,19 @@ def packed(*items) -> bytes:
 )
 def test_malformed_input_raises_wire_error(data, fragment):
     with pytest.raises(WireError, match=fragment):
+        decode(data)
+
+
+def test_a_node_older_than_position_announcements_refuses_one_as_an_unknown_tag(monkeypatch):
+    """What an edge built before ShardPositionAnnounced does with one: a WireError for an unknown
+    tag, which its transport answers with ErrorReported("malformed") while the connection carries
+    on (tests/test_transport.py, malformed frames): log lines, no dropped connection. Hence
+    README's upgrade note (edges before units, or position_heartbeat_ms = 0 meanwhile)."""
+    data = encode(wire.ShardPositionAnnounced(3, 7, 42, "eu"))
+    assert decode(data) == wire.ShardPositionAnnounced(3, 7, 42, "eu")
+    older = {tag: spec for tag, spec in MESSAGE_SPECS.items() if spec.cls is not wire.ShardPositionAnnounced}
+    monkeypatch.setattr(wire, "MESSAGE_SPECS", older)
+    with pytest.raises(WireError, match="unknown message tag 17"):
         decode(data)
 
 

@@ -536,8 +536,17 @@ class SyncParams:
     # subscribed edges following it, in config order), which forwards them to the region's other
     # edges of that stream: the unit's egress does not grow with the edges per region.
     relay: bool = True
+    # A unit announces a stream's position (epoch, seq) to every edge following it after this
+    # long without a batch on it, and again every such period while it stays idle, so an edge
+    # whose last batch was lost repairs it within one heartbeat and one request rather than at
+    # the stream's next batch (kvcompassd.core.sync). 0 turns it off (edges older than the
+    # announcement refuse it: off until they are upgraded, or upgrade edges first).
+    position_heartbeat_ms: float = 1000.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.position_heartbeat_ms, bool) or self.position_heartbeat_ms != 0:  # 0: off
+            _check_float("position_heartbeat_ms", self.position_heartbeat_ms, lo=10.0, hi=60_000.0)
+        _as_float(self, "position_heartbeat_ms")
         _check_int("snapshot_chunk_bytes", self.snapshot_chunk_bytes, lo=4096, hi=MAX_SNAPSHOT_CHUNK_BYTES)
         _check_int("snapshot_window_bytes", self.snapshot_window_bytes, lo=self.snapshot_chunk_bytes, hi=1 << 30)
         _check_int("max_snapshot_entries", self.max_snapshot_entries, lo=1)

@@ -27,7 +27,8 @@ from .events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 __all__ = [
     "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CHUNK_BYTES", "REGION", "SEQ",
     "SHARD", "TABLES", "Blob", "Bool", "Choice", "EventColumns", "FieldType", "Float", "Int", "MessageError", "Pairs",
-    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "ShardSnapshotSent",
+    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "ShardPositionAnnounced",
+    "ShardSnapshotSent",
     "SnapshotChunkSent", "SnapshotResumeRequested", "SnapshotTransferStarted", "Text", "UpdateBatchPublished",
     "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerWithdrawn",
 ]
@@ -241,6 +242,21 @@ class UpdateBatchPublished(WireMessage):
     seq: int
     tables: tuple[tuple[int, bytes], ...]
     WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": Int(0, I64_MAX), "tables": TABLES}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPositionAnnounced(WireMessage):
+    """maintenance -> edge: stream ``stream`` of ``shard`` (a region's name, or "" for the full
+    stream) stands at ``(epoch, seq)``: its last published batch. Sent only while the stream
+    has published nothing for ``[sync] position_heartbeat_ms`` (a live batch carries the
+    position itself), so an edge whose last batch was lost sees the gap without waiting for
+    the next one (``kvcompassd.core.sync``)."""
+
+    shard: int
+    epoch: int
+    seq: int
+    stream: str
+    WIRE: ClassVar = {"shard": SHARD, "epoch": EPOCH, "seq": Int(0, I64_MAX), "stream": Text(allow_empty=True)}
 
 
 @dataclass(frozen=True, slots=True)

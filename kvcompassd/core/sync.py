@@ -26,6 +26,19 @@ Rules and invariants:
   else a snapshot; a request for another epoch, or from seq 0, always gets a snapshot. Edits
   applied but not yet published go out first (``CatchUp.published``, to every subscriber), so
   the answer reaches every position any edge can have seen.
+- A position announcement (``ShardPositionAnnounced``, ``on_position``) is a gap exactly as a
+  later batch would be, without the batch: above the view's position it is a target (same epoch:
+  a replay from ``s + 1``; a newer epoch or no state: a snapshot), under the same
+  one-outstanding-request rule and timeout doubling; at or below it is ignored. While a
+  transfer is in progress, a position of its epoch at or below its header is what the transfer
+  brings; one beyond only raises the target (as a held batch does). A unit announces a
+  stream's position only after ``[sync] position_heartbeat_ms`` without a batch on it, and
+  again every such period while it stays idle (``PositionHeartbeats``): a lost *last* batch
+  of a quiet stream is then repaired within one heartbeat and one request, where before it
+  waited for the stream's next batch. On a busy stream every batch carries the position and
+  no announcement is sent. With ``repair=False`` a position of the view's epoch is ignored
+  (the prototype repairs no gap). An announcement that overtakes a batch still on its way (one
+  relayed by another edge, a whole idle period late) costs one needless replay, never state.
 - ``repair=False`` is the paper's prototype (simulator only): a later seq of the same epoch is
   applied on top of the gap, which is never repaired (Ludo records carry absolute state, so only
   the buckets the lost batches touched stay stale); a new epoch or a rejected batch still loads a
@@ -48,18 +61,20 @@ Rules and invariants:
   valid image is installed, so a refused or abandoned transfer never costs the current view.
 
 So the number of requests an edge sends is at most one per gap episode plus one per timeout,
-and a stream with any mix of loss, duplication, delay and reordering converges to the shard's
-state once messages get through (``tests/test_sync.py``, ``tests/test_snapshots.py``).
+and a stream with any mix of loss, duplication, delay and reordering (announcements among the
+batches) converges to the shard's state once messages get through (``tests/test_sync.py``,
+``tests/test_snapshots.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from .messages import (
     ResyncRequested,
+    ShardPositionAnnounced,
     ShardSnapshotSent,
     SnapshotChunkSent,
     SnapshotResumeRequested,
@@ -72,7 +87,8 @@ from .snapshots import SnapshotAssembly, SnapshotRefused
 if TYPE_CHECKING:
     from .index import EdgeIndexView, MaintenanceShard
 
-__all__ = ["SNAPSHOT_MESSAGES", "CatchUp", "EdgeSync", "ShardFollower", "SyncSettings", "SyncStep", "catch_up"]
+__all__ = ["SNAPSHOT_MESSAGES", "CatchUp", "EdgeSync", "PositionHeartbeats", "ShardFollower", "SyncSettings", "SyncStep",
+           "catch_up"]
 
 _NOTHING = (-1, -1)  # the position of a view without state: below every real one
 
@@ -124,7 +140,7 @@ class ShardFollower:
 
     __slots__ = ("view", "shard", "edge", "settings", "_target", "_need_snapshot", "_deadline", "_timeout_s",
                  "_assembly", "_resume_from", "_buffered", "_buffered_bytes",
-                 "gaps", "gaps_skipped", "requests", "snapshots_installed", "transfers_started",
+                 "gaps", "gaps_skipped", "position_gaps", "requests", "snapshots_installed", "transfers_started",
                  "transfers_abandoned", "chunks_taken", "batches_held", "batches_dropped")
 
     def __init__(self, view: EdgeIndexView, shard: int, settings: SyncSettings):
@@ -138,6 +154,7 @@ class ShardFollower:
         self._timeout_s = settings.resync_timeout_s
         self.gaps = 0  # inputs that found a gap (several may share one request)
         self.gaps_skipped = 0  # repair=False: gaps applied over
+        self.position_gaps = 0  # catch-ups a position announcement opened (no batch had shown the gap)
         self.requests = 0  # catch-up requests sent (subscriptions and resumes included)
         self.snapshots_installed = 0
         self._assembly: SnapshotAssembly | None = None  # the snapshot transfer in progress
@@ -207,6 +224,33 @@ class ShardFollower:
             return self._gap(got, True, rejected, now)
         self._check_reached()
         return _APPLIED
+
+    def on_position(self, announced: ShardPositionAnnounced, *, now: float) -> SyncStep:
+        """The unit's stream stands at ``(epoch, seq)``: a gap if the view is below it (see the
+        module rules); nothing is applied."""
+        got = (announced.epoch, announced.seq)
+        assembly = self._assembly
+        if assembly is not None and announced.epoch == assembly.header.epoch:
+            if got <= assembly.position:
+                return SyncStep(False, reason=f"position {got}: the snapshot in transfer reaches it")
+            # Batches after the snapshot are missing (or on their way): the catch-up is over once
+            # the view holds them; the transfer's timer asks for them if they never come.
+            self.gaps += 1
+            self.position_gaps += self._target is None
+            self._target = got if self._target is None else max(self._target, got)
+            return SyncStep(False, reason=f"position {got} announced beyond the snapshot in transfer "
+                                          f"{assembly.position}")
+        at = self.position
+        if got <= at:
+            return SyncStep(False, reason=f"position {got} announced, view at {at}: nothing missing")
+        if at == _NOTHING or announced.epoch != at[0]:
+            why = "no state yet" if at == _NOTHING else f"new epoch {announced.epoch} (view at {at[0]})"
+            self.position_gaps += self._target is None
+            return self._gap(got, True, f"position {got} announced: {why}", now)
+        if not self.settings.repair:
+            return SyncStep(False, reason=f"position {got} announced, view at {at}: repair is off")
+        self.position_gaps += self._target is None
+        return self._gap(got, False, f"position {got} announced, view at {at}: the last batches were lost", now)
 
     def on_snapshot(self, snap: ShardSnapshotSent, *, now: float) -> SyncStep:
         installed = self.view.install_snapshot(snap)  # refuses stale ones: a position never goes back
@@ -427,6 +471,12 @@ class EdgeSync:
             return f.on_transfer_started(message, now=now)
         return f.on_snapshot(message, now=now)
 
+    def on_position(self, announced: ShardPositionAnnounced, *, now: float) -> SyncStep:
+        f = self._follower(announced.shard)
+        if f is None:
+            return SyncStep(False, reason=f"position for unknown shard {announced.shard}")
+        return f.on_position(announced, now=now)
+
     def subscription(self, shard: int, *, now: float) -> UpdatesSubscribed | SnapshotResumeRequested:
         return self.followers[shard].subscription(now=now)
 
@@ -445,6 +495,46 @@ class EdgeSync:
     @property
     def gaps(self) -> int:
         return sum(f.gaps for f in self.followers)
+
+    @property
+    def position_gaps(self) -> int:
+        """Catch-ups a position announcement opened (no batch had shown the gap)."""
+        return sum(f.position_gaps for f in self.followers)
+
+
+class PositionHeartbeats:
+    """When a maintenance unit announces each of its streams' positions (sans-IO; see the
+    module rules): ``period_s`` after the stream last published a batch or announced, so a busy
+    stream announces nothing. One due time per stream; the shell arms one timer at
+    ``next_deadline`` and calls ``due`` when it fires. ``published`` only ever moves a due time
+    later, so a timer armed earlier is never late: at worst it fires once for nothing."""
+
+    __slots__ = ("period_s", "_due")
+
+    def __init__(self, period_s: float, streams: Iterable[Hashable], *, now: float):
+        if not period_s > 0:
+            raise ValueError(f"period_s must be > 0, got {period_s!r}")
+        self.period_s = float(period_s)
+        self._due: dict[Hashable, float] = {stream: now + self.period_s for stream in streams}
+
+    def published(self, stream: Hashable, *, now: float) -> None:
+        """``stream`` published a batch at ``now`` (which carried its position)."""
+        self._due[stream] = now + self.period_s
+
+    def stop(self, stream: Hashable) -> None:
+        """No announcement of ``stream`` until it publishes again (the simulator: every edge is at
+        its position, so the announcements would change nothing and the run would never end)."""
+        self._due.pop(stream, None)
+
+    def due(self, *, now: float) -> list[Hashable]:
+        """The streams to announce at ``now``; each is due again one period later."""
+        out = [stream for stream, at in self._due.items() if at <= now]
+        for stream in out:
+            self._due[stream] = now + self.period_s
+        return out
+
+    def next_deadline(self) -> float | None:
+        return min(self._due.values()) if self._due else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,9 @@ Update transport (§5.7), modelled the way the daemon moves updates:
   ``ResyncRequested`` (one outstanding per edge and shard, sent again on its timeout), and
   ``catch_up`` answers from the replay log (or a snapshot) after the edge->shard latency plus
   one more propagation delay; requests and answers are not lost (the daemon's control stream is
-  reliable and resent on reconnection). With ``repair=False`` (the paper's prototype, §5.7:
+  reliable and resent on reconnection). A shard that published nothing for
+  ``position_heartbeat_ms`` announces its position to every edge (lost as a batch is), so a
+  lost *last* batch is repaired too (the daemon's ``[sync] position_heartbeat_ms``). With ``repair=False`` (the paper's prototype, §5.7:
   failed batches are not retransmitted) the edge applies the next batch over the gap: Ludo
   records carry absolute state, so the buckets the lost batch touched stay stale until a later
   update rewrites them. A batch the view cannot apply at all (a lost table rebuild changed the
@@ -66,9 +68,9 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.migration import HOT_MISS_OUTCOMES, MigrationPlanned
 from kvcompassd.core.router import ForwardDecided, Router
-from kvcompassd.core.sync import EdgeSync, SyncSettings, SyncStep, catch_up
+from kvcompassd.core.sync import EdgeSync, PositionHeartbeats, SyncSettings, SyncStep, catch_up
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.core.messages import ResyncRequested, ShardSnapshotSent, UpdateBatchPublished
+from kvcompassd.core.messages import ResyncRequested, ShardPositionAnnounced, ShardSnapshotSent, UpdateBatchPublished
 
 from .shared_views import SharedViews, lookup_readers
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
@@ -79,6 +81,7 @@ __all__ = ["KVCompassPolicy"]
 
 # Kinds of deliveries in flight (heap payload tags).
 _TO_SHARD, _TO_EDGE, _RESYNC_AT_SHARD, _REPLAY_TO_EDGE, _BROADCAST, _FLUSH, _SYNC_TIMER = range(7)
+_HEARTBEAT, _POSITION_TO_EDGE = 7, 8  # an idle shard's position announcement: due, and delivered
 EPOCH = 1
 
 
@@ -110,12 +113,15 @@ class KVCompassPolicy(BasePolicy):
         fingerprint_bits: int | None = None,
         context_tokens: int | None = None,
         shared_views: bool | None = None,
+        position_heartbeat_ms: float = 1000.0,
     ) -> None:
         super().__init__(topo)
         if not (update_delay_ms >= 0 and math.isfinite(update_delay_ms)):
             raise PolicyError(f"update_delay_ms must be finite and >= 0, got {update_delay_ms!r}")
         if not 0 <= update_loss < 1:
             raise PolicyError(f"update_loss must be in [0, 1), got {update_loss!r}")
+        if not (position_heartbeat_ms >= 0 and math.isfinite(position_heartbeat_ms)):
+            raise PolicyError(f"position_heartbeat_ms must be finite and >= 0, got {position_heartbeat_ms!r}")
         if not (flush_interval_ms >= 0 and math.isfinite(flush_interval_ms)):
             raise PolicyError(f"flush_interval_ms must be finite and >= 0, got {flush_interval_ms!r}")
         self.flush_interval_s = flush_interval_ms / 1000.0
@@ -188,6 +194,12 @@ class KVCompassPolicy(BasePolicy):
         self._heap_seq = 0
         self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
         self._flush_pending = [False] * n_shards
+        # [sync] position_heartbeat_ms (0: off): an idle shard announces its position to every
+        # edge, lost as a batch is, so a lost last batch is repaired (per-edge views only).
+        self._heartbeats = (PositionHeartbeats(position_heartbeat_ms / 1000.0, (), now=0.0)
+                            if position_heartbeat_ms > 0 and self.repair else None)
+        self._heartbeat_armed = False
+        self._heartbeat_rng = np.random.default_rng([seed, 1])
         # request id -> (edge, claimed tokens, from the ledger, the decision's dispatch)
         self._claims: dict[int, tuple[int, int, bool, int, Tier]] = {}  # ... and the claim's tier
         # With the engine's exact cache map (on_truth_tracked): (key, worker) -> the seq of the
@@ -202,6 +214,7 @@ class KVCompassPolicy(BasePolicy):
             ("index_events", "batches_published", "batch_deliveries", "batches_lost", "resyncs", "replays",
              "snapshots_installed", "migrations_planned", "broadcasts", "decisions",
              "remote_decisions"), 0)
+        self.counters["positions_announced"] = 0  # idle shards' announcements (per shard, not per edge)
 
     # ------------------------------------------------------------------------------ setup
 
@@ -290,6 +303,10 @@ class KVCompassPolicy(BasePolicy):
                 self._deliver_replay(payload[0], payload[1], due)
             elif kind == _SYNC_TIMER:
                 self._sync_timeout(payload[0], payload[1], due)
+            elif kind == _HEARTBEAT:
+                self._announce_positions(due)
+            elif kind == _POSITION_TO_EDGE:
+                self._sync_step(payload[0], payload[1].shard, self.syncs[payload[0]].on_position(payload[1], now=due), due)
 
     def next_timer(self) -> float | None:
         t = self._next_broadcast
@@ -392,6 +409,8 @@ class KVCompassPolicy(BasePolicy):
         if self._shared is not None:
             self._shared.publish(batch, now)
             return
+        if self._heartbeats is not None:
+            self._heartbeat_published(s, now)
         legs = self._to_edge_s[s]
         loss = self.update_loss
         lost = self._rng.random(len(self._edge_views)) < loss if loss > 0 else None
@@ -403,6 +422,35 @@ class KVCompassPolicy(BasePolicy):
                 self._push(now + legs[e], _TO_EDGE, (e, batch))
             else:
                 self._deliver(e, batch, now)
+
+    # The idle-shard position heartbeat (maintenance.py's, [sync] position_heartbeat_ms).
+
+    def _heartbeat_published(self, s: int, now: float) -> None:
+        self._heartbeats.published(s, now=now)
+        if not self._heartbeat_armed:
+            self._heartbeat_armed = True
+            self._push(self._heartbeats.next_deadline(), _HEARTBEAT, None)
+
+    def _announce_positions(self, now: float) -> None:
+        """Each idle shard's position to every edge, each copy lost as a batch is (own draws: the
+        batches' losses stay those of a run without heartbeats). A shard whose every edge is at
+        its position stops announcing until it publishes again: the edges would ignore it, and
+        a run must end."""
+        for s in self._heartbeats.due(now=now):
+            shard = self.shards[s]
+            if all(sync.followers[s].position == (shard.epoch, shard.seq) for sync in self.syncs):
+                self._heartbeats.stop(s)
+                continue
+            self.counters["positions_announced"] += 1
+            announced = ShardPositionAnnounced(s, shard.epoch, shard.seq, "")
+            lost = self._heartbeat_rng.random(len(self._edge_views)) < self.update_loss
+            for e, leg in enumerate(self._to_edge_s[s]):
+                if not lost[e]:
+                    self._push(now + leg, _POSITION_TO_EDGE, (e, announced))
+        deadline = self._heartbeats.next_deadline()
+        self._heartbeat_armed = deadline is not None
+        if deadline is not None:
+            self._push(deadline, _HEARTBEAT, None)
 
     # The sync protocol's decisions are core/sync.py's; below only moves its messages and arms
     # its timers on the virtual clock.
