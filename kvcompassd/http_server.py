@@ -136,7 +136,10 @@ class Request:
     @property
     def content_length(self) -> int | None:
         value = self.headers.get("content-length")
-        return int(value) if value is not None else None  # the parser checked it is digits
+        try:
+            return int(value) if value is not None else None  # the parser checked it already
+        except ValueError:
+            return None
 
     @property
     def remote(self) -> str | None:
@@ -232,6 +235,7 @@ class _Connection(asyncio.Protocol):
         # The head being parsed.
         self.awaiting_head = True  # between a head's first byte (or the last message's end) and its last header
         self.head_read_bytes = 0  # bytes read while the head was incomplete
+        self.heads = 0  # heads parsed on this connection
         self.head_field_bytes = 0  # url and fields the parser has handed over
         self._target = b""
         self._fields: dict[str, str] = {}
@@ -315,6 +319,7 @@ class _Connection(asyncio.Protocol):
         if self.closing or self.upgraded:
             return  # lingering after a refusal: dropped
         in_head = self.awaiting_head
+        heads = self.heads
         if in_head and not self.timer_is_head and self.active is None:
             self._arm_head_deadline()  # the next head started on an idle keep-alive connection
         try:
@@ -340,7 +345,7 @@ class _Connection(asyncio.Protocol):
             message = str(exc) or "malformed request"
             self._refuse(400, f"malformed HTTP request: {message[:200]}", "invalid_request", "malformed_request")
             return
-        if in_head and self.awaiting_head:
+        if in_head and self.heads == heads:
             # Every byte of this read belonged to a head that is still incomplete.
             self.head_read_bytes += len(data)
             if self.head_read_bytes > self.limits.max_header_bytes:
@@ -382,6 +387,7 @@ class _Connection(asyncio.Protocol):
         request = Request(self, parser.get_method().decode("latin-1"), self._target, parser.get_http_version(),
                           self._fields, parser.should_keep_alive())
         self.awaiting_head = False
+        self.heads += 1
         self.head_read_bytes = 0
         self._target = b""
         self._fields = {}
