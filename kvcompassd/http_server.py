@@ -287,14 +287,9 @@ class _Connection(asyncio.Protocol):
             waiter.exception()  # retrieved here: a handler may already have gone
 
     def eof_received(self) -> bool:
-        # The client sends no more. A response in progress still goes out (a client may half-close
-        # after its request); with nothing in progress there is nothing more to do.
-        if self.receiving is not None:
-            self.receiving._fail(ConnectionResetError("the client ended the connection mid-body"))
-        if self.active is None:
-            return False  # close
-        self.closing = True  # after the response in progress
-        return True
+        # The client sends no more: taken as gone (as aiohttp and uvicorn take it), so that a
+        # streaming client that hangs up stops its generation at once. The transport closes.
+        return False
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -438,7 +433,7 @@ class _Connection(asyncio.Protocol):
         try:
             response = await self.server.handler(request)
         except asyncio.CancelledError:
-            return  # the client went away
+            return  # the client went away, or a refusal answered instead
         except Exception as exc:
             if self.lost:
                 return
@@ -449,21 +444,23 @@ class _Connection(asyncio.Protocol):
             log.exception("request failed outside its handler", path=request.path[:200])
             response = Response(openai_errors.error_json(500, "internal error at the edge", code="internal_error"),
                                 status=500, close=True)
-        if self.lost:
+        if self.lost or self.active is not request:
             return
         if isinstance(response, ResponseStream):
             try:
                 await response.end()
             except ConnectionError:
                 return
-            keep = response._chunked and request.keep_alive
+            keep = response._chunked and request.keep_alive and request._complete and not self.upgraded
         else:
             keep = self._send(request, response)
         self._done(request, keep)
 
     def _send(self, request: Request, response: Response) -> bool:
         body = response.body
-        keep = request.keep_alive and not response.close and not self.closing
+        # A body not read to its end leaves the next head nowhere to be found: close after it.
+        keep = (request.keep_alive and request._complete and not response.close and not self.closing
+                and not self.upgraded)
         reason = _REASONS.get(response.status, b"Unknown")
         head = [b"HTTP/1.1 %d %b\r\nContent-Type: %b\r\nContent-Length: %d\r\n"
                 % (response.status, reason, response.content_type.encode("latin-1"), len(body)), _DATE.line()]
@@ -486,7 +483,7 @@ class _Connection(asyncio.Protocol):
         head = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Unknown")), _DATE.line()]
         head.extend(f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items())
         head.append(b"Transfer-Encoding: chunked\r\n" if chunked else b"Connection: close\r\n")
-        if chunked and (not request.keep_alive or self.closing):
+        if chunked and (not request.keep_alive or not request._complete or self.closing or self.upgraded):
             head.append(b"Connection: close\r\n")
         head.append(b"\r\n")
         self.transport.write(b"".join(head))
@@ -508,9 +505,6 @@ class _Connection(asyncio.Protocol):
             self._start(self.pending.popleft())
             self.update_reading()
             return
-        if self.closing:  # the client half-closed
-            self.transport.close()
-            return
         if self.awaiting_head and self.head_read_bytes:
             self._arm_head_deadline()
         else:
@@ -522,13 +516,19 @@ class _Connection(asyncio.Protocol):
         """A refusal below the handler (a head over a limit or malformed): JSON, counted, closed."""
         self.guard.refused(reason)
         log.info("request refused", status=status, reason=reason, error=message[:200])
-        if self.receiving is not None:
-            self.receiving._fail(ConnectionResetError(message))
+        receiving = self.receiving
+        if receiving is not None:
+            receiving._fail(ConnectionResetError(message))
+        active = self.active
+        if active is not None and active is receiving and self.started is None:
+            # The body its handler is reading is malformed: the refusal is the answer.
+            self.task.cancel()
+            self.active = self.task = None
         if self.active is None:
             self.transport.write(openai_errors.raw_error_response(status, message, code=code))
             self._close_after_response(linger=True)
         else:
-            self.transport.abort()  # the head after a response in progress: nowhere to answer it
+            self.transport.abort()  # a response in progress: nowhere to answer it
 
     def _close_after_response(self, *, linger: bool) -> None:
         self._disarm()
