@@ -10,8 +10,13 @@ cProfile of the measured windows (CPU clock) for the shares.
 
     python tools/bench_request_path.py [--concurrency 16] [--seconds 5] [--windows 3] [--direct] [--profile out.prof]
 
-Run it against two checkouts (``PYTHONPATH=...``) back to back, alternating, to compare them
-(the tool itself runs either: a checkout from before ``http_server`` serves with aiohttp's runner).
+``--against CHECKOUT`` compares this checkout with another in one run: ABBA rounds (the other
+checkout, this one, this one, the other), each a run of this tool under that checkout's
+``PYTHONPATH``, at every ``--concurrency`` given; it prints each side's median over all its
+windows and the ratio. The tool runs either side (a checkout from before ``http_server`` serves
+with aiohttp's runner).
+
+    python tools/bench_request_path.py --against ../main --concurrency 1 16 --rounds 1 --windows 5
 """
 
 from __future__ import annotations
@@ -224,9 +229,49 @@ async def main_async(args) -> None:
         proc.wait()
 
 
+def compare(args) -> None:
+    """ABBA runs of this tool under two checkouts' PYTHONPATHs; pooled medians and ratios."""
+    here = str(Path(__file__).resolve().parents[1])
+    other = str(Path(args.against).resolve())
+    results: dict[tuple[int, str], list[float]] = {}
+    p50s: dict[tuple[int, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvbench-abba-") as tmp:
+        for concurrency in args.concurrency:
+            for round_ in range(args.rounds):
+                for step, (label, path) in enumerate((("other", other), ("this", here), ("this", here),
+                                                      ("other", other))):
+                    out = Path(tmp) / f"{concurrency}-{round_}-{step}.json"
+                    cmd = [sys.executable, __file__, "--concurrency", str(concurrency), "--seconds", str(args.seconds),
+                           "--windows", str(args.windows), "--prefix-chars", str(args.prefix_chars),
+                           "--suffix-chars", str(args.suffix_chars), "--log-level", args.log_level, "--json", str(out)]
+                    print(f"[{label}: {path}, c = {concurrency}]", flush=True)
+                    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": path})
+                    run = json.loads(out.read_text())
+                    results.setdefault((concurrency, label), []).extend(run["us_per_request"])
+                    p50s.setdefault((concurrency, label), []).extend(run["p50_ms"])
+    summary = []
+    for concurrency in args.concurrency:
+        this, that = results[(concurrency, "this")], results[(concurrency, "other")]
+        line = {"concurrency": concurrency, "this_median_us": statistics.median(this),
+                "other_median_us": statistics.median(that),
+                "this_p50_ms": statistics.median(p50s[(concurrency, "this")]),
+                "other_p50_ms": statistics.median(p50s[(concurrency, "other")]), "windows": len(this)}
+        line["ratio"] = line["this_median_us"] / line["other_median_us"]
+        summary.append(line)
+        print(f"c = {concurrency}: this checkout {line['this_median_us']:.0f} us of edge CPU per request "
+              f"(P50 {line['this_p50_ms']:.2f} ms), {other} {line['other_median_us']:.0f} us "
+              f"(P50 {line['other_p50_ms']:.2f} ms), medians of {len(this)} windows each; "
+              f"ratio {line['ratio']:.2f}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16],
+                   help="one value; several with --against")
+    p.add_argument("--against", metavar="CHECKOUT", help="ABBA against another checkout (its root directory)")
+    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds per concurrency with --against")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--direct", action="store_true",
@@ -237,6 +282,12 @@ def main() -> None:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--log-level", default="warning", help="the edge daemon's default is info: a line per request")
     args = p.parse_args()
+    if args.against:
+        compare(args)
+        return
+    if len(args.concurrency) != 1:
+        p.error("several --concurrency values need --against")
+    args.concurrency = args.concurrency[0]
     configure_logging(args.log_level, json=True, node="edge-bench")
     uvloop.run(main_async(args))
 
