@@ -12,8 +12,9 @@ README's front-door section for the measurement). This server does what the fron
 - keep-alive, HTTP/1.0 and 1.1, pipelined requests answered in order (reading pauses while one
   waits), ``HEAD`` answered without a body;
 - request bodies as they arrive (``Request.body``), reading paused while more than
-  ``BODY_HIGH_WATER`` bytes wait unread; a response sent before its request's body was read
-  closes the connection after it;
+  ``BODY_HIGH_WATER`` bytes wait unread; ``Expect: 100-continue`` answered when the handler starts
+  reading (curl sends it before a large prompt; a refusal before then spares the upload); a
+  response sent before its request's body was read closes the connection after it;
 - responses whole (``Content-Length``) or streamed (chunked; HTTP/1.0: until the connection ends),
   a streamed write waiting while the client does not read.
 
@@ -21,7 +22,8 @@ The connection's own limits (the ``[frontdoor]`` table, held by a ``FrontDoorGua
 open connections, a deadline and a byte cap on each request's head (from its first byte to its
 last header; a client that connects and sends nothing is slow too), a cap on header fields, and
 the idle keep-alive timeout. Every refusal made here is an OpenAI-style JSON error
-(``openai_errors.raw_error_response``) counted by reason, with a log line. A connection closed
+(``openai_errors.raw_error_response``) counted by reason, with a log line (at most
+``REFUSAL_LOGS_PER_S`` a second; the next line says how many were left out). A connection closed
 after a refusal first reads and drops what the client still sends for ``LINGER_S``, so the
 client reads the refusal instead of a reset. The body's limits are the handler's
 (``httplimits.read_body``).
@@ -48,6 +50,7 @@ log = structlog.get_logger(__name__)
 BODY_HIGH_WATER = 256 * 1024  # unread body bytes past which a connection stops reading
 LINGER_S = 1.0  # after a refusal that closes, what the client still sends is read and dropped
 CLOSE_FLUSH_S = 10.0  # a closing connection whose client reads nothing is aborted after this
+REFUSAL_LOGS_PER_S = 10  # a flood of hostile connections must not become a flood of log lines
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
@@ -113,8 +116,8 @@ class ResponseStream:
 class Request:
     """One request's head, and its body as it arrives."""
 
-    __slots__ = ("_chunks", "_complete", "_connection", "_failure", "_queued", "_waiter", "body_read", "headers",
-                 "keep_alive", "method", "path", "query", "version")
+    __slots__ = ("_chunks", "_complete", "_connection", "_continue", "_failure", "_queued", "_waiter", "body_read",
+                 "headers", "keep_alive", "method", "path", "query", "version")
 
     def __init__(self, connection: _Connection, method: str, target: bytes, version: str,
                  headers: dict[str, str], keep_alive: bool) -> None:
@@ -132,6 +135,8 @@ class Request:
         self._failure: BaseException | None = None
         self._waiter: asyncio.Future | None = None
         self.body_read = False  # the handler took the body's last byte
+        # The client waits for "100 Continue" before it sends the body.
+        self._continue = version == "1.1" and headers.get("expect", "").lower() == "100-continue"
 
     @property
     def content_length(self) -> int | None:
@@ -148,6 +153,10 @@ class Request:
 
     async def body(self) -> AsyncIterator[bytes]:
         """The body's pieces as they arrive. Raises ``ConnectionResetError`` if the client goes."""
+        if self._continue:
+            self._continue = False
+            if not self._complete and not self._connection.lost:
+                self._connection.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         while True:
             if self._chunks:
                 piece = self._chunks.popleft()
@@ -256,7 +265,7 @@ class _Connection(asyncio.Protocol):
         guard = self.guard
         if guard.connections >= self.limits.max_connections:
             guard.refused("connection_limit")
-            log.warning("connection refused", reason="connection_limit", limit=self.limits.max_connections)
+            self.server.log_refusal(503, "connection_limit", f"{self.limits.max_connections} connections open")
             self.closing = True
             transport.write(openai_errors.raw_error_response(503, f"the edge has its limit of {self.limits.max_connections} "
                                                "connections open", code="too_many_connections", retry_after=1))
@@ -515,7 +524,7 @@ class _Connection(asyncio.Protocol):
     def _refuse(self, status: int, message: str, code: str, reason: str) -> None:
         """A refusal below the handler (a head over a limit or malformed): JSON, counted, closed."""
         self.guard.refused(reason)
-        log.info("request refused", status=status, reason=reason, error=message[:200])
+        self.server.log_refusal(status, reason, message)
         receiving = self.receiving
         if receiving is not None:
             receiving._fail(ConnectionResetError(message))
@@ -602,6 +611,21 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
+        self._log_second = 0
+        self._logged = 0
+        self._unlogged = 0
+
+    def log_refusal(self, status: int, reason: str, message: str) -> None:
+        second = int(time.monotonic())
+        if second != self._log_second:
+            self._log_second, self._logged = second, 0
+        if self._logged >= REFUSAL_LOGS_PER_S:
+            self._unlogged += 1
+            return
+        self._logged += 1
+        unlogged, self._unlogged = self._unlogged, 0
+        log.info("request refused", status=status, reason=reason, error=message[:200],
+                 **({"refusals_not_logged": unlogged} if unlogged else {}))
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> tuple[str, int]:
         """Listen on ``host:port``; returns the address bound (port 0: the one the kernel chose)."""

@@ -11,11 +11,12 @@ import json
 
 import aiohttp
 import pytest
+import structlog.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.core.config import FrontDoorLimits
-from kvcompassd.http_server import BODY_HIGH_WATER, HttpServer, Request, Response
+from kvcompassd.http_server import BODY_HIGH_WATER, REFUSAL_LOGS_PER_S, HttpServer, Request, Response
 from kvcompassd.httplimits import FrontDoorGuard
 
 LIMITS = FrontDoorLimits(header_timeout_s=30.0, keepalive_timeout_s=30.0, max_header_bytes=4096)
@@ -313,3 +314,23 @@ async def test_any_split_of_pipelined_requests_gives_the_same_answers(requests, 
             assert status == 200 and seen == {"method": method, "path": f"/r{i}", "query": "",
                                               "body": body.decode("latin-1"), "header": str(i)}
         writer.close()
+
+
+async def test_expect_100_continue_is_answered_when_the_handler_reads_the_body():
+    async with serving() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /up HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body byte
+        writer.write(b"hello")
+        status, _, body = await read_response(reader)
+        assert status == 200 and json.loads(body)["body"] == "hello"
+        writer.close()
+
+
+async def test_a_flood_of_refusals_logs_a_bounded_number_of_lines():
+    async with serving() as server:
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(50):  # microseconds apart: one second boundary at most
+                server.log_refusal(400, "malformed_request", "garbage")
+        refused = [e for e in logs if e["event"] == "request refused"]
+        assert len(refused) <= 2 * REFUSAL_LOGS_PER_S
