@@ -239,6 +239,7 @@ class _Connection(asyncio.Protocol):
         self.closing = False  # no more requests: lingering or flushing before the close
         self.upgraded = False
         self.write_paused = False
+        self.waiting_for_drain = False  # the next request waits until the client reads
         self._drain_waiter: asyncio.Future | None = None
         self.read_paused = False
         # The head being parsed.
@@ -302,12 +303,17 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        self.update_reading()
 
     def resume_writing(self) -> None:
         self.write_paused = False
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if self.waiting_for_drain and not self.lost and not self.closing:
+            self._next()
+        else:
+            self.update_reading()
 
     async def drain(self) -> None:
         if self.lost:
@@ -421,11 +427,13 @@ class _Connection(asyncio.Protocol):
     # -- requests -------------------------------------------------------------------------------
 
     def update_reading(self) -> None:
-        """Read while nothing waits: no pipelined head and no more than the high water of body."""
+        """Read while nothing waits: no pipelined head, no more than the high water of body, and
+        the client reading our answers."""
         if self.lost or self.closing:
             return
         request = self.receiving
-        pause = bool(self.pending) or (request is not None and request._queued > BODY_HIGH_WATER)
+        pause = (bool(self.pending) or self.write_paused
+                 or (request is not None and request._queued > BODY_HIGH_WATER))
         if pause != self.read_paused:
             self.read_paused = pause
             if pause:
@@ -510,10 +518,22 @@ class _Connection(asyncio.Protocol):
         if not keep or self.upgraded:
             self._close_after_response(linger=not request._complete)
             return
+        self._next()
+
+    def _next(self) -> None:
+        """Ready for the next request: a pipelined one, else the next head or an idle wait. Not
+        while the client leaves our answers unread (a client pipelining requests it never reads
+        the answers to would otherwise grow the write buffer without end)."""
+        if self.write_paused:
+            self.waiting_for_drain = True
+            self.update_reading()
+            return
+        self.waiting_for_drain = False
         if self.pending:
             self._start(self.pending.popleft())
             self.update_reading()
             return
+        self.update_reading()
         if self.awaiting_head and self.head_read_bytes:
             self._arm_head_deadline()
         else:

@@ -334,3 +334,18 @@ async def test_a_flood_of_refusals_logs_a_bounded_number_of_lines():
                 server.log_refusal(400, "malformed_request", "garbage")
         refused = [e for e in logs if e["event"] == "request refused"]
         assert len(refused) <= 2 * REFUSAL_LOGS_PER_S
+
+
+async def test_a_client_pipelining_without_reading_the_answers_holds_a_bounded_buffer():
+    async with serving() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n" * 100000)  # ~3 MB of requests, answers never read
+        while not server.connections or not all(c.write_paused and c.read_paused for c in server.connections):
+            await asyncio.sleep(0.01)
+        (connection,) = server.connections
+        held = connection.transport.get_write_buffer_size()
+        for _ in range(100):
+            await asyncio.sleep(0)  # the server stays where it is
+        assert connection.transport.get_write_buffer_size() == held < 1 << 20
+        assert len(connection.pending) <= 1 + (256 << 10) // 30  # at most one read of heads
+        writer.transport.abort()
