@@ -49,7 +49,6 @@ log = structlog.get_logger(__name__)
 
 BODY_HIGH_WATER = 256 * 1024  # unread body bytes past which a connection stops reading
 LINGER_S = 1.0  # after a refusal that closes, what the client still sends is read and dropped
-CLOSE_FLUSH_S = 10.0  # a closing connection whose client reads nothing is aborted after this
 REFUSAL_LOGS_PER_S = 10  # a flood of hostile connections must not become a flood of log lines
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
@@ -527,6 +526,7 @@ class _Connection(asyncio.Protocol):
         if self.write_paused:
             self.waiting_for_drain = True
             self.update_reading()
+            self._arm_idle()  # a client that never reads is closed like an idle one
             return
         self.waiting_for_drain = False
         if self.pending:
@@ -566,7 +566,7 @@ class _Connection(asyncio.Protocol):
             request._fail(ConnectionResetError("the connection is closing"))
         self.pending.clear()
         if not linger:
-            self.transport.close()
+            self._close_transport()
             return
         if self.read_paused:
             self.read_paused = False
@@ -575,7 +575,14 @@ class _Connection(asyncio.Protocol):
         self.timer_is_head = False
 
     def _linger_over(self) -> None:
-        self.timer = self.loop.call_later(CLOSE_FLUSH_S, self.transport.abort)
+        self.timer = None
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        """Close once what was written is flushed; abort if the client does not read it within
+        the keep-alive timeout."""
+        self._disarm()
+        self.timer = self.loop.call_later(self.limits.keepalive_timeout_s, self.transport.abort)
         self.transport.close()
 
     def close(self) -> None:
@@ -615,10 +622,11 @@ class _Connection(asyncio.Protocol):
                      "header_timeout", "header_timeout")
 
     def _idle_timed_out(self) -> None:
+        """Idle, or left with answers it does not read, for the keep-alive timeout."""
         self.timer = None
         if self.active is None and not self.closing:
             self.closing = True
-            self.transport.close()
+            self._close_transport()
 
 
 class HttpServer:

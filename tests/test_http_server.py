@@ -337,7 +337,7 @@ async def test_a_flood_of_refusals_logs_a_bounded_number_of_lines():
 
 
 async def test_a_client_pipelining_without_reading_the_answers_holds_a_bounded_buffer():
-    async with serving() as server:
+    async with serving(FrontDoorLimits(keepalive_timeout_s=0.5)) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n" * 100000)  # ~3 MB of requests, answers never read
         while not server.connections or not all(c.write_paused and c.read_paused for c in server.connections):
@@ -348,4 +348,7 @@ async def test_a_client_pipelining_without_reading_the_answers_holds_a_bounded_b
             await asyncio.sleep(0)  # the server stays where it is
         assert connection.transport.get_write_buffer_size() == held < 1 << 20
         assert len(connection.pending) <= 1 + (256 << 10) // 30  # at most one read of heads
+        while server.connections:  # then dropped like an idle connection, though it never reads
+            await asyncio.sleep(0.01)
+        assert server.guard.connections == 0
         writer.transport.abort()
