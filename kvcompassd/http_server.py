@@ -122,6 +122,8 @@ class Request:
                  headers: dict[str, str], keep_alive: bool) -> None:
         self._connection = connection
         self.method = method
+        if target[:1] != b"/" and b"://" in target[:10]:  # absolute form (what a proxy sends): its path
+            target = b"/" + target.split(b"/", 3)[3] if target.count(b"/") >= 3 else b"/"
         path, _, query = target.partition(b"?")
         self.path = path.decode("latin-1")
         self.query = query.decode("latin-1")
@@ -462,14 +464,19 @@ class _Connection(asyncio.Protocol):
                                 status=500, close=True)
         if self.lost or self.active is not request:
             return
-        if isinstance(response, ResponseStream):
-            try:
-                await response.end()
-            except ConnectionError:
-                return
-            keep = response._chunked and request.keep_alive and request._complete and not self.upgraded
-        else:
-            keep = self._send(request, response)
+        try:
+            if isinstance(response, ResponseStream):
+                try:
+                    await response.end()
+                except ConnectionError:
+                    return
+                keep = response._chunked and request.keep_alive and request._complete and not self.upgraded
+            else:
+                keep = self._send(request, response)
+        except Exception:  # a response that cannot be written (a header not in latin-1): a bug, not the client's
+            log.exception("response could not be written", path=request.path[:200])
+            self.transport.abort()
+            return
         self._done(request, keep)
 
     def _send(self, request: Request, response: Response) -> bool:

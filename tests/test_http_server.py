@@ -352,3 +352,29 @@ async def test_a_client_pipelining_without_reading_the_answers_holds_a_bounded_b
             await asyncio.sleep(0.01)
         assert server.guard.connections == 0
         writer.transport.abort()
+
+
+async def test_an_absolute_form_target_is_served_by_its_path():
+    async with serving() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET http://edge.example:8080/v1/models?x=1 HTTP/1.1\r\nHost: edge.example\r\n\r\n"
+                     b"GET http://edge.example HTTP/1.1\r\nHost: edge.example\r\n\r\n")
+        seen = json.loads((await read_response(reader))[2])
+        assert (seen["path"], seen["query"]) == ("/v1/models", "x=1")
+        assert json.loads((await read_response(reader))[2])["path"] == "/"
+        writer.close()
+
+
+async def test_a_response_that_cannot_be_written_aborts_its_connection_only():
+    async def handler(request: Request):
+        if request.path == "/bad":
+            return Response(b"{}", headers={"X-Bad": "\u20ac"})  # not latin-1: a bug in a handler
+        return Response(b"{}")
+
+    async with serving(handler=handler) as server, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{server.port}"
+        with pytest.raises(aiohttp.ClientError):
+            async with session.get(url + "/bad") as r:
+                await r.read()
+        async with session.get(url + "/good") as r:
+            assert r.status == 200
