@@ -162,3 +162,11 @@ async def test_fuzzed_bodies_never_crash_the_front_door(client, body, route):
     assert r.status in (200, 400, 404, 413, 503), await r.text()
     if r.status != 200:
         assert "error" in await r.json()
+
+
+async def test_get_routes_answer_head_and_other_methods_are_405_with_allow(client):
+    async with client.session.head(client.url + "/v1/models") as r:
+        assert r.status == 200 and int(r.headers["Content-Length"]) > 0 and await r.read() == b""
+    r = await client.post("/health")
+    assert r.status == 405 and r.headers["Allow"] == "GET,HEAD"
+    assert (await r.json())["error"]["code"] == "method_not_allowed"
