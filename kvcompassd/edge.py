@@ -16,7 +16,6 @@ from typing import Any
 import aiohttp
 import numpy as np
 import structlog
-from aiohttp import web
 
 from kvcompassd.certs import TlsFiles
 from kvcompassd.core.ablation import Ablation
@@ -133,7 +132,6 @@ class EdgeNode:
         self._vector_to_agents_repeats = 0
         self._worker_index = {w: i for i, w in enumerate(self.layout.worker_ids)}
         self._tasks: list[asyncio.Task] = []
-        self._runner: web.AppRunner | None = None
         self.http_address: tuple[str, int] | None = None
         self.quic_address: tuple[str, int] | None = None
 
@@ -164,14 +162,10 @@ class EdgeNode:
         guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
                                    health=self.health, guard=guard)
-        # handler_cancellation (set by the guard's runner): a client that disconnects cancels its
-        # handler, and with it the forwarding generator, which aborts the request at the worker.
-        self._runner = guard.runner(self.frontdoor.app)
-        await self._runner.setup()
+        # A client that disconnects cancels its request's handler, and with it the forwarding
+        # generator, which aborts the request at the worker.
         host, port = split_address(self.me.http, f"[[edges]] {self.me.id} http")
-        site = web.TCPSite(self._runner, host, port, reuse_port=self.reuse_port or None)
-        await site.start()
-        self.http_address = site._server.sockets[0].getsockname()[:2]
+        self.http_address = await self.frontdoor.serve(host, port, reuse_port=self.reuse_port)
         self._tasks.append(asyncio.create_task(self._broadcast_loop()))
         log.info("edge started", region=self.me.region, http=self.http_address, quic=self.quic_address)
 
@@ -180,8 +174,9 @@ class EdgeNode:
             self._sync_timer.cancel()
         for t in self._tasks:
             t.cancel()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        frontdoor = getattr(self, "frontdoor", None)  # None when start() failed before making it
+        if frontdoor is not None:
+            await frontdoor.close()
         forwarder = getattr(self, "forwarder", None)  # None when start() failed before making it
         if forwarder is not None:
             await forwarder.close()

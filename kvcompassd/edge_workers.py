@@ -66,7 +66,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import structlog
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcompassd.certs import TlsFiles
@@ -79,6 +78,7 @@ from kvcompassd.edge import EdgeNode
 from kvcompassd.engine.http1 import WorkerConnections
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
+from kvcompassd.http_server import Request, Response
 from kvcompassd.httplimits import FrontDoorGuard
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.metrics_front_doors import (ENVIRONMENT, PUBLISH_PERIOD_S, EdgeWideRegistry,
@@ -619,7 +619,7 @@ class FrontDoorProcess:
         self._agent_peers: dict[str, Peer] = {}
         self._state_received = asyncio.Event()
         self._checked = False
-        self._runner: web.AppRunner | None = None
+        self.frontdoor: FrontDoor | None = None
         self.http_address: tuple[str, int] | None = None
         self._http: WorkerConnections | None = None
         self.forwarder: Forwarder | None = None
@@ -647,12 +647,8 @@ class FrontDoorProcess:
         self.publisher = FrontDoorPublisher(self.metrics, lambda: self.router.hot.hot_misses)
         if os.environ.get(ENVIRONMENT):  # the edge reads this process's metrics from its files
             self._publishing = asyncio.create_task(self._publish_metrics())
-        self._runner = guard.runner(self.frontdoor.app)
-        await self._runner.setup()
         host, port = split_address(self.http_address_arg, "--http")
-        site = web.TCPSite(self._runner, host, port, reuse_port=True)
-        await site.start()
-        self.http_address = site._server.sockets[0].getsockname()[:2]
+        self.http_address = await self.frontdoor.serve(host, port, reuse_port=True)
         self.control.send(_pack("ready", os.getpid()))
         log.info("front door started", http=self.http_address, view_directory=self.view.directory_name)
 
@@ -697,8 +693,8 @@ class FrontDoorProcess:
             asyncio.get_running_loop().remove_reader(self.control.fileno())
         except (ValueError, OSError):
             pass
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self.frontdoor is not None:
+            await self.frontdoor.close()
         if self.forwarder is not None:
             await self.forwarder.close()
         if self._http is not None:
@@ -799,10 +795,11 @@ class _OneOfManyFrontDoors(FrontDoor):
         super().__init__(*args, **kwargs)
         self._edge_metrics = edge_metrics
 
-    async def metrics_route(self, request: web.Request) -> web.Response:
+    async def metrics_route(self, request: Request) -> Response:
         try:
             body = await self._edge_metrics()
         except (TimeoutError, OSError) as exc:
             log.warning("edge metrics unavailable", error=str(exc))
-            return web.Response(status=503, text="the edge process did not answer for its metrics\n")
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+            return Response(b"the edge process did not answer for its metrics\n", status=503,
+                            content_type="text/plain; charset=utf-8")
+        return Response(body, content_type=CONTENT_TYPE_LATEST)

@@ -2,9 +2,11 @@
 
 Every request gets an id (``X-Request-Id``, echoed in the body and in every log line on the edge
 and the agent). Responses carry a ``kvcompass`` object naming the worker that served and how
-many prompt tokens it reused. Every refusal, aiohttp's own included, is an OpenAI-style JSON
-error with a string ``code`` (``openai_errors``); what a request may cost the edge is bounded by
-``httplimits``; the OpenAI request and response shapes live in ``openai_api``.
+many prompt tokens it reused. Every refusal, the HTTP layer's own included (404, 405, a head too
+slow, large or malformed), is an OpenAI-style JSON error with a string ``code``
+(``openai_errors``); what a request may cost the edge is bounded by ``httplimits``; the OpenAI
+request and response shapes live in ``openai_api``. The HTTP server is ``http_server``
+(``FrontDoor.serve`` starts one); its handler is ``FrontDoor.handle``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import structlog
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcompassd.forwarding import (
@@ -28,6 +29,7 @@ from kvcompassd.forwarding import (
     GenerationFinished,
     TokensGenerated,
 )
+from kvcompassd.http_server import HttpServer, Request, Response, ResponseStream
 from kvcompassd.httplimits import FrontDoorGuard, Refused, read_json
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.openai_api import (
@@ -81,15 +83,18 @@ def _refuse_unrendered_message_fields(messages) -> None:
                                      param=f"messages[{i}].{str(key)[:64]}", code="unsupported_parameter")
 
 
-def route_label(request: web.Request) -> str:
-    resource = request.match_info.route.resource
-    path = resource.canonical if resource is not None else None
+def route_label(request: Request) -> str:
+    path = request.path
     return path if path in ROUTES else "other"
 
 
+def json_response(obj: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(obj, separators=(",", ":")).encode(), status=status, headers=headers)
+
+
 class FrontDoor:
-    """aiohttp application around a ``Forwarder``. ``guard`` holds the HTTP limits; those on
-    connections apply when the app runs under ``guard.runner(app)`` (as the edge runs it)."""
+    """The OpenAI and SGLang routes around a ``Forwarder``; ``serve`` runs them on an
+    ``http_server.HttpServer`` under ``guard``'s limits."""
 
     def __init__(self, forwarder: Forwarder, tokenizer: Tokenizer, settings: FrontDoorSettings,
                  metrics: EdgeMetrics, *, health: callable = dict, guard: FrontDoorGuard | None = None):
@@ -99,40 +104,53 @@ class FrontDoor:
         self.metrics = metrics
         self.health = health
         self.guard = guard or FrontDoorGuard(metrics=metrics)
-        self.app = web.Application(client_max_size=self.guard.limits.max_body_bytes,
-                                   middlewares=[self._errors, self._auth])
-        self.app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/generate", self.generate),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health_route),
-            web.get("/metrics", self.metrics_route),
-        ])
+        # path -> (method, handler); GET routes answer HEAD too.
+        self.routes = {
+            "/v1/completions": ("POST", self.completions),
+            "/v1/chat/completions": ("POST", self.chat_completions),
+            "/generate": ("POST", self.generate),
+            "/v1/models": ("GET", self.models),
+            "/health": ("GET", self.health_route),
+            "/metrics": ("GET", self.metrics_route),
+        }
+        self.server: HttpServer | None = None
 
-    def _count(self, request: web.Request, status: int) -> None:
+    async def serve(self, host: str, port: int, *, reuse_port: bool = False) -> tuple[str, int]:
+        """Listen on ``host:port`` (0: any free port); returns the address bound."""
+        self.server = HttpServer(self.handle, self.guard)
+        return await self.server.start(host, port, reuse_port=reuse_port)
+
+    async def close(self) -> None:
+        """Stop listening and end every connection (a request in progress is cancelled, which
+        aborts it at its worker)."""
+        if self.server is not None:
+            await self.server.close()
+
+    def _count(self, request: Request, status: int) -> None:
         self.metrics.count_request(route_label(request), status)
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler):
-        """Every refusal, aiohttp's own (404, 405, 413, ...) too, as an OpenAI error in JSON."""
+    async def handle(self, request: Request) -> Response | ResponseStream:
+        """Every request: API key, route, method, then its handler; every refusal an OpenAI
+        error in JSON."""
         try:
+            if self.settings.api_keys and request.path not in _OPEN_PATHS:
+                refusal = self._unauthorised(request)
+                if refusal is not None:
+                    return refusal
+            route = self.routes.get(request.path)
+            if route is None:
+                self._count(request, 404)
+                return error_response(404, "Not Found")
+            method, handler = route
+            if request.method != method and not (method == "GET" and request.method == "HEAD"):
+                self.metrics.count_request("other", 405)
+                allow = "GET,HEAD" if method == "GET" else method
+                return error_response(405, "Method Not Allowed", headers={"Allow": allow})
             return await handler(request)
         except Refused as exc:
             self._count(request, exc.status)
             log.info("request refused", route=route_label(request), status=exc.status, error=str(exc))
-            response = error_response(exc.status, str(exc), code=exc.code, headers=exc.headers)
-            if exc.close:
-                response.force_close()
-            return response
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            self._count(request, exc.status)
-            headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
-            text = exc.text or ""
-            message = exc.reason if not text or text.startswith(f"{exc.status}:") else text
-            return error_response(exc.status, message, headers=headers)
+            return error_response(exc.status, str(exc), code=exc.code, headers=exc.headers, close=exc.close)
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception:
@@ -140,20 +158,19 @@ class FrontDoor:
             self._count(request, 500)
             return error_response(500, "internal error at the edge", code="internal_error")
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        if self.settings.api_keys and request.path not in _OPEN_PATHS:
-            auth = request.headers.get("Authorization", "")
-            key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("X-API-Key", "")
-            if key not in self.settings.api_keys:
-                log.warning("unauthorised request", path=request.path[:200], remote=request.remote)
-                self._count(request, 401)
-                return error_response(401, "missing or invalid API key", code="invalid_api_key")
-        return await handler(request)
+    def _unauthorised(self, request: Request) -> Response | None:
+        headers = request.headers
+        auth = headers.get("authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else headers.get("x-api-key", "")
+        if key in self.settings.api_keys:
+            return None
+        log.warning("unauthorised request", path=request.path[:200], remote=request.remote)
+        self._count(request, 401)
+        return error_response(401, "missing or invalid API key", code="invalid_api_key")
 
     # -- helpers ------------------------------------------------------------------------------
 
-    async def _json(self, request: web.Request) -> dict:
+    async def _json(self, request: Request) -> dict:
         body = await read_json(request, self.guard)
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object", code="invalid_json")
@@ -186,8 +203,8 @@ class FrontDoor:
                              param=param, code="context_length_exceeded")
         return np.asarray(ids, dtype=np.uint32)  # our own tokenizer's ids need no checking
 
-    async def _run(self, route: str, request: web.Request, parse) -> web.StreamResponse:
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    async def _run(self, route: str, request: Request, parse) -> Response | ResponseStream:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(request_id) > 128 or not request_id.isprintable():
             request_id = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -196,11 +213,8 @@ class FrontDoor:
                 fwd, render = parse(await self._json(request), request_id)
             except Refused as exc:
                 self.metrics.count_request(route, exc.status)
-                response = error_response(exc.status, str(exc), code=exc.code, headers=exc.headers,
-                                          request_id=request_id)
-                if exc.close:
-                    response.force_close()
-                return response
+                return error_response(exc.status, str(exc), code=exc.code, headers=exc.headers,
+                                      request_id=request_id, close=exc.close)
             except (RequestError, TokenizerError) as exc:
                 status = getattr(exc, "status", 400)
                 self.metrics.count_request(route, status)
@@ -214,11 +228,11 @@ class FrontDoor:
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
-    def _forward_error(self, route: str, exc: ForwardError, request_id: str) -> web.Response:
+    def _forward_error(self, route: str, exc: ForwardError, request_id: str) -> Response:
         self.metrics.count_request(route, exc.status)
         return error_response(exc.status, str(exc), code=getattr(exc, "code", None), request_id=request_id)
 
-    async def _whole(self, route, fwd: ForwardRequest, render, started) -> web.Response:
+    async def _whole(self, route, fwd: ForwardRequest, render, started) -> Response:
         ids: list[int] = []
         text: list[str] = []
         first = None
@@ -233,41 +247,46 @@ class FrontDoor:
         except ForwardError as exc:
             return self._forward_error(route, exc, fwd.request_id)
         self._observe(route, started, first)
-        return web.json_response(render.whole("".join(text), ids, done), headers=_headers(fwd, done))
+        return json_response(render.whole("".join(text), ids, done), headers=_headers(fwd, done))
 
-    async def _stream(self, route, request, fwd: ForwardRequest, render, started) -> web.StreamResponse:
+    async def _stream(self, route, request: Request, fwd: ForwardRequest, render, started) -> Response | ResponseStream:
         agen = self.forwarder.generate(fwd)
-        # Hold the response headers until the first piece arrives, so that a request no worker
-        # can serve still gets a proper HTTP error instead of a broken stream.
         try:
-            first_item = await agen.__anext__()
-        except ForwardError as exc:
-            return self._forward_error(route, exc, fwd.request_id)
-        first = time.perf_counter()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": fwd.request_id})
-        await resp.prepare(request)
-        for chunk in render.opening():
-            await resp.write(_sse(chunk))
-        try:
-            item = first_item
-            while True:
-                if isinstance(item, TokensGenerated):
-                    await resp.write(_sse(render.chunk(item)))
-                else:
-                    for chunk in render.final(item):
-                        await resp.write(_sse(chunk))
-                    break
-                item = await agen.__anext__()
-        except ForwardError as exc:
-            log.warning("stream broken", error=str(exc))
-            await resp.write(_sse(error_body(exc.status, str(exc), code=getattr(exc, "code", None))))
-        except StopAsyncIteration:
-            pass
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        self._observe(route, started, first)
-        return resp
+            # Hold the response headers until the first piece arrives, so that a request no worker
+            # can serve still gets a proper HTTP error instead of a broken stream.
+            try:
+                first_item = await agen.__anext__()
+            except ForwardError as exc:
+                return self._forward_error(route, exc, fwd.request_id)
+            first = time.perf_counter()
+            resp = request.start_stream({"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                         "X-Request-Id": fwd.request_id})
+            for chunk in render.opening():
+                await resp.write(_sse(chunk))
+            try:
+                item = first_item
+                while True:
+                    if isinstance(item, TokensGenerated):
+                        await resp.write(_sse(render.chunk(item)))
+                    else:
+                        for chunk in render.final(item):
+                            await resp.write(_sse(chunk))
+                        break
+                    item = await agen.__anext__()
+            except ForwardError as exc:
+                log.warning("stream broken", error=str(exc))
+                await resp.write(_sse(error_body(exc.status, str(exc), code=getattr(exc, "code", None))))
+            except StopAsyncIteration:
+                pass
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.end()
+            self._observe(route, started, first)
+            return resp
+        finally:
+            # A client gone mid-stream (its write failed, or its handler was cancelled while the
+            # generator waited on the worker) closes the generator now, which aborts the request
+            # at the worker, rather than whenever the collector finalises it.
+            await agen.aclose()
 
     def _observe(self, route: str, started: float, first: float | None) -> None:
         end = time.perf_counter()
@@ -285,7 +304,7 @@ class FrontDoor:
 
     # -- routes -------------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Response | ResponseStream:
         def parse(body, request_id):
             params, stream = self._openai_params(body, chat=False)
             prompt = body.get("prompt")
@@ -304,7 +323,7 @@ class FrontDoor:
                                      usage_in_stream=include_usage(body))
         return await self._run("/v1/completions", request, parse)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: Request) -> Response | ResponseStream:
         def parse(body, request_id):
             params, stream = self._openai_params(body, chat=True)
             _refuse_unrendered_message_fields(body.get("messages"))
@@ -314,7 +333,7 @@ class FrontDoor:
                                      usage_in_stream=include_usage(body))
         return await self._run("/v1/chat/completions", request, parse)
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: Request) -> Response | ResponseStream:
         def parse(body, request_id):
             for name in body:
                 if name not in _GENERATE_FIELDS:
@@ -341,16 +360,16 @@ class FrontDoor:
             return ForwardRequest(request_id, tokens, params, stream), _SGLangRender(request_id, len(tokens))
         return await self._run("/generate", request, parse)
 
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
+    async def models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": [
             {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "kvcompass"}]})
 
-    async def health_route(self, request: web.Request) -> web.Response:
+    async def health_route(self, request: Request) -> Response:
         state = self.health()
-        return web.json_response(state, status=200 if state.get("ready", True) else 503)
+        return json_response(state, status=200 if state.get("ready", True) else 503)
 
-    async def metrics_route(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def metrics_route(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
 
 def _flag(body: dict, name: str) -> bool:

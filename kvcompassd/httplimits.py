@@ -1,13 +1,13 @@
 """What one HTTP client may cost the edge: the front door's limits (``[frontdoor]`` in the config,
-:class:`~kvcompassd.core.config.FrontDoorLimits`) and the code that enforces what aiohttp does not.
+:class:`~kvcompassd.core.config.FrontDoorLimits`), held by a :class:`FrontDoorGuard`.
 
-aiohttp's own knobs bound a header line, the header count, idle keep-alive and lingering. Added
-here: a connection cap; a deadline and a byte cap on a request's head (slowloris, endless
-headers), enforced by a ``RequestHandler`` subclass before any handler runs; and, for bodies,
-:func:`read_json`: a body deadline, a per-request limit that also applies after inflating a
-``gzip``/``deflate`` body incrementally (a compression bomb costs at most the limit), a global
-:class:`BodyBudget` for the bodies all requests hold at once, and JSON parsed with a depth limit
-and no non-finite numbers. Every refusal is an OpenAI-style JSON error and is counted by reason.
+The connection's limits (a connection cap, a deadline and a byte cap on a request's head, the
+header count, idle keep-alive) are enforced by ``http_server`` before any handler runs, from the
+guard's limits. The body's are here, in :func:`read_json`: a body deadline, a per-request limit
+that also applies after inflating a ``gzip``/``deflate`` body incrementally (a compression bomb
+costs at most the limit), a global :class:`BodyBudget` for the bodies all requests hold at once,
+and JSON parsed with a depth limit and no non-finite numbers. Every refusal is an OpenAI-style
+JSON error and is counted by reason.
 """
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ import ctypes
 import dataclasses
 import json
 import math
-import random
 import re
 import time
 import zlib
-from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import structlog
-from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
 from kvcompassd.core.config import ConfigError, FrontDoorLimits
-from kvcompassd.openai_errors import error_body, raw_error_response
 
-log = structlog.get_logger(__name__)
+if TYPE_CHECKING:
+    from kvcompassd.http_server import Request
+
 
 # Labels of the refusal counter: a fixed set, whatever the clients send.
 REFUSAL_REASONS = ("connection_limit", "header_timeout", "header_too_large", "malformed_request", "body_timeout",
@@ -135,164 +131,23 @@ class FrontDoorGuard:
         if self._counter is not None:
             self._counter.labels(reason).inc()
 
-    def runner(self, app: web.Application) -> web.AppRunner:
-        """An ``AppRunner`` whose connections are guarded, with aiohttp's own limits set."""
-        lim = self.limits
-        line = min(8190, lim.max_header_bytes)
-        return _GuardedAppRunner(app, self, access_log=None, keepalive_timeout=lim.keepalive_timeout_s,
-                                 max_line_size=line, max_field_size=line, max_headers=lim.max_headers,
-                                 lingering_time=1.0, auto_decompress=False,
-                                 handler_cancellation=True)
-
-
-class _GuardedAppRunner(web.AppRunner):
-    def __init__(self, app: web.Application, guard: FrontDoorGuard, **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
-        self._guard = guard
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        # aiohttp makes its Server in private code; only the protocol it builds differs here.
-        server.__class__ = _GuardedServer
-        server.guard = self._guard
-        return server
-
-
-class _GuardedServer(web.Server):
-    guard: FrontDoorGuard
-
-    def __call__(self) -> RequestHandler:
-        return GuardedRequestHandler(self, loop=self._loop, guard=self.guard, **self._kwargs)
-
-
-class GuardedRequestHandler(RequestHandler):
-    """aiohttp's connection protocol plus a connection cap and a deadline and byte cap on each
-    request's head (from its first byte to its last header).
-
-    It reads aiohttp's protocol state (``_messages``, ``_request_in_progress``, ``_request_count``,
-    ``_force_close``/``_close``) and wraps ``_handle_request`` and ``handle_error``: written
-    against aiohttp 3.14; tests/test_httplimits.py fails if a release changes them."""
-
-    __slots__ = ("_counted", "_guard", "_head_bytes", "_head_deadline", "_reading_head")
-
-    def __init__(self, manager: web.Server, *, guard: FrontDoorGuard, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self._guard = guard
-        self._counted = False
-        self._reading_head = True
-        self._head_bytes = 0
-        self._head_deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        guard = self._guard
-        if guard.connections >= guard.limits.max_connections:
-            self._refuse(503, f"the edge has its limit of {guard.limits.max_connections} connections open",
-                         "too_many_connections", "connection_limit", retry_after=1)
-            return
-        guard.connections += 1
-        self._counted = True
-        self._arm_head_deadline()  # a client that connects and sends nothing is slow too
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._counted:
-            self._guard.connections -= 1
-            self._counted = False
-        self._disarm_head_deadline()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._force_close or self._close:
-            return
-        if self._reading_head and self._head_deadline is None:
-            self._arm_head_deadline()
-        super().data_received(data)
-        if self._messages or self._request_in_progress:
-            # A whole head arrived (any body bytes in this read belong to it, not to a head).
-            self._reading_head = False
-            self._head_bytes = 0
-            self._disarm_head_deadline()
-        elif self._reading_head:
-            self._head_bytes += len(data)
-            limit = self._guard.limits.max_header_bytes
-            if self._head_bytes > limit:
-                self._refuse(431, f"request line and headers exceed {limit} bytes", "headers_too_large",
-                             "header_too_large")
-
-    async def _handle_request(self, request, start_time, request_handler):
-        try:
-            return await super()._handle_request(request, start_time, request_handler)
-        finally:
-            # The next bytes start a new head, unless they are this request's unread body
-            # (aiohttp drains that for ``lingering_time``, then closes) or one is queued.
-            if not self._messages and request.content.is_eof():
-                self._reading_head = True
-                self._head_bytes = 0
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        """aiohttp's own refusals (a malformed request line, too many headers, ...) and failures
-        outside any handler, as OpenAI-style JSON instead of its plain text; logged briefly."""
-        if request.writer.output_size > 0:
-            raise ConnectionError("response already started; cannot send an error")
-        if isinstance(exc, ConnectionError):  # the client went away mid-request: not the edge's fault
-            log.debug("client disconnected mid-request", error=str(exc))
-            text = "connection lost"
-        elif status < 500:
-            self._guard.refused("malformed_request")
-            log.info("malformed request refused", status=status, error=str(exc or message)[:200])
-            text = getattr(exc, "message", None) or message or HTTPStatus(status).phrase
-        else:
-            log.error("request failed outside its handler", status=status, exc_info=exc)
-            text = "internal error at the edge"
-        response = web.json_response(error_body(status, str(text)), status=status)
-        response.force_close()
-        return response
-
-    def _arm_head_deadline(self) -> None:
-        # Drawn from the last quarter below the limit: a crowd of slow clients that connected
-        # together is then not refused (and reconnected) in one burst that stalls the loop.
-        timeout = self._guard.limits.header_timeout_s * (0.75 + 0.25 * random.random())
-        self._head_deadline = self._loop.call_later(timeout, self._head_timed_out)
-
-    def _disarm_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
-
-    def _head_timed_out(self) -> None:
-        self._head_deadline = None
-        if not self._reading_head or self._messages or self._request_in_progress:
-            return
-        if self._head_bytes == 0 and self._request_count > 0:
-            return  # an idle keep-alive connection: keepalive_timeout closes it
-        timeout = self._guard.limits.header_timeout_s
-        self._refuse(408, f"request headers not received within {timeout:g} s", "header_timeout", "header_timeout")
-
-    def _refuse(self, status: int, message: str, code: str, reason: str, retry_after: int | None = None) -> None:
-        self._guard.refused(reason)
-        self._disarm_head_deadline()
-        if self.transport is not None:
-            self.transport.write(raw_error_response(status, message, code=code, retry_after=retry_after))
-        self.force_close()  # the transport flushes the refusal, then closes
-
 
 # -- bodies ---------------------------------------------------------------------------------------
 
 _ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 
 
-def _inflater(request: web.Request) -> Any:
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding in ("", "identity") or not isinstance(request.protocol, GuardedRequestHandler):
-        return None  # outside guard.runner (an in-process test server) aiohttp inflates it itself
+def _inflater(request: Request) -> Any:
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return None
     if encoding not in _ENCODINGS:
         raise Refused(415, f"Content-Encoding {encoding[:40]!r} is not supported (gzip, deflate or none)",
                       code="unsupported_content_encoding", reason="content_encoding", close=True)
     return zlib.decompressobj(_ENCODINGS[encoding])
 
 
-async def read_body(request: web.Request, guard: FrontDoorGuard) -> tuple[bytearray, int]:
+async def read_body(request: Request, guard: FrontDoorGuard) -> tuple[bytearray, int]:
     """The request body, inflated, within the body deadline, the per-request limit and the budget.
     Returns the bytes and how many the caller must ``guard.budget.release`` when done with them
     (on a refusal they are released here)."""
@@ -319,7 +174,7 @@ async def read_body(request: web.Request, guard: FrontDoorGuard) -> tuple[bytear
 
     try:
         async with asyncio.timeout(limits.body_timeout_s):
-            async for chunk in request.content.iter_any():
+            async for chunk in request.body():
                 if inflater is None:
                     take(chunk)
                     continue
@@ -407,7 +262,7 @@ def parse_json(data: bytes | bytearray, guard: FrontDoorGuard) -> Any:
         raise Refused(400, "request body is not valid JSON", code="invalid_json") from None
 
 
-async def read_json(request: web.Request, guard: FrontDoorGuard) -> Any:
+async def read_json(request: Request, guard: FrontDoorGuard) -> Any:
     body, held = await read_body(request, guard)
     try:
         return parse_json(body, guard)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from http import HTTPStatus
 
-from aiohttp import web
+from kvcompassd import http_server  # which imports this module: its Response is looked up when called
 
 # The code an OpenAI client sees when a refusal names none of its own.
 _DEFAULT_CODES = {
@@ -38,19 +38,24 @@ def error_body(status: int, message: str, *, code: str | None = None, param: str
                       "code": code or default_code(status)}}
 
 
+def error_json(status: int, message: str, *, code: str | None = None, param: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, code=code, param=param), separators=(",", ":")).encode()
+
+
 def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None,
-                   request_id: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+                   request_id: str | None = None, headers: dict[str, str] | None = None,
+                   close: bool = False) -> http_server.Response:
     all_headers = dict(headers or {})
     if request_id:
         all_headers["X-Request-Id"] = request_id
-    return web.json_response(error_body(status, message, code=code, param=param), status=status,
-                             headers=all_headers or None)
+    return http_server.Response(error_json(status, message, code=code, param=param), status=status,
+                    headers=all_headers or None, close=close)
 
 
 def raw_error_response(status: int, message: str, *, code: str | None = None, retry_after: int | None = None) -> bytes:
-    """A complete HTTP/1.1 response that closes the connection, for refusals made below aiohttp's
-    request handling (too many connections, headers too slow or too large)."""
-    body = json.dumps(error_body(status, message, code=code), separators=(",", ":")).encode()
+    """A complete HTTP/1.1 response that closes the connection, for refusals made below the
+    handler (too many connections, a head too slow, too large or malformed)."""
+    body = error_json(status, message, code=code)
     head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close"]
     if retry_after is not None:

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import aiohttp
 import pytest_asyncio
-from aiohttp import web
 from clusters import make_cluster
 
 from kvcompassd.engine.http1 import WorkerConnections
@@ -47,16 +46,12 @@ class Served:
                               metrics=self.metrics)
         settings = FrontDoorSettings(model=MODEL, max_prompt_tokens=4096, api_keys=self.api_keys)
         self.frontdoor = FrontDoor(forwarder, ByteTokenizer(), settings, self.metrics, guard=self.guard)
-        self.runner = self.guard.runner(self.frontdoor.app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        _, self.port = await self.frontdoor.serve("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.port}"
         return self
 
     async def __aexit__(self, *exc):
-        await self.runner.cleanup()
+        await self.frontdoor.close()
         await self.session.close()
         await self.workers_http.close()
 

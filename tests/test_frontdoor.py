@@ -1,13 +1,15 @@
-"""The edge's HTTP front door and forwarding path in-process, against a real emulated worker:
-OpenAI and SGLang shapes, streaming, API keys, failover, and fuzzed bodies that never crash it."""
+"""The edge's HTTP front door and forwarding path in-process on a loopback socket, driven by
+aiohttp's client, against a real emulated worker: OpenAI and SGLang shapes, streaming, API keys,
+failover, and fuzzed bodies that never crash it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import aiohttp
 import pytest
 import pytest_asyncio
-from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from clusters import make_cluster
@@ -40,11 +42,41 @@ class Edge:
         self.metrics = EdgeMetrics()
         self.api_keys = api_keys
 
-    def app(self, http: WorkerConnections):
+    def front_door(self, http: WorkerConnections) -> FrontDoor:
         forwarder = Forwarder("edge-a", self.router, lambda w: None, http, clock=lambda: 0.0,
                               metrics=self.metrics)
         return FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model="m", max_prompt_tokens=4096,
-                                                                        api_keys=self.api_keys), self.metrics).app
+                                                                        api_keys=self.api_keys), self.metrics)
+
+
+class Client:
+    """aiohttp's client toward a front door listening on 127.0.0.1: ``post``/``get`` by path."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str):
+        self.session, self.url = session, url
+
+    async def post(self, path: str, **kwargs) -> aiohttp.ClientResponse:
+        async with self.session.post(self.url + path, **kwargs) as r:
+            await r.read()  # kept by the response: json() and text() read it again
+            return r
+
+    async def get(self, path: str, **kwargs) -> aiohttp.ClientResponse:
+        async with self.session.get(self.url + path, **kwargs) as r:
+            await r.read()
+            return r
+
+
+@contextlib.asynccontextmanager
+async def serving(edge: Edge, http: WorkerConnections):
+    frontdoor = edge.front_door(http)
+    _, port = await frontdoor.serve("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(session, f"http://127.0.0.1:{port}")
+            client.edge = edge
+            yield client
+    finally:
+        await frontdoor.close()
 
 
 def _fields(obj):
@@ -63,9 +95,7 @@ async def worker():
 @pytest_asyncio.fixture
 async def client(worker):
     async with WorkerConnections() as http:
-        edge = Edge(worker.http_url, "http://127.0.0.1:9")
-        async with TestClient(TestServer(edge.app(http))) as c:
-            c.edge = edge
+        async with serving(Edge(worker.http_url, "http://127.0.0.1:9"), http) as c:
             yield c
 
 
@@ -94,8 +124,7 @@ async def test_second_request_reports_reused_tokens_and_streams(client):
 
 async def test_api_keys_are_required_when_configured(worker):
     async with WorkerConnections() as http:
-        edge = Edge(worker.http_url, "http://127.0.0.1:9", api_keys=frozenset({"sk-good"}))
-        async with TestClient(TestServer(edge.app(http))) as c:
+        async with serving(Edge(worker.http_url, "http://127.0.0.1:9", api_keys=frozenset({"sk-good"})), http) as c:
             assert (await c.post("/generate", json={"text": "a"})).status == 401
             bad = await c.post("/generate", json={"text": "a"}, headers={"Authorization": "Bearer sk-bad"})
             assert bad.status == 401 and "API key" in (await bad.json())["error"]["message"]
@@ -133,3 +162,11 @@ async def test_fuzzed_bodies_never_crash_the_front_door(client, body, route):
     assert r.status in (200, 400, 404, 413, 503), await r.text()
     if r.status != 200:
         assert "error" in await r.json()
+
+
+async def test_get_routes_answer_head_and_other_methods_are_405_with_allow(client):
+    async with client.session.head(client.url + "/v1/models") as r:
+        assert r.status == 200 and int(r.headers["Content-Length"]) > 0 and await r.read() == b""
+    r = await client.post("/health")
+    assert r.status == 405 and r.headers["Allow"] == "GET,HEAD"
+    assert (await r.json())["error"]["code"] == "method_not_allowed"

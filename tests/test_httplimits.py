@@ -1,4 +1,4 @@
-"""The front door's limits on a real listening socket (``FrontDoorGuard.runner``), driven by raw
+"""The front door's limits on a real listening socket (``FrontDoor.serve``), driven by raw
 asyncio sockets as slow and hostile clients would: every refusal is a JSON error, is counted,
 and the memory held is what the budget accounts for, never more. No timing is asserted: the
 tests wait for the edge's answer (tight deadlines only make them quick)."""
@@ -85,7 +85,7 @@ async def test_endless_headers_are_refused_with_431_before_the_cap_is_passed_by_
     writer.close()
 
 
-async def test_aiohttp_own_refusals_are_json_too(edge):
+async def test_the_http_layers_own_refusals_are_json_too(edge):
     reader, writer = await edge.connect()
     writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(100)) + b"\r\n")
     status, _, body = await read_response(reader)  # more than max_headers (64) header lines
@@ -138,6 +138,16 @@ async def test_declared_oversized_body_is_refused_before_it_is_read(edge):
     assert status == 413
     assert_openai_error(body, "request_too_large")
     assert edge.guard.budget.held == 0 and edge.guard.refusals["body_too_large"] == 1
+    writer.close()
+
+
+async def test_a_client_expecting_100_continue_gets_the_refusal_instead_and_sends_nothing(edge):
+    reader, writer = await edge.connect()
+    writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Expect: 100-continue\r\nContent-Length: 25165824\r\n\r\n")
+    status, _, body = await read_response(reader)  # the first answer: no 100 before it
+    assert status == 413
+    assert_openai_error(body, "request_too_large")
     writer.close()
 
 

@@ -1,7 +1,7 @@
 """The edge's request path alone: front door, decision and forward to a worker, CPU per request.
 
-This process runs the edge's request path as the edge daemon builds it (``FrontDoor`` under its
-``FrontDoorGuard`` runner, a ``Forwarder`` with a real ``Router`` on an empty index view, the
+This process runs the edge's request path as the edge daemon builds it (``FrontDoor`` serving
+under its ``FrontDoorGuard``, a ``Forwarder`` with a real ``Router`` on an empty index view, the
 client toward workers the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
 worker and a closed-loop client runs in a child process. Nothing else shares the edge's process
 (no QUIC, no index updates, no load polls), so its CPU time over a window divided by the requests
@@ -10,7 +10,13 @@ cProfile of the measured windows (CPU clock) for the shares.
 
     python tools/bench_request_path.py [--concurrency 16] [--seconds 5] [--windows 3] [--direct] [--profile out.prof]
 
-Run it against two checkouts (``PYTHONPATH=...``) back to back, alternating, to compare them.
+``--against CHECKOUT`` compares this checkout with another in one run: ABBA rounds (the other
+checkout, this one, this one, the other), each a run of this tool under that checkout's
+``PYTHONPATH``, at every ``--concurrency`` given; it prints each side's median over all its
+windows and the ratio. The tool runs either side (a checkout from before ``http_server`` serves
+with aiohttp's runner).
+
+    python tools/bench_request_path.py --against ../main --concurrency 1 16 --rounds 1 --windows 5
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from pathlib import Path
 
 import aiohttp
 import uvloop
-from aiohttp import web
 
 from kvcompassd.core.config import dump_config
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
@@ -106,6 +111,39 @@ async def wait_worker(url: str, proc: subprocess.Popen) -> None:
     raise TimeoutError("the emulated worker did not come up")
 
 
+class Listener:
+    """The front door listening on a free loopback port, as this checkout's edge serves it:
+    ``FrontDoor.serve``, or on a checkout from before it aiohttp's runner (to compare against)."""
+
+    def __init__(self, frontdoor: FrontDoor, guard: FrontDoorGuard) -> None:
+        self.frontdoor, self.guard = frontdoor, guard
+        self._runner = self._site = None
+
+    async def open(self) -> str:
+        if hasattr(self.frontdoor, "serve"):
+            _, port = await self.frontdoor.serve("127.0.0.1", 0)
+            return f"http://127.0.0.1:{port}"
+        from aiohttp import web
+
+        if self._runner is None:
+            self._runner = self.guard.runner(self.frontdoor.app)
+            await self._runner.setup()
+        self._site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await self._site.start()
+        return f"http://127.0.0.1:{self._site._server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        if self._site is None:
+            await self.frontdoor.close()
+        else:
+            await self._site.stop()
+
+    async def cleanup(self) -> None:
+        await self.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
 async def main_async(args) -> None:
     cfg = build_cluster(DeploymentSpec(workers={"us": 1}, one_way_ms={}, shards=1, wan=False,
                                        vram_kv_tokens=200_000, dram_kv_tokens=0, max_running=64))
@@ -128,15 +166,8 @@ async def main_async(args) -> None:
         forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, session,
                               clock=time.monotonic, metrics=metrics)
         frontdoor = FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model=cfg.model), metrics, guard=guard)
-        runner = guard.runner(frontdoor.app)
-        await runner.setup()
-
-        async def open_front_door() -> tuple[web.TCPSite, str]:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            return site, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-
-        site, url = await open_front_door()
+        listener = Listener(frontdoor, guard)
+        url = await listener.open()
         profiler = cProfile.Profile(time.process_time) if args.profile else None
         per_request: list[float] = []
         p50_edge: list[float] = []
@@ -169,14 +200,14 @@ async def main_async(args) -> None:
                       f"us/request, P50 {p50:.2f} ms, load average {os.getloadavg()[0]:.2f}", flush=True)
             if window and args.direct:
                 measured = False
-                await site.stop()  # direct: no listening front door while the client goes straight to the worker
+                await listener.close()  # direct: no listening front door while the client goes straight to the worker
                 served, errors, p50, _ = await closed_loop(worker.http)
-                site, url = await open_front_door()
+                url = await listener.open()
                 if served:
                     p50_direct.append(p50)
                     print(f"  direct {window}: {served} requests ({errors} errors), P50 {p50:.2f} ms, "
                           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-        await runner.cleanup()
+        await listener.cleanup()
         await forwarder.close()
         await session.close()
         result = {"concurrency": args.concurrency, "us_per_request": per_request,
@@ -198,9 +229,49 @@ async def main_async(args) -> None:
         proc.wait()
 
 
+def compare(args) -> None:
+    """ABBA runs of this tool under two checkouts' PYTHONPATHs; pooled medians and ratios."""
+    here = str(Path(__file__).resolve().parents[1])
+    other = str(Path(args.against).resolve())
+    results: dict[tuple[int, str], list[float]] = {}
+    p50s: dict[tuple[int, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvbench-abba-") as tmp:
+        for concurrency in args.concurrency:
+            for round_ in range(args.rounds):
+                for step, (label, path) in enumerate((("other", other), ("this", here), ("this", here),
+                                                      ("other", other))):
+                    out = Path(tmp) / f"{concurrency}-{round_}-{step}.json"
+                    cmd = [sys.executable, __file__, "--concurrency", str(concurrency), "--seconds", str(args.seconds),
+                           "--windows", str(args.windows), "--prefix-chars", str(args.prefix_chars),
+                           "--suffix-chars", str(args.suffix_chars), "--log-level", args.log_level, "--json", str(out)]
+                    print(f"[{label}: {path}, c = {concurrency}]", flush=True)
+                    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": path})
+                    run = json.loads(out.read_text())
+                    results.setdefault((concurrency, label), []).extend(run["us_per_request"])
+                    p50s.setdefault((concurrency, label), []).extend(run["p50_ms"])
+    summary = []
+    for concurrency in args.concurrency:
+        this, that = results[(concurrency, "this")], results[(concurrency, "other")]
+        line = {"concurrency": concurrency, "this_median_us": statistics.median(this),
+                "other_median_us": statistics.median(that),
+                "this_p50_ms": statistics.median(p50s[(concurrency, "this")]),
+                "other_p50_ms": statistics.median(p50s[(concurrency, "other")]), "windows": len(this)}
+        line["ratio"] = line["this_median_us"] / line["other_median_us"]
+        summary.append(line)
+        print(f"c = {concurrency}: this checkout {line['this_median_us']:.0f} us of edge CPU per request "
+              f"(P50 {line['this_p50_ms']:.2f} ms), {other} {line['other_median_us']:.0f} us "
+              f"(P50 {line['other_p50_ms']:.2f} ms), medians of {len(this)} windows each; "
+              f"ratio {line['ratio']:.2f}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16],
+                   help="one value; several with --against")
+    p.add_argument("--against", metavar="CHECKOUT", help="ABBA against another checkout (its root directory)")
+    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds per concurrency with --against")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--direct", action="store_true",
@@ -211,6 +282,12 @@ def main() -> None:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--log-level", default="warning", help="the edge daemon's default is info: a line per request")
     args = p.parse_args()
+    if args.against:
+        compare(args)
+        return
+    if len(args.concurrency) != 1:
+        p.error("several --concurrency values need --against")
+    args.concurrency = args.concurrency[0]
     configure_logging(args.log_level, json=True, node="edge-bench")
     uvloop.run(main_async(args))
 
