@@ -352,13 +352,19 @@ class KVCompassPolicy(BasePolicy):
             return
         self.counters["index_events"] += len(index_events)
         n = self.n_shards
-        per_shard: list[list[IndexEvent]] = [[] for _ in range(n)]
+        # Only the shards these events touch (a request's few dozen events reach as many of 64
+        # shards; a list per shard per call was most of this loop), in shard order as before.
+        per_shard: dict[int, list[IndexEvent]] = {}
         for ev in index_events:
-            per_shard[ev.key % n].append(ev)
+            s = ev.key % n
+            evs = per_shard.get(s)
+            if evs is None:
+                per_shard[s] = [ev]
+            else:
+                evs.append(ev)
         legs = self._to_shard_s[self._worker_region[worker_index]]
-        for s, evs in enumerate(per_shard):
-            if not evs:
-                continue
+        for s in sorted(per_shard):
+            evs = per_shard[s]
             if legs[s] > 0:
                 self._push(now + legs[s], _TO_SHARD, (s, evs))
             else:
