@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import struct
 import sys
 from array import array
 from bisect import bisect_left, bisect_right
@@ -69,6 +70,7 @@ KeyFn = Callable[[np.ndarray, Sequence[int]], Sequence[int]]
 
 _AnchorId = tuple[BlockHash, int]
 _KEY_MASK = (1 << 63) - 1  # kvcompassd.core.keys.KEY_MASK (the engine layer does not import core keys)
+_first_u64_le = struct.Struct("<Q").unpack_from  # a digest's first 8 bytes, without slicing them off
 _NATIVE_U32_LE = sys.byteorder == "little" and array("I").itemsize == 4
 _VRAM = StorageTier.VRAM  # enum member lookups are not free on the per-block path
 _UNINDEXED = StorageTier.UNINDEXED
@@ -334,7 +336,10 @@ class BlockTree:
                 siblings.add(block_hash)
             parent_block = self._blocks.get(parent) if parent is not None else None
             if parent is None or (parent_block is not None and parent_block.attached):
-                self._attach(block, touched)
+                if block_hash in self._children:  # detached blocks wait under it: attach them too
+                    self._attach(block, touched)
+                else:
+                    self._attach_leaf(block, parent_block, touched)
             else:
                 self._mark_detached(block)
 
@@ -409,6 +414,22 @@ class BlockTree:
                     child = blocks.get(child_hash)
                     if child is not None and not child.attached:
                         stack.append(child)
+
+    def _attach_leaf(self, block: _Block, parent: _Block | None, touched: dict[int, int]) -> None:
+        """``_attach`` of a new block that nothing waits under, below ``parent`` (attached, or
+        None for a root): the usual store, one page under the prompt's cached pages, without
+        ``_attach``'s stack (a new block is in no detached list: those hold mirrored blocks)."""
+        if parent is None:
+            start = 0
+            parent_tier = _VRAM
+        else:
+            start = parent.start + len(parent.tokens)
+            parent_tier = parent.path_tier
+        block.start = start
+        own = block.tier
+        block.path_tier = own if own > parent_tier else parent_tier
+        block.attached = True
+        self._register_anchors(block, touched)  # sets no anchors when no indexed length is inside
 
     def _detach_subtree(self, root: _Block, touched: dict[int, int]) -> None:
         stack = [root]
@@ -491,7 +512,7 @@ class BlockTree:
             cut = 4 * (length - block.start)
             state.update(own[done:cut])
             done = cut
-            anchors.append((length, int.from_bytes(state.copy().digest()[:8], "little") & _KEY_MASK))
+            anchors.append((length, _first_u64_le(state.copy().digest())[0] & _KEY_MASK))
         state.update(own[done:])
         block.hash_state = state
         return anchors
