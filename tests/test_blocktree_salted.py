@@ -75,3 +75,11 @@ def test_exactly_one_key_source() -> None:
         BlockTree("w", [16], lambda t, n: [0] * len(n), salt=SALT)
     with pytest.raises(ValueError, match="salt must be bytes"):
         BlockTree("w", [16], salt="text")  # type: ignore[arg-type]
+
+
+def test_salted_events_are_built_unvalidated_only_for_a_valid_worker_id() -> None:
+    store = BlockStored((1,), None, (7, 8, 9, 10), 4, None, "GPU")
+    (event,) = BlockTree("w", [4], salt=SALT).apply(store)
+    assert event == reference([4]).apply(store)[0] and type(event.tier).__name__ == "Tier"
+    with pytest.raises(ValueError, match="worker id"):  # the event constructor's own check, as before
+        BlockTree("", [4], salt=SALT).apply(store)

@@ -105,3 +105,31 @@ def test_broadcasts_stop_after_the_last_arrival_and_no_decision_changes():
     assert full.ended_at == requests[-1].arrival_s  # told once, at the last arrival
     assert stopped.stats()["broadcasts"] < full.stats()["broadcasts"]  # the drain sent none
     assert stopped.next_timer() is None or stopped.next_timer() > full.ended_at
+
+
+def test_compaction_moves_lagging_edges_together_up_to_the_slowest_edges_position():
+    from bisect import bisect_right
+
+    topo = _fleet("scaled-22x8")
+    policy = KVCompassPolicy(topo)
+    requests = list(itertools.islice(make_workload("mixed", 8.0 * topo.n_workers, region_weights(topo), seed=7), 300))
+    simulate(topo, policy, requests, settings=SimSettings(eviction="lfu", seed=7))
+    shared = policy._shared
+    now = max(t[-1] for t in shared._times if t) + 0.01  # some edges have the last batches, others not yet
+    edges = range(len(shared.edges))
+    before = shared.live_versions()
+    shared.compact(now)
+    for s in range(shared.shards):
+        positions = [shared.position(e, s, now) for e in edges]
+        for g, t in shared._tables[s].items():
+            low = bisect_right(t.seqs, min(positions))
+            held = {shared._version[e][s][g] for e in edges}
+            assert min(held) >= low  # nobody is left behind the slowest edge's position ...
+            for e in edges:  # ... nor moved past its own, and every edge reads its version's table
+                assert shared._version[e][s][g] <= bisect_right(t.seqs, positions[e])
+                assert shared.edges[e].view(s, g) is t.views[shared._version[e][s][g]]
+            assert set(t.refs) == held and sum(t.refs.values()) == len(edges)
+    assert shared.live_versions() <= before
+    # Once every batch has reached every edge, one version of each table is left.
+    shared.compact(shared.last_due())
+    assert shared.live_versions() == sum(len(tables) for tables in shared._tables)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import struct
 import sys
 from array import array
 from bisect import bisect_left, bisect_right
@@ -69,6 +70,7 @@ KeyFn = Callable[[np.ndarray, Sequence[int]], Sequence[int]]
 
 _AnchorId = tuple[BlockHash, int]
 _KEY_MASK = (1 << 63) - 1  # kvcompassd.core.keys.KEY_MASK (the engine layer does not import core keys)
+_first_u64_le = struct.Struct("<Q").unpack_from  # a digest's first 8 bytes, without slicing them off
 _NATIVE_U32_LE = sys.byteorder == "little" and array("I").itemsize == 4
 _VRAM = StorageTier.VRAM  # enum member lookups are not free on the per-block path
 _UNINDEXED = StorageTier.UNINDEXED
@@ -95,15 +97,18 @@ def _token_bytes(tokens: tuple[int, ...]) -> bytes:
 
 
 class _Block:
-    __slots__ = ("hash", "parent", "tokens", "media", "lora", "attached", "start", "path_tier", "anchors",
+    __slots__ = ("hash", "parent", "tokens", "media", "lora", "tier", "attached", "start", "path_tier", "anchors",
                  "hash_state")
 
-    def __init__(self, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple[int, ...], lora: bool) -> None:
+    def __init__(self, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple[int, ...], lora: bool,
+                 medium: str) -> None:
         self.hash = block_hash
         self.parent = parent
         self.tokens = tokens
-        self.media: set[str] = set()
+        self.media: set[str] = {medium}
         self.lora = lora
+        # own_tier() as of the last change of media (read once per attach and per refresh)
+        self.tier = _UNINDEXED if lora else _medium_tier(medium)
         self.attached = False
         self.start = 0  # tokens before this block (valid while attached)
         self.path_tier = _VRAM
@@ -118,6 +123,7 @@ class _Block:
         return self.start + len(self.tokens)
 
     def own_tier(self) -> StorageTier:
+        """The best tier of ``media`` (``tier`` holds it: call after changing media)."""
         if self.lora:
             return _UNINDEXED
         media = self.media
@@ -158,6 +164,10 @@ class BlockTree:
         self.indexed_lengths = lengths
         self._key_fn = key_fn
         self._root_state = hashlib.sha256(salt) if salt is not None else None
+        # Salted keys are 63-bit by construction, tiers come from index_tier(): with a valid
+        # worker id, the index events need no validation per event (it was 15 % of this mirror's
+        # time in the simulator). key_fn's keys are the caller's, so they stay validated.
+        self._trusted_events = salt is not None and isinstance(worker, str) and bool(worker)
         self._max_detached = max_detached_blocks
         self._blocks: dict[BlockHash, _Block] = {}
         self._children: dict[BlockHash | None, set[BlockHash]] = {}
@@ -311,18 +321,25 @@ class BlockTree:
                     # collision or a reused id. Keep what we mirror; the engine's next removal
                     # of this hash still applies.
                     log.warning("block %r re-stored with a different parent or tokens; kept the first", block_hash)
-                before = block.own_tier()
+                before = block.tier
                 block.media.add(medium)
-                if block.attached and block.own_tier() != before:
+                block.tier = block.own_tier()
+                if block.attached and block.tier != before:
                     self._refresh_subtree(block, touched)
                 continue
-            block = _Block(block_hash, parent, tokens, lora)
-            block.media.add(medium)
+            block = _Block(block_hash, parent, tokens, lora, medium)
             self._blocks[block_hash] = block
-            self._children.setdefault(parent, set()).add(block_hash)
+            siblings = self._children.get(parent)
+            if siblings is None:
+                self._children[parent] = {block_hash}
+            else:
+                siblings.add(block_hash)
             parent_block = self._blocks.get(parent) if parent is not None else None
             if parent is None or (parent_block is not None and parent_block.attached):
-                self._attach(block, touched)
+                if block_hash in self._children:  # detached blocks wait under it: attach them too
+                    self._attach(block, touched)
+                else:
+                    self._attach_leaf(block, parent_block, touched)
             else:
                 self._mark_detached(block)
 
@@ -333,10 +350,11 @@ class BlockTree:
             if block is None or medium not in block.media:
                 self.ignored_removals += 1
                 continue
-            before = block.own_tier()
+            before = block.tier
             block.media.discard(medium)
             if block.media:
-                if block.attached and block.own_tier() != before:
+                block.tier = block.own_tier()
+                if block.attached and block.tier != before:
                     self._refresh_subtree(block, touched)
                 continue
             # Gone from every medium: its descendants stay mirrored but detached, waiting
@@ -380,7 +398,7 @@ class BlockTree:
                 start = parent.start + len(parent.tokens)  # parent.end
                 parent_tier = parent.path_tier
             block.start = start
-            own = block.own_tier()
+            own = block.tier
             block.path_tier = own if own > parent_tier else parent_tier  # max(), without its call
             block.attached = True
             if detached:
@@ -396,6 +414,22 @@ class BlockTree:
                     child = blocks.get(child_hash)
                     if child is not None and not child.attached:
                         stack.append(child)
+
+    def _attach_leaf(self, block: _Block, parent: _Block | None, touched: dict[int, int]) -> None:
+        """``_attach`` of a new block that nothing waits under, below ``parent`` (attached, or
+        None for a root): the usual store, one page under the prompt's cached pages, without
+        ``_attach``'s stack (a new block is in no detached list: those hold mirrored blocks)."""
+        if parent is None:
+            start = 0
+            parent_tier = _VRAM
+        else:
+            start = parent.start + len(parent.tokens)
+            parent_tier = parent.path_tier
+        block.start = start
+        own = block.tier
+        block.path_tier = own if own > parent_tier else parent_tier
+        block.attached = True
+        self._register_anchors(block, touched)  # sets no anchors when no indexed length is inside
 
     def _detach_subtree(self, root: _Block, touched: dict[int, int]) -> None:
         stack = [root]
@@ -424,7 +458,7 @@ class BlockTree:
             block = stack.pop()
             parent = self._blocks.get(block.parent) if block.parent is not None else None
             parent_tier = parent.path_tier if parent is not None else StorageTier.VRAM
-            new_tier = max(parent_tier, block.own_tier())
+            new_tier = max(parent_tier, block.tier)
             if new_tier == block.path_tier and block is not root:
                 continue  # unchanged here, so unchanged below
             block.path_tier = new_tier
@@ -478,7 +512,7 @@ class BlockTree:
             cut = 4 * (length - block.start)
             state.update(own[done:cut])
             done = cut
-            anchors.append((length, int.from_bytes(state.copy().digest()[:8], "little") & _KEY_MASK))
+            anchors.append((length, _first_u64_le(state.copy().digest())[0] & _KEY_MASK))
         state.update(own[done:])
         block.hash_state = state
         return anchors
@@ -507,22 +541,27 @@ class BlockTree:
         """Index events taking the touched keys (key -> indexed length) from what was announced
         to what the mirror holds now; their lengths appended to ``lengths`` if given."""
         out: list[IndexEvent] = []
+        worker, registered, all_holders = self.worker, self._registered, self._holders
+        if self._trusted_events:
+            evicted, cached, changed = PrefixEvicted.trusted, PrefixCached.trusted, TierChanged.trusted
+        else:
+            evicted, cached, changed = PrefixEvicted, PrefixCached, TierChanged
         for key in sorted(touched):
-            holders = self._holders.get(key)
+            holders = all_holders.get(key)
             best = min(holders.values()) if holders else _UNINDEXED
             new = best.index_tier()
-            old = self._registered.get(key)
+            old = registered.get(key)
             if new == old:
                 continue
             if new is None:
-                del self._registered[key]
-                out.append(PrefixEvicted(self.worker, key))
+                del registered[key]
+                out.append(evicted(worker, key))
             elif old is None:
-                self._registered[key] = new
-                out.append(PrefixCached(self.worker, key, new))
+                registered[key] = new
+                out.append(cached(worker, key, new))
             else:
-                self._registered[key] = new
-                out.append(TierChanged(self.worker, key, new))
+                registered[key] = new
+                out.append(changed(worker, key, new))
             if lengths is not None:
                 lengths.append(touched[key])
         return out

@@ -190,6 +190,8 @@ class Simulation:
             for w in topo.worker_ids
         ]
         self.models = [WorkerQueueModel(t) for t in self.timings]
+        # Each region's workers (a response carries its region's queue vector): read per response
+        self._region_members = [topo.workers_in(r) for r in range(len(topo.regions))]
         # A policy that reads no cache events (it keeps BasePolicy's no-op) gets none built, when
         # nothing else needs them: no truth map, and no loss or delay draws that depend on them.
         attach = getattr(policy, "attach_exact_state", None)  # an oracle's privilege; no real router has it
@@ -384,7 +386,7 @@ class Simulation:
         back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
         st.ttft_s = at + back - st.req.arrival_s
         self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=at, lease=st.lease), at)
-        members = self.topo.workers_in(int(self.topo.worker_region[w]))
+        members = self._region_members[self.topo.worker_region[w]]
         qv = np.maximum(0.0, self._last_q[members] - (at - self._last_q_at[members]) * 1000.0)
         reused = st.cached_vram + st.cached_dram
         self._push(at + back, _RESPONSE, (st.req, w, reused, dict(zip(members.tolist(), qv.tolist()))))

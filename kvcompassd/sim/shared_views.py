@@ -15,8 +15,9 @@ An edge's tables are brought to its position only where it reads: before a decis
 is made only when an edge moves to it: in place from the highest version below it that no edge is
 at any more, else as a copy of it (its snapshot), or from a snapshot blob in between (a table that
 grew); then the blobs up to it are applied. Versions below every edge's are freed, with their
-blobs. Every ``SWEEP_S`` of virtual time every edge's every table is brought up to date, so
-tables an edge has not read lately do not pin old versions.
+blobs. Every ``SWEEP_S`` of virtual time every table's edges that lag what the most delayed edge
+has received by then move up to that version together (``compact``), so tables an edge has not
+read lately do not pin old versions.
 
 Loss, and the repair it needs, make an edge's state diverge from every other's: the policy keeps
 per-edge views for ``update_loss > 0`` (kvcompass_policy.py).
@@ -36,7 +37,7 @@ from kvcompassd.core.messages import ShardSnapshotSent, UpdateBatchPublished
 
 __all__ = ["SharedViews", "SWEEP_S"]
 
-SWEEP_S = 1.0  # virtual seconds between bringing every table of every edge up to date
+SWEEP_S = 1.0  # virtual seconds between compactions of every table's versions
 
 
 class _Versions:
@@ -138,7 +139,7 @@ class SharedViews:
             tables[g].add(blob, batch.seq)
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_S
-            self.advance_all(now)
+            self.compact(now)
 
     def position(self, e: int, s: int, now: float) -> int:
         """The seq of the last batch of shard ``s`` that edge ``e`` has by ``now``: those with
@@ -205,6 +206,37 @@ class SharedViews:
                 k = bisect_right(t.seqs, pos)
                 if k != cur:
                     self._move(e, s, g, t, versions, k)
+
+    def compact(self, now: float) -> None:
+        """Free the versions no edge needs by ``now``: every edge behind what the most delayed
+        edge has received by then moves up to that version, all of them together (one version
+        per table, made in place when nobody else is at the one below; not one per edge, which
+        cost a copy and its blobs per edge and table). A read brings an edge on to its own
+        position (``prepare``), and positions only grow, so no read sees anything else."""
+        edges = range(len(self.edges))
+        for s in range(self.shards):
+            times = self._times[s]
+            if not times:
+                continue
+            low = min(self.position(e, s, now) for e in edges)
+            for g, t in self._tables[s].items():
+                k = bisect_right(t.seqs, low)
+                if min(t.refs) >= k:  # nobody is behind it
+                    continue
+                behind = [e for e in edges if self._version[e][s][g] < k]
+                for e in behind:
+                    t.refs[self._version[e][s][g]] -= 1
+                view = t.views.get(k)
+                if view is None:
+                    view = t.make(k)
+                    t.views[k] = view
+                    t.refs[k] = 0
+                t.refs[k] += len(behind)
+                for e in behind:
+                    self._version[e][s][g] = k
+                    self.edges[e].state[s].views[g] = view
+                    self.pointers[e].refresh(s, g)
+                t.collect()
 
     def advance_all(self, now: float) -> None:
         for e in range(len(self.edges)):

@@ -32,6 +32,7 @@ GPU = "GPU"
 CPU = "CPU_PINNED"
 _ROOT_DIGEST = b""
 _MAX_TOKEN_ID = (1 << 32) - 1
+_UINT32 = np.dtype(np.uint32)
 _unpack_int64_be = struct.Struct(">q").unpack_from  # reads the first 8 bytes without a slice
 
 
@@ -220,10 +221,13 @@ class PrefixCache:
         pinned = set(lease.pages) if lease is not None else set()
         parent: _Page | None = None
         size = self.block_size
-        token_list = _checked_token_list(tokens)
         # Pages of checked tokens get their events built unvalidated (the fields are canonical
         # by construction); anything else takes the validating path and fails as it always did.
-        checked = token_list is not None and self._int_block_size
+        # A uint32 array (what the simulator passes) needs no check, and only its new pages are
+        # turned into ints: most of a prompt's pages are usually cached already.
+        as_array = isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype == _UINT32
+        token_list = None if as_array else _checked_token_list(tokens)
+        checked = (as_array or token_list is not None) and self._int_block_size
         if token_list is None:
             token_list = tokens
         by_digest = self._by_digest
@@ -234,7 +238,9 @@ class PrefixCache:
         for start, digest in self._chain(tokens, data, known):
             page = by_digest.get(digest)
             if page is None:
-                if checked:
+                if as_array:
+                    page_tokens = tuple(tokens[start : start + size].tolist())  # type: ignore[index]
+                elif checked:
                     page_tokens = tuple(token_list[start : start + size])
                 else:
                     page_tokens = tuple(map(int, token_list[start : start + size]))
