@@ -246,7 +246,12 @@ async def test_every_worker_is_tried_once_before_the_request_fails(pki, edge):
     with pytest.raises(ForwardError) as failure:
         await run(edge)
     assert failure.value.status == 503
-    assert "a-0: no first token" in str(failure.value) and "a-1: transport" in str(failure.value)
+    # a-1's connection dies; on a busy machine its 0.5 s first-token deadline may fire before the
+    # loss is seen (a fresh-clone run at load 37): either way it was tried, once.
+    reason = str(failure.value)
+    assert "a-0: no first token" in reason
+    assert "a-1: transport" in reason or "a-1: no first token" in reason
+    assert reason.count("a-0:") == 1 and reason.count("a-1:") == 1
 
 
 async def test_an_engine_rejection_is_the_clients_error_with_no_failover_and_no_suspicion(pki, edge):

@@ -678,7 +678,14 @@ def test_silent_server_is_detected_by_idle_timeout(run, pki):
     async def scenario():
         async with node(pki, "mnt-0", listen=True) as server, node(pki, "edge-us", idle_timeout=0.5) as edge:
             relay = WanRelay(("127.0.0.1", 0), server.address, 0.0)
-            peer = await edge.connect(await relay.start())
+            address = await relay.start()
+            for attempt in range(5):  # at load 40 a handshake can outlast the 0.5 s idle timeout
+                try:
+                    peer = await edge.connect(address)
+                    break
+                except HandshakeFailed:
+                    if attempt == 4:
+                        raise
             await relay.stop()  # the path goes silent without a CONNECTION_CLOSE (like SIGKILL)
             while peer.is_connected:
                 await asyncio.sleep(0.02)
