@@ -59,6 +59,9 @@ from kvcompassd.wire import (
     encode,
 )
 
+# An admin holders query names at most this many keys (its answer stays far below a frame).
+MAX_ADMIN_KEYS = 4096
+
 log = structlog.get_logger(__name__)
 
 # Batches leave at most this often (or once this many edits are pending): under a steady stream
@@ -492,6 +495,12 @@ class MaintenanceNode:
 
     def describe(self, what: str, args: dict) -> dict:
         if what == "holders":
+            if "keys" in args:  # many keys in one exchange: a check over a whole cache is one query
+                keys = args["keys"]
+                if not isinstance(keys, list) or len(keys) > MAX_ADMIN_KEYS:
+                    raise ValueError(f"keys must be a list of at most {MAX_ADMIN_KEYS} keys")
+                return {"holders": {str(int(k)): {w: t.name for w, t in self.shard.holders(int(k)).items()}
+                                    for k in keys}}
             key = int(args.get("key", -1))
             return {"key": key, "holders": {w: t.name for w, t in self.shard.holders(key).items()}}
         if what == "digest":

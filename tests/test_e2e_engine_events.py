@@ -93,11 +93,15 @@ async def holders_of(dep, keys) -> dict[int, str]:
     """Which of ``keys`` the maintenance units list ``us-1`` as holding, with its tier."""
     out = {}
     by_shard = {m.shard: m.id for m in dep.cfg.maintenance}
-    for key in keys:
-        answer = await admin(dep, by_shard[key % dep.cfg.shards], "holders", {"key": key})
-        tier = answer["holders"].get(WORKER)
-        if tier is not None:
-            out[key] = tier
+    for shard, unit in by_shard.items():  # one query per unit (one per key was hundreds of handshakes)
+        mine = [key for key in keys if key % dep.cfg.shards == shard]
+        if not mine:
+            continue
+        answer = await admin(dep, unit, "holders", {"keys": mine})
+        for key in mine:
+            tier = answer["holders"][str(key)].get(WORKER)
+            if tier is not None:
+                out[key] = tier
     return out
 
 
