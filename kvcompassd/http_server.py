@@ -16,7 +16,8 @@ README's front-door section for the measurement). This server does what the fron
   reading (curl sends it before a large prompt; a refusal before then spares the upload); a
   response sent before its request's body was read closes the connection after it;
 - responses whole (``Content-Length``) or streamed (chunked; HTTP/1.0: until the connection ends),
-  a streamed write waiting while the client does not read.
+  a streamed write waiting while the client does not read, for at most the keep-alive timeout
+  (then the connection is aborted and the write raises ``ConnectionResetError``).
 
 The connection's own limits (the ``[frontdoor]`` table, held by a ``FrontDoorGuard``): a cap on
 open connections, a deadline and a byte cap on each request's head (from its first byte to its
@@ -322,7 +323,16 @@ class _Connection(asyncio.Protocol):
         if self.write_paused:
             self._drain_waiter = self.loop.create_future()
             try:
-                await self._drain_waiter
+                async with asyncio.timeout(self.limits.keepalive_timeout_s):
+                    await self._drain_waiter
+            except TimeoutError:
+                # A client that stops reading a stream is closed as one that leaves answers unread
+                # (_next): its handler, and the worker's generation, must not wait for it forever.
+                self.guard.refused("write_stalled")
+                self.server.log_refusal(None, "write_stalled", "the client read nothing of the response for "
+                                        f"{self.limits.keepalive_timeout_s:g} s")
+                self.transport.abort()
+                raise ConnectionResetError("the client stopped reading the response") from None
             finally:
                 self._drain_waiter = None
 
@@ -650,7 +660,8 @@ class HttpServer:
         self._logged = 0
         self._unlogged = 0
 
-    def log_refusal(self, status: int, reason: str, message: str) -> None:
+    def log_refusal(self, status: int | None, reason: str, message: str) -> None:
+        """``status`` is the refusal's HTTP status, or None when none could be sent."""
         second = int(time.monotonic())
         if second != self._log_second:
             self._log_second, self._logged = second, 0

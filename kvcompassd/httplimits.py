@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # Labels of the refusal counter: a fixed set, whatever the clients send.
 REFUSAL_REASONS = ("connection_limit", "header_timeout", "header_too_large", "malformed_request", "body_timeout",
                    "body_too_large", "body_budget", "content_encoding", "bad_json", "json_too_deep",
-                   "non_finite_number")
+                   "non_finite_number", "write_stalled")
 
 # The first bytes of every request may use the budget's last eighth (see BodyBudget).
 SMALL_BODY_BYTES = 64 << 10

@@ -192,6 +192,22 @@ async def test_a_stream_waits_for_a_client_that_does_not_read():
             await asyncio.sleep(0.01)
 
 
+async def test_a_stream_whose_client_stops_reading_ends_at_the_keepalive_timeout():
+    # The client neither reads nor hangs up: the handler's write gives up after the keep-alive
+    # timeout instead of holding the handler (and the worker's generation) for ever.
+    echo = Echo()
+    limits = FrontDoorLimits(header_timeout_s=30.0, keepalive_timeout_s=0.2, max_header_bytes=4096)
+    async with serving(limits, handler=echo) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /flood HTTP/1.1\r\nHost: h\r\n\r\n")
+        while server.guard.refusals["write_stalled"] == 0:
+            await asyncio.sleep(0.01)
+        while server.connections:
+            await asyncio.sleep(0.01)
+        assert echo.streamed < 256 << 20
+        writer.close()
+
+
 async def test_a_client_gone_mid_stream_cancels_its_handler():
     echo = Echo()
     async with serving(handler=echo) as server:
