@@ -91,46 +91,88 @@ class NodeUnreachable(CtlError, ConnectionError):
 
 
 async def query(cfg, tls_dir: Path, admin_id: str, node_id: str, what: str, args: dict, timeout: float = 10.0) -> dict:
-    """Ask one node; returns the answer's body.
+    """Ask one node once; returns the answer's body.
 
     Raises :class:`CtlError` (unknown node, unusable admin certificate), :class:`NodeUnreachable`
     or :class:`QueryRefused`, each with a one-line reason."""
-    from kvcompassd.daemon import split_address, tls_files
-    from kvcompassd.transport import QuicNode
-    from kvcompassd.transport.base import (
-        HandshakeFailed,
-        PeerUnavailable,
-        TransportError,
-        TransportOptions,
-    )
+    _admin_message(what, args)  # a query too big for one message fails here, before dialling
+    async with AdminSession(cfg, tls_dir, admin_id, node_id, timeout=timeout) as session:
+        return await session.ask(what, args)
 
-    address, role = _address_of(cfg, node_id)
+
+def _admin_message(what: str, args: dict) -> AdminQueried:
     try:
         message = AdminQueried(what, args)
-        encode(message)  # its size is checked when encoded: fail here, before dialling
+        encode(message)  # its size is checked when encoded
     except WireError as exc:  # over the admin message's bounds (a very long --text, say)
         raise CtlError(f"{what}: the query does not fit one admin message: {exc}", EXIT_USAGE) from None
-    try:
-        files = tls_files(tls_dir, admin_id)
-        # The handshake may take longer than our deadline: running out of time is ours to report.
-        node = QuicNode(NodeIdentity(Role.ADMIN, admin_id), files, on_message=lambda *a: None,
-                        options=TransportOptions(handshake_timeout=timeout + 1.0))
-    except (OSError, certs.CertError) as exc:
-        raise CtlError(f"admin certificate: {exc}", EXIT_USAGE) from None
-    try:
+    return message
+
+
+class AdminSession:
+    """One QUIC connection to one node, asked any number of queries, one stream each.
+
+    For a watcher polling a node: a query over an open connection costs one stream, where
+    :func:`query` pays a full TLS handshake each time (on a busy host, hundreds of
+    milliseconds). Errors are those of :func:`query`."""
+
+    def __init__(self, cfg, tls_dir: Path, admin_id: str, node_id: str, timeout: float = 10.0) -> None:
+        self._cfg, self._tls_dir, self._admin_id, self._node_id = cfg, tls_dir, admin_id, node_id
+        self._timeout = timeout
+        self._node = None
+        self._peer = None
+
+    async def __aenter__(self) -> AdminSession:
+        from kvcompassd.daemon import split_address, tls_files
+        from kvcompassd.transport import QuicNode
+        from kvcompassd.transport.base import HandshakeFailed, PeerUnavailable, TransportOptions
+
+        node_id, timeout = self._node_id, self._timeout
+        address, role = _address_of(self._cfg, node_id)
+        try:
+            files = tls_files(self._tls_dir, self._admin_id)
+            # The handshake may take longer than our deadline: running out of time is ours to report.
+            self._node = QuicNode(NodeIdentity(Role.ADMIN, self._admin_id), files, on_message=lambda *a: None,
+                                  options=TransportOptions(handshake_timeout=timeout + 1.0))
+        except (OSError, certs.CertError) as exc:
+            raise CtlError(f"admin certificate: {exc}", EXIT_USAGE) from None
         try:
             async with asyncio.timeout(timeout):
-                peer = await node.connect(split_address(address, node_id), expected_role=role)
+                self._peer = await self._node.connect(split_address(address, node_id), expected_role=role)
         except TimeoutError:
+            await self._close()
             raise NodeUnreachable(f"{node_id}: unreachable: no QUIC handshake with {address} within {timeout:g} s "
                                   "(is the node running, and is UDP to it open?)") from None
         except HandshakeFailed as exc:  # a certificate refused, by the node or by us
+            await self._close()
             raise NodeUnreachable(f"{node_id}: TLS handshake failed: {exc}") from None
         except (PeerUnavailable, OSError, ValueError) as exc:  # ValueError: an address we cannot dial
+            await self._close()
             raise NodeUnreachable(f"{node_id}: unreachable: {exc}") from None
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        node, self._node, self._peer = self._node, None, None
+        if node is not None:
+            await node.close()
+
+    async def ask(self, what: str, args: dict | None = None) -> dict:
+        """One query on its own stream; returns the answer's body."""
+        from kvcompassd.transport.base import TransportError
+
+        node_id, timeout = self._node_id, self._timeout
+        if self._peer is None:
+            raise NodeUnreachable(f"{node_id}: the admin session is closed")
+        message = _admin_message(what, args or {})
         try:
             async with asyncio.timeout(timeout):
-                async with peer.open_stream() as exchange:
+                async with self._peer.open_stream() as exchange:
                     await exchange.send(message)
                     async for reply in exchange:
                         if isinstance(reply, AdminAnswered):
@@ -145,8 +187,6 @@ async def query(cfg, tls_dir: Path, admin_id: str, node_id: str, what: str, args
         except TransportError as exc:
             raise NodeUnreachable(f"{node_id}: connection lost during {what}: {exc}") from None
         raise QueryRefused(f"{node_id}: closed the exchange without answering {what}")
-    finally:
-        await node.close()
 
 
 def _address_of(cfg, node_id: str) -> tuple[str, Role]:

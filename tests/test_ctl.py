@@ -19,7 +19,7 @@ import pytest
 from kvcompassd import certs
 from kvcompassd.certs import load_certificate, peer_identity
 from kvcompassd.core.config import dump_config
-from kvcompassd.ctl import QUERIES, QueryRefused, main, query, render, table
+from kvcompassd.ctl import QUERIES, AdminSession, NodeUnreachable, QueryRefused, main, query, render, table
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment, free_loopback_port
 from kvcompassd.wire import NodeIdentity, Role
 
@@ -227,6 +227,20 @@ async def test_the_nodes_themselves_refuse_queries_of_other_roles(dep):
             await query(dep.cfg, dep.tls_dir, "admin", node, what, {})
     with pytest.raises(QueryRefused, match="tokens must be"):
         await query(dep.cfg, dep.tls_dir, "admin", "edge-us", "holders", {"tokens": ["a"]})
+
+
+async def test_an_admin_session_asks_many_queries_over_one_connection(dep):
+    async with AdminSession(dep.cfg, dep.tls_dir, "admin", "edge-us") as edge:
+        first = await edge.ask("queues")
+        # a refused query is that query's error; the connection carries the next one
+        with pytest.raises(QueryRefused, match="unknown query 'entries'"):
+            await edge.ask("entries")
+        second = await edge.ask("queues")
+        status = await edge.ask("status")
+    assert {q["worker"] for q in first["workers"]} == {q["worker"] for q in second["workers"]} == {"us-0", "eu-0"}
+    assert "views" in status or "shards" in status
+    with pytest.raises(NodeUnreachable, match="session is closed"):
+        await edge.ask("queues")
 
 
 def test_holders_needs_a_prompt_and_a_readable_tokens_file(dep, tmp_path):

@@ -13,6 +13,7 @@ edge sees), then assert where the requests of one shared prefix went.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
 import aiohttp
@@ -20,6 +21,7 @@ import pytest
 import pytest_asyncio
 
 from e2e_helpers import admin, doc, eventually
+from kvcompassd.ctl import AdminSession
 from kvcompassd.emulator.server import output_tokens
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
@@ -119,12 +121,17 @@ async def test_a_holder_whose_true_queue_is_shorter_than_the_prefill_it_saves_ke
     # belongs on the holder: recomputing its 2,048 shared tokens elsewhere takes ~1,024 ms. Priced
     # at a configured beta 5x too low that saving looked like 205 ms and the request went elsewhere.
     shared = doc(50, 2048)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with contextlib.AsyncExitStack() as stack:
+        session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)))
         holder = await warm_holder(session, dep, shared, 128)
         await learn(session, dep, shared, holder, 128)
 
+        # Polled over one open admin connection: a handshake per poll can outlast the burst on a
+        # busy machine, and the edge's queue for the holder would drain unseen.
+        edge = await stack.enter_async_context(AdminSession(dep.cfg, dep.tls_dir, "admin", "edge-us"))
+
         async def holder_queue_ms() -> float:
-            workers = (await admin(dep, "edge-us", "queues"))["workers"]
+            workers = (await edge.ask("queues"))["workers"]
             return next(q["queue_ms"] for q in workers if q["worker"] == holder)
 
         for attempt in range(10):
