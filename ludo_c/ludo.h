@@ -106,6 +106,34 @@ int kvc_table_edit_fields(kvc_table *table, const uint64_t *keys, const uint8_t 
                           const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
                           unsigned shift, unsigned width, uint8_t *status_out, size_t *done);
 
+/* kvc_table_edit_fields of one report on a table and on the tables that take part of it, in one
+ * call: a maintenance shard's full table of one region group and the same group's table of each
+ * of its region streams (kvcompassd.core.streams), each stream taking the events of the lengths
+ * its region reads.
+ *   full          takes every event; status_out[i] is its kvc_edit_status for event i.
+ *   streams       [n_streams] the stream tables.
+ *   lengths       [n] each event's length; event i goes to the streams of row r: the index of
+ *                 lengths[i] among known[0..n_known) (ascending, distinct), or n_known if it is
+ *                 none of them (a length no stream reads; a length every stream takes, such as
+ *                 "unknown", is a known one whose row names them all).
+ *   row_start     [n_known + 2], row_streams: row r's streams are row_streams[row_start[r] ..
+ *                 row_start[r + 1]), ascending stream indices below n_streams.
+ *   changed_out   [n_streams + 1] fields changed: [0] in full, [1 + j] in streams[j].
+ * Events go in order, each to full and then to its streams, so every table's state and pending
+ * records are those kvc_table_edit_fields of its own events alone would leave. Returns KVC_OK;
+ * KVC_ERR_ARG (a NULL table, width not in 1..8, shift + width beyond a table's value bits, an
+ * op_field wider than width, an op >= n_ops, membership rows malformed) or KVC_ERR_KEY_RANGE,
+ * both found before any table changes; or a table error (NOMEM, FULL) with *failed the table
+ * (0: full, 1 + j: streams[j]) and *done the events finished before it (changed_out counts
+ * what changed up to there). */
+int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_streams,
+                           const uint64_t *keys, const uint8_t *ops, const uint32_t *lengths, size_t n,
+                           const uint32_t *known, size_t n_known,
+                           const uint32_t *row_start, const uint32_t *row_streams,
+                           const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
+                           unsigned shift, unsigned width,
+                           uint8_t *status_out, uint64_t *changed_out, size_t *failed, size_t *done);
+
 /* Batch exact lookup: values_out[i] = value or 0, found_out[i] = 1/0 (0 for keys >= 2^63). */
 void kvc_table_get_many(const kvc_table *table, const uint64_t *keys, size_t n,
                         uint64_t *values_out, uint8_t *found_out);

@@ -521,16 +521,43 @@ int kvc_table_remove_many(kvc_table *t, const uint64_t *keys, size_t n, size_t *
     return rc;
 }
 
+/* One field edit of kvc_table_edit_fields (arguments checked by the caller): the key's status,
+ * or a table error (NOMEM, FULL) as a negative value. */
+static inline int edit_field(kvc_table *t, uint64_t key, uint8_t op, const uint8_t *op_field,
+                             const uint8_t *op_needs_held, unsigned shift, uint64_t mask)
+{
+    int64_t at = store_find(&t->st, key);
+    uint64_t old = at >= 0 ? SVAL(&t->st, at) : 0;
+    uint64_t field = (old & mask) >> shift, want = op_field[op];
+    if (field == 0 && op_needs_held[op])
+        return KVC_EDIT_REFUSED;
+    if (field == want)
+        return KVC_EDIT_UNCHANGED;
+    uint64_t value = (old & ~mask) | (want << shift);
+    int rc = at < 0 ? kvc_table_insert(t, key, value)
+             : value == 0 ? kvc_table_remove(t, key)
+                          : kvc_table_update(t, key, value);
+    return rc != KVC_OK ? rc : KVC_EDIT_CHANGED;
+}
+
+static int edit_args_ok(const kvc_table *t, const uint8_t *op_field, unsigned n_ops, unsigned shift,
+                        unsigned width)
+{
+    if (width == 0 || width > 8 || shift + width > t->value_bits)
+        return 0;
+    for (unsigned o = 0; o < n_ops; o++)
+        if (op_field[o] >> width)
+            return 0;
+    return 1;
+}
+
 int kvc_table_edit_fields(kvc_table *t, const uint64_t *keys, const uint8_t *ops, size_t n,
                           const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
                           unsigned shift, unsigned width, uint8_t *status_out, size_t *done)
 {
     *done = 0;
-    if (width == 0 || width > 8 || shift + width > t->value_bits)
+    if (!edit_args_ok(t, op_field, n_ops, shift, width))
         return KVC_ERR_ARG;
-    for (unsigned o = 0; o < n_ops; o++)
-        if (op_field[o] >> width)
-            return KVC_ERR_ARG;
     const uint64_t mask = ((UINT64_C(1) << width) - 1u) << shift;
     for (size_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n)
@@ -540,21 +567,97 @@ int kvc_table_edit_fields(kvc_table *t, const uint64_t *keys, const uint8_t *ops
             return KVC_ERR_ARG;
         if (key >= KVC_KEY_LIMIT)
             return KVC_ERR_KEY_RANGE;
-        int64_t at = store_find(&t->st, key);
-        uint64_t old = at >= 0 ? SVAL(&t->st, at) : 0;
-        uint64_t field = (old & mask) >> shift, want = op_field[ops[i]];
-        if (field == 0 && op_needs_held[ops[i]]) {
-            status_out[i] = KVC_EDIT_REFUSED;
-        } else if (field == want) {
-            status_out[i] = KVC_EDIT_UNCHANGED;
-        } else {
-            uint64_t value = (old & ~mask) | (want << shift);
-            int rc = at < 0 ? kvc_table_insert(t, key, value)
-                     : value == 0 ? kvc_table_remove(t, key)
-                                  : kvc_table_update(t, key, value);
-            if (rc != KVC_OK)
+        int rc = edit_field(t, key, ops[i], op_field, op_needs_held, shift, mask);
+        if (rc < 0)
+            return rc;
+        status_out[i] = (uint8_t)rc;
+        *done = i + 1;
+    }
+    return KVC_OK;
+}
+
+/* The row of kvc_tables_edit_routed's membership an event of `length` uses: its index among the
+ * ascending `known` lengths, or n_known when it is none of them. */
+static inline size_t route_row(const uint32_t *known, size_t n_known, uint32_t length)
+{
+    size_t lo = 0, hi = n_known;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (known[mid] < length)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n_known && known[lo] == length ? lo : n_known;
+}
+
+int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_streams,
+                           const uint64_t *keys, const uint8_t *ops, const uint32_t *lengths, size_t n,
+                           const uint32_t *known, size_t n_known,
+                           const uint32_t *row_start, const uint32_t *row_streams,
+                           const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
+                           unsigned shift, unsigned width,
+                           uint8_t *status_out, uint64_t *changed_out, size_t *failed, size_t *done)
+{
+    *done = 0;
+    *failed = 0;
+    for (size_t j = 0; j <= n_streams; j++)
+        changed_out[j] = 0;
+    /* Everything that can be refused is checked before any table changes. */
+    if (!full || !edit_args_ok(full, op_field, n_ops, shift, width))
+        return KVC_ERR_ARG;
+    for (size_t j = 0; j < n_streams; j++)
+        if (!streams[j] || !edit_args_ok(streams[j], op_field, n_ops, shift, width))
+            return KVC_ERR_ARG;
+    for (size_t r = 0; r < n_known; r++)
+        if (r > 0 && known[r] <= known[r - 1])
+            return KVC_ERR_ARG;
+    if (row_start[0] != 0)
+        return KVC_ERR_ARG;
+    for (size_t r = 0; r <= n_known; r++) {
+        if (row_start[r + 1] < row_start[r])
+            return KVC_ERR_ARG;
+        for (uint32_t k = row_start[r]; k < row_start[r + 1]; k++)
+            if (row_streams[k] >= n_streams || (k > row_start[r] && row_streams[k] <= row_streams[k - 1]))
+                return KVC_ERR_ARG;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (ops[i] >= n_ops)
+            return KVC_ERR_ARG;
+        if (keys[i] >= KVC_KEY_LIMIT)
+            return KVC_ERR_KEY_RANGE;
+    }
+    const uint64_t mask = ((UINT64_C(1) << width) - 1u) << shift;
+    /* Event by event: the full table, then each stream that takes it (ascending). Every table
+     * sees its own events in report order, so its state and records are those of
+     * kvc_table_edit_fields of just those events. Rows are worked out PREFETCH_AHEAD events
+     * ahead, where the event's buckets are prefetched in each table it will reach. */
+    size_t ring[PREFETCH_AHEAD + 1];
+    for (size_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        ring[i % (PREFETCH_AHEAD + 1)] = route_row(known, n_known, lengths[i]);
+    for (size_t i = 0; i < n; i++) {
+        size_t ahead = i + PREFETCH_AHEAD;
+        if (ahead < n) {
+            size_t r = route_row(known, n_known, lengths[ahead]);
+            ring[ahead % (PREFETCH_AHEAD + 1)] = r;
+            prefetch_key(full, keys[ahead], 1);
+            for (uint32_t k = row_start[r]; k < row_start[r + 1]; k++)
+                prefetch_key(streams[row_streams[k]], keys[ahead], 1);
+        }
+        size_t r = ring[i % (PREFETCH_AHEAD + 1)];
+        int rc = edit_field(full, keys[i], ops[i], op_field, op_needs_held, shift, mask);
+        if (rc < 0)
+            return rc;
+        status_out[i] = (uint8_t)rc;
+        changed_out[0] += rc == KVC_EDIT_CHANGED;
+        for (uint32_t k = row_start[r]; k < row_start[r + 1]; k++) {
+            size_t j = row_streams[k];
+            rc = edit_field(streams[j], keys[i], ops[i], op_field, op_needs_held, shift, mask);
+            if (rc < 0) {
+                *failed = j + 1;
                 return rc;
-            status_out[i] = KVC_EDIT_CHANGED;
+            }
+            changed_out[j + 1] += rc == KVC_EDIT_CHANGED;
         }
         *done = i + 1;
     }

@@ -171,20 +171,26 @@ class MaintenanceShard:
         applied = int(np.count_nonzero(status == EDIT_CHANGED))
         if applied:
             self._dirty.append(slot.group)
-        ignored = tuple((_eviction_refused if ops[i] == EventOp.EVICTED else _tier_change_refused)(worker, int(keys[i]))
-                        for i in np.flatnonzero(status == EDIT_REFUSED))
-        return ApplyOutcome(applied, n - applied - len(ignored), ignored)
+        return self.edit_outcome(worker, keys, ops, status, applied)
 
-    def apply_checked(self, group: int, field: int, keys: np.ndarray, ops: np.ndarray) -> int:
-        """``apply_columns`` of events already checked (this shard's keys, a known worker's slot
-        ``group``/``field``): one C call and nothing else, for a report applied to many streams
-        (kvcompassd.core.streams; the full shard checked it and named what it refused). Returns
-        the fields changed."""
-        status = self._tables[group].edit_fields(keys, ops, OP_TIER_AFTER, OP_NEEDS_HOLDER, shift=2 * field, width=2)
-        applied = int(np.count_nonzero(status == EDIT_CHANGED))
-        if applied:
-            self._dirty.append(group)
-        return applied
+    @staticmethod
+    def edit_outcome(worker: str, keys: np.ndarray, ops: np.ndarray, status: np.ndarray, applied: int) -> ApplyOutcome:
+        """The outcome of one worker's events from their ``LudoTable.edit_fields`` statuses
+        (``applied`` of them changed a field), each refused one named."""
+        refused = np.flatnonzero(status == EDIT_REFUSED)
+        ignored = tuple((_eviction_refused if ops[i] == EventOp.EVICTED else _tier_change_refused)(worker, int(keys[i]))
+                        for i in refused)
+        return ApplyOutcome(applied, len(status) - applied - len(ignored), ignored)
+
+    def table(self, group: int) -> LudoTable:
+        """Region group ``group``'s table, for a C call that edits several shards' tables at once
+        (kvcompassd.core.streams); whoever edits it tells ``note_changed``."""
+        return self._tables[group]
+
+    def note_changed(self, group: int) -> None:
+        """Group ``group``'s table changed outside this shard's own writes: the next ``flush``
+        publishes its records."""
+        self._dirty.append(group)
 
     def _apply_one(self, event: IndexEvent) -> str | None:
         if event.key % self.shards != self.shard:

@@ -17,6 +17,7 @@ one thread at a time (different objects may be used from different threads).
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -368,6 +369,89 @@ class LudoTable:
 
     def __repr__(self) -> str:
         return f"LudoTable(id={self._seed}, entries={len(self)}, slots={self.slots}, epoch={self.epoch})"
+
+
+class RoutedEditError(LudoError):
+    """``RoutedTables.edit_fields`` stopped at a table error (no memory, a table that cannot
+    grow): ``changed`` counts what each table changed before it, as the call would have returned."""
+
+    def __init__(self, message: str, changed: np.ndarray):
+        super().__init__(message)
+        self.changed = changed
+
+
+class RoutedTables:
+    """A table and tables that each take part of its edits, chosen by each edit's length: one
+    report's ``edit_fields`` on all of them in one C call (``kvc_tables_edit_routed``).
+
+    A maintenance shard's full table of a region group and that group's table in each region's
+    stream (``kvcompassd.core.streams``): ``routes`` maps a length to the indices of ``streams``
+    that take its events; a length it does not name goes to no stream. Every table ends as
+    ``LudoTable.edit_fields`` of its own events alone would leave it, with the same pending
+    records. Holds the tables (they live as long as this does); build it once, use it per report."""
+
+    __slots__ = ("_full", "_streams", "_pointers", "_known", "_row_start", "_row_streams")
+
+    def __init__(self, full: LudoTable, streams: Sequence[LudoTable], routes: Mapping[int, Iterable[int]]):
+        self._full = full
+        self._streams = tuple(streams)
+        if not all(isinstance(t, LudoTable) for t in (full, *self._streams)):
+            raise LudoError("RoutedTables takes LudoTable objects")
+        self._pointers = ffi.new("kvc_table *[]", [t._ptr for t in self._streams] or 1)
+        known = sorted(operator.index(n) for n in routes)
+        if known and not 0 <= known[0] <= known[-1] < 1 << 32:
+            raise LudoError("routed lengths must be in [0, 2^32)")
+        rows: list[list[int]] = []
+        for n in known:
+            row = sorted(set(operator.index(j) for j in routes[n]))
+            if row and not 0 <= row[0] <= row[-1] < len(self._streams):
+                raise LudoError(f"length {n} routed to a stream index outside [0, {len(self._streams)})")
+            rows.append(row)
+        rows.append([])  # any other length: no stream
+        self._known = np.array(known, dtype=np.uint32)
+        self._row_start = np.cumsum([0] + [len(r) for r in rows], dtype=np.uint32)
+        self._row_streams = np.array([j for r in rows for j in r] or [0], dtype=np.uint32)
+
+    @property
+    def streams(self) -> int:
+        return len(self._streams)
+
+    def edit_fields(self, keys: np.ndarray, ops: np.ndarray, lengths: np.ndarray, op_field: bytes,
+                    op_needs_held: bytes, *, shift: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``LudoTable.edit_fields`` of (keys, ops) on the full table and of each event on the
+        streams its length routes it to. Returns the full table's status per event and the
+        fields changed per table (``[full, *streams]``). ``keys`` uint64, ``ops`` uint8 and
+        ``lengths`` uint32, 1-d of one length. Raises before any change for bad arguments, and
+        ``RoutedEditError`` (with the counts so far) when a table fails part-way."""
+        n = keys.shape[0] if keys.ndim == 1 else -1
+        if (keys.dtype != np.uint64 or ops.dtype != np.uint8 or lengths.dtype != np.uint32 or n < 0
+                or ops.shape != (n,) or lengths.shape != (n,)):
+            raise LudoError("RoutedTables.edit_fields needs 1-d uint64 keys, uint8 ops and uint32 lengths "
+                            "of the same length")
+        if len(op_field) != len(op_needs_held):
+            raise LudoError("op_field and op_needs_held must describe the same ops")
+        keys, ops, lengths = (np.ascontiguousarray(a) for a in (keys, ops, lengths))
+        status = np.empty(n, dtype=np.uint8)
+        changed = np.empty(len(self._streams) + 1, dtype=np.uint64)
+        out = ffi.new("size_t[2]")  # failed table, events done
+        rc = lib.kvc_tables_edit_routed(
+            self._full._ptr, self._pointers, len(self._streams),
+            ffi.from_buffer("uint64_t[]", keys), ffi.from_buffer("uint8_t[]", ops),
+            ffi.from_buffer("uint32_t[]", lengths), n,
+            ffi.from_buffer("uint32_t[]", self._known), self._known.size,
+            ffi.from_buffer("uint32_t[]", self._row_start), ffi.from_buffer("uint32_t[]", self._row_streams),
+            op_field, op_needs_held, len(op_field), shift, width,
+            ffi.from_buffer("uint8_t[]", status), ffi.from_buffer("uint64_t[]", changed), out, out + 1)
+        if rc != lib.KVC_OK:
+            cls, text = _ERRORS.get(rc, (LudoError, f"unknown error code {rc}"))
+            i, table = int(out[1]), int(out[0])
+            context = "routed edit_fields"
+            if rc in (lib.KVC_ERR_ARG, lib.KVC_ERR_KEY_RANGE):
+                raise cls(f"{context}: {text}; no table changed")
+            where = "the full table" if table == 0 else f"stream table {table - 1}"
+            raise RoutedEditError(f"{context} stopped at event {i} (key {int(keys[i])}) in {where}: {text}; "
+                                  f"the {i} events before it were applied", changed) from cls(text)
+        return status, changed
 
 
 class LudoView:

@@ -45,10 +45,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .events import LENGTH_DTYPE, UNKNOWN_LENGTH, IndexEvent, IndexEventColumns
+from .events import LENGTH_DTYPE, OP_NEEDS_HOLDER, OP_TIER_AFTER, UNKNOWN_LENGTH, IndexEvent, IndexEventColumns
 from .index import MIN_TABLE_CAPACITY, ApplyOutcome, MaintenanceShard
 from .layout import IndexLayout
 from .levels import LevelPlan
+from .ludo import RoutedEditError, RoutedTables
 from .messages import UpdateBatchPublished
 
 __all__ = ["LengthFilter", "ShardStreams", "StreamFanout", "UNKNOWN_LENGTH", "UnknownEdge", "edge_stream", "relays_to",
@@ -114,19 +115,17 @@ class ShardStreams:
         # Updates (changed fields) each stream took so far, the full one under None: what its
         # subscribers apply (tools/scale_projection.py compares them).
         self.applied: dict[str | None, int] = dict.fromkeys([None, *names], 0)
-        # Which streams take an event, by its length, as one gather per report rather than a
-        # membership test per region: per group, a row per known length (then one for any other
-        # length: none, and one for an unknown length: all) and a column per region.
-        known = sorted(set(plan.registration_lengths()).union(
-            *(lengths for f in self.filters.values() for lengths in f.per_group)))
-        self._known = np.array(known, dtype=LENGTH_DTYPE)
-        self._takes = []
+        # One C call per report edits the full table and every stream's (``RoutedTables``): per
+        # region group, the streams that take each length (an unknown length: all of them).
+        self._order: list[str | None] = [None, *names]
+        self._shards = [self.full, *self.filtered.values()]
+        self._routed = []
         for g in range(len(layout.groups)):
-            takes = np.zeros((len(known) + 2, len(names)), dtype=bool)
+            routes: dict[int, list[int]] = {UNKNOWN_LENGTH: list(range(len(names)))}
             for j, r in enumerate(names):
-                takes[np.searchsorted(self._known, self.filters[r].per_group[g]), j] = True
-            takes[-1, :] = True  # UNKNOWN_LENGTH
-            self._takes.append(takes)
+                for length in self.filters[r].per_group[g]:
+                    routes.setdefault(length, []).append(j)
+            self._routed.append(RoutedTables(self.full.table(g), [s.table(g) for s in self.filtered.values()], routes))
 
     @staticmethod
     def _filtered_options(options: dict, plan: LevelPlan, length_filter: LengthFilter, scale: bool) -> dict:
@@ -142,18 +141,6 @@ class ShardStreams:
                        for c, lengths in zip(per_group, length_filter.per_group))
         return {**options, "initial_capacity": scaled}
 
-    def _rows(self, lengths: np.ndarray) -> np.ndarray:
-        """Each length's row in a group's ``_takes``."""
-        known = self._known
-        other, unknown = len(known), len(known) + 1
-        if not len(known):
-            return np.where(lengths == UNKNOWN_LENGTH, unknown, other)
-        pos = np.searchsorted(known, lengths)
-        found = known[np.minimum(pos, len(known) - 1)] == lengths
-        rows = np.where(found, pos, other)
-        rows[lengths == UNKNOWN_LENGTH] = unknown
-        return rows
-
     def stream(self, region: str | None) -> MaintenanceShard:
         """The shard an edge of ``region`` follows (None: everything)."""
         if region is None:
@@ -167,33 +154,54 @@ class ShardStreams:
                       lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
         """Apply one worker's events to every stream; ``lengths`` (one per event, 0 = unknown;
         by default the columns' own, ``IndexEventColumns.lengths``) decide which regions'
-        streams take each. Returns the full shard's outcome."""
+        streams take each. Returns the full shard's outcome.
+
+        One C call edits the full table and each stream's table an event reaches
+        (``RoutedTables``), each stream recording exactly what ``MaintenanceShard.apply_columns``
+        of its events would; a report naming other shards' keys or an unknown worker takes the
+        checking path instead, which names them."""
         n = len(columns)
         lengths_arr = columns.length_array() if lengths is None else as_lengths(lengths, n)
-        outcome = self.full.apply_columns(worker, columns)
-        self.applied[None] += outcome.applied
+        full = self.full
         if not self.filtered or not n:
-            return outcome
+            return self._count(None, full.apply_columns(worker, columns))
+        keys, ops = columns.key_array(), columns.op_array()
         try:
             slot = self.layout.slot(worker)
         except ValueError:
-            return outcome  # the full shard named it already
-        keys, ops = columns.key_array(), columns.op_array()
-        full = self.full
-        checked = full.shards == 1 or not (keys % np.uint64(full.shards) != full.shard).any()
-        takes = self._takes[slot.group][self._rows(lengths_arr)]  # (events, regions)
-        some, every = takes.any(axis=0), takes.all(axis=0)
-        for j, (region, shard) in enumerate(self.filtered.items()):
-            if not some[j]:
-                continue
-            if not checked:  # keys of other shards: the checking path names them (and applies none)
-                part = columns if every[j] else columns.select(takes[:, j])
-                self.applied[region] += shard.apply_columns(worker, part).applied
-            elif every[j]:
-                self.applied[region] += shard.apply_checked(slot.group, slot.field, keys, ops)
-            else:
-                mine = takes[:, j]
-                self.applied[region] += shard.apply_checked(slot.group, slot.field, keys[mine], ops[mine])
+            return self._count(None, full.apply_columns(worker, columns))  # names the worker, applies nothing
+        if full.shards > 1 and (keys % np.uint64(full.shards) != full.shard).any():
+            return self._apply_checking(worker, slot.group, columns, lengths_arr)
+        try:
+            status, changed = self._routed[slot.group].edit_fields(keys, ops, lengths_arr, OP_TIER_AFTER,
+                                                                   OP_NEEDS_HOLDER, shift=2 * slot.field, width=2)
+        except RoutedEditError as exc:
+            self._note_changed(slot.group, exc.changed)  # what changed before the failure is published
+            raise
+        self._note_changed(slot.group, changed)
+        return full.edit_outcome(worker, keys, ops, status, int(changed[0]))
+
+    def _note_changed(self, group: int, changed: np.ndarray) -> None:
+        """Count each stream's changed fields and mark its table for the next flush (a Python
+        step only per stream that changed)."""
+        counts = changed.tolist()
+        for j in np.flatnonzero(changed).tolist():
+            self.applied[self._order[j]] += counts[j]
+            self._shards[j].note_changed(group)
+
+    def _count(self, stream: str | None, outcome: ApplyOutcome) -> ApplyOutcome:
+        self.applied[stream] += outcome.applied
+        return outcome
+
+    def _apply_checking(self, worker: str, group: int, columns: IndexEventColumns,
+                        lengths: np.ndarray) -> ApplyOutcome:
+        """A report with keys of other shards (a routing error): each stream checks its part on
+        its own, naming every stray key and applying the rest (``MaintenanceShard.apply``)."""
+        outcome = self._count(None, self.full.apply_columns(worker, columns))
+        for region, shard in self.filtered.items():
+            mine = self.filters[region].keeps(group, lengths)
+            if mine.any():
+                self._count(region, shard.apply_columns(worker, columns if mine.all() else columns.select(mine)))
         return outcome
 
     def apply(self, events: Sequence[IndexEvent], lengths: Sequence[int] | np.ndarray | None = None) -> ApplyOutcome:
