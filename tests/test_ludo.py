@@ -32,6 +32,7 @@ from kvcompassd.core.ludo import (
     LudoValueRangeError,
     LudoVersionError,
     LudoView,
+    RoutedTables,
     apply_batch,
     peek_blob,
 )
@@ -537,6 +538,81 @@ def test_edit_fields_refuses_bad_arguments_before_editing():
         table.edit_fields(np.array([KEY_LIMIT], dtype=np.uint64), ops[:1], EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)
     with pytest.raises(LudoError, match="uint64 keys"):
         table.edit_fields(keys.astype(np.int64), ops, EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)
+
+
+# ---------------------------------------------------------------------------- routed field edits
+
+
+@settings(max_examples=80, deadline=None)
+@given(streams=st.integers(0, 5),
+       routes=st.dictionaries(st.integers(0, 6), st.sets(st.integers(0, 4)), max_size=6),
+       edits=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2), st.integers(0, 7)), max_size=80),
+       shift=st.sampled_from([0, 29]), seed=st.integers(0, 2**32 - 1))
+def test_routed_edits_leave_every_table_as_its_own_edits_would(streams, routes, edits, shift, seed):
+    """Each table (the full one, each stream) ends with the state, the statuses and the pending
+    record blobs of ``edit_fields`` of just the events routed to it; unrouted lengths go nowhere."""
+    routes = {n: {j for j in to if j < streams} for n, to in routes.items()}
+    rng = random.Random(seed)
+    prior = {rng.randrange(41): rng.randrange(1, 1 << 32) for _ in range(rng.randrange(15))}
+
+    def tables():
+        out = [LudoTable(16, seed=100 + t) for t in range(streams + 1)]  # small: they grow on the way
+        for t in out:
+            if prior:
+                t.insert_many(list(prior), list(prior.values()))
+            t.take_updates()
+        return out
+
+    routed_tables, alone = tables(), tables()
+    keys = np.array([k for k, _, _ in edits], dtype=np.uint64)
+    ops = np.array([o for _, o, _ in edits], dtype=np.uint8)
+    lengths = np.array([n for _, _, n in edits], dtype=np.uint32)
+    status, changed = RoutedTables(routed_tables[0], routed_tables[1:], routes).edit_fields(
+        keys, ops, lengths, EDIT_FIELD, EDIT_NEEDS_HELD, shift=shift, width=3)
+    expected_status = alone[0].edit_fields(keys, ops, EDIT_FIELD, EDIT_NEEDS_HELD, shift=shift, width=3)
+    assert status.tolist() == expected_status.tolist()
+    expected_changed = [int(np.count_nonzero(expected_status == EDIT_CHANGED))]
+    for j in range(streams):
+        mine = np.array([j in routes.get(n, ()) for n in lengths.tolist()], dtype=bool)
+        st_j = alone[j + 1].edit_fields(keys[mine], ops[mine], EDIT_FIELD, EDIT_NEEDS_HELD, shift=shift, width=3)
+        expected_changed.append(int(np.count_nonzero(st_j == EDIT_CHANGED)))
+    assert changed.tolist() == expected_changed
+    for got, want in zip(routed_tables, alone):
+        assert got.take_updates() == want.take_updates()  # byte-identical records (or snapshot)
+        assert got.snapshot() == want.snapshot()
+
+
+def test_routed_edits_refuse_bad_arguments_before_any_table_changes():
+    full, a, b = (LudoTable(64, seed=s) for s in (1, 2, 3))
+    routed = RoutedTables(full, [a, b], {0: [0, 1], 32: [1]})
+    assert routed.streams == 2
+    keys, lengths = np.array([1, 2], dtype=np.uint64), np.array([0, 32], dtype=np.uint32)
+    bad_calls = [
+        (keys, np.array([0, 3], dtype=np.uint8), lengths, EDIT_FIELD, 0, 3),  # an op past the table
+        (np.array([1, KEY_LIMIT], dtype=np.uint64), np.zeros(2, np.uint8), lengths, EDIT_FIELD, 0, 3),
+        (keys, np.zeros(2, np.uint8), lengths, EDIT_FIELD, 30, 3),  # beyond 32 value bits
+        (keys, np.zeros(2, np.uint8), lengths, EDIT_FIELD, 0, 0),
+        (keys, np.zeros(2, np.uint8), lengths, EDIT_FIELD, 0, 2),  # op_field 5 wider than 2 bits
+    ]
+    for k, o, n, fields, shift, width in bad_calls:
+        with pytest.raises(LudoError, match="no table changed"):
+            routed.edit_fields(k, o, n, fields, EDIT_NEEDS_HELD, shift=shift, width=width)
+    with pytest.raises(LudoError, match="uint32 lengths"):
+        routed.edit_fields(keys, np.zeros(2, np.uint8), lengths.astype(np.int64), EDIT_FIELD, EDIT_NEEDS_HELD,
+                           shift=0, width=3)
+    with pytest.raises(LudoError, match="same length"):
+        routed.edit_fields(keys, np.zeros(2, np.uint8), lengths[:1], EDIT_FIELD, EDIT_NEEDS_HELD, shift=0, width=3)
+    assert (len(full), len(a), len(b)) == (0, 0, 0)
+    with pytest.raises(LudoError, match="stream index"):
+        RoutedTables(full, [a], {0: [1]})
+    with pytest.raises(LudoError, match="lengths"):
+        RoutedTables(full, [a], {1 << 32: [0]})
+    with pytest.raises(LudoError, match="LudoTable"):
+        RoutedTables(full, [object()], {})
+    status, changed = routed.edit_fields(keys, np.zeros(2, np.uint8), lengths, EDIT_FIELD, EDIT_NEEDS_HELD,
+                                         shift=0, width=3)
+    assert status.tolist() == [EDIT_CHANGED] * 2 and changed.tolist() == [2, 1, 2]
+    assert (len(full), len(a), len(b)) == (2, 1, 2)
 
 
 # ---------------------------------------------------------------------------- batch apply

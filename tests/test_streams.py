@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.core.config import parse_config
-from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicted, Tier
+from kvcompassd.core.events import IndexEventColumns, PrefixCached, PrefixEvicted, Tier, TierChanged
 from kvcompassd.core.index import EdgeIndexView
 from kvcompassd.core.keys import prefix_keys
 from kvcompassd.core.layout import IndexLayout
@@ -248,6 +248,61 @@ def test_columns_and_event_objects_fill_the_streams_alike():
     for region in [None, *cfg.region_names()]:
         assert by_objects.stream(region).digests() == by_columns.stream(region).digests()
     assert by_columns.stream(cfg.region_names()[0]).entries() < by_columns.full.entries()
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(workers=st.integers(24, 64), shards=st.integers(1, 3), seed=st.integers(0, 2**32 - 1),
+       reports=st.integers(4, 24))
+def test_one_c_call_per_report_fills_every_stream_as_event_by_event(workers, shards, seed, reports):
+    """``apply_columns`` (the full table and every region's stream in one C call per report)
+    against ``apply`` (event objects, one stream at a time): the same full-shard outcomes, the
+    same ``applied`` counts, and byte-identical batches from every stream at every flush. Reports
+    mix registrations, tier moves and evictions (some refused: never registered), lengths of
+    every kind (read by some regions, by none, unknown) and, with several shards, now and then a
+    key of another shard (the checking path)."""
+    cfg = fleet(workers, 16, shards)
+    layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
+    rng = random.Random(seed)
+    shard = rng.randrange(shards)
+    routed, by_objects = (ShardStreams(layout, plan, shard, shards, epoch=3, initial_capacity=64,
+                                       fingerprint_bits=cfg.index.fingerprint_bits) for _ in range(2))
+    registered = plan.registration_lengths()
+    never = plan.max_length + 1  # no region reads it
+    pool = [k for k in (rng.randrange(1 << 63) for _ in range(4000)) if k % shards == shard][:150]
+    stray = next(k for k in (rng.randrange(1 << 63) for _ in range(100)) if k % shards != shard) if shards > 1 else None
+    length_of = {k: rng.choice(registered) for k in pool}  # a key has one length, as the agents report it
+    workers_ = [w.id for w in cfg.workers] + ["no-such-worker"]
+    flushes = 0
+    for r in range(reports):
+        worker = rng.choice(workers_) if rng.random() < 0.1 else rng.choice(workers_[:-1])
+        events, lengths = [], []
+        for _ in range(rng.randrange(1, 60)):
+            key = rng.choice(pool)
+            kind = rng.random()
+            if kind < 0.55:
+                events.append(PrefixCached(worker, key, rng.choice([Tier.VRAM, Tier.DRAM])))
+            elif kind < 0.75:
+                events.append(TierChanged(worker, key, rng.choice([Tier.VRAM, Tier.DRAM])))
+            else:
+                events.append(PrefixEvicted(worker, key))
+            pick = rng.random()
+            lengths.append(0 if pick < 0.1 else never if pick < 0.15 else length_of[key])
+        if stray is not None and rng.random() < 0.15:
+            at = rng.randrange(len(events) + 1)
+            events.insert(at, PrefixCached(worker, stray, Tier.VRAM))
+            lengths.insert(at, rng.choice(registered))
+        want = by_objects.apply(events, lengths)
+        got = routed.apply_columns(worker, IndexEventColumns.from_events(events, lengths))
+        assert got == want
+        assert routed.applied == by_objects.applied
+        if rng.random() < 0.4 or r == reports - 1:
+            a, b = routed.flush(), by_objects.flush()
+            assert a == b  # every stream's batch: the same positions, table ids and record bytes
+            flushes += len(a)
+    for region in [None, *routed.filtered]:
+        assert routed.stream(region).digests() == by_objects.stream(region).digests()
+        assert routed.stream(region).snapshot() == by_objects.stream(region).snapshot()
+    assert flushes and routed.applied[None] > 0
 
 
 @pytest.mark.slow
