@@ -111,9 +111,11 @@ int kvc_table_edit_fields(kvc_table *table, const uint64_t *keys, const uint8_t 
  * of its region streams (kvcompassd.core.streams), each stream taking the events of the lengths
  * its region reads.
  *   full          takes every event; status_out[i] is its kvc_edit_status for event i.
- *   streams       [n_streams] the stream tables.
+ *   streams       [n_streams] the stream tables, each with full's value bits (not checked: a
+ *                 narrower one refuses a value it cannot hold as a table error, part-way).
  *   lengths       [n] each event's length; event i goes to the streams of row r: the index of
- *                 lengths[i] among known[0..n_known) (ascending, distinct), or n_known if it is
+ *                 lengths[i] among known[0..n_known) (ascending and distinct, which is not
+ *                 checked: any order still routes each event to some row), or n_known if it is
  *                 none of them (a length no stream reads; a length every stream takes, such as
  *                 "unknown", is a known one whose row names them all).
  *   row_start     [n_known + 2], row_streams: row r's streams are row_streams[row_start[r] ..
@@ -121,9 +123,9 @@ int kvc_table_edit_fields(kvc_table *table, const uint64_t *keys, const uint8_t 
  *   changed_out   [n_streams + 1] fields changed: [0] in full, [1 + j] in streams[j].
  * Events go in order, each to full and then to its streams, so every table's state and pending
  * records are those kvc_table_edit_fields of its own events alone would leave. Returns KVC_OK;
- * KVC_ERR_ARG (a NULL table, width not in 1..8, shift + width beyond a table's value bits, an
- * op_field wider than width, an op >= n_ops, membership rows malformed) or KVC_ERR_KEY_RANGE,
- * both found before any table changes; or a table error (NOMEM, FULL) with *failed the table
+ * KVC_ERR_ARG (a NULL table, width not in 1..8, shift + width beyond full's value bits, an
+ * op_field wider than width, an op >= n_ops, a row an event uses not ascending or naming a
+ * stream >= n_streams) or KVC_ERR_KEY_RANGE, both found before any table changes; or a table error (NOMEM, FULL) with *failed the table
  * (0: full, 1 + j: streams[j]) and *done the events finished before it (changed_out counts
  * what changed up to there). */
 int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_streams,

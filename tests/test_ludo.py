@@ -609,6 +609,8 @@ def test_routed_edits_refuse_bad_arguments_before_any_table_changes():
         RoutedTables(full, [a], {1 << 32: [0]})
     with pytest.raises(LudoError, match="LudoTable"):
         RoutedTables(full, [object()], {})
+    with pytest.raises(LudoError, match="value bits"):
+        RoutedTables(full, [LudoTable(64, value_bits=64, seed=4)], {})
     status, changed = routed.edit_fields(keys, np.zeros(2, np.uint8), lengths, EDIT_FIELD, EDIT_NEEDS_HELD,
                                          shift=0, width=3)
     assert status.tolist() == [EDIT_CHANGED] * 2 and changed.tolist() == [2, 1, 2]

@@ -390,13 +390,15 @@ class RoutedTables:
     ``LudoTable.edit_fields`` of its own events alone would leave it, with the same pending
     records. Holds the tables (they live as long as this does); build it once, use it per report."""
 
-    __slots__ = ("_full", "_streams", "_pointers", "_known", "_row_start", "_row_streams")
+    __slots__ = ("_full", "_streams", "_pointers", "_known", "_row_start", "_row_streams", "_arrays")
 
     def __init__(self, full: LudoTable, streams: Sequence[LudoTable], routes: Mapping[int, Iterable[int]]):
         self._full = full
         self._streams = tuple(streams)
         if not all(isinstance(t, LudoTable) for t in (full, *self._streams)):
             raise LudoError("RoutedTables takes LudoTable objects")
+        if any(t.value_bits != full.value_bits for t in self._streams):
+            raise LudoError("RoutedTables' tables must have the same value bits")
         self._pointers = ffi.new("kvc_table *[]", [t._ptr for t in self._streams] or 1)
         known = sorted(operator.index(n) for n in routes)
         if known and not 0 <= known[0] <= known[-1] < 1 << 32:
@@ -408,9 +410,11 @@ class RoutedTables:
                 raise LudoError(f"length {n} routed to a stream index outside [0, {len(self._streams)})")
             rows.append(row)
         rows.append([])  # any other length: no stream
-        self._known = np.array(known, dtype=np.uint32)
-        self._row_start = np.cumsum([0] + [len(r) for r in rows], dtype=np.uint32)
-        self._row_streams = np.array([j for r in rows for j in r] or [0], dtype=np.uint32)
+        # The C arrays of the membership, made once (the numpy arrays behind them live as long).
+        arrays = (np.array(known, dtype=np.uint32), np.cumsum([0] + [len(r) for r in rows], dtype=np.uint32),
+                  np.array([j for r in rows for j in r] or [0], dtype=np.uint32))
+        self._known, self._row_start, self._row_streams = (ffi.from_buffer("uint32_t[]", a) for a in arrays)
+        self._arrays = arrays
 
     @property
     def streams(self) -> int:
@@ -430,7 +434,7 @@ class RoutedTables:
                             "of the same length")
         if len(op_field) != len(op_needs_held):
             raise LudoError("op_field and op_needs_held must describe the same ops")
-        keys, ops, lengths = (np.ascontiguousarray(a) for a in (keys, ops, lengths))
+        keys, ops, lengths = np.ascontiguousarray(keys), np.ascontiguousarray(ops), np.ascontiguousarray(lengths)
         status = np.empty(n, dtype=np.uint8)
         changed = np.empty(len(self._streams) + 1, dtype=np.uint64)
         out = ffi.new("size_t[2]")  # failed table, events done
@@ -438,8 +442,7 @@ class RoutedTables:
             self._full._ptr, self._pointers, len(self._streams),
             ffi.from_buffer("uint64_t[]", keys), ffi.from_buffer("uint8_t[]", ops),
             ffi.from_buffer("uint32_t[]", lengths), n,
-            ffi.from_buffer("uint32_t[]", self._known), self._known.size,
-            ffi.from_buffer("uint32_t[]", self._row_start), ffi.from_buffer("uint32_t[]", self._row_streams),
+            self._known, self._arrays[0].size, self._row_start, self._row_streams,
             op_field, op_needs_held, len(op_field), shift, width,
             ffi.from_buffer("uint8_t[]", status), ffi.from_buffer("uint64_t[]", changed), out, out + 1)
         if rc != lib.KVC_OK:
