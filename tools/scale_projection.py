@@ -594,8 +594,8 @@ def main(argv=None) -> int:
     print(f"  the unit's apply into the full tables and all {filtering['regions']} regions' streams "
           f"(ShardStreams.apply_columns, one report per prompt, {filtering['events_per_report']:.0f} events): "
           f"{filtering['unit_us_per_update']:.2f} CPU µs per update, against t_shard x (1 + sum of shares) = "
-          f"{full_units.shard_us * (1 + filtering['sum']):.2f} (a C call per stream that takes any of a report's "
-          f"events: the unit's cost per report grows with the regions a report reaches)")
+          f"{full_units.shard_us * (1 + filtering['sum']):.2f} (one C call per report edits the full table and "
+          f"each stream's table an event reaches: the rest is those edits, in tables mostly cold in the cache)")
     print("decision time, Router.decide (daemon settings), CPU µs P50 / P99:")
     for d in dec:
         print(f"  {d['workers']:>6} workers x {d['regions']:>4} regions, {d['entries']:>10,} entries: "
