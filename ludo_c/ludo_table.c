@@ -576,6 +576,16 @@ int kvc_table_edit_fields(kvc_table *t, const uint64_t *keys, const uint8_t *ops
     return KVC_OK;
 }
 
+/* The header lines of a table that prefetch_key and an edit read first. */
+static inline void prefetch_table(const kvc_table *t)
+{
+    const char *p = (const char *)t;
+    __builtin_prefetch(p);
+    __builtin_prefetch(p + 64);
+    __builtin_prefetch(p + 128);
+    __builtin_prefetch(p + 192);
+}
+
 /* The row of kvc_tables_edit_routed's membership an event of `length` uses: its index among the
  * ascending `known` lengths, or n_known when it is none of them. */
 static inline size_t route_row(const uint32_t *known, size_t n_known, uint32_t length)
@@ -627,21 +637,37 @@ int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_
     const uint64_t mask = ((UINT64_C(1) << width) - 1u) << shift;
     /* Event by event: the full table, then each stream that takes it (ascending). Every table
      * sees its own events in report order, so its state and records are those of
-     * kvc_table_edit_fields of just those events. Rows are worked out PREFETCH_AHEAD events
-     * ahead, where the event's buckets are prefetched in each table it will reach. */
-    size_t ring[PREFETCH_AHEAD + 1];
-    for (size_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        ring[i % (PREFETCH_AHEAD + 1)] = route_row(known, n_known, lengths[i]);
+     * kvc_table_edit_fields of just those events. Prefetched in two stages: the headers of the
+     * tables an event reaches (cold: a stream's table is seldom reached twice in a row) 2 x
+     * PREFETCH_AHEAD events ahead, then its buckets and locator cells, found through those
+     * headers, PREFETCH_AHEAD ahead. */
+    enum { RING = 2 * PREFETCH_AHEAD + 1 };
+    size_t ring[RING];
+    for (size_t i = 0; i < n && i < 2 * PREFETCH_AHEAD; i++) {
+        size_t r = ring[i % RING] = route_row(known, n_known, lengths[i]);
+        if (i < PREFETCH_AHEAD) {
+            prefetch_key(full, keys[i], 1);
+            for (uint32_t k = row_start[r]; k < row_start[r + 1]; k++)
+                prefetch_key(streams[row_streams[k]], keys[i], 1);
+        } else {
+            for (uint32_t k = row_start[r]; k < row_start[r + 1]; k++)
+                prefetch_table(streams[row_streams[k]]);
+        }
+    }
     for (size_t i = 0; i < n; i++) {
-        size_t ahead = i + PREFETCH_AHEAD;
+        size_t far = i + 2 * PREFETCH_AHEAD, ahead = i + PREFETCH_AHEAD;
+        if (far < n) {
+            size_t r = ring[far % RING] = route_row(known, n_known, lengths[far]);
+            for (uint32_t k = row_start[r]; k < row_start[r + 1]; k++)
+                prefetch_table(streams[row_streams[k]]);
+        }
         if (ahead < n) {
-            size_t r = route_row(known, n_known, lengths[ahead]);
-            ring[ahead % (PREFETCH_AHEAD + 1)] = r;
+            size_t r = ring[ahead % RING];
             prefetch_key(full, keys[ahead], 1);
             for (uint32_t k = row_start[r]; k < row_start[r + 1]; k++)
                 prefetch_key(streams[row_streams[k]], keys[ahead], 1);
         }
-        size_t r = ring[i % (PREFETCH_AHEAD + 1)];
+        size_t r = ring[i % RING];
         int rc = edit_field(full, keys[i], ops[i], op_field, op_needs_held, shift, mask);
         if (rc < 0)
             return rc;
