@@ -118,7 +118,7 @@ class ShardStreams:
         # One C call per report edits the full table and every stream's (``RoutedTables``): per
         # region group, the streams that take each length (an unknown length: all of them).
         self._order: list[str | None] = [None, *names]
-        self._shards = [self.full, *self.filtered.values()]
+        self._note = [s.note_changed for s in (self.full, *self.filtered.values())]
         self._routed = []
         for g in range(len(layout.groups)):
             routes: dict[int, list[int]] = {UNKNOWN_LENGTH: list(range(len(names)))}
@@ -184,10 +184,10 @@ class ShardStreams:
     def _note_changed(self, group: int, changed: np.ndarray) -> None:
         """Count each stream's changed fields and mark its table for the next flush (a Python
         step only per stream that changed)."""
-        counts = changed.tolist()
+        counts, applied, order, note = changed.tolist(), self.applied, self._order, self._note
         for j in np.flatnonzero(changed).tolist():
-            self.applied[self._order[j]] += counts[j]
-            self._shards[j].note_changed(group)
+            applied[order[j]] += counts[j]
+            note[j](group)
 
     def _count(self, stream: str | None, outcome: ApplyOutcome) -> ApplyOutcome:
         self.applied[stream] += outcome.applied
