@@ -158,8 +158,9 @@ class ShardStreams:
 
         One C call edits the full table and each stream's table an event reaches
         (``RoutedTables``), each stream recording exactly what ``MaintenanceShard.apply_columns``
-        of its events would; a report naming other shards' keys or an unknown worker takes the
-        checking path instead, which names them."""
+        of its events would. A report naming other shards' keys takes the checking path instead
+        (``_apply_checking``), and one of an unknown worker goes to the full shard alone, which
+        names the error."""
         n = len(columns)
         lengths_arr = columns.length_array() if lengths is None else as_lengths(lengths, n)
         full = self.full
