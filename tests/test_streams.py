@@ -252,20 +252,22 @@ def test_columns_and_event_objects_fill_the_streams_alike():
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(workers=st.integers(24, 64), shards=st.integers(1, 3), seed=st.integers(0, 2**32 - 1),
-       reports=st.integers(4, 24))
-def test_one_c_call_per_report_fills_every_stream_as_event_by_event(workers, shards, seed, reports):
+       reports=st.integers(4, 24), capacity=st.sampled_from([4, 64]), scaled=st.booleans())
+def test_one_c_call_per_report_fills_every_stream_as_event_by_event(workers, shards, seed, reports, capacity, scaled):
     """``apply_columns`` (the full table and every region's stream in one C call per report)
     against ``apply`` (event objects, one stream at a time): the same full-shard outcomes, the
     same ``applied`` counts, and byte-identical batches from every stream at every flush. Reports
     mix registrations, tier moves and evictions (some refused: never registered), lengths of
     every kind (read by some regions, by none, unknown) and, with several shards, now and then a
-    key of another shard (the checking path)."""
+    key of another shard (the checking path); tables that start tiny grow on the way (a batch
+    then carries a snapshot of the grown table)."""
     cfg = fleet(workers, 16, shards)
     layout, plan = IndexLayout.from_config(cfg), LevelPlan.from_config(cfg)
     rng = random.Random(seed)
     shard = rng.randrange(shards)
-    routed, by_objects = (ShardStreams(layout, plan, shard, shards, epoch=3, initial_capacity=64,
-                                       fingerprint_bits=cfg.index.fingerprint_bits) for _ in range(2))
+    routed, by_objects = (ShardStreams(layout, plan, shard, shards, epoch=3, initial_capacity=capacity,
+                                       scale_filtered_capacity=scaled, fingerprint_bits=cfg.index.fingerprint_bits)
+                          for _ in range(2))
     registered = plan.registration_lengths()
     never = plan.max_length + 1  # no region reads it
     pool = [k for k in (rng.randrange(1 << 63) for _ in range(4000)) if k % shards == shard][:150]
