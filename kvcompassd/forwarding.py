@@ -460,21 +460,22 @@ class Forwarder:
         if chosen:
             for term, histogram in metrics.chosen_terms:
                 histogram.observe(getattr(chosen[0], term))
-        candidates = d.candidates if log.is_enabled_for(logging.DEBUG) else chosen
-        log.info(
-            "forward",
-            request_id=req.request_id,
-            worker=d.worker,
-            region=d.region,
-            outcome=d.outcome,
-            claimed=d.claimed_tokens,
-            pending=d.pending,
-            prompt=d.prompt_len,
-            lam=round(d.lam, 3),
-            attempt=attempt,
-            decision_us=round(decision_us, 1),
-            top=[(c.worker, round(c.total, 2)) for c in candidates],
-        )
+        if log.is_enabled_for(logging.INFO):  # else the line's fields are not even built
+            candidates = d.candidates if log.is_enabled_for(logging.DEBUG) else chosen
+            log.info(
+                "forward",
+                request_id=req.request_id,
+                worker=d.worker,
+                region=d.region,
+                outcome=d.outcome,
+                claimed=d.claimed_tokens,
+                pending=d.pending,
+                prompt=d.prompt_len,
+                lam=round(d.lam, 3),
+                attempt=attempt,
+                decision_us=round(decision_us, 1),
+                top=[(c.worker, round(c.total, 2)) for c in candidates],
+            )
         if d.migration is not None:
             self._start_migration(req, d)
 
