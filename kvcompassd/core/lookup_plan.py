@@ -254,13 +254,17 @@ class ScoreKernel:
         return chosen, lam[0], scores
 
     def choose(self, prompt_len: float, queue: np.ndarray, belief: np.ndarray, matched: np.ndarray,
-               tier: np.ndarray, eligible: np.ndarray | None, flags: int, last_sent: Any
+               tier: np.ndarray, eligible: np.ndarray | None, flags: int, last_sent: np.ndarray
                ) -> tuple[int, int, float, np.ndarray]:
         """``run`` with the decision's tie rotation in the same C pass: (argmin, the first of the
         workers scoring exactly as it with the least ``last_sent``, lam, scores). ``last_sent``
-        is a cffi ``int64_t[]`` over the Router's dispatch counters (n long). What the Router
-        runs when the pending ledger raised some matches after the fused call."""
+        holds the Router's dispatch counters (contiguous int64, n long). What the Router runs
+        when the pending ledger raised some matches after the fused call; the other arrays as
+        ``run`` takes them."""
         n = self.n
+        sent = _from_buffer("int64_t[]", last_sent)
+        if len(sent) != n:
+            raise LookupPlanError(f"last_sent must hold {n} values")
         scores = _empty(n, _float64)
         lam, rotated = self._lam, self._chosen
         wan, beta, local_factor, remote_penalty = self._constants
@@ -269,7 +273,7 @@ class ScoreKernel:
             n, prompt_len, wan, beta, _from_buffer("double[]", queue), _from_buffer("double[]", belief),
             _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier), local_factor, remote_penalty,
             _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
-            gamma, lambda_max, tau, flags, last_sent, _from_buffer("double[]", scores), lam, rotated)
+            gamma, lambda_max, tau, flags, sent, _from_buffer("double[]", scores), lam, rotated)
         return chosen, rotated[0], lam[0], scores
 
 
@@ -407,11 +411,6 @@ class ForwardKernel:
             best = result.best
         family = result.family
         return matched, tier, scores, best, result.chosen, result.lam, result.miss, None if family < 0 else family
-
-    @property
-    def last_sent(self) -> Any:
-        """The cffi ``int64_t[]`` over the Router's dispatch counters this kernel rotates ties by."""
-        return self._outputs[0]
 
     def keys(self) -> np.ndarray:
         """The keys the last ``run`` computed, at every query length (valid up to its n_keys)."""

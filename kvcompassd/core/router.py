@@ -230,7 +230,7 @@ class Router:
         scorer = self.scorer
         try:
             best, chosen, lam, scores = scorer.kernel.choose(float(prompt_len), queue, belief, matched, tier, eligible,
-                                                             scorer.kernel_flags(self.ablation), self._kernel.last_sent)
+                                                             scorer.kernel_flags(self.ablation), self._last_sent)
         except ValueError:  # a strided array (never the Router's own): the checked path
             result = scorer.score(prompt_len, matched, tier, queue, belief, ablation=self.ablation, eligible=eligible,
                                   native=self.native)
