@@ -470,8 +470,11 @@ class Router:
         if not self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
                                    output_tokens=int(output_tokens), now=now):
             return None
-        self.scorer.set_prefill_rates(self.rates.prefill_rates())  # the fleet's factor may have moved too
-        self._beta_list = self.scorer.beta_list
+        rates = self.rates.prefill_rates()  # the fleet's factor may have moved too
+        # Often only a decode rate moved: the score's prefill rates (and their bounds) stay.
+        if tuple(rates.tolist()) != self.scorer.beta_list:
+            self.scorer.set_prefill_rates(rates)
+            self._beta_list = self.scorer.beta_list
         return worker
 
     def on_response(
