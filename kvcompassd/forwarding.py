@@ -598,7 +598,7 @@ class Forwarder:
             raise DecodeUnavailable("", str(exc)) from None
         room = new_bootstrap_room(self._rooms)
         self.decode_chooser.started(decode)
-        self.metrics.decode_choices.labels(decode).inc()
+        self.metrics.count_decode_choice(decode)
         log.info("prefill-decode pair", request_id=req.request_id, prefill=d.worker, decode=decode, room=room)
         if self._uses_http(d.worker):
             runner = self._run_http_pair(d, req, decode, room)
