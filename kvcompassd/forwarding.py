@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 import zlib
@@ -23,6 +24,7 @@ import structlog
 from kvcompassd.core.config import bootstrap_port_of
 from kvcompassd.core.decode_choice import DecodeChooser, NoDecodeWorkerError
 from kvcompassd.core.layout import UnknownWorkerError
+from kvcompassd.core.lookup_plan import slot_constructor
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.core.score import NoEligibleWorkerError
 from kvcompassd.engine.client import (
@@ -75,6 +77,12 @@ class GenerationFinished:
     queue_vector: tuple[tuple[str, float], ...] = ()  # the serving region's, piggybacked
     decode_worker: str = ""  # a disaggregated fleet's: the decode worker that streamed the tokens
     pending_credited: bool = False  # the claim came from the edge's pending ledger, beyond its view
+
+
+# Positional constructors writing the slots directly: a token piece per item and two finishes per
+# request, where the frozen dataclasses' __init__ goes through object.__setattr__ per field.
+_new_tokens = slot_constructor(TokensGenerated)
+_new_finished = slot_constructor(GenerationFinished)
 
 
 class ForwardError(Exception):
@@ -151,24 +159,102 @@ class SuspectWorkers:
         return len(self._avoided)
 
 
+class _Deadline:
+    """The deadline of the item an attempt awaits, on one timer for the whole attempt.
+
+    ``asyncio.timeout`` around each item made a timer, a ``Timeout`` and two reads of the running
+    loop and task per token (4 µs each on uvloop, a tenth of a streamed request's forwarding).
+    Here ``wait_until`` only notes the new deadline while the armed timer is no later; a timer
+    that fires early (the deadline moved on since) re-arms itself for the rest, and one that
+    fires while nothing is awaited does nothing. An expired wait cancels the task that awaits,
+    as ``asyncio.timeout`` does; ``expired_here`` tells that cancellation from any other.
+    One task consumes the attempt (the front door's handler), as with the context manager."""
+
+    __slots__ = ("_loop", "_task", "_at", "_armed_at", "_handle", "_waiting", "_cancelling", "_expired")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._at = self._armed_at = math.inf
+        self._handle: asyncio.TimerHandle | None = None
+        self._waiting = self._expired = False
+        self._cancelling = 0
+
+    def wait_until(self, seconds: float) -> None:
+        """An item is awaited from now, for at most ``seconds``."""
+        loop = self._loop
+        self._at = at = loop.time() + seconds
+        self._waiting, self._expired = True, False
+        self._cancelling = self._task.cancelling()
+        if at < self._armed_at:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._arm(at)
+
+    def done_waiting(self) -> None:
+        self._waiting = False
+        if self._expired:  # expired, but the wait ended otherwise (the awaited code caught it)
+            self._expired = False
+            self._task.uncancel()
+
+    def expired_here(self) -> bool:
+        """Whether the cancellation being handled is this deadline's alone (then it is taken
+        back: the awaiting code raises its own error instead)."""
+        if not self._expired:
+            return False
+        self._expired = False
+        return self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._armed_at = math.inf
+
+    def _arm(self, at: float) -> None:
+        if math.isfinite(at):
+            self._armed_at = at
+            self._handle = self._loop.call_at(at, self._fire)
+        else:
+            self._armed_at, self._handle = math.inf, None
+
+    def _fire(self) -> None:
+        self._handle, self._armed_at = None, math.inf
+        if not self._waiting:
+            return  # re-armed by the next wait
+        if self._loop.time() < self._at:
+            self._arm(self._at)  # the deadline moved on since this timer was set
+            return
+        self._waiting, self._expired = False, True
+        self._task.cancel()
+
+
 async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float) -> AsyncIterator:
     """``items``, each awaited for at most ``first_s`` until the first token, then ``inter_s``.
     A late item ends ``items`` (its cleanup aborts the request at the worker) and raises
     :class:`FirstTokenLate` or :class:`OutputStalled`."""
-    deadline, produced = first_s, False
-    while True:
-        try:
-            async with asyncio.timeout(deadline):
+    limit, produced = first_s, False
+    deadline = _Deadline()
+    try:
+        while True:
+            deadline.wait_until(limit)
+            try:
                 item = await anext(items)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            if produced:
-                raise OutputStalled(f"no output for {deadline:.1f} s after the last") from None
-            raise FirstTokenLate(f"no first token within {deadline:.1f} s") from None
-        if isinstance(item, TokensGenerated):
-            produced, deadline = True, inter_s
-        yield item
+            except StopAsyncIteration:
+                return
+            except (asyncio.CancelledError, TimeoutError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and not deadline.expired_here():
+                    raise
+                if produced:
+                    raise OutputStalled(f"no output for {limit:.1f} s after the last") from None
+                raise FirstTokenLate(f"no first token within {limit:.1f} s") from None
+            finally:
+                deadline.done_waiting()
+            if isinstance(item, TokensGenerated):
+                produced, limit = True, inter_s
+            yield item
+    finally:
+        deadline.close()
 
 
 class Forwarder:
@@ -381,21 +467,22 @@ class Forwarder:
         if chosen:
             for term, histogram in metrics.chosen_terms:
                 histogram.observe(getattr(chosen[0], term))
-        candidates = d.candidates if log.is_enabled_for(logging.DEBUG) else chosen
-        log.info(
-            "forward",
-            request_id=req.request_id,
-            worker=d.worker,
-            region=d.region,
-            outcome=d.outcome,
-            claimed=d.claimed_tokens,
-            pending=d.pending,
-            prompt=d.prompt_len,
-            lam=round(d.lam, 3),
-            attempt=attempt,
-            decision_us=round(decision_us, 1),
-            top=[(c.worker, round(c.total, 2)) for c in candidates],
-        )
+        if log.is_enabled_for(logging.INFO):  # else the line's fields are not even built
+            candidates = d.candidates if log.is_enabled_for(logging.DEBUG) else chosen
+            log.info(
+                "forward",
+                request_id=req.request_id,
+                worker=d.worker,
+                region=d.region,
+                outcome=d.outcome,
+                claimed=d.claimed_tokens,
+                pending=d.pending,
+                prompt=d.prompt_len,
+                lam=round(d.lam, 3),
+                attempt=attempt,
+                decision_us=round(decision_us, 1),
+                top=[(c.worker, round(c.total, 2)) for c in candidates],
+            )
         if d.migration is not None:
             self._start_migration(req, d)
 
@@ -419,19 +506,9 @@ class Forwarder:
         self.metrics.reused_tokens.inc(done.cached_tokens)
         if done.cached_tokens < d.claimed_tokens:
             self.metrics.false_lookups.inc()
-        return GenerationFinished(
-            worker=d.worker,
-            region=d.region,
-            cached_tokens=done.cached_tokens,
-            claimed_tokens=d.claimed_tokens,
-            prompt_tokens=done.prompt_tokens,
-            completion_tokens=done.completion_tokens,
-            finish_reason=done.finish_reason,
-            attempts=attempt,
-            decision_us=decision_us,
-            decode_worker=done.decode_worker,
-            pending_credited=d.pending,
-        )
+        return _new_finished(d.worker, d.region, done.cached_tokens, d.claimed_tokens, done.prompt_tokens,
+                             done.completion_tokens, done.finish_reason, attempt, decision_us, (),
+                             done.decode_worker, d.pending)
 
     # -- the two paths ------------------------------------------------------------------------
 
@@ -500,7 +577,7 @@ class Forwarder:
             async with contextlib.aclosing(engine.generate(req.tokens, req.sampling_params, stream=True,
                                                            rid=req.request_id)) as items:
                 async for item in items:
-                    yield (TokensGenerated(item.token_ids, item.text) if type(item) is EngineOutput
+                    yield (_new_tokens(item.token_ids, item.text) if type(item) is EngineOutput
                            else _from_engine(item))
         except EngineRejected:
             raise
@@ -521,7 +598,7 @@ class Forwarder:
             raise DecodeUnavailable("", str(exc)) from None
         room = new_bootstrap_room(self._rooms)
         self.decode_chooser.started(decode)
-        self.metrics.decode_choices.labels(decode).inc()
+        self.metrics.count_decode_choice(decode)
         log.info("prefill-decode pair", request_id=req.request_id, prefill=d.worker, decode=decode, room=room)
         if self._uses_http(d.worker):
             runner = self._run_http_pair(d, req, decode, room)
@@ -600,9 +677,7 @@ class Forwarder:
 
 def _served(cached: int, prompt: int, completion: int, finish: str, queue_vector=()) -> GenerationFinished:
     """What the worker reported; ``_finished`` fills in the decision's side."""
-    return GenerationFinished(worker="", region="", cached_tokens=cached, claimed_tokens=0, prompt_tokens=prompt,
-                              completion_tokens=completion, finish_reason=finish, attempts=0, decision_us=0.0,
-                              queue_vector=tuple(queue_vector))
+    return _new_finished("", "", cached, 0, prompt, completion, finish, 0, 0.0, tuple(queue_vector), "", False)
 
 
 def _completed(reply: ResponseCompleted) -> GenerationFinished:

@@ -149,6 +149,11 @@ class Request:
             return None
 
     @property
+    def arrived(self) -> bool:
+        """Whether the whole body is here already (reading it waits for nothing)."""
+        return self._complete
+
+    @property
     def remote(self) -> str | None:
         peer = self._connection.transport.get_extra_info("peername") if self._connection.transport else None
         return peer[0] if peer else None

@@ -138,6 +138,7 @@ class EdgeMetrics:
         # arguments under a lock on every call. Keys are bounded (routes and statuses are fixed sets).
         self._request_counts: dict[tuple[str, int], Counter] = {}
         self._decision_counts: dict[str, Counter] = {}
+        self._decode_choice_counts: dict[str, Counter] = {}  # decode workers: the config's, bounded
         self.chosen_terms = tuple((term, self.score_terms.labels(term)) for term in CHOSEN_SCORE_TERMS)
 
     def count_decision(self, outcome: str) -> None:
@@ -145,6 +146,13 @@ class EdgeMetrics:
         child = self._decision_counts.get(outcome)
         if child is None:
             child = self._decision_counts[outcome] = self.decisions.labels(outcome)
+        child.inc()
+
+    def count_decode_choice(self, worker: str) -> None:
+        """``decode_choices{worker}`` + 1 (a disaggregated request handed to that decode worker)."""
+        child = self._decode_choice_counts.get(worker)
+        if child is None:
+            child = self._decode_choice_counts[worker] = self.decode_choices.labels(worker)
         child.inc()
 
     def count_request(self, route: str, status: int) -> None:

@@ -336,3 +336,121 @@ async def test_closing_the_forwarder_cancels_the_migration_requests_still_being_
     [task] = edge._sending
     await edge.close()
     assert task.cancelled() and not edge._sending
+
+
+# -- the per-item deadline (one timer per attempt) ------------------------------------------------
+
+from kvcompassd.forwarding import FirstTokenLate, OutputStalled, TokensGenerated, _Deadline, _within_deadlines  # noqa: E402
+
+
+async def _stalling(items: int, cleaned: list[bool], gate: asyncio.Event | None = None):
+    """``items`` tokens, then waits for ``gate`` (never set: a stall); notes its cleanup."""
+    try:
+        for i in range(items):
+            yield TokensGenerated((i,), str(i))
+        await (gate or asyncio.Event()).wait()
+    finally:
+        cleaned.append(True)
+
+
+async def _drain(paced) -> list:
+    out = []
+    async for item in paced:
+        out.append(item)
+    return out
+
+
+async def test_deadline_no_first_token_ends_the_attempt_and_cleans_up():
+    cleaned: list[bool] = []
+    task = asyncio.current_task()
+    with pytest.raises(FirstTokenLate):
+        await asyncio.wait_for(_drain(_within_deadlines(_stalling(0, cleaned), 0.05, 10.0)), GUARD_S)
+    assert cleaned == [True]
+    assert task.cancelling() == 0  # the deadline's cancellation was taken back
+
+
+async def test_deadline_after_the_first_token_is_a_stall():
+    cleaned: list[bool] = []
+    paced = _within_deadlines(_stalling(3, cleaned), 10.0, 0.05)
+    got = []
+    with pytest.raises(OutputStalled):
+        async for item in paced:
+            got.append(item.token_ids)
+    assert got == [(0,), (1,), (2,)] and cleaned == [True]
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_deadline_never_fires_while_the_consumer_holds_the_item():
+    """The timer of a wait outlives it (one per attempt): firing while the consumer works on
+    an item (here: sleeps past the deadline) must not cancel the consumer."""
+    cleaned: list[bool] = []
+    gate = asyncio.Event()
+    gate.set()
+    paced = _within_deadlines(_stalling(4, cleaned, gate), 0.02, 0.02)
+    got = []
+    async for item in paced:
+        got.append(item.token_ids)
+        await asyncio.sleep(0.1)  # five deadlines long: the armed timer fires in here
+    assert got == [(0,), (1,), (2,), (3,)] and cleaned == [True]
+
+
+async def test_deadline_passes_an_outer_cancellation_through():
+    """A client gone (its handler cancelled) is not a late worker: the cancellation propagates."""
+    cleaned: list[bool] = []
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in _within_deadlines(_stalling(1, cleaned), 10.0, 10.0):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), GUARD_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned == [True]
+
+
+async def test_deadline_moves_on_with_each_item():
+    """Items that each come within ``inter_s`` all pass, each wait on the deadline it had."""
+    cleaned: list[bool] = []
+    release = asyncio.Event()
+
+    async def steady():
+        try:
+            for i in range(6):
+                await release.wait()
+                release.clear()
+                yield TokensGenerated((i,), str(i))
+        finally:
+            cleaned.append(True)
+
+    async def feeder():
+        while not cleaned:
+            await asyncio.sleep(0.02)  # far within the 1 s deadline, whatever the machine's load
+            release.set()
+
+    feeding = asyncio.create_task(feeder())
+    try:
+        got = await asyncio.wait_for(_drain(_within_deadlines(steady(), 1.0, 1.0)), GUARD_S)
+    finally:
+        feeding.cancel()
+    assert [g.token_ids for g in got] == [(i,) for i in range(6)] and cleaned == [True]
+
+
+async def test_deadline_timer_set_for_an_earlier_wait_rearms_instead_of_cancelling():
+    """A wait whose deadline is later than the armed timer keeps the timer (no new one per item);
+    when it fires early it re-arms for the rest rather than cancelling the waiting task."""
+    loop = asyncio.get_running_loop()
+    deadline = _Deadline()
+    deadline.wait_until(0.05)
+    deadline.done_waiting()
+    deadline.wait_until(GUARD_S)  # later than the armed timer: not re-armed now
+    done = asyncio.Event()
+    loop.call_later(0.3, done.set)  # well after the first timer fires
+    try:
+        await done.wait()  # not cancelled at 0.05 s
+    finally:
+        deadline.done_waiting()
+        deadline.close()
+    assert asyncio.current_task().cancelling() == 0 and not deadline.expired_here()

@@ -205,6 +205,42 @@ def test_native_score_equals_the_numpy_reference(prompt_len, matched, tier, queu
     assert outcomes[0] == outcomes[1]
 
 
+@settings(max_examples=150, deadline=None)
+@given(prompt_len=st.integers(0, 5000),
+       matched=st.lists(st.sampled_from([0, 16, 700, 5000]), min_size=N, max_size=N),
+       tier=st.lists(st.integers(0, 3), min_size=N, max_size=N),
+       queue=st.lists(st.sampled_from([0.0, 3.5, 250.0, float("inf")]), min_size=N, max_size=N),
+       belief=st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=N, max_size=N),
+       eligible=st.one_of(st.none(), st.lists(st.booleans(), min_size=N, max_size=N)),
+       last_sent=st.lists(st.integers(0, 3), min_size=N, max_size=N),
+       origin=st.sampled_from(["us", "eu", "ap"]))
+def test_score_choose_rotates_ties_as_the_router_did(prompt_len, matched, tier, queue, belief, eligible, last_sent,
+                                                      origin):
+    """``ScoreKernel.choose`` (the Router's rescoring after a pending-ledger credit) gives the
+    scores, argmin and lam of ``JointScorer.score`` and the winner the Router's numpy tie
+    rotation gave (among scores equal to the argmin's, the first of the least recently sent).
+    Few distinct values, so that exact ties are common."""
+    scorer = JointScorer(SCORE_CFG, origin)
+    args = (np.array(matched, np.int64), np.array(tier, np.uint8), np.array(queue, np.float64),
+            np.array(belief, np.float64))
+    mask = None if eligible is None else np.array(eligible, dtype=bool)
+    sent = np.array(last_sent, dtype=np.int64)
+    try:
+        reference = scorer.score(prompt_len, *args, eligible=mask)
+    except Exception as exc:  # noqa: BLE001 - the same refusal is expected below
+        reference = exc
+    matched_a, tier_a, queue_a, belief_a = args
+    best, chosen, lam, scores = scorer.kernel.choose(float(prompt_len), queue_a, belief_a, matched_a, tier_a, mask,
+                                                     scorer.kernel_flags(Ablation()), sent)
+    if isinstance(reference, Exception):
+        assert not np.isfinite(scores[best])
+        return
+    assert (best, lam, scores.tobytes()) == (reference.chosen, reference.lam, reference.scores.tobytes())
+    ties = np.flatnonzero(scores == scores[best])
+    expected = int(ties[np.argmin(sent[ties])]) if ties.size > 1 else best
+    assert chosen == expected
+
+
 # -- the whole decision ----------------------------------------------------------------------
 
 

@@ -301,3 +301,24 @@ def test_the_rates_vector_is_exactly_each_workers_rate(served):
                output=1)
         t += 3.0
         assert rates.prefill_rates().tolist() == [rates.prefill_ms_per_token(w) for w in range(3)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ratios=st.lists(st.one_of(st.floats(1e-3, 1e3), st.sampled_from([0.5, 1.0, 2.0, 0.0, float("nan")])),
+                       max_size=120),
+       window=st.integers(1, 9), bound=st.sampled_from([1.0, 4.0, 100.0]))
+def test_estimator_factor_is_the_median_of_its_window(ratios, window, bound):
+    """The estimator keeps its window ordered as samples come and go: its factor after every
+    sample is exp of the median of the last ``window`` clipped log-ratios, as sorting them gives."""
+    estimator = RateEstimator(bound=bound, window=window, min_samples=1)
+    kept: list[float] = []
+    for ratio in ratios:
+        estimator.observe(ratio)
+        if ratio > 0.0 and math.isfinite(ratio):
+            kept = (kept + [min(math.log(bound), max(-math.log(bound), math.log(ratio)))])[-window:]
+        if kept:
+            ordered = sorted(kept)
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+            assert estimator.factor == math.exp(median)
+            assert len(estimator) == len(kept)

@@ -170,6 +170,7 @@ async def main_async(args) -> None:
         url = await listener.open()
         profiler = cProfile.Profile(time.process_time) if args.profile else None
         per_request: list[float] = []
+        system_per_request: list[float] = []  # the kernel's part (socket calls on loopback, the epoll wait)
         p50_edge: list[float] = []
         p50_direct: list[float] = []  # the same client straight to the worker, in the windows between
         ctx = multiprocessing.get_context("spawn")
@@ -180,28 +181,29 @@ async def main_async(args) -> None:
                                                               args.prefix_chars, args.suffix_chars, out))
             client.start()
             await asyncio.sleep(0.5)  # the child's interpreter starting is not the edge's
-            cpu0 = time.process_time()
+            cpu0, system0 = time.process_time(), os.times().system
             if profiler is not None and measured:
                 profiler.enable()
             served, errors, p50 = await asyncio.to_thread(out.get)
             if profiler is not None and measured:
                 profiler.disable()
-            cpu = time.process_time() - cpu0
+            cpu, system = time.process_time() - cpu0, os.times().system - system0
             await asyncio.to_thread(client.join)
-            return served, errors, p50, cpu
+            return served, errors, p50, cpu, system
 
         for window in range(args.windows + 1):  # the first warms up, unmeasured
             measured = bool(window)
-            served, errors, p50, cpu = await closed_loop(url)
+            served, errors, p50, cpu, system = await closed_loop(url)
             if window and served:
                 per_request.append(cpu / served * 1e6)
+                system_per_request.append(system / served * 1e6)
                 p50_edge.append(p50)
                 print(f"  window {window}: {served} requests ({errors} errors), edge CPU {cpu / served * 1e6:.0f} "
-                      f"us/request, P50 {p50:.2f} ms, load average {os.getloadavg()[0]:.2f}", flush=True)
+                      f"us/request (kernel {system / served * 1e6:.0f}), P50 {p50:.2f} ms, load average {os.getloadavg()[0]:.2f}", flush=True)
             if window and args.direct:
                 measured = False
                 await listener.close()  # direct: no listening front door while the client goes straight to the worker
-                served, errors, p50, _ = await closed_loop(worker.http)
+                served, errors, p50, _, _ = await closed_loop(worker.http)
                 url = await listener.open()
                 if served:
                     p50_direct.append(p50)

@@ -253,6 +253,29 @@ class ScoreKernel:
             gamma, lambda_max, tau, flags, _NULL, _from_buffer("double[]", scores), lam, self._chosen)
         return chosen, lam[0], scores
 
+    def choose(self, prompt_len: float, queue: np.ndarray, belief: np.ndarray, matched: np.ndarray,
+               tier: np.ndarray, eligible: np.ndarray | None, flags: int, last_sent: np.ndarray
+               ) -> tuple[int, int, float, np.ndarray]:
+        """``run`` with the decision's tie rotation in the same C pass: (argmin, the first of the
+        workers scoring exactly as it with the least ``last_sent``, lam, scores). ``last_sent``
+        holds the Router's dispatch counters (contiguous int64, n long). What the Router runs
+        when the pending ledger raised some matches after the fused call; the other arrays as
+        ``run`` takes them."""
+        n = self.n
+        sent = _from_buffer("int64_t[]", last_sent)
+        if len(sent) != n:
+            raise LookupPlanError(f"last_sent must hold {n} values")
+        scores = _empty(n, _float64)
+        lam, rotated = self._lam, self._chosen
+        wan, beta, local_factor, remote_penalty = self._constants
+        gamma, lambda_max, tau = self._params
+        chosen = _score_choose(
+            n, prompt_len, wan, beta, _from_buffer("double[]", queue), _from_buffer("double[]", belief),
+            _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier), local_factor, remote_penalty,
+            _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
+            gamma, lambda_max, tau, flags, sent, _from_buffer("double[]", scores), lam, rotated)
+        return chosen, rotated[0], lam[0], scores
+
 
 class MissSummary:
     """What a decision means to the hot-prefix detector, in one C call (``kvc_miss_summary``).

@@ -229,25 +229,30 @@ class PendingHoldings:
         by_key = self._by_key
         if by_key.keys().isdisjoint(keys):
             return None
-        shown = matched.copy()
-        raised = False
+        # The matches as Python ints, read once (a numpy scalar read per key was most of the
+        # ledger's cost per decision); the arrays are written only where a match is raised.
+        view_matches = matched.tolist()
+        current = view_matches.copy()
+        shown = None
         query = self._query
         for at, key in enumerate(keys):
             record = by_key.get(key)
             if record is None:
                 continue
-            worker, ready_at, expires, _, _ = record
-            if expires <= now or ready_at > now:
+            worker = record[0]
+            if record[2] <= now or record[1] > now:  # expired, or not ready yet
                 continue
             length = query[at]
-            if shown.item(worker) >= length:
+            if view_matches[worker] >= length:
                 if not read_only:
                     del by_key[key]  # the view has it: the index speaks from here on
-            elif length > matched.item(worker):
+            elif length > current[worker]:
+                if shown is None:
+                    shown = matched.copy()
+                current[worker] = length
                 matched[worker] = length
                 tier[worker] = _VRAM
-                raised = True
-        return shown if raised else None
+        return shown
 
     def forget(self, worker: int) -> int:
         """Drop every key credited to ``worker`` (it failed the request: it will not hold the prompt).

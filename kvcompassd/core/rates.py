@@ -57,6 +57,7 @@ Times are seconds (``now``), rates milliseconds per token, as in the config.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -86,7 +87,7 @@ class RatesError(ValueError):
 class RateEstimator:
     """One rate's multiplier: exp(median of the last ``window`` clipped log-ratios)."""
 
-    __slots__ = ("_bound", "_samples", "_min_samples", "factor")
+    __slots__ = ("_bound", "_samples", "_ordered", "_min_samples", "factor")
 
     def __init__(self, *, bound: float, window: int = DEFAULT_WINDOW, min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
         if not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound >= 1.0):
@@ -96,6 +97,7 @@ class RateEstimator:
             raise RatesError(f"need 1 <= min_samples <= window, got {min_samples!r}, {window!r}")
         self._bound = math.log(bound)
         self._samples: deque[float] = deque(maxlen=window)
+        self._ordered: list[float] = []  # the same samples, ascending (kept so, not sorted per sample)
         self._min_samples = min_samples
         self.factor = 1.0  # observed rate / configured rate
 
@@ -107,10 +109,14 @@ class RateEstimator:
         if not (ratio > 0.0 and math.isfinite(ratio)):
             return False  # 0, negative, nan, inf: a broken clock or a zero-length sample
         bound = self._bound
-        self._samples.append(min(bound, max(-bound, math.log(ratio))))
-        if len(self._samples) < self._min_samples:
+        sample = min(bound, max(-bound, math.log(ratio)))
+        samples, ordered = self._samples, self._ordered
+        if len(samples) == samples.maxlen:
+            del ordered[bisect_left(ordered, samples[0])]  # the sample the window drops
+        samples.append(sample)
+        insort(ordered, sample)
+        if len(ordered) < self._min_samples:
             return False
-        ordered = sorted(self._samples)
         mid = len(ordered) // 2
         median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
         factor = math.exp(median)

@@ -17,6 +17,7 @@ tests hold the two equal.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Collection, Mapping
 
@@ -220,11 +221,26 @@ class Router:
     def _rescored(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, keys: np.ndarray,
                   shown: np.ndarray, family_key: int | None, queue: np.ndarray, belief: np.ndarray,
                   eligible: np.ndarray | None, now: float) -> ForwardDecided:
-        """Score again after the pending ledger raised some matches (the C call scored the view's)."""
-        result = self.scorer.score(prompt_len, matched, tier, queue, belief, ablation=self.ablation,
-                                   eligible=eligible, native=self.native)
-        return self._conclude(prompt_len, matched, tier, family_key, result, self._rotate_ties(result), belief,
-                              now, None, keys, shown)
+        """Score again after the pending ledger raised some matches (the C call scored the view's).
+
+        The fused call's arrays (its fresh matched and tier, the aged queue, the belief snapshot)
+        go straight to the C score, which rotates exact ties in the same pass: what
+        ``JointScorer.score`` and ``_rotate_ties`` give, without their checks and numpy passes
+        (a ledger credit is most decisions while a prompt family's prefix is not yet indexed)."""
+        scorer = self.scorer
+        try:
+            best, chosen, lam, scores = scorer.kernel.choose(float(prompt_len), queue, belief, matched, tier, eligible,
+                                                             scorer.kernel_flags(self.ablation), self._last_sent)
+        except ValueError:  # a strided array (never the Router's own): the checked path
+            result = scorer.score(prompt_len, matched, tier, queue, belief, ablation=self.ablation, eligible=eligible,
+                                  native=self.native)
+            return self._conclude(prompt_len, matched, tier, family_key, result, self._rotate_ties(result), belief,
+                                  now, None, keys, shown)
+        if not math.isfinite(scores.item(best)):
+            raise NoEligibleWorkerError("no eligible worker for this request")
+        result = ScoreResult(best, self._worker_ids[best], lam, scores, scorer, prompt_len, matched, tier, queue,
+                             belief, self.ablation)
+        return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, None, keys, shown)
 
     def decide_from(self, found: LookupResult, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
         """Pick the worker for an already looked-up prompt (no pending ledger: it needs the keys)."""
@@ -454,8 +470,11 @@ class Router:
         if not self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
                                    output_tokens=int(output_tokens), now=now):
             return None
-        self.scorer.set_prefill_rates(self.rates.prefill_rates())  # the fleet's factor may have moved too
-        self._beta_list = self.scorer.beta_list
+        rates = self.rates.prefill_rates()  # the fleet's factor may have moved too
+        # Often only a decode rate moved: the score's prefill rates (and their bounds) stay.
+        if tuple(rates.tolist()) != self.scorer.beta_list:
+            self.scorer.set_prefill_rates(rates)
+            self._beta_list = self.scorer.beta_list
         return worker
 
     def on_response(

@@ -362,20 +362,40 @@ class ConnectionPool:
         return b"".join((method, b" ", path, b" HTTP/1.1\r\n", self._host_header, headers,
                          b"Content-Length: %d\r\n\r\n" % len(body), body))
 
-    @contextlib.asynccontextmanager
-    async def request(self, method: bytes, path: bytes, body: bytes = b"",
-                      headers: bytes = b"") -> AsyncIterator[Response]:
-        """Send a request (``headers``: extra raw header lines, each ending ``\\r\\n``); yields
-        the :class:`Response` once its head arrived. Leaving the block once the whole body has
-        arrived keeps the connection for the next request; leaving it before (an error, the
-        caller closing a stream) closes it, which aborts the request in the server."""
-        if self._closed:
+    def request(self, method: bytes, path: bytes, body: bytes = b"", headers: bytes = b"") -> _Exchange:
+        """Send a request (``headers``: extra raw header lines, each ending ``\r\n``); ``async
+        with`` gives the :class:`Response` once its head arrived. Leaving the block once the whole
+        body has arrived keeps the connection for the next request; leaving it before (an error,
+        the caller closing a stream) closes it, which aborts the request in the server."""
+        return _Exchange(self, method, path, body, headers)
+
+    async def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.pop().close()
+
+
+class _Exchange:
+    """One request on a pool, as an ``async with`` block (``ConnectionPool.request``): a class
+    rather than a generator-based context manager, whose machinery cost a few µs per request."""
+
+    __slots__ = ("_pool", "_request", "_connection", "_response")
+
+    def __init__(self, pool: ConnectionPool, method: bytes, path: bytes, body: bytes, headers: bytes) -> None:
+        self._pool = pool
+        self._request = (method, path, body, headers)
+        self._connection: _Connection | None = None
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        pool = self._pool
+        if pool._closed:
             raise HttpClientError("the connection pool is closed")
-        message = self._head(method, path, body, headers)
-        connection = self._take_idle()
+        message = pool._head(*self._request)
+        connection = pool._take_idle()
         while True:
             if connection is None:
-                connection = await self._connect()
+                connection = await pool._connect()
             response = connection.response = Response(connection)
             connection.transport.write(message)
             try:
@@ -393,22 +413,19 @@ class ConnectionPool:
                 connection.abort()
                 raise
             break
-        try:
-            yield response
-        finally:
-            # However the block was left (the caller's generator closed after its last item,
-            # say), a complete response leaves the connection at a message boundary, whatever of
-            # its body the caller left unread: it is kept.
-            if response.complete and response.keep_alive and response._error is None:
-                self._give_back(connection)
-            else:
-                connection.response = None
-                connection.abort()
+        self._connection, self._response = connection, response
+        return response
 
-    async def close(self) -> None:
-        self._closed = True
-        while self._idle:
-            self._idle.pop().close()
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        # However the block was left (the caller's generator closed after its last item, say), a
+        # complete response leaves the connection at a message boundary, whatever of its body the
+        # caller left unread: it is kept.
+        connection, response = self._connection, self._response
+        if response.complete and response.keep_alive and response._error is None:
+            self._pool._give_back(connection)
+        else:
+            connection.response = None
+            connection.abort()
 
 
 class WorkerConnections:
