@@ -24,7 +24,6 @@ import structlog
 from kvcompassd.core.config import bootstrap_port_of
 from kvcompassd.core.decode_choice import DecodeChooser, NoDecodeWorkerError
 from kvcompassd.core.layout import UnknownWorkerError
-from kvcompassd.core.lookup_plan import slot_constructor
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.core.score import NoEligibleWorkerError
 from kvcompassd.engine.client import (
@@ -77,12 +76,6 @@ class GenerationFinished:
     queue_vector: tuple[tuple[str, float], ...] = ()  # the serving region's, piggybacked
     decode_worker: str = ""  # a disaggregated fleet's: the decode worker that streamed the tokens
     pending_credited: bool = False  # the claim came from the edge's pending ledger, beyond its view
-
-
-# Positional constructors writing the slots directly: a token piece per item and two finishes per
-# request, where the frozen dataclasses' __init__ goes through object.__setattr__ per field.
-_new_tokens = slot_constructor(TokensGenerated)
-_new_finished = slot_constructor(GenerationFinished)
 
 
 class ForwardError(Exception):
@@ -506,9 +499,19 @@ class Forwarder:
         self.metrics.reused_tokens.inc(done.cached_tokens)
         if done.cached_tokens < d.claimed_tokens:
             self.metrics.false_lookups.inc()
-        return _new_finished(d.worker, d.region, done.cached_tokens, d.claimed_tokens, done.prompt_tokens,
-                             done.completion_tokens, done.finish_reason, attempt, decision_us, (),
-                             done.decode_worker, d.pending)
+        return GenerationFinished(
+            worker=d.worker,
+            region=d.region,
+            cached_tokens=done.cached_tokens,
+            claimed_tokens=d.claimed_tokens,
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
+            finish_reason=done.finish_reason,
+            attempts=attempt,
+            decision_us=decision_us,
+            decode_worker=done.decode_worker,
+            pending_credited=d.pending,
+        )
 
     # -- the two paths ------------------------------------------------------------------------
 
@@ -577,7 +580,7 @@ class Forwarder:
             async with contextlib.aclosing(engine.generate(req.tokens, req.sampling_params, stream=True,
                                                            rid=req.request_id)) as items:
                 async for item in items:
-                    yield (_new_tokens(item.token_ids, item.text) if type(item) is EngineOutput
+                    yield (TokensGenerated(item.token_ids, item.text) if type(item) is EngineOutput
                            else _from_engine(item))
         except EngineRejected:
             raise
@@ -677,7 +680,9 @@ class Forwarder:
 
 def _served(cached: int, prompt: int, completion: int, finish: str, queue_vector=()) -> GenerationFinished:
     """What the worker reported; ``_finished`` fills in the decision's side."""
-    return _new_finished("", "", cached, 0, prompt, completion, finish, 0, 0.0, tuple(queue_vector), "", False)
+    return GenerationFinished(worker="", region="", cached_tokens=cached, claimed_tokens=0, prompt_tokens=prompt,
+                              completion_tokens=completion, finish_reason=finish, attempts=0, decision_us=0.0,
+                              queue_vector=tuple(queue_vector))
 
 
 def _completed(reply: ResponseCompleted) -> GenerationFinished:
