@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 import zlib
@@ -152,102 +151,24 @@ class SuspectWorkers:
         return len(self._avoided)
 
 
-class _Deadline:
-    """The deadline of the item an attempt awaits, on one timer for the whole attempt.
-
-    ``asyncio.timeout`` around each item made a timer, a ``Timeout`` and two reads of the running
-    loop and task per token (4 µs each on uvloop, a tenth of a streamed request's forwarding).
-    Here ``wait_until`` only notes the new deadline while the armed timer is no later; a timer
-    that fires early (the deadline moved on since) re-arms itself for the rest, and one that
-    fires while nothing is awaited does nothing. An expired wait cancels the task that awaits,
-    as ``asyncio.timeout`` does; ``expired_here`` tells that cancellation from any other.
-    One task consumes the attempt (the front door's handler), as with the context manager."""
-
-    __slots__ = ("_loop", "_task", "_at", "_armed_at", "_handle", "_waiting", "_cancelling", "_expired")
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._at = self._armed_at = math.inf
-        self._handle: asyncio.TimerHandle | None = None
-        self._waiting = self._expired = False
-        self._cancelling = 0
-
-    def wait_until(self, seconds: float) -> None:
-        """An item is awaited from now, for at most ``seconds``."""
-        loop = self._loop
-        self._at = at = loop.time() + seconds
-        self._waiting, self._expired = True, False
-        self._cancelling = self._task.cancelling()
-        if at < self._armed_at:
-            if self._handle is not None:
-                self._handle.cancel()
-            self._arm(at)
-
-    def done_waiting(self) -> None:
-        self._waiting = False
-        if self._expired:  # expired, but the wait ended otherwise (the awaited code caught it)
-            self._expired = False
-            self._task.uncancel()
-
-    def expired_here(self) -> bool:
-        """Whether the cancellation being handled is this deadline's alone (then it is taken
-        back: the awaiting code raises its own error instead)."""
-        if not self._expired:
-            return False
-        self._expired = False
-        return self._task.uncancel() <= self._cancelling
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        self._armed_at = math.inf
-
-    def _arm(self, at: float) -> None:
-        if math.isfinite(at):
-            self._armed_at = at
-            self._handle = self._loop.call_at(at, self._fire)
-        else:
-            self._armed_at, self._handle = math.inf, None
-
-    def _fire(self) -> None:
-        self._handle, self._armed_at = None, math.inf
-        if not self._waiting:
-            return  # re-armed by the next wait
-        if self._loop.time() < self._at:
-            self._arm(self._at)  # the deadline moved on since this timer was set
-            return
-        self._waiting, self._expired = False, True
-        self._task.cancel()
-
-
 async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float) -> AsyncIterator:
     """``items``, each awaited for at most ``first_s`` until the first token, then ``inter_s``.
     A late item ends ``items`` (its cleanup aborts the request at the worker) and raises
     :class:`FirstTokenLate` or :class:`OutputStalled`."""
-    limit, produced = first_s, False
-    deadline = _Deadline()
-    try:
-        while True:
-            deadline.wait_until(limit)
-            try:
+    deadline, produced = first_s, False
+    while True:
+        try:
+            async with asyncio.timeout(deadline):
                 item = await anext(items)
-            except StopAsyncIteration:
-                return
-            except (asyncio.CancelledError, TimeoutError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and not deadline.expired_here():
-                    raise
-                if produced:
-                    raise OutputStalled(f"no output for {limit:.1f} s after the last") from None
-                raise FirstTokenLate(f"no first token within {limit:.1f} s") from None
-            finally:
-                deadline.done_waiting()
-            if isinstance(item, TokensGenerated):
-                produced, limit = True, inter_s
-            yield item
-    finally:
-        deadline.close()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if produced:
+                raise OutputStalled(f"no output for {deadline:.1f} s after the last") from None
+            raise FirstTokenLate(f"no first token within {deadline:.1f} s") from None
+        if isinstance(item, TokensGenerated):
+            produced, deadline = True, inter_s
+        yield item
 
 
 class Forwarder:
