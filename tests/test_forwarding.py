@@ -29,10 +29,14 @@ from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.migration import MODES, MigrationPlanned
 from kvcompassd.core.router import Router
 from kvcompassd.forwarding import (
+    FirstTokenLate,
     ForwardError,
     ForwardRequest,
     Forwarder,
+    OutputStalled,
     SuspectWorkers,
+    TokensGenerated,
+    _within_deadlines,
 )
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import QuicNode, TransportOptions
@@ -336,3 +340,73 @@ async def test_closing_the_forwarder_cancels_the_migration_requests_still_being_
     [task] = edge._sending
     await edge.close()
     assert task.cancelled() and not edge._sending
+
+
+# -- the per-item deadlines of an attempt ----------------------------------------------------
+
+async def _stalling(items: int, cleaned: list[bool], gate: asyncio.Event | None = None):
+    """``items`` tokens, then waits for ``gate`` (never set: a stall); notes its cleanup."""
+    try:
+        for i in range(items):
+            yield TokensGenerated((i,), str(i))
+        await (gate or asyncio.Event()).wait()
+    finally:
+        cleaned.append(True)
+
+
+async def _drain(paced) -> list:
+    out = []
+    async for item in paced:
+        out.append(item)
+    return out
+
+
+async def test_deadline_no_first_token_ends_the_attempt_and_cleans_up():
+    cleaned: list[bool] = []
+    task = asyncio.current_task()
+    with pytest.raises(FirstTokenLate):
+        await asyncio.wait_for(_drain(_within_deadlines(_stalling(0, cleaned), 0.05, 10.0)), GUARD_S)
+    assert cleaned == [True]
+    assert task.cancelling() == 0  # the deadline's cancellation was taken back
+
+
+async def test_deadline_after_the_first_token_is_a_stall():
+    cleaned: list[bool] = []
+    paced = _within_deadlines(_stalling(3, cleaned), 10.0, 0.05)
+    got = []
+    with pytest.raises(OutputStalled):
+        async for item in paced:
+            got.append(item.token_ids)
+    assert got == [(0,), (1,), (2,)] and cleaned == [True]
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_deadline_never_fires_while_the_consumer_holds_the_item():
+    """A deadline bounds the wait for an item, not the consumer's work on it (here: sleeping
+    past the deadline after each item)."""
+    cleaned: list[bool] = []
+    gate = asyncio.Event()
+    gate.set()
+    paced = _within_deadlines(_stalling(4, cleaned, gate), 0.02, 0.02)
+    got = []
+    async for item in paced:
+        got.append(item.token_ids)
+        await asyncio.sleep(0.1)  # five deadlines long: the armed timer fires in here
+    assert got == [(0,), (1,), (2,), (3,)] and cleaned == [True]
+
+
+async def test_deadline_passes_an_outer_cancellation_through():
+    """A client gone (its handler cancelled) is not a late worker: the cancellation propagates."""
+    cleaned: list[bool] = []
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in _within_deadlines(_stalling(1, cleaned), 10.0, 10.0):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), GUARD_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned == [True]
