@@ -125,9 +125,9 @@ int kvc_table_edit_fields(kvc_table *table, const uint64_t *keys, const uint8_t 
  * records are those kvc_table_edit_fields of its own events alone would leave. Returns KVC_OK;
  * KVC_ERR_ARG (a NULL table, width not in 1..8, shift + width beyond full's value bits, an
  * op_field wider than width, an op >= n_ops, a row an event uses not ascending or naming a
- * stream >= n_streams) or KVC_ERR_KEY_RANGE, both found before any table changes; or a table error (NOMEM, FULL) with *failed the table
- * (0: full, 1 + j: streams[j]) and *done the events finished before it (changed_out counts
- * what changed up to there). */
+ * stream >= n_streams) or KVC_ERR_KEY_RANGE, both found before any table changes; or a table
+ * error (NOMEM, FULL) with *failed the table (0: full, 1 + j: streams[j]) and *done the events
+ * finished before it (changed_out counts what changed up to there). */
 int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_streams,
                            const uint64_t *keys, const uint8_t *ops, const uint32_t *lengths, size_t n,
                            const uint32_t *known, size_t n_known,

@@ -240,18 +240,8 @@ class ScoreKernel:
 
     def run(self, prompt_len: float, queue: np.ndarray, belief: np.ndarray, matched: np.ndarray, tier: np.ndarray,
             eligible: np.ndarray | None, flags: int) -> tuple[int, float, np.ndarray]:
-        n = self.n
-        scores = _empty(n, _float64)
-        lam = self._lam
-        wan, beta, local_factor, remote_penalty = self._constants
-        gamma, lambda_max, tau = self._params
-        # kvc_score_choose: kvc_score_joint's scores and argmin in one pass (what the fused call runs)
-        chosen = _score_choose(
-            n, prompt_len, wan, beta, _from_buffer("double[]", queue), _from_buffer("double[]", belief),
-            _from_buffer("int64_t[]", matched), _from_buffer("uint8_t[]", tier), local_factor, remote_penalty,
-            _NULL if eligible is None else _from_buffer("uint8_t[]", eligible),
-            gamma, lambda_max, tau, flags, _NULL, _from_buffer("double[]", scores), lam, self._chosen)
-        return chosen, lam[0], scores
+        chosen, _, lam, scores = self._score_choose(prompt_len, queue, belief, matched, tier, eligible, flags, _NULL)
+        return chosen, lam, scores
 
     def choose(self, prompt_len: float, queue: np.ndarray, belief: np.ndarray, matched: np.ndarray,
                tier: np.ndarray, eligible: np.ndarray | None, flags: int, last_sent: np.ndarray
@@ -261,10 +251,16 @@ class ScoreKernel:
         holds the Router's dispatch counters (contiguous int64, n long). What the Router runs
         when the pending ledger raised some matches after the fused call; the other arrays as
         ``run`` takes them."""
-        n = self.n
         sent = _from_buffer("int64_t[]", last_sent)
-        if len(sent) != n:
-            raise LookupPlanError(f"last_sent must hold {n} values")
+        if len(sent) != self.n:
+            raise LookupPlanError(f"last_sent must hold {self.n} values")
+        return self._score_choose(prompt_len, queue, belief, matched, tier, eligible, flags, sent)
+
+    def _score_choose(self, prompt_len, queue, belief, matched, tier, eligible, flags, sent
+                      ) -> tuple[int, int, float, np.ndarray]:
+        # kvc_score_choose: kvc_score_joint's scores and argmin in one pass (what the fused call
+        # runs), and with ``sent`` (not NULL) the tie rotation's pick
+        n = self.n
         scores = _empty(n, _float64)
         lam, rotated = self._lam, self._chosen
         wan, beta, local_factor, remote_penalty = self._constants
