@@ -267,25 +267,35 @@ class EdgeNode:
         self.metrics.refused_messages.labels(type(msg).__name__).inc()
         log.warning("message refused", peer=str(peer.identity), type=type(msg).__name__, detail=detail)
 
+    def _owner_refusal(self, identity: NodeIdentity, shard: int) -> str | None:
+        """Why ``identity`` may not write ``shard``'s view: only the unit the config names does."""
+        owner = self.cfg.shard_owner(shard)
+        if identity.role != Role.MAINTENANCE or identity.node_id != owner:
+            return f"shard {shard} is owned by {owner!r}"
+        return None
+
+    def _stream_refusal(self, identity: NodeIdentity, shard: int) -> str | None:
+        """Why ``identity`` may not send ``shard``'s stream (batches, positions): the shard's
+        owner may, and an edge relaying this edge's region stream."""
+        if identity.role != Role.EDGE:
+            return self._owner_refusal(identity, shard)
+        if identity.node_id not in self._relay_group:
+            return f"edge {identity.node_id} does not relay this edge's update stream"
+        return None
+
     def _shard_owned_by_sender(self, peer: Peer, msg: Any) -> bool:
         """Only the maintenance unit the config names for a shard writes that shard's view."""
-        owner = self.cfg.shard_owner(msg.shard)
-        identity = peer.identity
-        if identity.role != Role.MAINTENANCE or identity.node_id != owner:
-            self._refuse(peer, msg, f"shard {msg.shard} is owned by {owner!r}")
-            return False
-        return True
+        why = self._owner_refusal(peer.identity, msg.shard)
+        if why is not None:
+            self._refuse(peer, msg, why)
+        return why is None
 
     def _batch(self, peer: Peer, msg: UpdateBatchPublished, channel: ChannelInfo) -> None:
-        identity = peer.identity
-        if identity.role == Role.EDGE:
-            # A batch relayed by an edge of this region and stream; anyone else may not write the view.
-            if identity.node_id not in self._relay_group:
-                self._refuse(peer, msg, f"edge {identity.node_id} does not relay this edge's update stream")
-                return
-        elif not self._shard_owned_by_sender(peer, msg):
+        why = self._stream_refusal(peer.identity, msg.shard)
+        if why is not None:
+            self._refuse(peer, msg, why)
             return
-        else:
+        if peer.identity.role != Role.EDGE:  # the unit's own batch: this edge may relay it
             self._relay(msg)
         step = self.sync.on_batch(msg, now=self.clock())
         if step.applied:
@@ -298,17 +308,10 @@ class EdgeNode:
         """An idle stream's position (core/sync.py): the view is behind it if the stream's last
         batches were lost. Authorised as a batch is: the shard's owner, or an edge relaying this
         edge's stream (units send announcements to every edge directly; see maintenance.py)."""
-        identity = peer.identity
-        owner = self.cfg.shard_owner(msg.shard)
-        if identity.role == Role.EDGE and identity.node_id not in self._relay_group:
-            why = f"edge {identity.node_id} does not relay this edge's update stream"
-        elif identity.role != Role.EDGE and (identity.role != Role.MAINTENANCE or identity.node_id != owner):
-            why = f"shard {msg.shard} is owned by {owner!r}"
-        elif msg.stream != self._stream_name:
+        why = self._stream_refusal(peer.identity, msg.shard)
+        if why is None and msg.stream != self._stream_name:
             # A unit whose config maps this edge to another stream: its positions say nothing of ours.
             why = f"position of stream {msg.stream or 'full'!r}; this edge follows {self._stream_name or 'full'!r}"
-        else:
-            why = None
         if why is not None:
             self._refuse(peer, msg, why)
             try:

@@ -143,24 +143,15 @@ class EdgeMetrics:
 
     def count_decision(self, outcome: str) -> None:
         """``decisions{outcome}`` + 1 (outcomes are a fixed set: ForwardDecided.outcome)."""
-        child = self._decision_counts.get(outcome)
-        if child is None:
-            child = self._decision_counts[outcome] = self.decisions.labels(outcome)
-        child.inc()
+        _child(self._decision_counts, self.decisions, outcome, outcome).inc()
 
     def count_decode_choice(self, worker: str) -> None:
         """``decode_choices{worker}`` + 1 (a disaggregated request handed to that decode worker)."""
-        child = self._decode_choice_counts.get(worker)
-        if child is None:
-            child = self._decode_choice_counts[worker] = self.decode_choices.labels(worker)
-        child.inc()
+        _child(self._decode_choice_counts, self.decode_choices, worker, worker).inc()
 
     def count_request(self, route: str, status: int) -> None:
         """``requests{route, status}`` + 1."""
-        child = self._request_counts.get((route, status))
-        if child is None:
-            child = self._request_counts[(route, status)] = self.requests.labels(route, str(status))
-        child.inc()
+        _child(self._request_counts, self.requests, (route, status), route, str(status)).inc()
 
     def watch_views(self, positions: Callable[[], list[tuple[int, str, int, int]]]) -> None:
         """Export each shard view's (shard, stream, epoch, seq), read when scraped (see
@@ -226,3 +217,11 @@ def start_metrics_server(address: str | None, registry: CollectorRegistry) -> No
         return
     host, _, port = address.rpartition(":")
     start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+
+
+def _child(children: dict, metric, key, *labels):
+    """``metric.labels(*labels)``, looked up once per ``key`` and kept in ``children``."""
+    child = children.get(key)
+    if child is None:
+        child = children[key] = metric.labels(*labels)
+    return child

@@ -243,14 +243,16 @@ class ShardFollower:
         at = self.position
         if got <= at:
             return SyncStep(False, reason=f"position {got} announced, view at {at}: nothing missing")
-        if at == _NOTHING or announced.epoch != at[0]:
+        snapshot = at == _NOTHING or announced.epoch != at[0]
+        if snapshot:
             why = "no state yet" if at == _NOTHING else f"new epoch {announced.epoch} (view at {at[0]})"
-            self.position_gaps += self._target is None
-            return self._gap(got, True, f"position {got} announced: {why}", now)
-        if not self.settings.repair:
+            reason = f"position {got} announced: {why}"
+        elif not self.settings.repair:
             return SyncStep(False, reason=f"position {got} announced, view at {at}: repair is off")
+        else:
+            reason = f"position {got} announced, view at {at}: the last batches were lost"
         self.position_gaps += self._target is None
-        return self._gap(got, False, f"position {got} announced, view at {at}: the last batches were lost", now)
+        return self._gap(got, snapshot, reason, now)
 
     def on_snapshot(self, snap: ShardSnapshotSent, *, now: float) -> SyncStep:
         installed = self.view.install_snapshot(snap)  # refuses stale ones: a position never goes back

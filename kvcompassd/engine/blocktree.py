@@ -329,17 +329,10 @@ class BlockTree:
                 continue
             block = _Block(block_hash, parent, tokens, lora, medium)
             self._blocks[block_hash] = block
-            siblings = self._children.get(parent)
-            if siblings is None:
-                self._children[parent] = {block_hash}
-            else:
-                siblings.add(block_hash)
+            self._children.setdefault(parent, set()).add(block_hash)
             parent_block = self._blocks.get(parent) if parent is not None else None
             if parent is None or (parent_block is not None and parent_block.attached):
-                if block_hash in self._children:  # detached blocks wait under it: attach them too
-                    self._attach(block, touched)
-                else:
-                    self._attach_leaf(block, parent_block, touched)
+                self._attach(block, touched)
             else:
                 self._mark_detached(block)
 
@@ -414,22 +407,6 @@ class BlockTree:
                     child = blocks.get(child_hash)
                     if child is not None and not child.attached:
                         stack.append(child)
-
-    def _attach_leaf(self, block: _Block, parent: _Block | None, touched: dict[int, int]) -> None:
-        """``_attach`` of a new block that nothing waits under, below ``parent`` (attached, or
-        None for a root): the usual store, one page under the prompt's cached pages, without
-        ``_attach``'s stack (a new block is in no detached list: those hold mirrored blocks)."""
-        if parent is None:
-            start = 0
-            parent_tier = _VRAM
-        else:
-            start = parent.start + len(parent.tokens)
-            parent_tier = parent.path_tier
-        block.start = start
-        own = block.tier
-        block.path_tier = own if own > parent_tier else parent_tier
-        block.attached = True
-        self._register_anchors(block, touched)  # sets no anchors when no indexed length is inside
 
     def _detach_subtree(self, root: _Block, touched: dict[int, int]) -> None:
         stack = [root]
