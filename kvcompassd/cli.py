@@ -117,6 +117,9 @@ def cmd_edge(args) -> int:
         node = FrontDoorProcess(cfg, me, tls, view_directory=args.view_directory, control=control,
                                 http_address=args.http, **common)
         return _serve(node, None, args)
+    from kvcompassd.core.ludo import set_huge_page_views
+
+    set_huge_page_views(not args.no_huge_page_views)  # process-wide: before any view is made
     if args.workers > 1:
         from kvcompassd.edge_workers import MAX_WORKERS, SyncEdgeNode
 
@@ -254,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
                    help="N front-door processes on the HTTP port (SO_REUSEPORT) sharing one copy of the views "
                         "in shared memory (Linux); this process syncs the views and is one of them")
+    p.add_argument("--no-huge-page-views", action="store_true",
+                   help="keep the views on ordinary 4 KiB pages (by default they live on transparent huge pages, "
+                        "so that a decision's reads across thousands of views rarely miss the TLB)")
     p.set_defaults(func=cmd_edge)
 
     p = sub.add_parser("edge-frontdoor", help=argparse.SUPPRESS)  # started by `edge --workers N` only

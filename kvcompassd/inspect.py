@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 
 from kvcompassd.core.events import Tier
-from kvcompassd.core.ludo import LudoView
+from kvcompassd.core.ludo import LudoView, huge_page_view_stats
 
 QUERIES = ("status", "views", "levels", "queues", "beliefs", "holders", "migrations", "lookup", "digest")
 # What the other roles answer; anything else is refused, not answered with their status.
@@ -56,7 +56,9 @@ def _status_head(edge) -> dict:
             "batches_relayed": getattr(edge, "batches_relayed", 0),
             "resyncs": edge.sync.requests,
             # gaps an idle stream's position announcement showed ([sync] position_heartbeat_ms)
-            "position_gaps": getattr(edge.sync, "position_gaps", 0), "pending_keys": None if pending is None else len(pending)}
+            "position_gaps": getattr(edge.sync, "position_gaps", 0), "pending_keys": None if pending is None else len(pending),
+            # the views' huge-page arena (kvcompassd edge --no-huge-page-views turns it off)
+            "huge_page_views": huge_page_view_stats()}
     chooser = getattr(getattr(edge, "forwarder", None), "decode_chooser", None)
     if chooser is not None:  # a disaggregated fleet: where this edge sends the decodes
         head["decode"] = chooser.describe()

@@ -5,6 +5,7 @@
  */
 #include <stdlib.h>
 
+#include "kvc_arena.h"
 #include "ludo_internal.h"
 
 #define SEEDS_PER_WORD 12u /* 12 x 5 bits in a 64-bit word */
@@ -169,13 +170,19 @@ static void set_seed(kvc_view *v, uint32_t b, unsigned seed)
     }
 }
 
+/* The sizes of a view's arrays (from the arena while it is on, kvc_arena.h), by its geometry. */
+static size_t words_bytes(uint32_t wa, uint32_t wb) { return ((size_t)wa + wb) * sizeof(uint64_t); }
+static size_t seeds_bytes(size_t nb) { return ((nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD) * sizeof(uint64_t); }
+static size_t fps_bytes(size_t slots, unsigned d) { return (slots * d + 7) / 8 + 8; }
+
 static void view_release(kvc_view *v)
 {
-    free(v->words);
-    free(v->seeds);
-    free(v->vals32);
-    free(v->vals64);
-    free(v->fps);
+    size_t nb = v->geo.nb, slots = 4u * nb;
+    kvc_arena_free(v->words, words_bytes(v->wa, v->wb));
+    kvc_arena_free(v->seeds, seeds_bytes(nb));
+    kvc_arena_free(v->vals32, slots * sizeof *v->vals32);
+    kvc_arena_free(v->vals64, slots * sizeof *v->vals64);
+    kvc_arena_free(v->fps, fps_bytes(slots, v->geo.fp_bits));
     free(v->ov_bucket);
     free(v->ov_seed);
 }
@@ -222,14 +229,14 @@ static int build_from_snapshot(kvc_view *v, const uint8_t *blob, const kvc_heade
     v->entries = kvc_get64(p);
     if (v->entries > slots)
         return KVC_ERR_MALFORMED;
-    v->words = kvc_alloc(((size_t)v->wa + v->wb) * sizeof *v->words, 0);
-    v->seeds = kvc_alloc(((nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD) * sizeof *v->seeds, 1);
+    v->words = kvc_arena_alloc(words_bytes(v->wa, v->wb), 0);
+    v->seeds = kvc_arena_alloc(seeds_bytes(nb), 1);
     if (g->value_bits == 32)
-        v->vals32 = kvc_alloc(slots * sizeof *v->vals32, 0);
+        v->vals32 = kvc_arena_alloc(slots * sizeof *v->vals32, 0);
     else
-        v->vals64 = kvc_alloc(slots * sizeof *v->vals64, 0);
+        v->vals64 = kvc_arena_alloc(slots * sizeof *v->vals64, 0);
     if (d)
-        v->fps = kvc_alloc(((slots * d + 7) / 8 + 8) * 1, 1);
+        v->fps = kvc_arena_alloc(fps_bytes(slots, d), 1);
     if (!v->words || !v->seeds || (!v->vals32 && !v->vals64) || (d && !v->fps) ||
         ov_reserve(v, overflow) != KVC_OK) {
         view_release(v);
@@ -269,23 +276,24 @@ int kvc_view_new(kvc_view **out, const uint8_t *blob, size_t len)
         return rc;
     if (hdr.kind != KVC_BLOB_SNAPSHOT)
         return KVC_ERR_VERSION;
-    kvc_view *v = kvc_alloc(sizeof *v, 0);
+    kvc_view *v = kvc_arena_alloc(sizeof *v, 0);
     if (!v)
         return KVC_ERR_NOMEM;
     rc = build_from_snapshot(v, blob, &hdr);
     if (rc != KVC_OK) {
-        free(v);
+        kvc_arena_free(v, sizeof *v);
         return rc;
     }
     *out = v;
     return KVC_OK;
 }
 
-static void *dup_array(const void *src, size_t bytes)
+/* A copy of an array: from the arena (in_arena) or kvc_alloc, as view_release will free it. */
+static void *dup_array(const void *src, size_t bytes, int in_arena)
 {
     if (!src)
         return NULL;
-    void *out = kvc_alloc(bytes, 0);
+    void *out = in_arena ? kvc_arena_alloc(bytes, 0) : kvc_alloc(bytes, 0);
     if (out)
         memcpy(out, src, bytes);
     return out;
@@ -295,24 +303,24 @@ int kvc_view_copy(kvc_view **out, const kvc_view *src)
 {
     if (!out || !src)
         return KVC_ERR_ARG;
-    kvc_view *v = kvc_alloc(sizeof *v, 1);
+    kvc_view *v = kvc_arena_alloc(sizeof *v, 1);
     if (!v)
         return KVC_ERR_NOMEM;
     *v = *src;
     uint64_t nb = src->geo.nb, slots = 4u * nb;
     unsigned d = src->geo.fp_bits;
-    v->words = dup_array(src->words, ((size_t)src->wa + src->wb) * sizeof *src->words);
-    v->seeds = dup_array(src->seeds, ((nb + SEEDS_PER_WORD - 1) / SEEDS_PER_WORD) * sizeof *src->seeds);
-    v->vals32 = dup_array(src->vals32, slots * sizeof *src->vals32);
-    v->vals64 = dup_array(src->vals64, slots * sizeof *src->vals64);
-    v->fps = d ? dup_array(src->fps, (slots * d + 7) / 8 + 8) : NULL;
-    v->ov_bucket = dup_array(src->ov_bucket, (size_t)src->ov_cap * sizeof *src->ov_bucket);
-    v->ov_seed = dup_array(src->ov_seed, (size_t)src->ov_cap * sizeof *src->ov_seed);
+    v->words = dup_array(src->words, words_bytes(src->wa, src->wb), 1);
+    v->seeds = dup_array(src->seeds, seeds_bytes(nb), 1);
+    v->vals32 = dup_array(src->vals32, slots * sizeof *src->vals32, 1);
+    v->vals64 = dup_array(src->vals64, slots * sizeof *src->vals64, 1);
+    v->fps = d ? dup_array(src->fps, fps_bytes(slots, d), 1) : NULL;
+    v->ov_bucket = dup_array(src->ov_bucket, (size_t)src->ov_cap * sizeof *src->ov_bucket, 0);
+    v->ov_seed = dup_array(src->ov_seed, (size_t)src->ov_cap * sizeof *src->ov_seed, 0);
     if ((src->words && !v->words) || (src->seeds && !v->seeds) || (src->vals32 && !v->vals32) ||
         (src->vals64 && !v->vals64) || (src->fps && d && !v->fps) || (src->ov_bucket && !v->ov_bucket) ||
         (src->ov_seed && !v->ov_seed)) {
         view_release(v);
-        free(v);
+        kvc_arena_free(v, sizeof *v);
         return KVC_ERR_NOMEM;
     }
     *out = v;
@@ -324,7 +332,7 @@ void kvc_view_free(kvc_view *v)
     if (!v)
         return;
     view_release(v);
-    free(v);
+    kvc_arena_free(v, sizeof *v);
 }
 
 /* ---------------------------------------------------------------- applying blobs */

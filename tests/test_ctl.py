@@ -239,6 +239,9 @@ async def test_an_admin_session_asks_many_queries_over_one_connection(dep):
         status = await edge.ask("status")
     assert {q["worker"] for q in first["workers"]} == {q["worker"] for q in second["workers"]} == {"us-0", "eu-0"}
     assert status["mode"] == "edge"
+    # `kvcompassd edge` makes its views on huge pages, and they are there
+    huge = status["huge_page_views"]
+    assert huge["enabled"] and huge["live"] > 0 and huge["reserved"] >= huge["live"] + huge["kept"]
     with pytest.raises(NodeUnreachable, match="session is closed"):
         await edge.ask("queues")
 

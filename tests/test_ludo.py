@@ -7,6 +7,7 @@ subclass and leave the view exactly as it was.
 
 from __future__ import annotations
 
+import gc
 import random
 import struct
 import zlib
@@ -36,7 +37,7 @@ from kvcompassd.core.ludo import (
     apply_batch,
     peek_blob,
 )
-from kvcompassd.core.ludo import BatchApplyError
+from kvcompassd.core.ludo import BatchApplyError, huge_page_view_stats, set_huge_page_views
 
 HEADER = 72
 KEYS = st.integers(0, KEY_LIMIT - 1)
@@ -772,3 +773,68 @@ def test_a_copied_view_is_its_snapshot_and_then_on_its_own(ops, fingerprint_bits
         assert view_matches(copied, oracle_then)  # untouched by what the original applied since
         copied.apply(table.snapshot())
         assert view_matches(copied, oracle)
+
+
+# ---------------------------------------------------------------------------- huge-page views
+
+
+@pytest.fixture
+def huge_page_views():
+    was = set_huge_page_views(True)
+    yield
+    set_huge_page_views(was)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fingerprint_bits=st.sampled_from([0, 8, 16]), value_bits=st.sampled_from([32, 64]),
+       sizes=st.lists(st.sampled_from([8, 200, 3000]), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_views_on_huge_pages_are_the_same_views(huge_page_views, fingerprint_bits, value_bits, sizes, seed):
+    """Views made in the huge-page arena (from a snapshot, grown, copied, batch-applied) read and
+    export exactly as their tables; freed, their blocks are kept and the next views of those
+    sizes take them rather than new chunk space."""
+    rng = random.Random(seed)
+    tables = [LudoTable(n, value_bits=value_bits, fingerprint_bits=fingerprint_bits, seed=700 + i)
+              for i, n in enumerate(sizes)]
+    held = [fill(t, rng.randrange(1, 2 * n), rng, value_bits) for t, n in zip(tables, sizes)]  # past capacity: grown
+    views = [synced_view(t) for t in tables]
+    for table, view, oracle in zip(tables, views, held):
+        assert view.snapshot() == table.snapshot() and view_matches(view, oracle)
+        assert view.copy().snapshot() == table.snapshot()
+    del view
+    gc.collect()
+    before = huge_page_view_stats()
+    assert before["live"] > 0 and before["reserved"] >= before["live"] + before["kept"]
+    snapshots = [t.snapshot() for t in tables]
+    del views
+    gc.collect()
+    freed = huge_page_view_stats()
+    assert freed["live"] < before["live"] and freed["kept"] > before["kept"]
+    again = [LudoView.from_snapshot(b) for b in snapshots]
+    rebuilt = huge_page_view_stats()
+    assert rebuilt["reserved"] == freed["reserved"]  # the kept blocks, not new space
+    assert rebuilt["live"] == before["live"] and rebuilt["kept"] == before["kept"]
+    assert [v.snapshot() for v in again] == snapshots
+
+
+def test_views_made_before_or_after_the_arena_are_freed_where_they_came_from():
+    """A view from the ordinary allocator freed while the arena is on, and an arena view freed
+    after it is turned off, each go back where they came from (no crash, the arena's counts
+    right)."""
+    table = LudoTable(500, fingerprint_bits=8, seed=9)
+    fill(table, 300, random.Random(1))
+    was = set_huge_page_views(False)
+    try:
+        ordinary = LudoView.from_snapshot(table.snapshot())
+        set_huge_page_views(True)
+        live = huge_page_view_stats()["live"]
+        arena_view = LudoView.from_snapshot(table.snapshot())
+        assert huge_page_view_stats()["live"] > live
+        del ordinary
+        gc.collect()
+        assert huge_page_view_stats()["live"] > live
+        set_huge_page_views(False)
+        del arena_view
+        gc.collect()
+        assert huge_page_view_stats()["live"] == live
+    finally:
+        set_huge_page_views(was)

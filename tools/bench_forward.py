@@ -65,6 +65,7 @@ from kvcompassd.core.events import PrefixCached, Tier  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
 from kvcompassd.core.keys import namespace_salt, prefix_keys, prefix_keys_reference, sha256_backend  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
+from kvcompassd.core.ludo import set_huge_page_views  # noqa: E402
 from kvcompassd.core.levels import LevelPlan  # noqa: E402
 from kvcompassd.core.router import Router  # noqa: E402
 from kvcompassd.core.score import ScoreResult  # noqa: E402
@@ -255,7 +256,13 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     cfg = with_levels(named_config(name), args.levels, args.context_tokens)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, 128_256, size=args.tokens, dtype=np.uint32)
+    # The edge daemon makes its views on huge pages (kvcompassd edge; ludo.set_huge_page_views).
+    set_huge_page_views(args.huge_page_views != "off")
     view, build_s, total = build_view(cfg, args.entries, prompt, args.seed)
+    small_pages = None
+    if args.huge_page_views == "both":  # the same view on 4 KiB pages, a case of its own
+        set_huge_page_views(False)
+        small_pages, _, _ = build_view(cfg, args.entries, prompt, args.seed)
     region = cfg.region_names()[0]
     salt = namespace_salt(cfg.model, cfg.tenant)
     data = prompt.astype("<u4").tobytes()
@@ -283,6 +290,11 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
              ("Router.decide (sim: top_k=0, no migration)", lean, same),
              ("unindexed follow-ups, pending ledger off", ledger_off, cycling),
              ("unindexed follow-ups, pending ledger on", ledger_on, cycling))
+    if small_pages is not None:
+        on_small = Router(cfg, region, small_pages, now=0.0)
+        for w in cfg.workers_in(region):
+            on_small.queues.set_local(w.id, 0.0, now=0.0)
+        cases += (("Router.decide (daemon), views on 4 KiB pages", on_small, same),)
     # A slowly advancing clock keeps the hot-prefix windows realistic (no flood of one family).
     clocks = [itertools.count(0.0, 0.01) for _ in cases]
     feeds = [make() for _, _, make in cases]
@@ -420,6 +432,9 @@ def main() -> None:
                              "except in dec/s), as in a daemon with that many requests in flight; 0: never")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default="testbed-3continent,census-64x8")
+    parser.add_argument("--huge-page-views", choices=("on", "off", "both"), default="on",
+                        help="make the views on transparent huge pages as the edge daemon does (on); both: also "
+                             "the same view on 4 KiB pages, its decisions a case of the same rounds")
     args = parser.parse_args()
     # The machine is shared: a loaded run shows up in P99 and decisions/s first.
     print("load average (1/5/15 min): %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))

@@ -622,3 +622,19 @@ def snapshot_blob_entries(blob: bytes | bytearray | memoryview) -> int:
     if kind != "snapshot" or len(blob) < _SNAPSHOT_ENTRIES_AT + 8:
         raise LudoCorruptError(f"not a snapshot blob ({kind}, {len(blob)} bytes)")
     return int.from_bytes(bytes(memoryview(blob)[_SNAPSHOT_ENTRIES_AT:_SNAPSHOT_ENTRIES_AT + 8]), "little")
+
+
+def set_huge_page_views(enabled: bool) -> bool:
+    """Make this process's views from now on on transparent huge pages (``ludo_c/kvc_arena.h``)
+    or not; returns the previous setting. An edge deciding over tens of thousands of small
+    views turns it on: a decision's thousand random view reads then rarely miss the TLB."""
+    return bool(lib.kvc_arena_set_enabled(1 if enabled else 0))
+
+
+def huge_page_view_stats() -> dict[str, Any]:
+    """Whether views are made on huge pages now, and the bytes their arena has reserved, holds
+    in live views and keeps freed for views of the same size (it never returns chunks)."""
+    stats = ffi.new("kvc_arena_stats *")
+    lib.kvc_arena_get_stats(stats)
+    return {"enabled": bool(stats.enabled), "reserved": int(stats.reserved), "live": int(stats.live),
+            "kept": int(stats.kept), "chunks": int(stats.chunks)}
