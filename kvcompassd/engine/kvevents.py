@@ -35,6 +35,7 @@ marker ``[identity, b"", b"", seq=-1, b""]`` (its topic frame is empty whatever 
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -537,35 +538,37 @@ def _decode_coalesced(raws: list[Any], first_index: int) -> list[KvEvent]:
     return out
 
 
-class _ScanBuffers:
+class _ScanBuffers(threading.local):
     """kvc_kvevents_scan's output arrays, reused from one payload to the next and grown to the
-    largest payload seen (the scan is synchronous and its results are copied out at once)."""
+    largest payload seen (the scan's results are copied out at once). One set per thread: cffi
+    releases the GIL during the call."""
 
-    runs: Any = None
-    hashes: Any = None
-    tokens: Any = None
-    capacity = 0  # payload bytes the arrays hold room for
-    ts = ffi.new("double *")
-    dp_rank = ffi.new("int64_t *")
-    has_dp_rank = ffi.new("int *")
+    def __init__(self) -> None:
+        self.capacity = 0  # payload bytes the arrays hold room for
+        self.runs = self.hashes = self.tokens = None
+        self.ts = ffi.new("double *")
+        self.dp_rank = ffi.new("int64_t *")
+        self.has_dp_rank = ffi.new("int *")
 
-    @classmethod
-    def room_for(cls, size: int) -> None:
-        if size > cls.capacity:
+    def room_for(self, size: int) -> None:
+        if size > self.capacity:
             size = max(size, 1 << 14)
             # an event takes >= 23 bytes (the smallest: a one-field AllBlocksCleared map), a hash
             # or a token >= 1
-            cls.runs = ffi.new("kvc_event_run[]", size // 16 + 1)
-            cls.hashes = ffi.new("int64_t[]", size)
-            cls.tokens = ffi.new("uint32_t[]", size)
-            cls.capacity = size
+            self.runs = ffi.new("kvc_event_run[]", size // 16 + 1)
+            self.hashes = ffi.new("int64_t[]", size)
+            self.tokens = ffi.new("uint32_t[]", size)
+            self.capacity = size
+
+
+_scan_buffers = _ScanBuffers()
 
 
 def _scan_coalesced(data: bytes) -> tuple[float, int | None, list[KvEvent]] | None:
     """``data`` decoded in one C pass into the events ``_decode_coalesced`` builds (equal
     events: tests/test_kvevents.py checks it on the engines' fixtures and on fuzzed payloads),
     or None when the payload is outside the C scan's shapes (the Python decoder takes it)."""
-    buffers = _ScanBuffers
+    buffers = _scan_buffers
     size = len(data)
     buffers.room_for(size)
     n_runs = lib.kvc_kvevents_scan(ffi.from_buffer("uint8_t[]", data), size, buffers.runs, size // 16 + 1,
