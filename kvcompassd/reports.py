@@ -20,6 +20,9 @@ from kvcompassd.wire import PrefixEventsReported
 
 DEFAULT_REPORT_DELAY_S = 0.001
 EVENTS_PER_REPORT = 4096
+# Up to this many events, add_events splits them by shard in Python (numpy's per-call cost is
+# more than the work for an engine batch's few index events); above, with array operations.
+SPLIT_IN_PYTHON_MAX = 64
 
 # send(shard, report) -> whether the report went out (False: the shard's unit is unreachable;
 # the agent re-registers everything when it reconnects, so the rest of this flush is dropped).
@@ -47,10 +50,20 @@ class ReportCoalescer:
         looks up)."""
         if not events:
             return
-        columns = IndexEventColumns.from_events(events, lengths)
-        if self.shards == 1:
-            self.add(0, columns)
+        shards = self.shards
+        if shards == 1:
+            self.add(0, IndexEventColumns.from_events(events, lengths))
             return
+        if len(events) <= SPLIT_IN_PYTHON_MAX:  # the usual few events of an engine batch: no numpy
+            by_shard: dict[int, list[int]] = {}
+            for i, event in enumerate(events):
+                by_shard.setdefault(event.key % shards, []).append(i)
+            for shard in sorted(by_shard):
+                picked = by_shard[shard]
+                self.add(shard, IndexEventColumns.from_events([events[i] for i in picked],
+                                                              None if lengths is None else [lengths[i] for i in picked]))
+            return
+        columns = IndexEventColumns.from_events(events, lengths)
         owners = columns.key_array() % np.uint64(self.shards)
         for shard in np.unique(owners).tolist():
             self.add(shard, columns.select(owners == shard))

@@ -17,6 +17,7 @@ from engine_captures import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcompassd.engine import kvevents
 from kvcompassd.engine.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -511,3 +512,99 @@ def test_a_chain_of_single_block_stores_and_a_run_of_removals_become_one_event_e
         BlockStored(tuple(range(5)), None, tuple(range(20)), 4, None, "GPU"),
         BlockRemoved((4, 3), "GPU"), AllBlocksCleared(), BlockStored((9,), None, (1, 2), 4))
     assert decode_payload(payload, 0).events == tuple(events)  # without coalescing: the engine's events
+
+
+# The agent's usual payloads skip msgpack objects altogether: one C pass (kvc_kvevents_scan)
+# builds the coalesced events. It must build exactly what the Python decoder builds, and must
+# never accept a payload the Python decoder rejects (it leaves anything unusual to it).
+def python_coalesced(payload: bytes) -> EventBatch:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kvevents, "_scan_coalesced", lambda data: None)
+        decoder = PayloadDecoder(payload, 5, coalesce=True)
+        decoder.step(1 << 20)
+        return decoder.result
+
+
+def check_scan_against_python(payload: bytes) -> bool:
+    """Whether the C scan took the payload; asserts it agrees with the Python decoder."""
+    scanned = kvevents._scan_coalesced(payload)
+    try:
+        expected = python_coalesced(payload)
+    except KvEventError:
+        assert scanned is None, "the C scan accepted a payload the decoder rejects"
+        return False
+    if scanned is None:
+        return False
+    ts, dp_rank, events = scanned
+    assert (ts, dp_rank) == (expected.ts, expected.dp_rank)
+    assert tuple(events) == expected.events
+    assert [type(e) for e in events] == [type(e) for e in expected.events]
+    decoder = PayloadDecoder(payload, 5, coalesce=True)  # and the decoder's own result is the scan's
+    assert decoder.step(1) and decoder.result == expected
+    return True
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_c_scan_decodes_the_engines_captures_as_the_python_decoder(engine: str) -> None:
+    taken = 0
+    for name in ("default", "short-buffer", "topic"):
+        for frames in load_capture(engine, name)["live"]:
+            taken += check_scan_against_python(bytes(frames[2]))
+    assert taken  # SGLang's batches all take the C path; vLLM's with uint64 hashes above 2^63 do not
+
+
+scan_fields = st.fixed_dictionaries({}, optional={
+    "lora_id": st.one_of(st.none(), st.integers(-5, 5), st.just(True)),
+    "medium": st.one_of(st.none(), st.sampled_from(["GPU", "CPU", "cpu_pinned", "DISK", "é"])),
+    "lora_name": st.one_of(st.none(), st.sampled_from(["a", "bé"]), st.just(3)),
+    "group_idx": st.one_of(st.none(), st.integers(0, 2), st.just(1 << 32), st.just(-1)),
+    "cache_salt": st.one_of(st.none(), st.text(max_size=3), st.binary(max_size=3), st.lists(st.integers(-(1 << 63), (1 << 64) - 1), max_size=2)),
+    "extra_keys": st.one_of(st.none(), st.dictionaries(st.text(max_size=2), st.integers(-9, 9), max_size=2)),
+})
+
+
+@st.composite
+def scan_events(draw: st.DrawFn) -> list:
+    """engine_like_events, with the optional and unknown fields the engines may send."""
+    events = draw(engine_like_events())
+    return [({**event, **draw(scan_fields)} if isinstance(event, dict) and event.get("type") != "AllBlocksCleared"
+             else event) for event in events]
+
+
+@settings(max_examples=400, deadline=None)
+@given(raw_events=scan_events(), dp_rank=st.sampled_from([None, 0, 3, "x"]),
+       ts=st.sampled_from([1.5, 7, float("nan"), True]), extra=st.lists(st.integers(-(1 << 63), (1 << 64) - 1), max_size=2), data=st.data())
+def test_c_scan_builds_what_the_python_decoder_builds(raw_events, dp_rank, ts, extra, data) -> None:
+    payload = msgpack.packb([ts, raw_events, dp_rank, *extra], use_bin_type=True)
+    check_scan_against_python(payload)
+    # the same bytes damaged: flipped, cut short, or with a byte more
+    raw = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    check_scan_against_python(bytes(raw))
+    check_scan_against_python(payload[:data.draw(st.integers(0, len(payload) - 1))])
+    check_scan_against_python(payload + b"\x00")
+
+
+def test_c_scan_takes_the_usual_batch_and_leaves_the_rest_to_python() -> None:
+    stores = [BlockStored((h,), h - 1 if h else None, tuple(range(4 * h, 4 * h + 4)), 4, None, "GPU") for h in range(5)]
+    usual = encode_payload(1.0, [*stores, BlockRemoved((4,), "GPU"), BlockRemoved((3,), "GPU"), AllBlocksCleared()])
+    assert check_scan_against_python(usual)
+    assert len(kvevents._scan_coalesced(usual)[2]) == 3
+    for unusual in (
+        msgpack.packb({"ts": 1.0, "events": []}),  # the map form
+        msgpack.packb([1.0, [["BlockStored", [4], None, [1, 2, 3, 4], 4, None, None]], 0]),  # positional
+        msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [(1 << 64) - 1], "token_ids": [1], "block_size": 4}]]),
+        msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [[1, 2]], "block_size": 4}]]),
+        msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [b"\x01" * 8], "token_ids": [1], "block_size": 4}]]),
+        msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "x": msgpack.ExtType(1, b"")}]]),
+        msgpack.packb([1.0, [1]])[:-2] + b"\x91\x83" + b"".join(  # a field twice (msgpack keeps the last)
+            map(msgpack.packb, ["type", "BlockRemoved", "block_hashes", [1], "block_hashes", [2]])),
+        b"\x92\xcb" + b"\x00" * 8 + b"\x91\x81\xa4type\xa3\xff\xfe\xfd",  # invalid UTF-8
+    ):
+        assert kvevents._scan_coalesced(unusual) is None
+        try:  # the Python decoder takes it, or names what is wrong
+            PayloadDecoder(unusual, 0, coalesce=True).step(100)
+        except KvEventError:
+            pass

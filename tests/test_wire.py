@@ -202,6 +202,21 @@ def test_event_lengths_travel_with_the_events_and_a_report_without_them_still_de
         IndexEventColumns.from_events(events, [*lengths, 1])
 
 
+def test_event_columns_from_events_check_what_the_constructor_checks():
+    """from_events packs without numpy and without the constructor's second pass: it builds what
+    the validating constructor builds, and refuses a key or a length out of range as it does."""
+    events = (PrefixCached.trusted("w", 5, Tier.VRAM), PrefixEvicted("w", (1 << 63) - 1))
+    columns = IndexEventColumns.from_events(events, [64, 2**32 - 1])
+    assert columns == IndexEventColumns(columns.ops, columns.keys, columns.lengths)
+    assert columns.key_array().tolist() == [5, (1 << 63) - 1] and columns.length_array().tolist() == [64, 2**32 - 1]
+    with pytest.raises(ValueError, match="prefix key"):
+        IndexEventColumns.from_events([PrefixCached.trusted("w", 1 << 63, Tier.VRAM)])
+    for bad in (-1, 2**32):
+        with pytest.raises(ValueError, match="lengths"):
+            IndexEventColumns.from_events(events, [64, bad])
+    assert len(IndexEventColumns.from_events([], [])) == 0
+
+
 def test_tokens_are_packed_as_uint32_le():
     message = RequestForwarded("r", "edge-us", "us", (1, 2**32 - 1), {}, False, 0)
     raw = msgpack.unpackb(encode(message))

@@ -7,7 +7,8 @@
 Decoders and their documented errors:
 
 - ``kvcompassd.wire.decode`` (QUIC frames from peers, plain and compressed): ``WireError`` only.
-- ``kvcompassd.engine.kvevents.decode_message`` / ``decode_payload`` (the engine's ZMQ KV-event
+- ``kvcompassd.engine.kvevents.decode_message`` / ``decode_payload`` / ``PayloadDecoder`` with
+  ``coalesce`` (the agent's: the C scan ``kvc_kvevents_scan`` first) (the engine's ZMQ KV-event
   stream): ``KvEventError`` only.
 - ``LudoView.from_snapshot`` (snapshot blobs from a maintenance unit or peer edge): ``LudoError``.
 - ``LudoView.apply`` on a live view (update-record blobs and snapshots): ``LudoError``, and a
@@ -278,6 +279,8 @@ def kv_payload_samples() -> list[bytes]:
         [2.5, [stored_short, cleared, removed], 0],
         {"ts": 3.5, "events": [stored_map, removed_map, {"type": "AllBlocksCleared"}], "data_parallel_rank": 1},
         [4.5, [stored + ["lora-name", [], 0]]],
+        [5.5, [stored_map, {**stored_map, "block_hashes": [4], "parent_block_hash": 3, "token_ids": list(range(16))},
+               removed_map, removed_map, {"type": "AllBlocksCleared"}], 0],  # the agent's C scan takes it
     ]
     out = [msgpack.packb(b, use_bin_type=True) for b in batches]
     for payload in out:
@@ -524,6 +527,14 @@ def run_all(n: int, seed: int, bound_s: float, only: set[str] | None, http_n: in
         results.append(runner.run_sync("kvevents.decode_payload", (KvEventError,),
                                        lambda rng: msgpack_input(rng, payloads),
                                        lambda data: kvevents.decode_payload(data, 1)))
+    if want("kvevents.PayloadDecoder(coalesce)"):  # the agent's decoder: the C scan first, then Python
+        def coalesced(data: bytes) -> None:
+            decoder = kvevents.PayloadDecoder(data, 1, coalesce=True)
+            while not decoder.step(7):
+                pass
+
+        results.append(runner.run_sync("kvevents.PayloadDecoder(coalesce)", (KvEventError,),
+                                       lambda rng: msgpack_input(rng, payloads), coalesced))
     if want("kvevents.decode_message"):
         results.append(runner.run_sync("kvevents.decode_message", (KvEventError,),
                                        lambda rng: frames_input(rng, payloads), kvevents.decode_message))
@@ -615,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bound", type=float, default=2.0, help="per-input time bound in seconds")
     parser.add_argument("--only", action="append", default=None,
-                        help="wire.decode, kvevents.decode_payload, kvevents.decode_message, "
+                        help="wire.decode, kvevents.decode_payload, kvevents.PayloadDecoder(coalesce), kvevents.decode_message, "
                              "LudoView.from_snapshot, LudoView.apply, report apply_columns, frontdoor")
     args = parser.parse_args(argv)
     n = args.n or (1_000 if args.quick else 100_000)

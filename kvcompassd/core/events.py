@@ -8,6 +8,7 @@ the index.
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -169,18 +170,29 @@ class IndexEventColumns:
     @classmethod
     def from_events(cls, events: Iterable[IndexEvent], lengths: Sequence[int] | None = None) -> "IndexEventColumns":
         """Columns of already validated events (of one worker: the caller checks that), with
-        each one's indexed length if ``lengths`` is given (one per event)."""
+        each one's indexed length if ``lengths`` is given (one per event). Packed with
+        ``struct`` and checked with builtins, not numpy: an agent's usual report holds a few
+        events, where numpy's per-call cost was most of the work (issue 30 item 4)."""
         ops = bytearray()
         keys = []
         for event in events:
             ops.append(EventOp.EVICTED if type(event) is PrefixEvicted else _OP_OF_TIERED[type(event), event.tier])
             keys.append(event.key)
-        packed_lengths = b""
-        if lengths is not None:
-            if len(lengths) != len(ops):
-                raise ValueError(f"{len(ops)} events need {len(ops)} lengths, got {len(lengths)}")
-            packed_lengths = np.array(lengths, dtype=LENGTH_DTYPE).tobytes()
-        return cls(bytes(ops), np.array(keys, dtype=KEY_DTYPE).tobytes(), packed_lengths)
+        n = len(ops)
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"{n} events need {n} lengths, got {len(lengths)}")
+        if keys and not 0 <= min(keys) <= max(keys) <= MAX_KEY:
+            bad = next(k for k in keys if not 0 <= k <= MAX_KEY)
+            raise ValueError(f"prefix key {bad} is not in [0, 2^63)")
+        try:
+            packed_lengths = b"" if lengths is None else struct.pack(f"<{n}I", *lengths)
+        except struct.error as exc:
+            raise ValueError(f"indexed lengths must be in [0, 2^32): {exc}") from None
+        columns = object.__new__(cls)  # ops and keys valid by the checks above: no second pass
+        _set(columns, "ops", bytes(ops))
+        _set(columns, "keys", struct.pack(f"<{n}Q", *keys))
+        _set(columns, "lengths", packed_lengths)
+        return columns
 
     @classmethod
     def concat(cls, parts: Sequence["IndexEventColumns"]) -> "IndexEventColumns":

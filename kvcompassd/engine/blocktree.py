@@ -74,6 +74,7 @@ _first_u64_le = struct.Struct("<Q").unpack_from  # a digest's first 8 bytes, wit
 _NATIVE_U32_LE = sys.byteorder == "little" and array("I").itemsize == 4
 _VRAM = StorageTier.VRAM  # enum member lookups are not free on the per-block path
 _UNINDEXED = StorageTier.UNINDEXED
+_NO_ANCHORS: tuple[tuple[int, int], ...] = ()
 
 
 _MEDIUM_TIERS: dict[str, StorageTier] = {}
@@ -101,18 +102,21 @@ class _Block:
                  "hash_state")
 
     def __init__(self, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple[int, ...], lora: bool,
-                 medium: str) -> None:
+                 medium: str, tier: StorageTier) -> None:
         self.hash = block_hash
         self.parent = parent
         self.tokens = tokens
         self.media: set[str] = {medium}
         self.lora = lora
-        # own_tier() as of the last change of media (read once per attach and per refresh)
-        self.tier = _UNINDEXED if lora else _medium_tier(medium)
+        # own_tier() as of the last change of media (read once per attach and per refresh);
+        # the caller passes it for the new block's one medium (the same for a whole event)
+        self.tier = tier
         self.attached = False
         self.start = 0  # tokens before this block (valid while attached)
         self.path_tier = _VRAM
-        self.anchors: list[tuple[int, int]] = []  # (indexed length, key) realised by this block
+        # (indexed length, key) realised by this block; replaced, never changed in place, so
+        # the blocks holding none (most) share one empty tuple
+        self.anchors: Sequence[tuple[int, int]] = _NO_ANCHORS
         # Salted mode only: SHA-256 state after salt + the path's tokens through this block.
         # Kept on attached blocks that hold anchors, so a key below costs only the tokens since
         # the nearest such ancestor (not the whole path).
@@ -310,11 +314,13 @@ class BlockTree:
     def _store(self, event: BlockStored, touched: dict[int, int]) -> None:
         medium = canonical_medium(event.medium)
         lora = event.is_lora
+        tier = _UNINDEXED if lora else _medium_tier(medium)
+        blocks_by_hash, children = self._blocks, self._children
         hashes = event.block_hashes
         # One block per event is what the prefix cache sends: skip the generator
         blocks = ((hashes[0], event.parent_block_hash, event.token_ids),) if len(hashes) == 1 else event.blocks()
         for block_hash, parent, tokens in blocks:
-            block = self._blocks.get(block_hash)
+            block = blocks_by_hash.get(block_hash)
             if block is not None:
                 if block.parent != parent or block.tokens != tokens:
                     # Same hash, different content: engines hash content, so this is a
@@ -327,10 +333,14 @@ class BlockTree:
                 if block.attached and block.tier != before:
                     self._refresh_subtree(block, touched)
                 continue
-            block = _Block(block_hash, parent, tokens, lora, medium)
-            self._blocks[block_hash] = block
-            self._children.setdefault(parent, set()).add(block_hash)
-            parent_block = self._blocks.get(parent) if parent is not None else None
+            block = _Block(block_hash, parent, tokens, lora, medium, tier)
+            blocks_by_hash[block_hash] = block
+            siblings = children.get(parent)
+            if siblings is None:
+                children[parent] = {block_hash}
+            else:
+                siblings.add(block_hash)
+            parent_block = blocks_by_hash.get(parent) if parent is not None else None
             if parent is None or (parent_block is not None and parent_block.attached):
                 self._attach(block, touched)
             else:
@@ -379,7 +389,7 @@ class BlockTree:
         descendant waiting under it."""
         blocks, children, detached = self._blocks, self._children, self._detached
         indexed = self.indexed_lengths
-        first_length, last_length = (indexed[0], indexed[-1]) if indexed else (1, 0)  # (1, 0): none inside
+        n_indexed = len(indexed)
         stack = [root]
         while stack:
             block = stack.pop()
@@ -396,10 +406,11 @@ class BlockTree:
             block.attached = True
             if detached:
                 detached.pop(block.hash, None)
-            if first_length <= start + len(block.tokens) and start < last_length:
-                self._register_anchors(block, touched)
+            first = bisect_right(indexed, start)  # the first indexed length past the block's start
+            if first < n_indexed and indexed[first] <= start + len(block.tokens):
+                self._register_anchors(block, touched, first)
             else:  # no indexed length inside (most blocks): what _register_anchors would set
-                block.anchors = []
+                block.anchors = _NO_ANCHORS
                 block.hash_state = None
             waiting = children.get(block.hash)
             if waiting:
@@ -447,19 +458,11 @@ class BlockTree:
                 if child.attached:
                     stack.append(child)
 
-    def _register_anchors(self, block: _Block, touched: dict[int, int]) -> None:
+    def _register_anchors(self, block: _Block, touched: dict[int, int], first: int) -> None:
+        """Register the indexed lengths inside ``block`` (at least one: ``indexed_lengths[first]``,
+        the first past its start)."""
         indexed = self.indexed_lengths
-        start = block.start
-        end = start + len(block.tokens)
-        if not indexed or end < indexed[0] or start >= indexed[-1]:  # no indexed length inside: most blocks
-            block.anchors = []
-            block.hash_state = None
-            return
-        lengths = indexed[bisect_right(indexed, start) : bisect_right(indexed, end)]
-        if not lengths:
-            block.anchors = []
-            block.hash_state = None
-            return
+        lengths = indexed[first : bisect_right(indexed, block.start + len(block.tokens), first)]
         if self._root_state is not None:
             block.anchors = self._salted_anchors(block, lengths)
         else:
@@ -503,7 +506,7 @@ class BlockTree:
                 if not holders:
                     del self._holders[key]
             touched[key] = length
-        block.anchors = []
+        block.anchors = _NO_ANCHORS
 
     def _path_tokens(self, block: _Block) -> np.ndarray:
         parts: list[tuple[int, ...]] = []

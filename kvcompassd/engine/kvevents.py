@@ -35,12 +35,14 @@ marker ``[identity, b"", b"", seq=-1, b""]`` (its topic frame is empty whatever 
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgpack
 
+from kvcompassd.core._ludo_cffi import ffi, lib
 from kvcompassd.core.events import Tier
 
 BlockHash = int | bytes
@@ -536,6 +538,70 @@ def _decode_coalesced(raws: list[Any], first_index: int) -> list[KvEvent]:
     return out
 
 
+class _ScanBuffers(threading.local):
+    """kvc_kvevents_scan's output arrays, reused from one payload to the next and grown to the
+    largest payload seen (the scan's results are copied out at once). One set per thread: cffi
+    releases the GIL during the call."""
+
+    def __init__(self) -> None:
+        self.capacity = 0  # payload bytes the arrays hold room for
+        self.runs = self.hashes = self.tokens = None
+        self.ts = ffi.new("double *")
+        self.dp_rank = ffi.new("int64_t *")
+        self.has_dp_rank = ffi.new("int *")
+
+    def room_for(self, size: int) -> None:
+        if size > self.capacity:
+            size = max(size, 1 << 14)
+            # an event takes >= 23 bytes (the smallest: a one-field AllBlocksCleared map), a hash
+            # or a token >= 1
+            self.runs = ffi.new("kvc_event_run[]", size // 16 + 1)
+            self.hashes = ffi.new("int64_t[]", size)
+            self.tokens = ffi.new("uint32_t[]", size)
+            self.capacity = size
+
+
+_scan_buffers = _ScanBuffers()
+
+
+def _scan_coalesced(data: bytes) -> tuple[float, int | None, list[KvEvent]] | None:
+    """``data`` decoded in one C pass into the events ``_decode_coalesced`` builds (equal
+    events: tests/test_kvevents.py checks it on the engines' fixtures and on fuzzed payloads),
+    or None when the payload is outside the C scan's shapes (the Python decoder takes it)."""
+    buffers = _scan_buffers
+    size = len(data)
+    buffers.room_for(size)
+    n_runs = lib.kvc_kvevents_scan(ffi.from_buffer("uint8_t[]", data), size, buffers.runs, size // 16 + 1,
+                                   buffers.hashes, size, buffers.tokens, size,
+                                   buffers.ts, buffers.dp_rank, buffers.has_dp_rank)
+    if n_runs < 0:
+        return None
+    hashes, tokens, unpack = buffers.hashes, buffers.tokens, ffi.unpack
+    events: list[KvEvent] = []
+    for run in buffers.runs[0:n_runs]:
+        kind = run.kind
+        if kind == lib.KVC_RUN_CLEARED:
+            events.append(AllBlocksCleared())
+            continue
+        medium = None if run.medium_off < 0 else data[run.medium_off:run.medium_off + run.medium_len].decode()
+        group_idx = run.group_idx if run.has_group else None
+        block_hashes = tuple(unpack(hashes + run.hash_start, run.hash_end - run.hash_start))
+        if kind == lib.KVC_RUN_REMOVED:
+            event = _new_block_stored(BlockRemoved)
+            _set_removed_hashes(event, block_hashes)
+            _set_removed_medium(event, medium)
+            _set_removed_group(event, group_idx)
+            events.append(event)
+            continue
+        lora_name = (None if run.lora_name_off < 0
+                     else data[run.lora_name_off:run.lora_name_off + run.lora_name_len].decode())
+        events.append(_checked_stored(block_hashes, run.parent if run.has_parent else None,
+                                      tuple(unpack(tokens + run.token_start, run.token_end - run.token_start)),
+                                      run.block_size, run.lora_id if run.has_lora_id else None, medium, lora_name,
+                                      group_idx))
+    return buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None), events
+
+
 def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
     if (_signed_int64s(hashes) and _plain_optional(medium, str)
             and (group_idx is None or (type(group_idx) is int and 0 <= group_idx < (1 << 32)))):
@@ -568,7 +634,9 @@ class PayloadDecoder:
 
     A large array-form payload ``[ts, events, dp_rank]`` is read as a stream (events unpacked
     one by one); smaller ones and the map form are unpacked whole, then their events are decoded
-    in slices."""
+    in slices. With ``coalesce``, a payload of the engines' usual shapes is first read in one C
+    pass (``kvc_kvevents_scan``: no msgpack object per event, one event object per run); anything
+    else falls back to the Python path, which names every error."""
 
     __slots__ = ("_coalesce", "_consumed", "_decoded", "_dp_rank", "_raw_events", "_remaining", "_trailing", "_ts",
                  "_unpacker", "result",
@@ -593,6 +661,11 @@ class PayloadDecoder:
         self._trailing = 0
         data = bytes(payload)
         if not (len(data) > STREAM_ABOVE_BYTES if stream is None else stream):
+            scanned = _scan_coalesced(data) if coalesce else None
+            if scanned is not None:  # one C pass (kvc_kvevents_scan); step() only builds the batch
+                self._ts, self._dp_rank, self._decoded = scanned
+                self._remaining = 0
+                return
             self._start_whole(data)
             return
         try:
@@ -646,7 +719,9 @@ class PayloadDecoder:
             decoded = self._decoded
             n = min(max_events, self._remaining)
             start = self._consumed
-            if self._coalesce:
+            if not n:
+                pass  # all decoded already (by the C scan, or an empty batch)
+            elif self._coalesce:
                 if self._raw_events is not None:
                     raws = self._raw_events[start:start + n]
                 else:
