@@ -361,3 +361,21 @@ def test_a_cache_answer_that_does_not_fit_the_prompt_is_refused() -> None:
     model = WorkerQueueModel(SIMPLE, prefill_starts=lambda rid, now: (80, 30))
     with pytest.raises(WorkerModelError, match="at the prefill's start"):
         model.admit("a", 100, 0, 0, output_tokens=1, now=0.0)
+
+
+def test_a_head_with_no_room_waits_for_a_finish_and_blocks_those_behind_it() -> None:
+    running: set[str] = set()
+
+    def starts(rid: str, now: float) -> tuple[int, int] | None:
+        if rid == "b" and "a" in running:
+            return None  # b's KV does not fit beside a's
+        running.add(rid)
+        return (0, 0)
+
+    model = WorkerQueueModel(SIMPLE, prefill_starts=starts, finished=lambda rid, now: running.discard(rid))
+    model.admit("a", 100, 0, 0, output_tokens=3, now=0.0)  # prefill 10 ms, then 2 steps of 10 ms
+    model.admit("b", 100, 0, 0, output_tokens=1, now=0.0)
+    model.admit("c", 100, 0, 0, output_tokens=1, now=0.0)  # would fit, but FIFO: behind b
+    events = drain(model)
+    first = {e.request_id: e.at for e in events if isinstance(e, FirstTokenProduced)}
+    assert first == {"a": pytest.approx(0.010), "b": pytest.approx(0.040), "c": pytest.approx(0.050)}

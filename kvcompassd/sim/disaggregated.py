@@ -81,6 +81,10 @@ class DisaggregatedSimulation(Simulation):
         pool = self._decoders_in[int(self.topo.worker_region[w])]
         self._decode_of[rid] = int(pool[int(draw * len(pool))])
 
+    # A prefill worker's KV stays pinned through its transfer, which its queue model does not
+    # see (no finish would wake a request waiting for room): its prefills start as they come.
+    _admit_only_if_room = False
+
     def _output_tokens_here(self, st: _InFlight) -> int:
         # The prefill worker computes the prompt and samples one token; decoding is elsewhere.
         return 1 if not st.migration else super()._output_tokens_here(st)

@@ -179,6 +179,10 @@ class ExactWorkerState:
 
 
 class Simulation:
+    # A request's prefill starts only when its prompt's KV fits in VRAM beside the pages the
+    # running requests pin (SGLang's PrefillAdder; PrefixCache.lock(only_if_room=True)).
+    _admit_only_if_room = True
+
     def __init__(self, topo: Topology, policy: RoutingPolicy, settings: SimSettings = SimSettings()) -> None:
         self.topo = topo
         self.policy = policy
@@ -363,13 +367,17 @@ class Simulation:
         """Tokens the worker the request is at produces (a prefill-only worker: one)."""
         return st.req.output_tokens
 
-    def _prefill_starts(self, w: int, rid: str, now: float) -> tuple[int, int]:
+    def _prefill_starts(self, w: int, rid: str, now: float) -> tuple[int, int] | None:
         """``w`` starts the request's prefill at ``now``: match and pin its cached prefix
-        (reloading the DRAM part); returns the (VRAM, DRAM) tokens it reuses."""
+        (reloading the DRAM part); returns the (VRAM, DRAM) tokens it reuses. None while its
+        prompt's KV does not fit beside the running requests' (``_admit_only_if_room``)."""
         st = self._inflight[rid]
         req = st.req
         held = self.caches[w].match(req.tokens) if self.truth is not None and st.claimed else None
-        lease, match, events = self.caches[w].lock(req.tokens, now=now)
+        locked = self.caches[w].lock(req.tokens, now=now, only_if_room=self._admit_only_if_room)
+        if locked is None:
+            return None
+        lease, match, events = locked
         if held is not None:  # for false_cause: a DRAM copy the lock found no VRAM to reload into
             st.reload_short = (match.vram_tokens + match.dram_tokens < held.vram_tokens + held.dram_tokens
                                and held.vram_tokens + held.dram_tokens >= st.claimed)

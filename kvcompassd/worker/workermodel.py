@@ -13,7 +13,9 @@ The scheduler is SGLang's default one, simplified to what matters for time-to-fi
   A prefix evicted while the request waited is computed again, and one cached meanwhile by an
   earlier request is reused. The cached figures :meth:`WorkerQueueModel.admit` is given are the
   estimate at arrival; a caller that owns the cache passes ``prefill_starts`` (returns what is
-  really reused, pinning it), ``prefill_ends`` (the prompt's KV enters the cache) and
+  really reused, pinning it; or None when the prompt's KV does not fit beside what the running
+  requests hold: SGLang's ``PrefillAdder`` then stops at the head of the queue, and the request
+  waits there until a request finishes), ``prefill_ends`` (the prompt's KV enters the cache) and
   ``finished`` (the pins are released) to the constructor and is called at those instants, in
   time order with every other change (SGLang caches a prefill batch's KV and releases finished
   requests' locks before it schedules the next batch);
@@ -137,8 +139,9 @@ class _Prefill:
     ends: float
 
 
-# prefill_starts(request_id, now) -> (cached_vram, cached_dram) really reused from ``now`` on
-PrefillStarts = Callable[[str, float], tuple[int, int]]
+# prefill_starts(request_id, now) -> (cached_vram, cached_dram) really reused from ``now`` on, or
+# None: no room for its KV until a running request finishes
+PrefillStarts = Callable[[str, float], tuple[int, int] | None]
 # prefill_ends(request_id, now): the prompt is computed (its KV can enter the cache);
 # finished(request_id, now): its last token is out (its pages can be released)
 RequestMoment = Callable[[str, float], None]
@@ -157,6 +160,7 @@ class WorkerQueueModel:
         self._prefill_starts = prefill_starts
         self._prefill_ends = prefill_ends
         self._finished = finished
+        self._head_blocked = False  # prefill_starts said no room: the head waits for a finish
         self._now = start
         self._waiting: deque[_Request] = deque()   # no slot yet
         self._admitted: deque[_Request] = deque()  # hold a slot, prefill not started
@@ -224,6 +228,7 @@ class WorkerQueueModel:
             return False
         self._ids.discard(request_id)
         self._shadow = None  # its run-ahead held the request
+        self._head_blocked = False
         self._outbox = [e for e in self._outbox if e.request_id != request_id]
         for queue in (self._waiting, self._admitted):
             request = next((r for r in queue if r.request_id == request_id), None)
@@ -281,7 +286,7 @@ class WorkerQueueModel:
             return self._now
         if self._prefill is not None:
             return self._prefill.ends
-        if self._admitted or (self._waiting and self.running < self.timing.max_running):
+        if (self._admitted and not self._head_blocked) or (self._waiting and self.running < self.timing.max_running):
             return self._now
         if self._decoding:
             return self._now + self._fewest_remaining() * self._step_s()
@@ -382,6 +387,7 @@ class WorkerQueueModel:
         clone._shadow = None
         clone._answer = None
         clone._prefill_starts = clone._prefill_ends = clone._finished = None  # a run-ahead keeps the estimates
+        clone._head_blocked = False
         return clone
 
     # ------------------------------------------------------------------------------ engine
@@ -396,12 +402,15 @@ class WorkerQueueModel:
         while True:
             while self._waiting and self.running < self.timing.max_running:
                 self._admitted.append(self._waiting.popleft())
-            if self._prefill is None and self._admitted:
-                request = self._admitted.popleft()
-                self._queued_uncached -= request.uncached
-                if self._prefill_starts is not None:
-                    self._match_at_start(request)
-                self._prefill = _Prefill(request, self._now, self._now + request.prefill_s)
+            if self._prefill is None and self._admitted and not self._head_blocked:
+                request = self._admitted[0]
+                estimate = request.uncached
+                if self._prefill_starts is not None and not self._match_at_start(request):
+                    self._head_blocked = True  # until a request finishes (_finish)
+                else:
+                    self._admitted.popleft()
+                    self._queued_uncached -= estimate
+                    self._prefill = _Prefill(request, self._now, self._now + request.prefill_s)
             if self._prefill is not None:
                 if self._prefill.ends > t:
                     self._now = t  # decoding is paused while the GPU prefills
@@ -428,10 +437,15 @@ class WorkerQueueModel:
                 self._finish(request)
             self._fewest_left = fewest_left
 
-    def _match_at_start(self, request: _Request) -> None:
-        """Ask the cache what ``request`` reuses now that its prefill starts; a figure that
-        differs from the arrival estimate makes the run-ahead shadow stale."""
-        vram, dram = self._prefill_starts(request.request_id, self._now)
+    def _match_at_start(self, request: _Request) -> bool:
+        """Ask the cache what ``request`` reuses now that its prefill is due to start; a figure
+        that differs from the arrival estimate makes the run-ahead shadow stale. False: no room
+        for it yet (it stays at the head)."""
+        answer = self._prefill_starts(request.request_id, self._now)
+        if answer is None:
+            self._shadow = None
+            return False
+        vram, dram = answer
         if min(vram, dram) < 0 or vram + dram > request.prompt_tokens:
             raise WorkerModelError(
                 f"need 0 <= cached_vram + cached_dram <= prompt_tokens at the prefill's start, "
@@ -441,6 +455,7 @@ class WorkerQueueModel:
             request.uncached, request.dram = uncached, dram
             request.prefill_s = self.timing.prefill_ms(uncached, dram) / 1000.0
             self._shadow = None
+        return True
 
     def _fewest_remaining(self) -> float:
         """min(remaining) over the decode batch (which is not empty)."""
@@ -491,6 +506,7 @@ class WorkerQueueModel:
             self._fewest_left = None  # the caller that knows the rest's minimum sets it back
         self._ids.discard(request.request_id)
         self.completed += 1
+        self._head_blocked = False  # its KV is released: the head may fit now
         if self._finished is not None:
             self._finished(request.request_id, self._now)
         self._outbox.append(RequestFinished(request.request_id, self._now))
