@@ -140,7 +140,8 @@ def test_bad_parameters() -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["insert", "lock", "unlock", "flush"]), st.integers(0, 5), st.integers(1, 5)),
+    st.tuples(st.sampled_from(["insert", "lock", "lock_if_room", "unlock", "flush"]), st.integers(0, 5),
+              st.integers(1, 5)),
     max_size=40,
 )
 
@@ -177,8 +178,13 @@ def test_event_stream_mirrors_cache_state_and_invariants_hold(actions, policy, v
         tokens = [family * 1000 + i for i in range(pages * BS)]
         if kind == "insert":
             apply(cache.insert(tokens, now=now))
-        elif kind == "lock":
-            lease, _, events = cache.lock(tokens, now=now)
+        elif kind in ("lock", "lock_if_room"):
+            pinned_before = cache.pinned_vram_pages
+            locked = cache.lock(tokens, now=now, only_if_room=kind == "lock_if_room")
+            if locked is None:  # refused only while something is pinned, and for want of room
+                assert pinned_before and pages > cache.vram_pages_max - pinned_before
+                continue
+            lease, _, events = locked
             apply(events)
             apply(cache.insert(tokens, now=now, lease=lease))
             leases.append(lease)
@@ -195,8 +201,30 @@ def test_event_stream_mirrors_cache_state_and_invariants_hold(actions, policy, v
         assert cache.vram_pages <= max(cache.vram_pages_max, 0)
         assert cache.dram_pages <= cache.dram_pages_max
         assert cache.vram_pages == sum(p.in_vram for p in cache._pages.values())
+        assert cache.pinned_vram_pages == sum(bool(p.in_vram and p.pins) for p in cache._pages.values())
         for p in cache._pages.values():  # closure: VRAM and present pages are rooted subtrees
             if p.parent is not None:
                 assert p.parent.id in truth
                 if p.in_vram:
                     assert p.parent.in_vram
+
+
+def test_a_lock_only_if_room_waits_for_the_pins_of_running_requests() -> None:
+    # 4 pages of VRAM. A running request pins 3; another 2-page prompt does not fit beside
+    # them, a prompt sharing their first 2 pages does (those are counted once), and once the
+    # running request is done the 2-page prompt fits.
+    cache = PrefixCache(block_size=BS, vram_tokens=4 * BS, dram_tokens=8 * BS)
+    running = list(range(3 * BS))
+    lease, _, _ = cache.lock(running, now=1.0)
+    cache.insert(running, now=1.0, lease=lease)
+    assert cache.pinned_vram_pages == 3
+    other = [10_000 + i for i in range(2 * BS)]
+    assert cache.lock(other, now=2.0, only_if_room=True) is None
+    assert cache.pinned_vram_pages == 3  # a refusal changes nothing
+    sharing = running[: 2 * BS] + [20_000 + i for i in range(BS)]
+    shared_lease, match, _ = cache.lock(sharing, now=2.0, only_if_room=True)
+    assert match.vram_tokens == 2 * BS and cache.pinned_vram_pages == 3
+    cache.unlock(lease)
+    cache.unlock(shared_lease)
+    assert cache.pinned_vram_pages == 0
+    assert cache.lock(other, now=3.0, only_if_room=True) is not None

@@ -7,7 +7,7 @@ import pytest
 from sim_fixtures import BETA, DECODE, ONE_WAY, two_region_topology
 
 from kvcompassd.sim.baselines import make_baseline
-from kvcompassd.sim.engine import SimSettings, SimulationError, simulate
+from kvcompassd.sim.engine import Simulation, SimSettings, SimulationError, simulate
 from kvcompassd.sim.policy import FALSE_NO_VRAM_ROOM, BasePolicy, MigrationOrdered, PolicyError, RouteDecision
 from kvcompassd.sim.synthetic import ChatWorkload, MixedWorkload
 from kvcompassd.sim.workloads import Request
@@ -244,19 +244,62 @@ def test_a_policy_timer_that_never_advances_is_reported():
         simulate(topo, StuckTimer(topo, worker=0), [req(0, 1.0, TOKENS)])
 
 
-def test_a_dram_copy_that_finds_no_vram_to_reload_into_is_told_apart_from_one_lost_in_flight():
-    # One worker with 40 pages of VRAM. TOKENS (20 pages) is demoted to DRAM by a 40-page prompt;
-    # that prompt's follow-up pins all 40 VRAM pages while its long suffix is prefilled, so a
-    # request for TOKENS arriving meanwhile finds its prefix held (in DRAM) and nowhere to reload it.
+# One worker with 40 pages of VRAM. TOKENS (20 pages) is demoted to DRAM by a 40-page prompt;
+# that prompt's follow-up pins all 40 VRAM pages while its long suffix is prefilled and while it
+# decodes (99 more tokens), and a request for TOKENS queues behind it.
+ROOM_FILLER = np.arange(20_000, 20_640)
+ROOM_STREAM = [req(0, 0.0, TOKENS), req(1, 1.0, ROOM_FILLER),
+               req(2, 2.0, np.concatenate([ROOM_FILLER, np.arange(30_000, 35_000)]), out=100),
+               req(3, 2.001, np.concatenate([TOKENS, np.arange(40_000, 40_100)])),
+               req(4, 10.0, np.concatenate([TOKENS, np.arange(40_000, 40_100)]))]
+
+
+def test_a_prefill_waits_for_room_beside_the_running_requests_then_reloads_its_dram_copy():
     topo = two_region_topology(1, 0, vram=640, dram=10_000)
-    filler = np.arange(20_000, 20_640)
-    follow_up = np.concatenate([filler, np.arange(30_000, 35_000)])
-    mine = np.concatenate([TOKENS, np.arange(40_000, 40_100)])
-    stream = [req(0, 0.0, TOKENS), req(1, 1.0, filler), req(2, 2.0, follow_up), req(3, 2.001, mine),
-              req(4, 10.0, mine)]
-    res = simulate(topo, Fixed(topo, worker=0, claim=320), stream, settings=SimSettings(track_truth=True))
+    res = simulate(topo, Fixed(topo, worker=0, claim=320), ROOM_STREAM, settings=SimSettings(track_truth=True))
+    r = res.records
+    # Its 26 pages do not fit beside the follow-up's 40 pinned ones: it starts when the
+    # follow-up finishes (prefill of 5,000 tokens, then 99 batch-1 steps), and reloads TOKENS.
+    follow_up_done = 2.0 + INTRA / 1000 + (5000 * BETA + 99 * DECODE) / 1000
+    assert r["queue_ms"][3] == pytest.approx((follow_up_done - 2.001 - INTRA / 1000) * 1000)
+    assert r["reused_tokens"][3] == 320 and r["dram_tokens"][3] == 320 and r["false_cause"][3] == 0
+
+
+def test_a_dram_copy_that_finds_no_vram_to_reload_into_is_told_apart_from_one_lost_in_flight(monkeypatch):
+    # Where prefills start without waiting for room (a disaggregated fleet's prefill workers,
+    # whose KV stays pinned through its transfer), the request for TOKENS finds, when its
+    # prefill starts, its prefix held (in DRAM) and nowhere to reload it.
+    monkeypatch.setattr(Simulation, "_admit_only_if_room", False)
+    topo = two_region_topology(1, 0, vram=640, dram=10_000)
+    res = simulate(topo, Fixed(topo, worker=0, claim=320), ROOM_STREAM, settings=SimSettings(track_truth=True))
     r = res.records
     assert r["held_at_decision"][3] == 320 and r["reused_tokens"][3] == 0
     assert r["false_cause"][3] == FALSE_NO_VRAM_ROOM
     # Once the pins are gone the same claim is delivered: no false lookup.
     assert r["reused_tokens"][4] >= 320 and r["false_cause"][4] == 0
+
+
+def test_the_prefix_is_matched_when_the_prefill_starts_not_at_arrival():
+    # SGLang and vLLM match the prompt against the cache as the request leaves the waiting queue.
+    # Two identical prompts arriving together: the second starts after the first's prefill has
+    # cached the prompt, so it reuses all of it but the last token.
+    topo = two_region_topology(1, 0)
+    res = simulate(topo, Fixed(topo, worker=0), [req(0, 0.0, TOKENS), req(1, 0.0, TOKENS)])
+    r = res.records
+    assert r["reused_tokens"].tolist() == [0, 319]
+    assert r["ttft_ms"][1] == pytest.approx(INTRA + 320 * BETA + 1 * BETA + INTRA)
+
+
+def test_a_prefix_evicted_while_the_request_waits_is_computed_again():
+    # 40 pages of VRAM, no DRAM. TOKENS (20 pages) is cached; a 40-page prompt arrives, then a
+    # request for TOKENS while that prompt is prefilled. Its prefix was not pinned on arrival,
+    # so caching the 40-page prompt evicts it and the request reuses nothing.
+    topo = two_region_topology(1, 0, vram=640, dram=0)
+    big = np.arange(20_000, 20_640)
+    mine = np.concatenate([TOKENS, np.arange(40_000, 40_100)])
+    res = simulate(topo, Fixed(topo, worker=0), [req(0, 0.0, TOKENS), req(1, 1.0, big), req(2, 1.001, mine)])
+    r = res.records
+    assert r["reused_tokens"].tolist() == [0, 0, 0]
+    queued = 640 * BETA - 1.0  # behind the 40-page prefill, which started 1 ms before it arrived
+    assert r["queue_ms"][2] == pytest.approx(queued)
+    assert r["ttft_ms"][2] == pytest.approx(INTRA + queued + 420 * BETA + INTRA)

@@ -321,3 +321,61 @@ def test_aborts_anywhere_leave_a_consistent_model_that_serves_everyone_else(arri
         kinds = [type(e) for e in events if e.request_id == request_id]
         assert kinds == [FirstTokenProduced, RequestFinished]
     assert model.running == model.waiting == model.pending_prefill_tokens == 0
+
+
+def test_the_cache_is_asked_at_the_prefill_start_and_told_its_end_and_finish() -> None:
+    calls: list[tuple] = []
+    reuse = {"a": (0, 0), "b": (600, 100)}  # b's prompt was cached by a while b waited
+
+    def starts(rid: str, now: float) -> tuple[int, int]:
+        calls.append(("starts", rid, now))
+        return reuse[rid]
+
+    model = WorkerQueueModel(SIMPLE, prefill_starts=starts,
+                             prefill_ends=lambda rid, now: calls.append(("ends", rid, now)),
+                             finished=lambda rid, now: calls.append(("finished", rid, now)))
+    model.admit("a", 1000, 0, 0, output_tokens=1, now=0.0)
+    model.admit("b", 1000, 0, 0, output_tokens=1, now=0.0)  # estimated: nothing cached
+    assert model.pending_prefill_tokens == 2000
+    events = drain(model)
+    a_done = 1000 * 0.1 / 1000
+    b_done = a_done + (300 * 0.1 + 100 * 0.01) / 1000  # what was reused when its prefill started
+    assert calls == [("starts", "a", 0.0), ("ends", "a", pytest.approx(a_done)),
+                     ("finished", "a", pytest.approx(a_done)), ("starts", "b", pytest.approx(a_done)),
+                     ("ends", "b", pytest.approx(b_done)), ("finished", "b", pytest.approx(b_done))]
+    assert [e.at for e in events if isinstance(e, FirstTokenProduced)] == [pytest.approx(a_done), pytest.approx(b_done)]
+
+
+def test_a_reuse_that_differs_from_the_estimate_renews_the_queue_estimate() -> None:
+    timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.0, max_running=1)
+    model = WorkerQueueModel(timing, prefill_starts=lambda rid, now: (90, 0) if rid == "b" else (0, 0))
+    model.admit("a", 10, 0, 0, output_tokens=5, now=0.0)
+    model.admit("b", 100, 0, 0, output_tokens=1, now=0.0)  # estimate: 100 ms of prefill
+    # a: 10 ms prefill + 4 steps; then b, estimated at 100 ms of prefill
+    assert model.queue_ms(now=0.0) == pytest.approx(10 + 40 + 100)
+    model.advance(now=0.051)  # b started at 50 ms, and reuses 90 tokens: 10 ms of prefill
+    assert model.queue_ms(now=0.051) == pytest.approx(9.0)
+
+
+def test_a_cache_answer_that_does_not_fit_the_prompt_is_refused() -> None:
+    model = WorkerQueueModel(SIMPLE, prefill_starts=lambda rid, now: (80, 30))
+    with pytest.raises(WorkerModelError, match="at the prefill's start"):
+        model.admit("a", 100, 0, 0, output_tokens=1, now=0.0)
+
+
+def test_a_head_with_no_room_waits_for_a_finish_and_blocks_those_behind_it() -> None:
+    running: set[str] = set()
+
+    def starts(rid: str, now: float) -> tuple[int, int] | None:
+        if rid == "b" and "a" in running:
+            return None  # b's KV does not fit beside a's
+        running.add(rid)
+        return (0, 0)
+
+    model = WorkerQueueModel(SIMPLE, prefill_starts=starts, finished=lambda rid, now: running.discard(rid))
+    model.admit("a", 100, 0, 0, output_tokens=3, now=0.0)  # prefill 10 ms, then 2 steps of 10 ms
+    model.admit("b", 100, 0, 0, output_tokens=1, now=0.0)
+    model.admit("c", 100, 0, 0, output_tokens=1, now=0.0)  # would fit, but FIFO: behind b
+    events = drain(model)
+    first = {e.request_id: e.at for e in events if isinstance(e, FirstTokenProduced)}
+    assert first == {"a": pytest.approx(0.010), "b": pytest.approx(0.040), "c": pytest.approx(0.050)}

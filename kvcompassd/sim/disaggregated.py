@@ -33,8 +33,7 @@ import numpy as np
 from kvcompassd.worker.decodemodel import KV_BYTES_PER_TOKEN, DecodeQueueModel, kv_transfer_ms
 from kvcompassd.worker.workermodel import FirstTokenProduced, RequestFinished
 
-from .engine import (FIRST_SUBCLASS_EVENT, Simulation, SimSettings, SimulationError, _InFlight, decode_share_ms,
-                     usable_cached)
+from .engine import (FIRST_SUBCLASS_EVENT, Simulation, SimSettings, SimulationError, _InFlight, decode_share_ms)
 from .policy import PolicyError, RoutingPolicy, Topology
 from .workloads import Request
 
@@ -82,21 +81,23 @@ class DisaggregatedSimulation(Simulation):
         pool = self._decoders_in[int(self.topo.worker_region[w])]
         self._decode_of[rid] = int(pool[int(draw * len(pool))])
 
-    def _at_worker(self, rid: str, now: float) -> None:
-        st = self._inflight[rid]
-        if st.migration:
-            super()._at_worker(rid, now)
-            return
-        w, req = st.worker, st.req
-        lease, match, events = self.caches[w].lock(req.tokens, now=now)
-        vram, dram = usable_cached(match.vram_tokens, match.dram_tokens, req.prompt_tokens)
-        st.lease, st.cached_vram, st.cached_dram, st.at_worker = lease, vram, dram, now
-        self._emit_cache_events(w, events, now)
+    # A prefill worker's KV stays pinned through its transfer, which its queue model does not
+    # see (no finish would wake a request waiting for room): its prefills start as they come.
+    _admit_only_if_room = False
+
+    def _output_tokens_here(self, st: _InFlight) -> int:
         # The prefill worker computes the prompt and samples one token; decoding is elsewhere.
-        self.models[w].admit(rid, req.prompt_tokens, vram, dram, 1, now=now)
-        prefill = self.timings[w].prefill_ms(req.prompt_tokens - vram - dram, dram)
-        self._add_load(w, now, prefill)
-        self._process_worker(w, now, admitted=prefill)
+        return 1 if not st.migration else super()._output_tokens_here(st)
+
+    def _finished(self, w: int, rid: str, now: float) -> None:
+        """A prefill-only request's KV stays pinned until its transfer ends (``_TRANSFER_DONE``)."""
+        if self._inflight[rid].migration:
+            super()._finished(w, rid, now)
+
+    def _account_load(self, w: int, now: float, st: _InFlight) -> None:
+        """A prefill worker's load is the prefill alone (its decode share is the decode worker's)."""
+        self._add_load(w, now, self.timings[w].prefill_ms(st.req.prompt_tokens - st.cached_vram - st.cached_dram,
+                                                          st.cached_dram))
 
     def _served(self, w: int, rid: str, st: _InFlight, at: float) -> None:
         """The prefill is done (its one token sampled): hand the prompt's KV over. The KV stays

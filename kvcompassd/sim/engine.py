@@ -1,10 +1,11 @@
 """The event-driven simulation loop on a virtual clock.
 
 Per request: arrival at its region's edge -> ``policy.route`` (plus the policy's discovery
-delay) -> WAN one-way to the worker's region -> the worker's prefix cache is matched and the
-prefix pinned (DRAM pages reload at gamma) -> the worker's queue model (FIFO prefill, continuous
-batch decode) -> first token back over the WAN (TTFT is measured at the user) -> decode -> last
-token back (end-to-end). Each worker's prefix cache emits the engine's block events; they reach
+delay) -> WAN one-way to the worker's region -> the worker's queue model (FIFO prefill, continuous
+batch decode); when its prefill starts (not at arrival: SGLang and vLLM match the prefix as the
+request leaves the waiting queue) the worker's prefix cache is matched and the prefix pinned
+(DRAM pages reload at gamma), and when it ends the prompt's KV enters the cache -> first token
+back over the WAN (TTFT is measured at the user) -> decode -> last token back (end-to-end). Each worker's prefix cache emits the engine's block events; they reach
 the policy after ``update_delay_ms`` unless lost (``update_loss``, §5.7). Actual WAN latencies
 can jitter around the static matrix the policies know (``wan_jitter``, §5.7).
 
@@ -15,11 +16,12 @@ Worker timing is ``kvcompassd.worker.workermodel.WorkerQueueModel``; caches are
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,7 +91,7 @@ class _InFlight:
     remote_only: int = -1
     held_at_decision: int = -1  # tokens the chosen worker really held when the edge chose it (-1: untracked)
     claim_source: int = FALSE_VIEW_AHEAD  # the cause if the worker held less already (explain_claim)
-    reload_short: bool = False  # it held more at arrival than its lock could reuse (no VRAM to reload DRAM into)
+    reload_short: bool = False  # it held more at its prefill's start than its lock could reuse (no VRAM to reload DRAM into)
     migration: bool = False
 
 
@@ -149,9 +151,13 @@ class ExactWorkerState:
         self._timings = timings
         self._blocks = blocks  # every cache's events applied at once: which workers hold any prefix
         self._uncached: tuple[np.ndarray, np.ndarray] | None = None
+        # Told (worker, request id or None for a migration's copy, compute ms) the instant a
+        # prefill starts and its compute is known exactly: a request reuses what its worker
+        # holds then, which can differ from what it held at the decision.
+        self.on_work_accounted: Callable[[int, int | None, float], None] | None = None
 
     def cached(self, worker_index: int, tokens: np.ndarray) -> tuple[int, int]:
-        """(VRAM, DRAM) tokens of ``tokens`` the worker would reuse if the request arrived now."""
+        """(VRAM, DRAM) tokens of ``tokens`` the worker would reuse if its prefill started now."""
         match = self._caches[worker_index].match(tokens)
         return usable_cached(match.vram_tokens, match.dram_tokens, len(tokens))
 
@@ -173,6 +179,10 @@ class ExactWorkerState:
 
 
 class Simulation:
+    # A request's prefill starts only when its prompt's KV fits in VRAM beside the pages the
+    # running requests pin (SGLang's PrefillAdder; PrefixCache.lock(only_if_room=True)).
+    _admit_only_if_room = True
+
     def __init__(self, topo: Topology, policy: RoutingPolicy, settings: SimSettings = SimSettings()) -> None:
         self.topo = topo
         self.policy = policy
@@ -189,7 +199,12 @@ class Simulation:
             WorkerTiming.from_worker_config(cfg.worker(w), reload_ms_per_token=topo.gamma_ms_per_token, **overrides)
             for w in topo.worker_ids
         ]
-        self.models = [WorkerQueueModel(t) for t in self.timings]
+        self.models = [
+            WorkerQueueModel(t, prefill_starts=functools.partial(self._prefill_starts, w),
+                             prefill_ends=functools.partial(self._prefill_ends, w),
+                             finished=functools.partial(self._finished, w))
+            for w, t in enumerate(self.timings)
+        ]
         # Each region's workers (a response carries its region's queue vector): read per response
         self._region_members = [topo.workers_in(r) for r in range(len(topo.regions))]
         # A policy that reads no cache events (it keeps BasePolicy's no-op) gets none built, when
@@ -211,8 +226,10 @@ class Simulation:
         self.truth = exact_map if settings.track_truth else None
         if self.truth is not None:
             policy.on_truth_tracked()
+        self._exact_state = None
         if attach is not None:
-            attach(ExactWorkerState(self.caches, self.timings, exact_map))
+            self._exact_state = ExactWorkerState(self.caches, self.timings, exact_map)
+            attach(self._exact_state)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._wake_version = [0] * topo.n_workers
@@ -335,25 +352,59 @@ class Simulation:
                 self._push(now + self._one_way_s(src_region, dest_region), _AT_WORKER, key)
 
     def _at_worker(self, rid: str, now: float) -> None:
+        """The request reaches its worker: it queues with what the cache holds now as the
+        estimate of its reuse (the queue report's); the match that counts is at its prefill's
+        start (``_prefill_starts``)."""
         st = self._inflight[rid]
         w, req = st.worker, st.req
+        st.at_worker = now
+        match = self.caches[w].match(req.tokens)
+        vram, dram = usable_cached(match.vram_tokens, match.dram_tokens, req.prompt_tokens)
+        self.models[w].admit(rid, req.prompt_tokens, vram, dram, self._output_tokens_here(st), now=now)
+        self._process_worker(w, now, admitted=self.timings[w].prefill_ms(req.prompt_tokens - vram - dram, dram))
+
+    def _output_tokens_here(self, st: _InFlight) -> int:
+        """Tokens the worker the request is at produces (a prefill-only worker: one)."""
+        return st.req.output_tokens
+
+    def _prefill_starts(self, w: int, rid: str, now: float) -> tuple[int, int] | None:
+        """``w`` starts the request's prefill at ``now``: match and pin its cached prefix
+        (reloading the DRAM part); returns the (VRAM, DRAM) tokens it reuses. None while its
+        prompt's KV does not fit beside the running requests' (``_admit_only_if_room``)."""
+        st = self._inflight[rid]
+        req = st.req
         held = self.caches[w].match(req.tokens) if self.truth is not None and st.claimed else None
-        lease, match, events = self.caches[w].lock(req.tokens, now=now)
+        locked = self.caches[w].lock(req.tokens, now=now, only_if_room=self._admit_only_if_room)
+        if locked is None:
+            return None
+        lease, match, events = locked
         if held is not None:  # for false_cause: a DRAM copy the lock found no VRAM to reload into
             st.reload_short = (match.vram_tokens + match.dram_tokens < held.vram_tokens + held.dram_tokens
                                and held.vram_tokens + held.dram_tokens >= st.claimed)
         vram, dram = usable_cached(match.vram_tokens, match.dram_tokens, req.prompt_tokens)
-        st.lease, st.cached_vram, st.cached_dram, st.at_worker = lease, vram, dram, now
+        st.lease, st.cached_vram, st.cached_dram = lease, vram, dram
         self._emit_cache_events(w, events, now)
-        self.models[w].admit(rid, req.prompt_tokens, vram, dram, req.output_tokens, now=now)
         self._account_load(w, now, st)
-        self._process_worker(w, now, admitted=self.timings[w].prefill_ms(req.prompt_tokens - vram - dram, dram))
+        return vram, dram
+
+    def _prefill_ends(self, w: int, rid: str, now: float) -> None:
+        """``w`` computed the request's prompt at ``now``: its KV enters the cache before the
+        next prefill starts (in SGLang, ``cache_unfinished_req`` after the prefill batch)."""
+        st = self._inflight[rid]
+        self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=now, lease=st.lease), now)
+
+    def _finished(self, w: int, rid: str, now: float) -> None:
+        """``w`` produced the request's last token at ``now``: its pages are released before
+        the worker schedules anything else (``cache_finished_req``)."""
+        self.caches[w].unlock(self._inflight[rid].lease)
 
     def _account_load(self, w: int, now: float, st: _InFlight) -> None:
         work = request_work_ms(self.timings[w], st.req.prompt_tokens, st.cached_vram, st.cached_dram,
                                st.req.output_tokens)
         key = (w, int(now // self.s.load_bin_s))
         self._load[key] = self._load.get(key, 0.0) + work
+        if self._exact_state is not None and self._exact_state.on_work_accounted is not None:
+            self._exact_state.on_work_accounted(w, None if st.migration else int(st.req.id), work)
 
     def _process_worker(self, w: int, now: float, *, admitted: float | None = None) -> None:
         model = self.models[w]
@@ -364,10 +415,7 @@ class Simulation:
             rid = ev.request_id
             st = self._inflight[rid]
             if st.migration:
-                if isinstance(ev, FirstTokenProduced):
-                    self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=ev.at, lease=st.lease), ev.at)
-                else:
-                    self.caches[w].unlock(st.lease)
+                if isinstance(ev, RequestFinished):  # (cached at its prefill's end, released at its finish)
                     del self._inflight[rid]
                 continue
             if isinstance(ev, FirstTokenProduced):
@@ -380,20 +428,20 @@ class Simulation:
         self._schedule_wake(w)
 
     def _prefilled(self, w: int, st: _InFlight, at: float) -> None:
-        """``w`` finished the prompt's prefill at ``at`` (its first token): the prompt's KV
-        enters the cache, and the response (reused tokens, the region's queue vector) leaves."""
+        """``w`` finished the prompt's prefill at ``at`` (its first token; the prompt's KV
+        entered the cache then, ``_prefill_ends``): the response (reused tokens, the region's
+        queue vector) leaves."""
         st.first_token_at = at
         back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
         st.ttft_s = at + back - st.req.arrival_s
-        self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=at, lease=st.lease), at)
         members = self._region_members[self.topo.worker_region[w]]
         qv = np.maximum(0.0, self._last_q[members] - (at - self._last_q_at[members]) * 1000.0)
         reused = st.cached_vram + st.cached_dram
         self._push(at + back, _RESPONSE, (st.req, w, reused, dict(zip(members.tolist(), qv.tolist()))))
 
     def _served(self, w: int, rid: str, st: _InFlight, at: float) -> None:
-        """``w`` produced the request's last token at ``at``."""
-        self.caches[w].unlock(st.lease)
+        """``w`` produced the request's last token at ``at`` (its pages were released then,
+        ``_finished``)."""
         back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
         self._record(st, at + back)
         del self._inflight[rid]

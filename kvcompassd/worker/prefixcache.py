@@ -156,6 +156,9 @@ class PrefixCache:
         self._pushes = 0
         self.demotions = 0
         self.evictions = 0
+        # VRAM pages pinned by running requests (a page pinned by several counted once): what
+        # a new request cannot take for its prompt (``lock(..., only_if_room=True)``).
+        self.pinned_vram_pages = 0
         self._int_block_size = type(block_size) is int  # events of checked pages skip validation
         self.emit_events = emit_events
         self.events_unsent = 0
@@ -189,13 +192,26 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------ updates
 
-    def lock(self, tokens: Sequence[int], *, now: float) -> tuple[CacheLease, CacheMatch, list[KvEvent]]:
+    def lock(self, tokens: Sequence[int], *, now: float,
+             only_if_room: bool = False) -> tuple[CacheLease, CacheMatch, list[KvEvent]] | None:
         """Start a request: pin its cached prefix, reload the DRAM part into VRAM. The match
-        returned is what the request really reuses (a reload that finds no room ends it)."""
+        returned is what the request really reuses (a reload that finds no room ends it).
+
+        ``only_if_room``: as SGLang's ``PrefillAdder`` admits a request only when its prompt's
+        KV fits in the free and evictable pool, return None (and change nothing) unless every
+        full page of ``tokens`` fits in VRAM beside the pages running requests pin (the
+        prompt's own pinned prefix counted once). With nothing pinned it always goes ahead: a
+        prompt longer than VRAM runs alone."""
         data = _token_data(tokens)
         digests: list[bytes] = []
         pages = list(self._walk(tokens, data, digests))
+        if only_if_room and self.pinned_vram_pages:
+            shared = sum(1 for page in pages if page.in_vram and page.pins)
+            if len(tokens) // self.block_size - shared > self.vram_pages_max - self.pinned_vram_pages:
+                return None
         for page in pages:  # pin the whole path first: making room must not evict its tail
+            if not page.pins and page.in_vram:
+                self.pinned_vram_pages += 1
             page.pins += 1
         lease = CacheLease(digests=digests, hashed=data[:4 * self.block_size * len(digests)])
         events: list[KvEvent] = []
@@ -208,6 +224,8 @@ class PrefixCache:
             else:
                 for rest in pages[i:]:
                     rest.pins -= 1
+                    if not rest.pins and rest.in_vram:
+                        self.pinned_vram_pages -= 1
                     self._changed(rest)
                 break
             self._touch(page, now)
@@ -263,6 +281,7 @@ class PrefixCache:
                     page.hits += 1
                     if page.id not in pinned:
                         page.pins += 1
+                        self.pinned_vram_pages += 1  # (a new page: it had no pins)
                         lease.pages.append(page.id)
                         pinned.add(page.id)
                         page.stamp += 2
@@ -280,6 +299,8 @@ class PrefixCache:
             page.last_access = now  # _touch, inlined: this loop runs once per page of every prompt
             page.hits += 1
             if lease is not None and page.id not in pinned:
+                if not page.pins:  # (in VRAM: it was loaded above or already there)
+                    self.pinned_vram_pages += 1
                 page.pins += 1
                 lease.pages.append(page.id)
                 pinned.add(page.id)
@@ -299,6 +320,8 @@ class PrefixCache:
             if page is not None and page.pins > 0:
                 page.pins -= 1
                 if page.pins == 0:  # only then can it become an eviction candidate
+                    if page.in_vram:
+                        self.pinned_vram_pages -= 1
                     self._changed(page)
 
     def flush(self) -> list[KvEvent]:
@@ -306,6 +329,7 @@ class PrefixCache:
         self._pages.clear()
         self._by_digest.clear()
         self.vram_pages = self.dram_pages = 0
+        self.pinned_vram_pages = 0
         self._vram_heap.clear()
         self._dram_heap.clear()
         return [AllBlocksCleared()]
@@ -395,6 +419,8 @@ class PrefixCache:
                     self._changed(p)  # re-queue: a heap entry popped while pinned was dropped
         page.in_vram = True
         self.vram_pages += 1
+        if page.pins:  # a pinned page reloaded (its guard pin is released by now)
+            self.pinned_vram_pages += 1
         if page.parent is not None:
             page.parent.vram_children += 1
             self._changed(page.parent)

@@ -6,6 +6,19 @@ says when the next one is due, so a shell sleeps exactly that long and never pol
 
 The scheduler is SGLang's default one, simplified to what matters for time-to-first-token:
 - a FIFO waiting queue; at most ``max_running`` requests hold a slot (``--max-running-requests``);
+- the prompt's cached prefix is matched when its prefill starts, not when it arrives: SGLang's
+  scheduler calls ``req.init_next_round_input(tree_cache)`` (the radix-tree match) and
+  ``PrefillAdder.add_one_req`` (which locks the matched node) as it takes the request off the
+  waiting queue into a prefill batch, and vLLM's scheduler calls ``get_computed_blocks`` then.
+  A prefix evicted while the request waited is computed again, and one cached meanwhile by an
+  earlier request is reused. The cached figures :meth:`WorkerQueueModel.admit` is given are the
+  estimate at arrival; a caller that owns the cache passes ``prefill_starts`` (returns what is
+  really reused, pinning it; or None when the prompt's KV does not fit beside what the running
+  requests hold: SGLang's ``PrefillAdder`` then stops at the head of the queue, and the request
+  waits there until a request finishes), ``prefill_ends`` (the prompt's KV enters the cache) and
+  ``finished`` (the pins are released) to the constructor and is called at those instants, in
+  time order with every other change (SGLang caches a prefill batch's KV and releases finished
+  requests' locks before it schedules the next batch);
 - the GPU does one thing at a time: a pending prefill runs first (prefill-first scheduling) and
   pauses decoding; prefills run one after another in admission order;
 - a prefill costs ``beta`` per uncached token plus ``gamma`` per token reloaded from DRAM and
@@ -40,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -104,6 +118,7 @@ WorkerEvent = FirstTokenProduced | RequestFinished
 @dataclass(slots=True)
 class _Request:
     request_id: str
+    prompt_tokens: int
     uncached: int
     dram: int
     output_tokens: int
@@ -113,8 +128,8 @@ class _Request:
     first_token_at: float | None = None
 
     def copy(self) -> _Request:
-        return _Request(self.request_id, self.uncached, self.dram, self.output_tokens, self.arrived,
-                        self.prefill_s, self.remaining, self.first_token_at)
+        return _Request(self.request_id, self.prompt_tokens, self.uncached, self.dram, self.output_tokens,
+                        self.arrived, self.prefill_s, self.remaining, self.first_token_at)
 
 
 @dataclass(slots=True)
@@ -124,11 +139,28 @@ class _Prefill:
     ends: float
 
 
+# prefill_starts(request_id, now) -> (cached_vram, cached_dram) really reused from ``now`` on, or
+# None: no room for its KV until a running request finishes
+PrefillStarts = Callable[[str, float], tuple[int, int] | None]
+# prefill_ends(request_id, now): the prompt is computed (its KV can enter the cache);
+# finished(request_id, now): its last token is out (its pages can be released)
+RequestMoment = Callable[[str, float], None]
+
+
 class WorkerQueueModel:
     """One worker's queue; times (``now``, event times) are seconds on the caller's clock."""
 
-    def __init__(self, timing: WorkerTiming | None = None, *, start: float = 0.0) -> None:
+    def __init__(self, timing: WorkerTiming | None = None, *, start: float = 0.0,
+                 prefill_starts: PrefillStarts | None = None, prefill_ends: RequestMoment | None = None,
+                 finished: RequestMoment | None = None) -> None:
+        """``prefill_starts``, ``prefill_ends``, ``finished``: the cache's side of a request
+        (see the module docstring); without ``prefill_starts`` a request reuses what
+        :meth:`admit` was told."""
         self.timing = timing or WorkerTiming()
+        self._prefill_starts = prefill_starts
+        self._prefill_ends = prefill_ends
+        self._finished = finished
+        self._head_blocked = False  # prefill_starts said no room: the head waits for a finish
         self._now = start
         self._waiting: deque[_Request] = deque()   # no slot yet
         self._admitted: deque[_Request] = deque()  # hold a slot, prefill not started
@@ -161,7 +193,8 @@ class WorkerQueueModel:
         *,
         now: float,
     ) -> None:
-        """A request arrives at ``now``; ``cached_*`` are prompt tokens found in each tier."""
+        """A request arrives at ``now``; ``cached_*`` are prompt tokens found in each tier (the
+        estimate at arrival when the model has a ``prefill_starts`` to ask at the prefill's start)."""
         if request_id in self._ids:
             raise WorkerModelError(f"request {request_id!r} is already in the model")
         if min(prompt_tokens, cached_vram, cached_dram) < 0 or cached_vram + cached_dram > prompt_tokens:
@@ -173,7 +206,7 @@ class WorkerQueueModel:
         self._run_until(now)
         uncached = prompt_tokens - cached_vram - cached_dram
         request = _Request(
-            request_id, uncached, cached_dram, output_tokens, now,
+            request_id, prompt_tokens, uncached, cached_dram, output_tokens, now,
             self.timing.prefill_ms(uncached, cached_dram) / 1000.0,
         )
         self._ids.add(request_id)
@@ -195,6 +228,7 @@ class WorkerQueueModel:
             return False
         self._ids.discard(request_id)
         self._shadow = None  # its run-ahead held the request
+        self._head_blocked = False
         self._outbox = [e for e in self._outbox if e.request_id != request_id]
         for queue in (self._waiting, self._admitted):
             request = next((r for r in queue if r.request_id == request_id), None)
@@ -252,7 +286,7 @@ class WorkerQueueModel:
             return self._now
         if self._prefill is not None:
             return self._prefill.ends
-        if self._admitted or (self._waiting and self.running < self.timing.max_running):
+        if (self._admitted and not self._head_blocked) or (self._waiting and self.running < self.timing.max_running):
             return self._now
         if self._decoding:
             return self._now + self._fewest_remaining() * self._step_s()
@@ -352,6 +386,8 @@ class WorkerQueueModel:
         clone.completed = self.completed
         clone._shadow = None
         clone._answer = None
+        clone._prefill_starts = clone._prefill_ends = clone._finished = None  # a run-ahead keeps the estimates
+        clone._head_blocked = False
         return clone
 
     # ------------------------------------------------------------------------------ engine
@@ -366,10 +402,15 @@ class WorkerQueueModel:
         while True:
             while self._waiting and self.running < self.timing.max_running:
                 self._admitted.append(self._waiting.popleft())
-            if self._prefill is None and self._admitted:
-                request = self._admitted.popleft()
-                self._queued_uncached -= request.uncached
-                self._prefill = _Prefill(request, self._now, self._now + request.prefill_s)
+            if self._prefill is None and self._admitted and not self._head_blocked:
+                request = self._admitted[0]
+                estimate = request.uncached
+                if self._prefill_starts is not None and not self._match_at_start(request):
+                    self._head_blocked = True  # until a request finishes (_finish)
+                else:
+                    self._admitted.popleft()
+                    self._queued_uncached -= estimate
+                    self._prefill = _Prefill(request, self._now, self._now + request.prefill_s)
             if self._prefill is not None:
                 if self._prefill.ends > t:
                     self._now = t  # decoding is paused while the GPU prefills
@@ -395,6 +436,26 @@ class WorkerQueueModel:
             for request in done:
                 self._finish(request)
             self._fewest_left = fewest_left
+
+    def _match_at_start(self, request: _Request) -> bool:
+        """Ask the cache what ``request`` reuses now that its prefill is due to start; a figure
+        that differs from the arrival estimate makes the run-ahead shadow stale. False: no room
+        for it yet (it stays at the head)."""
+        answer = self._prefill_starts(request.request_id, self._now)
+        if answer is None:
+            self._shadow = None
+            return False
+        vram, dram = answer
+        if min(vram, dram) < 0 or vram + dram > request.prompt_tokens:
+            raise WorkerModelError(
+                f"need 0 <= cached_vram + cached_dram <= prompt_tokens at the prefill's start, "
+                f"got {vram}+{dram}/{request.prompt_tokens}")
+        uncached = request.prompt_tokens - vram - dram
+        if uncached != request.uncached or dram != request.dram:
+            request.uncached, request.dram = uncached, dram
+            request.prefill_s = self.timing.prefill_ms(uncached, dram) / 1000.0
+            self._shadow = None
+        return True
 
     def _fewest_remaining(self) -> float:
         """min(remaining) over the decode batch (which is not empty)."""
@@ -429,6 +490,8 @@ class WorkerQueueModel:
         request = self._prefill.request
         self._prefill = None
         request.first_token_at = self._now
+        if self._prefill_ends is not None:
+            self._prefill_ends(request.request_id, self._now)
         self._outbox.append(FirstTokenProduced(request.request_id, self._now))
         if request.output_tokens <= 1:
             self._finish(request)
@@ -443,4 +506,7 @@ class WorkerQueueModel:
             self._fewest_left = None  # the caller that knows the rest's minimum sets it back
         self._ids.discard(request.request_id)
         self.completed += 1
+        self._head_blocked = False  # its KV is released: the head may fit now
+        if self._finished is not None:
+            self._finished(request.request_id, self._now)
         self._outbox.append(RequestFinished(request.request_id, self._now))

@@ -8,6 +8,10 @@ quantity, greedily: each request goes to the worker whose total would be lowest 
 with the request's cost on each worker computed from that worker's exact cache as it is at the
 decision (the simulator's own caches, read without delay or loss, ``engine.ExactWorkerState``),
 so a cache hit is credited with its exact cached length and never charged a full prefill.
+A request reuses what its worker holds when its prefill starts (as in SGLang and vLLM), which
+the decision cannot see: when the prefill starts the engine tells the oracle the exact compute
+(``ExactWorkerState.on_work_accounted``) and its total is corrected, so its totals are the load
+factor's own at every prefill start and exactly so once every routed request has started.
 
 Why it is a lower bound (up to one request). No scheme can have a peak below 1 (the hottest
 worker is at least the mean). Greedy least-total assignment keeps the hottest worker within one
@@ -53,10 +57,18 @@ class LoadBalanceOraclePolicy(BasePolicy):
         self.totals_ms = np.zeros(topo.n_workers)  # compute sent to each worker, as the load factor counts it
         self._exact = None
         self.largest_request_ms = 0.0
+        self._estimated_ms: dict[int, float] = {}  # routed, prefill not started: compute as estimated
 
     def attach_exact_state(self, state) -> None:
         """The simulator hands its exact worker state over (``engine.ExactWorkerState``)."""
         self._exact = state
+        state.on_work_accounted = self._work_accounted
+
+    def _work_accounted(self, worker: int, request_id: int | None, work_ms: float) -> None:
+        """A prefill started on ``worker``: replace the decision's estimate with the exact compute."""
+        estimate = self._estimated_ms.pop(request_id, 0.0) if request_id is not None else 0.0
+        self.totals_ms[worker] += work_ms - estimate
+        self.largest_request_ms = max(self.largest_request_ms, work_ms)
 
     def route(self, req: Request, *, now: float) -> RouteDecision:
         exact = self._exact
@@ -77,7 +89,7 @@ class LoadBalanceOraclePolicy(BasePolicy):
         own = self.topo.worker_region[tied] != region  # False (own region) sorts first
         w = int(tied[np.lexsort((tied, rtt, own))[0]])
         self.totals_ms[w] += work[w]
-        self.largest_request_ms = max(self.largest_request_ms, float(work[w]))
+        self._estimated_ms[req.id] = float(work[w])
         return RouteDecision(w, 0.0, int(held[w]))
 
     @property
