@@ -57,24 +57,6 @@ def test_shared_views_make_every_decision_the_per_edge_views_make(fleet):
     assert new_policy.stats()["batch_deliveries"] == old_stats["batch_deliveries"]
 
 
-def test_an_update_delay_the_engine_hands_over_delays_shared_views_as_it_does_per_edge_views():
-    # adopt_update_transport changes the shard -> edge delays after the views were set up (here
-    # shortens them): the shared views' arrival times must follow, or a read would skip tables
-    # whose next batch has reached the edge.
-    topo = _fleet("scaled-22x8")
-    results = []
-    for shared in (False, True):
-        policy = KVCompassPolicy(topo, shared_views=shared, update_delay_ms=200.0)
-        requests = make_workload("mixed", 8.0 * topo.n_workers, region_weights(topo), seed=3)
-        settings = SimSettings(eviction="lfu", seed=3, update_delay_ms=5.0)
-        results.append(simulate(topo, policy, requests, settings=settings, duration_s=1.0))
-        assert policy.update_delay_ms == 5.0 and policy.shared_views == shared
-    old, new = results
-    assert old.completed >= 100
-    for column in ("id", "worker", "claimed_tokens", "reused_tokens", "ttft_ms"):
-        assert np.array_equal(old.records[column], new.records[column]), column
-
-
 def test_edges_share_one_copy_and_fresh_views_agree_with_the_shards():
     topo = _fleet("scaled-22x8")
     policy, _ = _run(topo, True, 6.0 * topo.n_workers, 0.5)
