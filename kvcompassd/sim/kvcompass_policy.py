@@ -229,8 +229,6 @@ class KVCompassPolicy(BasePolicy):
             sr = self._region_index[self.shard_region[s]]
             for e in range(len(self.regions)):
                 self._to_edge_s[s][e] = owm[sr, e] / 1000.0 + extra
-        if self._shared is not None:
-            self._shared.delays_changed()
 
     def _setup_views(self) -> None:
         """Every edge's views from the shards' initial snapshots: shared table versions, or a

@@ -114,44 +114,11 @@ class SharedViews:
         self._base_seq = [0] * n_shards  # the seq of the snapshot the edges started from
         self._version = [[{} for _ in range(n_shards)] for _ in self.edges]  # edge -> shard -> group -> version
         self._next_sweep = SWEEP_S
-        # _due[s * groups + g, e]: when the first batch of table (s, g) past edge e's version
-        # reaches e (publish time + delay, the sum ``position`` compares), inf when e is at the
-        # latest version. A read skips every table not due yet, with one array gather per prompt
-        # (looking each up in Python was most of ``prepare``). Shaped at ``install``.
-        self._groups = 0
-        self._due = np.zeros((0, len(self.edges)))
-        self._delay_rows = np.zeros((0, len(self.edges)))
-        self.delays_changed()
-        # Per edge, its lookup's (query length, group) reads in ``prepare``'s order, and how many
-        # of them the first n query lengths make (pairs_upto[n]).
-        self._pair_query = [np.array([i for i, groups in enumerate(r) for _ in groups], dtype=np.intp)
-                            for r in self.readers]
-        self._pair_group = [np.array([g for groups in r for g in groups], dtype=np.intp) for r in self.readers]
-        self._pairs_upto = [np.concatenate(([0], np.cumsum([len(groups) for groups in r]))).astype(np.intp).tolist()
-                            for r in self.readers]
-
-    def delays_changed(self) -> None:
-        """Re-read ``delays`` (the policy changed its update delay in place, before any batch)."""
-        self._delay_rows = np.array([[float(d) for d in row] for row in self.delays], dtype=np.float64).reshape(
-            self.shards, len(self.edges))
-
-    def _note_version(self, e: int, s: int, g: int, t: _Versions, k: int) -> None:
-        """Edge ``e`` is at version ``k`` of table (s, g): when the next one is due to reach it."""
-        if k >= t.latest:
-            self._due[s * self._groups + g, e] = np.inf
-        else:
-            self._due[s * self._groups + g, e] = self._times[s][t.seqs[k] - self._base_seq[s] - 1] + self.delays[s][e]
 
     def install(self, snap: ShardSnapshotSent) -> None:
         """The shard's initial state, shared by every edge (version 0 of each of its tables)."""
         s, n = snap.shard, len(self.edges)
         tables = {g: _Versions(LudoView.from_snapshot(blob), n) for g, blob in snap.tables}
-        groups = max(tables, default=-1) + 1
-        if groups > self._groups:
-            if self._groups:
-                raise ValueError(f"shard {s} has more region groups than the shards installed before it")
-            self._groups = groups
-            self._due = np.full((self.shards * groups, n), np.inf)
         self._tables[s] = tables
         for e, edge in enumerate(self.edges):
             st = edge.state[s]
@@ -168,11 +135,8 @@ class SharedViews:
             raise ValueError(f"shard {s}: batch {batch.seq} published out of order")
         times.append(now)
         tables = self._tables[s]
-        due, base, arrive = self._due, s * self._groups, now + self._delay_rows[s]
         for g, blob in batch.tables:
             tables[g].add(blob, batch.seq)
-            row = due[base + g]
-            np.minimum(row, arrive, out=row)  # edges that were at the latest version: due on arrival
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_S
             self.compact(now)
@@ -192,32 +156,26 @@ class SharedViews:
         return seq
 
     def prepare(self, e: int, keys: np.ndarray, now: float) -> None:
-        """Bring the tables edge ``e`` reads for a prompt with these query keys to ``now``: those
-        whose next batch has reached the edge (``_due``), in the order of the lookup's reads."""
-        m = self._pairs_upto[e][len(keys)]
-        if m == 0:
-            return
-        n, groups = self.shards, self._groups
-        shard_of_query = (keys % np.uint64(n)).astype(np.intp)
-        table = shard_of_query[self._pair_query[e][:m]] * groups + self._pair_group[e][:m]
-        reached = np.flatnonzero(self._due[table, e] <= now)
-        if reached.size == 0:
-            return
-        mine, tables = self._version[e], self._tables
+        """Bring the tables edge ``e`` reads for a prompt with these query keys to ``now``."""
+        n = self.shards
+        readers, mine, tables = self.readers[e], self._version[e], self._tables
         positions: dict[int, int] = {}
-        for p in table[reached].tolist():
-            s, g = divmod(p, groups)
-            t = tables[s][g]
-            versions = mine[s]
-            cur = versions[g]
-            if cur == t.latest:
-                continue  # a table read twice, moved at its first read
-            pos = positions.get(s)
-            if pos is None:
-                pos = positions[s] = self.position(e, s, now)
-            k = bisect_right(t.seqs, pos)
-            if k != cur:
-                self._move(e, s, g, t, versions, k)
+        for i, key in enumerate(keys.tolist()):
+            s = key % n
+            versions, shard_tables = mine[s], tables[s]
+            pos = None
+            for g in readers[i]:
+                t = shard_tables[g]
+                cur = versions[g]
+                if cur == t.latest:
+                    continue
+                if pos is None:
+                    pos = positions.get(s)
+                    if pos is None:
+                        pos = positions[s] = self.position(e, s, now)
+                k = bisect_right(t.seqs, pos)
+                if k != cur:
+                    self._move(e, s, g, t, versions, k)
 
     def _move(self, e: int, s: int, g: int, t: _Versions, versions: dict[int, int], k: int) -> None:
         j = versions[g]
@@ -230,7 +188,6 @@ class SharedViews:
         else:
             t.refs[k] += 1
         versions[g] = k
-        self._note_version(e, s, g, t, k)
         self.edges[e].state[s].views[g] = view
         self.pointers[e].refresh(s, g)
         if t.refs.get(j, 0) == 0:  # j is nobody's now (or was moved on in place)
@@ -277,7 +234,6 @@ class SharedViews:
                 t.refs[k] += len(behind)
                 for e in behind:
                     self._version[e][s][g] = k
-                    self._note_version(e, s, g, t, k)
                     self.edges[e].state[s].views[g] = view
                     self.pointers[e].refresh(s, g)
                 t.collect()
