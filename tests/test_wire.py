@@ -233,6 +233,27 @@ def test_events_of_another_worker_are_refused():
         PrefixEventsReported("us-0", 0, ((0, 5, 1),))
 
 
+def test_a_bad_pair_is_named_by_its_place_in_the_sequence():
+    with pytest.raises(WireError, match=r"UpdateBatchPublished\.tables\[1\]\[1\]: expected bytes"):
+        UpdateBatchPublished(0, 0, 0, ((0, b"ok"), (1, "not bytes")))
+    with pytest.raises(WireError, match=r"QueueVectorBroadcast\.vector\[0\]\[0\]: must not be empty"):
+        wire.QueueVectorBroadcast("us", "eu", 1.0, (("", 1.0),))
+    with pytest.raises(WireError, match=r"QueueVectorBroadcast\.vector\[1\]\[1\]: .* not a finite number"):
+        wire.QueueVectorBroadcast("us", "eu", 1.0, (("us-0", 1.0), ("us-1", math.inf)))
+
+
+def test_one_vector_to_each_region_equals_one_broadcast_built_per_region():
+    vector = (("us-0", 3.0), ("us-1", 0))
+    fanned = wire.QueueVectorBroadcast.to_each("us", ["eu", "ap"], 2.5, vector)
+    assert fanned == tuple(wire.QueueVectorBroadcast("us", r, 2.5, vector) for r in ("eu", "ap"))
+    assert fanned[1].vector == (("us-0", 3.0), ("us-1", 0.0)) and type(fanned[1].vector[1][1]) is float
+    assert wire.QueueVectorBroadcast.to_each("us", [], 2.5, vector) == ()
+    with pytest.raises(WireError, match=r"to_region: must not be empty"):
+        wire.QueueVectorBroadcast.to_each("us", ["eu", ""], 2.5, vector)
+    with pytest.raises(WireError, match=r"vector\[0\]\[1\]"):
+        wire.QueueVectorBroadcast.to_each("us", ["eu", "ap"], 2.5, (("us-0", -1.0),))
+
+
 @pytest.mark.parametrize(
     "build, fragment",
     [

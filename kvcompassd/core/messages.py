@@ -164,10 +164,16 @@ class Pairs(FieldType):
         if len(value) > self.max_items:
             raise MessageError(f"{where}: {len(value)} items exceeds {self.max_items}")
         out = []
+        first, second = self.first.check, self.second.check
         for i, item in enumerate(value):
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise _fail(f"{where}[{i}]", "a pair", item)
-            out.append((self.first.check(item[0], f"{where}[{i}][0]"), self.second.check(item[1], f"{where}[{i}][1]")))
+            try:  # the item's own place is named only when it fails (formatting it was most of a check)
+                out.append((first(item[0], where), second(item[1], where)))
+            except MessageError:
+                first(item[0], f"{where}[{i}][0]")  # checks are pure: the same failure, named in full
+                second(item[1], f"{where}[{i}][1]")
+                raise
         if self.unique_first and len({a for a, _ in out}) != len(out):
             seen: set = set()
             twice = next(a for a, _ in out if a in seen or seen.add(a))
@@ -194,6 +200,11 @@ SNAPSHOT_ID = Int(1, U64_MAX)
 QUEUE_VECTOR = Pairs(ID, MILLIS, 8192, unique_first=True)  # worker -> queue ms
 
 
+# Each message class's (field, its check, the name a failure gives it), made on first use: the
+# names were formatted anew for every field of every message.
+_FIELD_CHECKS: dict[type, tuple[tuple[str, Any, str], ...]] = {}
+
+
 class WireMessage:
     """Base of every message: validates and normalises fields against the class's ``WIRE``."""
 
@@ -201,10 +212,13 @@ class WireMessage:
     WIRE: ClassVar[dict[str, FieldType]]
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
-        for field_name, field_type in self.WIRE.items():
-            value = getattr(self, field_name)
-            object.__setattr__(self, field_name, field_type.check(value, f"{name}.{field_name}"))
+        cls = type(self)
+        checks = _FIELD_CHECKS.get(cls)
+        if checks is None:
+            checks = _FIELD_CHECKS[cls] = tuple((field_name, field_type.check, f"{cls.__name__}.{field_name}")
+                                                for field_name, field_type in cls.WIRE.items())
+        for field_name, check, where in checks:
+            object.__setattr__(self, field_name, check(getattr(self, field_name), where))
         self._check()
 
     def _check(self) -> None:
@@ -349,6 +363,24 @@ class QueueVectorBroadcast(WireMessage):
     steady: bool = False
     WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "vector": QUEUE_VECTOR,
                       "steady": Bool()}
+
+    @classmethod
+    def to_each(cls, from_region: str, to_regions: tuple[str, ...] | list[str], sent_at: float,
+                vector: tuple[tuple[str, float], ...], steady: bool = False) -> tuple[QueueVectorBroadcast, ...]:
+        """The same vector to each of ``to_regions``: the fields they share are checked once (the
+        first broadcast is built as any message), each destination's name on its own. A region's
+        Delta broadcasts go to every other region at once (63 copies of one vector at 64 regions)."""
+        if not to_regions:
+            return ()
+        first = cls(from_region, to_regions[0], sent_at, vector, steady)
+        out = [first]
+        for to_region in to_regions[1:]:
+            msg = object.__new__(cls)
+            for name in ("from_region", "sent_at", "vector", "steady"):
+                object.__setattr__(msg, name, getattr(first, name))
+            object.__setattr__(msg, "to_region", REGION.check(to_region, "QueueVectorBroadcast.to_region"))
+            out.append(msg)
+        return tuple(out)
 
 
 # Index events reported by agents, worker lifecycle, view copies and load reports.

@@ -462,7 +462,7 @@ class QueueEstimates:
         if heartbeat_s is None:
             for r in due:
                 self._last_sent_to[r] = now
-            return tuple(QueueVectorBroadcast(self.region, r, now, vector) for r in due)
+            return QueueVectorBroadcast.to_each(self.region, due, now, vector)
         out = []
         for r in due:
             unchanged = vector == self._last_vector_to[r]

@@ -78,6 +78,7 @@ _NO_ANCHORS: tuple[tuple[int, int], ...] = ()
 
 
 _MEDIUM_TIERS: dict[str, StorageTier] = {}
+_INDEX_TIER = {t: t.index_tier() for t in StorageTier}  # StorageTier.index_tier, without its call
 
 
 def _medium_tier(medium: str) -> StorageTier:
@@ -468,8 +469,13 @@ class BlockTree:
         else:
             keys = self._key_fn(self._path_tokens(block), lengths)
             block.anchors = [(length, int(key)) for length, key in zip(lengths, keys, strict=True)]
+        all_holders, tier, block_hash = self._holders, block.path_tier, block.hash
         for length, key in block.anchors:
-            self._holders.setdefault(key, {})[(block.hash, length)] = block.path_tier
+            holders = all_holders.get(key)
+            if holders is None:
+                all_holders[key] = {(block_hash, length): tier}
+            else:
+                holders[(block_hash, length)] = tier
             touched[key] = length
 
     def _salted_anchors(self, block: _Block, lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -486,13 +492,19 @@ class BlockTree:
         if between:
             between.reverse()
             state.update(b"".join(between))
+        start = block.start
+        if len(lengths) == 1 and 4 * (lengths[0] - start) == len(own):  # the block's last token: most anchors
+            state.update(own)
+            block.hash_state = state
+            # digest() leaves the state as it was (hashlib finishes a copy), so no copy is made here
+            return [(lengths[0], _first_u64_le(state.digest())[0] & _KEY_MASK)]
         anchors = []
         done = 0
         for length in lengths:
-            cut = 4 * (length - block.start)
+            cut = 4 * (length - start)
             state.update(own[done:cut])
             done = cut
-            anchors.append((length, _first_u64_le(state.copy().digest())[0] & _KEY_MASK))
+            anchors.append((length, _first_u64_le(state.digest())[0] & _KEY_MASK))
         state.update(own[done:])
         block.hash_state = state
         return anchors
@@ -526,10 +538,9 @@ class BlockTree:
             evicted, cached, changed = PrefixEvicted.trusted, PrefixCached.trusted, TierChanged.trusted
         else:
             evicted, cached, changed = PrefixEvicted, PrefixCached, TierChanged
-        for key in sorted(touched):
+        for key in sorted(touched) if len(touched) > 1 else touched:  # one key: most diffs
             holders = all_holders.get(key)
-            best = min(holders.values()) if holders else _UNINDEXED
-            new = best.index_tier()
+            new = _INDEX_TIER[min(holders.values()) if holders else _UNINDEXED]
             old = registered.get(key)
             if new == old:
                 continue
