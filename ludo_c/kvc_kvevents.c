@@ -84,23 +84,19 @@ static int read_nil(reader *r) {
     return 0;
 }
 
-static int read_array(reader *r, uint32_t *n) {
+/* A container's header (fix form at fix..fix+15, then the 16- and 32-bit counts' markers). */
+static int read_header(reader *r, uint32_t *n, uint8_t fix, uint8_t wide16, uint8_t wide32) {
     if (!have(r, 1)) return 0;
     uint8_t b = r->p[0];
-    if (b >= 0x90 && b <= 0x9f) { *n = b & 0x0f; r->p += 1; return 1; }
-    if (b == 0xdc && have(r, 3)) { *n = (uint32_t)be(r->p + 1, 2); r->p += 3; return 1; }
-    if (b == 0xdd && have(r, 5)) { *n = (uint32_t)be(r->p + 1, 4); r->p += 5; return 1; }
+    if (b >= fix && b <= fix + 0x0f) { *n = b & 0x0f; r->p += 1; return 1; }
+    if (b == wide16 && have(r, 3)) { *n = (uint32_t)be(r->p + 1, 2); r->p += 3; return 1; }
+    if (b == wide32 && have(r, 5)) { *n = (uint32_t)be(r->p + 1, 4); r->p += 5; return 1; }
     return 0;
 }
 
-static int read_map(reader *r, uint32_t *n) {
-    if (!have(r, 1)) return 0;
-    uint8_t b = r->p[0];
-    if (b >= 0x80 && b <= 0x8f) { *n = b & 0x0f; r->p += 1; return 1; }
-    if (b == 0xde && have(r, 3)) { *n = (uint32_t)be(r->p + 1, 2); r->p += 3; return 1; }
-    if (b == 0xdf && have(r, 5)) { *n = (uint32_t)be(r->p + 1, 4); r->p += 5; return 1; }
-    return 0;
-}
+static int read_array(reader *r, uint32_t *n) { return read_header(r, n, 0x90, 0xdc, 0xdd); }
+
+static int read_map(reader *r, uint32_t *n) { return read_header(r, n, 0x80, 0xde, 0xdf); }
 
 /* A valid UTF-8 string; returns 0 (maybe partly consumed: the scan is abandoned) otherwise. */
 static int read_str(reader *r, const uint8_t **s, uint32_t *n) {
