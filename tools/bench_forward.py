@@ -313,11 +313,13 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     sha_samples: list[int] = []
     case_samples: list[list[int]] = [[] for _ in cases]
     per_round = max(1, args.repeat // args.rounds)
+    load_before = os.getloadavg()  # the machine's other load over this config's window
     for _ in range(args.rounds):
         sha_samples += samples_ns(lambda: hashlib.sha256(salt + data).digest(), per_round)
         for (_, router, _), tick, feed, end, out in zip(cases, ticks, feeds, ends, case_samples):
             out += samples_ns(lambda: router.decide(next(feed), now=tick()), per_round, end)
     sha = statistics.median(sha_samples) / 1000.0
+    load_after = os.getloadavg()
     rows = []
     for (label, router, _), tick, feed, end, s in zip(cases, ticks, feeds, ends, case_samples):
         rate = rate_per_s(lambda: router.decide(next(feed), now=tick()), args.repeat, end)
@@ -398,7 +400,8 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "
           f"{len(view.layout.groups)} region groups, levels={cfg.index.levels}, "
           f"context_tokens={cfg.index.context_tokens} ({len(lk.query_lengths)} query lengths); edge {region!r}")
-    print("load average (1/5/15 min) before this config's rounds: %.2f %.2f %.2f" % os.getloadavg())
+    print("load average (1/5/15 min) before this config's rounds: %.2f %.2f %.2f, after them: %.2f %.2f %.2f"
+          % (*load_before, *load_after))
     print(f"view: {total:,} entries ({sum(v['memory_bytes'] for v in view.stats()) / 2**20:.0f} MiB), "
           f"built in {build_s:.1f} s; prompt {len(prompt)} tokens; holders found: {hits}")
     print(f"{'case':<54} {'P50 µs':>9} {'P99 µs':>9} {'dec/s':>9} {'P50/SHA':>8}")

@@ -379,6 +379,7 @@ class QueueVectorBroadcast(WireMessage):
             for name in ("from_region", "sent_at", "vector", "steady"):
                 object.__setattr__(msg, name, getattr(first, name))
             object.__setattr__(msg, "to_region", REGION.check(to_region, "QueueVectorBroadcast.to_region"))
+            msg._check()  # the class's own rules across fields, as its constructor runs them
             out.append(msg)
         return tuple(out)
 

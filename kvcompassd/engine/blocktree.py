@@ -493,17 +493,13 @@ class BlockTree:
             between.reverse()
             state.update(b"".join(between))
         start = block.start
-        if len(lengths) == 1 and 4 * (lengths[0] - start) == len(own):  # the block's last token: most anchors
-            state.update(own)
-            block.hash_state = state
-            # digest() leaves the state as it was (hashlib finishes a copy), so no copy is made here
-            return [(lengths[0], _first_u64_le(state.digest())[0] & _KEY_MASK)]
         anchors = []
         done = 0
         for length in lengths:
             cut = 4 * (length - start)
             state.update(own[done:cut])
             done = cut
+            # digest() leaves the state as it was (hashlib finishes a copy): no copy made here
             anchors.append((length, _first_u64_le(state.digest())[0] & _KEY_MASK))
         state.update(own[done:])
         block.hash_state = state
