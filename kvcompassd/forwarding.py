@@ -151,11 +151,25 @@ class SuspectWorkers:
         return len(self._avoided)
 
 
-async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float) -> AsyncIterator:
+async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float, *,
+                            progress: Callable[[], int] | None = None, first_max_s: float = 0.0) -> AsyncIterator:
     """``items``, each awaited for at most ``first_s`` until the first token, then ``inter_s``.
     A late item ends ``items`` (its cleanup aborts the request at the worker) and raises
-    :class:`FirstTokenLate` or :class:`OutputStalled`."""
+    :class:`FirstTokenLate` or :class:`OutputStalled`.
+
+    With ``progress`` (a count of the worker's output for any request, read when a deadline
+    passes), a first-token deadline that passes while the count moved in the last ``first_s``
+    is not a failure: the worker is serving, only its queue is longer than expected. The wait
+    is judged again every ``first_s`` up to ``first_max_s`` in all (at least ``first_s``)."""
     deadline, produced = first_s, False
+    if progress is not None:
+        try:
+            item = await _first_while_serving(items, first_s, max(first_s, first_max_s), progress)
+        except StopAsyncIteration:
+            return
+        if isinstance(item, TokensGenerated):
+            produced, deadline = True, inter_s
+        yield item
     while True:
         try:
             async with asyncio.timeout(deadline):
@@ -169,6 +183,44 @@ async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float
         if isinstance(item, TokensGenerated):
             produced, deadline = True, inter_s
         yield item
+
+
+async def _first_while_serving(items: AsyncIterator, first_s: float, max_s: float, progress: Callable[[], int]):
+    """The first item of ``items``; FirstTokenLate once a window of ``first_s`` passes with no
+    output from the worker for anyone (``progress`` unchanged), or after ``max_s`` in all.
+
+    The windows are judged by a timer of their own, and the wait itself expires only when that
+    judge says so: a timeout that fired would cancel the pending ``anext`` and end ``items``."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    mark = progress()
+    judged = [start, False]  # (last judgement, whether it gave up on a serving worker: the cap)
+
+    def judge() -> None:
+        nonlocal mark, timer
+        now = loop.time()
+        seen = progress()
+        if seen != mark and now + first_s <= start + max_s:
+            mark = seen
+            timer = loop.call_at(now + first_s, judge)
+        else:
+            judged[0], judged[1] = now, seen != mark
+            window.reschedule(now)  # expires now: the pending anext is cancelled
+
+    try:
+        async with asyncio.timeout(None) as window:
+            timer = loop.call_at(start + first_s, judge)
+            try:
+                return await anext(items)
+            finally:
+                timer.cancel()
+    except TimeoutError:
+        waited = judged[0] - start
+        if judged[1]:
+            raise FirstTokenLate(f"no first token within {waited:.1f} s (the limit), though the worker "
+                                 f"was serving other requests") from None
+        raise FirstTokenLate(f"no first token within {waited:.1f} s, and no output from the worker "
+                             f"for any request in the last {first_s:.1f} s") from None
 
 
 class Forwarder:
@@ -201,6 +253,7 @@ class Forwarder:
         max_attempts: int | None = None,
         first_token_floor_s: float | None = None,
         first_token_factor: float | None = None,
+        first_token_max_s: float | None = None,
         inter_token_s: float | None = None,
     ):
         self.edge_id = edge_id
@@ -216,6 +269,10 @@ class Forwarder:
         deadlines = self.cfg.deadlines
         self.first_token_floor_s = deadlines.first_token_floor_s if first_token_floor_s is None else first_token_floor_s
         self.first_token_factor = deadlines.first_token_factor if first_token_factor is None else first_token_factor
+        self.first_token_max_s = deadlines.first_token_max_s if first_token_max_s is None else first_token_max_s
+        # Pieces of output (tokens, completions) each worker brought this edge, for any request:
+        # a first-token deadline passing while its worker's count moves is a long queue, not a fault.
+        self._output_seen = [0] * len(workers)
         self.inter_token_s = deadlines.inter_token_s if inter_token_s is None else inter_token_s
         self.suspects = SuspectWorkers(deadlines.suspect_initial_s, deadlines.suspect_max_s)
         # (index, id) of the workers this edge reaches over QUIC (the others over local HTTP).
@@ -307,12 +364,16 @@ class Forwarder:
             self._observe_decision(req, decision, decision_us, attempt)
             first_s = self.first_token_timeout(self._expected_ms(decision, req))
             produced = False
+            seen, index = self._output_seen, decision.worker_index
             try:
                 # aclosing: however this generator ends (the client went away and it is
                 # closed, a deadline), the attempt's cleanup aborts the request at the worker.
                 async with contextlib.aclosing(self._run(decision, req, decode_failed)) as items, \
-                        contextlib.aclosing(_within_deadlines(items, first_s, self.inter_token_s)) as paced:
+                        contextlib.aclosing(_within_deadlines(items, first_s, self.inter_token_s,
+                                                              progress=lambda seen=seen, i=index: seen[i],
+                                                              first_max_s=self.first_token_max_s)) as paced:
                     async for item in paced:
+                        seen[index] += 1
                         if isinstance(item, TokensGenerated):
                             if not produced:
                                 # Its prefill is done: the charge for it goes, the prompt is there.

@@ -437,11 +437,14 @@ def test_worker_kv_events_topic_and_replay_endpoint() -> None:
 def test_deadlines_default_parse_validate_and_round_trip() -> None:
     assert parse_config(minimal()).deadlines == DeadlineParams()
     data = minimal()
-    data["deadlines"] = {"first_token_floor_s": 0.5, "inter_token_s": 3, "suspect_initial_s": 2.0}
+    data["deadlines"] = {"first_token_floor_s": 0.5, "inter_token_s": 3, "suspect_initial_s": 2.0,
+                         "first_token_max_s": 30}
     cfg = parse_config(data)
     assert cfg.deadlines.inter_token_s == 3.0 and isinstance(cfg.deadlines.inter_token_s, float)
+    assert cfg.deadlines.first_token_max_s == 30.0 and isinstance(cfg.deadlines.first_token_max_s, float)
     assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
     for bad, field in [({"inter_token_s": 0}, "inter_token_s"), ({"first_token_factor": -1.0}, "first_token_factor"),
+                       ({"first_token_max_s": 0.0}, "first_token_max_s"),
                        ({"suspect_initial_s": 10.0, "suspect_max_s": 5.0}, "suspect_max_s"),
                        ({"frist_token_floor_s": 1.0}, "frist_token_floor_s")]:
         data["deadlines"] = bad

@@ -10,6 +10,8 @@ worker, so every request at edge-eu crosses to a us worker's agent over QUIC. On
   the edge stops avoiding that worker once its agent is back;
 - a frozen engine (SIGSTOP) costs a request the first-token deadline before another worker
   serves it; no request hangs; once it is resumed the edge stops avoiding it;
+- a busy engine (one that runs one request at a time, here a region of one such worker) keeps
+  a request whose first token comes after the deadline while it streams another's tokens;
 - an edge told to copy its views from an unreachable peer starts from the maintenance units.
 
 Times printed are for reading, not asserted; the guards only catch hangs.
@@ -178,6 +180,46 @@ async def test_a_frozen_engine_costs_a_request_the_first_token_deadline_and_is_a
 
 async def _logged_back(dep, worker: str) -> bool:
     return any(r.get("worker") == worker for r in log_records(dep, "edge", "edge-us", "worker back: no longer avoided"))
+
+
+# -- a busy engine -----------------------------------------------------------------------------
+
+# One worker running one request at a time; the first-token deadline is its floor alone (1 s).
+BUSY_SPEC = dataclasses.replace(SPEC, workers={"us": 1}, one_way_ms={}, max_running=1)
+BUSY_DEADLINES = dataclasses.replace(DEADLINES, first_token_factor=0.0)
+BUSY_TOKENS = 500  # ~2.5 s of decoding at 5 ms a token: the second request's first token waits for it
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def busy(tmp_path_factory):
+    d = LocalDeployment(BUSY_SPEC, tmp_path_factory.mktemp("busy"), time_scale=1.0)
+    d.cfg = dataclasses.replace(d.cfg, deadlines=BUSY_DEADLINES)
+    async with d:
+        yield d
+
+
+async def test_a_busy_engine_keeps_a_request_whose_first_token_comes_after_the_deadline(busy):
+    """The second request waits for the first's whole decode at the only worker, past its 1 s
+    deadline, while the worker streams the first's tokens: a long queue, not a fault. It is
+    served there, with no retry, and the worker is not avoided. (Before, it was abandoned at
+    1 s, and with no other worker the client got a 503.)"""
+    async with aiohttp.ClientSession(timeout=GUARD) as s:
+        first = await s.post(busy.edge_url("us") + "/generate", json={
+            "text": doc(50, 300), "stream": True, "sampling_params": {"max_new_tokens": BUSY_TOKENS}})
+        assert first.status == 200, await first.text()
+        streamed = asyncio.create_task(first.read())  # read as it comes, to its end
+        started = time.monotonic()
+        async with s.post(busy.edge_url("us") + "/generate", json={
+                "text": doc(51, 300), "sampling_params": {"max_new_tokens": 4}}) as r:
+            assert r.status == 200, await r.text()
+            meta = (await r.json())["meta_info"]["kvcompass"]
+        waited_s = time.monotonic() - started
+        await asyncio.wait_for(streamed, GUARD.total)
+    assert meta["attempts"] == 1
+    assert not log_records(busy, "edge", "edge-us", "worker failed before first token; retrying")
+    assert await edge_metric(busy, "us", "kvcompass_retries_total") == 0
+    print(f"\nbusy engine: the second request was served after {waited_s:.2f} s "
+          f"(first-token deadline {BUSY_DEADLINES.first_token_floor_s} s)")
 
 
 # -- bootstrap from an unreachable peer ---------------------------------------------------------

@@ -395,6 +395,84 @@ async def test_deadline_never_fires_while_the_consumer_holds_the_item():
     assert got == [(0,), (1,), (2,), (3,)] and cleaned == [True]
 
 
+class _Judged:
+    """A worker's output count as the first-token judge reads it: it moves at each reading
+    (the worker serves others) and, at reading ``opens_at``, lets the request's own first
+    token through (``gate``); with ``opens_at`` None it never does."""
+
+    def __init__(self, gate: asyncio.Event, opens_at: int | None, moving: bool = True):
+        self.gate, self.opens_at, self.moving, self.reads = gate, opens_at, moving, 0
+
+    def __call__(self) -> int:
+        self.reads += 1
+        if self.reads == self.opens_at:
+            self.gate.set()
+        return self.reads if self.moving else 0
+
+
+async def test_first_token_deadline_waits_on_while_the_worker_serves_others():
+    cleaned: list[bool] = []
+    gate = asyncio.Event()
+    judged = _Judged(gate, opens_at=4)  # read once when the wait starts, then at each window
+    paced = _within_deadlines(_gated(gate, 2, cleaned), 0.01, 10.0, progress=judged, first_max_s=60.0)
+    got = await asyncio.wait_for(_drain(paced), GUARD_S)
+    assert [item.token_ids for item in got] == [(0,), (1,)]
+    assert judged.reads == 4  # three windows passed with output for others: no failure
+    assert cleaned == [True]
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def _gated(gate: asyncio.Event, items: int, cleaned: list[bool]):
+    """Waits for ``gate`` (the request's turn at the worker), then ``items`` tokens."""
+    try:
+        await gate.wait()
+        for i in range(items):
+            yield TokensGenerated((i,), str(i))
+    finally:
+        cleaned.append(True)
+
+
+async def test_first_token_deadline_fails_a_worker_that_serves_nobody():
+    cleaned: list[bool] = []
+    judged = _Judged(asyncio.Event(), opens_at=None, moving=False)
+    with pytest.raises(FirstTokenLate, match="no output from the worker for any request"):
+        await asyncio.wait_for(_drain(_within_deadlines(_stalling(0, cleaned), 0.01, 10.0, progress=judged,
+                                                        first_max_s=60.0)), GUARD_S)
+    assert judged.reads == 2  # at the start, then the first window: it ends there
+    assert cleaned == [True]
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_first_token_deadline_gives_up_on_a_serving_worker_at_the_limit():
+    cleaned: list[bool] = []
+    judged = _Judged(asyncio.Event(), opens_at=None)
+    with pytest.raises(FirstTokenLate, match="the limit"):
+        await asyncio.wait_for(_drain(_within_deadlines(_stalling(0, cleaned), 0.01, 10.0, progress=judged,
+                                                        first_max_s=0.01)), GUARD_S)
+    # The limit is one window: judged at its end, the worker's output moved, and the wait ends.
+    assert judged.reads == 2
+    assert cleaned == [True]
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_first_token_judge_passes_an_outer_cancellation_through():
+    cleaned: list[bool] = []
+    started = asyncio.Event()
+    judged = _Judged(asyncio.Event(), opens_at=None)
+
+    async def consume():
+        started.set()
+        await _drain(_within_deadlines(_stalling(0, cleaned), 10.0, 10.0, progress=judged, first_max_s=60.0))
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), GUARD_S)
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned == [True]
+
+
 async def test_deadline_passes_an_outer_cancellation_through():
     """A client gone (its handler cancelled) is not a late worker: the cancellation propagates."""
     cleaned: list[bool] = []

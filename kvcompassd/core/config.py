@@ -485,18 +485,27 @@ class DeadlineParams:
     A100 and several seconds on slower cards or under CPU contention). A worker that failed
     is left out of decisions for ``suspect_initial_s``, doubling per further failure up to
     ``suspect_max_s``, or until its agent or load reports say it is back.
-    ``view_copy_timeout_s`` bounds a bootstrap from a peer edge's views."""
+    ``view_copy_timeout_s`` bounds a bootstrap from a peer edge's views.
+
+    The first-token deadline judges a worker, not a request: when it passes while the worker
+    brought this edge output for other requests within the last deadline's length, the worker
+    is alive and busy (its queue was longer than the score expected), and moving the request
+    would only start it again at the back of another queue and mark a working worker suspect.
+    So the wait goes on, judged again each deadline's length, up to ``first_token_max_s`` in
+    all (never less than the first deadline); a worker that brought nothing in a whole deadline (frozen, or a dead path) still loses
+    the request at the first deadline."""
 
     first_token_floor_s: float = 2.0
     first_token_factor: float = 4.0
+    first_token_max_s: float = 120.0
     inter_token_s: float = 10.0
     suspect_initial_s: float = 5.0
     suspect_max_s: float = 60.0
     view_copy_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("first_token_floor_s", "inter_token_s", "suspect_initial_s", "suspect_max_s",
-                     "view_copy_timeout_s"):
+        for name in ("first_token_floor_s", "first_token_max_s", "inter_token_s", "suspect_initial_s",
+                     "suspect_max_s", "view_copy_timeout_s"):
             _check_float(name, getattr(self, name), lo=0.0, lo_open=True)
         _check_float("first_token_factor", self.first_token_factor, lo=0.0)
         if self.suspect_max_s < self.suspect_initial_s:
