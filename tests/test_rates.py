@@ -226,6 +226,52 @@ def test_the_edges_own_requests_ahead_still_time_a_backlog_from_first_token_to_f
     assert rates.snapshot()["prefill_samples"].tolist() == [20, 0, 0]  # two of every three
 
 
+def test_a_backlog_whose_first_tokens_the_edge_reads_in_a_bunch_is_not_learned_as_nearly_free():
+    # Four requests sent together to a worker serving each in 100 ms (2,000 tokens at 0.05 ms a
+    # token): its first tokens come 100, 200, 300 and 400 ms after sending, but a busy edge
+    # reads the last three in one bunch, 1 ms apart. Timed from first token to first token the
+    # bunch's later two are 1 ms each, and the rate read an eighth of the true one (the learned
+    # rate's bound; the worker the edge sends the most to then looks the cheapest). Floored at
+    # each one's share of the backlog it waited for (its charge over the charges ahead plus its
+    # own, all equal here) they are not.
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t = 0.0
+    for n in range(0, 40, 4):
+        for k in range(4):
+            rates.sent(n + k, 0, now=t, ahead_ms=100.0 * k, work_ms=100.0)
+        for k, read_at in enumerate((0.1, 0.4, 0.401, 0.402)):
+            rates.first_token(n + k, now=t + rtt + read_at)
+        for k in range(4):
+            rates.finished(n + k, uncached_tokens=2000, output_tokens=1, now=t + 1.0)
+        t += 2.0
+    assert rates.snapshot()["prefill_samples"].tolist() == [31, 0, 0]  # a full window, all sampled
+    # Samples per round: 100 ms, 300 (the bunch's first, timed from the first's), then their
+    # shares of the backlog, 401 / 3 and 402 / 4 ms: the median lies between 100 and 134 ms.
+    assert 0.05 <= rates.prefill_ms_per_token(0) <= 0.05 * 1.34
+
+
+def test_a_short_prompt_read_in_a_bunch_behind_a_long_one_is_floored_at_its_own_share():
+    # A 20,000-token prompt (1 s at 0.05 ms a token) and a 200-token one (10 ms) sent together,
+    # charged in proportion; the edge reads their first tokens 1 ms apart. The short one's floor
+    # is its share of the 1.01 s it waited, 10 / 1,010 of it: its own 10 ms, not half the wait.
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t = 0.0
+    for n in range(0, 20, 2):
+        rates.sent(n, 0, now=t, ahead_ms=0.0, work_ms=1000.0)
+        rates.sent(n + 1, 0, now=t, ahead_ms=1000.0, work_ms=10.0)
+        rates.first_token(n, now=t + rtt + 1.009)  # read late, with the next
+        rates.first_token(n + 1, now=t + rtt + 1.010)
+        rates.finished(n, uncached_tokens=20_000, output_tokens=1, now=t + 2.0)
+        rates.finished(n + 1, uncached_tokens=200, output_tokens=1, now=t + 2.0)
+        t += 3.0
+    # Samples: 1,009 ms over 20,000 tokens and 10 ms over 200, both 0.05 ms a token.
+    assert rates.prefill_ms_per_token(0) == pytest.approx(0.05, rel=0.01)
+
+
 def test_a_failed_or_evicted_dispatch_is_no_longer_ahead_of_the_next():
     rates = LearnedRates(_cfg(), "us", max_open=2)
     rates.sent(1, 0, now=0.0, work_ms=100.0)

@@ -17,6 +17,14 @@ to its own first token:
 (a worker's first tokens reach the edge one way after they are produced, so the previous one's
 one-way cancels out; the round trip to the worker's region is the WAN share of the first case).
 
+A busy edge reads a backlog's first tokens in bunches (its event loop takes them one after the
+other, a few ms apart, though the worker produced them a service time apart), so the second term
+is floored at this request's share of the backlog it waited for: ``(first_token - sent - RTT)``
+times its own charged prefill over that plus the charged prefill of this edge's dispatches
+still ahead of it there when it was sent. Without the floor a bunch's later first tokens read
+as nearly free prefills (tests/test_rates.py: a rate an eighth of the true one), and the worker
+the edge sends the most to, whose first tokens bunch the most, would look the cheapest.
+
 Both terms hold only this edge's own work: the first the wait for the queue ahead of the request,
 the second every request the worker served since this edge's previous first token from it. A
 worker that other edges keep busy puts their work in both, and nothing at the edge can tell how
@@ -184,7 +192,9 @@ class LearnedRates:
         own = self._own_ahead_ms[worker]
         self._own_ahead_ms[worker] = own + work_ms
         alone = ahead_ms <= own + FOREIGN_WORK_TOLERANCE * work_ms  # nobody else's work ahead of it
-        self._open[dispatch] = [worker, now, None, None, work_ms, alone]
+        # [worker, sent at, first token at, service ms, its prefill ms still ahead of later
+        #  dispatches, may be sampled, this edge's prefill ms ahead of it when it was sent]
+        self._open[dispatch] = [worker, now, None, None, work_ms, alone, own]
 
     def _release(self, record: list) -> None:
         """A dispatch's prefill is no longer ahead of this edge's next ones (first token, end, failure)."""
@@ -198,10 +208,12 @@ class LearnedRates:
         record = self._open.get(dispatch)
         if record is None or record[2] is not None:
             return
-        self._release(record)
-        worker, sent_at = record[0], record[1]
-        after_previous = now - self._last_first[worker]
+        worker, sent_at, work_ms, own_ahead_ms = record[0], record[1], record[4], record[6]
+        self._release(record)  # (zeroes record[4]: read first)
         after_arrival = now - sent_at - self._rtt_s[worker]
+        after_previous = now - self._last_first[worker]
+        if work_ms > 0.0:  # first tokens read in a bunch are not a service time apart: floored
+            after_previous = max(after_previous, after_arrival * work_ms / (own_ahead_ms + work_ms))
         record[2] = now
         if record[5]:  # else others' work may have been ahead of it: no prefill sample
             record[3] = 1000.0 * min(after_previous, after_arrival)
@@ -215,7 +227,7 @@ class LearnedRates:
             if record is not None:
                 self._release(record)
             return False
-        worker, _, first_at, service_ms, _, _ = record
+        worker, _, first_at, service_ms, _, _, _ = record
         changed = False
         if output_tokens >= 2:
             ratio = 1000.0 * (now - first_at) / (output_tokens - 1) / self.configured_decode[worker]
