@@ -146,6 +146,7 @@ class AgentNode:
         self.load_schedule = LoadPollSchedule(busy_s=load_interval, idle_s=max(load_interval, idle))
         self.load_reports = LoadReports(heartbeat_s=self._heartbeat_s, steady_repeats=STEADY_REPEATS)
         self._load_wake = asyncio.Event()
+        self._reading_started = float("-inf")  # time.monotonic() of the latest load reading
         self._tasks: list[asyncio.Task] = []
         self.migrations: list[dict] = []
         self.address: tuple[str, int] | None = None
@@ -366,7 +367,7 @@ class AgentNode:
 
     async def _load_loop(self) -> None:
         while True:
-            started = time.monotonic()
+            started = self._reading_started = time.monotonic()
             try:
                 load = await self.engine.load(self.worker.prefill_ms_per_token)
             except EngineError as exc:
@@ -403,17 +404,22 @@ class AgentNode:
             await self._sleep_until_next_reading()
 
     async def _sleep_until_next_reading(self) -> None:
+        """The schedule's delay, cut short by a wake-up (work arriving, an edge connecting),
+        which reads at once, or a fast period after the previous reading."""
         self._load_wake.clear()
         try:
             async with asyncio.timeout(self.load_schedule.delay_s):
                 await self._load_wake.wait()
         except TimeoutError:
-            pass
+            return
+        wait = self.load_schedule.wake_delay(time.monotonic() - self._reading_started)
+        if wait > 0:
+            await asyncio.sleep(wait)
 
     def _work_arriving(self) -> None:
-        """A forwarded request or KV events: the engine's load is about to move."""
-        if self.load_schedule.delay_s > self.load_schedule.busy_s:
-            self.load_schedule.woken()
+        """A forwarded request or KV events: the engine's load is about to move, read it now
+        (the reading, not this sign, decides whether the fast period comes back)."""
+        if self.load_schedule.backed_off:
             self._load_wake.set()
 
     def _engine_down(self, reason: str) -> None:

@@ -24,9 +24,10 @@ from kvcompassd.core.config import ClusterConfig
 from kvcompassd.sdnotify import notify
 from kvcompassd.transport import QuicNode, TransportOptions
 
-# A dead peer (SIGKILL, power loss) is noticed after this long without packets; both ends send
-# keepalives at an eighth of it. 4 s bounds how long a request waits on a worker that died
-# mid-flight.
+# A dead peer (SIGKILL, power loss) is noticed after this long without packets; an end checks
+# every eighth of it and PINGs after three eighths (1.5 s) of quiet, or again at each check while
+# its last PING drew no answer (TransportOptions). 4 s bounds how long a request waits on a
+# worker that died mid-flight.
 DAEMON_TRANSPORT = TransportOptions(idle_timeout=4.0)
 
 

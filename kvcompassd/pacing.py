@@ -62,10 +62,15 @@ class LoadPollSchedule:
 
     Every ``busy_s`` while the engine has work or its readings move; while it sits idle and
     unchanged the delay doubles up to ``idle_s`` (the heartbeat period, so edges still hear from
-    the agent every period and their silence detector is unaffected). Any sign of work, a
-    forwarded request or KV events from the engine, brings it back to ``busy_s`` at once, so a
-    burst is seen within one fast period of its first sign. An idle host then reads each engine
-    ``1 / idle_s`` times a second instead of ``1 / busy_s`` (10 instead of 50 at the defaults)."""
+    the agent every period and their silence detector is unaffected). A sign of work (a
+    forwarded request, KV events from the engine) asks for a reading at once, no sooner than
+    ``busy_s`` after the previous one (``wake_delay``), and leaves the period alone: that
+    reading says whether the engine has work or its load moved, and only then is the period
+    ``busy_s`` again. So a burst is seen within one fast period of its first sign, and an
+    engine that finishes each request before the next reading is read about once per request,
+    not ~6 times as the period doubled back up from ``busy_s`` after every one (issue 30
+    item 4). An idle host reads each engine ``1 / idle_s`` times a second instead of
+    ``1 / busy_s`` (once instead of 50 times at the defaults)."""
 
     def __init__(self, *, busy_s: float, idle_s: float) -> None:
         if not 0 < busy_s <= idle_s:
@@ -82,9 +87,15 @@ class LoadPollSchedule:
         """A reading failed: retry at the fast period (the down detector counts consecutive failures)."""
         self.delay_s = self.busy_s
 
-    def woken(self) -> None:
-        """Work is arriving: poll fast again."""
-        self.delay_s = self.busy_s
+    @property
+    def backed_off(self) -> bool:
+        """Whether readings are slower than the fast period (a sign of work should bring one)."""
+        return self.delay_s > self.busy_s
+
+    def wake_delay(self, since_last_s: float) -> float:
+        """Work is arriving and the previous reading started ``since_last_s`` ago: how long to
+        wait before reading (none if a fast period has passed since)."""
+        return max(0.0, self.busy_s - since_last_s)
 
 
 # A load reading that takes longer than this came from an engine that stopped answering for a

@@ -185,7 +185,6 @@ async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_
                     assert resp.status == 200
                 while len(readings) == before:
                     await asyncio.sleep(0.01)
-            assert agent.load_schedule.delay_s < 60.0
         finally:
             for task in tasks:
                 task.cancel()

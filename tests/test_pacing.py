@@ -1,6 +1,6 @@
 """The agent's load-poll schedule (``kvcompassd.pacing.LoadPollSchedule``): fast while the
-engine works, backing off to the heartbeat period while it sits idle, fast again at once on
-any sign of work."""
+engine works, backing off to the heartbeat period while it sits idle, a reading at once on any
+sign of work (and the fast period again only if that reading shows work)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,24 @@ def test_an_idle_unchanged_engine_is_read_ever_less_often_up_to_the_idle_period(
     assert delays == [0.04, 0.08, 0.1, 0.1, 0.1]
 
 
-@pytest.mark.parametrize("event", ["changed", "busy", "woken", "failed"])
-def test_any_sign_of_work_or_trouble_brings_the_fast_period_back(event):
+@pytest.mark.parametrize("event", ["changed", "busy", "failed"])
+def test_a_reading_that_shows_work_or_trouble_brings_the_fast_period_back(event):
     schedule = LoadPollSchedule(busy_s=0.02, idle_s=0.1)
     for _ in range(4):
         schedule.observed(changed=False, busy=False)
-    assert schedule.delay_s == 0.1
-    if event == "woken":
-        schedule.woken()
-    elif event == "failed":
+    assert schedule.delay_s == 0.1 and schedule.backed_off
+    if event == "failed":
         schedule.failed()
     else:
         schedule.observed(changed=event == "changed", busy=event == "busy")
-    assert schedule.delay_s == 0.02
+    assert schedule.delay_s == 0.02 and not schedule.backed_off
+
+
+def test_a_sign_of_work_brings_a_reading_a_fast_period_after_the_previous_one_at_the_earliest():
+    schedule = LoadPollSchedule(busy_s=0.02, idle_s=1.0)
+    assert schedule.wake_delay(0.5) == 0.0  # long since the last reading: at once
+    assert schedule.wake_delay(0.02) == 0.0
+    assert schedule.wake_delay(0.005) == pytest.approx(0.015)  # right after one: a fast period after it
 
 
 def test_nonsense_periods_are_refused():
@@ -42,14 +47,12 @@ def test_nonsense_periods_are_refused():
 
 
 @given(st.floats(1e-3, 1.0), st.floats(1.0, 100.0),
-       st.lists(st.sampled_from(["idle", "changed", "busy", "woken", "failed"]), max_size=60))
+       st.lists(st.sampled_from(["idle", "changed", "busy", "failed"]), max_size=60))
 def test_the_delay_stays_between_the_two_periods(busy, factor, steps):
     schedule = LoadPollSchedule(busy_s=busy, idle_s=busy * factor)
     idle_run = 0
     for step in steps:
-        if step == "woken":
-            schedule.woken()
-        elif step == "failed":
+        if step == "failed":
             schedule.failed()
         else:
             schedule.observed(changed=step == "changed", busy=step == "busy")

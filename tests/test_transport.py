@@ -695,10 +695,11 @@ def test_silent_server_is_detected_by_idle_timeout(run, pki):
 
 
 def test_an_idle_connection_is_kept_alive_by_one_end_pinging_and_the_other_acknowledging(run, pki):
-    # Either end pings only when it neither sent nor received anything ack-eliciting for a
-    # while (the dialling end one keepalive interval, the accepting end one and a half): the
-    # dialling end pings, the accepting end hears it and only acknowledges (half the packets
-    # of both pinging), and the connection outlives several idle timeouts.
+    # Either end pings only when the connection was quiet for a while (nothing ack-eliciting
+    # sent or received: the dialling end keepalive_quiet_intervals intervals, the accepting end
+    # one more): the dialling end pings, the accepting end hears it and only acknowledges (half
+    # the packets of both pinging), one PING per quiet spell rather than one per interval, and
+    # the connection outlives several idle timeouts.
     async def scenario():
         async with node(pki, "edge-us", listen=True, idle_timeout=1.6) as server, \
                 node(pki, "mnt-0", idle_timeout=1.6) as client:
@@ -708,17 +709,75 @@ def test_an_idle_connection_is_kept_alive_by_one_end_pinging_and_the_other_ackno
             ends = (server.peers[0]._connection, peer._connection)
             sent = [{last_ack_eliciting_sent(c._quic)} for c in ends]
             backlog = 0
-            # 16 keepalive intervals (0.2 s each): two idle timeouts.
-            while max(len(s) for s in sent) < 16:
+            # 8 PINGs of the dialling end, 0.6-0.8 s apart: three idle timeouts.
+            while max(len(s) for s in sent) < 8:
                 for seen, connection in zip(sent, ends):
                     seen.add(last_ack_eliciting_sent(connection._quic))
                     backlog = max(backlog, connection.tracked_sent_packets)
                 await asyncio.sleep(0.02)
             assert peer.is_connected and server.peers[0].is_connected
             # The other end sent a few at most (while the two settled, and the PING a backlog
-            # of its ACK-only packets calls for), not one per interval.
-            assert len(sent[0]) <= 4 and len(sent[1]) >= 16, [len(s) for s in sent]
+            # of its ACK-only packets calls for), not one per quiet spell.
+            assert len(sent[0]) <= 4 and len(sent[1]) >= 8, [len(s) for s in sent]
             assert backlog < ACK_ONLY_BACKLOG + 4, backlog
+            # Quiet spells, not intervals (0.2 s): the PINGs' median spacing is about three.
+            times = sorted(sent[1])[-7:]
+            gaps = sorted(b - a for a, b in zip(times, times[1:]))
+            assert gaps[len(gaps) // 2] >= 2.5 * 0.2, gaps
+
+    run(scenario())
+
+
+def _count_pings(connection) -> list[float]:
+    """The times at which ``connection``'s keepalive queues a PING (aioquic's probes not included)."""
+    pings: list[float] = []
+    send_ping = connection._quic.send_ping
+
+    def counted(uid: int) -> None:
+        pings.append(time.monotonic())
+        send_ping(uid)
+
+    connection._quic.send_ping = counted
+    return pings
+
+
+def test_a_connection_carrying_a_heartbeat_more_often_than_its_quiet_spell_sends_no_ping(run, pki):
+    # A datagram every 0.4 s (an agent's load report, once a second at the daemons' 4 s idle
+    # timeout) is below the 0.58 s quiet spell (three 0.2 s intervals): neither end pings.
+    async def scenario():
+        async with node(pki, "edge-us", listen=True, idle_timeout=1.6) as server, \
+                node(pki, "us-0", idle_timeout=1.6) as agent:
+            peer = await agent.connect(server.address)
+            while not server.peers:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # the handshake's own traffic settles
+            pings = [_count_pings(server.peers[0]._connection), _count_pings(peer._connection)]
+            for i in range(8):
+                peer.send_datagram(WorkerLoadReported("us-0", float(i), 0, 0))
+                await asyncio.sleep(0.4)
+            assert peer.is_connected
+            assert pings == [[], []], pings
+
+    run(scenario())
+
+
+def test_a_ping_that_draws_no_answer_is_tried_again_every_interval(run, pki):
+    # The path goes silent (no CONNECTION_CLOSE): after its quiet spell the dialling end pings,
+    # hears nothing back, and pings again at each 0.2 s check until its idle timer runs out,
+    # not once per quiet spell.
+    async def scenario():
+        async with node(pki, "mnt-0", listen=True, idle_timeout=1.6) as server, \
+                node(pki, "edge-us", idle_timeout=1.6) as edge:
+            relay = WanRelay(("127.0.0.1", 0), server.address, 0.0)
+            address = await relay.start()
+            peer = await edge.connect(address)
+            pings = _count_pings(peer._connection)
+            await relay.stop()
+            while peer.is_connected:
+                await asyncio.sleep(0.02)
+            # At most 0.8 s to the first PING, then one per 0.2 s check up to 1.6 s after the
+            # last packet heard: three or more (at a quiet spell each, one or two).
+            assert len(pings) >= 3, pings
 
     run(scenario())
 

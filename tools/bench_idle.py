@@ -3,6 +3,7 @@ daemon, per worker.
 
     .venv/bin/python tools/bench_idle.py                     # 3 idle windows of 20 s, 3 busy of 10 s
     .venv/bin/python tools/bench_idle.py --windows 5 --window-s 30 --busy-windows 0
+    .venv/bin/python tools/bench_idle.py --profile /tmp/idle-prof   # + cProfile of the candidate
 
 Starts two loopback deployments of the demo's shape side by side (7 emulated workers at
 ``--time-scale 0``, 7 agents, 3 edges, 2 maintenance units, no WAN relays): the *reference*
@@ -24,6 +25,11 @@ gross and net of the role's idle CPU, agents + maintenance ÷ the edges (issue 3
 most 1) and candidate ÷ reference.
 Both deployments run in the same windows, so load from other tenants of the machine falls on
 both alike.
+
+``--profile DIR`` runs the candidate's agents, edges and maintenance units under cProfile with a
+CPU clock (``tools/profile_daemon.py``), over the idle windows (``DIR/<mode>.<id>.1.prof``) and
+the busy ones (``.2.prof``, ``.1`` with ``--windows 0``); profiling slows them ~2-3x, so that run's figures are not
+comparable with others.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import argparse
 import asyncio
 import contextlib
 import random
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -50,6 +58,31 @@ from kvcompassd.launcher import DeploymentSpec, LocalDeployment  # noqa: E402
 
 ROLES = ("emulate-worker", "agent", "edge", "maintenance")
 PLANE = ("agent", "edge", "maintenance")  # the discovery plane; the emulated workers stand for GPUs
+
+
+def profile_daemons(dep: LocalDeployment, out_dir: Path) -> None:
+    """Make ``dep``'s plane daemons (not the emulated workers) start under tools/profile_daemon.py."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["KVC_PROFILE_DIR"] = str(out_dir)  # the daemons inherit it
+    wrapper = str(Path(__file__).resolve().parent / "profile_daemon.py")
+    make_node = dep._node
+
+    def node(node_id, mode, region, config, extra=()):
+        made = make_node(node_id, mode, region, config, extra)
+        if mode in PLANE:
+            made.argv[1:3] = [wrapper]  # [python, "-m", "kvcompassd", mode, ...] -> [python, wrapper, mode, ...]
+        return made
+
+    dep._node = node
+
+
+def signal_profiled(dep: LocalDeployment | None, sig: int) -> None:
+    """SIGUSR1 starts the profiled daemons' profiles, SIGUSR2 stops and writes them."""
+    if dep is None:
+        return
+    for key, node in dep.nodes.items():
+        if key.split(":", 1)[0] in PLANE and node.alive:
+            node.proc.send_signal(sig)
 
 
 def role_cpu(dep: LocalDeployment) -> dict[str, float]:
@@ -180,6 +213,7 @@ async def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--settle-s", type=float, default=5.0, help="after readiness, before the first window")
+    ap.add_argument("--profile", metavar="DIR", type=Path, help="cProfile the candidate's daemons (see above)")
     args = ap.parse_args()
     quiet_logs()
     spec = DeploymentSpec(wan=False)
@@ -190,6 +224,10 @@ async def main() -> int:
     reference.cfg = replace(reference.cfg, idle=IdleParams(heartbeat_ms=reference.cfg.score.broadcast_period_ms,
                                                            engine_probe_max_ms=1000.0))
     candidate = LocalDeployment(spec, workdir / "candidate", time_scale=0.0)
+    profiled = None
+    if args.profile:
+        profile_daemons(candidate, args.profile.resolve())
+        profiled = candidate
     deployments = {"reference (before 30.4)": reference, "candidate (defaults)": candidate}
     try:
         for dep in deployments.values():
@@ -197,7 +235,9 @@ async def main() -> int:
         await asyncio.sleep(args.settle_s)
         cores = None
         if args.windows:
+            signal_profiled(profiled, signal.SIGUSR1)
             cores, _ = await measure(deployments, args.windows, args.window_s)
+            signal_profiled(profiled, signal.SIGUSR2)
             print_idle(cores, args.windows, args.window_s, workers)
         if args.busy_windows:
             loops = {name: ClosedLoop(dep.edge_url("us"), args.concurrency, seed=1) for name, dep in deployments.items()}
@@ -205,8 +245,10 @@ async def main() -> int:
                 for loop in loops.values():
                     await stack.enter_async_context(loop)
                 await asyncio.sleep(args.settle_s)  # caches warm, prefixes indexed
+                signal_profiled(profiled, signal.SIGUSR1)
                 cpu, requests = await measure(deployments, args.busy_windows, args.busy_window_s,
                                               served=lambda name: loops[name].served)
+                signal_profiled(profiled, signal.SIGUSR2)
             print_busy(cpu, requests, args.busy_windows, args.busy_window_s, cores)
             failed = {name: loop.failed for name, loop in loops.items() if loop.failed}
             if failed:

@@ -51,18 +51,26 @@ class TransportOptions:
     max_datagram_size: int | None = None
     exchange_streams: int = 4  # QUIC streams shared by the exchanges this node opens per connection
     idle_timeout: float = 10.0  # a silent peer is declared dead after this
-    # The dialling end of a connection PINGs when for this share of idle_timeout it neither
-    # sent nor received anything ack-eliciting, the accepting end when it also heard nothing
-    # ack-eliciting for one and a half of it: an idle connection has the dialling end pinging
-    # and the accepting end acknowledging (half the packets of both pinging; issue 30 item 4),
-    # and an accepting end whose peer's pings stop arriving pings itself. An idle timer
-    # restarts on every packet its end *receives*, so under loss what counts is how many
-    # tries fit in one idle timeout: with 8,
-    # on a path losing 30 % of its packets each way an end hears nothing in one interval with
-    # probability ~0.3 (its ping or the ACK lost, and no ping of the peer's came), so it goes
-    # silent for a whole timeout with probability 0.3^8 < 1e-4 (aioquic also resends a lost
-    # PING). With one end pinging every third it was 0.51^3 = 13 %.
+    # Keepalives (issue 30 item 4). An end checks every keepalive interval (idle_timeout /
+    # keepalives_per_idle_timeout). The dialling end PINGs once the connection has been quiet
+    # for keepalive_quiet_intervals intervals (it neither sent nor received anything
+    # ack-eliciting), the accepting end only after one interval more without hearing anything
+    # ack-eliciting. So an idle connection has the dialling end pinging and the accepting end
+    # acknowledging, and a connection that carries a heartbeat more often than that (an
+    # agent's load report, an edge's queue vector, each once a second; the daemons' quiet
+    # threshold is 1.5 s) carries no PING at all. Either end PINGs again at each check while
+    # what it last sent ack-eliciting (a PING or data) has drawn no packet at all back for 0.9
+    # of an interval: a lost PING or a lost answer is retried every interval until something
+    # is heard (besides aioquic's probe timeout, which resends a lost PING itself). An idle
+    # timer restarts on every packet its end *receives*. At the daemons' 4 s timeout (0.5 s
+    # intervals), after the last exchange that got through, the dialling end tries at
+    # 1.5-2 s and then every 0.5 s (~5 tries before the timeout), the accepting end, hearing
+    # none of them, from 2-2.5 s (~4 tries): on a path losing 30 % of the packets each way the
+    # dialling end hears nothing for a whole timeout only if each of its tries fails (~0.51:
+    # the PING or its ACK lost) and each of the peer's PINGs is lost (0.3), ~0.51^5 * 0.3^4 ~
+    # 3e-4 (the accepting end likewise), before the probe timeout's retransmissions.
     keepalives_per_idle_timeout: int = 8
+    keepalive_quiet_intervals: int = 3
     handshake_timeout: float = 5.0
     reconnect_initial: float = 0.05
     reconnect_max: float = 5.0
@@ -89,6 +97,9 @@ class TransportOptions:
                              f"got {self.max_datagram_size!r}")
         if not 1 <= self.keepalives_per_idle_timeout <= 100:
             raise ValueError(f"keepalives_per_idle_timeout must be in [1, 100], got {self.keepalives_per_idle_timeout}")
+        if not 1 <= self.keepalive_quiet_intervals < self.keepalives_per_idle_timeout:
+            raise ValueError(f"keepalive_quiet_intervals must be in [1, keepalives_per_idle_timeout), "
+                             f"got {self.keepalive_quiet_intervals}")
         if not 1 <= self.exchange_streams <= 64:
             raise ValueError(f"exchange_streams must be in [1, 64], got {self.exchange_streams}")
         for name in ("idle_timeout", "handshake_timeout", "reconnect_initial", "reconnect_max"):

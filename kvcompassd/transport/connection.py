@@ -102,6 +102,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._keepalive: asyncio.TimerHandle | None = None
         self._heard_at = float("-inf")  # when the peer last sent us an ack-eliciting packet
+        self._received_at = float("-inf")  # when the peer last sent us any packet (an ACK too)
         self._control = SerialDispatcher(node.deliver)
         self._datagrams = SerialDispatcher(node.deliver)
 
@@ -144,6 +145,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         # acknowledgements and any replies, where aioquic would build and send several).
         now = self._loop.time()
         self._quic.receive_datagram(data, addr, now=now)
+        self._received_at = now
         if acknowledgement_due(self._quic):
             self._heard_at = now  # an ack-eliciting packet: our ACK answers it, no PING needed
         self._process_events()
@@ -318,20 +320,27 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._keepalive = self._loop.call_later(self.node.options.keepalive_interval, self._keepalive_due)
 
     def _keepalive_due(self) -> None:
-        """PING unless something ack-eliciting went out within the interval (which already
-        restarted the peer's idle timer, if it arrived) or came in (our ACK of it restarts the
-        peer's timer, and its arrival restarted ours). The dialling end counts what came in
-        over one interval, the accepting end over one and a half: an idle connection then has
-        the dialling end ping and the accepting end acknowledge, half the packets of both
-        pinging (with equal thresholds two ends whose timers fire in step each ping just before
-        hearing the other's, and both go on pinging), and an accepting end whose peer's pings
-        stop arriving pings itself half an interval later."""
+        """PING when the connection has been quiet for a while, or when what this end last
+        sent drew no answer (``TransportOptions``, keepalives). Quiet: nothing ack-eliciting
+        went out for ``keepalive_quiet_intervals`` intervals (which would have restarted the
+        peer's idle timer, had it arrived) nor came in (our ACK of it restarts the peer's timer,
+        its arrival restarted ours); the accepting end also waits one interval more for the
+        peer's PINGs, so an idle connection has the dialling end ping and the accepting end
+        acknowledge (with equal thresholds two ends whose timers fire in step each ping just
+        before hearing the other's, and both go on pinging), and an accepting end whose peer's
+        pings stop arriving pings itself. Unanswered: no packet at all has come back since the
+        last ack-eliciting one went out 0.9 of an interval ago (a lost PING, or its lost ACK),
+        so this end tries again every interval until it hears something."""
         if self.terminated:
             return
-        interval = self.node.options.keepalive_interval
+        options = self.node.options
+        interval = options.keepalive_interval
         now = self._loop.time()
-        unheard = interval * (0.9 if self.outbound else 1.5)
-        if now - last_ack_eliciting_sent(self._quic) >= interval * 0.9 and now - self._heard_at >= unheard:
+        sent_at = last_ack_eliciting_sent(self._quic)
+        quiet = interval * (options.keepalive_quiet_intervals - 0.1)
+        unheard = quiet if self.outbound else quiet + interval
+        unanswered = self._received_at < sent_at <= now - interval * 0.9
+        if unanswered or (now - sent_at >= quiet and now - self._heard_at >= unheard):
             self._quic.send_ping(0)
             self.transmit()
         self._schedule_keepalive()
