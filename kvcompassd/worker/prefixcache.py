@@ -190,6 +190,11 @@ class PrefixCache:
         """The event ids of the cached pages prefixing ``tokens``."""
         return [page.id for page in self._walk(tokens)]
 
+    def path_ids(self, tokens: Sequence[int]) -> list[int]:
+        """The event ids of every full page of ``tokens``, cached or not, root first: the pages
+        a request for ``tokens`` pins once its prompt is cached (``lock`` then ``insert``)."""
+        return [digest_to_int64(digest) for _, digest in self._chain(tokens)]
+
     # ------------------------------------------------------------------------------ updates
 
     def lock(self, tokens: Sequence[int], *, now: float,
