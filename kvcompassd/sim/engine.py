@@ -36,8 +36,8 @@ from .policy import (FALSE_LOST_IN_FLIGHT, FALSE_NO_VRAM_ROOM, FALSE_VIEW_AHEAD,
                      PolicyError, RoutingPolicy, Topology)
 from .workloads import Request
 
-_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY, _CLIENT_FREE = range(7)
-FIRST_SUBCLASS_EVENT = 7  # kinds from here on are a subclass's (``Simulation._other_event``)
+_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY, _CLIENT_FREE, _END = range(8)
+FIRST_SUBCLASS_EVENT = 8  # kinds from here on are a subclass's (``Simulation._other_event``)
 REMOTE_ONLY_MIN_TOKENS = 1024  # appendix D / Fig. 19 threshold
 INTRA_REGION_GBPS = 100.0  # regional network for KV-tensor copies (paper §3.5: tens to hundreds of Gbps)
 
@@ -249,6 +249,9 @@ class Simulation:
         # schemes) is not sent load reports: they would cost a queue probe each, for nothing.
         self._reads_load = not (getattr(type(policy), "on_worker_load", None) is BasePolicy.on_worker_load
                                 and getattr(type(policy), "on_response", None) is BasePolicy.on_response)
+        # A policy that overrides on_request_end is told when each request's end reaches its edge.
+        self._tells_end = (getattr(type(policy), "on_request_end", BasePolicy.on_request_end)
+                           is not BasePolicy.on_request_end)
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
@@ -465,6 +468,8 @@ class Simulation:
         ``_finished``)."""
         back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
         self._record(st, at + back)
+        if self._tells_end:
+            self._push(at + back, _END, (st.req, w))
         del self._inflight[rid]
 
     def _other_event(self, kind: int, payload: Any, now: float) -> None:
@@ -590,6 +595,9 @@ class Simulation:
             elif kind == _RESPONSE:
                 req, w, reused, qv = payload
                 policy.on_response(w, req, reused, qv, now=t)
+            elif kind == _END:
+                req, w = payload
+                policy.on_request_end(w, req, now=t)
             elif kind == _COPY:
                 order = payload
                 self._emit_cache_events(order.dest_worker, self.caches[order.dest_worker].insert(order.tokens, now=t), t)
