@@ -21,8 +21,9 @@ case). The last term is a prefill held back by memory: a worker admits a prompt 
 KV fits beside the running requests' (SGLang's ``PrefillAdder``), and only a finish frees
 room, so a request that waited for room starts at an end; as decoding pauses while a prompt is
 prefilled (SGLang runs a pending prefill batch, chunk after chunk, before the next decode
-batch; not so with ``--enable-mixed-chunk``), no end falls inside a prefill and the term never
-cuts one short. A wait for room the worker's queue report counts (the queue ahead of the
+batch; not so with ``--enable-mixed-chunk`` nor with vLLM, which mixes decodes into prefill
+steps: there an end inside a long prefill cuts the sample short, and the median absorbs a few),
+no end falls inside a prefill and the term never cuts one short. A wait for room the worker's queue report counts (the queue ahead of the
 request, ``kvcompassd/worker/workermodel.py``) keeps the request from being sampled at all
 (below); the one the report cannot count, the request's own prompt not fitting, ends at an
 end this edge may have seen (issue 28: on the Mooncake trace at 1.5x the testbed's capacity
