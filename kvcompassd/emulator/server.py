@@ -529,7 +529,12 @@ class EmulatedEngine:
             queue_ms = self.model.queue_ms(now=now) * self.settings.time_scale
         else:
             running, waiting, pending, queue_ms = self.inflight, 0, 0, 0.0
-        used = self.cache.vram_used_tokens
+        # As SGLang counts them: the KV the running requests hold (not the evictable cache), and
+        # that plus every waiting prompt's length (what must fit before the queue drains; more
+        # than the capacity: the head waits for room, the wait estimated_queue_ms counts).
+        used = self.cache.pinned_vram_pages * self.cache.block_size
+        waiting_prompts = sum(len(q.prompt) for q in self._queued.values()
+                              if q.found is None and q.no_prefill is None)
         capacity = self.cache.vram_pages_max * self.cache.block_size
         hit = self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
         throughput = sum(n for _, n in self._recent_tokens) / 10.0
@@ -539,7 +544,7 @@ class EmulatedEngine:
             "num_waiting_reqs": waiting,
             "num_waiting_uncached_tokens": pending,
             "num_used_tokens": used,
-            "num_total_tokens": used + pending,
+            "num_total_tokens": used + waiting_prompts,
             "max_total_num_tokens": capacity,
             "token_usage": round(used / capacity, 4) if capacity else 0.0,
             "gen_throughput": throughput,
