@@ -24,8 +24,9 @@ The scheduler is SGLang's default one, simplified to what matters for time-to-fi
   it runs, a root path of page ids) and ``vram_pages``, and the run-ahead that answers the
   report admits the head of the queue only when the union of the running requests' paths and
   its own fits in ``vram_pages``, as ``PrefixCache.lock(only_if_room=True)`` does. The union of
-  root paths is kept sorted with the common prefix of neighbours, so a start or a finish costs
-  O(log slots) comparisons and the read stays O(slots);
+  root paths is kept sorted with the common prefix of neighbours (:class:`PinnedPaths`), so a
+  start or a finish in the run-ahead costs O(log slots) path comparisons and a read stays
+  O(slots);
 - the GPU does one thing at a time: a pending prefill runs first (prefill-first scheduling) and
   pauses decoding; prefills run one after another in admission order;
 - a prefill costs ``beta`` per uncached token plus ``gamma`` per token reloaded from DRAM and
@@ -180,8 +181,8 @@ class PinnedPaths:
 
     The paths are kept sorted; the union's size is the sum of their lengths less the common
     prefix of each sorted neighbour pair, so adding or removing a path changes it by its length
-    less the longer of its common prefixes with its two neighbours: O(log n) comparisons and
-    one list insertion, never a pass over the pages."""
+    less the longer of its common prefixes with its two neighbours: O(log n) path comparisons
+    (each at most a path's length, in C) and one list insertion, never a pass over the union."""
 
     __slots__ = ("capacity", "size", "_keys", "_prefix", "_by_id")
 
@@ -248,7 +249,6 @@ class PinnedPaths:
             del self._prefix[at - 1]
         elif last > 0:
             del self._prefix[0]
-
 
 
 class WorkerQueueModel:
