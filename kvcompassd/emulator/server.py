@@ -451,7 +451,7 @@ class EmulatedEngine:
             self._waiters.pop(gen.rid, None)
             queued = self._queued.pop(gen.rid, None)
             if queued is not None and queued.lease is not None and not queued.lease.released:
-                self.cache.unlock(queued.lease)  # aborted after its prefill started
+                self.cache.unlock(queued.lease)  # a prefill instance's, or aborted after its prefill started
             if lease is not None:
                 self.cache.unlock(lease)
             self.inflight -= 1
@@ -485,11 +485,14 @@ class EmulatedEngine:
 
     def _finished(self, rid: str, now: float) -> None:
         """The last token is out: the output's KV is cached (like cache_finished_req, the last
-        token's never computed) and the pages released, before anything else is scheduled."""
+        token's never computed) and the pages released, before anything else is scheduled. A
+        prefill instance keeps them pinned until its KV went to the decode instance (released
+        when ``generate`` ends)."""
         queued = self._queued[rid]
         if queued.lease is not None:
             self._publish(self.cache.insert(queued.prompt + queued.output[:-1], now=now, lease=queued.lease))
-            self.cache.unlock(queued.lease)
+            if self.settings.role != "prefill":
+                self.cache.unlock(queued.lease)
 
     def _footprint(self, rid: str) -> tuple[int, ...]:
         """The pages the request pins while it runs (for the queue report's run-ahead)."""
