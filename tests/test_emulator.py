@@ -387,3 +387,67 @@ async def test_prompts_past_the_context_length_are_refused_with_sglangs_messages
                        {"input_ids": [7] * 4000, "sampling_params": {"max_new_tokens": 96}})
     finally:
         await worker.stop()
+
+
+async def test_a_prefix_evicted_while_the_request_waits_is_not_credited() -> None:
+    # SGLang matches a prompt's prefix when its prefill starts. VRAM holds 8 pages of 16 tokens
+    # and there is no DRAM: a 64-token prompt is served and cached (4 pages); a 112-token one
+    # then prefills, and the first prompt, sent again meanwhile, waits behind it with 48 tokens
+    # (3 pages) of its prefix cached on arrival. The second's KV (7 pages) evicts 3 of the 4
+    # when its prefill ends, so the waiting request reuses the 16 tokens left, and says so.
+    # (Matched on arrival, it pinned its 48 tokens and was credited with them.)
+    timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=1.0, max_running=4)
+    worker = EmulatedWorker(settings(timing=timing, time_scale=1.0, vram_kv_tokens=128, dram_kv_tokens=0))
+    await worker.start()
+    engine = worker.engine
+    one_token = {"sampling_params": {"max_new_tokens": 1}}
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{worker.http_url}/generate"
+            prompt = list(range(1, 65))
+            first = await post(session, url, {"input_ids": prompt, **one_token})
+            assert first["meta_info"]["cached_tokens"] == 0
+            assert engine.cache.match(prompt[:-1]).total_tokens == 48
+            long = asyncio.create_task(post(session, url, {"input_ids": list(range(1000, 1112)), **one_token}))
+            await until(lambda: engine.model.pending_prefill_tokens > 0)  # the long one is prefilling
+            again = asyncio.create_task(post(session, url, {"input_ids": prompt, **one_token}))
+            await until(lambda: engine.model.running == 2)  # queued behind it
+            assert engine.cache.match(prompt[:-1]).total_tokens == 48 and engine.cache.pinned_vram_pages == 0
+            long_meta = (await long)["meta_info"]
+            again_meta = (await again)["meta_info"]
+            assert long_meta["cached_tokens"] == 0
+            assert again_meta["cached_tokens"] == 16  # 32 of its 48 evicted before its prefill started
+            assert engine.cache.pinned_vram_pages == 0 and engine.model.running == 0
+    finally:
+        await worker.stop()
+
+
+async def test_a_prompt_waiting_for_vram_room_shows_in_the_queue_report() -> None:
+    # VRAM holds 16 pages: a 160-token prompt (10 pages) decodes for 50 steps of 10 ms while a
+    # second 160-token one waits for its pages, then prefills in 160 ms. A new arrival waits for
+    # both, and /v1/loads says so (at time scale 1, in wall ms).
+    timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.0, max_running=4)
+    worker = EmulatedWorker(settings(timing=timing, time_scale=1.0, vram_kv_tokens=256, dram_kv_tokens=0))
+    await worker.start()
+    engine = worker.engine
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{worker.http_url}/generate"
+            holder = asyncio.create_task(post(session, url, {"input_ids": list(range(1, 161)),
+                                                             "sampling_params": {"max_new_tokens": 51}}))
+            await until(lambda: engine.model.decoding == 1)
+            waiting = asyncio.create_task(post(session, url, {"input_ids": list(range(500, 660)),
+                                                              "sampling_params": {"max_new_tokens": 1}}))
+            await until(lambda: engine.model.head_blocked)
+            async with session.get(f"{worker.http_url}/v1/loads") as response:
+                load = (await response.json())["loads"][0]
+            # as SGLang reports it: the running request's KV and the waiting prompt exceed the pool
+            assert (load["num_used_tokens"], load["num_total_tokens"], load["max_total_num_tokens"]) == (160, 320, 256)
+            # at most 500 ms of decode left, then 160 ms of prefill: far more than the 160 ms
+            # a report blind to the wait would give
+            queue_ms = load["estimated_queue_ms"]
+            assert 160 + 250 <= queue_ms <= 160 + 500
+            await holder
+            assert (await waiting)["meta_info"]["cached_tokens"] == 0
+    finally:
+        await worker.stop()

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from clusters import make_cluster
 from kvcompassd.core.config import ConfigError
 from kvcompassd.core.rates import LearnedRates, RateEstimator, RatesError
+from kvcompassd.worker.workermodel import FirstTokenProduced, WorkerTiming
+from worker_cache import CacheOwner
 
 BETA = 0.1  # configured ms per token
 DECODE = 10.0  # make_cluster's
@@ -368,3 +370,95 @@ def test_estimator_factor_is_the_median_of_its_window(ratios, window, bound):
             median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
             assert estimator.factor == math.exp(median)
             assert len(estimator) == len(kept)
+
+
+# ---------------------------------------------------------------------------- waits for VRAM room
+
+
+def _serve_on_a_model(rates, cfg, sends, *, counts_room: bool) -> None:
+    """One worker (us-0: 0.1 ms/token, 2,048 tokens of VRAM in pages of 16, DRAM for the rest)
+    modelled exactly with its prefix cache, sent ``sends`` = (edge time, id, tokens, output
+    tokens, whether this edge sent it). This edge sends each of its own with the worker's queue
+    report as the queue ahead and the prefill it expects as its charge, and sees the first
+    tokens and ends one way after they happen; the other edge's requests it does not see."""
+    one_way = cfg.rtt_ms("us", "us") / 2000.0
+    owner = CacheOwner(vram_tokens=2048, block_size=16, dram_tokens=1 << 20)
+    model = owner.model(WorkerTiming(prefill_ms_per_token=BETA, decode_ms_per_token=DECODE, decode_batch_slope=0.0),
+                        counts_room=counts_room)
+    seen: list[tuple[float, object]] = []  # (edge time, event)
+    mine: dict[str, int] = {}
+    outputs: dict[str, int] = {}
+
+    def deliver(upto: float) -> None:
+        seen.sort(key=lambda item: item[0])
+        while seen and seen[0][0] <= upto:
+            at, event = seen.pop(0)
+            dispatch = mine.get(event.request_id)
+            if dispatch is None:
+                continue
+            if isinstance(event, FirstTokenProduced):
+                rates.first_token(dispatch, now=at)
+            else:
+                rates.finished(dispatch, uncached_tokens=owner.uncached[event.request_id],
+                               output_tokens=outputs[event.request_id], now=at)
+
+    for n, (t, rid, tokens, output, own) in enumerate(sends):
+        seen.extend((e.at + one_way, e) for e in model.advance(now=t + one_way))
+        deliver(t)
+        if own:
+            found = owner.cache.match(tokens)
+            mine[rid] = n
+            rates.sent(n, 0, now=t, ahead_ms=model.queue_ms(now=t + one_way),
+                       work_ms=BETA * (len(tokens) - found.total_tokens) + 0.00524 * found.dram_tokens)
+        outputs[rid] = output
+        owner.admit(model, rid, tokens, output, t + one_way)
+    while (due := model.next_event_time()) is not None:
+        seen.extend((e.at + one_way, e) for e in model.advance(now=due))
+    deliver(math.inf)
+
+
+def _prompt(first: int, tokens: int) -> list[int]:
+    return list(range(first, first + tokens))
+
+
+def test_a_wait_for_vram_room_that_the_queue_report_counts_is_not_learned_as_prefill():
+    # Every 2 s another edge sends a 960-token prompt that decodes for 300 ms (60 pages pinned),
+    # then an 1,280-token one (80 pages) whose pages wait in DRAM: it reloads in 7 ms but must
+    # wait for the first to finish, for 128 pages do not hold both. This edge's 1,000-token
+    # request sent behind it waits too. Its queue report counts that wait, so the edge knows
+    # others' work is ahead and takes no sample; every other cycle a request finds the worker
+    # idle and teaches the true rate. A report that left the wait out (only the 7 ms reload
+    # ahead, within a tenth of the request's own 100 ms) made each such request a sample 2.6x
+    # too slow: the rate learned was theirs.
+    sends = []
+    for cycle in range(24):
+        t = 2.0 * cycle
+        sends += [(t, f"hold{cycle}", _prompt(1_000_000, 960), 31, False),
+                  (t + 0.1, f"wait{cycle}", _prompt(2_000_000, 1280), 1, False),
+                  (t + 0.15, f"behind{cycle}", _prompt(3_000_000 + 10_000 * cycle, 1000), 1, True)]
+        if cycle % 2:
+            sends.append((t + 1.0, f"idle{cycle}", _prompt(4_000_000 + 10_000 * cycle, 1000), 1, True))
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    _serve_on_a_model(rates, cfg, sends, counts_room=True)
+    assert rates.prefill_ms_per_token(0) == pytest.approx(BETA, rel=0.02)
+    blind = LearnedRates(cfg, "us")
+    _serve_on_a_model(blind, cfg, sends, counts_room=False)
+    assert blind.prefill_ms_per_token(0) > 2 * BETA
+
+
+def test_a_request_that_waited_for_vram_room_is_timed_from_the_end_that_freed_it():
+    # This edge sends both: a 960-token prompt that decodes for 300 ms, then a new 1,280-token
+    # one that cannot start until the first frees its pages. No queue report can count that
+    # wait (it is the request's own size that does not fit); the first one's end, seen one way
+    # after it happened, is when the second's prefill started.
+    sends = []
+    for cycle in range(24):
+        t = 2.0 * cycle
+        sends += [(t, f"hold{cycle}", _prompt(1_000_000 + 10_000 * cycle, 960), 31, True),
+                  (t + 0.1, f"wait{cycle}", _prompt(5_000_000 + 10_000 * cycle, 1280), 1, True)]
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    _serve_on_a_model(rates, cfg, sends, counts_room=True)
+    assert rates.snapshot()["prefill_samples"][0] == 31
+    assert rates.prefill_ms_per_token(0) == pytest.approx(BETA, rel=0.02)

@@ -265,6 +265,40 @@ def test_a_prefill_waits_for_room_beside_the_running_requests_then_reloads_its_d
     assert r["reused_tokens"][3] == 320 and r["dram_tokens"][3] == 320 and r["false_cause"][3] == 0
 
 
+def test_the_queue_a_worker_reports_counts_the_wait_for_vram_room():
+    # When the follow-up's prefill ends, the request for TOKENS is at the head with no room
+    # beside the follow-up's 40 pinned pages: the load reported then is the wait of a new
+    # arrival behind it, the follow-up's 99 decode steps, then TOKENS's reload and the rest of
+    # its prefill; not its prefill alone (a report blind to the room gave that, ~11.7 ms).
+    topo = two_region_topology(1, 0, vram=640, dram=10_000)
+    policy = Fixed(topo, worker=0, claim=320)
+    simulate(topo, policy, ROOM_STREAM)
+    prefilled = 2.0 + INTRA / 1000 + 5000 * BETA / 1000
+    reported = [q for w, q, now in policy.loads if now == pytest.approx(prefilled)][-1]
+    own_prefill = 100 * BETA + 320 * topo.gamma_ms_per_token  # TOKENS reloaded, 100 tokens computed
+    assert reported == pytest.approx(99 * DECODE + own_prefill)
+
+
+class SeesEnds(Fixed):
+    """A policy told each request's end as it reaches its edge."""
+
+    def __init__(self, topo, worker: int):
+        super().__init__(topo, worker)
+        self.ends: list = []
+
+    def on_request_end(self, worker_index, req, *, now):
+        self.ends.append((worker_index, req.id, now))
+
+
+def test_a_policy_that_asks_is_told_each_requests_end_when_it_reaches_the_edge():
+    topo = two_region_topology(1, 1)
+    policy = SeesEnds(topo, worker=1)
+    res = simulate(topo, policy, [req(0, 0.0, TOKENS, out=3), req(1, 0.5, TOKENS, out=1)])
+    r = res.records
+    assert policy.ends == [(1, 0, pytest.approx(r["e2e_ms"][0] / 1000)),
+                           (1, 1, pytest.approx(0.5 + r["e2e_ms"][1] / 1000))]
+
+
 def test_a_dram_copy_that_finds_no_vram_to_reload_into_is_told_apart_from_one_lost_in_flight(monkeypatch):
     # Where prefills start without waiting for room (a disaggregated fleet's prefill workers,
     # whose KV stays pinned through its transfer), the request for TOKENS finds, when its

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker_cache import CacheOwner
 from kvcompassd.worker.workermodel import (
     FirstTokenProduced,
+    PinnedPaths,
     RequestFinished,
     WorkerModelError,
     WorkerQueueModel,
@@ -379,3 +382,121 @@ def test_a_head_with_no_room_waits_for_a_finish_and_blocks_those_behind_it() -> 
     events = drain(model)
     first = {e.request_id: e.at for e in events if isinstance(e, FirstTokenProduced)}
     assert first == {"a": pytest.approx(0.010), "b": pytest.approx(0.040), "c": pytest.approx(0.050)}
+
+
+# ---------------------------------------------------------------------------- the wait for VRAM room
+
+
+def replayed_with_cache(owner: CacheOwner, model: WorkerQueueModel, now: float, *,
+                        missed: list[bool] | None = None) -> float:
+    """The reference for a model with a cache: copy both, add an empty one-token request (it
+    needs no pages) at ``now`` and run the copies until it produces its first token.
+    ``missed`` gets whether a prefill in the replay reused other than its arrival estimate."""
+    owner, model = copy.deepcopy((owner, model))
+    owner.estimate_missed = False
+    owner.admit(model, "\x00replay", [], 1, now)
+    while True:
+        for event in model.advance(now=model.next_event_time()):
+            if event.request_id == "\x00replay":
+                if missed is not None:
+                    missed.append(owner.estimate_missed)
+                return 1000.0 * (event.at - now)
+
+
+ROOMY = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.0, max_running=8)
+
+
+def test_a_head_waiting_for_vram_room_shows_in_the_queue_report() -> None:
+    owner = CacheOwner(vram_tokens=40)  # 10 pages of 4 tokens
+    model = owner.model(ROOMY)
+    owner.admit(model, "a", list(range(32)), 6, now=0.0)  # 8 pages; 32 ms prefill, then 5 steps
+    owner.admit(model, "b", list(range(100, 132)), 1, now=0.0)  # 8 more pages: no room beside a's
+    model.advance(now=0.040)
+    assert model.head_blocked and model.waiting == 0  # a slot is free: only VRAM holds b back
+    # b starts when a finishes (32 + 50 ms) and prefills for 32 ms: a new arrival waits for both
+    assert model.queue_ms(now=0.040) == pytest.approx(82 + 32 - 40)
+    assert model.queue_ms(now=0.040) == pytest.approx(replayed_with_cache(owner, model, 0.040))
+    # without the pages the report sees only b's prefill, as if it could start now
+    blind_owner = CacheOwner(vram_tokens=40)
+    blind = blind_owner.model(ROOMY, counts_room=False)
+    blind_owner.admit(blind, "a", list(range(32)), 6, now=0.0)
+    blind_owner.admit(blind, "b", list(range(100, 132)), 1, now=0.0)
+    blind.advance(now=0.040)
+    assert blind.head_blocked and blind.queue_ms(now=0.040) == pytest.approx(32)
+
+
+def test_a_head_that_fits_adds_only_its_prefill() -> None:
+    owner = CacheOwner(vram_tokens=80)  # 20 pages: a's and b's fit together
+    model = owner.model(ROOMY)
+    owner.admit(model, "a", list(range(32)), 6, now=0.0)
+    owner.admit(model, "b", list(range(100, 132)), 1, now=0.0)
+    assert not model.head_blocked
+    assert model.queue_ms(now=0.010) == pytest.approx(22 + 32)  # a's prefill left, then b's
+    model.advance(now=0.040)
+    assert not model.head_blocked and model.queue_ms(now=0.040) == pytest.approx(24)  # b prefilling
+
+
+def test_a_head_sharing_pinned_pages_needs_only_its_new_ones() -> None:
+    owner = CacheOwner(vram_tokens=40)
+    model = owner.model(ROOMY)
+    owner.admit(model, "a", list(range(32)), 6, now=0.0)
+    owner.admit(model, "b", list(range(24)) + list(range(500, 508)), 1, now=0.0)  # 6 pages shared with a
+    model.advance(now=0.040)
+    assert not model.head_blocked  # 2 new pages beside a's 8
+    assert model.queue_ms(now=0.040) == pytest.approx(replayed_with_cache(owner, model, 0.040))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(0, 44), st.integers(0, 3), st.integers(1, 12),
+                          st.booleans()), min_size=1, max_size=30),
+       st.integers(1, 5))
+def test_queue_ms_with_vram_room_equals_a_replay(steps, max_running) -> None:
+    """Prompts share prefixes (one of four stems) and VRAM holds ten pages: heads block often;
+    at each look the report is the wait a replay of model and cache gives a request needing
+    no pages. The report runs ahead on the reuse each request was estimated at on arrival: a
+    look where a later prefill reuses otherwise (a stem cached or evicted meanwhile; the model
+    renews its run-ahead when that happens, tested above) is not compared."""
+    timing = WorkerTiming(prefill_ms_per_token=1.0, decode_ms_per_token=10.0, decode_batch_slope=0.05,
+                          max_running=max_running)
+    owner = CacheOwner(vram_tokens=40)
+    model = owner.model(timing)
+    now = 0.0
+    for i, (gap, length, stem, output, look) in enumerate(steps):
+        now += gap
+        model.advance(now=now)
+        tokens = [stem * 10_000 + k for k in range(8)] + [i * 100 + 1_000_000 + k for k in range(length)]
+        owner.admit(model, f"r{i}", tokens, output, now)
+        if look:
+            missed: list[bool] = []
+            replayed = replayed_with_cache(owner, model, now, missed=missed)
+            if not missed[0]:
+                assert model.queue_ms(now=now) == pytest.approx(replayed, abs=1e-6)
+    drain(model)
+    assert model.running == model.waiting == 0 and owner.cache.pinned_vram_pages == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.lists(st.integers(0, 2), max_size=6)),
+                max_size=40))
+def test_pinned_paths_count_the_union_of_the_paths(ops) -> None:
+    """Adding and removing root paths of a small tree keeps the size of their union, and the
+    pages a new path adds, equal to a recount with sets."""
+    pinned = PinnedPaths(capacity=20)
+    held: dict[str, tuple[int, ...]] = {}
+
+    def nodes(path: tuple[int, ...]) -> set[tuple[int, ...]]:
+        return {path[: k + 1] for k in range(len(path))}
+
+    for n, (add, which, digits) in enumerate(ops):
+        path = tuple(digits)
+        union = set().union(*map(nodes, held.values())) if held else set()
+        assert pinned.added_pages(path) == len(nodes(path) - union)
+        if add or not held:
+            pinned.add(f"q{n}", path)
+            held[f"q{n}"] = path
+        else:
+            rid = sorted(held)[which % len(held)]
+            pinned.discard(rid)
+            del held[rid]
+        union = set().union(*map(nodes, held.values())) if held else set()
+        assert pinned.size == len(union) and len(pinned) == len(held)

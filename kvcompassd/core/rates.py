@@ -12,10 +12,22 @@ so the service time of a request, as the edge sees it, is the time from whicheve
 the request reaching the worker, or the previous first token this edge saw from that worker --
 to its own first token:
 
-    service = min(first_token - sent - RTT,  first_token - previous_first_token)
+    service = min(first_token - sent - RTT,  first_token - previous_first_token,
+                  first_token - previous_end)
 
-(a worker's first tokens reach the edge one way after they are produced, so the previous one's
-one-way cancels out; the round trip to the worker's region is the WAN share of the first case).
+(a worker's first tokens and ends reach the edge one way after they happen, so the previous
+one's one-way cancels out; the round trip to the worker's region is the WAN share of the first
+case). The last term is a prefill held back by memory: a worker admits a prompt only when its
+KV fits beside the running requests' (SGLang's ``PrefillAdder``), and only a finish frees
+room, so a request that waited for room starts at an end; as decoding pauses while a prompt is
+prefilled (SGLang runs a pending prefill batch, chunk after chunk, before the next decode
+batch; not so with ``--enable-mixed-chunk`` nor with vLLM, which mixes decodes into prefill
+steps: there an end inside a long prefill cuts the sample short, and the median absorbs a few),
+no end falls inside a prefill and the term never cuts one short. A wait for room the worker's queue report counts (the queue ahead of the
+request, ``kvcompassd/worker/workermodel.py``) keeps the request from being sampled at all
+(below); the one the report cannot count, the request's own prompt not fitting, ends at an
+end this edge may have seen (issue 28: on the Mooncake trace at 1.5x the testbed's capacity
+every worker was learned 1.63x too slow while its queue report left that wait out).
 
 A busy edge reads a backlog's first tokens in bunches (its event loop takes them one after the
 other, a few ms apart, though the worker produced them a service time apart), so the second term
@@ -23,7 +35,10 @@ is floored at this request's share of the backlog it waited for: ``(first_token 
 times its own charged prefill over that plus the charged prefill of this edge's dispatches
 still ahead of it there when it was sent. Without the floor a bunch's later first tokens read
 as nearly free prefills (tests/test_rates.py: a rate an eighth of the true one), and the worker
-the edge sends the most to, whose first tokens bunch the most, would look the cheapest.
+the edge sends the most to, whose first tokens bunch the most, would look the cheapest. The
+third term is floored the same way while some of this edge's work was ahead of the request
+(ends read in a bunch with first tokens); with none ahead, the end that let the request start
+is what it measures.
 
 Both terms hold only this edge's own work: the first the wait for the queue ahead of the request,
 the second every request the worker served since this edge's previous first token from it. A
@@ -172,6 +187,7 @@ class LearnedRates:
         # deletions from its front scans them all, 12 µs a decision at the cap)
         self._open: OrderedDict[int, list] = OrderedDict()
         self._last_first = [-math.inf] * len(cfg.workers)  # the latest first token seen per worker
+        self._last_end = [-math.inf] * len(cfg.workers)  # the latest end seen per worker
         # Per worker: the prefill ms of this edge's dispatches there still awaiting their first token.
         self._own_ahead_ms = [0.0] * len(cfg.workers)
 
@@ -212,11 +228,15 @@ class LearnedRates:
         self._release(record)  # (zeroes record[4]: read first)
         after_arrival = now - sent_at - self._rtt_s[worker]
         after_previous = now - self._last_first[worker]
-        if work_ms > 0.0:  # first tokens read in a bunch are not a service time apart: floored
-            after_previous = max(after_previous, after_arrival * work_ms / (own_ahead_ms + work_ms))
+        after_end = now - self._last_end[worker]  # a prefill held back for memory starts at an end
+        if work_ms > 0.0:  # first tokens (and ends) read in a bunch are not a service time apart
+            share = after_arrival * work_ms / (own_ahead_ms + work_ms)
+            after_previous = max(after_previous, share)
+            if own_ahead_ms > 0.0:  # (with nothing of ours ahead, an end is what let it start)
+                after_end = max(after_end, share)
         record[2] = now
         if record[5]:  # else others' work may have been ahead of it: no prefill sample
-            record[3] = 1000.0 * min(after_previous, after_arrival)
+            record[3] = 1000.0 * min(after_previous, after_arrival, after_end)
         self._last_first[worker] = max(self._last_first[worker], now)
 
     def finished(self, dispatch: int, *, uncached_tokens: int, output_tokens: int, now: float) -> bool:
@@ -228,6 +248,7 @@ class LearnedRates:
                 self._release(record)
             return False
         worker, _, first_at, service_ms, _, _, _ = record
+        self._last_end[worker] = max(self._last_end[worker], now)
         changed = False
         if output_tokens >= 2:
             ratio = 1000.0 * (now - first_at) / (output_tokens - 1) / self.configured_decode[worker]
@@ -239,6 +260,13 @@ class LearnedRates:
             self._prefill_own[worker] = own.factor
             self._prefill_ready[worker] = len(own) >= self._min_samples
         return changed
+
+    def ended(self, worker: int, *, now: float) -> None:
+        """One of this edge's requests at ``worker`` ended at ``now``, after its dispatch was
+        closed (a shell that closes dispatches at the first token, as the simulator's policy
+        does, and still sees each end; ``finished`` notes the end itself)."""
+        if self.enabled:
+            self._last_end[worker] = max(self._last_end[worker], now)
 
     def own_work_ahead_ms(self, worker: int) -> float:
         """The prefill ms this edge charged for its dispatches to ``worker`` that await their first token."""

@@ -35,7 +35,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvcompassd.worker.kvtransfer import KvTransferTiming
-from kvcompassd.worker.prefixcache import EvictionPolicy, PrefixCache
+from kvcompassd.worker.prefixcache import CacheLease, CacheMatch, EvictionPolicy, PrefixCache
 from kvcompassd.worker.workermodel import FirstTokenProduced, WorkerModelError, WorkerQueueModel, WorkerTiming
 from kvcompassd.emulator.kvtransfer import Bootstrap, KvSender, receive_kv
 from kvcompassd.emulator.publisher import KvEventPublisher
@@ -236,6 +236,18 @@ class Generation:
         return meta
 
 
+@dataclass(slots=True)
+class _Queued:
+    """A request in the model: what its cache side needs at its prefill's start, end and finish."""
+
+    prompt: list[int]
+    output: list[int]
+    no_prefill: tuple[int, int] | None = None  # a decode instance's: the prompt's KV came with it
+    lease: CacheLease | None = None
+    found: CacheMatch | None = None  # what it reused, matched when its prefill started
+    pinned: tuple[int, ...] | None = None  # its lease's pages once its prompt is cached
+
+
 class _Metrics:
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
@@ -270,7 +282,13 @@ class EmulatedEngine:
             block_size=settings.block_size, vram_tokens=settings.vram_kv_tokens,
             dram_tokens=settings.dram_kv_tokens, policy=EvictionPolicy(settings.eviction),
         )
-        self.model = WorkerQueueModel(settings.timing)
+        # The prefix is matched and pinned when the prefill starts, and only when the prompt's
+        # KV fits beside the running requests' (SGLang's PrefillAdder); the queue report counts
+        # the wait for that room (the model runs ahead with each request's pages).
+        self._queued: dict[str, _Queued] = {}
+        self.model = WorkerQueueModel(settings.timing, prefill_starts=self._prefill_starts,
+                                      prefill_ends=self._prefill_ends, finished=self._finished,
+                                      footprint=self._footprint, vram_pages=self.cache.vram_pages_max)
         self.metrics = _Metrics(settings.model)
         self._loop = asyncio.get_running_loop()
         self._t0 = self._loop.time()
@@ -358,6 +376,7 @@ class EmulatedEngine:
         lease = None
         try:
             output = gen.stop_at(output_tokens(gen.prompt, gen.max_new_tokens, self.settings.seed))
+            no_prefill = None
             if role == "decode":
                 assert gen.bootstrap is not None  # the route refuses a decode request without one
                 kv = await receive_kv(gen.bootstrap, self.settings.worker_id, gen.prompt,
@@ -366,24 +385,29 @@ class EmulatedEngine:
                 if output:
                     output = gen.stop_at([kv.first_token] + output[1:])
                 gen.cached_tokens = kv.cached_tokens  # the prefill's, as SGLang's decode reports it
-                vram, dram = len(gen.prompt), 0  # the prompt's KV is all here: no prefill
-            else:
-                # SGLang matches at most len-1 prompt tokens: one must be computed for the logits
-                lease, found, events = self.cache.lock(gen.prompt[:-1], now=self.model_now())
-                self._publish(events)
-                gen.cached_tokens = found.total_tokens
-                vram, dram = found.vram_tokens, found.dram_tokens
+                no_prefill = (len(gen.prompt), 0)  # the prompt's KV is all here: no prefill
             if role == "prefill":
                 gen.prefill_only = True
                 output = output[:1]
             first = done = None
             if self.delays:
+                # Matched (and pinned) when its prefill starts, as SGLang does: what it reuses is
+                # what the cache holds then (``_prefill_starts``); now only the estimate.
+                queued = self._queued[gen.rid] = _Queued(gen.prompt, output, no_prefill)
+                estimate = no_prefill or self._match(gen.prompt)
                 first, done = self._loop.create_future(), self._loop.create_future()
                 self._waiters[gen.rid] = (first, done)
                 # max_new_tokens = 0 still runs the prefill (its logits are dropped)
-                self.model.admit(gen.rid, len(gen.prompt), vram, dram, max(1, len(output)), now=self.model_now())
+                self.model.admit(gen.rid, len(gen.prompt), *estimate, max(1, len(output)), now=self.model_now())
                 self._wake.set()
                 await first
+                if queued.found is not None:
+                    gen.cached_tokens = queued.found.total_tokens
+            elif role != "decode":
+                # No modelled time: the prefill starts at once.
+                lease, found, events = self.cache.lock(gen.prompt[:-1], now=self.model_now())
+                self._publish(events)
+                gen.cached_tokens = found.total_tokens
             self.metrics.ttft.labels(self.metrics.model).observe(time.perf_counter() - gen.started)
             if lease is not None:
                 self._publish(self.cache.insert(gen.prompt, now=self.model_now(), lease=lease))
@@ -425,9 +449,59 @@ class EmulatedEngine:
             if role == "prefill" and not gen.finished and gen.bootstrap is not None and self.kv_sender is not None:
                 self.kv_sender.abandon(gen.bootstrap, "the prefill request ended before its KV was computed")
             self._waiters.pop(gen.rid, None)
+            queued = self._queued.pop(gen.rid, None)
+            if queued is not None and queued.lease is not None and not queued.lease.released:
+                self.cache.unlock(queued.lease)  # a prefill instance's, or aborted after its prefill started
             if lease is not None:
                 self.cache.unlock(lease)
             self.inflight -= 1
+
+    # -------------------------------------------------------------------------- the cache, as the model asks
+
+    def _match(self, prompt: list[int]) -> tuple[int, int]:
+        """What the cache holds of ``prompt`` now, by tier (SGLang matches all but the last token)."""
+        found = self.cache.match(prompt[:-1])
+        return found.vram_tokens, found.dram_tokens
+
+    def _prefill_starts(self, rid: str, now: float) -> tuple[int, int] | None:
+        """The model starts the request's prefill: match and pin its prefix now, or None while
+        its prompt's KV does not fit beside the running requests' (it waits at the head)."""
+        queued = self._queued[rid]
+        if queued.no_prefill is not None:
+            return queued.no_prefill
+        locked = self.cache.lock(queued.prompt[:-1], now=now, only_if_room=True, prompt_tokens=len(queued.prompt))
+        if locked is None:
+            return None
+        queued.lease, queued.found, events = locked
+        self._publish(events)
+        return queued.found.vram_tokens, queued.found.dram_tokens
+
+    def _prefill_ends(self, rid: str, now: float) -> None:
+        """The prompt is computed: its KV enters the cache before the next prefill starts."""
+        queued = self._queued[rid]
+        if queued.lease is not None:
+            self._publish(self.cache.insert(queued.prompt, now=now, lease=queued.lease))
+            queued.pinned = tuple(queued.lease.pages)
+
+    def _finished(self, rid: str, now: float) -> None:
+        """The last token is out: the output's KV is cached (like cache_finished_req, the last
+        token's never computed) and the pages released, before anything else is scheduled. A
+        prefill instance keeps them pinned until its KV went to the decode instance (released
+        when ``generate`` ends)."""
+        queued = self._queued[rid]
+        if queued.lease is not None:
+            self._publish(self.cache.insert(queued.prompt + queued.output[:-1], now=now, lease=queued.lease))
+            if self.settings.role != "prefill":
+                self.cache.unlock(queued.lease)
+
+    def _footprint(self, rid: str) -> tuple[int, ...]:
+        """The pages the request pins while it runs (for the queue report's run-ahead)."""
+        queued = self._queued[rid]
+        if queued.no_prefill is not None:
+            return ()
+        if queued.pinned is None:
+            queued.pinned = tuple(self.cache.path_ids(queued.prompt))
+        return queued.pinned
 
     def _account(self, gen: Generation) -> None:
         m, label = self.metrics, self.metrics.model
@@ -458,7 +532,12 @@ class EmulatedEngine:
             queue_ms = self.model.queue_ms(now=now) * self.settings.time_scale
         else:
             running, waiting, pending, queue_ms = self.inflight, 0, 0, 0.0
-        used = self.cache.vram_used_tokens
+        # As SGLang counts them: the KV the running requests hold (not the evictable cache), and
+        # that plus every waiting prompt's length (what must fit before the queue drains; more
+        # than the capacity: the head waits for room, the wait estimated_queue_ms counts).
+        used = self.cache.pinned_vram_pages * self.cache.block_size
+        waiting_prompts = sum(len(q.prompt) for q in self._queued.values()
+                              if q.found is None and q.no_prefill is None)
         capacity = self.cache.vram_pages_max * self.cache.block_size
         hit = self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
         throughput = sum(n for _, n in self._recent_tokens) / 10.0
@@ -468,7 +547,7 @@ class EmulatedEngine:
             "num_waiting_reqs": waiting,
             "num_waiting_uncached_tokens": pending,
             "num_used_tokens": used,
-            "num_total_tokens": used + pending,
+            "num_total_tokens": used + waiting_prompts,
             "max_total_num_tokens": capacity,
             "token_usage": round(used / capacity, 4) if capacity else 0.0,
             "gen_throughput": throughput,

@@ -243,7 +243,16 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     """Accept SGLang's ``/v1/loads`` shapes: a flat object, or per data-parallel rank entries
     under ``loads`` (summed). The queued prefill work (uncached tokens waiting) at the worker's
     prefill rate is the delay a new prompt waits; the emulator's exact ``estimated_queue_ms``
-    extension wins when present."""
+    extension wins when present.
+
+    The wait for VRAM room is in the emulator's figure (``WorkerQueueModel.queue_ms``), not in
+    the one read off a real SGLang: its report says that the head waits for memory
+    (``num_total_tokens``, the running requests' KV plus every waiting prompt, exceeds
+    ``max_total_num_tokens``) but not for how long, which hangs on the running requests'
+    remaining outputs, which it does not report. The queue estimate read off it is low by that
+    wait; the edge's rate learner times a request from the last end it saw at the worker
+    (``core/rates.py``), exact when that end freed the room, and otherwise may take the wait
+    for prefill."""
     entries = data.get("loads") if isinstance(data, dict) and isinstance(data.get("loads"), list) else [data]
     running = waiting = pending = 0
     explicit = None

@@ -36,8 +36,8 @@ from .policy import (FALSE_LOST_IN_FLIGHT, FALSE_NO_VRAM_ROOM, FALSE_VIEW_AHEAD,
                      PolicyError, RoutingPolicy, Topology)
 from .workloads import Request
 
-_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY, _CLIENT_FREE = range(7)
-FIRST_SUBCLASS_EVENT = 7  # kinds from here on are a subclass's (``Simulation._other_event``)
+_ARRIVE, _AT_WORKER, _WAKE, _RESPONSE, _DELIVER, _COPY, _CLIENT_FREE, _END = range(8)
+FIRST_SUBCLASS_EVENT = 8  # kinds from here on are a subclass's (``Simulation._other_event``)
 REMOTE_ONLY_MIN_TOKENS = 1024  # appendix D / Fig. 19 threshold
 INTRA_REGION_GBPS = 100.0  # regional network for KV-tensor copies (paper §3.5: tens to hundreds of Gbps)
 
@@ -93,6 +93,8 @@ class _InFlight:
     claim_source: int = FALSE_VIEW_AHEAD  # the cause if the worker held less already (explain_claim)
     reload_short: bool = False  # it held more at its prefill's start than its lock could reuse (no VRAM to reload DRAM into)
     migration: bool = False
+    path_pages: tuple[int, ...] | None = None  # its prompt's full pages (ids), once the queue report asked
+    pinned_pages: tuple[int, ...] | None = None  # the pages its lease pins from its prefill's end
 
 
 RECORD_FIELDS = (
@@ -199,12 +201,6 @@ class Simulation:
             WorkerTiming.from_worker_config(cfg.worker(w), reload_ms_per_token=topo.gamma_ms_per_token, **overrides)
             for w in topo.worker_ids
         ]
-        self.models = [
-            WorkerQueueModel(t, prefill_starts=functools.partial(self._prefill_starts, w),
-                             prefill_ends=functools.partial(self._prefill_ends, w),
-                             finished=functools.partial(self._finished, w))
-            for w, t in enumerate(self.timings)
-        ]
         # Each region's workers (a response carries its region's queue vector): read per response
         self._region_members = [topo.workers_in(r) for r in range(len(topo.regions))]
         # A policy that reads no cache events (it keeps BasePolicy's no-op) gets none built, when
@@ -217,6 +213,17 @@ class Simulation:
             PrefixCache(block_size=topo.block_size, vram_tokens=cfg.worker(w).vram_kv_tokens,
                         dram_tokens=cfg.worker(w).dram_kv_tokens, policy=settings.eviction, emit_events=not silent)
             for w in topo.worker_ids
+        ]
+        # A worker's queue report counts the wait for VRAM room its cache imposes (the model
+        # runs ahead with each request's pages: ``_footprint``).
+        room = self._admit_only_if_room
+        self.models = [
+            WorkerQueueModel(t, prefill_starts=functools.partial(self._prefill_starts, w),
+                             prefill_ends=functools.partial(self._prefill_ends, w),
+                             finished=functools.partial(self._finished, w),
+                             footprint=functools.partial(self._footprint, w) if room else None,
+                             vram_pages=self.caches[w].vram_pages_max if room else None)
+            for w, t in enumerate(self.timings)
         ]
         # The exact global cache map, applied as the caches change (no delay, no loss): for the
         # cross-region-only share and false-lookup causes (``truth``), and for an oracle.
@@ -242,6 +249,9 @@ class Simulation:
         # schemes) is not sent load reports: they would cost a queue probe each, for nothing.
         self._reads_load = not (getattr(type(policy), "on_worker_load", None) is BasePolicy.on_worker_load
                                 and getattr(type(policy), "on_response", None) is BasePolicy.on_response)
+        # A policy that overrides on_request_end is told when each request's end reaches its edge.
+        self._tells_end = (getattr(type(policy), "on_request_end", BasePolicy.on_request_end)
+                           is not BasePolicy.on_request_end)
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
@@ -279,13 +289,15 @@ class Simulation:
         """Report ``w``'s queueing delay and running count. With a free slot the model's exact ``queue_ms`` is read
         at most every ``load_report_ms`` per worker, as an agent polling its engine would; in
         between the estimate drains at 1 ms/ms and grows by each admitted request's prefill time.
-        While requests wait for a slot it is read at every change: the backlog then moves with
-        every slot release, and the model answers from its run-ahead shadow in O(slots)."""
+        While requests wait for a slot, or the head of the queue for VRAM room, it is read at
+        every change: the backlog then moves with every release, not with time, and the model
+        answers from its run-ahead shadow in O(slots)."""
         if not self._reads_load:
             return
         last = self._last_exact_at[w]
-        if self.models[w].waiting > 0 or now - last >= self.s.load_report_ms / 1000.0 or last < 0:
-            q = self.models[w].queue_ms(now=now)
+        model = self.models[w]
+        if model.waiting > 0 or model.head_blocked or now - last >= self.s.load_report_ms / 1000.0 or last < 0:
+            q = model.queue_ms(now=now)
             self._last_exact_at[w] = now
         else:
             q = max(0.0, self._last_q[w] - (now - self._last_q_at[w]) * 1000.0) + added_ms
@@ -392,6 +404,17 @@ class Simulation:
         next prefill starts (in SGLang, ``cache_unfinished_req`` after the prefill batch)."""
         st = self._inflight[rid]
         self._emit_cache_events(w, self.caches[w].insert(st.req.tokens, now=now, lease=st.lease), now)
+        st.pinned_pages = tuple(st.lease.pages)
+
+    def _footprint(self, w: int, rid: str) -> tuple[int, ...]:
+        """The pages the request pins on ``w`` while it runs, root first (for the queue report's
+        run-ahead): its lease's once its prompt is cached, else every full page of its prompt."""
+        st = self._inflight[rid]
+        if st.pinned_pages is not None:
+            return st.pinned_pages
+        if st.path_pages is None:
+            st.path_pages = tuple(self.caches[w].path_ids(st.req.tokens))
+        return st.path_pages
 
     def _finished(self, w: int, rid: str, now: float) -> None:
         """``w`` produced the request's last token at ``now``: its pages are released before
@@ -409,8 +432,9 @@ class Simulation:
     def _process_worker(self, w: int, now: float, *, admitted: float | None = None) -> None:
         model = self.models[w]
         # The queue estimate changes with admissions and prefill completions; a decode completion
-        # only matters when requests wait for a slot. Skipping the others saves most calls.
-        changed = admitted is not None or model.waiting > 0
+        # only matters when requests wait for a slot or for VRAM room. Skipping the others saves
+        # most calls.
+        changed = admitted is not None or model.waiting > 0 or model.head_blocked
         for ev in model.advance(now=now):
             rid = ev.request_id
             st = self._inflight[rid]
@@ -423,7 +447,7 @@ class Simulation:
                 self._prefilled(w, st, ev.at)
             elif isinstance(ev, RequestFinished):
                 self._served(w, rid, st, ev.at)
-        if changed or model.waiting > 0:
+        if changed or model.waiting > 0 or model.head_blocked:
             self._notify_load(w, now, admitted or 0.0)
         self._schedule_wake(w)
 
@@ -444,6 +468,8 @@ class Simulation:
         ``_finished``)."""
         back = self._one_way_s(int(self.topo.worker_region[w]), st.edge_region)
         self._record(st, at + back)
+        if self._tells_end:
+            self._push(at + back, _END, (st.req, w))
         del self._inflight[rid]
 
     def _other_event(self, kind: int, payload: Any, now: float) -> None:
@@ -569,6 +595,9 @@ class Simulation:
             elif kind == _RESPONSE:
                 req, w, reused, qv = payload
                 policy.on_response(w, req, reused, qv, now=t)
+            elif kind == _END:
+                req, w = payload
+                policy.on_request_end(w, req, now=t)
             elif kind == _COPY:
                 order = payload
                 self._emit_cache_events(order.dest_worker, self.caches[order.dest_worker].insert(order.tokens, now=t), t)

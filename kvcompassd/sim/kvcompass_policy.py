@@ -598,6 +598,12 @@ class KVCompassPolicy(BasePolicy):
             sent_at = max(0.0, now - self._owm_s[g, e])
             self.routers[g].queues.note_piggyback_sent(self.regions[e], now=sent_at)
 
+    def on_request_end(self, worker_index: int, req: Request, *, now: float) -> None:
+        """The request's end reached its edge, as the daemon's edge sees its stream end: its
+        rate learner times a prefill that waited for memory from it (``core/rates.py``)."""
+        self._advance(now)
+        self.routers[self._region_index[req.region]].rates.ended(worker_index, now=now)
+
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         # Only the edge of the worker's own region reads it live.
         router = self.routers[self._worker_region[worker_index]]

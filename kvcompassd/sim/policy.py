@@ -10,6 +10,8 @@ feeds; each policy documents which of them it reads:
 - ``on_response(w, req, reused, queue_vector, now)``: when a response reaches the edge, the
   tokens the worker actually reused and the queue estimates of the workers in ``w``'s region
   (piggybacked, as in KVCompass).
+- ``on_request_end(w, req, now)``: when the request's last token reaches its edge (only a
+  policy that overrides :class:`BasePolicy`'s no-op is told).
 - ``on_worker_load(w, queue_ms, now)``: the true queueing delay of ``w`` whenever it changes.
   Only designs that read live load (a region's own balancer reading its local workers) may use
   it, and only for the workers they could see.
@@ -244,6 +246,9 @@ class BasePolicy:
 
     def on_response(self, worker_index: int, req: Request, reused_tokens: int,
                     queue_vector: Mapping[int, float], *, now: float) -> None:
+        return None
+
+    def on_request_end(self, worker_index: int, req: Request, *, now: float) -> None:
         return None
 
     def on_truth_tracked(self) -> None:

@@ -190,10 +190,15 @@ class PrefixCache:
         """The event ids of the cached pages prefixing ``tokens``."""
         return [page.id for page in self._walk(tokens)]
 
+    def path_ids(self, tokens: Sequence[int]) -> list[int]:
+        """The event ids of every full page of ``tokens``, cached or not, root first: the pages
+        a request for ``tokens`` pins once its prompt is cached (``lock`` then ``insert``)."""
+        return [digest_to_int64(digest) for _, digest in self._chain(tokens)]
+
     # ------------------------------------------------------------------------------ updates
 
-    def lock(self, tokens: Sequence[int], *, now: float,
-             only_if_room: bool = False) -> tuple[CacheLease, CacheMatch, list[KvEvent]] | None:
+    def lock(self, tokens: Sequence[int], *, now: float, only_if_room: bool = False,
+             prompt_tokens: int | None = None) -> tuple[CacheLease, CacheMatch, list[KvEvent]] | None:
         """Start a request: pin its cached prefix, reload the DRAM part into VRAM. The match
         returned is what the request really reuses (a reload that finds no room ends it).
 
@@ -201,13 +206,16 @@ class PrefixCache:
         KV fits in the free and evictable pool, return None (and change nothing) unless every
         full page of ``tokens`` fits in VRAM beside the pages running requests pin (the
         prompt's own pinned prefix counted once). With nothing pinned it always goes ahead: a
-        prompt longer than VRAM runs alone."""
+        prompt longer than VRAM runs alone. ``prompt_tokens``: the prompt's length when
+        ``tokens`` is only the part to match (SGLang matches all but the last token); its full
+        pages are what must fit."""
         data = _token_data(tokens)
         digests: list[bytes] = []
         pages = list(self._walk(tokens, data, digests))
         if only_if_room and self.pinned_vram_pages:
             shared = sum(1 for page in pages if page.in_vram and page.pins)
-            if len(tokens) // self.block_size - shared > self.vram_pages_max - self.pinned_vram_pages:
+            length = len(tokens) if prompt_tokens is None else max(prompt_tokens, len(tokens))
+            if length // self.block_size - shared > self.vram_pages_max - self.pinned_vram_pages:
                 return None
         for page in pages:  # pin the whole path first: making room must not evict its tail
             if not page.pins and page.in_vram:

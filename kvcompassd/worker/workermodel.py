@@ -19,6 +19,14 @@ The scheduler is SGLang's default one, simplified to what matters for time-to-fi
   ``finished`` (the pins are released) to the constructor and is called at those instants, in
   time order with every other change (SGLang caches a prefill batch's KV and releases finished
   requests' locks before it schedules the next batch);
+- the queue a worker reports (:meth:`WorkerQueueModel.queue_ms`) counts the wait for VRAM room:
+  a caller that owns the cache also passes ``footprint`` (the cache pages a request pins while
+  it runs, a root path of page ids) and ``vram_pages``, and the run-ahead that answers the
+  report admits the head of the queue only when the union of the running requests' paths and
+  its own fits in ``vram_pages``, as ``PrefixCache.lock(only_if_room=True)`` does. The union of
+  root paths is kept sorted with the common prefix of neighbours (:class:`PinnedPaths`), so a
+  start or a finish in the run-ahead costs O(log slots) path comparisons and a read stays
+  O(slots);
 - the GPU does one thing at a time: a pending prefill runs first (prefill-first scheduling) and
   pauses decoding; prefills run one after another in admission order;
 - a prefill costs ``beta`` per uncached token plus ``gamma`` per token reloaded from DRAM and
@@ -53,7 +61,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -126,10 +135,11 @@ class _Request:
     prefill_s: float
     remaining: float = 0.0  # decode tokens still to produce
     first_token_at: float | None = None
+    pages: tuple[int, ...] | None = None  # on a run-ahead: the page path it pins (footprint), once asked
 
     def copy(self) -> _Request:
         return _Request(self.request_id, self.prompt_tokens, self.uncached, self.dram, self.output_tokens,
-                        self.arrived, self.prefill_s, self.remaining, self.first_token_at)
+                        self.arrived, self.prefill_s, self.remaining, self.first_token_at, self.pages)
 
 
 @dataclass(slots=True)
@@ -145,6 +155,100 @@ PrefillStarts = Callable[[str, float], tuple[int, int] | None]
 # prefill_ends(request_id, now): the prompt is computed (its KV can enter the cache);
 # finished(request_id, now): its last token is out (its pages can be released)
 RequestMoment = Callable[[str, float], None]
+# footprint(request_id): the ids of the cache pages the request pins while it runs, root first
+# (a started request's lease; a queued one's full prompt pages, as its prefill will pin them)
+Footprint = Callable[[str], Sequence[int]]
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix of two page paths (slice comparisons run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+class PinnedPaths:
+    """The pages running requests pin, as the union of their root paths (a page shared by
+    several counted once, as ``PrefixCache.pinned_vram_pages`` counts it).
+
+    The paths are kept sorted; the union's size is the sum of their lengths less the common
+    prefix of each sorted neighbour pair, so adding or removing a path changes it by its length
+    less the longer of its common prefixes with its two neighbours: O(log n) path comparisons
+    (each at most a path's length, in C) and one list insertion, never a pass over the union."""
+
+    __slots__ = ("capacity", "size", "_keys", "_prefix", "_by_id")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self._keys: list[tuple[tuple[int, ...], str]] = []  # (path, request id), sorted
+        self._prefix: list[int] = []  # _prefix[i]: common prefix of paths i and i + 1
+        self._by_id: dict[str, tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _neighbours(self, at: int, path: tuple[int, ...]) -> tuple[int, int]:
+        """Common prefixes of ``path`` with the paths that would sit before and after it at
+        position ``at``."""
+        keys = self._keys
+        before = _common_prefix(keys[at - 1][0], path) if at > 0 else 0
+        after = _common_prefix(path, keys[at][0]) if at < len(keys) else 0
+        return before, after
+
+    def added_pages(self, path: tuple[int, ...]) -> int:
+        """Pages the union would grow by with ``path`` in it."""
+        at = bisect_left(self._keys, (path, ""))
+        before, after = self._neighbours(at, path)
+        return len(path) - max(before, after)
+
+    def fits(self, path: tuple[int, ...]) -> bool:
+        """Whether a request pinning ``path`` may start: its new pages fit beside the pinned
+        ones, or nothing is pinned (a prompt longer than VRAM runs alone)."""
+        return not self.size or self.size + self.added_pages(path) <= self.capacity
+
+    def add(self, request_id: str, path: tuple[int, ...]) -> None:
+        """A request pinning ``path`` starts (a path longer than the capacity, which starts only
+        alone, pins as many pages as the capacity holds)."""
+        path = path[: self.capacity]
+        key = (path, request_id)
+        at = bisect_left(self._keys, key)
+        before, after = self._neighbours(at, path)
+        self.size += len(path) - max(before, after)
+        self._keys.insert(at, key)
+        if at > 0:
+            self._prefix.insert(at - 1, before)
+            if at < len(self._keys) - 1:
+                self._prefix[at] = after
+        elif len(self._keys) > 1:
+            self._prefix.insert(0, after)
+        self._by_id[request_id] = path
+
+    def discard(self, request_id: str) -> None:
+        path = self._by_id.pop(request_id, None)
+        if path is None:
+            return
+        at = bisect_left(self._keys, (path, request_id))
+        last = len(self._keys) - 1
+        before = self._prefix[at - 1] if at > 0 else 0
+        after = self._prefix[at] if at < last else 0
+        self.size -= len(path) - max(before, after)
+        del self._keys[at]
+        if at > 0 and at < last:
+            self._prefix[at - 1] = min(before, after)
+            del self._prefix[at]
+        elif at > 0:
+            del self._prefix[at - 1]
+        elif last > 0:
+            del self._prefix[0]
 
 
 class WorkerQueueModel:
@@ -152,15 +256,26 @@ class WorkerQueueModel:
 
     def __init__(self, timing: WorkerTiming | None = None, *, start: float = 0.0,
                  prefill_starts: PrefillStarts | None = None, prefill_ends: RequestMoment | None = None,
-                 finished: RequestMoment | None = None) -> None:
+                 finished: RequestMoment | None = None, footprint: Footprint | None = None,
+                 vram_pages: int | None = None) -> None:
         """``prefill_starts``, ``prefill_ends``, ``finished``: the cache's side of a request
         (see the module docstring); without ``prefill_starts`` a request reuses what
-        :meth:`admit` was told."""
+        :meth:`admit` was told. ``footprint`` and ``vram_pages``: what :meth:`queue_ms` needs
+        to count the wait for VRAM room that ``prefill_starts`` can impose (both or neither)."""
         self.timing = timing or WorkerTiming()
+        if (footprint is None) != (vram_pages is None):
+            raise WorkerModelError("footprint and vram_pages go together")
+        if vram_pages is not None and (not isinstance(vram_pages, int) or vram_pages < 0):
+            raise WorkerModelError(f"vram_pages must be an int >= 0, got {vram_pages!r}")
         self._prefill_starts = prefill_starts
         self._prefill_ends = prefill_ends
         self._finished = finished
-        self._head_blocked = False  # prefill_starts said no room: the head waits for a finish
+        self._footprint = footprint
+        self._vram_pages = vram_pages
+        # On a run-ahead of a model with a footprint: the pages its running requests pin (None
+        # on the model itself, whose cache decides through prefill_starts).
+        self._pinned: PinnedPaths | None = None
+        self._head_blocked = False  # no room for the head's KV: it waits for a finish
         self._now = start
         self._waiting: deque[_Request] = deque()   # no slot yet
         self._admitted: deque[_Request] = deque()  # hold a slot, prefill not started
@@ -214,7 +329,7 @@ class WorkerQueueModel:
         self._queued_uncached += uncached
         self._run_until(now)
         if self._shadow is not None:
-            if self._waiting or self.running >= self.timing.max_running:
+            if self._needs_run_ahead():
                 self._shadow._admit_ahead(request, now=now)
             else:
                 self._shadow = None  # a slot is free: queue_ms needs no look-ahead
@@ -269,6 +384,11 @@ class WorkerQueueModel:
         return len(self._decoding)
 
     @property
+    def head_blocked(self) -> bool:
+        """The head of the queue waits for VRAM room (a running request's finish)."""
+        return self._head_blocked
+
+    @property
     def pending_prefill_tokens(self) -> int:
         """Uncached prompt tokens not yet prefilled (queued, admitted, and the rest of the
         current prefill)."""
@@ -299,15 +419,28 @@ class WorkerQueueModel:
         ahead until every request it holds has a slot. The model is deterministic and arrivals
         only join the back of the queue, so the shadow stays exact as it is extended by each
         arrival (one slot release's work, as the model itself will do later) and a read costs
-        O(slots), not a replay of the backlog (O(queue x batch))."""
+        O(slots), not a replay of the backlog (O(queue x batch)).
+
+        With a ``footprint`` the wait for VRAM room counts too: a head whose KV does not fit
+        beside the running requests' blocks those behind it until enough of them finish (SGLang's
+        ``PrefillAdder``), so while prefills are pending the shadow runs ahead until every one
+        has started, admitting each only when its pages fit. The arrival the answer is for is
+        taken to need no new pages (as it is taken to be fully cached): a report is one figure
+        for every prompt; a long one may wait longer."""
         self._run_until(now)
-        if not self._waiting and self.running < self.timing.max_running:
+        if not self._needs_run_ahead():
             self._shadow = None
             return 1000.0 * self._prefill_backlog_s()
         if self._shadow is None:
             self._shadow = self._copy()
             self._shadow._admit_all()
         return 1000.0 * (self._shadow._next_slot_first_token(now) - now)
+
+    def _needs_run_ahead(self) -> bool:
+        """Whether the wait of a new arrival depends on more than the prefill backlog: requests
+        wait for a slot, or (VRAM room counted) a pending prefill may have to wait for room."""
+        return (bool(self._waiting) or self.running >= self.timing.max_running
+                or (self._footprint is not None and bool(self._admitted)))
 
     def _prefill_backlog_s(self) -> float:
         """Seconds of prefill the GPU must run before it decodes again."""
@@ -331,8 +464,9 @@ class WorkerQueueModel:
         self._admit_all()
 
     def _admit_all(self) -> None:
-        """Run until the waiting queue is empty; the events are the model's to report, not ours."""
-        while self._waiting:
+        """Run until the waiting queue is empty (and, counting VRAM room, until every pending
+        prefill has started); the events are the model's to report, not ours."""
+        while self._waiting or (self._pinned is not None and self._admitted):
             self._outbox.clear()  # (pending events would make next_event_time say "now")
             due = self.next_event_time()
             assert due is not None, "a full worker always has a next event"
@@ -388,7 +522,23 @@ class WorkerQueueModel:
         clone._answer = None
         clone._prefill_starts = clone._prefill_ends = clone._finished = None  # a run-ahead keeps the estimates
         clone._head_blocked = False
+        clone._footprint = self._footprint
+        clone._vram_pages = self._vram_pages
+        clone._pinned = None
+        if self._footprint is not None:
+            # The running requests' pages as the cache pins them (the one in prefill: all of its
+            # prompt's, as it will once computed); the head's fit is then checked again.
+            clone._pinned = PinnedPaths(self._vram_pages)
+            for request in [*clone._decoding.values()] + ([clone._prefill.request] if clone._prefill else []):
+                clone._pinned.add(request.request_id, clone._pages_of(request, fresh=True))
         return clone
+
+    def _pages_of(self, request: _Request, *, fresh: bool = False) -> tuple[int, ...]:
+        """On a run-ahead: the page path ``request`` pins while it runs (asked once; ``fresh``:
+        ask again, a running request's lease may have grown)."""
+        if request.pages is None or fresh:
+            request.pages = tuple(self._footprint(request.request_id))
+        return request.pages
 
     # ------------------------------------------------------------------------------ engine
 
@@ -407,7 +557,11 @@ class WorkerQueueModel:
                 estimate = request.uncached
                 if self._prefill_starts is not None and not self._match_at_start(request):
                     self._head_blocked = True  # until a request finishes (_finish)
+                elif self._pinned is not None and not self._pinned.fits(self._pages_of(request)):
+                    self._head_blocked = True  # (a run-ahead's own check, as the cache's)
                 else:
+                    if self._pinned is not None:
+                        self._pinned.add(request.request_id, self._pages_of(request))
                     self._admitted.popleft()
                     self._queued_uncached -= estimate
                     self._prefill = _Prefill(request, self._now, self._now + request.prefill_s)
@@ -507,6 +661,8 @@ class WorkerQueueModel:
         self._ids.discard(request.request_id)
         self.completed += 1
         self._head_blocked = False  # its KV is released: the head may fit now
+        if self._pinned is not None:
+            self._pinned.discard(request.request_id)
         if self._finished is not None:
             self._finished(request.request_id, self._now)
         self._outbox.append(RequestFinished(request.request_id, self._now))
