@@ -83,3 +83,47 @@ def test_salted_events_are_built_unvalidated_only_for_a_valid_worker_id() -> Non
     assert event == reference([4]).apply(store)[0] and type(event.tier).__name__ == "Tier"
     with pytest.raises(ValueError, match="worker id"):  # the event constructor's own check, as before
         BlockTree("", [4], salt=SALT).apply(store)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.randoms(use_true_random=False),
+    st.integers(1, 6),
+    st.lists(st.integers(1, 60), min_size=1, max_size=6, unique=True),
+    st.integers(10, 80),
+    st.sampled_from([None, 4]),
+)
+def test_apply_each_equals_apply_on_each_event(rnd, block: int, lengths: list[int], n_ops: int,
+                                               page_size: int | None) -> None:
+    """apply_each (the inlined one-new-block path and the rest) gives the index events, in
+    order, and the state of apply called on each event, on random forests with gaps, re-stores,
+    several media, LoRA blocks, chains in one event, removals and clears; fed in random runs."""
+    lengths.sort()
+    parents: dict[int, int | None] = {0: None}
+    for h in range(1, 16):
+        parents[h] = h - 1 if rnd.random() < 0.6 else rnd.choice([None, *range(h)])
+    tokens = {h: tuple(rnd.randrange(0, 1 << 32) for _ in range(rnd.choice([block, block, max(1, block - 1)])))
+              for h in range(16)}
+    events = []
+    for kind, h, medium in random_ops(rnd, n_ops):
+        if kind == "store":
+            r = rnd.random()
+            if r < 0.1 and h + 1 < 16 and parents[h + 1] == h and len(tokens[h]) == block:  # two blocks in one event
+                events.append(BlockStored((h, h + 1), parents[h], tokens[h] + tokens[h + 1], block, None, medium))
+            else:
+                lora = 3 if r > 0.95 else None
+                events.append(BlockStored((h,), parents[h], tokens[h], block if r > 0.05 else block + 1, lora, medium))
+        elif kind == "remove":
+            events.append(BlockRemoved((h,), medium))
+        else:
+            events.append(AllBlocksCleared())
+    each, one = BlockTree("w", lengths, salt=SALT, page_size=page_size), BlockTree("w", lengths, salt=SALT,
+                                                                                     page_size=page_size)
+    i = 0
+    while i < len(events):
+        run = events[i : i + rnd.randrange(1, 8)]
+        i += len(run)
+        expected = [out for event in run for out in one.apply(event)]
+        assert each.apply_each(run) == expected
+        assert each.registered_with_lengths() == one.registered_with_lengths()
+        assert each.detached_count == one.detached_count and len(each) == len(one)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 from sim_fixtures import BETA, DECODE, ONE_WAY, two_region_topology
@@ -169,6 +172,33 @@ def test_conservation_and_determinism_on_mixed():
     for f in a.records:
         np.testing.assert_array_equal(a.records[f], b.records[f])
     assert a.load_bins.sum() > 0
+
+
+def test_a_run_is_freed_without_the_collector_and_collection_is_as_it_was(monkeypatch):
+    """simulate runs with automatic collection off; the Simulation (a cycle through its workers'
+    callbacks) is freed by reference counting once the result is out, and the collector is left
+    as it was found (fails if release() keeps the cycle or simulate leaves collection off)."""
+    topo = two_region_topology(2, 2, vram=20_000, dram=40_000)
+    release, runs, during = Simulation.release, [], []
+
+    def watched(self):
+        runs.append(weakref.ref(self))
+        during.append(gc.isenabled())
+        release(self)
+
+    monkeypatch.setattr(Simulation, "release", watched)
+    gc.collect()
+    assert gc.isenabled()
+    gc.disable()  # nothing but reference counting can free the Simulation below
+    try:
+        simulate(topo, make_baseline("dynamo", topo), MixedWorkload(200.0, {"a": 1, "b": 1}, seed=5),
+                 max_requests=50)
+        assert not gc.isenabled()  # left off, as it was
+        assert runs and runs[0]() is None
+    finally:
+        gc.enable()
+    simulate(topo, make_baseline("dynamo", topo), MixedWorkload(200.0, {"a": 1, "b": 1}, seed=5), max_requests=50)
+    assert during == [False, False] and gc.isenabled() and runs[1]() is None
 
 
 def test_chat_with_jitter_is_seeded():

@@ -365,10 +365,7 @@ class KVCompassPolicy(BasePolicy):
 
     def on_cache_events(self, worker_index: int, events: Sequence[Any], *, now: float) -> None:
         self._advance(now)
-        tree = self.trees[worker_index]
-        index_events: list[IndexEvent] = []
-        for event in events:
-            index_events.extend(tree.apply(event))
+        index_events = self.trees[worker_index].apply_each(events)  # each event's diff in turn, as apply()
         if not index_events:
             return
         self.counters["index_events"] += len(index_events)
