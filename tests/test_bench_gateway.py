@@ -79,6 +79,20 @@ def test_compare_takes_means_of_the_abba_windows_and_cpu_per_request(tool):
     assert net["cpu_us.edge"] == pytest.approx(500.0)
 
 
+def test_the_edges_retries_are_read_off_its_metrics_and_summed_over_the_router_windows(tool):
+    page = ("# HELP kvcompass_retries_total Attempts moved to another worker\n"
+            "# TYPE kvcompass_retries_total counter\n"
+            "kvcompass_retries_total 7.0\n"
+            "kvcompass_retries_created 1.7e+09\n"
+            "kvcompass_retries_totally_other 3.0\n")
+    assert tool.retries_in_metrics(page) == 7.0  # the counter itself, not its _created nor a longer name
+    assert tool.retries_in_metrics("") == 0.0
+    direct = [_w(1000, 1.0, 3.0, 1.2), _w(800, 1.2, 3.4, 1.4)]
+    routed = [dict(_w(500, 2.0, 5.0, 2.5), retries=2.0), dict(_w(400, 2.4, 5.4, 2.7), retries=3.0)]
+    assert tool.compare(direct, routed)["retries"] == 5.0
+    assert tool.compare(direct, [_w(500, 2.0, 5.0, 2.5)])["retries"] == 0  # a router without the metric
+
+
 def test_who_served_is_read_off_the_emulators_output_tokens(tool):
     seeds = {"us-0": 1, "us-1": 2, "us-2": 3}
     text = "a shared prefix and a unique suffix q7 abc"
@@ -136,6 +150,7 @@ def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     assert x["rps"] > 0 and x["direct_rps"] > 0 and x["ratio"] > 0
     assert x["cpu_us.edge"] > 0 and x["cpu_us.agents"] > 0 and x["cpu_us.maintenance"] >= 0
     assert "cpu_net_us.edge" in x
+    assert x["retries"] >= 0  # read off the edge's metrics in each router window
     assert 0 <= x["affinity"] <= 1 and 0 <= x["reuse"] <= 1
     assert set(arm["idle"]) == {"edge", "agents", "maintenance", "workers"}
     assert "kvcompassd" in run.stdout and "÷direct" in run.stdout

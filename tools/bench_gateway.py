@@ -151,6 +151,13 @@ def window_stats(latencies_s: list[float], elapsed_s: float, served: list[tuple[
     }
 
 
+def retries_in_metrics(text: str) -> float:
+    """The edge's ``kvcompass_retries_total`` in a Prometheus text page (attempts it moved to
+    another worker before the first token: a late or failed worker)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("kvcompass_retries_total ", "kvcompass_retries_total{")))
+
+
 def _mean(values) -> float:
     values = [v for v in values if v == v]
     return sum(values) / len(values) if values else float("nan")
@@ -172,6 +179,7 @@ def compare(direct: list[dict], routed: list[dict], idle: dict[str, float] | Non
         "direct_affinity": _mean(w["affinity"] for w in direct), "direct_reuse": _mean(w["reuse"] for w in direct),
         "errors": sum(w["errors"] for w in direct + routed),
         "unattributed": sum(w["unattributed"] for w in direct + routed),
+        "retries": sum(w.get("retries", 0) for w in routed),
     }
     requests = sum(w["requests"] for w in routed)
     for key in {k for w in routed for k in w.get("cpu_s", {})}:
@@ -359,19 +367,31 @@ class Bench:
                     raise RuntimeError(f"{url}/flush_cache answered {resp.status}")
         await asyncio.sleep(self.args.settle)  # the plane's withdrawals reach the edge's view
 
-    async def window(self, urls: list[str], concurrency: int, pids: dict[str, list[int]], seed: int) -> dict:
+    async def window(self, urls: list[str], concurrency: int, pids: dict[str, list[int]], seed: int,
+                     metrics_url: str | None = None) -> dict:
+        """One measured window; ``metrics_url`` (the edge's) also counts its retries in it."""
         args = self.args
         prompts = Prompts(args.groups, args.prefix_chars, args.suffix_chars, seed=seed)
         await self.flush()
         await closed_loop(self.session, urls, concurrency, args.warmup, prompts, args.max_new_tokens)
+        retries0 = await self._retries(metrics_url)
         cpu0 = {k: sum(tree_cpu_seconds(p) for p in v) for k, v in pids.items()}
         w = await closed_loop(self.session, urls, concurrency, self._seconds(), prompts, args.max_new_tokens)
         cpu = {k: sum(tree_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
+        retries = await self._retries(metrics_url) - retries0
         # Attribution after the timed part: it costs the client's CPU.
         served = [(g, served_by(text, ids, self.seeds, args.max_new_tokens)) for g, text, ids in w.served]
         stats = window_stats(w.latencies, w.elapsed, served, w.cached, prompts.shared_tokens, w.errors)
         stats["cpu_s"] = cpu
+        if metrics_url is not None:
+            stats["retries"] = retries
         return stats
+
+    async def _retries(self, metrics_url: str | None) -> float:
+        if metrics_url is None:
+            return 0.0
+        async with self.session.get(metrics_url) as resp:
+            return retries_in_metrics(await resp.text())
 
     def _seconds(self) -> float:
         return self.args.seconds if self.mode == "zero-delay" else self.args.service_seconds
@@ -423,9 +443,11 @@ class Bench:
         await direct(cs)
         idle_direct = await self.idle({})
         proc = None
+        metrics_url = None
         if name == KVCOMPASSD:
             pids = await self.start_plane()
             url = self.deployment.edge_url("us")
+            metrics_url = url + "/metrics"
         else:
             proc, url = await self.start_router(name, binary)
             pids = {"router": [proc.pid]}
@@ -433,7 +455,7 @@ class Bench:
             await asyncio.sleep(args.idle_settle)  # start-up work (connections, first health checks) done
             idle = await self.idle(pids)
             for c in cs + cs[::-1]:
-                windows[("router", c)].append(await self.window([url], c, pids, seed=c))
+                windows[("router", c)].append(await self.window([url], c, pids, seed=c, metrics_url=metrics_url))
                 _progress(self.label, name, name, c, windows[("router", c)][-1])
         finally:
             if proc is not None:
@@ -505,6 +527,7 @@ def report(label: str, args, results: dict) -> list[str]:
                 f"{_f(parts.get('maintenance', float('nan')), '.0f'):>7}{_f(net, '.0f'):>7}{_f(x['affinity'], '.2f'):>7}"
                 f"{_f(x['reuse'], '.2f'):>7}{_f(x['direct_reuse'], '.2f'):>8}"
                 + (f"  errors {x['errors']}" if x["errors"] else "")
+                + (f"  retries {x['retries']:.0f}" if x.get("retries") else "")
                 + (f"  unattributed {x['unattributed']}" if x["unattributed"] else ""))
     lines.append("idle, cores (no requests; 'workers' = what the arm's polls and health checks cost the workers, "
                  "'workers alone' = the same with nothing of any router running):")
