@@ -270,9 +270,10 @@ class BlockTree:
         diff in order (not ``apply_events``' one net diff over all of them), so the same events,
         order and state as the loop. The event a prefix cache sends per page (one new unLoRA
         block stored under an attached parent, or as a root, nothing waiting under it) runs
-        inlined when the keys are salted: ``_store``, ``_attach``, ``_register_anchors`` and
-        ``_diff`` for one block were a call each per page, ~30 % of this mirror's time in
-        the simulator (issue 31)."""
+        inlined when the keys are salted: ``_store``, ``_attach`` and ``_register_anchors``
+        for one block were a call each per page, ~30 % of this mirror's time in the simulator
+        (issue 31), with ``_diff``; the diff stays a call, made only for a page that holds an
+        indexed length."""
         out: list[IndexEvent] = []
         if self._root_state is None or not self._trusted_events:
             for event in events:
@@ -282,8 +283,7 @@ class BlockTree:
         indexed = self.indexed_lengths
         n_indexed = len(indexed)
         page_size = self._page_size
-        registered, all_holders, worker = self._registered, self._holders, self.worker
-        evicted, cached, changed = PrefixEvicted.trusted, PrefixCached.trusted, TierChanged.trusted
+        all_holders = self._holders
         salted_anchors = self._salted_anchors
         for event in events:
             if type(event) is not BlockStored or event.group_idx or event.lora_id is not None \
@@ -334,22 +334,7 @@ class BlockTree:
                 else:
                     holders[(block_hash, length)] = path_tier
                 touched[key] = length
-            # _diff
-            for key in sorted(touched) if len(touched) > 1 else touched:
-                holders = all_holders.get(key)
-                new = _INDEX_TIER[min(holders.values()) if holders else _UNINDEXED]
-                old = registered.get(key)
-                if new == old:
-                    continue
-                if new is None:
-                    del registered[key]
-                    out.append(evicted(worker, key))
-                elif old is None:
-                    registered[key] = new
-                    out.append(cached(worker, key, new))
-                else:
-                    registered[key] = new
-                    out.append(changed(worker, key, new))
+            out.extend(self._diff(touched))
         return out
 
     def apply(self, event: KvEvent) -> list[IndexEvent]:
