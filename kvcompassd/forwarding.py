@@ -194,17 +194,17 @@ async def _first_while_serving(items: AsyncIterator, first_s: float, max_s: floa
     loop = asyncio.get_running_loop()
     start = loop.time()
     mark = progress()
-    judged = [start, False]  # (last judgement, whether it gave up on a serving worker: the cap)
+    ended_at, while_serving = start, False  # set when the judge ends the wait
 
     def judge() -> None:
-        nonlocal mark, timer
+        nonlocal mark, timer, ended_at, while_serving
         now = loop.time()
         seen = progress()
         if seen != mark and now + first_s <= start + max_s:
             mark = seen
             timer = loop.call_at(now + first_s, judge)
         else:
-            judged[0], judged[1] = now, seen != mark
+            ended_at, while_serving = now, seen != mark
             window.reschedule(now)  # expires now: the pending anext is cancelled
 
     try:
@@ -215,8 +215,8 @@ async def _first_while_serving(items: AsyncIterator, first_s: float, max_s: floa
             finally:
                 timer.cancel()
     except TimeoutError:
-        waited = judged[0] - start
-        if judged[1]:
+        waited = ended_at - start
+        if while_serving:
             raise FirstTokenLate(f"no first token within {waited:.1f} s (the limit), though the worker "
                                  f"was serving other requests") from None
         raise FirstTokenLate(f"no first token within {waited:.1f} s, and no output from the worker "

@@ -31,6 +31,17 @@ def random_ops(rnd, n: int) -> list[tuple[str, int, str]]:
     return ops
 
 
+def random_forest(rnd, block: int) -> tuple[dict[int, int | None], dict[int, tuple[int, ...]]]:
+    """16 blocks' parents (mostly deep chains, so keys start from states several blocks up) and
+    tokens (``block`` each; the last block of a chain may be short)."""
+    parents: dict[int, int | None] = {0: None}
+    for h in range(1, 16):
+        parents[h] = h - 1 if rnd.random() < 0.6 else rnd.choice([None, *range(h)])
+    tokens = {h: tuple(rnd.randrange(0, 1 << 32) for _ in range(rnd.choice([block, block, max(1, block - 1)])))
+              for h in range(16)}
+    return parents, tokens
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.randoms(use_true_random=False),
@@ -40,12 +51,7 @@ def random_ops(rnd, n: int) -> list[tuple[str, int, str]]:
 )
 def test_salted_keys_equal_prefix_keys(rnd, block: int, lengths: list[int], n_ops: int) -> None:
     lengths.sort()
-    parents: dict[int, int | None] = {0: None}
-    for h in range(1, 16):  # mostly deep chains, so keys start from states several blocks up
-        parents[h] = h - 1 if rnd.random() < 0.6 else rnd.choice([None, *range(h)])
-    # the last block of a chain may be short
-    tokens = {h: tuple(rnd.randrange(0, 1 << 32) for _ in range(rnd.choice([block, block, max(1, block - 1)])))
-              for h in range(16)}
+    parents, tokens = random_forest(rnd, block)
     salted, ref = BlockTree("w", lengths, salt=SALT), reference(lengths)
     for kind, h, medium in random_ops(rnd, n_ops):
         if kind == "store":
@@ -99,11 +105,7 @@ def test_apply_each_equals_apply_on_each_event(rnd, block: int, lengths: list[in
     order, and the state of apply called on each event, on random forests with gaps, re-stores,
     several media, LoRA blocks, chains in one event, removals and clears; fed in random runs."""
     lengths.sort()
-    parents: dict[int, int | None] = {0: None}
-    for h in range(1, 16):
-        parents[h] = h - 1 if rnd.random() < 0.6 else rnd.choice([None, *range(h)])
-    tokens = {h: tuple(rnd.randrange(0, 1 << 32) for _ in range(rnd.choice([block, block, max(1, block - 1)])))
-              for h in range(16)}
+    parents, tokens = random_forest(rnd, block)
     events = []
     for kind, h, medium in random_ops(rnd, n_ops):
         if kind == "store":

@@ -50,11 +50,16 @@ GUARD = aiohttp.ClientTimeout(total=60)  # hang guard only
 LONG = 4000  # tokens: 20 s of decoding at 5 ms each, far longer than any wait below
 
 
+async def _deployed(tmp_path_factory, name: str, spec: DeploymentSpec, deadlines: DeadlineParams):
+    d = LocalDeployment(spec, tmp_path_factory.mktemp(name), time_scale=1.0)
+    d.cfg = dataclasses.replace(d.cfg, deadlines=deadlines)
+    async with d:
+        yield d
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def dep(tmp_path_factory):
-    d = LocalDeployment(SPEC, tmp_path_factory.mktemp("deadlines"), time_scale=1.0)
-    d.cfg = dataclasses.replace(d.cfg, deadlines=DEADLINES)
-    async with d:
+    async for d in _deployed(tmp_path_factory, "deadlines", SPEC, DEADLINES):
         yield d
 
 
@@ -192,9 +197,7 @@ BUSY_TOKENS = 500  # ~2.5 s of decoding at 5 ms a token: the second request's fi
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def busy(tmp_path_factory):
-    d = LocalDeployment(BUSY_SPEC, tmp_path_factory.mktemp("busy"), time_scale=1.0)
-    d.cfg = dataclasses.replace(d.cfg, deadlines=BUSY_DEADLINES)
-    async with d:
+    async for d in _deployed(tmp_path_factory, "busy", BUSY_SPEC, BUSY_DEADLINES):
         yield d
 
 
