@@ -383,6 +383,7 @@ class Bench:
         served = [(g, served_by(text, ids, self.seeds, args.max_new_tokens)) for g, text, ids in w.served]
         stats = window_stats(w.latencies, w.elapsed, served, w.cached, prompts.shared_tokens, w.errors)
         stats["cpu_s"] = cpu
+        stats["load"] = load_average()  # the machine's other load, at the end of this window
         if metrics_url is not None:
             stats["retries"] = retries
         return stats
@@ -495,7 +496,7 @@ def _progress(label: str, arm: str, path: str, c: int, w: dict) -> None:
     cpu = " ".join(f"{k} {v / max(1, w['requests']) * 1e6:.0f}us" for k, v in w.get("cpu_s", {}).items())
     print(f"  [{label}] {arm:<13} {path:<13} c={c:<3} {w['rps']:7.0f} req/s  P50 {w['p50_ms']:7.2f}  "
           f"P99 {w['p99_ms']:7.2f} ms  affinity {w['affinity']:.2f}  reuse {w['reuse']:.2f}  {cpu}"
-          f"{'  errors ' + str(w['errors']) if w['errors'] else ''}", flush=True)
+          f"{'  errors ' + str(w['errors']) if w['errors'] else ''}  load {w.get('load', '?')}", flush=True)
 
 
 # -- report ------------------------------------------------------------------------------------
