@@ -59,6 +59,7 @@ import aiohttp  # noqa: E402
 import uvloop  # noqa: E402
 
 from benchlib import cpu_seconds, load_average, percentile, quiet_logs  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvcompassd.emulator.server import output_tokens  # noqa: E402
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment, free_loopback_port  # noqa: E402
@@ -154,8 +155,8 @@ def window_stats(latencies_s: list[float], elapsed_s: float, served: list[tuple[
 def retries_in_metrics(text: str) -> float:
     """The edge's ``kvcompass_retries_total`` in a Prometheus text page (attempts it moved to
     another worker before the first token: a late or failed worker)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(("kvcompass_retries_total ", "kvcompass_retries_total{")))
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "kvcompass_retries_total")
 
 
 def _mean(values) -> float:
