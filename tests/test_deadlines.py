@@ -171,6 +171,9 @@ async def test_a_frozen_engine_costs_a_request_the_first_token_deadline_and_is_a
 
         results = await asyncio.gather(*(timed(i) for i in range(4)))
         later, later_s = await timed(9)  # the frozen worker is suspect now: no deadline to pay
+        # Idle, its agent reads the engine once a heartbeat (1 s) and marks the first answer
+        # after a reading hung over 0.3 s: the freeze outlasts both, so a reading hangs in it.
+        await asyncio.sleep(1.5)
     finally:
         engine.send_signal(signal.SIGCONT)
     assert all(meta["worker"] != first for meta, _ in results) and later["worker"] != first
