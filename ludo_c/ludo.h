@@ -136,6 +136,21 @@ int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_
                            unsigned shift, unsigned width,
                            uint8_t *status_out, uint64_t *changed_out, size_t *failed, size_t *done);
 
+/* Field edits of several workers' events on several tables in one call, e.g. what a maintenance
+ * shard received from many workers between two flushes: for each i in order, event i edits the
+ * `width`-bit field at bit shifts[i] of keys[i]'s value in tables[table_of[i]] as
+ * kvc_table_edit_fields of that one event on that table would (op_field, op_needs_held and
+ * status_out[i] as there). Every table sees its own events in the given order, so its state and
+ * pending records are those of kvc_table_edit_fields of each worker's run of events in turn.
+ * Returns KVC_OK; KVC_ERR_ARG (n_tables == 0 with events, a table_of[i] >= n_tables, a NULL
+ * table, width not in 1..8, shifts[i] + width beyond that table's value bits, an op_field wider
+ * than width, an op >= n_ops) or KVC_ERR_KEY_RANGE, both found before any table changes; or a
+ * table error (NOMEM, FULL), with *done the events finished before it. */
+int kvc_tables_edit_fields_each(kvc_table *const *tables, size_t n_tables, const uint32_t *table_of,
+                                const uint64_t *keys, const uint8_t *ops, const uint8_t *shifts, size_t n,
+                                const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
+                                unsigned width, uint8_t *status_out, size_t *done);
+
 /* Batch exact lookup: values_out[i] = value or 0, found_out[i] = 1/0 (0 for keys >= 2^63). */
 void kvc_table_get_many(const kvc_table *table, const uint64_t *keys, size_t n,
                         uint64_t *values_out, uint8_t *found_out);

@@ -191,6 +191,37 @@ def test_apply_columns_matches_apply_event_by_event(data, worker, foreign, disti
     assert have == want
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.booleans())
+def test_reports_applied_together_match_each_report_applied_in_turn(data, foreign):
+    """Several workers' reports (some with another shard's keys, another worker's event or an
+    unknown worker when ``foreign``) applied in one call leave the tables, the outcome and the
+    next batch byte for byte as ``apply`` of each report in turn."""
+    shard = 1
+    _, _, one_by_one, _ = _setup()
+    _, _, together, _ = _setup()
+    prior = [PrefixCached(w, k * SHARDS + shard, Tier.DRAM) for w in ("a-1", "b-16") for k in range(0, 12, 3)]
+    for shards in (one_by_one, together):
+        shards[shard].apply(prior)
+        shards[shard].flush()
+    workers = ["a-0", "a-1", "a-2", "b-16", "b-17"] + (["zz-9"] if foreign else [])
+    reports = []
+    for _ in range(data.draw(st.integers(0, 6), label="reports")):
+        worker = data.draw(st.sampled_from(workers), label="worker")
+        events = data.draw(_worker_events(worker, shard, foreign=foreign, distinct=False), label="events")
+        if foreign and events and data.draw(st.booleans(), label="another worker's event"):
+            events.append(PrefixCached("b-16" if worker != "b-16" else "a-0", shard, Tier.VRAM))
+        reports.append((worker, events))
+    expected = [one_by_one[shard].apply(events) for _, events in reports]
+    got = together[shard].apply_reports(reports)
+    assert (got.applied, got.unchanged) == (sum(o.applied for o in expected), sum(o.unchanged for o in expected))
+    assert got.ignored == tuple(reason for o in expected for reason in o.ignored)
+    assert together[shard].flush() == one_by_one[shard].flush()  # the same records, byte for byte
+    want = {g: dict(zip(k.tolist(), v.tolist())) for g, (k, v) in one_by_one[shard].group_items().items()}
+    have = {g: dict(zip(k.tolist(), v.tolist())) for g, (k, v) in together[shard].group_items().items()}
+    assert have == want
+
+
 def test_columnar_batches_keep_the_view_exact():
     cfg, layout, shards, view = _setup()
     keys = [k * SHARDS for k in range(1, 200)]

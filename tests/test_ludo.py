@@ -8,9 +8,11 @@ subclass and leave the view exactly as it was.
 from __future__ import annotations
 
 import gc
+import itertools
 import random
 import struct
 import zlib
+from array import array
 
 import numpy as np
 import pytest
@@ -35,6 +37,7 @@ from kvcompassd.core.ludo import (
     LudoView,
     RoutedTables,
     apply_batch,
+    edit_fields_each,
     peek_blob,
 )
 from kvcompassd.core.ludo import BatchApplyError, huge_page_view_stats, set_huge_page_views
@@ -616,6 +619,70 @@ def test_routed_edits_refuse_bad_arguments_before_any_table_changes():
                                          shift=0, width=3)
     assert status.tolist() == [EDIT_CHANGED] * 2 and changed.tolist() == [2, 1, 2]
     assert (len(full), len(a), len(b)) == (2, 1, 2)
+
+
+# ---------------------------------------------------------------------------- field edits over several tables
+
+
+@settings(max_examples=120, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 2), st.sampled_from([0, 3, 29])),
+                      max_size=80),
+       seed=st.integers(0, 2**32 - 1))
+def test_edits_over_several_tables_match_each_run_edited_alone(edits, seed):
+    """Events of several tables and shifts interleaved: each table ends with the state, the
+    statuses and the pending record blobs of ``edit_fields`` of its runs of one shift in turn."""
+    rng = random.Random(seed)
+    prior = {rng.randrange(41): rng.randrange(1, 1 << 32) for _ in range(rng.randrange(15))}
+
+    def tables():
+        out = [LudoTable(16, seed=200 + t) for t in range(3)]  # small: they grow on the way
+        for t in out:
+            if prior:
+                t.insert_many(list(prior), list(prior.values()))
+            t.take_updates()
+        return out
+
+    together, alone = tables(), tables()
+    status = edit_fields_each(together, array("I", [t for t, _, _, _ in edits]), array("Q", [k for _, k, _, _ in edits]),
+                              bytes(o for _, _, o, _ in edits), bytes(sh for _, _, _, sh in edits), EDIT_FIELD,
+                              EDIT_NEEDS_HELD, width=3)
+    expected = []
+    for (t, shift), run in itertools.groupby(edits, key=lambda e: (e[0], e[3])):
+        run = list(run)
+        expected += alone[t].edit_fields(np.array([k for _, k, _, _ in run], dtype=np.uint64),
+                                         np.array([o for _, _, o, _ in run], dtype=np.uint8),
+                                         EDIT_FIELD, EDIT_NEEDS_HELD, shift=shift, width=3).tolist()
+    assert list(status) == expected
+    for got, want in zip(together, alone):
+        assert got.take_updates() == want.take_updates()  # byte-identical records (or snapshot)
+        assert got.snapshot() == want.snapshot()
+
+
+def test_edits_over_several_tables_refuse_bad_arguments_before_any_table_changes():
+    tables = [LudoTable(64, seed=1), LudoTable(64, seed=2)]
+    keys, ops, shifts = array("Q", [1, 2]), bytes([0, 0]), bytes([0, 0])
+    bad_calls = [
+        (array("I", [0, 2]), keys, ops, shifts, EDIT_FIELD, 3),  # a table past the list
+        (array("I", [0, 1]), keys, bytes([0, 3]), shifts, EDIT_FIELD, 3),  # an op past the table
+        (array("I", [0, 1]), keys, ops, bytes([0, 30]), EDIT_FIELD, 3),  # beyond 32 value bits
+        (array("I", [0, 1]), keys, ops, shifts, EDIT_FIELD, 0),
+        (array("I", [0, 1]), keys, ops, shifts, EDIT_FIELD, 2),  # op_field 5 wider than 2 bits
+    ]
+    for table_of, k, o, sh, fields, width in bad_calls:
+        with pytest.raises(LudoError, match="invalid argument"):
+            edit_fields_each(tables, table_of, k, o, sh, fields, EDIT_NEEDS_HELD, width=width)
+    with pytest.raises(LudoKeyRangeError):
+        edit_fields_each(tables, array("I", [0, 1]), array("Q", [1, KEY_LIMIT]), ops, shifts, EDIT_FIELD,
+                         EDIT_NEEDS_HELD, width=3)
+    with pytest.raises(LudoError, match="one length"):
+        edit_fields_each(tables, array("I", [0]), keys, ops, shifts, EDIT_FIELD, EDIT_NEEDS_HELD, width=3)
+    with pytest.raises(LudoError, match="one length"):
+        edit_fields_each(tables, array("I", [0, 1]), array("I", [1, 2]), ops, shifts, EDIT_FIELD, EDIT_NEEDS_HELD,
+                         width=3)
+    assert (len(tables[0]), len(tables[1])) == (0, 0)
+    assert list(edit_fields_each(tables, array("I", [0, 1]), keys, ops, shifts, EDIT_FIELD, EDIT_NEEDS_HELD,
+                                 width=3)) == [EDIT_CHANGED] * 2
+    assert (len(tables[0]), len(tables[1])) == (1, 1)
 
 
 # ---------------------------------------------------------------------------- batch apply

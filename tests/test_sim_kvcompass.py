@@ -88,6 +88,28 @@ def test_hand_made_block_events_register_a_remote_holder_after_the_wan_propagati
     assert decision.worker_index == holder and decision.claimed_tokens > 0
 
 
+def test_a_shard_read_between_a_delivery_and_its_flush_has_the_delivery_applied():
+    """Deliveries wait in the shard's inbox until its flush; anything that reads the shard
+    before then (stats, explain_claim, a resync) sees them applied, as when each delivery was
+    applied on arrival (flush_interval_ms=0 publishes every delivery at once)."""
+    topo = _topo()
+    prompt, holder = _prompt(13), topo.worker_ids.index("eu-0")
+    events = _cache().insert(prompt.tolist(), now=0.0)
+    batched = KVCompassPolicy(topo, flush_interval_ms=50.0)
+    at_once = KVCompassPolicy(topo, flush_interval_ms=0.0)
+    for policy in (batched, at_once):
+        policy.on_cache_events(holder, events, now=0.0)
+        policy.on_timer(now=0.03)  # past the 20 ms agent -> shard leg, before the 50 ms flush
+    assert any(batched._inbox)  # delivered and not applied yet
+    entries = at_once.stats()["index_entries"]
+    assert entries > 0 and batched.stats()["index_entries"] == entries
+    assert not any(batched._inbox)
+    for a, b in zip(batched.shards, at_once.shards):
+        assert a.group_items().keys() == b.group_items().keys()
+        for g, (keys, values) in a.group_items().items():
+            assert dict(zip(keys.tolist(), values.tolist())) == dict(zip(*(x.tolist() for x in b.group_items()[g])))
+
+
 def test_a_false_claim_is_explained_by_the_index_that_was_behind():
     topo = _topo()
     # Updates cross the WAN: agent -> shard -> edge views take time. Per-edge views, whose

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +115,8 @@ OP_MEANING: dict[EventOp, tuple[type, Tier]] = {
 }
 assert list(OP_MEANING) == list(EventOp)
 _OP_OF_TIERED = {meaning: op for op, meaning in OP_MEANING.items() if meaning[0] is not PrefixEvicted}
+# (event class, tier) -> op code of a registration or tier change (an eviction is EventOp.EVICTED).
+OP_OF_TIERED_EVENT: Mapping[tuple[type, Tier], EventOp] = _OP_OF_TIERED
 # Per op code, as byte tables for the C apply (``LudoTable.edit_fields``): the tier after, and
 # whether a holder is needed (tier changes and evictions need one; registrations do not).
 OP_TIER_AFTER = bytes(tier for _, tier in OP_MEANING.values())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,11 +27,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .events import (OP_NEEDS_HOLDER, OP_TIER_AFTER, EventOp, IndexEvent, IndexEventColumns, PrefixCached,
-                     PrefixEvicted, Tier, TierChanged)
+from .events import (OP_NEEDS_HOLDER, OP_OF_TIERED_EVENT, OP_TIER_AFTER, EventOp, IndexEvent, IndexEventColumns,
+                     PrefixCached, PrefixEvicted, Tier, TierChanged)
 from .layout import IndexLayout
 from .messages import ShardSnapshotSent, UpdateBatchPublished
-from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView, apply_batch
+from .ludo import EDIT_CHANGED, EDIT_REFUSED, EDIT_UNCHANGED, LudoError, LudoTable, LudoView, apply_batch, edit_fields_each
 
 TIER_MASK = 3
 
@@ -172,6 +173,72 @@ class MaintenanceShard:
         if applied:
             self._dirty.append(slot.group)
         return self.edit_outcome(worker, keys, ops, status, applied)
+
+    def apply_reports(self, reports: Sequence[tuple[str, Sequence[IndexEvent]]]) -> ApplyOutcome:
+        """Apply several reports (a worker, its events) in order: the same state, pending
+        records and next ``flush`` as ``apply`` of each report in turn, with the events edited in
+        one C call (``ludo.edit_fields_each``) instead of a Python step per event (the simulator
+        hands a shard what reached it between two flushes: a few events from each of a few
+        workers). A report this path does not take as it is (an unknown worker, an event of another
+        worker or of another shard's key, something not an index event) goes through ``apply`` in
+        its turn."""
+        applied = unchanged = 0
+        ignored: list[str] = []
+        table_of, keys, ops, shifts = array("I"), array("Q"), bytearray(), bytearray()
+        workers: list[str] = []  # per event: its worker, to name a refused one
+        slot_of, shards, shard, evicted = self.layout.slot, self.shards, self.shard, EventOp.EVICTED
+
+        def edit_gathered() -> None:
+            nonlocal applied, unchanged, table_of, keys, ops, shifts, workers
+            if not ops:
+                return
+            status = edit_fields_each(self._tables, table_of, keys, ops, shifts, OP_TIER_AFTER, OP_NEEDS_HOLDER,
+                                      width=2)
+            changed = status.count(EDIT_CHANGED)
+            applied += changed
+            unchanged += status.count(EDIT_UNCHANGED)
+            if changed:
+                dirty = self._dirty
+                for g, st in zip(table_of, status):
+                    if st == EDIT_CHANGED:
+                        dirty.append(g)
+            if EDIT_REFUSED in status:
+                for i, st in enumerate(status):
+                    if st == EDIT_REFUSED:
+                        name = _eviction_refused if ops[i] == evicted else _tier_change_refused
+                        ignored.append(name(workers[i], keys[i]))
+            table_of, keys, ops, shifts, workers = array("I"), array("Q"), bytearray(), bytearray(), []
+
+        for worker, events in reports:
+            try:
+                slot = slot_of(worker)
+            except ValueError:
+                slot = None
+            report_ops = bytearray()
+            if slot is not None:
+                try:
+                    for event in events:
+                        cls = type(event)
+                        if event.key % shards != shard or event.worker != worker:
+                            raise KeyError
+                        report_ops.append(evicted if cls is PrefixEvicted else OP_OF_TIERED_EVENT[cls, event.tier])
+                except (KeyError, AttributeError):
+                    slot = None
+            if slot is None:  # apply() names what is wrong with it, in its turn
+                edit_gathered()
+                outcome = self.apply(events)
+                applied += outcome.applied
+                unchanged += outcome.unchanged
+                ignored.extend(outcome.ignored)
+                continue
+            n = len(report_ops)
+            ops += report_ops
+            keys.extend([event.key for event in events])
+            table_of.extend([slot.group] * n)
+            shifts += bytes([2 * slot.field]) * n
+            workers.extend([worker] * n)
+        edit_gathered()
+        return ApplyOutcome(applied, unchanged, tuple(ignored))
 
     @staticmethod
     def edit_outcome(worker: str, keys: np.ndarray, ops: np.ndarray, status: np.ndarray, applied: int) -> ApplyOutcome:

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from kvcompassd.core.ablation import Ablation
-from kvcompassd.core.events import IndexEvent, IndexEventColumns, PrefixCached, PrefixEvicted, Tier
+from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard, table_capacities
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
@@ -83,10 +83,6 @@ __all__ = ["KVCompassPolicy"]
 _TO_SHARD, _TO_EDGE, _RESYNC_AT_SHARD, _REPLAY_TO_EDGE, _BROADCAST, _FLUSH, _SYNC_TIMER = range(7)
 _HEARTBEAT, _POSITION_TO_EDGE = 7, 8  # an idle shard's position announcement: due, and delivered
 EPOCH = 1
-# A shard applies this many events or more of one delivery as columns (MaintenanceShard.apply_columns,
-# the maintenance unit's own path: same state, one C call); fewer one at a time, which costs less
-# than building the columns.
-COLUMNS_FROM = 16
 
 
 class KVCompassPolicy(BasePolicy):
@@ -198,6 +194,7 @@ class KVCompassPolicy(BasePolicy):
         self._heap_seq = 0
         self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
         self._flush_pending = [False] * n_shards
+        self._inbox: list[list[tuple[str, list[IndexEvent]]]] = [[] for _ in range(n_shards)]  # (worker, events) delivered, not yet applied
         # [sync] position_heartbeat_ms (0: off): an idle shard announces its position to every
         # edge, lost as a batch is, so a lost last batch is repaired (per-edge views only).
         self._heartbeats = (PositionHeartbeats(position_heartbeat_ms / 1000.0, (), now=0.0)
@@ -389,13 +386,14 @@ class KVCompassPolicy(BasePolicy):
                 self._shard_apply(s, evs, now)
 
     def _shard_apply(self, s: int, events: list[IndexEvent], now: float) -> None:
-        if len(events) >= COLUMNS_FROM:  # one worker's events: the daemon's report path, one C call
-            self.shards[s].apply_columns(events[0].worker, IndexEventColumns.from_events(events))
-        else:
-            self.shards[s].apply(events)
+        # The events wait in the shard's inbox until its flush, which applies everything that
+        # reached the shard since in one C call (MaintenanceShard.apply_reports): the same state
+        # and batch as applying each delivery on arrival, as nothing reads the shard's tables in
+        # between (what does, applies the inbox first: _shard).
+        self._inbox[s].append((events[0].worker, events))
         evicted_in = self._evicted_in
         if evicted_in is not None:
-            carrier = self.shards[s].seq + 1  # the next flush publishes what was just applied
+            carrier = self.shards[s].seq + 1  # the next flush publishes what was just delivered
             for ev in events:
                 if type(ev) is PrefixEvicted:
                     evicted_in[(ev.key, ev.worker)] = carrier
@@ -409,8 +407,16 @@ class KVCompassPolicy(BasePolicy):
             self._flush_pending[s] = True
             self._push(now + self.flush_interval_s, _FLUSH, s)
 
+    def _shard(self, s: int) -> MaintenanceShard:
+        """Shard ``s`` with every delivery that has reached it applied (its inbox emptied)."""
+        inbox = self._inbox[s]
+        if inbox:
+            self._inbox[s] = []
+            self.shards[s].apply_reports(inbox)
+        return self.shards[s]
+
     def _publish(self, s: int, now: float) -> None:
-        self._send_published(s, self.shards[s].flush(), now)
+        self._send_published(s, self._shard(s).flush(), now)
 
     def _send_published(self, s: int, batch: UpdateBatchPublished | None, now: float) -> None:
         if batch is None:
@@ -493,7 +499,7 @@ class KVCompassPolicy(BasePolicy):
 
     def _answer_resync(self, request: ResyncRequested, now: float) -> None:
         e, s = self._edge_of[request.edge], request.shard
-        answer = catch_up(self.shards[s], request.epoch, request.from_seq)
+        answer = catch_up(self._shard(s), request.epoch, request.from_seq)
         self._send_published(s, answer.published, now)  # pending edits go to every edge first
         if answer.snapshot is None:
             self.counters["replays"] += 1
@@ -553,7 +559,7 @@ class KVCompassPolicy(BasePolicy):
             return FALSE_PENDING
         key = int(prefix_keys(req.tokens, [decision.claimed_tokens], self._salt)[0])
         s = key % self.n_shards
-        shard, worker = self.shards[s], self.worker_ids[decision.worker_index]
+        shard, worker = self._shard(s), self.worker_ids[decision.worker_index]
         if worker in shard.holders(key):
             return FALSE_INDEX_BEHIND
         e = self._region_index[req.region]
@@ -634,7 +640,7 @@ class KVCompassPolicy(BasePolicy):
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
-        out["index_entries"] = sum(s.entries() for s in self.shards)
+        out["index_entries"] = sum(self._shard(s).entries() for s in range(self.n_shards))
         for cause in self.routers[0].explained_shortfalls if self.routers else ():  # not held against belief
             out[f"shortfalls_{cause}"] = sum(r.explained_shortfalls[cause] for r in self.routers)
         if self._shared is not None:
