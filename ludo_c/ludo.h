@@ -138,16 +138,16 @@ int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_
 
 /* Field edits of several workers' events on several tables in one call, e.g. what a maintenance
  * shard received from many workers between two flushes: for each i in order, event i edits the
- * `width`-bit field at bit shifts[i] of keys[i]'s value in tables[table_of[i]] as
+ * `width`-bit field at bit (places[i] & 0xff) of keys[i]'s value in tables[places[i] >> 8] as
  * kvc_table_edit_fields of that one event on that table would (op_field, op_needs_held and
  * status_out[i] as there). Every table sees its own events in the given order, so its state and
  * pending records are those of kvc_table_edit_fields of each worker's run of events in turn.
- * Returns KVC_OK; KVC_ERR_ARG (n_tables == 0 with events, a table_of[i] >= n_tables, a NULL
- * table, width not in 1..8, shifts[i] + width beyond that table's value bits, an op_field wider
- * than width, an op >= n_ops) or KVC_ERR_KEY_RANGE, both found before any table changes; or a
- * table error (NOMEM, FULL), with *done the events finished before it. */
-int kvc_tables_edit_fields_each(kvc_table *const *tables, size_t n_tables, const uint32_t *table_of,
-                                const uint64_t *keys, const uint8_t *ops, const uint8_t *shifts, size_t n,
+ * Returns KVC_OK; KVC_ERR_ARG (a table index >= n_tables, a NULL table, width not in 1..8, a
+ * shift + width beyond that table's value bits, an op_field wider than width, an op >= n_ops) or
+ * KVC_ERR_KEY_RANGE, both found before any table changes; or a table error (NOMEM, FULL), with
+ * *done the events finished before it. */
+int kvc_tables_edit_fields_each(kvc_table *const *tables, size_t n_tables, const uint32_t *places,
+                                const uint64_t *keys, const uint8_t *ops, size_t n,
                                 const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
                                 unsigned width, uint8_t *status_out, size_t *done);
 

@@ -687,8 +687,8 @@ int kvc_tables_edit_routed(kvc_table *full, kvc_table *const *streams, size_t n_
     return KVC_OK;
 }
 
-int kvc_tables_edit_fields_each(kvc_table *const *tables, size_t n_tables, const uint32_t *table_of,
-                                const uint64_t *keys, const uint8_t *ops, const uint8_t *shifts, size_t n,
+int kvc_tables_edit_fields_each(kvc_table *const *tables, size_t n_tables, const uint32_t *places,
+                                const uint64_t *keys, const uint8_t *ops, size_t n,
                                 const uint8_t *op_field, const uint8_t *op_needs_held, unsigned n_ops,
                                 unsigned width, uint8_t *status_out, size_t *done)
 {
@@ -700,8 +700,8 @@ int kvc_tables_edit_fields_each(kvc_table *const *tables, size_t n_tables, const
         if (op_field[o] >> width)
             return KVC_ERR_ARG;
     for (size_t i = 0; i < n; i++) {
-        if (table_of[i] >= n_tables || !tables[table_of[i]] || ops[i] >= n_ops ||
-            (unsigned)shifts[i] + width > tables[table_of[i]]->value_bits)
+        uint32_t table = places[i] >> 8, shift = places[i] & 0xffu;
+        if (table >= n_tables || !tables[table] || ops[i] >= n_ops || shift + width > tables[table]->value_bits)
             return KVC_ERR_ARG;
         if (keys[i] >= KVC_KEY_LIMIT)
             return KVC_ERR_KEY_RANGE;
@@ -709,9 +709,9 @@ int kvc_tables_edit_fields_each(kvc_table *const *tables, size_t n_tables, const
     const uint64_t field_mask = (UINT64_C(1) << width) - 1u;
     for (size_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n)
-            prefetch_key(tables[table_of[i + PREFETCH_AHEAD]], keys[i + PREFETCH_AHEAD], 1);
-        unsigned shift = shifts[i];
-        int rc = edit_field(tables[table_of[i]], keys[i], ops[i], op_field, op_needs_held, shift,
+            prefetch_key(tables[places[i + PREFETCH_AHEAD] >> 8], keys[i + PREFETCH_AHEAD], 1);
+        unsigned shift = places[i] & 0xffu;
+        int rc = edit_field(tables[places[i] >> 8], keys[i], ops[i], op_field, op_needs_held, shift,
                             field_mask << shift);
         if (rc < 0)
             return rc;

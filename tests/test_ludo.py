@@ -36,8 +36,8 @@ from kvcompassd.core.ludo import (
     LudoVersionError,
     LudoView,
     RoutedTables,
+    TablesEditor,
     apply_batch,
-    edit_fields_each,
     peek_blob,
 )
 from kvcompassd.core.ludo import BatchApplyError, huge_page_view_stats, set_huge_page_views
@@ -643,9 +643,9 @@ def test_edits_over_several_tables_match_each_run_edited_alone(edits, seed):
         return out
 
     together, alone = tables(), tables()
-    status = edit_fields_each(together, array("I", [t for t, _, _, _ in edits]), array("Q", [k for _, k, _, _ in edits]),
-                              bytes(o for _, _, o, _ in edits), bytes(sh for _, _, _, sh in edits), EDIT_FIELD,
-                              EDIT_NEEDS_HELD, width=3)
+    status = TablesEditor(together).edit_fields_each(
+        array("I", [t << 8 | shift for t, _, _, shift in edits]), array("Q", [k for _, k, _, _ in edits]),
+        bytes(o for _, _, o, _ in edits), EDIT_FIELD, EDIT_NEEDS_HELD, width=3)
     expected = []
     for (t, shift), run in itertools.groupby(edits, key=lambda e: (e[0], e[3])):
         run = list(run)
@@ -660,28 +660,28 @@ def test_edits_over_several_tables_match_each_run_edited_alone(edits, seed):
 
 def test_edits_over_several_tables_refuse_bad_arguments_before_any_table_changes():
     tables = [LudoTable(64, seed=1), LudoTable(64, seed=2)]
-    keys, ops, shifts = array("Q", [1, 2]), bytes([0, 0]), bytes([0, 0])
+    editor = TablesEditor(tables)
+    keys, ops = array("Q", [1, 2]), bytes([0, 0])
     bad_calls = [
-        (array("I", [0, 2]), keys, ops, shifts, EDIT_FIELD, 3),  # a table past the list
-        (array("I", [0, 1]), keys, bytes([0, 3]), shifts, EDIT_FIELD, 3),  # an op past the table
-        (array("I", [0, 1]), keys, ops, bytes([0, 30]), EDIT_FIELD, 3),  # beyond 32 value bits
-        (array("I", [0, 1]), keys, ops, shifts, EDIT_FIELD, 0),
-        (array("I", [0, 1]), keys, ops, shifts, EDIT_FIELD, 2),  # op_field 5 wider than 2 bits
+        (array("I", [0, 2 << 8]), keys, ops, EDIT_FIELD, 3),  # a table past the list
+        (array("I", [0, 1 << 8]), keys, bytes([0, 3]), EDIT_FIELD, 3),  # an op past the table
+        (array("I", [0, 1 << 8 | 30]), keys, ops, EDIT_FIELD, 3),  # beyond 32 value bits
+        (array("I", [0, 1 << 8]), keys, ops, EDIT_FIELD, 0),
+        (array("I", [0, 1 << 8]), keys, ops, EDIT_FIELD, 2),  # op_field 5 wider than 2 bits
     ]
-    for table_of, k, o, sh, fields, width in bad_calls:
+    for places, k, o, fields, width in bad_calls:
         with pytest.raises(LudoError, match="invalid argument"):
-            edit_fields_each(tables, table_of, k, o, sh, fields, EDIT_NEEDS_HELD, width=width)
+            editor.edit_fields_each(places, k, o, fields, EDIT_NEEDS_HELD, width=width)
     with pytest.raises(LudoKeyRangeError):
-        edit_fields_each(tables, array("I", [0, 1]), array("Q", [1, KEY_LIMIT]), ops, shifts, EDIT_FIELD,
-                         EDIT_NEEDS_HELD, width=3)
+        editor.edit_fields_each(array("I", [0, 1 << 8]), array("Q", [1, KEY_LIMIT]), ops, EDIT_FIELD, EDIT_NEEDS_HELD,
+                                width=3)
     with pytest.raises(LudoError, match="one length"):
-        edit_fields_each(tables, array("I", [0]), keys, ops, shifts, EDIT_FIELD, EDIT_NEEDS_HELD, width=3)
+        editor.edit_fields_each(array("I", [0]), keys, ops, EDIT_FIELD, EDIT_NEEDS_HELD, width=3)
     with pytest.raises(LudoError, match="one length"):
-        edit_fields_each(tables, array("I", [0, 1]), array("I", [1, 2]), ops, shifts, EDIT_FIELD, EDIT_NEEDS_HELD,
-                         width=3)
+        editor.edit_fields_each(array("I", [0, 1 << 8]), array("I", [1, 2]), ops, EDIT_FIELD, EDIT_NEEDS_HELD, width=3)
     assert (len(tables[0]), len(tables[1])) == (0, 0)
-    assert list(edit_fields_each(tables, array("I", [0, 1]), keys, ops, shifts, EDIT_FIELD, EDIT_NEEDS_HELD,
-                                 width=3)) == [EDIT_CHANGED] * 2
+    assert list(editor.edit_fields_each(array("I", [0, 1 << 8]), keys, ops, EDIT_FIELD, EDIT_NEEDS_HELD,
+                                        width=3)) == [EDIT_CHANGED] * 2
     assert (len(tables[0]), len(tables[1])) == (1, 1)
 
 

@@ -31,7 +31,7 @@ from .events import (OP_NEEDS_HOLDER, OP_OF_TIERED_EVENT, OP_TIER_AFTER, EventOp
                      PrefixCached, PrefixEvicted, Tier, TierChanged)
 from .layout import IndexLayout
 from .messages import ShardSnapshotSent, UpdateBatchPublished
-from .ludo import EDIT_CHANGED, EDIT_REFUSED, EDIT_UNCHANGED, LudoError, LudoTable, LudoView, apply_batch, edit_fields_each
+from .ludo import EDIT_CHANGED, EDIT_REFUSED, LudoError, LudoTable, LudoView, TablesEditor, apply_batch
 
 TIER_MASK = 3
 
@@ -130,6 +130,7 @@ class MaintenanceShard:
         ]
         for table in self._tables:
             table.take_updates()  # the initial state travels as a snapshot, not as records
+        self._editor = TablesEditor(self._tables)  # apply_reports' C call over every table
         self._dirty: list[int] = []
         self._replay: deque[UpdateBatchPublished] = deque(maxlen=replay_batches)
 
@@ -177,68 +178,58 @@ class MaintenanceShard:
     def apply_reports(self, reports: Sequence[tuple[str, Sequence[IndexEvent]]]) -> ApplyOutcome:
         """Apply several reports (a worker, its events) in order: the same state, pending
         records and next ``flush`` as ``apply`` of each report in turn, with the events edited in
-        one C call (``ludo.edit_fields_each``) instead of a Python step per event (the simulator
-        hands a shard what reached it between two flushes: a few events from each of a few
-        workers). A report this path does not take as it is (an unknown worker, an event of another
-        worker or of another shard's key, something not an index event) goes through ``apply`` in
-        its turn."""
-        applied = unchanged = 0
-        ignored: list[str] = []
-        table_of, keys, ops, shifts = array("I"), array("Q"), bytearray(), bytearray()
-        workers: list[str] = []  # per event: its worker, to name a refused one
-        slot_of, shards, shard, evicted = self.layout.slot, self.shards, self.shard, EventOp.EVICTED
-
-        def edit_gathered() -> None:
-            nonlocal applied, unchanged, table_of, keys, ops, shifts, workers
-            if not ops:
-                return
-            status = edit_fields_each(self._tables, table_of, keys, ops, shifts, OP_TIER_AFTER, OP_NEEDS_HOLDER,
-                                      width=2)
-            changed = status.count(EDIT_CHANGED)
-            applied += changed
-            unchanged += status.count(EDIT_UNCHANGED)
-            if changed:
-                dirty = self._dirty
-                for g, st in zip(table_of, status):
-                    if st == EDIT_CHANGED:
-                        dirty.append(g)
-            if EDIT_REFUSED in status:
-                for i, st in enumerate(status):
-                    if st == EDIT_REFUSED:
-                        name = _eviction_refused if ops[i] == evicted else _tier_change_refused
-                        ignored.append(name(workers[i], keys[i]))
-            table_of, keys, ops, shifts, workers = array("I"), array("Q"), bytearray(), bytearray(), []
-
+        one C call (``TablesEditor.edit_fields_each``) instead of a Python step per event (the
+        simulator hands a shard what reached it between two flushes: a few events from each of a
+        few workers). A report this path does not take as it is (an unknown worker, an event of
+        another worker or of another shard's key, something not an index event) goes through
+        ``apply`` in its turn."""
+        outcomes: list[ApplyOutcome] = []
+        keys: list[int] = []
+        ops = bytearray()
+        places = array("I")  # per event: its table (region group) << 8 | its field's shift
+        ends: list[tuple[int, str]] = []  # (events gathered so far, worker) after each report
+        shards, shard, evicted, op_of = self.shards, self.shard, EventOp.EVICTED, OP_OF_TIERED_EVENT
         for worker, events in reports:
+            start = len(keys)
             try:
-                slot = slot_of(worker)
-            except ValueError:
-                slot = None
-            report_ops = bytearray()
-            if slot is not None:
-                try:
-                    for event in events:
-                        cls = type(event)
-                        if event.key % shards != shard or event.worker != worker:
-                            raise KeyError
-                        report_ops.append(evicted if cls is PrefixEvicted else OP_OF_TIERED_EVENT[cls, event.tier])
-                except (KeyError, AttributeError):
-                    slot = None
-            if slot is None:  # apply() names what is wrong with it, in its turn
-                edit_gathered()
-                outcome = self.apply(events)
-                applied += outcome.applied
-                unchanged += outcome.unchanged
-                ignored.extend(outcome.ignored)
+                slot = self.layout.slot(worker)
+                for event in events:
+                    if event.key % shards != shard or event.worker != worker:
+                        raise KeyError(event.key)
+                    ops.append(evicted if type(event) is PrefixEvicted else op_of[type(event), event.tier])
+                    keys.append(event.key)
+            except (ValueError, KeyError, AttributeError, TypeError):
+                del keys[start:], ops[start:]
+                outcomes += (self._edit_gathered(keys, ops, places, ends), self.apply(events))  # apply() names what is wrong
+                keys, ops, places, ends = [], bytearray(), array("I"), []
                 continue
-            n = len(report_ops)
-            ops += report_ops
-            keys.extend([event.key for event in events])
-            table_of.extend([slot.group] * n)
-            shifts += bytes([2 * slot.field]) * n
-            workers.extend([worker] * n)
-        edit_gathered()
-        return ApplyOutcome(applied, unchanged, tuple(ignored))
+            places.extend(array("I", [slot.group << 8 | 2 * slot.field]) * (len(keys) - start))
+            ends.append((len(keys), worker))
+        outcomes.append(self._edit_gathered(keys, ops, places, ends))
+        if len(outcomes) == 1:
+            return outcomes[0]
+        return ApplyOutcome(sum(o.applied for o in outcomes), sum(o.unchanged for o in outcomes),
+                            tuple(reason for o in outcomes for reason in o.ignored))
+
+    def _edit_gathered(self, keys: list[int], ops: bytearray, places: array, ends: list[tuple[int, str]]) -> ApplyOutcome:
+        """``apply_reports``' C call over the events gathered so far (``ends``: each report's end
+        and worker, to name a refused event's worker)."""
+        if not ops:
+            return ApplyOutcome()
+        status = self._editor.edit_fields_each(places, array("Q", keys), ops, OP_TIER_AFTER, OP_NEEDS_HOLDER, width=2)
+        changed = status.count(EDIT_CHANGED)
+        if changed:
+            self._dirty.extend({place >> 8 for place, st in zip(places, status) if st == EDIT_CHANGED})
+        ignored: list[str] = []
+        if EDIT_REFUSED in status:
+            report = 0
+            for i, st in enumerate(status):
+                while ends[report][0] <= i:
+                    report += 1
+                if st == EDIT_REFUSED:
+                    refused = _eviction_refused if ops[i] == EventOp.EVICTED else _tier_change_refused
+                    ignored.append(refused(ends[report][1], keys[i]))
+        return ApplyOutcome(changed, len(status) - changed - len(ignored), tuple(ignored))
 
     @staticmethod
     def edit_outcome(worker: str, keys: np.ndarray, ops: np.ndarray, status: np.ndarray, applied: int) -> ApplyOutcome:

@@ -17,6 +17,7 @@ one thread at a time (different objects may be used from different threads).
 from __future__ import annotations
 
 import operator
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -596,35 +597,51 @@ def apply_batch(views: list[LudoView], blobs: list[Any]) -> None:
                                      f"epoch {views[i].epoch}: {text}"))
 
 
-def edit_fields_each(tables: Sequence[LudoTable], table_of: Any, keys: Any, ops: Any, shifts: Any, op_field: bytes,
-                     op_needs_held: bytes, *, width: int) -> bytearray:
-    """``LudoTable.edit_fields`` of events of several workers on several tables, in order, in one
-    C call (``kvc_tables_edit_fields_each``): event ``i`` sets the ``width``-bit field at bit
-    ``shifts[i]`` of ``keys[i]``'s value in ``tables[table_of[i]]`` to ``op_field[ops[i]]``, each
-    table's events in the given order. ``table_of`` holds uint32, ``keys`` uint64, ``ops`` and
-    ``shifts`` uint8 items (``array('I')``, ``array('Q')``, ``bytes``: a maintenance shard's
-    few events between two flushes, where numpy's per-call cost would be most of the work).
-    Returns one ``EDIT_*`` status per event. Bad arguments raise before any table changes; a
-    table error part-way raises naming the event it stopped at (those before it applied)."""
-    n = len(ops)
-    if (len(shifts) != n or len(keys) != n or len(table_of) != n or memoryview(keys).itemsize != 8
-            or memoryview(table_of).itemsize != 4 or memoryview(ops).itemsize != 1 or memoryview(shifts).itemsize != 1):
-        raise LudoError("edit_fields_each needs uint32 table_of, uint64 keys, uint8 ops and uint8 shifts of one length")
-    if len(op_field) != len(op_needs_held):
-        raise LudoError("op_field and op_needs_held must describe the same ops")
-    status = bytearray(n)
-    if n == 0:
+_from_buffer = ffi.from_buffer
+
+
+def _new_size() -> Any:
+    return ffi.new("size_t *")
+
+
+class TablesEditor:
+    """Field edits of events on several tables in one C call (``kvc_tables_edit_fields_each``),
+    the tables' pointer array built once: a maintenance shard's tables, which receive a few
+    events from each of a few workers between two flushes (where numpy's per-call cost, or one
+    call per table, would be most of the work)."""
+
+    __slots__ = ("_tables", "_pointers")
+
+    def __init__(self, tables: Sequence[LudoTable]) -> None:
+        self._tables = list(tables)  # keeps each table, and so its pointer, alive
+        self._pointers = ffi.new("kvc_table *[]", [t._ptr for t in self._tables] or 1)
+
+    def edit_fields_each(self, places: array, keys: array, ops: bytes | bytearray, op_field: bytes,
+                         op_needs_held: bytes, *, width: int) -> bytearray:
+        """``LudoTable.edit_fields`` of each event in order: event ``i`` sets the ``width``-bit
+        field at bit ``places[i] & 0xff`` of ``keys[i]``'s value in table ``places[i] >> 8`` to
+        ``op_field[ops[i]]``. ``places`` is an ``array('I')``, ``keys`` an ``array('Q')``, ``ops``
+        bytes, of one length. Returns one ``EDIT_*`` status per event. Bad arguments raise
+        before any table changes; a table error part-way raises naming the event it stopped at
+        (those before it applied)."""
+        n = len(ops)
+        if (type(places) is not array or places.typecode != "I" or type(keys) is not array or keys.typecode != "Q"
+                or len(places) != n or len(keys) != n):
+            raise LudoError("edit_fields_each needs places as array('I'), keys as array('Q') and ops of one length")
+        if len(op_field) != len(op_needs_held):
+            raise LudoError("op_field and op_needs_held must describe the same ops")
+        status = bytearray(n)
+        if n == 0:
+            return status
+        done = _new_size()
+        rc = lib.kvc_tables_edit_fields_each(self._pointers, len(self._tables), _from_buffer("uint32_t[]", places),
+                                             _from_buffer("uint64_t[]", keys), _from_buffer("uint8_t[]", ops), n,
+                                             op_field, op_needs_held, len(op_field), width,
+                                             _from_buffer("uint8_t[]", status), done)
+        if rc != lib.KVC_OK:
+            i = int(done[0])
+            _raise(rc, f"edit_fields_each stopped at event {i} (key {keys[i]}); the {i} before it were applied")
         return status
-    done = ffi.new("size_t *")
-    rc = lib.kvc_tables_edit_fields_each(ffi.new("kvc_table *[]", [t._ptr for t in tables]), len(tables),
-                                         ffi.from_buffer("uint32_t[]", table_of), ffi.from_buffer("uint64_t[]", keys),
-                                         ffi.from_buffer("uint8_t[]", ops), ffi.from_buffer("uint8_t[]", shifts), n,
-                                         op_field, op_needs_held, len(op_field), width,
-                                         ffi.from_buffer("uint8_t[]", status), done)
-    if rc != lib.KVC_OK:
-        i = int(done[0])
-        _raise(rc, f"edit_fields_each stopped at event {i} (key {int(keys[i])}); the {i} before it were applied")
-    return status
 
 
 def peek_blob(blob: bytes) -> tuple[str, int, int]:
