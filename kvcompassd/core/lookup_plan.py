@@ -94,12 +94,11 @@ class ViewPointers:
             self._rebuild()
         return self._array
 
-    def refresh(self, shard: int, group: int) -> None:
-        """Re-read one (shard, group) slot after the caller replaced that view in the shard's dict
-        in place (the simulator's shared table versions), instead of rebuilding every slot. The
-        dict keeps the view alive while the slot points at it."""
-        v = self._state[shard].views.get(group)
-        self._array[shard * self._groups + group] = ffi.NULL if v is None else v._ptr
+    def refresh(self, shard: int, group: int, view: Any) -> None:
+        """Point one (shard, group) slot at ``view``, which the caller just put in that shard's
+        dict in place (the simulator's shared table versions), instead of rebuilding every slot.
+        The dict keeps the view alive while the slot points at it."""
+        self._array[shard * self._groups + group] = ffi.NULL if view is None else view._ptr
 
     def _rebuild(self) -> None:
         groups, array = self._groups, self._array

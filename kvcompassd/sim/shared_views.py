@@ -189,7 +189,7 @@ class SharedViews:
             t.refs[k] += 1
         versions[g] = k
         self.edges[e].state[s].views[g] = view
-        self.pointers[e].refresh(s, g)
+        self.pointers[e].refresh(s, g, view)
         if t.refs.get(j, 0) == 0:  # j is nobody's now (or was moved on in place)
             t.collect()
 
@@ -235,7 +235,7 @@ class SharedViews:
                 for e in behind:
                     self._version[e][s][g] = k
                     self.edges[e].state[s].views[g] = view
-                    self.pointers[e].refresh(s, g)
+                    self.pointers[e].refresh(s, g, view)
                 t.collect()
 
     def advance_all(self, now: float) -> None:
