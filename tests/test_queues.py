@@ -192,6 +192,25 @@ def test_broadcast_replaces_and_ignores_reordered_datagrams() -> None:
         q.on_broadcast(QueueVectorBroadcast("asia", "us", 60.0, (("eu-0", 1.0),)), now=1.3)
 
 
+def test_a_broadcast_checked_by_another_edge_of_the_config_lands_as_one_checked_here() -> None:
+    """``updates=`` from another edge's ``remote_updates`` (the same config) gives the state a
+    broadcast checked by this edge gives, step after step; a bad vector raises in the check."""
+    vectors = [(("eu-0", 10.0), ("eu-1", 0.0)), (("eu-0", 35.0), ("eu-1", 4.5)), (("eu-1", 1.0),)]
+    own, given_checked = us_edge(), us_edge()
+    other = QueueEstimates(CFG, "asia", now=0.0)
+    for q in (own, given_checked):
+        q.note_dispatched("eu-0", 30.0, now=0.5)
+    for k, vector in enumerate(vectors):
+        msg = QueueVectorBroadcast("eu", "us", 1.0 + k, vector)
+        updates = other.remote_updates("eu", vector)
+        assert own.on_broadcast(msg, now=1.1 + k) == given_checked.on_broadcast(msg, now=1.1 + k, updates=updates)
+        assert updates == other.remote_updates("eu", vector)  # not changed by the receiver
+        assert own.queue_ms(now=1.2 + k).tolist() == given_checked.queue_ms(now=1.2 + k).tolist()
+        assert own.trends().tolist() == given_checked.trends().tolist()
+    with pytest.raises(QueueVectorError):
+        other.remote_updates("us", (("eu-0", 1.0),))  # us naming a worker of eu
+
+
 def test_work_still_crossing_the_wan_survives_a_broadcast_and_a_piggyback() -> None:
     q = us_edge()  # us <-> eu: 160 ms one way, so a vector received now misses the last 320 ms
     q.note_dispatched("eu-0", 30.0, now=1.0)

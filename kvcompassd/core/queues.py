@@ -337,11 +337,23 @@ class QueueEstimates:
         self._store(folded, now)
         self._last_heard_from[from_region] = now
 
-    def on_broadcast(self, msg: QueueVectorBroadcast, *, now: float) -> bool:
-        """Replace the sender's workers with a broadcast vector; False if it was stale or reordered."""
+    def remote_updates(self, from_region: str, vector: Mapping[str, float] | tuple[tuple[str, float], ...]
+                       ) -> list[tuple[int, float]]:
+        """A vector from ``from_region``, checked, as the (worker index, ms) pairs ``on_broadcast``
+        reads: another edge built from the same config (the same workers in the same order) may
+        pass them to its ``on_broadcast`` (``updates=``) instead of checking the vector again, as
+        the simulator's 63 receivers of one region's broadcast do. Raises as ``on_broadcast``."""
+        return self._remote_updates(from_region, vector)
+
+    def on_broadcast(self, msg: QueueVectorBroadcast, *, now: float,
+                     updates: list[tuple[int, float]] | None = None) -> bool:
+        """Replace the sender's workers with a broadcast vector; False if it was stale or reordered.
+        ``updates``: ``remote_updates(msg.from_region, msg.vector)`` of an edge of the same config,
+        if the caller has it (never changed here)."""
         if msg.to_region != self.region:
             raise QueueVectorError(f"broadcast for region {msg.to_region!r} delivered to {self.region!r}")
-        updates = self._remote_updates(msg.from_region, msg.vector)
+        if updates is None:
+            updates = self._remote_updates(msg.from_region, msg.vector)
         # Datagrams may arrive out of order; sent_at is on the sender's clock, so compare only
         # with the same sender's earlier broadcasts.
         if msg.sent_at <= self._last_broadcast_from[msg.from_region]:

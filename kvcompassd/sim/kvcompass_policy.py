@@ -296,8 +296,11 @@ class KVCompassPolicy(BasePolicy):
             elif kind == _BROADCAST:
                 if self._arrivals_done:
                     continue
-                to = self._region_index[payload.to_region]
-                self.routers[to].queues.on_broadcast(payload, now=due)
+                msg, checked = payload
+                queues = self.routers[self._region_index[msg.to_region]].queues
+                if checked.get(id(msg.vector)) is None:  # its first receiver checks it for all
+                    checked[id(msg.vector)] = queues.remote_updates(msg.from_region, msg.vector)
+                queues.on_broadcast(msg, now=due, updates=checked[id(msg.vector)])
             elif kind == _RESYNC_AT_SHARD:
                 self._answer_resync(payload, due)
             elif kind == _REPLAY_TO_EDGE:
@@ -324,10 +327,14 @@ class KVCompassPolicy(BasePolicy):
             for i, router in enumerate(self.routers):
                 if deadlines[i] > now:
                     continue
+                # One region's broadcasts share one vector, and every router is built from the
+                # same config: its (worker index, ms) pairs are checked once, by the first
+                # receiver, for all of them (by the vector's id: each message holds its vector).
+                checked: dict[int, list[tuple[int, float]]] = {}
                 for msg in router.queues.due_broadcasts(now=now):
                     self.counters["broadcasts"] += 1
                     a, b = self._region_index[msg.from_region], self._region_index[msg.to_region]
-                    self._push(now + self._owm_s[a, b], _BROADCAST, msg)
+                    self._push(now + self._owm_s[a, b], _BROADCAST, (msg, checked))
                 deadlines[i] = self._deadline_of(i, now)
             self._next_broadcast = self._broadcast_deadline(now)
 
