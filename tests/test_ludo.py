@@ -38,6 +38,7 @@ from kvcompassd.core.ludo import (
     RoutedTables,
     TablesEditor,
     apply_batch,
+    blob_is_snapshot,
     peek_blob,
 )
 from kvcompassd.core.ludo import BatchApplyError, huge_page_view_stats, set_huge_page_views
@@ -619,6 +620,19 @@ def test_routed_edits_refuse_bad_arguments_before_any_table_changes():
                                          shift=0, width=3)
     assert status.tolist() == [EDIT_CHANGED] * 2 and changed.tolist() == [2, 1, 2]
     assert (len(full), len(a), len(b)) == (2, 1, 2)
+
+
+def test_a_blob_reads_as_a_snapshot_exactly_when_peek_blob_says_so():
+    table = LudoTable(16, seed=5)
+    blobs = [table.snapshot()]
+    for k in range(1, 200):  # grows past its capacity: record blobs, and a snapshot at each rebuild
+        table.insert(k, k)
+        blobs += table.take_updates()
+    kinds = [peek_blob(b)[0] for b in blobs]
+    assert "records" in kinds and kinds.count("snapshot") > 1
+    assert [blob_is_snapshot(b) for b in blobs] == [kind == "snapshot" for kind in kinds]
+    with pytest.raises(LudoCorruptError):
+        blob_is_snapshot(b"XXXX" + blobs[0][4:])
 
 
 # ---------------------------------------------------------------------------- field edits over several tables

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvcompassd.core.index import EdgeIndexView
-from kvcompassd.core.ludo import LudoView, peek_blob
+from kvcompassd.core.ludo import LudoView, blob_is_snapshot
 from kvcompassd.core.lookup_plan import ViewPointers
 from kvcompassd.core.messages import ShardSnapshotSent, UpdateBatchPublished
 
@@ -57,7 +57,7 @@ class _Versions:
     def add(self, blob: bytes, seq: int) -> int:
         self.seqs.append(seq)
         self.blobs.append(blob)
-        self.snapshot.append(peek_blob(blob)[0] == "snapshot")
+        self.snapshot.append(blob_is_snapshot(blob))
         self.latest += 1
         return self.latest
 
