@@ -565,3 +565,32 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
     return kvc_forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue_out, belief, eligible, last_sent,
                                      keys_out, matched_out, tier_out, scores_out, result);
 }
+
+int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                  const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                  const double *correction, int add_occupancy, const double *belief,
+                                  const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                  double *out, kvc_forward_sparse_result *result)
+{
+    size_t n = plan->workers;
+    double *aged = out + n;
+    double *queue = correction || add_occupancy ? out + 2 * n : aged;
+    int64_t *matched = (int64_t *)(out + 3 * n);
+    uint8_t *tier = (uint8_t *)(out + 4 * n);
+    result->chosen_matched = result->best_matched = 0;
+    result->chosen_tier = result->best_tier = 0;
+    int rc = kvc_forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,
+                                            belief, eligible, last_sent, keys_out, matched, tier, out, aged, queue,
+                                            result);
+    if (rc != KVC_OK && rc != KVC_FORWARD_NONE_ELIGIBLE)
+        return rc;
+    if (result->chosen >= 0 && (size_t)result->chosen < n) {
+        result->chosen_matched = matched[result->chosen];
+        result->chosen_tier = tier[result->chosen];
+    }
+    if (result->best >= 0 && (size_t)result->best < n) {
+        result->best_matched = matched[result->best];
+        result->best_tier = tier[result->best];
+    }
+    return rc;
+}

@@ -196,6 +196,13 @@ typedef struct kvc_forward_sparse_result {
     int64_t family;
     size_t n_holders;   /* holders written to sparse->holders */
     int complete;       /* every worker's score was written (else holders' and unpruned blocks') */
+    /* kvc_forward_decide_sparse_out only: the matched length and tier of `chosen` and of `best`
+     * (0 when out of range), so that a caller reading no more than the winner needs no view of
+     * the arrays */
+    int64_t chosen_matched;
+    int64_t best_matched;
+    uint8_t chosen_tier;
+    uint8_t best_tier;
 } kvc_forward_sparse_result;
 
 /* kvc_forward_decide on the sparse path: kvc_prefix_keys, kvc_lookup_sparse,
@@ -221,6 +228,24 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
                                    const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
                                    int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
                                    double *queue_out, kvc_forward_sparse_result *result);
+
+/* kvc_forward_decide_sparse_aged writing every per-worker output into one caller-owned buffer
+ * `out` of 4 * workers + ceil(workers / 8) doubles (one allocation and one pointer per decision
+ * instead of five), laid out as
+ *   out[0, n)            scores (as scores_out; result->complete says which were written)
+ *   out[n, 2n)           the estimates carried to now (aged_out)
+ *   out[2n, 3n)          the estimates scored (queue_out), written only when `correction` is
+ *                        given or add_occupancy is set; otherwise the decision scored out[n, 2n)
+ *   out[3n, 4n)          matched lengths, as int64_t (matched_out)
+ *   out[4n, ...)         tiers, as n uint8_t (tier_out)
+ * and the matched length and tier of the chosen and the best worker in result->chosen_matched,
+ * chosen_tier, best_matched and best_tier.
+ * Returns as kvc_forward_decide_sparse_aged. */
+int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                  const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                  const double *correction, int add_occupancy, const double *belief,
+                                  const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                  double *out, kvc_forward_sparse_result *result);
 
 /* CDEF-END */
 
