@@ -570,7 +570,7 @@ int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forwar
                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
                                   const double *correction, int add_occupancy, const double *belief,
                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
-                                  double *out, kvc_forward_sparse_result *result)
+                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out)
 {
     size_t n = plan->workers;
     double *aged = out + n;
@@ -592,5 +592,15 @@ int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forwar
         result->best_matched = matched[result->best];
         result->best_tier = tier[result->best];
     }
+    out[4 * n + (n + 7) / 8] = result->lam;
+    fields_out[KVC_OUT_BEST] = result->best;
+    fields_out[KVC_OUT_CHOSEN] = result->chosen;
+    fields_out[KVC_OUT_MISS] = (int64_t)result->miss;
+    fields_out[KVC_OUT_FAMILY] = result->family;
+    fields_out[KVC_OUT_COMPLETE] = result->complete;
+    fields_out[KVC_OUT_CHOSEN_MATCHED] = result->chosen_matched;
+    fields_out[KVC_OUT_CHOSEN_TIER] = result->chosen_tier;
+    fields_out[KVC_OUT_BEST_MATCHED] = result->best_matched;
+    fields_out[KVC_OUT_BEST_TIER] = result->best_tier;
     return rc;
 }

@@ -230,7 +230,7 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
                                    double *queue_out, kvc_forward_sparse_result *result);
 
 /* kvc_forward_decide_sparse_aged writing every per-worker output into one caller-owned buffer
- * `out` of 4 * workers + ceil(workers / 8) doubles (one allocation and one pointer per decision
+ * `out` of 4 * workers + ceil(workers / 8) + 1 doubles (one allocation and one pointer per decision
  * instead of five), laid out as
  *   out[0, n)            scores (as scores_out; result->complete says which were written)
  *   out[n, 2n)           the estimates carried to now (aged_out)
@@ -238,14 +238,21 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
  *                        given or add_occupancy is set; otherwise the decision scored out[n, 2n)
  *   out[3n, 4n)          matched lengths, as int64_t (matched_out)
  *   out[4n, ...)         tiers, as n uint8_t (tier_out)
+ *   out[4n + ceil(n / 8)] lam
  * and the matched length and tier of the chosen and the best worker in result->chosen_matched,
- * chosen_tier, best_matched and best_tier.
+ * chosen_tier, best_matched and best_tier. `fields_out` [KVC_OUT_FIELDS] receives the result's
+ * integers as the kvc_forward_out_field enum orders them (a caller reads them in one go rather
+ * than field by field: cffi's struct reads cost ~0.1 us each).
  * Returns as kvc_forward_decide_sparse_aged. */
+enum kvc_forward_out_field {
+    KVC_OUT_BEST, KVC_OUT_CHOSEN, KVC_OUT_MISS, KVC_OUT_FAMILY, KVC_OUT_COMPLETE, KVC_OUT_CHOSEN_MATCHED,
+    KVC_OUT_CHOSEN_TIER, KVC_OUT_BEST_MATCHED, KVC_OUT_BEST_TIER, KVC_OUT_FIELDS
+};
 int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
                                   const double *correction, int add_occupancy, const double *belief,
                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
-                                  double *out, kvc_forward_sparse_result *result);
+                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out);
 
 /* CDEF-END */
 

@@ -474,7 +474,7 @@ class SparseForwardKernel(ForwardKernel):
     Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
 
     __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging",
-                 "_ms", "_ms_c", "_out_size")
+                 "_ms", "_ms_c", "_out_size", "_fields", "_fields_c")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -498,7 +498,9 @@ class SparseForwardKernel(ForwardKernel):
         self._aging: tuple | None = None
         self._ms: np.ndarray | None = None  # run_out's last estimates, and their pointer
         self._ms_c = _NULL
-        self._out_size = DecisionArrays.size(self.workers)
+        self._out_size = DecisionArrays.size(self.workers) + 1  # and lam
+        self._fields = np.zeros(int(lib.KVC_OUT_FIELDS), dtype=np.int64)  # run_out's integers
+        self._fields_c = _from_buffer("int64_t[]", self._fields)
 
     def run(self, tokens: Any, queue: np.ndarray, belief: np.ndarray, eligible: np.ndarray | None
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, float, int, int | None, bool]:
@@ -636,27 +638,25 @@ class SparseForwardKernel(ForwardKernel):
                 raise LookupPlanError(f"eligible must hold {n} values")
         out = _empty(self._out_size, _float64)
         self._pointers.pointers()
-        result = self._sparse_result
         last_sent, keys = self._outputs
         tokens_c = _from_buffer("uint8_t[]", tokens)
         rc = _forward_decide_sparse_out(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2, self._ms_c, now,
                                         _NULL if correction is None else _from_buffer("double[]", correction),
-                                        separate, self._belief_c, eligible_c, last_sent, keys,
-                                        _from_buffer("double[]", out), result)
+                                        occupied, self._belief_c, eligible_c, last_sent, keys,
+                                        _from_buffer("double[]", out), self._sparse_result, self._fields_c)
+        # The result's integers in one read (in kvc_forward_out_field's order), lam at the buffer's end.
+        best, chosen, miss, family, complete, chosen_matched, chosen_tier, best_matched, best_tier = \
+            self._fields.tolist()
         if rc:
             if rc != _NONE_ELIGIBLE:
                 raise LookupPlanError(f"kvc_forward_decide_sparse_out rejected its arguments (code {rc})")
             best = -1
-        else:
-            best = result.best
-        family = result.family
         arrays = _new_arrays(DecisionArrays)
         _set_out(arrays, out)
         _set_n(arrays, n)
         _set_separate(arrays, separate)
-        return (arrays, best, result.chosen, result.lam, result.miss, None if family < 0 else family,
-                bool(result.complete), result.chosen_matched, result.chosen_tier, result.best_matched,
-                result.best_tier)
+        return (arrays, best, chosen, out.item(-1), miss, None if family < 0 else family, complete != 0,
+                chosen_matched, chosen_tier, best_matched, best_tier)
 
     def holders(self) -> np.ndarray:
         """The workers the last sparse ``run`` found holding a prefix (group by group)."""
@@ -685,7 +685,7 @@ class DecisionArrays:
         aged estimates were scored)."""
         n = int(scores.size)
         arrays = _new_arrays(cls)
-        out = np.zeros(cls.size(n), dtype=np.float64)
+        out = np.zeros(cls.size(n) + 1, dtype=np.float64)  # run_out's buffer has lam last
         out[:n] = scores
         out[n:2 * n] = aged
         if queue is not None:
