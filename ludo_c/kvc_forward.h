@@ -136,6 +136,11 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
                       const int32_t *field_worker, size_t workers, int consistency, uint64_t *values_scratch,
                       int64_t *matched_out, uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out);
 
+/* Each group's mask of the fields field_worker names a worker for (the low bit of each such
+ * 2-bit field), as kvc_lookup_sparse computes it on every call: masks_out [groups]. Returns
+ * KVC_OK, or KVC_ERR_ARG (an entry naming a worker >= workers). */
+int kvc_field_masks(const int32_t *field_worker, size_t groups, size_t workers, uint64_t *masks_out);
+
 /* The score's lower bounds per block of `block` consecutive workers (n_blocks = ceil(n / block)):
  * each block's least wan, beta and remote_penalty. */
 typedef struct kvc_score_blocks {
@@ -185,6 +190,8 @@ typedef struct kvc_forward_sparse {
     const double *rate;
     const double *occupancy;
     const int64_t *region_slot;
+    /* [groups] or NULL: kvc_field_masks of field_worker, made once (else computed per call) */
+    const uint64_t *group_fields;
 } kvc_forward_sparse;
 
 typedef struct kvc_forward_sparse_result {

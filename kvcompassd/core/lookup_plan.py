@@ -474,7 +474,7 @@ class SparseForwardKernel(ForwardKernel):
     Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
 
     __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging",
-                 "_ms", "_ms_c", "_out_size", "_fields", "_fields_c")
+                 "_ms", "_ms_c", "_out_size", "_fields", "_fields_c", "_group_fields")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -488,6 +488,12 @@ class SparseForwardKernel(ForwardKernel):
         self._blocks = blocks
         c = ffi.new("kvc_forward_sparse *")
         c.field_worker = _from_buffer("int32_t[]", self._field_worker)
+        # Each group's field mask, once (kvc_lookup_sparse would derive it from field_worker per call).
+        self._group_fields = np.zeros(max(1, plan.groups), dtype=np.uint64)
+        if lib.kvc_field_masks(c.field_worker, plan.groups, self.workers,
+                               _from_buffer("uint64_t[]", self._group_fields)):
+            raise LookupPlanError("field_worker names a worker out of range")
+        c.group_fields = _from_buffer("uint64_t[]", self._group_fields)
         c.blocks = blocks.c[0]
         remote = miss.local == 0
         c.remote_floor_free = int(bool(np.any(remote & (miss.floors <= 0))))
