@@ -101,7 +101,7 @@ def count_config(name: str, args: argparse.Namespace, helper: ctypes.CDLL) -> No
 _SHOWN = (
     ("fused C call (cffi wrapper)", r"_cffi_f_kvc_forward_decide\w*$"),
     ("  hashing", r"kvc_prefix_keys_paired$"),
-    ("  lookup (kvc_lookup_sparse)", r"kvc_lookup_sparse$"),
+    ("  lookup (kvc_lookup_sparse)", r"kvc_lookup_sparse(_masked)?$"),
     ("  score (kvc_score_choose_pruned)", r"kvc_score_choose_pruned$"),
     ("  queue aging (kvc_queue_aged)", r"kvc_queue_aged$"),
     ("  miss summary", r"kvc_miss_summary_holders$"),
