@@ -390,7 +390,8 @@ class SharedViewReader:
         magic, _, _, dir_shards, dir_groups = (int(x) for x in self._dir.header[:5])
         if magic != DIRECTORY_MAGIC or (dir_shards, dir_groups) != (shards, self.groups):
             raise SharedViewError(f"directory {directory_name} is not one of {shards} shards x {self.groups} groups")
-        self.state = [ShardViewState() for _ in range(shards)]
+        changes = [0]  # view dicts replaced, over every shard (ShardViewState)
+        self.state = [ShardViewState(changes) for _ in range(shards)]
         self._generation = -1
         self._slot_generation = np.zeros((shards, self.groups), dtype=np.uint64)
         self.refreshes = 0

@@ -225,11 +225,50 @@ static size_t kvc_sparse_assign(uint64_t fields, size_t g, size_t level, uint64_
     return held;
 }
 
+int kvc_field_masks(const int32_t *field_worker, size_t groups, size_t workers, uint64_t *masks_out)
+{
+    for (size_t g = 0; g < groups; g++) {
+        uint64_t fields = 0;
+        for (unsigned f = 0; f < 32; f++) {
+            int32_t w = field_worker[g * 32 + f];
+            if (w < 0)
+                continue;
+            if ((size_t)w >= workers)
+                return KVC_ERR_ARG;
+            fields |= UINT64_C(1) << (2 * f);
+        }
+        masks_out[g] = fields;
+    }
+    return KVC_OK;
+}
+
+/* kvc_lookup_sparse, with each group's field mask from group_fields when given (kvc_field_masks:
+ * computed once per edge) instead of from field_worker per call (32 entries per group: at 372
+ * groups, ~60,000 instructions a decision). */
+static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards, size_t groups,
+                                    const uint64_t *keys, size_t n_keys,
+                                    const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
+                                    const int32_t *field_worker, const uint64_t *group_fields, size_t workers,
+                                    int consistency, uint64_t *values_scratch, int64_t *matched_out,
+                                    uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out);
+
 int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups,
                       const uint64_t *keys, size_t n_keys,
                       const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
                       const int32_t *field_worker, size_t workers, int consistency, uint64_t *values_scratch,
                       int64_t *matched_out, uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out)
+{
+    return kvc_lookup_sparse_masked(views, shards, groups, keys, n_keys, level_lengths, level_keys, max_levels,
+                                    field_worker, NULL, workers, consistency, values_scratch, matched_out, tier_out,
+                                    holders_out, n_holders_out);
+}
+
+static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards, size_t groups,
+                                    const uint64_t *keys, size_t n_keys,
+                                    const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
+                                    const int32_t *field_worker, const uint64_t *group_fields, size_t workers,
+                                    int consistency, uint64_t *values_scratch, int64_t *matched_out,
+                                    uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out)
 {
     *n_holders_out = 0;
     if (shards == 0 || (groups != 0 && max_levels == 0))
@@ -244,18 +283,18 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
     size_t read_group[KVC_SPARSE_CHUNK];
     for (size_t first = 0; first < groups; first += KVC_SPARSE_CHUNK) {
         size_t count = groups - first < KVC_SPARSE_CHUNK ? groups - first : KVC_SPARSE_CHUNK;
-        for (size_t i = 0; i < count; i++) {
-            uint64_t fields = 0;
-            for (unsigned f = 0; f < 32; f++) {
-                int32_t w = field_worker[(first + i) * 32 + f];
-                if (w < 0)
-                    continue;
-                if ((size_t)w >= workers)
-                    return KVC_ERR_ARG;
-                fields |= UINT64_C(1) << (2 * f);
+        if (group_fields) {
+            for (size_t i = 0; i < count; i++) {
+                present[i] = alive[i] = group_fields[first + i];
+                levels_read[i] = 0;
             }
-            present[i] = alive[i] = fields;
-            levels_read[i] = 0;
+        } else {
+            if (kvc_field_masks(field_worker + first * 32, count, workers, present) != KVC_OK)
+                return KVC_ERR_ARG;
+            for (size_t i = 0; i < count; i++) {
+                alive[i] = present[i];
+                levels_read[i] = 0;
+            }
         }
         /* Few reads in all: every group's fitting levels in one batch. */
         size_t all_reads = 0;
@@ -513,9 +552,10 @@ int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sp
     if (rc != KVC_OK)
         return rc;
     size_t held;
-    rc = kvc_lookup_sparse(plan->views, plan->shards, plan->groups, keys_out, n_keys, plan->level_lengths,
-                           plan->level_keys, plan->max_levels, sparse->field_worker, workers, plan->consistency,
-                           plan->values_scratch, matched_out, tier_out, sparse->holders, &held);
+    rc = kvc_lookup_sparse_masked(plan->views, plan->shards, plan->groups, keys_out, n_keys, plan->level_lengths,
+                                  plan->level_keys, plan->max_levels, sparse->field_worker, sparse->group_fields,
+                                  workers, plan->consistency, plan->values_scratch, matched_out, tier_out,
+                                  sparse->holders, &held);
     if (rc != KVC_OK)
         return rc;
     int64_t chosen_index;
@@ -564,4 +604,43 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
     }
     return kvc_forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue_out, belief, eligible, last_sent,
                                      keys_out, matched_out, tier_out, scores_out, result);
+}
+
+int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                  const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                  const double *correction, int add_occupancy, const double *belief,
+                                  const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out)
+{
+    size_t n = plan->workers;
+    double *aged = out + n;
+    double *queue = correction || add_occupancy ? out + 2 * n : aged;
+    int64_t *matched = (int64_t *)(out + 3 * n);
+    uint8_t *tier = (uint8_t *)(out + 4 * n);
+    result->chosen_matched = result->best_matched = 0;
+    result->chosen_tier = result->best_tier = 0;
+    int rc = kvc_forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,
+                                            belief, eligible, last_sent, keys_out, matched, tier, out, aged, queue,
+                                            result);
+    if (rc != KVC_OK && rc != KVC_FORWARD_NONE_ELIGIBLE)
+        return rc;
+    if (result->chosen >= 0 && (size_t)result->chosen < n) {
+        result->chosen_matched = matched[result->chosen];
+        result->chosen_tier = tier[result->chosen];
+    }
+    if (result->best >= 0 && (size_t)result->best < n) {
+        result->best_matched = matched[result->best];
+        result->best_tier = tier[result->best];
+    }
+    out[4 * n + (n + 7) / 8] = result->lam;
+    fields_out[KVC_OUT_BEST] = result->best;
+    fields_out[KVC_OUT_CHOSEN] = result->chosen;
+    fields_out[KVC_OUT_MISS] = (int64_t)result->miss;
+    fields_out[KVC_OUT_FAMILY] = result->family;
+    fields_out[KVC_OUT_COMPLETE] = result->complete;
+    fields_out[KVC_OUT_CHOSEN_MATCHED] = result->chosen_matched;
+    fields_out[KVC_OUT_CHOSEN_TIER] = result->chosen_tier;
+    fields_out[KVC_OUT_BEST_MATCHED] = result->best_matched;
+    fields_out[KVC_OUT_BEST_TIER] = result->best_tier;
+    return rc;
 }

@@ -136,6 +136,11 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
                       const int32_t *field_worker, size_t workers, int consistency, uint64_t *values_scratch,
                       int64_t *matched_out, uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out);
 
+/* Each group's mask of the fields field_worker names a worker for (the low bit of each such
+ * 2-bit field), as kvc_lookup_sparse computes it on every call: masks_out [groups]. Returns
+ * KVC_OK, or KVC_ERR_ARG (an entry naming a worker >= workers). */
+int kvc_field_masks(const int32_t *field_worker, size_t groups, size_t workers, uint64_t *masks_out);
+
 /* The score's lower bounds per block of `block` consecutive workers (n_blocks = ceil(n / block)):
  * each block's least wan, beta and remote_penalty. */
 typedef struct kvc_score_blocks {
@@ -185,6 +190,8 @@ typedef struct kvc_forward_sparse {
     const double *rate;
     const double *occupancy;
     const int64_t *region_slot;
+    /* [groups] or NULL: kvc_field_masks of field_worker, made once (else computed per call) */
+    const uint64_t *group_fields;
 } kvc_forward_sparse;
 
 typedef struct kvc_forward_sparse_result {
@@ -196,6 +203,13 @@ typedef struct kvc_forward_sparse_result {
     int64_t family;
     size_t n_holders;   /* holders written to sparse->holders */
     int complete;       /* every worker's score was written (else holders' and unpruned blocks') */
+    /* kvc_forward_decide_sparse_out only: the matched length and tier of `chosen` and of `best`
+     * (0 when out of range), so that a caller reading no more than the winner needs no view of
+     * the arrays */
+    int64_t chosen_matched;
+    int64_t best_matched;
+    uint8_t chosen_tier;
+    uint8_t best_tier;
 } kvc_forward_sparse_result;
 
 /* kvc_forward_decide on the sparse path: kvc_prefix_keys, kvc_lookup_sparse,
@@ -221,6 +235,31 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
                                    const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
                                    int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
                                    double *queue_out, kvc_forward_sparse_result *result);
+
+/* kvc_forward_decide_sparse_aged writing every per-worker output into one caller-owned buffer
+ * `out` of 4 * workers + ceil(workers / 8) + 1 doubles (one allocation and one pointer per decision
+ * instead of five), laid out as
+ *   out[0, n)            scores (as scores_out; result->complete says which were written)
+ *   out[n, 2n)           the estimates carried to now (aged_out)
+ *   out[2n, 3n)          the estimates scored (queue_out), written only when `correction` is
+ *                        given or add_occupancy is set; otherwise the decision scored out[n, 2n)
+ *   out[3n, 4n)          matched lengths, as int64_t (matched_out)
+ *   out[4n, ...)         tiers, as n uint8_t (tier_out)
+ *   out[4n + ceil(n / 8)] lam
+ * and the matched length and tier of the chosen and the best worker in result->chosen_matched,
+ * chosen_tier, best_matched and best_tier. `fields_out` [KVC_OUT_FIELDS] receives the result's
+ * integers as the kvc_forward_out_field enum orders them (a caller reads them in one go rather
+ * than field by field: cffi's struct reads cost ~0.1 us each).
+ * Returns as kvc_forward_decide_sparse_aged. */
+enum kvc_forward_out_field {
+    KVC_OUT_BEST, KVC_OUT_CHOSEN, KVC_OUT_MISS, KVC_OUT_FAMILY, KVC_OUT_COMPLETE, KVC_OUT_CHOSEN_MATCHED,
+    KVC_OUT_CHOSEN_TIER, KVC_OUT_BEST_MATCHED, KVC_OUT_BEST_TIER, KVC_OUT_FIELDS
+};
+int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                  const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                  const double *correction, int add_occupancy, const double *belief,
+                                  const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out);
 
 /* CDEF-END */
 

@@ -632,3 +632,24 @@ def test_sparse_lookup_refuses_a_map_that_names_a_worker_twice():
                         np.zeros(2, dtype=np.uint8), shards=plan.shards, consistency=True)
     with pytest.raises(LookupPlanError, match="share one field"):
         shared.field_worker()
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(-1, 40), min_size=32, max_size=32), min_size=1, max_size=6),
+       workers=st.integers(1, 41))
+def test_field_masks_are_the_fields_with_a_worker(rows, workers):
+    """``kvc_field_masks`` (made once per edge, what the fused call reads instead of deriving each
+    group's mask per decision): the low bit of every field naming a worker; a worker out of range
+    refused."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    field_worker = np.array(rows, dtype=np.int32)
+    masks = np.zeros(len(rows), dtype=np.uint64)
+    rc = lib.kvc_field_masks(ffi.from_buffer("int32_t[]", field_worker), len(rows), workers,
+                             ffi.from_buffer("uint64_t[]", masks))
+    if (field_worker >= workers).any():
+        assert rc != 0
+        return
+    assert rc == 0
+    want = [sum(1 << (2 * f) for f, w in enumerate(row) if w >= 0) for row in rows]
+    assert masks.tolist() == want

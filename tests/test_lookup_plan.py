@@ -15,7 +15,7 @@ from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.lookup import PrefixLookup
 from kvcompassd.core.lookup_plan import LookupPlan, LookupPlanError, QueueAging, ViewPointers, top_k
-from kvcompassd.core.score import JointScorer
+from kvcompassd.core.score import JointScorer, NoEligibleWorkerError
 
 SHARDS = 3
 REGIONS = {"a": 3, "b": 18, "c": 2}  # b is split into two groups with 32-bit values
@@ -295,8 +295,18 @@ def test_router_decisions_equal_the_reference_paths(steps, ablation, region):
             router.queues.set_local(w.cfg.workers_in(region)[0].id, queue, now=now)
         now += 0.1
         tokens = prompts[p].tolist() if as_list else prompts[p]
-        a = fast.decide(tokens, now=now, exclude=exclude)
-        b = slow.decide(tokens, now=now, exclude=exclude)
+        # Without cross-region reuse, an exclusion of every own-region worker leaves none
+        # eligible: both paths must say so.
+        decided = []
+        for router in (fast, slow):
+            try:
+                decided.append(router.decide(tokens, now=now, exclude=exclude))
+            except NoEligibleWorkerError:
+                decided.append(None)
+        a, b = decided
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
         for name in ("worker", "worker_index", "region", "claimed_tokens", "tier", "lam", "prompt_len", "local",
                      "migration", "top_k", "outcome", "candidates"):
             assert getattr(a, name) == getattr(b, name), name
@@ -304,6 +314,120 @@ def test_router_decisions_equal_the_reference_paths(steps, ablation, region):
         assert a.score.scores.tobytes() == b.score.scores.tobytes()
         assert _state(fast) == _state(slow)
         np.testing.assert_array_equal(fast.queues.queue_ms(), slow.queues.queue_ms())
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 22), st.integers(0, 900),
+                                st.sampled_from([Tier.VRAM, Tier.DRAM]), st.floats(0.0, 40.0),
+                                st.frozensets(st.integers(0, 22), max_size=3), st.booleans(), st.booleans(),
+                                st.booleans()),
+                      min_size=1, max_size=12),
+       region=st.sampled_from(["a", "b", "c"]))
+def test_run_out_equals_run_aged_bit_for_bit(steps, region):
+    """The one-buffer fused call (``run_out``, what the Router runs) gives ``run_aged``'s arrays and
+    answers: each ``DecisionArrays`` view and value read equals its array, the winner's match and
+    tier equal the arrays' (with and without a correction, the occupancy, excluded workers)."""
+    from kvcompassd.core.router import Router
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    router = Router(w.cfg, region, w.views[region], now=0.0)
+    kernel, queues = router._kernel, router.queues
+    n = len(w.layout.worker_ids)
+    prompts = [_prompt(500 + p, n_tokens) for p, n_tokens in enumerate((900, 333, 10))]
+    lengths = w.plan.registration_lengths_upto(900)
+    now = 1.0
+    for p, worker_index, cached, tier, queue, exclude, corrected, occupied, belief_nan in steps:
+        worker = w.layout.worker_ids[worker_index]
+        covered = [m for m in lengths if m <= min(cached, len(prompts[p]))]
+        if covered:
+            w.send([PrefixCached(worker, k, tier) for k in prefix_keys(prompts[p], covered, w.salt).tolist()])
+        queues.set_local(w.cfg.workers_in(region)[0].id, queue, now=now)
+        now += 0.05
+        ms = queues.queue_ms()
+        slots = int(queues.aging_arrays()[3].max()) + 1
+        correction = np.linspace(0.0, queue, slots) if corrected else None
+        belief = router.belief.values.copy()
+        if belief_nan:
+            belief[worker_index] = np.nan  # the full (unpruned) call, copied into one buffer
+        eligible = None
+        if exclude:
+            eligible = np.ones(n, dtype=bool)
+            eligible[list(exclude)] = False
+        want = kernel.run_aged(prompts[p], ms, now, correction, occupied, belief, eligible)
+        keys_want = kernel.keys().copy()
+        got = kernel.run_out(prompts[p], ms, now, correction, occupied, belief, eligible)
+        np.testing.assert_array_equal(kernel.keys(), keys_want)
+        m, t, scores, best, chosen, lam, miss, family, complete, aged, scored = want
+        arrays = got[0]
+        assert got[1:7] == (best, chosen, lam, miss, family, complete)
+        # best is -1 when no worker is eligible (its values then 0)
+        assert got[7:] == (m.item(chosen), t.item(chosen), m.item(best) if best >= 0 else 0,
+                           t.item(best) if best >= 0 else 0)
+        assert type(got[7]) is int and type(got[8]) is int
+        assert arrays.matched().tobytes() == m.tobytes() and arrays.tier().tobytes() == t.tobytes()
+        assert arrays.aged().tobytes() == aged.tobytes() and arrays.queue().tobytes() == scored.tobytes()
+        assert (arrays.queue() is arrays.aged()) == (scored is aged)
+        assert not arrays.aged().flags.writeable and not arrays.queue().flags.writeable
+        if best >= 0:
+            assert arrays.score_at(best) == scores.item(best)
+        # Unless complete, only the holders' and the unpruned blocks' scores were written.
+        written = np.arange(n) if complete else np.unique(np.r_[kernel.holders(), [best, chosen]])
+        written = written[written >= 0]
+        assert arrays.scores()[written].tobytes() == scores[written].tobytes()
+        for i in range(n):
+            assert arrays.queue_at(i) == scored.item(i) and arrays.aged_at(i) == aged.item(i)
+
+
+@settings(max_examples=25, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 22), st.integers(0, 900),
+                                st.sampled_from([Tier.VRAM, Tier.DRAM]), st.floats(0.0, 40.0),
+                                st.frozensets(st.integers(0, 22), max_size=3), st.booleans()),
+                      min_size=1, max_size=20),
+       region=st.sampled_from(["a", "b", "c"]), pending=st.booleans())
+def test_a_decisions_terms_do_not_depend_on_what_was_read_first(steps, region, pending):
+    """Two Routers make the same decisions; one reads only the winner's terms (``top(1)``,
+    ``total``: no array made), the other makes every array first. The winner's terms, the top 3,
+    the scores, queues and matches agree, and so do the Routers' pending ledgers and queues."""
+    from kvcompassd.core.router import Router
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2),
+              pending_hold_ms=1000.0 if pending else 0.0)
+    view = w.views[region]
+    lazy, eager = Router(w.cfg, region, view, now=0.0), Router(w.cfg, region, view, now=0.0)
+    for router in (lazy, eager):
+        for worker in w.cfg.workers_in(region):
+            router.queues.set_local(worker.id, 0.0, now=0.0)
+    prompts = [_prompt(700 + p, n) for p, n in enumerate((900, 900, 10, 333, 900))]
+    lengths = w.plan.registration_lengths_upto(900)
+    now = 2.0
+    for p, worker_index, cached, tier, queue, exclude, ends in steps:
+        worker = w.layout.worker_ids[worker_index]
+        covered = [n for n in lengths if n <= min(cached, len(prompts[p]))]
+        if covered:
+            w.send([PrefixCached(worker, k, tier) for k in prefix_keys(prompts[p], covered, w.salt).tolist()])
+        for router in (lazy, eager):
+            router.queues.set_local(w.cfg.workers_in(region)[0].id, queue, now=now)
+        now += 0.1
+        a = lazy.decide(prompts[p], now=now, exclude=exclude)
+        b = eager.decide(prompts[p], now=now, exclude=exclude)
+        arrays_first = (b.score.queue_ms.copy(), b.score.scores.copy(), b.score._matched.copy(), b.score._tier.copy())
+        top_a, total_a = a.score.top(1), a.score.total
+        assert top_a == b.score.top(1) and total_a == b.score.total
+        assert top_a[0].worker == a.score.worker and top_a[0].total == total_a
+        assert a.score.top(3) == b.score.top(3)
+        for x, y in zip((a.score.queue_ms, a.score.scores, a.score._matched, a.score._tier), arrays_first):
+            assert x.tobytes() == y.tobytes()
+        for name in ("worker", "claimed_tokens", "tier", "lam", "pending", "dispatch", "migration"):
+            assert getattr(a, name) == getattr(b, name), name
+        np.testing.assert_array_equal(lazy.queues.queue_ms(), eager.queues.queue_ms())
+        np.testing.assert_array_equal(lazy.queues.queue_ms(now=now), eager.queues.queue_ms(now=now))
+        if pending:
+            assert len(lazy.pending) == len(eager.pending)
+        if ends:
+            for router, d in ((lazy, a), (eager, b)):
+                router.on_first_token(d.dispatch, now=now + 0.01)
+                router.on_finished(d.dispatch, prompt_tokens=d.prompt_len, cached_tokens=d.claimed_tokens,
+                                   output_tokens=4, now=now + 0.02)
 
 
 def test_a_loaded_local_holder_is_copied_the_same_way_on_both_paths():

@@ -36,7 +36,8 @@ Printed per config, all measured in the same run on one thread:
   (observation + ``HotPrefixDetector.observe``);
 - the daemon decision's split: hashing, the C lookup, the C score, the miss summary (each the C
   function the fused call runs, called alone through cffi), the fused call as the Router makes it
-  (``SparseForwardKernel.run_aged``: queue aging + all of them), and the Python around it (the
+  (``SparseForwardKernel.run_out``: queue aging + all of them, into one output buffer), and the
+  Python around it (the
   decision's P50 less the fused call's median); then the full-pass functions these replaced
   (``prefix_keys``, ``LookupPlan.run``, ``kvc_score_choose``), for comparison.
 """
@@ -381,7 +382,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     plan, pointers = lk.native_plan()
     split = sparse_split(daemon, prompt, lengths, keys, queue, belief, args.repeat)
     ms, correction, occupied = daemon.queues.queue_ms(), None, False
-    fused = median_us(lambda: kernel.run_aged(prompt, ms, 1.0, correction, occupied, belief, None), args.repeat)
+    fused = median_us(lambda: kernel.run_out(prompt, ms, 1.0, correction, occupied, belief, None), args.repeat)
     split.append(("fused C call (all of the above + queue aging)", fused))
     split.append(("Python around the C call (decide P50 - fused)", rows[0][1] - fused))
     # The full (non-sparse) stages the decision ran before, for comparison.

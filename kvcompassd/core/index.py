@@ -366,14 +366,29 @@ class MaintenanceShard:
 
 
 class ShardViewState:
-    """The edge's keyless copy of one shard and where it stands in that shard's stream."""
+    """The edge's keyless copy of one shard and where it stands in that shard's stream.
 
-    __slots__ = ("epoch", "seq", "views")
+    ``views`` is replaced as a whole dict when a snapshot is installed; each replacement counts
+    in ``changes`` (a one-item list the states of one edge view share), so a reader that caches
+    pointers to the views (``lookup_plan.ViewPointers``) knows with one comparison per decision
+    that none was replaced."""
 
-    def __init__(self) -> None:
+    __slots__ = ("epoch", "seq", "_views", "changes")
+
+    def __init__(self, changes: list[int] | None = None) -> None:
         self.epoch = -1
         self.seq = -1
-        self.views: dict[int, LudoView] = {}
+        self.changes = [0] if changes is None else changes
+        self._views: dict[int, LudoView] = {}
+
+    @property
+    def views(self) -> dict[int, LudoView]:
+        return self._views
+
+    @views.setter
+    def views(self, views: dict[int, LudoView]) -> None:
+        self._views = views
+        self.changes[0] += 1
 
     @property
     def ready(self) -> bool:
@@ -398,7 +413,8 @@ class EdgeIndexView:
         self.layout = layout
         self.shards = shards
         self.edge = edge
-        self.state = [ShardViewState() for _ in range(shards)]
+        changes = [0]  # view dicts replaced, over every shard (ShardViewState)
+        self.state = [ShardViewState(changes) for _ in range(shards)]
         self.batches_applied = 0
 
     @property

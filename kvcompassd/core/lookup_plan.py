@@ -37,7 +37,7 @@ import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 
-__all__ = ["ForwardKernel", "SCORE_BLOCK", "ScoreBlocks", "SparseForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "QueueAging", "ScoreKernel",
+__all__ = ["DecisionArrays", "ForwardKernel", "SCORE_BLOCK", "ScoreBlocks", "SparseForwardKernel", "LookupPlan", "LookupPlanError", "MissSummary", "QueueAging", "ScoreKernel",
            "ViewPointers", "slot_constructor", "top_k", "MISS_LOCAL_HOLDER", "MISS_LOST_TO_LOAD", "MISS_REMOTE_WORTH", "SCORE_CROSS_REGION",
            "SCORE_LOAD_AWARE", "SCORE_TIER_AWARE"]
 
@@ -55,6 +55,7 @@ _miss_summary = lib.kvc_miss_summary
 _forward_decide = lib.kvc_forward_decide
 _forward_decide_sparse = lib.kvc_forward_decide_sparse
 _forward_decide_sparse_aged = lib.kvc_forward_decide_sparse_aged
+_forward_decide_sparse_out = lib.kvc_forward_decide_sparse_out
 _queue_aged = lib.kvc_queue_aged
 _top_k = lib.kvc_top_k
 _NONE_ELIGIBLE = int(lib.KVC_FORWARD_NONE_ELIGIBLE)
@@ -79,7 +80,7 @@ class ViewPointers:
     outlives its view even if the edge replaces it.
     """
 
-    __slots__ = ("_state", "_groups", "_dicts", "_views", "_array")
+    __slots__ = ("_state", "_groups", "_dicts", "_views", "_array", "_changes", "_seen")
 
     def __init__(self, view: Any, groups: int) -> None:
         self._state = view.state
@@ -87,8 +88,23 @@ class ViewPointers:
         self._dicts: list[object] = [None] * len(self._state)
         self._views: list[object] = []
         self._array = ffi.new("kvc_view *[]", max(1, len(self._state) * groups))
+        # States that count their replaced dicts in one shared counter (index.ShardViewState):
+        # one comparison per call instead of one identity test per shard (48,000 instructions
+        # a decision at 100 shards). Otherwise, the identity tests.
+        counters = {id(c): c for c in (getattr(st, "changes", None) for st in self._state)}
+        self._changes: list[int] | None = None
+        if len(counters) == 1 and None not in counters.values():
+            self._changes = next(iter(counters.values()))
+        self._seen = -1
 
     def pointers(self) -> Any:
+        changes = self._changes
+        if changes is not None:
+            if changes[0] != self._seen:
+                self._seen = changes[0]
+                if not all(map(_is, map(_views_of, self._state), self._dicts)):
+                    self._rebuild()
+            return self._array
         # One identity test per shard, iterated in C (a Python loop cost µs per decision at 100 shards).
         if not all(map(_is, map(_views_of, self._state), self._dicts)):
             self._rebuild()
@@ -456,7 +472,8 @@ class SparseForwardKernel(ForwardKernel):
     The pruning bound needs finite beliefs: a belief array with a NaN or an infinity (never the
     Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
 
-    __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging")
+    __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging",
+                 "_ms", "_ms_c", "_out_size", "_fields", "_fields_c", "_group_fields")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -470,6 +487,12 @@ class SparseForwardKernel(ForwardKernel):
         self._blocks = blocks
         c = ffi.new("kvc_forward_sparse *")
         c.field_worker = _from_buffer("int32_t[]", self._field_worker)
+        # Each group's field mask, once (kvc_lookup_sparse would derive it from field_worker per call).
+        self._group_fields = np.zeros(max(1, plan.groups), dtype=np.uint64)
+        if lib.kvc_field_masks(c.field_worker, plan.groups, self.workers,
+                               _from_buffer("uint64_t[]", self._group_fields)):
+            raise LookupPlanError("field_worker names a worker out of range")
+        c.group_fields = _from_buffer("uint64_t[]", self._group_fields)
         c.blocks = blocks.c[0]
         remote = miss.local == 0
         c.remote_floor_free = int(bool(np.any(remote & (miss.floors <= 0))))
@@ -478,6 +501,11 @@ class SparseForwardKernel(ForwardKernel):
         self._sparse_result = ffi.new("kvc_forward_sparse_result *")
         self._belief_finite = False
         self._aging: tuple | None = None
+        self._ms: np.ndarray | None = None  # run_out's last estimates, and their pointer
+        self._ms_c = _NULL
+        self._out_size = DecisionArrays.size(self.workers) + 1  # and lam
+        self._fields = np.zeros(int(lib.KVC_OUT_FIELDS), dtype=np.int64)  # run_out's integers
+        self._fields_c = _from_buffer("int64_t[]", self._fields)
 
     def run(self, tokens: Any, queue: np.ndarray, belief: np.ndarray, eligible: np.ndarray | None
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, float, int, int | None, bool]:
@@ -580,9 +608,157 @@ class SparseForwardKernel(ForwardKernel):
         return (matched, tier, scores, best, result.chosen, result.lam, result.miss,
                 None if family < 0 else family, bool(result.complete), aged, queue)
 
+    def run_out(self, tokens: Any, ms: np.ndarray, now: float, correction: np.ndarray | None, occupied: bool,
+                belief: np.ndarray, eligible: np.ndarray | None):
+        """``run_aged`` with every per-worker output in one new buffer (``kvc_forward_decide_sparse_out``):
+        one allocation and one cffi pointer per decision instead of five, the arrays made as
+        views of it only when something reads them (``DecisionArrays``). Returns (arrays, best,
+        chosen, lam, miss flags, family key, complete, the chosen worker's matched length and
+        tier, the best worker's). ``ms`` is checked once per array (the estimates' snapshots
+        are immutable)."""
+        n = self.workers
+        if ms is not self._ms:
+            if self._aging is None:
+                raise LookupPlanError("run_out needs the queue estimates' arrays (age_from)")
+            if not (ms.__class__ is np.ndarray and ms.dtype == _F64 and ms.shape == (n,) and ms.flags.c_contiguous):
+                raise LookupPlanError(f"ms must be a contiguous float64 array of shape ({n},)")
+            self._ms_c = _from_buffer("double[]", ms)
+            self._ms = ms
+        if correction is not None and not (correction.__class__ is np.ndarray and correction.dtype == _F64
+                                           and correction.ndim == 1 and correction.size > self._aging[0]
+                                           and correction.flags.c_contiguous):
+            raise LookupPlanError("correction must be a contiguous float64 array covering every region slot")
+        separate = correction is not None or occupied
+        if not self.belief_finite(belief):  # the full C call, on the same estimates, copied into one buffer
+            (matched, tier, scores, best, chosen, lam, miss, family, complete, aged,
+             queue) = self.run_aged(tokens, ms, now, correction, occupied, belief, eligible)
+            arrays = DecisionArrays.copied(matched, tier, scores, aged, queue if separate else None)
+            return (arrays, best, chosen, lam, miss, family, complete, matched.item(chosen) if chosen >= 0 else 0,
+                    tier.item(chosen) if chosen >= 0 else 0, matched.item(best) if best >= 0 else 0,
+                    tier.item(best) if best >= 0 else 0)
+        eligible_c = _NULL
+        if eligible is not None:
+            eligible_c = _from_buffer("uint8_t[]", eligible)
+            if len(eligible_c) != n:
+                raise LookupPlanError(f"eligible must hold {n} values")
+        out = _empty(self._out_size, _float64)
+        self._pointers.pointers()
+        last_sent, keys = self._outputs
+        tokens_c = _from_buffer("uint8_t[]", tokens)
+        rc = _forward_decide_sparse_out(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2, self._ms_c, now,
+                                        _NULL if correction is None else _from_buffer("double[]", correction),
+                                        occupied, self._belief_c, eligible_c, last_sent, keys,
+                                        _from_buffer("double[]", out), self._sparse_result, self._fields_c)
+        # The result's integers in one read (in kvc_forward_out_field's order), lam at the buffer's end.
+        best, chosen, miss, family, complete, chosen_matched, chosen_tier, best_matched, best_tier = \
+            self._fields.tolist()
+        if rc:
+            if rc != _NONE_ELIGIBLE:
+                raise LookupPlanError(f"kvc_forward_decide_sparse_out rejected its arguments (code {rc})")
+            best = -1
+        arrays = _new_arrays(DecisionArrays)
+        _set_out(arrays, out)
+        _set_n(arrays, n)
+        _set_separate(arrays, separate)
+        return (arrays, best, chosen, out.item(-1), miss, None if family < 0 else family, complete != 0,
+                chosen_matched, chosen_tier, best_matched, best_tier)
+
     def holders(self) -> np.ndarray:
         """The workers the last sparse ``run`` found holding a prefix (group by group)."""
         return self._holders[: self._sparse_result.n_holders].copy()
+
+
+class DecisionArrays:
+    """The per-worker arrays of one fused decision, in the one float64 buffer C wrote them to
+    (``kvc_forward_decide_sparse_out``: scores, aged estimates, scored estimates, matched as
+    int64, tiers as uint8). Each array is a view of the buffer made when first asked for (a view
+    costs about what an array does: most decisions need none), the same view every time after;
+    ``aged`` and ``queue`` are read-only (the queue estimates' snapshots), the others writable
+    (the pending ledger raises matches in place). ``*_at(i)`` read one value without a view."""
+
+    __slots__ = ("out", "n", "separate", "_scores", "_aged", "_queue", "_matched", "_tier")
+
+    @staticmethod
+    def size(n: int) -> int:
+        """Doubles in the buffer of ``n`` workers' arrays."""
+        return 4 * n + (n + 7) // 8
+
+    @classmethod
+    def copied(cls, matched: np.ndarray, tier: np.ndarray, scores: np.ndarray, aged: np.ndarray,
+               queue: np.ndarray | None) -> DecisionArrays:
+        """The arrays of a decision made elsewhere, copied into one buffer (``queue`` None: the
+        aged estimates were scored)."""
+        n = int(scores.size)
+        arrays = _new_arrays(cls)
+        out = np.zeros(cls.size(n) + 1, dtype=np.float64)  # run_out's buffer has lam last
+        out[:n] = scores
+        out[n:2 * n] = aged
+        if queue is not None:
+            out[2 * n:3 * n] = queue
+        out[3 * n:4 * n].view(np.int64)[:] = matched
+        out[4 * n:].view(np.uint8)[:n] = tier
+        _set_out(arrays, out)
+        _set_n(arrays, n)
+        _set_separate(arrays, queue is not None)
+        return arrays
+
+    def scores(self) -> np.ndarray:
+        try:
+            return self._scores
+        except AttributeError:
+            self._scores = self.out[:self.n]
+            return self._scores
+
+    def aged(self) -> np.ndarray:
+        try:
+            return self._aged
+        except AttributeError:
+            self._aged = _frozen_view(self.out[self.n:2 * self.n])
+            return self._aged
+
+    def queue(self) -> np.ndarray:
+        """The estimates the decision scored: ``aged()`` itself when nothing was added to them."""
+        if not self.separate:
+            return self.aged()
+        try:
+            return self._queue
+        except AttributeError:
+            self._queue = _frozen_view(self.out[2 * self.n:3 * self.n])
+            return self._queue
+
+    def matched(self) -> np.ndarray:
+        try:
+            return self._matched
+        except AttributeError:
+            n = self.n
+            self._matched = self.out[3 * n:4 * n].view(np.int64)
+            return self._matched
+
+    def tier(self) -> np.ndarray:
+        try:
+            return self._tier
+        except AttributeError:
+            self._tier = self.out[4 * self.n:].view(np.uint8)[:self.n]
+            return self._tier
+
+    def score_at(self, i: int) -> float:
+        return self.out.item(i)
+
+    def aged_at(self, i: int) -> float:
+        return self.out.item(self.n + i)
+
+    def queue_at(self, i: int) -> float:
+        return self.out.item((2 if self.separate else 1) * self.n + i)
+
+
+def _frozen_view(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
+
+
+# DecisionArrays made per decision: three slot writes, no __init__.
+_new_arrays = object.__new__
+_set_out, _set_n, _set_separate = (getattr(DecisionArrays, name).__set__ for name in ("out", "n", "separate"))
 
 
 # Beyond this many, a sort beats the C loop's O(n * k) (top_k is for the few best candidates).

@@ -160,6 +160,8 @@ class QueueEstimates:
         self._epoch = [0] * n
         self._aged: tuple[float, np.ndarray, np.ndarray] | None = None  # (now, _ms it aged, result)
         self._corrected: tuple[float, np.ndarray, np.ndarray] | None = None  # same, with the surprise
+        # Both, in a fused decision's buffer (adopt_decision): (now, _ms it aged, DecisionArrays)
+        self._adopted: tuple | None = None
         # The selection correction (module docstring): per remote region, the smoothed surprise
         # and when it was last updated; per worker, its region's position (-1: own region) and
         # when this edge last chose it.
@@ -395,7 +397,7 @@ class QueueEstimates:
         if added == 0.0:
             return handle
         values = self._ms.copy()
-        ahead = self._aged_ms(now).item(i)  # the decision just aged them at this now
+        ahead = self._aged_item(now, i)  # the decision just aged them at this now
         values[i] = ahead + added
         if self._in_flight_s[i] > 0.0:
             self._sent_since_value[i] += added
@@ -432,7 +434,7 @@ class QueueEstimates:
         left = min(charged, max(0.0, ahead + charged - drained))
         if left > 0.0:
             values = self._ms.copy()
-            values[i] = max(0.0, self._aged_ms(now).item(i) - left)
+            values[i] = max(0.0, self._aged_item(now, i) - left)
             self._taken_at[i] = now
             if values[i] == 0.0 and self._zero_since[i] == math.inf:
                 self._zero_since[i] = now
@@ -517,6 +519,11 @@ class QueueEstimates:
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
+        adopted = self._adopted
+        if adopted is not None and adopted[0] == now and adopted[1] is ms:
+            corrected = adopted[2].queue()
+            self._corrected = (now, ms, corrected)
+            return corrected
         aged = self._aged_ms(now)
         # Until some remote pick has surprised this edge (below capacity, usually never) there
         # is nothing to add.
@@ -542,6 +549,9 @@ class QueueEstimates:
         cached = self._corrected
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return None
+        adopted = self._adopted
+        if adopted is not None and adopted[0] == now and adopted[1] is self._ms:
+            return None
         return self._ms, (self._correction(float(now)) if self._surprised else None), self._occupied > 0
 
     def adopt_estimates(self, now: float, ms: np.ndarray, aged: np.ndarray, corrected: np.ndarray) -> None:
@@ -554,12 +564,30 @@ class QueueEstimates:
         self._aged = (now, ms, aged)
         self._corrected = (now, ms, corrected)
 
+    def adopt_decision(self, now: float, ms: np.ndarray, arrays) -> None:
+        """``adopt_estimates`` of a fused decision's buffer (``lookup_plan.DecisionArrays``,
+        its ``aged()`` and ``queue()``): the arrays are made when something reads them, and one
+        worker's aged value (``note_dispatched``) is read without them."""
+        self._adopted = (now, ms, arrays)
+
+    def _aged_item(self, now: float, i: int) -> float:
+        """``_aged_ms(now).item(i)``, from an adopted decision's buffer when it holds them."""
+        adopted = self._adopted
+        if adopted is not None and adopted[0] == now and adopted[1] is self._ms:
+            return adopted[2].aged_at(i)
+        return self._aged_ms(now).item(i)
+
     def _aged_ms(self, now: float) -> np.ndarray:
         """The values carried to ``now``, without the selection correction."""
         cached = self._aged
         if cached is not None and cached[0] == now and cached[1] is self._ms:
             return cached[2]
         ms = self._ms
+        adopted = self._adopted
+        if adopted is not None and adopted[0] == now and adopted[1] is ms:
+            aged = adopted[2].aged()
+            self._aged = (now, ms, aged)
+            return aged
         # max(0, ms + rate x max(0, (now - taken_at) x 1000)), one C loop (bit for bit numpy's)
         aged = _snapshot(self._aging.aged(ms, float(now)))
         self._aged = (now, ms, aged)

@@ -32,13 +32,13 @@ from .keys import SHA256_BACKENDS, namespace_salt, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
-from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, MissSummary, SparseForwardKernel,
-                          slot_constructor)
+from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, DecisionArrays, MissSummary,
+                          SparseForwardKernel, slot_constructor)
 from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .pending import PendingHoldings
 from .queues import QueueEstimates
 from .rates import LearnedRates
-from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms
+from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms, score_result_from_arrays
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,11 +184,14 @@ class Router:
             queue = queues.queue_ms(now=now)
             matched, tier, scores, best, chosen, lam, miss, family_key, complete = kernel.run(data, queue, belief,
                                                                                              eligible)
+            arrays = None
         else:
+            # Every per-worker output in one buffer, its arrays made only when read (DecisionArrays):
+            # what follows reads the winner's values alone, unless the pending ledger holds something.
             ms, correction, occupied = terms
-            matched, tier, scores, best, chosen, lam, miss, family_key, complete, aged, queue = kernel.run_aged(
-                data, ms, now, correction, occupied, belief, eligible)
-            queues.adopt_estimates(now, ms, aged, queue)
+            (arrays, best, chosen, lam, miss, family_key, complete, claimed, code, best_matched,
+             best_tier) = kernel.run_out(data, ms, now, correction, occupied, belief, eligible)
+            queues.adopt_decision(now, ms, arrays)
         pending = self.pending
         keys = None
         if pending is not None:
@@ -196,6 +199,8 @@ class Router:
             # keys are sliced only when something reads them.
             keys = _KERNEL_KEYS
             if len(pending):
+                if arrays is not None:
+                    matched, tier, queue = arrays.matched(), arrays.tier(), arrays.queue()
                 keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
                 shown = pending.overlay(keys.tolist(), matched, tier, now=now)
                 if shown is not None:
@@ -203,9 +208,14 @@ class Router:
                                           eligible, now)
         if best < 0:
             raise NoEligibleWorkerError("no eligible worker for this request")
-        result = ScoreResult(best, self.layout.worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
-                             queue, belief, self.ablation, eligible, complete)
-        return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss, keys, None)
+        if arrays is None:
+            result = ScoreResult(best, self._worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
+                                 queue, belief, self.ablation, eligible, complete)
+            return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss, keys, None)
+        result = score_result_from_arrays(best, self._worker_ids[best], lam, self.scorer, prompt_len, belief,
+                                          self.ablation, eligible, complete, arrays, best_matched, best_tier)
+        return self._conclude_fused(prompt_len, arrays, claimed, code, family_key, result, chosen, belief, now, miss,
+                                    keys)
 
     def _decide_reference(self, tokens, *, now: float, exclude: Collection[int]) -> ForwardDecided:
         found = self.lookup.lookup(tokens)
@@ -330,6 +340,47 @@ class Router:
             migration,
             self.top_k,
             from_ledger,
+            dispatch,
+        )
+
+    def _conclude_fused(self, prompt_len: int, arrays: DecisionArrays, claimed: int, code: int,
+                        family_key: int | None, result: ScoreResult, chosen: int, belief: np.ndarray, now: float,
+                        miss: int, keys: np.ndarray | None) -> ForwardDecided:
+        """``_conclude`` for a fused decision the pending ledger did not raise: the winner's
+        ``claimed`` match and tier ``code`` come from the C call, its queue from the output
+        buffer, and the match and tier arrays are made only for the hot-prefix detector's
+        observation. The same steps, in the same order, with the same values."""
+        self._sent_count = sent = self._sent_count + 1
+        self._last_sent[chosen] = sent
+        worker = self._worker_ids[chosen]
+        local = self._local_list[chosen]
+        migration = None
+        if self._migration and family_key is not None and not (local and claimed):
+            found = new_lookup_result(prompt_len, arrays.matched(), arrays.tier(), family_key)
+            migration = self._observe(found, result, chosen, now, miss)
+        reused = min(belief.item(chosen) * float(claimed), float(prompt_len))
+        work = self._beta_list[chosen] * (prompt_len - reused) + (self._gamma if code == _DRAM else 0.0) * reused
+        dispatch = self.queues.note_dispatched(worker, work, now=now)
+        ahead = arrays.queue_at(chosen)
+        if keys is not None and claimed < prompt_len:
+            if keys is _KERNEL_KEYS:
+                keys = self._kernel.keys()[:self.lookup.fitting(prompt_len)]
+            ready_at = now + (ahead + work) / 1000.0
+            self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
+        self.rates.sent(dispatch, chosen, now=now, ahead_ms=ahead, work_ms=work)
+        return _new_forward_decided(
+            worker,
+            chosen,
+            self.worker_regions[chosen],
+            claimed,
+            _TIER_BY_CODE[code] if code < 3 else Tier(code),
+            result.lam,
+            prompt_len,
+            local,
+            result,
+            migration,
+            self.top_k,
+            False,
             dispatch,
         )
 

@@ -28,7 +28,8 @@ from .config import ClusterConfig
 from .events import Tier
 from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreBlocks, ScoreKernel, top_k
 
-__all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms"]
+__all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms",
+           "score_result_from_arrays"]
 
 _TIERS = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
 
@@ -84,32 +85,31 @@ class ScoreResult:
     than the rest of the decision): pass arrays nobody mutates afterwards. ``CacheBelief.values``
     and ``QueueEstimates.queue_ms()`` return immutable snapshots; the Router's per-request
     match and tier arrays are fresh.
+
+    The Router's fused decision makes it from the C call's one output buffer
+    (``lookup_plan.DecisionArrays``) and the winner's match and tier: the winner's terms
+    (``top(1)``, ``total``, what the daemon reads per request) come from those without an
+    array; ``scores``, ``queue_ms`` and the other workers' terms make the arrays' views when
+    first read.
     """
 
-    __slots__ = ("chosen", "worker", "lam", "_scores", "_scorer", "_prompt_len", "_matched", "_tier",
-                 "_queue", "_belief", "_ablation", "_top", "_eligible", "_complete")
+    __slots__ = ("chosen", "worker", "lam", "_state")
 
     def __init__(self, chosen: int, worker: str, lam: float, scores: np.ndarray, scorer: JointScorer,
                  prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue: np.ndarray,
                  belief: np.ndarray, ablation: Ablation, eligible: np.ndarray | None = None,
                  complete: bool = True) -> None:
-        # Written through the slot descriptors (``__setattr__`` refuses): one per decision.
+        # Written through the slot descriptors (``__setattr__`` refuses).
         _set_chosen(self, chosen)
         _set_worker(self, worker)
         _set_lam(self, lam)
-        _set_scores(self, scores)
-        _set_scorer(self, scorer)
-        _set_prompt_len(self, prompt_len)
-        _set_matched(self, matched)
-        _set_tier(self, tier)
-        _set_queue(self, queue)
-        _set_belief(self, belief)
-        _set_ablation(self, ablation)
-        _set_top(self, None)  # (k, the top k's terms) once asked for
         # The sparse C call scores only the workers that can win (lookup_plan.SparseForwardKernel):
         # the others' scores are computed when something reads them (the same C loop, same bits).
-        _set_eligible(self, eligible)
-        _set_complete(self, complete)
+        # [scores, scorer, prompt_len, matched, tier, queue, belief, ablation, eligible, complete,
+        #  top (k, the top k's terms) once asked for, DecisionArrays or None, the chosen's match
+        #  and tier when the arrays are not made yet]
+        _set_state(self, [scores, scorer, prompt_len, matched, tier, queue, belief, ablation, eligible, complete,
+                          None, None, 0, 0])
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ScoreResult is read-only")
@@ -117,47 +117,79 @@ class ScoreResult:
     def __repr__(self) -> str:
         return f"ScoreResult(worker={self.worker!r}, chosen={self.chosen}, lam={self.lam:.4g}, total={self.total:.4g})"
 
+    def _array(self, slot: int, name: str) -> np.ndarray:
+        state = self._state
+        array = state[slot]
+        if array is None:
+            array = state[slot] = getattr(state[_ARRAYS], name)()
+        return array
+
+    @property
+    def _matched(self) -> np.ndarray:
+        return self._array(_MATCHED, "matched")
+
+    @property
+    def _tier(self) -> np.ndarray:
+        return self._array(_TIER, "tier")
+
+    @property
+    def _complete(self) -> bool:
+        return self._state[_COMPLETE]
+
     @property
     def queue_ms(self) -> np.ndarray:
         """The queue estimates the decision was scored with (ms, worker order)."""
-        return self._queue
+        return self._array(_QUEUE, "queue")
 
     @property
     def scores(self) -> np.ndarray:
         """Every worker's score (worker order; +inf for an ineligible one)."""
-        if not self._complete:
-            s = self._scorer
-            _, _, scores = s.kernel.run(float(self._prompt_len), self._queue, self._belief, self._matched,
-                                        self._tier, self._eligible, s.kernel_flags(self._ablation))
-            _set_scores(self, scores)
-            _set_complete(self, True)
-        return self._scores
+        state = self._state
+        scores = self._array(_SCORES, "scores")
+        if not state[_COMPLETE]:
+            s = state[_SCORER]
+            _, _, scores = s.kernel.run(float(state[_PROMPT_LEN]), self.queue_ms, state[_BELIEF], self._matched,
+                                        self._tier, state[_ELIGIBLE], s.kernel_flags(state[_ABLATION]))
+            state[_SCORES] = scores
+            state[_COMPLETE] = True
+        return scores
 
     @property
     def total(self) -> float:
-        return float(self._scores.item(self.chosen))  # the winner is always scored
+        scores = self._state[_SCORES]  # the winner is always scored
+        if scores is None:
+            return self._state[_ARRAYS].score_at(self.chosen)
+        return float(scores.item(self.chosen))
 
     def terms(self, index: int) -> ScoreTerms:
         """Worker ``index``'s score split into its terms (recomputed here, off the hot path)."""
-        return self._terms(int(index), float((self._scores if index == self.chosen else self.scores).item(index)))
+        index = int(index)
+        return self._terms(index, self.total if index == self.chosen else float(self.scores.item(index)))
 
     def _terms(self, index: int, total: float) -> ScoreTerms:
-        s, ab = self._scorer, self._ablation
-        matched = int(self._matched.item(index))
-        belief = float(self._belief.item(index))
-        raw_tier = self._tier.item(index)
+        state = self._state
+        s, ab, prompt_len = state[_SCORER], state[_ABLATION], state[_PROMPT_LEN]
+        arrays = state[_ARRAYS]
+        if arrays is not None and index == self.chosen and state[_MATCHED] is None:
+            matched, raw_tier = state[_CHOSEN_MATCHED], state[_CHOSEN_TIER]
+            queue = arrays.queue_at(index)
+        else:
+            matched = int(self._matched.item(index))
+            raw_tier = self._tier.item(index)
+            queue = float(self.queue_ms.item(index))
+        belief = float(state[_BELIEF].item(index))
         tier = _TIERS[raw_tier] if 0 <= raw_tier < 3 else Tier.ABSENT  # the invalid field 11: no tier
         if not ab.cross_region and not s.local_list[index]:
             effective = 0.0
         else:
-            effective = min(belief * matched, self._prompt_len)
-        prefill, reload = request_terms((1.0 + self.lam) * s.beta_list[index], self._prompt_len, effective,
+            effective = min(belief * matched, prompt_len)
+        prefill, reload = request_terms((1.0 + self.lam) * s.beta_list[index], prompt_len, effective,
                                         s.gamma if ab.tier_aware and tier is Tier.DRAM else 0.0)
         return ScoreTerms(
             s.worker_ids[index],
             s.worker_regions[index],
             s.wan_list[index],
-            float(self._queue.item(index)) if ab.load_aware else 0.0,
+            queue if ab.load_aware else 0.0,
             prefill,
             reload,
             matched,
@@ -174,19 +206,39 @@ class ScoreResult:
         """
         if k <= 0:
             return ()
-        cached = self._top
+        state = self._state
+        cached = state[_TOP]
         if cached is not None and cached[0] == k:
             return cached[1]
-        scores = self._scores if k == 1 else self.scores
-        order = [self.chosen] if k == 1 else top_k(scores, k)
-        top = tuple(self._terms(i, s) for i in order if math.isfinite(s := scores.item(i)))
-        _set_top(self, (k, top))
+        if k == 1:
+            total = self.total
+            top = (self._terms(self.chosen, total),) if math.isfinite(total) else ()
+        else:
+            scores = self.scores
+            top = tuple(self._terms(i, s) for i in top_k(scores, k) if math.isfinite(s := scores.item(i)))
+        state[_TOP] = (k, top)
         return top
 
 
-(_set_chosen, _set_worker, _set_lam, _set_scores, _set_scorer, _set_prompt_len, _set_matched, _set_tier, _set_queue,
- _set_belief, _set_ablation, _set_top, _set_eligible, _set_complete) = (getattr(ScoreResult, name).__set__
-                                                                         for name in ScoreResult.__slots__)
+(_SCORES, _SCORER, _PROMPT_LEN, _MATCHED, _TIER, _QUEUE, _BELIEF, _ABLATION, _ELIGIBLE, _COMPLETE, _TOP, _ARRAYS,
+ _CHOSEN_MATCHED, _CHOSEN_TIER) = range(14)
+_set_chosen, _set_worker, _set_lam, _set_state = (getattr(ScoreResult, name).__set__ for name in ScoreResult.__slots__)
+_new_result = object.__new__
+
+
+def score_result_from_arrays(chosen: int, worker: str, lam: float, scorer: JointScorer, prompt_len: int,
+                             belief: np.ndarray, ablation: Ablation, eligible: np.ndarray | None, complete: bool,
+                             arrays, chosen_matched: int, chosen_tier: int) -> ScoreResult:
+    """A ``ScoreResult`` over a fused decision's ``lookup_plan.DecisionArrays`` (the Router's
+    per-request path): no array is made until read; ``chosen_matched``/``chosen_tier`` are the
+    winner's (``chosen``, the argmin)."""
+    result = _new_result(ScoreResult)
+    _set_chosen(result, chosen)
+    _set_worker(result, worker)
+    _set_lam(result, lam)
+    _set_state(result, [None, scorer, prompt_len, None, None, None, belief, ablation, eligible, complete, None,
+                        arrays, chosen_matched, chosen_tier])
+    return result
 
 
 class JointScorer:
