@@ -544,3 +544,23 @@ def test_an_idle_then_busy_then_idle_region_is_followed_by_the_others() -> None:
     assert eu.queue_ms(now=now)[us0] == 0.0 and eu.queue_ms(now=now + 5.0)[us0] == 0.0
     assert eu.trends()[us0] == 0.0
     assert len([t for t in sent if t > quiet_from + 1.0]) <= 10  # heartbeats only
+
+
+def test_the_wait_for_vram_room_depends_on_the_prompt_and_ages_from_the_reading() -> None:
+    q = us_edge()
+    us3 = CFG.worker_ids().index("us-3")
+    assert q.room_floor == math.inf and q.room_wait_ms(us3, 50_000, now=0.0) == 0.0  # nothing reported
+    q.set_room("us-3", ((0.0, 8_000), (900.0, 40_000), (2_500.0, 98_304)), now=1.0)
+    assert q.room_floor == 8_000
+    assert q.room_wait_ms(us3, 8_000, now=1.0) == 0.0  # fits now
+    assert q.room_wait_ms(us3, 30_000, now=1.0) == pytest.approx(900.0)
+    assert q.room_wait_ms(us3, 30_000, now=1.5) == pytest.approx(400.0)  # counted from the reading
+    assert q.room_wait_ms(us3, 60_000, now=1.5) == pytest.approx(2_000.0)
+    assert q.room_wait_ms(us3, 200_000, now=1.0) == pytest.approx(2_500.0)  # longer than VRAM: runs alone
+    assert q.room_wait_ms(us3, 60_000, now=9.0) == 0.0
+    q.set_room("us-3", (), now=2.0)  # everything released
+    assert q.room_floor == math.inf and q.room_wait_ms(us3, 60_000, now=2.0) == 0.0
+    with pytest.raises(QueueEstimateError, match="region 'eu'"):
+        q.set_room("eu-0", ((0.0, 1),), now=2.0)
+    with pytest.raises(QueueEstimateError, match="non-decreasing"):
+        q.set_room("us-3", ((0.0, 9), (5.0, 3)), now=2.0)

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import math
 import sys
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 
@@ -152,6 +153,10 @@ class QueueEstimates:
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
         self._occupied = 0  # own-region workers whose occupancy is > 0 (none: nothing to add)
+        # Own-region workers short of VRAM room (set_room): index -> (read at, ms steps, free
+        # tokens per step); and the fewest free tokens among them.
+        self._room: dict[int, tuple[float, tuple[float, ...], tuple[int, ...]]] = {}
+        self._room_floor = math.inf
         # Charges awaiting retirement (module docstring): handle -> [worker, sent at, ms ahead of
         # it, prefill ms still charged, value epoch at dispatch]; the epoch of a worker's value
         # moves each time a reading or vector replaces it.
@@ -303,6 +308,47 @@ class QueueEstimates:
         self._occupied += (occupancy > 0.0) - (self._occupancy.item(i) > 0.0)
         self._occupancy[i] = occupancy
         self._store([(i, queue)], float(now))  # a new _ms: queue_ms recomputes with the occupancy
+
+    def set_room(self, worker_id: str, steps, *, now: float) -> None:
+        """When a worker of this edge's own region frees VRAM, read with its queue: ``(ms from
+        now, free tokens from then on)`` steps, both increasing (empty: nothing pinned, every
+        token free). The queue figure is for a prompt that needs no new KV; a prompt needing
+        more tokens than are free waits for the first step with room (``room_wait_ms``)."""
+        i = self._worker_index(worker_id, QueueEstimateError)
+        if self._region_of[worker_id] != self.region:
+            raise QueueEstimateError(f"worker {worker_id!r} is in region {self._region_of[worker_id]!r}, not {self.region!r}")
+        ms = tuple(float(m) for m, _ in steps)
+        free = tuple(int(f) for _, f in steps)
+        if any(not math.isfinite(m) or m < 0.0 for m in ms) or any(f < 0 for f in free) \
+                or any(b < a for a, b in zip(ms, ms[1:])) or any(b < a for a, b in zip(free, free[1:])):
+            raise QueueEstimateError(f"worker {worker_id!r}: room steps must be (ms >= 0, free tokens >= 0) pairs, "
+                                     f"both non-decreasing, got {steps!r}")
+        if ms:
+            self._room[i] = (float(now), ms, free)
+        else:
+            self._room.pop(i, None)
+        self._room_floor = min((r[2][0] for r in self._room.values()), default=math.inf)
+
+    @property
+    def room_floor(self) -> float:
+        """The fewest free tokens any own-region worker reported (inf: none is short of room):
+        a prompt no longer than this fits everywhere and ``room_wait_ms`` has nothing to add."""
+        return self._room_floor
+
+    def room_wait_ms(self, i: int, tokens: float, *, now: float) -> float:
+        """How long a prompt needing ``tokens`` new KV tokens waits at own-region worker ``i``
+        for VRAM room (0 when it fits, or when no room was reported), from the steps last
+        read, aged to ``now``. A prompt longer than every step's room waits for the last (it
+        then runs alone)."""
+        room = self._room.get(i)
+        if room is None:
+            return 0.0
+        read_at, ms, free = room
+        if tokens <= free[0]:
+            return 0.0
+        k = bisect_left(free, tokens)
+        wait = ms[min(k, len(ms) - 1)] - 1000.0 * (now - read_at)
+        return wait if wait > 0.0 else 0.0
 
     def _remote_updates(self, from_region: str, vector: Mapping[str, float] | tuple[tuple[str, float], ...]
                         ) -> list[tuple[int, float]]:

@@ -607,6 +607,11 @@ class KVCompassPolicy(BasePolicy):
         # The worker model's drained queue can come out a rounding error below zero.
         router.queues.set_local(self.worker_ids[worker_index], max(0.0, float(queue_ms)), now=now, running=running)
 
+    def on_worker_room(self, worker_index: int, steps: tuple[tuple[float, int], ...], *, now: float) -> None:
+        # Read with the live queue, by the edge of the worker's own region.
+        router = self.routers[self._worker_region[worker_index]]
+        router.queues.set_room(self.worker_ids[worker_index], steps, now=now)
+
     # ------------------------------------------------------------------------------ inspection
 
     @property
