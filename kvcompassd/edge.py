@@ -55,6 +55,7 @@ from kvcompassd.wire import (
     UpdateBatchPublished,
     ViewCopyRequested,
     WorkerLoadReported,
+    WorkerRoomReported,
     encode,
 )
 
@@ -496,6 +497,12 @@ class EdgeNode:
         if forwarder is not None and forwarder.decode_chooser is not None:
             forwarder.decode_chooser.load_reported(msg.worker, msg.running, msg.waiting)
 
+    def _room(self, peer: Peer, msg: WorkerRoomReported, channel: ChannelInfo) -> None:
+        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
+            self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's room")
+            return
+        self.router.queues.set_room(msg.worker, msg.steps, now=self.clock())
+
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
             self._refuse(peer, msg, f"agent {peer.identity.node_id} may note only its own worker's piggybacks")
@@ -586,6 +593,7 @@ class EdgeNode:
         SnapshotTransferStarted: _snapshot,
         SnapshotChunkSent: _snapshot,
         WorkerLoadReported: _load,
+        WorkerRoomReported: _room,
         PiggybackSent: _piggyback_sent,
         QueueVectorBroadcast: _broadcast,
         ViewCopyRequested: _view_copy,

@@ -42,7 +42,7 @@ scrape; a front door answers ``/metrics`` with process 0's merged text
 
 Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
-``["piggyback", to_region, now]``, ``["withheld", [worker index...], checked]``,
+``["piggyback", to_region, now]``, ``["room", worker, [[ms, free tokens]...], now]``, ``["withheld", [worker index...], checked]``,
 ``["back", worker, reason]``, ``["decode_load", worker, running, waiting]`` (a decode worker's
 reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]``
 (one chunk of the edge's metrics); front door -> process 0: ``["ready", pid]``,
@@ -152,8 +152,12 @@ class _QueueFanout:
         self._queues.note_piggyback_sent(to_region, now=now)
         self._fanout.send("piggyback", to_region, now)
 
+    def set_room(self, worker_id: str, steps: Any, *, now: float) -> None:
+        self._queues.set_room(worker_id, steps, now=now)  # raises on bad steps: not copied
+        self._fanout.send("room", worker_id, [[float(ms), int(free)] for ms, free in steps], now)
 
-QUEUE_FRAMES = frozenset({"load", "vector", "piggyback"})
+
+QUEUE_FRAMES = frozenset({"load", "vector", "piggyback", "room"})
 CHARGE_FRAMES = frozenset({"charge", "first_token", "retired"})
 LEDGER_FRAMES = frozenset({"credit", "ready", "refute", "drop", "forget"})
 # Other processes' dispatches whose charge this process holds (one per request in flight at
@@ -339,6 +343,9 @@ def apply_queue_frame(queues: Any, frame: list, *, now: float) -> None:
         queues.on_broadcast(msg, now=min(frame[2], now))
     elif kind == "piggyback":
         queues.note_piggyback_sent(frame[1], now=min(frame[2], now))
+    elif kind == "room":
+        _, worker, steps, at = frame
+        queues.set_room(worker, tuple((ms, free) for ms, free in steps), now=min(at, now))
     else:
         raise ValueError(f"not a queue frame: {kind!r}")
 

@@ -67,6 +67,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     WireMessage,
     WorkerLoadReported,
     WorkerRegistered,
+    WorkerRoomReported,
     WorkerWithdrawn,
     _fail,
 )
@@ -426,6 +427,7 @@ Message = (
     | RequestFailed
     | RequestRejected
     | WorkerLoadReported
+    | WorkerRoomReported
     | PiggybackSent
     | ErrorReported
     | AdminQueried
@@ -487,6 +489,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(43, WorkerLoadReported, 1 * KiB),
         _spec(44, PiggybackSent, 1 * KiB),
         _spec(45, RequestRejected, 16 * KiB),
+        _spec(46, WorkerRoomReported, 64 * KiB),  # added within version 2, as tag 17
         _spec(50, ErrorReported, 16 * KiB),
         _spec(60, AdminQueried, 1 * MiB),
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
@@ -526,6 +529,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     RequestFailed: frozenset({Role.AGENT}),
     RequestRejected: frozenset({Role.AGENT}),
     WorkerLoadReported: frozenset({Role.AGENT}),
+    WorkerRoomReported: frozenset({Role.AGENT}),
     PiggybackSent: frozenset({Role.AGENT}),
     ErrorReported: frozenset(Role),
     AdminQueried: frozenset({Role.ADMIN}),

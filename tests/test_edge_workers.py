@@ -46,6 +46,7 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
     with pytest.raises(ValueError):  # refused by the edge: nothing is copied
         edge.on_broadcast(QueueVectorBroadcast("eu", "asia", 0.4, ((eu[0], 1.0),)), now=0.7)
     edge.note_piggyback_sent("eu", now=0.8)
+    edge.set_room(us[2], ((0.0, 4_000), (700.0, 98_304)), now=0.85)
     theirs.setblocking(False)
     frames = []
     while True:
@@ -53,11 +54,15 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
             frames.append(msgpack.unpackb(theirs.recv(65536), raw=False))
         except BlockingIOError:
             break
-    assert [f[0] for f in frames] == ["load", "vector", "piggyback"]
+    assert [f[0] for f in frames] == ["load", "vector", "piggyback", "room"]
     for frame in frames:
         apply_queue_frame(door, frame, now=0.9)
     for now in (0.9, 1.5, 4.0):
         assert np.array_equal(door.queue_ms(now=now), edge.queue_ms(now=now))
+    room_worker = TESTBED.worker_ids().index(us[2])
+    assert door.room_floor == edge.room_floor == 4_000
+    assert door.room_wait_ms(room_worker, 50_000, now=0.95) == edge.room_wait_ms(room_worker, 50_000, now=0.95) \
+        == pytest.approx(600.0)
     with pytest.raises(ValueError):
         apply_queue_frame(door, ["withheld", [], True], now=1.0)
     theirs.close()

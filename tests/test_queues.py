@@ -558,6 +558,9 @@ def test_the_wait_for_vram_room_depends_on_the_prompt_and_ages_from_the_reading(
     assert q.room_wait_ms(us3, 60_000, now=1.5) == pytest.approx(2_000.0)
     assert q.room_wait_ms(us3, 200_000, now=1.0) == pytest.approx(2_500.0)  # longer than VRAM: runs alone
     assert q.room_wait_ms(us3, 60_000, now=9.0) == 0.0
+    assert q.room(us3, now=1.0) == ((0.0, 8_000), (900.0, 40_000), (2_500.0, 98_304))
+    assert q.room(us3, now=2.0) == ((0.0, 40_000), (1_500.0, 98_304))  # the first step is past
+    assert q.room(us3, now=9.0) == ((0.0, 98_304),) and q.room(0, now=1.0) is None
     q.set_room("us-3", (), now=2.0)  # everything released
     assert q.room_floor == math.inf and q.room_wait_ms(us3, 60_000, now=2.0) == 0.0
     with pytest.raises(QueueEstimateError, match="region 'eu'"):

@@ -30,7 +30,8 @@ __all__ = [
     "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "ShardPositionAnnounced",
     "ShardSnapshotSent",
     "SnapshotChunkSent", "SnapshotResumeRequested", "SnapshotTransferStarted", "Text", "UpdateBatchPublished",
-    "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerWithdrawn",
+    "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerRoomReported",
+    "WorkerWithdrawn",
 ]
 
 KiB: Final = 1024
@@ -198,6 +199,7 @@ TABLES = Pairs(Int(0, 65535), Blob(MAX_FRAME_BYTES), 4096)
 SNAPSHOT_TABLES = Pairs(Int(0, 65535), Blob(MAX_SNAPSHOT_BYTES), 4096)
 SNAPSHOT_ID = Int(1, U64_MAX)
 QUEUE_VECTOR = Pairs(ID, MILLIS, 8192, unique_first=True)  # worker -> queue ms
+ROOM_STEPS = Pairs(MILLIS, Int(0, I64_MAX), 1024)  # (ms from the reading, free KV tokens from then on)
 
 
 # Each message class's (field, its check, the name a failure gives it), made on first use: the
@@ -498,3 +500,23 @@ class WorkerLoadReported(WireMessage):
     waiting: int
     resumed: bool = False
     WIRE: ClassVar = {"worker": ID, "queue_ms": MILLIS, "running": COUNT, "waiting": COUNT, "resumed": Bool()}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRoomReported(WireMessage):
+    """agent -> edge, after a load report: when its worker's VRAM frees up, ``steps`` of (ms from
+    the reading, KV tokens free from then on), both non-decreasing; empty: nothing is pinned.
+    The report's queue is the wait of a prompt that needs no new KV; a longer one waits for the
+    first step with room for it (``QueueEstimates.set_room``). Sent when the engine says
+    (the emulator's ``room_steps``, ``WorkerQueueModel.room_steps``); a real SGLang reports the
+    KV its running requests hold but not when they end, so its agent sends none. A new tag
+    within version 2: an edge without it answers "malformed" and carries on."""
+
+    worker: str
+    steps: tuple[tuple[float, int], ...]
+    WIRE: ClassVar = {"worker": ID, "steps": ROOM_STEPS}
+
+    def _check(self) -> None:
+        steps = self.steps
+        if any(b[0] < a[0] or b[1] < a[1] for a, b in zip(steps, steps[1:])):
+            raise MessageError(f"WorkerRoomReported.steps: must be non-decreasing in both, got {steps!r}")

@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 import sys
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 
@@ -334,6 +334,18 @@ class QueueEstimates:
         """The fewest free tokens any own-region worker reported (inf: none is short of room):
         a prompt no longer than this fits everywhere and ``room_wait_ms`` has nothing to add."""
         return self._room_floor
+
+    def room(self, i: int, *, now: float) -> tuple[tuple[float, int], ...] | None:
+        """Own-region worker ``i``'s room steps as of ``now`` (ms from ``now``, free tokens),
+        those already past folded into the first; None when it has none (nothing pinned, or
+        never reported)."""
+        room = self._room.get(i)
+        if room is None:
+            return None
+        read_at, ms, free = room
+        age = 1000.0 * (now - read_at)
+        k = max(0, bisect_right(ms, age) - 1)  # the last step already reached (or the first)
+        return ((0.0, free[k]),) + tuple((m - age, f) for m, f in zip(ms[k + 1:], free[k + 1:]))
 
     def room_wait_ms(self, i: int, tokens: float, *, now: float) -> float:
         """How long a prompt needing ``tokens`` new KV tokens waits at own-region worker ``i``
