@@ -145,14 +145,17 @@ async def test_the_edge_learns_from_the_agent_when_a_workers_vram_frees_up(dep):
 
         running = asyncio.create_task(direct())
 
-        async def pinned():
-            body = await admin(dep, "edge-us", "queues")
+        async def pinned(edge="edge-us"):
+            body = await admin(dep, edge, "queues")
             room = {w["worker"]: w["room"] for w in body["workers"]}["us-1"]
             return room if room is not None and room[0][1] < room[-1][1] else None
 
         room = await eventually(pinned, timeout=5)
+        # ... and sends it on to the other region's edge with its queue vector (RoomVectorBroadcast)
+        abroad = await eventually(lambda: pinned("edge-eu"), timeout=5)
         await running
     assert room[-1][1] - room[0][1] >= 4000 - 16 and 0.0 < room[-1][0] <= 3500.0
+    assert abroad[-1][1] - abroad[0][1] >= 4000 - 16 and 0.0 < abroad[-1][0] <= 3500.0
 
 
 async def test_evicted_prefix_stops_attracting_requests(dep):

@@ -14,6 +14,7 @@ from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.router import SHORTFALL_DRAM, SHORTFALL_EVICTED, Router
 
 SHARDS = 2
@@ -515,3 +516,20 @@ def test_a_long_prompt_goes_where_its_kv_fits_not_to_an_idle_worker_whose_vram_i
     router.queues.set_local("us-1", 500.0, now=1.19)
     router.queues.set_local("us-2", 300.0, now=1.19)
     assert router.decide(PROMPT, now=1.19).worker == "us-0"
+
+
+def test_a_long_prompt_is_not_sent_abroad_to_a_worker_whose_pinned_vram_only_its_own_region_saw():
+    # Every us worker's running requests hold its VRAM for 0.5 s more; eu-0 and eu-1 look idle
+    # (queue 0) 40 ms away, but theirs hold it for 1 s: what eu's edge broadcasts with its
+    # queue vector (RoomVectorBroadcast). Knowing only its own region's room, the edge would
+    # send the prompt abroad to wait longer there.
+    cfg, layout, shards, view = _world()
+    router = Router(cfg, "us", view, now=0.0)
+    for w in ("us-0", "us-1", "us-2"):
+        router.queues.set_local(w, 0.0, now=0.0)
+        router.queues.set_room(w, ((0.0, 500), (500.0, 100_000)), now=0.0)
+    assert router.decide(PROMPT, now=0.0).region == "eu"
+    pinned = ((0.0, 500), (1_020.0, 100_000))  # sent 20 ms (one way) before it is read
+    assert router.queues.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.0, (("eu-0", pinned), ("eu-1", pinned))),
+                                           now=0.02)
+    assert router.decide(PROMPT, now=0.02).region == "us"

@@ -226,17 +226,18 @@ class Router:
 
     def _with_room_wait(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, belief: np.ndarray,
                         queue: np.ndarray, now: float) -> np.ndarray | None:
-        """The queue estimates with each own-region worker's wait for VRAM room for this prompt
-        (``QueueEstimates.room_wait_ms``) where that is longer, or None when none is. A reported
-        queue is the wait of a prompt that needs no new KV; this one needs its tokens less what
-        it reuses from VRAM (a DRAM copy is reloaded into new pages): on a worker whose running
-        requests pin most of its VRAM until they finish, a long prompt waits for them (what
-        SGLang's ``PrefillAdder`` does), however short the queue."""
+        """The queue estimates with each worker's wait for VRAM room for this prompt
+        (``QueueEstimates.room_wait_ms``: own-region workers' from their readings, the others'
+        from their edges' room broadcasts) where that is longer, or None when none is. A
+        reported queue is the wait of a prompt that needs no new KV; this one needs its tokens
+        less what it reuses from VRAM (a DRAM copy is reloaded into new pages): on a worker
+        whose running requests pin most of its VRAM until they finish, a long prompt waits for
+        them (what SGLang's ``PrefillAdder`` does), however short the queue."""
         queues = self.queues
         if not self.ablation.load_aware or prompt_len <= queues.room_floor:
             return None
         raised = None
-        for i in self._local_indexes:
+        for i in queues.room_workers:
             reused = min(belief.item(i) * matched.item(i), prompt_len) if tier.item(i) == _VRAM else 0.0
             wait = queues.room_wait_ms(i, prompt_len - reused, now=now)
             if wait > queue.item(i):

@@ -70,7 +70,8 @@ from kvcompassd.core.migration import HOT_MISS_OUTCOMES, MigrationPlanned
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.core.sync import EdgeSync, PositionHeartbeats, SyncSettings, SyncStep, catch_up
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.core.messages import ResyncRequested, ShardPositionAnnounced, ShardSnapshotSent, UpdateBatchPublished
+from kvcompassd.core.messages import (ResyncRequested, RoomVectorBroadcast, ShardPositionAnnounced, ShardSnapshotSent,
+                                      UpdateBatchPublished)
 
 from .shared_views import SharedViews, lookup_readers
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
@@ -216,7 +217,7 @@ class KVCompassPolicy(BasePolicy):
         self._next_broadcast = self._broadcast_deadline(0.0)
         self.counters = dict.fromkeys(
             ("index_events", "batches_published", "batch_deliveries", "batches_lost", "resyncs", "replays",
-             "snapshots_installed", "migrations_planned", "broadcasts", "decisions",
+             "snapshots_installed", "migrations_planned", "broadcasts", "room_broadcasts", "decisions",
              "remote_decisions"), 0)
         self.counters["positions_announced"] = 0  # idle shards' announcements (per shard, not per edge)
 
@@ -300,7 +301,10 @@ class KVCompassPolicy(BasePolicy):
                 if self._arrivals_done:
                     continue
                 to = self._region_index[payload.to_region]
-                self.routers[to].queues.on_broadcast(payload, now=due)
+                if payload.__class__ is RoomVectorBroadcast:
+                    self.routers[to].queues.on_room_broadcast(payload, now=due)
+                else:
+                    self.routers[to].queues.on_broadcast(payload, now=due)
             elif kind == _RESYNC_AT_SHARD:
                 self._answer_resync(payload, due)
             elif kind == _REPLAY_TO_EDGE:
@@ -327,8 +331,12 @@ class KVCompassPolicy(BasePolicy):
             for i, router in enumerate(self.routers):
                 if deadlines[i] > now:
                     continue
-                for msg in router.queues.due_broadcasts(now=now):
-                    self.counters["broadcasts"] += 1
+                broadcasts = router.queues.due_broadcasts(now=now)
+                # Each with the region's VRAM room, while some worker is short of it.
+                rooms = router.queues.room_broadcasts([m.to_region for m in broadcasts], now=now)
+                self.counters["broadcasts"] += len(broadcasts)
+                self.counters["room_broadcasts"] += len(rooms)
+                for msg in broadcasts + rooms:
                     a, b = self._region_index[msg.from_region], self._region_index[msg.to_region]
                     self._push(now + self._owm_s[a, b], _BROADCAST, msg)
                 deadlines[i] = self._deadline_of(i, now)
