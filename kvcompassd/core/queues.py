@@ -20,6 +20,14 @@ trip to the worker's region: that work was still crossing the WAN when the worke
 added back on top of any value that replaces the estimate, so a broadcast never erases the
 edge's in-flight dispatches (what went wrong without it: ``docs/design-history.md``).
 
+A queue figure is the wait of a prompt that needs no new KV. A worker's engine admits a prompt
+only when its KV fits beside what the running requests pin (SGLang's ``PrefillAdder``), so a
+long prompt can wait for room at a worker whose queue is 0. Where the agent's engine says when
+its VRAM frees up, the edge keeps those *room steps* (``set_room``: ms from the reading, free
+tokens from then on) and broadcasts its region's with its queue vector (``room_broadcasts``,
+read one way ago by the receiver, ``on_room_broadcast``); ``room_wait_ms`` is a prompt's wait
+for the first step with room for it, which the Router takes where it is longer than the queue.
+
 All times are seconds (``now``); queue values and periods are milliseconds, as in the config.
 The arrays returned by ``queue_ms()`` are immutable snapshots: updates replace the array (a
 copy of a few dozen floats), so a decision scored from a snapshot never sees it change.
@@ -153,8 +161,6 @@ class QueueEstimates:
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
         self._occupied = 0  # own-region workers whose occupancy is > 0 (none: nothing to add)
-        # Own-region workers short of VRAM room (set_room): index -> (read at, ms steps, free
-        # tokens per step); and the fewest free tokens among them.
         # Workers short of VRAM room: index -> (read at, ms steps, free tokens per step); the
         # own region's from their readings (set_room), the others' from their edges' room
         # broadcasts (on_room_broadcast), read one way ago. The fewest free tokens among them,
@@ -319,8 +325,8 @@ class QueueEstimates:
 
     def set_room(self, worker_id: str, steps, *, now: float) -> None:
         """When a worker of this edge's own region frees VRAM, read with its queue: ``(ms from
-        now, free tokens from then on)`` steps, both increasing (empty: nothing pinned, every
-        token free). The queue figure is for a prompt that needs no new KV; a prompt needing
+        now, free tokens from then on)`` steps, both non-decreasing (empty: nothing pinned,
+        every token free). The queue figure is for a prompt that needs no new KV; a prompt needing
         more tokens than are free waits for the first step with room (``room_wait_ms``)."""
         i = self._worker_index(worker_id, QueueEstimateError)
         if self._region_of[worker_id] != self.region:
