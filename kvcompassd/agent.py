@@ -81,6 +81,7 @@ from kvcompassd.wire import (
     TokenizationRequested,
     WorkerLoadReported,
     WorkerRegistered,
+    WorkerRoomReported,
     WorkerWithdrawn,
     encode,
 )
@@ -395,10 +396,14 @@ class AgentNode:
                 if send:
                     report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting,
                                                 resumed=resumed)
+                    # When its VRAM frees up, where the engine says (a long prompt waits for room).
+                    room = None if load.room_steps is None else WorkerRoomReported(self.worker.id, load.room_steps)
                     for peer in self._edge_peers.values():
                         if peer.is_connected:
                             try:
                                 peer.send_datagram(report)
+                                if room is not None:
+                                    peer.send_datagram(room)
                             except TransportError:
                                 pass
             await self._sleep_until_next_reading()

@@ -47,6 +47,7 @@ from kvcompassd.wire import (
     QueueVectorBroadcast,
     ResyncRequested,
     Role,
+    RoomVectorBroadcast,
     ShardPositionAnnounced,
     ShardSnapshotSent,
     SnapshotChunkSent,
@@ -55,6 +56,7 @@ from kvcompassd.wire import (
     UpdateBatchPublished,
     ViewCopyRequested,
     WorkerLoadReported,
+    WorkerRoomReported,
     encode,
 )
 
@@ -496,6 +498,12 @@ class EdgeNode:
         if forwarder is not None and forwarder.decode_chooser is not None:
             forwarder.decode_chooser.load_reported(msg.worker, msg.running, msg.waiting)
 
+    def _room(self, peer: Peer, msg: WorkerRoomReported, channel: ChannelInfo) -> None:
+        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
+            self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's room")
+            return
+        self.router.queues.set_room(msg.worker, msg.steps, now=self.clock())
+
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
             self._refuse(peer, msg, f"agent {peer.identity.node_id} may note only its own worker's piggybacks")
@@ -516,6 +524,16 @@ class EdgeNode:
         except ValueError as exc:
             log.warning("queue vector refused", peer=str(peer.identity), error=str(exc))
 
+    def _room_broadcast(self, peer: Peer, msg: RoomVectorBroadcast, channel: ChannelInfo) -> None:
+        sender_region = self.cfg.edge_region(peer.identity.node_id)
+        if peer.identity.role != Role.EDGE or sender_region != msg.from_region:
+            self._refuse(peer, msg, f"room vector of region {msg.from_region!r} from an edge of {sender_region!r}")
+            return
+        try:
+            self.router.queues.on_room_broadcast(msg, now=self.clock())
+        except ValueError as exc:
+            log.warning("room vector refused", peer=str(peer.identity), error=str(exc))
+
     async def _broadcast_loop(self) -> None:
         period = self.cfg.score.broadcast_period_ms / 1000.0
         gauges_at = float("-inf")
@@ -524,7 +542,9 @@ class EdgeNode:
             # Unchanged vectors go out only every heartbeat (core/queues.py, due_broadcasts).
             broadcasts = self.router.queues.due_broadcasts(now=now, heartbeat_s=self._heartbeat_s)
             sent = bool(broadcasts)
-            for msg in broadcasts:
+            # Each with the region's VRAM room, while some worker is short of it.
+            rooms = self.router.queues.room_broadcasts([m.to_region for m in broadcasts], now=now)
+            for msg in broadcasts + rooms:
                 for e in self.cfg.edges_in(msg.to_region):
                     self._send_datagram(self._edge_peers.get(e.id), msg)
             # Own-region agents piggyback this vector on their responses to other regions: a
@@ -586,8 +606,10 @@ class EdgeNode:
         SnapshotTransferStarted: _snapshot,
         SnapshotChunkSent: _snapshot,
         WorkerLoadReported: _load,
+        WorkerRoomReported: _room,
         PiggybackSent: _piggyback_sent,
         QueueVectorBroadcast: _broadcast,
+        RoomVectorBroadcast: _room_broadcast,
         ViewCopyRequested: _view_copy,
         AdminQueried: _admin,
         ErrorReported: _error,

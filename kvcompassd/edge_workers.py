@@ -42,7 +42,8 @@ scrape; a front door answers ``/metrics`` with process 0's merged text
 
 Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
-``["piggyback", to_region, now]``, ``["withheld", [worker index...], checked]``,
+``["piggyback", to_region, now]``, ``["room", worker, [[ms, free tokens]...], now]``,
+``["room_vector", wire bytes, now]``, ``["withheld", [worker index...], checked]``,
 ``["back", worker, reason]``, ``["decode_load", worker, running, waiting]`` (a decode worker's
 reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]``
 (one chunk of the edge's metrics); front door -> process 0: ``["ready", pid]``,
@@ -86,7 +87,7 @@ from kvcompassd.metrics_front_doors import (ENVIRONMENT, PUBLISH_PERIOD_S, EdgeW
 from kvcompassd.shared_view import SEGMENT_DIR, SharedViewReader, SharedViewWriter, share_router_view
 from kvcompassd.tokenizer import ByteTokenizer, Tokenizer
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode
-from kvcompassd.wire import ErrorReported, NodeIdentity, QueueVectorBroadcast, Role, decode, encode
+from kvcompassd.wire import ErrorReported, NodeIdentity, QueueVectorBroadcast, Role, RoomVectorBroadcast, decode, encode
 
 log = structlog.get_logger(__name__)
 
@@ -152,8 +153,17 @@ class _QueueFanout:
         self._queues.note_piggyback_sent(to_region, now=now)
         self._fanout.send("piggyback", to_region, now)
 
+    def on_room_broadcast(self, msg: RoomVectorBroadcast, *, now: float) -> bool:
+        taken = self._queues.on_room_broadcast(msg, now=now)  # raises on a bad one: not copied
+        self._fanout.send("room_vector", encode(msg), now)
+        return taken
 
-QUEUE_FRAMES = frozenset({"load", "vector", "piggyback"})
+    def set_room(self, worker_id: str, steps: Any, *, now: float) -> None:
+        self._queues.set_room(worker_id, steps, now=now)  # raises on bad steps: not copied
+        self._fanout.send("room", worker_id, [[float(ms), int(free)] for ms, free in steps], now)
+
+
+QUEUE_FRAMES = frozenset({"load", "vector", "piggyback", "room", "room_vector"})
 CHARGE_FRAMES = frozenset({"charge", "first_token", "retired"})
 LEDGER_FRAMES = frozenset({"credit", "ready", "refute", "drop", "forget"})
 # Other processes' dispatches whose charge this process holds (one per request in flight at
@@ -339,6 +349,14 @@ def apply_queue_frame(queues: Any, frame: list, *, now: float) -> None:
         queues.on_broadcast(msg, now=min(frame[2], now))
     elif kind == "piggyback":
         queues.note_piggyback_sent(frame[1], now=min(frame[2], now))
+    elif kind == "room":
+        _, worker, steps, at = frame
+        queues.set_room(worker, tuple((ms, free) for ms, free in steps), now=min(at, now))
+    elif kind == "room_vector":
+        msg = decode(frame[1])
+        if not isinstance(msg, RoomVectorBroadcast):
+            raise ValueError(f"not a room vector: {type(msg).__name__}")
+        queues.on_room_broadcast(msg, now=min(frame[2], now))
     else:
         raise ValueError(f"not a queue frame: {kind!r}")
 

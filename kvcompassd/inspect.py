@@ -125,7 +125,11 @@ def _queues(edge, args) -> dict:
                          "reported_ms": float(q.queue_ms()[i]), "trend_ms_per_ms": round(float(trends[i]), 4),
                          "age_s": None if not np.isfinite(ages[i]) else round(float(ages[i]), 3),
                          "prefill_ms_per_token": round(rates.prefill_ms_per_token(i), 6),
-                         "decode_ms_per_token": round(rates.decode_ms_per_token(i), 6)}
+                         "decode_ms_per_token": round(rates.decode_ms_per_token(i), 6),
+                         # when VRAM frees up, [ms from now, free KV tokens] (None: nothing pinned
+                         # or not reported; own region: its agents, others: their edges' broadcasts)
+                         "room": None if (room := q.room(i, now=now)) is None
+                         else [[round(ms, 3), free] for ms, free in room]}
                         for i, w in enumerate(edge.layout.worker_ids)],
             # Per remote region, the selection correction queue_ms includes (QueueEstimates docstring).
             "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()},

@@ -55,6 +55,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     PrefixEventsReported,
     QueueVectorBroadcast,
     ResyncRequested,
+    RoomVectorBroadcast,
     ShardPositionAnnounced,
     ShardSnapshotSent,
     SnapshotChunkSent,
@@ -67,6 +68,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     WireMessage,
     WorkerLoadReported,
     WorkerRegistered,
+    WorkerRoomReported,
     WorkerWithdrawn,
     _fail,
 )
@@ -417,6 +419,7 @@ Message = (
     | SnapshotResumeRequested
     | ShardPositionAnnounced
     | QueueVectorBroadcast
+    | RoomVectorBroadcast
     | ViewCopyRequested
     | RequestForwarded
     | PrefillDecodeForwarded
@@ -426,6 +429,7 @@ Message = (
     | RequestFailed
     | RequestRejected
     | WorkerLoadReported
+    | WorkerRoomReported
     | PiggybackSent
     | ErrorReported
     | AdminQueried
@@ -478,6 +482,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(17, ShardPositionAnnounced, 1 * KiB),
         _spec(20, QueueVectorBroadcast, 1 * MiB),
         _spec(21, ViewCopyRequested, 1 * KiB),
+        _spec(22, RoomVectorBroadcast, 1 * MiB),  # added within version 2, as tag 17
         _spec(30, RequestForwarded, 8 * MiB),
         _spec(31, MigrationRequested, 8 * MiB),
         _spec(32, PrefillDecodeForwarded, 8 * MiB),
@@ -487,6 +492,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(43, WorkerLoadReported, 1 * KiB),
         _spec(44, PiggybackSent, 1 * KiB),
         _spec(45, RequestRejected, 16 * KiB),
+        _spec(46, WorkerRoomReported, 64 * KiB),  # added within version 2, as tag 17
         _spec(50, ErrorReported, 16 * KiB),
         _spec(60, AdminQueried, 1 * MiB),
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
@@ -517,6 +523,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     # only from the shard's owner or (as a batch) from an edge relaying its region's stream.
     ShardPositionAnnounced: frozenset({Role.MAINTENANCE, Role.EDGE}),
     QueueVectorBroadcast: frozenset({Role.EDGE}),
+    RoomVectorBroadcast: frozenset({Role.EDGE}),
     ViewCopyRequested: frozenset({Role.EDGE}),
     RequestForwarded: frozenset({Role.EDGE}),
     PrefillDecodeForwarded: frozenset({Role.EDGE}),
@@ -526,6 +533,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     RequestFailed: frozenset({Role.AGENT}),
     RequestRejected: frozenset({Role.AGENT}),
     WorkerLoadReported: frozenset({Role.AGENT}),
+    WorkerRoomReported: frozenset({Role.AGENT}),
     PiggybackSent: frozenset({Role.AGENT}),
     ErrorReported: frozenset(Role),
     AdminQueried: frozenset({Role.ADMIN}),

@@ -132,6 +132,32 @@ async def test_loaded_holder_loses_to_an_idle_worker(dep):
     assert meta["kvcompass"]["worker"] == other or meta["kvcompass"]["region"] == "eu"
 
 
+async def test_the_edge_learns_from_the_agent_when_a_workers_vram_frees_up(dep):
+    # A 4,000-token prompt decoding 3,000 tokens (1 ms each) holds its KV on us-1 for ~3 s:
+    # the emulator's /v1/loads says until when (room_steps), the agent sends it with its load
+    # report (WorkerRoomReported) and the edge keeps it for the score (QueueEstimates.set_room).
+    url = dep.cfg.worker("us-1").http
+    async with aiohttp.ClientSession() as s:
+        async def direct():
+            async with s.post(url + "/generate", json={"input_ids": [(j * 13) % 250 for j in range(4000)],
+                                                      "sampling_params": {"max_new_tokens": 3000}}) as r:
+                await r.read()
+
+        running = asyncio.create_task(direct())
+
+        async def pinned(edge="edge-us"):
+            body = await admin(dep, edge, "queues")
+            room = {w["worker"]: w["room"] for w in body["workers"]}["us-1"]
+            return room if room is not None and room[0][1] < room[-1][1] else None
+
+        room = await eventually(pinned, timeout=5)
+        # ... and sends it on to the other region's edge with its queue vector (RoomVectorBroadcast)
+        abroad = await eventually(lambda: pinned("edge-eu"), timeout=5)
+        await running
+    assert room[-1][1] - room[0][1] >= 4000 - 16 and 0.0 < room[-1][0] <= 3500.0
+    assert abroad[-1][1] - abroad[0][1] >= 4000 - 16 and 0.0 < abroad[-1][0] <= 3500.0
+
+
 async def test_evicted_prefix_stops_attracting_requests(dep):
     shared = doc(40, 1500)
     holder = (await generate(dep, "eu", shared + " a"))["meta_info"]["kvcompass"]["worker"]

@@ -20,6 +20,7 @@ import socket
 
 from e2e_helpers import admin, doc, eventually, generate
 from kvcompassd.core.config import load_config
+from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
 from kvcompassd.edge_workers import SharedCharges, SharedLedger, _Fanout, _QueueFanout, apply_queue_frame
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
@@ -46,6 +47,8 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
     with pytest.raises(ValueError):  # refused by the edge: nothing is copied
         edge.on_broadcast(QueueVectorBroadcast("eu", "asia", 0.4, ((eu[0], 1.0),)), now=0.7)
     edge.note_piggyback_sent("eu", now=0.8)
+    edge.set_room(us[2], ((0.0, 4_000), (700.0, 98_304)), now=0.85)
+    edge.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.4, ((eu[1], ((0.0, 10), (300.0, 98_304))),)), now=0.86)
     theirs.setblocking(False)
     frames = []
     while True:
@@ -53,11 +56,17 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
             frames.append(msgpack.unpackb(theirs.recv(65536), raw=False))
         except BlockingIOError:
             break
-    assert [f[0] for f in frames] == ["load", "vector", "piggyback"]
+    assert [f[0] for f in frames] == ["load", "vector", "piggyback", "room", "room_vector"]
     for frame in frames:
         apply_queue_frame(door, frame, now=0.9)
     for now in (0.9, 1.5, 4.0):
         assert np.array_equal(door.queue_ms(now=now), edge.queue_ms(now=now))
+    room_worker = TESTBED.worker_ids().index(us[2])
+    assert door.room_floor == edge.room_floor == 10  # eu[1]'s, from the room broadcast
+    assert door.room_wait_ms(room_worker, 50_000, now=0.95) == edge.room_wait_ms(room_worker, 50_000, now=0.95) \
+        == pytest.approx(600.0)
+    eu1 = TESTBED.worker_ids().index(eu[1])
+    assert door.room_workers == edge.room_workers and door.room(eu1, now=0.9) == edge.room(eu1, now=0.9)
     with pytest.raises(ValueError):
         apply_queue_frame(door, ["withheld", [], True], now=1.0)
     theirs.close()

@@ -26,6 +26,7 @@ from kvcompassd.emulator.server import (
     output_tokens,
 )
 from kvcompassd.engine.blocktree import BlockTree
+from kvcompassd.engine.client import parse_loads
 from kvcompassd.engine.kvevents import EventBatch
 from kvcompassd.engine.subscriber import KvEventSubscriber, PublisherRestarted
 
@@ -260,6 +261,12 @@ async def test_queue_readings_are_in_wall_milliseconds_at_any_time_scale(time_sc
             while (current := await load())["num_waiting_reqs"] < 2:
                 await asyncio.sleep(0.01)
         assert 128_000 * time_scale <= current["estimated_queue_ms"] <= 193_000 * time_scale
+        # When VRAM frees up, in wall ms too: the three prompts' pages are held until their one
+        # token each, the last after every prefill ahead (what the agent passes on to its edges).
+        room = current["room_steps"]
+        assert room[0][0] == 0.0 and room[0][1] < current["max_total_num_tokens"] == room[-1][1]
+        assert current["estimated_queue_ms"] <= room[-1][0] <= 193_000 * time_scale
+        assert parse_loads({"loads": [current]}, 1.0).room_steps == tuple((ms, free) for ms, free in room)
     finally:
         await worker.stop()
         for task in tasks:

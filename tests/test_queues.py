@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvcompassd.core.config import load_config
 from kvcompassd.core.messages import MessageError
+from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.queues import QueueEstimateError, QueueEstimates, QueueVectorBroadcast, QueueVectorError
 
 CFG = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
@@ -563,3 +564,49 @@ def test_an_idle_then_busy_then_idle_region_is_followed_by_the_others() -> None:
     assert eu.queue_ms(now=now)[us0] == 0.0 and eu.queue_ms(now=now + 5.0)[us0] == 0.0
     assert eu.trends()[us0] == 0.0
     assert len([t for t in sent if t > quiet_from + 1.0]) <= 10  # heartbeats only
+
+
+def test_the_wait_for_vram_room_depends_on_the_prompt_and_ages_from_the_reading() -> None:
+    q = us_edge()
+    us3 = CFG.worker_ids().index("us-3")
+    assert q.room_floor == math.inf and q.room_wait_ms(us3, 50_000, now=0.0) == 0.0  # nothing reported
+    q.set_room("us-3", ((0.0, 8_000), (900.0, 40_000), (2_500.0, 98_304)), now=1.0)
+    assert q.room_floor == 8_000
+    assert q.room_wait_ms(us3, 8_000, now=1.0) == 0.0  # fits now
+    assert q.room_wait_ms(us3, 30_000, now=1.0) == pytest.approx(900.0)
+    assert q.room_wait_ms(us3, 30_000, now=1.5) == pytest.approx(400.0)  # counted from the reading
+    assert q.room_wait_ms(us3, 60_000, now=1.5) == pytest.approx(2_000.0)
+    assert q.room_wait_ms(us3, 200_000, now=1.0) == pytest.approx(2_500.0)  # longer than VRAM: runs alone
+    assert q.room_wait_ms(us3, 60_000, now=9.0) == 0.0
+    assert q.room(us3, now=1.0) == ((0.0, 8_000), (900.0, 40_000), (2_500.0, 98_304))
+    assert q.room(us3, now=2.0) == ((0.0, 40_000), (1_500.0, 98_304))  # the first step is past
+    assert q.room(us3, now=9.0) == ((0.0, 98_304),) and q.room(0, now=1.0) is None
+    q.set_room("us-3", (), now=2.0)  # everything released
+    assert q.room_floor == math.inf and q.room_wait_ms(us3, 60_000, now=2.0) == 0.0
+    with pytest.raises(QueueEstimateError, match="region 'eu'"):
+        q.set_room("eu-0", ((0.0, 1),), now=2.0)
+    with pytest.raises(QueueEstimateError, match="non-decreasing"):
+        q.set_room("us-3", ((0.0, 9), (5.0, 3)), now=2.0)
+
+
+def test_an_edge_broadcasts_its_regions_room_and_the_others_read_it_one_way_ago() -> None:
+    us, eu = us_edge(), QueueEstimates(CFG, "eu", now=0.0)
+    us3 = CFG.worker_ids().index("us-3")
+    assert us.room_broadcasts(["eu", "asia"], now=1.0) == ()  # nothing pinned: nothing to say
+    us.set_room("us-3", ((0.0, 8_000), (900.0, 98_304)), now=1.0)
+    sent = us.room_broadcasts(["eu", "asia"], now=1.2)
+    assert [m.to_region for m in sent] == ["eu", "asia"]
+    assert sent[0].rooms == (("us-3", ((0.0, 8_000), (pytest.approx(700.0), 98_304))),)
+    one_way_s = CFG.one_way_ms("us", "eu") / 1000.0
+    assert eu.on_room_broadcast(sent[0], now=1.2 + one_way_s)
+    assert eu.room_floor == 8_000 and eu.room_workers == (us3,)
+    assert eu.room_wait_ms(us3, 30_000, now=1.2 + one_way_s) == pytest.approx(700.0 - 1000.0 * one_way_s)
+    assert not eu.on_room_broadcast(sent[0], now=1.5)  # a reordered or repeated datagram
+    # All free again: the next broadcast says so once, and the receiver forgets the steps.
+    us.set_room("us-3", (), now=2.0)
+    cleared = us.room_broadcasts(["eu"], now=2.0)
+    assert [m.rooms for m in cleared] == [()] and us.room_broadcasts(["eu"], now=2.1) == ()
+    assert eu.on_room_broadcast(cleared[0], now=2.2)
+    assert eu.room_floor == math.inf and eu.room_wait_ms(us3, 30_000, now=2.2) == 0.0
+    with pytest.raises(QueueVectorError, match="not in region"):
+        eu.on_room_broadcast(RoomVectorBroadcast("us", "eu", 3.0, (("asia-0", ((0.0, 1), (5.0, 9))),)), now=3.1)

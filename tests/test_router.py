@@ -14,6 +14,7 @@ from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
+from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.router import SHORTFALL_DRAM, SHORTFALL_EVICTED, Router
 
 SHARDS = 2
@@ -491,3 +492,44 @@ def test_a_worker_other_edges_keep_busy_is_not_learned_slower():
         router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=1, now=t + rtt + 0.05)
         t += 3.0
     assert router.rates.prefill_ms_per_token(w) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_long_prompt_goes_where_its_kv_fits_not_to_an_idle_worker_whose_vram_is_pinned(native):
+    # us-0 and us-2 are idle (queue 0) and hold nothing of the prompt, but us-0's running
+    # requests pin all but 500 tokens of its VRAM until 1.2 s from now. The queue figure is that
+    # of a prompt needing no new KV: by it the two tie and us-0, first in order, wins. Its
+    # 2,000-token prompt would wait 1.2 s there for room (SGLang's PrefillAdder); us-2 has it.
+    cfg, layout, shards, view = _world()
+    router = Router(cfg, "us", view, now=0.0, native=native)
+    router.queues.set_local("us-0", 0.0, now=0.0)
+    router.queues.set_local("us-1", 500.0, now=0.0)
+    router.queues.set_local("us-2", 0.0, now=0.0)
+    router.queues.set_room("us-0", ((0.0, 500), (1200.0, 100_000)), now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker == "us-2"
+    # A prompt that fits in the 500 free tokens waits for nothing there (us-2 now carries the
+    # first one's charge).
+    assert router.decide(PROMPT[:400], now=0.0).worker == "us-0"
+    # The wait is counted from the reading: 1.19 s later us-0's room is 10 ms away, less than
+    # the others' queues and the 40 ms round trip to eu.
+    router.queues.set_local("us-1", 500.0, now=1.19)
+    router.queues.set_local("us-2", 300.0, now=1.19)
+    assert router.decide(PROMPT, now=1.19).worker == "us-0"
+
+
+def test_a_long_prompt_is_not_sent_abroad_to_a_worker_whose_pinned_vram_only_its_own_region_saw():
+    # Every us worker's running requests hold its VRAM for 0.5 s more; eu-0 and eu-1 look idle
+    # (queue 0) 40 ms away, but theirs hold it for 1 s: what eu's edge broadcasts with its
+    # queue vector (RoomVectorBroadcast). Knowing only its own region's room, the edge would
+    # send the prompt abroad to wait longer there.
+    cfg, layout, shards, view = _world()
+    router = Router(cfg, "us", view, now=0.0)
+    for w in ("us-0", "us-1", "us-2"):
+        router.queues.set_local(w, 0.0, now=0.0)
+        router.queues.set_room(w, ((0.0, 500), (500.0, 100_000)), now=0.0)
+    assert router.decide(PROMPT, now=0.0).region == "eu"
+    pinned = ((0.0, 500), (1_020.0, 100_000))  # sent 20 ms (one way) before it is read
+    assert router.queues.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.0, (("eu-0", pinned), ("eu-1", pinned))),
+                                           now=0.02)
+    assert router.decide(PROMPT, now=0.02).region == "us"

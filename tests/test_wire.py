@@ -90,10 +90,22 @@ def message_strategy(spec: wire.MessageSpec) -> st.SearchStrategy:
         )
     if spec.cls is wire.SnapshotTransferStarted:
         return snapshot_headers()
+    if spec.cls is wire.WorkerRoomReported:  # steps non-decreasing in both
+        return st.builds(wire.WorkerRoomReported, strategy_for(wire.ID), room_steps())
+    if spec.cls is wire.RoomVectorBroadcast:
+        rooms = st.lists(st.tuples(strategy_for(wire.ID), room_steps()), max_size=4, unique_by=lambda p: p[0])
+        return st.builds(wire.RoomVectorBroadcast, strategy_for(wire.REGION), strategy_for(wire.REGION),
+                         st.floats(0.0, 1e12, allow_nan=False), rooms.map(tuple))
     if spec.cls is wire.SnapshotChunkSent:  # a chunk is never empty
         return st.builds(wire.SnapshotChunkSent, **{name: strategy_for(ft) for name, ft in spec.fields
                                                      if name != "data"}, data=st.binary(min_size=1, max_size=64))
     return st.builds(spec.cls, **{name: strategy_for(ft) for name, ft in spec.fields})
+
+
+def room_steps() -> st.SearchStrategy:
+    """(ms, free tokens) steps, non-decreasing in both, as the room messages require."""
+    steps = st.lists(st.tuples(st.floats(0.0, 1e9, allow_nan=False), st.integers(0, 2**63 - 1)), max_size=5)
+    return steps.map(lambda p: tuple(zip(sorted(m for m, _ in p), sorted(f for _, f in p))))
 
 
 @st.composite
@@ -407,3 +419,12 @@ def test_check_sender_enforces_roles():
         check_sender(Role.EDGE, WorkerRegistered("us-0", 1))
     for role in Role:
         check_sender(role, ErrorReported("malformed", ""))
+
+
+def test_room_steps_that_go_back_are_refused():
+    assert decode(encode(wire.WorkerRoomReported("us-0", ((0.0, 10), (5.0, 90))))).steps == ((0.0, 10), (5.0, 90))
+    for steps in (((0.0, 90), (5.0, 10)), ((5.0, 10), (1.0, 90))):
+        with pytest.raises(wire.MessageError, match="non-decreasing"):
+            wire.WorkerRoomReported("us-0", steps)
+        with pytest.raises(wire.MessageError, match="non-decreasing"):
+            wire.RoomVectorBroadcast("us", "eu", 1.0, (("us-0", steps),))

@@ -446,6 +446,38 @@ def test_a_head_sharing_pinned_pages_needs_only_its_new_ones() -> None:
     assert model.queue_ms(now=0.040) == pytest.approx(replayed_with_cache(owner, model, 0.040))
 
 
+def first_token_ms(owner: CacheOwner, model: WorkerQueueModel, rid: str, tokens: list[int], now: float) -> float:
+    """A replay: copies of model and cache, ``tokens`` arriving at ``now`` as ``rid`` (one
+    output token); ms until its first token."""
+    owner, model = copy.deepcopy((owner, model))
+    owner.admit(model, rid, tokens, 1, now)
+    while True:
+        for event in model.advance(now=model.next_event_time()):
+            if event.request_id == rid and isinstance(event, FirstTokenProduced):
+                return 1000.0 * (event.at - now)
+
+
+def test_room_steps_say_when_a_long_prompt_fits_though_the_queue_is_empty() -> None:
+    owner = CacheOwner(vram_tokens=40)  # 10 pages of 4 tokens
+    model = owner.model(ROOMY)
+    assert model.room_steps(now=0.0) == ()  # nothing held: every page free
+    owner.admit(model, "a", list(range(32)), 6, now=0.0)  # 8 pages; 32 ms prefill, then 5 steps of 10 ms
+    model.advance(now=0.040)
+    # a decodes until 82 ms: the queue is empty, 2 pages are free until then and all 10 after
+    assert model.queue_ms(now=0.040) == pytest.approx(0.0)
+    steps = model.room_steps(now=0.040)
+    assert [s[1] for s in steps] == [2, 10] and steps[0][0] == 0.0 and steps[1][0] == pytest.approx(42.0)
+    # the replay agrees: a 2-page prompt starts at once, an 8-page one when a finishes
+    assert first_token_ms(owner, model, "short", list(range(200, 208)), 0.040) == pytest.approx(8.0)
+    assert first_token_ms(owner, model, "long", list(range(300, 332)), 0.040) == pytest.approx(42.0 + 32.0)
+    # a queued request pins its pages from now, and its prefill (4 ms) pauses a's decode: b
+    # finishes after 2 steps, a after its 4.2 left
+    owner.admit(model, "b", list(range(100, 104)), 3, now=0.040)
+    steps = model.room_steps(now=0.040)
+    assert [s[1] for s in steps] == [1, 2, 10]
+    assert [s[0] for s in steps] == pytest.approx([0.0, 4.0 + 20.0, 4.0 + 42.0])
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(0, 44), st.integers(0, 3), st.integers(1, 12),
                           st.booleans()), min_size=1, max_size=30),

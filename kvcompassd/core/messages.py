@@ -27,10 +27,11 @@ from .events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 __all__ = [
     "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CHUNK_BYTES", "REGION", "SEQ",
     "SHARD", "TABLES", "Blob", "Bool", "Choice", "EventColumns", "FieldType", "Float", "Int", "MessageError", "Pairs",
-    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "ShardPositionAnnounced",
+    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "RoomVectorBroadcast", "ShardPositionAnnounced",
     "ShardSnapshotSent",
     "SnapshotChunkSent", "SnapshotResumeRequested", "SnapshotTransferStarted", "Text", "UpdateBatchPublished",
-    "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerWithdrawn",
+    "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerRoomReported",
+    "WorkerWithdrawn",
 ]
 
 KiB: Final = 1024
@@ -198,6 +199,8 @@ TABLES = Pairs(Int(0, 65535), Blob(MAX_FRAME_BYTES), 4096)
 SNAPSHOT_TABLES = Pairs(Int(0, 65535), Blob(MAX_SNAPSHOT_BYTES), 4096)
 SNAPSHOT_ID = Int(1, U64_MAX)
 QUEUE_VECTOR = Pairs(ID, MILLIS, 8192, unique_first=True)  # worker -> queue ms
+ROOM_STEPS = Pairs(MILLIS, Int(0, I64_MAX), 1024)  # (ms from the reading, free KV tokens from then on)
+ROOM_VECTOR = Pairs(ID, ROOM_STEPS, 8192, unique_first=True)  # worker -> its room steps
 
 
 # Each message class's (field, its check, the name a failure gives it), made on first use: the
@@ -384,6 +387,30 @@ class QueueVectorBroadcast(WireMessage):
         return tuple(out)
 
 
+def _check_room_steps(steps: tuple[tuple[float, int], ...], where: str) -> None:
+    if any(b[0] < a[0] or b[1] < a[1] for a, b in zip(steps, steps[1:])):
+        raise MessageError(f"{where}: must be non-decreasing in both, got {steps!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoomVectorBroadcast(WireMessage):
+    """Region ``from_region``'s workers' VRAM room at ``sent_at`` (s, the sender's clock): edge ->
+    edge as a datagram with its queue vector broadcast (``QueueEstimates.room_broadcasts``). Per
+    worker with KV pinned, when it frees up: (ms from ``sent_at``, free KV tokens from then on)
+    steps, as its agent reported them (``WorkerRoomReported``); a worker not listed has every
+    token free. A new tag within version 2: an edge without it answers "malformed" and carries on."""
+
+    from_region: str
+    to_region: str
+    sent_at: float
+    rooms: tuple[tuple[str, tuple[tuple[float, int], ...]], ...]
+    WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "rooms": ROOM_VECTOR}
+
+    def _check(self) -> None:
+        for worker, steps in self.rooms:
+            _check_room_steps(steps, f"RoomVectorBroadcast.rooms[{worker!r}]")
+
+
 # Index events reported by agents, worker lifecycle, view copies and load reports.
 
 
@@ -498,3 +525,21 @@ class WorkerLoadReported(WireMessage):
     waiting: int
     resumed: bool = False
     WIRE: ClassVar = {"worker": ID, "queue_ms": MILLIS, "running": COUNT, "waiting": COUNT, "resumed": Bool()}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRoomReported(WireMessage):
+    """agent -> edge, after a load report: when its worker's VRAM frees up, ``steps`` of (ms from
+    the reading, KV tokens free from then on), both non-decreasing; empty: nothing is pinned.
+    The report's queue is the wait of a prompt that needs no new KV; a longer one waits for the
+    first step with room for it (``QueueEstimates.set_room``). Sent when the engine says
+    (the emulator's ``room_steps``, ``WorkerQueueModel.room_steps``); a real SGLang reports the
+    KV its running requests hold but not when they end, so its agent sends none. A new tag
+    within version 2: an edge without it answers "malformed" and carries on."""
+
+    worker: str
+    steps: tuple[tuple[float, int], ...]
+    WIRE: ClassVar = {"worker": ID, "steps": ROOM_STEPS}
+
+    def _check(self) -> None:
+        _check_room_steps(self.steps, "WorkerRoomReported.steps")

@@ -20,6 +20,14 @@ trip to the worker's region: that work was still crossing the WAN when the worke
 added back on top of any value that replaces the estimate, so a broadcast never erases the
 edge's in-flight dispatches (what went wrong without it: ``docs/design-history.md``).
 
+A queue figure is the wait of a prompt that needs no new KV. A worker's engine admits a prompt
+only when its KV fits beside what the running requests pin (SGLang's ``PrefillAdder``), so a
+long prompt can wait for room at a worker whose queue is 0. Where the agent's engine says when
+its VRAM frees up, the edge keeps those *room steps* (``set_room``: ms from the reading, free
+tokens from then on) and broadcasts its region's with its queue vector (``room_broadcasts``,
+read one way ago by the receiver, ``on_room_broadcast``); ``room_wait_ms`` is a prompt's wait
+for the first step with room for it, which the Router takes where it is longer than the queue.
+
 All times are seconds (``now``); queue values and periods are milliseconds, as in the config.
 The arrays returned by ``queue_ms()`` are immutable snapshots: updates replace the array (a
 copy of a few dozen floats), so a decision scored from a snapshot never sees it change.
@@ -77,6 +85,7 @@ from __future__ import annotations
 
 import math
 import sys
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 
@@ -84,7 +93,7 @@ import numpy as np
 
 from .config import ClusterConfig
 from .lookup_plan import QueueAging
-from .messages import QueueVectorBroadcast
+from .messages import QueueVectorBroadcast, RoomVectorBroadcast
 
 # The trend of a remote worker's queue is its values' slope over this many broadcast periods
 # (long enough to average out the rise and fall of single prefills), smoothed with this weight.
@@ -152,6 +161,16 @@ class QueueEstimates:
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
         self._occupied = 0  # own-region workers whose occupancy is > 0 (none: nothing to add)
+        # Workers short of VRAM room: index -> (read at, ms steps, free tokens per step); the
+        # own region's from their readings (set_room), the others' from their edges' room
+        # broadcasts (on_room_broadcast), read one way ago. The fewest free tokens among them,
+        # and their indexes in order.
+        self._room: dict[int, tuple[float, tuple[float, ...], tuple[int, ...]]] = {}
+        self._room_floor = math.inf
+        self.room_workers: tuple[int, ...] = ()
+        self._one_way_s = {r: cfg.one_way_ms(region, r) / 1000.0 for r in self._remote_regions}
+        self._last_room_from = {r: -math.inf for r in self._remote_regions}  # sender's clock
+        self._rooms_sent_to: dict[str, bool] = {r: False for r in self._remote_regions}  # the last one listed some
         # Charges awaiting retirement (module docstring): handle -> [worker, sent at, ms ahead of
         # it, prefill ms still charged, value epoch at dispatch]; the epoch of a worker's value
         # moves each time a reading or vector replaces it.
@@ -305,6 +324,109 @@ class QueueEstimates:
         self._occupied += (occupancy > 0.0) - (self._occupancy.item(i) > 0.0)
         self._occupancy[i] = occupancy
         self._store([(i, queue)], float(now))  # a new _ms: queue_ms recomputes with the occupancy
+
+    def set_room(self, worker_id: str, steps, *, now: float) -> None:
+        """When a worker of this edge's own region frees VRAM, read with its queue: ``(ms from
+        now, free tokens from then on)`` steps, both non-decreasing (empty: nothing pinned,
+        every token free). The queue figure is for a prompt that needs no new KV; a prompt needing
+        more tokens than are free waits for the first step with room (``room_wait_ms``)."""
+        i = self._worker_index(worker_id, QueueEstimateError)
+        if self._region_of[worker_id] != self.region:
+            raise QueueEstimateError(f"worker {worker_id!r} is in region {self._region_of[worker_id]!r}, not {self.region!r}")
+        ms = tuple(float(m) for m, _ in steps)
+        free = tuple(int(f) for _, f in steps)
+        if any(not math.isfinite(m) or m < 0.0 for m in ms) or any(f < 0 for f in free) \
+                or any(b < a for a, b in zip(ms, ms[1:])) or any(b < a for a, b in zip(free, free[1:])):
+            raise QueueEstimateError(f"worker {worker_id!r}: room steps must be (ms >= 0, free tokens >= 0) pairs, "
+                                     f"both non-decreasing, got {steps!r}")
+        if ms:
+            self._room[i] = (float(now), ms, free)
+        else:
+            self._room.pop(i, None)
+        self._room_changed()
+
+    def _room_changed(self) -> None:
+        self._room_floor = min((r[2][0] for r in self._room.values()), default=math.inf)
+        self.room_workers = tuple(sorted(self._room))
+
+    def local_rooms(self, *, now: float) -> tuple[tuple[str, tuple[tuple[float, int], ...]], ...]:
+        """The own region's workers short of room, each with its steps as of ``now``."""
+        out = []
+        for i in self.room_workers:
+            if self._region_of[self.worker_ids[i]] == self.region:
+                steps = self.room(i, now=now)
+                if steps is not None and len(steps) > 1:  # (one step: all it will free is free now)
+                    out.append((self.worker_ids[i], steps))
+        return tuple(out)
+
+    def room_broadcasts(self, to_regions, *, now: float) -> tuple[RoomVectorBroadcast, ...]:
+        """The room broadcasts to send with the queue vectors just sent to ``to_regions``: the own
+        region's ``local_rooms``, to each region while some worker is short of room and once
+        more when none is (the receiver then forgets them)."""
+        rooms = self.local_rooms(now=now)
+        out = []
+        for r in to_regions:
+            if rooms or self._rooms_sent_to[r]:
+                out.append(RoomVectorBroadcast(self.region, r, float(now), rooms))
+                self._rooms_sent_to[r] = bool(rooms)
+        return tuple(out)
+
+    def on_room_broadcast(self, msg: RoomVectorBroadcast, *, now: float) -> bool:
+        """Replace the sender's region's room steps with a room broadcast's, read one way ago (a
+        worker it does not list has every token free); False if it was stale or reordered."""
+        if msg.to_region != self.region:
+            raise QueueVectorError(f"room broadcast for region {msg.to_region!r} delivered to {self.region!r}")
+        if msg.from_region not in self._last_room_from:
+            raise QueueVectorError(f"unknown or own region {msg.from_region!r}")
+        listed = {}
+        for worker, steps in msg.rooms:
+            i = self._worker_index(worker, QueueVectorError)
+            if self._region_of[worker] != msg.from_region:
+                raise QueueVectorError(f"worker {worker!r} is not in region {msg.from_region!r}")
+            if steps:
+                listed[i] = steps
+        if msg.sent_at <= self._last_room_from[msg.from_region]:
+            return False
+        self._last_room_from[msg.from_region] = msg.sent_at
+        read_at = float(now) - self._one_way_s[msg.from_region]
+        for i in [i for i in self._room if self._region_of[self.worker_ids[i]] == msg.from_region]:
+            del self._room[i]
+        for i, steps in listed.items():
+            self._room[i] = (read_at, tuple(float(m) for m, _ in steps), tuple(int(f) for _, f in steps))
+        self._room_changed()
+        return True
+
+    @property
+    def room_floor(self) -> float:
+        """The fewest free tokens any worker reported (inf: none is short of room):
+        a prompt no longer than this fits everywhere and ``room_wait_ms`` has nothing to add."""
+        return self._room_floor
+
+    def room(self, i: int, *, now: float) -> tuple[tuple[float, int], ...] | None:
+        """Worker ``i``'s room steps as of ``now`` (ms from ``now``, free tokens),
+        those already past folded into the first; None when it has none (nothing pinned, or
+        never reported)."""
+        room = self._room.get(i)
+        if room is None:
+            return None
+        read_at, ms, free = room
+        age = 1000.0 * (now - read_at)
+        k = max(0, bisect_right(ms, age) - 1)  # the last step already reached (or the first)
+        return ((0.0, free[k]),) + tuple((m - age, f) for m, f in zip(ms[k + 1:], free[k + 1:]))
+
+    def room_wait_ms(self, i: int, tokens: float, *, now: float) -> float:
+        """How long a prompt needing ``tokens`` new KV tokens waits at worker ``i`` for VRAM
+        room (0 when it fits, or when no room was reported), from the steps last read, aged to
+        ``now``. A prompt longer than every step's room waits for the last (it then runs alone)."""
+        room = self._room.get(i)
+        if room is None:
+            return 0.0
+        read_at, ms, free = room
+        if tokens <= free[0]:
+            return 0.0
+        k = bisect_left(free, tokens)
+        wait = ms[min(k, len(ms) - 1)] - 1000.0 * (now - read_at)
+        return wait if wait > 0.0 else 0.0
 
     def _remote_updates(self, from_region: str, vector: Mapping[str, float] | tuple[tuple[str, float], ...]
                         ) -> list[tuple[int, float]]:

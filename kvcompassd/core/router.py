@@ -76,6 +76,7 @@ _new_forward_decided = slot_constructor(ForwardDecided)
 # Tier by 2-bit field code; the invalid code 3 goes through Tier() (and raises) as before.
 _TIER_BY_CODE = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
 _DRAM = int(Tier.DRAM)
+_VRAM = int(Tier.VRAM)
 # Router.decide's keys when the ledger has not read them: the kernel's, sliced in _conclude if needed.
 _KERNEL_KEYS = np.empty(0, dtype=np.uint64)
 # Why a response reused less than its claim, where the view can tell (Router.explain_shortfall).
@@ -204,8 +205,13 @@ class Router:
                 keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
                 shown = pending.overlay(keys.tolist(), matched, tier, now=now)
                 if shown is not None:
-                    return self._rescored(prompt_len, matched, tier, keys, shown, family_key, queue, belief,
-                                          eligible, now)
+                    roomy = self._with_room_wait(prompt_len, matched, tier, belief, queue, now)
+                    return self._rescored(prompt_len, matched, tier, keys, shown, family_key,
+                                          queue if roomy is None else roomy, belief, eligible, now)
+        if prompt_len > queues.room_floor:
+            roomy = self._with_room_wait(prompt_len, matched, tier, belief, queue, now)
+            if roomy is not None:
+                return self._rescored(prompt_len, matched, tier, keys, None, family_key, roomy, belief, eligible, now)
         if best < 0:
             raise NoEligibleWorkerError("no eligible worker for this request")
         if arrays is None:
@@ -227,6 +233,28 @@ class Router:
             if shown is not None:
                 found = new_lookup_result(found.prompt_len, matched, tier, found.family_key)
         return self._decide_found(found, now=now, exclude=exclude, keys=keys, shown=shown)
+
+    def _with_room_wait(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, belief: np.ndarray,
+                        queue: np.ndarray, now: float) -> np.ndarray | None:
+        """The queue estimates with each worker's wait for VRAM room for this prompt
+        (``QueueEstimates.room_wait_ms``: own-region workers' from their readings, the others'
+        from their edges' room broadcasts) where that is longer, or None when none is. A
+        reported queue is the wait of a prompt that needs no new KV; this one needs its tokens
+        less what it reuses from VRAM (a DRAM copy is reloaded into new pages): on a worker
+        whose running requests pin most of its VRAM until they finish, a long prompt waits for
+        them (what SGLang's ``PrefillAdder`` does), however short the queue."""
+        queues = self.queues
+        if not self.ablation.load_aware or prompt_len <= queues.room_floor:
+            return None
+        raised = None
+        for i in queues.room_workers:
+            reused = min(belief.item(i) * matched.item(i), prompt_len) if tier.item(i) == _VRAM else 0.0
+            wait = queues.room_wait_ms(i, prompt_len - reused, now=now)
+            if wait > queue.item(i):
+                if raised is None:
+                    raised = queue.copy()
+                raised[i] = wait
+        return raised
 
     def _rescored(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, keys: np.ndarray,
                   shown: np.ndarray, family_key: int | None, queue: np.ndarray, belief: np.ndarray,
@@ -261,11 +289,13 @@ class Router:
     def _decide_found(self, found: LookupResult, *, now: float, exclude: Collection[int],
                       keys: np.ndarray | None, shown: np.ndarray | None) -> ForwardDecided:
         belief = self.belief.values
+        queue = self.queues.queue_ms(now=now)
+        roomy = self._with_room_wait(found.prompt_len, found.matched, found.tier, belief, queue, now)
         result = self.scorer.score(
             found.prompt_len,
             found.matched,
             found.tier,
-            self.queues.queue_ms(now=now),
+            queue if roomy is None else roomy,
             belief,
             ablation=self.ablation,
             eligible=self._eligible(exclude) if exclude else None,

@@ -530,8 +530,11 @@ class EmulatedEngine:
             # it) counts in.
             pending = self.model.pending_prefill_tokens
             queue_ms = self.model.queue_ms(now=now) * self.settings.time_scale
+            page = self.cache.block_size
+            room = [[round(ms * self.settings.time_scale, 3), pages * page]
+                    for ms, pages in self.model.room_steps(now=now)]
         else:
-            running, waiting, pending, queue_ms = self.inflight, 0, 0, 0.0
+            running, waiting, pending, queue_ms, room = self.inflight, 0, 0, 0.0, []
         # As SGLang counts them: the KV the running requests hold (not the evictable cache), and
         # that plus every waiting prompt's length (what must fit before the queue drains; more
         # than the capacity: the head waits for room, the wait estimated_queue_ms counts).
@@ -557,6 +560,9 @@ class EmulatedEngine:
             "num_total_reqs": running + waiting,
             # emulator extension: the model's exact wait for a new arrival, in wall ms
             "estimated_queue_ms": round(queue_ms, 3),
+            # emulator extension: when VRAM frees up, [wall ms from now, free KV tokens from
+            # then on] (WorkerQueueModel.room_steps; empty: nothing pinned)
+            "room_steps": room,
         }
 
     def update_gauges(self) -> None:

@@ -44,6 +44,9 @@ class EngineLoad:
     waiting: int
     pending_prefill_tokens: int
     queue_ms: float
+    # When VRAM frees up, (ms from the reading, free KV tokens from then on), where the engine
+    # says (the emulator's ``room_steps``); None where it does not (a real SGLang).
+    room_steps: tuple[tuple[float, int], ...] | None = None
 
 
 class EngineError(Exception):
@@ -243,7 +246,8 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     """Accept SGLang's ``/v1/loads`` shapes: a flat object, or per data-parallel rank entries
     under ``loads`` (summed). The queued prefill work (uncached tokens waiting) at the worker's
     prefill rate is the delay a new prompt waits; the emulator's exact ``estimated_queue_ms``
-    extension wins when present.
+    extension wins when present, and its ``room_steps`` (when the VRAM the running requests pin
+    frees up) is passed on for one rank.
 
     The wait for VRAM room is in the emulator's figure (``WorkerQueueModel.queue_ms``), not in
     the one read off a real SGLang: its report says that the head waits for memory
@@ -265,7 +269,13 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
         if e.get("estimated_queue_ms") is not None:
             explicit = max(explicit or 0.0, float(e["estimated_queue_ms"]))
     queue_ms = explicit if explicit is not None else pending * prefill_ms_per_token
-    return EngineLoad(running, waiting, pending, max(0.0, queue_ms))
+    room = None
+    if len(entries) == 1 and isinstance(entries[0].get("room_steps"), list):  # one rank's memory
+        try:
+            room = tuple((float(ms), int(free)) for ms, free in entries[0]["room_steps"])
+        except (TypeError, ValueError):
+            raise EngineError("unexpected /v1/loads room_steps") from None
+    return EngineLoad(running, waiting, pending, max(0.0, queue_ms), room)
 
 
 def _raise_if_aborted(meta) -> None:

@@ -252,6 +252,10 @@ class Simulation:
         # A policy that overrides on_request_end is told when each request's end reaches its edge.
         self._tells_end = (getattr(type(policy), "on_request_end", BasePolicy.on_request_end)
                            is not BasePolicy.on_request_end)
+        # A policy that overrides on_worker_room is told, with each exact reading, when the
+        # worker's VRAM frees up (a long prompt waits for room that the queue figure leaves out).
+        self._tells_room = (room and getattr(type(policy), "on_worker_room", BasePolicy.on_worker_room)
+                            is not BasePolicy.on_worker_room)
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
@@ -299,6 +303,10 @@ class Simulation:
         if model.waiting > 0 or model.head_blocked or now - last >= self.s.load_report_ms / 1000.0 or last < 0:
             q = model.queue_ms(now=now)
             self._last_exact_at[w] = now
+            if self._tells_room:
+                page = self.caches[w].block_size
+                steps = tuple((ms, pages * page) for ms, pages in model.room_steps(now=now))
+                self.policy.on_worker_room(w, steps, now=now)
         else:
             q = max(0.0, self._last_q[w] - (now - self._last_q_at[w]) * 1000.0) + added_ms
         self._last_q[w] = q

@@ -70,7 +70,8 @@ from kvcompassd.core.migration import HOT_MISS_OUTCOMES, MigrationPlanned
 from kvcompassd.core.router import ForwardDecided, Router
 from kvcompassd.core.sync import EdgeSync, PositionHeartbeats, SyncSettings, SyncStep, catch_up
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.core.messages import ResyncRequested, ShardPositionAnnounced, ShardSnapshotSent, UpdateBatchPublished
+from kvcompassd.core.messages import (ResyncRequested, RoomVectorBroadcast, ShardPositionAnnounced, ShardSnapshotSent,
+                                      UpdateBatchPublished)
 
 from .shared_views import SharedViews, lookup_readers
 from .policy import (FALSE_INDEX_BEHIND, FALSE_KEYLESS, FALSE_PENDING, FALSE_VIEW_BEHIND, BasePolicy, MigrationOrdered, PolicyError,
@@ -213,7 +214,7 @@ class KVCompassPolicy(BasePolicy):
         self._next_broadcast = self._broadcast_deadline(0.0)
         self.counters = dict.fromkeys(
             ("index_events", "batches_published", "batch_deliveries", "batches_lost", "resyncs", "replays",
-             "snapshots_installed", "migrations_planned", "broadcasts", "decisions",
+             "snapshots_installed", "migrations_planned", "broadcasts", "room_broadcasts", "decisions",
              "remote_decisions"), 0)
         self.counters["positions_announced"] = 0  # idle shards' announcements (per shard, not per edge)
 
@@ -297,6 +298,9 @@ class KVCompassPolicy(BasePolicy):
                     continue
                 msg, checked = payload
                 queues = self.routers[self._region_index[msg.to_region]].queues
+                if msg.__class__ is RoomVectorBroadcast:
+                    queues.on_room_broadcast(msg, now=due)
+                    continue
                 if checked.get(id(msg.vector)) is None:  # its first receiver checks it for all
                     checked[id(msg.vector)] = queues.remote_updates(msg.from_region, msg.vector)
                 queues.on_broadcast(msg, now=due, updates=checked[id(msg.vector)])
@@ -332,8 +336,12 @@ class KVCompassPolicy(BasePolicy):
                 # same config: its (worker index, ms) pairs are checked once, by the first
                 # receiver, for all of them (by the vector's id: each message holds its vector).
                 checked: dict[int, list[tuple[int, float]]] = {}
-                for msg in router.queues.due_broadcasts(now=now):
-                    self.counters["broadcasts"] += 1
+                broadcasts = router.queues.due_broadcasts(now=now)
+                # Each with the region's VRAM room, while some worker is short of it.
+                rooms = router.queues.room_broadcasts([m.to_region for m in broadcasts], now=now)
+                self.counters["broadcasts"] += len(broadcasts)
+                self.counters["room_broadcasts"] += len(rooms)
+                for msg in broadcasts + rooms:
                     a, b = self._region_index[msg.from_region], self._region_index[msg.to_region]
                     self._push(now + self._owm_s[a, b], _BROADCAST, (msg, checked))
                 deadlines[i] = self._deadline_of(i, now)
@@ -620,6 +628,11 @@ class KVCompassPolicy(BasePolicy):
         router = self.routers[self._worker_region[worker_index]]
         # The worker model's drained queue can come out a rounding error below zero.
         router.queues.set_local(self.worker_ids[worker_index], max(0.0, float(queue_ms)), now=now, running=running)
+
+    def on_worker_room(self, worker_index: int, steps: tuple[tuple[float, int], ...], *, now: float) -> None:
+        # Read with the live queue, by the edge of the worker's own region.
+        router = self.routers[self._worker_region[worker_index]]
+        router.queues.set_room(self.worker_ids[worker_index], steps, now=now)
 
     # ------------------------------------------------------------------------------ inspection
 

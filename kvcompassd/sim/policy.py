@@ -264,6 +264,12 @@ class BasePolicy:
     def on_worker_load(self, worker_index: int, queue_ms: float, *, now: float, running: int = 0) -> None:
         return None
 
+    def on_worker_room(self, worker_index: int, steps: tuple[tuple[float, int], ...], *, now: float) -> None:
+        """With each exact load reading, when ``w``'s VRAM frees up: ``(ms from now, free
+        tokens from then on)`` steps (``WorkerQueueModel.room_steps`` in tokens; empty: all
+        free). Only a policy that overrides this is sent them."""
+        return None
+
     def next_timer(self) -> float | None:
         return None
 

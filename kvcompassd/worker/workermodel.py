@@ -436,6 +436,45 @@ class WorkerQueueModel:
             self._shadow._admit_all()
         return 1000.0 * (self._shadow._next_slot_first_token(now) - now)
 
+    def room_steps(self, *, now: float) -> tuple[tuple[float, int], ...]:
+        """When VRAM pages free up, for an arrival at ``now`` whose prompt needs new pages
+        (``queue_ms`` takes it to need none): ``(ms from now, free pages from then on)`` pairs,
+        both increasing, the first at 0 ms; empty when nothing is running or queued (every page
+        free). A prompt needing ``n`` new pages can start its prefill at the first step with at
+        least ``n`` free (at the last when none has: it then runs alone), and not before
+        ``queue_ms``.
+
+        Every request the worker holds (running, in prefill, admitted or waiting for a slot)
+        pins its pages until its last token, the queued ones ahead of the arrival as they will:
+        counted from now. Decoding resumes once the prefill backlog (the queued ones' too) is
+        done, and the requests finish in order of the tokens they have left, at the decode step
+        of the batch that remains. An estimate from the current state, no run-ahead: the
+        decode batch's step is taken to shrink only as its requests finish."""
+        if self._footprint is None:
+            raise WorkerModelError("room_steps needs a footprint (the pages each request pins)")
+        self._run_until(now)
+        pending = ([self._prefill.request] if self._prefill is not None else []) + [*self._admitted, *self._waiting]
+        holders = [(r.remaining, r.request_id) for r in self._decoding.values()]
+        holders += [(float(max(0, r.output_tokens - 1)), r.request_id) for r in pending]
+        if not holders:
+            return ()
+        capacity = self._vram_pages
+        pinned = PinnedPaths(capacity)
+        for _, request_id in holders:
+            pinned.add(request_id, tuple(self._footprint(request_id)))
+        steps = [(0.0, max(0, capacity - pinned.size))]
+        at = self._prefill_backlog_s() + sum(r.prefill_s for r in self._waiting)  # seconds from now
+        holders.sort()
+        decoded, batch = 0.0, len(holders)
+        for remaining, request_id in holders:
+            at += (remaining - decoded) * self.timing.decode_step_ms(batch) / 1000.0
+            decoded, batch = remaining, batch - 1
+            pinned.discard(request_id)
+            free = capacity - pinned.size
+            if free > steps[-1][1]:
+                steps.append((1000.0 * at, free))
+        return tuple(steps)
+
     def _needs_run_ahead(self) -> bool:
         """Whether the wait of a new arrival depends on more than the prefill backlog: requests
         wait for a slot, or (VRAM room counted) a pending prefill may have to wait for room."""
