@@ -209,6 +209,8 @@ class Router:
                     return self._rescored(prompt_len, matched, tier, keys, shown, family_key,
                                           queue if roomy is None else roomy, belief, eligible, now)
         if prompt_len > queues.room_floor:
+            if arrays is not None:  # (the pending ledger's check may have made them already)
+                matched, tier, queue = arrays.matched(), arrays.tier(), arrays.queue()
             roomy = self._with_room_wait(prompt_len, matched, tier, belief, queue, now)
             if roomy is not None:
                 return self._rescored(prompt_len, matched, tier, keys, None, family_key, roomy, belief, eligible, now)
