@@ -138,7 +138,7 @@ def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     out = tmp_path / "results.json"
     argv = [sys.executable, str(TOOL), "--routers", "kvcompassd", "--modes", "zero-delay", "--workers", "2",
             "--concurrency", "2", "--seconds", "0.5", "--warmup", "0.2", "--idle-seconds", "0.2",
-            "--idle-settle", "0", "--settle", "0.1", "--groups", "2", "--prefix-chars", "64",
+            "--idle-settle", "0", "--quiet-limit", "3", "--settle", "0.1", "--groups", "2", "--prefix-chars", "64",
             "--suffix-chars", "16", "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -153,4 +153,5 @@ def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     assert x["retries"] >= 0  # read off the edge's metrics in each router window
     assert 0 <= x["affinity"] <= 1 and 0 <= x["reuse"] <= 1
     assert set(arm["idle"]) == {"edge", "agents", "maintenance", "workers"}
+    assert 0 <= arm["idle_after_s"] <= 3 + 2  # the quiet wait is bounded (1 s slices)
     assert "kvcompassd" in run.stdout and "÷direct" in run.stdout

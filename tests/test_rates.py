@@ -462,3 +462,30 @@ def test_a_request_that_waited_for_vram_room_is_timed_from_the_end_that_freed_it
     _serve_on_a_model(rates, cfg, sends, counts_room=True)
     assert rates.snapshot()["prefill_samples"][0] == 31
     assert rates.prefill_ms_per_token(0) == pytest.approx(BETA, rel=0.02)
+
+
+def test_a_rate_learned_under_another_load_goes_stale_once_the_fleets_window_turns_over():
+    # Every worker learned under a backlog (1.5x the configured rate); then the edge keeps
+    # sending to worker 1 alone, and re-learns it idle (1.0x). Worker 0 would keep its backlog
+    # rate and look 1.5x dearer for good; once the fleet's window (2 x 31 + 1 samples)
+    # has turned over without a sample of its own, it takes the fleet's factor again.
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    t, n = 0.0, 0
+    for _ in range(5):
+        for w in (0, 1):
+            _serve(rates, n, w, sent=t, first=t + rtt + 0.15, end=t + rtt + 0.15, uncached=1000, output=1)
+            t, n = t + 1.0, n + 1
+    assert rates.prefill_rates().tolist()[:2] == pytest.approx([0.15, 0.15])
+    changed = []
+    for _ in range(2 * 31 + 1):
+        changed.append(_serve(rates, n, 1, sent=t, first=t + rtt + 0.1, end=t + rtt + 0.1, uncached=1000, output=1))
+        t, n = t + 1.0, n + 1
+        assert rates.prefill_rates().tolist() == [rates.prefill_ms_per_token(w) for w in range(3)]
+    assert rates.prefill_ms_per_token(0) == rates.prefill_ms_per_token(1) == pytest.approx(0.1)
+    assert rates.prefill_rates().tolist()[:2] == pytest.approx([0.1, 0.1])
+    assert changed[-1]  # the sample that made them stale says so: the score's rates are read again
+    # One sample of its own and worker 0's learned rate is fresh again.
+    _serve(rates, n, 0, sent=t, first=t + rtt + 0.15, end=t + rtt + 0.15, uncached=1000, output=1)
+    assert rates.prefill_ms_per_token(0) == pytest.approx(0.15)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from dataclasses import replace
 
 import numpy as np
@@ -358,6 +360,43 @@ def test_a_first_token_retires_the_dispatch_charge_and_an_end_teaches_the_rate()
     router.on_aborted(d.dispatch, now=t)  # the client went away before its first token
     assert router.queues.queue_ms(now=t)[i] == 0.0
     assert router.queues.open_charges() == 0 and len(router.rates) == 0
+
+
+def test_equal_workers_whose_learned_rates_differ_by_noise_share_the_prompts_nobody_holds():
+    # One request at a time, each a prompt nobody holds, each worker's samples a few per cent
+    # off the others' (what the median of noisy samples gives equal workers). Read as real, the
+    # cheapest-looking worker would get every one of them: under cache pressure its VRAM then
+    # holds every group's prefix and evicts them in turn. Within OWN_RATE_MARGIN of the fleet's
+    # factor the workers are equal, so the misses rotate over them.
+    cfg, layout, shards, view = _world()
+    router = Router(cfg, "us", view, now=0.0)
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    us = [layout.worker_ids.index(w) for w in ("us-0", "us-1", "us-2")]
+    service_s = {us[0]: 0.100, us[1]: 0.097, us[2]: 0.103}  # 1,000 tokens at 0.1 ms: +-3 %
+    rng = np.random.default_rng(11)
+    t, chosen = 1.0, []
+    for n in range(24):
+        prompt = rng.integers(0, 30000, 1000, dtype=np.uint32)
+        if n < 15:  # five samples each: every worker's own rate is ready
+            d = router.decide(prompt, now=t, exclude=[j for j in us if j != us[n % 3]])
+        else:
+            d = router.decide(prompt, now=t)
+            chosen.append(d.worker_index)
+        first = t + rtt + service_s[d.worker_index]
+        router.on_first_token(d.dispatch, now=first)
+        router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=1, now=first)
+        t += 1.0
+    assert router.rates.prefill_ms_per_token(us[1]) == router.rates.prefill_ms_per_token(us[0])
+    assert sorted(collections.Counter(chosen).values()) == [3, 3, 3]
+    # A worker truly slower than the margin keeps its own rate and is passed over.
+    for _ in range(31):
+        d = router.decide(rng.integers(0, 30000, 1000, dtype=np.uint32), now=t,
+                          exclude=[j for j in range(len(layout.worker_ids)) if j != us[2]])
+        router.on_first_token(d.dispatch, now=t + rtt + 0.2)
+        router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=1, now=t + rtt + 0.2)
+        t += 1.0
+    assert router.rates.prefill_ms_per_token(us[2]) > 1.25 * router.rates.prefill_ms_per_token(us[0])
+    assert router.decide(rng.integers(0, 30000, 1000, dtype=np.uint32), now=t).worker_index != us[2]
 
 
 def test_charges_retired_at_the_first_token_keep_a_burst_of_one_prefix_on_its_holder():

@@ -22,7 +22,9 @@ Printed per mode, arm and concurrency: throughput ÷ direct, added P50/P99 and m
 the router's CPU per request from ``/proc/<pid>/stat`` (kvcompassd's edge, agents and maintenance
 unit separately), prefix affinity (share of a group's requests its top worker served) and
 reuse (share of requests whose worker had the group's prefix cached: ``meta_info.cached_tokens``);
-then each router's idle CPU (and what its health checks or load polls cost the idle workers).
+then each router's idle CPU (and what its health checks or load polls cost the idle workers),
+sampled once its start-up work has died down (a kvcompassd plane first replays each worker's
+KV-event history into its agent).
 
 The public routers run from their own venv (``--routers-venv``; the project's test extra pins
 sglang-router 0.2.0 for SGLang's mini_lb, so they cannot share the project's). The tool creates
@@ -398,6 +400,23 @@ class Bench:
     def _seconds(self) -> float:
         return self.args.seconds if self.mode == "zero-delay" else self.args.service_seconds
 
+    async def until_quiet(self, pids: dict[str, list[int]]) -> float:
+        """Wait (1 s slices, up to ``--quiet-limit`` s) until the arm's processes together burn
+        less than ``--quiet-cores``; returns the seconds waited. A starting kvcompassd plane
+        replays each worker's KV-event history into its agent (0.6 cores for ~2 s after the
+        direct windows' traffic, longer on a loaded machine): sampled then, its "idle" figure was
+        that catch-up, not idling."""
+        args = self.args
+        began = time.monotonic()
+        while time.monotonic() - began < args.quiet_limit:
+            before = sum(tree_cpu_seconds(p) for v in pids.values() for p in v)
+            t0 = time.monotonic()
+            await asyncio.sleep(1.0)
+            if (sum(tree_cpu_seconds(p) for v in pids.values() for p in v) - before) / (time.monotonic() - t0) \
+                    < args.quiet_cores:
+                break
+        return time.monotonic() - began
+
     async def idle(self, pids: dict[str, list[int]]) -> dict[str, float]:
         """Cores each process group burns with no requests (the workers' too: polls cost them)."""
         worker_pids = [self.deployment.nodes[f"emulate-worker:{w}"].proc.pid for w in self.seeds]
@@ -455,6 +474,7 @@ class Bench:
             pids = {"router": [proc.pid]}
         try:
             await asyncio.sleep(args.idle_settle)  # start-up work (connections, first health checks) done
+            quiet_wait_s = await self.until_quiet(pids)
             idle = await self.idle(pids)
             for c in cs + cs[::-1]:
                 windows[("router", c)].append(await self.window([url], c, pids, seed=c, metrics_url=metrics_url))
@@ -467,7 +487,8 @@ class Bench:
         await direct(cs[::-1])
         loads.append(load_average())
         return {"by_c": {c: compare(windows[("direct", c)], windows[("router", c)], idle) for c in cs},
-                "idle": idle, "idle_direct": idle_direct, "loads": loads}
+                "idle": idle, "idle_direct": idle_direct, "idle_after_s": args.idle_settle + quiet_wait_s,
+                "loads": loads}
 
     async def run(self, binaries: dict[str, str]) -> dict:
         await self.start_workers()
@@ -536,7 +557,7 @@ def report(label: str, args, results: dict) -> list[str]:
     for name, r in results.items():
         idle = ", ".join(f"{k} {v:.3f}" for k, v in r["idle"].items())
         lines.append(f"  {name:<13} {idle}; workers alone {r['idle_direct']['workers']:.3f}; "
-                     f"load average {r['loads'][0]} -> {r['loads'][1]}")
+                     f"sampled {r['idle_after_s']:.0f} s after start; load average {r['loads'][0]} -> {r['loads'][1]}")
     return lines
 
 
@@ -590,6 +611,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=0.3, help="seconds after a cache flush")
     p.add_argument("--idle-seconds", type=float, default=3.0, help="CPU of each idle arm is sampled this long")
     p.add_argument("--idle-settle", type=float, default=2.0, help="seconds after an arm starts before its idle sample")
+    p.add_argument("--quiet-cores", type=float, default=0.1,
+                   help="then wait until the arm's processes burn less than this many cores (1 s slices)")
+    p.add_argument("--quiet-limit", type=float, default=30.0, help="... for at most this many seconds")
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)

@@ -79,6 +79,7 @@ Times are seconds (``now``), rates milliseconds per token, as in the config.
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
@@ -101,6 +102,14 @@ MAX_OPEN_DISPATCHES = 1 << 14
 # A prefill sample is taken when the queue ahead of the request was at most this edge's own
 # prefills there plus this share of the request's own: others' work can then err it by that much.
 FOREIGN_WORK_TOLERANCE = 0.1
+# A worker's own factor stands only when it is off the fleet's by more than this ratio, either
+# way; within it the worker takes the fleet's. The median of a window of samples differs by some
+# per cent between equal workers, and a score that read those differences would send every
+# prompt no worker holds to the one whose samples happened to read cheapest: under cache
+# pressure its VRAM then holds every group's prefix, evicts them in turn, and each returning
+# group misses there again (4 equal emulated workers, 8,192 tokens of VRAM each, one client:
+# reuse 0.49 where round robin's is 0.48, against 0.98 before any rate was learned).
+OWN_RATE_MARGIN = 1.25
 
 
 class RatesError(ValueError):
@@ -179,6 +188,15 @@ class LearnedRates:
         self._configured_prefill_arr = np.array(self.configured_prefill, dtype=np.float64)
         self._prefill_own = np.ones(len(cfg.workers))
         self._prefill_ready = np.zeros(len(cfg.workers), dtype=bool)
+        # A worker's own prefill factor goes stale once the fleet's window has turned over since
+        # its latest sample: it was learned under another load (rates read under a backlog are
+        # higher than an idle worker's), and the workers the edge keeps using are re-learned
+        # while it is not. Counted in fleet samples (sans-IO, no clock): the fleet's sample count
+        # at each worker's latest sample, and a heap of when each goes stale.
+        self._fleet_window = 2 * window + 1
+        self._fleet_samples = 0
+        self._prefill_last = np.full(len(cfg.workers), -self._fleet_window - 1, dtype=np.int64)
+        self._stale_heap: list[tuple[int, int]] = []
         self._min_tokens = min_tokens
         self._max_open = max_open
         # dispatch -> [worker, sent at, first token at (or None), service ms (or None), prefill ms
@@ -259,6 +277,10 @@ class LearnedRates:
             changed = own.observe(ratio) | self._fleet_prefill.observe(ratio) | changed
             self._prefill_own[worker] = own.factor
             self._prefill_ready[worker] = len(own) >= self._min_samples
+            self._fleet_samples = count = self._fleet_samples + 1
+            self._prefill_last[worker] = count
+            heapq.heappush(self._stale_heap, (count + self._fleet_window, worker))
+            changed = self._went_stale(count) | changed
         return changed
 
     def ended(self, worker: int, *, now: float) -> None:
@@ -283,11 +305,25 @@ class LearnedRates:
         if record is not None:
             self._release(record)
 
-    def _factor(self, own: RateEstimator, fleet: RateEstimator) -> float:
-        return own.factor if len(own) >= self._min_samples else fleet.factor
+    def _went_stale(self, count: int) -> bool:
+        """Pop the workers whose own prefill factor went stale at fleet sample ``count``; True if
+        one of them was in use (its rate falls back to the fleet's)."""
+        heap, last, changed = self._stale_heap, self._prefill_last, False
+        while heap and heap[0][0] < count:
+            due, worker = heapq.heappop(heap)
+            if last.item(worker) + self._fleet_window == due and self._prefill_ready.item(worker):
+                changed = True
+        return changed
+
+    def _factor(self, own: RateEstimator, fleet: RateEstimator, fresh: bool = True) -> float:
+        if len(own) < self._min_samples or not fresh:
+            return fleet.factor
+        factor, shared = own.factor, fleet.factor
+        return factor if (factor > shared * OWN_RATE_MARGIN or factor < shared / OWN_RATE_MARGIN) else shared
 
     def prefill_factor(self, worker: int) -> float:
-        return self._factor(self._prefill[worker], self._fleet_prefill)
+        fresh = self._fleet_samples - self._prefill_last.item(worker) <= self._fleet_window
+        return self._factor(self._prefill[worker], self._fleet_prefill, fresh)
 
     def decode_factor(self, worker: int) -> float:
         return self._factor(self._decode[worker], self._fleet_decode)
@@ -301,8 +337,10 @@ class LearnedRates:
     def prefill_rates(self) -> np.ndarray:
         """Every worker's prefill ms per token (config worker order)."""
         # The same products as prefill_ms_per_token's, element by element.
-        return self._configured_prefill_arr * np.where(self._prefill_ready, self._prefill_own,
-                                                       self._fleet_prefill.factor)
+        own, shared = self._prefill_own, self._fleet_prefill.factor
+        apart = (own > shared * OWN_RATE_MARGIN) | (own < shared / OWN_RATE_MARGIN)
+        fresh = self._fleet_samples - self._prefill_last <= self._fleet_window
+        return self._configured_prefill_arr * np.where(self._prefill_ready & apart & fresh, own, shared)
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Learned rates and sample counts (config worker order), for inspection and metrics."""
