@@ -359,21 +359,7 @@ class Router:
             self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
         # What was ahead of it there, and its own prefill: a wait for other edges' work is no prefill rate.
         self.rates.sent(dispatch, chosen, now=now, ahead_ms=result.queue_ms.item(chosen), work_ms=work)
-        return _new_forward_decided(
-            worker,
-            chosen,
-            self.worker_regions[chosen],
-            claimed,
-            _TIER_BY_CODE[code] if code < 3 else Tier(code),
-            result.lam,
-            prompt_len,
-            local,
-            result,
-            migration,
-            self.top_k,
-            from_ledger,
-            dispatch,
-        )
+        return self._decided(worker, chosen, claimed, code, result, prompt_len, local, migration, from_ledger, dispatch)
 
     def _conclude_fused(self, prompt_len: int, arrays: DecisionArrays, claimed: int, code: int,
                         family_key: int | None, result: ScoreResult, chosen: int, belief: np.ndarray, now: float,
@@ -400,21 +386,14 @@ class Router:
             ready_at = now + (ahead + work) / 1000.0
             self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
         self.rates.sent(dispatch, chosen, now=now, ahead_ms=ahead, work_ms=work)
-        return _new_forward_decided(
-            worker,
-            chosen,
-            self.worker_regions[chosen],
-            claimed,
-            _TIER_BY_CODE[code] if code < 3 else Tier(code),
-            result.lam,
-            prompt_len,
-            local,
-            result,
-            migration,
-            self.top_k,
-            False,
-            dispatch,
-        )
+        return self._decided(worker, chosen, claimed, code, result, prompt_len, local, migration, False, dispatch)
+
+    def _decided(self, worker: str, chosen: int, claimed: int, code: int, result: ScoreResult, prompt_len: int,
+                 local: bool, migration: MigrationPlanned | None, from_ledger: bool, dispatch: int) -> ForwardDecided:
+        """The decision both conclusions return."""
+        return _new_forward_decided(worker, chosen, self.worker_regions[chosen], claimed,
+                                    _TIER_BY_CODE[code] if code < 3 else Tier(code), result.lam, prompt_len, local,
+                                    result, migration, self.top_k, from_ledger, dispatch)
 
     def _observe(self, found: LookupResult, result: ScoreResult, chosen: int, now: float,
                  flags: int | None) -> MigrationPlanned | None:
