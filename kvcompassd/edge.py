@@ -514,25 +514,21 @@ class EdgeNode:
             log.warning("piggyback note refused", peer=str(peer.identity), error=str(exc))
 
     def _broadcast(self, peer: Peer, msg: QueueVectorBroadcast, channel: ChannelInfo) -> None:
-        # Only a region's own edges speak for its queues (its agents report to them only).
-        sender_region = self.cfg.edge_region(peer.identity.node_id)
-        if peer.identity.role != Role.EDGE or sender_region != msg.from_region:
-            self._refuse(peer, msg, f"queue vector of region {msg.from_region!r} from an edge of {sender_region!r}")
-            return
-        try:
-            self.router.queues.on_broadcast(msg, now=self.clock())
-        except ValueError as exc:
-            log.warning("queue vector refused", peer=str(peer.identity), error=str(exc))
+        self._from_its_regions_edge(peer, msg, "queue vector", self.router.queues.on_broadcast)
 
     def _room_broadcast(self, peer: Peer, msg: RoomVectorBroadcast, channel: ChannelInfo) -> None:
+        self._from_its_regions_edge(peer, msg, "room vector", self.router.queues.on_room_broadcast)
+
+    def _from_its_regions_edge(self, peer: Peer, msg, what: str, apply) -> None:
+        # Only a region's own edges speak for its queues and its VRAM room (its agents report to them only).
         sender_region = self.cfg.edge_region(peer.identity.node_id)
         if peer.identity.role != Role.EDGE or sender_region != msg.from_region:
-            self._refuse(peer, msg, f"room vector of region {msg.from_region!r} from an edge of {sender_region!r}")
+            self._refuse(peer, msg, f"{what} of region {msg.from_region!r} from an edge of {sender_region!r}")
             return
         try:
-            self.router.queues.on_room_broadcast(msg, now=self.clock())
+            apply(msg, now=self.clock())
         except ValueError as exc:
-            log.warning("room vector refused", peer=str(peer.identity), error=str(exc))
+            log.warning(f"{what} refused", peer=str(peer.identity), error=str(exc))
 
     async def _broadcast_loop(self) -> None:
         period = self.cfg.score.broadcast_period_ms / 1000.0
