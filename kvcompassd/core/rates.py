@@ -79,7 +79,6 @@ Times are seconds (``now``), rates milliseconds per token, as in the config.
 
 from __future__ import annotations
 
-import heapq
 import math
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
@@ -192,11 +191,12 @@ class LearnedRates:
         # its latest sample: it was learned under another load (rates read under a backlog are
         # higher than an idle worker's), and the workers the edge keeps using are re-learned
         # while it is not. Counted in fleet samples (sans-IO, no clock): the fleet's sample count
-        # at each worker's latest sample, and a heap of when each goes stale.
+        # at each worker's latest sample, and which worker each of the last window + 1 samples was
+        # (a new sample leaves the oldest of them a window behind: stale, if it was its worker's last).
         self._fleet_window = 2 * window + 1
         self._fleet_samples = 0
         self._prefill_last = np.full(len(cfg.workers), -self._fleet_window - 1, dtype=np.int64)
-        self._stale_heap: list[tuple[int, int]] = []
+        self._sampled: deque[int] = deque(maxlen=self._fleet_window + 1)
         self._min_tokens = min_tokens
         self._max_open = max_open
         # dispatch -> [worker, sent at, first token at (or None), service ms (or None), prefill ms
@@ -278,9 +278,9 @@ class LearnedRates:
             self._prefill_own[worker] = own.factor
             self._prefill_ready[worker] = len(own) >= self._min_samples
             self._fleet_samples = count = self._fleet_samples + 1
-            self._prefill_last[worker] = count
-            heapq.heappush(self._stale_heap, (count + self._fleet_window, worker))
             changed = self._went_stale(count) | changed
+            self._prefill_last[worker] = count
+            self._sampled.append(worker)
         return changed
 
     def ended(self, worker: int, *, now: float) -> None:
@@ -306,14 +306,15 @@ class LearnedRates:
             self._release(record)
 
     def _went_stale(self, count: int) -> bool:
-        """Pop the workers whose own prefill factor went stale at fleet sample ``count``; True if
-        one of them was in use (its rate falls back to the fleet's)."""
-        heap, last, changed = self._stale_heap, self._prefill_last, False
-        while heap and heap[0][0] < count:
-            due, worker = heapq.heappop(heap)
-            if last.item(worker) + self._fleet_window == due and self._prefill_ready.item(worker):
-                changed = True
-        return changed
+        """Whether fleet sample ``count`` (not yet recorded) makes a worker's own prefill factor
+        stale, one that was in use (its rate falls back to the fleet's): the worker of sample
+        ``count - window - 1``, if that was its latest."""
+        sampled = self._sampled
+        if len(sampled) < sampled.maxlen:
+            return False
+        worker = sampled[0]
+        return (self._prefill_last.item(worker) == count - self._fleet_window - 1
+                and self._prefill_ready.item(worker))
 
     def _factor(self, own: RateEstimator, fleet: RateEstimator, fresh: bool = True) -> float:
         if len(own) < self._min_samples or not fresh:
