@@ -308,13 +308,7 @@ class BlockTree:
             medium = canonical_medium(event.medium)
             tier = _medium_tier(medium)
             tokens = event.token_ids
-            block = _Block(block_hash, parent, tokens, False, medium, tier)
-            blocks[block_hash] = block
-            siblings = children.get(parent)
-            if siblings is None:
-                children[parent] = {block_hash}
-            else:
-                siblings.add(block_hash)
+            block = self._new_block(block_hash, parent, tokens, False, medium, tier)
             block.start = start
             path_tier = tier if tier > parent_tier else parent_tier
             block.path_tier = path_tier
@@ -388,7 +382,7 @@ class BlockTree:
         medium = canonical_medium(event.medium)
         lora = event.is_lora
         tier = _UNINDEXED if lora else _medium_tier(medium)
-        blocks_by_hash, children = self._blocks, self._children
+        blocks_by_hash = self._blocks
         hashes = event.block_hashes
         # One block per event is what the prefix cache sends: skip the generator
         blocks = ((hashes[0], event.parent_block_hash, event.token_ids),) if len(hashes) == 1 else event.blocks()
@@ -406,13 +400,7 @@ class BlockTree:
                 if block.attached and block.tier != before:
                     self._refresh_subtree(block, touched)
                 continue
-            block = _Block(block_hash, parent, tokens, lora, medium, tier)
-            blocks_by_hash[block_hash] = block
-            siblings = children.get(parent)
-            if siblings is None:
-                children[parent] = {block_hash}
-            else:
-                siblings.add(block_hash)
+            block = self._new_block(block_hash, parent, tokens, lora, medium, tier)
             parent_block = blocks_by_hash.get(parent) if parent is not None else None
             if parent is None or (parent_block is not None and parent_block.attached):
                 self._attach(block, touched)
@@ -452,6 +440,17 @@ class BlockTree:
             siblings.discard(block.hash)
             if not siblings:
                 del self._children[block.parent]
+
+    def _new_block(self, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple[int, ...], lora: bool,
+                   medium: str, tier: StorageTier) -> _Block:
+        """A block the tree did not hold, mirrored and listed under its parent (not attached yet)."""
+        block = self._blocks[block_hash] = _Block(block_hash, parent, tokens, lora, medium, tier)
+        siblings = self._children.get(parent)
+        if siblings is None:
+            self._children[parent] = {block_hash}
+        else:
+            siblings.add(block_hash)
+        return block
 
     def _mark_detached(self, block: _Block) -> None:
         self._detached[block.hash] = None
