@@ -23,6 +23,7 @@ from kvcompassd.engine.client import (
     EngineOutput,
     EngineRejected,
     error_message,
+    parse_loads,
 )
 
 GUARD_S = 30.0  # hang guard only
@@ -332,3 +333,21 @@ def test_generate_body_is_the_json_of_ids_and_fields(ids, dtype, fields):
     assert json.loads(generate_body(given_ids, fields)) == {"input_ids": ids, **fields}
     strided = np.asarray(ids + ids, dtype=np.uint32)[::2]  # a view orjson cannot write directly
     assert json.loads(generate_body(strided, {}))["input_ids"] == (ids + ids)[::2]
+
+
+@pytest.mark.parametrize("steps", [
+    [[0.0, 100], [5.0, 50]],  # free tokens going down
+    [[5.0, 10], [1.0, 20]],  # time going back
+    [[-1.0, 10]],
+    [[float("nan"), 10]],
+    [[0.0, -5]],
+    [[float(i), i] for i in range(1025)],  # more steps than a WorkerRoomReported carries
+    [[0.0]],
+])
+def test_room_steps_a_worker_cannot_send_on_are_an_engine_error_not_a_crash(steps):
+    # The agent turns these into a WorkerRoomReported, whose checks raise on construction: read
+    # off the engine unchecked, one bad answer would end its load loop.
+    with pytest.raises(EngineError, match="room_steps"):
+        parse_loads({"num_running_reqs": 1, "room_steps": steps}, 1.0)
+    good = parse_loads({"num_running_reqs": 1, "room_steps": [[0.0, 10], [5.0, 20]]}, 1.0)
+    assert good.room_steps == ((0.0, 10), (5.0, 20))

@@ -27,7 +27,7 @@ from .events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 __all__ = [
     "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CHUNK_BYTES", "REGION", "SEQ",
     "SHARD", "TABLES", "Blob", "Bool", "Choice", "EventColumns", "FieldType", "Float", "Int", "MessageError", "Pairs",
-    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "RoomVectorBroadcast", "ShardPositionAnnounced",
+    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "RoomVectorBroadcast", "check_room_steps", "ShardPositionAnnounced",
     "ShardSnapshotSent",
     "SnapshotChunkSent", "SnapshotResumeRequested", "SnapshotTransferStarted", "Text", "UpdateBatchPublished",
     "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerRoomReported",
@@ -387,9 +387,13 @@ class QueueVectorBroadcast(WireMessage):
         return tuple(out)
 
 
-def _check_room_steps(steps: tuple[tuple[float, int], ...], where: str) -> None:
+def check_room_steps(steps: Any, where: str) -> tuple[tuple[float, int], ...]:
+    """Room steps as the wire takes them (at most 1,024 pairs of ms >= 0 and free tokens >= 0,
+    both non-decreasing), checked; raises MessageError. Also what an agent reads off its engine."""
+    steps = ROOM_STEPS.check(steps, where)
     if any(b[0] < a[0] or b[1] < a[1] for a, b in zip(steps, steps[1:])):
         raise MessageError(f"{where}: must be non-decreasing in both, got {steps!r}")
+    return steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +412,7 @@ class RoomVectorBroadcast(WireMessage):
 
     def _check(self) -> None:
         for worker, steps in self.rooms:
-            _check_room_steps(steps, f"RoomVectorBroadcast.rooms[{worker!r}]")
+            check_room_steps(steps, f"RoomVectorBroadcast.rooms[{worker!r}]")
 
 
 # Index events reported by agents, worker lifecycle, view copies and load reports.
@@ -542,4 +546,4 @@ class WorkerRoomReported(WireMessage):
     WIRE: ClassVar = {"worker": ID, "steps": ROOM_STEPS}
 
     def _check(self) -> None:
-        _check_room_steps(self.steps, "WorkerRoomReported.steps")
+        check_room_steps(self.steps, "WorkerRoomReported.steps")

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import orjson
 
+from kvcompassd.core.messages import MessageError, check_room_steps
 from kvcompassd.engine.http1 import HttpClientError, Response, ResponseTooLarge, WorkerConnections
 
 
@@ -271,10 +272,10 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     queue_ms = explicit if explicit is not None else pending * prefill_ms_per_token
     room = None
     if len(entries) == 1 and isinstance(entries[0].get("room_steps"), list):  # one rank's memory
-        try:
-            room = tuple((float(ms), int(free)) for ms, free in entries[0]["room_steps"])
-        except (TypeError, ValueError):
-            raise EngineError("unexpected /v1/loads room_steps") from None
+        try:  # what the agent sends on (WorkerRoomReported): bounded and ordered, or not at all
+            room = check_room_steps(entries[0]["room_steps"], "/v1/loads room_steps")
+        except MessageError as exc:
+            raise EngineError(f"unexpected {exc}") from None
     return EngineLoad(running, waiting, pending, max(0.0, queue_ms), room)
 
 
