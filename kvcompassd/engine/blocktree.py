@@ -272,8 +272,8 @@ class BlockTree:
         block stored under an attached parent, or as a root, nothing waiting under it) runs
         inlined when the keys are salted: ``_store``, ``_attach`` and ``_register_anchors``
         for one block were a call each per page, ~30 % of this mirror's time in the simulator
-        (issue 31), with ``_diff``; the diff stays a call, made only for a page that holds an
-        indexed length."""
+        (issue 31); registering the anchors and the diff stay calls, made only for a page that
+        holds an indexed length."""
         out: list[IndexEvent] = []
         if self._root_state is None or not self._trusted_events:
             for event in events:
@@ -283,8 +283,6 @@ class BlockTree:
         indexed = self.indexed_lengths
         n_indexed = len(indexed)
         page_size = self._page_size
-        all_holders = self._holders
-        salted_anchors = self._salted_anchors
         for event in events:
             if type(event) is not BlockStored or event.group_idx or event.lora_id is not None \
                     or event.lora_name is not None or (page_size is not None and event.block_size != page_size):
@@ -317,17 +315,8 @@ class BlockTree:
             first = bisect_right(indexed, start)
             if first >= n_indexed or indexed[first] > end:
                 continue  # no indexed length inside: nothing touched, no index event
-            # _register_anchors
-            anchors = salted_anchors(block, indexed[first : bisect_right(indexed, end, first)])
-            block.anchors = anchors
             touched: dict[int, int] = {}
-            for length, key in anchors:
-                holders = all_holders.get(key)
-                if holders is None:
-                    all_holders[key] = {(block_hash, length): path_tier}
-                else:
-                    holders[(block_hash, length)] = path_tier
-                touched[key] = length
+            self._register_anchors(block, touched, first)
             out.extend(self._diff(touched))
         return out
 
