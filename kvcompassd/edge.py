@@ -9,6 +9,7 @@ worker's agent (forward requests over QUIC; own-region agents report load), ever
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from typing import Any
@@ -134,6 +135,7 @@ class EdgeNode:
         self._vector_to_agents_repeats = 0
         self._worker_index = {w: i for i, w in enumerate(self.layout.worker_ids)}
         self._tasks: list[asyncio.Task] = []
+        self._broadcast_wake = asyncio.Event()  # an urgent dispatch (core/queues.py): broadcast now
         self.http_address: tuple[str, int] | None = None
         self.quic_address: tuple[str, int] | None = None
 
@@ -160,7 +162,7 @@ class EdgeNode:
         self._start_tokenizer_check()
         self._workers_http = WorkerConnections()  # own-region workers' keep-alive pools
         self.forwarder = Forwarder(self.me.id, self.router, self._agent_peers.get, self._workers_http, clock=self.clock,
-                                   metrics=self.metrics, local_http=self.local_http)
+                                   metrics=self.metrics, local_http=self.local_http, on_urgent=self.wake_broadcasts)
         guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
         self.frontdoor = FrontDoor(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
                                    health=self.health, guard=guard)
@@ -567,7 +569,16 @@ class EdgeNode:
                 for region, k in self.router.queues.herd_factors(now=now).items():
                     self.metrics.herd_factor.labels(region=region).set(k)
             deadline = self.router.queues.next_deadline(now=self.clock(), heartbeat_s=self._heartbeat_s)
-            await asyncio.sleep(max(0.001, min(period, (deadline or now + period) - self.clock())))
+            delay = max(0.001, min(period, (deadline or now + period) - self.clock()))
+            if not self._broadcast_wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._broadcast_wake.wait(), delay)
+            self._broadcast_wake.clear()
+
+    def wake_broadcasts(self) -> None:
+        """Send the queue broadcasts now if a dispatch made them urgent (``QueueEstimates.urgent``)."""
+        if self.router.queues.urgent:
+            self._broadcast_wake.set()
 
     @staticmethod
     def _send_datagram(peer: Peer | None, msg) -> None:

@@ -510,6 +510,7 @@ class SyncEdgeNode(EdgeNode):
                     # A front door's charge: held here too, and passed on to the other front doors.
                     self.router.queues.apply_frame(frame, now=self.clock())
                     self.fanout.send(*frame, but=sock)
+                    self.wake_broadcasts()  # a front door's long prompt: the other regions hear now
                 elif frame and frame[0] in LEDGER_FRAMES and self.router.pending is not None:
                     self.router.pending.apply_frame(frame, now=self.clock())
                     self.fanout.send(*frame, but=sock)

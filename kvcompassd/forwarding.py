@@ -255,8 +255,10 @@ class Forwarder:
         first_token_factor: float | None = None,
         first_token_max_s: float | None = None,
         inter_token_s: float | None = None,
+        on_urgent: Callable[[], None] | None = None,
     ):
         self.edge_id = edge_id
+        self._on_urgent = on_urgent  # called after a decision that made the queue broadcasts urgent
         self.router = router
         self.cfg = router.cfg
         self.agent_peer = agent_peer
@@ -341,12 +343,17 @@ class Forwarder:
         if stay_home:
             avoided |= self._remote_workers
         avoided -= excluded
+        decision = None
         if avoided:
             try:
-                return self.router.decide(req.tokens, now=now, exclude=excluded | avoided)
+                decision = self.router.decide(req.tokens, now=now, exclude=excluded | avoided)
             except NoEligibleWorkerError:
                 pass  # only avoided workers left: try them (one may have come back)
-        return self.router.decide(req.tokens, now=now, exclude=excluded)
+        if decision is None:
+            decision = self.router.decide(req.tokens, now=now, exclude=excluded)
+        if self._on_urgent is not None and self.router.queues.urgent:
+            self._on_urgent()
+        return decision
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
         excluded: set[int] = set()

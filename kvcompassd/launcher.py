@@ -59,6 +59,7 @@ class DeploymentSpec:
     # Edges per region: the first is edge-<region>, the others edge-<region>-1, ...
     edges_per_region: int = 1
     sync: dict = field(default_factory=dict)  # the cluster's [sync] table (e.g. edge_streams)
+    idle: dict = field(default_factory=dict)  # the cluster's [idle] table (e.g. heartbeat_ms)
 
     @classmethod
     def disaggregated(cls, prefill: int = 2, decode: int = 1, regions: tuple[str, ...] = ("us", "eu", "asia"),
@@ -120,6 +121,7 @@ def build_cluster(spec: DeploymentSpec, name: str = "local") -> ClusterConfig:
         "maintenance": [{"id": f"mnt-{s}", "shard": s, "quic": f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}"}
                         for s in range(spec.shards)],
         "sync": dict(spec.sync),
+        "idle": dict(spec.idle),
     }
     if spec.decode_workers:
         data["disaggregation"] = {"decode_policy": spec.decode_policy}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -610,3 +611,41 @@ def test_an_edge_broadcasts_its_regions_room_and_the_others_read_it_one_way_ago(
     assert eu.room_floor == math.inf and eu.room_wait_ms(us3, 30_000, now=2.2) == 0.0
     with pytest.raises(QueueVectorError, match="not in region"):
         eu.on_room_broadcast(RoomVectorBroadcast("us", "eu", 3.0, (("asia-0", ((0.0, 1), (5.0, 9))),)), now=3.1)
+
+
+def test_a_long_dispatch_to_an_own_worker_is_broadcast_at_once() -> None:
+    # [score] urgent_broadcast_ms (1,000 ms by default): a long prompt's prefill is news the
+    # other regions' edges must not wait Delta for.
+    q = us_edge()
+    q.due_broadcasts(now=0.0)
+    assert q.next_deadline(now=0.01) == pytest.approx(0.1)
+    q.note_dispatched("us-2", 999.0, now=0.01)  # below the threshold: the next Delta as before
+    assert not q.urgent and q.due_broadcasts(now=0.02) == ()
+    q.note_dispatched("us-2", 4_000.0, now=0.03)
+    assert q.urgent and q.next_deadline(now=0.03) == 0.03
+    out = q.due_broadcasts(now=0.03)
+    assert {b.to_region for b in out} == {"eu", "asia"} and out[0].sent_at == 0.03
+    assert dict(out[0].vector)["us-2"] == pytest.approx(999.0 - 20.0 + 4_000.0)  # drained 20 ms, then charged
+    assert not q.urgent and q.due_broadcasts(now=0.04) == ()
+    assert q.next_deadline(now=0.04) == pytest.approx(0.13)  # Delta counts from the urgent send
+    # Quiet (heartbeat) mode too: the vector changed, so it goes out, not marked steady.
+    for k in range(1, 12):
+        q.due_broadcasts(now=0.03 + k * 0.1, heartbeat_s=1.0)
+    q.note_dispatched("us-5", 2_500.0, now=1.2)
+    out = q.due_broadcasts(now=1.2, heartbeat_s=1.0)
+    assert {b.to_region for b in out} == {"eu", "asia"} and not any(b.steady for b in out)
+
+
+def test_a_long_dispatch_abroad_or_with_urgency_off_waits_for_delta() -> None:
+    q = us_edge()
+    q.due_broadcasts(now=0.0)
+    q.note_dispatched("eu-0", 50_000.0, now=0.01)  # another region's worker: its edges speak for it
+    assert not q.urgent and q.due_broadcasts(now=0.02) == ()
+    off = dataclasses.replace(CFG, score=dataclasses.replace(CFG.score, urgent_broadcast_ms=0.0))
+    q = QueueEstimates(off, "us", now=0.0)
+    q.due_broadcasts(now=0.0)
+    q.note_dispatched("us-0", 50_000.0, now=0.01)
+    assert not q.urgent and q.due_broadcasts(now=0.02) == ()
+    with pytest.raises(ValueError, match="urgent_broadcast_ms"):
+        dataclasses.replace(CFG.score, urgent_broadcast_ms=-1.0)
+

@@ -356,3 +356,29 @@ def test_context_tokens_option_sets_the_index_reach_only():
     assert paper.plan.max_length < 131072 and paper.cfg.index.context_tokens == topo.config.index.block_size
     assert set(paper.plan.registration_lengths()) < set(long.plan.registration_lengths())
     assert paper.routers[0].plan.max_length == paper.plan.max_length  # the edges use the same plan
+
+
+@pytest.mark.parametrize("urgent_ms", [1000.0, 0.0])
+def test_a_long_prompt_sent_at_home_reaches_the_other_regions_queues_one_way_later(urgent_ms):
+    # [score] urgent_broadcast_ms: the us edge's 12,000-token dispatch (1,200 ms of prefill at
+    # 0.1 ms/token) goes out at once, so eu's edge sees it one way (20 ms) later, not at us's
+    # next Delta (100 ms after its last broadcast) + one way.
+    cfg = make_cluster({"us": 3, "eu": 2}, shards=1, one_way_ms=20.0, prefill_ms_per_token=0.1, levels=4,
+                       same_region_min_tokens=32, urgent_broadcast_ms=urgent_ms)
+    topo = Topology.from_config(cfg)
+    policy = KVCompassPolicy(topo, wan_propagation=False)
+    while (t := policy.next_timer()) is not None and t <= 1.05:
+        policy.on_timer(now=t)  # the periodic broadcasts up to 1.05 s
+    decision = policy.route(_request(0, _prompt(7, 12_000), "us", at=1.06), now=1.06)
+    chosen = topo.worker_ids[decision.worker_index]
+    assert chosen.startswith("us-")
+    eu = policy.routers[policy._region_index["eu"]].queues
+    if urgent_ms:
+        assert policy.next_timer() == 1.06
+        policy.on_timer(now=1.06)
+        assert policy.counters["urgent_broadcasts"] == 1
+    else:
+        assert policy.next_timer() > 1.06
+    policy._advance(1.0805)  # one way after the dispatch
+    seen = eu.queue_ms(now=1.0805)[decision.worker_index]
+    assert seen == (pytest.approx(1200.0, rel=0.05) if urgent_ms else 0.0)

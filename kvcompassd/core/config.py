@@ -447,6 +447,13 @@ class ScoreParams:
     # configured one either way (1 turns learning off). A configured beta 5x off routed against
     # the cache (issue 30: affinity 0.27 on fast workers); 16 covers that with room.
     learned_rate_bound: float = 16.0
+    # A dispatch that adds at least this many ms of work to an own-region worker sends the
+    # region's queue vector to every other region at once, not at the next Delta (0 = off): a
+    # long prompt's prefill is seconds of queue the other regions' edges cannot see for up to
+    # Delta + one way, and one of them sending a long prompt there meanwhile waits all of it
+    # (issue 28: long-context at 1x the testbed's capacity, seed 1, two asia requests sent to us
+    # workers a 7-9 s prefill had just taken: TTFT 17.3 and 16.6 s, P99 16.7 s against 12.3).
+    urgent_broadcast_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         _check_float("lambda_max", self.lambda_max, lo=0.0)
@@ -466,9 +473,10 @@ class ScoreParams:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"expected true or false, got {getattr(self, name)!r}")
         _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
+        _check_float("urgent_broadcast_ms", self.urgent_broadcast_ms, lo=0.0)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",
-                     "pending_hold_ms", "learned_rate_bound"):
+                     "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms"):
             _as_float(self, name)
 
 

@@ -14,6 +14,10 @@ Remote regions reach it through two channels:
   The daemons go quiet while nothing moves (``due_broadcasts`` with ``heartbeat_s``): a vector
   that stopped changing goes out marked ``steady`` a few times, then only every heartbeat; a
   receiver holds a steady vector's values as they are (no trend) until the next one.
+  A dispatch of at least ``[score] urgent_broadcast_ms`` to an own-region worker (a long
+  prompt's prefill) makes every region due at once (``urgent``): for up to Delta + one way the
+  other regions' edges would otherwise see the worker as it was and send their own long prompts
+  behind it.
 
 A broadcast or piggybacked vector cannot include the work this edge sent within the last round
 trip to the worker's region: that work was still crossing the WAN when the worker was read. Each such dispatch (``note_dispatched``) is kept until it is one round trip old and
@@ -147,6 +151,8 @@ class QueueEstimates:
         self._weight = cfg.score.queue_ewma_weight
         self._occupancy_ms_per_running = cfg.score.occupancy_ms_per_running
         self._period_s = cfg.score.broadcast_period_ms / 1000.0
+        self._urgent_ms = cfg.score.urgent_broadcast_ms or math.inf
+        self._urgent = False  # a dispatch of at least _urgent_ms to an own-region worker awaits broadcast
         self._idle_s = cfg.score.idle_period_ms / 1000.0
         n = len(self.worker_ids)
         # Unknown workers start at 0 ms (optimistic) until the first report; ages say "never".
@@ -533,6 +539,8 @@ class QueueEstimates:
             self._in_flight[i].append((now, added))
             self._in_flight_total[i] += added
             self._chosen_at[i] = now
+        elif added >= self._urgent_ms and self._remote_regions:
+            self._urgent = True  # own region (no in-flight window): other regions hear of it now
         self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
@@ -579,8 +587,16 @@ class QueueEstimates:
             raise QueueEstimateError(f"unknown or own region {to_region!r}")
         self._last_sent_to[to_region] = max(self._last_sent_to[to_region], float(now))
 
+    @property
+    def urgent(self) -> bool:
+        """A dispatch of at least ``[score] urgent_broadcast_ms`` to an own-region worker was
+        made since the last broadcasts: every remote region is due now (the shell wakes its
+        broadcast timer; ``next_deadline`` says now)."""
+        return self._urgent
+
     def due_broadcasts(self, *, now: float, heartbeat_s: float | None = None) -> tuple[QueueVectorBroadcast, ...]:
-        """Broadcasts to send now: to every remote region that got no vector from us within Delta.
+        """Broadcasts to send now: to every remote region that got no vector from us within Delta,
+        or to all of them after an urgent dispatch (``urgent``).
 
         With ``heartbeat_s`` (the daemons' ``[idle] heartbeat_ms``), a vector that has stopped
         changing goes out marked ``steady`` for ``STEADY_REPEATS`` periods (a datagram may be
@@ -590,8 +606,12 @@ class QueueEstimates:
         Returned broadcasts count as sent (the shell sends them all).
         """
         now = float(now)
-        # Same expression as next_deadline, so a timer armed there always finds the broadcast due.
-        due = [r for r in self._remote_regions if now >= self._last_sent_to[r] + self._period_s]
+        if self._urgent:
+            self._urgent = False
+            due = list(self._remote_regions)
+        else:
+            # Same expression as next_deadline, so a timer armed there always finds the broadcast due.
+            due = [r for r in self._remote_regions if now >= self._last_sent_to[r] + self._period_s]
         if not due:
             return ()
         vector = self.local_vector(now=now)
@@ -620,6 +640,8 @@ class QueueEstimates:
         if not self._remote_regions:
             return None
         now = float(now)
+        if self._urgent:
+            return now
         if heartbeat_s is None:
             earliest = min(self._last_sent_to.values()) + self._period_s
         else:

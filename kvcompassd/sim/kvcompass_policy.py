@@ -214,7 +214,7 @@ class KVCompassPolicy(BasePolicy):
         self._next_broadcast = self._broadcast_deadline(0.0)
         self.counters = dict.fromkeys(
             ("index_events", "batches_published", "batch_deliveries", "batches_lost", "resyncs", "replays",
-             "snapshots_installed", "migrations_planned", "broadcasts", "room_broadcasts", "decisions",
+             "snapshots_installed", "migrations_planned", "broadcasts", "urgent_broadcasts", "room_broadcasts", "decisions",
              "remote_decisions"), 0)
         self.counters["positions_announced"] = 0  # idle shards' announcements (per shard, not per edge)
 
@@ -546,8 +546,13 @@ class KVCompassPolicy(BasePolicy):
             raise PolicyError(f"request {req.id} enters at unknown region {req.region!r}") from None
         if self._shared is not None:  # the tables this prompt's lookup reads, brought to now
             self._shared.prepare(e, self.routers[e].lookup.query_keys(req.tokens), now)
-        decision: ForwardDecided = self.routers[e].decide(req.tokens, now=now)
+        router = self.routers[e]
+        decision: ForwardDecided = router.decide(req.tokens, now=now)
         self.counters["decisions"] += 1
+        if router.queues.urgent and not self._arrivals_done:  # broadcast now, not at the next Delta
+            self.counters["urgent_broadcasts"] += 1
+            self._deadlines[e] = now
+            self._next_broadcast = min(self._next_broadcast, now)
         if not decision.local:
             self.counters["remote_decisions"] += 1
         if decision.migration is not None:
