@@ -343,3 +343,19 @@ async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep
     # Requests go on being served meanwhile and after, by whichever process takes the connection.
     for i in range(4):
         assert (await generate(dep, "us", doc(130 + i, 300)))["meta_info"]["kvcompass"]["worker"]
+
+
+async def test_a_front_doors_long_charge_makes_process_0s_broadcasts_urgent():
+    # Process 0 sends the queue broadcasts; a front door's long dispatch reaches it as a charge
+    # frame, which must make its broadcasts due at once as its own dispatch would.
+    frames: list = []
+    door = SharedCharges(QueueEstimates(TESTBED, "us", now=0.0), frames.append, origin=4242)
+    process0 = SharedCharges(QueueEstimates(TESTBED, "us", now=0.0), [].append, origin=0)
+    process0.due_broadcasts(now=0.0)
+    us0 = next(w.id for w in TESTBED.workers if w.region == "us")
+    door.note_dispatched(us0, TESTBED.score.urgent_broadcast_ms, now=0.01)
+    assert not process0.urgent
+    for frame in frames:
+        process0.apply_frame(msgpack.unpackb(msgpack.packb(frame), raw=False), now=0.02)
+    assert process0.urgent and process0.next_deadline(now=0.02) == 0.02
+    assert {b.to_region for b in process0.due_broadcasts(now=0.02)} == {"eu", "asia"}
