@@ -420,7 +420,10 @@ class QueueEstimates:
             raise QueueVectorError(f"room broadcast for region {msg.to_region!r} delivered to {self.region!r}")
         if updates is None:
             updates = self.room_updates(msg.from_region, msg.rooms)
-        if msg.sent_at <= self._last_room_from[msg.from_region]:
+        last = self._last_room_from.get(msg.from_region)
+        if last is None:  # (updates checked by another region's edge: this one's own region)
+            raise QueueVectorError(f"unknown or own region {msg.from_region!r}")
+        if msg.sent_at <= last:
             return False
         self._last_room_from[msg.from_region] = msg.sent_at
         read_at = float(now) - self._one_way_s[msg.from_region]
