@@ -312,6 +312,25 @@ int kvc_sha256_digest(const uint8_t *data, size_t len, int backend, uint8_t dige
     return rc;
 }
 
+int kvc_sha256_page_chain(const uint8_t *seed, size_t seed_len, const uint8_t *data, size_t page_bytes,
+                          size_t n_pages, int backend, uint8_t *out)
+{
+    kvc_sha256 root, ctx;
+    int rc = kvc_sha256_init(&root, backend);
+    for (size_t i = 0; i < n_pages; i++) {
+        ctx = root;
+        if (i == 0) {
+            if (seed_len)
+                kvc_sha256_update(&ctx, seed, seed_len);
+        } else {
+            kvc_sha256_update(&ctx, out + 32 * (i - 1), 32);
+        }
+        kvc_sha256_update(&ctx, data + i * page_bytes, page_bytes);
+        kvc_sha256_final(&ctx, out + 32 * i);
+    }
+    return rc;
+}
+
 int kvc_sha256_compress_pair(int backend, uint32_t ha[8], const uint8_t *da, uint32_t hb[8], const uint8_t *db)
 {
 #if KVC_SHA256_HAVE_SHANI

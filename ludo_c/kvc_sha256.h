@@ -56,6 +56,14 @@ void kvc_sha256_final(const kvc_sha256 *ctx, uint8_t digest[32]);
  * kvc_sha256_init. */
 int kvc_sha256_digest(const uint8_t *data, size_t len, int backend, uint8_t digest[32]);
 
+/* A chain of page digests, as a prefix cache names its pages: digest 0 is
+ * SHA-256(seed || page 0), digest i is SHA-256(digest i-1 || page i), page i being bytes
+ * [i * page_bytes, (i + 1) * page_bytes) of `data`. Writes 32 * n_pages bytes to `out`; `seed` may
+ * be NULL when seed_len is 0. Returns 0 or -1 as kvc_sha256_init (the digests are right either
+ * way). One call per prompt instead of a hash object per page. */
+int kvc_sha256_page_chain(const uint8_t *seed, size_t seed_len, const uint8_t *data, size_t page_bytes,
+                          size_t n_pages, int backend, uint8_t *out);
+
 /* CDEF-END */
 
 /* For callers that run several chains at once (kvc_prefix_keys_paired); not part of the cffi API.

@@ -8,7 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompassd.worker.prefixcache import CacheMatch, EvictionPolicy, PrefixCache, PrefixCacheError
+import numpy as np
+
+from kvcompassd.worker.prefixcache import (CacheMatch, EvictionPolicy, PrefixCache, PrefixCacheError, page_digest,
+                                           page_digests)
 from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, decode_message, encode_batch
 
 BS = 4
@@ -228,3 +231,26 @@ def test_a_lock_only_if_room_waits_for_the_pins_of_running_requests() -> None:
     cache.unlock(shared_lease)
     assert cache.pinned_vram_pages == 0
     assert cache.lock(other, now=3.0, only_if_room=True) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.integers(1, 20), st.integers(0, 6),
+       st.sampled_from([b"", bytes(range(32))]))
+def test_a_prompts_page_digests_in_one_c_call_equal_one_hash_per_page(tokens, page, known_pages, parent) -> None:
+    """``page_digests`` (one C call) gives ``page_digest`` applied page after page, under any
+    parent; the cache's chain gives SGLang's ids, continuing from digests it already holds."""
+    data = np.asarray(tokens, dtype="<u4").tobytes()
+    n = len(tokens) // page
+    expected, digest = [], parent
+    for i in range(n):
+        digest = page_digest(digest, tokens[i * page:(i + 1) * page])
+        expected.append(digest)
+    chain = page_digests(data, 4 * page, n, parent)
+    assert [chain[i:i + 32] for i in range(0, len(chain), 32)] == expected
+    cache = PrefixCache(block_size=page, vram_tokens=1 << 16)
+    assert cache.path_ids(tokens) == sglang_hash_chain(tokens, page)
+    own = list(cache._chain(tokens))
+    known = [d for _, d in own[:known_pages]]
+    assert list(cache._chain(tokens, data, known)) == own
+    with pytest.raises(ValueError):
+        page_digests(data, 4 * page, n + 1)

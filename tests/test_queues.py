@@ -649,3 +649,72 @@ def test_a_long_dispatch_abroad_or_with_urgency_off_waits_for_delta() -> None:
     with pytest.raises(ValueError, match="urgent_broadcast_ms"):
         dataclasses.replace(CFG.score, urgent_broadcast_ms=-1.0)
 
+
+    own = RoomVectorBroadcast("eu", "eu", 3.0, (("eu-0", ((0.0, 1), (5.0, 9))),))
+    with pytest.raises(QueueVectorError, match="own region 'eu'"):  # checked by us's edge, still refused here
+        eu.on_room_broadcast(own, now=3.1, updates=us.room_updates("eu", own.rooms))
+
+
+def _steps() -> st.SearchStrategy:
+    """Room steps as the wire takes them: (ms, free tokens) pairs, both non-decreasing."""
+    pairs = st.lists(st.tuples(st.integers(0, 3_000), st.integers(0, 100_000)), max_size=3)
+    return pairs.map(lambda ps: tuple(zip(sorted(float(m) for m, _ in ps), sorted(f for _, f in ps))))
+
+
+_ROOM_OPS = st.lists(st.one_of(
+    st.tuples(st.just("set"), st.sampled_from([w for w in CFG.worker_ids() if w.startswith("us-")]), _steps()),
+    st.tuples(st.just("broadcast"), st.sampled_from(["eu", "asia"]), st.integers(0, 6),
+              st.lists(st.tuples(st.integers(0, 3), _steps()), max_size=3))), max_size=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_ROOM_OPS)
+def test_the_rooms_kept_per_region_read_as_one_table_of_every_worker_would(ops) -> None:
+    """Room steps are kept per region (a region's broadcast replaces only its own entries) and
+    the floor and listed workers made when read: every read equals a plain table of every
+    worker's steps, replaced as the broadcasts and readings come (stale broadcasts ignored); an
+    edge given another edge's ``room_updates`` (``updates=``) ends in the same state."""
+    ids = CFG.worker_ids()
+    q, given_checked = us_edge(), us_edge()
+    other = QueueEstimates(CFG, "eu", now=0.0)  # checks what asia sends for the one given them
+    table: dict[int, tuple[float, tuple[float, ...], tuple[int, ...]]] = {}
+    last = {"eu": -math.inf, "asia": -math.inf}
+    for k, op in enumerate(ops):
+        now = 1.0 + k
+        if op[0] == "set":
+            _, worker, steps = op
+            for edge in (q, given_checked):
+                edge.set_room(worker, steps, now=now)
+            if steps:
+                table[ids.index(worker)] = (now, tuple(m for m, _ in steps), tuple(f for _, f in steps))
+            else:
+                table.pop(ids.index(worker), None)
+        else:
+            _, region, sent_at, listed = op
+            workers = [w for w in ids if w.startswith(region + "-")]
+            rooms = tuple({workers[n % len(workers)]: steps for n, steps in listed}.items())
+            msg = RoomVectorBroadcast(region, "us", float(sent_at), rooms)
+            checker = other if region == "asia" else QueueEstimates(CFG, "asia", now=0.0)
+            updates = checker.room_updates(region, msg.rooms)
+            fresh = q.on_room_broadcast(msg, now=now)
+            assert given_checked.on_room_broadcast(msg, now=now, updates=updates) == fresh
+            assert fresh == (sent_at > last[region])
+            if fresh:
+                last[region] = sent_at
+                read_at = now - CFG.one_way_ms("us", region) / 1000.0
+                for i in [i for i in table if ids[i].startswith(region + "-")]:
+                    del table[i]
+                for worker, steps in rooms:
+                    if steps:
+                        table[ids.index(worker)] = (read_at, tuple(m for m, _ in steps), tuple(f for _, f in steps))
+        for edge in (q, given_checked):
+            assert edge.room_workers == tuple(sorted(table))
+            assert edge.room_floor == min((r[2][0] for r in table.values()), default=math.inf)
+            for i in range(len(ids)):
+                expected = None if i not in table else table[i]
+                got = edge.room(i, now=now)
+                assert (got is None) == (expected is None)
+                assert edge.room_wait_ms(i, 50_000, now=now) == q.room_wait_ms(i, 50_000, now=now)
+            assert edge.local_rooms(now=now) == tuple(
+                (ids[i], edge.room(i, now=now)) for i in sorted(table)
+                if ids[i].startswith("us-") and len(edge.room(i, now=now)) > 1)

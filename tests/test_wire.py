@@ -428,3 +428,15 @@ def test_room_steps_that_go_back_are_refused():
             wire.WorkerRoomReported("us-0", steps)
         with pytest.raises(wire.MessageError, match="non-decreasing"):
             wire.RoomVectorBroadcast("us", "eu", 1.0, (("us-0", steps),))
+
+
+def test_one_rooms_table_to_each_region_equals_one_room_broadcast_built_per_region():
+    rooms = (("us-0", ((0.0, 4_000), (700, 98_304))), ("us-1", ()))
+    fanned = wire.RoomVectorBroadcast.to_each("us", ["eu", "ap"], 2.5, rooms)
+    assert fanned == tuple(wire.RoomVectorBroadcast("us", r, 2.5, rooms) for r in ("eu", "ap"))
+    assert fanned[1].rooms[0][1][1] == (700.0, 98_304) and type(fanned[1].rooms[0][1][1][0]) is float
+    assert wire.RoomVectorBroadcast.to_each("us", [], 2.5, rooms) == ()
+    with pytest.raises(WireError, match=r"to_region: must not be empty"):
+        wire.RoomVectorBroadcast.to_each("us", ["eu", ""], 2.5, rooms)
+    with pytest.raises(WireError, match=r"non-decreasing"):
+        wire.RoomVectorBroadcast.to_each("us", ["eu", "ap"], 2.5, (("us-0", ((5.0, 1), (1.0, 2))),))

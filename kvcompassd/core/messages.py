@@ -414,6 +414,24 @@ class RoomVectorBroadcast(WireMessage):
         for worker, steps in self.rooms:
             check_room_steps(steps, f"RoomVectorBroadcast.rooms[{worker!r}]")
 
+    @classmethod
+    def to_each(cls, from_region: str, to_regions: tuple[str, ...] | list[str], sent_at: float,
+                rooms: tuple[tuple[str, tuple[tuple[float, int], ...]], ...]) -> tuple[RoomVectorBroadcast, ...]:
+        """The same rooms to each of ``to_regions``, as ``QueueVectorBroadcast.to_each``: the
+        fields they share (and the rooms' steps) are checked once, by the first broadcast, built
+        as any message; each destination's name on its own."""
+        if not to_regions:
+            return ()
+        first = cls(from_region, to_regions[0], sent_at, rooms)
+        out = [first]
+        for to_region in to_regions[1:]:
+            msg = object.__new__(cls)
+            for name in ("from_region", "sent_at", "rooms"):
+                object.__setattr__(msg, name, getattr(first, name))
+            object.__setattr__(msg, "to_region", REGION.check(to_region, "RoomVectorBroadcast.to_region"))
+            out.append(msg)  # _check reads only the rooms, checked with the first
+        return tuple(out)
+
 
 # Index events reported by agents, worker lifecycle, view copies and load reports.
 

@@ -169,11 +169,15 @@ class QueueEstimates:
         self._occupied = 0  # own-region workers whose occupancy is > 0 (none: nothing to add)
         # Workers short of VRAM room: index -> (read at, ms steps, free tokens per step); the
         # own region's from their readings (set_room), the others' from their edges' room
-        # broadcasts (on_room_broadcast), read one way ago. The fewest free tokens among them,
-        # and their indexes in order.
+        # broadcasts (on_room_broadcast), read one way ago. Also kept per region (which of its
+        # workers are listed, and the fewest free tokens among them), so a region's broadcast
+        # replaces its own entries without a pass over every region's: the fleet's floor and
+        # the listed indexes in order are made from them when read (None: changed since).
         self._room: dict[int, tuple[float, tuple[float, ...], tuple[int, ...]]] = {}
-        self._room_floor = math.inf
-        self.room_workers: tuple[int, ...] = ()
+        self._room_listed: dict[str, tuple[int, ...]] = {}  # region -> its listed workers' indexes
+        self._room_floor_of: dict[str, int] = {}  # region -> fewest free tokens of its listed workers
+        self._room_floor: float | None = math.inf
+        self._room_workers: tuple[int, ...] | None = ()
         self._one_way_s = {r: cfg.one_way_ms(region, r) / 1000.0 for r in self._remote_regions}
         self._last_room_from = {r: -math.inf for r in self._remote_regions}  # sender's clock
         self._rooms_sent_to: dict[str, bool] = {r: False for r in self._remote_regions}  # the last one listed some
@@ -349,20 +353,37 @@ class QueueEstimates:
             self._room[i] = (float(now), ms, free)
         else:
             self._room.pop(i, None)
-        self._room_changed()
+        room = self._room
+        own = tuple(sorted(j for j in set(self._room_listed.get(self.region, ())) | {i} if j in room))
+        self._set_region_room(self.region, own)
 
-    def _room_changed(self) -> None:
-        self._room_floor = min((r[2][0] for r in self._room.values()), default=math.inf)
-        self.room_workers = tuple(sorted(self._room))
+    def _set_region_room(self, region: str, listed: tuple[int, ...]) -> None:
+        """``region``'s listed workers are now ``listed`` (their entries already in ``_room``):
+        its floor is taken again, the fleet's floor and ``room_workers`` when next read."""
+        if listed:
+            room = self._room
+            self._room_listed[region] = listed
+            self._room_floor_of[region] = min(room[i][2][0] for i in listed)
+        else:
+            self._room_listed.pop(region, None)
+            self._room_floor_of.pop(region, None)
+        self._room_floor = self._room_workers = None
+
+    @property
+    def room_workers(self) -> tuple[int, ...]:
+        """The indexes of the workers short of room (of every region), in order."""
+        workers = self._room_workers
+        if workers is None:
+            workers = self._room_workers = tuple(sorted(self._room))
+        return workers
 
     def local_rooms(self, *, now: float) -> tuple[tuple[str, tuple[tuple[float, int], ...]], ...]:
         """The own region's workers short of room, each with its steps as of ``now``."""
         out = []
-        for i in self.room_workers:
-            if self._region_of[self.worker_ids[i]] == self.region:
-                steps = self.room(i, now=now)
-                if steps is not None and len(steps) > 1:  # (one step: all it will free is free now)
-                    out.append((self.worker_ids[i], steps))
+        for i in self._room_listed.get(self.region, ()):
+            steps = self.room(i, now=now)
+            if steps is not None and len(steps) > 1:  # (one step: all it will free is free now)
+                out.append((self.worker_ids[i], steps))
         return tuple(out)
 
     def room_broadcasts(self, to_regions, *, now: float) -> tuple[RoomVectorBroadcast, ...]:
@@ -370,43 +391,64 @@ class QueueEstimates:
         region's ``local_rooms``, to each region while some worker is short of room and once
         more when none is (the receiver then forgets them)."""
         rooms = self.local_rooms(now=now)
-        out = []
+        to = []
         for r in to_regions:
             if rooms or self._rooms_sent_to[r]:
-                out.append(RoomVectorBroadcast(self.region, r, float(now), rooms))
+                to.append(r)
                 self._rooms_sent_to[r] = bool(rooms)
-        return tuple(out)
+        return RoomVectorBroadcast.to_each(self.region, to, float(now), rooms)
 
-    def on_room_broadcast(self, msg: RoomVectorBroadcast, *, now: float) -> bool:
+    def room_updates(self, from_region: str, rooms: tuple[tuple[str, tuple[tuple[float, int], ...]], ...]
+                     ) -> dict[int, tuple[tuple[float, ...], tuple[int, ...]]]:
+        """A room broadcast's ``rooms`` from ``from_region``, checked, as what ``on_room_broadcast``
+        stores: worker index -> (ms steps, free tokens), the workers with steps. Another edge built
+        from the same config may pass them to its ``on_room_broadcast`` (``updates=``) instead of
+        checking them again, as the simulator's 63 receivers of one region's broadcast do.
+        Raises as ``on_room_broadcast``."""
+        if from_region not in self._last_room_from:
+            raise QueueVectorError(f"unknown or own region {from_region!r}")
+        listed = {}
+        for worker, steps in rooms:
+            i = self._worker_index(worker, QueueVectorError)
+            if self._region_of[worker] != from_region:
+                raise QueueVectorError(f"worker {worker!r} is not in region {from_region!r}")
+            if steps:
+                listed[i] = (tuple(float(m) for m, _ in steps), tuple(int(f) for _, f in steps))
+        return listed
+
+    def on_room_broadcast(self, msg: RoomVectorBroadcast, *, now: float,
+                          updates: dict[int, tuple[tuple[float, ...], tuple[int, ...]]] | None = None) -> bool:
         """Replace the sender's region's room steps with a room broadcast's, read one way ago (a
-        worker it does not list has every token free); False if it was stale or reordered."""
+        worker it does not list has every token free); False if it was stale or reordered.
+        ``updates``: ``room_updates(msg.from_region, msg.rooms)`` of an edge of the same config,
+        if the caller has it (never changed here)."""
         if msg.to_region != self.region:
             raise QueueVectorError(f"room broadcast for region {msg.to_region!r} delivered to {self.region!r}")
-        if msg.from_region not in self._last_room_from:
+        if updates is None:
+            updates = self.room_updates(msg.from_region, msg.rooms)
+        last = self._last_room_from.get(msg.from_region)
+        if last is None:  # (updates checked by another region's edge: this one's own region)
             raise QueueVectorError(f"unknown or own region {msg.from_region!r}")
-        listed = {}
-        for worker, steps in msg.rooms:
-            i = self._worker_index(worker, QueueVectorError)
-            if self._region_of[worker] != msg.from_region:
-                raise QueueVectorError(f"worker {worker!r} is not in region {msg.from_region!r}")
-            if steps:
-                listed[i] = steps
-        if msg.sent_at <= self._last_room_from[msg.from_region]:
+        if msg.sent_at <= last:
             return False
         self._last_room_from[msg.from_region] = msg.sent_at
         read_at = float(now) - self._one_way_s[msg.from_region]
-        for i in [i for i in self._room if self._region_of[self.worker_ids[i]] == msg.from_region]:
-            del self._room[i]
-        for i, steps in listed.items():
-            self._room[i] = (read_at, tuple(float(m) for m, _ in steps), tuple(int(f) for _, f in steps))
-        self._room_changed()
+        room = self._room
+        for i in self._room_listed.get(msg.from_region, ()):
+            del room[i]
+        for i, (ms, free) in updates.items():
+            room[i] = (read_at, ms, free)
+        self._set_region_room(msg.from_region, tuple(sorted(updates)))
         return True
 
     @property
     def room_floor(self) -> float:
         """The fewest free tokens any worker reported (inf: none is short of room):
         a prompt no longer than this fits everywhere and ``room_wait_ms`` has nothing to add."""
-        return self._room_floor
+        floor = self._room_floor
+        if floor is None:
+            floor = self._room_floor = min(self._room_floor_of.values(), default=math.inf)
+        return floor
 
     def room(self, i: int, *, now: float) -> tuple[tuple[float, int], ...] | None:
         """Worker ``i``'s room steps as of ``now`` (ms from ``now``, free tokens),

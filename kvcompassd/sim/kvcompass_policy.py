@@ -298,8 +298,11 @@ class KVCompassPolicy(BasePolicy):
                     continue
                 msg, checked = payload
                 queues = self.routers[self._region_index[msg.to_region]].queues
-                if msg.__class__ is RoomVectorBroadcast:
-                    queues.on_room_broadcast(msg, now=due)
+                if msg.__class__ is RoomVectorBroadcast:  # its rooms checked once too, as the vector
+                    key = ("rooms", id(msg.rooms))
+                    if checked.get(key) is None:
+                        checked[key] = queues.room_updates(msg.from_region, msg.rooms)
+                    queues.on_room_broadcast(msg, now=due, updates=checked[key])
                     continue
                 if checked.get(id(msg.vector)) is None:  # its first receiver checks it for all
                     checked[id(msg.vector)] = queues.remote_updates(msg.from_region, msg.vector)
@@ -335,7 +338,7 @@ class KVCompassPolicy(BasePolicy):
                 # One region's broadcasts share one vector, and every router is built from the
                 # same config: its (worker index, ms) pairs are checked once, by the first
                 # receiver, for all of them (by the vector's id: each message holds its vector).
-                checked: dict[int, list[tuple[int, float]]] = {}
+                checked: dict[int, Any] = {}
                 broadcasts = router.queues.due_broadcasts(now=now)
                 # Each with the region's VRAM room, while some worker is short of it.
                 rooms = router.queues.room_broadcasts([m.to_region for m in broadcasts], now=now)

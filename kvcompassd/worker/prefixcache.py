@@ -21,11 +21,12 @@ import hashlib
 import heapq
 import itertools
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvcompassd.core._ludo_cffi import ffi, lib
 from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 GPU = "GPU"
@@ -46,6 +47,25 @@ def page_digest(parent_digest: bytes, tokens: Sequence[int]) -> bytes:
     hasher = hashlib.sha256(parent_digest)
     hasher.update(np.asarray(tokens, dtype="<u4").tobytes())
     return hasher.digest()
+
+
+_from_buffer = ffi.from_buffer
+_page_chain = lib.kvc_sha256_page_chain
+_AUTO_SHA256 = int(lib.KVC_SHA256_AUTO)
+
+
+def page_digests(data: bytes | memoryview, page_bytes: int, n_pages: int, parent_digest: bytes = _ROOT_DIGEST) -> bytes:
+    """The ``page_digest`` chain of ``n_pages`` pages of ``data`` (``page_bytes`` each) under
+    ``parent_digest``, as one buffer of 32-byte digests: one C call (``kvc_sha256_page_chain``)
+    instead of a hash object per page."""
+    if n_pages <= 0:
+        return b""
+    if len(data) < page_bytes * n_pages:
+        raise ValueError(f"{len(data)} bytes hold fewer than {n_pages} pages of {page_bytes}")
+    out = bytearray(32 * n_pages)
+    _page_chain(_from_buffer("uint8_t[]", parent_digest), len(parent_digest), _from_buffer("uint8_t[]", data),
+                page_bytes, n_pages, _AUTO_SHA256, _from_buffer("uint8_t[]", out))
+    return bytes(out)
 
 
 def _checked_token_list(tokens: Sequence[int]) -> list[int] | None:
@@ -345,25 +365,21 @@ class PrefixCache:
     # ------------------------------------------------------------------------------ internals
 
     def _chain(self, tokens: Sequence[int], data: bytes | None = None,
-               known: list[bytes] | None = None) -> Iterator[tuple[int, bytes]]:
+               known: list[bytes] | None = None) -> Iterable[tuple[int, bytes]]:
         """(start, digest) of every full page, hashing the token bytes in one conversion.
         ``data`` is ``_token_data(tokens)`` when the caller has it; ``known`` the digests of the
         first pages when already computed over the same bytes (a lease's)."""
         if data is None:
             data = _token_data(tokens)
-        width = 4 * self.block_size
-        digest = _ROOT_DIGEST
-        first = 0
-        if known:
-            first = self.block_size * len(known)
-            yield from zip(range(0, first, self.block_size), known)
-            digest = known[-1]
-        sha256 = hashlib.sha256
-        for start in range(first, len(tokens) - self.block_size + 1, self.block_size):
-            hasher = sha256(digest)
-            hasher.update(data[4 * start : 4 * start + width])
-            digest = hasher.digest()
-            yield start, digest
+        size = self.block_size
+        digests = list(known) if known else []
+        first = size * len(digests)
+        fresh = (len(tokens) - first) // size if len(tokens) >= first else 0
+        if fresh > 0:  # all of them in one C call (a walk that stops early wasted little: ~0.1 us a page)
+            chain = page_digests(memoryview(data)[4 * first:], int(4 * size), int(fresh),
+                                 digests[-1] if digests else _ROOT_DIGEST)
+            digests += [chain[i:i + 32] for i in range(0, len(chain), 32)]
+        return zip(range(0, size * len(digests), size), digests)
 
     def _walk(self, tokens: Sequence[int], data: bytes | None = None,
               digests: list[bytes] | None = None) -> Iterator[_Page]:
