@@ -611,6 +611,9 @@ def test_an_edge_broadcasts_its_regions_room_and_the_others_read_it_one_way_ago(
     assert eu.room_floor == math.inf and eu.room_wait_ms(us3, 30_000, now=2.2) == 0.0
     with pytest.raises(QueueVectorError, match="not in region"):
         eu.on_room_broadcast(RoomVectorBroadcast("us", "eu", 3.0, (("asia-0", ((0.0, 1), (5.0, 9))),)), now=3.1)
+    own = RoomVectorBroadcast("eu", "eu", 3.0, (("eu-0", ((0.0, 1), (5.0, 9))),))
+    with pytest.raises(QueueVectorError, match="own region 'eu'"):  # checked by us's edge, still refused here
+        eu.on_room_broadcast(own, now=3.1, updates=us.room_updates("eu", own.rooms))
 
 
 def test_a_long_dispatch_to_an_own_worker_is_broadcast_at_once() -> None:
@@ -649,10 +652,6 @@ def test_a_long_dispatch_abroad_or_with_urgency_off_waits_for_delta() -> None:
     with pytest.raises(ValueError, match="urgent_broadcast_ms"):
         dataclasses.replace(CFG.score, urgent_broadcast_ms=-1.0)
 
-
-    own = RoomVectorBroadcast("eu", "eu", 3.0, (("eu-0", ((0.0, 1), (5.0, 9))),))
-    with pytest.raises(QueueVectorError, match="own region 'eu'"):  # checked by us's edge, still refused here
-        eu.on_room_broadcast(own, now=3.1, updates=us.room_updates("eu", own.rooms))
 
 
 def _steps() -> st.SearchStrategy:
