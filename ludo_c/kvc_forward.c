@@ -4,7 +4,6 @@
 #include "kvc_forward.h"
 
 #include "kvc_keys.h"
-#include "kvc_level_reads.h"
 #include "kvc_score_term.h"
 #include "kvc_miss_term.h"
 
@@ -196,8 +195,13 @@ int64_t kvc_score_choose(size_t n, double prompt_len, const double *wan, const d
 
 /* One bit per 2-bit field: the low bit of each field. */
 #define KVC_SPARSE_LOW_BITS 0x5555555555555555ULL
-/* Groups read together, level by level (their state lives on the stack). */
-#define KVC_SPARSE_CHUNK 256
+/* Groups read together, level by level (their state lives on the stack, ~56 bytes a group): a
+ * fleet's groups in one chunk read each level in one round of overlapped misses, where two
+ * chunks would take a round per level each. */
+#define KVC_SPARSE_CHUNK 512
+/* Keys whose view row (key % shards) * groups is computed once per lookup, not per read (a
+ * 64-bit division each); a prompt with more keys divides per read past them. */
+#define KVC_SPARSE_KEY_ROWS 1024
 /* At most this many reads in all (every group at every level that fits): read them in one batch
  * rather than level by level. A small fleet's lookup is then one round of overlapped misses
  * instead of one per level; the reads an early stop would have saved are few, and the decode
@@ -281,6 +285,12 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
     const kvc_view *read_view[KVC_SPARSE_CHUNK];
     uint64_t read_key[KVC_SPARSE_CHUNK], read_value[KVC_SPARSE_CHUNK];
     size_t read_group[KVC_SPARSE_CHUNK];
+    uint32_t live[KVC_SPARSE_CHUNK]; /* the chunk's groups still read on, in group order */
+    size_t key_row[KVC_SPARSE_KEY_ROWS];
+    size_t rows = n_keys < KVC_SPARSE_KEY_ROWS ? n_keys : KVC_SPARSE_KEY_ROWS;
+    for (size_t k = 0; k < rows; k++)
+        key_row[k] = (size_t)(keys[k] % shards) * groups;
+#define KVC_SPARSE_ROW(k) ((size_t)(k) < rows ? key_row[k] : (size_t)(keys[k] % shards) * groups)
     for (size_t first = 0; first < groups; first += KVC_SPARSE_CHUNK) {
         size_t count = groups - first < KVC_SPARSE_CHUNK ? groups - first : KVC_SPARSE_CHUNK;
         if (group_fields) {
@@ -317,9 +327,8 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
                     int32_t k = level_keys[g * max_levels + level];
                     if (k < 0 || (size_t)k >= n_keys)
                         break;
-                    uint64_t key = keys[k];
-                    batch_view[reads] = views[(key % shards) * groups + g];
-                    batch_key[reads] = key;
+                    batch_view[reads] = views[KVC_SPARSE_ROW(k) + g];
+                    batch_key[reads] = keys[k];
                     batch_at[reads] = g * max_levels + level;
                     reads++;
                     levels_read[i] = level + 1;
@@ -331,10 +340,32 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
                 values_scratch[batch_at[r]] = batch_value[r];
         }
         /* Level by level, the live groups' reads at once (their misses overlap); under
-         * consistency a group is read on while one of its workers' runs of hits is unbroken. */
-        for (size_t level = 0; level < max_levels; level++) {
-            size_t reads = kvc_gather_level_reads(views, shards, groups, first, count, level, max_levels, level_keys,
-                                                  keys, n_keys, alive, read_view, read_key, read_group);
+         * consistency a group is read on while one of its workers' runs of hits is unbroken.
+         * The groups read on are kept in a list (kvc_gather_level_reads' reads, without a pass
+         * over every group of the chunk at every level). */
+        size_t n_live = 0;
+        for (size_t i = 0; i < count; i++)
+            if (alive[i])
+                live[n_live++] = (uint32_t)i;
+        for (size_t level = 0; level < max_levels && n_live; level++) {
+            size_t reads = 0, kept = 0;
+            for (size_t j = 0; j < n_live; j++) {
+                size_t i = live[j];
+                if (!alive[i])
+                    continue;
+                size_t g = first + i;
+                int32_t k = level_keys[g * max_levels + level];
+                if (k < 0 || (size_t)k >= n_keys) {
+                    alive[i] = 0; /* padding, or a length longer than the prompt: the group ends */
+                    continue;
+                }
+                live[kept++] = (uint32_t)i;
+                read_view[reads] = views[KVC_SPARSE_ROW(k) + g];
+                read_key[reads] = keys[k];
+                read_group[reads] = i;
+                reads++;
+            }
+            n_live = kept;
             if (!reads)
                 break;
             kvc_view_lookup_spread(read_view, read_key, reads, read_value);
@@ -384,6 +415,7 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
         if (held == SIZE_MAX)
             return KVC_ERR_ARG;
     }
+#undef KVC_SPARSE_ROW
     *n_holders_out = held;
     return KVC_OK;
 }

@@ -120,7 +120,7 @@ size_t kvc_top_k(size_t n, const double *scores, size_t k, int64_t *out);
 
 /* kvc_lookup_plan's matched and tier for every worker, decoded from each group's run of hits
  * (bit masks) instead of a pass over every worker's levels: the work grows with the groups read
- * and the holders found, not with the workers. Reads go level by level over up to 256 groups
+ * and the holders found, not with the workers. Reads go level by level over up to 512 groups
  * at a time, their views' headers fetched ahead (kvc_view_lookup_spread); a group's fields
  * without a worker are not read on.
  *   field_worker [groups * 32]: the worker whose 2-bit field is field f of group g at

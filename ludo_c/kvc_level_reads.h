@@ -1,8 +1,8 @@
 /* kvc_level_reads.h - one level's view reads for a chunk of region groups (internal).
  *
- * kvc_lookup_plan (ludo_plan.c) and kvc_lookup_sparse (kvc_forward.c) read a prompt's keys level
- * by level, every still-live group's read of a level at once so their cache misses overlap. Both
- * gather those reads here: for each live group ``first + i`` of the chunk, the level's key index
+ * kvc_lookup_plan (ludo_plan.c) reads a prompt's keys level by level, every still-live group's
+ * read of a level at once so their cache misses overlap (kvc_lookup_sparse, kvc_forward.c, does
+ * the same from a list of its live groups). It gathers those reads here: for each live group ``first + i`` of the chunk, the level's key index
  * from ``level_keys`` (row-major, ``max_levels`` per group) names the key, and the key's shard
  * picks the view. A negative index (padding) or one past ``n_keys`` (a length longer than the
  * prompt) ends that group: ``alive[i]`` is cleared. Returns the number of reads gathered. */

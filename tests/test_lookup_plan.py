@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -376,6 +378,59 @@ def test_run_out_equals_run_aged_bit_for_bit(steps, region):
         assert arrays.scores()[written].tobytes() == scores[written].tobytes()
         for i in range(n):
             assert arrays.queue_at(i) == scored.item(i) and arrays.aged_at(i) == aged.item(i)
+
+
+@settings(max_examples=20, deadline=None)
+@given(keep=st.lists(st.sampled_from(["drop", "arrays", "matched", "aged", "queue", "scores", "tier"]),
+                     min_size=1, max_size=14),
+       region=st.sampled_from(["a", "b", "c"]))
+def test_run_out_reuses_a_buffer_only_once_nothing_else_holds_it(keep, region):
+    """``run_out`` takes its buffer from a small ring: a decision whose ``DecisionArrays``, or any
+    array made from them, is still held keeps its values through every later decision; a buffer
+    nothing holds any more is written again instead of a new one being made."""
+    from kvcompassd.core.router import Router
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    router = Router(w.cfg, region, w.views[region], now=0.0)
+    kernel, queues = router._kernel, router.queues
+    prompts = [_prompt(900 + p, n_tokens) for p, n_tokens in enumerate((900, 333, 10))]
+    lengths = w.plan.registration_lengths_upto(900)
+    for worker_index in (0, 5, 11):
+        covered = [m for m in lengths if m <= 600]
+        w.send([PrefixCached(w.layout.worker_ids[worker_index], k, Tier.VRAM)
+                for k in prefix_keys(prompts[0], covered, w.salt).tolist()])
+    belief = router.belief.values.copy()
+    held, buffers = [], set()
+    now = 1.0
+    for step, what in enumerate(keep):
+        queues.set_local(w.cfg.workers_in(region)[0].id, float(step), now=now)
+        now += 0.05
+        arrays = kernel.run_out(prompts[step % 3], queues.queue_ms(), now, None, step % 2 == 1, belief, None)[0]
+        buffers.add(id(arrays.out))
+        whole = arrays.out.copy()
+        if what == "arrays":
+            held.append((arrays, arrays.out, whole))
+        elif what != "drop":
+            part = getattr(arrays, what)()
+            held.append((part, part.base if part.base is not None else part, part.copy()))
+        del arrays
+        for part, _, copy in held:
+            assert np.asarray(part.out if hasattr(part, "out") else part).tobytes() == \
+                np.asarray(copy).tobytes()
+    # A buffer held is never one a later decision wrote to.
+    assert len({id(base) for _, base, _ in held}) == len(held)
+    # Nothing held: after a ring's round, every decision reuses a buffer.
+    held.clear()
+    ring = len(kernel._out_ring)
+    made = []  # weak references: they do not hold a buffer
+    for step in range(3 * ring):
+        now += 0.05
+        arrays = kernel.run_out(prompts[0], queues.queue_ms(), now, None, False, belief, None)[0]
+        if step < ring:
+            made.append(weakref.ref(arrays.out))
+        else:
+            assert any(ref() is arrays.out for ref in made)
+        del arrays
 
 
 @settings(max_examples=25, deadline=None)

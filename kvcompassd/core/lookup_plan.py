@@ -29,6 +29,7 @@ pointers come from ``LudoView._ptr``, the wrapper's cffi handle (the C API takes
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields
 from operator import attrgetter, is_ as _is
 from typing import Any, Callable
@@ -61,6 +62,13 @@ _top_k = lib.kvc_top_k
 _NONE_ELIGIBLE = int(lib.KVC_FORWARD_NONE_ELIGIBLE)
 _NULL = ffi.NULL
 _empty = np.empty
+_refcount = sys.getrefcount
+# References to a ring buffer that only the ring holds, as _refcount counts them in out_buffer
+# (the ring's slot, the local name, the call's argument).
+_RING_ONLY = 3
+# run_out's ring: at most this many buffers, and this many bytes of them.
+_OUT_RING = 4
+_OUT_RING_BYTES = 32 << 20
 _int64 = np.int64
 _uint8 = np.uint8
 _float64 = np.float64
@@ -473,7 +481,7 @@ class SparseForwardKernel(ForwardKernel):
     Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
 
     __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging",
-                 "_ms", "_ms_c", "_out_size", "_fields", "_fields_c", "_group_fields")
+                 "_ms", "_ms_c", "_out_size", "_fields", "_fields_c", "_group_fields", "_out_ring", "_out_next")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -504,6 +512,10 @@ class SparseForwardKernel(ForwardKernel):
         self._ms: np.ndarray | None = None  # run_out's last estimates, and their pointer
         self._ms_c = _NULL
         self._out_size = DecisionArrays.size(self.workers) + 1  # and lam
+        # run_out's buffers, reused once nothing else holds them (out_buffer).
+        self._out_ring: list[np.ndarray | None] = [None] * max(
+            1, min(_OUT_RING, _OUT_RING_BYTES // (8 * self._out_size)))
+        self._out_next = 0
         self._fields = np.zeros(int(lib.KVC_OUT_FIELDS), dtype=np.int64)  # run_out's integers
         self._fields_c = _from_buffer("int64_t[]", self._fields)
 
@@ -641,7 +653,7 @@ class SparseForwardKernel(ForwardKernel):
             eligible_c = _from_buffer("uint8_t[]", eligible)
             if len(eligible_c) != n:
                 raise LookupPlanError(f"eligible must hold {n} values")
-        out = _empty(self._out_size, _float64)
+        out = self.out_buffer()
         self._pointers.pointers()
         last_sent, keys = self._outputs
         tokens_c = _from_buffer("uint8_t[]", tokens)
@@ -662,6 +674,19 @@ class SparseForwardKernel(ForwardKernel):
         _set_separate(arrays, separate)
         return (arrays, best, chosen, out.item(-1), miss, None if family < 0 else family, complete != 0,
                 chosen_matched, chosen_tier, best_matched, best_tier)
+
+    def out_buffer(self) -> np.ndarray:
+        """A buffer for ``run_out``: the ring's next one if nothing but the ring holds it (every
+        array made from a buffer holds it, so a decision still read elsewhere keeps its own),
+        else a new one that takes its place in the ring. At thousands of workers a new buffer
+        per decision cost more than the score: the allocator walked its bins of large free
+        chunks, each one a cache miss."""
+        ring, k = self._out_ring, self._out_next
+        self._out_next = k + 1 if k + 1 < len(ring) else 0
+        out = ring[k]
+        if out is None or _refcount(out) != _RING_ONLY:
+            out = ring[k] = _empty(self._out_size, _float64)
+        return out
 
     def holders(self) -> np.ndarray:
         """The workers the last sparse ``run`` found holding a prefix (group by group)."""
