@@ -6,6 +6,7 @@
 #include "kvc_keys.h"
 #include "kvc_score_term.h"
 #include "kvc_miss_term.h"
+#include "kvc_level_reads.h"
 
 #include <math.h>
 #include <string.h>
@@ -341,31 +342,13 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
         }
         /* Level by level, the live groups' reads at once (their misses overlap); under
          * consistency a group is read on while one of its workers' runs of hits is unbroken.
-         * The groups read on are kept in a list (kvc_gather_level_reads' reads, without a pass
-         * over every group of the chunk at every level). */
-        size_t n_live = 0;
-        for (size_t i = 0; i < count; i++)
-            if (alive[i])
-                live[n_live++] = (uint32_t)i;
+         * The groups read on are kept in a list (kvc_level_reads.h), without a pass over every
+         * group of the chunk at every level. */
+        size_t n_live = kvc_live_groups(alive, count, live);
         for (size_t level = 0; level < max_levels && n_live; level++) {
-            size_t reads = 0, kept = 0;
-            for (size_t j = 0; j < n_live; j++) {
-                size_t i = live[j];
-                if (!alive[i])
-                    continue;
-                size_t g = first + i;
-                int32_t k = level_keys[g * max_levels + level];
-                if (k < 0 || (size_t)k >= n_keys) {
-                    alive[i] = 0; /* padding, or a length longer than the prompt: the group ends */
-                    continue;
-                }
-                live[kept++] = (uint32_t)i;
-                read_view[reads] = views[KVC_SPARSE_ROW(k) + g];
-                read_key[reads] = keys[k];
-                read_group[reads] = i;
-                reads++;
-            }
-            n_live = kept;
+            size_t reads = kvc_gather_level_reads(views, shards, groups, first, level, max_levels, level_keys, keys,
+                                                  n_keys, key_row, rows, alive, live, &n_live, read_view, read_key,
+                                                  read_group);
             if (!reads)
                 break;
             kvc_view_lookup_spread(read_view, read_key, reads, read_value);

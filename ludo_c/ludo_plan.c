@@ -42,14 +42,17 @@ int kvc_lookup_plan(const kvc_view *const *views, size_t shards, size_t groups,
         size_t count = groups - first < KVC_PLAN_CHUNK_GROUPS ? groups - first : KVC_PLAN_CHUNK_GROUPS;
         for (size_t i = 0; i < count; i++)
             alive[i] = KVC_FIELD_LOW_BITS;
-        for (size_t level = 0; level < max_levels; level++) {
+        uint32_t live[KVC_PLAN_CHUNK_GROUPS];
+        size_t n_live = kvc_live_groups(alive, count, live);
+        for (size_t level = 0; level < max_levels && n_live; level++) {
             /* This level's reads of the chunk's live groups, then all of them at once
              * (kvc_view_lookup_multi overlaps their cache misses). */
             const kvc_view *read_view[KVC_PLAN_CHUNK_GROUPS];
             uint64_t read_key[KVC_PLAN_CHUNK_GROUPS], read_value[KVC_PLAN_CHUNK_GROUPS];
             size_t read_group[KVC_PLAN_CHUNK_GROUPS];
-            size_t reads = kvc_gather_level_reads(views, shards, groups, first, count, level, max_levels, level_keys,
-                                                  keys, n_keys, alive, read_view, read_key, read_group);
+            size_t reads = kvc_gather_level_reads(views, shards, groups, first, level, max_levels, level_keys, keys,
+                                                  n_keys, NULL, 0, alive, live, &n_live, read_view, read_key,
+                                                  read_group);
             if (!reads)
                 break;
             kvc_view_lookup_multi(read_view, read_key, reads, read_value);
