@@ -261,6 +261,13 @@ def _reference_router(cfg, region, view, ablation):
     return router
 
 
+
+def _idle_locals(w, region: str, *routers) -> None:
+    """Each router's own-region workers read idle (0 ms) at time 0."""
+    for router in routers:
+        for worker in w.cfg.workers_in(region):
+            router.queues.set_local(worker.id, 0.0, now=0.0)
+
 def _state(router):
     return [(k, list(f.misses), list(f.load_losses), f.cooldown_until) for k, f in router.hot._families.items()]
 
@@ -281,9 +288,7 @@ def test_router_decisions_equal_the_reference_paths(steps, ablation, region):
     view = w.views[region]
     fast = Router(w.cfg, region, view, now=0.0, ablation=ablation)
     slow = _reference_router(w.cfg, region, view, ablation)
-    for router in (fast, slow):
-        for worker in w.cfg.workers_in(region):
-            router.queues.set_local(worker.id, 0.0, now=0.0)
+    _idle_locals(w, region, fast, slow)
     # Prompts shorter than some or all query lengths too (the shortest fits none).
     prompts = [_prompt(300 + p, n) for p, n in enumerate((900, 900, 10, 333, 900))]
     lengths = w.plan.registration_lengths_upto(900)
@@ -449,9 +454,7 @@ def test_a_decisions_terms_do_not_depend_on_what_was_read_first(steps, region, p
               pending_hold_ms=1000.0 if pending else 0.0)
     view = w.views[region]
     lazy, eager = Router(w.cfg, region, view, now=0.0), Router(w.cfg, region, view, now=0.0)
-    for router in (lazy, eager):
-        for worker in w.cfg.workers_in(region):
-            router.queues.set_local(worker.id, 0.0, now=0.0)
+    _idle_locals(w, region, lazy, eager)
     prompts = [_prompt(700 + p, n) for p, n in enumerate((900, 900, 10, 333, 900))]
     lengths = w.plan.registration_lengths_upto(900)
     now = 2.0
