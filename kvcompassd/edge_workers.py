@@ -40,7 +40,9 @@ edge's (prometheus_client's multiprocess mode), which process 0 merges with its 
 scrape; a front door answers ``/metrics`` with process 0's merged text
 (``kvcompassd/metrics_front_doors.py``).
 
-Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair):
+Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair; the
+frames a process makes in one pass of its event loop go back to back in one datagram,
+``FrameBatch``):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
 ``["piggyback", to_region, now]``, ``["room", worker, [[ms, free tokens]...], now]``,
 ``["room_vector", wire bytes, now]``, ``["withheld", [worker index...], checked]``,
@@ -105,26 +107,98 @@ def _pack(*frame: Any) -> bytes:
     return msgpack.packb(list(frame), use_bin_type=True)
 
 
+def unpack_frames(data: bytes):
+    """The frames of one control datagram, in order: (frame, its packed bytes) for each. A
+    datagram holds one frame or several back to back (``FrameBatch``); a malformed one raises
+    ``msgpack.UnpackException`` (or ValueError) where it stops making sense, after the frames
+    before it were yielded."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_FRAME)
+    unpacker.feed(data)
+    start = 0
+    for frame in unpacker:
+        end = unpacker.tell()
+        yield frame, data[start:end]
+        start = end
+    if start != len(data):
+        raise ValueError(f"a control datagram ends inside a frame ({len(data) - start} bytes left)")
+
+
+class FrameBatch:
+    """The frames a process sends one control socket during a pass of its event loop, back to
+    back in one datagram sent at the end of the pass (or sooner, when the next frame would not
+    fit ``MAX_FRAME``). A request's charge, ledger credit, first token and end each woke the
+    other process and cost a send and a receive; now the frames a pass makes (every request it
+    advanced) cost one. ``send(data, frames)`` sends a datagram of ``frames`` frames."""
+
+    __slots__ = ("_send", "_parts", "_size", "_scheduled")
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._scheduled = False
+
+    def add(self, packed: bytes) -> None:
+        if self._parts and self._size + len(packed) > MAX_FRAME:
+            self.flush()
+        self._parts.append(packed)
+        self._size += len(packed)
+        if not self._scheduled:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # (outside the event loop: nothing to wait for)
+                self.flush()
+                return
+            self._scheduled = True
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        parts = self._parts
+        if not parts:
+            return
+        self._parts, self._size = [], 0
+        self._send(parts[0] if len(parts) == 1 else b"".join(parts), len(parts))
+
+
 class _Fanout:
-    """Process 0's ends of the control sockets: every frame to every live front door."""
+    """Process 0's ends of the control sockets: every frame to every live front door, in one
+    ``FrameBatch`` per socket."""
 
     def __init__(self) -> None:
         self.sockets: list[socket.socket] = []
+        self._batches: dict[socket.socket, FrameBatch] = {}
         self.dropped = 0
 
     def send(self, *frame: Any, but: socket.socket | None = None) -> None:
-        data = _pack(*frame)
-        for sock in list(self.sockets):
-            if sock is but:
-                continue
-            try:
-                sock.send(data)
-            except BlockingIOError:
-                # A front door that stopped reading: its readings repeat every broadcast period.
-                self.dropped += 1
-            except OSError as exc:
-                log.warning("front door gone", error=str(exc))
-                self.sockets.remove(sock)
+        self.send_packed(_pack(*frame), but=but)
+
+    def send_packed(self, packed: bytes, *, but: socket.socket | None = None) -> None:
+        """A frame already packed (one relayed from a front door) to every front door but ``but``."""
+        for sock in self.sockets:
+            if sock is not but:
+                batch = self._batches.get(sock)
+                if batch is None:
+                    batch = self._batches[sock] = FrameBatch(lambda data, frames, sock=sock: self._write(sock, data, frames))
+                batch.add(packed)
+
+    def remove(self, sock: socket.socket) -> None:
+        """A front door gone: nothing more to it (what its batch held is dropped)."""
+        if sock in self.sockets:
+            self.sockets.remove(sock)
+        self._batches.pop(sock, None)
+
+    def _write(self, sock: socket.socket, data: bytes, frames: int) -> None:
+        if sock not in self.sockets:
+            return
+        try:
+            sock.send(data)
+        except BlockingIOError:
+            # A front door that stopped reading: its readings repeat every broadcast period.
+            self.dropped += frames
+        except OSError as exc:
+            log.warning("front door gone", error=str(exc))
+            self.remove(sock)
 
 
 class _QueueFanout:
@@ -501,31 +575,22 @@ class SyncEdgeNode(EdgeNode):
         except OSError:
             data = b""
         if data:
+            charged = False
             try:
-                frame = msgpack.unpackb(data, raw=False)
-                if frame and frame[0] == "ready" and not ready.done():
-                    ready.set_result(frame[1])
-                    self._send_withheld()  # anything that changed while it started
-                elif frame and frame[0] in CHARGE_FRAMES:
-                    # A front door's charge: held here too, and passed on to the other front doors.
-                    self.router.queues.apply_frame(frame, now=self.clock())
-                    self.fanout.send(*frame, but=sock)
-                    self.wake_broadcasts()  # a front door's long prompt: the other regions hear now
-                elif frame and frame[0] in LEDGER_FRAMES and self.router.pending is not None:
-                    self.router.pending.apply_frame(frame, now=self.clock())
-                    self.fanout.send(*frame, but=sock)
-                elif frame and frame[0] == "metrics?":
-                    task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
-                    self._metrics_sends.add(task)
-                    task.add_done_callback(self._metrics_sends.discard)
-            except (ValueError, TypeError, IndexError, KeyError, OverflowError, msgpack.UnpackException) as exc:
+                for frame, packed in unpack_frames(data):
+                    try:
+                        charged = self._from_front_door_frame(sock, ready, frame, packed) or charged
+                    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+                        log.warning("front door frame refused", error=str(exc))
+            except (ValueError, msgpack.UnpackException) as exc:
                 log.warning("front door frame refused", error=str(exc))
+            if charged:
+                self.wake_broadcasts()  # a front door's long prompt: the other regions hear now
             return
         # The front door exited: its socket left the port's group, the others keep serving.
         loop = asyncio.get_running_loop()
         loop.remove_reader(sock.fileno())
-        if sock in self.fanout.sockets:
-            self.fanout.sockets.remove(sock)
+        self.fanout.remove(sock)
         child = self._children.pop(sock, None)
         sock.close()
         if not ready.done():
@@ -536,6 +601,26 @@ class SyncEdgeNode(EdgeNode):
         log.warning("a front door exited: starting another", pid=child.pid if child else None)
         self.front_doors_restarted += 1
         self._tasks.append(asyncio.create_task(self._replace_front_door(child)))
+
+    def _from_front_door_frame(self, sock: socket.socket, ready: asyncio.Future, frame: Any, packed: bytes) -> bool:
+        """One frame from a front door; True for a charge frame (process 0's broadcasts may be due)."""
+        kind = frame[0] if frame.__class__ is list and frame else None
+        if kind == "ready" and not ready.done():
+            ready.set_result(frame[1])
+            self._send_withheld()  # anything that changed while it started
+        elif kind in CHARGE_FRAMES:
+            # A front door's charge: held here too, and passed on to the other front doors.
+            self.router.queues.apply_frame(frame, now=self.clock())
+            self.fanout.send_packed(packed, but=sock)
+            return True
+        elif kind in LEDGER_FRAMES and self.router.pending is not None:
+            self.router.pending.apply_frame(frame, now=self.clock())
+            self.fanout.send_packed(packed, but=sock)
+        elif kind == "metrics?":
+            task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
+            self._metrics_sends.add(task)
+            task.add_done_callback(self._metrics_sends.discard)
+        return False
 
     async def _send_metrics(self, sock: socket.socket, asked: int) -> None:
         """The edge's metrics (this process's and every front door's) to the front door that
@@ -625,6 +710,7 @@ class FrontDoorProcess:
         if self.router.pending is not None:
             self.router.pending = SharedLedger(self.router.pending, self._send_to_edge, origin=os.getpid())
         self.charge_frames_dropped = 0
+        self._to_edge = FrameBatch(self._write_to_edge)
         for i in range(len(self.layout.worker_ids)):  # until process 0 says which workers it verified
             self.router.withhold(i)
         self.metrics = EdgeMetrics()
@@ -721,12 +807,15 @@ class FrontDoorProcess:
         await self.node.close()
 
     def _send_to_edge(self, frame: tuple) -> None:
+        self._to_edge.add(_pack(*frame))
+
+    def _write_to_edge(self, data: bytes, frames: int) -> None:
         try:
-            self.control.send(_pack(*frame))
+            self.control.send(data)
         except BlockingIOError:
-            # Process 0 stopped reading for a moment: the others miss this charge, which the
-            # worker's next reading replaces anyway.
-            self.charge_frames_dropped += 1
+            # Process 0 stopped reading for a moment: the others miss these charges, which the
+            # workers' next readings replace anyway.
+            self.charge_frames_dropped += frames
         except OSError:
             pass  # process 0 is gone: this front door stops (_on_control)
 
@@ -774,8 +863,12 @@ class FrontDoorProcess:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             try:
-                self.apply_control(msgpack.unpackb(data, raw=False))
-            except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+                for frame, _ in unpack_frames(data):
+                    try:
+                        self.apply_control(frame)
+                    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+                        log.warning("control frame refused", error=str(exc))
+            except (ValueError, msgpack.UnpackException) as exc:
                 log.warning("control frame refused", error=str(exc))
 
     def apply_control(self, frame: list) -> None:

@@ -5,6 +5,7 @@ over HTTP and over its own QUIC connections to remote agents."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -22,7 +23,8 @@ from e2e_helpers import admin, doc, eventually, generate
 from kvcompassd.core.config import load_config
 from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
-from kvcompassd.edge_workers import SharedCharges, SharedLedger, _Fanout, _QueueFanout, apply_queue_frame
+from kvcompassd.edge_workers import (MAX_FRAME, FrameBatch, SharedCharges, SharedLedger, _Fanout, _QueueFanout,
+                                    apply_queue_frame, unpack_frames)
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -50,12 +52,17 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
     edge.set_room(us[2], ((0.0, 4_000), (700.0, 98_304)), now=0.85)
     edge.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.4, ((eu[1], ((0.0, 10), (300.0, 98_304))),)), now=0.86)
     theirs.setblocking(False)
-    frames = []
+    with pytest.raises(BlockingIOError):  # made in this pass of the loop: sent at its end
+        theirs.recv(65536)
+    await asyncio.sleep(0)
+    datagrams = []
     while True:
         try:
-            frames.append(msgpack.unpackb(theirs.recv(65536), raw=False))
+            datagrams.append(theirs.recv(65536))
         except BlockingIOError:
             break
+    assert len(datagrams) == 1  # one datagram for the pass's frames
+    frames = [frame for frame, _ in unpack_frames(datagrams[0])]
     assert [f[0] for f in frames] == ["load", "vector", "piggyback", "room", "room_vector"]
     for frame in frames:
         apply_queue_frame(door, frame, now=0.9)
@@ -71,8 +78,44 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
         apply_queue_frame(door, ["withheld", [], True], now=1.0)
     theirs.close()
     edge.set_local(us[1], 1.0, now=1.0)  # a front door gone: dropped from the fan-out, no error
+    await asyncio.sleep(0)
     assert fanout.sockets == []
     mine.close()
+
+
+async def test_frames_made_in_one_pass_go_in_order_in_datagrams_that_fit_a_frame():
+    sent: list[tuple[bytes, int]] = []
+    batch = FrameBatch(lambda data, frames: sent.append((data, frames)))
+    frames = [["charge", 7, n, "us-0", float(n), 0.5] for n in range(3)] + [["metrics", 1, True, b"x" * 30_000]] * 5
+    for frame in frames:
+        batch.add(msgpack.packb(frame, use_bin_type=True))
+    assert len(sent) == 2  # full ones go at once: the three charges and two chunks, then two chunks
+    await asyncio.sleep(0)  # the rest at the end of the pass
+    assert len(sent) == 3 and sum(n for _, n in sent) == len(frames)
+    assert all(len(data) <= MAX_FRAME for data, _ in sent)
+    received = [frame for data, _ in sent for frame, _ in unpack_frames(data)]
+    assert received == frames
+    await asyncio.sleep(0)
+    assert len(sent) == 3  # nothing more to send: no empty datagram
+
+
+async def test_a_datagram_cut_inside_a_frame_gives_the_frames_before_it_then_an_error():
+    whole = [msgpack.packb(["ready", 12], use_bin_type=True), msgpack.packb(["retired", 1, 2, 0.5], use_bin_type=True)]
+    data = b"".join(whole) + whole[1][:-2]
+    got = []
+    with pytest.raises(ValueError):
+        for frame, packed in unpack_frames(data):
+            got.append((frame, packed))
+    assert got == [(["ready", 12], whole[0]), (["retired", 1, 2, 0.5], whole[1])]
+    with pytest.raises((ValueError, msgpack.UnpackException)):
+        list(unpack_frames(b"\xc1"))  # a byte msgpack never uses
+
+
+async def test_outside_the_event_loop_a_frame_goes_at_once():
+    sent = []
+    batch = FrameBatch(lambda data, frames: sent.append(frames))
+    await asyncio.to_thread(batch.add, msgpack.packb(["back", "us-0", "up"]))  # (a thread has no loop)
+    assert sent == [1]
 
 
 async def test_a_charge_made_by_one_process_is_held_by_the_others_until_it_retires():
