@@ -1,7 +1,7 @@
 """``kvcompassd maintenance``: the single writer of one index shard.
 
 Agents report their workers' index events; this unit applies them through the core
-(``MaintenanceShard``), coalesces everything applied within ``[sync] batch_delay_ms`` (5 ms)
+(``MaintenanceShard``), coalesces everything applied within ``[sync] batch_delay_ms`` (10 ms)
 of the window's first edit into one update batch ``(epoch, seq)`` per stream, encodes it once and pushes the
 same bytes to every subscribed edge of that stream on the edge's ordered control channel. Each
 edge follows its region's stream (``kvcompassd.core.streams``: only the lengths its region looks

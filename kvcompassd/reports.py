@@ -5,7 +5,7 @@ An engine publishes its KV events in small batches (often one per request it ser
 report each, every batch would cost a QUIC packet at the agent, its acknowledgement back, and a
 receive, a report and a C call at the maintenance unit; that fixed cost, not the events,
 dominated the agent's CPU per served request. So events gather per shard for ``delay_s``
-(``[sync] report_delay_ms``, default 10 ms) after the first of a window, or until
+(``[sync] report_delay_ms``, default 20 ms) after the first of a window, or until
 ``max_events`` wait, and leave as one report per shard (see
 :class:`kvcompassd.pacing.FlushPacer`): a lone event leaves within the window, a burst as one
 report.

@@ -564,10 +564,10 @@ def test_sync_position_heartbeat_parses_validates_and_round_trips() -> None:
 
 
 def test_sync_coalescing_windows_parse_validate_and_round_trip() -> None:
-    """[sync] report_delay_ms (agents) and batch_delay_ms (maintenance units): 10 and 5 ms by
+    """[sync] report_delay_ms (agents) and batch_delay_ms (maintenance units): 20 and 10 ms by
     default, 0 (the next loop turn) up to 100 ms, floats."""
     sync = parse_config(minimal()).sync
-    assert (sync.report_delay_ms, sync.batch_delay_ms) == (10.0, 5.0)
+    assert (sync.report_delay_ms, sync.batch_delay_ms) == (20.0, 10.0)
     data = minimal()
     for value in (0, 2.5, 100):
         data["sync"] = {"report_delay_ms": value, "batch_delay_ms": value}

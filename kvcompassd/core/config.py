@@ -570,9 +570,12 @@ class SyncParams:
     # ``batch_delay_ms`` after the first edit and publishes one update batch per stream. Every
     # send costs a QUIC packet and its acknowledgement at both ends whatever it carries, so at
     # ``r`` engine batches a second an agent sends about ``r / (1 + r * window)`` reports
-    # (issue 30 item 4). 0 sends with the next event-loop turn. At most MAX_COALESCE_MS each.
-    report_delay_ms: float = 10.0
-    batch_delay_ms: float = 5.0
+    # (issue 30 item 4). At the defaults a worker's new cache reaches the edges' views at most
+    # 30 ms later than it would unbatched (below the 100 ms queue broadcast period; an edge's
+    # own dispatches are credited meanwhile by its pending ledger). 0 sends with the next
+    # event-loop turn. At most MAX_COALESCE_MS each.
+    report_delay_ms: float = 20.0
+    batch_delay_ms: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("report_delay_ms", "batch_delay_ms"):
