@@ -131,7 +131,9 @@ class AgentNode:
         # exercises gap detection and replay exactly as real loss on the ZMQ link does.
         self.chaos_drop = chaos_drop_engine_batches
         self.incarnation = 0
-        self.reports = ReportCoalescer(worker.id, cfg.shards, self._send_report)
+        # Index events gather per shard for [sync] report_delay_ms and leave as one report.
+        self.reports = ReportCoalescer(worker.id, cfg.shards, self._send_report,
+                                       delay_s=cfg.sync.report_delay_ms / 1000.0)
         self._shard_peers: dict[int, Peer] = {}
         self._edge_peers: dict[str, Peer] = {}
         self.region_vector: dict[str, float] = {}

@@ -1,8 +1,8 @@
 """``kvcompassd maintenance``: the single writer of one index shard.
 
 Agents report their workers' index events; this unit applies them through the core
-(``MaintenanceShard``), coalesces everything applied within ``batch_delay_s`` (2 ms) of the
-previous batch into one update batch ``(epoch, seq)`` per stream, encodes it once and pushes the
+(``MaintenanceShard``), coalesces everything applied within ``[sync] batch_delay_ms`` (10 ms)
+of the window's first edit into one update batch ``(epoch, seq)`` per stream, encodes it once and pushes the
 same bytes to every subscribed edge of that stream on the edge's ordered control channel. Each
 edge follows its region's stream (``kvcompassd.core.streams``: only the lengths its region looks
 up), chosen from the edge's certified identity, or the full stream (``[sync] edge_streams``);
@@ -64,11 +64,10 @@ MAX_ADMIN_KEYS = 4096
 
 log = structlog.get_logger(__name__)
 
-# Batches leave at most this often (or once this many edits are pending): under a steady stream
-# a batch then carries several reports, and every edge gets fewer, fuller packets; after a
-# quiet spell the first edit ships at once. Each batch costs about as much transport CPU as a
-# report of 64 events costs to apply.
-DEFAULT_BATCH_DELAY_S = 0.002
+# A batch leaves ``[sync] batch_delay_ms`` after the first edit it carries (or once this many
+# edits are pending): under a steady stream a batch then carries several reports, and every
+# edge gets fewer, fuller packets. Each batch costs about as much transport CPU as a report of
+# 64 events costs to apply.
 DEFAULT_MAX_BATCH_EVENTS = 4096
 # Kept snapshots are dropped once no transfer has run for this long: an edge that lost its
 # stream comes back within seconds, and a kept image costs as much memory as the shard's view.
@@ -105,7 +104,7 @@ class MaintenanceNode:
 
     def __init__(self, cfg: ClusterConfig, me: MaintenanceConfig, tls: TlsFiles, *,
                  epoch: int | None = None, metrics: MaintenanceMetrics | None = None, agent_grace_s: float = 3.0,
-                 batch_delay_s: float = DEFAULT_BATCH_DELAY_S, max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS):
+                 batch_delay_s: float | None = None, max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS):
         self.cfg = cfg
         self.me = me
         self.layout = IndexLayout.from_config(cfg)
@@ -150,6 +149,8 @@ class MaintenanceNode:
         self.heartbeats = (PositionHeartbeats(period_s, (None, *self.streams.filtered), now=time.monotonic())
                            if period_s > 0 else None)
         self._heartbeat_timer: asyncio.TimerHandle | None = None
+        if batch_delay_s is None:
+            batch_delay_s = cfg.sync.batch_delay_ms / 1000.0
         self._batches = FlushPacer(self._flush, delay_s=batch_delay_s, max_pending=max_batch_events)
         self.agent_grace_s = agent_grace_s
         self._grace_timers: dict[int, asyncio.TimerHandle] = {}  # pending withdrawals, cancelled by stop()
@@ -294,8 +295,8 @@ class MaintenanceNode:
         self.metrics.events.labels("applied").inc(outcome.applied)
         self.metrics.events.labels("ignored").inc(len(outcome.ignored))
         if outcome.applied:
-            # After a quiet spell the batch goes out with this loop turn; under a steady stream
-            # batches leave at most every batch_delay_s and carry everything applied meanwhile.
+            # The batch leaves batch_delay_s after the first edit of its window, carrying
+            # everything applied meanwhile.
             self._batches.added(outcome.applied)
 
     def _flush(self) -> None:

@@ -1,11 +1,14 @@
 """An agent's index events on their way to the maintenance units: routed by shard and coalesced
 into ``PrefixEventsReported`` reports.
 
-An engine publishes its KV events in small batches (often a few dozen events). Sent one report
-each, every batch would cost a QUIC packet at the agent and a receive, a report and a C call at
-the maintenance unit; that fixed cost, not the events, bounded the sync rate. So events gather
-per shard for at most ``delay_s`` (1 ms) after the previous report, or until ``max_events``
-wait, and leave as one report per shard (see :class:`kvcompassd.pacing.FlushPacer`).
+An engine publishes its KV events in small batches (often one per request it serves). Sent one
+report each, every batch would cost a QUIC packet at the agent, its acknowledgement back, and a
+receive, a report and a C call at the maintenance unit; that fixed cost, not the events,
+dominated the agent's CPU per served request. So events gather per shard for ``delay_s``
+(``[sync] report_delay_ms``, default 20 ms) after the first of a window, or until
+``max_events`` wait, and leave as one report per shard (see
+:class:`kvcompassd.pacing.FlushPacer`): a lone event leaves within the window, a burst as one
+report.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kvcompassd.core.config import SyncParams
 from kvcompassd.core.events import IndexEvent, IndexEventColumns
 from kvcompassd.pacing import FlushPacer
 from kvcompassd.wire import PrefixEventsReported
 
-DEFAULT_REPORT_DELAY_S = 0.001
+DEFAULT_REPORT_DELAY_S = SyncParams().report_delay_ms / 1000.0
 EVENTS_PER_REPORT = 4096
 # Up to this many events, add_events splits them by shard in Python (numpy's per-call cost is
 # more than the work for an engine batch's few index events); above, with array operations.

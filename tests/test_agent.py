@@ -21,7 +21,7 @@ from kvcompassd.agent import AgentNode
 from kvcompassd.daemon import tls_files
 from kvcompassd.emulator.publisher import KvEventPublisher
 from kvcompassd.engine.client import EngineClient
-from kvcompassd.engine.kvevents import BlockStored
+from kvcompassd.engine.kvevents import BlockStored, EventBatch
 from kvcompassd.launcher import DeploymentSpec, build_cluster
 from kvcompassd.wire import PrefillDecodeForwarded, Role
 
@@ -127,6 +127,46 @@ async def test_a_failure_while_applying_engine_events_does_not_end_the_following
         await pub.close()
         await agent.node.close()
         ctx.destroy(linger=0)
+
+
+async def test_engine_batches_within_the_report_window_leave_as_one_report_per_shard(cluster):
+    """[sync] report_delay_ms: a burst of engine batches inside the window reaches the units as
+    one report per shard, and a lone batch is reported within the window (not at once)."""
+    cfg, tls = cluster
+    cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, report_delay_ms=50.0))
+    agent = AgentNode(cfg, cfg.workers[0], tls)
+    loop = asyncio.get_running_loop()
+    sent = []  # (loop time, shard, reported keys)
+
+    def send(shard, report):
+        sent.append((loop.time(), shard, report.events.key_array().tolist()))
+        return True
+
+    agent.reports._send = send  # what the agent's QUIC send would get
+    batches = iter(range(1, 100))
+
+    async def engine_batch(root: int) -> None:  # a 64-token prompt: one indexed length, one key
+        stored = BlockStored(tuple(range(root, root + 4)), None, tuple(range(root * 64, root * 64 + 64)), 16)
+        await agent._on_engine_events(EventBatch(next(batches), 0.0, (stored,)))
+
+    try:
+        began = loop.time()
+        for root in (100, 200, 300, 400):
+            await engine_batch(root)
+        assert sent == []
+        await asyncio.sleep(0.2)  # due after the window's timer, so it runs after it
+        keys = sorted(key for _, _, reported in sent for key in reported)
+        assert len(keys) == 4 and len(sent) == len({shard for _, shard, _ in sent}) <= cfg.shards
+        assert all(at >= began + 0.05 - 1e-3 for at, _, _ in sent)
+        assert keys == sorted(agent.tree.registered())
+        burst_reports, lone_at = len(sent), loop.time()
+        await engine_batch(500)
+        assert len(sent) == burst_reports
+        await asyncio.sleep(0.2)
+        assert len(sent) == burst_reports + 1 and len(sent[-1][2]) == 1
+        assert lone_at + 0.05 - 1e-3 <= sent[-1][0]
+    finally:
+        await agent.node.close()
 
 
 async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_reader(cluster):

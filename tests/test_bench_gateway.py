@@ -132,6 +132,15 @@ def test_quick_mode_is_zero_delay_with_short_windows(tool):
 
 
 @pytest.mark.slow
+def test_sync_settings_reach_the_planes_config(tool):
+    args = tool.parse_args(["--sync", "report_delay_ms=50", "--sync", "batch_delay_ms=0"])
+    assert args.sync == [("report_delay_ms", 50.0), ("batch_delay_ms", 0.0)]
+    assert tool.parse_args([]).sync == []
+    for bad in ("report_delay_ms", "=5", "report_delay_ms=soon"):
+        with pytest.raises(SystemExit):
+            tool.parse_args(["--sync", bad])
+
+
 def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     """The whole plane against direct with tiny windows: every request served and attributed,
     the edge's, agents' and maintenance unit's CPU measured, the plane gone during direct."""

@@ -563,6 +563,24 @@ def test_sync_position_heartbeat_parses_validates_and_round_trips() -> None:
         assert error_of(data).startswith("x.toml: [sync] field 'position_heartbeat_ms': ")
 
 
+def test_sync_coalescing_windows_parse_validate_and_round_trip() -> None:
+    """[sync] report_delay_ms (agents) and batch_delay_ms (maintenance units): 20 and 10 ms by
+    default, 0 (the next loop turn) up to 100 ms, floats."""
+    sync = parse_config(minimal()).sync
+    assert (sync.report_delay_ms, sync.batch_delay_ms) == (20.0, 10.0)
+    data = minimal()
+    for value in (0, 2.5, 100):
+        data["sync"] = {"report_delay_ms": value, "batch_delay_ms": value}
+        cfg = parse_config(data)
+        assert cfg.sync.report_delay_ms == cfg.sync.batch_delay_ms == float(value)
+        assert isinstance(cfg.sync.report_delay_ms, float) and isinstance(cfg.sync.batch_delay_ms, float)
+        assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
+    for field in ("report_delay_ms", "batch_delay_ms"):
+        for bad in (-0.5, 100.5, True, "5ms", float("nan")):
+            data["sync"] = {field: bad}
+            assert error_of(data).startswith(f"x.toml: [sync] field '{field}': ")
+
+
 def test_disaggregation_table_is_validated_and_round_trips() -> None:
     data = disaggregated()
     data["disaggregation"] = {"decode_policy": "random", "kv_bytes_per_token": 65536, "transfer_timeout_s": 5}

@@ -20,27 +20,45 @@ WORKER = "us-0"
 # ---- FlushPacer -----------------------------------------------------------------------------
 
 
-async def test_first_item_after_a_quiet_spell_flushes_with_the_next_loop_turn():
+async def test_a_lone_item_is_flushed_within_the_window():
+    """The first item of a window arms one timer due ``delay_s`` later, and nothing sooner: a
+    lone item waits at most the window (no later: its flush precedes anything due after it)."""
+    flushes = []
+    loop = asyncio.get_running_loop()
+    pacer = FlushPacer(lambda: flushes.append(loop.time()), delay_s=0.02, max_pending=100)
+    added_at = loop.time()
+    pacer.added(1)
+    returned_at = loop.time()
+    assert pacer.scheduled and added_at + 0.02 <= pacer._timer.when() <= returned_at + 0.02
+    await asyncio.sleep(0)
+    assert flushes == []  # not with the next loop turn: the window gathers
+    await asyncio.sleep(0.05)  # due after the flush's timer, so it runs after it
+    assert len(flushes) == 1 and flushes[0] - added_at >= 0.02 - 1e-3 and not pacer.scheduled
+
+
+async def test_a_burst_within_the_window_is_flushed_once():
     flushes = []
     pacer = FlushPacer(lambda: flushes.append(1), delay_s=1.0, max_pending=100)
+    pacer.added(1)
+    timer = pacer._timer
+    for _ in range(5):
+        await asyncio.sleep(0)
+        pacer.added(2)
+    assert flushes == [] and pacer._timer is timer  # later items never re-arm the window's timer
+    pacer.flush_now()  # stands for the timer firing
+    assert flushes == [1] and not pacer.scheduled
+    pacer.added(1)  # the next item opens a new window
+    assert pacer.scheduled and pacer._timer is not timer
+
+
+async def test_zero_delay_flushes_with_the_next_loop_turn():
+    flushes = []
+    pacer = FlushPacer(lambda: flushes.append(1), delay_s=0.0, max_pending=100)
     pacer.added(3)
+    pacer.added(1)
     assert flushes == [] and pacer.scheduled
     await asyncio.sleep(0)
     assert flushes == [1] and not pacer.scheduled
-
-
-async def test_items_soon_after_a_flush_wait_for_the_delay():
-    flushes = []
-    pacer = FlushPacer(lambda: flushes.append(1), delay_s=1.0, max_pending=100)
-    pacer.added(1)
-    await asyncio.sleep(0)
-    pacer.added(1)
-    pacer.added(1)
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert flushes == [1] and pacer.scheduled  # due a second after the first flush
-    pacer.flush_now()
-    assert flushes == [1, 1] and not pacer.scheduled
 
 
 async def test_max_pending_flushes_at_once_and_cancel_forgets_the_timer():
@@ -121,18 +139,27 @@ def test_reports_carry_each_shards_events_in_order(batches, shards, max_events):
     assert seqs == sorted(set(seqs))
 
 
-async def test_batches_within_the_delay_leave_as_one_report_per_shard():
+async def test_batches_within_the_window_leave_as_one_report_per_shard():
     sent = Recorder()
     reports = ReportCoalescer(WORKER, 2, sent, delay_s=1.0)
     reports.add_events([PrefixCached(WORKER, 10, Tier.VRAM)])
-    await asyncio.sleep(0)  # the first after a quiet spell goes out at once
+    await asyncio.sleep(0)  # the window gathers: nothing sent with the next loop turn
     reports.add_events([PrefixCached(WORKER, k, Tier.VRAM) for k in (2, 3, 4)])
     reports.add_events([PrefixCached(WORKER, k, Tier.DRAM) for k in (5, 6)])
     await asyncio.sleep(0)
-    assert len(sent.sent) == 1
-    reports.flush()
-    by_shard = {s: r.events.key_array().tolist() for s, r in sent.sent[1:]}
-    assert by_shard == {0: [2, 4, 6], 1: [3, 5]}
+    assert sent.sent == []
+    reports.flush()  # stands for the window's timer
+    by_shard = {s: r.events.key_array().tolist() for s, r in sent.sent}
+    assert by_shard == {0: [10, 2, 4, 6], 1: [3, 5]} and len(sent.sent) == 2
+
+
+async def test_a_lone_batch_is_reported_within_the_window():
+    sent = Recorder()
+    reports = ReportCoalescer(WORKER, 1, sent, delay_s=0.01)
+    reports.add_events([PrefixCached(WORKER, 7, Tier.VRAM)])
+    assert sent.sent == []
+    await asyncio.sleep(0.05)  # due after the window's timer, so it runs after it
+    assert [r.events.key_array().tolist() for _, r in sent.sent] == [[7]]
 
 
 async def test_a_refused_send_drops_the_rest_of_that_report_and_discard_forgets_a_shard():

@@ -298,7 +298,8 @@ class Bench:
     def __init__(self, args, session: aiohttp.ClientSession, mode: str, time_scale: float, vram_tokens: int):
         self.args, self.session, self.mode = args, session, mode
         spec = DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
-                              max_running=args.max_running, vram_kv_tokens=vram_tokens, dram_kv_tokens=0)
+                              max_running=args.max_running, vram_kv_tokens=vram_tokens, dram_kv_tokens=0,
+                              sync=dict(args.sync))
         self.workdir = Path(tempfile.mkdtemp(prefix="kvbench-gateway-"))
         self.seeds = {f"us-{i}": i + 1 for i in range(args.workers)}
         node_args = {f"emulate-worker:{w}": ("--seed", str(seed)) for w, seed in self.seeds.items()}
@@ -573,7 +574,7 @@ async def main_async(args) -> None:
     if "service" in args.modes:
         plans += [("service", 1.0, v) for v in args.service_vram_tokens]
     print(f"bench_gateway: arms {', '.join(args.routers)}; concurrency {args.concurrency}; {os.cpu_count()} cores; "
-          f"load average {load_average()}", flush=True)
+          f"load average {load_average()}" + (f"; kvcompassd [sync] {dict(args.sync)}" if args.sync else ""), flush=True)
     out: list[str] = []
     everything: dict[str, dict] = {}
     connector = aiohttp.TCPConnector(limit=0)
@@ -593,6 +594,18 @@ async def main_async(args) -> None:
           f"(d.reuse: direct round robin's). Load average at the end: {load_average()}")
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
+
+
+def sync_setting(text: str) -> tuple[str, float]:
+    """``--sync NAME=NUMBER``: one numeric ``[sync]`` setting of the kvcompassd plane."""
+    name, sep, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if not sep or not name or number is None:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (a [sync] setting), got {text!r}")
+    return name, number
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -623,6 +636,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plane-log-level", default="warning", help="the kvcompassd daemons' (the routers run at warn)")
     p.add_argument("--keep-logs", action="store_true")
     p.add_argument("--profile-edge", metavar="DIR", help="run the edge under cProfile (CPU clock), DIR/<mode>-<id>.prof")
+    p.add_argument("--sync", type=sync_setting, action="append", default=[], metavar="NAME=NUMBER",
+                   help="a [sync] setting of the kvcompassd plane (repeatable), e.g. report_delay_ms=50")
     p.add_argument("--json", help="also write the results here (mode -> arm -> figures)")
     p.add_argument("--quick", action="store_true", help="zero-delay only, 1 s windows (~2 minutes)")
     args = p.parse_args(argv)

@@ -16,8 +16,10 @@ batch, so the probe turns visible exactly when the report's other events do.
 
 The workload is a stream of engine batches (``--report-events`` events each, the last one the
 probe); this process hands them one by one to the real agent's ``ReportCoalescer``, which
-gathers them per shard for up to 1 ms (``--report-delay-ms``) and sends the reports. A batch's
-delay runs from when it was handed to the agent, so the coalescing wait is counted.
+gathers them per shard for the window's ``--report-delay-ms`` (default ``[sync] report_delay_ms``,
+20 ms; figures before it took a trailing window were at a 1 ms min-gap pacer) and sends the
+reports. A batch's delay runs from when it was handed to the agent, so the coalescing wait is
+counted.
 
 References, measured in the same run: the in-process core applying the same engine batches,
 one at a time (``MaintenanceShard.apply`` + ``flush`` + ``EdgeSync.on_batch``), as event
