@@ -182,6 +182,7 @@ class AgentNode:
         log.info("agent started", worker=self.worker.id, quic=self.address, engine=self.worker.http)
 
     async def stop(self) -> None:
+        self.reports.cancel()  # (no report window's timer left to fire on closed peers)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

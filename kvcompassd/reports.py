@@ -88,6 +88,10 @@ class ReportCoalescer:
         """Send everything pending now."""
         self._pacer.flush_now()
 
+    def cancel(self) -> None:
+        """Forget the window's scheduled report (a stopping agent: its peers are closing)."""
+        self._pacer.cancel()
+
     def report(self, shard: int, columns: IndexEventColumns) -> None:
         """Send ``columns`` to ``shard`` now, in reports of at most ``max_events``."""
         n, step = len(columns), self.max_events

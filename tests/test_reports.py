@@ -162,6 +162,15 @@ async def test_a_lone_batch_is_reported_within_the_window():
     assert [r.events.key_array().tolist() for _, r in sent.sent] == [[7]]
 
 
+async def test_a_cancelled_window_sends_nothing_when_it_would_have_ended():
+    sent = Recorder()
+    reports = ReportCoalescer(WORKER, 1, sent, delay_s=0.01)
+    reports.add_events([PrefixCached(WORKER, 7, Tier.VRAM)])
+    reports.cancel()  # a stopping agent
+    await asyncio.sleep(0.05)
+    assert sent.sent == []
+
+
 async def test_a_refused_send_drops_the_rest_of_that_report_and_discard_forgets_a_shard():
     sent = Recorder(accept=1)
     reports = ReportCoalescer(WORKER, 1, sent, max_events=2)
