@@ -574,8 +574,8 @@ def test_a_long_prompt_is_not_sent_abroad_to_a_worker_whose_pinned_vram_only_its
     assert router.decide(PROMPT, now=0.02).region == "us"
 
 
-def _stall_world(**score):
-    cfg, layout, shards, view = _world(**score)
+def _stall_world(decode_stall_weight=1.0, **score):
+    cfg, layout, shards, view = _world(decode_stall_weight=decode_stall_weight, **score)
     _register(cfg, shards, view, "us-1", PROMPT, 1024)  # credited 1,024 of the 2,000 tokens
     router = Router(cfg, "us", view, now=0.0)
     return cfg, shards, view, router
@@ -594,10 +594,14 @@ def test_a_prefill_goes_elsewhere_when_pausing_the_holders_decodes_costs_more_th
         holder = d.score.terms(1)
         assert holder.stall_ms == pytest.approx(running * 0.1 * 976)
         assert holder.total == pytest.approx(holder.wan_ms + holder.queue_ms + holder.prefill_ms + holder.stall_ms)
-    # Weight 0: the holder keeps it, its two decodes paused.
-    cfg, shards, view, router = _stall_world(decode_stall_weight=0.0)
-    router.queues.set_local("us-1", 0.0, now=0.0, running=2)
-    assert router.decide(PROMPT, now=0.0).worker == "us-1"
+    # Weight 0 (the default): the holder keeps it, its two decodes paused.
+    for score in ({}, {"decode_stall_weight": 0.0}):
+        cfg, layout, shards, view = _world(**score)
+        _register(cfg, shards, view, "us-1", PROMPT, 1024)
+        router = Router(cfg, "us", view, now=0.0, native=native)
+        router.queues.set_local("us-1", 0.0, now=0.0, running=2)
+        d = router.decide(PROMPT, now=0.0)
+        assert d.worker == "us-1" and d.score.terms(1).stall_ms == 0.0
 
 
 def test_a_remote_worker_whose_batch_the_edge_cannot_see_does_not_win_by_looking_idle():

@@ -244,6 +244,7 @@ def test_decode_stall_prices_the_pause_of_every_running_request() -> None:
 
 
 def test_decode_stall_weight_is_checked() -> None:
-    assert ScoreParams().decode_stall_weight == 1.0
+    assert ScoreParams().decode_stall_weight == 0.0  # off unless asked for
+    assert ScoreParams(decode_stall_weight=1).decode_stall_weight == 1.0
     with pytest.raises(ValueError, match="decode_stall_weight"):
         ScoreParams(decode_stall_weight=-0.5)

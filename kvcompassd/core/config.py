@@ -456,13 +456,15 @@ class ScoreParams:
     urgent_broadcast_ms: float = 1000.0
     # A worker runs a prefill before its next decode step (SGLang's and this simulator's
     # prefill-first scheduling), so a prompt's prefill pauses every request the worker is
-    # decoding for as long as it lasts. The score adds this weight times that pause times the
-    # requests the worker is running (own-region workers, from their readings): the delay the
-    # choice imposes on others, beside the request's own wait. 1 counts each paused request's
-    # delay in full, as the queue term counts the request's own; 0 turns it off (issue 28: a
-    # 126 K-token prompt sent, for a 640-token match worth 54 ms, to a worker decoding two
-    # requests while 25 workers ran nothing paused both 10.7 s, and the run ended 5.5 s later).
-    decode_stall_weight: float = 1.0
+    # decoding for as long as it lasts. With a weight > 0 the score adds it times that pause
+    # times the requests the worker is running (own-region workers from their readings, others
+    # as the own region's least busy): the delay the choice imposes on others, beside the
+    # request's own wait; 1 counts each paused request's delay in full. Off by default: at 1 it
+    # ended the run-tail stalls it was made for (issue 28: a 126 K-token prompt sent, for a
+    # 640-token match worth 54 ms, to a worker decoding two requests while 25 ran nothing) but
+    # spread long prompts off their holders, and >=32 K reuse fell 1-2.5 points on the
+    # long-context testbed points (README, "A prefill pauses the worker's decodes").
+    decode_stall_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _check_float("lambda_max", self.lambda_max, lo=0.0)
