@@ -572,3 +572,46 @@ def test_a_long_prompt_is_not_sent_abroad_to_a_worker_whose_pinned_vram_only_its
     assert router.queues.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.0, (("eu-0", pinned), ("eu-1", pinned))),
                                            now=0.02)
     assert router.decide(PROMPT, now=0.02).region == "us"
+
+
+def _stall_world(decode_stall_weight=1.0, **score):
+    cfg, layout, shards, view = _world(decode_stall_weight=decode_stall_weight, **score)
+    _register(cfg, shards, view, "us-1", PROMPT, 1024)  # credited 1,024 of the 2,000 tokens
+    router = Router(cfg, "us", view, now=0.0)
+    return cfg, shards, view, router
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_prefill_goes_elsewhere_when_pausing_the_holders_decodes_costs_more_than_its_match_saves(native):
+    # beta 0.1 ms/token: the 1,024-token match saves 102.4 ms of prefill at us-1, and its 976
+    # tokens of prefill there pause each request us-1 is decoding for 97.6 ms (decode_stall).
+    for running, expected in ((1, "us-1"), (2, "us-0")):
+        cfg, shards, view, router = _stall_world()
+        router = Router(cfg, "us", view, now=0.0, native=native)
+        router.queues.set_local("us-1", 0.0, now=0.0, running=running)
+        d = router.decide(PROMPT, now=0.0)
+        assert d.worker == expected
+        holder = d.score.terms(1)
+        assert holder.stall_ms == pytest.approx(running * 0.1 * 976)
+        assert holder.total == pytest.approx(holder.wan_ms + holder.queue_ms + holder.prefill_ms + holder.stall_ms)
+    # Weight 0 (the default): the holder keeps it, its two decodes paused.
+    for score in ({}, {"decode_stall_weight": 0.0}):
+        cfg, layout, shards, view = _world(**score)
+        _register(cfg, shards, view, "us-1", PROMPT, 1024)
+        router = Router(cfg, "us", view, now=0.0, native=native)
+        router.queues.set_local("us-1", 0.0, now=0.0, running=2)
+        d = router.decide(PROMPT, now=0.0)
+        assert d.worker == "us-1" and d.score.terms(1).stall_ms == 0.0
+
+
+def test_a_remote_worker_whose_batch_the_edge_cannot_see_does_not_win_by_looking_idle():
+    # Every own-region worker decodes three requests; eu's counts never reach the us edge. Taken
+    # as the least busy own worker's, they price a recompute in eu at the same pause, so the
+    # holder's match still wins (and is worth more: it shortens the pause too).
+    cfg, shards, view, router = _stall_world()
+    for w in ("us-0", "us-1", "us-2"):
+        router.queues.set_local(w, 0.0, now=0.0, running=3)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker == "us-1"
+    eu = d.score.terms(cfg.worker_ids().index("eu-0"))
+    assert eu.stall_ms == pytest.approx(3 * 0.1 * 2000)

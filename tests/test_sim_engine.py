@@ -367,3 +367,22 @@ def test_a_prefix_evicted_while_the_request_waits_is_computed_again():
     queued = 640 * BETA - 1.0  # behind the 40-page prefill, which started 1 ms before it arrived
     assert r["queue_ms"][2] == pytest.approx(queued)
     assert r["ttft_ms"][2] == pytest.approx(INTRA + queued + 420 * BETA + INTRA)
+
+
+class CountsRunning(Fixed):
+    def on_worker_load(self, worker_index, queue_ms, *, now, running=0):
+        self.loads.append((worker_index, running, now))
+
+
+def test_a_workers_last_request_ending_is_reported_at_once_with_nothing_running():
+    # Two requests decode together on worker 0 and end 5 and 20 decode steps after their
+    # prefills; nothing waits, so no queue changes then. The daemon's agent sends a changed
+    # reading at once (pacing.LoadReports): each end is a reading with one request fewer,
+    # the last with none, at the instant it ended (the score's decode stall reads the count).
+    topo = two_region_topology(1, 0)
+    policy = CountsRunning(topo, worker=0)
+    res = simulate(topo, policy, [req(0, 0.0, TOKENS, out=6), req(1, 0.0, np.arange(5000, 5320), out=21)])
+    ends = sorted(res.records["finish_s"] - INTRA / 1000)  # at the worker
+    counts_at = {round(now, 9): running for _, running, now in policy.loads}
+    assert counts_at[round(ends[0], 9)] == 1 and counts_at[round(ends[1], 9)] == 0
+    assert policy.loads[-1][1] == 0

@@ -439,21 +439,24 @@ class Simulation:
 
     def _process_worker(self, w: int, now: float, *, admitted: float | None = None) -> None:
         model = self.models[w]
-        # The queue estimate changes with admissions and prefill completions; a decode completion
-        # only matters when requests wait for a slot or for VRAM room. Skipping the others saves
-        # most calls.
+        # The queue estimate changes with admissions and prefill completions, the running count
+        # with completions: the daemon's agent sends a changed reading at once (pacing.LoadReports),
+        # and a count left stale after a worker's last decode ends shows it busy to the score's
+        # decode stall. Nothing else is reported.
         changed = admitted is not None or model.waiting > 0 or model.head_blocked
         for ev in model.advance(now=now):
             rid = ev.request_id
             st = self._inflight[rid]
             if st.migration:
                 if isinstance(ev, RequestFinished):  # (cached at its prefill's end, released at its finish)
+                    changed = True
                     del self._inflight[rid]
                 continue
             if isinstance(ev, FirstTokenProduced):
                 changed = True
                 self._prefilled(w, st, ev.at)
             elif isinstance(ev, RequestFinished):
+                changed = True
                 self._served(w, rid, st, ev.at)
         if changed or model.waiting > 0 or model.head_blocked:
             self._notify_load(w, now, admitted or 0.0)
