@@ -717,24 +717,3 @@ def test_the_rooms_kept_per_region_read_as_one_table_of_every_worker_would(ops) 
             assert edge.local_rooms(now=now) == tuple(
                 (ids[i], edge.room(i, now=now)) for i in sorted(table)
                 if ids[i].startswith("us-") and len(edge.room(i, now=now)) > 1)
-
-
-def test_running_counts_are_the_own_regions_readings_and_its_least_for_remote_workers() -> None:
-    q = us_edge()
-    ids = CFG.worker_ids()
-    us = [i for i, w in enumerate(ids) if w.startswith("us-")]
-    assert q.running is None  # nothing runs: no decode to pause anywhere
-    q.set_local("us-0", 0.0, now=1.0, running=5)
-    running = q.running
-    assert running[ids.index("us-0")] == 5.0 and running[EU0] == 0.0  # an own worker runs nothing
-    for k, i in enumerate(us):
-        q.set_local(ids[i], 0.0, now=1.0, running=2 + k)
-    running = q.running
-    assert [running[i] for i in us] == [2.0 + k for k in range(len(us))]
-    # A remote count never reaches the edge: it runs as many as the least busy own worker.
-    assert running[EU0] == 2.0 and all(running[i] == 2.0 for i, w in enumerate(ids) if not w.startswith("us-"))
-    with pytest.raises(ValueError):
-        running[0] = 1.0  # read-only
-    for i in us:
-        q.set_local(ids[i], 0.0, now=2.0, running=0)
-    assert q.running is None

@@ -218,33 +218,3 @@ def test_an_invalid_tier_code_is_not_charged_and_does_not_crash() -> None:
     result = scorer.score(64, matched, tier, queue, belief)
     assert result.scores[US0] == pytest.approx(0.5)
     assert result.terms(US0).tier is Tier.ABSENT and result.terms(US0).reload_ms == 0.0
-
-
-def test_decode_stall_prices_the_pause_of_every_running_request() -> None:
-    # score.decode_stall: weight x running x (beta x the tokens it computes + gamma x the DRAM
-    # tokens it reloads), the prefill's own length at lambda 0 paid once per paused request.
-    scorer = JointScorer(CFG, "us")
-    matched, tier, _, belief = inputs()
-    matched[US0], tier[US0] = 1000, Tier.VRAM
-    matched[US1], tier[US1] = 1000, Tier.DRAM
-    belief[US1] = 0.5  # credited with 500 of its 1,000 tokens
-    running = np.zeros(N)
-    running[US0], running[US1], running[EU0] = 3, 2, 1
-    stall = scorer.stall_ms(1.0, 4000, matched, tier, belief, running)
-    assert stall[US0] == pytest.approx(3 * BETA * 3000)
-    assert stall[US1] == pytest.approx(2 * (BETA * 3500 + GAMMA * 500))
-    assert stall[EU0] == pytest.approx(1 * BETA * 4000)
-    assert stall[ASIA0] == 0.0  # runs nothing: nothing to pause
-    half = scorer.stall_ms(0.5, 4000, matched, tier, belief, running)
-    assert half == pytest.approx(stall / 2)
-    # A load-blind score prices no load, this included; tier-blind reloads nothing.
-    assert not scorer.stall_ms(1.0, 4000, matched, tier, belief, running, Ablation.without("load_aware")).any()
-    blind = scorer.stall_ms(1.0, 4000, matched, tier, belief, running, Ablation.without("tier_aware"))
-    assert blind[US1] == pytest.approx(2 * BETA * 3500)
-
-
-def test_decode_stall_weight_is_checked() -> None:
-    assert ScoreParams().decode_stall_weight == 0.0  # off unless asked for
-    assert ScoreParams(decode_stall_weight=1).decode_stall_weight == 1.0
-    with pytest.raises(ValueError, match="decode_stall_weight"):
-        ScoreParams(decode_stall_weight=-0.5)

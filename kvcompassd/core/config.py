@@ -454,17 +454,6 @@ class ScoreParams:
     # (issue 28: long-context at 1x the testbed's capacity, seed 1, two asia requests sent to us
     # workers a 7-9 s prefill had just taken: TTFT 17.3 and 16.6 s, P99 16.7 s against 12.3).
     urgent_broadcast_ms: float = 1000.0
-    # A worker runs a prefill before its next decode step (SGLang's and this simulator's
-    # prefill-first scheduling), so a prompt's prefill pauses every request the worker is
-    # decoding for as long as it lasts. With a weight > 0 the score adds it times that pause
-    # times the requests the worker is running (own-region workers from their readings, others
-    # as the own region's least busy): the delay the choice imposes on others, beside the
-    # request's own wait; 1 counts each paused request's delay in full. Off by default: at 1 it
-    # ended the run-tail stalls it was made for (issue 28: a 126 K-token prompt sent, for a
-    # 640-token match worth 54 ms, to a worker decoding two requests while 25 ran nothing) but
-    # spread long prompts off their holders, and >=32 K reuse fell 1-2.5 points on the
-    # long-context testbed points (README, "A prefill pauses the worker's decodes").
-    decode_stall_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _check_float("lambda_max", self.lambda_max, lo=0.0)
@@ -485,10 +474,9 @@ class ScoreParams:
                 _fail(name, f"expected true or false, got {getattr(self, name)!r}")
         _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
         _check_float("urgent_broadcast_ms", self.urgent_broadcast_ms, lo=0.0)
-        _check_float("decode_stall_weight", self.decode_stall_weight, lo=0.0)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",
-                     "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms", "decode_stall_weight"):
+                     "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms"):
             _as_float(self, name)
 
 

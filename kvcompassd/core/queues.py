@@ -167,12 +167,6 @@ class QueueEstimates:
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
         self._occupied = 0  # own-region workers whose occupancy is > 0 (none: nothing to add)
-        # Requests each own-region worker is running, as its last reading said, for the score's
-        # decode stall (Router; ``running``). A remote worker's count reaches no edge.
-        self._running = np.zeros(n)
-        self._running_workers = 0  # own-region workers running something
-        self._local_mask = local
-        self._n_local = int(local.sum())
         # Workers short of VRAM room: index -> (read at, ms steps, free tokens per step); the
         # own region's from their readings (set_room), the others' from their edges' room
         # broadcasts (on_room_broadcast), read one way ago. Also kept per region (which of its
@@ -339,8 +333,6 @@ class QueueEstimates:
         occupancy = self._occupancy_ms_per_running * int(running)
         self._occupied += (occupancy > 0.0) - (self._occupancy.item(i) > 0.0)
         self._occupancy[i] = occupancy
-        self._running_workers += (int(running) > 0) - (self._running.item(i) > 0.0)
-        self._running[i] = float(running)
         self._store([(i, queue)], float(now))  # a new _ms: queue_ms recomputes with the occupancy
 
     def set_room(self, worker_id: str, steps, *, now: float) -> None:
@@ -728,25 +720,6 @@ class QueueEstimates:
             corrected = _snapshot(corrected)
         self._corrected = (now, ms, corrected)
         return corrected
-
-    @property
-    def running(self) -> np.ndarray | None:
-        """Requests each worker is running (config worker order), or None while no own-region
-        worker runs any. Own-region workers' counts are their last readings; a remote worker's
-        does not reach the edge, and it is taken to run as many as the own region's least busy
-        worker: an unknown count must not look idle (a choice abroad would then look free of
-        stalls and every long prompt would leave), and the least busy own worker is the
-        alternative the edge has at home. Read-only; read it within a decision."""
-        if not self._running_workers:
-            return None
-        running = self._running
-        if self._n_local < len(running):
-            least = running[self._local_mask].min() if self._running_workers == self._n_local else 0.0
-            running = np.where(self._local_mask, running, least)
-        else:
-            running = running.view()
-        running.setflags(write=False)
-        return running
 
     def aging_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The arrays ``queue_ms(now)`` reads that change in place: (taken_at, rate, occupancy,

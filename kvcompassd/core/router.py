@@ -141,7 +141,6 @@ class Router:
         self._beta_list = self.scorer.beta_list
         self.rates = LearnedRates(cfg, region)
         self._gamma = self.scorer.gamma
-        self._stall_weight = cfg.score.decode_stall_weight if self.ablation.load_aware else 0.0
         hold_ms = cfg.score.pending_hold_ms
         self.pending = (PendingHoldings(self.lookup.group_lengths, self.lookup.query_lengths, self.layout.worker_group,
                                         hold_s=hold_ms / 1000.0,
@@ -220,40 +219,11 @@ class Router:
         if arrays is None:
             result = ScoreResult(best, self._worker_ids[best], lam, scores, self.scorer, prompt_len, matched, tier,
                                  queue, belief, self.ablation, eligible, complete)
-        else:
-            result = score_result_from_arrays(best, self._worker_ids[best], lam, self.scorer, prompt_len, belief,
-                                              self.ablation, eligible, complete, arrays, best_matched, best_tier)
-        running = queues.running if self._stall_weight else None
-        if running is not None and running.item(chosen) > 0.0:
-            if arrays is not None:
-                matched, tier, queue = arrays.matched(), arrays.tier(), arrays.queue()
-            result, stalled = self._with_decode_stall(result, prompt_len, matched, tier, belief, queue, eligible,
-                                                      running)
-            # (the C call's miss summary is of its own winner: the detector sums another's itself)
-            return self._conclude(prompt_len, matched, tier, family_key, result, stalled, belief, now,
-                                  miss if stalled == chosen else None, keys, None)
-        if arrays is None:
             return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, miss, keys, None)
+        result = score_result_from_arrays(best, self._worker_ids[best], lam, self.scorer, prompt_len, belief,
+                                          self.ablation, eligible, complete, arrays, best_matched, best_tier)
         return self._conclude_fused(prompt_len, arrays, claimed, code, family_key, result, chosen, belief, now, miss,
                                     keys)
-
-    def _with_decode_stall(self, result: ScoreResult, prompt_len: int, matched: np.ndarray, tier: np.ndarray,
-                           belief: np.ndarray, queue: np.ndarray, eligible: np.ndarray | None,
-                           running: np.ndarray) -> tuple[ScoreResult, int]:
-        """The decision again with each worker's decode stall (``score.decode_stall``) added to
-        its score: the pause the prompt's prefill imposes on the requests it is running. Only a
-        winner that runs something can lose by it (the term is never negative), so the caller
-        asks only then. Returns the result (its queue the estimates, its scores with the stall)
-        and the winner, exact ties rotated as ``_rotate_ties`` does."""
-        scorer = self.scorer
-        stall = scorer.stall_ms(self._stall_weight, prompt_len, matched, tier, belief, running, self.ablation)
-        scores = result.scores + stall
-        best = int(scores.argmin())
-        if not math.isfinite(scores.item(best)):
-            raise NoEligibleWorkerError("no eligible worker for this request")
-        stalled = ScoreResult(best, self._worker_ids[best], result.lam, scores, scorer, prompt_len, matched, tier,
-                              queue, belief, self.ablation, eligible, True, stall)
-        return stalled, self._rotate_ties(stalled)
 
     def _decide_reference(self, tokens, *, now: float, exclude: Collection[int]) -> ForwardDecided:
         found = self.lookup.lookup(tokens)
@@ -310,9 +280,6 @@ class Router:
             raise NoEligibleWorkerError("no eligible worker for this request")
         result = ScoreResult(best, self._worker_ids[best], lam, scores, scorer, prompt_len, matched, tier, queue,
                              belief, self.ablation)
-        running = self.queues.running if self._stall_weight else None
-        if running is not None and running.item(chosen) > 0.0:
-            result, chosen = self._with_decode_stall(result, prompt_len, matched, tier, belief, queue, eligible, running)
         return self._conclude(prompt_len, matched, tier, family_key, result, chosen, belief, now, None, keys, shown)
 
     def decide_from(self, found: LookupResult, *, now: float, exclude: Collection[int] = ()) -> ForwardDecided:
@@ -326,18 +293,18 @@ class Router:
         belief = self.belief.values
         queue = self.queues.queue_ms(now=now)
         roomy = self._with_room_wait(found.prompt_len, found.matched, found.tier, belief, queue, now)
-        if roomy is not None:
-            queue = roomy
-        eligible = self._eligible(exclude) if exclude else None
-        result = self.scorer.score(found.prompt_len, found.matched, found.tier, queue, belief, ablation=self.ablation,
-                                   eligible=eligible, native=self.native)
-        chosen = self._rotate_ties(result)
-        running = self.queues.running if self._stall_weight else None
-        if running is not None and running.item(chosen) > 0.0:
-            result, chosen = self._with_decode_stall(result, found.prompt_len, found.matched, found.tier, belief,
-                                                     queue, eligible, running)
+        result = self.scorer.score(
+            found.prompt_len,
+            found.matched,
+            found.tier,
+            queue if roomy is None else roomy,
+            belief,
+            ablation=self.ablation,
+            eligible=self._eligible(exclude) if exclude else None,
+            native=self.native,
+        )
         return self._conclude(found.prompt_len, found.matched, found.tier, found.family_key, result,
-                              chosen, belief, now, None, keys, shown)
+                              self._rotate_ties(result), belief, now, None, keys, shown)
 
     def _rotate_ties(self, result: ScoreResult) -> int:
         chosen = result.chosen

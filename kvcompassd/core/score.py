@@ -28,7 +28,7 @@ from .config import ClusterConfig
 from .events import Tier
 from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreBlocks, ScoreKernel, top_k
 
-__all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms", "decode_stall",
+__all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms",
            "score_result_from_arrays"]
 
 _TIERS = (Tier.ABSENT, Tier.VRAM, Tier.DRAM)
@@ -62,19 +62,6 @@ def request_terms(cost_per_token, prompt_len, effective, reload_per_token):
     return cost_per_token * (prompt_len - effective), reload_per_token * effective
 
 
-def decode_stall(weight, running, prefill_per_token, prompt_len, effective, reload_per_token):
-    """The score's price for the pause a prompt's prefill imposes on the requests its worker is
-    decoding (``score.decode_stall_weight``; floats or arrays):
-
-        stall = weight · running · (β·(L − e) + γ·e·[DRAM])
-
-    A worker runs a prefill before its next decode step (prefill-first scheduling: SGLang's
-    default, and the worker model's), so each of its ``running`` requests waits the prefill's
-    whole length, the request's own terms of ``joint_score`` at λ = 0 (``request_terms``).
-    The Router adds it where a worker runs something (``Router.decide``)."""
-    return weight * running * (prefill_per_token * (prompt_len - effective) + reload_per_token * effective)
-
-
 @dataclass(frozen=True, slots=True)
 class ScoreTerms:
     """One worker's score broken into its terms (ms), for logs and inspection."""
@@ -89,7 +76,6 @@ class ScoreTerms:
     tier: Tier
     belief: float
     total: float
-    stall_ms: float = 0.0  # the pause its prefill imposes on the worker's decoding requests, weighted
 
 
 class ScoreResult:
@@ -112,7 +98,7 @@ class ScoreResult:
     def __init__(self, chosen: int, worker: str, lam: float, scores: np.ndarray, scorer: JointScorer,
                  prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue: np.ndarray,
                  belief: np.ndarray, ablation: Ablation, eligible: np.ndarray | None = None,
-                 complete: bool = True, stall: np.ndarray | None = None) -> None:
+                 complete: bool = True) -> None:
         # Written through the slot descriptors (``__setattr__`` refuses).
         _set_chosen(self, chosen)
         _set_worker(self, worker)
@@ -121,9 +107,9 @@ class ScoreResult:
         # the others' scores are computed when something reads them (the same C loop, same bits).
         # [scores, scorer, prompt_len, matched, tier, queue, belief, ablation, eligible, complete,
         #  top (k, the top k's terms) once asked for, DecisionArrays or None, the chosen's match
-        #  and tier when the arrays are not made yet, the decode stall each score includes or None]
+        #  and tier when the arrays are not made yet]
         _set_state(self, [scores, scorer, prompt_len, matched, tier, queue, belief, ablation, eligible, complete,
-                          None, None, 0, 0, stall])
+                          None, None, 0, 0])
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ScoreResult is read-only")
@@ -199,7 +185,6 @@ class ScoreResult:
             effective = min(belief * matched, prompt_len)
         prefill, reload = request_terms((1.0 + self.lam) * s.beta_list[index], prompt_len, effective,
                                         s.gamma if ab.tier_aware and tier is Tier.DRAM else 0.0)
-        stall = state[_STALL]
         return ScoreTerms(
             s.worker_ids[index],
             s.worker_regions[index],
@@ -211,7 +196,6 @@ class ScoreResult:
             tier,
             belief,
             total,
-            0.0 if stall is None else float(stall.item(index)),
         )
 
     def top(self, k: int = 3) -> tuple[ScoreTerms, ...]:
@@ -237,7 +221,7 @@ class ScoreResult:
 
 
 (_SCORES, _SCORER, _PROMPT_LEN, _MATCHED, _TIER, _QUEUE, _BELIEF, _ABLATION, _ELIGIBLE, _COMPLETE, _TOP, _ARRAYS,
- _CHOSEN_MATCHED, _CHOSEN_TIER, _STALL) = range(15)
+ _CHOSEN_MATCHED, _CHOSEN_TIER) = range(14)
 _set_chosen, _set_worker, _set_lam, _set_state = (getattr(ScoreResult, name).__set__ for name in ScoreResult.__slots__)
 _new_result = object.__new__
 
@@ -253,7 +237,7 @@ def score_result_from_arrays(chosen: int, worker: str, lam: float, scorer: Joint
     _set_worker(result, worker)
     _set_lam(result, lam)
     _set_state(result, [None, scorer, prompt_len, None, None, None, belief, ablation, eligible, complete, None,
-                        arrays, chosen_matched, chosen_tier, None])
+                        arrays, chosen_matched, chosen_tier])
     return result
 
 
@@ -306,21 +290,6 @@ class JointScorer:
         np.copyto(self._beta_buffer, rates)
         self._blocks.refresh()
         self.beta_list = tuple(self._beta_buffer.tolist())
-
-    def stall_ms(self, weight: float, prompt_len: int, matched: np.ndarray, tier: np.ndarray, belief: np.ndarray,
-                 running: np.ndarray, ablation: Ablation = FULL) -> np.ndarray:
-        """Every worker's ``decode_stall`` for this prompt (ms, worker order): ``running`` requests
-        paused for its prefill there, which reuses what the score credits the worker with (the
-        effective match, reloaded from DRAM at gamma). Zeros without load awareness (the stall
-        is a load term)."""
-        if not ablation.load_aware:
-            return np.zeros(self.n_workers)
-        length = float(prompt_len)
-        effective = np.minimum(belief * matched, length)
-        if not ablation.cross_region:
-            effective = effective * self._local_factor
-        reload = self._reload_by_tier.take(tier) if ablation.tier_aware else 0.0
-        return decode_stall(weight, running, self.beta, length, effective, reload)
 
     def _bad_shape(self, name: str, array: object) -> ScoreInputError:
         shape = getattr(array, "shape", type(array).__name__)
