@@ -114,6 +114,14 @@ def test_prompts_share_prefixes_and_never_repeat(tool):
     assert [again.next() for _ in range(50)] == seen  # every arm gets the same stream
 
 
+def test_the_plane_is_quiet_only_after_enough_quiet_slices_in_a_row(tool):
+    # A replay that starts after a quiet second (an agent's probe of its idle engine) is not idling.
+    assert not tool.quiet_for([0.05], 0.1, 3)
+    assert not tool.quiet_for([0.05, 0.9, 0.05, 0.05], 0.1, 3)
+    assert tool.quiet_for([0.9, 0.05, 0.05, 0.05], 0.1, 3)
+    assert tool.quiet_for([0.05], 0.1, 1)
+
+
 def test_router_command_lines(tool):
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     smg = tool.router_argv("smg", "/v/bin/smg", 9000, urls)

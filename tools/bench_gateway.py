@@ -166,6 +166,11 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def quiet_for(rates: list[float], cores: float, slices: int) -> bool:
+    """Whether the last ``slices`` of the CPU ``rates`` sampled (cores) were each below ``cores``."""
+    return len(rates) >= slices and all(rate < cores for rate in rates[-slices:])
+
+
 def compare(direct: list[dict], routed: list[dict], idle: dict[str, float] | None = None) -> dict:
     """An arm's ABBA windows at one concurrency against its direct ones: means over each side's
     windows (their order cancels a linear drift of the machine's load). With the arm's ``idle``
@@ -402,19 +407,21 @@ class Bench:
         return self.args.seconds if self.mode == "zero-delay" else self.args.service_seconds
 
     async def until_quiet(self, pids: dict[str, list[int]]) -> float:
-        """Wait (1 s slices, up to ``--quiet-limit`` s) until the arm's processes together burn
-        less than ``--quiet-cores``; returns the seconds waited. A starting kvcompassd plane
-        replays each worker's KV-event history into its agent (0.6 cores for ~2 s after the
-        direct windows' traffic, longer on a loaded machine): sampled then, its "idle" figure was
-        that catch-up, not idling."""
+        """Wait (1 s slices, up to ``--quiet-limit`` s) until the arm's processes together have
+        burnt less than ``--quiet-cores`` for ``--quiet-slices`` slices in a row; returns the
+        seconds waited. A starting kvcompassd plane replays each worker's KV-event history into
+        its agent (0.6-1 core for seconds after the direct windows' traffic): sampled then, its
+        "idle" figure was that catch-up, not idling. The replay starts when an agent's probe of
+        its idle engine finds the gap, which can be a quiet second or more after the start."""
         args = self.args
         began = time.monotonic()
+        rates: list[float] = []
         while time.monotonic() - began < args.quiet_limit:
             before = sum(tree_cpu_seconds(p) for v in pids.values() for p in v)
             t0 = time.monotonic()
             await asyncio.sleep(1.0)
-            if (sum(tree_cpu_seconds(p) for v in pids.values() for p in v) - before) / (time.monotonic() - t0) \
-                    < args.quiet_cores:
+            rates.append((sum(tree_cpu_seconds(p) for v in pids.values() for p in v) - before) / (time.monotonic() - t0))
+            if quiet_for(rates, args.quiet_cores, args.quiet_slices):
                 break
         return time.monotonic() - began
 
@@ -627,6 +634,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet-cores", type=float, default=0.1,
                    help="then wait until the arm's processes burn less than this many cores (1 s slices)")
     p.add_argument("--quiet-limit", type=float, default=30.0, help="... for at most this many seconds")
+    p.add_argument("--quiet-slices", type=int, default=3, help="... this many 1 s slices in a row")
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)
