@@ -123,6 +123,24 @@ def unpack_frames(data: bytes):
         raise ValueError(f"a control datagram ends inside a frame ({len(data) - start} bytes left)")
 
 
+# What applying a well-formed frame with wrong contents raises (an unknown worker, a bad charge).
+FRAME_ERRORS = (ValueError, TypeError, IndexError, KeyError, OverflowError)
+
+
+def handle_frames(data: bytes, handle: Any, refused: str) -> None:
+    """Each frame of one control datagram to ``handle(frame, packed)``, in order: a frame it
+    refuses (``FRAME_ERRORS``) is logged as ``refused`` and the next one goes on; a malformed
+    datagram is logged where it stops making sense."""
+    try:
+        for frame, packed in unpack_frames(data):
+            try:
+                handle(frame, packed)
+            except FRAME_ERRORS as exc:
+                log.warning(refused, error=str(exc))
+    except (ValueError, msgpack.UnpackException) as exc:
+        log.warning(refused, error=str(exc))
+
+
 class FrameBatch:
     """The frames a process sends one control socket during a pass of its event loop, back to
     back in one datagram sent at the end of the pass (or sooner, when the next frame would not
@@ -575,17 +593,9 @@ class SyncEdgeNode(EdgeNode):
         except OSError:
             data = b""
         if data:
-            charged = False
-            try:
-                for frame, packed in unpack_frames(data):
-                    try:
-                        charged = self._from_front_door_frame(sock, ready, frame, packed) or charged
-                    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
-                        log.warning("front door frame refused", error=str(exc))
-            except (ValueError, msgpack.UnpackException) as exc:
-                log.warning("front door frame refused", error=str(exc))
-            if charged:
-                self.wake_broadcasts()  # a front door's long prompt: the other regions hear now
+            handle_frames(data, lambda frame, packed: self._from_front_door_frame(sock, ready, frame, packed),
+                          "front door frame refused")
+            self.wake_broadcasts()  # if a front door's long prompt made them urgent: the other regions hear now
             return
         # The front door exited: its socket left the port's group, the others keep serving.
         loop = asyncio.get_running_loop()
@@ -602,8 +612,8 @@ class SyncEdgeNode(EdgeNode):
         self.front_doors_restarted += 1
         self._tasks.append(asyncio.create_task(self._replace_front_door(child)))
 
-    def _from_front_door_frame(self, sock: socket.socket, ready: asyncio.Future, frame: Any, packed: bytes) -> bool:
-        """One frame from a front door; True for a charge frame (process 0's broadcasts may be due)."""
+    def _from_front_door_frame(self, sock: socket.socket, ready: asyncio.Future, frame: Any, packed: bytes) -> None:
+        """One frame from a front door."""
         kind = frame[0] if frame.__class__ is list and frame else None
         if kind == "ready" and not ready.done():
             ready.set_result(frame[1])
@@ -612,7 +622,6 @@ class SyncEdgeNode(EdgeNode):
             # A front door's charge: held here too, and passed on to the other front doors.
             self.router.queues.apply_frame(frame, now=self.clock())
             self.fanout.send_packed(packed, but=sock)
-            return True
         elif kind in LEDGER_FRAMES and self.router.pending is not None:
             self.router.pending.apply_frame(frame, now=self.clock())
             self.fanout.send_packed(packed, but=sock)
@@ -620,7 +629,6 @@ class SyncEdgeNode(EdgeNode):
             task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
             self._metrics_sends.add(task)
             task.add_done_callback(self._metrics_sends.discard)
-        return False
 
     async def _send_metrics(self, sock: socket.socket, asked: int) -> None:
         """The edge's metrics (this process's and every front door's) to the front door that
@@ -862,14 +870,7 @@ class FrontDoorProcess:
                 log.warning("edge process gone: stopping this front door")
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            try:
-                for frame, _ in unpack_frames(data):
-                    try:
-                        self.apply_control(frame)
-                    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
-                        log.warning("control frame refused", error=str(exc))
-            except (ValueError, msgpack.UnpackException) as exc:
-                log.warning("control frame refused", error=str(exc))
+            handle_frames(data, lambda frame, _: self.apply_control(frame), "control frame refused")
 
     def apply_control(self, frame: list) -> None:
         kind = frame[0]

@@ -375,16 +375,23 @@ class QueueVectorBroadcast(WireMessage):
         Delta broadcasts go to every other region at once (63 copies of one vector at 64 regions)."""
         if not to_regions:
             return ()
-        first = cls(from_region, to_regions[0], sent_at, vector, steady)
-        out = [first]
-        for to_region in to_regions[1:]:
-            msg = object.__new__(cls)
-            for name in ("from_region", "sent_at", "vector", "steady"):
-                object.__setattr__(msg, name, getattr(first, name))
-            object.__setattr__(msg, "to_region", REGION.check(to_region, "QueueVectorBroadcast.to_region"))
-            msg._check()  # the class's own rules across fields, as its constructor runs them
-            out.append(msg)
-        return tuple(out)
+        return _readdressed(cls(from_region, to_regions[0], sent_at, vector, steady), to_regions)
+
+
+def _readdressed(first: WireMessage, to_regions: tuple[str, ...] | list[str]) -> tuple[WireMessage, ...]:
+    """``first`` (addressed to ``to_regions[0]``, built and checked as any message) and a copy of
+    it to each other region of ``to_regions``: its fields taken as they are, only ``to_region``
+    checked. For broadcasts whose cross-field rules (``_check``) do not read ``to_region``."""
+    cls = type(first)
+    where = f"{cls.__name__}.to_region"
+    out = [first]
+    for to_region in to_regions[1:]:
+        msg = object.__new__(cls)
+        for name in cls.WIRE:
+            object.__setattr__(msg, name, getattr(first, name))
+        object.__setattr__(msg, "to_region", REGION.check(to_region, where))
+        out.append(msg)
+    return tuple(out)
 
 
 def check_room_steps(steps: Any, where: str) -> tuple[tuple[float, int], ...]:
@@ -422,15 +429,7 @@ class RoomVectorBroadcast(WireMessage):
         as any message; each destination's name on its own."""
         if not to_regions:
             return ()
-        first = cls(from_region, to_regions[0], sent_at, rooms)
-        out = [first]
-        for to_region in to_regions[1:]:
-            msg = object.__new__(cls)
-            for name in ("from_region", "sent_at", "rooms"):
-                object.__setattr__(msg, name, getattr(first, name))
-            object.__setattr__(msg, "to_region", REGION.check(to_region, "RoomVectorBroadcast.to_region"))
-            out.append(msg)  # _check reads only the rooms, checked with the first
-        return tuple(out)
+        return _readdressed(cls(from_region, to_regions[0], sent_at, rooms), to_regions)
 
 
 # Index events reported by agents, worker lifecycle, view copies and load reports.
