@@ -241,6 +241,33 @@ def test_long_lengths_and_bridges_by_hand() -> None:
     assert bridged_lengths(1000, 16384, [], 1.25, 16) == ()
 
 
+
+def _bridged_by_scans(last: int, top: int, registered: list[int], growth: float, block: int) -> tuple[int, ...]:
+    """The first implementation (list scans), kept as the reference for the bisecting one."""
+    between = [c for c in registered if last < c < top]
+    out: list[int] = []
+    current = last
+    while True:
+        reach = -(-math.ceil(current * growth - 1e-9) // block) * block
+        if top <= reach:
+            return tuple(out)
+        ahead = [c for c in between if c > current]
+        if not ahead:
+            return tuple(out)
+        within = [c for c in ahead if c <= reach]
+        current = within[-1] if within else ahead[0]
+        out.append(current)
+
+
+@settings(max_examples=300, deadline=None)
+@given(registered=st.lists(st.integers(1, 4000).map(lambda b: b * 16), max_size=60, unique=True).map(sorted),
+       last=st.integers(1, 3000).map(lambda b: b * 16), span=st.integers(1, 3000).map(lambda b: b * 16),
+       growth=st.sampled_from([1.05, 1.25, 1.5, 2.0]))
+def test_bridged_lengths_bisecting_equals_scans(registered: list[int], last: int, span: int, growth: float) -> None:
+    top = last + span
+    assert bridged_lengths(last, top, registered, growth, 16) == _bridged_by_scans(last, top, registered, growth, 16)
+
+
 regions = st.integers(2, 4)
 
 

@@ -99,12 +99,14 @@ class Router:
         tenant: str | None = None,
         top_k: int = 3,
         native: bool = True,
+        plan: LevelPlan | None = None,
     ):
         self.cfg = cfg
         self.region = region
         self.ablation = ablation or Ablation()
         self.layout: IndexLayout = view.layout
-        self.plan = LevelPlan.from_config(cfg)
+        # A simulator's edges share one plan: it is the config's, and immutable.
+        self.plan = LevelPlan.from_config(cfg) if plan is None else plan
         salt = namespace_salt(cfg.model, cfg.tenant if tenant is None else tenant)
         self.native = native
         self.lookup = PrefixLookup(self.layout, self.plan, region, salt, view, consistency=consistency, native=native)

@@ -158,7 +158,8 @@ class KVCompassPolicy(BasePolicy):
                             for r in self.regions]
         self._edge_of = {v.edge: i for i, v in enumerate(self._edge_views)}
         self.routers = [
-            Router(cfg, r, view, now=0.0, ablation=self.ablation, consistency=consistency, top_k=top_k)
+            Router(cfg, r, view, now=0.0, ablation=self.ablation, consistency=consistency, top_k=top_k,
+                   plan=self.plan)
             for r, view in zip(self.regions, self._edge_views)
         ]
         self._shared_option = shared_views
