@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 
 import pytest
 
-from kvcompassd.sim.schemes import TRACES, make_workload, traces_dir
+from kvcompassd.sim.schemes import TRACES, make_workload, prompt_lengths, traces_dir
 from kvcompassd.sim.workloads import WorkloadError
 
 # The sha256 each trace's SOURCE.md records: the shipped copy is the published one, whole.
@@ -63,3 +64,13 @@ def test_a_trace_file_replays_as_the_mooncake_workload_at_the_asked_rate():
         make_workload("mooncake", 1.0, {"us": 1.0}, trace=FORMAT / "bad_json.jsonl")
     with pytest.raises(WorkloadError, match="does not exist"):
         make_workload("mooncake", 1.0, {"us": 1.0}, trace=FORMAT / "nope.jsonl")
+
+
+@pytest.mark.parametrize("name", ["mixed", "mixed-hot", "long", "wildchat", "azure-code", "mooncake"])
+def test_prompt_lengths_are_the_workloads_own_in_order(name):
+    """What the no-reuse capacity reads: drawn without tokens for the synthetic workloads, and
+    the same lengths, in the same order, as the requests the workload yields."""
+    weights = {"us": 2.0, "eu": 1.0}
+    requests = list(itertools.islice(make_workload(name, 50.0, weights, seed=3), 300))
+    lengths = list(itertools.islice(prompt_lengths(name, 50.0, weights, seed=3), 300))
+    assert lengths == [r.prompt_tokens for r in requests] and len(set(lengths)) > 10

@@ -515,8 +515,8 @@ def main(argv=None) -> int:
     writes = measure_writes(sim_cfg, load=args.load, seconds=args.sim_seconds, cache_divisor=args.sim_cache_divisor,
                             seed=args.seed)
     topo = Topology.from_config(sim_cfg)
-    prompts = [r.prompt_tokens for r in itertools.islice(make_workload(WORKLOAD, 1000.0, region_weights(topo),
-                                                                       seed=args.seed), args.prompt_sample)]
+    prompts = list(itertools.islice(prompt_lengths(WORKLOAD, 1000.0, region_weights(topo), seed=args.seed),
+                                    args.prompt_sample))
     len_sim, len_target = lengths_per_prompt(sim_cfg, prompts), lengths_per_prompt(target, prompts)
     filtering = measure_filtering(target, prompts[: max(50, args.prompt_sample // 10)], seed=args.seed)
     sizes = [int(x) for x in args.decision_sizes.split(",") if x]

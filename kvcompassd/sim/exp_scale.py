@@ -40,7 +40,7 @@ from .cli import GridPoint, _run_point, grid_points, resolve_deployment
 from .engine import SimSettings
 from .exp_long import _pool_inputs, _seeds, pool
 from .policy import Topology
-from .schemes import DEFAULT_EVICTION, make_workload, region_weights
+from .schemes import DEFAULT_EVICTION, prompt_lengths, region_weights
 
 __all__ = ["SCALE_DEPLOYMENT", "SCALE_FRACTIONS", "SCALE_SCHEMES", "lambda0", "measured_point", "pool_scale",
            "run_scale", "scale"]
@@ -64,9 +64,9 @@ POOLED_COLUMNS = (("scheme", "scheme", "{}"), ("rate", "req/s", "{:.0f}"), ("loa
 
 def lambda0(topo: Topology, workload: str = SCALE_WORKLOAD, *, seed: int = 0, sample: int = 20_000) -> float:
     """The fleet's no-reuse capacity in req/s: workers / mean prefill time of a request."""
-    requests = itertools.islice(make_workload(workload, 1000.0, region_weights(topo), seed=seed), sample)
+    lengths = itertools.islice(prompt_lengths(workload, 1000.0, region_weights(topo), seed=seed), sample)
     beta = float(np.mean(topo.prefill_ms_per_token))
-    service_s = float(np.mean([r.prompt_tokens * beta for r in requests])) / 1000.0
+    service_s = float(np.mean([n * beta for n in lengths])) / 1000.0
     return topo.n_workers / service_s
 
 

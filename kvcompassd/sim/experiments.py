@@ -290,13 +290,13 @@ def fig9(args) -> list[dict]:
     from kvcompassd.core.config import load_config
 
     from .policy import Topology
-    from .schemes import region_weights
+    from .schemes import prompt_lengths, region_weights
 
     topo = Topology.from_config(load_config(cfg_path))
     weights = region_weights(topo)
-    sample = list(itertools.islice(make_workload("mixed", 1000.0, weights, seed=args.seed), 20_000))
+    sample = list(itertools.islice(prompt_lengths("mixed", 1000.0, weights, seed=args.seed), 20_000))
     beta = float(np.mean(topo.prefill_ms_per_token))
-    service = np.array([r.prompt_tokens * beta for r in sample]) / 1000.0  # seconds, no reuse
+    service = np.array([n * beta for n in sample]) / 1000.0  # seconds, no reuse
     es, es2 = service.mean(), (service ** 2).mean()
     lam0 = topo.n_workers / es  # no-reuse capacity, req/s
     fractions = [0.1, 0.3, 0.5, 0.7, 0.9, 1.2, 1.5] if not args.quick else [0.3, 0.7, 1.2]

@@ -18,7 +18,7 @@ from kvcompassd.core.ablation import Ablation
 from .baselines import BASELINES, make_baseline
 from .policy import PolicyError, Topology
 from .synthetic import (MIXED_HOT_SKEW, MIXED_HOT_SKEW_COMMON, AzureWorkload, ChatWorkload, LongContextParams,
-                        LongContextWorkload, MixedWorkload)
+                        LongContextWorkload, MixedWorkload, SessionWorkload)
 from .workloads import (MOONCAKE_BLOCK_TOKENS, Request, WorkloadError, mooncake_requests, read_azure, read_mooncake,
                         rescale)
 
@@ -105,19 +105,39 @@ def make_workload(name: str, rate: float, weights: Mapping[str, float], *, seed:
         if name != "mooncake":
             raise WorkloadError(f"a trace file replays as workload 'mooncake', not {name!r}")
         return mooncake_stream(trace, rate, weights, seed=seed, block_tokens=trace_block_tokens)
-    if name == "mixed":
-        return iter(MixedWorkload(rate, weights, seed=seed))
-    if name == "long":
-        params = LongContextParams() if max_prompt_tokens is None else LongContextParams(max_prompt_tokens=max_prompt_tokens)
-        return iter(LongContextWorkload(rate, weights, seed=seed, params=params))
-    if name == "mixed-hot":  # hot-skew Mixed, full-size prompts (App. C; synthetic.MIXED_HOT_SKEW)
-        return iter(MixedWorkload(rate, weights, seed=seed, params=MIXED_HOT_SKEW, common=MIXED_HOT_SKEW_COMMON))
-    if name in ("wildchat", "lmsys"):
-        return iter(ChatWorkload(rate, weights, flavour=name, seed=seed))
-    if name in ("azure-conv", "azure-code"):
-        kind = name.split("-")[1]
-        trace = read_azure(traces_dir(traces) / "azure_llm_2023" / f"AzureLLMInferenceTrace_{kind}.csv")
-        return iter(AzureWorkload(rate, weights, trace, seed=seed))
+    session = _session_workload(name, rate, weights, seed=seed, traces=traces, max_prompt_tokens=max_prompt_tokens)
+    if session is not None:
+        return iter(session)
     if name == "mooncake":
         return mooncake_stream(traces_dir(traces) / "mooncake" / "synthetic_trace.jsonl", rate, weights, seed=seed)
     raise WorkloadError(f"unknown workload {name!r}; known: {WORKLOADS}")
+
+
+def prompt_lengths(name: str, rate: float, weights: Mapping[str, float], *, seed: int = 0,
+                   traces: str | Path | None = None) -> Iterator[int]:
+    """The prompt length of each request ``make_workload`` yields, in order; the synthetic
+    workloads draw them without making the prompts' tokens."""
+    session = _session_workload(name, rate, weights, seed=seed, traces=traces)
+    if session is not None:
+        return session.prompt_lengths()
+    return (r.prompt_tokens for r in make_workload(name, rate, weights, seed=seed, traces=traces))
+
+
+def _session_workload(name: str, rate: float, weights: Mapping[str, float], *, seed: int,
+                      traces: str | Path | None = None,
+                      max_prompt_tokens: int | None = None) -> SessionWorkload | None:
+    """The synthetic workload ``name`` names, or None when it is a trace replay."""
+    if name == "mixed":
+        return MixedWorkload(rate, weights, seed=seed)
+    if name == "long":
+        params = LongContextParams() if max_prompt_tokens is None else LongContextParams(max_prompt_tokens=max_prompt_tokens)
+        return LongContextWorkload(rate, weights, seed=seed, params=params)
+    if name == "mixed-hot":  # hot-skew Mixed, full-size prompts (App. C; synthetic.MIXED_HOT_SKEW)
+        return MixedWorkload(rate, weights, seed=seed, params=MIXED_HOT_SKEW, common=MIXED_HOT_SKEW_COMMON)
+    if name in ("wildchat", "lmsys"):
+        return ChatWorkload(rate, weights, flavour=name, seed=seed)
+    if name in ("azure-conv", "azure-code"):
+        kind = name.split("-")[1]
+        trace = read_azure(traces_dir(traces) / "azure_llm_2023" / f"AzureLLMInferenceTrace_{kind}.csv")
+        return AzureWorkload(rate, weights, trace, seed=seed)
+    return None
