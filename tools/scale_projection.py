@@ -102,7 +102,7 @@ from kvcompassd.sim.exp_scale import lambda0  # noqa: E402
 from kvcompassd.sim.geo import DEPLOYMENTS, census_fleet, render_toml  # noqa: E402
 from kvcompassd.sim.kvcompass_policy import KVCompassPolicy  # noqa: E402
 from kvcompassd.sim.policy import Topology  # noqa: E402
-from kvcompassd.sim.schemes import DEFAULT_EVICTION, make_workload, region_weights  # noqa: E402
+from kvcompassd.sim.schemes import DEFAULT_EVICTION, make_workload, prompt_lengths, region_weights  # noqa: E402
 from kvcompassd.wire import COMPRESSED_TAG, PROTOCOL_VERSION, compress_encoded, encode  # noqa: E402
 
 WAN_DATAGRAM_BYTES = 1200  # what the daemons send WAN peers: a batch that fits one is sent uncompressed

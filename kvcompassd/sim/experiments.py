@@ -87,7 +87,7 @@ from .cli import (WINDOW_COLUMNS, grid_points, markdown_table, resolve_deploymen
                   write_outputs)
 from .engine import SimSettings
 from .geo import NORTH_AMERICA_16, population_weights
-from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, make_workload, traces_dir
+from .schemes import DEFAULT_EVICTION, PAPER_SCHEMES, traces_dir
 from .workloads import MOONCAKE_BLOCK_TOKENS, WorkloadError, read_mooncake, session_regions
 
 WORKLOADS3 = ("mixed", "wildchat", "lmsys")
