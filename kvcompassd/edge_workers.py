@@ -338,7 +338,7 @@ class SharedLedger:
     queue handles). So a prompt sent by one process is credited to its worker by every process
     until the views show it. ``refuted`` counts this process's refutations only (the edge's
     metric sums the processes'). Sans-IO: ``("credit", origin, dispatch, worker, keys,
-    prompt_len, shown, ready_at, now)``, ``("ready", origin, dispatch, now)``, ``("refute",
+    prompt_len, shown, starts_at, ready_at, now)``, ``("ready", origin, dispatch, now)``, ``("refute",
     origin, dispatch, reused)``, ``("drop", origin, dispatch)``, ``("forget", origin, worker)``."""
 
     def __init__(self, pending: Any, send: Any, *, origin: int) -> None:
@@ -361,11 +361,12 @@ class SharedLedger:
         return self._pending.refuted - self._their_refuted
 
     def note_sent(self, worker: int, keys: np.ndarray, prompt_len: int, shown: int, *, ready_at: float,
-                  now: float, dispatch: int | None = None) -> int:
+                  now: float, dispatch: int | None = None, starts_at: float | None = None) -> int:
         noted = self._pending.note_sent(worker, keys, prompt_len, shown, ready_at=ready_at, now=now,
-                                        dispatch=dispatch)
+                                        dispatch=dispatch, starts_at=starts_at)
         self._send(("credit", self.origin, -1 if dispatch is None else dispatch, worker, keys.tolist(),
-                    int(prompt_len), int(shown), float(ready_at), float(now)))
+                    int(prompt_len), int(shown), float(ready_at if starts_at is None else starts_at),
+                    float(ready_at), float(now)))
         return noted
 
     def mark_ready(self, dispatch: int, *, now: float) -> bool:
@@ -397,7 +398,7 @@ class SharedLedger:
             return
         key = (origin, int(frame[2]))
         if kind == "credit":
-            _, _, sent, worker, keys, prompt_len, shown, ready_at, at = frame
+            _, _, sent, worker, keys, prompt_len, shown, starts_at, ready_at, at = frame
             if not 0 <= int(worker) < len(pending._worker_lengths):
                 raise ValueError(f"no worker {worker}")
             dispatch = None
@@ -409,8 +410,10 @@ class SharedLedger:
                     theirs.popitem(last=False)
                 theirs[key] = dispatch
             at = min(float(at), now)
+            ready_at = max(float(ready_at), at)
             pending.note_sent(int(worker), np.asarray(keys, dtype=np.uint64), int(prompt_len), int(shown),
-                              ready_at=max(float(ready_at), at), now=at, dispatch=dispatch)
+                              starts_at=min(max(float(starts_at), at), ready_at), ready_at=ready_at, now=at,
+                              dispatch=dispatch)
         elif kind == "ready":
             dispatch = self._theirs.get(key)
             if dispatch is not None:

@@ -216,6 +216,12 @@ async def test_a_prompt_sent_by_one_process_is_credited_by_the_others_alike():
         q.note_sent(2, other, prompt_len, 0, ready_at=0.1, now=0.06, dispatch=7 if q is b else 8)
     deliver(now=0.07)
     assert max(alike(keys, 0.2)) == prompt_len and max(alike(other, 0.2)) == prompt_len
+    # Credited from its prefill's start, after a queue ahead of it, in every process alike.
+    queued = keys + 3
+    for q in (a, alone):
+        q.note_sent(4, queued, prompt_len, 0, starts_at=0.15, ready_at=0.18, now=0.07, dispatch=11)
+    deliver(now=0.08)
+    assert max(alike(queued, 0.12)) == 0 and alike(queued, 0.16)[4] == prompt_len
     # A third prompt at worker 3, then again there on the strength of that credit alone.
     third = keys + 2
     for q in (b, alone):

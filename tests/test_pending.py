@@ -39,6 +39,26 @@ def test_a_sent_prompt_is_credited_at_its_workers_lengths_once_ready():
     assert matched.tolist() == [0, 64, 0]
 
 
+
+def test_a_prompt_is_credited_from_its_prefills_start_until_hold_s_after_its_end():
+    """Prefills run in admission order and match at their start: a request sent to the worker
+    once the prompt's prefill has started waits for it and finds it; before, others may come
+    between and evict it."""
+    ledger = _ledger(hold_s=1.0)
+    assert ledger.note_sent(1, KEYS, 130, 0, starts_at=0.3, ready_at=0.45, now=0.0) == 3
+    matched, tier = _view()
+    assert None is ledger.overlay(KEYS.tolist(), matched, tier, now=0.2)  # the queue ahead of it
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=0.35) is not None  # being computed
+    assert matched.tolist() == [0, 128, 0]
+    matched, tier = _view()
+    assert ledger.overlay(KEYS.tolist(), matched, tier, now=1.4) is not None  # within hold_s of 0.45
+    matched, tier = _view()
+    assert None is ledger.overlay(KEYS.tolist(), matched, tier, now=1.46) and len(ledger) == 0
+    for starts_at in (-0.1, 0.5):  # before now, after ready_at
+        with pytest.raises(PendingHoldingsError, match="starts_at"):
+            ledger.note_sent(1, KEYS, 130, 0, starts_at=starts_at, ready_at=0.45, now=0.0)
+
+
 def test_only_lengths_beyond_the_views_match_and_within_the_prompt_are_noted():
     ledger = _ledger()
     assert ledger.note_sent(2, KEYS[:3], 100, 64, ready_at=0.0, now=0.0) == 1  # 96 only: 64 is shown

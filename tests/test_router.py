@@ -153,7 +153,7 @@ def test_exact_ties_rotate_instead_of_piling_onto_the_first_worker():
 
 def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     """The view shows nothing yet (the registration is still crossing the WAN): the pending
-    ledger credits the worker the edge sent the first turn to, once its prefill is done."""
+    ledger credits the worker the edge sent the first turn to, once its prefill has started."""
     cfg, layout, shards, view = _world(pending_hold_ms=1000.0)
     first_turn, follow_up = PROMPT[:1500], PROMPT[:1900]
     router = Router(cfg, "us", view, now=0.0)
@@ -162,10 +162,13 @@ def test_a_fast_follow_up_goes_where_the_edge_just_sent_its_previous_turn():
     later = router.decide(follow_up, now=0.4)
     assert later.worker == first.worker and later.claimed_tokens == 1280  # longest own length <= 1500
     assert later.tier == Tier.VRAM and later.outcome == "local_hit" and later.pending
-    # Ready only after its queue (0) and prefill (1500 tokens x 0.1 ms): 150 ms after dispatch.
+    # Credited from its prefill's start (no queue ahead of it: at once). A follow-up sent while
+    # the first turn is still being computed (1500 tokens x 0.1 ms: until 150 ms) waits for it
+    # there and finds it (prefills run in admission order; the prefix is matched at the start).
     early = Router(cfg, "us", view, now=0.0)
-    early.decide(first_turn, now=0.0)
-    assert early.decide(follow_up, now=0.1).claimed_tokens == 0
+    sent = early.decide(first_turn, now=0.0)
+    during = early.decide(follow_up, now=0.1)
+    assert during.worker == sent.worker and during.claimed_tokens == 1280 and during.pending
     # Had that worker failed the first turn, nothing would be credited to it.
     failed = Router(cfg, "us", view, now=0.0)
     failed.on_failed(failed.decide(first_turn, now=0.0).worker_index)
@@ -563,11 +566,16 @@ def test_a_long_prompt_is_not_sent_abroad_to_a_worker_whose_pinned_vram_only_its
     # queue vector (RoomVectorBroadcast). Knowing only its own region's room, the edge would
     # send the prompt abroad to wait longer there.
     cfg, layout, shards, view = _world()
-    router = Router(cfg, "us", view, now=0.0)
-    for w in ("us-0", "us-1", "us-2"):
-        router.queues.set_local(w, 0.0, now=0.0)
-        router.queues.set_room(w, ((0.0, 500), (500.0, 100_000)), now=0.0)
-    assert router.decide(PROMPT, now=0.0).region == "eu"
+
+    def edge() -> Router:
+        # A new edge each time: one that sent PROMPT would credit its worker with it (pending ledger).
+        router = Router(cfg, "us", view, now=0.0)
+        for w in ("us-0", "us-1", "us-2"):
+            router.queues.set_local(w, 0.0, now=0.0)
+            router.queues.set_room(w, ((0.0, 500), (500.0, 100_000)), now=0.0)
+        return router
+    assert edge().decide(PROMPT, now=0.0).region == "eu"
+    router = edge()
     pinned = ((0.0, 500), (1_020.0, 100_000))  # sent 20 ms (one way) before it is read
     assert router.queues.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.0, (("eu-0", pinned), ("eu-1", pinned))),
                                            now=0.02)

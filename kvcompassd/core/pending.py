@@ -10,11 +10,19 @@ routing: Dynamo's approximate KV indexer, SGLang's cache-aware router tree).
 
 Entries are the prefix keys of the lengths the worker will register (its group's lengths
 toward the edge's region, up to the prompt) beyond what the view already showed at dispatch.
-An entry is credited from ``ready_at``, the edge's estimate of when the worker has computed the
-prompt (the queue it scored plus the prefill it charged): a request that got there sooner would
-find the prefix still being computed. It ends when a lookup finds the view holding that length
-for that worker (from then on the index is authoritative, evictions included) or ``hold_s``
-after ``ready_at`` (the worker may never have cached it: a failed request, a full cache).
+An entry is credited from ``starts_at``, the edge's estimate of when the worker starts computing
+the prompt (the queue it scored ahead of it), until ``hold_s`` after ``ready_at``, when it has
+computed it (that queue plus the prefill it charged). A worker prefills in admission order and
+matches a request's prefix when its prefill starts (SGLang's and vLLM's schedulers, the
+simulator's and the emulator's worker model), so a request sent there once the prompt's prefill
+has started waits for it and finds it; the score charges that wait through the worker's queue.
+Crediting only from ``ready_at`` sent such a request elsewhere to compute the prefix again: on
+census-64x8's long-context sessions, a 125 K-token document whose prefill ended 30 ms after the
+next request for it arrived was computed a second time in another region (issue 28). Before
+the prefill starts the credit is not given: other requests may be admitted between the two and
+evict the prefix. The credit ends early when a lookup finds the view holding that length for
+that worker (from then on the index is authoritative, evictions included); ``hold_s`` after
+``ready_at`` covers a worker that never cached it (a failed request, a full cache).
 A dispatch noted with its id is credited from the moment the edge sees its first token come back
 (``mark_ready``: the worker has computed the prompt), when that is sooner than the estimate: on a
 worker faster than its configured rate the estimate is too late, and a follow-up inside it went
@@ -30,9 +38,9 @@ What the edge sees of the responses corrects the ledger:
   comes back through its registration in the view;
 - with ``from_first_token`` (``[score] pending_from_first_token``, off by default), a dispatch
   noted with its id is credited from its first token and never from the estimate. That suits a
-  worker that matches a prompt when it arrives (the emulator, the simulator's worker), where a
-  follow-up sent while the prompt is still being computed misses; SGLang and vLLM match when
-  they schedule a request, after the prefill ahead of it, so there the follow-up hits.
+  worker that matches a prompt when it arrives, where a follow-up sent while the prompt is still
+  being computed misses; SGLang and vLLM match when they schedule a request, after the prefill
+  ahead of it, so there the follow-up hits (as in the simulator's and the emulator's worker model).
 """
 
 from __future__ import annotations
@@ -97,7 +105,7 @@ class PendingHoldings:
         if any(lengths != sorted(set(lengths)) for lengths, _ in split):
             raise PendingHoldingsError("each group's lengths must ascend (0 pads at the end)")
         self._worker_lengths = tuple(split[g] for g in np.asarray(worker_group).tolist())
-        # key -> its latest dispatch, a record (worker, ready_at, expires, keys, dispatch id or
+        # key -> its latest dispatch, a record (worker, credited from, expires, keys, dispatch id or
         # None) shared by all the keys it noted; records in dispatch order, for purging; records
         # by dispatch id until marked ready. (Few objects per dispatch: the ledger runs once per
         # request, and garbage it leaves costs collector pauses.)
@@ -118,8 +126,10 @@ class PendingHoldings:
         return sum(record[0] == worker for record in self._by_key.values())
 
     def note_sent(self, worker: int, keys: np.ndarray, prompt_len: int, shown: int, *, ready_at: float,
-                  now: float, dispatch: int | None = None) -> int:
-        """Record that ``worker`` will hold, from ``ready_at``, the prompt whose query keys are ``keys``.
+                  now: float, dispatch: int | None = None, starts_at: float | None = None) -> int:
+        """Record that ``worker`` will hold the prompt whose query keys are ``keys``: credited from
+        ``starts_at`` (its prefill's estimated start; default ``ready_at``) until ``hold_s`` after
+        ``ready_at`` (its estimated end).
 
         ``shown`` is the match the worker was credited with at the decision (its view's, raised
         by this ledger); only longer lengths are noted. ``dispatch`` names the request for
@@ -128,6 +138,11 @@ class PendingHoldings:
         """
         if not ready_at >= now:
             raise PendingHoldingsError(f"ready_at must be >= now, got {ready_at!r} < {now!r}")
+        if starts_at is None:
+            starts_at = ready_at
+        elif not now <= starts_at <= ready_at:
+            raise PendingHoldingsError(f"starts_at must be within [now, ready_at], got {starts_at!r} "
+                                       f"outside [{now!r}, {ready_at!r}]")
         self._purge(now)
         lengths, ats = self._worker_lengths[worker]  # ascending
         awaiting = self.from_first_token and dispatch is not None
@@ -142,9 +157,9 @@ class PendingHoldings:
                 record = (worker, _NOT_YET, _NOT_YET, noted, dispatch)
                 self._open(self._by_dispatch, dispatch, record)
             else:
-                record = (worker, ready_at, ready_at + self.hold_s, noted, dispatch)
+                record = (worker, starts_at, ready_at + self.hold_s, noted, dispatch)
                 self._records.append(record)
-                if dispatch is not None and ready_at > now:
+                if dispatch is not None and starts_at > now:
                     self._by_dispatch[dispatch] = record
             by_key = self._by_key
             for key in noted:

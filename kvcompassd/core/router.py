@@ -356,9 +356,12 @@ class Router:
         if keys is not None and (claimed < prompt_len or from_ledger):
             if keys is _KERNEL_KEYS:
                 keys = self._kernel.keys()[:self.lookup.fitting(prompt_len)]
-            # Cached there once the queue ahead of it and its own prefill are done.
-            ready_at = now + (result.queue_ms.item(chosen) + work) / 1000.0
-            self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
+            # Credited once its prefill starts (after the queue ahead of it): a request sent there
+            # later waits for it and finds it. Cached once its own prefill is done too.
+            starts_at = now + result.queue_ms.item(chosen) / 1000.0
+            ready_at = starts_at + work / 1000.0
+            self.pending.note_sent(chosen, keys, prompt_len, claimed, starts_at=starts_at, ready_at=ready_at,
+                                   now=now, dispatch=dispatch)
         # What was ahead of it there, and its own prefill: a wait for other edges' work is no prefill rate.
         self.rates.sent(dispatch, chosen, now=now, ahead_ms=result.queue_ms.item(chosen), work_ms=work)
         return self._decided(worker, chosen, claimed, code, result, prompt_len, local, migration, from_ledger, dispatch)
@@ -385,8 +388,10 @@ class Router:
         if keys is not None and claimed < prompt_len:
             if keys is _KERNEL_KEYS:
                 keys = self._kernel.keys()[:self.lookup.fitting(prompt_len)]
-            ready_at = now + (ahead + work) / 1000.0
-            self.pending.note_sent(chosen, keys, prompt_len, claimed, ready_at=ready_at, now=now, dispatch=dispatch)
+            starts_at = now + ahead / 1000.0
+            ready_at = starts_at + work / 1000.0
+            self.pending.note_sent(chosen, keys, prompt_len, claimed, starts_at=starts_at, ready_at=ready_at,
+                                   now=now, dispatch=dispatch)
         self.rates.sent(dispatch, chosen, now=now, ahead_ms=ahead, work_ms=work)
         return self._decided(worker, chosen, claimed, code, result, prompt_len, local, migration, False, dispatch)
 
