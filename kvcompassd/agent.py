@@ -49,6 +49,7 @@ from kvcompassd.engine.kvevents import (
     BlockStored,
     EventBatch,
     KvEvent,
+    ScannedEvents,
 )
 from kvcompassd.engine.subscriber import (
     BatchesLost,
@@ -299,7 +300,9 @@ class AgentNode:
         registration sent between two slices and the diffs that follow stay consistent."""
         self._work_arriving()
         events = batch.events
-        if sum(len(e.block_hashes) for e in events if type(e) is not AllBlocksCleared) <= SLICE_BLOCKS:
+        blocks = (events.block_count() if type(events) is ScannedEvents  # (counted without building its events)
+                  else sum(len(e.block_hashes) for e in events if type(e) is not AllBlocksCleared))
+        if blocks <= SLICE_BLOCKS:
             self._enqueue(*self.tree.apply_events_with_lengths(events))  # the usual batch: one pass, one diff
             return
         pending: list[KvEvent] = []
