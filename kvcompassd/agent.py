@@ -49,6 +49,7 @@ from kvcompassd.engine.kvevents import (
     BlockStored,
     EventBatch,
     KvEvent,
+    ScannedEvents,
 )
 from kvcompassd.engine.subscriber import (
     BatchesLost,
@@ -146,9 +147,16 @@ class AgentNode:
         self._heartbeat_s = cfg.idle.heartbeat_ms / 1000.0
         # Idle, the engine is read once per heartbeat, not 50 times a second (issue 30 item 4).
         idle = self._heartbeat_s if load_idle_interval is None else load_idle_interval
-        self.load_schedule = LoadPollSchedule(busy_s=load_interval, idle_s=max(load_interval, idle))
+        # A KV-event batch (work done) brings a reading at most once per queue broadcast period
+        # (what an edge's view of the other edges' dispatches lags by anyway); a forwarded
+        # request (work arriving) after a fast period, as a reading showing work does.
+        idle_s = max(load_interval, idle)
+        self.load_schedule = LoadPollSchedule(
+            busy_s=load_interval, idle_s=idle_s,
+            done_spacing_s=min(idle_s, max(load_interval, cfg.score.broadcast_period_ms / 1000.0)))
         self.load_reports = LoadReports(heartbeat_s=self._heartbeat_s, steady_repeats=STEADY_REPEATS)
         self._load_wake = asyncio.Event()
+        self._wake_for_arrival = False  # the wake-up was work arriving, not only KV events (work done)
         self._reading_started = float("-inf")  # time.monotonic() of the latest load reading
         self._tasks: list[asyncio.Task] = []
         self.migrations: list[dict] = []
@@ -297,9 +305,11 @@ class AgentNode:
         an engine batch of 150 k blocks must not stall QUIC keep-alives and load reports for
         seconds (the maintenance unit would withdraw this worker). Reports are diffs, so a
         registration sent between two slices and the diffs that follow stay consistent."""
-        self._work_arriving()
+        self._work_arriving(done=True)
         events = batch.events
-        if sum(len(e.block_hashes) for e in events if type(e) is not AllBlocksCleared) <= SLICE_BLOCKS:
+        blocks = (events.block_count() if type(events) is ScannedEvents  # (counted without building its events)
+                  else sum(len(e.block_hashes) for e in events if type(e) is not AllBlocksCleared))
+        if blocks <= SLICE_BLOCKS:
             self._enqueue(*self.tree.apply_events_with_lengths(events))  # the usual batch: one pass, one diff
             return
         pending: list[KvEvent] = []
@@ -357,6 +367,7 @@ class AgentNode:
             # A new edge knows nothing of this worker's load: read and report it now, not at
             # the next idle heartbeat (an unknown worker is never taken for an idle one).
             self.load_reports.listener_joined()
+            self._wake_for_arrival = True  # (read a fast period after the previous reading, not a done sign's spacing)
             self._load_wake.set()
             return
         if not connected or peer.identity is None or peer.identity.role != Role.MAINTENANCE:
@@ -412,22 +423,35 @@ class AgentNode:
             await self._sleep_until_next_reading()
 
     async def _sleep_until_next_reading(self) -> None:
-        """The schedule's delay, cut short by a wake-up (work arriving, an edge connecting),
-        which reads at once, or a fast period after the previous reading."""
+        """The schedule's delay, cut short by a wake-up (work arriving, an edge connecting, KV
+        events), which reads at once, or a fast period (for KV events alone ``done_spacing_s``)
+        after the previous reading."""
         self._load_wake.clear()
+        self._wake_for_arrival = False
         try:
             async with asyncio.timeout(self.load_schedule.delay_s):
                 await self._load_wake.wait()
         except TimeoutError:
             return
-        wait = self.load_schedule.wake_delay(time.monotonic() - self._reading_started)
-        if wait > 0:
-            await asyncio.sleep(wait)
+        while True:  # another sign meanwhile is read again: work arriving cuts a done sign's longer wait
+            wait = self.load_schedule.wake_delay(time.monotonic() - self._reading_started,
+                                                 done=not self._wake_for_arrival)
+            if wait <= 0:
+                return
+            self._load_wake.clear()
+            try:
+                async with asyncio.timeout(wait):
+                    await self._load_wake.wait()
+            except TimeoutError:
+                return
 
-    def _work_arriving(self) -> None:
-        """A forwarded request or KV events: the engine's load is about to move, read it now
-        (the reading, not this sign, decides whether the fast period comes back)."""
+    def _work_arriving(self, *, done: bool = False) -> None:
+        """A forwarded request, or KV events (``done``: work the engine did): its load is about
+        to move or moved, read it soon (the schedule's ``wake_delay``; the reading, not this
+        sign, decides whether the fast period comes back)."""
         if self.load_schedule.backed_off:
+            if not done:
+                self._wake_for_arrival = True
             self._load_wake.set()
 
     def _engine_down(self, reason: str) -> None:

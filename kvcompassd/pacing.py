@@ -73,13 +73,26 @@ class LoadPollSchedule:
     engine that finishes each request before the next reading is read about once per request,
     not ~6 times as the period doubled back up from ``busy_s`` after every one (issue 30
     item 4). An idle host reads each engine ``1 / idle_s`` times a second instead of
-    ``1 / busy_s`` (once instead of 50 times at the defaults)."""
+    ``1 / busy_s`` (once instead of 50 times at the defaults).
 
-    def __init__(self, *, busy_s: float, idle_s: float) -> None:
-        if not 0 < busy_s <= idle_s:
-            raise ValueError(f"need 0 < busy_s <= idle_s, got {busy_s!r}, {idle_s!r}")
+    A sign of work *done* (the engine's KV events: a prefill it finished) brings a reading no
+    sooner than ``done_spacing_s`` after the previous one (``wake_delay(..., done=True)``): an
+    engine that serves each request in about a millisecond publishes a batch per request and is
+    idle again at the reading, so waking at ``busy_s`` read it about once per request (issue 30's
+    profile of the zero-delay gateway run: ~1.5 readings per served request) to learn nothing the
+    edges use. The
+    first sign after a quiet spell still reads at once; a reading that shows work brings
+    ``busy_s`` back as before, so a loaded engine is read as often as ever."""
+
+    def __init__(self, *, busy_s: float, idle_s: float, done_spacing_s: float | None = None) -> None:
+        if done_spacing_s is None:
+            done_spacing_s = busy_s
+        if not 0 < busy_s <= idle_s or not busy_s <= done_spacing_s <= idle_s:
+            raise ValueError(f"need 0 < busy_s <= done_spacing_s <= idle_s, got {busy_s!r}, {done_spacing_s!r}, "
+                             f"{idle_s!r}")
         self.busy_s = busy_s
         self.idle_s = idle_s
+        self.done_spacing_s = done_spacing_s
         self.delay_s = busy_s
 
     def observed(self, *, changed: bool, busy: bool) -> None:
@@ -95,10 +108,11 @@ class LoadPollSchedule:
         """Whether readings are slower than the fast period (a sign of work should bring one)."""
         return self.delay_s > self.busy_s
 
-    def wake_delay(self, since_last_s: float) -> float:
-        """Work is arriving and the previous reading started ``since_last_s`` ago: how long to
-        wait before reading (none if a fast period has passed since)."""
-        return max(0.0, self.busy_s - since_last_s)
+    def wake_delay(self, since_last_s: float, *, done: bool = False) -> float:
+        """Work is arriving (``done``: work was done, the engine's KV events) and the previous
+        reading started ``since_last_s`` ago: how long to wait before reading (none if a fast
+        period, or for ``done`` the ``done_spacing_s``, has passed since)."""
+        return max(0.0, (self.done_spacing_s if done else self.busy_s) - since_last_s)
 
 
 # A load reading that takes longer than this came from an engine that stopped answering for a

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -231,6 +232,46 @@ async def test_an_idle_engine_is_read_at_the_idle_period_and_kv_events_wake_the_
             await asyncio.gather(*tasks, return_exceptions=True)
             await agent.node.close()
             await engine.stop()
+
+
+async def test_kv_events_wake_the_backed_off_reader_at_most_once_per_broadcast_period(cluster):
+    """KV events (work the engine did) bring a reading at once after a quiet spell, then no
+    sooner than the queue broadcast period after the previous reading, however many batches
+    come; a forwarded request (work arriving) cuts that wait to a fast period."""
+    cfg, tls = cluster
+    agent = AgentNode(cfg, cfg.workers[0], tls, load_interval=0.01, load_idle_interval=60.0)
+    spacing = cfg.score.broadcast_period_ms / 1000.0
+    assert agent.load_schedule.done_spacing_s == spacing
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(20):  # readings that showed an idle, unchanged engine: backed off to 60 s
+            agent.load_schedule.observed(changed=False, busy=False)
+
+        async def sleep_with_signs(arrival_at: float | None) -> float:
+            """One sleep after a reading started now, KV events every 5 ms (and a forwarded
+            request at ``arrival_at``): seconds until the next reading."""
+            began = agent._reading_started = time.monotonic()
+            sleeping = asyncio.create_task(agent._sleep_until_next_reading())
+            async with asyncio.timeout(GUARD_S):
+                while not sleeping.done():
+                    agent._work_arriving(done=True)
+                    if arrival_at is not None and time.monotonic() - began >= arrival_at:
+                        agent._work_arriving()
+                    await asyncio.sleep(0.005)
+            return time.monotonic() - began
+
+        agent._reading_started = float("-inf")  # a quiet spell: the first batch reads at once
+        agent._load_wake.clear()
+        sleeping = asyncio.create_task(agent._sleep_until_next_reading())
+        await asyncio.sleep(0.02)
+        woke_at = loop.time()
+        agent._work_arriving(done=True)
+        await asyncio.wait_for(sleeping, GUARD_S)
+        assert loop.time() - woke_at < spacing / 2
+        assert await sleep_with_signs(None) >= spacing - 1e-3
+        assert await sleep_with_signs(0.03) < spacing - 0.03  # the request's fast period, not the spacing
+    finally:
+        await agent.node.close()
 
 
 def test_a_prefill_workers_agent_runs_pairs_only_with_a_decode_worker_of_its_region(tmp_path):

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.engine.blocktree import BlockTree
-from kvcompassd.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcompassd.engine.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    PayloadDecoder,
+    ScannedEvents,
+    encode_payload,
+)
 
 SALT = namespace_salt("meta-llama/Llama-3.1-8B-Instruct", "tenant-a")
 MEDIA = ["GPU", "CPU", "DISK"]
@@ -129,3 +136,62 @@ def test_apply_each_equals_apply_on_each_event(rnd, block: int, lengths: list[in
         assert each.apply_each(run) == expected
         assert each.registered_with_lengths() == one.registered_with_lengths()
         assert each.detached_count == one.detached_count and len(each) == len(one)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.randoms(use_true_random=False),
+    st.integers(1, 6),
+    st.lists(st.integers(1, 60), min_size=1, max_size=6, unique=True),
+    st.integers(10, 80),
+    st.sampled_from([None, 4]),
+    st.integers(1, 4),
+)
+def test_scanned_columns_apply_as_the_events_they_hold(rnd, block: int, lengths: list[int], n_ops: int,
+                                                       page_size: int | None, max_detached: int) -> None:
+    """A payload the agent's decoder scans (ScannedEvents: the C scan's columns, no event
+    objects) is mirrored exactly as its events are: the same index events and lengths as
+    apply_events_with_lengths over the built events, and the registrations, blocks and
+    detached blocks of apply called on each engine event, on random forests with gaps,
+    re-stores, several media, LoRA blocks, other KV groups, partial blocks, chains in one event,
+    removals and clears (the usual pages take the inline path, the rest the general one)."""
+    lengths.sort()
+    parents, tokens = random_forest(rnd, block)
+    events = []
+    for kind, h, medium in random_ops(rnd, n_ops):
+        if kind == "store":
+            r = rnd.random()
+            if r < 0.1 and h + 1 < 16 and parents[h + 1] == h and len(tokens[h]) == block:  # two blocks in one event
+                events.append(BlockStored((h, h + 1), parents[h], tokens[h] + tokens[h + 1], block, None, medium))
+            else:
+                lora, group = (3 if r > 0.95 else None), (1 if 0.9 < r <= 0.93 else None)
+                events.append(BlockStored((h,), parents[h], tokens[h], block if r > 0.05 else block + 1, lora, medium,
+                                          "adapter" if 0.93 < r <= 0.95 else None, group))
+        elif kind == "remove":
+            events.append(BlockRemoved((h,), medium, 1 if rnd.random() < 0.05 else None))
+        else:
+            events.append(AllBlocksCleared())
+    scanned_tree, built_tree, each_tree = (BlockTree("w", lengths, salt=SALT, page_size=page_size,
+                                                     max_detached_blocks=max_detached) for _ in range(3))
+    i = 0
+    while i < len(events):
+        batch = events[i : i + rnd.randrange(1, 8)]
+        i += len(batch)
+        decoder = PayloadDecoder(encode_payload(1.0, batch), 0, coalesce=True)
+        decoder.step(1 << 20)
+        scanned = decoder.result.events
+        assert type(scanned) is ScannedEvents  # the C scan took it: its columns are applied
+        built = tuple(ScannedEvents(*scanned_parts(scanned)))  # the same runs as event objects
+        assert scanned_tree.apply_events_with_lengths(scanned) == built_tree.apply_events_with_lengths(built)
+        for event in batch:
+            each_tree.apply(event)
+        for other in (built_tree, each_tree):
+            assert scanned_tree.registered_with_lengths() == other.registered_with_lengths()
+            assert set(scanned_tree._blocks) == set(other._blocks)
+            assert list(scanned_tree._detached) == list(other._detached)
+        assert scanned_tree.refused_events == built_tree.refused_events
+
+
+def scanned_parts(events: ScannedEvents) -> tuple:
+    """A fresh ScannedEvents' arguments (its events not built yet)."""
+    return events._data, events.runs, events.hashes, events.tokens

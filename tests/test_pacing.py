@@ -110,3 +110,17 @@ def test_the_first_reading_after_an_edge_joined_goes_even_unchanged():
     reports.listener_joined()
     assert reports.reading((0.0, 0, 0), started=1.05, now=1.05) == (False, True, False)
     assert reports.reading((0.0, 0, 0), started=1.1, now=1.1)[1] is False
+
+
+def test_a_sign_of_work_done_brings_a_reading_its_spacing_after_the_previous_one_at_the_earliest():
+    """KV events (work the engine did) wake the reader no sooner than done_spacing_s after the
+    previous reading; work arriving, a fast period after it; long after a reading, both at once."""
+    schedule = LoadPollSchedule(busy_s=0.02, idle_s=1.0, done_spacing_s=0.1)
+    assert schedule.wake_delay(0.5, done=True) == 0.0  # the first sign after a quiet spell: at once
+    assert schedule.wake_delay(0.03, done=True) == pytest.approx(0.07)
+    assert schedule.wake_delay(0.03) == 0.0
+    assert schedule.wake_delay(0.005) == pytest.approx(0.015)
+    assert LoadPollSchedule(busy_s=0.02, idle_s=1.0).wake_delay(0.005, done=True) == pytest.approx(0.015)
+    for busy, done, idle in ((0.02, 0.01, 1.0), (0.02, 2.0, 1.0)):
+        with pytest.raises(ValueError):
+            LoadPollSchedule(busy_s=busy, idle_s=idle, done_spacing_s=done)

@@ -51,12 +51,16 @@ import numpy as np
 
 from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted, Tier, TierChanged
 from kvcompassd.engine.kvevents import (
+    RUN_CLEARED,
+    RUN_REMOVED,
+    RUN_STORED,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KvEvent,
+    ScannedEvents,
     StorageTier,
     canonical_medium,
     tier_of_medium,
@@ -236,6 +240,8 @@ class BlockTree:
     def apply_events_with_lengths(self, events: Iterable[KvEvent]) -> tuple[list[IndexEvent], list[int]]:
         """``apply_events``, and each index event's indexed length (what a maintenance unit
         filters the edge regions' streams by: kvcompassd.core.streams)."""
+        if type(events) is ScannedEvents:
+            return self._apply_scanned(events)
         out: list[IndexEvent] = []
         lengths: list[int] = []
         touched: dict[int, int] = {}
@@ -261,6 +267,92 @@ class BlockTree:
                 lengths.extend(withdrawn_lengths)
             else:
                 raise TypeError(f"not a KV event: {event!r}")
+        if touched:
+            out.extend(self._diff(touched, lengths))
+        return out, lengths
+
+    def _apply_scanned(self, events: ScannedEvents) -> tuple[list[IndexEvent], list[int]]:
+        """``apply_events_with_lengths`` straight from a scanned payload's columns: each run's
+        blocks are stored or removed from the flat hash and token lists, with no event object.
+        The engines send one event per page, strictly alternating an eviction and a store once
+        the cache is full, so coalescing leaves about one run per page; an object for each was
+        most of the agent's decoding time, and a call for each most of this mirror's. So the
+        usual run (one new page under an attached parent, nothing waiting under it; one page
+        leaving its only medium, no child, no indexed length) is applied inline here, anything
+        else by ``_store_chain`` / ``_remove_hashes`` as an event's blocks are, and a run the
+        mirror refuses (another KV-cache group, a partial block) is built as its event and
+        refused as ``apply_events`` refuses it."""
+        out: list[IndexEvent] = []
+        lengths: list[int] = []
+        touched: dict[int, int] = {}
+        page_size = self._page_size
+        blocks, children, detached = self._blocks, self._children, self._detached
+        indexed = self.indexed_lengths
+        n_indexed = len(indexed)
+        hashes, tokens = events.hashes, events.tokens
+        media = events.canonical_media()
+        for index, run in enumerate(events.runs):
+            (kind, has_parent, has_lora_id, has_group, size, group_idx, parent, _, hash_start, hash_end, token_start,
+             token_end, _, _, lora_name_off, _) = run
+            if kind == RUN_REMOVED and not (has_group and group_idx):
+                medium = media[index]
+                if hash_end - hash_start == 1:
+                    block_hash = hashes[hash_start]
+                    block = blocks.get(block_hash)
+                    if block is not None and len(block.media) == 1 and medium in block.media and not block.anchors \
+                            and block_hash not in children:
+                        # the usual eviction, as _remove_hashes does it: a leaf leaving its one medium
+                        del blocks[block_hash]
+                        if detached:
+                            detached.pop(block_hash, None)
+                        siblings = children.get(block.parent)
+                        if siblings is not None:
+                            siblings.discard(block_hash)
+                            if not siblings:
+                                del children[block.parent]
+                        continue
+                self._remove_hashes(hashes[hash_start:hash_end], medium, touched)
+            elif kind == RUN_STORED and not (has_group and group_idx) and (page_size is None or size == page_size):
+                lora = bool(has_lora_id) or lora_name_off >= 0
+                medium = media[index]
+                if not has_parent:
+                    parent = None
+                if hash_end - hash_start == 1 and not lora:
+                    block_hash = hashes[hash_start]
+                    parent_block = blocks.get(parent) if parent is not None else None
+                    if (parent is None or (parent_block is not None and parent_block.attached)) \
+                            and block_hash not in blocks and block_hash not in children:
+                        # the usual page, as _store_chain does it: new, under an attached parent
+                        tier = _medium_tier(medium)
+                        block_tokens = tuple(tokens[token_start:token_end])
+                        block = blocks[block_hash] = _Block(block_hash, parent, block_tokens, False, medium, tier)
+                        siblings = children.get(parent)
+                        if siblings is None:
+                            children[parent] = {block_hash}
+                        else:
+                            siblings.add(block_hash)
+                        if parent_block is None:
+                            start, parent_tier = 0, _VRAM
+                        else:
+                            start, parent_tier = parent_block.start + len(parent_block.tokens), parent_block.path_tier
+                        block.start = start
+                        block.path_tier = tier if tier > parent_tier else parent_tier
+                        block.attached = True
+                        first = bisect_right(indexed, start)
+                        if first < n_indexed and indexed[first] <= start + len(block_tokens):
+                            self._register_anchors(block, touched, first)
+                        continue
+                self._store_chain(hashes[hash_start:hash_end], parent, tokens, token_start, token_end, size, lora,
+                                  medium, touched)
+            elif kind == RUN_CLEARED:
+                if touched:
+                    out.extend(self._diff(touched, lengths))
+                    touched = {}
+                withdrawn, withdrawn_lengths = self.withdraw_all_with_lengths()
+                out.extend(withdrawn)
+                lengths.extend(withdrawn_lengths)
+            else:
+                self._refuse(events.event(index))  # type: ignore[arg-type]
         if touched:
             out.extend(self._diff(touched, lengths))
         return out, lengths
@@ -368,16 +460,49 @@ class BlockTree:
     # ----------------------------------------------------------------------------- internals
 
     def _store(self, event: BlockStored, touched: dict[int, int]) -> None:
-        medium = canonical_medium(event.medium)
-        lora = event.is_lora
+        tokens = event.token_ids
+        self._store_chain(event.block_hashes, event.parent_block_hash, tokens, 0, len(tokens), event.block_size,
+                          event.is_lora, canonical_medium(event.medium), touched)
+
+    def _store_chain(self, hashes: Sequence[BlockHash], parent: BlockHash | None, all_tokens: Sequence[int],
+                     token_start: int, token_end: int, size: int, lora: bool, medium: str,
+                     touched: dict[int, int]) -> None:
+        """Store the chain ``hashes`` (each block's parent the previous one, the first's
+        ``parent``) holding ``all_tokens[token_start:token_end]``, ``size`` per block (the last
+        may be short): a BlockStored event's blocks, or a scanned run's."""
         tier = _UNINDEXED if lora else _medium_tier(medium)
-        blocks_by_hash = self._blocks
-        hashes = event.block_hashes
-        # One block per event is what the prefix cache sends: skip the generator
-        blocks = ((hashes[0], event.parent_block_hash, event.token_ids),) if len(hashes) == 1 else event.blocks()
-        for block_hash, parent, tokens in blocks:
+        blocks_by_hash, children = self._blocks, self._children
+        indexed = self.indexed_lengths
+        n_indexed = len(indexed)
+        parent_block = blocks_by_hash.get(parent) if parent is not None else None
+        cut = token_start
+        for block_hash in hashes:
+            tokens = tuple(all_tokens[cut : min(cut + size, token_end)])  # (a tuple's slice is one already)
+            cut += size
             block = blocks_by_hash.get(block_hash)
-            if block is not None:
+            if block is None and (parent is None or (parent_block is not None and parent_block.attached)) \
+                    and block_hash not in children:
+                # What an engine sends per page: a new block under an attached parent (or a
+                # root) with nothing waiting under it. _new_block and _attach inlined (a call
+                # each per page were a third of this mirror's time on the gateway workload).
+                block = blocks_by_hash[block_hash] = _Block(block_hash, parent, tokens, lora, medium, tier)
+                siblings = children.get(parent)
+                if siblings is None:
+                    children[parent] = {block_hash}
+                else:
+                    siblings.add(block_hash)
+                if parent_block is None:
+                    start, parent_tier = 0, _VRAM
+                else:
+                    start, parent_tier = parent_block.start + len(parent_block.tokens), parent_block.path_tier
+                block.start = start
+                block.path_tier = tier if tier > parent_tier else parent_tier
+                block.attached = True
+                first = bisect_right(indexed, start)  # the first indexed length past the block's start
+                if first < n_indexed and indexed[first] <= start + len(tokens):
+                    self._register_anchors(block, touched, first)
+                # (else its anchors and hash state stay the new block's empty ones)
+            elif block is not None:
                 if block.parent != parent or block.tokens != tokens:
                     # Same hash, different content: engines hash content, so this is a
                     # collision or a reused id. Keep what we mirror; the engine's next removal
@@ -388,24 +513,31 @@ class BlockTree:
                 block.tier = block.own_tier()
                 if block.attached and block.tier != before:
                     self._refresh_subtree(block, touched)
-                continue
-            block = self._new_block(block_hash, parent, tokens, lora, medium, tier)
-            parent_block = blocks_by_hash.get(parent) if parent is not None else None
-            if parent is None or (parent_block is not None and parent_block.attached):
-                self._attach(block, touched)
             else:
-                self._mark_detached(block)
+                block = self._new_block(block_hash, parent, tokens, lora, medium, tier)
+                if parent is None or (parent_block is not None and parent_block.attached):
+                    self._attach(block, touched)
+                else:
+                    self._mark_detached(block)
+                    if block_hash not in blocks_by_hash:  # trimmed at once as the oldest detached block
+                        block = None
+            parent, parent_block = block_hash, block
 
     def _remove(self, event: BlockRemoved, touched: dict[int, int]) -> None:
-        medium = canonical_medium(event.medium)
-        for block_hash in event.block_hashes:
-            block = self._blocks.get(block_hash)
+        self._remove_hashes(event.block_hashes, canonical_medium(event.medium), touched)
+
+    def _remove_hashes(self, hashes: Iterable[BlockHash], medium: str, touched: dict[int, int]) -> None:
+        """The blocks ``hashes`` left ``medium`` (a BlockRemoved event's, or a scanned run's)."""
+        blocks, children, detached = self._blocks, self._children, self._detached
+        for block_hash in hashes:
+            block = blocks.get(block_hash)
             if block is None or medium not in block.media:
                 self.ignored_removals += 1
                 continue
-            before = block.tier
-            block.media.discard(medium)
-            if block.media:
+            media = block.media
+            if len(media) > 1:
+                before = block.tier
+                media.discard(medium)
                 block.tier = block.own_tier()
                 if block.attached and block.tier != before:
                     self._refresh_subtree(block, touched)
@@ -413,13 +545,24 @@ class BlockTree:
             # Gone from every medium: its descendants stay mirrored but detached, waiting
             # for the block to be stored again.
             if block.attached:
-                # a copy: detaching trims the oldest detached blocks, which may be these children
-                for child_hash in list(self._children.get(block_hash, ())):
-                    child = self._blocks.get(child_hash)
-                    if child is not None:
-                        self._detach_subtree(child, touched)
-                self._withdraw_anchors(block, touched)
-            self._forget(block)
+                waiting = children.get(block_hash)
+                if waiting:
+                    # a copy: detaching trims the oldest detached blocks, which may be these children
+                    for child_hash in list(waiting):
+                        child = blocks.get(child_hash)
+                        if child is not None:
+                            self._detach_subtree(child, touched)
+                if block.anchors:
+                    self._withdraw_anchors(block, touched)
+            # _forget, inlined (an evicted page is usually a leaf without anchors: this is all it costs)
+            del blocks[block_hash]
+            if detached:
+                detached.pop(block_hash, None)
+            siblings = children.get(block.parent)
+            if siblings is not None:
+                siblings.discard(block_hash)
+                if not siblings:
+                    del children[block.parent]
 
     def _forget(self, block: _Block) -> None:
         del self._blocks[block.hash]

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgpack
+import numpy as np
 
 from kvcompassd.core._ludo_cffi import ffi, lib
 from kvcompassd.core.events import Tier
@@ -313,7 +314,7 @@ class EventBatch:
 
     seq: int
     ts: float
-    events: tuple[KvEvent, ...]
+    events: tuple[KvEvent, ...] | ScannedEvents  # a tuple, or a scanned payload's columns (PayloadDecoder)
     dp_rank: int | None = None
 
     def __post_init__(self) -> None:
@@ -322,10 +323,13 @@ class EventBatch:
         if isinstance(self.ts, bool) or not isinstance(self.ts, (int, float)) or self.ts != self.ts:
             raise KvEventError(f"batch ts must be a number, got {self.ts!r}")
         object.__setattr__(self, "ts", float(self.ts))
-        object.__setattr__(self, "events", tuple(self.events))
-        for event in self.events:
-            if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
-                raise KvEventError(f"not a KV event: {type(event).__name__}")
+        if type(self.events) is ScannedEvents:
+            pass  # immutable, and every run a KV event by construction (the C scan's columns)
+        else:
+            object.__setattr__(self, "events", tuple(self.events))
+            for event in self.events:
+                if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+                    raise KvEventError(f"not a KV event: {type(event).__name__}")
         _optional_int(self.dp_rank, "dp_rank")
 
 
@@ -564,10 +568,169 @@ class _ScanBuffers(threading.local):
 _scan_buffers = _ScanBuffers()
 
 
-def _scan_coalesced(data: bytes) -> tuple[float, int | None, list[KvEvent]] | None:
+def _run_dtype() -> np.dtype:
+    """kvc_event_run's layout as a numpy record (offsets from cffi), so a scan's runs are read
+    as one array and turned into tuples in one call, not field by field through cffi."""
+    fields = [("kind", "u1"), ("has_parent", "u1"), ("has_lora_id", "u1"), ("has_group", "u1"),
+              ("block_size", "u4"), ("group_idx", "u4"), ("parent", "i8"), ("lora_id", "i8"),
+              ("hash_start", "u4"), ("hash_end", "u4"), ("token_start", "u4"), ("token_end", "u4"),
+              ("medium_off", "i8"), ("medium_len", "u4"), ("lora_name_off", "i8"), ("lora_name_len", "u4")]
+    return np.dtype({"names": [name for name, _ in fields], "formats": [fmt for _, fmt in fields],
+                     "offsets": [ffi.offsetof("kvc_event_run", name) for name, _ in fields],
+                     "itemsize": ffi.sizeof("kvc_event_run")})
+
+
+_RUN_DTYPE = _run_dtype()
+_RUN_BYTES = ffi.sizeof("kvc_event_run")
+_MEDIA: dict[bytes, str] = {}  # a medium's UTF-8 bytes -> its str (engines name a handful; kept <= 64)
+
+
+def _medium_at(data: bytes, off: int, length: int) -> str | None:
+    if off < 0:
+        return None
+    raw = data[off:off + length]
+    medium = _MEDIA.get(raw)
+    if medium is None:
+        medium = raw.decode()
+        if len(_MEDIA) < 64:
+            _MEDIA[raw] = medium
+    return medium
+
+
+# Fields of a scanned run (ScannedEvents.runs): kvc_event_run's, in its order.
+(RUN_KIND, RUN_HAS_PARENT, RUN_HAS_LORA_ID, RUN_HAS_GROUP, RUN_BLOCK_SIZE, RUN_GROUP_IDX, RUN_PARENT, RUN_LORA_ID,
+ RUN_HASH_START, RUN_HASH_END, RUN_TOKEN_START, RUN_TOKEN_END, RUN_MEDIUM_OFF, RUN_MEDIUM_LEN, RUN_LORA_NAME_OFF,
+ RUN_LORA_NAME_LEN) = range(16)
+RUN_STORED, RUN_REMOVED, RUN_CLEARED = lib.KVC_RUN_STORED, lib.KVC_RUN_REMOVED, lib.KVC_RUN_CLEARED
+
+
+class ScannedEvents(Sequence):
+    """A scanned payload's events (the C scan's coalesced runs), kept as its columns: ``runs``
+    (one tuple of kvc_event_run's fields per event, ``RUN_*`` indices), ``hashes`` and ``tokens``
+    (flat lists the runs slice). A block mirror reads the columns directly
+    (``BlockTree.apply_events``) and builds no object per event; anything else reads it as the
+    sequence of the events ``_decode_coalesced`` builds (made on first use, equal to them).
+    Immutable: nothing changes the columns once scanned."""
+
+    __slots__ = ("_data", "_events", "hashes", "runs", "tokens")
+
+    def __init__(self, data: bytes, runs: list[tuple], hashes: list[int], tokens: list[int]) -> None:
+        self._data = data
+        self.runs = runs
+        self.hashes = hashes
+        self.tokens = tokens
+        self._events: tuple[KvEvent, ...] | None = None
+
+    def medium(self, run: tuple) -> str | None:
+        """The run's medium as the engine named it (None: null or absent)."""
+        return _string_at(self._data, run[RUN_MEDIUM_OFF], run[RUN_MEDIUM_LEN])
+
+    def lora_name(self, run: tuple) -> str | None:
+        return _string_at(self._data, run[RUN_LORA_NAME_OFF], run[RUN_LORA_NAME_LEN])
+
+    def canonical_media(self) -> list[str | None]:
+        """Each run's medium as ``canonical_medium`` names it (None for a cleared run)."""
+        data, seen = self._data, {}
+        out: list[str | None] = []
+        for run in self.runs:
+            if run[RUN_KIND] == RUN_CLEARED:
+                out.append(None)
+                continue
+            off = run[RUN_MEDIUM_OFF]
+            raw = data[off:off + run[RUN_MEDIUM_LEN]] if off >= 0 else None
+            medium = seen.get(raw)
+            if medium is None:
+                medium = seen[raw] = canonical_medium(_string_at(data, off, run[RUN_MEDIUM_LEN]))
+            out.append(medium)
+        return out
+
+    def block_count(self) -> int:
+        """Block hashes over all the runs (what an event's ``block_hashes`` would count)."""
+        return sum(run[RUN_HASH_END] - run[RUN_HASH_START] for run in self.runs)
+
+    def event(self, index: int) -> KvEvent:
+        """Run ``index`` built as its event object."""
+        return self._built()[index]
+
+    def _built(self) -> tuple[KvEvent, ...]:
+        if self._events is None:
+            self._events = tuple(self._build(run) for run in self.runs)
+        return self._events
+
+    def _build(self, run: tuple) -> KvEvent:
+        kind = run[RUN_KIND]
+        if kind == RUN_CLEARED:
+            return AllBlocksCleared()
+        group_idx = run[RUN_GROUP_IDX] if run[RUN_HAS_GROUP] else None
+        block_hashes = tuple(self.hashes[run[RUN_HASH_START]:run[RUN_HASH_END]])
+        if kind == RUN_REMOVED:
+            event = _new_block_stored(BlockRemoved)
+            _set_removed_hashes(event, block_hashes)
+            _set_removed_medium(event, self.medium(run))
+            _set_removed_group(event, group_idx)
+            return event
+        return _checked_stored(block_hashes, run[RUN_PARENT] if run[RUN_HAS_PARENT] else None,
+                               tuple(self.tokens[run[RUN_TOKEN_START]:run[RUN_TOKEN_END]]), run[RUN_BLOCK_SIZE],
+                               run[RUN_LORA_ID] if run[RUN_HAS_LORA_ID] else None, self.medium(run),
+                               self.lora_name(run), group_idx)
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._built()[index]
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ScannedEvents, tuple)):
+            return self._built() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._built())
+
+    def __repr__(self) -> str:
+        return f"ScannedEvents({self._built()!r})"
+
+
+def _run_dtype() -> np.dtype:
+    """kvc_event_run's layout as a numpy record (offsets from cffi), so a scan's runs are read
+    as one array and turned into tuples in one call, not field by field through cffi."""
+    fields = [("kind", "u1"), ("has_parent", "u1"), ("has_lora_id", "u1"), ("has_group", "u1"),
+              ("block_size", "u4"), ("group_idx", "u4"), ("parent", "i8"), ("lora_id", "i8"),
+              ("hash_start", "u4"), ("hash_end", "u4"), ("token_start", "u4"), ("token_end", "u4"),
+              ("medium_off", "i8"), ("medium_len", "u4"), ("lora_name_off", "i8"), ("lora_name_len", "u4")]
+    return np.dtype({"names": [name for name, _ in fields], "formats": [fmt for _, fmt in fields],
+                     "offsets": [ffi.offsetof("kvc_event_run", name) for name, _ in fields],
+                     "itemsize": ffi.sizeof("kvc_event_run")})
+
+
+_RUN_DTYPE = _run_dtype()
+_RUN_BYTES = ffi.sizeof("kvc_event_run")
+_STRINGS: dict[bytes, str] = {}  # media and LoRA names' UTF-8 -> str (the engines use a handful; kept <= 64)
+
+
+def _string_at(data: bytes, off: int, length: int) -> str | None:
+    if off < 0:
+        return None
+    raw = data[off:off + length]
+    text = _STRINGS.get(raw)
+    if text is None:
+        text = raw.decode()  # (the scan checked it is UTF-8)
+        if len(_STRINGS) < 64:
+            _STRINGS[raw] = text
+    return text
+
+
+def _scan_coalesced(data: bytes) -> tuple[float, int | None, ScannedEvents] | None:
     """``data`` decoded in one C pass into the events ``_decode_coalesced`` builds (equal
     events: tests/test_kvevents.py checks it on the engines' fixtures and on fuzzed payloads),
-    or None when the payload is outside the C scan's shapes (the Python decoder takes it)."""
+    or None when the payload is outside the C scan's shapes (the Python decoder takes it).
+    The events stay columns (:class:`ScannedEvents`): the runs read as one numpy record array,
+    the hashes and tokens as two flat lists; the engines send one event per page, and an object
+    per event was most of the decoding's time (issue 30 item 4)."""
     buffers = _scan_buffers
     size = len(data)
     buffers.room_for(size)
@@ -576,30 +739,15 @@ def _scan_coalesced(data: bytes) -> tuple[float, int | None, list[KvEvent]] | No
                                    buffers.ts, buffers.dp_rank, buffers.has_dp_rank)
     if n_runs < 0:
         return None
-    hashes, tokens, unpack = buffers.hashes, buffers.tokens, ffi.unpack
-    events: list[KvEvent] = []
-    for run in buffers.runs[0:n_runs]:
-        kind = run.kind
-        if kind == lib.KVC_RUN_CLEARED:
-            events.append(AllBlocksCleared())
-            continue
-        medium = None if run.medium_off < 0 else data[run.medium_off:run.medium_off + run.medium_len].decode()
-        group_idx = run.group_idx if run.has_group else None
-        block_hashes = tuple(unpack(hashes + run.hash_start, run.hash_end - run.hash_start))
-        if kind == lib.KVC_RUN_REMOVED:
-            event = _new_block_stored(BlockRemoved)
-            _set_removed_hashes(event, block_hashes)
-            _set_removed_medium(event, medium)
-            _set_removed_group(event, group_idx)
-            events.append(event)
-            continue
-        lora_name = (None if run.lora_name_off < 0
-                     else data[run.lora_name_off:run.lora_name_off + run.lora_name_len].decode())
-        events.append(_checked_stored(block_hashes, run.parent if run.has_parent else None,
-                                      tuple(unpack(tokens + run.token_start, run.token_end - run.token_start)),
-                                      run.block_size, run.lora_id if run.has_lora_id else None, medium, lora_name,
-                                      group_idx))
-    return buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None), events
+    if n_runs:
+        runs = np.frombuffer(ffi.buffer(buffers.runs, n_runs * _RUN_BYTES), dtype=_RUN_DTYPE)
+        hashes = ffi.unpack(buffers.hashes, int(runs["hash_end"].max()))
+        tokens = ffi.unpack(buffers.tokens, int(runs["token_end"].max()))
+        run_list = runs.tolist()
+    else:
+        run_list, hashes, tokens = [], [], []
+    return (buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None),
+            ScannedEvents(data, run_list, hashes, tokens))
 
 
 def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
@@ -654,7 +802,7 @@ class PayloadDecoder:
             raise KvEventError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
         self.seq = seq
         self.result: EventBatch | None = None
-        self._decoded: list[KvEvent] = []
+        self._decoded: list[KvEvent] | ScannedEvents = []
         self._dp_rank: Any = None
         self._raw_events: list[Any] | None = None
         self._unpacker: msgpack.Unpacker | None = None
@@ -753,7 +901,8 @@ class PayloadDecoder:
             raise
         except Exception as exc:  # msgpack raises many types (OutOfData, FormatError, Unicode...)
             raise KvEventError(f"payload is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
-        self.result = EventBatch(seq=self.seq, ts=self._ts, events=tuple(decoded),
+        self.result = EventBatch(seq=self.seq, ts=self._ts,
+                                 events=decoded if type(decoded) is ScannedEvents else tuple(decoded),
                                  dp_rank=_optional_int(self._dp_rank, "dp_rank"))
         self._raw_events = self._unpacker = None
         return True
