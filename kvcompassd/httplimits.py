@@ -249,8 +249,11 @@ def _finite_float(text: str) -> float:
 
 
 # A run of digits as long as the shortest integer orjson would read as a float (past 64 bits;
-# -2**63 has 19 digits): such a body goes to ``json``, which keeps it an integer.
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+# -2**63 has 19 digits): such a body goes to ``json``, which keeps it an integer. Found by mapping
+# every digit to "0" and every other byte to " " (``bytes.translate``, a table lookup a byte) and
+# looking for 19 zeros; a regex ``[0-9]{19}`` tries every position in turn, 15x as long.
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+_LONG_DIGITS = b"0" * 19
 
 
 def parse_json(data: bytes | bytearray, guard: FrontDoorGuard) -> Any:
@@ -265,7 +268,7 @@ def parse_json(data: bytes | bytearray, guard: FrontDoorGuard) -> Any:
     # and what it refuses (NaN and Infinity, a number past a double, a BOM, UTF-16 or -32, a
     # lone surrogate, anything malformed or too deep) goes to json below, which accepts or
     # refuses it exactly as before.
-    if _LONG_DIGITS.search(data) is None:
+    if _LONG_DIGITS not in data.translate(_DIGITS_AS_ZEROS):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
