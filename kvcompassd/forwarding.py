@@ -51,12 +51,10 @@ from kvcompassd.wire import (
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class TokensGenerated:
-    """The next piece of output."""
-
-    token_ids: tuple[int, ...]
-    text: str
+# The next piece of output (``token_ids``, ``text``): the engine client's own type, so that the
+# own-region HTTP path hands the worker's items on as they come, without a copy or a generator
+# layer per request and per item.
+TokensGenerated = EngineOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,7 +411,7 @@ class Forwarder:
                 self.metrics.retries.inc()
                 log.warning("decode worker failed before first token; retrying", request_id=req.request_id,
                             worker=decision.worker, decode_worker=exc.decode_worker, attempt=attempt, error=str(exc))
-            except WorkerUnavailable as exc:
+            except (WorkerUnavailable, EngineError) as exc:  # the HTTP path's engine errors come as they are
                 avoided_s = self.suspects.failed(decision.worker_index, now=self.clock())
                 if produced:
                     status = 504 if isinstance(exc, OutputStalled) else 502
@@ -468,8 +466,15 @@ class Forwarder:
         if d.migration is not None:
             self._start_migration(req, d)
 
-    def _finished(self, req, d: ForwardDecided, done: GenerationFinished, attempt: int, decision_us: float):
+    def _finished(self, req, d: ForwardDecided, done: GenerationFinished | EngineFinished, attempt: int,
+                  decision_us: float):
+        """``done``: the worker's closing figures, as the own-region HTTP path brings them
+        (``EngineFinished``) or as the QUIC and prefill-decode paths do."""
         now = self.clock()
+        if type(done) is EngineFinished:
+            queue_vector, decode_worker = None, ""
+        else:
+            queue_vector, decode_worker = dict(done.queue_vector) or None, done.decode_worker
         self.suspects.served(d.worker_index)
         router = self.router
         router.on_first_token(d.dispatch, now=now)  # a no-op unless it ended without output
@@ -479,7 +484,7 @@ class Forwarder:
             d.worker,
             claimed_tokens=d.claimed_tokens,
             reused_tokens=done.cached_tokens,
-            queue_vector=dict(done.queue_vector) or None,
+            queue_vector=queue_vector,
             now=now,
             tokens=req.tokens,  # a shortfall the index explains is not held against the worker
             claimed_tier=d.tier,
@@ -498,7 +503,7 @@ class Forwarder:
             finish_reason=done.finish_reason,
             attempts=attempt,
             decision_us=decision_us,
-            decode_worker=done.decode_worker,
+            decode_worker=decode_worker,
             pending_credited=d.pending,
         )
 
@@ -512,7 +517,12 @@ class Forwarder:
         if self.decode_chooser is not None and self.cfg.worker(d.worker).role == "prefill":
             return self._run_pair(d, req, decode_failed)
         if self._uses_http(d.worker):
-            return self._run_http(self.cfg.worker(d.worker).http, d, req)
+            # The engine's own stream, streamed whatever the client asked (the deadlines see each
+            # token): its outputs are TokensGenerated, its EngineFinished goes to _finished as it
+            # is, its EngineError is the attempt's failure (Forwarder.generate). Closing it closes
+            # its connection, which aborts the request at the engine.
+            return self._engine(self.cfg.worker(d.worker).http).generate(
+                req.tokens, req.sampling_params, stream=True, rid=req.request_id)
         return self._run_quic(d, req)
 
     async def _run_quic(self, d: ForwardDecided, req: ForwardRequest,
@@ -557,24 +567,11 @@ class Forwarder:
             if exchange is not None:
                 exchange.abort()  # no-op after a completion; else the agent stops working on it
 
-    async def _run_http(self, base: str, d: ForwardDecided, req: ForwardRequest):
+    def _engine(self, base: str) -> EngineClient:
         engine = self._engines.get(base)
         if engine is None:  # one per worker, not per request
             engine = self._engines[base] = EngineClient(base, self.http)
-        try:
-            # Streamed from the engine whatever the client asked, so that the deadlines see
-            # each token; closing this generator closes the engine's (its connection, which
-            # aborts the request at the engine). Items converted here, not through _forwarded:
-            # a layer of async generator per request and per item is measurable at this rate.
-            async with contextlib.aclosing(engine.generate(req.tokens, req.sampling_params, stream=True,
-                                                           rid=req.request_id)) as items:
-                async for item in items:
-                    yield (TokensGenerated(item.token_ids, item.text) if type(item) is EngineOutput
-                           else _from_engine(item))
-        except EngineRejected:
-            raise
-        except EngineError as exc:
-            raise WorkerUnavailable(str(exc)) from exc
+        return engine
 
     # -- prefill-decode pairs ------------------------------------------------------------------
 
@@ -684,7 +681,7 @@ async def _forwarded(engine_items):
     (its connection, which aborts the request at the engine)."""
     async with contextlib.aclosing(engine_items) as items:
         async for item in items:
-            yield TokensGenerated(item.token_ids, item.text) if isinstance(item, EngineOutput) else _from_engine(item)
+            yield item if type(item) is EngineOutput else _from_engine(item)
 
 
 def _from_engine(done: EngineFinished) -> GenerationFinished:

@@ -23,6 +23,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 from kvcompassd.core.config import ConfigError, FrontDoorLimits
 
@@ -247,6 +248,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# A run of digits as long as the shortest integer orjson would read as a float (past 64 bits;
+# -2**63 has 19 digits): such a body goes to ``json``, which keeps it an integer. Found by mapping
+# every digit to "0" and every other byte to " " (``bytes.translate``, a table lookup a byte) and
+# looking for 19 zeros; a regex ``[0-9]{19}`` tries every position in turn, 15x as long.
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+_LONG_DIGITS = b"0" * 19
+
+
 def parse_json(data: bytes | bytearray, guard: FrontDoorGuard) -> Any:
     """JSON with at most ``max_json_depth`` levels and only finite numbers."""
     max_depth = guard.limits.max_json_depth
@@ -255,6 +264,15 @@ def parse_json(data: bytes | bytearray, guard: FrontDoorGuard) -> Any:
     if data.count(b"[") + data.count(b"{") > max_depth and json_depth(data) > max_depth:
         guard.refused("json_too_deep")
         raise Refused(400, f"request body is nested deeper than {max_depth} levels", code="json_too_deep")
+    # orjson first (a tenth of json's time on a prompt's body): what it reads, json reads the same,
+    # and what it refuses (NaN and Infinity, a number past a double, a BOM, UTF-16 or -32, a
+    # lone surrogate, anything malformed or too deep) goes to json below, which accepts or
+    # refuses it exactly as before.
+    if _LONG_DIGITS not in data.translate(_DIGITS_AS_ZEROS):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
     try:
         return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:  # cannot happen past the depth check; kept a 400, never a 500

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import math
 import zlib
 from dataclasses import replace
 
@@ -22,7 +23,10 @@ from kvcompassd.frontdoor import ROUTES
 from kvcompassd.httplimits import (
     SMALL_BODY_BYTES,
     BodyBudget,
+    FrontDoorGuard,
+    Refused,
     json_depth,
+    parse_json,
 )
 
 QUICK = FrontDoorLimits(header_timeout_s=0.3, body_timeout_s=0.5, max_body_bytes=256 << 10,
@@ -270,6 +274,56 @@ def test_json_depth_matches_the_document(value):
         return 0
 
     assert json_depth(json.dumps(value).encode()) == depth(value)
+
+
+def _read_by_json(data: bytes) -> tuple:
+    """What parse_json made of ``data`` before its orjson path: json's reading, or its refusal."""
+    guard = FrontDoorGuard()
+    try:
+        value = json.loads(data, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)),
+                           parse_float=lambda text: float(text) if math.isfinite(float(text)) else
+                           (_ for _ in ()).throw(ValueError(text)))
+    except (ValueError, RecursionError):
+        value = Refused
+    return _typed(value) if value is not Refused else ("refused",), guard
+
+
+def _typed(value):
+    """``value`` with every scalar's type beside it (1 == 1.0 == True in Python)."""
+    if isinstance(value, list):
+        return [_typed(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _typed(v) for k, v in value.items()}
+    return (type(value).__name__, repr(value))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=20)
+
+
+@given(json_values, st.sampled_from(["plain", "spaced", "utf-8", "utf-16", "bom", "nan", "big float", "cut",
+                                     "surrogate", "duplicate"]))
+def test_parse_json_reads_what_json_reads(value, form):
+    """The orjson path changes nothing: every body reads as json reads it (types included: a
+    20-digit integer stays an int), and what json refuses is still refused."""
+    data = {"plain": lambda: json.dumps(value).encode(),
+            "spaced": lambda: json.dumps(value, indent=1).encode(),
+            "utf-8": lambda: json.dumps(value, ensure_ascii=False).encode(),
+            "utf-16": lambda: json.dumps(value).encode("utf-16"),
+            "bom": lambda: b"\xef\xbb\xbf" + json.dumps(value).encode(),
+            "nan": lambda: b'{"v": ' + json.dumps(value).encode() + b', "x": NaN}',
+            "big float": lambda: b'[' + json.dumps(value).encode() + b', 1e400]',
+            "cut": lambda: json.dumps(value).encode()[:-1],
+            "surrogate": lambda: b'["\\ud800", ' + json.dumps(value).encode() + b']',
+            "duplicate": lambda: b'{"a": 1, "a": ' + json.dumps(value).encode() + b'}'}[form]()
+    expected, guard = _read_by_json(data)
+    try:
+        got = _typed(parse_json(data, guard))
+    except Refused:
+        got = ("refused",)
+    assert got == expected
 
 
 # -- metrics, routes and errors ---------------------------------------------------------------------

@@ -12,7 +12,10 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from kvcompassd.core.config import ConfigError, TokenizerConfig, WorkerConfig, load_config
@@ -37,6 +40,14 @@ def bpe() -> HuggingFaceTokenizer:
 @pytest.fixture(scope="module")
 def bpe_alt() -> HuggingFaceTokenizer:
     return load_tokenizer(str(DATA), str(DATA / "alt_chat_template.jinja"))
+
+
+@given(st.text(max_size=300))
+def test_byte_tokenizer_array_holds_the_ids_of_encode(text):
+    tok = ByteTokenizer()
+    ids = tok.encode_array(text)
+    assert ids.dtype == np.uint32 and ids.flags.c_contiguous
+    assert ids.tolist() == tok.encode(text)
 
 
 def test_byte_tokenizer_round_trips_and_renders_llama3_chats():

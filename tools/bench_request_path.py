@@ -17,6 +17,19 @@ windows and the ratio. The tool runs either side (a checkout from before ``http_
 with aiohttp's runner).
 
     python tools/bench_request_path.py --against ../main --concurrency 1 16 --rounds 1 --windows 5
+
+CPU time per request on a shared machine moves with everything else that runs (one checkout's
+runs at load 8-10 spread 900-1,600 us), so a change of a few per cent cannot be read off it.
+``--callgrind`` counts instructions instead, which the machine's load does not change: run the
+tool under ``valgrind --tool=callgrind --collect-atstart=no --trace-children=no`` (the worker and
+the client are other processes, not counted) and each measured window's instructions in this
+process are dumped on their own, named with the requests served; ``--callgrind-summary FILE...``
+prints instructions per request from those dumps (under valgrind the edge serves some 30x fewer
+requests a second, so give it longer windows):
+
+    valgrind --tool=callgrind --collect-atstart=no --trace-children=no --callgrind-out-file=OUT \
+        python tools/bench_request_path.py --callgrind --seconds 20 --windows 2
+    python tools/bench_request_path.py --callgrind-summary OUT.*
 """
 
 from __future__ import annotations
@@ -24,9 +37,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import ctypes
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -83,6 +98,42 @@ def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int
         return served, errors, statistics.median(latencies) if latencies else float("nan")
 
     out.put(uvloop.run(run()))
+
+
+_CALLGRIND_HELPER = r"""
+#include <valgrind/callgrind.h>
+void kvc_bench_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kvc_bench_dump(const char *name) { CALLGRIND_DUMP_STATS_AT(name); }
+void kvc_bench_zero(void) { CALLGRIND_ZERO_STATS; }
+"""
+
+
+def callgrind_helper(directory: Path) -> ctypes.CDLL:
+    """The collection toggle, zero and dump of callgrind's client requests, compiled here (outside
+    valgrind they do nothing)."""
+    source = directory / "toggle.c"
+    source.write_text(_CALLGRIND_HELPER)
+    library = directory / "toggle.so"
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    helper = ctypes.CDLL(str(library))
+    helper.kvc_bench_dump.argtypes = [ctypes.c_char_p]
+    return helper
+
+
+def callgrind_summary(paths: list[str]) -> None:
+    """Instructions per request of each window dumped by ``--callgrind``, and their median."""
+    per_request = []
+    for path in paths:
+        text = Path(path).read_text(errors="replace")
+        served = re.search(r"^desc: Trigger: Client Request: window-\d+ served=(\d+)", text, re.M)
+        totals = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        if served is None or totals is None:
+            continue  # the dump valgrind writes at exit, or not one of this tool's
+        n, ir = int(served.group(1)), int(totals.group(1))
+        per_request.append(ir / n)
+        print(f"  {path}: {ir:,} instructions over {n} requests: {ir / n:,.0f} per request")
+    if per_request:
+        print(f"median {statistics.median(per_request):,.0f} instructions per request over {len(per_request)} windows")
 
 
 def worker_client():
@@ -169,6 +220,7 @@ async def main_async(args) -> None:
         listener = Listener(frontdoor, guard)
         url = await listener.open()
         profiler = cProfile.Profile(time.process_time) if args.profile else None
+        helper = callgrind_helper(workdir) if args.callgrind else None
         per_request: list[float] = []
         system_per_request: list[float] = []  # the kernel's part (socket calls on loopback, the epoll wait)
         p50_edge: list[float] = []
@@ -184,9 +236,15 @@ async def main_async(args) -> None:
             cpu0, system0 = time.process_time(), os.times().system
             if profiler is not None and measured:
                 profiler.enable()
+            if helper is not None and measured:
+                helper.kvc_bench_zero()
+                helper.kvc_bench_toggle()
             served, errors, p50 = await asyncio.to_thread(out.get)
             if profiler is not None and measured:
                 profiler.disable()
+            if helper is not None and measured:
+                helper.kvc_bench_toggle()
+                helper.kvc_bench_dump(f"window-{window} served={served}".encode())
             cpu, system = time.process_time() - cpu0, os.times().system - system0
             await asyncio.to_thread(client.join)
             return served, errors, p50, cpu, system
@@ -281,9 +339,15 @@ def main() -> None:
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)
     p.add_argument("--profile", metavar="FILE", help="cProfile of the measured windows (CPU clock)")
+    p.add_argument("--callgrind", action="store_true",
+                   help="under callgrind: count this process's instructions over each measured window (see above)")
+    p.add_argument("--callgrind-summary", metavar="FILE", nargs="+", help="instructions per request of the dumps")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--log-level", default="warning", help="the edge daemon's default is info: a line per request")
     args = p.parse_args()
+    if args.callgrind_summary:
+        callgrind_summary(args.callgrind_summary)
+        return
     if args.against:
         compare(args)
         return
