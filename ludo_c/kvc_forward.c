@@ -10,6 +10,9 @@
 
 #include <math.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 int kvc_forward_decide(const kvc_forward_plan *plan, const uint8_t *token_bytes, size_t n_tokens,
                        const double *queue, const double *belief, const uint8_t *eligible,
@@ -404,27 +407,62 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
 }
 
 /* kvc_queue_low's answer for a queue without NaN (the least value; of zeros, the first in index
- * order), in one pass that also says whether there is a NaN (then the answer is unused). */
+ * order), in one pass that also says whether there is a NaN (then the answer is unused). With
+ * SSE2, eight lanes of minpd and cmpunordpd: minpd(q, low) is `q < low ? q : low` lane by lane,
+ * the scalar loop's statement, and without NaN the least value does not depend on the lanes'
+ * order except for the sign of a zero, which the scan for the first zero settles as before. The
+ * scalar form compiled to a chain of flag tests per value (~5 µs at 10,000 workers). */
 static double kvc_queue_low_checked(size_t n, const double *queue, int *nan_out)
 {
-    double lane[4] = {queue[0], queue[0], queue[0], queue[0]};
+    double low = queue[0];
     int nan = 0;
     size_t i = 0;
+#ifdef __SSE2__
+    if (n >= 8) {
+        __m128d low0 = _mm_loadu_pd(queue), low1 = _mm_loadu_pd(queue + 2);
+        __m128d low2 = _mm_loadu_pd(queue + 4), low3 = _mm_loadu_pd(queue + 6);
+        __m128d odd0 = _mm_cmpunord_pd(low0, low0), odd1 = _mm_cmpunord_pd(low1, low1);
+        __m128d odd2 = _mm_cmpunord_pd(low2, low2), odd3 = _mm_cmpunord_pd(low3, low3);
+        for (i = 8; i + 8 <= n; i += 8) {
+            __m128d q0 = _mm_loadu_pd(queue + i), q1 = _mm_loadu_pd(queue + i + 2);
+            __m128d q2 = _mm_loadu_pd(queue + i + 4), q3 = _mm_loadu_pd(queue + i + 6);
+            odd0 = _mm_or_pd(odd0, _mm_cmpunord_pd(q0, q0));
+            odd1 = _mm_or_pd(odd1, _mm_cmpunord_pd(q1, q1));
+            odd2 = _mm_or_pd(odd2, _mm_cmpunord_pd(q2, q2));
+            odd3 = _mm_or_pd(odd3, _mm_cmpunord_pd(q3, q3));
+            low0 = _mm_min_pd(q0, low0);
+            low1 = _mm_min_pd(q1, low1);
+            low2 = _mm_min_pd(q2, low2);
+            low3 = _mm_min_pd(q3, low3);
+        }
+        nan = _mm_movemask_pd(_mm_or_pd(_mm_or_pd(odd0, odd1), _mm_or_pd(odd2, odd3))) != 0;
+        double lanes[8];
+        _mm_storeu_pd(lanes, low0);
+        _mm_storeu_pd(lanes + 2, low1);
+        _mm_storeu_pd(lanes + 4, low2);
+        _mm_storeu_pd(lanes + 6, low3);
+        low = lanes[0];
+        for (int j = 1; j < 8; j++)
+            low = lanes[j] < low ? lanes[j] : low;
+    }
+#else
+    double lane[4] = {queue[0], queue[0], queue[0], queue[0]};
     for (; i + 4 <= n; i += 4)
         for (int j = 0; j < 4; j++) {
             double q = queue[i + j];
             nan |= q != q;
             lane[j] = q < lane[j] ? q : lane[j];
         }
-    for (; i < n; i++) {
-        double q = queue[i];
-        nan |= q != q;
-        lane[0] = q < lane[0] ? q : lane[0];
-    }
-    double low = lane[0];
+    low = lane[0];
     for (int j = 1; j < 4; j++)
         if (lane[j] < low)
             low = lane[j];
+#endif
+    for (; i < n; i++) {
+        double q = queue[i];
+        nan |= q != q;
+        low = q < low ? q : low;
+    }
     *nan_out = nan;
     if (!nan && low == 0.0) /* which zero: the first in index order */
         for (i = 0; i < n; i++)

@@ -237,6 +237,47 @@ def test_the_queue_minimum_keeps_the_first_zero_and_a_leading_nan():
     assert lam_of([7.0, np.nan] + [3.0] * 10 + [2.0]) == 2.0
 
 
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.lists(st.one_of(st.sampled_from([3.0, np.inf]), st.floats(0.5, 1e4)), min_size=1, max_size=300),
+       marks=st.lists(st.tuples(st.integers(0, 299), st.one_of(st.sampled_from([0.0, -0.0, np.nan, np.inf]),
+                                                               st.floats(0.0, 0.5))), max_size=6),
+       tau=st.sampled_from([0.5, 250.0]))
+@example(base=[5.0] * 16, marks=[(14, 0.25)], tau=250.0)  # the least value in the last lane
+@example(base=[5.0] * 17, marks=[(16, 0.25)], tau=250.0)  # in the scalar tail
+@example(base=[5.0] * 24, marks=[(23, -0.0), (9, 0.0)], tau=250.0)  # the first zero is in index order
+@example(base=[5.0] * 24, marks=[(9, np.nan), (20, 0.25)], tau=250.0)
+def test_the_pruned_score_takes_the_full_pass_queue_minimum(base, marks, tau):
+    """kvc_score_choose_pruned's queue minimum (eight SSE2 lanes from 8 workers on, the scalar
+    loop before and for the tail) gives the full pass's lam bit for bit, wherever the zeros of
+    either sign, NaNs and infinities fall, at every length around the lanes' edges."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    queue = np.array(base, dtype=np.float64)
+    n = queue.size
+    for at, value in marks:
+        queue[at % n] = value
+    ones, zeros = np.ones(n), np.zeros(n)
+    ptr = ffi.from_buffer
+    common = (n, 10.0, ptr("double[]", zeros), ptr("double[]", ones), ptr("double[]", queue), ptr("double[]", zeros),
+              ptr("int64_t[]", np.zeros(n, dtype=np.int64)), ptr("uint8_t[]", np.zeros(n, dtype=np.uint8)),
+              ptr("double[]", ones), ptr("double[]", zeros), ffi.NULL, 0.0, 1e9, tau,
+              int(lib.KVC_SCORE_LOAD_AWARE), ffi.NULL)
+    want_lam, want_chosen = ffi.new("double *"), ffi.new("int64_t *")
+    want_best = lib.kvc_score_choose(*common, ptr("double[]", np.zeros(n)), want_lam, want_chosen)
+    blocks = ffi.new("kvc_score_blocks *")
+    starts = np.arange(0, n, 8)
+    wan_min, beta_min = np.zeros(starts.size), np.ones(starts.size)
+    blocks.block, blocks.n_blocks = 8, starts.size
+    blocks.wan_min, blocks.beta_min, blocks.penalty_min = ptr("double[]", wan_min), ptr("double[]", beta_min), \
+        ptr("double[]", wan_min)
+    lam, chosen, complete = ffi.new("double *"), ffi.new("int64_t *"), ffi.new("int *")
+    best = lib.kvc_score_choose_pruned(*common, ffi.NULL, 0, blocks, ptr("double[]", np.zeros(n)), lam, chosen,
+                                       complete)
+    assert _same_bits(np.array([lam[0]]), np.array([want_lam[0]]))
+    assert (best, chosen[0]) == (want_best, want_chosen[0])
+
+
 # ---- the sparse decision (kvc_forward_decide_sparse and its parts) ----------------------------
 
 def _sparse_lookup(plan, pointers, keys: np.ndarray):
