@@ -333,7 +333,7 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
                         break;
                     batch_view[reads] = views[KVC_SPARSE_ROW(k) + g];
                     batch_key[reads] = keys[k];
-                    batch_at[reads] = g * max_levels + level;
+                    batch_at[reads] = level * groups + g;
                     reads++;
                     levels_read[i] = level + 1;
                 }
@@ -358,7 +358,7 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
             for (size_t r = 0; r < reads; r++) {
                 size_t i = read_group[r];
                 uint64_t v = read_value[r];
-                values_scratch[(first + i) * max_levels + level] = v;
+                values_scratch[level * groups + first + i] = v;
                 levels_read[i] = level + 1;
                 if (consistency)
                     alive[i] &= (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
@@ -367,28 +367,28 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
         /* Each group's fields by where their rule ends them. */
         for (size_t i = 0; i < count && held != SIZE_MAX; i++) {
             size_t g = first + i, read = levels_read[i];
-            const uint64_t *values = values_scratch + g * max_levels;
+            const uint64_t *values = values_scratch + g; /* level-major: level l at values[l * groups] */
             if (consistency) {
                 /* A field's match is the last level of its unbroken run of hits from level 0. */
                 uint64_t run = present[i];
                 size_t level = 0;
                 for (; level < read && run; level++) {
-                    uint64_t v = values[level];
+                    uint64_t v = values[level * groups];
                     uint64_t still = run & (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
                     if (level > 0 && run != still)
-                        held = kvc_sparse_assign(run & ~still, g, level - 1, values[level - 1], field_worker,
+                        held = kvc_sparse_assign(run & ~still, g, level - 1, values[(level - 1) * groups], field_worker,
                                                  level_lengths, max_levels, matched_out, tier_out, holders_out, held,
                                                  workers);
                     run = still;
                 }
                 if (run && read) /* unbroken through every level read */
-                    held = kvc_sparse_assign(run, g, read - 1, values[read - 1], field_worker, level_lengths,
+                    held = kvc_sparse_assign(run, g, read - 1, values[(read - 1) * groups], field_worker, level_lengths,
                                              max_levels, matched_out, tier_out, holders_out, held, workers);
             } else {
                 /* A field's match is the longest level where it hits. */
                 uint64_t left = present[i];
                 for (size_t level = read; level-- > 0 && left;) {
-                    uint64_t v = values[level];
+                    uint64_t v = values[level * groups];
                     uint64_t hit = left & (v | (v >> 1)) & KVC_SPARSE_LOW_BITS;
                     if (hit) {
                         held = kvc_sparse_assign(hit, g, level, v, field_worker, level_lengths, max_levels,

@@ -125,8 +125,10 @@ size_t kvc_top_k(size_t n, const double *scores, size_t k, int64_t *out);
  * without a worker are not read on.
  *   field_worker [groups * 32]: the worker whose 2-bit field is field f of group g at
  *                g * 32 + f, or -1 (each worker once: the inverse of worker_group/worker_shift).
- *   values_scratch [groups * max_levels]: left holding the values read (entries not read are
- *                left as they were: not zeroed).
+ *   values_scratch [groups * max_levels]: left holding the values read, level-major (the value
+ *                of group g at level l at l * groups + g: a level's reads are stored into a few
+ *                lines, not one line per group; kvc_lookup_plan's are group-major); entries not
+ *                read are left as they were: not zeroed.
  *   holders_out [workers]: the workers with a match, group by group; *n_holders_out of them.
  * Other arguments as kvc_lookup_plan. Returns KVC_OK, or KVC_ERR_ARG (no shard, a field_worker
  * entry out of range). */
