@@ -258,7 +258,7 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
                                     const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
                                     const int32_t *field_worker, const uint64_t *group_fields, size_t workers,
                                     int consistency, uint64_t *values_scratch, int64_t *matched_out,
-                                    uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out);
+                                    uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out, int zeroed);
 
 int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups,
                       const uint64_t *keys, size_t n_keys,
@@ -268,7 +268,7 @@ int kvc_lookup_sparse(const kvc_view *const *views, size_t shards, size_t groups
 {
     return kvc_lookup_sparse_masked(views, shards, groups, keys, n_keys, level_lengths, level_keys, max_levels,
                                     field_worker, NULL, workers, consistency, values_scratch, matched_out, tier_out,
-                                    holders_out, n_holders_out);
+                                    holders_out, n_holders_out, 0);
 }
 
 static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards, size_t groups,
@@ -276,13 +276,15 @@ static int kvc_lookup_sparse_masked(const kvc_view *const *views, size_t shards,
                                     const int64_t *level_lengths, const int32_t *level_keys, size_t max_levels,
                                     const int32_t *field_worker, const uint64_t *group_fields, size_t workers,
                                     int consistency, uint64_t *values_scratch, int64_t *matched_out,
-                                    uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out)
+                                    uint8_t *tier_out, int32_t *holders_out, size_t *n_holders_out, int zeroed)
 {
     *n_holders_out = 0;
     if (shards == 0 || (groups != 0 && max_levels == 0))
         return KVC_ERR_ARG;
-    memset(matched_out, 0, workers * sizeof *matched_out);
-    memset(tier_out, 0, workers);
+    if (!zeroed) {
+        memset(matched_out, 0, workers * sizeof *matched_out);
+        memset(tier_out, 0, workers);
+    }
     size_t held = 0;
     uint64_t present[KVC_SPARSE_CHUNK], alive[KVC_SPARSE_CHUNK];
     size_t levels_read[KVC_SPARSE_CHUNK];
@@ -588,11 +590,12 @@ unsigned kvc_miss_summary_holders(const int32_t *holders, size_t n_holders, cons
     return kvc_miss_finish(&acc);
 }
 
-int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
-                              const uint8_t *token_bytes, size_t n_tokens, const double *queue,
-                              const double *belief, const uint8_t *eligible, const int64_t *last_sent,
-                              uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
-                              kvc_forward_sparse_result *result)
+/* kvc_forward_decide_sparse; `zeroed`: matched_out and tier_out are all 0 already. */
+static int forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                 const uint8_t *token_bytes, size_t n_tokens, const double *queue,
+                                 const double *belief, const uint8_t *eligible, const int64_t *last_sent,
+                                 uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
+                                 kvc_forward_sparse_result *result, int zeroed)
 {
     size_t workers = plan->workers;
     if (workers == 0)
@@ -608,7 +611,7 @@ int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sp
     rc = kvc_lookup_sparse_masked(plan->views, plan->shards, plan->groups, keys_out, n_keys, plan->level_lengths,
                                   plan->level_keys, plan->max_levels, sparse->field_worker, sparse->group_fields,
                                   workers, plan->consistency, plan->values_scratch, matched_out, tier_out,
-                                  sparse->holders, &held);
+                                  sparse->holders, &held, zeroed);
     if (rc != KVC_OK)
         return rc;
     int64_t chosen_index;
@@ -631,12 +634,23 @@ int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sp
     return isfinite(scores_out[best]) ? KVC_OK : KVC_FORWARD_NONE_ELIGIBLE;
 }
 
-int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
-                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
-                                   const double *correction, int add_occupancy, const double *belief,
-                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
-                                   int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
-                                   double *queue_out, kvc_forward_sparse_result *result)
+int kvc_forward_decide_sparse(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                              const uint8_t *token_bytes, size_t n_tokens, const double *queue,
+                              const double *belief, const uint8_t *eligible, const int64_t *last_sent,
+                              uint64_t *keys_out, int64_t *matched_out, uint8_t *tier_out, double *scores_out,
+                              kvc_forward_sparse_result *result)
+{
+    return forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue, belief, eligible, last_sent, keys_out,
+                                 matched_out, tier_out, scores_out, result, 0);
+}
+
+/* kvc_forward_decide_sparse_aged; `zeroed`: matched_out and tier_out are all 0 already. */
+static int forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                      const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                      const double *correction, int add_occupancy, const double *belief,
+                                      const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                      int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
+                                      double *queue_out, kvc_forward_sparse_result *result, int zeroed)
 {
     size_t n = plan->workers;
     if (!sparse->taken_at || !sparse->rate || (correction && !sparse->region_slot) ||
@@ -655,8 +669,20 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
     } else if (queue_out != aged_out) {
         memcpy(queue_out, aged_out, n * sizeof *aged_out);
     }
-    return kvc_forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue_out, belief, eligible, last_sent,
-                                     keys_out, matched_out, tier_out, scores_out, result);
+    return forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue_out, belief, eligible, last_sent,
+                                 keys_out, matched_out, tier_out, scores_out, result, zeroed);
+}
+
+int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
+                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
+                                   const double *correction, int add_occupancy, const double *belief,
+                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
+                                   int64_t *matched_out, uint8_t *tier_out, double *scores_out, double *aged_out,
+                                   double *queue_out, kvc_forward_sparse_result *result)
+{
+    return forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,
+                                      belief, eligible, last_sent, keys_out, matched_out, tier_out, scores_out,
+                                      aged_out, queue_out, result, 0);
 }
 
 int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
@@ -672,11 +698,32 @@ int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forwar
     uint8_t *tier = (uint8_t *)(out + 4 * n);
     result->chosen_matched = result->best_matched = 0;
     result->chosen_tier = result->best_tier = 0;
-    int rc = kvc_forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,
-                                            belief, eligible, last_sent, keys_out, matched, tier, out, aged, queue,
-                                            result);
+    /* The zeroing record (kvc_forward.h): zero what the buffer's last decision listed, or all. */
+    double *record = out + 4 * n + (n + 7) / 8 + 1;
+    int32_t *listed = (int32_t *)(record + 2);
+    double count = record[1];
+    if (record[0] == 1.0 && count >= 0.0 && count <= (double)n) {
+        for (size_t h = 0; h < (size_t)count; h++) {
+            size_t i = (size_t)listed[h];
+            if (i < n) {
+                matched[i] = 0;
+                tier[i] = 0;
+            }
+        }
+    } else {
+        memset(matched, 0, n * sizeof *matched);
+        memset(tier, 0, n);
+    }
+    record[0] = 0.0;
+    int rc = forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,
+                                        belief, eligible, last_sent, keys_out, matched, tier, out, aged, queue,
+                                        result, 1);
     if (rc != KVC_OK && rc != KVC_FORWARD_NONE_ELIGIBLE)
         return rc;
+    /* The lookup ran: its matches are at its holders alone. */
+    memcpy(listed, sparse->holders, result->n_holders * sizeof *listed);
+    record[1] = (double)result->n_holders;
+    record[0] = 1.0;
     if (result->chosen >= 0 && (size_t)result->chosen < n) {
         result->chosen_matched = matched[result->chosen];
         result->chosen_tier = tier[result->chosen];
