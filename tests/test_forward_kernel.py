@@ -607,6 +607,43 @@ def test_the_aged_call_prices_capacity_from_the_estimates_it_ages(ms, rate, take
     assert np.signbit(out[5]) == np.signbit(again[5])
 
 
+
+@settings(max_examples=100, deadline=None)
+@given(ms=st.lists(st.floats(1.0, 300.0), min_size=23, max_size=23),
+       rate=st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=23, max_size=23),
+       taken=st.lists(st.floats(0.0, 2.5), min_size=23, max_size=23),
+       least=st.integers(0, 22), nan_at=st.one_of(st.none(), st.integers(0, 22)))
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=2, nan_at=None)
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=7, nan_at=None)
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=22, nan_at=None)
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=3, nan_at=14)
+def test_the_aged_call_takes_the_least_estimate_wherever_it_is(ms, rate, taken, least, nan_at):
+    """Without a correction or the occupancy the decision scores the aged estimates, and their
+    least value (lam's) is found in the aging pass itself (kvc_queue_aged_low, lanes of two): the
+    same lam, decision and aged values as numpy's estimates scored by ``run``, wherever the least
+    estimate (none of them 0 here, so no zero decides it) or a NaN reading falls."""
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(79, 500)
+    _register(w, w.layout.worker_ids[4], tokens, 500)
+    router = Router(w.cfg, "b", w.views["b"], now=0.0)
+    kernel = _sparse_of(router, 4)
+    taken_at, rates, _, _ = router.queues.aging_arrays()
+    taken_at[:], rates[:] = taken, rate
+    ms = np.array(ms)
+    ms[least] = 0.5
+    if nan_at is not None:
+        ms[nan_at] = np.nan
+    belief = np.ones(23)
+    out = kernel.run_aged(tokens, ms, 2.5, None, False, belief, None)
+    aged = np.maximum(0.0, ms + rates * np.maximum(0.0, (2.5 - taken_at) * 1000.0))
+    assert out[-2].tobytes() == aged.tobytes() and out[-1] is out[-2]
+    again = kernel.run(tokens, aged, belief, None)
+    assert out[3:5] == again[3:5] and _same_bits(np.array([out[5]]), np.array([again[5]]))
+    if nan_at is None:
+        scorer = router.scorer
+        assert out[5] == min(scorer.lambda_max, float(aged.min()) / scorer.tau_ms)
+
+
 def test_pruned_decisions_equal_the_reference_router_and_complete_their_scores():
     """A Router on the pruned score (blocks of one worker, so most workers are skipped) decides
     as the reference Router, also after its prefill rates change; a decision's skipped scores
