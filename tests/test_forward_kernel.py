@@ -237,6 +237,47 @@ def test_the_queue_minimum_keeps_the_first_zero_and_a_leading_nan():
     assert lam_of([7.0, np.nan] + [3.0] * 10 + [2.0]) == 2.0
 
 
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.lists(st.one_of(st.sampled_from([3.0, np.inf]), st.floats(0.5, 1e4)), min_size=1, max_size=300),
+       marks=st.lists(st.tuples(st.integers(0, 299), st.one_of(st.sampled_from([0.0, -0.0, np.nan, np.inf]),
+                                                               st.floats(0.0, 0.5))), max_size=6),
+       tau=st.sampled_from([0.5, 250.0]))
+@example(base=[5.0] * 16, marks=[(14, 0.25)], tau=250.0)  # the least value in the last lane
+@example(base=[5.0] * 17, marks=[(16, 0.25)], tau=250.0)  # in the scalar tail
+@example(base=[5.0] * 24, marks=[(23, -0.0), (9, 0.0)], tau=250.0)  # the first zero is in index order
+@example(base=[5.0] * 24, marks=[(9, np.nan), (20, 0.25)], tau=250.0)
+def test_the_pruned_score_takes_the_full_pass_queue_minimum(base, marks, tau):
+    """kvc_score_choose_pruned's queue minimum (eight SSE2 lanes from 8 workers on, the scalar
+    loop before and for the tail) gives the full pass's lam bit for bit, wherever the zeros of
+    either sign, NaNs and infinities fall, at every length around the lanes' edges."""
+    from kvcompassd.core._ludo_cffi import ffi, lib
+
+    queue = np.array(base, dtype=np.float64)
+    n = queue.size
+    for at, value in marks:
+        queue[at % n] = value
+    ones, zeros = np.ones(n), np.zeros(n)
+    ptr = ffi.from_buffer
+    common = (n, 10.0, ptr("double[]", zeros), ptr("double[]", ones), ptr("double[]", queue), ptr("double[]", zeros),
+              ptr("int64_t[]", np.zeros(n, dtype=np.int64)), ptr("uint8_t[]", np.zeros(n, dtype=np.uint8)),
+              ptr("double[]", ones), ptr("double[]", zeros), ffi.NULL, 0.0, 1e9, tau,
+              int(lib.KVC_SCORE_LOAD_AWARE), ffi.NULL)
+    want_lam, want_chosen = ffi.new("double *"), ffi.new("int64_t *")
+    want_best = lib.kvc_score_choose(*common, ptr("double[]", np.zeros(n)), want_lam, want_chosen)
+    blocks = ffi.new("kvc_score_blocks *")
+    starts = np.arange(0, n, 8)
+    wan_min, beta_min = np.zeros(starts.size), np.ones(starts.size)
+    blocks.block, blocks.n_blocks = 8, starts.size
+    blocks.wan_min, blocks.beta_min, blocks.penalty_min = ptr("double[]", wan_min), ptr("double[]", beta_min), \
+        ptr("double[]", wan_min)
+    lam, chosen, complete = ffi.new("double *"), ffi.new("int64_t *"), ffi.new("int *")
+    best = lib.kvc_score_choose_pruned(*common, ffi.NULL, 0, blocks, ptr("double[]", np.zeros(n)), lam, chosen,
+                                       complete)
+    assert _same_bits(np.array([lam[0]]), np.array([want_lam[0]]))
+    assert (best, chosen[0]) == (want_best, want_chosen[0])
+
+
 # ---- the sparse decision (kvc_forward_decide_sparse and its parts) ----------------------------
 
 def _sparse_lookup(plan, pointers, keys: np.ndarray):
@@ -564,6 +605,43 @@ def test_the_aged_call_prices_capacity_from_the_estimates_it_ages(ms, rate, take
     again = kernel.run(tokens, queue, belief, None)
     assert out[3:8] == again[3:8] or (np.isnan(out[5]) and np.isnan(again[5]) and out[3:5] == again[3:5])
     assert np.signbit(out[5]) == np.signbit(again[5])
+
+
+
+@settings(max_examples=100, deadline=None)
+@given(ms=st.lists(st.floats(1.0, 300.0), min_size=23, max_size=23),
+       rate=st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=23, max_size=23),
+       taken=st.lists(st.floats(0.0, 2.5), min_size=23, max_size=23),
+       least=st.integers(0, 22), nan_at=st.one_of(st.none(), st.integers(0, 22)))
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=2, nan_at=None)
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=7, nan_at=None)
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=22, nan_at=None)
+@example(ms=[200.0] * 23, rate=[0.0] * 23, taken=[2.5] * 23, least=3, nan_at=14)
+def test_the_aged_call_takes_the_least_estimate_wherever_it_is(ms, rate, taken, least, nan_at):
+    """Without a correction or the occupancy the decision scores the aged estimates, and their
+    least value (lam's) is found in the aging pass itself (kvc_queue_aged_low, lanes of two): the
+    same lam, decision and aged values as numpy's estimates scored by ``run``, wherever the least
+    estimate (none of them 0 here, so no zero decides it) or a NaN reading falls."""
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(79, 500)
+    _register(w, w.layout.worker_ids[4], tokens, 500)
+    router = Router(w.cfg, "b", w.views["b"], now=0.0)
+    kernel = _sparse_of(router, 4)
+    taken_at, rates, _, _ = router.queues.aging_arrays()
+    taken_at[:], rates[:] = taken, rate
+    ms = np.array(ms)
+    ms[least] = 0.5
+    if nan_at is not None:
+        ms[nan_at] = np.nan
+    belief = np.ones(23)
+    out = kernel.run_aged(tokens, ms, 2.5, None, False, belief, None)
+    aged = np.maximum(0.0, ms + rates * np.maximum(0.0, (2.5 - taken_at) * 1000.0))
+    assert out[-2].tobytes() == aged.tobytes() and out[-1] is out[-2]
+    again = kernel.run(tokens, aged, belief, None)
+    assert out[3:5] == again[3:5] and _same_bits(np.array([out[5]]), np.array([again[5]]))
+    if nan_at is None:
+        scorer = router.scorer
+        assert out[5] == min(scorer.lambda_max, float(aged.min()) / scorer.tau_ms)
 
 
 def test_pruned_decisions_equal_the_reference_router_and_complete_their_scores():

@@ -272,6 +272,48 @@ def _state(router):
     return [(k, list(f.misses), list(f.load_losses), f.cooldown_until) for k, f in router.hot._families.items()]
 
 
+@settings(max_examples=20, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 22), st.integers(0, 900), st.booleans(),
+                                st.lists(st.tuples(st.integers(0, 22), st.integers(1, 5000), st.integers(0, 3)),
+                                         max_size=4)),
+                      min_size=1, max_size=12),
+       region=st.sampled_from(["a", "b", "c"]))
+def test_a_reused_buffer_zeroes_what_its_last_decision_or_a_writer_left(steps, region):
+    """``run_out`` reuses a buffer whose last decision's matches C zeroes at the workers it
+    listed, or everywhere when a ``writable`` view may have changed others: each decision's
+    matches and tiers equal a fresh ``run_aged``'s, whatever the previous decision on the same
+    buffer found or a writer put there; the views are read-only unless asked for writable."""
+    from kvcompassd.core.router import Router
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    router = Router(w.cfg, region, w.views[region], now=0.0)
+    kernel, queues = router._kernel, router.queues
+    prompts = [_prompt(700 + p, n_tokens) for p, n_tokens in enumerate((900, 333, 10))]
+    lengths = w.plan.registration_lengths_upto(900)
+    belief = router.belief.values.copy()
+    now = 1.0
+    buffers = set()
+    for p, worker_index, cached, write, junk in steps:
+        covered = [m for m in lengths if m <= min(cached, len(prompts[p]))]
+        if covered:
+            w.send([PrefixCached(w.layout.worker_ids[worker_index], k, Tier.VRAM)
+                    for k in prefix_keys(prompts[p], covered, w.salt).tolist()])
+        now += 0.05
+        ms = queues.queue_ms()
+        m, t = kernel.run_aged(prompts[p], ms, now, None, False, belief, None)[:2]
+        arrays = kernel.run_out(prompts[p], ms, now, None, False, belief, None)[0]
+        buffers.add(id(arrays.out))
+        assert arrays.matched().tobytes() == m.tobytes() and arrays.tier().tobytes() == t.tobytes()
+        assert not arrays.matched().flags.writeable and not arrays.tier().flags.writeable
+        if write:  # what the pending ledger does: raise matches in place
+            matched, tier = arrays.matched(writable=True), arrays.tier(writable=True)
+            for i, length, code in junk:
+                matched[i], tier[i] = length, code
+            del matched, tier
+        del arrays
+    assert len(buffers) == 1  # nothing held a decision: each reused the one buffer
+
+
 @settings(max_examples=25, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 22), st.integers(0, 900),
                                 st.sampled_from([Tier.VRAM, Tier.DRAM]), st.floats(0.0, 40.0),

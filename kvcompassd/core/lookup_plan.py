@@ -481,7 +481,7 @@ class SparseForwardKernel(ForwardKernel):
     Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
 
     __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging",
-                 "_ms", "_ms_c", "_out_size", "_fields", "_fields_c", "_group_fields", "_out_ring", "_out_next")
+                 "_ms", "_ms_c", "_out_size", "_out_record", "_fields", "_fields_c", "_group_fields", "_out_ring", "_out_next")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -511,7 +511,8 @@ class SparseForwardKernel(ForwardKernel):
         self._aging: tuple | None = None
         self._ms: np.ndarray | None = None  # run_out's last estimates, and their pointer
         self._ms_c = _NULL
-        self._out_size = DecisionArrays.size(self.workers) + 1  # and lam
+        self._out_size = DecisionArrays.buffer_size(self.workers)
+        self._out_record = DecisionArrays.record_at(self.workers)
         # run_out's buffers, reused once nothing else holds them (out_buffer).
         self._out_ring: list[np.ndarray | None] = [None] * max(
             1, min(_OUT_RING, _OUT_RING_BYTES // (8 * self._out_size)))
@@ -672,20 +673,26 @@ class SparseForwardKernel(ForwardKernel):
         _set_out(arrays, out)
         _set_n(arrays, n)
         _set_separate(arrays, separate)
-        return (arrays, best, chosen, out.item(-1), miss, None if family < 0 else family, complete != 0,
+        return (arrays, best, chosen, out.item(self._out_record - 1), miss, None if family < 0 else family, complete != 0,
                 chosen_matched, chosen_tier, best_matched, best_tier)
 
     def out_buffer(self) -> np.ndarray:
-        """A buffer for ``run_out``: the ring's next one if nothing but the ring holds it (every
+        """A buffer for ``run_out``: the first of the ring's that nothing but the ring holds (every
         array made from a buffer holds it, so a decision still read elsewhere keeps its own),
-        else a new one that takes its place in the ring. At thousands of workers a new buffer
+        else a new one that takes the next place in the ring. At thousands of workers a new buffer
         per decision cost more than the score: the allocator walked its bins of large free
-        chunks, each one a cache miss."""
-        ring, k = self._out_ring, self._out_next
+        chunks, each one a cache miss. The first free one rather than the next: an edge that
+        drops each decision reuses one buffer, still in the cache, instead of cycling through
+        the ring's (4 x 370 KB at 10,000 workers); and a reused buffer's zeroing record lets C
+        zero only what its last decision wrote."""
+        ring = self._out_ring
+        for out in ring:
+            if out is not None and _refcount(out) == _RING_ONLY:
+                return out
+        k = self._out_next
         self._out_next = k + 1 if k + 1 < len(ring) else 0
-        out = ring[k]
-        if out is None or _refcount(out) != _RING_ONLY:
-            out = ring[k] = _empty(self._out_size, _float64)
+        out = ring[k] = _empty(self._out_size, _float64)
+        out[self._out_record] = 0.0  # its matches are unknown: C zeroes all of them
         return out
 
     def holders(self) -> np.ndarray:
@@ -698,8 +705,11 @@ class DecisionArrays:
     (``kvc_forward_decide_sparse_out``: scores, aged estimates, scored estimates, matched as
     int64, tiers as uint8). Each array is a view of the buffer made when first asked for (a view
     costs about what an array does: most decisions need none), the same view every time after;
-    ``aged`` and ``queue`` are read-only (the queue estimates' snapshots), the others writable
-    (the pending ledger raises matches in place). ``*_at(i)`` read one value without a view."""
+    ``aged`` and ``queue`` are read-only (the queue estimates' snapshots), and so are ``matched``
+    and ``tier`` unless asked for ``writable`` (the pending ledger raises matches in place): the
+    buffer's zeroing record then says its matches are unknown, so that C zeroes all of them when
+    the buffer is reused, not only the entries its lookup wrote (``kvc_forward.h``). ``*_at(i)``
+    read one value without a view."""
 
     __slots__ = ("out", "n", "separate", "_scores", "_aged", "_queue", "_matched", "_tier")
 
@@ -708,6 +718,17 @@ class DecisionArrays:
         """Doubles in the buffer of ``n`` workers' arrays."""
         return 4 * n + (n + 7) // 8
 
+    @staticmethod
+    def record_at(n: int) -> int:
+        """Where the buffer's zeroing record starts (after the arrays and lam)."""
+        return 4 * n + (n + 7) // 8 + 1
+
+    @staticmethod
+    def buffer_size(n: int) -> int:
+        """Doubles in a whole buffer: the arrays, lam, the zeroing record's flag and count, and
+        room for ``n`` workers listed as int32."""
+        return 4 * n + (n + 7) // 8 + 3 + (n + 1) // 2
+
     @classmethod
     def copied(cls, matched: np.ndarray, tier: np.ndarray, scores: np.ndarray, aged: np.ndarray,
                queue: np.ndarray | None) -> DecisionArrays:
@@ -715,7 +736,7 @@ class DecisionArrays:
         aged estimates were scored)."""
         n = int(scores.size)
         arrays = _new_arrays(cls)
-        out = np.zeros(cls.size(n) + 1, dtype=np.float64)  # run_out's buffer has lam last
+        out = np.zeros(cls.buffer_size(n), dtype=np.float64)  # run_out's layout (no ring reuses it)
         out[:n] = scores
         out[n:2 * n] = aged
         if queue is not None:
@@ -751,20 +772,30 @@ class DecisionArrays:
             self._queue = _frozen_view(self.out[2 * self.n:3 * self.n])
             return self._queue
 
-    def matched(self) -> np.ndarray:
+    def matched(self, writable: bool = False) -> np.ndarray:
         try:
-            return self._matched
+            matched = self._matched
         except AttributeError:
             n = self.n
-            self._matched = self.out[3 * n:4 * n].view(np.int64)
-            return self._matched
+            matched = self._matched = _frozen_view(self.out[3 * n:4 * n].view(np.int64))
+        if writable:
+            self._unlist()
+            matched.setflags(write=True)
+        return matched
 
-    def tier(self) -> np.ndarray:
+    def tier(self, writable: bool = False) -> np.ndarray:
         try:
-            return self._tier
+            tier = self._tier
         except AttributeError:
-            self._tier = self.out[4 * self.n:].view(np.uint8)[:self.n]
-            return self._tier
+            tier = self._tier = _frozen_view(self.out[4 * self.n:].view(np.uint8)[:self.n])
+        if writable:
+            self._unlist()
+            tier.setflags(write=True)
+        return tier
+
+    def _unlist(self) -> None:
+        """The caller may write matches: the zeroing record no longer lists them all."""
+        self.out[4 * self.n + (self.n + 7) // 8 + 1] = 0.0
 
     def score_at(self, i: int) -> float:
         return self.out.item(i)

@@ -202,8 +202,8 @@ class Router:
             # keys are sliced only when something reads them.
             keys = _KERNEL_KEYS
             if len(pending):
-                if arrays is not None:
-                    matched, tier, queue = arrays.matched(), arrays.tier(), arrays.queue()
+                if arrays is not None:  # the ledger raises matches in place
+                    matched, tier, queue = arrays.matched(writable=True), arrays.tier(writable=True), arrays.queue()
                 keys = kernel.keys()[:self.lookup.fitting(prompt_len)]
                 shown = pending.overlay(keys.tolist(), matched, tier, now=now)
                 if shown is not None:
