@@ -287,8 +287,6 @@ class BlockTree:
         touched: dict[int, int] = {}
         page_size = self._page_size
         blocks, children, detached = self._blocks, self._children, self._detached
-        indexed = self.indexed_lengths
-        n_indexed = len(indexed)
         hashes, tokens = events.hashes, events.tokens
         media = events.canonical_media()
         for index, run in enumerate(events.runs):
@@ -323,24 +321,8 @@ class BlockTree:
                     if (parent is None or (parent_block is not None and parent_block.attached)) \
                             and block_hash not in blocks and block_hash not in children:
                         # the usual page, as _store_chain does it: new, under an attached parent
-                        tier = _medium_tier(medium)
-                        block_tokens = tuple(tokens[token_start:token_end])
-                        block = blocks[block_hash] = _Block(block_hash, parent, block_tokens, False, medium, tier)
-                        siblings = children.get(parent)
-                        if siblings is None:
-                            children[parent] = {block_hash}
-                        else:
-                            siblings.add(block_hash)
-                        if parent_block is None:
-                            start, parent_tier = 0, _VRAM
-                        else:
-                            start, parent_tier = parent_block.start + len(parent_block.tokens), parent_block.path_tier
-                        block.start = start
-                        block.path_tier = tier if tier > parent_tier else parent_tier
-                        block.attached = True
-                        first = bisect_right(indexed, start)
-                        if first < n_indexed and indexed[first] <= start + len(block_tokens):
-                            self._register_anchors(block, touched, first)
+                        self._put_page(block_hash, parent, parent_block, tuple(tokens[token_start:token_end]),
+                                       False, medium, _medium_tier(medium), touched)
                         continue
                 self._store_chain(hashes[hash_start:hash_end], parent, tokens, token_start, token_end, size, lora,
                                   medium, touched)
@@ -464,6 +446,32 @@ class BlockTree:
         self._store_chain(event.block_hashes, event.parent_block_hash, tokens, 0, len(tokens), event.block_size,
                           event.is_lora, canonical_medium(event.medium), touched)
 
+    def _put_page(self, block_hash: int, parent: int | None, parent_block: _Block | None, tokens: tuple,
+                  lora: bool, medium: str, tier: StorageTier, touched: dict[int, int]) -> _Block:
+        """The usual page: a new block under an attached parent (or a root) with nothing waiting
+        under it, attached at once. _new_block and _attach in one call (a call each per page
+        were a third of this mirror's time on the gateway workload)."""
+        block = self._blocks[block_hash] = _Block(block_hash, parent, tokens, lora, medium, tier)
+        children = self._children
+        siblings = children.get(parent)
+        if siblings is None:
+            children[parent] = {block_hash}
+        else:
+            siblings.add(block_hash)
+        if parent_block is None:
+            start, parent_tier = 0, _VRAM
+        else:
+            start, parent_tier = parent_block.start + len(parent_block.tokens), parent_block.path_tier
+        block.start = start
+        block.path_tier = tier if tier > parent_tier else parent_tier
+        block.attached = True
+        indexed = self.indexed_lengths
+        first = bisect_right(indexed, start)  # the first indexed length past the block's start
+        if first < len(indexed) and indexed[first] <= start + len(tokens):
+            self._register_anchors(block, touched, first)
+        # (else its anchors and hash state stay the new block's empty ones)
+        return block
+
     def _store_chain(self, hashes: Sequence[BlockHash], parent: BlockHash | None, all_tokens: Sequence[int],
                      token_start: int, token_end: int, size: int, lora: bool, medium: str,
                      touched: dict[int, int]) -> None:
@@ -472,8 +480,6 @@ class BlockTree:
         may be short): a BlockStored event's blocks, or a scanned run's."""
         tier = _UNINDEXED if lora else _medium_tier(medium)
         blocks_by_hash, children = self._blocks, self._children
-        indexed = self.indexed_lengths
-        n_indexed = len(indexed)
         parent_block = blocks_by_hash.get(parent) if parent is not None else None
         cut = token_start
         for block_hash in hashes:
@@ -483,25 +489,8 @@ class BlockTree:
             if block is None and (parent is None or (parent_block is not None and parent_block.attached)) \
                     and block_hash not in children:
                 # What an engine sends per page: a new block under an attached parent (or a
-                # root) with nothing waiting under it. _new_block and _attach inlined (a call
-                # each per page were a third of this mirror's time on the gateway workload).
-                block = blocks_by_hash[block_hash] = _Block(block_hash, parent, tokens, lora, medium, tier)
-                siblings = children.get(parent)
-                if siblings is None:
-                    children[parent] = {block_hash}
-                else:
-                    siblings.add(block_hash)
-                if parent_block is None:
-                    start, parent_tier = 0, _VRAM
-                else:
-                    start, parent_tier = parent_block.start + len(parent_block.tokens), parent_block.path_tier
-                block.start = start
-                block.path_tier = tier if tier > parent_tier else parent_tier
-                block.attached = True
-                first = bisect_right(indexed, start)  # the first indexed length past the block's start
-                if first < n_indexed and indexed[first] <= start + len(tokens):
-                    self._register_anchors(block, touched, first)
-                # (else its anchors and hash state stay the new block's empty ones)
+                # root) with nothing waiting under it.
+                block = self._put_page(block_hash, parent, parent_block, tokens, lora, medium, tier, touched)
             elif block is not None:
                 if block.parent != parent or block.tokens != tokens:
                     # Same hash, different content: engines hash content, so this is a
