@@ -568,35 +568,6 @@ class _ScanBuffers(threading.local):
 _scan_buffers = _ScanBuffers()
 
 
-def _run_dtype() -> np.dtype:
-    """kvc_event_run's layout as a numpy record (offsets from cffi), so a scan's runs are read
-    as one array and turned into tuples in one call, not field by field through cffi."""
-    fields = [("kind", "u1"), ("has_parent", "u1"), ("has_lora_id", "u1"), ("has_group", "u1"),
-              ("block_size", "u4"), ("group_idx", "u4"), ("parent", "i8"), ("lora_id", "i8"),
-              ("hash_start", "u4"), ("hash_end", "u4"), ("token_start", "u4"), ("token_end", "u4"),
-              ("medium_off", "i8"), ("medium_len", "u4"), ("lora_name_off", "i8"), ("lora_name_len", "u4")]
-    return np.dtype({"names": [name for name, _ in fields], "formats": [fmt for _, fmt in fields],
-                     "offsets": [ffi.offsetof("kvc_event_run", name) for name, _ in fields],
-                     "itemsize": ffi.sizeof("kvc_event_run")})
-
-
-_RUN_DTYPE = _run_dtype()
-_RUN_BYTES = ffi.sizeof("kvc_event_run")
-_MEDIA: dict[bytes, str] = {}  # a medium's UTF-8 bytes -> its str (engines name a handful; kept <= 64)
-
-
-def _medium_at(data: bytes, off: int, length: int) -> str | None:
-    if off < 0:
-        return None
-    raw = data[off:off + length]
-    medium = _MEDIA.get(raw)
-    if medium is None:
-        medium = raw.decode()
-        if len(_MEDIA) < 64:
-            _MEDIA[raw] = medium
-    return medium
-
-
 # Fields of a scanned run (ScannedEvents.runs): kvc_event_run's, in its order.
 (RUN_KIND, RUN_HAS_PARENT, RUN_HAS_LORA_ID, RUN_HAS_GROUP, RUN_BLOCK_SIZE, RUN_GROUP_IDX, RUN_PARENT, RUN_LORA_ID,
  RUN_HASH_START, RUN_HASH_END, RUN_TOKEN_START, RUN_TOKEN_END, RUN_MEDIUM_OFF, RUN_MEDIUM_LEN, RUN_LORA_NAME_OFF,
