@@ -73,7 +73,7 @@ def run_arm(checkout: Path, n: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout))
     done = subprocess.run([sys.executable, __file__, "--one-arm", str(n)], env=env, check=True, capture_output=True,
                           text=True)
-    return json.loads(done.stdout)
+    return dict(json.loads(done.stdout), load=os.getloadavg()[0])  # the machine's other load, at this arm's end
 
 
 def main() -> None:
@@ -102,7 +102,7 @@ def main() -> None:
         times = [r["us_per_batch"] for r in results[name]]
         medians[name] = statistics.median(times)
         print(f"{name:<10} ({checkout}) decode + mirror: median {medians[name]:.1f} us per batch "
-              f"(rounds: {', '.join(f'{t:.1f}' for t in times)})")
+              "(rounds: " + ", ".join(f"{r['us_per_batch']:.1f} at load {r['load']:.2f}" for r in results[name]) + ")")
     if "reference" in arms:
         same = {r["digest"] for r in results["this"] + results["reference"]}
         print(f"this / reference: {medians['this'] / medians['reference']:.2f}; "
