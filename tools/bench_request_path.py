@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import ctypes
 import json
 import multiprocessing
 import os
@@ -51,6 +50,8 @@ from pathlib import Path
 
 import aiohttp
 import uvloop
+
+from benchlib import callgrind_helper
 
 from kvcompassd.core.config import dump_config
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
@@ -98,26 +99,6 @@ def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int
         return served, errors, statistics.median(latencies) if latencies else float("nan")
 
     out.put(uvloop.run(run()))
-
-
-_CALLGRIND_HELPER = r"""
-#include <valgrind/callgrind.h>
-void kvc_bench_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
-void kvc_bench_dump(const char *name) { CALLGRIND_DUMP_STATS_AT(name); }
-void kvc_bench_zero(void) { CALLGRIND_ZERO_STATS; }
-"""
-
-
-def callgrind_helper(directory: Path) -> ctypes.CDLL:
-    """The collection toggle, zero and dump of callgrind's client requests, compiled here (outside
-    valgrind they do nothing)."""
-    source = directory / "toggle.c"
-    source.write_text(_CALLGRIND_HELPER)
-    library = directory / "toggle.so"
-    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
-    helper = ctypes.CDLL(str(library))
-    helper.kvc_bench_dump.argtypes = [ctypes.c_char_p]
-    return helper
 
 
 def callgrind_summary(paths: list[str]) -> None:

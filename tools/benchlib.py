@@ -1,10 +1,12 @@
 """What the deployment benchmarks (bench_sync, bench_edge) share: a loopback cluster's files,
-daemon processes, CPU accounting and percentiles. Not a library for the daemons."""
+daemon processes, CPU accounting and percentiles, and callgrind's client requests for the
+instruction-counting tools. Not a library for the daemons."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -25,6 +27,25 @@ from kvcompassd.launcher import DeploymentSpec, build_cluster
 from kvcompassd.wire import Role
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+_CALLGRIND_HELPER = r"""
+#include <valgrind/callgrind.h>
+void kvc_bench_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kvc_bench_dump(const char *name) { CALLGRIND_DUMP_STATS_AT(name); }
+void kvc_bench_zero(void) { CALLGRIND_ZERO_STATS; }
+"""
+
+
+def callgrind_helper(directory: Path) -> ctypes.CDLL:
+    """The collection toggle, zero and dump of callgrind's client requests, compiled in
+    ``directory`` (outside valgrind they do nothing)."""
+    source = directory / "toggle.c"
+    source.write_text(_CALLGRIND_HELPER)
+    library = directory / "toggle.so"
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    helper = ctypes.CDLL(str(library))
+    helper.kvc_bench_dump.argtypes = [ctypes.c_char_p]
+    return helper
 
 
 def quiet_logs() -> None:

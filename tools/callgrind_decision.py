@@ -41,27 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_forward import InFlight, build_view, named_config, with_levels  # noqa: E402
+from benchlib import callgrind_helper  # noqa: E402
 
 from kvcompassd.core.ludo import set_huge_page_views  # noqa: E402
 from kvcompassd.core.router import Router  # noqa: E402
-
-_HELPER = r"""
-#include <valgrind/callgrind.h>
-void kvc_bench_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
-void kvc_bench_dump(const char *name) { CALLGRIND_DUMP_STATS_AT(name); }
-void kvc_bench_zero(void) { CALLGRIND_ZERO_STATS; }
-"""
-
-
-def load_helper(directory: Path) -> ctypes.CDLL:
-    source = directory / "toggle.c"
-    source.write_text(_HELPER)
-    library = directory / "toggle.so"
-    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
-    helper = ctypes.CDLL(str(library))
-    helper.kvc_bench_dump.argtypes = [ctypes.c_char_p]
-    return helper
-
 
 def count_config(name: str, args: argparse.Namespace, helper: ctypes.CDLL) -> None:
     cfg = with_levels(named_config(name), args.levels)
@@ -166,7 +149,7 @@ def main() -> None:
             summarize(path, args.decisions)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        helper = load_helper(Path(tmp))
+        helper = callgrind_helper(Path(tmp))
         for name in args.configs.split(","):
             count_config(name.strip(), args, helper)
 
