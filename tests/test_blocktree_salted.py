@@ -112,20 +112,7 @@ def test_apply_each_equals_apply_on_each_event(rnd, block: int, lengths: list[in
     order, and the state of apply called on each event, on random forests with gaps, re-stores,
     several media, LoRA blocks, chains in one event, removals and clears; fed in random runs."""
     lengths.sort()
-    parents, tokens = random_forest(rnd, block)
-    events = []
-    for kind, h, medium in random_ops(rnd, n_ops):
-        if kind == "store":
-            r = rnd.random()
-            if r < 0.1 and h + 1 < 16 and parents[h + 1] == h and len(tokens[h]) == block:  # two blocks in one event
-                events.append(BlockStored((h, h + 1), parents[h], tokens[h] + tokens[h + 1], block, None, medium))
-            else:
-                lora = 3 if r > 0.95 else None
-                events.append(BlockStored((h,), parents[h], tokens[h], block if r > 0.05 else block + 1, lora, medium))
-        elif kind == "remove":
-            events.append(BlockRemoved((h,), medium))
-        else:
-            events.append(AllBlocksCleared())
+    events = random_events(rnd, block, n_ops)
     each, one = BlockTree("w", lengths, salt=SALT, page_size=page_size), BlockTree("w", lengths, salt=SALT,
                                                                                      page_size=page_size)
     i = 0
@@ -136,6 +123,32 @@ def test_apply_each_equals_apply_on_each_event(rnd, block: int, lengths: list[in
         assert each.apply_each(run) == expected
         assert each.registered_with_lengths() == one.registered_with_lengths()
         assert each.detached_count == one.detached_count and len(each) == len(one)
+
+
+def random_events(rnd, block: int, n_ops: int, *, groups: bool = False) -> list:
+    """Engine events over a random forest: stores (some of two blocks, some partial, some LoRA),
+    removals and clears; with ``groups`` also LoRA names and other KV-cache groups."""
+    parents, tokens = random_forest(rnd, block)
+    events = []
+    for kind, h, medium in random_ops(rnd, n_ops):
+        if kind == "store":
+            r = rnd.random()
+            if r < 0.1 and h + 1 < 16 and parents[h + 1] == h and len(tokens[h]) == block:  # two blocks in one event
+                events.append(BlockStored((h, h + 1), parents[h], tokens[h] + tokens[h + 1], block, None, medium))
+            else:
+                lora = 3 if r > 0.95 else None
+                size = block if r > 0.05 else block + 1
+                if groups:
+                    events.append(BlockStored((h,), parents[h], tokens[h], size, lora, medium,
+                                              "adapter" if 0.93 < r <= 0.95 else None, 1 if 0.9 < r <= 0.93 else None))
+                else:
+                    events.append(BlockStored((h,), parents[h], tokens[h], size, lora, medium))
+        elif kind == "remove":
+            events.append(BlockRemoved((h,), medium, 1 if rnd.random() < 0.05 else None) if groups
+                          else BlockRemoved((h,), medium))
+        else:
+            events.append(AllBlocksCleared())
+    return events
 
 
 @settings(max_examples=150, deadline=None)
@@ -156,21 +169,7 @@ def test_scanned_columns_apply_as_the_events_they_hold(rnd, block: int, lengths:
     re-stores, several media, LoRA blocks, other KV groups, partial blocks, chains in one event,
     removals and clears (the usual pages take the inline path, the rest the general one)."""
     lengths.sort()
-    parents, tokens = random_forest(rnd, block)
-    events = []
-    for kind, h, medium in random_ops(rnd, n_ops):
-        if kind == "store":
-            r = rnd.random()
-            if r < 0.1 and h + 1 < 16 and parents[h + 1] == h and len(tokens[h]) == block:  # two blocks in one event
-                events.append(BlockStored((h, h + 1), parents[h], tokens[h] + tokens[h + 1], block, None, medium))
-            else:
-                lora, group = (3 if r > 0.95 else None), (1 if 0.9 < r <= 0.93 else None)
-                events.append(BlockStored((h,), parents[h], tokens[h], block if r > 0.05 else block + 1, lora, medium,
-                                          "adapter" if 0.93 < r <= 0.95 else None, group))
-        elif kind == "remove":
-            events.append(BlockRemoved((h,), medium, 1 if rnd.random() < 0.05 else None))
-        else:
-            events.append(AllBlocksCleared())
+    events = random_events(rnd, block, n_ops, groups=True)
     scanned_tree, built_tree, each_tree = (BlockTree("w", lengths, salt=SALT, page_size=page_size,
                                                      max_detached_blocks=max_detached) for _ in range(3))
     i = 0
