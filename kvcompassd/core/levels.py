@@ -37,17 +37,28 @@ registers (and evicts) for every cached prompt that long, and a table read per l
 
 What we do instead: the longest length of the paper's plan (its union, ``A``) is the start of
 one ladder of long lengths shared by every pair: the fewest equal geometric steps of at most
-``index.long_growth`` (1.25) from ``A`` to ``context_tokens`` (``split_gap``; 16,384 ->
-131,072 is ten steps of 1.231). Every pair with workers reads on from its own last length: the
+``index.long_growth`` (1.1) from ``A`` to ``context_tokens`` (``split_gap``; 16,384 ->
+131,072 is 22 steps of 1.099). Every pair with workers reads on from its own last length: the
 lengths already registered between it and ``A`` (``bridged_lengths``: no new keys, steps of at
 most ``long_growth`` where the registered lengths allow), then ``A`` and the ladder. Where the
 union's last gap below ``A`` is wider than ``long_growth`` (census-64x8: 10,704 -> 16,384, the
 longest remote length to the last doubling), it is split like the ladder, once for all pairs.
 
-A match past ``A`` is credited at least ``1 / long_growth`` (80 %) of itself, and a prompt of
-``context_tokens`` costs ``log(context / A) / log(long_growth)`` more keys: ten on the testbed
-and eleven on census-64x8 (58 and 158 registered lengths instead of 48 and 147), whatever the
-number of pairs. Registering a 131,072-token prompt costs 2.1x (testbed) and 3.4x (census) one
+A match past ``A`` is credited at least ``1 / long_growth`` (91 %) of itself, and a prompt of
+``context_tokens`` costs ``log(context / A) / log(long_growth)`` more keys: 22 on the testbed
+and 26 on census-64x8 with its gap below ``A`` (72 and 173 registered lengths instead of 48 and
+147), whatever the number of pairs. With 1.25 (80 %: ten and eleven keys, 58 and 158 lengths)
+the missing fifth of a long match cost real reuse: on census-64x8's Mooncake trace at 0.5x, a
+37,508-token turn whose 37,376-token history one worker held was credited 30,576 tokens, so
+~580 ms of prefill charged that the holder would not have done; with its 2.7 s queue it scored
+behind an idle worker, and the turn was computed again (TTFT 3.2 s; the holder would have
+answered in 2.7 s). 1.1 against 1.25 on the issue-28 tables (KVCompass rerun, every other scheme's runs
+kept, seeds 0-5 pooled): the same points met (testbed 8/8/8, census-64x8 8/7/7), long-context
+P99 at the testbed's 1x 9.59 -> 8.48 s and 1.5x 32.9 -> 30.5 s, throughput at the testbed's
+long 1.5x 135.7 -> 142.2 and census-64x8's 482.4 -> 501.6 Ktok/s, census-64x8's Mooncake 0.5x
+>=32 K reuse 15.5 -> 23.3 % (Dynamo 23.3), its 1.5x 64.0 -> 60.6 % (a turn that went to an idle
+worker instead of a holder queued 5.8 s, 3.0 s sooner than the holder would have answered).
+Registering a 131,072-token prompt costs 2.1x (testbed) and 3.4x (census) one
 SHA-256 over it on the index side, against 1.0x and 2.7x when only its first 16,384 tokens were
 indexed; an edge's decision on a 100,000-token prompt costs 1.1x one SHA-256 over it, against
 0.35x (tools/bench_levels.py, tools/bench_forward.py): hashing the whole prompt is the price.

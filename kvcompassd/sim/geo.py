@@ -499,7 +499,7 @@ def render_toml(spec: DeploymentSpec, *, over_budget: bool = False) -> str:
         "# (core/index.py table_capacities).",
         "initial_capacity = 0",
         "context_tokens = 131072   # the model's context length: indexed lengths reach it (core/levels.py)",
-        "long_growth = 1.25        # past the paper's lengths, shared steps of at most this factor",
+        "long_growth = 1.1         # past the paper's lengths, shared steps of at most this factor",
         "",
         "[score]",
         "lambda_max = 64.0",
