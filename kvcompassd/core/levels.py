@@ -58,10 +58,12 @@ P99 at the testbed's 1x 9.59 -> 8.48 s and 1.5x 32.9 -> 30.5 s, throughput at th
 long 1.5x 135.7 -> 142.2 and census-64x8's 482.4 -> 501.6 Ktok/s, census-64x8's Mooncake 0.5x
 >=32 K reuse 15.5 -> 23.3 % (Dynamo 23.3), its 1.5x 64.0 -> 60.6 % (a turn that went to an idle
 worker instead of a holder queued 5.8 s, 3.0 s sooner than the holder would have answered).
-Registering a 131,072-token prompt costs 2.1x (testbed) and 3.4x (census) one
-SHA-256 over it on the index side, against 1.0x and 2.7x when only its first 16,384 tokens were
-indexed; an edge's decision on a 100,000-token prompt costs 1.1x one SHA-256 over it, against
-0.35x (tools/bench_levels.py, tools/bench_forward.py): hashing the whole prompt is the price.
+Registering a 131,072-token prompt costs 2.4x (testbed) and 2.8x (census) one SHA-256 over it
+on the index side at 1.1 as at 1.25 (`tools/bench_levels.py --repeat 100 --rounds 2`, both in
+one window at load ~30), its update batch 2,300 and 8,158 bytes against 1,856 and 7,468; with
+only its first 16,384 tokens indexed it cost 1.0x and 2.7x (a quiet run). An edge's decision on
+a 100,000-token prompt cost 1.1x one SHA-256 over it at 1.25, against 0.35x before the long
+lengths (tools/bench_forward.py): hashing the whole prompt is the price.
 With ``context_tokens`` at or below ``A`` nothing is added (the paper's plan); lengths of the
 paper's plan above ``context_tokens`` are kept (no prompt reaches them: they cost nothing).
 """
