@@ -30,6 +30,10 @@ system calls each process made per request the edge served, in total and the mos
     .venv/bin/python tools/bench_edge_workers.py --entries 0 --decision-rounds 0 --sharing-rounds 0 \
         --runs 1 --seconds 8 --concurrency 16 --strace-seconds 5
 
+To run another checkout's daemons (code before and after), set ``PYTHONPATH`` to it and run
+this tool from a directory that is not a checkout: ``python -m kvcompassd`` imports the working
+directory's package before ``PYTHONPATH``'s.
+
 Routing quality of N processes against one (each keeps its own dispatch charges and pending
 ledger, see kvcompassd/edge_workers.py): the same ABBA at the workers' A100 timing under cache
 pressure, where the charges and the ledger decide where a group goes:
