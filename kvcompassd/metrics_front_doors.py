@@ -8,9 +8,9 @@ of the edge's: the edge starts them with ``KVCOMPASS_FRONT_DOOR_METRICS_DIR`` na
 ``PUBLISH_PERIOD_S``, before the front door answers ``/metrics``, and at a clean stop. An
 increment or an observation is then a float added under a lock, the cost of process 0's
 (prometheus_client's own multiprocess values call ``os.getpid()`` and write the file under a
-lock on every one: ~24 calls a request). What a killed front door loses is what it counted after
-its last publication: at most one publish period of counts (SIGKILL, a crash; a SIGTERM stops it
-cleanly and publishes). A scrape of process 0 sees another front door's counts as of that
+lock on every one: ~18 calls a request). What a killed front door loses is what it counted
+after its last publication: at most one publish period of counts (SIGKILL, a crash; a SIGTERM
+stops it cleanly and publishes). A scrape of process 0 sees another front door's counts as of that
 front door's last publication (at most ``PUBLISH_PERIOD_S`` old); counters stay monotone.
 
 Process 0 (the edge daemon, which is a front door too) keeps its ordinary in-process registry;
