@@ -35,10 +35,11 @@ process learns it on its first failure there and retries the request on another 
 Bootstrap rooms are drawn from a per-process random source seeded by the OS, 63 bits as SGLang's
 router draws them, so two processes' rooms collide no more than two requests' in one process.
 
-Metrics: every front door writes its counters and histograms to files in a directory of the
-edge's (prometheus_client's multiprocess mode), which process 0 merges with its own at every
+Metrics: every front door keeps its counters and histograms in process memory and copies them
+each second (and before answering ``/metrics``, and when it stops) into files in a directory of
+the edge's (prometheus_client's multiprocess format), which process 0 merges with its own at every
 scrape; a front door answers ``/metrics`` with process 0's merged text
-(``kvcompassd/metrics_front_doors.py``).
+(``kvcompassd/metrics_front_doors.py``; a killed front door loses at most a second of counts).
 
 Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair; the
 frames a process makes in one pass of its event loop go back to back in one datagram,
@@ -84,7 +85,7 @@ from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
 from kvcompassd.http_server import Request, Response
 from kvcompassd.httplimits import FrontDoorGuard
 from kvcompassd.metrics import EdgeMetrics
-from kvcompassd.metrics_front_doors import (ENVIRONMENT, PUBLISH_PERIOD_S, EdgeWideRegistry,
+from kvcompassd.metrics_front_doors import (PUBLISH_PERIOD_S, BufferedMetricValues, EdgeWideRegistry,
                                             FrontDoorMetricsDirectory, FrontDoorPublisher)
 from kvcompassd.shared_view import SEGMENT_DIR, SharedViewReader, SharedViewWriter, share_router_view
 from kvcompassd.tokenizer import ByteTokenizer, Tokenizer
@@ -724,6 +725,8 @@ class FrontDoorProcess:
         self._to_edge = FrameBatch(self._write_to_edge)
         for i in range(len(self.layout.worker_ids)):  # until process 0 says which workers it verified
             self.router.withhold(i)
+        # Before any metric is made: this process's values, published to the edge's directory.
+        self.metric_values = BufferedMetricValues.from_environment()
         self.metrics = EdgeMetrics()
         self.node = QuicNode(NodeIdentity(Role.EDGE, me.id), tls, on_message=self._on_message,
                              options=daemon_transport(cfg))
@@ -760,8 +763,8 @@ class FrontDoorProcess:
         guard = FrontDoorGuard(self.cfg.frontdoor, self.metrics)
         self.frontdoor = _OneOfManyFrontDoors(self.forwarder, self.tokenizer, self.frontdoor_settings, self.metrics,
                                               health=self.health, guard=guard, edge_metrics=self.edge_metrics)
-        self.publisher = FrontDoorPublisher(self.metrics, lambda: self.router.hot.hot_misses)
-        if os.environ.get(ENVIRONMENT):  # the edge reads this process's metrics from its files
+        self.publisher = FrontDoorPublisher(self.metrics, lambda: self.router.hot.hot_misses, self.metric_values)
+        if self.metric_values is not None:  # the edge reads this process's metrics from its files
             self._publishing = asyncio.create_task(self._publish_metrics())
         host, port = split_address(self.http_address_arg, "--http")
         self.http_address = await self.frontdoor.serve(host, port, reuse_port=True)
@@ -809,13 +812,19 @@ class FrontDoorProcess:
             asyncio.get_running_loop().remove_reader(self.control.fileno())
         except (ValueError, OSError):
             pass
-        if self.frontdoor is not None:
-            await self.frontdoor.close()
-        if self.forwarder is not None:
-            await self.forwarder.close()
-        if self._http is not None:
-            await self._http.close()
-        await self.node.close()
+        try:
+            if self.frontdoor is not None:
+                await self.frontdoor.close()
+            if self.forwarder is not None:
+                await self.forwarder.close()
+            if self._http is not None:
+                await self._http.close()
+            await self.node.close()
+        finally:  # what it counted since its last publication, the requests it just finished among them
+            if self.publisher is not None:
+                self.publisher.publish()
+            if self.metric_values is not None:
+                self.metric_values.close()
 
     def _send_to_edge(self, frame: tuple) -> None:
         self._to_edge.add(_pack(*frame))

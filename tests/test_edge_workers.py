@@ -353,15 +353,18 @@ REQUEST_TIMES = ("kvcompass_request_seconds_count", ())
 
 
 async def test_every_front_doors_requests_are_counted_whichever_process_is_scraped(dep, doors):
-    before = await _metrics(dep, doors[0])
+    (pid,) = (k for k in doors if k)
+    before = await _metrics(dep, doors[pid])  # the front door publishes what it counted so far first
     for i, session in enumerate(doors.values()):
         for k in range(2 + i):  # 2 at process 0, 3 at the other
             await _generate(dep, session, doc(140 + 10 * i + k, 300))
-    for session in doors.values():  # process 0 merges; the other front door asks process 0
+    # Process 0 merges; the other front door publishes its counts, then asks process 0. Scraped
+    # first, the front door's counts are then published for process 0's scrape as well (process 0
+    # alone would see them as of the front door's last publication, each second).
+    for _, session in sorted(doors.items(), key=lambda door: door[0] == 0):
         after = await _metrics(dep, session)
         assert after[GENERATED] - before[GENERATED] == 5
         assert after[REQUEST_TIMES] - before[REQUEST_TIMES] == 5
-    (pid,) = (k for k in doors if k)
     learned = {dict(k[1]).get("pid") for k in after if k[0] == "kvcompass_learned_prefill_ms_per_token"}
     assert str(pid) in learned and len(learned) == 2  # each process's own rates, by pid
 
@@ -373,7 +376,9 @@ async def test_every_front_doors_requests_are_counted_whichever_process_is_scrap
 
 async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep, doors):
     (pid,) = (k for k in doors if k)
-    counted = (await _metrics(dep, doors[0]))[GENERATED]
+    for i in range(2):
+        await _generate(dep, doors[pid], doc(170 + i, 300))
+    counted = (await _metrics(dep, doors[pid]))[GENERATED]  # it published them first
     os.kill(pid, signal.SIGKILL)
 
     async def replaced():
@@ -387,7 +392,7 @@ async def test_a_front_door_that_dies_is_replaced_and_the_port_keeps_serving(dep
         return door is not None and door != pid and body["ready"]
 
     await eventually(replaced, timeout=90)
-    # The dead front door's requests are still counted, once.
+    # The dead front door's requests (as it last published them) are still counted, once.
     assert (await _metrics(dep, doors[0]))[GENERATED] == counted
     # Requests go on being served meanwhile and after, by whichever process takes the connection.
     for i in range(4):

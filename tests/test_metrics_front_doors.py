@@ -1,44 +1,68 @@
-"""An edge's metrics over its front-door processes: front doors write prometheus_client's
-multiprocess files (real processes here), the edge process merges them with its own registry,
-and a front door that died is counted once, before and after its files are folded away."""
+"""An edge's metrics over its front-door processes: front doors keep their values in process
+memory and publish them to prometheus_client's multiprocess files (real processes here), the
+edge process merges them with its own registry, and a front door that died is counted once (as
+of its last publication), before and after its files are folded away."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from prometheus_client import generate_latest
+from prometheus_client import values as prometheus_values
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcompassd.metrics import EdgeMetrics
-from kvcompassd.metrics_front_doors import EdgeWideRegistry, FrontDoorMetricsDirectory
+from kvcompassd.metrics_front_doors import BufferedMetricValues, EdgeWideRegistry, FrontDoorMetricsDirectory
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A front door's metrics in a process of its own (multiprocess mode is chosen at import).
+# A front door's metrics in a process of its own (its buffered values installed before its metrics).
 FRONT_DOOR = textwrap.dedent("""
     import os, sys
     from kvcompassd.metrics import EdgeMetrics
-    from kvcompassd.metrics_front_doors import FrontDoorPublisher
+    from kvcompassd.metrics_front_doors import BufferedMetricValues, FrontDoorPublisher
+    values = BufferedMetricValues.from_environment()  # before the metrics, as a front door does
     m = EdgeMetrics()
     for _ in range(3):
         m.count_request("/generate", 200)
     m.request_seconds.observe(0.02)
     m.learned_prefill.labels("us-0").set_function(lambda: 0.5)
     m.watch_front_door(lambda: 100, lambda: 2)
-    publisher = FrontDoorPublisher(m, lambda: {("queue", "planned"): 2})
+    publisher = FrontDoorPublisher(m, lambda: {("queue", "planned"): 2}, values)
     publisher.publish()
     publisher.publish()  # a second publication adds no hot misses twice
-    print(os.getpid())
+    print(os.getpid(), flush=True)
+""")
+
+# A front door killed (SIGKILL) after a publication, with 2 requests counted since.
+KILLED_FRONT_DOOR = textwrap.dedent("""
+    import os, signal
+    from kvcompassd.metrics import EdgeMetrics
+    from kvcompassd.metrics_front_doors import BufferedMetricValues, FrontDoorPublisher
+    values = BufferedMetricValues.from_environment()
+    m = EdgeMetrics()
+    publisher = FrontDoorPublisher(m, lambda: {}, values)
+    for _ in range(3):
+        m.count_request("/generate", 200)
+    m.request_seconds.observe(0.02)
+    publisher.publish()
+    for _ in range(2):
+        m.count_request("/generate", 200)
+    m.request_seconds.observe(0.02)
+    print(os.getpid(), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
-def _front_door(directory: FrontDoorMetricsDirectory) -> int:
+def _front_door(directory: FrontDoorMetricsDirectory, script: str = FRONT_DOOR) -> int:
     env = {**os.environ, **directory.environment(), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", FRONT_DOOR], env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode in (0, -signal.SIGKILL), out.stderr
     return int(out.stdout.strip())
 
 
@@ -113,3 +137,96 @@ def test_a_new_directory_starts_empty(tmp_path):
     assert again.families() == []
     m = _process0(again)
     assert _scrape(m)[GENERATE] == 1
+
+
+
+def _in_process_front_door(directory: FrontDoorMetricsDirectory, monkeypatch, pid: int) -> tuple[EdgeMetrics, BufferedMetricValues]:
+    """A front door's metrics made in this process (as pid ``pid``), with its buffered values
+    installed for the rest of the test (prometheus_client reads ``ValueClass`` whenever a
+    labelled child is made): make process 0's metrics and their children before."""
+    values = BufferedMetricValues(directory.path, pid=pid)
+    monkeypatch.setattr(prometheus_values, "ValueClass", values.value_class)
+    return EdgeMetrics(), values
+
+
+def test_a_front_doors_counts_reach_process_0s_scrape_when_it_publishes(tmp_path, monkeypatch):
+    directory = FrontDoorMetricsDirectory(tmp_path / "metrics")
+    m = _process0(directory)
+    door, values = _in_process_front_door(directory, monkeypatch, pid=4242)
+    for _ in range(3):
+        door.count_request("/generate", 200)
+    door.request_seconds.observe(0.02)
+    got = _scrape(m)
+    assert got[GENERATE] == 1  # counted in the front door's memory, not yet published
+    assert got[("kvcompass_request_seconds_count", ())] == 1
+    assert values.publish() > 0
+    got = _scrape(m)
+    assert got[GENERATE] == 1 + 3
+    assert got[("kvcompass_request_seconds_count", ())] == 2
+    assert got[("kvcompass_request_seconds_bucket", (("le", "0.025"),))] == 1
+    assert values.publish() == 0  # nothing changed: nothing written
+    door.count_request("/generate", 200)
+    values.close()  # a clean stop publishes what was counted since
+    assert _scrape(m)[GENERATE] == 1 + 4
+    directory.retire(4242)
+    assert _scrape(m)[GENERATE] == 1 + 4
+
+
+def test_a_front_door_killed_after_a_publication_is_counted_once_as_published(tmp_path):
+    directory = FrontDoorMetricsDirectory(tmp_path / "metrics")
+    pid = _front_door(directory, KILLED_FRONT_DOOR)
+    m = _process0(directory)
+    for _ in range(2):  # before and after its files are folded: its published counts, once
+        got = _scrape(m)
+        assert got[GENERATE] == 1 + 3  # the 2 counted after its publication are lost with it
+        assert got[("kvcompass_request_seconds_count", ())] == 1 + 1
+        directory.retire(pid)
+    assert not list(directory.path.glob(f"*_{pid}.db"))
+    assert {p.name for p in directory.path.iterdir()} >= {"counter_retired.db", "histogram_retired.db"}
+    assert _scrape(m)[GENERATE] == 4
+
+
+def _one_requests_updates(m: EdgeMetrics) -> None:
+    """The counter and histogram updates of a forwarded request (frontdoor.py, forwarding.py)."""
+    m.count_request("/generate", 200)
+    m.count_decision("local_hit")
+    m.decision_seconds.observe(3e-5)
+    m.ttft_seconds.observe(0.004)
+    m.request_seconds.observe(0.006)
+    for _term, histogram in m.chosen_terms:
+        histogram.observe(2.0)
+    m.claimed_tokens.inc(1500)
+    m.reused_tokens.inc(1500)
+
+
+def test_a_front_doors_updates_call_no_getpid(tmp_path, monkeypatch):
+    calls = 0
+    real_getpid = os.getpid
+
+    def counted_getpid() -> int:
+        nonlocal calls
+        calls += 1
+        return real_getpid()
+
+    directory = FrontDoorMetricsDirectory(tmp_path / "metrics")
+    m = _process0(directory)
+    door, values = _in_process_front_door(directory, monkeypatch, pid=4242)
+    monkeypatch.setattr(os, "getpid", counted_getpid)
+    _one_requests_updates(door)  # its labelled children made (the one getpid-free lookup each)
+    calls = 0
+    for _ in range(100):
+        _one_requests_updates(door)
+    assert calls == 0
+    values.publish()
+    assert calls == 0
+    assert _scrape(m)[GENERATE] == 1 + 101
+
+    # prometheus_client's own multiprocess values, as front doors had them: a call an update.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "metrics"))
+    monkeypatch.setattr(prometheus_values, "ValueClass",
+                        prometheus_values.MultiProcessValue(process_identifier=os.getpid))
+    theirs = EdgeMetrics()
+    _one_requests_updates(theirs)
+    calls = 0
+    _one_requests_updates(theirs)
+    assert calls >= 12

@@ -23,6 +23,17 @@ higher than one process's).
     .venv/bin/python tools/bench_edge_workers.py [--entries 2000000] [--decision-rounds 20] [--workers 2]
         [--runs 1] [--seconds 6] [--concurrency 16]
 
+``--strace-seconds S`` adds, after each measured window, one of S seconds with ``strace -c -f -p``
+attached to every process of the edge (its CPU is not measured: strace slows it), and prints the
+system calls each process made per request the edge served, in total and the most frequent:
+
+    .venv/bin/python tools/bench_edge_workers.py --entries 0 --decision-rounds 0 --sharing-rounds 0 \
+        --runs 1 --seconds 8 --concurrency 16 --strace-seconds 5
+
+To run another checkout's daemons (code before and after), set ``PYTHONPATH`` to it and run
+this tool from a directory that is not a checkout: ``python -m kvcompassd`` imports the working
+directory's package before ``PYTHONPATH``'s.
+
 Routing quality of N processes against one (each keeps its own dispatch charges and pending
 ledger, see kvcompassd/edge_workers.py): the same ABBA at the workers' A100 timing under cache
 pressure, where the charges and the ledger decide where a group goes:
@@ -39,7 +50,9 @@ import collections
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from bench_edge import Prompts, WhoServed, closed_loop, flush_caches, tree_cpu_seconds  # noqa: E402
-from benchlib import Cluster, load_average, median, quiet_logs  # noqa: E402
+from benchlib import Cluster, cpu_seconds, load_average, median, quiet_logs  # noqa: E402
 
 from kvcompassd.launcher import DeploymentSpec  # noqa: E402
 
@@ -272,6 +285,52 @@ def measure_sharing(requests: int, rounds: int) -> None:
           f"load average {load_average()}")
 
 
+def edge_processes(pid: int) -> list[int]:
+    """The edge process and its children (the front doors of ``--workers N``)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return [pid, *map(int, children)]
+
+
+def strace_counts(path: Path) -> dict[str, int]:
+    """System calls by name from ``strace -c`` output (its summary table)."""
+    counts: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 5 or not fields[0][0].isdigit() or fields[-1] == "total":
+            continue
+        counts[fields[-1]] = int(fields[3])
+    return counts
+
+
+async def strace_window(pid: int, seconds: float, load) -> tuple[list[dict[str, int]], int]:
+    """``strace -c -f -p`` on each of the edge's processes while ``load`` runs a closed loop of
+    ``seconds``: (each process's calls by name, requests served)."""
+    pids = edge_processes(pid)
+    with tempfile.TemporaryDirectory(prefix="kvbench-strace-") as tmp:
+        outs = [Path(tmp) / f"{p}.txt" for p in pids]
+        tracers = [subprocess.Popen(["strace", "-c", "-f", "-o", str(out), "-p", str(p)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p, out in zip(pids, outs)]
+        await asyncio.sleep(0.5)  # attached
+        r = await load(seconds)
+        for tracer in tracers:
+            tracer.send_signal(signal.SIGINT)  # detach: strace writes its table
+        for tracer in tracers:
+            tracer.wait(30)
+        return [strace_counts(out) if out.exists() else {} for out in outs], r["requests"]
+
+
+def print_strace(n: int, concurrency: int, counts: list[dict[str, int]], requests: int) -> None:
+    for k, calls in enumerate(counts):
+        per = {name: c / max(1, requests) for name, c in calls.items()}
+        top = sorted(per.items(), key=lambda item: -item[1])[:6]
+        print(f"    strace --workers {n} c={concurrency} process {k}: {sum(per.values()):.1f} system calls per request "
+              f"({requests} requests): " + ", ".join(f"{name} {v:.2f}" for name, v in top)
+              + f"; getpid {per.get('getpid', 0.0):.2f}", flush=True)
+
+
 async def start_edge(cluster: Cluster, workers: int) -> int:
     edge = cluster.cfg.edges[0]
     proc = cluster.spawn("edge", edge.id, "--workers", str(workers))
@@ -319,14 +378,22 @@ async def measure_cpu(args) -> None:
                     prompts = Prompts(8, 1500, 500, seed=run * 1000 + concurrency)
                     await flush_caches([w.http for w in cfg.workers])
                     await closed_loop([url], concurrency, args.warmup, prompts, args.max_new_tokens, who)
-                    cpu0 = tree_cpu_seconds(pid)
+                    processes = edge_processes(pid)
+                    cpu0, each0 = tree_cpu_seconds(pid), [cpu_seconds(p) for p in processes]
                     r = await closed_loop([url], concurrency, args.seconds, prompts, args.max_new_tokens, who)
                     r["cpu_us"] = (tree_cpu_seconds(pid) - cpu0) / max(1, r["requests"]) * 1e6
+                    each = [(cpu_seconds(p) - c) / max(1, r["requests"]) * 1e6 for p, c in zip(processes, each0)]
                     results[(n, concurrency)].append(r)
                     print(f"  run {run + 1} --workers {n} c={concurrency:<3} {r['rps']:8.1f} req/s  "
                           f"P50 {r['p50_ms']:6.2f} ms  P99 {r['p99_ms']:7.2f} ms  CPU {r['cpu_us']:6.0f} us/req  "
                           f"idle {idle_rate * 1000:5.1f} ms/s  affinity {r['affinity']:.2f}  "
-                          f"reuse {r['reuse']:.2f}  errors {r['errors']}  load {load_average()}", flush=True)
+                          f"reuse {r['reuse']:.2f}  errors {r['errors']}  load {load_average()}"
+                          + (f"  (by process: {' / '.join(f'{c:.0f}' for c in each)})" if n > 1 else ""), flush=True)
+                    if args.strace_seconds:
+                        counts, served = await strace_window(
+                            pid, args.strace_seconds,
+                            lambda s: closed_loop([url], concurrency, s, prompts, args.max_new_tokens, who))
+                        print_strace(n, concurrency, counts, served)
                 stop_edge(cluster)
         finally:
             cluster.stop()
@@ -361,6 +428,8 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.0, help="prefill ms per token of the workers (0: the spec's)")
     p.add_argument("--decision-rounds", type=int, default=20, help="0: skip the per-decision measure")
     p.add_argument("--sharing-rounds", type=int, default=10, help="0: skip the charge and ledger sharing measure")
+    p.add_argument("--strace-seconds", type=float, default=0.0,
+                   help="after each measured window, one this long under strace -c -f (0: none; see above)")
     args = p.parse_args()
     quiet_logs()
     if args.entries:

@@ -30,6 +30,16 @@ requests a second, so give it longer windows):
     valgrind --tool=callgrind --collect-atstart=no --trace-children=no --callgrind-out-file=OUT \
         python tools/bench_request_path.py --callgrind --seconds 20 --windows 2
     python tools/bench_request_path.py --callgrind-summary OUT.*
+
+``--metric-values`` chooses how the request path's counters and histograms keep their values:
+``edge`` (the default, process 0's in-process values), ``front-door`` (a front door of ``edge
+--workers N``: in-process values published to files each second, ``BufferedMetricValues``) or
+``client-multiprocess`` (prometheus_client's own multiprocess values, a getpid and a file write
+per update, as front doors had them before), so that callgrind's counts compare them:
+
+    for v in edge front-door client-multiprocess; do valgrind --tool=callgrind --collect-atstart=no \
+        --trace-children=no --callgrind-out-file=cg-$v python tools/bench_request_path.py --callgrind \
+        --seconds 20 --windows 2 --metric-values $v; done
 """
 
 from __future__ import annotations
@@ -192,7 +202,10 @@ async def main_async(args) -> None:
         view = EdgeIndexView(layout, 1, edge=cfg.edges[0].id)
         view.install_snapshot(MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64).snapshot())
         router = Router(cfg, worker.region, view, now=time.monotonic())  # the edge's clock
+        publishing = install_metric_values(args.metric_values, workdir / "metrics")  # before the metrics
         metrics = EdgeMetrics()
+        if publishing is not None:
+            publishing = asyncio.create_task(publishing(metrics, router))
         guard = FrontDoorGuard(cfg.frontdoor, metrics)  # as edge.py builds it
         session = worker_client()
         forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, session,
@@ -248,6 +261,8 @@ async def main_async(args) -> None:
                     p50_direct.append(p50)
                     print(f"  direct {window}: {served} requests ({errors} errors), P50 {p50:.2f} ms, "
                           f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        if publishing is not None:
+            publishing.cancel()
         await listener.cleanup()
         await forwarder.close()
         await session.close()
@@ -268,6 +283,32 @@ async def main_async(args) -> None:
     finally:
         proc.terminate()
         proc.wait()
+
+
+def install_metric_values(kind: str, directory: Path):
+    """Make every metric made after this keep its values as ``kind`` says (see the module's
+    docstring); for ``front-door``, the coroutine that publishes them as a front door does."""
+    if kind == "edge":
+        return None
+    directory.mkdir()
+    from prometheus_client import values
+
+    if kind == "client-multiprocess":
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+        values.ValueClass = values.MultiProcessValue()
+        return None
+    from kvcompassd.metrics_front_doors import PUBLISH_PERIOD_S, BufferedMetricValues, FrontDoorPublisher
+
+    buffered = BufferedMetricValues(directory)
+    buffered.install()
+
+    async def publish(metrics, router) -> None:
+        publisher = FrontDoorPublisher(metrics, lambda: router.hot.hot_misses, buffered)
+        while True:
+            publisher.publish()
+            await asyncio.sleep(PUBLISH_PERIOD_S)
+
+    return publish
 
 
 def compare(args) -> None:
@@ -323,6 +364,9 @@ def main() -> None:
     p.add_argument("--callgrind", action="store_true",
                    help="under callgrind: count this process's instructions over each measured window (see above)")
     p.add_argument("--callgrind-summary", metavar="FILE", nargs="+", help="instructions per request of the dumps")
+    p.add_argument("--metric-values", choices=("edge", "front-door", "client-multiprocess"), default="edge",
+                   help="how the metrics keep their values: the edge process's, a front door's of edge --workers N, "
+                   "or prometheus_client's multiprocess values (see above)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--log-level", default="warning", help="the edge daemon's default is info: a line per request")
     args = p.parse_args()
