@@ -431,6 +431,44 @@ def test_live_load_stays_in_its_region_and_reaches_others_by_broadcast_or_piggyb
     assert policy.routers[us].queues.get("eu-0") == pytest.approx(30.0)
 
 
+def test_a_routers_broadcasts_of_one_delta_arrive_in_due_order_as_if_each_were_its_own_event():
+    """One heap entry per router's Delta, its messages merged with every other entry by (due
+    time, send order): each receiver gets what it would have with one entry per message."""
+    cfg = make_cluster({"us": 2, "eu": 2, "ap": 2, "sa": 1}, shards=2, one_way_ms=7.0, prefill_ms_per_token=0.1,
+                       levels=4, same_region_min_tokens=32)
+    topo = Topology.from_config(cfg)
+    policy = KVCompassPolicy(topo)
+    sent, delivered = [], []
+    for router in policy.routers:
+        queues = router.queues
+        for name in ("due_broadcasts", "room_broadcasts"):
+            def sending(*args, _f=getattr(queues, name), _a=topo.regions.index(queues.region), **kw):
+                out = _f(*args, **kw)
+                sent.extend((kw["now"] + policy._owm_s[_a, topo.regions.index(m.to_region)], len(sent) + k, m)
+                            for k, m in enumerate(out))
+                return out
+            setattr(queues, name, sending)
+        for name in ("on_broadcast", "on_room_broadcast"):
+            def receiving(msg, *, now, _f=getattr(queues, name), **kw):
+                delivered.append((now, msg))
+                return _f(msg, now=now, **kw)
+            setattr(queues, name, receiving)
+    rng = np.random.default_rng(3)
+    t = 0.0
+    while t < 0.6:
+        t = policy.next_timer()
+        if rng.random() < 0.3:  # moving queues: vectors change, so regions keep broadcasting
+            w = int(rng.integers(topo.n_workers))
+            policy.on_worker_load(w, float(rng.integers(0, 200)), now=t)
+        policy.on_timer(now=t)
+    policy.on_arrivals_end(now=t)
+    expected = sorted(sent, key=lambda x: x[:2])
+    assert len(delivered) > 50 and len({msg.from_region for _, msg in delivered}) == len(topo.regions)
+    assert len(delivered) == sum(due <= t for due, _, _ in expected)
+    assert all(got is want for (_, got), (_, _, want) in zip(delivered, expected))
+    assert [now for now, _ in delivered] == [due for due, _, _ in expected[:len(delivered)]]
+
+
 def test_context_tokens_option_sets_the_index_reach_only():
     topo = _topo()
     long = KVCompassPolicy(topo, wan_propagation=False)

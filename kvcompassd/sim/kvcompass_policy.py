@@ -86,6 +86,10 @@ _HEARTBEAT, _POSITION_TO_EDGE = 7, 8  # an idle shard's position announcement: d
 EPOCH = 1
 
 
+def _due_and_seq(send: tuple) -> tuple[float, int]:
+    return send[0], send[1]
+
+
 class KVCompassPolicy(BasePolicy):
     """KVCompass over the real core. Options: ``ablation`` (§5.4, passed to every Router),
     ``consistency`` (cross-level consistency of the lookup), the update transport
@@ -306,9 +310,12 @@ class KVCompassPolicy(BasePolicy):
                 self._flush_pending[payload] = False
                 self._publish(payload, due)
             elif kind == _BROADCAST:
+                sends, i, checked = payload
+                if i + 1 < len(sends):  # the router's next message of this Delta takes its place
+                    heapq.heappush(heap, (*sends[i + 1][:2], _BROADCAST, (sends, i + 1, checked)))
                 if self._arrivals_done:
                     continue
-                msg, checked = payload
+                msg = sends[i][2]
                 queues = self.routers[self._region_index[msg.to_region]].queues
                 if msg.__class__ is RoomVectorBroadcast:  # its rooms checked once too, as the vector
                     key = ("rooms", id(msg.rooms))
@@ -358,9 +365,17 @@ class KVCompassPolicy(BasePolicy):
                 rooms = router.queues.room_broadcasts([m.to_region for m in broadcasts], now=now)
                 self.counters["broadcasts"] += len(broadcasts)
                 self.counters["room_broadcasts"] += len(rooms)
+                # All of them as one heap entry at a time (the earliest yet to arrive; each
+                # message keeps the due time and seq it had as an entry of its own, so they come
+                # out in the same order): the heap holds ~one entry per router, not ~4,000.
+                sends = []
                 for msg in broadcasts + rooms:
                     a, b = self._region_index[msg.from_region], self._region_index[msg.to_region]
-                    self._push(now + self._owm_s[a, b], _BROADCAST, (msg, checked))
+                    sends.append((now + self._owm_s[a, b], self._heap_seq, msg))
+                    self._heap_seq += 1
+                if sends:
+                    sends.sort(key=_due_and_seq)
+                    heapq.heappush(self._heap, (*sends[0][:2], _BROADCAST, (sends, 0, checked)))
                 deadlines[i] = self._deadline_of(i, now)
             self._next_broadcast = self._broadcast_deadline(now)
 
@@ -734,7 +749,9 @@ class KVCompassPolicy(BasePolicy):
 
     @property
     def in_flight(self) -> int:
-        return len(self._heap) + sum(map(len, self._en_route))
+        """Messages and timers on their way (a router's broadcasts of one Delta are one heap entry)."""
+        waiting = sum(len(p[0]) - p[1] - 1 for _, _, kind, p in self._heap if kind == _BROADCAST)
+        return len(self._heap) + waiting + sum(map(len, self._en_route))
 
     def unapplied_deliveries(self) -> int:
         """Deliveries that have reached their shard and wait for its flush to be applied."""
