@@ -128,6 +128,9 @@ def test_compaction_moves_lagging_edges_together_up_to_the_slowest_edges_positio
             for e in edges:  # ... nor moved past its own, and every edge reads its version's table
                 assert t.at[e] <= bisect_right(t.seqs, positions[e])
                 assert shared.edges[e].view(s, g) is t.views[t.at[e]]
+                # ... through its C lookup's pointer too (a view moved on in place keeps its own)
+                pointers = shared.pointers[e]
+                assert pointers.pointers()[s * pointers._groups + g] == t.views[t.at[e]]._ptr
             assert set(t.refs) == held and sum(t.refs.values()) == len(edges)
     assert shared.live_versions() <= before
     # Once every batch has reached every edge, one version of each table is left.

@@ -82,6 +82,18 @@ class _Versions:
             view.apply(self.blobs[v - 1 - off])
         return view
 
+    def advance(self, base: int, k: int) -> LudoView | None:
+        """Live version ``base`` moved on to version ``k`` in place (its edges' pointers stay
+        valid: the view object is the same), or None, untouched, when a snapshot blob lies in
+        between (a new table: the caller makes version ``k`` instead)."""
+        off = self.blob_base
+        if any(self.snapshot[v - 1 - off] for v in range(base + 1, k + 1)):
+            return None
+        view = self.views[base]
+        for v in range(base + 1, k + 1):
+            view.apply(self.blobs[v - 1 - off])
+        return view
+
     def collect(self) -> None:
         """Free the versions no edge is at (an edge behind a version rebuilds from its own, so
         none is needed as a base), and the blobs below every edge's version."""
@@ -213,8 +225,10 @@ class SharedViews:
         """Free the versions no edge needs by ``now``: every edge behind what the most delayed
         edge has received by then moves up to that version, all of them together (one version
         per table, made in place when nobody else is at the one below; not one per edge, which
-        cost a copy and its blobs per edge and table). A read brings an edge on to its own
-        position (``prepare``), and positions only grow, so no read sees anything else."""
+        cost a copy and its blobs per edge and table). The version most of them are at moves on
+        in place to become it, when no snapshot blob lies between (its edges keep their pointers:
+        the view object is the same). A read brings an edge on to its own position
+        (``prepare``), and positions only grow, so no read sees anything else."""
         edges = range(len(self.edges))
         dicts, refresh = self._dicts, self._refresh
         for s in range(self.shards):
@@ -228,19 +242,29 @@ class SharedViews:
                     continue
                 at, refs = t.at, t.refs
                 behind = [e for e in edges if at[e] < k]
-                for e in behind:
-                    refs[at[e]] -= 1
                 view = t.views.get(k)
+                kept = -1  # the version whose view became version k in place: its edges need no new pointer
                 if view is None:
-                    view = t.make(k)
+                    # Most lagging edges of a table sit together at the version the last sweep
+                    # moved them to: that version's view moves on in place, and only the others
+                    # are pointed at it (not a copy and a pointer per edge).
+                    base = max((v for v in refs if v < k), key=refs.__getitem__)
+                    view = t.advance(base, k)
+                    if view is None:
+                        view = t.make(k)
+                    else:
+                        kept = base
                     t.views[k] = view
                     refs[k] = 0
                 refs[k] += len(behind)
                 for e in behind:
+                    j = at[e]
+                    refs[j] -= 1
                     at[e] = k
-                    dicts[e][s][g] = view
-                    refresh[e](s, g, view)
-                t.collect()
+                    if j != kept:
+                        dicts[e][s][g] = view
+                        refresh[e](s, g, view)
+                t.collect()  # (frees version ``kept``'s entry: its view is version k's now)
 
     def advance_all(self, now: float) -> None:
         for e in range(len(self.edges)):
