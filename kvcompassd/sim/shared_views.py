@@ -160,25 +160,16 @@ class SharedViews:
     def position(self, e: int, s: int, now: float) -> int:
         """The seq of the last batch of shard ``s`` that edge ``e`` has by ``now``: those with
         ``publish time + delay <= now``, the sum the per-edge delivery events were due at."""
-        seq = self._reached(s, self.delays[s][e], now)
-        self.edges[e].state[s].seq = seq
-        return seq
-
-    def _reached(self, s: int, d: float, now: float) -> int:
-        """The seq of the last batch of shard ``s`` published at ``t`` with ``t + d <= now``."""
-        times = self._times[s]
+        times, d = self._times[s], self.delays[s][e]
         i = bisect_right(times, now - d)
         n = len(times)
         while i < n and times[i] + d <= now:
             i += 1
         while i > 0 and times[i - 1] + d > now:
             i -= 1
-        return self._base_seq[s] + i
-
-    def lowest_position(self, s: int, now: float) -> int:
-        """The lowest position of any edge on shard ``s`` by ``now``: the most delayed edge's
-        (``t + d`` grows with ``d``, so no edge has fewer batches than it)."""
-        return self._reached(s, max(self.delays[s]), now)
+        seq = self._base_seq[s] + i
+        self.edges[e].state[s].seq = seq
+        return seq
 
     def prepare(self, e: int, keys: np.ndarray, now: float) -> None:
         """Bring the tables edge ``e`` reads for a prompt with these query keys to ``now``."""
@@ -200,34 +191,18 @@ class SharedViews:
                         pos = positions[s] = self.position(e, s, now)
                 k = bisect_right(t.seqs, pos)
                 if k != cur:
-                    self._move(e, s, g, t, k, now)
+                    self._move(e, s, g, t, k)
 
-    def _move(self, e: int, s: int, g: int, t: _Versions, k: int, now: float) -> None:
+    def _move(self, e: int, s: int, g: int, t: _Versions, k: int) -> None:
         j = t.at[e]
-        refs = t.refs
-        refs[j] -= 1
+        t.refs[j] -= 1
         view = t.views.get(k)
         if view is None:
-            base = max(v for v in t.views if v < k)
-            if refs[base] and k <= bisect_right(t.seqs, self.lowest_position(s, now)) \
-                    and (view := t.advance(base, k)) is not None:
-                # Every edge has version k's batches by now (however far), so the edges at the
-                # version it would be copied from go along: moved on in place, it is version k
-                # for them too (the edges' views are the same object; their reads at their own
-                # later positions are unchanged) and no copy is made.
-                at = t.at
-                for x, v in enumerate(at):
-                    if v == base:
-                        at[x] = k
-                refs[k] = refs.pop(base) + 1
-                del t.views[base]
-                t.views[k] = view
-            else:
-                view = t.make(k)
-                t.views[k] = view
-                refs[k] = 1
+            view = t.make(k)
+            t.views[k] = view
+            t.refs[k] = 1
         else:
-            refs[k] += 1
+            t.refs[k] += 1
         t.at[e] = k
         self._dicts[e][s][g] = view
         self._refresh[e](s, g, view)
@@ -244,7 +219,7 @@ class SharedViews:
                     continue
                 k = bisect_right(t.seqs, pos)
                 if k != cur:
-                    self._move(e, s, g, t, k, now)
+                    self._move(e, s, g, t, k)
 
     def compact(self, now: float) -> None:
         """Free the versions no edge needs by ``now``: every edge behind what the most delayed
