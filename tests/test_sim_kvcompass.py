@@ -100,10 +100,10 @@ def test_a_shard_read_between_a_delivery_and_its_flush_has_the_delivery_applied(
     for policy in (batched, at_once):
         policy.on_cache_events(holder, events, now=0.0)
         policy.on_timer(now=0.03)  # past the 20 ms agent -> shard leg, before the 50 ms flush
-    assert any(batched._inbox)  # delivered and not applied yet
+    assert batched.unapplied_deliveries() > 0  # delivered and not applied yet
     entries = at_once.stats()["index_entries"]
     assert entries > 0 and batched.stats()["index_entries"] == entries
-    assert not any(batched._inbox)
+    assert batched.unapplied_deliveries() == 0
     for a, b in zip(batched.shards, at_once.shards):
         assert a.group_items().keys() == b.group_items().keys()
         for g, (keys, values) in a.group_items().items():
@@ -324,6 +324,89 @@ def test_a_shard_flushes_what_arrives_within_the_interval_as_one_batch():
     _assert_views_equal_shards(eager, probe)
 
 
+class _HeapDeliveries(KVCompassPolicy):
+    """The policy as it was: one heap event per delivery to a shard."""
+
+    _deliveries_held_by_shards = False
+
+
+def _recording(policy: KVCompassPolicy) -> list:
+    """Every batch ``policy`` publishes, as (shard, seq, publish time, tables)."""
+    published = []
+    send = policy._send_published
+
+    def record(s, batch, now):
+        if batch is not None:
+            published.append((s, batch.seq, now, batch.tables))
+        send(s, batch, now)
+
+    policy._send_published = record
+    return published
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_deliveries_held_by_their_shard_publish_the_batches_of_one_event_each(seed):
+    """A shard holding what is on its way to it (its next flush the only heap event) publishes
+    the same batches, with the same contents, at the same times, and the edges decide the same,
+    as one heap event per delivery: on a grid of binary times whose legs and flush interval are
+    whole steps, so deliveries fall exactly on flushes (both sides of the tie), and with workers
+    in the shards' own regions (no leg: applied as sent)."""
+    step_ms = 1.953125  # 2**-9 s: sums of steps are exact
+    cfg = make_cluster({"us": 2, "eu": 2, "ap": 2}, shards=3, one_way_ms=step_ms, prefill_ms_per_token=0.1,
+                       levels=4, same_region_min_tokens=32)
+    topo = Topology.from_config(cfg)
+    held, heap = (cls(topo, flush_interval_ms=step_ms) for cls in (KVCompassPolicy, _HeapDeliveries))
+    published = [_recording(held), _recording(heap)]
+    rng = np.random.default_rng(seed)
+    caches = [PrefixCache(block_size=BLOCK, vram_tokens=4096, dram_tokens=4096) for _ in topo.worker_ids]
+    heads = [_prompt(900 + k, 256) for k in range(3)]
+    tick, decisions = 0, [[], []]
+    for i in range(160):
+        tick += int(rng.integers(0, 3))
+        now = tick * step_ms / 1000.0
+        for k, policy in enumerate((held, heap)):  # the engine's loop: every timer due first
+            t = policy.next_timer()
+            while t is not None and t <= now:
+                policy.on_timer(now=t)
+                t = policy.next_timer()
+        if rng.random() < 0.2:
+            prompt = np.concatenate([heads[int(rng.integers(3))], _prompt(i, 64)])
+            region = topo.regions[int(rng.integers(3))]
+            for k, policy in enumerate((held, heap)):
+                d = policy.route(_request(i, prompt, region, now), now=now)
+                decisions[k].append((d.worker_index, d.claimed_tokens))
+            continue
+        w = int(rng.integers(len(caches)))
+        tokens = np.concatenate([heads[int(rng.integers(3))], _prompt(1000 + i, int(rng.integers(16, 200)))])
+        events = caches[w].insert(tokens.tolist(), now=now)
+        for policy in (held, heap):
+            policy.on_cache_events(w, events, now=now)
+    assert held.unapplied_deliveries() == heap.unapplied_deliveries()
+    assert held.stats() == heap.stats()
+    for policy in (held, heap):
+        policy.settle(now=tick * step_ms / 1000.0)
+    # (Shards flushing at one instant may publish in either order: each shard's batches are its own.)
+    assert sorted(published[0], key=lambda b: b[:2]) == sorted(published[1], key=lambda b: b[:2])
+    assert len(published[0]) > 20
+    assert decisions[0] == decisions[1] and any(claimed for _, claimed in decisions[0])
+    assert held.stats() == heap.stats() and held.in_flight == heap.in_flight == 0
+    for a, b in zip(held.shards, heap.shards):
+        assert (a.epoch, a.seq) == (b.epoch, b.seq)
+
+
+def test_a_run_with_deliveries_held_by_their_shard_is_the_run_with_one_event_each():
+    topo = _topo(shards=3)
+    runs = []
+    for cls in (KVCompassPolicy, _HeapDeliveries):
+        policy = cls(topo)
+        runs.append((policy, simulate(topo, policy, _workload(topo, 150, seed=5))))
+    (p1, r1), (p2, r2) = runs
+    assert p1._held_by_shards and not p2._held_by_shards
+    for field in r1.records:
+        assert np.array_equal(r1.records[field], r2.records[field]), field
+    assert p1.stats() == p2.stats() and p1.counters["batches_published"] > 10
+
+
 def test_live_load_stays_in_its_region_and_reaches_others_by_broadcast_or_piggyback():
     topo = _topo()
     policy = KVCompassPolicy(topo)
@@ -346,6 +429,44 @@ def test_live_load_stays_in_its_region_and_reaches_others_by_broadcast_or_piggyb
     eu_workers = {i: 10.0 for i, w in enumerate(topo.worker_ids) if w.startswith("eu-")}
     policy.on_response(eu0, req, 0, eu_workers, now=0.4)  # inside the trend window: no trend yet
     assert policy.routers[us].queues.get("eu-0") == pytest.approx(30.0)
+
+
+def test_a_routers_broadcasts_of_one_delta_arrive_in_due_order_as_if_each_were_its_own_event():
+    """One heap entry per router's Delta, its messages merged with every other entry by (due
+    time, send order): each receiver gets what it would have with one entry per message."""
+    cfg = make_cluster({"us": 2, "eu": 2, "ap": 2, "sa": 1}, shards=2, one_way_ms=7.0, prefill_ms_per_token=0.1,
+                       levels=4, same_region_min_tokens=32)
+    topo = Topology.from_config(cfg)
+    policy = KVCompassPolicy(topo)
+    sent, delivered = [], []
+    for router in policy.routers:
+        queues = router.queues
+        for name in ("due_broadcasts", "room_broadcasts"):
+            def sending(*args, _f=getattr(queues, name), _a=topo.regions.index(queues.region), **kw):
+                out = _f(*args, **kw)
+                sent.extend((kw["now"] + policy._owm_s[_a, topo.regions.index(m.to_region)], len(sent) + k, m)
+                            for k, m in enumerate(out))
+                return out
+            setattr(queues, name, sending)
+        for name in ("on_broadcast", "on_room_broadcast"):
+            def receiving(msg, *, now, _f=getattr(queues, name), **kw):
+                delivered.append((now, msg))
+                return _f(msg, now=now, **kw)
+            setattr(queues, name, receiving)
+    rng = np.random.default_rng(3)
+    t = 0.0
+    while t < 0.6:
+        t = policy.next_timer()
+        if rng.random() < 0.3:  # moving queues: vectors change, so regions keep broadcasting
+            w = int(rng.integers(topo.n_workers))
+            policy.on_worker_load(w, float(rng.integers(0, 200)), now=t)
+        policy.on_timer(now=t)
+    policy.on_arrivals_end(now=t)
+    expected = sorted(sent, key=lambda x: x[:2])
+    assert len(delivered) > 50 and len({msg.from_region for _, msg in delivered}) == len(topo.regions)
+    assert len(delivered) == sum(due <= t for due, _, _ in expected)
+    assert all(got is want for (_, got), (_, _, want) in zip(delivered, expected))
+    assert [now for now, _ in delivered] == [due for due, _, _ in expected[:len(delivered)]]
 
 
 def test_context_tokens_option_sets_the_index_reach_only():

@@ -123,11 +123,14 @@ def test_compaction_moves_lagging_edges_together_up_to_the_slowest_edges_positio
         positions = [shared.position(e, s, now) for e in edges]
         for g, t in shared._tables[s].items():
             low = bisect_right(t.seqs, min(positions))
-            held = {shared._version[e][s][g] for e in edges}
+            held = set(t.at)
             assert min(held) >= low  # nobody is left behind the slowest edge's position ...
             for e in edges:  # ... nor moved past its own, and every edge reads its version's table
-                assert shared._version[e][s][g] <= bisect_right(t.seqs, positions[e])
-                assert shared.edges[e].view(s, g) is t.views[shared._version[e][s][g]]
+                assert t.at[e] <= bisect_right(t.seqs, positions[e])
+                assert shared.edges[e].view(s, g) is t.views[t.at[e]]
+                # ... through its C lookup's pointer too (a view moved on in place keeps its own)
+                pointers = shared.pointers[e]
+                assert pointers.pointers()[s * pointers._groups + g] == t.views[t.at[e]]._ptr
             assert set(t.refs) == held and sum(t.refs.values()) == len(edges)
     assert shared.live_versions() <= before
     # Once every batch has reached every edge, one version of each table is left.

@@ -271,6 +271,9 @@ class CountingPolicy(KVCompassPolicy):
     """KVCompass counting, from ``since`` on, the engine's stored blocks and the index events."""
 
     since = math.inf
+    # Each delivery to a shard as an event of its own, applied on arrival (_shard_apply), where
+    # this counts it; the policy's default holds them at the shard until its flush.
+    _deliveries_held_by_shards = False
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)

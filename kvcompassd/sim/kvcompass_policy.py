@@ -86,6 +86,10 @@ _HEARTBEAT, _POSITION_TO_EDGE = 7, 8  # an idle shard's position announcement: d
 EPOCH = 1
 
 
+def _due_and_seq(send: tuple) -> tuple[float, int]:
+    return send[0], send[1]
+
+
 class KVCompassPolicy(BasePolicy):
     """KVCompass over the real core. Options: ``ablation`` (§5.4, passed to every Router),
     ``consistency`` (cross-level consistency of the lookup), the update transport
@@ -197,6 +201,14 @@ class KVCompassPolicy(BasePolicy):
         self._sync_timer_at: dict[tuple[int, int], float] = {}  # (edge, shard) -> its armed catch-up timeout
         self._flush_pending = [False] * n_shards
         self._inbox: list[list[tuple[str, list[IndexEvent]]]] = [[] for _ in range(n_shards)]  # (worker, events) delivered, not yet applied
+        # Deliveries on their way to each shard, held by the shard rather than as heap events
+        # (``_en_route``; see ``_send_to_shard``): per shard a heap of (due, seq, sent at, sent
+        # without a leg, worker, events), the due time of its next flush (inf: none armed) and
+        # the first delivery of the current flush round that a read of the shard took early.
+        self._en_route: list[list[tuple]] = [[] for _ in range(n_shards)]
+        self._flush_at = [math.inf] * n_shards
+        self._round_first: list[tuple | None] = [None] * n_shards
+        self._held_by_shards: bool | None = None  # decided at the first index event (_holds_deliveries)
         # [sync] position_heartbeat_ms (0: off): an idle shard announces its position to every
         # edge, lost as a batch is, so a lost last batch is repaired (per-edge views only).
         self._heartbeats = (PositionHeartbeats(position_heartbeat_ms / 1000.0, (), now=0.0)
@@ -288,16 +300,22 @@ class KVCompassPolicy(BasePolicy):
         heap = self._heap
         while heap and heap[0][0] <= now:
             due, _, kind, payload = heapq.heappop(heap)
-            # The kinds in the order of how often they come (without loss: no _TO_EDGE at all).
-            if kind == _TO_SHARD:
-                self._shard_apply(payload[0], payload[1], due)
-            elif kind == _FLUSH:
+            # The kinds in the order of how often they come (without loss: no _TO_EDGE at all; with
+            # shared views, deliveries to shards wait at the shard, not here: no _TO_SHARD).
+            if kind == _FLUSH:
+                if self._held_by_shards:
+                    if due == self._flush_at[payload]:  # (else a flush re-armed earlier since)
+                        self._flush_round(payload, due)
+                    continue
                 self._flush_pending[payload] = False
                 self._publish(payload, due)
             elif kind == _BROADCAST:
+                sends, i, checked = payload
+                if i + 1 < len(sends):  # the router's next message of this Delta takes its place
+                    heapq.heappush(heap, (*sends[i + 1][:2], _BROADCAST, (sends, i + 1, checked)))
                 if self._arrivals_done:
                     continue
-                msg, checked = payload
+                msg = sends[i][2]
                 queues = self.routers[self._region_index[msg.to_region]].queues
                 if msg.__class__ is RoomVectorBroadcast:  # its rooms checked once too, as the vector
                     key = ("rooms", id(msg.rooms))
@@ -308,6 +326,8 @@ class KVCompassPolicy(BasePolicy):
                 if checked.get(id(msg.vector)) is None:  # its first receiver checks it for all
                     checked[id(msg.vector)] = queues.remote_updates(msg.from_region, msg.vector)
                 queues.on_broadcast(msg, now=due, updates=checked[id(msg.vector)])
+            elif kind == _TO_SHARD:
+                self._shard_apply(payload[0], payload[1], due)
             elif kind == _TO_EDGE:
                 self._deliver(payload[0], payload[1], due)
             elif kind == _RESYNC_AT_SHARD:
@@ -345,9 +365,17 @@ class KVCompassPolicy(BasePolicy):
                 rooms = router.queues.room_broadcasts([m.to_region for m in broadcasts], now=now)
                 self.counters["broadcasts"] += len(broadcasts)
                 self.counters["room_broadcasts"] += len(rooms)
+                # All of them as one heap entry at a time (the earliest yet to arrive; each
+                # message keeps the due time and seq it had as an entry of its own, so they come
+                # out in the same order): the heap holds ~one entry per router, not ~4,000.
+                sends = []
                 for msg in broadcasts + rooms:
                     a, b = self._region_index[msg.from_region], self._region_index[msg.to_region]
-                    self._push(now + self._owm_s[a, b], _BROADCAST, (msg, checked))
+                    sends.append((now + self._owm_s[a, b], self._heap_seq, msg))
+                    self._heap_seq += 1
+                if sends:
+                    sends.sort(key=_due_and_seq)
+                    heapq.heappush(self._heap, (*sends[0][:2], _BROADCAST, (sends, 0, checked)))
                 deadlines[i] = self._deadline_of(i, now)
             self._next_broadcast = self._broadcast_deadline(now)
 
@@ -398,12 +426,81 @@ class KVCompassPolicy(BasePolicy):
             else:
                 evs.append(ev)
         legs = self._to_shard_s[self._worker_region[worker_index]]
+        held = self._held_by_shards
+        if held is None:
+            held = self._held_by_shards = self._holds_deliveries()
         for s in sorted(per_shard):
             evs = per_shard[s]
-            if legs[s] > 0:
+            if held:
+                self._send_to_shard(s, evs, now, legs[s])
+            elif legs[s] > 0:
                 self._push(now + legs[s], _TO_SHARD, (s, evs))
             else:
                 self._shard_apply(s, evs, now)
+
+    # Deliveries held by their shard (no heap event per delivery).
+    #
+    # A delivery to a shard changes nothing anyone reads until the shard's flush publishes it,
+    # and the flush times follow from the deliveries' due times alone: a round starts with the
+    # first delivery due after the last flush (at a0) and is flushed at a0 + flush interval, with
+    # every delivery due before then. So each shard holds what is on its way to it and the heap
+    # holds only its next flush, armed (again, earlier) when a delivery due sooner is sent. A
+    # delivery due exactly at the flush went into it when it was in the heap before the round's
+    # first delivery was taken out (its seq then ran before the flush's): sent before a0 (or,
+    # when the first came without a leg and so was taken at once, sent before it). That is the
+    # same batch, in the same order, published at the same time as with one event per delivery
+    # (tests/test_sim_kvcompass.py runs both). Only with shared views, a flush interval, and no
+    # eviction carriers to note on arrival (explain_claim's, with the engine's exact cache map).
+
+    _deliveries_held_by_shards = True  # (False: one heap event per delivery, as before; for tests)
+
+    def _holds_deliveries(self) -> bool:
+        return (self._deliveries_held_by_shards and self._shared is not None and self.flush_interval_s > 0
+                and self._evicted_in is None)
+
+    def _send_to_shard(self, s: int, events: list[IndexEvent], now: float, leg: float) -> None:
+        direct = not leg > 0
+        due = now if direct else now + leg
+        heapq.heappush(self._en_route[s], (due, self._heap_seq, now, direct, events[0].worker, events))
+        self._heap_seq += 1
+        flush_at = due + self.flush_interval_s
+        if flush_at < self._flush_at[s]:  # due before every other: its round's flush comes sooner
+            self._flush_at[s] = flush_at
+            self._push(flush_at, _FLUSH, s)
+
+    def _take_arrived(self, s: int, now: float) -> None:
+        """Move the deliveries that have reached shard ``s`` by ``now`` into its inbox."""
+        en_route, inbox = self._en_route[s], self._inbox[s]
+        while en_route and en_route[0][0] <= now:
+            item = heapq.heappop(en_route)
+            if self._round_first[s] is None:
+                self._round_first[s] = item
+            inbox.append((item[4], item[5]))
+
+    def _flush_round(self, s: int, f: float) -> None:
+        en_route, inbox = self._en_route[s], self._inbox[s]
+        first = self._round_first[s]
+        if first is None:
+            first = en_route[0]
+        self._round_first[s] = None
+        a0, q0, direct0 = first[0], first[1], first[3]
+        while en_route:
+            item = en_route[0]
+            due = item[0]
+            if due > f or (due == f and (item[1] > q0 if direct0 else item[2] >= a0)):
+                break
+            heapq.heappop(en_route)
+            inbox.append((item[4], item[5]))
+        if en_route:
+            self._flush_at[s] = en_route[0][0] + self.flush_interval_s
+            self._push(self._flush_at[s], _FLUSH, s)
+        else:
+            self._flush_at[s] = math.inf
+        shard = self.shards[s]
+        if inbox:  # (not _shard: it would take what arrives after f, read later than f)
+            self._inbox[s] = []
+            shard.apply_reports(inbox)
+        self._send_published(s, shard.flush(), f)
 
     def _shard_apply(self, s: int, events: list[IndexEvent], now: float) -> None:
         # The events wait in the shard's inbox until its flush, which applies everything that
@@ -428,7 +525,10 @@ class KVCompassPolicy(BasePolicy):
             self._push(now + self.flush_interval_s, _FLUSH, s)
 
     def _shard(self, s: int) -> MaintenanceShard:
-        """Shard ``s`` with every delivery that has reached it applied (its inbox emptied)."""
+        """Shard ``s`` with every delivery that has reached it by the latest time the policy
+        was given applied (its inbox emptied)."""
+        if self._en_route[s]:
+            self._take_arrived(s, self._now)
         inbox = self._inbox[s]
         if inbox:
             self._inbox[s] = []
@@ -573,6 +673,8 @@ class KVCompassPolicy(BasePolicy):
                                                  index(plan.source_worker)))
 
     def on_truth_tracked(self) -> None:
+        if self._held_by_shards:
+            raise PolicyError("on_truth_tracked must come before the first index event")
         self._evicted_in = {}
 
     def explain_claim(self, req: Request, decision: RouteDecision, *, now: float) -> int:
@@ -647,7 +749,14 @@ class KVCompassPolicy(BasePolicy):
 
     @property
     def in_flight(self) -> int:
-        return len(self._heap)
+        """Messages and timers on their way (a router's broadcasts of one Delta are one heap entry)."""
+        waiting = sum(len(p[0]) - p[1] - 1 for _, _, kind, p in self._heap if kind == _BROADCAST)
+        return len(self._heap) + waiting + sum(map(len, self._en_route))
+
+    def unapplied_deliveries(self) -> int:
+        """Deliveries that have reached their shard and wait for its flush to be applied."""
+        now = self._now
+        return sum(map(len, self._inbox)) + sum(1 for r in self._en_route for item in r if item[0] <= now)
 
     def settle(self, *, now: float) -> None:
         """Deliver everything in flight (for tests and end-of-run inspection)."""

@@ -43,11 +43,12 @@ SWEEP_S = 1.0  # virtual seconds between compactions of every table's versions
 class _Versions:
     """The live versions of one (shard, group) table and the blobs between them."""
 
-    __slots__ = ("views", "refs", "blobs", "snapshot", "blob_base", "latest", "seqs")
+    __slots__ = ("views", "refs", "at", "blobs", "snapshot", "blob_base", "latest", "seqs")
 
     def __init__(self, view: LudoView, edges: int) -> None:
         self.views: dict[int, LudoView] = {0: view}
         self.refs: dict[int, int] = {0: edges}
+        self.at: list[int] = [0] * edges  # at[e]: the version edge e is at
         self.blobs: list[bytes] = []  # blobs[i] turns version blob_base + i into blob_base + i + 1
         self.snapshot: list[bool] = []  # blobs[i] is a snapshot (the table grew or was rebuilt)
         self.blob_base = 0
@@ -78,6 +79,18 @@ class _Versions:
         else:
             view = self.views[base].copy()
         for v in range(start + 1, k + 1):
+            view.apply(self.blobs[v - 1 - off])
+        return view
+
+    def advance(self, base: int, k: int) -> LudoView | None:
+        """Live version ``base`` moved on to version ``k`` in place (its edges' pointers stay
+        valid: the view object is the same), or None, untouched, when a snapshot blob lies in
+        between (a new table: the caller makes version ``k`` instead)."""
+        off = self.blob_base
+        if any(self.snapshot[v - 1 - off] for v in range(base + 1, k + 1)):
+            return None
+        view = self.views[base]
+        for v in range(base + 1, k + 1):
             view.apply(self.blobs[v - 1 - off])
         return view
 
@@ -112,7 +125,10 @@ class SharedViews:
         self._tables: list[dict[int, _Versions]] = [{} for _ in range(n_shards)]
         self._times: list[list[float]] = [[] for _ in range(n_shards)]  # publish time of each batch
         self._base_seq = [0] * n_shards  # the seq of the snapshot the edges started from
-        self._version = [[{} for _ in range(n_shards)] for _ in self.edges]  # edge -> shard -> group -> version
+        # Each edge's views dict of each shard (the one install put in its state), and its
+        # pointers' refresh: what a move writes, without looking them up per move.
+        self._dicts: list[list[dict[int, LudoView]]] = [[{} for _ in range(n_shards)] for _ in self.edges]
+        self._refresh = [p.refresh for p in self.pointers]
         self._next_sweep = SWEEP_S
 
     def install(self, snap: ShardSnapshotSent) -> None:
@@ -124,7 +140,7 @@ class SharedViews:
             st = edge.state[s]
             st.views = {g: t.views[0] for g, t in tables.items()}
             st.epoch, st.seq = snap.epoch, snap.seq
-            self._version[e][s] = dict.fromkeys(tables, 0)
+            self._dicts[e][s] = st.views
         self._base_seq[s] = snap.seq
 
     def publish(self, batch: UpdateBatchPublished, now: float) -> None:
@@ -158,15 +174,15 @@ class SharedViews:
     def prepare(self, e: int, keys: np.ndarray, now: float) -> None:
         """Bring the tables edge ``e`` reads for a prompt with these query keys to ``now``."""
         n = self.shards
-        readers, mine, tables = self.readers[e], self._version[e], self._tables
+        readers, tables = self.readers[e], self._tables
         positions: dict[int, int] = {}
         for i, key in enumerate(keys.tolist()):
             s = key % n
-            versions, shard_tables = mine[s], tables[s]
+            shard_tables = tables[s]
             pos = None
             for g in readers[i]:
                 t = shard_tables[g]
-                cur = versions[g]
+                cur = t.at[e]
                 if cur == t.latest:
                     continue
                 if pos is None:
@@ -175,10 +191,10 @@ class SharedViews:
                         pos = positions[s] = self.position(e, s, now)
                 k = bisect_right(t.seqs, pos)
                 if k != cur:
-                    self._move(e, s, g, t, versions, k)
+                    self._move(e, s, g, t, k)
 
-    def _move(self, e: int, s: int, g: int, t: _Versions, versions: dict[int, int], k: int) -> None:
-        j = versions[g]
+    def _move(self, e: int, s: int, g: int, t: _Versions, k: int) -> None:
+        j = t.at[e]
         t.refs[j] -= 1
         view = t.views.get(k)
         if view is None:
@@ -187,33 +203,34 @@ class SharedViews:
             t.refs[k] = 1
         else:
             t.refs[k] += 1
-        versions[g] = k
-        self.edges[e].state[s].views[g] = view
-        self.pointers[e].refresh(s, g, view)
+        t.at[e] = k
+        self._dicts[e][s][g] = view
+        self._refresh[e](s, g, view)
         if t.refs.get(j, 0) == 0:  # j is nobody's now (or was moved on in place)
             t.collect()
 
     def advance(self, e: int, now: float) -> None:
         """Every table of edge ``e`` to what it has received by ``now``."""
-        mine = self._version[e]
         for s in range(self.shards):
             pos = self.position(e, s, now)
-            versions = mine[s]
             for g, t in self._tables[s].items():
-                cur = versions[g]
+                cur = t.at[e]
                 if cur == t.latest:
                     continue
                 k = bisect_right(t.seqs, pos)
                 if k != cur:
-                    self._move(e, s, g, t, versions, k)
+                    self._move(e, s, g, t, k)
 
     def compact(self, now: float) -> None:
         """Free the versions no edge needs by ``now``: every edge behind what the most delayed
         edge has received by then moves up to that version, all of them together (one version
         per table, made in place when nobody else is at the one below; not one per edge, which
-        cost a copy and its blobs per edge and table). A read brings an edge on to its own
-        position (``prepare``), and positions only grow, so no read sees anything else."""
+        cost a copy and its blobs per edge and table). The version most of them are at moves on
+        in place to become it, when no snapshot blob lies between (its edges keep their pointers:
+        the view object is the same). A read brings an edge on to its own position
+        (``prepare``), and positions only grow, so no read sees anything else."""
         edges = range(len(self.edges))
+        dicts, refresh = self._dicts, self._refresh
         for s in range(self.shards):
             times = self._times[s]
             if not times:
@@ -223,20 +240,31 @@ class SharedViews:
                 k = bisect_right(t.seqs, low)
                 if min(t.refs) >= k:  # nobody is behind it
                     continue
-                behind = [e for e in edges if self._version[e][s][g] < k]
-                for e in behind:
-                    t.refs[self._version[e][s][g]] -= 1
+                at, refs = t.at, t.refs
+                behind = [e for e in edges if at[e] < k]
                 view = t.views.get(k)
+                kept = -1  # the version whose view became version k in place: its edges need no new pointer
                 if view is None:
-                    view = t.make(k)
+                    # Most lagging edges of a table sit together at the version the last sweep
+                    # moved them to: that version's view moves on in place, and only the others
+                    # are pointed at it (not a copy and a pointer per edge).
+                    base = max((v for v in refs if v < k), key=refs.__getitem__)
+                    view = t.advance(base, k)
+                    if view is None:
+                        view = t.make(k)
+                    else:
+                        kept = base
                     t.views[k] = view
-                    t.refs[k] = 0
-                t.refs[k] += len(behind)
+                    refs[k] = 0
+                refs[k] += len(behind)
                 for e in behind:
-                    self._version[e][s][g] = k
-                    self.edges[e].state[s].views[g] = view
-                    self.pointers[e].refresh(s, g, view)
-                t.collect()
+                    j = at[e]
+                    refs[j] -= 1
+                    at[e] = k
+                    if j != kept:
+                        dicts[e][s][g] = view
+                        refresh[e](s, g, view)
+                t.collect()  # (frees version ``kept``'s entry: its view is version k's now)
 
     def advance_all(self, now: float) -> None:
         for e in range(len(self.edges)):
