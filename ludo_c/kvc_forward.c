@@ -775,11 +775,176 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
                                       aged_out, queue_out, result, 0);
 }
 
+/* ---- the aging record (kvc_forward.h): a reused buffer's aged estimates kept current ---------- */
+
+/* Workers per block of the record's least values. */
+#define KVC_AGED_BLOCK 16u
+/* Past this magnitude a time is not taken as settled (so that (now - taken_at) x 1000 stays finite). */
+#define KVC_AGED_BOUND 1e300
+
+/* The aging record's parts, laid over the buffer after the zeroing record. */
+typedef struct kvc_aging_record {
+    double *head;       /* flag, change count it is current to, now, moving workers */
+    double *block_low;  /* [blocks] least aged value of each block (no NaN counted) */
+    double *block_nan;  /* [blocks] 1.0 when the block holds a NaN */
+    int32_t *moving;    /* [n] workers whose value may differ at a later now */
+    uint64_t *listed;   /* [ceil(n / 64)] bit i: i is in `moving` */
+    uint64_t *touched;  /* [ceil(blocks / 64)] blocks to recompute, cleared after */
+    size_t blocks;
+} kvc_aging_record;
+
+static kvc_aging_record kvc_aging_record_at(double *out, size_t n)
+{
+    kvc_aging_record r;
+    r.blocks = (n + KVC_AGED_BLOCK - 1) / KVC_AGED_BLOCK;
+    r.head = out + 4 * n + (n + 7) / 8 + 3 + (n + 1) / 2;
+    r.block_low = r.head + 4;
+    r.block_nan = r.block_low + r.blocks;
+    r.moving = (int32_t *)(r.block_nan + r.blocks);
+    r.listed = (uint64_t *)(r.block_nan + r.blocks + (n + 1) / 2);
+    r.touched = r.listed + (n + 63) / 64;
+    return r;
+}
+
+/* kvc_queue_aged's statement for one worker. */
+static inline double kvc_aged_one(double ms, double taken_at, double rate, double now)
+{
+    double age = (now - taken_at) * 1000.0;
+    age = 0.0 >= age ? 0.0 : age;
+    double value = ms + rate * age;
+    return 0.0 >= value ? 0.0 : value;
+}
+
+/* Whether the worker's aged value at `now` is its value at every later now (within the bound):
+ * a rate of zero adds zero to ms whatever the (finite) age; a finite negative rate whose sum is
+ * <= 0 only goes lower as the age grows (each operation rounds monotonically), and 0.0 clamps it. */
+static inline int kvc_aged_settled(double ms, double taken_at, double rate, double now)
+{
+    if (!(fabs(taken_at) <= KVC_AGED_BOUND))
+        return 0;
+    if (rate == 0.0)
+        return 1;
+    if (!(rate < 0.0 && rate > -INFINITY) || ms != ms)
+        return 0;
+    double age = (now - taken_at) * 1000.0;
+    age = 0.0 >= age ? 0.0 : age;
+    return ms + rate * age <= 0.0;
+}
+
+/* Block b's least value and NaN flag from the aged values. */
+static void kvc_aging_block(const kvc_aging_record *r, const double *aged, size_t n, size_t b)
+{
+    size_t end = (b + 1) * KVC_AGED_BLOCK < n ? (b + 1) * KVC_AGED_BLOCK : n;
+    double low = INFINITY;
+    int nan = 0;
+    for (size_t i = b * KVC_AGED_BLOCK; i < end; i++) {
+        double v = aged[i];
+        nan |= v != v;
+        low = v < low ? v : low;
+    }
+    r->block_low[b] = low;
+    r->block_nan[b] = nan ? 1.0 : 0.0;
+}
+
+/* The least value and NaN flag over the blocks: kvc_queue_aged_low's (the least of values that
+ * are never -0.0 does not depend on the order they are taken in). */
+static void kvc_aging_low(const kvc_aging_record *r, double *low_out, int *nan_out)
+{
+    double low = INFINITY;
+    int nan = 0;
+    for (size_t b = 0; b < r->blocks; b++) {
+        double v = r->block_low[b];
+        low = v < low ? v : low;
+        nan |= r->block_nan[b] != 0.0;
+    }
+    *low_out = low;
+    *nan_out = nan;
+}
+
+/* The aged estimates into `aged` with their least value and NaN flag, as kvc_queue_aged_low gives
+ * them, from the buffer's aging record when it is current enough: then only the workers the
+ * change log names since the record's count, and those the record lists as moving, are aged
+ * again (the rest hold their value, which their inputs did not change and a later now does not
+ * move), and only their blocks' least values taken again. Otherwise every worker, and the record
+ * made anew. */
+static void kvc_aged_tracked(size_t n, const double *ms, const double *taken_at, const double *rate, double now,
+                             const int64_t *changes, double *out, double *aged, double *low_out, int *nan_out)
+{
+    kvc_aging_record r = kvc_aging_record_at(out, n);
+    int64_t count = changes[0], floor = changes[1], cap = changes[2];
+    double *head = r.head;
+    int bounded = fabs(now) <= KVC_AGED_BOUND;
+    int current = head[0] == 1.0 && bounded && cap > 0 && now >= head[2] && head[1] >= (double)floor &&
+                  head[1] <= (double)count && (double)count - head[1] <= (double)cap && head[3] >= 0.0 &&
+                  head[3] <= (double)n;
+    if (current) {
+        for (int64_t s = (int64_t)head[1]; s < count; s++) { /* the log names workers in range */
+            int64_t i = changes[3 + s % cap];
+            if (i < 0 || (uint64_t)i >= n) {
+                current = 0;
+                break;
+            }
+        }
+    }
+    head[0] = 0.0;
+    if (!current) {
+        kvc_queue_aged_low(n, ms, taken_at, rate, now, aged, low_out, nan_out);
+        if (!bounded || cap <= 0 || floor > count)
+            return; /* nothing the record could keep: left unset */
+        size_t moving = 0;
+        memset(r.listed, 0, ((n + 63) / 64) * sizeof *r.listed);
+        memset(r.touched, 0, ((r.blocks + 63) / 64) * sizeof *r.touched);
+        for (size_t i = 0; i < n; i++)
+            if (!kvc_aged_settled(ms[i], taken_at[i], rate[i], now)) {
+                r.moving[moving++] = (int32_t)i;
+                r.listed[i / 64] |= UINT64_C(1) << (i % 64);
+            }
+        for (size_t b = 0; b < r.blocks; b++)
+            kvc_aging_block(&r, aged, n, b);
+        head[3] = (double)moving;
+    } else {
+        size_t kept = 0, moving = (size_t)head[3];
+        for (size_t k = 0; k < moving; k++) {
+            size_t i = (size_t)r.moving[k];
+            aged[i] = kvc_aged_one(ms[i], taken_at[i], rate[i], now);
+            r.touched[i / KVC_AGED_BLOCK / 64] |= UINT64_C(1) << (i / KVC_AGED_BLOCK % 64);
+            if (kvc_aged_settled(ms[i], taken_at[i], rate[i], now))
+                r.listed[i / 64] &= ~(UINT64_C(1) << (i % 64));
+            else
+                r.moving[kept++] = (int32_t)i;
+        }
+        for (int64_t s = (int64_t)head[1]; s < count; s++) {
+            size_t i = (size_t)changes[3 + s % cap];
+            aged[i] = kvc_aged_one(ms[i], taken_at[i], rate[i], now);
+            r.touched[i / KVC_AGED_BLOCK / 64] |= UINT64_C(1) << (i / KVC_AGED_BLOCK % 64);
+            if (!(r.listed[i / 64] >> (i % 64) & 1u) && !kvc_aged_settled(ms[i], taken_at[i], rate[i], now)) {
+                r.moving[kept++] = (int32_t)i;
+                r.listed[i / 64] |= UINT64_C(1) << (i % 64);
+            }
+        }
+        for (size_t w = 0; w < (r.blocks + 63) / 64; w++) {
+            uint64_t bits = r.touched[w];
+            r.touched[w] = 0;
+            while (bits) {
+                size_t b = w * 64 + (size_t)__builtin_ctzll(bits);
+                bits &= bits - 1;
+                kvc_aging_block(&r, aged, n, b);
+            }
+        }
+        head[3] = (double)kept;
+        kvc_aging_low(&r, low_out, nan_out);
+    }
+    head[1] = (double)count;
+    head[2] = now;
+    head[0] = 1.0;
+}
+
 int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
                                   const double *correction, int add_occupancy, const double *belief,
                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
-                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out)
+                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out,
+                                  const int64_t *changes)
 {
     size_t n = plan->workers;
     double *aged = out + n;
@@ -805,9 +970,18 @@ int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forwar
         memset(tier, 0, n);
     }
     record[0] = 0.0;
-    int rc = forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,
+    int rc;
+    if (changes && !correction && !add_occupancy && n > 0 && sparse->taken_at && sparse->rate) {
+        kvc_known_low known;
+        kvc_aged_tracked(n, ms, sparse->taken_at, sparse->rate, now, changes, out, aged, &known.low, &known.nan);
+        rc = forward_decide_sparse(plan, sparse, token_bytes, n_tokens, aged, belief, eligible, last_sent, keys_out,
+                                   matched, tier, out, result, 1, &known);
+    } else {
+        kvc_aging_record_at(out, n).head[0] = 0.0; /* its aged values are not the record's */
+        rc = forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,
                                         belief, eligible, last_sent, keys_out, matched, tier, out, aged, queue,
                                         result, 1);
+    }
     if (rc != KVC_OK && rc != KVC_FORWARD_NONE_ELIGIBLE)
         return rc;
     /* The lookup ran: its matches are at its holders alone. */

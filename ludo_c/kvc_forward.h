@@ -239,8 +239,9 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
                                    double *queue_out, kvc_forward_sparse_result *result);
 
 /* kvc_forward_decide_sparse_aged writing every per-worker output into one caller-owned buffer
- * `out` of 4 * workers + ceil(workers / 8) + 3 + ceil(workers / 2) doubles (one allocation and one
- * pointer per decision instead of five), laid out as
+ * `out` of 4 * workers + ceil(workers / 8) + 3 + ceil(workers / 2) doubles and an aging record of
+ * 4 + 2 * B + ceil(workers / 2) + ceil(workers / 64) + ceil(B / 64) doubles, B = ceil(workers / 16)
+ * (one allocation and one pointer per decision instead of five), laid out as
  *   out[0, n)            scores (as scores_out; result->complete says which were written)
  *   out[n, 2n)           the estimates carried to now (aged_out)
  *   out[2n, 3n)          the estimates scored (queue_out), written only when `correction` is
@@ -254,6 +255,21 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
  *   listed workers as int32_t. A buffer reused with the flag set has only the listed entries
  *   zeroed before the lookup instead of all n (at 10,000 workers, 90 KB written per decision);
  *   otherwise all of them.
+ *   then the aging record, used when `changes` is given and neither a correction nor the
+ *   occupancy is added: a flag (1.0 when the record is current; anything else: unknown, as in a
+ *   new buffer, which the caller sets to 0.0), the change count and the now it is current to, how
+ *   many workers it lists as moving; each block of 16 workers' least aged value and whether it
+ *   holds a NaN; the moving workers as int32_t, and bit sets of them and of blocks to redo.
+ *   `changes` is the change log of `ms`, sparse->taken_at and sparse->rate (NULL: none; the
+ *   aging record is then cleared): changes[0] counts the workers logged so far, changes[1] is a
+ *   count below which a record is not current (everything changed then), changes[2] the log's
+ *   capacity C, and change number s names its worker at changes[3 + s % C]. The caller logs every
+ *   worker whose ms, taken_at or rate it changes (ms: a new array with the same values elsewhere).
+ *   A record current to count k, at a now not after this one, with at most C changes logged since
+ *   k, lets the call age only the workers logged since and those listed as moving (a worker not
+ *   moving holds its aged value at any later now: its rate is 0, or negative with its value
+ *   clamped to 0), and take the least estimate from the blocks; otherwise it ages every worker and
+ *   makes the record anew. The aged values are kvc_queue_aged's, bit for bit, either way.
  * and the matched length and tier of the chosen and the best worker in result->chosen_matched,
  * chosen_tier, best_matched and best_tier. `fields_out` [KVC_OUT_FIELDS] receives the result's
  * integers as the kvc_forward_out_field enum orders them (a caller reads them in one go rather
@@ -267,7 +283,8 @@ int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forwar
                                   const uint8_t *token_bytes, size_t n_tokens, const double *ms, double now,
                                   const double *correction, int add_occupancy, const double *belief,
                                   const uint8_t *eligible, const int64_t *last_sent, uint64_t *keys_out,
-                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out);
+                                  double *out, kvc_forward_sparse_result *result, int64_t *fields_out,
+                                  const int64_t *changes);
 
 /* CDEF-END */
 

@@ -3,6 +3,7 @@
  * which grows as needed), 4 values per bucket, optional d-bit fingerprints, locator words.
  * Every blob is validated completely before the view changes.
  */
+#include <stddef.h>
 #include <stdlib.h>
 
 #include "kvc_arena.h"
@@ -11,9 +12,11 @@
 #define SEEDS_PER_WORD 12u /* 12 x 5 bits in a 64-bit word */
 #define LOOKUP_BLOCK 32u
 
+/* Every field a lookup reads (geo through fps) lies in the first KVC_VIEW_LOOKUP_BYTES: with the
+ * view 64-byte aligned (the arena's blocks), a read touches two of its lines, not three (entries
+ * and the overflow map, which a lookup reads only for a bucket whose seed overflowed, follow). */
 struct kvc_view {
     kvc_geometry geo;
-    uint64_t entries;
     uint64_t slot_base, fp_seed;
     uint32_t wa, wb;
     uint64_t *words;   /* wa + wb locator words */
@@ -21,10 +24,14 @@ struct kvc_view {
     uint32_t *vals32;  /* 4 nb values when value_bits == 32 */
     uint64_t *vals64;  /* 4 nb values when value_bits == 64 */
     uint8_t *fps;      /* 4 nb x d bits, packed, + 8 bytes of slack for unaligned reads */
+    uint64_t entries;
     uint32_t *ov_bucket; /* overflow map, open addressing, bucket + 1 (0 = empty) */
     uint16_t *ov_seed;
     uint32_t ov_cap, ov_n;
 };
+#define KVC_VIEW_LOOKUP_BYTES 128u
+_Static_assert(offsetof(struct kvc_view, fps) + sizeof(uint8_t *) <= KVC_VIEW_LOOKUP_BYTES,
+               "a lookup's fields of a view lie in its first two cache lines");
 
 /* ---------------------------------------------------------------- small helpers */
 
@@ -713,8 +720,7 @@ void kvc_view_lookup_spread(const kvc_view *const *views, const uint64_t *keys, 
             if (!v)
                 continue;
             __builtin_prefetch(v);
-            __builtin_prefetch(v + 64);
-            __builtin_prefetch(v + sizeof(kvc_view) - 1);
+            __builtin_prefetch(v + KVC_VIEW_LOOKUP_BYTES - 1);
         }
         kvc_view_lookup_multi(vs, keys + base, m, out + base);
     }

@@ -750,3 +750,143 @@ def test_field_masks_are_the_fields_with_a_worker(rows, workers):
     assert rc == 0
     want = [sum(1 << (2 * f) for f, w in enumerate(row) if w >= 0) for row in rows]
     assert masks.tolist() == want
+
+
+def _untracked(router: Router) -> Router:
+    """``router`` with a fused kernel that ages every worker on every decision (no change log)."""
+    plan, pointers = router.lookup.native_plan()
+    router._kernel = SparseForwardKernel(plan, pointers, router.lookup.query_lengths, router.lookup.salt,
+                                         router.scorer.kernel, router.scorer.kernel_flags(router.ablation),
+                                         router._miss_summary, router._last_sent,
+                                         family_index=router.lookup.family_index(),
+                                         backend=SHA256_BACKENDS["auto"], blocks=router.scorer.blocks)
+    router._kernel.age_from(*router.queues.aging_arrays())
+    return router
+
+
+_queue_op = st.one_of(
+    st.tuples(st.just("local"), st.integers(0, 7), st.one_of(st.just(0.0), st.floats(0.0, 400.0)),
+              st.sampled_from([0, 0, 0, 0, 0, 2])),
+    st.tuples(st.just("vector"), st.integers(0, 1), st.lists(st.one_of(st.just(0.0), st.floats(0.0, 400.0)),
+                                                             min_size=1, max_size=8),
+              st.sampled_from(["trend", "steady", "piggyback"])),
+    st.tuples(st.just("decide"), st.integers(0, 2)),
+    st.tuples(st.just("end"), st.sampled_from(["first_token", "aborted", "finished"])),
+    st.tuples(st.just("clock"), st.sampled_from([0.0, 0.001, 0.004, 0.01, 0.03, 0.1, 0.4, 3.0, -0.02])),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(start=st.lists(st.floats(1.0, 400.0), min_size=23, max_size=23),
+       ops=st.lists(_queue_op, min_size=1, max_size=40), region=st.sampled_from(["a", "b", "c"]))
+def test_decisions_that_age_only_the_changed_workers_equal_those_that_age_all(start, ops, region):
+    """A Router whose fused call ages only the workers its queue estimates logged as changed and
+    those whose values still move (the buffer's aging record, ``QueueEstimates.change_log``)
+    decides, prices capacity and leaves the estimates as one that ages every worker each time,
+    bit for bit: from every worker busy (the least estimate is no idle worker's 0), through
+    readings with and without running batches, trending, steady and piggybacked vectors,
+    dispatches and their ends, and a clock that stands, runs and steps back."""
+    from kvcompassd.core.messages import QueueVectorBroadcast
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    prompts = [_prompt(95 + p, 700) for p in range(3)]
+    _register(w, w.layout.worker_ids[1], prompts[0], 700)
+    _register(w, w.layout.worker_ids[12], prompts[1], 400, Tier.DRAM)
+    _register(w, w.layout.worker_ids[20], prompts[2], 300)
+    tracked = Router(w.cfg, region, w.views[region], now=0.0)
+    full = _untracked(Router(w.cfg, region, w.views[region], now=0.0))
+    assert tracked._kernel._changes is not None and full._kernel._changes is None
+    local = [wk.id for wk in w.cfg.workers_in(region)]
+    remote = [r for r in ("a", "b", "c") if r != region]
+    now, sent_at, dispatches = 1.0, 0.0, []
+    for router in (tracked, full):
+        for i, wid in enumerate(w.layout.worker_ids):
+            if wid in local:
+                router.queues.set_local(wid, start[i], now=now)
+        for source in remote:
+            vector = tuple((wk.id, start[w.layout.worker_ids.index(wk.id)]) for wk in w.cfg.workers_in(source))
+            router.queues.on_broadcast(QueueVectorBroadcast(source, region, 0.0, vector), now=now)
+    for op in ops:
+        kind = op[0]
+        if kind == "clock":
+            now += op[1]
+        elif kind == "local":
+            for router in (tracked, full):
+                router.queues.set_local(local[op[1] % len(local)], op[2], now=now, running=op[3])
+        elif kind == "vector":
+            source = remote[op[1]]
+            workers = [wk.id for wk in w.cfg.workers_in(source)]
+            vector = tuple(zip(workers, op[2]))
+            sent_at += 0.001
+            for router in (tracked, full):
+                if op[3] == "piggyback":
+                    router.queues.on_piggyback(source, dict(vector), now=now)
+                else:
+                    router.queues.on_broadcast(QueueVectorBroadcast(source, region, sent_at, vector,
+                                                                    steady=op[3] == "steady"), now=now)
+        elif kind == "decide":
+            a = tracked.decide(prompts[op[1]], now=now)
+            b = full.decide(prompts[op[1]], now=now)
+            assert (a.worker, a.claimed_tokens, a.tier, a.dispatch) == (b.worker, b.claimed_tokens, b.tier, b.dispatch)
+            assert _same_bits(np.array([a.lam, a.score.total]), np.array([b.lam, b.score.total]))
+            assert a.score.queue_ms.tobytes() == b.score.queue_ms.tobytes()
+            dispatches.append(a.dispatch)
+        elif dispatches:
+            dispatch = dispatches.pop(0)
+            for router in (tracked, full):
+                if op[1] == "first_token":
+                    router.on_first_token(dispatch, now=now)
+                elif op[1] == "aborted":
+                    router.on_aborted(dispatch, now=now)
+                else:
+                    router.on_finished(dispatch, prompt_tokens=700, cached_tokens=0, output_tokens=8, now=now)
+    # (read only at the end: a read at a decision's now would let that decision skip the fused call)
+    assert tracked.queues.queue_ms(now=now).tobytes() == full.queues.queue_ms(now=now).tobytes()
+
+
+def test_a_decision_ages_only_the_logged_and_the_moving_workers():
+    """The aging record of a Router's reused buffer: current to the change log's count after each
+    decision, listing as moving the own-region workers whose queue still drains (rate -1, value
+    above 0) and no idle or remote one; a reading logs its worker, and a clock that steps back
+    makes the next decision age every worker again (the same estimates as numpy's either way)."""
+    from kvcompassd.core.lookup_plan import DecisionArrays
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(99, 600)
+    _register(w, w.layout.worker_ids[4], tokens, 600)
+    router = Router(w.cfg, "a", w.views["a"], now=0.0)
+    queues, n = router.queues, len(w.layout.worker_ids)
+    local = [i for i, wid in enumerate(w.layout.worker_ids) if w.cfg.worker(wid).region == "a"]
+    at = DecisionArrays.aging_at(n)
+
+    def record(arrays):
+        head = arrays.out[at:at + 4]
+        moving = arrays.out[at + 4 + 2 * ((n + 15) // 16):].view(np.int32)[:int(head[3])]
+        return head[0], int(head[1]), head[2], sorted(moving.tolist())
+
+    def numpy_aged(now):
+        return np.maximum(0.0, queues._ms + queues._rate * np.maximum(0.0, (now - queues._taken_at) * 1000.0))
+
+    def moving_at(now):  # a positive rate, or a negative one whose value is not clamped to 0 yet
+        ms, rate = queues._ms, queues._rate
+        left = ms + rate * np.maximum(0.0, (now - queues._taken_at) * 1000.0)
+        return np.flatnonzero((rate > 0) | ((rate < 0) & (left > 0))).tolist()
+
+    queues.set_local(w.layout.worker_ids[local[0]], 30.0, now=1.0)  # drains to 0 by 1.03 s
+    for step in range(3):
+        now = 1.0 + 0.02 * step
+        want_moving, want_aged, logged = moving_at(now), numpy_aged(now), int(queues.change_log()[0])
+        assert (local[0] in want_moving) == (step < 2)
+        decision = router.decide(tokens, now=now)
+        arrays = queues._adopted[2]
+        flag, count, at_now, moving = record(arrays)
+        assert (flag, count, at_now) == (1.0, logged, now)
+        assert moving == want_moving
+        assert arrays.aged().tobytes() == want_aged.tobytes()
+        router.on_aborted(decision.dispatch, now=now)
+    now -= 0.5  # back in time: every worker aged again, the record made anew
+    want_aged, logged = numpy_aged(now), int(queues.change_log()[0])
+    router.decide(tokens, now=now)
+    arrays = queues._adopted[2]
+    assert record(arrays)[:3] == (1.0, logged, now)
+    assert arrays.aged().tobytes() == want_aged.tobytes()

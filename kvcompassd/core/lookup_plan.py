@@ -481,7 +481,8 @@ class SparseForwardKernel(ForwardKernel):
     Router's, whose beliefs lie in [0, 1]) takes the full C call instead."""
 
     __slots__ = ("_sparse", "_sparse_result", "_blocks", "_field_worker", "_holders", "_belief_finite", "_aging",
-                 "_ms", "_ms_c", "_out_size", "_out_record", "_fields", "_fields_c", "_group_fields", "_out_ring", "_out_next")
+                 "_ms", "_ms_c", "_out_size", "_out_record", "_fields", "_fields_c", "_group_fields", "_out_ring", "_out_next",
+                 "_aging_record", "_changes", "_changes_c")
 
     def __init__(self, plan: LookupPlan, pointers: ViewPointers, query_lengths: np.ndarray, salt: bytes,
                  score: ScoreKernel, flags: int, miss: MissSummary, last_sent: np.ndarray, *,
@@ -513,6 +514,9 @@ class SparseForwardKernel(ForwardKernel):
         self._ms_c = _NULL
         self._out_size = DecisionArrays.buffer_size(self.workers)
         self._out_record = DecisionArrays.record_at(self.workers)
+        self._aging_record = DecisionArrays.aging_at(self.workers)
+        self._changes: np.ndarray | None = None  # the queue estimates' change log (track_changes)
+        self._changes_c = _NULL
         # run_out's buffers, reused once nothing else holds them (out_buffer).
         self._out_ring: list[np.ndarray | None] = [None] * max(
             1, min(_OUT_RING, _OUT_RING_BYTES // (8 * self._out_size)))
@@ -568,6 +572,17 @@ class SparseForwardKernel(ForwardKernel):
         c.occupancy, c.region_slot = _from_buffer("double[]", occupancy), _from_buffer("int64_t[]", region_slot)
         self._aging = (int(region_slot.max(initial=0)), (taken_at, rate, occupancy, region_slot))
 
+    def track_changes(self, changes: np.ndarray) -> None:
+        """The change log of the estimates ``age_from`` named (``QueueEstimates.change_log``):
+        ``run_out(..., tracked=True)`` then ages only the workers it names since a reused
+        buffer's last decision, and those whose value still moves (``kvc_forward.h``, the aging
+        record)."""
+        if not (changes.__class__ is np.ndarray and changes.dtype == _I64 and changes.ndim == 1
+                and changes.size > 3 and changes.flags.c_contiguous and int(changes[2]) == changes.size - 3):
+            raise LookupPlanError("a change log is a contiguous int64 array: count, floor, capacity, then entries")
+        self._changes = changes
+        self._changes_c = _from_buffer("int64_t[]", changes)
+
     def run_aged(self, tokens: Any, ms: np.ndarray, now: float, correction: np.ndarray | None, occupied: bool,
                  belief: np.ndarray, eligible: np.ndarray | None):
         """``run`` on the queue estimates carried to ``now`` in the same C call (``age_from``'s
@@ -622,13 +637,15 @@ class SparseForwardKernel(ForwardKernel):
                 None if family < 0 else family, bool(result.complete), aged, queue)
 
     def run_out(self, tokens: Any, ms: np.ndarray, now: float, correction: np.ndarray | None, occupied: bool,
-                belief: np.ndarray, eligible: np.ndarray | None):
+                belief: np.ndarray, eligible: np.ndarray | None, tracked: bool = False):
         """``run_aged`` with every per-worker output in one new buffer (``kvc_forward_decide_sparse_out``):
         one allocation and one cffi pointer per decision instead of five, the arrays made as
         views of it only when something reads them (``DecisionArrays``). Returns (arrays, best,
         chosen, lam, miss flags, family key, complete, the chosen worker's matched length and
         tier, the best worker's). ``ms`` is checked once per array (the estimates' snapshots
-        are immutable)."""
+        are immutable). ``tracked``: ``ms`` is the current snapshot of the estimates whose change
+        log ``track_changes`` holds, so a reused buffer's aged values are carried over where
+        nothing changed them (the same values, bit for bit)."""
         n = self.workers
         if ms is not self._ms:
             if self._aging is None:
@@ -661,7 +678,8 @@ class SparseForwardKernel(ForwardKernel):
         rc = _forward_decide_sparse_out(self._plan, self._sparse, tokens_c, len(tokens_c) >> 2, self._ms_c, now,
                                         _NULL if correction is None else _from_buffer("double[]", correction),
                                         occupied, self._belief_c, eligible_c, last_sent, keys,
-                                        _from_buffer("double[]", out), self._sparse_result, self._fields_c)
+                                        _from_buffer("double[]", out), self._sparse_result, self._fields_c,
+                                        self._changes_c if tracked else _NULL)
         # The result's integers in one read (in kvc_forward_out_field's order), lam at the buffer's end.
         best, chosen, miss, family, complete, chosen_matched, chosen_tier, best_matched, best_tier = \
             self._fields.tolist()
@@ -693,6 +711,7 @@ class SparseForwardKernel(ForwardKernel):
         self._out_next = k + 1 if k + 1 < len(ring) else 0
         out = ring[k] = _empty(self._out_size, _float64)
         out[self._out_record] = 0.0  # its matches are unknown: C zeroes all of them
+        out[self._aging_record] = 0.0  # and its aged values: C ages every worker
         return out
 
     def holders(self) -> np.ndarray:
@@ -724,10 +743,18 @@ class DecisionArrays:
         return 4 * n + (n + 7) // 8 + 1
 
     @staticmethod
-    def buffer_size(n: int) -> int:
-        """Doubles in a whole buffer: the arrays, lam, the zeroing record's flag and count, and
-        room for ``n`` workers listed as int32."""
+    def aging_at(n: int) -> int:
+        """Where the buffer's aging record starts (after the zeroing record)."""
         return 4 * n + (n + 7) // 8 + 3 + (n + 1) // 2
+
+    @staticmethod
+    def buffer_size(n: int) -> int:
+        """Doubles in a whole buffer: the arrays, lam, the zeroing record's flag and count, room
+        for ``n`` workers listed as int32, then the aging record (``kvc_forward.h``: its head,
+        each block of 16 workers' least aged value and NaN flag, the moving workers as int32 and
+        two bit sets)."""
+        blocks = (n + 15) // 16
+        return 4 * n + (n + 7) // 8 + 3 + (n + 1) // 2 + 4 + 2 * blocks + (n + 1) // 2 + (n + 63) // 64 + (blocks + 63) // 64
 
     @classmethod
     def copied(cls, matched: np.ndarray, tier: np.ndarray, scores: np.ndarray, aged: np.ndarray,

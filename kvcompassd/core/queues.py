@@ -110,6 +110,10 @@ _SURPRISE_WEIGHT = 0.25
 _SURPRISE_FADE_PERIODS = 30
 # Charges awaiting retirement (one per request in flight): the oldest go beyond this.
 _MAX_CHARGES = 1 << 14
+# Entries of the change log (change_log): workers whose value, time or rate changed, for the
+# Router's fused call to age only those between decisions. More changes than this between two
+# decisions, or a store of more than half of it at once, and the next decision ages every worker.
+_CHANGE_LOG = 1024
 # A vector that stopped changing is broadcast this many more periods (marked steady) before
 # the sender goes quiet until its heartbeat: one lost datagram does not leave a receiver
 # carrying the values along an old trend.
@@ -163,6 +167,11 @@ class QueueEstimates:
         # a remote value follows the trend of its worker's vectors (0 until two are apart).
         self._rate = np.where(local, -1.0, 0.0)
         self._aging = QueueAging(self._taken_at, self._rate)  # reads both arrays, updated in place
+        # Which workers' _ms, _taken_at or _rate changed, in order (kvc_forward.h: count, floor,
+        # capacity, then the entries in a ring); _change_count mirrors its count.
+        self._changes = np.zeros(3 + _CHANGE_LOG, dtype=np.int64)
+        self._changes[2] = _CHANGE_LOG
+        self._change_count = 0
         self._trend_anchor: list[tuple[float, float] | None] = [None] * n  # (received at, ms)
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
@@ -292,6 +301,33 @@ class QueueEstimates:
             elif self._zero_since[i] == math.inf:
                 self._zero_since[i] = now
         self._ms = _snapshot(values)
+        # (_note_trend and a steady vector changed the rates of these same workers, just before)
+        if len(updates) > _CHANGE_LOG // 2:
+            self._changed_all()
+        else:
+            for i, _ in updates:
+                self._changed(i)
+
+    def _changed(self, i: int) -> None:
+        """Log worker ``i``'s value, time or rate as changed (change_log)."""
+        count = self._change_count
+        changes = self._changes
+        changes[3 + count % _CHANGE_LOG] = i
+        self._change_count = count = count + 1
+        changes[0] = count
+
+    def _changed_all(self) -> None:
+        """Every worker may have changed: no decision carries an aged value over this."""
+        self._change_count = count = self._change_count + 1
+        changes = self._changes
+        changes[1] = count
+        changes[0] = count
+
+    def change_log(self) -> np.ndarray:
+        """The log of the workers whose values, times or rates changed since (``kvc_forward.h``,
+        ``kvc_forward_decide_sparse_out``'s ``changes``), for a caller that ages the estimates
+        of ``queue_ms`` in C (``lookup_plan.SparseForwardKernel.track_changes``). Updated in place."""
+        return self._changes
 
     def _fade(self, sampled_at: np.ndarray, pos: int, now: float) -> float:
         """How much of region ``pos``'s last sample (taken at ``sampled_at[pos]``) is left now."""
@@ -586,6 +622,7 @@ class QueueEstimates:
         self._taken_at[i] = now
         self._zero_since[i] = math.inf
         self._ms = _snapshot(values)
+        self._changed(i)
         charges[handle] = [i, now, ahead, added, self._epoch[i]]
         return handle
 
@@ -611,6 +648,7 @@ class QueueEstimates:
             if values[i] == 0.0 and self._zero_since[i] == math.inf:
                 self._zero_since[i] = now
             self._ms = _snapshot(values)
+            self._changed(i)
         return left
 
     def retire(self, handle: int, *, now: float) -> None:
@@ -725,7 +763,9 @@ class QueueEstimates:
         """The arrays ``queue_ms(now)`` reads that change in place: (taken_at, rate, occupancy,
         each worker's slot in the correction), for a caller that carries the estimates to ``now``
         in C (the Router's fused call, ``lookup_plan.SparseForwardKernel.run_aged``) and hands
-        them back with ``adopt_estimates``."""
+        them back with ``adopt_estimates``. A caller may write them: the change log
+        (``change_log``) takes every worker as changed."""
+        self._changed_all()
         return self._taken_at, self._rate, self._occupancy, self._region_slot
 
     def estimate_terms(self, now: float) -> tuple[np.ndarray, np.ndarray | None, bool] | None:

@@ -158,6 +158,7 @@ class Router:
                                                family_index=self.lookup.family_index(),
                                                backend=SHA256_BACKENDS["auto"], blocks=self.scorer.blocks)
             self._kernel.age_from(*self.queues.aging_arrays())
+            self._kernel.track_changes(self.queues.change_log())
 
     @property
     def withheld(self) -> frozenset[int]:
@@ -193,7 +194,7 @@ class Router:
             # what follows reads the winner's values alone, unless the pending ledger holds something.
             ms, correction, occupied = terms
             (arrays, best, chosen, lam, miss, family_key, complete, claimed, code, best_matched,
-             best_tier) = kernel.run_out(data, ms, now, correction, occupied, belief, eligible)
+             best_tier) = kernel.run_out(data, ms, now, correction, occupied, belief, eligible, True)
             queues.adopt_decision(now, ms, arrays)
         pending = self.pending
         keys = None
