@@ -364,7 +364,7 @@ def test_deliveries_held_by_their_shard_publish_the_batches_of_one_event_each(se
     for i in range(160):
         tick += int(rng.integers(0, 3))
         now = tick * step_ms / 1000.0
-        for k, policy in enumerate((held, heap)):  # the engine's loop: every timer due first
+        for policy in (held, heap):  # the engine's loop: every timer due first
             t = policy.next_timer()
             while t is not None and t <= now:
                 policy.on_timer(now=t)
