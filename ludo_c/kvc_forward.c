@@ -779,13 +779,17 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
 
 /* Workers per block of the record's least values. */
 #define KVC_AGED_BLOCK 16u
+/* The aging record's flag when current: made for the aged values scored alone, or for the aged
+ * values plus the occupancy (the queue then scored; its blocks' least values are that queue's). */
+#define KVC_AGED_ALONE 1.0
+#define KVC_AGED_WITH_OCCUPANCY 2.0
 /* Past this magnitude a time is not taken as settled (so that (now - taken_at) x 1000 stays finite). */
 #define KVC_AGED_BOUND 1e300
 
 /* The aging record's parts, laid over the buffer after the zeroing record. */
 typedef struct kvc_aging_record {
     double *head;       /* flag, change count it is current to, now, moving workers */
-    double *block_low;  /* [blocks] least aged value of each block (no NaN counted) */
+    double *block_low;  /* [blocks] least scored value of each block (no NaN counted) */
     double *block_nan;  /* [blocks] 1.0 when the block holds a NaN */
     int32_t *moving;    /* [n] workers whose value may differ at a later now */
     uint64_t *listed;   /* [ceil(n / 64)] bit i: i is in `moving` */
@@ -831,7 +835,7 @@ static inline int kvc_aged_settled(double ms, double taken_at, double rate, doub
     return ms + rate * age <= 0.0;
 }
 
-/* Block b's least value and NaN flag from the aged values. */
+/* Block b's least value and NaN flag from the scored values (aged, or aged plus occupancy). */
 static void kvc_aging_block(const kvc_aging_record *r, const double *aged, size_t n, size_t b)
 {
     size_t end = (b + 1) * KVC_AGED_BLOCK < n ? (b + 1) * KVC_AGED_BLOCK : n;
@@ -861,20 +865,24 @@ static void kvc_aging_low(const kvc_aging_record *r, double *low_out, int *nan_o
     *nan_out = nan;
 }
 
-/* The aged estimates into `aged` with their least value and NaN flag, as kvc_queue_aged_low gives
- * them, from the buffer's aging record when it is current enough: then only the workers the
- * change log names since the record's count, and those the record lists as moving, are aged
- * again (the rest hold their value, which their inputs did not change and a later now does not
- * move), and only their blocks' least values taken again. Otherwise every worker, and the record
- * made anew. */
+/* The aged estimates into `aged` and, with `occupancy` (else NULL, and `queue` is `aged`), the
+ * scored ones into `queue` as aged[i] + occupancy[i], with the scored values' least value and NaN
+ * flag as kvc_queue_aged_low gives them for the aged ones, from the buffer's aging record when it
+ * is current enough (and was made for the same queue: the record's flag says which): then only
+ * the workers the change log names since the record's count, and those the record lists as
+ * moving, are aged again (the rest hold their value, which their inputs did not change and a
+ * later now does not move; a worker's occupancy changes only with its logged reading), and only
+ * their blocks' least values taken again. Otherwise every worker, and the record made anew. */
 static void kvc_aged_tracked(size_t n, const double *ms, const double *taken_at, const double *rate, double now,
-                             const int64_t *changes, double *out, double *aged, double *low_out, int *nan_out)
+                             const double *occupancy, const int64_t *changes, double *out, double *aged,
+                             double *queue, double *low_out, int *nan_out)
 {
     kvc_aging_record r = kvc_aging_record_at(out, n);
     int64_t count = changes[0], floor = changes[1], cap = changes[2];
     double *head = r.head;
+    double made_for = occupancy ? KVC_AGED_WITH_OCCUPANCY : KVC_AGED_ALONE;
     int bounded = fabs(now) <= KVC_AGED_BOUND;
-    int current = head[0] == 1.0 && bounded && cap > 0 && now >= head[2] && head[1] >= (double)floor &&
+    int current = head[0] == made_for && bounded && cap > 0 && now >= head[2] && head[1] >= (double)floor &&
                   head[1] <= (double)count && (double)count - head[1] <= (double)cap && head[3] >= 0.0 &&
                   head[3] <= (double)n;
     if (current) {
@@ -888,7 +896,21 @@ static void kvc_aged_tracked(size_t n, const double *ms, const double *taken_at,
     }
     head[0] = 0.0;
     if (!current) {
-        kvc_queue_aged_low(n, ms, taken_at, rate, now, aged, low_out, nan_out);
+        if (occupancy) {
+            kvc_queue_aged(n, ms, taken_at, rate, now, aged);
+            double low = INFINITY;
+            int nan = 0;
+            for (size_t i = 0; i < n; i++) {
+                double value = aged[i] + occupancy[i];
+                queue[i] = value;
+                nan |= value != value;
+                low = value < low ? value : low;
+            }
+            *low_out = low;
+            *nan_out = nan;
+        } else {
+            kvc_queue_aged_low(n, ms, taken_at, rate, now, aged, low_out, nan_out);
+        }
         if (!bounded || cap <= 0 || floor > count)
             return; /* nothing the record could keep: left unset */
         size_t moving = 0;
@@ -900,13 +922,15 @@ static void kvc_aged_tracked(size_t n, const double *ms, const double *taken_at,
                 r.listed[i / 64] |= UINT64_C(1) << (i % 64);
             }
         for (size_t b = 0; b < r.blocks; b++)
-            kvc_aging_block(&r, aged, n, b);
+            kvc_aging_block(&r, queue, n, b);
         head[3] = (double)moving;
     } else {
         size_t kept = 0, moving = (size_t)head[3];
         for (size_t k = 0; k < moving; k++) {
             size_t i = (size_t)r.moving[k];
             aged[i] = kvc_aged_one(ms[i], taken_at[i], rate[i], now);
+            if (occupancy)
+                queue[i] = aged[i] + occupancy[i];
             r.touched[i / KVC_AGED_BLOCK / 64] |= UINT64_C(1) << (i / KVC_AGED_BLOCK % 64);
             if (kvc_aged_settled(ms[i], taken_at[i], rate[i], now))
                 r.listed[i / 64] &= ~(UINT64_C(1) << (i % 64));
@@ -916,6 +940,8 @@ static void kvc_aged_tracked(size_t n, const double *ms, const double *taken_at,
         for (int64_t s = (int64_t)head[1]; s < count; s++) {
             size_t i = (size_t)changes[3 + s % cap];
             aged[i] = kvc_aged_one(ms[i], taken_at[i], rate[i], now);
+            if (occupancy)
+                queue[i] = aged[i] + occupancy[i];
             r.touched[i / KVC_AGED_BLOCK / 64] |= UINT64_C(1) << (i / KVC_AGED_BLOCK % 64);
             if (!(r.listed[i / 64] >> (i % 64) & 1u) && !kvc_aged_settled(ms[i], taken_at[i], rate[i], now)) {
                 r.moving[kept++] = (int32_t)i;
@@ -928,7 +954,7 @@ static void kvc_aged_tracked(size_t n, const double *ms, const double *taken_at,
             while (bits) {
                 size_t b = w * 64 + (size_t)__builtin_ctzll(bits);
                 bits &= bits - 1;
-                kvc_aging_block(&r, aged, n, b);
+                kvc_aging_block(&r, queue, n, b);
             }
         }
         head[3] = (double)kept;
@@ -936,7 +962,7 @@ static void kvc_aged_tracked(size_t n, const double *ms, const double *taken_at,
     }
     head[1] = (double)count;
     head[2] = now;
-    head[0] = 1.0;
+    head[0] = made_for;
 }
 
 int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forward_sparse *sparse,
@@ -971,11 +997,13 @@ int kvc_forward_decide_sparse_out(const kvc_forward_plan *plan, const kvc_forwar
     }
     record[0] = 0.0;
     int rc;
-    if (changes && !correction && !add_occupancy && n > 0 && sparse->taken_at && sparse->rate) {
+    if (changes && !correction && n > 0 && sparse->taken_at && sparse->rate &&
+        (!add_occupancy || sparse->occupancy)) {
         kvc_known_low known;
-        kvc_aged_tracked(n, ms, sparse->taken_at, sparse->rate, now, changes, out, aged, &known.low, &known.nan);
-        rc = forward_decide_sparse(plan, sparse, token_bytes, n_tokens, aged, belief, eligible, last_sent, keys_out,
-                                   matched, tier, out, result, 1, &known);
+        kvc_aged_tracked(n, ms, sparse->taken_at, sparse->rate, now, add_occupancy ? sparse->occupancy : NULL,
+                         changes, out, aged, queue, &known.low, &known.nan);
+        rc = forward_decide_sparse(plan, sparse, token_bytes, n_tokens, queue, belief, eligible, last_sent,
+                                   keys_out, matched, tier, out, result, 1, &known);
     } else {
         kvc_aging_record_at(out, n).head[0] = 0.0; /* its aged values are not the record's */
         rc = forward_decide_sparse_aged(plan, sparse, token_bytes, n_tokens, ms, now, correction, add_occupancy,

@@ -255,11 +255,14 @@ int kvc_forward_decide_sparse_aged(const kvc_forward_plan *plan, const kvc_forwa
  *   listed workers as int32_t. A buffer reused with the flag set has only the listed entries
  *   zeroed before the lookup instead of all n (at 10,000 workers, 90 KB written per decision);
  *   otherwise all of them.
- *   then the aging record, used when `changes` is given and neither a correction nor the
- *   occupancy is added: a flag (1.0 when the record is current; anything else: unknown, as in a
- *   new buffer, which the caller sets to 0.0), the change count and the now it is current to, how
- *   many workers it lists as moving; each block of 16 workers' least aged value and whether it
- *   holds a NaN; the moving workers as int32_t, and bit sets of them and of blocks to redo.
+ *   then the aging record, used when `changes` is given and no correction is added: a flag
+ *   (1.0 when the record is current for the aged values scored alone, 2.0 when current for the
+ *   aged values and the scored ones with the occupancy added; anything else: unknown, as in a new
+ *   buffer, which the caller sets to 0.0; a record made for the other kind is not current), the
+ *   change count and the now it is current to, how many workers it lists as moving; each block of
+ *   16 workers' least scored value and whether it holds a NaN; the moving workers as int32_t, and
+ *   bit sets of them and of blocks to redo. With add_occupancy, the caller logs a worker whose
+ *   occupancy it changes too (out[2n, 3n) then carries over with the aged values).
  *   `changes` is the change log of `ms`, sparse->taken_at and sparse->rate (NULL: none; the
  *   aging record is then cleared): changes[0] counts the workers logged so far, changes[1] is a
  *   count below which a record is not current (everything changed then), changes[2] the log's

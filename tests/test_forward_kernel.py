@@ -766,7 +766,7 @@ def _untracked(router: Router) -> Router:
 
 _queue_op = st.one_of(
     st.tuples(st.just("local"), st.integers(0, 7), st.one_of(st.just(0.0), st.floats(0.0, 400.0)),
-              st.sampled_from([0, 0, 0, 0, 0, 2])),
+              st.sampled_from([0, 0, 0, 1, 2, 7, 300])),
     st.tuples(st.just("vector"), st.integers(0, 1), st.lists(st.one_of(st.just(0.0), st.floats(0.0, 400.0)),
                                                              min_size=1, max_size=8),
               st.sampled_from(["trend", "steady", "piggyback"])),
@@ -778,14 +778,16 @@ _queue_op = st.one_of(
 
 @settings(max_examples=100, deadline=None)
 @given(start=st.lists(st.floats(1.0, 400.0), min_size=23, max_size=23),
+       running=st.lists(st.sampled_from([0, 0, 1, 3, 64]), min_size=23, max_size=23),
        ops=st.lists(_queue_op, min_size=1, max_size=40), region=st.sampled_from(["a", "b", "c"]))
-def test_decisions_that_age_only_the_changed_workers_equal_those_that_age_all(start, ops, region):
+def test_decisions_that_age_only_the_changed_workers_equal_those_that_age_all(start, running, ops, region):
     """A Router whose fused call ages only the workers its queue estimates logged as changed and
     those whose values still move (the buffer's aging record, ``QueueEstimates.change_log``)
     decides, prices capacity and leaves the estimates as one that ages every worker each time,
-    bit for bit: from every worker busy (the least estimate is no idle worker's 0), through
-    readings with and without running batches, trending, steady and piggybacked vectors,
-    dispatches and their ends, and a clock that stands, runs and steps back."""
+    bit for bit: from every worker busy (the least estimate is no idle worker's 0) and own-region
+    workers running batches (the occupancy added to the queue scored), through readings with and
+    without running batches (the occupancy coming, changing and going), trending, steady and
+    piggybacked vectors, dispatches and their ends, and a clock that stands, runs and steps back."""
     from kvcompassd.core.messages import QueueVectorBroadcast
 
     w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
@@ -802,7 +804,7 @@ def test_decisions_that_age_only_the_changed_workers_equal_those_that_age_all(st
     for router in (tracked, full):
         for i, wid in enumerate(w.layout.worker_ids):
             if wid in local:
-                router.queues.set_local(wid, start[i], now=now)
+                router.queues.set_local(wid, start[i], now=now, running=running[i])
         for source in remote:
             vector = tuple((wk.id, start[w.layout.worker_ids.index(wk.id)]) for wk in w.cfg.workers_in(source))
             router.queues.on_broadcast(QueueVectorBroadcast(source, region, 0.0, vector), now=now)
@@ -890,3 +892,79 @@ def test_a_decision_ages_only_the_logged_and_the_moving_workers():
     arrays = queues._adopted[2]
     assert record(arrays)[:3] == (1.0, logged, now)
     assert arrays.aged().tobytes() == want_aged.tobytes()
+
+
+def test_a_decision_with_running_batches_carries_the_occupied_queue_over():
+    """With own-region workers running batches the score reads the aged estimates plus each
+    worker's occupancy, and the reused buffer's aging record is kept for that queue (flag 2.0):
+    only the logged and moving workers are carried again, and a reading that changes only a
+    worker's running count moves the least estimate (here the occupancy alone makes it) and lam
+    as a Router that ages every worker does; the occupancy gone, the record is made anew for the
+    aged values alone (flag 1.0)."""
+    from kvcompassd.core.lookup_plan import DecisionArrays
+    from kvcompassd.core.messages import QueueVectorBroadcast
+
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(97, 600)
+    _register(w, w.layout.worker_ids[4], tokens, 600)
+    tracked = Router(w.cfg, "a", w.views["a"], now=0.0)
+    full = _untracked(Router(w.cfg, "a", w.views["a"], now=0.0))
+    n = len(w.layout.worker_ids)
+    local = [wk.id for wk in w.cfg.workers_in("a")]
+    at = DecisionArrays.aging_at(n)
+    per_running = w.cfg.score.occupancy_ms_per_running
+    assert per_running > 0.0
+    for router in (tracked, full):
+        for wid in local:  # idle but running: the occupancy alone is their queue
+            router.queues.set_local(wid, 0.0, now=1.0, running=40 if wid == local[0] else 80)
+        for source in ("b", "c"):
+            vector = tuple((wk.id, 500.0) for wk in w.cfg.workers_in(source))
+            router.queues.on_broadcast(QueueVectorBroadcast(source, "a", 0.0, vector), now=1.0)
+    queues = tracked.queues
+
+    def decide_both(now):
+        aged = np.maximum(0.0, queues._ms + queues._rate * np.maximum(0.0, (now - queues._taken_at) * 1000.0))
+        want = aged + queues._occupancy if queues._occupied else aged
+        logged = int(queues.change_log()[0])
+        a, b = tracked.decide(tokens, now=now), full.decide(tokens, now=now)
+        assert (a.worker, a.claimed_tokens, a.tier) == (b.worker, b.claimed_tokens, b.tier)
+        assert _same_bits(np.array([a.lam, a.score.total]), np.array([b.lam, b.score.total]))
+        assert a.score.queue_ms.tobytes() == b.score.queue_ms.tobytes()
+        arrays = queues._adopted[2]
+        assert int(arrays.out[at + 1]) == logged and arrays.out[at + 2] == now
+        assert arrays.queue().tobytes() == want.tobytes() and arrays.aged().tobytes() == aged.tobytes()
+        tracked.on_aborted(a.dispatch, now=now)
+        full.on_aborted(b.dispatch, now=now)
+        assert queues.queue_ms(now=now).tobytes() == full.queues.queue_ms(now=now).tobytes()
+        # (the buffer is left to the ring: the next decisions reuse it and its record)
+        return a.lam, arrays.out[at], int(arrays.out[at + 3]), arrays.queue().min()
+
+    lam, flag, moving, least = decide_both(1.0)
+    assert flag == 2.0 and moving == 0  # every value settled: none listed as moving
+    assert least == 40 * per_running  # local[0]'s occupancy is the least estimate
+    for now in (1.002, 1.004, 1.006):  # carried over, only the dispatched and aborted worker again
+        assert decide_both(now) == (lam, 2.0, 0, least)
+    logged = int(queues.change_log()[0])
+    for router in (tracked, full):  # only local[0]'s running count changes: the least goes up
+        router.queues.set_local(local[0], 0.0, now=1.01, running=120)
+    assert int(queues.change_log()[0]) == logged + 1
+    for now in (1.01, 1.012, 1.014):
+        changed = decide_both(now)
+        assert changed[1:] == (2.0, 0, 80 * per_running) and changed[0] != lam
+    for router in (tracked, full):  # every running batch done: the occupancy is no longer added
+        for wid in local:
+            router.queues.set_local(wid, 0.0, now=1.02, running=0)
+    assert not queues.estimate_terms(1.02)[2]
+    for now in (1.02, 1.022, 1.024):
+        assert decide_both(now) == (0.0, 1.0, 0, 0.0)
+    for router in (tracked, full):  # the remote values change while the scored queue is the aged one
+        for source in ("b", "c"):
+            vector = tuple((wk.id, 300.0) for wk in w.cfg.workers_in(source))
+            router.queues.on_broadcast(QueueVectorBroadcast(source, "a", 0.5, vector), now=1.03)
+    for now in (1.03, 1.032, 1.034):
+        assert decide_both(now) == (0.0, 1.0, 0, 0.0)
+    for router in (tracked, full):  # the occupancy back: a record made for the aged values is not current
+        for wid in local:
+            router.queues.set_local(wid, 0.0, now=1.04, running=20)
+    for now in (1.04, 1.042, 1.044):
+        assert decide_both(now)[1:] == (2.0, 0, 20 * per_running)

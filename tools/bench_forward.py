@@ -1,7 +1,7 @@
 """The paper's forwarding microbenchmark: one edge's ``Router.decide`` on a large view.
 
     python tools/bench_forward.py [--entries 10000000] [--levels 5] [--repeat 5000] [--rounds 10]
-        [--tokens 4096] [--context-tokens N] [--in-flight 64]
+        [--tokens 4096] [--context-tokens N] [--in-flight 64] [--running N]
         [--configs testbed-3continent,census-64x8[,census:10000x100]]
 
 ``census:WxR[/S]`` names a census-shaped fleet of W workers in R regions (S shards), generated
@@ -281,9 +281,11 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     on_score = dataclasses.replace(cfg.score, pending_hold_ms=1000.0)
     ledger_off = Router(dataclasses.replace(cfg, score=off_score), region, view, now=0.0)
     ledger_on = Router(dataclasses.replace(cfg, score=on_score), region, view, now=0.0)
-    for router in (daemon, lean, ledger_off, ledger_on):  # every worker reported live or broadcast once, all idle
+    # Every worker reported live or broadcast once, all idle; with --running, the own region's
+    # workers each running that many requests (the occupancy the score adds: QueueEstimates.set_local).
+    for router in (daemon, lean, ledger_off, ledger_on):
         for w in cfg.workers_in(region):
-            router.queues.set_local(w.id, 0.0, now=0.0)
+            router.queues.set_local(w.id, 0.0, now=0.0, running=args.running)
 
     # The reference and the decision cases are sampled in alternating rounds, so that load that
     # comes and goes on a shared machine falls on all alike (each round is long enough to keep
@@ -297,7 +299,7 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     if small_pages is not None:
         on_small = Router(cfg, region, small_pages, now=0.0)
         for w in cfg.workers_in(region):
-            on_small.queues.set_local(w.id, 0.0, now=0.0)
+            on_small.queues.set_local(w.id, 0.0, now=0.0, running=args.running)
         cases += (("Router.decide (daemon), views on 4 KiB pages", on_small, same),)
     # A slowly advancing clock keeps the hot-prefix windows realistic (no flood of one family).
     clocks = [itertools.count(0.0, 0.01) for _ in cases]
@@ -384,7 +386,9 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     # the fused call's median.
     plan, pointers = lk.native_plan()
     split = sparse_split(daemon, prompt, lengths, keys, queue, belief, args.repeat)
-    ms, correction, occupied = daemon.queues.queue_ms(), None, False
+    # (the occupancy is added while some own-region worker's is above 0, as QueueEstimates.queue_ms)
+    occupied = args.running > 0 and cfg.score.occupancy_ms_per_running > 0.0
+    ms, correction = daemon.queues.queue_ms(), None
     # As the Router calls it (tracked: the estimates' change log says which workers to age again),
     # at a clock that advances as the decisions' does.
     fused_clock = itertools.count(last_now[0] + 1.0, 0.01)
@@ -409,7 +413,8 @@ def bench_config(name: str, args: argparse.Namespace) -> None:
     hits = {cfg.workers[i].id: int(m) for i, m in enumerate(found.matched.tolist()) if m}
     print(f"\n== {name}: {len(cfg.workers)} workers, {len(cfg.region_names())} regions, {cfg.shards} shards, "
           f"{len(view.layout.groups)} region groups, levels={cfg.index.levels}, "
-          f"context_tokens={cfg.index.context_tokens} ({len(lk.query_lengths)} query lengths); edge {region!r}")
+          f"context_tokens={cfg.index.context_tokens} ({len(lk.query_lengths)} query lengths); edge {region!r}; "
+          f"own-region workers running {args.running} requests each (occupancy {'on' if occupied else 'off'})")
     print("load average (1/5/15 min) before this config's rounds: %.2f %.2f %.2f, after them: %.2f %.2f %.2f"
           % (*load_before, *load_after))
     print(f"view: {total:,} entries ({sum(v['memory_bytes'] for v in view.stats()) / 2**20:.0f} MiB), "
@@ -443,6 +448,10 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=64,
                         help="each decision's request ends this many decisions later (Router.on_aborted, untimed "
                              "except in dec/s), as in a daemon with that many requests in flight; 0: never")
+    parser.add_argument("--running", type=int, default=0,
+                        help="each own-region worker reports this many running requests (set_local's running): "
+                             "the score then adds their occupancy (score.occupancy_ms_per_running each), as on a "
+                             "busy edge; 0: none, the occupancy term off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default="testbed-3continent,census-64x8")
     parser.add_argument("--huge-page-views", choices=("on", "off", "both"), default="on",

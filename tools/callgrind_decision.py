@@ -2,15 +2,16 @@
 
     valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file=OUT \\
         python tools/callgrind_decision.py [--configs testbed-3continent] [--entries 200000]
-        [--decisions 200] [--tokens 4096] [--in-flight 64]
+        [--decisions 200] [--tokens 4096] [--in-flight 64] [--running 0]
     python tools/callgrind_decision.py --summarize OUT.1 [OUT.2 ...] --decisions 200
 
 Builds the view and the daemon's Router as ``tools/bench_forward.py`` does (same fill, same
-prompt, every own-region worker reported idle), warms it up, then switches callgrind's
-collection on around each ``Router.decide`` only (``CALLGRIND_TOGGLE_COLLECT`` from a tiny C
-helper compiled into a temporary directory and loaded with ctypes), so the counts hold the
-decisions and nothing else: the view's build, the warm-up and each request's end
-(``Router.on_aborted``, ``--in-flight`` decisions later, as in bench_forward) are not counted.
+prompt, every own-region worker reported idle, each running ``--running`` requests), warms it
+up, then switches callgrind's collection on around each ``Router.decide`` only
+(``CALLGRIND_TOGGLE_COLLECT`` from a tiny C helper compiled into a temporary directory and
+loaded with ctypes), so the counts hold the decisions and nothing else: the view's build, the
+warm-up and each request's end (``Router.on_aborted``, ``--in-flight`` decisions later, as in
+bench_forward) are not counted.
 Divide the totals by ``--decisions``. Outside valgrind the toggles do nothing and the script
 prints the decisions' wall time instead (for a dry run).
 
@@ -54,8 +55,8 @@ def count_config(name: str, args: argparse.Namespace, helper: ctypes.CDLL) -> No
     view, _, total = build_view(cfg, args.entries, prompt, args.seed)
     region = cfg.region_names()[0]
     router = Router(cfg, region, view, now=0.0)  # the edge daemon's settings
-    for w in cfg.workers_in(region):
-        router.queues.set_local(w.id, 0.0, now=0.0)
+    for w in cfg.workers_in(region):  # idle; with --running, each running that many requests (occupancy on)
+        router.queues.set_local(w.id, 0.0, now=0.0, running=args.running)
     clock = itertools.count(0.0, 0.01)
     last = [0.0]
     end = InFlight(router, lambda: last[0], args.in_flight) if args.in_flight else None
@@ -140,6 +141,9 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--in-flight", type=int, default=64)
+    parser.add_argument("--running", type=int, default=0,
+                        help="each own-region worker reports this many running requests (the score adds their "
+                             "occupancy, as on a busy edge: tools/bench_forward.py --running)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summarize", nargs="+", metavar="OUT",
                         help="print the instructions per decision of these callgrind outputs instead")
