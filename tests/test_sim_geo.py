@@ -134,3 +134,10 @@ def test_a_census_fleet_of_any_size_has_exactly_the_workers_and_regions_asked(tm
     cfg = load_config(tmp_path / "census-300x20.toml")
     assert (len(cfg.workers), len(cfg.region_names()), cfg.shards) == (300, 20, 20)
     assert "--workers 300 --regions 20" in (tmp_path / "census-300x20.toml").read_text().splitlines()[1]
+
+
+def test_generated_long_growth_is_fine_only_where_a_length_costs_few_reads():
+    # Each indexed length is a read in every region group at every decision.
+    small = load_config(CONFIG / "census-64x8.toml")
+    big = load_config(CONFIG / "census-1024x64.toml")
+    assert small.index.long_growth == 1.1 and big.index.long_growth == 1.25

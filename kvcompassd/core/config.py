@@ -361,10 +361,13 @@ class IndexParams:
     # The longest prompt the model serves (its context length, tokens). Past the paper's lengths
     # (core/levels.py), every pair's lookup goes on to it in equal geometric steps of at most
     # long_growth, shared by all pairs, so a 128 K-token prompt costs a few more keys, not ~200.
-    # 1.1: a long match is credited at least 91 % of itself (1.25 credited 80 %, and the missing
-    # 20 % of a 37 K-token match, ~600 ms of prefill, sent its follow-up turn to a recompute).
+    # Each length costs a table read in every region group: 1.25 (a long match credited >= 80 % of
+    # itself) is the default, and what kvcompassd.sim.geo writes past 16 region groups (at 10,000
+    # x 100, 372 groups, 1.1 made a decision 76 -> 89 us); every shipped fleet of up to 16 groups
+    # uses 1.1 (>= 91 %: at 1.25 the missing fifth of a 37 K-token match sent its follow-up turn
+    # to a recompute).
     context_tokens: int = 131072
-    long_growth: float = 1.1
+    long_growth: float = 1.25
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, lo=1, hi=1 << 20)

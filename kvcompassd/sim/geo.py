@@ -430,6 +430,20 @@ def _gib(kv_tokens: int) -> str:
     return f"{kv_tokens * KV_BYTES_PER_TOKEN / 2**30:g}"
 
 
+# Region groups up to which a generated config steps its long lengths by 1.1 rather than 1.25.
+# Every length is a table read in each region group at every decision: at 10,000 x 100 (372
+# groups) 1.1 took a decision from 76 to 89 us (tools/bench_forward.py), where on the fleets the
+# long-context tables measure (8 groups) it bought reuse (core/levels.py).
+FINE_LONG_GROWTH_MAX_GROUPS = 16
+
+
+def _long_growth_line(spec: DeploymentSpec) -> str:
+    layout = IndexLayout(spec.region_names(), tuple((f"{name}-{i}", name) for name, n in spec.workers
+                                                    for i in range(n)), spec.value_bits)
+    growth = "1.1 " if len(layout.groups) <= FINE_LONG_GROWTH_MAX_GROUPS else "1.25"
+    return f"long_growth = {growth}        # past the paper's lengths, shared steps of at most this factor"
+
+
 def _fingerprint_lines(spec: DeploymentSpec, *, over_budget: bool = False) -> list[str]:
     """``fingerprint_bits`` sized for the default false-lookup budget, with its budget and cost.
 
@@ -499,7 +513,7 @@ def render_toml(spec: DeploymentSpec, *, over_budget: bool = False) -> str:
         "# (core/index.py table_capacities).",
         "initial_capacity = 0",
         "context_tokens = 131072   # the model's context length: indexed lengths reach it (core/levels.py)",
-        "long_growth = 1.1         # past the paper's lengths, shared steps of at most this factor",
+        _long_growth_line(spec),
         "",
         "[score]",
         "lambda_max = 64.0",
