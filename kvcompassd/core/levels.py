@@ -37,8 +37,9 @@ registers (and evicts) for every cached prompt that long, and a table read per l
 
 What we do instead: the longest length of the paper's plan (its union, ``A``) is the start of
 one ladder of long lengths shared by every pair: the fewest equal geometric steps of at most
-``index.long_growth`` (1.1) from ``A`` to ``context_tokens`` (``split_gap``; 16,384 ->
-131,072 is 22 steps of 1.099). Every pair with workers reads on from its own last length: the
+``index.long_growth`` (1.1 in the shipped fleets of up to 16 region groups, 1.25 past them:
+each length is a read in every group) from ``A`` to ``context_tokens`` (``split_gap``; 16,384 ->
+131,072 is 22 steps of 1.099 at 1.1). Every pair with workers reads on from its own last length: the
 lengths already registered between it and ``A`` (``bridged_lengths``: no new keys, steps of at
 most ``long_growth`` where the registered lengths allow), then ``A`` and the ladder. Where the
 union's last gap below ``A`` is wider than ``long_growth`` (census-64x8: 10,704 -> 16,384, the
