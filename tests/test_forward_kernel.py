@@ -499,6 +499,16 @@ def _sparse_of(router: Router, block: int) -> SparseForwardKernel:
     return kernel
 
 
+def _one_holder(seed: int, length: int, holder: int, region: str) -> tuple[Router, SparseForwardKernel, np.ndarray]:
+    """A prompt of ``length`` tokens held whole by worker ``holder``, the ``region`` edge's Router
+    and a sparse kernel (blocks of 4) over its plan."""
+    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
+    tokens = _prompt(seed, length)
+    _register(w, w.layout.worker_ids[holder], tokens, length)
+    router = Router(w.cfg, region, w.views[region], now=0.0)
+    return router, _sparse_of(router, 4), tokens
+
+
 @settings(max_examples=30, deadline=None)
 @given(holdings=st.lists(st.tuples(st.integers(0, 22), st.integers(0, 3), st.integers(16, 900),
                                    st.sampled_from([Tier.VRAM, Tier.DRAM])), max_size=12),
@@ -539,11 +549,7 @@ def test_the_aged_call_adds_correction_and_occupancy_as_numpy_does():
     """run_aged's estimates: the aged values, plus a region's correction and a worker's
     occupancy, in QueueEstimates.queue_ms's operations (bit for bit), and the same decision as
     run on them."""
-    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
-    tokens = _prompt(77, 600)
-    _register(w, w.layout.worker_ids[5], tokens, 600)
-    router = Router(w.cfg, "a", w.views["a"], now=0.0)
-    kernel = _sparse_of(router, 4)
+    router, kernel, tokens = _one_holder(77, 600, 5, "a")
     rng = np.random.default_rng(9)
     taken_at, rate, occupancy, slot = router.queues.aging_arrays()
     taken_at[:] = rng.uniform(0.0, 2.0, 23)
@@ -586,11 +592,7 @@ def test_the_aged_call_prices_capacity_from_the_estimates_it_ages(ms, rate, take
     """run_aged's capacity price (lam, from the estimates' least value) and decision are run's on
     the estimates numpy computes, with zeros of either sign, NaN and infinite readings and
     negative corrections."""
-    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
-    tokens = _prompt(78, 500)
-    _register(w, w.layout.worker_ids[4], tokens, 500)
-    router = Router(w.cfg, "b", w.views["b"], now=0.0)
-    kernel = _sparse_of(router, 4)
+    router, kernel, tokens = _one_holder(78, 500, 4, "b")
     taken_at, rates, occupancy, slot = router.queues.aging_arrays()
     taken_at[:], rates[:] = taken, rate
     occupancy[:] = np.linspace(0.0, 3.0, 23)
@@ -622,11 +624,7 @@ def test_the_aged_call_takes_the_least_estimate_wherever_it_is(ms, rate, taken, 
     least value (lam's) is found in the aging pass itself (kvc_queue_aged_low, lanes of two): the
     same lam, decision and aged values as numpy's estimates scored by ``run``, wherever the least
     estimate (none of them 0 here, so no zero decides it) or a NaN reading falls."""
-    w = World(fingerprint_bits=0, consistency=True, value_bits=32, ready=(0, 1, 2))
-    tokens = _prompt(79, 500)
-    _register(w, w.layout.worker_ids[4], tokens, 500)
-    router = Router(w.cfg, "b", w.views["b"], now=0.0)
-    kernel = _sparse_of(router, 4)
+    router, kernel, tokens = _one_holder(79, 500, 4, "b")
     taken_at, rates, _, _ = router.queues.aging_arrays()
     taken_at[:], rates[:] = taken, rate
     ms = np.array(ms)
