@@ -112,3 +112,35 @@ def test_saved_runs_pool_again_with_a_scheme_rerun_replacing_its_runs(tmp_path, 
         main(["--pool-from", str(tmp_path / "rerun"), "--out", str(tmp_path / "bad")])
     with pytest.raises(SystemExit, match="no runs saved there"):
         main(["--pool-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")])
+
+
+def _write_trace(path, n: int) -> None:
+    """A Mooncake-format trace of ``n`` small records, one every 100 ms (uneven: two share a time)."""
+    times = [100 * i for i in range(n)]
+    times[3] = times[2]
+    lines = [json.dumps({"timestamp": t, "input_length": 1024, "output_length": 4, "hash_ids": [i, 10_000 + i]})
+             for i, t in enumerate(times)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_trace_too_short_for_the_warmup_keeps_its_measured_arrivals(tmp_path):
+    from kvcompassd.sim.exp_long import trace_warmup_s
+    from kvcompassd.sim.schemes import mooncake_stream
+
+    trace = tmp_path / "short.jsonl"
+    _write_trace(trace, 12)
+    arrivals = [r.arrival_s for r in mooncake_stream(trace, 20.0, {"us": 1.0})]
+    # Long enough: the warm-up asked for. Too short: the last 4 records measured, the 8 before warm up.
+    assert trace_warmup_s(trace, 20.0, requests_per_point=4, warmup_s=0.1) == 0.1
+    assert trace_warmup_s(trace, 20.0, requests_per_point=4, warmup_s=60.0) == arrivals[8]
+    assert sum(a >= arrivals[8] for a in arrivals) == 4
+    assert trace_warmup_s(trace, 20.0, requests_per_point=12, warmup_s=60.0) == 0.0
+
+    rows = run_long(tmp_path / "out", deployments=("testbed-3continent",), schemes=("kvcompass", "dynamo"),
+                    fractions=(0.5,), requests_per_point=4, warmup_s=60.0, workloads=("mooncake",), trace=trace)
+    for r in rows:
+        # Before, the 60 s warm-up outlasted the replay: the pooled point measured nothing.
+        assert r["requests"] == len(r["_ttft_ms"]) == 4
+        assert r["warmup_s"] < 60.0 and r["window"].startswith(f"{r['warmup_s']:.1f}-")
+    pooled = json.loads((tmp_path / "out" / "pooled.json").read_text())
+    assert [p["requests"] for p in pooled] == [4, 4]

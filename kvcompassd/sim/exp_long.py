@@ -27,7 +27,8 @@ at what its 96 K-token VRAM holds; ``synthetic.servable_prompt_tokens``); decode
 long request's work and is left out. A point replays one request stream for every scheme: a
 warm-up (``WARMUP_S``, 60 s: caches start empty, and a document or repository is asked for
 again within tens of seconds) and then about ``REQUESTS_PER_POINT`` measured arrivals (1,200;
-``--quick``: 120 after 20 s). Past capacity the backlog, and with it the P99, grows with the
+``--quick``: 120 after 20 s). A trace too short for both at a high rate keeps the measured
+arrivals and warms up on the records before them (``trace_warmup_s``). Past capacity the backlog, and with it the P99, grows with the
 window, so every table line says which window it measured.
 
 Printed and written under ``--out/fig_long/``: per deployment and load, each scheme's P99 and
@@ -75,12 +76,37 @@ def no_reuse_capacity(deployment: str, *, seed: int = 0, sessions: int = 2000, w
                                            params=LongContextParams(max_prompt_tokens=servable_prompt_tokens(cfg)))
         mean_prompt = workload_gen.mean_prompt_tokens(sessions, seed=seed)
     elif workload == "mooncake":
-        path = trace if trace is not None else traces_dir() / "mooncake" / "synthetic_trace.jsonl"
+        path = trace if trace is not None else _bundled_trace()
         mean_prompt = float(np.mean([r.input_length for r in read_mooncake(path, block_tokens=trace_block_tokens)]))
     else:
         raise ValueError(f"fig_long runs workloads {WORKLOADS}, not {workload!r}")
     service_s = mean_prompt * float(np.mean(topo.prefill_ms_per_token)) / 1000.0
     return topo.n_workers / service_s
+
+
+def trace_warmup_s(path: str | Path | None, rate: float, *, requests_per_point: int, warmup_s: float,
+                   block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> float:
+    """The warm-up a replay of a Mooncake-format trace (default the bundled one) at ``rate`` can
+    give: ``warmup_s``, or less when the file would end before ``requests_per_point`` arrivals
+    past it. Then its last ``requests_per_point`` records are measured and those before them warm
+    the caches (none, for a file no longer than that). A trace replayed at 1.5 x the census fleet's
+    lambda0 ends after 54 s: a 60 s warm-up measured nothing. Arrival times as ``mooncake_stream``
+    rescales them."""
+    recs = read_mooncake(path if path is not None else _bundled_trace(), block_tokens=block_tokens)
+    if len(recs) <= requests_per_point:
+        return 0.0
+    span_s = (recs[-1].timestamp_ms - recs[0].timestamp_ms) / 1000.0
+    factor = ((len(recs) - 1) / span_s) / rate  # mooncake_stream's native rate over the target rate
+    first_measured_s = recs[len(recs) - requests_per_point].timestamp_ms / 1000.0 * factor
+    return min(warmup_s, first_measured_s)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:g}" if float(s).is_integer() else f"{s:.1f}"
+
+
+def _bundled_trace() -> Path:
+    return traces_dir() / "mooncake" / "synthetic_trace.jsonl"
 
 
 def run_long(out: Path, *, deployments: Sequence[str] = DEPLOYMENTS, schemes: Sequence[str] = PAPER_SCHEMES,
@@ -107,10 +133,13 @@ def run_long(out: Path, *, deployments: Sequence[str] = DEPLOYMENTS, schemes: Se
                                      trace=trace, trace_block_tokens=trace_block_tokens)
             for fraction in fractions:
                 rate = round(fraction * lam0, 3)
-                duration = warmup_s + requests_per_point / rate
+                warm = warmup_s if workload != "mooncake" else trace_warmup_s(
+                    trace, rate, requests_per_point=requests_per_point, warmup_s=warmup_s,
+                    block_tokens=trace_block_tokens)
+                duration = warm + requests_per_point / rate
                 for run_seed in seeds:
                     settings = SimSettings(eviction=DEFAULT_EVICTION[workload], seed=run_seed)
-                    common = dict(seed=run_seed, duration_s=duration, warmup_s=warmup_s, settings=settings,
+                    common = dict(seed=run_seed, duration_s=duration, warmup_s=warm, settings=settings,
                                   page_tokens=page_tokens, trace=trace if workload == "mooncake" else None,
                                   trace_block_tokens=trace_block_tokens)
                     mine = grid_points(cfg_path, workload, schemes, [rate], run_progress=progress and jobs <= 1,
@@ -120,13 +149,13 @@ def run_long(out: Path, *, deployments: Sequence[str] = DEPLOYMENTS, schemes: Se
                         mine += [dataclasses.replace(p, scheme="kvcompass", policy_options={"context_tokens": block})
                                  for p in grid_points(cfg_path, workload, ["kvcompass"], [rate], **common)]
                     points += mine
-                    meta += [(deployment, workload, fraction, lam0, duration)] * len(mine)
+                    meta += [(deployment, workload, fraction, lam0, warm, duration)] * len(mine)
     done = run_points(points, jobs=jobs, progress=progress, desc="fig_long", log=out / "points.jsonl")
     rows = []
-    for point, (summary, result), (deployment, workload, fraction, lam0, duration) in zip(points, done, meta):
+    for point, (summary, result), (deployment, workload, fraction, lam0, warm, duration) in zip(points, done, meta):
         scheme = "kvcompass-paper-reach" if "context_tokens" in point.policy_options else summary["scheme"]
-        rows.append(dict(summary, scheme=scheme, load=fraction, lambda0=lam0, window=f"{warmup_s:g}-{duration:.0f}",
-                         workload=f"{workload}@{deployment}", **_pool_inputs(result, warmup_s)))
+        rows.append(dict(summary, scheme=scheme, load=fraction, lambda0=lam0, window=f"{_seconds(warm)}-{duration:.0f}",
+                         workload=f"{workload}@{deployment}", **_pool_inputs(result, warm)))
     out.mkdir(parents=True, exist_ok=True)
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     (out / "summary.md").write_text(markdown_table(public, "fig_long: long-context sessions", COLUMNS))
