@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -583,14 +584,27 @@ class ScannedEvents(Sequence):
     sequence of the events ``_decode_coalesced`` builds (made on first use, equal to them).
     Immutable: nothing changes the columns once scanned."""
 
-    __slots__ = ("_data", "_events", "hashes", "runs", "tokens")
+    __slots__ = ("_columns", "_data", "_events", "hashes", "runs", "tokens")
 
-    def __init__(self, data: bytes, runs: list[tuple], hashes: list[int], tokens: list[int]) -> None:
+    def __init__(self, data: bytes, runs: list[tuple], hashes: list[int], tokens: list[int],
+                 columns: tuple[bytes, bytes, bytes] | None = None) -> None:
+        """``columns``: the same runs, hashes and tokens as the scan wrote them (kvc_event_run
+        records, int64s, uint32s), for a C block tree to read as they are."""
         self._data = data
         self.runs = runs
         self.hashes = hashes
         self.tokens = tokens
+        self._columns = columns
         self._events: tuple[KvEvent, ...] | None = None
+
+    def columns(self) -> tuple[bytes, bytes, bytes]:
+        """The runs as kvc_event_run records, the hashes as int64s, the tokens as uint32s
+        (native order): what the scan wrote, or laid out from the lists. Raises OverflowError or
+        TypeError for hashes that are not int64s (lists made by hand)."""
+        if self._columns is None:
+            runs = np.array(self.runs, dtype=_RUN_DTYPE).tobytes() if self.runs else b""
+            self._columns = (runs, array("q", self.hashes).tobytes(), array("I", self.tokens).tobytes())
+        return self._columns
 
     def medium(self, run: tuple) -> str | None:
         """The run's medium as the engine named it (None: null or absent)."""
@@ -712,13 +726,15 @@ def _scan_coalesced(data: bytes) -> tuple[float, int | None, ScannedEvents] | No
         return None
     if n_runs:
         runs = np.frombuffer(ffi.buffer(buffers.runs, n_runs * _RUN_BYTES), dtype=_RUN_DTYPE)
-        hashes = ffi.unpack(buffers.hashes, int(runs["hash_end"].max()))
-        tokens = ffi.unpack(buffers.tokens, int(runs["token_end"].max()))
+        n_hashes, n_tokens = int(runs["hash_end"].max()), int(runs["token_end"].max())
+        hashes = ffi.unpack(buffers.hashes, n_hashes)
+        tokens = ffi.unpack(buffers.tokens, n_tokens)
         run_list = runs.tolist()
+        columns = (runs.tobytes(), ffi.buffer(buffers.hashes, 8 * n_hashes)[:], ffi.buffer(buffers.tokens, 4 * n_tokens)[:])
     else:
-        run_list, hashes, tokens = [], [], []
+        run_list, hashes, tokens, columns = [], [], [], (b"", b"", b"")
     return (buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None),
-            ScannedEvents(data, run_list, hashes, tokens))
+            ScannedEvents(data, run_list, hashes, tokens, columns))
 
 
 def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
