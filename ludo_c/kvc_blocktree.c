@@ -59,7 +59,21 @@ typedef struct {
     uint32_t pad;
 } touch;
 
+#define RAW_MEDIA 64
+#define RAW_MEDIUM_BYTES 48
+
+typedef struct {
+    uint32_t len;
+    int32_t absent;
+    uint32_t medium;
+    uint8_t raw[RAW_MEDIUM_BYTES];
+} raw_medium;
+
 struct kvc_btree {
+    raw_medium raw_media[RAW_MEDIA];
+    size_t n_raw_media;
+    uint8_t *run_media;
+    size_t run_media_cap;
     uint32_t *lengths;
     size_t n_lengths;
     kvc_sha256 root;
@@ -896,6 +910,7 @@ void kvc_btree_free(kvc_btree *t) {
     free(t->notes);
     free(t->stack);
     free(t->snapshot);
+    free(t->run_media);
     free(t->lengths);
     free(t);
 }
@@ -944,10 +959,47 @@ int64_t kvc_btree_apply_ops(kvc_btree *t, const kvc_btree_op *ops, size_t n, con
     return finish(t, rc);
 }
 
+int kvc_btree_name_medium(kvc_btree *t, const uint8_t *raw, size_t len, int absent, uint32_t medium) {
+    if (t->n_raw_media >= RAW_MEDIA || (!absent && len > RAW_MEDIUM_BYTES) || medium >= KVC_BT_MAX_MEDIA) return -1;
+    raw_medium *m = &t->raw_media[t->n_raw_media++];
+    m->absent = absent != 0;
+    m->len = absent ? 0 : (uint32_t)len;
+    m->medium = medium;
+    if (!absent && len) memcpy(m->raw, raw, len);
+    return 0;
+}
+
+/* run `run`'s medium index by its raw name in `data`, or -1 when not named */
+static int64_t raw_medium_of(const kvc_btree *t, const kvc_event_run *run, const uint8_t *data, size_t data_len) {
+    int absent = run->medium_off < 0;
+    for (size_t k = 0; k < t->n_raw_media; k++) {
+        const raw_medium *m = &t->raw_media[k];
+        if (m->absent != absent) continue;
+        if (absent) return m->medium;
+        if (m->len == run->medium_len && (uint64_t)run->medium_off + run->medium_len <= data_len &&
+            memcmp(m->raw, data + run->medium_off, m->len) == 0)
+            return m->medium;
+    }
+    return -1;
+}
+
 int64_t kvc_btree_apply_runs(kvc_btree *t, const kvc_event_run *runs, size_t n, const int64_t *hashes,
-                             const uint32_t *tokens, const uint8_t *media, uint32_t page_size, uint8_t *refused,
-                             int diff_each) {
+                             const uint32_t *tokens, const uint8_t *media, const uint8_t *data, size_t data_len,
+                             uint32_t page_size, uint8_t *refused, int diff_each) {
     begin(t);
+    if (!media) { /* every run's medium first: an unnamed one stops the call before anything applies */
+        if (GROW(t, t->run_media, t->run_media_cap, n ? n : 1)) return -1;
+        for (size_t i = 0; i < n; i++) {
+            if (runs[i].kind == KVC_RUN_CLEARED) {
+                t->run_media[i] = 0;
+                continue;
+            }
+            int64_t medium = raw_medium_of(t, &runs[i], data, data_len);
+            if (medium < 0) return -2 - (int64_t)i;
+            t->run_media[i] = (uint8_t)medium;
+        }
+        media = t->run_media;
+    }
     int rc = 0;
     for (size_t i = 0; i < n && !rc; i++) {
         const kvc_event_run *run = &runs[i];

@@ -123,13 +123,21 @@ void kvc_btree_set_medium_tier(kvc_btree *tree, uint32_t medium, uint32_t tier);
 int64_t kvc_btree_apply_ops(kvc_btree *tree, const kvc_btree_op *ops, size_t n, const int64_t *hashes,
                             const uint32_t *tokens, int diff_each);
 
-/* Apply a scanned payload's runs (kvc_kvevents_scan's output) with `media[i]` the medium index
- * of run i. A run of another KV-cache group, or a store whose block_size is not `page_size`
+/* Medium index `medium` is also what the engine writes as the `len` bytes `raw` (its name as sent,
+ * before any canonical spelling; `absent` 1 for a null or absent medium, then raw is unused).
+ * For kvc_btree_apply_runs without `media`. Returns 0, or -1 when the table (64 names of up to
+ * 48 bytes) cannot take it. */
+int kvc_btree_name_medium(kvc_btree *tree, const uint8_t *raw, size_t len, int absent, uint32_t medium);
+
+/* Apply a scanned payload's runs (kvc_kvevents_scan's output over `data`). Run i's medium is
+ * media[i], or with `media` NULL the index named for its raw name in `data`
+ * (kvc_btree_name_medium): when a run's name is not named, nothing is applied and -2 - i is
+ * returned. A run of another KV-cache group, or a store whose block_size is not `page_size`
  * (when page_size > 0), is not applied: refused[i] is set to 1 (else 0) for the caller to log.
- * diff_each and the result as kvc_btree_apply_ops. */
+ * diff_each and the result otherwise as kvc_btree_apply_ops. */
 int64_t kvc_btree_apply_runs(kvc_btree *tree, const kvc_event_run *runs, size_t n, const int64_t *hashes,
-                             const uint32_t *tokens, const uint8_t *media, uint32_t page_size, uint8_t *refused,
-                             int diff_each);
+                             const uint32_t *tokens, const uint8_t *media, const uint8_t *data, size_t data_len,
+                             uint32_t page_size, uint8_t *refused, int diff_each);
 
 /* Forget every block; an eviction for every announced key, in the order they were announced,
  * with their lengths. Returns the number of events (or -1). */

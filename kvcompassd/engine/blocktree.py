@@ -53,6 +53,8 @@ from kvcompassd.core._ludo_cffi import ffi, lib
 from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted, Tier, TierChanged
 from kvcompassd.engine.kvevents import (
     RUN_CLEARED,
+    RUN_MEDIUM_LEN,
+    RUN_MEDIUM_OFF,
     RUN_REMOVED,
     RUN_STORED,
     AllBlocksCleared,
@@ -979,17 +981,25 @@ class _NativeTree:
         except (OverflowError, TypeError) as exc:  # hand-made columns with hashes past int64
             raise _Unsupported(str(exc)) from exc
         n_runs = len(runs) // _RUN_BYTES
-        indices = bytearray(n_runs)
-        for i, name in enumerate(events.canonical_media()):
-            if name is not None:
-                index = self._media.get(name)
-                indices[i] = index if index is not None else self._medium(name)
+        if not n_runs:
+            return [], []
+        data = events.data
+        runs_in, hashes_in = ffi.from_buffer("kvc_event_run[]", runs), ffi.from_buffer("int64_t[]", hashes or _EMPTY_I64)
+        tokens_in = ffi.from_buffer("uint32_t[]", tokens or _EMPTY_U32)
         refused = bytearray(n_runs)
-        n = lib.kvc_btree_apply_runs(self._tree, ffi.from_buffer("kvc_event_run[]", runs) if n_runs else ffi.NULL,
-                                     n_runs, ffi.from_buffer("int64_t[]", hashes or _EMPTY_I64),
-                                     ffi.from_buffer("uint32_t[]", tokens or _EMPTY_U32),
-                                     ffi.from_buffer("uint8_t[]", indices or b"\0"), self._page_size or 0,
-                                     ffi.from_buffer("uint8_t[]", refused or bytearray(1)), diff_each)
+        media = ffi.NULL  # each run's medium found by its raw name in C (named below on first sight)
+        while True:
+            n = lib.kvc_btree_apply_runs(self._tree, runs_in, n_runs, hashes_in, tokens_in, media, data, len(data),
+                                         self._page_size or 0, ffi.from_buffer("uint8_t[]", refused), diff_each)
+            if n >= -1:
+                break
+            run = events.runs[-2 - n]  # a medium not named yet (nothing was applied)
+            off, length = run[RUN_MEDIUM_OFF], run[RUN_MEDIUM_LEN]
+            index = self._medium(events.medium(run))
+            if lib.kvc_btree_name_medium(self._tree, data[off:off + length] if off >= 0 else b"", length, off < 0,
+                                         index) < 0:  # (the table is full: the indices from here)
+                media = ffi.from_buffer("uint8_t[]", bytes(0 if name is None else self._medium(name)
+                                                           for name in events.canonical_media()))
         out = self._results(n)
         start = refused.find(1)
         while start >= 0:
