@@ -934,17 +934,20 @@ int64_t kvc_btree_apply_ops(kvc_btree *t, const kvc_btree_op *ops, size_t n, con
                             const uint32_t *tokens, int diff_each) {
     begin(t);
     int rc = 0;
+    size_t hash_at = 0, token_at = 0;
     for (size_t i = 0; i < n && !rc; i++) {
         const kvc_btree_op *op = &ops[i];
-        uint32_t medium = (uint32_t)op->medium < KVC_BT_MAX_MEDIA ? (uint32_t)op->medium : 0;
-        switch (op->kind) {
+        uint32_t medium = (uint32_t)(op->flags >> KVC_BT_OP_MEDIUM_SHIFT) & 0xff;
+        if (medium >= KVC_BT_MAX_MEDIA) medium = 0;
+        size_t n_hashes = (size_t)op->n_hashes, n_tokens = (size_t)op->n_tokens;
+        switch (op->flags & 3) {
         case KVC_BT_OP_STORE:
-            rc = store_chain(t, hashes + op->hash_start, (size_t)(op->hash_end - op->hash_start), op->has_parent != 0,
-                             op->parent, tokens, (size_t)op->token_start, (size_t)op->token_end,
-                             (size_t)op->size, op->lora != 0, medium);
+            rc = store_chain(t, hashes + hash_at, n_hashes, (op->flags & KVC_BT_OP_HAS_PARENT) != 0, op->parent,
+                             tokens, token_at, token_at + n_tokens, (size_t)op->size,
+                             (op->flags & KVC_BT_OP_LORA) != 0, medium);
             break;
         case KVC_BT_OP_REMOVE:
-            rc = remove_hashes(t, hashes + op->hash_start, (size_t)(op->hash_end - op->hash_start), medium);
+            rc = remove_hashes(t, hashes + hash_at, n_hashes, medium);
             break;
         case KVC_BT_OP_CLEAR:
             rc = diff(t);
@@ -953,6 +956,8 @@ int64_t kvc_btree_apply_ops(kvc_btree *t, const kvc_btree_op *ops, size_t n, con
         default:
             break;
         }
+        hash_at += n_hashes;
+        token_at += n_tokens;
         if (!rc && diff_each) rc = diff(t);
     }
     if (!rc) rc = diff(t);

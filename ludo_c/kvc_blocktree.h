@@ -38,6 +38,9 @@ enum kvc_btree_consts {
     KVC_BT_OP_STORE = 1,        /* the same values as kvc_run_kind */
     KVC_BT_OP_REMOVE = 2,
     KVC_BT_OP_CLEAR = 3,
+    KVC_BT_OP_HAS_PARENT = 4,
+    KVC_BT_OP_LORA = 8,
+    KVC_BT_OP_MEDIUM_SHIFT = 8,
     KVC_BT_CACHED = 0,          /* kvc_btree_event.kind: PrefixCached, TierChanged, PrefixEvicted */
     KVC_BT_CHANGED = 1,
     KVC_BT_EVICTED = 2,
@@ -51,21 +54,17 @@ enum kvc_btree_consts {
 typedef struct kvc_btree kvc_btree;
 
 /* One engine event, as the Python wrapper lays a list of event objects out (all int64 so the
- * wrapper fills them with one array('q')). kind: KVC_BT_OP_*; store: its blocks are
- * hashes[hash_start:hash_end], a chain under `parent` (when has_parent), holding
- * tokens[token_start:token_end], `size` per block; remove: hashes[hash_start:hash_end] left
- * `medium`. */
+ * wrapper fills them with one array('q'); ops take their hashes and tokens in turn from the
+ * call's columns). flags: KVC_BT_OP_* in bits 0-1, KVC_BT_OP_HAS_PARENT, KVC_BT_OP_LORA, the
+ * medium index from bit KVC_BT_OP_MEDIUM_SHIFT. A store's blocks are its n_hashes hashes, a chain
+ * under `parent` (with KVC_BT_OP_HAS_PARENT) holding its n_tokens tokens, `size` per block (the
+ * last may be short); a removal's blocks left the medium; a clear has neither hashes nor tokens. */
 typedef struct {
-    int64_t kind;
+    int64_t flags;
     int64_t parent;
-    int64_t has_parent;
-    int64_t lora;
-    int64_t medium;
     int64_t size;
-    int64_t hash_start;
-    int64_t hash_end;
-    int64_t token_start;
-    int64_t token_end;
+    int64_t n_hashes;
+    int64_t n_tokens;
 } kvc_btree_op;
 
 typedef struct {

@@ -753,6 +753,7 @@ class _PythonTree:
 
 
 _OP_STORE, _OP_REMOVE, _OP_CLEAR = lib.KVC_BT_OP_STORE, lib.KVC_BT_OP_REMOVE, lib.KVC_BT_OP_CLEAR
+_OP_HAS_PARENT, _OP_LORA, _MEDIUM_SHIFT = lib.KVC_BT_OP_HAS_PARENT, lib.KVC_BT_OP_LORA, lib.KVC_BT_OP_MEDIUM_SHIFT
 _CACHED, _CHANGED = lib.KVC_BT_CACHED, lib.KVC_BT_CHANGED
 _NOTE_RESTORED = lib.KVC_BT_NOTE_RESTORED
 _INDEX_TIERS = (None, Tier.VRAM, Tier.DRAM)  # kvc_btree_event.tier -> Tier
@@ -888,12 +889,15 @@ class _NativeTree:
                 if medium is None:
                     medium = self._medium(event.medium)
                 block_hashes, token_ids, parent = event.block_hashes, event.token_ids, event.parent_block_hash
-                n_hashes, n_tokens = len(hashes), len(tokens)
                 hashes += block_hashes
                 tokens += token_ids
-                ops += (_OP_STORE, 0 if parent is None else parent, parent is not None,
-                        event.lora_id is not None or event.lora_name is not None, medium, event.block_size,
-                        n_hashes, n_hashes + len(block_hashes), n_tokens, n_tokens + len(token_ids))
+                flags = _OP_STORE | medium << _MEDIUM_SHIFT
+                if event.lora_id is not None or event.lora_name is not None:
+                    flags |= _OP_LORA
+                if parent is None:
+                    ops += (flags, 0, event.block_size, len(block_hashes), len(token_ids))
+                else:
+                    ops += (flags | _OP_HAS_PARENT, parent, event.block_size, len(block_hashes), len(token_ids))
             elif kind is BlockRemoved:
                 if event.group_idx:
                     refused.append(event)
@@ -901,22 +905,23 @@ class _NativeTree:
                 medium = media.get(event.medium)
                 if medium is None:
                     medium = self._medium(event.medium)
-                n_hashes = len(hashes)
                 hashes += event.block_hashes
-                ops += (_OP_REMOVE, 0, 0, 0, medium, 0, n_hashes, len(hashes), 0, 0)
+                ops += (_OP_REMOVE | medium << _MEDIUM_SHIFT, 0, 0, len(event.block_hashes), 0)
             elif kind is AllBlocksCleared:
-                ops += (_OP_CLEAR, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                ops += (_OP_CLEAR, 0, 0, 0, 0)
             else:
                 error = TypeError(f"not a KV event: {event!r}")
                 break
         try:
-            return array("q", ops), array("q", hashes), array("I", tokens), refused, error
+            token_column = array("I")
+            token_column.fromlist(tokens)
+            return array("q", ops), array("q", hashes), token_column, refused, error
         except (OverflowError, TypeError) as exc:  # bytes hashes, ints past int64
             raise _Unsupported(str(exc)) from exc
 
     def _apply(self, events: Iterable[KvEvent], diff_each: int) -> tuple[list[IndexEvent], list[int]]:
         ops, hashes, tokens, refused, error = self._ops(events)
-        n_ops = len(ops) // 10
+        n_ops = len(ops) // 5
         n = lib.kvc_btree_apply_ops(self._tree, ffi.from_buffer("kvc_btree_op[]", ops) if n_ops else ffi.NULL, n_ops,
                                     ffi.from_buffer("int64_t[]", hashes or _EMPTY_I64),
                                     ffi.from_buffer("uint32_t[]", tokens or _EMPTY_U32), diff_each)
