@@ -26,6 +26,7 @@ from kvcompassd.engine.kvevents import (
 
 SALT = namespace_salt("meta-llama/Llama-3.1-8B-Instruct", "tenant-n")
 MEDIA = [None, "GPU", "cpu", "CPU_PINNED", "DISK", "CPU"]
+REMOVED_FROM = [None, "GPU", "GPU", "cpu", "DISK"]  # mostly the usual medium: subtrees get detached
 N_HASHES = 14
 
 
@@ -35,7 +36,7 @@ def forest(rnd, block: int) -> tuple[dict[int, int | None], dict[int, tuple[int,
     parents: dict[int, int | None] = {0: None}
     for h in range(1, N_HASHES):
         r = rnd.random()
-        parents[h] = h - 1 if r < 0.6 else None if r < 0.7 else 90 + h if r < 0.75 else rnd.randrange(h)
+        parents[h] = h - 1 if r < 0.45 else None if r < 0.55 else 90 + h if r < 0.6 else rnd.randrange(h)
     tokens = {h: tuple(rnd.randrange(0, 1 << 32) for _ in range(block if rnd.random() < 0.85 else max(1, block - 1)))
               for h in range(N_HASHES)}
     return parents, tokens
@@ -50,7 +51,7 @@ def random_events(rnd, block: int, n: int) -> list:
     for _ in range(n):
         r = rnd.random()
         h = rnd.randrange(N_HASHES)
-        medium = rnd.choice(MEDIA)
+        medium = rnd.choice(MEDIA) if rnd.random() < 0.5 else None
         if r < 0.62:
             q = rnd.random()
             if q < 0.12 and h + 1 < N_HASHES and parents[h + 1] == h and len(tokens[h]) == block:
@@ -66,7 +67,7 @@ def random_events(rnd, block: int, n: int) -> list:
         elif r < 0.96:
             group = 1 if rnd.random() < 0.04 else None
             hashes = (h,) if rnd.random() < 0.85 else (h, rnd.randrange(N_HASHES))
-            events.append(BlockRemoved(hashes, medium, group))
+            events.append(BlockRemoved(hashes, rnd.choice(REMOVED_FROM), group))
         else:
             events.append(AllBlocksCleared())
     return events
@@ -238,3 +239,16 @@ def test_a_non_event_raises_after_the_events_before_it_are_applied() -> None:
 def test_an_invalid_worker_id_is_refused_as_before() -> None:
     with pytest.raises(ValueError):
         BlockTree("", [4], salt=SALT).apply(BlockStored((1,), None, (1, 2, 3, 4), 4))
+
+
+def test_a_removed_blocks_children_are_detached_in_the_order_they_were_stored() -> None:
+    """The detached blocks' order (which ones the bound drops) follows the children's order of
+    storing, in both implementations."""
+    native, python = trees([16], 16, 2)
+    events = [BlockStored((1,), None, tuple(range(16)), 16)] + [
+        BlockStored((child,), 1, tuple(range(16 * child, 16 * child + 16)), 16) for child in (5, 3, 4)]
+    for tree in (native, python):
+        tree.apply_each(events)
+        tree.apply(BlockRemoved((1,)))
+    assert list(native._detached) == list(python._detached) == [3, 4]  # 5, the oldest, dropped
+    assert native.dropped_blocks == python.dropped_blocks == 1
