@@ -13,6 +13,11 @@ Blocks whose parent is unknown (stored after a gap, or orphaned because their pa
 removed) are kept *detached*: they are attached, and registered, as soon as the parent is
 stored (again). Detached blocks are bounded; the oldest are dropped with a log line.
 
+With salted keys (the agent's and the simulator's trees) the state and the per-page work are in
+C (ludo_c/kvc_blocktree.c: one call per batch, the index events handed back as columns); the
+Python implementation below serves ``key_fn`` trees and any salted tree that meets what the C
+tree cannot hold, which then moves there whole.
+
 Only changes are emitted: PrefixCached when a key gains its first indexed tier, TierChanged
 when that tier changes, PrefixEvicted when it loses the last one. LoRA blocks and blocks only on
 disk/remote media are mirrored but never registered.
