@@ -204,8 +204,10 @@ def test_a_bytes_hash_moves_the_whole_state_to_python_and_it_goes_on_the_same() 
     assert_same_state(native, python)
     more = [BlockStored((b"\x01" * 32,), 3, (3, 3, 3, 3), 4), BlockRemoved((2,), "CPU"), BlockRemoved((1,)),
             BlockStored((1,), None, (1, 2, 3, 4), 4), BlockStored((40,), None, (0, 0, 0, 0), 4)]
+    kept = native.apply_each  # a reference taken before the move still reaches the one state
     assert native.apply_each(more) == python.apply_each(more)
     assert not native.is_native
+    assert kept([BlockRemoved((40,))]) == python.apply_each([BlockRemoved((40,))])
     assert_same_state(native, python)
     assert native.withdraw_all_with_lengths() == python.withdraw_all_with_lengths()
 

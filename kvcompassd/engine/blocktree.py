@@ -1121,7 +1121,11 @@ class BlockTree:
             setattr(self, name, self._falling_back(name, method) if self._native else method)
 
     def _falling_back(self, name: str, method: Callable) -> Callable:
+        impl = self._impl
+
         def call(*args):
+            if self._impl is not impl:  # (a reference kept from before the state moved to Python)
+                return getattr(self, name)(*args)
             try:
                 return method(*args)
             except _Unsupported as why:
