@@ -5,6 +5,7 @@ lengths, registrations, blocks, detached blocks in their order, counters and log
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import numpy as np
@@ -254,3 +255,20 @@ def test_a_removed_blocks_children_are_detached_in_the_order_they_were_stored() 
         tree.apply(BlockRemoved((1,)))
     assert list(native._detached) == list(python._detached) == [3, 4]  # 5, the oldest, dropped
     assert native.dropped_blocks == python.dropped_blocks == 1
+
+
+def test_a_tree_is_freed_by_reference_counting() -> None:
+    """The simulator runs without the cyclic collector: a tree, native, Python or moved from one
+    to the other, leaves no cycle behind."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for native, block_hash in ((True, 1), (False, 1), (True, b"x")):
+            tree = BlockTree("w", [4], salt=SALT, native=native)
+            tree.apply_each([BlockStored((block_hash,), None, (1, 2, 3, 4), 4)] * 2)
+            del tree
+        assert gc.collect() == 0
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -47,6 +47,7 @@ import itertools
 import logging
 import struct
 import sys
+import weakref
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
@@ -1122,16 +1123,20 @@ class BlockTree:
 
     def _falling_back(self, name: str, method: Callable) -> Callable:
         impl = self._impl
+        owner = weakref.ref(self)  # (no cycle through the instance's dict: trees are freed by refcount)
 
         def call(*args):
-            if self._impl is not impl:  # (a reference kept from before the state moved to Python)
-                return getattr(self, name)(*args)
+            tree = owner()
+            if tree is None:  # (a call kept past its tree: the state is still the native one)
+                return method(*args)
+            if tree._impl is not impl:  # (a reference kept from before the state moved to Python)
+                return getattr(tree, name)(*args)
             try:
                 return method(*args)
             except _Unsupported as why:
-                log.info("block tree of %s moves to Python: %s", self.worker, why)
-                self._use(self._impl.to_python())  # type: ignore[union-attr]
-                return getattr(self, name)(*args)
+                log.info("block tree of %s moves to Python: %s", tree.worker, why)
+                tree._use(impl.to_python())
+                return getattr(tree, name)(*args)
         call.__doc__ = method.__doc__
         return call
 
