@@ -13,6 +13,11 @@ Blocks whose parent is unknown (stored after a gap, or orphaned because their pa
 removed) are kept *detached*: they are attached, and registered, as soon as the parent is
 stored (again). Detached blocks are bounded; the oldest are dropped with a log line.
 
+With salted keys (the agent's and the simulator's trees) the state and the per-page work are in
+C (ludo_c/kvc_blocktree.c: one call per batch, the index events handed back as columns); the
+Python implementation below serves ``key_fn`` trees and any salted tree that meets what the C
+tree cannot hold, which then moves there whole.
+
 Only changes are emitted: PrefixCached when a key gains its first indexed tier, TierChanged
 when that tier changes, PrefixEvicted when it loses the last one. LoRA blocks and blocks only on
 disk/remote media are mirrored but never registered.
@@ -42,6 +47,7 @@ import itertools
 import logging
 import struct
 import sys
+import weakref
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
@@ -49,9 +55,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from kvcompassd.core._ludo_cffi import ffi, lib
 from kvcompassd.core.events import IndexEvent, PrefixCached, PrefixEvicted, Tier, TierChanged
 from kvcompassd.engine.kvevents import (
     RUN_CLEARED,
+    RUN_MEDIUM_LEN,
+    RUN_MEDIUM_OFF,
     RUN_REMOVED,
     RUN_STORED,
     AllBlocksCleared,
@@ -142,8 +151,9 @@ class _Block:
         return min(map(_medium_tier, media))
 
 
-class BlockTree:
-    """One worker's block mirror; feed it decoded events, get index events back.
+class _PythonTree:
+    """One worker's block mirror in Python (BlockTree's implementation with ``key_fn``, and with
+    ``salt`` once a tree meets what the C tree cannot hold: see :class:`BlockTree`).
 
     Keys come either from ``key_fn`` (any function of the path's tokens) or, given ``salt``,
     are ``kvcompassd.core.keys.prefix_keys(path, lengths, salt)`` computed incrementally: the
@@ -179,7 +189,9 @@ class BlockTree:
         self._trusted_events = salt is not None and isinstance(worker, str) and bool(worker)
         self._max_detached = max_detached_blocks
         self._blocks: dict[BlockHash, _Block] = {}
-        self._children: dict[BlockHash | None, set[BlockHash]] = {}
+        # each parent's children in the order they were stored (a dict as an ordered set: the order
+        # decides which detached blocks are oldest when a subtree is detached)
+        self._children: dict[BlockHash | None, dict[BlockHash, None]] = {}
         self._detached: OrderedDict[BlockHash, None] = OrderedDict()
         self._holders: dict[int, dict[_AnchorId, StorageTier]] = {}
         self._registered: dict[int, Tier] = {}
@@ -305,7 +317,7 @@ class BlockTree:
                             detached.pop(block_hash, None)
                         siblings = children.get(block.parent)
                         if siblings is not None:
-                            siblings.discard(block_hash)
+                            siblings.pop(block_hash, None)
                             if not siblings:
                                 del children[block.parent]
                         continue
@@ -455,9 +467,9 @@ class BlockTree:
         children = self._children
         siblings = children.get(parent)
         if siblings is None:
-            children[parent] = {block_hash}
+            children[parent] = {block_hash: None}
         else:
-            siblings.add(block_hash)
+            siblings[block_hash] = None
         if parent_block is None:
             start, parent_tier = 0, _VRAM
         else:
@@ -549,7 +561,7 @@ class BlockTree:
                 detached.pop(block_hash, None)
             siblings = children.get(block.parent)
             if siblings is not None:
-                siblings.discard(block_hash)
+                siblings.pop(block_hash, None)
                 if not siblings:
                     del children[block.parent]
 
@@ -558,7 +570,7 @@ class BlockTree:
         self._detached.pop(block.hash, None)
         siblings = self._children.get(block.parent)
         if siblings is not None:
-            siblings.discard(block.hash)
+            siblings.pop(block.hash, None)
             if not siblings:
                 del self._children[block.parent]
 
@@ -568,9 +580,9 @@ class BlockTree:
         block = self._blocks[block_hash] = _Block(block_hash, parent, tokens, lora, medium, tier)
         siblings = self._children.get(parent)
         if siblings is None:
-            self._children[parent] = {block_hash}
+            self._children[parent] = {block_hash: None}
         else:
-            siblings.add(block_hash)
+            siblings[block_hash] = None
         return block
 
     def _mark_detached(self, block: _Block) -> None:
@@ -744,6 +756,469 @@ class BlockTree:
             if lengths is not None:
                 lengths.append(touched[key])
         return out
+
+
+_OP_STORE, _OP_REMOVE, _OP_CLEAR = lib.KVC_BT_OP_STORE, lib.KVC_BT_OP_REMOVE, lib.KVC_BT_OP_CLEAR
+_OP_HAS_PARENT, _OP_LORA, _MEDIUM_SHIFT = lib.KVC_BT_OP_HAS_PARENT, lib.KVC_BT_OP_LORA, lib.KVC_BT_OP_MEDIUM_SHIFT
+_CACHED, _CHANGED = lib.KVC_BT_CACHED, lib.KVC_BT_CHANGED
+_NOTE_RESTORED = lib.KVC_BT_NOTE_RESTORED
+_INDEX_TIERS = (None, Tier.VRAM, Tier.DRAM)  # kvc_btree_event.tier -> Tier
+_EVENT_DTYPE = np.dtype({"names": ["key", "length", "kind", "tier"], "formats": ["u8", "u4", "u1", "u1"],
+                         "offsets": [ffi.offsetof("kvc_btree_event", name) for name in ("key", "length", "kind", "tier")],
+                         "itemsize": ffi.sizeof("kvc_btree_event")})
+_EVENT_BYTES = ffi.sizeof("kvc_btree_event")
+_RUN_BYTES = ffi.sizeof("kvc_event_run")
+_EMPTY_I64 = array("q", [0])
+_EMPTY_U32 = array("I", [0])
+
+
+class _Unsupported(Exception):
+    """Input the C tree cannot hold (a bytes or out-of-range hash, a 33rd medium): the tree moves
+    to the Python implementation and the call is made there."""
+
+
+class _NativeTree:
+    """A salted BlockTree's state and per-page work in C (ludo_c/kvc_blocktree.c): each call lays
+    its events out as columns (a scanned payload's are already), applies them in one C call and
+    turns the index events it returns into IndexEvent objects, the same ones in the same order as
+    :class:`_PythonTree`. ``empty`` is the Python tree the state moves to (``to_python``)."""
+
+    def __init__(self, empty: _PythonTree, salt: bytes) -> None:
+        self._empty = empty
+        self.worker = empty.worker
+        self.indexed_lengths = empty.indexed_lengths
+        self.refused_events = empty.refused_events  # the one dict, whichever implementation counts
+        self._page_size = empty._page_size
+        self._refuse = empty._refuse
+        lengths = array("I", self.indexed_lengths)
+        tree = lib.kvc_btree_new(ffi.from_buffer("uint32_t[]", lengths), len(lengths), salt, len(salt),
+                                 empty._max_detached)
+        if tree == ffi.NULL:
+            raise MemoryError("creating a block tree: out of memory")
+        self._tree = ffi.gc(tree, lib.kvc_btree_free)
+        self._stats = ffi.new("kvc_btree_stats *")
+        self._media: dict[str | None, int] = {}  # the engine's medium name -> index
+        self._media_names: list[str] = []  # index -> canonical name
+        if empty._trusted_events:
+            self._evicted, self._cached, self._changed = PrefixEvicted.trusted, PrefixCached.trusted, TierChanged.trusted
+        else:
+            self._evicted, self._cached, self._changed = PrefixEvicted, PrefixCached, TierChanged
+
+    # ----------------------------------------------------------------------------- queries
+
+    def _stat(self) -> object:
+        lib.kvc_btree_get_stats(self._tree, self._stats)
+        return self._stats
+
+    def __len__(self) -> int:
+        return self._stat().blocks
+
+    def __contains__(self, block_hash: object) -> bool:
+        return type(block_hash) is int and -(1 << 63) <= block_hash < (1 << 63) \
+            and lib.kvc_btree_block_state(self._tree, block_hash) >= 0
+
+    def is_attached(self, block_hash: BlockHash) -> bool:
+        return type(block_hash) is int and -(1 << 63) <= block_hash < (1 << 63) \
+            and lib.kvc_btree_block_state(self._tree, block_hash) == 1
+
+    @property
+    def detached_count(self) -> int:
+        return self._stat().detached
+
+    @property
+    def dropped_blocks(self) -> int:
+        return self._stat().dropped_blocks
+
+    @property
+    def ignored_removals(self) -> int:
+        return self._stat().ignored_removals
+
+    def _registered_columns(self) -> tuple[list[int], list[int], list[int]]:
+        n = self._stat().registered
+        keys, tiers, lengths = ffi.new("uint64_t[]", n + 1), ffi.new("uint8_t[]", n + 1), ffi.new("uint32_t[]", n + 1)
+        n = lib.kvc_btree_registered(self._tree, keys, tiers, lengths, n + 1)
+        return ffi.unpack(keys, n), ffi.unpack(tiers, n), ffi.unpack(lengths, n)
+
+    def registered(self) -> dict[int, Tier]:
+        keys, tiers, _ = self._registered_columns()
+        return {key: _INDEX_TIERS[tier] for key, tier in zip(keys, tiers)}
+
+    def registered_with_lengths(self) -> dict[int, tuple[Tier, int]]:
+        keys, tiers, lengths = self._registered_columns()
+        return {key: (_INDEX_TIERS[tier], length) for key, tier, length in zip(keys, tiers, lengths)}
+
+    def block_hashes(self) -> list[BlockHash]:
+        info = ffi.new("kvc_btree_block_info *")
+        return [info.hash for slot in range(lib.kvc_btree_slot_count(self._tree))
+                if lib.kvc_btree_block_at(self._tree, slot, info, ffi.NULL, 0, ffi.NULL, ffi.NULL, 0)]
+
+    def detached_hashes(self) -> list[BlockHash]:
+        n = self._stat().detached
+        out = ffi.new("int64_t[]", n + 1)
+        return ffi.unpack(out, lib.kvc_btree_detached(self._tree, out, n + 1))
+
+    # ----------------------------------------------------------------------------- updates
+
+    def _medium(self, medium: str | None) -> int:
+        index = self._media.get(medium)
+        if index is None:
+            name = canonical_medium(medium)
+            if name in self._media_names:
+                index = self._media_names.index(name)
+            else:
+                if len(self._media_names) >= lib.KVC_BT_MAX_MEDIA:
+                    raise _Unsupported(f"more than {lib.KVC_BT_MAX_MEDIA} media")
+                index = len(self._media_names)
+                self._media_names.append(name)
+                lib.kvc_btree_set_medium_tier(self._tree, index, int(_medium_tier(name)))
+            if len(self._media) < 256:  # (engine-supplied names: bounded)
+                self._media[medium] = index
+        return index
+
+    def _ops(self, events: Iterable[KvEvent]) -> tuple[array, array, array, list, TypeError | None]:
+        """``events`` as kvc_btree_op columns; the refused events; a TypeError for a non-event
+        (the events before it are applied, as the Python tree does, then it is raised)."""
+        ops: list[int] = []
+        hashes: list[BlockHash] = []
+        tokens: list[int] = []
+        refused: list[KvEvent] = []
+        error = None
+        page_size = self._page_size
+        media = self._media
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                if event.group_idx or (page_size is not None and event.block_size != page_size):
+                    refused.append(event)
+                    continue
+                medium = media.get(event.medium)
+                if medium is None:
+                    medium = self._medium(event.medium)
+                block_hashes, token_ids, parent = event.block_hashes, event.token_ids, event.parent_block_hash
+                hashes += block_hashes
+                tokens += token_ids
+                flags = _OP_STORE | medium << _MEDIUM_SHIFT
+                if event.lora_id is not None or event.lora_name is not None:
+                    flags |= _OP_LORA
+                if parent is None:
+                    ops += (flags, 0, event.block_size, len(block_hashes), len(token_ids))
+                else:
+                    ops += (flags | _OP_HAS_PARENT, parent, event.block_size, len(block_hashes), len(token_ids))
+            elif kind is BlockRemoved:
+                if event.group_idx:
+                    refused.append(event)
+                    continue
+                medium = media.get(event.medium)
+                if medium is None:
+                    medium = self._medium(event.medium)
+                hashes += event.block_hashes
+                ops += (_OP_REMOVE | medium << _MEDIUM_SHIFT, 0, 0, len(event.block_hashes), 0)
+            elif kind is AllBlocksCleared:
+                ops += (_OP_CLEAR, 0, 0, 0, 0)
+            else:
+                error = TypeError(f"not a KV event: {event!r}")
+                break
+        try:
+            token_column = array("I")
+            token_column.fromlist(tokens)
+            return array("q", ops), array("q", hashes), token_column, refused, error
+        except (OverflowError, TypeError) as exc:  # bytes hashes, ints past int64
+            raise _Unsupported(str(exc)) from exc
+
+    def _apply(self, events: Iterable[KvEvent], diff_each: int) -> tuple[list[IndexEvent], list[int]]:
+        ops, hashes, tokens, refused, error = self._ops(events)
+        n_ops = len(ops) // 5
+        n = lib.kvc_btree_apply_ops(self._tree, ffi.from_buffer("kvc_btree_op[]", ops) if n_ops else ffi.NULL, n_ops,
+                                    ffi.from_buffer("int64_t[]", hashes or _EMPTY_I64),
+                                    ffi.from_buffer("uint32_t[]", tokens or _EMPTY_U32), diff_each)
+        out = self._results(n)
+        for event in refused:
+            self._refuse(event)
+        if error is not None:
+            raise error
+        return out
+
+    def _results(self, n: int) -> tuple[list[IndexEvent], list[int]]:
+        """The last C call's index events and their lengths; its notes logged."""
+        tree = self._tree
+        if n < 0:
+            raise MemoryError("block tree: out of memory")
+        if lib.kvc_btree_note_count(tree):
+            notes = lib.kvc_btree_notes(tree)
+            for i in range(lib.kvc_btree_note_count(tree)):
+                if notes[i].code == _NOTE_RESTORED:
+                    log.warning("block %r re-stored with a different parent or tokens; kept the first", notes[i].hash)
+                else:
+                    log.warning("dropping detached block %r: its parent never arrived (limit %d)", notes[i].hash,
+                                self._empty._max_detached)
+        if not n:
+            return [], []
+        worker, cached, changed, evicted, tiers = self.worker, self._cached, self._changed, self._evicted, _INDEX_TIERS
+        out: list[IndexEvent] = []
+        lengths: list[int] = []
+        rows = np.frombuffer(ffi.buffer(lib.kvc_btree_events(tree), n * _EVENT_BYTES), dtype=_EVENT_DTYPE).tolist()
+        for key, length, kind, tier in rows:
+            if kind == _CACHED:
+                out.append(cached(worker, key, tiers[tier]))
+            elif kind == _CHANGED:
+                out.append(changed(worker, key, tiers[tier]))
+            else:
+                out.append(evicted(worker, key))
+            lengths.append(length)
+        return out, lengths
+
+    def apply(self, event: KvEvent) -> list[IndexEvent]:
+        return self._apply((event,), 1)[0]
+
+    def apply_each(self, events: Iterable[KvEvent]) -> list[IndexEvent]:
+        if type(events) is ScannedEvents:
+            return self._apply_scanned(events, 1)[0]
+        return self._apply(events, 1)[0]
+
+    def apply_batch(self, batch: EventBatch) -> list[IndexEvent]:
+        return self.apply_each(batch.events)
+
+    def apply_events(self, events: Iterable[KvEvent]) -> list[IndexEvent]:
+        return self.apply_events_with_lengths(events)[0]
+
+    def apply_events_with_lengths(self, events: Iterable[KvEvent]) -> tuple[list[IndexEvent], list[int]]:
+        if type(events) is ScannedEvents:
+            return self._apply_scanned(events, 0)
+        return self._apply(events, 0)
+
+    def _apply_scanned(self, events: ScannedEvents, diff_each: int) -> tuple[list[IndexEvent], list[int]]:
+        try:
+            runs, hashes, tokens = events.columns()
+        except (OverflowError, TypeError) as exc:  # hand-made columns with hashes past int64
+            raise _Unsupported(str(exc)) from exc
+        n_runs = len(runs) // _RUN_BYTES
+        if not n_runs:
+            return [], []
+        data = events.data
+        runs_in, hashes_in = ffi.from_buffer("kvc_event_run[]", runs), ffi.from_buffer("int64_t[]", hashes or _EMPTY_I64)
+        tokens_in = ffi.from_buffer("uint32_t[]", tokens or _EMPTY_U32)
+        refused = bytearray(n_runs)
+        media = ffi.NULL  # each run's medium found by its raw name in C (named below on first sight)
+        while True:
+            n = lib.kvc_btree_apply_runs(self._tree, runs_in, n_runs, hashes_in, tokens_in, media, data, len(data),
+                                         self._page_size or 0, ffi.from_buffer("uint8_t[]", refused), diff_each)
+            if n >= -1:
+                break
+            run = events.runs[-2 - n]  # a medium not named yet (nothing was applied)
+            off, length = run[RUN_MEDIUM_OFF], run[RUN_MEDIUM_LEN]
+            index = self._medium(events.medium(run))
+            if lib.kvc_btree_name_medium(self._tree, data[off:off + length] if off >= 0 else b"", length, off < 0,
+                                         index) < 0:  # (the table is full: the indices from here)
+                media = ffi.from_buffer("uint8_t[]", bytes(0 if name is None else self._medium(name)
+                                                           for name in events.canonical_media()))
+        out = self._results(n)
+        start = refused.find(1)
+        while start >= 0:
+            self._refuse(events.event(start))  # type: ignore[arg-type]
+            start = refused.find(1, start + 1)
+        return out
+
+    def withdraw_all(self) -> list[IndexEvent]:
+        return self.withdraw_all_with_lengths()[0]
+
+    def withdraw_all_with_lengths(self) -> tuple[list[IndexEvent], list[int]]:
+        n = lib.kvc_btree_withdraw_all(self._tree)
+        if n < 0:
+            raise MemoryError("block tree: out of memory")
+        out, lengths = self._results(n)
+        return [PrefixEvicted(self.worker, e.key) for e in out], lengths
+
+    # ----------------------------------------------------------------------------- hand-over
+
+    def to_python(self) -> _PythonTree:
+        """This tree's state moved into the Python implementation (which recomputes SHA states
+        from the root as it needs them): blocks, children in their order, detached blocks in
+        theirs, holders, announced keys in theirs, counters."""
+        py = self._empty
+        tree = self._tree
+        info = ffi.new("kvc_btree_block_info *")
+        blocks: dict[BlockHash, _Block] = {}
+        sibling_order: list[tuple[int, BlockHash, BlockHash | None]] = []
+        detached: list[tuple[int, BlockHash]] = []
+        holders: dict[int, dict[_AnchorId, StorageTier]] = {}
+        for slot in range(lib.kvc_btree_slot_count(tree)):
+            if not lib.kvc_btree_block_at(tree, slot, info, ffi.NULL, 0, ffi.NULL, ffi.NULL, 0):
+                continue
+            n_tokens, n_anchors = info.n_tokens, info.n_anchors
+            tokens = ffi.new("uint32_t[]", n_tokens + 1)
+            anchor_lengths, anchor_keys = ffi.new("uint32_t[]", n_anchors + 1), ffi.new("uint64_t[]", n_anchors + 1)
+            lib.kvc_btree_block_at(tree, slot, info, tokens, n_tokens, anchor_lengths, anchor_keys, n_anchors)
+            parent = info.parent if info.has_parent else None
+            media = {name for i, name in enumerate(self._media_names) if info.media >> i & 1}
+            block = _Block(info.hash, parent, tuple(ffi.unpack(tokens, n_tokens)), bool(info.lora), "", StorageTier(info.tier))
+            block.media = media
+            block.attached = bool(info.attached)
+            block.start = info.start
+            block.path_tier = StorageTier(info.path_tier)
+            if n_anchors:
+                block.anchors = list(zip(ffi.unpack(anchor_lengths, n_anchors), ffi.unpack(anchor_keys, n_anchors)))
+                for length, key in block.anchors:
+                    holders.setdefault(key, {})[(block.hash, length)] = block.path_tier
+            blocks[block.hash] = block
+            sibling_order.append((info.sibling_seq, block.hash, parent))
+            if info.detached:
+                detached.append((info.detached_seq, block.hash))
+        children: dict[BlockHash | None, dict[BlockHash, None]] = {}
+        for _, block_hash, parent in sorted(sibling_order):
+            children.setdefault(parent, {})[block_hash] = None
+        py._blocks = blocks
+        py._children = children
+        py._detached = OrderedDict((block_hash, None) for _, block_hash in sorted(detached))
+        py._holders = holders
+        keys, tiers, _ = self._registered_columns()
+        py._registered = {key: _INDEX_TIERS[tier] for key, tier in zip(keys, tiers)}
+        py.dropped_blocks = self.dropped_blocks
+        py.ignored_removals = self.ignored_removals
+        return py
+
+
+class BlockTree:
+    """One worker's block mirror; feed it decoded events, get index events back.
+
+    Keys come either from ``key_fn`` (any function of the path's tokens) or, given ``salt``,
+    are ``kvcompassd.core.keys.prefix_keys(path, lengths, salt)`` computed incrementally: the
+    SHA-256 state is kept at blocks holding an indexed length, so each key hashes only the
+    tokens since the nearest such ancestor. Pass exactly one of the two.
+
+    With ``salt`` the tree's state and per-page work are in C (ludo_c/kvc_blocktree.c, one call
+    per batch); with ``key_fn`` in Python. A salted tree that meets what the C tree cannot hold
+    (a bytes or out-of-range block hash, more than 32 media) moves its whole state to the Python
+    implementation for good, so the state is always in one place. Both give the same index
+    events in the same order (tests/test_blocktree_native.py)."""
+
+    def __init__(
+        self,
+        worker: str,
+        indexed_lengths: Sequence[int],
+        key_fn: KeyFn | None = None,
+        *,
+        salt: bytes | None = None,
+        max_detached_blocks: int = 100_000,
+        page_size: int | None = None,
+        native: bool = True,
+    ) -> None:
+        """``native=False`` keeps a salted tree in Python (a reference for tests and benchmarks)."""
+        python = _PythonTree(worker, indexed_lengths, key_fn, salt=salt, max_detached_blocks=max_detached_blocks,
+                             page_size=page_size)
+        self.worker = python.worker
+        self.indexed_lengths = python.indexed_lengths
+        if salt is not None and native and all(n < (1 << 32) for n in python.indexed_lengths):
+            self._use(_NativeTree(python, salt))
+        else:
+            self._use(python)
+
+    def _use(self, impl: _PythonTree | _NativeTree) -> None:
+        self._impl = impl
+        self._native = type(impl) is _NativeTree
+        # the calls, bound once (no delegation per call); a native tree's wrapped to move on
+        for name in ("apply", "apply_each", "apply_batch", "apply_events", "apply_events_with_lengths",
+                     "withdraw_all", "withdraw_all_with_lengths"):
+            method = getattr(impl, name)
+            setattr(self, name, self._falling_back(name, method) if self._native else method)
+
+    def _falling_back(self, name: str, method: Callable) -> Callable:
+        impl = self._impl
+        owner = weakref.ref(self)  # (no cycle through the instance's dict: trees are freed by refcount)
+
+        def call(*args):
+            tree = owner()
+            if tree is None:  # (a call kept past its tree: the state is still the native one)
+                return method(*args)
+            if tree._impl is not impl:  # (a reference kept from before the state moved to Python)
+                return getattr(tree, name)(*args)
+            try:
+                return method(*args)
+            except _Unsupported as why:
+                log.info("block tree of %s moves to Python: %s", tree.worker, why)
+                tree._use(impl.to_python())
+                return getattr(tree, name)(*args)
+        call.__doc__ = method.__doc__
+        return call
+
+    # The calls (bound per instance by _use; these document them and serve the class itself).
+
+    def apply(self, event: KvEvent) -> list[IndexEvent]:
+        """``event``'s index events."""
+        return self._impl.apply(event)
+
+    def apply_each(self, events: Iterable[KvEvent]) -> list[IndexEvent]:
+        """``apply`` on each event in turn, their index events concatenated: each event's own
+        diff in order (not ``apply_events``' one net diff over all of them)."""
+        return self._impl.apply_each(events)
+
+    def apply_batch(self, batch: EventBatch) -> list[IndexEvent]:
+        return self._impl.apply_batch(batch)
+
+    def apply_events(self, events: Iterable[KvEvent]) -> list[IndexEvent]:
+        """Apply ``events`` in order in one pass and return the net change of the keys they
+        touched (one diff at the end, and before each AllBlocksCleared)."""
+        return self._impl.apply_events(events)
+
+    def apply_events_with_lengths(self, events: Iterable[KvEvent]) -> tuple[list[IndexEvent], list[int]]:
+        """``apply_events``, and each index event's indexed length."""
+        return self._impl.apply_events_with_lengths(events)
+
+    def withdraw_all(self) -> list[IndexEvent]:
+        """Forget every block; PrefixEvicted for every registered key (AllBlocksCleared, restart)."""
+        return self._impl.withdraw_all()
+
+    def withdraw_all_with_lengths(self) -> tuple[list[IndexEvent], list[int]]:
+        return self._impl.withdraw_all_with_lengths()
+
+    # ----------------------------------------------------------------------------- queries
+
+    def __len__(self) -> int:
+        return len(self._impl)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._impl
+
+    def is_attached(self, block_hash: BlockHash) -> bool:
+        return self._impl.is_attached(block_hash)
+
+    @property
+    def detached_count(self) -> int:
+        return self._impl.detached_count
+
+    @property
+    def dropped_blocks(self) -> int:
+        return self._impl.dropped_blocks
+
+    @property
+    def ignored_removals(self) -> int:
+        return self._impl.ignored_removals
+
+    @property
+    def refused_events(self) -> dict[str, int]:
+        return self._impl.refused_events
+
+    @property
+    def is_native(self) -> bool:
+        """The state is in C (else in Python)."""
+        return self._native
+
+    def registered(self) -> dict[int, Tier]:
+        """Key -> tier as announced so far (a copy)."""
+        return self._impl.registered()
+
+    def registered_with_lengths(self) -> dict[int, tuple[Tier, int]]:
+        """Key -> (tier, indexed length) as announced so far (a re-registration's content)."""
+        return self._impl.registered_with_lengths()
+
+    @property
+    def _blocks(self) -> Iterable[BlockHash]:
+        """The mirrored blocks' hashes (for tests)."""
+        return self._impl.block_hashes() if self._native else self._impl._blocks  # type: ignore[union-attr]
+
+    @property
+    def _detached(self) -> Sequence[BlockHash]:
+        """The detached blocks' hashes, oldest first (for tests)."""
+        return self._impl.detached_hashes() if self._native else self._impl._detached  # type: ignore[union-attr]
 
 
 def lengths_covered(indexed_lengths: Sequence[int], tokens: int) -> list[int]:

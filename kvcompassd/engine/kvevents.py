@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -583,14 +584,53 @@ class ScannedEvents(Sequence):
     sequence of the events ``_decode_coalesced`` builds (made on first use, equal to them).
     Immutable: nothing changes the columns once scanned."""
 
-    __slots__ = ("_data", "_events", "hashes", "runs", "tokens")
+    __slots__ = ("_columns", "_data", "_events", "_hashes", "_runs", "_tokens")
 
-    def __init__(self, data: bytes, runs: list[tuple], hashes: list[int], tokens: list[int]) -> None:
+    def __init__(self, data: bytes, runs: list[tuple] | None, hashes: list[int] | None, tokens: list[int] | None,
+                 columns: tuple[bytes, bytes, bytes] | None = None) -> None:
+        """``columns``: the same runs, hashes and tokens as the scan wrote them (kvc_event_run
+        records, int64s, uint32s, native order), for a C block tree to read as they are; the
+        lists may then be None (made from the columns on first use)."""
+        if columns is None and (runs is None or hashes is None or tokens is None):
+            raise ValueError("ScannedEvents needs its lists or its columns")
         self._data = data
-        self.runs = runs
-        self.hashes = hashes
-        self.tokens = tokens
+        self._runs = runs
+        self._hashes = hashes
+        self._tokens = tokens
+        self._columns = columns
         self._events: tuple[KvEvent, ...] | None = None
+
+    @property
+    def runs(self) -> list[tuple]:
+        if self._runs is None:
+            self._runs = np.frombuffer(self._columns[0], dtype=_RUN_DTYPE).tolist()  # type: ignore[index]
+        return self._runs
+
+    @property
+    def hashes(self) -> list[int]:
+        if self._hashes is None:
+            self._hashes = array("q", self._columns[1]).tolist()  # type: ignore[index]
+        return self._hashes
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = array("I", self._columns[2]).tolist()  # type: ignore[index]
+        return self._tokens
+
+    @property
+    def data(self) -> bytes:
+        """The payload the runs' media and LoRA names point into."""
+        return self._data
+
+    def columns(self) -> tuple[bytes, bytes, bytes]:
+        """The runs as kvc_event_run records, the hashes as int64s, the tokens as uint32s
+        (native order): what the scan wrote, or laid out from the lists. Raises OverflowError or
+        TypeError for hashes that are not int64s (lists made by hand)."""
+        if self._columns is None:
+            runs = np.array(self.runs, dtype=_RUN_DTYPE).tobytes() if self.runs else b""
+            self._columns = (runs, array("q", self.hashes).tobytes(), array("I", self.tokens).tobytes())
+        return self._columns
 
     def medium(self, run: tuple) -> str | None:
         """The run's medium as the engine named it (None: null or absent)."""
@@ -617,6 +657,9 @@ class ScannedEvents(Sequence):
 
     def block_count(self) -> int:
         """Block hashes over all the runs (what an event's ``block_hashes`` would count)."""
+        if self._runs is None:  # (from the columns, without making the runs' tuples)
+            runs = np.frombuffer(self._columns[0], dtype=_RUN_DTYPE)  # type: ignore[index]
+            return int(runs["hash_end"].sum(dtype=np.int64) - runs["hash_start"].sum(dtype=np.int64))
         return sum(run[RUN_HASH_END] - run[RUN_HASH_START] for run in self.runs)
 
     def event(self, index: int) -> KvEvent:
@@ -646,7 +689,9 @@ class ScannedEvents(Sequence):
                                self.lora_name(run), group_idx)
 
     def __len__(self) -> int:
-        return len(self.runs)
+        if self._runs is None:
+            return len(self._columns[0]) // _RUN_BYTES  # type: ignore[index]
+        return len(self._runs)
 
     def __getitem__(self, index):  # type: ignore[override]
         return self._built()[index]
@@ -712,13 +757,13 @@ def _scan_coalesced(data: bytes) -> tuple[float, int | None, ScannedEvents] | No
         return None
     if n_runs:
         runs = np.frombuffer(ffi.buffer(buffers.runs, n_runs * _RUN_BYTES), dtype=_RUN_DTYPE)
-        hashes = ffi.unpack(buffers.hashes, int(runs["hash_end"].max()))
-        tokens = ffi.unpack(buffers.tokens, int(runs["token_end"].max()))
-        run_list = runs.tolist()
-    else:
-        run_list, hashes, tokens = [], [], []
+        n_hashes, n_tokens = int(runs["hash_end"].max()), int(runs["token_end"].max())
+        # copies (the buffers are reused); the lists are made only if something reads them
+        columns = (runs.tobytes(), ffi.buffer(buffers.hashes, 8 * n_hashes)[:], ffi.buffer(buffers.tokens, 4 * n_tokens)[:])
+        return (buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None),
+                ScannedEvents(data, None, None, None, columns))
     return (buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None),
-            ScannedEvents(data, run_list, hashes, tokens))
+            ScannedEvents(data, [], [], [], (b"", b"", b"")))
 
 
 def _removed(hashes: Any, medium: Any, group_idx: Any = None) -> BlockRemoved:
