@@ -24,6 +24,29 @@ async def generate(dep, region: str, text: str, max_new_tokens: int = 4) -> dict
             return await r.json()
 
 
+MAX_FRONT_DOOR_CONNECTIONS = 64  # SO_REUSEPORT hashes each new connection: P(all on one of 2) = 2^-63
+
+
+async def session_per_process(dep, region: str, processes: int = 2) -> dict[int, aiohttp.ClientSession]:
+    """One keep-alive connection to each process of ``region``'s ``edge --workers N``: {front
+    door pid, or 0 for the edge process: session}. A connection stays on the process that
+    accepted it, so a session speaks to one process. Close the sessions when done."""
+    found: dict[int, aiohttp.ClientSession] = {}
+    for _ in range(MAX_FRONT_DOOR_CONNECTIONS):
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        async with s.get(dep.edge_url(region) + "/health") as r:
+            body = await r.json()
+        key = body.get("front_door", 0)
+        if key in found or not body["ready"]:
+            await s.close()
+        else:
+            found[key] = s
+        if len(found) == processes:
+            break
+    assert len(found) == processes, f"connections reached only {sorted(found)}"
+    return found
+
+
 async def admin(dep, node: str, what: str, args: dict | None = None) -> dict:
     return await query(dep.cfg, dep.tls_dir, "admin", node, what, args or {})
 

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import socket
 
-from e2e_helpers import admin, doc, eventually, generate
+from e2e_helpers import admin, doc, eventually, generate, session_per_process
 from kvcompassd.core.config import load_config
 from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
@@ -32,7 +32,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SPEC = DeploymentSpec(workers={"us": 2, "eu": 1}, one_way_ms={("us", "eu"): 10.0}, shards=2,
                       prefill_ms_per_token=0.05, decode_ms_per_token=1.0, fingerprint_bits=16)
 TESTBED = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
-MAX_CONNECTIONS = 64  # SO_REUSEPORT hashes each new connection: P(all on one of 2) = 2^-63
 
 
 async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_edges():
@@ -258,19 +257,7 @@ async def dep(tmp_path_factory):
 async def doors(dep):
     """One keep-alive connection to each front door of edge-us: {front door pid or 0: session}.
     A connection stays on the process that accepted it, so a session speaks to one process."""
-    found: dict[int, aiohttp.ClientSession] = {}
-    for _ in range(MAX_CONNECTIONS):
-        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
-        async with s.get(dep.edge_url("us") + "/health") as r:
-            body = await r.json()
-        key = body.get("front_door", 0)
-        if key in found or not body["ready"]:
-            await s.close()
-        else:
-            found[key] = s
-        if len(found) == 2:
-            break
-    assert len(found) == 2, f"connections reached only {sorted(found)}"
+    found = await session_per_process(dep, "us")
     yield found
     for s in found.values():
         await s.close()

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from e2e_helpers import admin, doc, eventually, generate
+from e2e_helpers import admin, doc, eventually, generate, session_per_process
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -22,7 +22,6 @@ SPEC = DeploymentSpec(workers={"us": 3, "eu": 2}, decode_workers={"us": 1, "eu":
                       fingerprint_bits=16)
 PREFILL = {"us": ("us-p0", "us-p1"), "eu": ("eu-p0",)}
 DECODE = {"us": "us-d0", "eu": "eu-d0"}
-MAX_CONNECTIONS = 64  # SO_REUSEPORT hashes each new connection: P(all on one of 2) = 2^-63
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -35,19 +34,7 @@ async def dep(tmp_path_factory):
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def doors(dep):
     """One keep-alive connection to each process of edge-us: {front door pid or 0: session}."""
-    found: dict[int, aiohttp.ClientSession] = {}
-    for _ in range(MAX_CONNECTIONS):
-        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
-        async with s.get(dep.edge_url("us") + "/health") as r:
-            body = await r.json()
-        key = body.get("front_door", 0)
-        if key in found or not body["ready"]:
-            await s.close()
-        else:
-            found[key] = s
-        if len(found) == 2:
-            break
-    assert len(found) == 2, f"connections reached only {sorted(found)}"
+    found = await session_per_process(dep, "us")
     yield found
     for s in found.values():
         await s.close()
