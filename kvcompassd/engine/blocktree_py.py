@@ -113,12 +113,9 @@ class _Block:
 
 class _PythonTree:
     """One worker's block mirror in Python (BlockTree's implementation with ``key_fn``, and with
-    ``salt`` once a tree meets what the C tree cannot hold: see :class:`BlockTree`).
-
-    Keys come either from ``key_fn`` (any function of the path's tokens) or, given ``salt``,
-    are ``kvcompassd.core.keys.prefix_keys(path, lengths, salt)`` computed incrementally: the
-    SHA-256 state is kept at blocks holding an indexed length, so each key hashes only the
-    tokens since the nearest such ancestor. Pass exactly one of the two."""
+    ``salt`` once a tree meets what the C tree cannot hold: see :class:`BlockTree` for the keys
+    and the arguments). A salted tree keeps the SHA-256 state at blocks holding an indexed
+    length, so each key hashes only the tokens since the nearest such ancestor."""
 
     def __init__(
         self,
@@ -249,39 +246,22 @@ class _PythonTree:
         The engines send one event per page, strictly alternating an eviction and a store once
         the cache is full, so coalescing leaves about one run per page; an object for each was
         most of the agent's decoding time, and a call for each most of this mirror's. So the
-        usual run (one new page under an attached parent, nothing waiting under it; one page
-        leaving its only medium, no child, no indexed length) is applied inline here, anything
-        else by ``_store_chain`` / ``_remove_hashes`` as an event's blocks are, and a run the
+        usual store (one new page under an attached parent, nothing waiting under it) is applied
+        inline here, anything else by ``_store_chain`` / ``_remove_hashes`` as an event's blocks are, and a run the
         mirror refuses (another KV-cache group, a partial block) is built as its event and
         refused as ``apply_events`` refuses it."""
         out: list[IndexEvent] = []
         lengths: list[int] = []
         touched: dict[int, int] = {}
         page_size = self._page_size
-        blocks, children, detached = self._blocks, self._children, self._detached
+        blocks, children = self._blocks, self._children
         hashes, tokens = events.hashes, events.tokens
         media = events.canonical_media()
         for index, run in enumerate(events.runs):
             (kind, has_parent, has_lora_id, has_group, size, group_idx, parent, _, hash_start, hash_end, token_start,
              token_end, _, _, lora_name_off, _) = run
             if kind == RUN_REMOVED and not (has_group and group_idx):
-                medium = media[index]
-                if hash_end - hash_start == 1:
-                    block_hash = hashes[hash_start]
-                    block = blocks.get(block_hash)
-                    if block is not None and len(block.media) == 1 and medium in block.media and not block.anchors \
-                            and block_hash not in children:
-                        # the usual eviction, as _remove_hashes does it: a leaf leaving its one medium
-                        del blocks[block_hash]
-                        if detached:
-                            detached.pop(block_hash, None)
-                        siblings = children.get(block.parent)
-                        if siblings is not None:
-                            siblings.pop(block_hash, None)
-                            if not siblings:
-                                del children[block.parent]
-                        continue
-                self._remove_hashes(hashes[hash_start:hash_end], medium, touched)
+                self._remove_hashes(hashes[hash_start:hash_end], media[index], touched)
             elif kind == RUN_STORED and not (has_group and group_idx) and (page_size is None or size == page_size):
                 lora = bool(has_lora_id) or lora_name_off >= 0
                 medium = media[index]
@@ -489,7 +469,7 @@ class _PythonTree:
 
     def _remove_hashes(self, hashes: Iterable[BlockHash], medium: str, touched: dict[int, int]) -> None:
         """The blocks ``hashes`` left ``medium`` (a BlockRemoved event's, or a scanned run's)."""
-        blocks, children, detached = self._blocks, self._children, self._detached
+        blocks, children = self._blocks, self._children
         for block_hash in hashes:
             block = blocks.get(block_hash)
             if block is None or medium not in block.media:
@@ -515,15 +495,7 @@ class _PythonTree:
                             self._detach_subtree(child, touched)
                 if block.anchors:
                     self._withdraw_anchors(block, touched)
-            # _forget, inlined (an evicted page is usually a leaf without anchors: this is all it costs)
-            del blocks[block_hash]
-            if detached:
-                detached.pop(block_hash, None)
-            siblings = children.get(block.parent)
-            if siblings is not None:
-                siblings.pop(block_hash, None)
-                if not siblings:
-                    del children[block.parent]
+            self._forget(block)
 
     def _forget(self, block: _Block) -> None:
         del self._blocks[block.hash]
