@@ -930,9 +930,39 @@ static int64_t finish(kvc_btree *t, int rc) {
     return (int64_t)t->n_events;
 }
 
+/* every op well formed and its slices inside the columns (checked before anything applies) */
+static int ops_valid(const kvc_btree_op *ops, size_t n, size_t n_hashes, size_t n_tokens) {
+    size_t hash_at = 0, token_at = 0;
+    for (size_t i = 0; i < n; i++) {
+        const kvc_btree_op *op = &ops[i];
+        int kind = (int)(op->flags & 3);
+        if (!kind || op->n_hashes < 0 || op->n_tokens < 0) return 0;
+        if ((uint64_t)op->n_hashes > n_hashes - hash_at || (uint64_t)op->n_tokens > n_tokens - token_at) return 0;
+        if (kind == KVC_BT_OP_STORE && op->n_hashes && (op->size <= 0 || op->size > (int64_t)UINT32_MAX)) return 0;
+        hash_at += (size_t)op->n_hashes;
+        token_at += (size_t)op->n_tokens;
+    }
+    return 1;
+}
+
+/* every run of a known kind, its slices in order and inside the columns */
+static int runs_valid(const kvc_event_run *runs, size_t n, size_t n_hashes, size_t n_tokens) {
+    for (size_t i = 0; i < n; i++) {
+        const kvc_event_run *run = &runs[i];
+        if (run->kind == KVC_RUN_CLEARED) continue;
+        if (run->kind != KVC_RUN_STORED && run->kind != KVC_RUN_REMOVED) return 0;
+        if (run->hash_start > run->hash_end || run->hash_end > n_hashes) return 0;
+        if (run->kind == KVC_RUN_STORED &&
+            (run->token_start > run->token_end || run->token_end > n_tokens || !run->block_size))
+            return 0;
+    }
+    return 1;
+}
+
 int64_t kvc_btree_apply_ops(kvc_btree *t, const kvc_btree_op *ops, size_t n, const int64_t *hashes,
-                            const uint32_t *tokens, int diff_each) {
+                            size_t n_hashes, const uint32_t *tokens, size_t n_tokens, int diff_each) {
     begin(t);
+    if (!ops_valid(ops, n, n_hashes, n_tokens)) return KVC_BT_BAD_INPUT;
     int rc = 0;
     size_t hash_at = 0, token_at = 0;
     for (size_t i = 0; i < n && !rc; i++) {
@@ -989,9 +1019,11 @@ static int64_t raw_medium_of(const kvc_btree *t, const kvc_event_run *run, const
 }
 
 int64_t kvc_btree_apply_runs(kvc_btree *t, const kvc_event_run *runs, size_t n, const int64_t *hashes,
-                             const uint32_t *tokens, const uint8_t *media, const uint8_t *data, size_t data_len,
-                             uint32_t page_size, uint8_t *refused, int diff_each) {
+                             size_t n_hashes, const uint32_t *tokens, size_t n_tokens, const uint8_t *media,
+                             const uint8_t *data, size_t data_len, uint32_t page_size, uint8_t *refused,
+                             int diff_each) {
     begin(t);
+    if (!runs_valid(runs, n, n_hashes, n_tokens)) return KVC_BT_BAD_INPUT;
     if (!media) { /* every run's medium first: an unnamed one stops the call before anything applies */
         if (GROW(t, t->run_media, t->run_media_cap, n ? n : 1)) return -1;
         for (size_t i = 0; i < n; i++) {
@@ -1000,7 +1032,7 @@ int64_t kvc_btree_apply_runs(kvc_btree *t, const kvc_event_run *runs, size_t n, 
                 continue;
             }
             int64_t medium = raw_medium_of(t, &runs[i], data, data_len);
-            if (medium < 0) return -2 - (int64_t)i;
+            if (medium < 0) return -3 - (int64_t)i;
             t->run_media[i] = (uint8_t)medium;
         }
         media = t->run_media;

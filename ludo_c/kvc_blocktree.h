@@ -45,7 +45,8 @@ enum kvc_btree_consts {
     KVC_BT_CHANGED = 1,
     KVC_BT_EVICTED = 2,
     KVC_BT_NOTE_RESTORED = 1,   /* kvc_btree_note.code: re-stored with another parent or tokens */
-    KVC_BT_NOTE_DROPPED = 2     /* a detached block dropped at the bound */
+    KVC_BT_NOTE_DROPPED = 2,    /* a detached block dropped at the bound */
+    KVC_BT_BAD_INPUT = -2       /* kvc_btree_apply_ops / _runs: malformed ops or runs, nothing applied */
 };
 
 /* Storage tiers as kvcompassd.engine.kvevents.StorageTier: VRAM 1, DRAM 2, UNINDEXED 3.
@@ -116,11 +117,13 @@ void kvc_btree_free(kvc_btree *tree);
 /* Medium `medium` (< KVC_BT_MAX_MEDIA) is of storage tier `tier` (1..3). Set before first use. */
 void kvc_btree_set_medium_tier(kvc_btree *tree, uint32_t medium, uint32_t tier);
 
-/* Apply `n` ops. diff_each: each op's own index events in turn (as BlockTree.apply on each);
- * else one net diff at the end (and before each clear), as BlockTree.apply_events. Returns the
- * number of index events emitted, or -1 when out of memory. */
+/* Apply `n` ops over the columns `hashes` (n_hashes) and `tokens` (n_tokens). diff_each: each
+ * op's own index events in turn (as BlockTree.apply on each); else one net diff at the end (and
+ * before each clear), as BlockTree.apply_events. Returns the number of index events emitted, -1
+ * when out of memory, or -2 with nothing applied when the ops are malformed: an unknown kind,
+ * negative counts, counts past the columns, or a store's block size outside 1..2^32-1. */
 int64_t kvc_btree_apply_ops(kvc_btree *tree, const kvc_btree_op *ops, size_t n, const int64_t *hashes,
-                            const uint32_t *tokens, int diff_each);
+                            size_t n_hashes, const uint32_t *tokens, size_t n_tokens, int diff_each);
 
 /* Medium index `medium` is also what the engine writes as the `len` bytes `raw` (its name as sent,
  * before any canonical spelling; `absent` 1 for a null or absent medium, then raw is unused).
@@ -128,15 +131,18 @@ int64_t kvc_btree_apply_ops(kvc_btree *tree, const kvc_btree_op *ops, size_t n, 
  * 48 bytes) cannot take it. */
 int kvc_btree_name_medium(kvc_btree *tree, const uint8_t *raw, size_t len, int absent, uint32_t medium);
 
-/* Apply a scanned payload's runs (kvc_kvevents_scan's output over `data`). Run i's medium is
- * media[i], or with `media` NULL the index named for its raw name in `data`
- * (kvc_btree_name_medium): when a run's name is not named, nothing is applied and -2 - i is
- * returned. A run of another KV-cache group, or a store whose block_size is not `page_size`
- * (when page_size > 0), is not applied: refused[i] is set to 1 (else 0) for the caller to log.
+/* Apply a scanned payload's runs (kvc_kvevents_scan's output over `data`, with its n_hashes
+ * hashes and n_tokens tokens). Run i's medium is media[i], or with `media` NULL the index named
+ * for its raw name in `data` (kvc_btree_name_medium): when a run's name is not named, nothing is
+ * applied and -3 - i is returned. A run of another KV-cache group, or a store whose block_size is
+ * not `page_size` (when page_size > 0), is not applied: refused[i] is set to 1 (else 0) for the
+ * caller to log. Runs are checked before anything applies: an unknown kind, a slice out of order
+ * or past its column, a medium name past `data_len`, or a store's block_size of 0 returns -2.
  * diff_each and the result otherwise as kvc_btree_apply_ops. */
 int64_t kvc_btree_apply_runs(kvc_btree *tree, const kvc_event_run *runs, size_t n, const int64_t *hashes,
-                             const uint32_t *tokens, const uint8_t *media, const uint8_t *data, size_t data_len,
-                             uint32_t page_size, uint8_t *refused, int diff_each);
+                             size_t n_hashes, const uint32_t *tokens, size_t n_tokens, const uint8_t *media,
+                             const uint8_t *data, size_t data_len, uint32_t page_size, uint8_t *refused,
+                             int diff_each);
 
 /* Forget every block; an eviction for every announced key, in the order they were announced,
  * with their lengths. Returns the number of events (or -1). */

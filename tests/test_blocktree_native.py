@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcompassd.core._ludo_cffi import ffi, lib
 from kvcompassd.core.events import Tier
 from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.engine.blocktree import BlockTree
@@ -22,6 +23,7 @@ from kvcompassd.engine.kvevents import (
     BlockStored,
     PayloadDecoder,
     ScannedEvents,
+    _RUN_DTYPE,
     encode_payload,
 )
 
@@ -272,3 +274,59 @@ def test_a_tree_is_freed_by_reference_counting() -> None:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def tampered(events: ScannedEvents, run: int, **fields: int) -> ScannedEvents:
+    """The same payload and columns with run ``run``'s fields replaced (what a bug between the
+    scan and the tree would hand it)."""
+    runs, hashes, tokens = events.columns()
+    records = np.frombuffer(runs, dtype=_RUN_DTYPE).copy()
+    for name, value in fields.items():
+        records[run][name] = value
+    return ScannedEvents(events.data, None, None, None, columns=(records.tobytes(), hashes, tokens))
+
+
+@pytest.mark.parametrize("fields", [
+    {"hash_end": 9},  # past the hash column (2 hashes)
+    {"hash_start": 2, "hash_end": 1},  # out of order
+    {"token_end": 1 << 20},  # past the token column
+    {"token_start": 5, "token_end": 4},
+    {"block_size": 0},
+    {"kind": 7},
+])
+def test_runs_that_disagree_with_their_columns_are_refused_whole(fields: dict) -> None:
+    """The C tree checks every run against the columns it was given before applying any:
+    a malformed one raises and the tree is as it was (no read past a column)."""
+    tree = BlockTree("w", [4, 8], salt=SALT)
+    tree.apply(BlockStored((1,), None, (1, 2, 3, 4), 4))
+    before = tree.registered_with_lengths()
+    events = scanned([BlockRemoved((1,)), BlockStored((2, 3), None, (5, 6, 7, 8, 9, 10, 11, 12), 4)])
+    assert tree.is_native
+    with pytest.raises(ValueError, match="malformed"):
+        tree.apply_events(tampered(events, 1 if "token_end" in fields or "block_size" in fields else 0, **fields))
+    assert tree.registered_with_lengths() == before and 1 in tree and 2 not in tree
+    assert len(tree.apply_events(events)) == 3  # the untampered batch applies: 1 evicted, 2 keys cached
+
+
+@pytest.mark.parametrize("op", [
+    (lib.KVC_BT_OP_STORE, 0, 4, 3, 4),  # three hashes, the column holds one
+    (lib.KVC_BT_OP_STORE, 0, 4, 1, 9),  # nine tokens, the column holds four
+    (lib.KVC_BT_OP_STORE, 0, -4, 1, 4),  # a negative block size
+    (lib.KVC_BT_OP_STORE, 0, 1 << 40, 1, 4),  # past uint32
+    (lib.KVC_BT_OP_REMOVE, 0, 0, -1, 0),
+    (0, 0, 0, 0, 0),  # no kind
+])
+def test_ops_past_their_columns_are_refused_by_the_c_entry_point(op: tuple) -> None:
+    tree = lib.kvc_btree_new(ffi.new("uint32_t[]", [4]), 1, SALT, len(SALT), 16)
+    lib.kvc_btree_set_medium_tier(tree, 0, 1)
+    try:
+        ops = ffi.new("kvc_btree_op[]", [op])
+        hashes, tokens = ffi.new("int64_t[]", [1]), ffi.new("uint32_t[]", [1, 2, 3, 4])
+        assert lib.kvc_btree_apply_ops(tree, ops, 1, hashes, 1, tokens, 4, 0) == lib.KVC_BT_BAD_INPUT
+        stats = ffi.new("kvc_btree_stats *")
+        lib.kvc_btree_get_stats(tree, stats)
+        assert stats.blocks == 0 and stats.registered == 0
+        good = ffi.new("kvc_btree_op[]", [(lib.KVC_BT_OP_STORE, 0, 4, 1, 4)])
+        assert lib.kvc_btree_apply_ops(tree, good, 1, hashes, 1, tokens, 4, 0) == 1
+    finally:
+        lib.kvc_btree_free(tree)

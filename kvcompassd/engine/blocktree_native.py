@@ -202,8 +202,8 @@ class _NativeTree:
         ops, hashes, tokens, refused, error = self._ops(events)
         n_ops = len(ops) // 5
         n = lib.kvc_btree_apply_ops(self._tree, ffi.from_buffer("kvc_btree_op[]", ops) if n_ops else ffi.NULL, n_ops,
-                                    ffi.from_buffer("int64_t[]", hashes or _EMPTY_I64),
-                                    ffi.from_buffer("uint32_t[]", tokens or _EMPTY_U32), diff_each)
+                                    ffi.from_buffer("int64_t[]", hashes or _EMPTY_I64), len(hashes),
+                                    ffi.from_buffer("uint32_t[]", tokens or _EMPTY_U32), len(tokens), diff_each)
         out = self._results(n)
         for event in refused:
             self._refuse(event)
@@ -214,6 +214,8 @@ class _NativeTree:
     def _results(self, n: int) -> tuple[list[IndexEvent], list[int]]:
         """The last C call's index events and their lengths; its notes logged."""
         tree = self._tree
+        if n == lib.KVC_BT_BAD_INPUT:  # our own columns disagree with their runs: a bug, never engine input
+            raise ValueError("block tree: malformed ops or runs; nothing applied")
         if n < 0:
             raise MemoryError("block tree: out of memory")
         if lib.kvc_btree_note_count(tree):
@@ -273,11 +275,12 @@ class _NativeTree:
         refused = bytearray(n_runs)
         media = ffi.NULL  # each run's medium found by its raw name in C (named below on first sight)
         while True:
-            n = lib.kvc_btree_apply_runs(self._tree, runs_in, n_runs, hashes_in, tokens_in, media, data, len(data),
+            n = lib.kvc_btree_apply_runs(self._tree, runs_in, n_runs, hashes_in, len(hashes) // 8,
+                                         tokens_in, len(tokens) // 4, media, data, len(data),
                                          self._page_size or 0, ffi.from_buffer("uint8_t[]", refused), diff_each)
-            if n >= -1:
+            if n >= -2:
                 break
-            run = events.runs[-2 - n]  # a medium not named yet (nothing was applied)
+            run = events.runs[-3 - n]  # a medium not named yet (nothing was applied)
             off, length = run[RUN_MEDIUM_OFF], run[RUN_MEDIUM_LEN]
             index = self._medium(events.medium(run))
             if lib.kvc_btree_name_medium(self._tree, data[off:off + length] if off >= 0 else b"", length, off < 0,
