@@ -930,13 +930,17 @@ static int64_t finish(kvc_btree *t, int rc) {
     return (int64_t)t->n_events;
 }
 
+static uint32_t op_medium(const kvc_btree_op *op) {
+    return (uint32_t)(op->flags >> KVC_BT_OP_MEDIUM_SHIFT) & 0xff;
+}
+
 /* every op well formed and its slices inside the columns (checked before anything applies) */
 static int ops_valid(const kvc_btree_op *ops, size_t n, size_t n_hashes, size_t n_tokens) {
     size_t hash_at = 0, token_at = 0;
     for (size_t i = 0; i < n; i++) {
         const kvc_btree_op *op = &ops[i];
         int kind = (int)(op->flags & 3);
-        if (!kind || op->n_hashes < 0 || op->n_tokens < 0) return 0;
+        if (!kind || op_medium(op) >= KVC_BT_MAX_MEDIA || op->n_hashes < 0 || op->n_tokens < 0) return 0;
         if ((uint64_t)op->n_hashes > n_hashes - hash_at || (uint64_t)op->n_tokens > n_tokens - token_at) return 0;
         if (kind == KVC_BT_OP_STORE && op->n_hashes && (op->size <= 0 || op->size > (int64_t)UINT32_MAX)) return 0;
         hash_at += (size_t)op->n_hashes;
@@ -945,12 +949,16 @@ static int ops_valid(const kvc_btree_op *ops, size_t n, size_t n_hashes, size_t 
     return 1;
 }
 
-/* every run of a known kind, its slices in order and inside the columns */
-static int runs_valid(const kvc_event_run *runs, size_t n, size_t n_hashes, size_t n_tokens) {
+/* every run of a known kind, its slices in order and inside the columns and `data`, its medium
+ * index (when the caller gives them) a medium's */
+static int runs_valid(const kvc_event_run *runs, size_t n, size_t n_hashes, size_t n_tokens, const uint8_t *media,
+                      size_t data_len) {
     for (size_t i = 0; i < n; i++) {
         const kvc_event_run *run = &runs[i];
         if (run->kind == KVC_RUN_CLEARED) continue;
         if (run->kind != KVC_RUN_STORED && run->kind != KVC_RUN_REMOVED) return 0;
+        if (media && media[i] >= KVC_BT_MAX_MEDIA) return 0;
+        if (run->medium_off >= 0 && (uint64_t)run->medium_off + run->medium_len > data_len) return 0;
         if (run->hash_start > run->hash_end || run->hash_end > n_hashes) return 0;
         if (run->kind == KVC_RUN_STORED &&
             (run->token_start > run->token_end || run->token_end > n_tokens || !run->block_size))
@@ -967,8 +975,7 @@ int64_t kvc_btree_apply_ops(kvc_btree *t, const kvc_btree_op *ops, size_t n, con
     size_t hash_at = 0, token_at = 0;
     for (size_t i = 0; i < n && !rc; i++) {
         const kvc_btree_op *op = &ops[i];
-        uint32_t medium = (uint32_t)(op->flags >> KVC_BT_OP_MEDIUM_SHIFT) & 0xff;
-        if (medium >= KVC_BT_MAX_MEDIA) medium = 0;
+        uint32_t medium = op_medium(op);
         size_t n_hashes = (size_t)op->n_hashes, n_tokens = (size_t)op->n_tokens;
         switch (op->flags & 3) {
         case KVC_BT_OP_STORE:
@@ -982,8 +989,6 @@ int64_t kvc_btree_apply_ops(kvc_btree *t, const kvc_btree_op *ops, size_t n, con
         case KVC_BT_OP_CLEAR:
             rc = diff(t);
             if (!rc) rc = withdraw_all(t);
-            break;
-        default:
             break;
         }
         hash_at += n_hashes;
@@ -1023,7 +1028,7 @@ int64_t kvc_btree_apply_runs(kvc_btree *t, const kvc_event_run *runs, size_t n, 
                              const uint8_t *data, size_t data_len, uint32_t page_size, uint8_t *refused,
                              int diff_each) {
     begin(t);
-    if (!runs_valid(runs, n, n_hashes, n_tokens)) return KVC_BT_BAD_INPUT;
+    if (!runs_valid(runs, n, n_hashes, n_tokens, media, data_len)) return KVC_BT_BAD_INPUT;
     if (!media) { /* every run's medium first: an unnamed one stops the call before anything applies */
         if (GROW(t, t->run_media, t->run_media_cap, n ? n : 1)) return -1;
         for (size_t i = 0; i < n; i++) {
@@ -1040,7 +1045,7 @@ int64_t kvc_btree_apply_runs(kvc_btree *t, const kvc_event_run *runs, size_t n, 
     int rc = 0;
     for (size_t i = 0; i < n && !rc; i++) {
         const kvc_event_run *run = &runs[i];
-        uint32_t medium = media[i] < KVC_BT_MAX_MEDIA ? media[i] : 0;
+        uint32_t medium = media[i];
         refused[i] = 0;
         int other_group = run->has_group && run->group_idx;
         if (run->kind == KVC_RUN_REMOVED && !other_group) {

@@ -120,8 +120,9 @@ void kvc_btree_set_medium_tier(kvc_btree *tree, uint32_t medium, uint32_t tier);
 /* Apply `n` ops over the columns `hashes` (n_hashes) and `tokens` (n_tokens). diff_each: each
  * op's own index events in turn (as BlockTree.apply on each); else one net diff at the end (and
  * before each clear), as BlockTree.apply_events. Returns the number of index events emitted, -1
- * when out of memory, or -2 with nothing applied when the ops are malformed: an unknown kind,
- * negative counts, counts past the columns, or a store's block size outside 1..2^32-1. */
+ * when out of memory, or -2 with nothing applied when the ops are malformed: an unknown kind, a
+ * medium index of KVC_BT_MAX_MEDIA or more, negative counts, counts past the columns, or a
+ * store's block size outside 1..2^32-1. */
 int64_t kvc_btree_apply_ops(kvc_btree *tree, const kvc_btree_op *ops, size_t n, const int64_t *hashes,
                             size_t n_hashes, const uint32_t *tokens, size_t n_tokens, int diff_each);
 
@@ -137,7 +138,8 @@ int kvc_btree_name_medium(kvc_btree *tree, const uint8_t *raw, size_t len, int a
  * applied and -3 - i is returned. A run of another KV-cache group, or a store whose block_size is
  * not `page_size` (when page_size > 0), is not applied: refused[i] is set to 1 (else 0) for the
  * caller to log. Runs are checked before anything applies: an unknown kind, a slice out of order
- * or past its column, a medium name past `data_len`, or a store's block_size of 0 returns -2.
+ * or past its column, a medium name past `data_len`, a media[i] of KVC_BT_MAX_MEDIA or more, or a
+ * store's block_size of 0 returns -2.
  * diff_each and the result otherwise as kvc_btree_apply_ops. */
 int64_t kvc_btree_apply_runs(kvc_btree *tree, const kvc_event_run *runs, size_t n, const int64_t *hashes,
                              size_t n_hashes, const uint32_t *tokens, size_t n_tokens, const uint8_t *media,

@@ -286,15 +286,16 @@ def tampered(events: ScannedEvents, run: int, **fields: int) -> ScannedEvents:
     return ScannedEvents(events.data, None, None, None, columns=(records.tobytes(), hashes, tokens))
 
 
-@pytest.mark.parametrize("fields", [
-    {"hash_end": 9},  # past the hash column (2 hashes)
-    {"hash_start": 2, "hash_end": 1},  # out of order
-    {"token_end": 1 << 20},  # past the token column
-    {"token_start": 5, "token_end": 4},
-    {"block_size": 0},
-    {"kind": 7},
+@pytest.mark.parametrize(("run", "fields"), [
+    (0, {"hash_end": 9}),  # past the hash column (2 hashes)
+    (0, {"hash_start": 2, "hash_end": 1}),  # out of order
+    (1, {"token_end": 1 << 20}),  # past the token column
+    (1, {"token_start": 5, "token_end": 4}),
+    (1, {"block_size": 0}),
+    (0, {"kind": 7}),
+    (1, {"medium_off": 1 << 20, "medium_len": 3}),  # a medium name past the payload
 ])
-def test_runs_that_disagree_with_their_columns_are_refused_whole(fields: dict) -> None:
+def test_runs_that_disagree_with_their_columns_are_refused_whole(run: int, fields: dict) -> None:
     """The C tree checks every run against the columns it was given before applying any:
     a malformed one raises and the tree is as it was (no read past a column)."""
     tree = BlockTree("w", [4, 8], salt=SALT)
@@ -303,7 +304,7 @@ def test_runs_that_disagree_with_their_columns_are_refused_whole(fields: dict) -
     events = scanned([BlockRemoved((1,)), BlockStored((2, 3), None, (5, 6, 7, 8, 9, 10, 11, 12), 4)])
     assert tree.is_native
     with pytest.raises(ValueError, match="malformed"):
-        tree.apply_events(tampered(events, 1 if "token_end" in fields or "block_size" in fields else 0, **fields))
+        tree.apply_events(tampered(events, run, **fields))
     assert tree.registered_with_lengths() == before and 1 in tree and 2 not in tree
     assert len(tree.apply_events(events)) == 3  # the untampered batch applies: 1 evicted, 2 keys cached
 
@@ -314,6 +315,7 @@ def test_runs_that_disagree_with_their_columns_are_refused_whole(fields: dict) -
     (lib.KVC_BT_OP_STORE, 0, -4, 1, 4),  # a negative block size
     (lib.KVC_BT_OP_STORE, 0, 1 << 40, 1, 4),  # past uint32
     (lib.KVC_BT_OP_REMOVE, 0, 0, -1, 0),
+    (lib.KVC_BT_OP_STORE | 40 << lib.KVC_BT_OP_MEDIUM_SHIFT, 0, 4, 1, 4),  # medium 40 of 32
     (0, 0, 0, 0, 0),  # no kind
 ])
 def test_ops_past_their_columns_are_refused_by_the_c_entry_point(op: tuple) -> None:
