@@ -14,12 +14,12 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 SOURCES = ("ludo_wire.c", "ludo_locator.c", "ludo_table.c", "ludo_stream.c", "ludo_view.c", "ludo_export.c", "ludo_bench.c", "ludo_plan.c",
            "kvc_sha256.c", "kvc_keys.c", "kvc_forward.c", "kvc_seqlock.c", "kvc_arena.c", "kvc_kvevents.c",
-           "kvc_blocktree.c")
+           "kvc_blocktree.c", "kvc_versions.c")
 
 
 # Headers whose CDEF blocks make up the cffi declarations.
 HEADERS = ("ludo.h", "kvc_sha256.h", "kvc_keys.h", "kvc_forward.h", "kvc_shared.h", "kvc_arena.h", "kvc_kvevents.h",
-           "kvc_blocktree.h")
+           "kvc_blocktree.h", "kvc_versions.h")
 
 
 def _cdef_text() -> str:

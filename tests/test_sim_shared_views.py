@@ -29,11 +29,24 @@ def _fleet(name: str) -> Topology:
     return Topology.from_config(parse_config(tomllib.loads(render_toml(spec)), spec.name))
 
 
-def _run(topo: Topology, shared: bool, rate: float, duration_s: float):
+def _run(topo: Topology, shared: bool, rate: float, duration_s: float, update_delay_ms: float = 0.0):
     policy = KVCompassPolicy(topo, shared_views=shared)
     requests = make_workload("mixed", rate, region_weights(topo), seed=3)
-    result = simulate(topo, policy, requests, settings=SimSettings(eviction="lfu", seed=3), duration_s=duration_s)
+    settings = SimSettings(eviction="lfu", seed=3, update_delay_ms=update_delay_ms)
+    result = simulate(topo, policy, requests, settings=settings, duration_s=duration_s)
     return policy, result
+
+
+def test_an_update_delay_the_engine_hands_over_reaches_the_shared_views():
+    topo = _fleet("scaled-22x8")
+    rate = 8.0 * topo.n_workers
+    old_policy, old = _run(topo, False, rate, 1.0, update_delay_ms=40.0)
+    new_policy, new = _run(topo, True, rate, 1.0, update_delay_ms=40.0)
+    _, undelayed = _run(topo, True, rate, 1.0)
+    assert new_policy.shared_views and new_policy.update_delay_ms == 40.0
+    for column in ("worker", "claimed_tokens", "reused_tokens", "ttft_ms"):
+        assert np.array_equal(old.records[column], new.records[column]), column
+    assert not np.array_equal(new.records["claimed_tokens"], undelayed.records["claimed_tokens"])
 
 
 @pytest.mark.parametrize("fleet", ["northamerica-11", "scaled-22x8"])
@@ -108,31 +121,50 @@ def test_broadcasts_stop_after_the_last_arrival_and_no_decision_changes():
 
 
 def test_compaction_moves_lagging_edges_together_up_to_the_slowest_edges_position():
-    from bisect import bisect_right
-
     topo = _fleet("scaled-22x8")
     policy = KVCompassPolicy(topo)
     requests = list(itertools.islice(make_workload("mixed", 8.0 * topo.n_workers, region_weights(topo), seed=7), 300))
     simulate(topo, policy, requests, settings=SimSettings(eviction="lfu", seed=7))
     shared = policy._shared
-    now = max(t[-1] for t in shared._times if t) + 0.01  # some edges have the last batches, others not yet
+    now = shared.last_published() + 0.01  # some edges have the last batches, others not yet
     edges = range(len(shared.edges))
     before = shared.live_versions()
     shared.compact(now)
     for s in range(shared.shards):
         positions = [shared.position(e, s, now) for e in edges]
-        for g, t in shared._tables[s].items():
-            low = bisect_right(t.seqs, min(positions))
-            held = set(t.at)
-            assert min(held) >= low  # nobody is left behind the slowest edge's position ...
-            for e in edges:  # ... nor moved past its own, and every edge reads its version's table
-                assert t.at[e] <= bisect_right(t.seqs, positions[e])
-                assert shared.edges[e].view(s, g) is t.views[t.at[e]]
-                # ... through its C lookup's pointer too (a view moved on in place keeps its own)
+        for g in range(shared.groups):
+            at, refs = shared.table_state(s, g)
+            low = shared.version_at(s, g, min(positions))
+            assert min(at) >= low  # nobody is left behind the slowest edge's position ...
+            for e in edges:  # ... nor moved past its own, and its C lookup reads its version's table
+                assert at[e] <= shared.version_at(s, g, positions[e])
                 pointers = shared.pointers[e]
-                assert pointers.pointers()[s * pointers._groups + g] == t.views[t.at[e]]._ptr
-            assert set(t.refs) == held and sum(t.refs.values()) == len(edges)
+                assert pointers.pointers()[s * shared.groups + g] == shared.view_pointer(e, s, g)
+            assert set(refs) == set(at) and sum(refs.values()) == len(edges)
     assert shared.live_versions() <= before
     # Once every batch has reached every edge, one version of each table is left.
     shared.compact(shared.last_due())
-    assert shared.live_versions() == sum(len(tables) for tables in shared._tables)
+    assert shared.live_versions() == shared.shards * shared.groups
+
+
+def test_batches_out_of_order_or_corrupt_are_refused_and_change_nothing():
+    from kvcompassd.core.ludo import LudoError
+    from kvcompassd.core.messages import UpdateBatchPublished
+
+    topo = _fleet("scaled-22x8")
+    policy = KVCompassPolicy(topo)
+    requests = list(itertools.islice(make_workload("mixed", 8.0 * topo.n_workers, region_weights(topo), seed=7), 60))
+    simulate(topo, policy, requests, settings=SimSettings(eviction="lfu", seed=7))
+    shared, shard = policy._shared, policy.shards[0]
+    state = [shared.table_state(0, g) for g in range(shared.groups)]
+    versions = shared.live_versions()
+    with pytest.raises(ValueError, match="out of order"):
+        shared.publish(UpdateBatchPublished(0, shard.epoch, shard.seq + 2, ()), 1e6)
+    blob = bytearray(shard.snapshot().tables[0][1])
+    blob[:4] = b"XXXX"
+    with pytest.raises(LudoError):
+        shared.publish(UpdateBatchPublished(0, shard.epoch, shard.seq + 1, ((0, bytes(blob)),)), 1e6)
+    assert [shared.table_state(0, g) for g in range(shared.groups)] == state
+    assert shared.live_versions() == versions
+    # The next batch in order is still taken.
+    shared.publish(UpdateBatchPublished(0, shard.epoch, shard.seq + 1, ((0, shard.snapshot().tables[0][1]),)), 1e6)

@@ -118,11 +118,14 @@ class ViewPointers:
             self._rebuild()
         return self._array
 
-    def refresh(self, shard: int, group: int, view: Any) -> None:
-        """Point one (shard, group) slot at ``view``, which the caller just put in that shard's
-        dict in place (the simulator's shared table versions), instead of rebuilding every slot.
-        The dict keeps the view alive while the slot points at it."""
-        self._array[shard * self._groups + group] = ffi.NULL if view is None else view._ptr
+    def hand_over(self) -> tuple[Any, int]:
+        """The array and its groups per shard, for a caller that keeps every slot current from
+        now on (the simulator's shared table versions, ``kvc_versions.h``): the states' dicts as
+        they are now count as read, so ``pointers()`` rebuilds only if one is replaced."""
+        self._dicts = [st.views for st in self._state]
+        if self._changes is not None:
+            self._seen = self._changes[0]
+        return self._array, self._groups
 
     def _rebuild(self) -> None:
         groups, array = self._groups, self._array

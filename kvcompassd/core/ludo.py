@@ -488,6 +488,18 @@ class LudoView:
         view._ptr = ffi.gc(out[0], lib.kvc_view_free, size=int(lib.kvc_view_memory_bytes(out[0])))
         return view
 
+    @classmethod
+    def copy_of(cls, ptr: Any) -> LudoView:
+        """An independent view in the state of a ``kvc_view *`` another owner holds (the
+        simulator's shared versions hand out copies, never their own)."""
+        out = ffi.new("kvc_view **")
+        rc = lib.kvc_view_copy(out, ptr)
+        if rc != lib.KVC_OK:
+            _raise(rc, "copying a view")
+        view = object.__new__(cls)
+        view._ptr = ffi.gc(out[0], lib.kvc_view_free, size=int(lib.kvc_view_memory_bytes(out[0])))
+        return view
+
     def apply(self, blob: bytes) -> None:
         """Apply a record blob or a snapshot; on any error the view is left unchanged."""
         buf = _blob_buffer(blob)

@@ -286,6 +286,8 @@ class KVCompassPolicy(BasePolicy):
         if settings.update_delay_ms:
             self.update_delay_ms = float(settings.update_delay_ms)
             self._set_push_delays()
+            if self._shared is not None:
+                self._shared.set_delays()
         return dataclasses.replace(settings, update_delay_ms=0.0, update_loss=0.0)
 
     # ------------------------------------------------------------------------------ in flight

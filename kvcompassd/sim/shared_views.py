@@ -19,19 +19,24 @@ blobs. Every ``SWEEP_S`` of virtual time every table's edges that lag what the m
 has received by then move up to that version together (``compact``), so tables an edge has not
 read lately do not pin old versions.
 
+The versions, their blobs and every move are kept in C (``ludo_c/kvc_versions.c``, the same
+rules step for step): a read touches ~100 tables and moves ~45 of them at 1,024 x 64, which in
+Python per table was a fifth of the simulator's CPU. This class is its Python face.
+
 Loss, and the repair it needs, make an edge's state diverge from every other's: the policy keeps
 per-edge views for ``update_loss > 0`` (kvcompass_policy.py).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from kvcompassd.core._ludo_cffi import ffi, lib
 from kvcompassd.core.index import EdgeIndexView
-from kvcompassd.core.ludo import LudoView, blob_is_snapshot
+from kvcompassd.core.ludo import LudoView, _raise
 from kvcompassd.core.lookup_plan import ViewPointers
 from kvcompassd.core.messages import ShardSnapshotSent, UpdateBatchPublished
 
@@ -40,119 +45,82 @@ __all__ = ["SharedViews", "SWEEP_S"]
 SWEEP_S = 1.0  # virtual seconds between compactions of every table's versions
 
 
-class _Versions:
-    """The live versions of one (shard, group) table and the blobs between them."""
-
-    __slots__ = ("views", "refs", "at", "blobs", "snapshot", "blob_base", "latest", "seqs")
-
-    def __init__(self, view: LudoView, edges: int) -> None:
-        self.views: dict[int, LudoView] = {0: view}
-        self.refs: dict[int, int] = {0: edges}
-        self.at: list[int] = [0] * edges  # at[e]: the version edge e is at
-        self.blobs: list[bytes] = []  # blobs[i] turns version blob_base + i into blob_base + i + 1
-        self.snapshot: list[bool] = []  # blobs[i] is a snapshot (the table grew or was rebuilt)
-        self.blob_base = 0
-        self.latest = 0
-        self.seqs: list[int] = []  # seqs[k - 1]: the shard's batch that made version k
-
-    def add(self, blob: bytes, seq: int) -> int:
-        self.seqs.append(seq)
-        self.blobs.append(blob)
-        self.snapshot.append(blob_is_snapshot(blob))
-        self.latest += 1
-        return self.latest
-
-    def make(self, k: int) -> LudoView:
-        """Version ``k`` (not live yet), from the highest live version below it."""
-        base = max(v for v in self.views if v < k)
-        off = self.blob_base
-        start = base
-        for v in range(k, base, -1):  # a snapshot blob in between: start from it, nothing to copy
-            if self.snapshot[v - 1 - off]:
-                start = v
-                break
-        if start > base:
-            view = LudoView.from_snapshot(self.blobs[start - 1 - off])
-        elif self.refs[base] == 0:
-            view = self.views.pop(base)  # no edge is at it any more: move it on in place
-            del self.refs[base]
-        else:
-            view = self.views[base].copy()
-        for v in range(start + 1, k + 1):
-            view.apply(self.blobs[v - 1 - off])
-        return view
-
-    def advance(self, base: int, k: int) -> LudoView | None:
-        """Live version ``base`` moved on to version ``k`` in place (its edges' pointers stay
-        valid: the view object is the same), or None, untouched, when a snapshot blob lies in
-        between (a new table: the caller makes version ``k`` instead)."""
-        off = self.blob_base
-        if any(self.snapshot[v - 1 - off] for v in range(base + 1, k + 1)):
-            return None
-        view = self.views[base]
-        for v in range(base + 1, k + 1):
-            view.apply(self.blobs[v - 1 - off])
-        return view
-
-    def collect(self) -> None:
-        """Free the versions no edge is at (an edge behind a version rebuilds from its own, so
-        none is needed as a base), and the blobs below every edge's version."""
-        for v in [v for v, r in self.refs.items() if r == 0]:
-            del self.views[v], self.refs[v]
-        lowest = min(self.refs)
-        if lowest > self.blob_base:
-            cut = lowest - self.blob_base
-            del self.blobs[:cut], self.snapshot[:cut]
-            self.blob_base = lowest
-
-
 class SharedViews:
     """Every edge's view of every shard, as shared table versions (see the module docstring).
 
-    ``edges`` are the edges' ``EdgeIndexView`` objects (their state dicts are kept pointing at
-    the versions each edge is at, in place), ``pointers`` each edge's Router's ``ViewPointers``,
+    ``edges`` are the edges' ``EdgeIndexView`` objects (their state's positions are kept, and
+    their views dicts filled with the versions each edge is at when ``advance_all`` settles
+    them), ``pointers`` each edge's Router's ``ViewPointers`` (its array is kept current in C),
     ``readers[e][i]`` the groups edge ``e``'s lookup reads at its ``i``-th query length, and
-    ``delays[s][e]`` the seconds from shard ``s`` publishing to edge ``e`` applying."""
+    ``delays[s][e]`` the seconds from shard ``s`` publishing to edge ``e`` applying (read again
+    by ``set_delays``)."""
 
     def __init__(self, edges: Sequence[EdgeIndexView], pointers: Sequence[ViewPointers],
                  readers: Sequence[Sequence[tuple[int, ...]]], delays: Sequence[Sequence[float]]) -> None:
         self.edges = list(edges)
         self.pointers = list(pointers)
-        self.readers = [list(r) for r in readers]
-        self.delays = delays  # the policy's own rows: a changed update delay applies here too
+        self.delays = delays  # the policy's own rows
         n_shards = self.edges[0].shards if self.edges else 0
         self.shards = n_shards
-        self._tables: list[dict[int, _Versions]] = [{} for _ in range(n_shards)]
-        self._times: list[list[float]] = [[] for _ in range(n_shards)]  # publish time of each batch
+        arrays = [p.hand_over() for p in self.pointers]
+        groups = arrays[0][1] if arrays else 1
+        self.groups = groups
+        out = ffi.new("kvc_vs **")
+        rc = lib.kvc_vs_new(out, max(1, n_shards), groups, len(self.edges))
+        if rc != lib.KVC_OK:
+            _raise(rc, "creating the shared views")
+        self._vs = ffi.gc(out[0], lib.kvc_vs_free)
+        self._bound = []  # what the C side borrows: kept alive with it
+        for e, (array, _) in enumerate(arrays):
+            offsets = np.zeros(len(readers[e]) + 1, np.uint32)
+            offsets[1:] = np.cumsum([len(r) for r in readers[e]])
+            flat = np.array([g for r in readers[e] for g in r] or [0], np.uint32)
+            rc = lib.kvc_vs_bind_edge(self._vs, e, array, ffi.from_buffer("uint32_t[]", offsets), len(readers[e]),
+                                      ffi.from_buffer("uint32_t[]", flat))
+            if rc != lib.KVC_OK:
+                _raise(rc, f"binding edge {e} to the shared views")
+            self._bound.append(array)
+        self.set_delays()
+        self._published = [0] * n_shards  # batches published since the snapshot, per shard
+        self._last_time = [0.0] * n_shards  # when each shard published its last batch
         self._base_seq = [0] * n_shards  # the seq of the snapshot the edges started from
-        # Each edge's views dict of each shard (the one install put in its state), and its
-        # pointers' refresh: what a move writes, without looking them up per move.
-        self._dicts: list[list[dict[int, LudoView]]] = [[{} for _ in range(n_shards)] for _ in self.edges]
-        self._refresh = [p.refresh for p in self.pointers]
         self._next_sweep = SWEEP_S
+        self._prepare = lib.kvc_vs_prepare
+
+    def set_delays(self) -> None:
+        """Read ``delays`` again (the policy changed its update delay before any event)."""
+        for s, row in enumerate(self.delays):
+            for e, d in enumerate(row):
+                if lib.kvc_vs_set_delay(self._vs, s, e, float(d)) != lib.KVC_OK:
+                    raise ValueError(f"delay {d!r} from shard {s} to edge {e}")
 
     def install(self, snap: ShardSnapshotSent) -> None:
         """The shard's initial state, shared by every edge (version 0 of each of its tables)."""
-        s, n = snap.shard, len(self.edges)
-        tables = {g: _Versions(LudoView.from_snapshot(blob), n) for g, blob in snap.tables}
-        self._tables[s] = tables
-        for e, edge in enumerate(self.edges):
+        s = snap.shard
+        for g, blob in snap.tables:
+            rc = lib.kvc_vs_install(self._vs, s, g, snap.seq, ffi.from_buffer("uint8_t[]", blob), len(blob))
+            if rc != lib.KVC_OK:
+                _raise(rc, f"installing shard {s} group {g}")
+        for edge in self.edges:
             st = edge.state[s]
-            st.views = {g: t.views[0] for g, t in tables.items()}
+            st.views.clear()  # (in place: the pointer arrays' dicts; filled when settled)
             st.epoch, st.seq = snap.epoch, snap.seq
-            self._dicts[e][s] = st.views
         self._base_seq[s] = snap.seq
 
     def publish(self, batch: UpdateBatchPublished, now: float) -> None:
         """A batch the shard published at ``now``: it reaches each edge ``delays[s][e]`` later."""
         s = batch.shard
-        times = self._times[s]
-        if batch.seq != self._base_seq[s] + len(times) + 1:
+        if batch.seq != self._base_seq[s] + self._published[s] + 1:
             raise ValueError(f"shard {s}: batch {batch.seq} published out of order")
-        times.append(now)
-        tables = self._tables[s]
-        for g, blob in batch.tables:
-            tables[g].add(blob, batch.seq)
+        tables = batch.tables
+        n = len(tables)
+        blobs = [ffi.from_buffer("uint8_t[]", blob) for _, blob in tables]
+        rc = lib.kvc_vs_publish(self._vs, s, batch.seq, now, n, [g for g, _ in tables], blobs,
+                                [len(blob) for _, blob in tables])
+        if rc != lib.KVC_OK:
+            _raise(rc, f"shard {s}: publishing batch {batch.seq}")
+        self._published[s] += 1
+        self._last_time[s] = now
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_S
             self.compact(now)
@@ -160,135 +128,94 @@ class SharedViews:
     def position(self, e: int, s: int, now: float) -> int:
         """The seq of the last batch of shard ``s`` that edge ``e`` has by ``now``: those with
         ``publish time + delay <= now``, the sum the per-edge delivery events were due at."""
-        times, d = self._times[s], self.delays[s][e]
-        i = bisect_right(times, now - d)
-        n = len(times)
-        while i < n and times[i] + d <= now:
-            i += 1
-        while i > 0 and times[i - 1] + d > now:
-            i -= 1
-        seq = self._base_seq[s] + i
+        seq = lib.kvc_vs_position(self._vs, e, s, now)
         self.edges[e].state[s].seq = seq
         return seq
 
     def prepare(self, e: int, keys: np.ndarray, now: float) -> None:
         """Bring the tables edge ``e`` reads for a prompt with these query keys to ``now``."""
-        n = self.shards
-        readers, tables = self.readers[e], self._tables
-        positions: dict[int, int] = {}
-        for i, key in enumerate(keys.tolist()):
-            s = key % n
-            shard_tables = tables[s]
-            pos = None
-            for g in readers[i]:
-                t = shard_tables[g]
-                cur = t.at[e]
-                if cur == t.latest:
-                    continue
-                if pos is None:
-                    pos = positions.get(s)
-                    if pos is None:
-                        pos = positions[s] = self.position(e, s, now)
-                k = bisect_right(t.seqs, pos)
-                if k != cur:
-                    self._move(e, s, g, t, k)
-
-    def _move(self, e: int, s: int, g: int, t: _Versions, k: int) -> None:
-        j = t.at[e]
-        t.refs[j] -= 1
-        view = t.views.get(k)
-        if view is None:
-            view = t.make(k)
-            t.views[k] = view
-            t.refs[k] = 1
-        else:
-            t.refs[k] += 1
-        t.at[e] = k
-        self._dicts[e][s][g] = view
-        self._refresh[e](s, g, view)
-        if t.refs.get(j, 0) == 0:  # j is nobody's now (or was moved on in place)
-            t.collect()
+        rc = self._prepare(self._vs, e, ffi.from_buffer("uint64_t[]", keys), len(keys), now)
+        if rc != lib.KVC_OK:
+            _raise(rc, f"edge {e}: bringing its views to {now}")
 
     def advance(self, e: int, now: float) -> None:
         """Every table of edge ``e`` to what it has received by ``now``."""
-        for s in range(self.shards):
-            pos = self.position(e, s, now)
-            for g, t in self._tables[s].items():
-                cur = t.at[e]
-                if cur == t.latest:
-                    continue
-                k = bisect_right(t.seqs, pos)
-                if k != cur:
-                    self._move(e, s, g, t, k)
+        rc = lib.kvc_vs_advance(self._vs, e, now)
+        if rc != lib.KVC_OK:
+            _raise(rc, f"edge {e}: advancing its views to {now}")
 
     def compact(self, now: float) -> None:
         """Free the versions no edge needs by ``now``: every edge behind what the most delayed
         edge has received by then moves up to that version, all of them together (one version
-        per table, made in place when nobody else is at the one below; not one per edge, which
-        cost a copy and its blobs per edge and table). The version most of them are at moves on
-        in place to become it, when no snapshot blob lies between (its edges keep their pointers:
-        the view object is the same). A read brings an edge on to its own position
-        (``prepare``), and positions only grow, so no read sees anything else."""
-        edges = range(len(self.edges))
-        dicts, refresh = self._dicts, self._refresh
-        for s in range(self.shards):
-            times = self._times[s]
-            if not times:
-                continue
-            low = min(self.position(e, s, now) for e in edges)
-            for g, t in self._tables[s].items():
-                k = bisect_right(t.seqs, low)
-                if min(t.refs) >= k:  # nobody is behind it
-                    continue
-                at, refs = t.at, t.refs
-                behind = [e for e in edges if at[e] < k]
-                view = t.views.get(k)
-                kept = -1  # the version whose view became version k in place: its edges need no new pointer
-                if view is None:
-                    # Most lagging edges of a table sit together at the version the last sweep
-                    # moved them to: that version's view moves on in place, and only the others
-                    # are pointed at it (not a copy and a pointer per edge).
-                    base = max((v for v in refs if v < k), key=refs.__getitem__)
-                    view = t.advance(base, k)
-                    if view is None:
-                        view = t.make(k)
-                    else:
-                        kept = base
-                    t.views[k] = view
-                    refs[k] = 0
-                refs[k] += len(behind)
-                for e in behind:
-                    j = at[e]
-                    refs[j] -= 1
-                    at[e] = k
-                    if j != kept:
-                        dicts[e][s][g] = view
-                        refresh[e](s, g, view)
-                t.collect()  # (frees version ``kept``'s entry: its view is version k's now)
+        per table, made in place when nobody else is at the one below). A read brings an edge on
+        to its own position (``prepare``), and positions only grow, so no read sees anything
+        else."""
+        rc = lib.kvc_vs_compact(self._vs, now)
+        if rc != lib.KVC_OK:
+            _raise(rc, f"compacting the shared views at {now}")
 
     def advance_all(self, now: float) -> None:
-        for e in range(len(self.edges)):
+        """Every edge to ``now``, its positions and views dicts filled in: each version an edge
+        is at as one ``LudoView`` copy, the same object for every edge at it."""
+        copies: dict[Any, LudoView] = {}
+        for e, edge in enumerate(self.edges):
             self.advance(e, now)
+            for s, st in enumerate(edge.state):
+                st.seq = lib.kvc_vs_edge_seq(self._vs, e, s)
+                views = {}
+                for g in range(self.groups):
+                    ptr = lib.kvc_vs_view(self._vs, e, s, g)
+                    if ptr == ffi.NULL:
+                        continue
+                    key = int(ffi.cast("uintptr_t", ptr))
+                    view = copies.get(key)
+                    if view is None:
+                        view = copies[key] = LudoView.copy_of(ptr)
+                    views[g] = view
+                st.views.clear()
+                st.views.update(views)
 
     @property
     def deliveries(self) -> int:
         """(batch, edge) deliveries so far, as the per-edge views would count them."""
-        return sum(edge.state[s].seq - self._base_seq[s] for edge in self.edges for s in range(self.shards))
+        vs, base = self._vs, self._base_seq
+        return sum(lib.kvc_vs_edge_seq(vs, e, s) - base[s] for e in range(len(self.edges)) for s in range(self.shards))
 
     def last_due(self) -> float:
         """When the last batch published so far reaches its last edge."""
         due = 0.0
-        for s, times in enumerate(self._times):
-            if times:
-                due = max(due, times[-1] + max(self.delays[s], default=0.0))
+        for s, n in enumerate(self._published):
+            if n:
+                due = max(due, self._last_time[s] + max(self.delays[s], default=0.0))
         return due
+
+    def last_published(self) -> float:
+        """When the last batch of any shard was published (0.0 before any)."""
+        return max(self._last_time, default=0.0)
+
+    def table_state(self, s: int, g: int) -> tuple[list[int], dict[int, int]]:
+        """For inspection: the version each edge is at in table (``s``, ``g``), and each live
+        version with the number of edges at it (in the order they were made)."""
+        at = [int(lib.kvc_vs_edge_version(self._vs, e, s, g)) for e in range(len(self.edges))]
+        cap = len(self.edges) + 2
+        versions, refs = ffi.new("int64_t[]", cap), ffi.new("int64_t[]", cap)
+        n = lib.kvc_vs_table_versions(self._vs, s, g, versions, refs, cap)
+        return at, {int(versions[i]): int(refs[i]) for i in range(min(n, cap))}
+
+    def version_at(self, s: int, g: int, seq: int) -> int:
+        """The version of table (``s``, ``g``) an edge at the shard's batch ``seq`` reads."""
+        return int(lib.kvc_vs_version_at(self._vs, s, g, seq))
+
+    def view_pointer(self, e: int, s: int, g: int) -> Any:
+        """Edge ``e``'s current version of the table as a ``kvc_view *`` (NULL if none)."""
+        return lib.kvc_vs_view(self._vs, e, s, g)
 
     def live_versions(self) -> int:
         """Table versions held (a table every edge reads at one version counts once)."""
-        return sum(len(t.views) for tables in self._tables for t in tables.values())
+        return int(lib.kvc_vs_live_versions(self._vs))
 
     def memory_bytes(self) -> int:
-        return sum(v.memory_bytes for tables in self._tables for t in tables.values() for v in t.views.values())
+        return int(lib.kvc_vs_memory_bytes(self._vs))
 
 
 def lookup_readers(group_lengths: np.ndarray, query_lengths: np.ndarray) -> list[tuple[int, ...]]:
