@@ -139,6 +139,14 @@ def _check_ms(value: object, what: str, error: type[QueueEstimateError]) -> floa
     return value
 
 
+class _RoomUpdates(dict):
+    """``room_updates``' answer: worker index -> (ms steps, free tokens), with its workers sorted
+    (``listed``) and their fewest free tokens (``floor``, None if it lists none) taken once for
+    all the edges that receive the same broadcast."""
+
+    __slots__ = ("listed", "floor")
+
+
 class QueueEstimates:
     """The queue-delay table of one edge of ``region``, in config worker order."""
 
@@ -393,13 +401,14 @@ class QueueEstimates:
         own = tuple(sorted(j for j in set(self._room_listed.get(self.region, ())) | {i} if j in room))
         self._set_region_room(self.region, own)
 
-    def _set_region_room(self, region: str, listed: tuple[int, ...]) -> None:
+    def _set_region_room(self, region: str, listed: tuple[int, ...], floor: int | None = None) -> None:
         """``region``'s listed workers are now ``listed`` (their entries already in ``_room``):
-        its floor is taken again, the fleet's floor and ``room_workers`` when next read."""
+        its floor is taken again (``floor``, if the caller has it), the fleet's floor and
+        ``room_workers`` when next read."""
         if listed:
             room = self._room
             self._room_listed[region] = listed
-            self._room_floor_of[region] = min(room[i][2][0] for i in listed)
+            self._room_floor_of[region] = min(room[i][2][0] for i in listed) if floor is None else floor
         else:
             self._room_listed.pop(region, None)
             self._room_floor_of.pop(region, None)
@@ -443,13 +452,15 @@ class QueueEstimates:
         Raises as ``on_room_broadcast``."""
         if from_region not in self._last_room_from:
             raise QueueVectorError(f"unknown or own region {from_region!r}")
-        listed = {}
+        listed = _RoomUpdates()
         for worker, steps in rooms:
             i = self._worker_index(worker, QueueVectorError)
             if self._region_of[worker] != from_region:
                 raise QueueVectorError(f"worker {worker!r} is not in region {from_region!r}")
             if steps:
                 listed[i] = (tuple(float(m) for m, _ in steps), tuple(int(f) for _, f in steps))
+        listed.listed = tuple(sorted(listed))
+        listed.floor = min((free[0] for _, free in listed.values()), default=None)
         return listed
 
     def on_room_broadcast(self, msg: RoomVectorBroadcast, *, now: float,
@@ -474,7 +485,10 @@ class QueueEstimates:
             del room[i]
         for i, (ms, free) in updates.items():
             room[i] = (read_at, ms, free)
-        self._set_region_room(msg.from_region, tuple(sorted(updates)))
+        if updates.__class__ is _RoomUpdates:  # (sorted and its floor taken once, for every receiver)
+            self._set_region_room(msg.from_region, updates.listed, updates.floor)
+        else:
+            self._set_region_room(msg.from_region, tuple(sorted(updates)))
         return True
 
     @property

@@ -281,11 +281,14 @@ class PrefixCache:
         pages = self._pages
         data = _token_data(tokens)
         known = lease.digests if lease is not None and lease.digests and data.startswith(lease.hashed) else None
+        tail_from, tail = -1, None  # an array's tokens from its first new page on, as ints (made once)
         for start, digest in self._chain(tokens, data, known):
             page = by_digest.get(digest)
             if page is None:
                 if as_array:
-                    page_tokens = tuple(tokens[start : start + size].tolist())  # type: ignore[index]
+                    if tail is None:  # (the pages after a new one are nearly always new too)
+                        tail_from, tail = start, tokens[start:].tolist()  # type: ignore[index]
+                    page_tokens = tuple(tail[start - tail_from : start - tail_from + size])
                 elif checked:
                     page_tokens = tuple(token_list[start : start + size])
                 else:
