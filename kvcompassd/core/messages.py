@@ -398,9 +398,13 @@ def check_room_steps(steps: Any, where: str) -> tuple[tuple[float, int], ...]:
     """Room steps as the wire takes them (at most 1,024 pairs of ms >= 0 and free tokens >= 0,
     both non-decreasing), checked; raises MessageError. Also what an agent reads off its engine."""
     steps = ROOM_STEPS.check(steps, where)
+    _check_non_decreasing(steps, where)
+    return steps
+
+
+def _check_non_decreasing(steps: tuple[tuple[float, int], ...], where: str) -> None:
     if any(b[0] < a[0] or b[1] < a[1] for a, b in zip(steps, steps[1:])):
         raise MessageError(f"{where}: must be non-decreasing in both, got {steps!r}")
-    return steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,8 +422,8 @@ class RoomVectorBroadcast(WireMessage):
     WIRE: ClassVar = {"from_region": REGION, "to_region": REGION, "sent_at": Float(0.0), "rooms": ROOM_VECTOR}
 
     def _check(self) -> None:
-        for worker, steps in self.rooms:
-            check_room_steps(steps, f"RoomVectorBroadcast.rooms[{worker!r}]")
+        for worker, steps in self.rooms:  # (each already checked as ROOM_STEPS by WIRE)
+            _check_non_decreasing(steps, f"RoomVectorBroadcast.rooms[{worker!r}]")
 
     @classmethod
     def to_each(cls, from_region: str, to_regions: tuple[str, ...] | list[str], sent_at: float,

@@ -459,18 +459,22 @@ class WorkerQueueModel:
         if not holders:
             return ()
         capacity = self._vram_pages
-        pinned = PinnedPaths(capacity)
-        for _, request_id in holders:
-            pinned.add(request_id, tuple(self._footprint(request_id)))
-        steps = [(0.0, max(0, capacity - pinned.size))]
-        at = self._prefill_backlog_s() + sum(r.prefill_s for r in self._waiting)  # seconds from now
         holders.sort()
+        # pinned_by[k]: the pages holders[k:] pin together, built from the last to finish
+        # backwards (each path added once; not all added, then each discarded in finish order).
+        pinned, footprint = PinnedPaths(capacity), self._footprint
+        pinned_by = [0] * (len(holders) + 1)
+        for k in range(len(holders) - 1, -1, -1):
+            request_id = holders[k][1]
+            pinned.add(request_id, tuple(footprint(request_id)))
+            pinned_by[k] = pinned.size
+        steps = [(0.0, max(0, capacity - pinned_by[0]))]
+        at = self._prefill_backlog_s() + sum(r.prefill_s for r in self._waiting)  # seconds from now
         decoded, batch = 0.0, len(holders)
-        for remaining, request_id in holders:
+        for k, (remaining, _) in enumerate(holders, 1):
             at += (remaining - decoded) * self.timing.decode_step_ms(batch) / 1000.0
             decoded, batch = remaining, batch - 1
-            pinned.discard(request_id)
-            free = capacity - pinned.size
+            free = capacity - pinned_by[k]
             if free > steps[-1][1]:
                 steps.append((1000.0 * at, free))
         return tuple(steps)
