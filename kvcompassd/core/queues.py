@@ -88,6 +88,7 @@ and on fast workers the score sent every prefix group away from its holder (issu
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
@@ -270,44 +271,51 @@ class QueueEstimates:
     def _note_trend(self, updates: list[tuple[int, float]], now: float) -> None:
         """Fold the slope of each remote worker's vector values, taken over a trend window."""
         rate = self._rate  # queue_ms's cache is keyed on _ms, which _store replaces right after
+        anchors, window_s = self._trend_anchor, self._trend_window_s
         for i, ms in updates:
-            anchor = self._trend_anchor[i]
+            anchor = anchors[i]
             if anchor is None:
-                self._trend_anchor[i] = (now, ms)
+                anchors[i] = (now, ms)
                 continue
             elapsed_s = now - anchor[0]
-            if elapsed_s < self._trend_window_s:
+            if elapsed_s < window_s:
                 continue
             sample = (ms - anchor[1]) / (elapsed_s * 1000.0)
-            rate[i] = min(_MAX_TREND, max(-1.0, _TREND_WEIGHT * sample + (1.0 - _TREND_WEIGHT) * rate[i]))
-            self._trend_anchor[i] = (now, ms)
+            rate[i] = min(_MAX_TREND, max(-1.0, _TREND_WEIGHT * sample + (1.0 - _TREND_WEIGHT) * rate.item(i)))
+            anchors[i] = (now, ms)
 
     def _store(self, updates: list[tuple[int, float]], now: float) -> None:
         """Replace values with readings taken elsewhere (plus what is still in flight to them)."""
         values = self._ms.copy()
         believed = None
+        # (locals: this loop runs for every worker of every vector each edge receives)
+        in_flight_s, rate_of, chosen_at, refreshed_at = self._in_flight_s, self._rate.item, self._chosen_at, self._refreshed_at
+        sent_since, taken_at, epoch, zero_since = self._sent_since_value, self._taken_at, self._epoch, self._zero_since
+        inf = math.inf
         for i, ms in updates:
-            window = self._in_flight_s[i]
+            window = in_flight_s[i]
             if window > 0.0:
                 # A remote value was read one way (half the round trip, in ms) ago: carry it
                 # along its trend to now.
-                ms = max(0.0, ms + self._rate.item(i) * window * 500.0) + self._in_flight_ms(i, now)
-                if self._chosen_at[i] >= self._refreshed_at[i] > -math.inf:
+                ms = max(0.0, ms + rate_of(i) * window * 500.0)
+                if self._in_flight[i]:  # (else _in_flight_ms adds 0.0, which changes nothing here)
+                    ms += self._in_flight_ms(i, now)
+                if chosen_at[i] >= refreshed_at[i] > -inf:
                     if believed is None:
                         believed = self._aged_ms(now)
                     surprise, pos = ms - believed.item(i), self._region_pos.item(i)
                     self._note_surprise(pos, surprise, now)
-                    if self._sent_since_value[i] > 0.0:
-                        self._note_herd(pos, surprise / self._sent_since_value[i], now)
-                self._sent_since_value[i] = 0.0
+                    if sent_since[i] > 0.0:
+                        self._note_herd(pos, surprise / sent_since[i], now)
+                sent_since[i] = 0.0
             values[i] = ms
-            self._taken_at[i] = now
-            self._refreshed_at[i] = now
-            self._epoch[i] += 1
+            taken_at[i] = now
+            refreshed_at[i] = now
+            epoch[i] += 1
             if ms > 0.0:
-                self._zero_since[i] = math.inf
-            elif self._zero_since[i] == math.inf:
-                self._zero_since[i] = now
+                zero_since[i] = inf
+            elif zero_since[i] == inf:
+                zero_since[i] = now
         self._ms = _snapshot(values)
         # (_note_trend and a steady vector changed the rates of these same workers, just before)
         if len(updates) > _CHANGE_LOG // 2:
@@ -389,16 +397,19 @@ class QueueEstimates:
             raise QueueEstimateError(f"worker {worker_id!r} is in region {self._region_of[worker_id]!r}, not {self.region!r}")
         ms = tuple(float(m) for m, _ in steps)
         free = tuple(int(f) for _, f in steps)
-        if any(not math.isfinite(m) or m < 0.0 for m in ms) or any(f < 0 for f in free) \
-                or any(b < a for a, b in zip(ms, ms[1:])) or any(b < a for a, b in zip(free, free[1:])):
+        # Non-decreasing from a first value >= 0 to a finite last one: every value finite and
+        # >= 0 (a NaN fails its comparisons); the pairs compared in C, not a generator each.
+        if ms and not (ms[0] >= 0.0 and ms[-1] < math.inf and free[0] >= 0
+                       and all(map(operator.le, ms, ms[1:])) and all(map(operator.le, free, free[1:]))):
             raise QueueEstimateError(f"worker {worker_id!r}: room steps must be (ms >= 0, free tokens >= 0) pairs, "
                                      f"both non-decreasing, got {steps!r}")
+        listed = self._room_listed.get(self.region, ())
         if ms:
             self._room[i] = (float(now), ms, free)
+            own = listed if i in listed else tuple(sorted((*listed, i)))
         else:
             self._room.pop(i, None)
-        room = self._room
-        own = tuple(sorted(j for j in set(self._room_listed.get(self.region, ())) | {i} if j in room))
+            own = tuple(j for j in listed if j != i)
         self._set_region_room(self.region, own)
 
     def _set_region_room(self, region: str, listed: tuple[int, ...], floor: int | None = None) -> None:
