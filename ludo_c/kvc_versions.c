@@ -21,15 +21,19 @@ typedef struct {
 } vs_version;
 
 typedef struct {
+    uint8_t *data;      /* a copy of the blob */
+    size_t len;
+    int snapshot;       /* a snapshot blob (the table grew or was rebuilt) */
+} vs_blob;
+
+typedef struct {
     int installed;
     vs_version *live;
     uint32_t n_live, cap_live;
     int64_t *at;        /* [edges]: the version each edge is at */
     int64_t latest;
     int64_t blob_base;  /* blob[i] turns version blob_base + i into blob_base + i + 1 */
-    uint8_t **blob;
-    size_t *blob_len;
-    uint8_t *blob_snap; /* blob[i] is a snapshot (the table grew or was rebuilt) */
+    vs_blob *blob;
     uint64_t cap_blob;
     int64_t *seqs;      /* seqs[k - 1]: the shard's batch that made version k */
     uint64_t cap_seqs;
@@ -100,8 +104,8 @@ static void free_table(vs_table *t) {
         for (uint32_t j = 0; j < i; j++) shared |= t->live[j].view == t->live[i].view;
         if (!shared) kvc_view_free(t->live[i].view);
     }
-    for (int64_t i = 0; i < t->latest - t->blob_base; i++) free(t->blob[i]);
-    free(t->live), free(t->at), free(t->blob), free(t->blob_len), free(t->blob_snap), free(t->seqs);
+    for (int64_t i = 0; i < t->latest - t->blob_base; i++) free(t->blob[i].data);
+    free(t->live), free(t->at), free(t->blob), free(t->seqs);
 }
 
 void kvc_vs_free(kvc_vs *vs) {
@@ -218,22 +222,13 @@ int kvc_vs_publish(kvc_vs *vs, uint32_t s, int64_t seq, double now, uint32_t n, 
     for (uint32_t i = 0; i < n; i++) {
         vs_table *t = &vs->tables[(size_t)s * vs->groups + groups[i]];
         uint64_t held = (uint64_t)(t->latest - t->blob_base);
-        uint64_t cap = t->cap_blob;
-        if ((rc = grow((void **)&t->blob, &cap, held + 1, sizeof *t->blob)) != KVC_OK) return rc;
-        if (cap != t->cap_blob) {
-            uint64_t c2 = t->cap_blob, c3 = t->cap_blob;
-            if ((rc = grow((void **)&t->blob_len, &c2, cap, sizeof *t->blob_len)) != KVC_OK) return rc;
-            if ((rc = grow((void **)&t->blob_snap, &c3, cap, sizeof *t->blob_snap)) != KVC_OK) return rc;
-            t->cap_blob = cap;
-        }
+        if ((rc = grow((void **)&t->blob, &t->cap_blob, held + 1, sizeof *t->blob)) != KVC_OK) return rc;
         if ((rc = grow((void **)&t->seqs, &t->cap_seqs, (uint64_t)t->latest + 1, sizeof *t->seqs)) != KVC_OK) return rc;
         uint8_t *copy = malloc(lens[i] ? lens[i] : 1);
         if (!copy) return KVC_ERR_NOMEM;
         memcpy(copy, blobs[i], lens[i]);
-        kvc_blob_peek(blobs[i], lens[i], &kind, &table_id, &epoch);
-        t->blob[held] = copy;
-        t->blob_len[held] = lens[i];
-        t->blob_snap[held] = kind == KVC_BLOB_SNAPSHOT;
+        kvc_blob_peek(blobs[i], lens[i], &kind, &table_id, &epoch);  /* (checked above: its kind now) */
+        t->blob[held] = (vs_blob){copy, lens[i], kind == KVC_BLOB_SNAPSHOT};
         t->seqs[t->latest] = seq;
         t->latest++;
     }
@@ -274,19 +269,37 @@ static int64_t version_at(const vs_table *t, int64_t seq) {  /* bisect_right(seq
     return lo;
 }
 
+static const vs_blob *blob_to(const vs_table *t, int64_t v) {  /* the blob that makes version v */
+    return &t->blob[v - 1 - t->blob_base];
+}
+
 static int apply_blobs(vs_table *t, kvc_view *view, int64_t from, int64_t to) {  /* versions from+1..to */
     for (int64_t v = from + 1; v <= to; v++) {
-        int64_t i = v - 1 - t->blob_base;
-        int rc = kvc_view_apply(view, t->blob[i], t->blob_len[i]);
+        int rc = kvc_view_apply(view, blob_to(t, v)->data, blob_to(t, v)->len);
         if (rc != KVC_OK) return rc;
     }
     return KVC_OK;
 }
 
-static int snapshot_between(const vs_table *t, int64_t base, int64_t k) {  /* highest v in base+1..k, or 0 */
+static int64_t snapshot_between(const vs_table *t, int64_t base, int64_t k) {  /* highest v in base+1..k, or 0 */
     for (int64_t v = k; v > base; v--)
-        if (t->blob_snap[v - 1 - t->blob_base]) return (int)(v - base);
+        if (blob_to(t, v)->snapshot) return v;
     return 0;
+}
+
+/* Live version i moved on in place to version k: 1, or 0 (untouched) when a snapshot blob lies
+ * between (a new table: version k is made instead), or a blob's error. */
+static int advance_in_place(vs_table *t, int i, int64_t k) {
+    if (snapshot_between(t, t->live[i].k, k)) return 0;
+    int rc = apply_blobs(t, t->live[i].view, t->live[i].k, k);
+    return rc != KVC_OK ? rc : 1;
+}
+
+static int64_t lowest_live(const vs_table *t) {
+    int64_t lowest = INT64_MAX;
+    for (uint32_t i = 0; i < t->n_live; i++)
+        if (t->live[i].k < lowest) lowest = t->live[i].k;
+    return lowest;
 }
 
 /* Version k (not live yet) from the highest live version below it; *out its view. */
@@ -295,14 +308,11 @@ static int make(vs_table *t, int64_t k, kvc_view **out) {
     for (uint32_t i = 0; i < t->n_live; i++)
         if (t->live[i].k < k && (ib < 0 || t->live[i].k > t->live[ib].k)) ib = (int)i;
     if (ib < 0) return KVC_ERR_ARG;
-    int64_t base = t->live[ib].k, start = base;
-    int snap = snapshot_between(t, base, k);
+    int64_t base = t->live[ib].k, snap = snapshot_between(t, base, k), start = snap ? snap : base;
     kvc_view *view;
     int rc = KVC_OK;
     if (snap) {
-        start = base + snap;
-        int64_t i = start - 1 - t->blob_base;
-        rc = kvc_view_new(&view, t->blob[i], t->blob_len[i]);
+        rc = kvc_view_new(&view, blob_to(t, snap)->data, blob_to(t, snap)->len);
     } else if (t->live[ib].refs == 0) {
         view = t->live[ib].view;  /* no edge is at it any more: move it on in place */
         remove_live(t, (uint32_t)ib);
@@ -332,15 +342,11 @@ static void collect(vs_table *t) {
         if (!shared) kvc_view_free(view);
     }
     if (!t->n_live) return;
-    int64_t lowest = t->live[0].k;
-    for (uint32_t i = 1; i < t->n_live; i++)
-        if (t->live[i].k < lowest) lowest = t->live[i].k;
+    int64_t lowest = lowest_live(t);
     if (lowest > t->blob_base) {
         int64_t cut = lowest - t->blob_base, held = t->latest - t->blob_base;
-        for (int64_t i = 0; i < cut; i++) free(t->blob[i]);
+        for (int64_t i = 0; i < cut; i++) free(t->blob[i].data);
         memmove(t->blob, t->blob + cut, (size_t)(held - cut) * sizeof *t->blob);
-        memmove(t->blob_len, t->blob_len + cut, (size_t)(held - cut) * sizeof *t->blob_len);
-        memmove(t->blob_snap, t->blob_snap + cut, (size_t)(held - cut) * sizeof *t->blob_snap);
         t->blob_base = lowest;
     }
 }
@@ -354,10 +360,9 @@ static int carry(kvc_vs *vs, uint32_t s, vs_table *t, int ij, int64_t k, double 
     const double *delay = &vs->delay[(size_t)s * vs->edges];
     for (uint32_t x = 0; x < vs->edges; x++)
         if (t->at[x] == j && due + delay[x] > now) return 0;
-    if (snapshot_between(t, j, k)) return 0;
+    int rc = advance_in_place(t, ij, k);
+    if (rc != 1) return rc;
     vs_version moved = t->live[ij];
-    int rc = apply_blobs(t, moved.view, j, k);
-    if (rc != KVC_OK) return rc;
     remove_live(t, (uint32_t)ij);
     moved.k = k;
     t->live[t->n_live++] = moved;  /* (the slot just freed) */
@@ -451,10 +456,8 @@ int kvc_vs_compact(kvc_vs *vs, double now) {
         for (uint32_t g = 0; g < vs->groups; g++) {
             vs_table *t = &vs->tables[(size_t)s * vs->groups + g];
             if (!t->installed) continue;
-            int64_t k = version_at(t, low), lowest = INT64_MAX;
-            for (uint32_t i = 0; i < t->n_live; i++)
-                if (t->live[i].k < lowest) lowest = t->live[i].k;
-            if (lowest >= k) continue;  /* nobody is behind it */
+            int64_t k = version_at(t, low);
+            if (lowest_live(t) >= k) continue;  /* nobody is behind it */
             int64_t behind = 0, kept = -1;
             for (uint32_t e = 0; e < vs->edges; e++) behind += t->at[e] < k;
             int ik = find_live(t, k);
@@ -466,12 +469,11 @@ int kvc_vs_compact(kvc_vs *vs, double now) {
                 int ib = -1;
                 for (uint32_t i = 0; i < t->n_live; i++)
                     if (t->live[i].k < k && (ib < 0 || t->live[i].refs > t->live[ib].refs)) ib = (int)i;
-                int64_t base = t->live[ib].k;
-                int rc;
-                if (!snapshot_between(t, base, k)) {
+                int rc = advance_in_place(t, ib, k);
+                if (rc < 0) return rc;
+                if (rc == 1) {
                     view = t->live[ib].view;
-                    if ((rc = apply_blobs(t, view, base, k)) != KVC_OK) return rc;
-                    kept = base;
+                    kept = t->live[ib].k;
                 } else if ((rc = make(t, k, &view)) != KVC_OK) {
                     return rc;
                 }

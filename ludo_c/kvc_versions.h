@@ -13,9 +13,11 @@
  * hot path (no Python per table read, moved or made).
  *
  * Views in a set are its own: made by copy, snapshot or in place from another version, freed when
- * no edge is at them. Not thread-safe. Errors are the Ludo codes (ludo.h): KVC_ERR_ARG for a call
- * out of order or out of range, KVC_ERR_NOMEM, or a blob's own error (the set is then unchanged
- * where the call failed, but earlier tables of the same call may have moved).
+ * no edge is at them. Not thread-safe. Errors are the Ludo codes (ludo.h). KVC_ERR_ARG for a call
+ * out of order or out of range, and kvc_vs_publish's refusal of a blob whose header is not a Ludo
+ * blob's, change nothing. KVC_ERR_NOMEM, or a blob's own error while a version is made (a blob
+ * kvc_view_apply refuses), can leave a table part-way through a move: the set is then good only
+ * to be freed (the simulator stops on either).
  */
 #ifndef KVC_VERSIONS_H
 #define KVC_VERSIONS_H

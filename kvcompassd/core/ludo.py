@@ -479,14 +479,8 @@ class LudoView:
 
     def copy(self) -> LudoView:
         """An independent view in the same state (as ``from_snapshot(self.snapshot())``, without
-        writing and parsing the snapshot: the simulator's shared views copy tables per version)."""
-        out = ffi.new("kvc_view **")
-        rc = lib.kvc_view_copy(out, self._ptr)
-        if rc != lib.KVC_OK:
-            _raise(rc, "copying a view")
-        view = object.__new__(LudoView)
-        view._ptr = ffi.gc(out[0], lib.kvc_view_free, size=int(lib.kvc_view_memory_bytes(out[0])))
-        return view
+        writing and parsing the snapshot)."""
+        return LudoView.copy_of(self._ptr)
 
     @classmethod
     def copy_of(cls, ptr: Any) -> LudoView:

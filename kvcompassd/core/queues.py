@@ -455,7 +455,7 @@ class QueueEstimates:
         return RoomVectorBroadcast.to_each(self.region, to, float(now), rooms)
 
     def room_updates(self, from_region: str, rooms: tuple[tuple[str, tuple[tuple[float, int], ...]], ...]
-                     ) -> dict[int, tuple[tuple[float, ...], tuple[int, ...]]]:
+                     ) -> _RoomUpdates:
         """A room broadcast's ``rooms`` from ``from_region``, checked, as what ``on_room_broadcast``
         stores: worker index -> (ms steps, free tokens), the workers with steps. Another edge built
         from the same config may pass them to its ``on_room_broadcast`` (``updates=``) instead of
@@ -475,7 +475,7 @@ class QueueEstimates:
         return listed
 
     def on_room_broadcast(self, msg: RoomVectorBroadcast, *, now: float,
-                          updates: dict[int, tuple[tuple[float, ...], tuple[int, ...]]] | None = None) -> bool:
+                          updates: _RoomUpdates | None = None) -> bool:
         """Replace the sender's region's room steps with a room broadcast's, read one way ago (a
         worker it does not list has every token free); False if it was stale or reordered.
         ``updates``: ``room_updates(msg.from_region, msg.rooms)`` of an edge of the same config,
@@ -496,10 +496,7 @@ class QueueEstimates:
             del room[i]
         for i, (ms, free) in updates.items():
             room[i] = (read_at, ms, free)
-        if updates.__class__ is _RoomUpdates:  # (sorted and its floor taken once, for every receiver)
-            self._set_region_room(msg.from_region, updates.listed, updates.floor)
-        else:
-            self._set_region_room(msg.from_region, tuple(sorted(updates)))
+        self._set_region_room(msg.from_region, updates.listed, updates.floor)  # (taken once, for every receiver)
         return True
 
     @property

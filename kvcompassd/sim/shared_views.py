@@ -14,8 +14,10 @@ An edge's tables are brought to its position only where it reads: before a decis
 ``key % N``, read by the groups whose lengths include it); the C lookup reads no other. A version
 is made only when an edge moves to it: in place from the highest version below it that no edge is
 at any more, else as a copy of it (its snapshot), or from a snapshot blob in between (a table that
-grew); then the blobs up to it are applied. Versions below every edge's are freed, with their
-blobs. Every ``SWEEP_S`` of virtual time every table's edges that lag what the most delayed edge
+grew); then the blobs up to it are applied. When every edge at the version below already has
+the new batch by now, that version moves on in place with all of them instead (their next reads
+move them at least that far, so none reads anything it has not received). Versions below every
+edge's are freed, with their blobs. Every ``SWEEP_S`` of virtual time every table's edges that lag what the most delayed edge
 has received by then move up to that version together (``compact``), so tables an edge has not
 read lately do not pin old versions.
 
