@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import zlib
 
 import msgpack
@@ -440,3 +441,61 @@ def test_one_rooms_table_to_each_region_equals_one_room_broadcast_built_per_regi
         wire.RoomVectorBroadcast.to_each("us", ["eu", ""], 2.5, rooms)
     with pytest.raises(WireError, match=r"non-decreasing"):
         wire.RoomVectorBroadcast.to_each("us", ["eu", "ap"], 2.5, (("us-0", ((5.0, 1), (1.0, 2))),))
+
+
+_ODD_VALUES = (-2, -1, 65536, 2**63, 2**64, 2**64 + 1, True, False, 1.0, None, "1", b"1", bytearray(b"1"),
+               memoryview(b"1"), [1, b"x"], (1,), (1, b"x", 2), [])
+_GOOD_BATCH = (7, 2**64 - 1, 2**63 - 1, ((0, b""), (65535, b"\x00\x01")))
+
+
+def _spoiled_batches():
+    """A batch's fields as a shard builds them, then with each field, each pair, and each half
+    of a pair replaced in turn by each of ``_ODD_VALUES``."""
+    yield _GOOD_BATCH
+    shard, epoch, seq, tables = _GOOD_BATCH
+    yield shard, epoch, seq, list(tables)
+    yield 0, 0, 0, ()
+    for odd in _ODD_VALUES:
+        yield odd, epoch, seq, tables
+        yield shard, odd, seq, tables
+        yield shard, epoch, odd, tables
+        yield shard, epoch, seq, odd
+        yield shard, epoch, seq, (odd, *tables[1:])
+        yield shard, epoch, seq, ((odd, b"x"),)
+        yield shard, epoch, seq, ((1, odd),)
+
+
+def _same_outcome(fields: tuple) -> None:
+    try:
+        expected = UpdateBatchPublished(*fields)
+    except wire.MessageError as exc:
+        with pytest.raises(wire.MessageError, match=re.escape(str(exc))):
+            UpdateBatchPublished.of_shard(*fields)
+        return
+    built = UpdateBatchPublished.of_shard(*fields)
+    assert built == expected and type(built.tables) is tuple
+    assert all(type(pair) is tuple and type(pair[1]) is bytes for pair in built.tables)
+    assert decode(encode(built)) == expected
+
+
+def test_a_shard_built_batch_equals_the_validated_one() -> None:
+    """``UpdateBatchPublished.of_shard`` (the maintenance shard's fast path) builds exactly what
+    the validating constructor builds, and refuses exactly what it refuses, with its message:
+    a good batch, and each of its fields, pairs and halves of a pair spoiled in turn."""
+    for fields in _spoiled_batches():
+        _same_outcome(fields)
+
+
+@SETTINGS
+@given(st.integers(0, 65535), st.integers(0, 2**64 - 1), st.integers(0, 2**63 - 1),
+       st.lists(st.tuples(st.integers(0, 65535), st.binary(max_size=8)), max_size=5).map(tuple))
+def test_any_shard_built_batch_equals_the_validated_one(shard, epoch, seq, tables) -> None:
+    _same_outcome((shard, epoch, seq, tables))
+
+
+def test_a_shard_batch_past_a_frame_is_refused_as_before() -> None:
+    """A blob over the frame bound (a table's snapshot after a rebuild can be) is refused by the
+    fast path too, naming the field, as the constructor does."""
+    big = bytes(wire.MAX_FRAME_BYTES + 1)
+    with pytest.raises(wire.MessageError, match=r"tables\[0\]\[1\]: .* bytes exceeds"):
+        UpdateBatchPublished.of_shard(1, 1, 1, ((0, big),))

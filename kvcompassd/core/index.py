@@ -304,7 +304,7 @@ class MaintenanceShard:
         if not tables:
             return None
         self.seq += 1
-        batch = UpdateBatchPublished(self.shard, self.epoch, self.seq, tables)
+        batch = UpdateBatchPublished.of_shard(self.shard, self.epoch, self.seq, tables)
         self._replay.append(batch)
         return batch
 
