@@ -10,7 +10,8 @@ DECODE = 10.0     # ms per output token (batch 1)
 ONE_WAY = 50.0    # ms between the two regions
 
 
-def two_region_config(workers_a: int = 1, workers_b: int = 1, *, vram: int = 100_000, dram: int = 0):
+def two_region_config(workers_a: int = 1, workers_b: int = 1, *, vram: int = 100_000, dram: int = 0,
+                      context: int | None = None):
     workers = [
         {"id": f"a-{i}", "region": "a", "prefill_ms_per_token": BETA, "decode_ms_per_token": DECODE,
          "vram_kv_tokens": vram, "dram_kv_tokens": dram, "max_running": 8}
@@ -22,7 +23,7 @@ def two_region_config(workers_a: int = 1, workers_b: int = 1, *, vram: int = 100
     ]
     data = {
         "cluster": {"name": "tiny", "model": "m", "shards": 2, "intra_region_one_way_ms": 0.5},
-        "index": {"block_size": 16},
+        "index": {"block_size": 16, **({} if context is None else {"context_tokens": context})},
         "regions": [{"name": "a"}, {"name": "b"}],
         "links": [{"between": ["a", "b"], "one_way_ms": ONE_WAY}],
         "workers": workers,

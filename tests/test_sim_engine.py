@@ -386,3 +386,49 @@ def test_a_workers_last_request_ending_is_reported_at_once_with_nothing_running(
     counts_at = {round(now, 9): running for _, running, now in policy.loads}
     assert counts_at[round(ends[0], 9)] == 1 and counts_at[round(ends[1], 9)] == 0
     assert policy.loads[-1][1] == 0
+
+
+def test_a_prompt_longer_than_the_models_context_is_refused():
+    topo = two_region_topology(1, 0, context=256)
+    with pytest.raises(SimulationError, match="320 tokens is longer than the model's context"):
+        simulate(topo, Fixed(topo, worker=0), [req(0, 0.0, TOKENS)])
+
+
+def _room_heavy_stream(n: int = 80) -> list[Request]:
+    """Prompts of up to the context (2,048 tokens) on four workers of 4,096 tokens of VRAM,
+    with long answers: a worker's running requests often pin more than the 2,048 tokens it
+    must keep free to take any prompt, and often less."""
+    rng = np.random.default_rng(7)
+    stems = [np.arange(100_000 * k, 100_000 * k + 1024) for k in range(4)]
+    out = []
+    for i in range(n):
+        stem = stems[int(rng.integers(len(stems)))][: int(rng.integers(256, 1024))]
+        tail = np.arange(1_000_000 + 10_000 * i, 1_000_000 + 10_000 * i + int(rng.integers(16, 1024)))
+        out.append(req(i, 0.02 * i, np.concatenate([stem, tail]), out=int(rng.integers(5, 60)), region="ab"[i % 2]))
+    return out
+
+
+def test_room_read_empty_past_a_context_s_worth_free_routes_as_the_full_steps(monkeypatch):
+    """A worker with the model's context free reports no room steps (``room_steps``'s
+    ``enough_pages``): no prompt waits there, so KVCompass decides exactly as with the full
+    steps. Both cases occur: reports cut to nothing, and steps still reported."""
+    from kvcompassd.sim.schemes import make_policy
+
+    topo = two_region_topology(2, 2, vram=4096, context=2048)
+    runs, reported = {}, {}
+    for cut in (True, False):
+        monkeypatch.setattr(Simulation, "_room_cut_at_context", cut)
+        policy = make_policy("kvcompass", topo)
+        told = policy.on_worker_room
+        seen = reported[cut] = []
+
+        def on_worker_room(w, steps, *, now, told=told, seen=seen):
+            seen.append(bool(steps))
+            return told(w, steps, now=now)
+
+        policy.on_worker_room = on_worker_room
+        runs[cut] = simulate(topo, policy, _room_heavy_stream())
+    assert len(reported[True]) == len(reported[False])
+    assert any(reported[True]) and sum(reported[True]) < sum(reported[False])
+    for field, column in runs[False].records.items():
+        assert np.array_equal(runs[True].records[field], column, equal_nan=column.dtype.kind == "f"), field

@@ -478,6 +478,22 @@ def test_room_steps_say_when_a_long_prompt_fits_though_the_queue_is_empty() -> N
     assert [s[0] for s in steps] == pytest.approx([0.0, 4.0 + 20.0, 4.0 + 42.0])
 
 
+def test_room_steps_read_empty_while_the_longest_prompt_fits() -> None:
+    """With ``enough_pages`` (the pages the longest prompt needs) the steps read empty while at
+    least that many are free now (then at every step), and are the full steps otherwise: both
+    when the paths' sum settles it, and when only their union does (shared pages)."""
+    owner = CacheOwner(vram_tokens=40)  # 10 pages of 4 tokens
+    model = owner.model(ROOMY)
+    owner.admit(model, "a", list(range(16)), 6, now=0.0)  # 4 pages
+    model.advance(now=0.020)
+    owner.admit(model, "b", list(range(12)) + [500, 501, 502, 503], 3, now=0.020)  # 3 of a's pages, 1 more
+    full = model.room_steps(now=0.020)
+    assert full[0][1] == 5  # 4 + 1 pinned, though the paths' sum is 8
+    for enough in range(0, 12):
+        got = model.room_steps(now=0.020, enough_pages=enough)
+        assert got == (() if enough <= 5 else full), enough
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(0, 44), st.integers(0, 3), st.integers(1, 12),
                           st.booleans()), min_size=1, max_size=30),

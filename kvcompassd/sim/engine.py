@@ -184,6 +184,9 @@ class Simulation:
     # A request's prefill starts only when its prompt's KV fits in VRAM beside the pages the
     # running requests pin (SGLang's PrefillAdder; PrefixCache.lock(only_if_room=True)).
     _admit_only_if_room = True
+    # A worker's room report is empty while it has a context's worth of pages free (False: the
+    # full steps always, as before; tests compare the two).
+    _room_cut_at_context = True
 
     def __init__(self, topo: Topology, policy: RoutingPolicy, settings: SimSettings = SimSettings()) -> None:
         self.topo = topo
@@ -256,6 +259,10 @@ class Simulation:
         # worker's VRAM frees up (a long prompt waits for room that the queue figure leaves out).
         self._tells_room = (room and getattr(type(policy), "on_worker_room", BasePolicy.on_worker_room)
                             is not BasePolicy.on_worker_room)
+        # No prompt is longer than the model's context (a front door refuses it: _arrive), so a
+        # worker with a context's worth of pages free has nothing to tell: its room reads empty.
+        self._context_tokens = cfg.index.context_tokens
+        self._room_enough_pages = -(-self._context_tokens // topo.block_size) if self._room_cut_at_context else None
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
@@ -305,7 +312,8 @@ class Simulation:
             self._last_exact_at[w] = now
             if self._tells_room:
                 page = self.caches[w].block_size
-                steps = tuple((ms, pages * page) for ms, pages in model.room_steps(now=now))
+                steps = tuple((ms, pages * page)
+                              for ms, pages in model.room_steps(now=now, enough_pages=self._room_enough_pages))
                 self.policy.on_worker_room(w, steps, now=now)
         else:
             q = max(0.0, self._last_q[w] - (now - self._last_q_at[w]) * 1000.0) + added_ms
@@ -333,6 +341,9 @@ class Simulation:
     # ------------------------------------------------------------------------------ handlers
 
     def _arrive(self, req: Request, now: float) -> None:
+        if len(req.tokens) > self._context_tokens:
+            raise SimulationError(f"request {req.id}: a prompt of {len(req.tokens)} tokens is longer than the model's "
+                                  f"context ([index] context_tokens = {self._context_tokens}); a front door refuses it")
         topo = self.topo
         region = topo.region_index(req.region)
         decision = self.policy.route(req, now=now)

@@ -438,13 +438,21 @@ class WorkerQueueModel:
             self._shadow._admit_all()
         return 1000.0 * (self._shadow._next_slot_first_token(now) - now)
 
-    def room_steps(self, *, now: float) -> tuple[tuple[float, int], ...]:
+    def room_steps(self, *, now: float, enough_pages: int | None = None) -> tuple[tuple[float, int], ...]:
         """When VRAM pages free up, for an arrival at ``now`` whose prompt needs new pages
         (``queue_ms`` takes it to need none): ``(ms from now, free pages from then on)`` pairs,
         both increasing, the first at 0 ms; empty when nothing is running or queued (every page
         free). A prompt needing ``n`` new pages can start its prefill at the first step with at
         least ``n`` free (at the last when none has: it then runs alone), and not before
         ``queue_ms``.
+
+        ``enough_pages``: the pages the longest prompt the worker can be sent needs (the
+        model's context). While at least that many are free now (and so at every later step),
+        no prompt waits for room here, and the answer is empty too, as if nothing were pinned:
+        every reader (``QueueEstimates.room_wait_ms``, the room floor, room broadcasts) then
+        answers 0 for every prompt, as the steps would have. A worker whose VRAM is far from full
+        (the common case: the pages of a few running requests against a context's worth) is
+        settled by the sum of its holders' path lengths, with no union taken.
 
         Every request the worker holds (running, in prefill, admitted or waiting for a slot)
         pins its pages until its last token, the queued ones ahead of the arrival as they will:
@@ -461,17 +469,24 @@ class WorkerQueueModel:
         if not holders:
             return ()
         capacity = self._vram_pages
+        footprint = self._footprint
+        paths = {request_id: footprint(request_id)[:capacity] for _, request_id in holders}
+        if enough_pages is not None and capacity - sum(map(len, paths.values())) >= enough_pages:
+            return ()  # (the union is no larger than the paths' sum)
         holders.sort()
         # pinned_by[k]: the pages holders[k:] pin together, built from the last to finish
         # backwards. A page id names its root path (``Footprint``), so the union of the paths
         # is the set of their ids: one C-level set update per path, where keeping the paths
         # sorted (``PinnedPaths``, which the run-ahead needs for its removals) costs ~4x more.
-        pinned, footprint = set(), self._footprint
+        # (a path past capacity runs alone and pins all of it: ``paths`` holds capacity's worth)
+        pinned = set()
         pin = pinned.update
         pinned_by = [0] * (len(holders) + 1)
         for k in range(len(holders) - 1, -1, -1):
-            pin(footprint(holders[k][1])[:capacity])  # a path past capacity runs alone and pins all of it
+            pin(paths[holders[k][1]])
             pinned_by[k] = len(pinned)
+        if enough_pages is not None and capacity - pinned_by[0] >= enough_pages:
+            return ()
         steps = [(0.0, max(0, capacity - pinned_by[0]))]
         at = self._prefill_backlog_s() + sum(r.prefill_s for r in self._waiting)  # seconds from now
         decoded, batch = 0.0, len(holders)
