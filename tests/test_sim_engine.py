@@ -388,10 +388,14 @@ def test_a_workers_last_request_ending_is_reported_at_once_with_nothing_running(
     assert policy.loads[-1][1] == 0
 
 
-def test_a_prompt_longer_than_the_models_context_is_refused():
+def test_a_prompt_past_the_models_context_lengthens_the_room_horizon():
+    """A replayed trace's prompt longer than the context is served (no front door here), and
+    from it on, a worker reports its room until it has that prompt's pages free."""
     topo = two_region_topology(1, 0, context=256)
-    with pytest.raises(SimulationError, match="320 tokens is longer than the model's context"):
-        simulate(topo, Fixed(topo, worker=0), [req(0, 0.0, TOKENS)])
+    sim = Simulation(topo, Fixed(topo, worker=0))
+    assert sim._room_enough_pages == 16
+    res = sim.run([req(0, 0.0, TOKENS[:200]), req(1, 1.0, TOKENS), req(2, 2.0, TOKENS[:100])])
+    assert res.completed == 3 and sim._room_enough_pages == 20  # 320 tokens
 
 
 def _room_heavy_stream(n: int = 80) -> list[Request]:

@@ -259,10 +259,14 @@ class Simulation:
         # worker's VRAM frees up (a long prompt waits for room that the queue figure leaves out).
         self._tells_room = (room and getattr(type(policy), "on_worker_room", BasePolicy.on_worker_room)
                             is not BasePolicy.on_worker_room)
-        # No prompt is longer than the model's context (a front door refuses it: _arrive), so a
-        # worker with a context's worth of pages free has nothing to tell: its room reads empty.
-        self._context_tokens = cfg.index.context_tokens
-        self._room_enough_pages = -(-self._context_tokens // topo.block_size) if self._room_cut_at_context else None
+        # No prompt is longer than the model's context (a front door refuses it), so a worker
+        # with a context's worth of pages free has nothing to tell: its room reads empty. A
+        # replayed trace may hold longer prompts (Mooncake's reach 191 K tokens against the
+        # configs' 128 K): from the first on, the horizon is the longest prompt so far (_arrive),
+        # and that prompt alone is routed on reports cut at the shorter one.
+        self._room_horizon_tokens = cfg.index.context_tokens
+        self._room_enough_pages = (-(-self._room_horizon_tokens // topo.block_size)
+                                   if self._room_cut_at_context else None)
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
         self.events_delivered = 0
@@ -341,9 +345,10 @@ class Simulation:
     # ------------------------------------------------------------------------------ handlers
 
     def _arrive(self, req: Request, now: float) -> None:
-        if len(req.tokens) > self._context_tokens:
-            raise SimulationError(f"request {req.id}: a prompt of {len(req.tokens)} tokens is longer than the model's "
-                                  f"context ([index] context_tokens = {self._context_tokens}); a front door refuses it")
+        if len(req.tokens) > self._room_horizon_tokens:  # (a trace's prompt past the context: __init__)
+            self._room_horizon_tokens = len(req.tokens)
+            if self._room_enough_pages is not None:
+                self._room_enough_pages = -(-self._room_horizon_tokens // self.topo.block_size)
         topo = self.topo
         region = topo.region_index(req.region)
         decision = self.policy.route(req, now=now)
