@@ -262,8 +262,8 @@ class Simulation:
         # No prompt is longer than the model's context (a front door refuses it), so a worker
         # with a context's worth of pages free has nothing to tell: its room reads empty. A
         # replayed trace may hold longer prompts (Mooncake's reach 191 K tokens against the
-        # configs' 128 K): from the first on, the horizon is the longest prompt so far (_arrive),
-        # and that prompt alone is routed on reports cut at the shorter one.
+        # configs' 128 K): the horizon is then the longest prompt so far (_arrive), and each
+        # prompt that lengthens it is routed on reports cut at the shorter one.
         self._room_horizon_tokens = cfg.index.context_tokens
         self._room_enough_pages = (-(-self._room_horizon_tokens // topo.block_size)
                                    if self._room_cut_at_context else None)
