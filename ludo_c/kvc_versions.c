@@ -63,6 +63,8 @@ struct kvc_vs {
     int64_t *pos_cache; /* [shards]: positions worked out in this prepare call */
     uint64_t *pos_stamp;
     uint64_t stamp;
+    uint8_t *snapshot;  /* kvc_vs_publish's scratch: blob i is a snapshot (read once, when checked) */
+    uint64_t cap_snapshot;
 };
 
 static int grow(void **p, uint64_t *cap, uint64_t need, size_t elem) {
@@ -117,7 +119,7 @@ void kvc_vs_free(kvc_vs *vs) {
     if (vs->edge)
         for (uint32_t e = 0; e < vs->edges; e++) free(vs->edge[e].offsets), free(vs->edge[e].groups);
     free(vs->tables), free(vs->shard), free(vs->edge), free(vs->delay), free(vs->edge_seq);
-    free(vs->pos_cache), free(vs->pos_stamp);
+    free(vs->pos_cache), free(vs->pos_stamp), free(vs->snapshot);
     free(vs);
 }
 
@@ -210,15 +212,16 @@ int kvc_vs_publish(kvc_vs *vs, uint32_t s, int64_t seq, double now, uint32_t n, 
     if (s >= vs->shards) return KVC_ERR_ARG;
     vs_shard *sh = &vs->shard[s];
     if (!sh->installed || seq != sh->base_seq + (int64_t)sh->n_times + 1) return KVC_ERR_ARG;
-    unsigned kind;
-    uint64_t table_id, epoch;
+    int rc = grow((void **)&vs->snapshot, &vs->cap_snapshot, n ? n : 1, 1);
+    if (rc != KVC_OK) return rc;
     for (uint32_t i = 0; i < n; i++) {  /* all checked before anything changes */
         if (groups[i] >= vs->groups || !vs->tables[(size_t)s * vs->groups + groups[i]].installed) return KVC_ERR_ARG;
-        int rc = kvc_blob_peek(blobs[i], lens[i], &kind, &table_id, &epoch);
-        if (rc != KVC_OK) return rc;
+        unsigned kind;
+        uint64_t table_id, epoch;
+        if ((rc = kvc_blob_peek(blobs[i], lens[i], &kind, &table_id, &epoch)) != KVC_OK) return rc;
+        vs->snapshot[i] = kind == KVC_BLOB_SNAPSHOT;
     }
-    int rc = grow((void **)&sh->times, &sh->cap_times, sh->n_times + 1, sizeof *sh->times);
-    if (rc != KVC_OK) return rc;
+    if ((rc = grow((void **)&sh->times, &sh->cap_times, sh->n_times + 1, sizeof *sh->times)) != KVC_OK) return rc;
     for (uint32_t i = 0; i < n; i++) {
         vs_table *t = &vs->tables[(size_t)s * vs->groups + groups[i]];
         uint64_t held = (uint64_t)(t->latest - t->blob_base);
@@ -227,8 +230,7 @@ int kvc_vs_publish(kvc_vs *vs, uint32_t s, int64_t seq, double now, uint32_t n, 
         uint8_t *copy = malloc(lens[i] ? lens[i] : 1);
         if (!copy) return KVC_ERR_NOMEM;
         memcpy(copy, blobs[i], lens[i]);
-        kvc_blob_peek(blobs[i], lens[i], &kind, &table_id, &epoch);  /* (checked above: its kind now) */
-        t->blob[held] = (vs_blob){copy, lens[i], kind == KVC_BLOB_SNAPSHOT};
+        t->blob[held] = (vs_blob){copy, lens[i], vs->snapshot[i]};
         t->seqs[t->latest] = seq;
         t->latest++;
     }

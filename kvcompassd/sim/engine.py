@@ -264,8 +264,7 @@ class Simulation:
         # replayed trace may hold longer prompts (Mooncake's reach 191 K tokens against the
         # configs' 128 K): the horizon is then the longest prompt so far (_arrive), and each
         # prompt that lengthens it is routed on reports cut at the shorter one.
-        self._room_horizon_tokens = cfg.index.context_tokens
-        self._room_enough_pages = (-(-self._room_horizon_tokens // topo.block_size)
+        self._room_enough_pages = (-(-cfg.index.context_tokens // topo.block_size)
                                    if self._room_cut_at_context else None)
         self._rows: dict[str, list] = {f: [] for f in RECORD_FIELDS}
         self._load: dict[tuple[int, int], float] = {}
@@ -345,11 +344,10 @@ class Simulation:
     # ------------------------------------------------------------------------------ handlers
 
     def _arrive(self, req: Request, now: float) -> None:
-        if len(req.tokens) > self._room_horizon_tokens:  # (a trace's prompt past the context: __init__)
-            self._room_horizon_tokens = len(req.tokens)
-            if self._room_enough_pages is not None:
-                self._room_enough_pages = -(-self._room_horizon_tokens // self.topo.block_size)
         topo = self.topo
+        enough = self._room_enough_pages  # (a trace's prompt past the context: __init__)
+        if enough is not None and len(req.tokens) > enough * topo.block_size:
+            self._room_enough_pages = -(-len(req.tokens) // topo.block_size)
         region = topo.region_index(req.region)
         decision = self.policy.route(req, now=now)
         w = decision.worker_index

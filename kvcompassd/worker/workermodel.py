@@ -469,11 +469,11 @@ class WorkerQueueModel:
         if not holders:
             return ()
         capacity = self._vram_pages
-        footprint = self._footprint
-        paths = {request_id: footprint(request_id)[:capacity] for _, request_id in holders}
-        if enough_pages is not None and capacity - sum(map(len, paths.values())) >= enough_pages:
-            return ()  # (the union is no larger than the paths' sum)
         holders.sort()
+        footprint = self._footprint
+        paths = [footprint(request_id)[:capacity] for _, request_id in holders]
+        if enough_pages is not None and capacity - sum(map(len, paths)) >= enough_pages:
+            return ()  # (the union is no larger than the paths' sum)
         # pinned_by[k]: the pages holders[k:] pin together, built from the last to finish
         # backwards. A page id names its root path (``Footprint``), so the union of the paths
         # is the set of their ids: one C-level set update per path (keeping the paths sorted,
@@ -483,7 +483,7 @@ class WorkerQueueModel:
         pin = pinned.update
         pinned_by = [0] * (len(holders) + 1)
         for k in range(len(holders) - 1, -1, -1):
-            pin(paths[holders[k][1]])
+            pin(paths[k])
             pinned_by[k] = len(pinned)
         if enough_pages is not None and capacity - pinned_by[0] >= enough_pages:
             return ()
