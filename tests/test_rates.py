@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from clusters import make_cluster
 from kvcompassd.core.config import ConfigError
+from kvcompassd.core import rates as rates_module
 from kvcompassd.core.rates import LearnedRates, RateEstimator, RatesError
 from kvcompassd.worker.workermodel import FirstTokenProduced, WorkerTiming
 from worker_cache import CacheOwner
@@ -348,7 +349,13 @@ def test_the_rates_vector_is_exactly_each_workers_rate(served):
         _serve(rates, n, worker, sent=t, first=t + rtt + prefill_s, end=t + rtt + prefill_s, uncached=uncached,
                output=1)
         t += 3.0
-        assert rates.prefill_rates().tolist() == [rates.prefill_ms_per_token(w) for w in range(3)]
+        each = [rates.prefill_ms_per_token(w) for w in range(3)]
+        assert rates.prefill_rates().tolist() == each  # a small fleet's, worker by worker
+        small, rates_module.SMALL_FLEET = rates_module.SMALL_FLEET, 0
+        try:
+            assert rates.prefill_rates().tolist() == each  # a large fleet's, in numpy
+        finally:
+            rates_module.SMALL_FLEET = small
 
 
 @settings(max_examples=200, deadline=None)

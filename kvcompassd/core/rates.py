@@ -109,6 +109,8 @@ FOREIGN_WORK_TOLERANCE = 0.1
 # group misses there again (4 equal emulated workers, 8,192 tokens of VRAM each, one client:
 # reuse 0.49 where round robin's is 0.48, against 0.98 before any rate was learned).
 OWN_RATE_MARGIN = 1.25
+# Fleets up to this many workers have their prefill rates worked out worker by worker in Python.
+SMALL_FLEET = 16
 
 
 class RatesError(ValueError):
@@ -259,7 +261,9 @@ class LearnedRates:
 
     def finished(self, dispatch: int, *, uncached_tokens: int, output_tokens: int, now: float) -> bool:
         """The dispatch ended, its worker having computed ``uncached_tokens`` and produced
-        ``output_tokens``; True if one of that worker's rates changed."""
+        ``output_tokens``; True if a prefill rate may have changed (``prefill_rates`` then has
+        the new ones). A decode rate is learned too, but only read when asked for
+        (``decode_ms_per_token``): its change alone returns False, as the score does not read it."""
         record = self._open.pop(dispatch, None)
         if record is None or record[2] is None:
             if record is not None:
@@ -270,11 +274,12 @@ class LearnedRates:
         changed = False
         if output_tokens >= 2:
             ratio = 1000.0 * (now - first_at) / (output_tokens - 1) / self.configured_decode[worker]
-            changed = self._decode[worker].observe(ratio) | self._fleet_decode.observe(ratio)
+            self._decode[worker].observe(ratio)
+            self._fleet_decode.observe(ratio)
         if uncached_tokens >= self._min_tokens and service_ms is not None:
             ratio = service_ms / uncached_tokens / self.configured_prefill[worker]
             own = self._prefill[worker]
-            changed = own.observe(ratio) | self._fleet_prefill.observe(ratio) | changed
+            changed = own.observe(ratio) | self._fleet_prefill.observe(ratio)
             self._prefill_own[worker] = own.factor
             self._prefill_ready[worker] = len(own) >= self._min_samples
             self._fleet_samples = count = self._fleet_samples + 1
@@ -337,7 +342,11 @@ class LearnedRates:
 
     def prefill_rates(self) -> np.ndarray:
         """Every worker's prefill ms per token (config worker order)."""
-        # The same products as prefill_ms_per_token's, element by element.
+        # The same products as prefill_ms_per_token's, element by element: in Python for a fleet
+        # of a few workers (an edge's region, learned from every response: numpy's eight calls
+        # cost 3x the loop there), in numpy for many (the simulator's 1,024).
+        if len(self.configured_prefill) <= SMALL_FLEET:
+            return np.array([self.prefill_ms_per_token(i) for i in range(len(self.configured_prefill))])
         own, shared = self._prefill_own, self._fleet_prefill.factor
         apart = (own > shared * OWN_RATE_MARGIN) | (own < shared / OWN_RATE_MARGIN)
         fresh = self._fleet_samples - self._prefill_last <= self._fleet_window
