@@ -440,7 +440,7 @@ class Forwarder:
         metrics.count_decision(d.outcome)
         if d.pending:
             metrics.pending_credits.inc()
-        metrics.decision_seconds.observe(decision_us / 1e6)
+        metrics.decision_observations.observe(decision_us / 1e6)
         # The winner's terms alone: the runners-up need every worker scored (the sparse decision
         # skips the workers that cannot win), so they are logged only at debug level.
         chosen = d.score.top(1)

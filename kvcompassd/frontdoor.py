@@ -316,9 +316,9 @@ class FrontDoor:
     def _observe(self, route: str, started: float, first: float | None) -> None:
         end = time.perf_counter()
         self.metrics.count_request(route, 200)
-        self.metrics.request_seconds.observe(end - started)
+        self.metrics.request_observations.observe(end - started)
         if first is not None:
-            self.metrics.ttft_seconds.observe(first - started)
+            self.metrics.ttft_observations.observe(first - started)
 
     def _openai_params(self, body: dict, chat: bool) -> tuple[dict, bool]:
         check_model(body, self.settings.model)

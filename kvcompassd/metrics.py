@@ -3,6 +3,8 @@ process in tests and the demo), served by ``start_metrics_server``."""
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -90,12 +92,82 @@ class _ShardTablesCollector:
 # The chosen worker's score terms observed per decision (ScoreTerms fields, in ms).
 CHOSEN_SCORE_TERMS = ("wan_ms", "queue_ms", "prefill_ms", "reload_ms")
 
+# Observations a BatchedObservations holds before it folds them in without waiting for a read.
+BATCH_LIMIT = 512
+
+
+class BatchedObservations:
+    """A histogram's observations held in a list and folded into it in one pass: per bucket, one
+    increment for all of them, instead of prometheus_client's lock, bucket search and two
+    increments per observation (seven histograms observed per request were ~5 % of the edge's CPU
+    per request). ``observe`` appends; ``fold`` counts them into ``histogram`` (a ``Histogram`` or
+    one labelled child), which happens whenever ``BATCH_LIMIT`` are held and before every read of
+    the metrics (``EdgeMetrics.fold``: a scrape, a front door's publication), so what is read is
+    exact and what is held bounded. Buckets and sums equal per-observation ``observe``'s
+    (``tests/test_metrics.py``)."""
+
+    __slots__ = ("_held", "_histogram", "_bounds", "_buckets", "_sum")
+
+    def __init__(self, histogram) -> None:
+        self._held: list[float] = []
+        self._histogram = histogram
+        # prometheus_client's own fields (every release since 0.4): without them, fold observes
+        # one by one, as before.
+        self._bounds = getattr(histogram, "_upper_bounds", None)
+        self._buckets = getattr(histogram, "_buckets", None)
+        self._sum = getattr(histogram, "_sum", None)
+
+    def observe(self, amount: float) -> None:
+        held = self._held
+        held.append(amount)
+        if len(held) >= BATCH_LIMIT:
+            self.fold()
+
+    def fold(self) -> None:
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        bounds, buckets = self._bounds, self._buckets
+        if bounds is None or buckets is None or self._sum is None:
+            for amount in held:
+                self._histogram.observe(amount)
+            return
+        counts = [0] * len(bounds)
+        total = 0.0
+        for amount in held:
+            amount = float(amount)
+            total += amount
+            if amount == amount:  # NaN lands in no bucket, as observe's ``amount <= bound`` says
+                # the first bound >= amount (bounds end with +Inf)
+                counts[bisect.bisect_left(bounds, amount)] += 1
+        self._sum.inc(total)
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+
+
+class _FoldBeforeRead:
+    """Registered first in a registry, so that a scrape folds the held observations before the
+    histograms after it are read."""
+
+    def __init__(self, fold: Callable[[], None]) -> None:
+        self._fold = fold
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self._fold()
+        return []
+
 class EdgeMetrics:
     # Gauges say how the front doors of ``edge --workers N`` add up (kvcompassd/metrics_front_doors.py):
     # livesum (a count over processes), livemax (process 0's reading; front doors hold copies),
     # liveall (per process, a pid label: what each one learned itself).
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        r.register(_FoldBeforeRead(self.fold))
         self.requests = Counter("kvcompass_requests", "Requests at the front door, by route and status", ["route", "status"], registry=r)
         self.decisions = Counter("kvcompass_decisions", "Forwarding decisions by outcome (local_hit, remote_hit, recompute)", ["outcome"], registry=r)
         self.pending_credits = Counter("kvcompass_pending_credits", "Decisions whose winner was credited with a prompt the edge had just sent it, not yet in the view", registry=r)
@@ -139,7 +211,19 @@ class EdgeMetrics:
         self._request_counts: dict[tuple[str, int], Counter] = {}
         self._decision_counts: dict[str, Counter] = {}
         self._decode_choice_counts: dict[str, Counter] = {}  # decode workers: the config's, bounded
-        self.chosen_terms = tuple((term, self.score_terms.labels(term)) for term in CHOSEN_SCORE_TERMS)
+        # What the request path observes, held and folded in per bucket (BatchedObservations).
+        self.decision_observations = BatchedObservations(self.decision_seconds)
+        self.ttft_observations = BatchedObservations(self.ttft_seconds)
+        self.request_observations = BatchedObservations(self.request_seconds)
+        self.chosen_terms = tuple((term, BatchedObservations(self.score_terms.labels(term)))
+                                  for term in CHOSEN_SCORE_TERMS)
+        self._batched = (self.decision_observations, self.ttft_observations, self.request_observations,
+                         *(batch for _, batch in self.chosen_terms))
+
+    def fold(self) -> None:
+        """Fold every held observation into its histogram (before the histograms are read)."""
+        for batch in self._batched:
+            batch.fold()
 
     def count_decision(self, outcome: str) -> None:
         """``decisions{outcome}`` + 1 (outcomes are a fixed set: ForwardDecided.outcome)."""

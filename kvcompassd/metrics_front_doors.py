@@ -303,6 +303,7 @@ class FrontDoorPublisher:
         self._hot_published: dict[tuple[str, str], int] = {}
 
     def publish(self) -> None:
+        self._metrics.fold()  # the request path's held observations, into the values published below
         gauges = [g for g in vars(self._metrics).values() if isinstance(g, Gauge)]  # watch_front_door adds two later
         for gauge in gauges:
             for family in gauge.collect():  # a function gauge's value is computed here
