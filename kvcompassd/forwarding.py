@@ -153,72 +153,108 @@ async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float
                             progress: Callable[[], int] | None = None, first_max_s: float = 0.0) -> AsyncIterator:
     """``items``, each awaited for at most ``first_s`` until the first token, then ``inter_s``.
     A late item ends ``items`` (its cleanup aborts the request at the worker) and raises
-    :class:`FirstTokenLate` or :class:`OutputStalled`.
+    :class:`FirstTokenLate` or :class:`OutputStalled`. A deadline bounds the wait for an item,
+    not the consumer's work on one.
 
     With ``progress`` (a count of the worker's output for any request, read when a deadline
     passes), a first-token deadline that passes while the count moved in the last ``first_s``
     is not a failure: the worker is serving, only its queue is longer than expected. The wait
-    is judged again every ``first_s`` up to ``first_max_s`` in all (at least ``first_s``)."""
-    deadline, produced = first_s, False
-    if progress is not None:
-        try:
-            item = await _first_while_serving(items, first_s, max(first_s, first_max_s), progress)
-        except StopAsyncIteration:
-            return
-        if isinstance(item, TokensGenerated):
-            produced, deadline = True, inter_s
-        yield item
-    while True:
-        try:
-            async with asyncio.timeout(deadline):
-                item = await anext(items)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            if produced:
-                raise OutputStalled(f"no output for {deadline:.1f} s after the last") from None
-            raise FirstTokenLate(f"no first token within {deadline:.1f} s") from None
-        if isinstance(item, TokensGenerated):
-            produced, deadline = True, inter_s
-        yield item
+    is judged again every ``first_s`` up to ``first_max_s`` in all (at least ``first_s``).
 
-
-async def _first_while_serving(items: AsyncIterator, first_s: float, max_s: float, progress: Callable[[], int]):
-    """The first item of ``items``; FirstTokenLate once a window of ``first_s`` passes with no
-    output from the worker for anyone (``progress`` unchanged), or after ``max_s`` in all.
-
-    The windows are judged by a timer of their own, and the wait itself expires only when that
-    judge says so: a timeout that fired would cancel the pending ``anext`` and end ``items``."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    mark = progress()
-    ended_at, while_serving = start, False  # set when the judge ends the wait
-
-    def judge() -> None:
-        nonlocal mark, timer, ended_at, while_serving
-        now = loop.time()
-        seen = progress()
-        if seen != mark and now + first_s <= start + max_s:
-            mark = seen
-            timer = loop.call_at(now + first_s, judge)
-        else:
-            ended_at, while_serving = now, seen != mark
-            window.reschedule(now)  # expires now: the pending anext is cancelled
-
+    One timer judges the whole attempt (``_Deadlines``), re-armed only when it fires: a
+    timeout per item (a ``Timeout`` and a timer each) was a few per cent of the edge's CPU per
+    request, on responses that come whole long before any deadline."""
+    deadlines = _Deadlines(first_s, inter_s, progress, max(first_s, first_max_s))
     try:
-        async with asyncio.timeout(None) as window:
-            timer = loop.call_at(start + first_s, judge)
+        while True:
             try:
-                return await anext(items)
-            finally:
-                timer.cancel()
-    except TimeoutError:
-        waited = ended_at - start
-        if while_serving:
-            raise FirstTokenLate(f"no first token within {waited:.1f} s (the limit), though the worker "
-                                 f"was serving other requests") from None
-        raise FirstTokenLate(f"no first token within {waited:.1f} s, and no output from the worker "
-                             f"for any request in the last {first_s:.1f} s") from None
+                item = await deadlines.wait(items)
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        deadlines.stop()
+
+
+class _Deadlines:
+    """The deadlines of one attempt's waits (``_within_deadlines``), judged by one timer.
+
+    The timer is armed for the earliest moment a deadline could pass; when it fires it judges
+    the wait in progress (if any) and arms itself again for the next such moment, or expires the
+    wait: the waiting task is cancelled, and ``wait`` turns that cancellation (and only that
+    one: an outer cancellation passes through) into the attempt's failure."""
+
+    __slots__ = ("_loop", "_task", "_cancelling", "_first_s", "_inter_s", "_progress", "_max_s", "_start", "_mark",
+                 "_deadline", "_produced", "_first_phase", "_waiting_since", "_timer", "_failure")
+
+    def __init__(self, first_s: float, inter_s: float, progress: Callable[[], int] | None, max_s: float) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._cancelling = self._task.cancelling()
+        self._first_s, self._inter_s, self._progress, self._max_s = first_s, inter_s, progress, max_s
+        self._start = loop.time()
+        self._mark = progress() if progress is not None else 0
+        self._deadline = first_s
+        self._produced = False  # a token came: the inter-token deadline from now on
+        self._first_phase = True  # the first item not yet in: the progress judge applies
+        self._waiting_since: float | None = None  # None while the consumer holds an item
+        self._failure: Exception | None = None
+        self._timer = loop.call_at(self._start + first_s, self._judge)
+
+    async def wait(self, items: AsyncIterator):
+        self._waiting_since = self._loop.time()
+        try:
+            item = await anext(items)
+        except asyncio.CancelledError:
+            if self._failure is not None and self._task.uncancel() <= self._cancelling:
+                raise self._failure from None
+            raise
+        finally:
+            self._waiting_since = None
+        if self._first_phase:
+            self._first_phase = False
+        if not self._produced and isinstance(item, TokensGenerated):
+            self._produced, self._deadline = True, self._inter_s
+        return item
+
+    def _judge(self) -> None:
+        loop = self._loop
+        now = loop.time()
+        since = self._waiting_since
+        if since is None:  # the consumer holds an item: the next wait has its whole deadline
+            self._timer = loop.call_at(now + self._deadline, self._judge)
+            return
+        if self._first_phase and self._progress is not None:
+            # Windows of first_s from the start: one in which the worker produced output for
+            # anyone opens the next, up to max_s in all.
+            seen = self._progress()
+            if seen != self._mark and now + self._first_s <= self._start + self._max_s:
+                self._mark = seen
+                self._timer = loop.call_at(now + self._first_s, self._judge)
+                return
+            waited = now - self._start
+            if seen != self._mark:
+                self._expire(FirstTokenLate(f"no first token within {waited:.1f} s (the limit), though the worker "
+                                            f"was serving other requests"))
+            else:
+                self._expire(FirstTokenLate(f"no first token within {waited:.1f} s, and no output from the worker "
+                                            f"for any request in the last {self._first_s:.1f} s"))
+            return
+        due = since + self._deadline
+        if now < due:
+            self._timer = loop.call_at(due, self._judge)
+            return
+        if self._produced:
+            self._expire(OutputStalled(f"no output for {self._deadline:.1f} s after the last"))
+        else:
+            self._expire(FirstTokenLate(f"no first token within {self._deadline:.1f} s"))
+
+    def _expire(self, failure: Exception) -> None:
+        self._failure = failure
+        self._task.cancel()
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 class Forwarder:
