@@ -218,3 +218,22 @@ def test_an_invalid_tier_code_is_not_charged_and_does_not_crash() -> None:
     result = scorer.score(64, matched, tier, queue, belief)
     assert result.scores[US0] == pytest.approx(0.5)
     assert result.terms(US0).tier is Tier.ABSENT and result.terms(US0).reload_ms == 0.0
+
+
+@pytest.mark.parametrize("workers", [3, 40])  # an edge's few workers (checked in Python), many (numpy)
+def test_set_prefill_rates_refuses_what_is_not_a_rate_and_keeps_the_old_ones(workers):
+    from clusters import make_cluster
+
+    cfg = make_cluster({"us": workers - 1, "eu": 1})
+    scorer = JointScorer(cfg, "us")
+    good = np.linspace(0.05, 0.2, workers)
+    scorer.set_prefill_rates(good)
+    assert scorer.beta_list == tuple(good.tolist())
+    for bad in (np.nan, np.inf, 0.0, -0.1):
+        rates = good.copy()
+        rates[workers // 2] = bad
+        with pytest.raises(ScoreInputError):
+            scorer.set_prefill_rates(rates)
+        assert scorer.beta_list == tuple(good.tolist())
+    with pytest.raises(ScoreInputError):
+        scorer.set_prefill_rates(good[:-1])

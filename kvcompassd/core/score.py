@@ -285,11 +285,17 @@ class JointScorer:
     def set_prefill_rates(self, ms_per_token: np.ndarray) -> None:
         """Score the workers at these prefill rates from now on (rates the edge learned)."""
         rates = np.asarray(ms_per_token, dtype=np.float64)
-        if rates.shape != self._shape or not (np.isfinite(rates).all() and (rates > 0.0).all()):
+        if rates.shape != self._shape:
+            raise ScoreInputError(f"prefill rates must be {self.n_workers} finite numbers > 0")
+        values = rates.tolist()
+        # An edge's few workers checked in Python (it sets them after most responses: numpy's
+        # two reductions cost more than the loop), the simulator's many in numpy.
+        if not (all(0.0 < v < math.inf for v in values) if len(values) <= 16
+                else bool(np.isfinite(rates).all() and (rates > 0.0).all())):
             raise ScoreInputError(f"prefill rates must be {self.n_workers} finite numbers > 0")
         np.copyto(self._beta_buffer, rates)
         self._blocks.refresh()
-        self.beta_list = tuple(self._beta_buffer.tolist())
+        self.beta_list = tuple(values)
 
     def _bad_shape(self, name: str, array: object) -> ScoreInputError:
         shape = getattr(array, "shape", type(array).__name__)
