@@ -422,7 +422,7 @@ class Forwarder:
                             produced = True
                             yield item
                         else:
-                            yield self._finished(req, decision, item, attempt, decision_us)
+                            yield self._finished(req, decision, item, attempt, decision_us, produced)
                             return
                 raise WorkerUnavailable("response ended without completion")
             except EngineRejected as exc:
@@ -503,7 +503,7 @@ class Forwarder:
             self._start_migration(req, d)
 
     def _finished(self, req, d: ForwardDecided, done: GenerationFinished | EngineFinished, attempt: int,
-                  decision_us: float):
+                  decision_us: float, produced: bool = False):
         """``done``: the worker's closing figures, as the own-region HTTP path brings them
         (``EngineFinished``) or as the QUIC and prefill-decode paths do."""
         now = self.clock()
@@ -513,7 +513,8 @@ class Forwarder:
             queue_vector, decode_worker = dict(done.queue_vector) or None, done.decode_worker
         self.suspects.served(d.worker_index)
         router = self.router
-        router.on_first_token(d.dispatch, now=now)  # a no-op unless it ended without output
+        if not produced:  # it ended without output: its prefill is done all the same
+            router.on_first_token(d.dispatch, now=now)
         router.on_finished(d.dispatch, prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
                            output_tokens=done.completion_tokens, now=now)
         self.router.on_response(
