@@ -4,7 +4,7 @@ process in tests and the demo), served by ``start_metrics_server``."""
 from __future__ import annotations
 
 import bisect
-import math
+import collections
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -104,12 +104,14 @@ class BatchedObservations:
     one labelled child), which happens whenever ``BATCH_LIMIT`` are held and before every read of
     the metrics (``EdgeMetrics.fold``: a scrape, a front door's publication), so what is read is
     exact and what is held bounded. Buckets and sums equal per-observation ``observe``'s
-    (``tests/test_metrics.py``)."""
+    (``tests/test_metrics.py``). A scrape of the metrics port folds from prometheus_client's
+    server thread while the event loop observes: the observations are a deque, whose append and
+    popleft are atomic, so each is folded exactly once by whichever fold takes it."""
 
     __slots__ = ("_held", "_histogram", "_bounds", "_buckets", "_sum")
 
     def __init__(self, histogram) -> None:
-        self._held: list[float] = []
+        self._held: collections.deque[float] = collections.deque()
         self._histogram = histogram
         # prometheus_client's own fields (every release since 0.4): without them, fold observes
         # one by one, as before.
@@ -124,10 +126,16 @@ class BatchedObservations:
             self.fold()
 
     def fold(self) -> None:
-        held = self._held
-        if not held:
+        held, taken = self._held, []
+        pop = held.popleft
+        try:
+            for _ in range(len(held)):
+                taken.append(pop())
+        except IndexError:  # a fold in another thread took the rest
+            pass
+        if not taken:
             return
-        self._held = []
+        held = taken
         bounds, buckets = self._bounds, self._buckets
         if bounds is None or buckets is None or self._sum is None:
             for amount in held:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import threading
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -69,3 +71,29 @@ def test_a_scrape_of_the_edge_metrics_sees_every_observation():
         assert got[("kvcompass_chosen_score_ms_bucket", (("le", "10.0"), ("term", term)))] == 1
     # A second scrape folds nothing twice.
     assert _samples(metrics.registry)[("kvcompass_request_seconds_count", ())] == 2
+
+
+def test_a_scrape_thread_folding_while_the_loop_observes_counts_each_observation_once():
+    """prometheus_client's metrics server scrapes (and so folds) from its own thread."""
+    histogram = Histogram("h", "h", buckets=BUCKETS, registry=CollectorRegistry())
+    batched = BatchedObservations(histogram)
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            batched.fold()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads take turns often
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        for _ in range(50_000):
+            batched.observe(0.02)
+    finally:
+        stop.set()
+        scraper.join()
+        sys.setswitchinterval(interval)
+    batched.fold()
+    assert histogram._buckets[2].get() == 50_000  # the 0.025 bucket: every one, none twice
+    assert math.isclose(histogram._sum.get(), 0.02 * 50_000, rel_tol=1e-9)
