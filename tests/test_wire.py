@@ -499,3 +499,24 @@ def test_a_shard_batch_past_a_frame_is_refused_as_before() -> None:
     big = bytes(wire.MAX_FRAME_BYTES + 1)
     with pytest.raises(wire.MessageError, match=r"tables\[0\]\[1\]: .* bytes exceeds"):
         UpdateBatchPublished.of_shard(1, 1, 1, ((0, big),))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 255), st.sampled_from([0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1])
+                          | st.integers(0, (1 << 64) - 1)), min_size=1, max_size=20))
+def test_index_event_columns_refuse_exactly_the_unknown_ops_and_keys_past_2_63(events):
+    """The columns' checks read the bytes (an op's byte, a key's little-endian top byte); they
+    refuse exactly what the numpy comparisons they replaced refused."""
+    ops = bytes(op for op, _ in events)
+    keys = np.array([key for _, key in events], dtype="<u8").tobytes()
+    bad_ops = [i for i, (op, _) in enumerate(events) if op > EventOp.EVICTED]
+    bad_keys = [i for i, (_, key) in enumerate(events) if key > MAX_KEY]
+    try:
+        IndexEventColumns(ops, keys, b"")
+    except ValueError as exc:
+        if bad_ops:  # the ops are checked first
+            assert str(exc).startswith(f"event {bad_ops[0]}: unknown op"), exc
+        else:
+            assert bad_keys and str(exc).startswith(f"event {bad_keys[0]}: prefix key"), exc
+    else:
+        assert not bad_ops and not bad_keys
