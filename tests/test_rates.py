@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from clusters import make_cluster
 from kvcompassd.core.config import ConfigError
 from kvcompassd.core import rates as rates_module
-from kvcompassd.core.rates import LearnedRates, RateEstimator, RatesError
+from kvcompassd.core.rates import LearnedRates, RateEstimator, RatesError, ReadRateEstimator
 from kvcompassd.worker.workermodel import FirstTokenProduced, WorkerTiming
 from worker_cache import CacheOwner
 
@@ -377,6 +377,29 @@ def test_estimator_factor_is_the_median_of_its_window(ratios, window, bound):
             median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
             assert estimator.factor == math.exp(median)
             assert len(estimator) == len(kept)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ratios=st.lists(st.one_of(st.floats(1e-3, 1e3), st.sampled_from([0.5, 1.0, 2.0, 0.0, float("nan"), -1.0])),
+                       max_size=120),
+       window=st.integers(1, 9), min_samples=st.integers(1, 9), bound=st.sampled_from([1.0, 4.0, 100.0]))
+def test_a_read_estimator_reads_what_the_ordered_one_holds(ratios, window, min_samples, bound):
+    """The decode rates' estimator takes its median when read: after every sample its factor
+    and length are the ordered estimator's, bit for bit."""
+    min_samples = min(min_samples, window)
+    ordered = RateEstimator(bound=bound, window=window, min_samples=min_samples)
+    read = ReadRateEstimator(bound=bound, window=window, min_samples=min_samples)
+    for ratio in ratios:
+        ordered.observe(ratio)
+        read.observe(ratio)
+        assert read.factor == ordered.factor and len(read) == len(ordered)
+
+
+def test_a_read_estimator_refuses_the_arguments_the_ordered_one_refuses():
+    for args in ({"bound": 0.5}, {"bound": float("inf")}, {"bound": 2.0, "window": 0},
+                 {"bound": 2.0, "window": 3, "min_samples": 4}):
+        with pytest.raises(RatesError):
+            ReadRateEstimator(**args)
 
 
 # ---------------------------------------------------------------------------- waits for VRAM room

@@ -117,17 +117,21 @@ class RatesError(ValueError):
     """Bad arguments to the rate estimators."""
 
 
+def _check_estimator(bound: float, window: int, min_samples: int) -> None:
+    if not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound >= 1.0):
+        raise RatesError(f"bound must be a finite number >= 1, got {bound!r}")
+    if not (isinstance(window, int) and window >= 1 and isinstance(min_samples, int)
+            and 1 <= min_samples <= window):
+        raise RatesError(f"need 1 <= min_samples <= window, got {min_samples!r}, {window!r}")
+
+
 class RateEstimator:
     """One rate's multiplier: exp(median of the last ``window`` clipped log-ratios)."""
 
     __slots__ = ("_bound", "_samples", "_ordered", "_min_samples", "factor")
 
     def __init__(self, *, bound: float, window: int = DEFAULT_WINDOW, min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
-        if not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound >= 1.0):
-            raise RatesError(f"bound must be a finite number >= 1, got {bound!r}")
-        if not (isinstance(window, int) and window >= 1 and isinstance(min_samples, int)
-                and 1 <= min_samples <= window):
-            raise RatesError(f"need 1 <= min_samples <= window, got {min_samples!r}, {window!r}")
+        _check_estimator(bound, window, min_samples)
         self._bound = math.log(bound)
         self._samples: deque[float] = deque(maxlen=window)
         self._ordered: list[float] = []  # the same samples, ascending (kept so, not sorted per sample)
@@ -158,6 +162,38 @@ class RateEstimator:
         return changed
 
 
+class ReadRateEstimator:
+    """``RateEstimator``'s factor for a rate only read now and then (the decode rates: the
+    gauges and ``kvcompassctl`` read them, the score does not): ``observe`` keeps the clipped
+    log-ratio and the median is taken when ``factor`` is read, the same value bit for bit
+    (``tests/test_rates.py``). The ordered window's upkeep per sample was two of an edge's
+    four estimator updates per response."""
+
+    __slots__ = ("_bound", "_samples", "_min_samples")
+
+    def __init__(self, *, bound: float, window: int = DEFAULT_WINDOW, min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
+        _check_estimator(bound, window, min_samples)
+        self._bound = math.log(bound)
+        self._samples: deque[float] = deque(maxlen=window)
+        self._min_samples = min_samples
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def observe(self, ratio: float) -> None:
+        if ratio > 0.0 and math.isfinite(ratio):  # else a broken clock or a zero-length sample
+            bound = self._bound
+            self._samples.append(min(bound, max(-bound, math.log(ratio))))
+
+    @property
+    def factor(self) -> float:
+        if len(self._samples) < self._min_samples:
+            return 1.0
+        ordered = sorted(self._samples)
+        mid = len(ordered) // 2
+        return math.exp(ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid]))
+
+
 class LearnedRates:
     """The prefill and decode rates of every worker, as one edge of ``region`` observes them.
 
@@ -178,10 +214,10 @@ class LearnedRates:
         self.configured_decode = tuple(w.decode_ms_per_token for w in cfg.workers)
         self._rtt_s = tuple(cfg.rtt_ms(region, w.region) / 1000.0 for w in cfg.workers)
         self._prefill = [RateEstimator(bound=bound, window=window, min_samples=min_samples) for _ in cfg.workers]
-        self._decode = [RateEstimator(bound=bound, window=window, min_samples=min_samples) for _ in cfg.workers]
+        self._decode = [ReadRateEstimator(bound=bound, window=window, min_samples=min_samples) for _ in cfg.workers]
         # The fleet's factors: every worker's samples, over a longer window.
         self._fleet_prefill = RateEstimator(bound=bound, window=2 * window + 1, min_samples=min_samples)
-        self._fleet_decode = RateEstimator(bound=bound, window=2 * window + 1, min_samples=min_samples)
+        self._fleet_decode = ReadRateEstimator(bound=bound, window=2 * window + 1, min_samples=min_samples)
         self._min_samples = min_samples
         # Each worker's own prefill factor and whether it has enough samples, as arrays, so
         # prefill_rates is one vector expression (a Python pass over 1,024 workers per changed
@@ -321,7 +357,8 @@ class LearnedRates:
         return (self._prefill_last.item(worker) == count - self._fleet_window - 1
                 and self._prefill_ready.item(worker))
 
-    def _factor(self, own: RateEstimator, fleet: RateEstimator, fresh: bool = True) -> float:
+    def _factor(self, own: RateEstimator | ReadRateEstimator, fleet: RateEstimator | ReadRateEstimator,
+                fresh: bool = True) -> float:
         if len(own) < self._min_samples or not fresh:
             return fleet.factor
         factor, shared = own.factor, fleet.factor
