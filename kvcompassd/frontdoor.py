@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import json
 import os
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -400,10 +399,10 @@ class FrontDoor:
 
 
 # A request id is 32 hex digits, as ``uuid4().hex``: 64 random bits drawn once per process, then
-# a counter. Unique across processes and restarts without a getrandom system call per request
-# (os.urandom was one); ids are names, not secrets (a client may send its own in X-Request-Id).
+# a 64-bit counter. Unique across processes and restarts without a getrandom system call per
+# request (os.urandom was one); ids are names, not secrets (a client may send its own in X-Request-Id).
 _REQUEST_ID_PREFIX = os.urandom(8).hex()
-_request_counter = itertools.count(random.getrandbits(32))
+_request_counter = itertools.count()
 
 
 def _new_request_id() -> str:

@@ -227,8 +227,9 @@ def test_set_prefill_rates_refuses_what_is_not_a_rate_and_keeps_the_old_ones(wor
     cfg = make_cluster({"us": workers - 1, "eu": 1})
     scorer = JointScorer(cfg, "us")
     good = np.linspace(0.05, 0.2, workers)
-    scorer.set_prefill_rates(good)
+    assert scorer.set_prefill_rates(good) is True
     assert scorer.beta_list == tuple(good.tolist())
+    assert scorer.set_prefill_rates(good.copy()) is False  # the same rates: nothing to redo
     for bad in (np.nan, np.inf, 0.0, -0.1):
         rates = good.copy()
         rates[workers // 2] = bad

@@ -540,10 +540,8 @@ class Router:
         if not self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
                                    output_tokens=int(output_tokens), now=now):
             return None
-        rates = self.rates.prefill_rates()  # the fleet's factor may have moved too
-        # Often only a decode rate moved: the score's prefill rates (and their bounds) stay.
-        if tuple(rates.tolist()) != self.scorer.beta_list:
-            self.scorer.set_prefill_rates(rates)
+        # (the fleet's factor may have moved too; a sample may also leave every median as it was)
+        if self.scorer.set_prefill_rates(self.rates.prefill_rates()):
             self._beta_list = self.scorer.beta_list
         return worker
 

@@ -119,8 +119,8 @@ def generate_body(input_ids, fields: dict) -> bytes:
     except TypeError:  # orjson.JSONEncodeError: a non-contiguous view, an int past 64 bits
         encoded = json.dumps(ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]).encode()
     try:
-        # orjson writes what json.dumps writes for every value the sampling checks let through
-        # (a non-finite float, which they refuse, it would write as null).
+        # orjson writes the same JSON values as json.dumps (compact) for every value the sampling
+        # checks let through (a non-finite float, which they refuse, it would write as null).
         rest = orjson.dumps(fields)
     except TypeError:  # orjson.JSONEncodeError: an int past 64 bits, a key that is not a string
         rest = json.dumps(fields).encode()
