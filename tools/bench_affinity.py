@@ -98,7 +98,7 @@ async def run(args) -> dict:
     for run_no in range(args.runs):
         # ABBA over runs: the machine's load drifts, and the order spreads it over the factors.
         for beta_error in (args.beta_errors if run_no % 2 == 0 else list(reversed(args.beta_errors))):
-            cluster, url, seeds = await start(args, beta_error)
+            cluster, url, seeds = await start(args, beta_error, score=dict(args.score))
             try:
                 who = WhoServed(seeds, args.max_new_tokens)
                 worker_urls = [w.http for w in cluster.cfg.workers]
@@ -121,6 +121,16 @@ async def run(args) -> dict:
             finally:
                 cluster.stop()
     return results
+
+
+def _score_field(text: str) -> tuple[str, float]:
+    field, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    try:
+        return field, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{field}: not a number: {value!r}") from None
 
 
 def report(args, results: dict) -> None:
@@ -164,6 +174,8 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--vram-tokens", type=int, default=65536)
     p.add_argument("--dram-tokens", type=int, default=0)
+    p.add_argument("--score", type=_score_field, nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="override fields of the edge's [score] (e.g. learned_rate_bound=1 to keep the configured beta)")
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)
     p.add_argument("--max-new-tokens", type=int, default=8)

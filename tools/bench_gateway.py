@@ -313,6 +313,7 @@ class Bench:
             self.deployment.node_args[key] = ("--log-level", args.plane_log_level)
         self.worker_urls = [w.http for w in self.deployment.cfg.workers]
         self.profile_dir = Path(args.profile_edge) if args.profile_edge else None
+        self.profile_plane = bool(args.profile_plane)
         self.label = f"{mode} (VRAM {vram_tokens} tokens/worker)"
 
     def _plane_keys(self) -> list[str]:
@@ -325,9 +326,10 @@ class Bench:
         await self.deployment.start(wait=False)
         if self.profile_dir is not None:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
-            for e in self.deployment.cfg.edges:
-                node = self.deployment.nodes[f"edge:{e.id}"]
-                out = self.profile_dir / f"{self.mode}-{e.id}.prof"
+            keys = self._plane_keys() if self.profile_plane else [f"edge:{e.id}" for e in self.deployment.cfg.edges]
+            for key in keys:
+                node = self.deployment.nodes[key]
+                out = self.profile_dir / f"{self.mode}-{key.replace(':', '-')}.prof"
                 node.argv = [sys.executable, "-c", PROFILED, str(out), "kvcompassd", *node.argv[3:]]
         for url in self.worker_urls:
             await self._wait_ok(url + "/v1/loads")
@@ -643,7 +645,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--service-vram-tokens", type=int, nargs="+", default=list(SERVICE_VRAM_TOKENS))
     p.add_argument("--plane-log-level", default="warning", help="the kvcompassd daemons' (the routers run at warn)")
     p.add_argument("--keep-logs", action="store_true")
-    p.add_argument("--profile-edge", metavar="DIR", help="run the edge under cProfile (CPU clock), DIR/<mode>-<id>.prof")
+    p.add_argument("--profile-edge", metavar="DIR",
+                   help="run the edge under cProfile (CPU clock), DIR/<mode>-edge-<id>.prof")
+    p.add_argument("--profile-plane", action="store_true",
+                   help="with --profile-edge: the agents and maintenance units too (DIR/<mode>-<role>-<id>.prof)")
     p.add_argument("--sync", type=sync_setting, action="append", default=[], metavar="NAME=NUMBER",
                    help="a [sync] setting of the kvcompassd plane (repeatable), e.g. report_delay_ms=50")
     p.add_argument("--json", help="also write the results here (mode -> arm -> figures)")
