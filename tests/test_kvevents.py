@@ -539,6 +539,9 @@ def check_scan_against_python(payload: bytes) -> bool:
     assert (ts, dp_rank) == (expected.ts, expected.dp_rank)
     assert tuple(events) == expected.events
     assert [type(e) for e in events] == [type(e) for e in expected.events]
+    # the count the scan makes is the events' blocks (the agent slices batches by it)
+    assert events.block_count() == sum(len(e.block_hashes) for e in expected.events
+                                       if not isinstance(e, AllBlocksCleared))
     decoder = PayloadDecoder(payload, 5, coalesce=True)  # and the decoder's own result is the scan's
     assert decoder.step(1) and decoder.result == expected
     return True
