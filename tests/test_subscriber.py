@@ -184,43 +184,29 @@ async def test_batches_lost_before_a_quiet_spell_are_recovered_on_an_idle_tick()
         ctx.destroy(linger=0)
 
 
-class _FirstReceiveHeld:
-    """The subscriber's real SUB socket, except that its first receive is a future the test
-    completes itself: the one way to make a message arrive at the very moment of a cancel."""
-
-    def __init__(self, socket, first: asyncio.Future) -> None:
-        self._socket, self._first = socket, first
-
-    def recv_multipart(self):
-        first, self._first = self._first, None
-        return first if first is not None else self._socket.recv_multipart()
-
-    def __getattr__(self, name):
-        return getattr(self._socket, name)
-
-
 async def test_cancelling_run_ends_it_even_as_a_message_arrives() -> None:
     # Python 3.11's asyncio.wait_for returns the result of an inner future that completed as the
     # task was cancelled, swallowing the cancellation: an agent shutting down hung in run().
+    # Here the wait for the SUB completes at the very moment of the cancel.
     ctx = zmq.asyncio.Context()
     sub = KvEventSubscriber("tcp://127.0.0.1:9", None, lambda item: None, context=ctx, idle_probe=5.0)
-    sub.connect()
-    arrived = asyncio.get_running_loop().create_future()
-    sub._sub = _FirstReceiveHeld(sub._sub, arrived)
     task = asyncio.create_task(sub.run())
     try:
-        for _ in range(3):
-            await asyncio.sleep(0)  # run() is now waiting for its first message
-        assert not task.done()
-        arrived.set_result([b"kv", b"\x00" * 8, b"not a batch"])
+        for _ in range(10):
+            await asyncio.sleep(0)
+            if sub._waiter is not None:
+                break
+        assert sub._waiter is not None and not task.done()  # run() is waiting for its first message
+        sub._waiter.set_result(True)
         task.cancel()
         # asyncio.wait, not a timeout around `await task`: cancelling the waiter on expiry
         # would cancel the task a second time and hide the first cancellation's loss.
         done, _ = await asyncio.wait({task}, timeout=5)
         assert task in done and task.cancelled() and sub.delivered == 0
+        assert sub._sub is None  # closed on the way out, its descriptor no longer watched
     finally:
-        if not task.done():  # run() lost the cancellation: end it by closing the socket under it
-            sub._sub.close(linger=0)
+        if not task.done():
+            task.cancel()
             await asyncio.wait({task}, timeout=5)
         ctx.destroy(linger=0)
 

@@ -106,6 +106,11 @@ class _ReplayFailed(Exception):
     """The replay socket did not answer in time, or answered something malformed."""
 
 
+def _settle(waiter: asyncio.Future, result: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(result)
+
+
 def _digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
@@ -147,7 +152,8 @@ class KvEventSubscriber:
         # (PayloadDecoder coalesce): what a block mirror needs, at a fraction of the objects.
         self._coalesce = coalesce
         self.tracker = SequenceTracker()
-        self._sub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.Socket | None = None
+        self._waiter: asyncio.Future[bool] | None = None  # run() waiting for the SUB (_readable)
         self._monitor: zmq.Socket | None = None
         self._last_digest: bytes | None = None  # of the payload of tracker.last_applied
         self._held: tuple[int, bytes] | None = None  # a seq going back, without a replay socket
@@ -173,54 +179,89 @@ class KvEventSubscriber:
     def connect(self) -> None:
         """Connect the SUB socket (``run`` does it too); call early to shorten ZMQ's join delay."""
         if self._sub is None:
-            self._sub = self._ctx.socket(zmq.SUB)
+            # Plain sockets on the context (a shadow of it): run() drains the SUB without
+            # awaiting and waits on its descriptor itself (_readable). pyzmq's asyncio socket
+            # made a future, a timeout and a dozen enum.Flag operations per message: ~10 % of an
+            # agent's CPU under the zero-delay gateway load (py-spy, c = 16).
+            plain = zmq.Context.shadow(self._ctx.underlying)
+            self._sub = plain.socket(zmq.SUB)
             self._sub.setsockopt(zmq.LINGER, 0)
             self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
             address = f"inproc://kvcompassd-sub-monitor-{id(self)}-{next(_monitor_ids)}"
             self._sub.monitor(address, zmq.EVENT_DISCONNECTED)
-            # a plain socket on the same context: drained without awaiting, before each message
-            self._monitor = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
+            self._monitor = plain.socket(zmq.PAIR)  # drained without awaiting, before each message
             self._monitor.setsockopt(zmq.LINGER, 0)
             self._monitor.connect(address)
             self._sub.connect(self._endpoint)
 
     def _disconnected(self) -> bool:
         seen = False
-        while self._monitor is not None and self._monitor.poll(0):
+        # (EVENTS, not poll(0): no system call per live message while nothing happened)
+        while self._monitor is not None and self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             event = parse_monitor_message(self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 seen = True
                 self.disconnects += 1
         return seen
 
+    def _next_live(self) -> list[bytes] | None:
+        """The next live message already received, or None."""
+        try:
+            return self._sub.recv_multipart(zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.Again:
+            return None
+
+    async def _readable(self, timeout: float | None) -> bool:
+        """Wait until the SUB may have a message (True) or ``timeout`` passes (False).
+
+        A ZMQ socket's descriptor signals that its state may have changed, not that a message
+        is there: ``EVENTS`` says which, and reading it rearms the descriptor."""
+        if self._sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[union-attr]
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _settle, waiter, False)
+        try:
+            return await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _on_descriptor(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
+        elif self._sub is not None:
+            # Nothing waits (a message is being handled): read EVENTS so that the descriptor,
+            # which the loop watches level-triggered, stops calling until the state changes.
+            self._sub.getsockopt(zmq.EVENTS)
+
     async def run(self) -> None:
         self.connect()
         assert self._sub is not None
+        loop = asyncio.get_running_loop()
+        descriptor = self._sub.getsockopt(zmq.FD)
+        loop.add_reader(descriptor, self._on_descriptor)
         try:
             # The SUB is connected first, so nothing published after the replay's answer is missed.
             await self.catch_up()
             self.caught_up.set()
             while True:
-                if self._idle_probe is None:
-                    frames = await self._sub.recv_multipart()
-                else:
-                    # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns the result
-                    # of an inner future that completed as the task was cancelled, swallowing
-                    # the cancellation, and this loop would then run forever.
-                    try:
-                        async with asyncio.timeout(self.probe_delay):
-                            frames = await self._sub.recv_multipart()
-                    except TimeoutError:
+                frames = self._next_live()
+                if frames is None:
+                    if not await self._readable(self.probe_delay) and self._idle_probe is not None:
                         disconnected = self._disconnected()  # the catch-up checks the publisher anyway
                         before = self.delivered
                         await self.catch_up()
                         # An idle engine with nothing missed: probe it ever less often.
                         self.probe_delay = (self._idle_probe if disconnected or self.delivered > before
                                             or self.replay_failing else min(self._idle_probe_max, 2 * self.probe_delay))
-                        continue
-                    self.probe_delay = self._idle_probe
+                    continue
+                self.probe_delay = self._idle_probe
                 await self.handle_live(frames)
         finally:
+            loop.remove_reader(descriptor)
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disable_monitor()
             self._sub.close(linger=0)
