@@ -126,6 +126,7 @@ class AgentNode:
         self.node = QuicNode(NodeIdentity(Role.AGENT, worker.id), tls, on_message=self._on_message,
                              on_peer_state=self._on_peer_state, options=daemon_transport(cfg))
         self.metrics = AgentMetrics(worker=worker.id, region=worker.region)
+        self._batches_applied = self.metrics.engine_batches.labels("applied")  # (counted per batch)
         self.replay_endpoint = replay_endpoint
         self.load_interval = load_interval
         # Fault injection: discard this share of the engine's live batches on arrival, which
@@ -281,7 +282,7 @@ class AgentNode:
 
     async def _on_engine_events(self, item) -> None:
         if isinstance(item, EventBatch):
-            self.metrics.engine_batches.labels("applied").inc()
+            self._batches_applied.inc()
             await self._apply_in_slices(item)
         elif isinstance(item, PublisherRestarted):
             # concluded from the replay socket's evidence, never from one odd seq (subscriber.py)
