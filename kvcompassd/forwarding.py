@@ -510,15 +510,15 @@ class Forwarder:
         (``EngineFinished``) or as the QUIC and prefill-decode paths do."""
         now = self.clock()
         if type(done) is EngineFinished:
-            queue_vector, decode_worker = None, ""
+            queue_vector, decode_worker, worker_latency_s = None, "", done.worker_latency_s
         else:
-            queue_vector, decode_worker = dict(done.queue_vector) or None, done.decode_worker
+            queue_vector, decode_worker, worker_latency_s = dict(done.queue_vector) or None, done.decode_worker, None
         self.suspects.served(d.worker_index)
         router = self.router
         if not produced:  # it ended without output: its prefill is done all the same
             router.on_first_token(d.dispatch, now=now)
         router.on_finished(d.dispatch, prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
-                           output_tokens=done.completion_tokens, now=now)
+                           output_tokens=done.completion_tokens, now=now, worker_latency_s=worker_latency_s)
         self.router.on_response(
             d.worker,
             claimed_tokens=d.claimed_tokens,

@@ -351,3 +351,33 @@ def test_room_steps_a_worker_cannot_send_on_are_an_engine_error_not_a_crash(step
         parse_loads({"num_running_reqs": 1, "room_steps": steps}, 1.0)
     good = parse_loads({"num_running_reqs": 1, "room_steps": [[0.0, 10], [5.0, 20]]}, 1.0)
     assert good.room_steps == ((0.0, 10), (5.0, 20))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_engines_own_time_for_a_request_is_read_from_its_meta_info(stream):
+    """SGLang's tokenizer manager closes every response's meta_info with ``e2e_latency``, its
+    own seconds from the request's arrival to its end (as the emulated worker does): the edge
+    takes what it saw beyond that out of its prefill samples (core/rates.py)."""
+    async with emulated(time_scale=1.0) as (_, engine):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        items = await collect(engine, {"max_new_tokens": 3}, stream=stream)
+        seen_s = loop.time() - started
+    done = items[-1]
+    assert type(done).__name__ == "EngineFinished"
+    assert done.worker_latency_s is not None and 0.0 < done.worker_latency_s <= seen_s
+
+
+@pytest.mark.parametrize("value,expected", [
+    (0.25, 0.25), (3, 3.0), (0, 0.0),
+    (True, None), ("0.1", None), (float("nan"), None), (float("inf"), None), (-0.5, None), (None, None),
+])
+def test_an_engine_time_that_is_not_a_duration_is_not_taken(value, expected):
+    from kvcompassd.engine.client import finished_from_meta
+
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 5,
+            "completion_tokens": 2, "cached_tokens": 0}
+    if value is not None:
+        meta["e2e_latency"] = value
+    assert finished_from_meta(meta, 5, 2).worker_latency_s == expected
+    assert finished_from_meta({k: v for k, v in meta.items() if k != "e2e_latency"}, 5, 2).worker_latency_s is None

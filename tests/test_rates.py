@@ -93,6 +93,70 @@ def test_a_request_queued_behind_the_previous_one_is_timed_from_its_first_token(
     assert rates.prefill_ms_per_token(0) == pytest.approx(0.05)
 
 
+def _serve_read_late(rates, n, worker, t, *, rtt, service, decode, lag, worker_latency):
+    """A request served in ``service`` s then ``decode`` s at the worker, whose first token and
+    end this edge reads ``lag`` s late (a busy event loop); ``worker_latency``: whether the
+    worker says its own time for it (SGLang's e2e_latency)."""
+    rates.sent(n, worker, now=t)
+    rates.first_token(n, now=t + rtt + service + lag)
+    return rates.finished(n, uncached_tokens=1000, output_tokens=5, now=t + rtt + service + decode + lag,
+                          worker_latency_s=service + decode if worker_latency else None)
+
+
+@pytest.mark.parametrize("worker_latency,learned", [(True, 0.02), (False, 0.05)])
+def test_what_the_edge_saw_beyond_the_workers_own_time_is_not_learned_as_prefill(worker_latency, learned):
+    # A worker prefilling 1,000 tokens in 20 ms (0.02 ms a token), one request at a time, and an
+    # edge whose event loop reads every answer 30 ms late. Timed from the edge's side the lag is
+    # prefill (0.05 ms a token: on zero-delay emulated workers the edge learned 0.019 whatever
+    # the configured rate, issue 30). With the worker's own time for each request, what the edge
+    # saw beyond it (the network and the lag) comes out.
+    cfg = _cfg()
+    rates = LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    for n in range(10):
+        _serve_read_late(rates, n, 0, n * 1.0, rtt=rtt, service=0.020, decode=0.008, lag=0.030,
+                         worker_latency=worker_latency)
+    assert rates.prefill_ms_per_token(0) == pytest.approx(learned)
+
+
+def test_a_bunch_read_late_from_a_worker_that_serves_at_once_is_learned_as_the_workers_time():
+    # Zero-delay workers: four requests sent together are served at once (1 ms each, prefill
+    # and all), and the edge reads their answers in a bunch 50 ms later. Timed from the edge's
+    # side, each one's share of the backlog is the lag's (a fifth of the configured rate here);
+    # with the worker's own time it is the worker's, far below the learned rate's bound.
+    cfg = _cfg()
+    told, untold = LearnedRates(cfg, "us"), LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    for rates, latency in ((told, 0.001), (untold, None)):
+        t = 0.0
+        for n in range(0, 40, 4):
+            for k in range(4):
+                rates.sent(n + k, 0, now=t, ahead_ms=100.0 * k, work_ms=100.0)
+            for k in range(4):
+                rates.first_token(n + k, now=t + rtt + 0.051 + 0.0001 * k)
+            for k in range(4):
+                rates.finished(n + k, uncached_tokens=1000, output_tokens=1, now=t + rtt + 0.051 + 0.0001 * k,
+                               worker_latency_s=latency)
+            t += 1.0
+        assert rates.snapshot()["prefill_samples"].tolist() == [31, 0, 0]
+    assert told.prefill_ms_per_token(0) == pytest.approx(BETA / cfg.score.learned_rate_bound)
+    assert untold.prefill_ms_per_token(0) > 3 * BETA / cfg.score.learned_rate_bound
+
+
+def test_a_worker_time_longer_than_what_the_edge_saw_is_not_trusted():
+    # A worker clock that reads more than the whole exchange took: the sample is timed from
+    # the edge's side alone, as without the worker's account.
+    cfg = _cfg()
+    told, untold = LearnedRates(cfg, "us"), LearnedRates(cfg, "us")
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    for n in range(10):
+        for rates, latency in ((told, 5.0), (untold, None)):
+            rates.sent(n, 0, now=n * 1.0)
+            rates.first_token(n, now=n * 1.0 + rtt + 0.05)
+            rates.finished(n, uncached_tokens=1000, output_tokens=5, now=n * 1.0 + rtt + 0.06, worker_latency_s=latency)
+    assert told.prefill_ms_per_token(0) == untold.prefill_ms_per_token(0) == pytest.approx(0.05)
+
+
 def test_short_prompts_failures_and_unknown_dispatches_teach_nothing():
     cfg = _cfg()
     rates = LearnedRates(cfg, "us")

@@ -65,6 +65,18 @@ holders. Timing only backlogs (first token to first token) leaves those costs ou
 other way: a busy edge reads a backlog's first tokens in bunches, a few ms apart, and the rate
 read low sent a holder's requests away (tried against tests/test_e2e_costmodel.py).
 
+The costs outside the worker are taken out where the worker says how long the request took it:
+SGLang closes every response with ``meta_info["e2e_latency"]``, its tokenizer manager's seconds
+from the request's arrival to its end (the emulated worker too). What the edge saw beyond that,
+``(end - sent) - e2e_latency``, is the network both ways, HTTP, and this edge's event loop reading
+the answer late, and the first token was read the same way: ``first_token - sent`` less that
+stands for the first case in place of ``first_token - sent - RTT``, and floors the other two
+(``finished``, where the account arrives). On zero-delay emulated workers an edge otherwise
+learned its own loop's lag as prefill: 0.018-0.021 ms a token whatever beta was configured
+(0.085, 0.017 or 0.00425; 4 workers, c = 16), and charged each dispatch ~10 ms its worker did
+not spend. A worker whose account is longer than what the edge saw (a clock to distrust) is
+timed as one without.
+
 Each sample becomes the log of its ratio to the configured rate, clipped to +-log(bound), and a
 worker's rate is the configured one times exp(median of its last ``window`` log-ratios): one
 outlier (a request queued behind another edge's work, a pause of the host) moves the median by
@@ -244,8 +256,9 @@ class LearnedRates:
         self._sampled: deque[int] = deque(maxlen=self._fleet_window + 1)
         self._min_tokens = min_tokens
         self._max_open = max_open
-        # dispatch -> [worker, sent at, first token at (or None), service ms (or None), prefill ms
-        # ahead of this edge's later dispatches until its first token, whether it may be sampled]
+        # dispatch -> [worker, sent at, first token at (or None), the gaps a prefill sample is made
+        # of (or None), prefill ms ahead of this edge's later dispatches until its first token,
+        # whether it may be sampled, this edge's prefill ms ahead of it when it was sent]
         # (ordered: the oldest goes first at the cap, in O(1); a dict's next(iter()) after many
         # deletions from its front scans them all, 12 µs a decision at the cap)
         self._open: OrderedDict[int, list] = OrderedDict()
@@ -271,8 +284,6 @@ class LearnedRates:
         own = self._own_ahead_ms[worker]
         self._own_ahead_ms[worker] = own + work_ms
         alone = ahead_ms <= own + FOREIGN_WORK_TOLERANCE * work_ms  # nobody else's work ahead of it
-        # [worker, sent at, first token at, service ms, its prefill ms still ahead of later
-        #  dispatches, may be sampled, this edge's prefill ms ahead of it when it was sent]
         self._open[dispatch] = [worker, now, None, None, work_ms, alone, own]
 
     def _release(self, record: list) -> None:
@@ -287,40 +298,57 @@ class LearnedRates:
         record = self._open.get(dispatch)
         if record is None or record[2] is not None:
             return
-        worker, sent_at, work_ms, own_ahead_ms = record[0], record[1], record[4], record[6]
+        worker, work_ms = record[0], record[4]
         self._release(record)  # (zeroes record[4]: read first)
-        after_arrival = now - sent_at - self._rtt_s[worker]
-        after_previous = now - self._last_first[worker]
-        after_end = now - self._last_end[worker]  # a prefill held back for memory starts at an end
+        record[2] = now
+        if record[5]:  # else others' work may have been ahead of it: no prefill sample
+            # The gaps since the worker's previous first token and end; the sample is made at
+            # the end, when the worker's own account of the request's time may come with it.
+            record[3] = (now - self._last_first[worker], now - self._last_end[worker], work_ms)
+        self._last_first[worker] = max(self._last_first[worker], now)
+
+    def _service_s(self, record: list, end_at: float, worker_latency_s: float | None) -> float:
+        """The prefill sample of a dispatch that ended at ``end_at`` (the module docstring)."""
+        worker, sent_at, first_at, (after_previous, after_end, work_ms), own_ahead_ms = (
+            record[0], record[1], record[2], record[3], record[6])
+        outside = -1.0 if worker_latency_s is None else (end_at - sent_at) - worker_latency_s
+        if outside >= 0.0:
+            # What the edge saw beyond the worker's own time (the network both ways, HTTP, this
+            # edge's event loop reading the answer late) was not the worker's either before the
+            # first token: the response's first token and end are read the same way.
+            after_arrival = first_at - sent_at - outside
+        else:  # (no account, or one longer than what the edge saw: a clock to distrust)
+            after_arrival = first_at - sent_at - self._rtt_s[worker]
         if work_ms > 0.0:  # first tokens (and ends) read in a bunch are not a service time apart
             share = after_arrival * work_ms / (own_ahead_ms + work_ms)
             after_previous = max(after_previous, share)
             if own_ahead_ms > 0.0:  # (with nothing of ours ahead, an end is what let it start)
                 after_end = max(after_end, share)
-        record[2] = now
-        if record[5]:  # else others' work may have been ahead of it: no prefill sample
-            record[3] = 1000.0 * min(after_previous, after_arrival, after_end)
-        self._last_first[worker] = max(self._last_first[worker], now)
+        return min(after_previous, after_arrival, after_end)
 
-    def finished(self, dispatch: int, *, uncached_tokens: int, output_tokens: int, now: float) -> bool:
+    def finished(self, dispatch: int, *, uncached_tokens: int, output_tokens: int, now: float,
+                 worker_latency_s: float | None = None) -> bool:
         """The dispatch ended, its worker having computed ``uncached_tokens`` and produced
         ``output_tokens``; True if a prefill rate may have changed (``prefill_rates`` then has
         the new ones). A decode rate is learned too, but only read when asked for
-        (``decode_ms_per_token``): its change alone returns False, as the score does not read it."""
+        (``decode_ms_per_token``): its change alone returns False, as the score does not read it.
+        ``worker_latency_s``: the worker's own time from the request's arrival to its end, if it
+        says (SGLang's ``meta_info["e2e_latency"]``); what the edge saw beyond it is taken out of
+        the prefill sample."""
         record = self._open.pop(dispatch, None)
         if record is None or record[2] is None:
             if record is not None:
                 self._release(record)
             return False
-        worker, _, first_at, service_ms, _, _, _ = record
+        worker, first_at = record[0], record[2]
         self._last_end[worker] = max(self._last_end[worker], now)
         changed = False
         if output_tokens >= 2:
             ratio = 1000.0 * (now - first_at) / (output_tokens - 1) / self.configured_decode[worker]
             self._decode[worker].observe(ratio)
             self._fleet_decode.observe(ratio)
-        if uncached_tokens >= self._min_tokens and service_ms is not None:
-            ratio = service_ms / uncached_tokens / self.configured_prefill[worker]
+        if uncached_tokens >= self._min_tokens and record[3] is not None:
+            ratio = 1000.0 * self._service_s(record, now, worker_latency_s) / uncached_tokens / self.configured_prefill[worker]
             own = self._prefill[worker]
             changed = own.observe(ratio) | self._fleet_prefill.observe(ratio)
             self._prefill_own[worker] = own.factor

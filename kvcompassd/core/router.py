@@ -528,9 +528,10 @@ class Router:
         self.rates.first_token(dispatch, now=now)
 
     def on_finished(self, dispatch: int, *, prompt_tokens: int, cached_tokens: int, output_tokens: int,
-                    now: float) -> int | None:
+                    now: float, worker_latency_s: float | None = None) -> int | None:
         """The decision's request ended: retire the rest of its charge and learn its worker's
-        rates from it (``cached_tokens`` as the worker reported them). Returns the worker's
+        rates from it (``cached_tokens`` as the worker reported them, ``worker_latency_s`` its
+        own time for the request if it said: ``LearnedRates.finished``). Returns the worker's
         index when one of its learned rates changed, else None."""
         self.queues.retire(dispatch, now=now)
         if self.pending is not None:
@@ -538,7 +539,8 @@ class Router:
             self.pending.refute(dispatch, int(cached_tokens))
         worker = self.rates.worker_of(dispatch)
         if not self.rates.finished(dispatch, uncached_tokens=max(0, int(prompt_tokens) - int(cached_tokens)),
-                                   output_tokens=int(output_tokens), now=now):
+                                   output_tokens=int(output_tokens), now=now,
+                                   worker_latency_s=worker_latency_s):
             return None
         # (the fleet's factor may have moved too; a sample may also leave every median as it was)
         if self.scorer.set_prefill_rates(self.rates.prefill_rates()):

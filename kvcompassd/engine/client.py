@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ class EngineFinished:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    # The engine's own time from the request's arrival to its end, in seconds (SGLang's
+    # ``e2e_latency``: its tokenizer manager's clock), None if it did not say.
+    worker_latency_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +140,17 @@ def finished_from_meta(meta: dict, prompt_tokens: int, completion_tokens: int) -
         prompt_tokens=int(meta.get("prompt_tokens") or prompt_tokens),
         completion_tokens=int(meta.get("completion_tokens") or completion_tokens),
         finish_reason=str(finish or ""),
+        worker_latency_s=_seconds(meta.get("e2e_latency")),
     )
+
+
+def _seconds(value) -> float | None:
+    """A duration the engine reported: a finite number >= 0, else None (not reported, or not one)."""
+    if type(value) is int or type(value) is float:
+        seconds = float(value)
+        if 0.0 <= seconds < math.inf:
+            return seconds
+    return None
 
 
 class EngineClient:
