@@ -589,9 +589,12 @@ class AgentNode:
                         await stream.send(ResponseChunked(msg.request_id, item.token_ids, item.text, False))
                     else:
                         vector = tuple(self.region_vector.items())
+                        latency = item.worker_latency_s
                         await stream.send(ResponseCompleted(msg.request_id, self.worker.id, item.cached_tokens,
                                                             item.prompt_tokens, item.completion_tokens,
-                                                            item.finish_reason, vector), end=True)
+                                                            item.finish_reason, vector,
+                                                            -1.0 if latency is None else min(latency, 7 * 86400.0)),
+                                          end=True)
                         self.metrics.requests.labels("ok").inc()
                         if msg.origin_region != self.worker.region:
                             self._note_piggyback(msg.origin_region)

@@ -73,6 +73,7 @@ class GenerationFinished:
     queue_vector: tuple[tuple[str, float], ...] = ()  # the serving region's, piggybacked
     decode_worker: str = ""  # a disaggregated fleet's: the decode worker that streamed the tokens
     pending_credited: bool = False  # the claim came from the edge's pending ledger, beyond its view
+    worker_latency_s: float | None = None  # the engine's own time for the request, if it said
 
 
 class ForwardError(Exception):
@@ -512,7 +513,8 @@ class Forwarder:
         if type(done) is EngineFinished:
             queue_vector, decode_worker, worker_latency_s = None, "", done.worker_latency_s
         else:
-            queue_vector, decode_worker, worker_latency_s = dict(done.queue_vector) or None, done.decode_worker, None
+            queue_vector, decode_worker = dict(done.queue_vector) or None, done.decode_worker
+            worker_latency_s = done.worker_latency_s
         self.suspects.served(d.worker_index)
         router = self.router
         if not produced:  # it ended without output: its prefill is done all the same
@@ -543,6 +545,7 @@ class Forwarder:
             attempts=attempt,
             decision_us=decision_us,
             decode_worker=decode_worker,
+            worker_latency_s=worker_latency_s,
             pending_credited=d.pending,
         )
 
@@ -703,16 +706,18 @@ class Forwarder:
             log.warning("migration request not delivered", request_id=message.request_id, error=str(exc))
 
 
-def _served(cached: int, prompt: int, completion: int, finish: str, queue_vector=()) -> GenerationFinished:
+def _served(cached: int, prompt: int, completion: int, finish: str, queue_vector=(),
+            worker_latency_s: float | None = None) -> GenerationFinished:
     """What the worker reported; ``_finished`` fills in the decision's side."""
     return GenerationFinished(worker="", region="", cached_tokens=cached, claimed_tokens=0, prompt_tokens=prompt,
                               completion_tokens=completion, finish_reason=finish, attempts=0, decision_us=0.0,
-                              queue_vector=tuple(queue_vector))
+                              queue_vector=tuple(queue_vector), worker_latency_s=worker_latency_s)
 
 
 def _completed(reply: ResponseCompleted) -> GenerationFinished:
+    latency = reply.worker_latency_s
     return _served(reply.cached_tokens, reply.prompt_tokens, reply.completion_tokens, reply.finish_reason,
-                   reply.queue_vector)
+                   reply.queue_vector, None if latency < 0.0 else latency)
 
 
 async def _forwarded(engine_items):
@@ -724,4 +729,5 @@ async def _forwarded(engine_items):
 
 
 def _from_engine(done: EngineFinished) -> GenerationFinished:
-    return _served(done.cached_tokens, done.prompt_tokens, done.completion_tokens, done.finish_reason)
+    return _served(done.cached_tokens, done.prompt_tokens, done.completion_tokens, done.finish_reason,
+                   worker_latency_s=done.worker_latency_s)

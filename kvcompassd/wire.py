@@ -74,7 +74,8 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
 )
 
 # 2: PrefixEventsReported carries its events as columns (was a [kind, key, tier] array each).
-PROTOCOL_VERSION: Final = 2
+# 3: ResponseCompleted carries the engine's own time for the request (worker_latency_s).
+PROTOCOL_VERSION: Final = 3
 COMPRESSED_TAG: Final = 0  # [version, 0, zlib(encoded message)]: see encode(compress=True)
 
 
@@ -297,7 +298,10 @@ class ResponseChunked(WireMessage):
 
 @dataclass(frozen=True, slots=True)
 class ResponseCompleted(WireMessage):
-    """agent -> edge: the request finished; reuse figures feed the edge's cache belief."""
+    """agent -> edge: the request finished; reuse figures feed the edge's cache belief.
+    ``worker_latency_s``: the engine's own seconds from the request's arrival to its end
+    (SGLang's ``e2e_latency``), negative if it did not say; the edge's learned rates take what
+    it saw beyond that out of their prefill samples (``core/rates.py``)."""
 
     request_id: str
     worker: str
@@ -306,6 +310,7 @@ class ResponseCompleted(WireMessage):
     completion_tokens: int
     finish_reason: str
     queue_vector: tuple[tuple[str, float], ...]
+    worker_latency_s: float = -1.0
     WIRE: ClassVar = {
         "request_id": REQUEST_ID,
         "worker": ID,
@@ -314,6 +319,7 @@ class ResponseCompleted(WireMessage):
         "completion_tokens": COUNT,
         "finish_reason": Text(64, allow_empty=True),
         "queue_vector": QUEUE_VECTOR,
+        "worker_latency_s": Float(-1.0, 7 * 86400.0),
     }
 
 

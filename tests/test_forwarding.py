@@ -66,8 +66,8 @@ class Agent:
     """A real agent endpoint whose behaviour on a forwarded request is chosen by the test:
     "serve" (two tokens, then completion), "stall" (never answer; wait to be aborted),
     "stall_after_first" (one token, then nothing; wait to be aborted), "reject" (the engine's
-    400, as the agent passes it on) or "vanish" (close the whole node, like a process that
-    died)."""
+    400, as the agent passes it on), "vanish" (close the whole node, like a process that
+    died) or "serve_unsaid" (as "serve", without the engine's own time for the request)."""
 
     def __init__(self, pki, worker: str, behaviour: str):
         self.worker, self.behaviour = worker, behaviour
@@ -98,11 +98,14 @@ class Agent:
         else:
             for token in (7, 8):
                 await stream.send(ResponseChunked(message.request_id, (token,), str(token), False))
+            # the engine's own time for the request, as SGLang's e2e_latency ("unsaid": none)
+            latency = -1.0 if self.behaviour == "serve_unsaid" else WORKER_LATENCY_S
             await stream.send(ResponseCompleted(message.request_id, self.worker, 0, len(message.input_ids), 2,
-                                                "length", ()), end=True)
+                                                "length", (), latency), end=True)
 
 
 REJECTION = "top_p must be in (0, 1], got 2.0."
+WORKER_LATENCY_S = 0.003
 LONG_PROMPT = np.random.default_rng(8).integers(1, 30000, 2000, dtype=np.uint32)
 
 
@@ -173,6 +176,14 @@ async def test_an_agent_without_a_first_token_in_time_is_abandoned_for_the_next_
     assert [t.token_ids for t in tokens] == [(7,), (8,)]
     async with asyncio.timeout(GUARD_S):
         await agents["a-0"].aborted.wait()  # told to stop: it does not keep computing for nobody
+
+
+@pytest.mark.parametrize("behaviour,latency", [("serve", WORKER_LATENCY_S), ("serve_unsaid", None)])
+async def test_the_engines_own_time_for_a_request_comes_back_with_its_end(pki, edge, behaviour, latency):
+    # (the learned rates take what the edge saw beyond it out of their samples: core/rates.py)
+    await start_agents(pki, edge, {"a-0": behaviour}, connect=("a-0",))
+    _, done = await run(edge)
+    assert done.worker == "a-0" and done.worker_latency_s == latency
 
 
 async def test_a_worker_that_failed_is_avoided_by_the_next_requests_until_it_serves(pki, edge):
