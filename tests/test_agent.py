@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import structlog
 import zmq.asyncio
 from aiohttp import web
 
@@ -291,3 +292,42 @@ def test_a_prefill_workers_agent_runs_pairs_only_with_a_decode_worker_of_its_reg
     assert "not a decode worker of region us" in refusal("us-p0", "us-p1")
     assert "unknown decode worker" in refusal("us-p0", "nowhere")
     assert "is a decode worker, not a prefill worker" in refusal("us-d0", "us-d0")
+
+
+class _SentOnStream:
+    """The QUIC stream a forwarded request's answer goes back on, as the messages sent on it."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    async def send(self, message, *, end: bool = False) -> None:
+        self.sent.append(message)
+
+
+async def test_a_forwarded_request_goes_back_with_the_engines_own_time_for_it(cluster):
+    # The edge takes what it saw beyond the engine's e2e_latency out of its prefill samples
+    # (core/rates.py); over QUIC the agent is where that figure comes from.
+    from kvcompassd.emulator.server import EmulatedWorker, EmulatorSettings
+    from kvcompassd.wire import RequestForwarded, ResponseCompleted
+
+    cfg, tls = cluster
+    agent = AgentNode(cfg, cfg.workers[0], tls)
+    worker = EmulatedWorker(EmulatorSettings(port=0, kv_events_endpoint="tcp://127.0.0.1:*",
+                                             kv_replay_endpoint="tcp://127.0.0.1:*", block_size=16,
+                                             vram_kv_tokens=4096, dram_kv_tokens=0, time_scale=1.0,
+                                             worker_id=cfg.workers[0].id))
+    await worker.start()
+    try:
+        async with WorkerConnections() as http:
+            agent.engine = EngineClient(worker.http_url, http)
+            stream = _SentOnStream()
+            msg = RequestForwarded("r-1", "edge-x", cfg.workers[0].region, tuple(range(1, 40)),
+                                   {"max_new_tokens": 2}, True, 0)
+            async with asyncio.timeout(GUARD_S):
+                await agent._run_forwarded(stream, msg, structlog.get_logger())
+    finally:
+        await worker.stop()
+        await agent.node.close()
+    done = stream.sent[-1]
+    assert type(done) is ResponseCompleted and done.completion_tokens == 2
+    assert 0.0 < done.worker_latency_s < GUARD_S
