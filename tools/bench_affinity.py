@@ -112,10 +112,12 @@ async def run(args) -> dict:
                     r["load"] = (load_before, os.getloadavg()[0])
                     rates = await learned_rates(url)
                     r["learned"] = median(list(rates.values())) if rates else float("nan")
+                    r["learned_range"] = (min(rates.values()), max(rates.values())) if rates else (float("nan"),) * 2
                     results[(beta_error, concurrency)].append(r)
                     print(f"  run {run_no + 1} beta x{beta_error:g} c={concurrency:<3} {r['rps']:7.1f} req/s  "
                           f"P50 {r['p50_ms']:8.2f} ms  P99 {r['p99_ms']:8.2f} ms  affinity {r['affinity']:.2f}  "
-                          f"reuse {r['reuse']:.2f}  learned beta {r['learned']:.4f}  errors {r['errors']}  "
+                          f"reuse {r['reuse']:.2f}  learned beta {r['learned']:.4f} "
+                          f"({r['learned_range'][0]:.4f}-{r['learned_range'][1]:.4f})  errors {r['errors']}  "
                           f"attribution mismatches {r['mismatched']}  load {r['load'][0]:.1f}->{r['load'][1]:.1f}",
                           flush=True)
             finally:
