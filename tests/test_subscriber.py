@@ -184,6 +184,37 @@ async def test_batches_lost_before_a_quiet_spell_are_recovered_on_an_idle_tick()
         ctx.destroy(linger=0)
 
 
+async def test_a_sub_kept_full_does_not_keep_the_loop_from_other_tasks() -> None:
+    # run() takes messages without awaiting while there are some: an engine publishing faster
+    # than the agent applies would otherwise starve its QUIC keep-alives and load reports.
+    from kvcompassd.engine import subscriber as subscriber_module
+
+    ctx = zmq.asyncio.Context()
+    got: list = []
+    sub = KvEventSubscriber("tcp://127.0.0.1:9", None, got.append, context=ctx, idle_probe=5.0)
+    flood = iter([encode_batch(seq, 1.0, [stored(seq)]) for seq in range(300)])
+    sub._next_live = lambda: next(flood, None)  # 300 messages already there, then none
+    seen: list[int] = []
+
+    async def other_task() -> None:
+        while len(got) < 300:
+            seen.append(len(got))
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_task())
+    task = asyncio.create_task(sub.run())
+    try:
+        async with asyncio.timeout(10):
+            await other
+        every = subscriber_module.YIELD_EVERY_MESSAGES
+        between = [n for n in seen if 0 < n < 300]  # the other task ran amid the flood
+        assert between and between == list(range(every, 300, every))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, other, return_exceptions=True)
+        ctx.destroy(linger=0)
+
+
 async def test_cancelling_run_ends_it_even_as_a_message_arrives() -> None:
     # Python 3.11's asyncio.wait_for returns the result of an inner future that completed as the
     # task was cancelled, swallowing the cancellation: an agent shutting down hung in run().

@@ -60,6 +60,7 @@ from kvcompassd.engine.kvevents import (
 
 log = logging.getLogger(__name__)
 DECODE_SLICE_EVENTS = 2048  # events decoded between two yields to the event loop
+YIELD_EVERY_MESSAGES = 64  # live messages taken one after another between two yields to the loop
 _monitor_ids = itertools.count()
 
 
@@ -244,9 +245,16 @@ class KvEventSubscriber:
             # The SUB is connected first, so nothing published after the replay's answer is missed.
             await self.catch_up()
             self.caught_up.set()
+            in_a_row = 0
             while True:
                 frames = self._next_live()
+                if frames is not None and in_a_row >= YIELD_EVERY_MESSAGES:
+                    # An engine that keeps the SUB full must not keep the loop from QUIC
+                    # keep-alives and load reports: nothing else here waits while messages are there.
+                    in_a_row = 0
+                    await asyncio.sleep(0)
                 if frames is None:
+                    in_a_row = 0
                     if not await self._readable(self.probe_delay) and self._idle_probe is not None:
                         disconnected = self._disconnected()  # the catch-up checks the publisher anyway
                         before = self.delivered
@@ -256,6 +264,7 @@ class KvEventSubscriber:
                                             or self.replay_failing else min(self._idle_probe_max, 2 * self.probe_delay))
                     continue
                 self.probe_delay = self._idle_probe
+                in_a_row += 1
                 await self.handle_live(frames)
         finally:
             loop.remove_reader(descriptor)
