@@ -59,9 +59,10 @@ A sample is ``service / uncached tokens`` (the worker's own ``cached_tokens`` co
 end), taken only over ``min_tokens`` uncached tokens, where the fixed per-request costs do not
 dominate. Decode: the time from the first token to the end over the tokens after the first.
 
-Samples timed from arrival also count a request's fixed costs (HTTP, tokenising, a loaded host's
-scheduling): on a busy host the rate reads high, which errs toward keeping prefixes on their
-holders. Timing only backlogs (first token to first token) leaves those costs out but errs the
+Samples timed from arrival also count a request's fixed costs (tokenising and scheduling at the
+worker; HTTP and a loaded host's scheduling too where the worker gives no account of its time,
+below): on a busy host the rate reads high, which errs toward keeping prefixes on their holders
+(under cache pressure that bias may have helped: README, "A cost model that corrects itself"). Timing only backlogs (first token to first token) leaves those costs out but errs the
 other way: a busy edge reads a backlog's first tokens in bunches, a few ms apart, and the rate
 read low sent a holder's requests away (tried against tests/test_e2e_costmodel.py).
 
