@@ -66,6 +66,7 @@ from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
 from kvcompassd.wire import (
     AdminAnswered,
     AdminQueried,
+    MAX_WORKER_LATENCY_S,
     ErrorReported,
     MigrationRequested,
     NodeIdentity,
@@ -593,7 +594,7 @@ class AgentNode:
                         await stream.send(ResponseCompleted(msg.request_id, self.worker.id, item.cached_tokens,
                                                             item.prompt_tokens, item.completion_tokens,
                                                             item.finish_reason, vector,
-                                                            -1.0 if latency is None else min(latency, 7 * 86400.0)),
+                                                            -1.0 if latency is None else min(latency, MAX_WORKER_LATENCY_S)),
                                           end=True)
                         self.metrics.requests.labels("ok").inc()
                         if msg.origin_region != self.worker.region:

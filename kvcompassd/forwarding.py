@@ -511,10 +511,10 @@ class Forwarder:
         (``EngineFinished``) or as the QUIC and prefill-decode paths do."""
         now = self.clock()
         if type(done) is EngineFinished:
-            queue_vector, decode_worker, worker_latency_s = None, "", done.worker_latency_s
+            queue_vector, decode_worker = None, ""
         else:
             queue_vector, decode_worker = dict(done.queue_vector) or None, done.decode_worker
-            worker_latency_s = done.worker_latency_s
+        worker_latency_s = done.worker_latency_s
         self.suspects.served(d.worker_index)
         router = self.router
         if not produced:  # it ended without output: its prefill is done all the same

@@ -76,6 +76,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
 # 2: PrefixEventsReported carries its events as columns (was a [kind, key, tier] array each).
 # 3: ResponseCompleted carries the engine's own time for the request (worker_latency_s).
 PROTOCOL_VERSION: Final = 3
+MAX_WORKER_LATENCY_S: Final = 7 * 86400.0  # ResponseCompleted's bound on an engine's time for one request
 COMPRESSED_TAG: Final = 0  # [version, 0, zlib(encoded message)]: see encode(compress=True)
 
 
@@ -319,7 +320,7 @@ class ResponseCompleted(WireMessage):
         "completion_tokens": COUNT,
         "finish_reason": Text(64, allow_empty=True),
         "queue_vector": QUEUE_VECTOR,
-        "worker_latency_s": Float(-1.0, 7 * 86400.0),
+        "worker_latency_s": Float(-1.0, MAX_WORKER_LATENCY_S),
     }
 
 

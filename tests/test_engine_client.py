@@ -66,6 +66,11 @@ SGLANG_STREAM_ABORT = (b'data: {"text":"","output_ids":[],"meta_info":{"id":"r1"
 SGLANG_STREAM_ABORT_NO_STATUS = (b'data: {"text":"","output_ids":[],"meta_info":{"id":"r1","finish_reason":'
                                  b'{"type":"abort","message":"Abort in waiting queue"},"prompt_tokens":5,'
                                  b'"completion_tokens":0,"cached_tokens":0}}\n\ndata: [DONE]\n\n')
+# A streamed request's last chunk as SGLang's tokenizer_manager.py closes it: meta_info's
+# e2e_latency = finished_time - created_time, beside the figures it always carries.
+SGLANG_STREAM_FINISHED = (b'data: {"text":"ab","output_ids":[97,98],"meta_info":{"id":"r1","finish_reason":'
+                          b'{"type":"length","length":2},"prompt_tokens":3,"weight_version":"default",'
+                          b'"completion_tokens":2,"cached_tokens":3,"e2e_latency":0.04531502723693848}}\n\n')
 FASTAPI_422 = b'{"detail":[{"type":"missing","loc":["body","rid"],"msg":"Field required"}]}'
 
 
@@ -251,7 +256,8 @@ async def test_a_stream_closed_at_its_finish_keeps_the_connection():
 
 
 @contextlib.asynccontextmanager
-async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0):
+async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0,
+                            chunk: bytes = b'data: {"text":"ab","output_ids":[97,98],"meta_info":{"cached_tokens":3}}\n\n'):
     """An engine that streams one chunk, ``[DONE]``, then ``tail`` (repeated ``forever``, or
     followed by a stall that never ends the body); with an empty ``tail``, it ends the body
     ``pause_s`` after ``[DONE]`` (as a separate write, the way SGLang's server ends its stream)."""
@@ -263,7 +269,7 @@ async def engine_after_done(tail: bytes, *, forever: bool, pause_s: float = 0.0)
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(b'data: {"text":"ab","output_ids":[97,98],"meta_info":{"cached_tokens":3}}\n\n')
+        await resp.write(chunk)
         await resp.write(b"data: [DONE]\n\n")
         if not tail:
             await asyncio.sleep(pause_s)
@@ -381,3 +387,11 @@ def test_an_engine_time_that_is_not_a_duration_is_not_taken(value, expected):
         meta["e2e_latency"] = value
     assert finished_from_meta(meta, 5, 2).worker_latency_s == expected
     assert finished_from_meta({k: v for k, v in meta.items() if k != "e2e_latency"}, 5, 2).worker_latency_s is None
+
+
+async def test_sglangs_closing_chunk_gives_the_engines_own_time():
+    """The figure as SGLang's HTTP server streams it, read by the client over real HTTP."""
+    async with engine_after_done(b"", forever=False, chunk=SGLANG_STREAM_FINISHED) as engine:
+        async with asyncio.timeout(GUARD_S):
+            items = [item async for item in engine.generate([1, 2, 3], {"max_new_tokens": 2}, stream=True)]
+    assert items[-1].worker_latency_s == 0.04531502723693848 and items[-1].completion_tokens == 2

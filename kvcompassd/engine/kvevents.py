@@ -584,14 +584,13 @@ class ScannedEvents(Sequence):
     sequence of the events ``_decode_coalesced`` builds (made on first use, equal to them).
     Immutable: nothing changes the columns once scanned."""
 
-    __slots__ = ("_blocks", "_columns", "_data", "_events", "_hashes", "_runs", "_tokens")
+    __slots__ = ("_columns", "_data", "_events", "_hashes", "_runs", "_tokens")
 
     def __init__(self, data: bytes, runs: list[tuple] | None, hashes: list[int] | None, tokens: list[int] | None,
-                 columns: tuple[bytes, bytes, bytes] | None = None, blocks: int | None = None) -> None:
+                 columns: tuple[bytes, bytes, bytes] | None = None) -> None:
         """``columns``: the same runs, hashes and tokens as the scan wrote them (kvc_event_run
         records, int64s, uint32s, native order), for a C block tree to read as they are; the
-        lists may then be None (made from the columns on first use). ``blocks``: what
-        ``block_count`` returns, if the scan counted it."""
+        lists may then be None (made from the columns on first use)."""
         if columns is None and (runs is None or hashes is None or tokens is None):
             raise ValueError("ScannedEvents needs its lists or its columns")
         self._data = data
@@ -600,7 +599,6 @@ class ScannedEvents(Sequence):
         self._tokens = tokens
         self._columns = columns
         self._events: tuple[KvEvent, ...] | None = None
-        self._blocks = blocks
 
     @property
     def runs(self) -> list[tuple]:
@@ -659,11 +657,10 @@ class ScannedEvents(Sequence):
 
     def block_count(self) -> int:
         """Block hashes over all the runs (what an event's ``block_hashes`` would count)."""
-        if self._blocks is not None:
-            return self._blocks
-        if self._runs is None:  # (from the columns, without making the runs' tuples)
+        if self._runs is None:  # (from the columns, without making the runs' tuples; builtin sums:
+            # numpy's reductions over a batch's few runs were 3 % of an agent's CPU, c = 16)
             runs = np.frombuffer(self._columns[0], dtype=_RUN_DTYPE)  # type: ignore[index]
-            return int(runs["hash_end"].sum(dtype=np.int64) - runs["hash_start"].sum(dtype=np.int64))
+            return sum(runs["hash_end"].tolist()) - sum(runs["hash_start"].tolist())
         return sum(run[RUN_HASH_END] - run[RUN_HASH_START] for run in self.runs)
 
     def event(self, index: int) -> KvEvent:
@@ -763,14 +760,11 @@ def _scan_coalesced(data: bytes) -> tuple[float, int | None, ScannedEvents] | No
         runs = np.frombuffer(ffi.buffer(buffers.runs, n_runs * _RUN_BYTES), dtype=_RUN_DTYPE)
         # (builtin max over the few runs' ends: numpy's reductions on a record array's fields
         # were ~2 % of an agent's CPU in py-spy under the zero-delay gateway load, c = 16)
-        # (the block count too, which the agent reads per batch: numpy's sums were 3 %)
-        hash_ends = runs["hash_end"].tolist()
-        n_hashes, n_tokens = max(hash_ends), max(runs["token_end"].tolist())
-        blocks = sum(hash_ends) - sum(runs["hash_start"].tolist())
+        n_hashes, n_tokens = max(runs["hash_end"].tolist()), max(runs["token_end"].tolist())
         # copies (the buffers are reused); the lists are made only if something reads them
         columns = (runs.tobytes(), ffi.buffer(buffers.hashes, 8 * n_hashes)[:], ffi.buffer(buffers.tokens, 4 * n_tokens)[:])
         return (buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None),
-                ScannedEvents(data, None, None, None, columns, blocks))
+                ScannedEvents(data, None, None, None, columns))
     return (buffers.ts[0], (buffers.dp_rank[0] if buffers.has_dp_rank[0] else None),
             ScannedEvents(data, [], [], [], (b"", b"", b"")))
 
