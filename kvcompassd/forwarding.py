@@ -24,7 +24,7 @@ from kvcompassd.core.config import bootstrap_port_of
 from kvcompassd.core.decode_choice import DecodeChooser, NoDecodeWorkerError
 from kvcompassd.core.layout import UnknownWorkerError
 from kvcompassd.core.router import ForwardDecided, Router
-from kvcompassd.core.score import NoEligibleWorkerError
+from kvcompassd.core.score import NoEligibleWorkerError, ScoreTerms
 from kvcompassd.engine.client import (
     EngineClient,
     EngineError,
@@ -260,6 +260,14 @@ class _Deadlines:
         self._timer.cancel()
 
 
+
+def _terms_fields(terms: ScoreTerms) -> dict:
+    """One candidate's score terms (ms) for the debug-level ``forward`` log line."""
+    return {"worker": terms.worker, "total": round(terms.total, 3), "wan_ms": round(terms.wan_ms, 3),
+            "queue_ms": round(terms.queue_ms, 3), "prefill_ms": round(terms.prefill_ms, 3),
+            "reload_ms": round(terms.reload_ms, 3), "matched": terms.matched, "tier": terms.tier.name.lower(),
+            "belief": round(terms.belief, 3)}
+
 class Forwarder:
     """Runs requests for one edge; ``agent_peer(worker)`` gives the QUIC peer of a worker's agent.
 
@@ -487,7 +495,11 @@ class Forwarder:
             for term, histogram in metrics.chosen_terms:
                 histogram.observe(getattr(chosen[0], term))
         if log.is_enabled_for(logging.INFO):  # else the line's fields are not even built
-            candidates = d.candidates if log.is_enabled_for(logging.DEBUG) else chosen
+            debug = log.is_enabled_for(logging.DEBUG)
+            candidates = d.candidates if debug else chosen
+            # At debug level, why: each candidate's score broken into its terms, so that a
+            # request sent away from a prefix's holder can be read off the log line.
+            terms = {"terms": [_terms_fields(c) for c in candidates]} if debug else {}
             log.info(
                 "forward",
                 request_id=req.request_id,
@@ -501,6 +513,7 @@ class Forwarder:
                 attempt=attempt,
                 decision_us=round(decision_us, 1),
                 top=[(c.worker, round(c.total, 2)) for c in candidates],
+                **terms,
             )
         if d.migration is not None:
             self._start_migration(req, d)

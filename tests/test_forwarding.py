@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
 import pytest_asyncio
+import structlog
+import structlog.testing
 
 from clusters import make_cluster
 from kvcompassd.engine.http1 import WorkerConnections
@@ -193,6 +196,33 @@ async def test_a_worker_that_failed_is_avoided_by_the_next_requests_until_it_ser
         _, done = await run(edge, request_id)
         assert done.worker == "a-1" and done.attempts == 1
     assert agents["a-0"].received == ["r1"]
+
+
+@pytest.mark.parametrize("edge", [({"a": 2}, ("a-1",))], indirect=True)
+async def test_at_debug_level_the_forward_line_breaks_every_candidates_score_into_its_terms(pki, edge):
+    await start_agents(pki, edge, {"a-0": "serve", "a-1": "serve"})
+    prompt = LONG_PROMPT  # a-1 holds it (the fixture's holding)
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            _, done = await run(edge, "r-debug", tokens=prompt)
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+        with structlog.testing.capture_logs() as info_logs:
+            await run(edge, "r-info", tokens=prompt)
+    finally:
+        structlog.configure(**saved)
+    line = next(entry for entry in logs if entry["event"] == "forward")
+    terms = {t["worker"]: t for t in line["terms"]}
+    assert set(terms) == {"a-0", "a-1"} and line["worker"] == done.worker == "a-1"
+    holder, other = terms["a-1"], terms["a-0"]
+    assert holder["matched"] > 0 and holder["tier"] == "vram" and other["matched"] == 0
+    assert holder["prefill_ms"] < other["prefill_ms"] and holder["total"] <= other["total"]
+    for t in (holder, other):
+        assert t["total"] == pytest.approx(t["wan_ms"] + t["queue_ms"] + t["prefill_ms"] + t["reload_ms"], abs=2e-3)
+    # At info level the line names the winner alone, without the breakdown.
+    info = next(entry for entry in info_logs if entry["event"] == "forward")
+    assert "terms" not in info and [w for w, _ in info["top"]] == ["a-1"]
 
 
 @pytest.mark.parametrize("edge", [({"a": 2}, (), {"pending_hold_ms": 1000.0})], indirect=True)
