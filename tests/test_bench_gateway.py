@@ -3,7 +3,6 @@ output tokens, the routers' command lines, and a short run of the kvcompassd arm
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvcompassd.emulator.server import output_tokens
+from tool_loader import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_gateway.py"
@@ -21,11 +21,7 @@ TOOL = ROOT / "tools" / "bench_gateway.py"
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("bench_gateway", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gateway"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_gateway")
 
 
 def test_affinity_is_the_top_workers_share_of_each_group(tool):

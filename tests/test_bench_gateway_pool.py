@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from tool_loader import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "bench_gateway_pool.py"
 SERVICE = "service (VRAM 8192 tokens/worker)"
 ZERO = "zero-delay (VRAM 200000 tokens/worker)"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("bench_gateway_pool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gateway_pool"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_gateway_pool")
 
 
 def _figures(rps, p99, *, ratio=1.0, added_p50=0.0, reuse=1.0, cpu=None, edge=True):

@@ -3,20 +3,14 @@ the fleet's row with its window, and fails (exit 1) only above the 0.2 % target.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from tool_loader import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "fleet_false_lookups.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("fleet_false_lookups", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fleet_false_lookups"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("fleet_false_lookups")
 
 
 def test_a_fleet_is_simulated_with_its_own_bits_and_reported_against_the_target(capsys):

@@ -3,23 +3,16 @@ resource to break; and its projection arithmetic, checked by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from tool_loader import load_tool
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "scale_projection.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("scale_projection", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_projection"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("scale_projection")
 
 
 def _units(tool, **kw):

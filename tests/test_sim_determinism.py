@@ -13,7 +13,6 @@ meant to change results re-records it (and says why in its commit):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import tomllib
@@ -27,19 +26,16 @@ from kvcompassd.sim.geo import DEPLOYMENTS, render_toml, scale_deployment
 from kvcompassd.sim.metrics import summarize
 from kvcompassd.sim.policy import Topology
 from kvcompassd.sim.schemes import make_policy, make_workload, region_weights
+from tool_loader import load_tool
 
 RECORDED = Path(__file__).resolve().parent / "data" / "sim_determinism.json"
-DIGEST_TOOL = Path(__file__).resolve().parents[1] / "tools" / "sim_digest.py"
 SCHEMES = ("kvcompass", "dynamo", "central-directory")
 SEED, DURATION_S, WARMUP_S = 3, 3.0, 0.5
 FIGURES = ("requests", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "hit_rate", "reused_tokens")
 
 
 def _digest(result) -> str:
-    spec = importlib.util.spec_from_file_location("sim_digest", DIGEST_TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool.digest(result)
+    return load_tool("sim_digest").digest(result)
 
 
 def run_all() -> dict[str, dict]:

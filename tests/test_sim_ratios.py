@@ -1,13 +1,10 @@
 """tools/sim_ratios.py: KVCompass against each baseline, printed with the window it was measured over."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "sim_ratios.py"
-_spec = importlib.util.spec_from_file_location("sim_ratios", TOOL)
-sim_ratios = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sim_ratios)
+from tool_loader import load_tool
+
+sim_ratios = load_tool("sim_ratios")
 
 
 def _row(scheme: str, p99: float, **window) -> dict:

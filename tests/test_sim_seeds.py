@@ -1,18 +1,16 @@
 """tools/sim_seeds.py: seed lists, the per-seed comparison, and one short real run."""
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tool_loader import load_tool
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "sim_seeds.py"
-_spec = importlib.util.spec_from_file_location("sim_seeds", TOOL)
-sim_seeds = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sim_seeds)
+sim_seeds = load_tool("sim_seeds")
 
 
 def test_seed_lists_take_ranges_and_lists() -> None:
