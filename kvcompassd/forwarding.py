@@ -260,13 +260,13 @@ class _Deadlines:
         self._timer.cancel()
 
 
-
 def _terms_fields(terms: ScoreTerms) -> dict:
     """One candidate's score terms (ms) for the debug-level ``forward`` log line."""
     return {"worker": terms.worker, "total": round(terms.total, 3), "wan_ms": round(terms.wan_ms, 3),
             "queue_ms": round(terms.queue_ms, 3), "prefill_ms": round(terms.prefill_ms, 3),
             "reload_ms": round(terms.reload_ms, 3), "matched": terms.matched, "tier": terms.tier.name.lower(),
             "belief": round(terms.belief, 3)}
+
 
 class Forwarder:
     """Runs requests for one edge; ``agent_peer(worker)`` gives the QUIC peer of a worker's agent.

@@ -11,7 +11,8 @@ with the other arms present in the runs:
 - zero-delay: kvcompassd's edge CPU per request <= the router's, its added P50 at c = 1 <= the
   router's, its throughput ÷ direct >= the router's (pooled medians).
 
-An arm is compared only over the runs that hold it; a run that lacks kvcompassd is skipped.
+An arm's pooled figures are over the runs that hold it; the single-run counts pair the arms
+run by run, over the runs that hold both.
 
     python tools/bench_gateway_pool.py run1.json run2.json run3.json
 """
