@@ -28,9 +28,11 @@ from pathlib import Path
 
 KVCOMPASSD = "kvcompassd"
 
-# (figure key, column heading, format, better: "high" / "low")
+# (figure key, column heading, format, better: "high" / "low"); cpu_us is the router's own process
 FIGURES = (("rps", "req/s", ".1f", "high"), ("p99_ms", "P99 ms", ".0f", "low"), ("ratio", "÷direct", ".2f", "high"),
-           ("added_p50_ms", "+P50 ms", "+.2f", "low"), ("reuse", "reuse", ".2f", "high"))
+           ("added_p50_ms", "+P50 ms", "+.2f", "low"), ("reuse", "reuse", ".2f", "high"),
+           ("cpu_us", "router CPU us/req", ".0f", "low"))
+HIGHER_IS_BETTER = {key: better == "high" for key, _, _, better in FIGURES}
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
@@ -63,7 +65,7 @@ def pooled(runs: list[dict]) -> dict:
                 for c, figures in result.get("by_c", {}).items():
                     slot = table.setdefault(mode, {}).setdefault(int(c), {}).setdefault(arm, {})
                     slot.setdefault("run", []).append(position)
-                    for key in [f[0] for f in FIGURES] + ["cpu_us"]:
+                    for key in HIGHER_IS_BETTER:
                         slot.setdefault(key, []).append(value(figures, key))
     return table
 
@@ -84,20 +86,24 @@ def report(table: dict, n_runs: int) -> list[str]:
         for c in sorted(table[mode]):
             for arm, figures in sorted(table[mode][c].items(), key=lambda kv: kv[0] != KVCOMPASSD):
                 cells = []
-                for key, heading, spec, _ in FIGURES + (("cpu_us", "router CPU us/req", ".0f", "low"),):
+                for key, heading, spec, _ in FIGURES:
                     vals = figures[key]
                     cells.append(f"{heading} {' '.join(_fmt(v, spec) for v in vals)} / {_fmt(median(vals), spec)}")
                 lines.append(f"  c={c:<3} {arm:<13} " + "; ".join(cells))
     return lines
 
 
-def _per_run_held(ours: dict, theirs: dict, key: str, better: str) -> tuple[int, int]:
+def _as_good(ours: float, theirs: float, key: str) -> bool:
+    """Ours at least as good as theirs on figure ``key`` (False if either is NaN)."""
+    return ours >= theirs if HIGHER_IS_BETTER[key] else ours <= theirs
+
+
+def _per_run_held(ours: dict, theirs: dict, key: str) -> tuple[int, int]:
     """In how many runs holding both arms (with the figure) ours was at least as good."""
     their_value = dict(zip(theirs["run"], theirs[key]))
     pairs = [(a, their_value[run]) for run, a in zip(ours["run"], ours[key]) if run in their_value]
     pairs = [(a, b) for a, b in pairs if a == a and b == b]
-    held = sum(1 for a, b in pairs if (a >= b if better == "high" else a <= b))
-    return held, len(pairs)
+    return sum(_as_good(a, b, key) for a, b in pairs), len(pairs)
 
 
 def targets(table: dict) -> list[str]:
@@ -113,15 +119,15 @@ def targets(table: dict) -> list[str]:
                 if arm == KVCOMPASSD:
                     continue
                 if service:
-                    checks = [("throughput", "rps", "high"), ("P99", "p99_ms", "low")]
+                    checks = [("throughput", "rps"), ("P99", "p99_ms")]
                 else:
-                    checks = [("throughput ÷ direct", "ratio", "high"), ("router CPU per request", "cpu_us", "low")]
+                    checks = [("throughput ÷ direct", "ratio"), ("router CPU per request", "cpu_us")]
                     if c == 1:
-                        checks.append(("added P50", "added_p50_ms", "low"))
-                for name, key, better in checks:
+                        checks.append(("added P50", "added_p50_ms"))
+                for name, key in checks:
                     a, b = median(ours[key]), median(theirs[key])
-                    met = a == a and b == b and (a >= b if better == "high" else a <= b)
-                    held, paired = _per_run_held(ours, theirs, key, better)
+                    met = _as_good(a, b, key)
+                    held, paired = _per_run_held(ours, theirs, key)
                     lines.append(f"  {mode} c={c} vs {arm}: {name} {a:.4g} against {b:.4g}: "
                                  f"{'met' if met else 'NOT met'} (runs {held}/{paired})")
     return lines

@@ -62,9 +62,10 @@ dominate. Decode: the time from the first token to the end over the tokens after
 Samples timed from arrival also count a request's fixed costs (tokenising and scheduling at the
 worker; HTTP and a loaded host's scheduling too where the worker gives no account of its time,
 below): on a busy host the rate reads high, which errs toward keeping prefixes on their holders
-(under cache pressure that bias may have helped: README, "A cost model that corrects itself"). Timing only backlogs (first token to first token) leaves those costs out but errs the
-other way: a busy edge reads a backlog's first tokens in bunches, a few ms apart, and the rate
-read low sent a holder's requests away (tried against tests/test_e2e_costmodel.py).
+(under cache pressure that bias may have helped: README, "A cost model that corrects itself").
+Timing only backlogs (first token to first token) leaves those costs out but errs the other way:
+a busy edge reads a backlog's first tokens in bunches, a few ms apart, and the rate read low
+sent a holder's requests away (tried against tests/test_e2e_costmodel.py).
 
 The costs outside the worker are taken out where the worker says how long the request took it:
 SGLang closes every response with ``meta_info["e2e_latency"]``, its tokenizer manager's seconds
