@@ -450,8 +450,11 @@ class ScoreParams:
     # The edge learns each worker's prefill and decode rates from the first tokens and ends it
     # sees (core/rates.py) and scores with them; a learned rate stays within this factor of the
     # configured one either way (1 turns learning off). A configured beta 5x off routed against
-    # the cache (issue 30: affinity 0.27 on fast workers); 16 covers that with room.
-    learned_rate_bound: float = 16.0
+    # the cache (issue 30: affinity 0.27 on fast workers). 16 covered that, but not a beta
+    # configured for a far larger model or slower GPU: zero-delay emulated workers spend ~50x
+    # less than the A100 model, and at 16 their groups were spread (affinity 0.52-0.68 against
+    # 0.89-0.93 at 64 at c = 16; README, "A cost model that corrects itself").
+    learned_rate_bound: float = 64.0
     # A dispatch that adds at least this many ms of work to an own-region worker sends the
     # region's queue vector to every other region at once, not at the next Delta (0 = off): a
     # long prompt's prefill is seconds of queue the other regions' edges cannot see for up to
