@@ -264,8 +264,8 @@ def _terms_fields(terms: ScoreTerms) -> dict:
     """One candidate's score terms (ms) for the debug-level ``forward`` log line."""
     return {"worker": terms.worker, "total": round(terms.total, 3), "wan_ms": round(terms.wan_ms, 3),
             "queue_ms": round(terms.queue_ms, 3), "prefill_ms": round(terms.prefill_ms, 3),
-            "reload_ms": round(terms.reload_ms, 3), "matched": terms.matched, "tier": terms.tier.name.lower(),
-            "belief": round(terms.belief, 3)}
+            "reload_ms": round(terms.reload_ms, 3), "copy_ms": round(terms.copy_ms, 3), "matched": terms.matched,
+            "tier": terms.tier.name.lower(), "belief": round(terms.belief, 3)}
 
 
 class Forwarder:

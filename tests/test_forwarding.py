@@ -219,7 +219,8 @@ async def test_at_debug_level_the_forward_line_breaks_every_candidates_score_int
     assert holder["matched"] > 0 and holder["tier"] == "vram" and other["matched"] == 0
     assert holder["prefill_ms"] < other["prefill_ms"] and holder["total"] <= other["total"]
     for t in (holder, other):
-        assert t["total"] == pytest.approx(t["wan_ms"] + t["queue_ms"] + t["prefill_ms"] + t["reload_ms"], abs=2e-3)
+        assert t["total"] == pytest.approx(t["wan_ms"] + t["queue_ms"] + t["prefill_ms"] + t["reload_ms"] + t["copy_ms"],
+                                            abs=2e-3)
     # At info level the line names the winner alone, without the breakdown.
     info = next(entry for entry in info_logs if entry["event"] == "forward")
     assert "terms" not in info and [w for w, _ in info["top"]] == ["a-1"]

@@ -72,6 +72,69 @@ def test_loaded_holder_loses_to_an_idle_recompute_only_when_the_formula_says_so(
     assert d.worker in ("us-0", "us-2") and d.outcome == "recompute"
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_copy_weight_charges_a_non_holder_the_copy_it_would_evict_for(native):
+    # As above, the holder saves beta * 2000 = 200 ms at lambda = 0. With copy_weight 1 a
+    # non-holder is charged the copy once more (200 ms): the holder keeps the prompt until its
+    # queue passes 400 ms, and the charge is a term of the winner's score.
+    cfg, layout, shards, view = _world(copy_weight=1.0)
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0, native=native)
+    router.queues.set_local("us-1", 205.0, now=0.0)
+    assert router.decide(PROMPT, now=0.0).worker == "us-1"
+    router.queues.set_local("us-1", 395.0, now=0.0)
+    assert router.decide(PROMPT, now=0.0).worker == "us-1"
+    router.queues.set_local("us-1", 405.0, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker in ("us-0", "us-2") and d.outcome == "recompute"
+    terms = {t.worker: t for t in d.candidates}
+    assert terms[d.worker].copy_ms == pytest.approx(0.1 * 2000) and terms["us-1"].copy_ms == 0.0
+    for t in terms.values():
+        assert t.total == pytest.approx(t.wan_ms + t.queue_ms + t.prefill_ms + t.reload_ms + t.copy_ms)
+    assert d.score.copies is not None and d.score.total == pytest.approx(terms[d.worker].total)
+
+
+def test_the_copy_charge_is_what_the_best_holder_has_more_of_at_the_decisions_price():
+    # us-1 holds all 2000 of the prompt's tokens, us-0 1024, us-2 none; the eu workers are idle,
+    # so lambda = 0 and a token costs beta = 0.1 ms, and at copy_weight 0.5 another 0.05 where
+    # the best holder has it and the worker does not. Without the charge us-0 would win (100 +
+    # 97.6 ms against us-1's 230); with it us-0 pays 48.8 ms more and us-1 keeps the prompt.
+    cfg, layout, shards, view = _world(copy_weight=0.5)
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    _register(cfg, shards, view, "us-0", PROMPT, 1024)
+    router = Router(cfg, "us", view, now=0.0)
+    for w in ("us-0", "us-2"):
+        router.queues.set_local(w, 100.0, now=0.0)
+    router.queues.set_local("us-1", 230.0, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker == "us-1" and d.score.lam == 0.0
+    index = layout.worker_index
+    copies, scores = d.score.copies, d.score.scores
+    assert copies[index("us-0")] == pytest.approx(0.05 * 976) and copies[index("us-2")] == pytest.approx(0.05 * 2000)
+    assert copies[index("us-1")] == 0.0
+    t = d.score.terms(index("us-0"))
+    assert t.prefill_ms == pytest.approx(0.1 * 976) and t.copy_ms == pytest.approx(0.05 * 976)
+    assert scores[index("us-0")] == t.total == pytest.approx(t.wan_ms + t.queue_ms + t.prefill_ms + t.copy_ms)
+    # Without the weight the same world sends it to us-0.
+    cfg0, layout0, shards0, view0 = _world()
+    _register(cfg0, shards0, view0, "us-1", PROMPT, 2000)
+    _register(cfg0, shards0, view0, "us-0", PROMPT, 1024)
+    plain = Router(cfg0, "us", view0, now=0.0)
+    for w, q in (("us-0", 100.0), ("us-2", 100.0), ("us-1", 230.0)):
+        plain.queues.set_local(w, q, now=0.0)
+    assert plain.decide(PROMPT, now=0.0).worker == "us-0"
+
+
+def test_without_a_copy_weight_nothing_is_charged():
+    cfg, layout, shards, view = _world()
+    assert cfg.score.copy_weight == 0.0
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    router.queues.set_local("us-1", 205.0, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker != "us-1" and d.score.copies is None and all(t.copy_ms == 0.0 for t in d.candidates)
+
+
 def test_long_remote_match_beats_local_recompute_and_belief_discounts_false_claims():
     cfg, layout, shards, view = _world()
     _register(cfg, shards, view, "eu-0", PROMPT, 2000, Tier.VRAM)

@@ -462,6 +462,15 @@ class ScoreParams:
     # (issue 28: long-context at 1x the testbed's capacity, seed 1, two asia requests sent to us
     # workers a 7-9 s prefill had just taken: TTFT 17.3 and 16.6 s, P99 16.7 s against 12.3).
     urgent_broadcast_ms: float = 1000.0
+    # A request sent to a worker holding less of its prompt than another does copies the
+    # difference into that worker's cache, and a full cache makes room by evicting as much of
+    # what it held, which that worker's own groups then recompute. The score charges such a
+    # worker the copy once more at the prefill's price, times this weight (0 = off, the paper's
+    # score): weight x (1 + lambda) x beta x (best holder's effective match - its own). Under
+    # cache pressure it keeps each prefix group on its holder (4 emulated workers, 8,192 tokens
+    # of VRAM each, c = 64: reuse 0.99 against 0.95, README "A copy's price"); off by default
+    # until the simulator's evaluation is rerun with it.
+    copy_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _check_float("lambda_max", self.lambda_max, lo=0.0)
@@ -482,9 +491,10 @@ class ScoreParams:
                 _fail(name, f"expected true or false, got {getattr(self, name)!r}")
         _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
         _check_float("urgent_broadcast_ms", self.urgent_broadcast_ms, lo=0.0)
+        _check_float("copy_weight", self.copy_weight, lo=0.0, hi=1e3)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",
-                     "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms"):
+                     "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms", "copy_weight"):
             _as_float(self, name)
 
 

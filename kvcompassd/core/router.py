@@ -117,6 +117,7 @@ class Router:
         self.worker_regions = tuple(w.region for w in cfg.workers)
         self._worker_ids = self.layout.worker_ids
         self._migration = self.ablation.migration
+        self._copy_weight = cfg.score.copy_weight
         self._local = np.array([r == region for r in self.worker_regions], dtype=bool)
         self._local_list = tuple(self._local.tolist())
         self._local_indexes = tuple(np.flatnonzero(self._local).tolist())
@@ -309,6 +310,37 @@ class Router:
         return self._conclude(found.prompt_len, found.matched, found.tier, found.family_key, result,
                               self._rotate_ties(result), belief, now, None, keys, shown)
 
+    def _charge_copy(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, result: ScoreResult, chosen: int,
+                     belief: np.ndarray) -> tuple[ScoreResult, int] | None:
+        """The decision with the copy charge (``score.copy_weight``) added to every score, when
+        its winner holds less of the prompt than another eligible worker; None when it holds the
+        most (every other worker's score then only rises) or the result is charged already.
+
+        A worker holding less of a prompt than the best holder copies the difference into its
+        cache, and a full cache makes room by evicting as much, which its own groups recompute
+        later: ``weight x (1 + lambda) x beta_r x (most - effective_r)``, with the decision's
+        lambda and effective matches as the score takes them (belief x match, within the
+        prompt; remote ones only with cross-region reuse). The scores are the decision's own
+        plus the charges, so lambda and every other term stay as scored."""
+        if result.copies is not None:
+            return None
+        scores = result.scores
+        effective = np.minimum(belief * matched, float(prompt_len))
+        if not self.ablation.cross_region:
+            effective = np.where(self._local, effective, 0.0)
+        eligible = np.isfinite(scores)
+        if not eligible.any():
+            return None
+        short = float(effective[eligible].max()) - effective
+        if short.item(chosen) <= 0.0:
+            return None
+        copies = np.maximum(short, 0.0) * (self._copy_weight * (1.0 + result.lam)) * self.scorer.beta
+        charged = scores + copies
+        best = int(charged.argmin())
+        result = ScoreResult(best, self._worker_ids[best], result.lam, charged, self.scorer, prompt_len, matched, tier,
+                             result.queue_ms, belief, self.ablation, None, True, copies)
+        return result, self._rotate_ties(result)
+
     def _rotate_ties(self, result: ScoreResult) -> int:
         chosen = result.chosen
         scores = result.scores
@@ -334,6 +366,11 @@ class Router:
         ``_KERNEL_KEYS``: the fused call's, not sliced yet) and
         ``shown`` the view's matches when the ledger raised some (None when it did not).
         """
+        if self._copy_weight:
+            charged = self._charge_copy(prompt_len, matched, tier, result, chosen, belief)
+            if charged is not None:
+                result, chosen = charged
+                miss = None  # the C call's summary was of its own winner
         self._sent_count = sent = self._sent_count + 1
         self._last_sent[chosen] = sent
         worker = self._worker_ids[chosen]
@@ -374,6 +411,11 @@ class Router:
         ``claimed`` match and tier ``code`` come from the C call, its queue from the output
         buffer, and the match and tier arrays are made only for the hot-prefix detector's
         observation. The same steps, in the same order, with the same values."""
+        if self._copy_weight:
+            matched, tier = arrays.matched(), arrays.tier()
+            charged = self._charge_copy(prompt_len, matched, tier, result, chosen, belief)
+            if charged is not None:
+                return self._conclude(prompt_len, matched, tier, family_key, *charged, belief, now, None, keys, None)
         self._sent_count = sent = self._sent_count + 1
         self._last_sent[chosen] = sent
         worker = self._worker_ids[chosen]

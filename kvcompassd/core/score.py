@@ -80,6 +80,8 @@ class ScoreTerms:
     tier: Tier
     belief: float
     total: float
+    # The copy's charge (``score.copy_weight``; 0 when off or when this worker holds the most).
+    copy_ms: float = 0.0
 
 
 class ScoreResult:
@@ -102,7 +104,7 @@ class ScoreResult:
     def __init__(self, chosen: int, worker: str, lam: float, scores: np.ndarray, scorer: JointScorer,
                  prompt_len: int, matched: np.ndarray, tier: np.ndarray, queue: np.ndarray,
                  belief: np.ndarray, ablation: Ablation, eligible: np.ndarray | None = None,
-                 complete: bool = True) -> None:
+                 complete: bool = True, copies: np.ndarray | None = None) -> None:
         # Written through the slot descriptors (``__setattr__`` refuses).
         _set_chosen(self, chosen)
         _set_worker(self, worker)
@@ -111,9 +113,9 @@ class ScoreResult:
         # the others' scores are computed when something reads them (the same C loop, same bits).
         # [scores, scorer, prompt_len, matched, tier, queue, belief, ablation, eligible, complete,
         #  top (k, the top k's terms) once asked for, DecisionArrays or None, the chosen's match
-        #  and tier when the arrays are not made yet]
+        #  and tier when the arrays are not made yet, the copy charges added to the scores or None]
         _set_state(self, [scores, scorer, prompt_len, matched, tier, queue, belief, ablation, eligible, complete,
-                          None, None, 0, 0])
+                          None, None, 0, 0, copies])
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ScoreResult is read-only")
@@ -139,6 +141,11 @@ class ScoreResult:
     @property
     def _complete(self) -> bool:
         return self._state[_COMPLETE]
+
+    @property
+    def copies(self) -> np.ndarray | None:
+        """The copy charges added to the scores (``score.copy_weight``), or None: not charged."""
+        return self._state[_COPIES]
 
     @property
     def queue_ms(self) -> np.ndarray:
@@ -189,6 +196,7 @@ class ScoreResult:
             effective = min(belief * matched, prompt_len)
         prefill, reload = request_terms((1.0 + self.lam) * s.beta_list[index], prompt_len, effective,
                                         s.gamma if ab.tier_aware and tier is Tier.DRAM else 0.0)
+        copies = state[_COPIES]
         return ScoreTerms(
             s.worker_ids[index],
             s.worker_regions[index],
@@ -200,6 +208,7 @@ class ScoreResult:
             tier,
             belief,
             total,
+            0.0 if copies is None else float(copies.item(index)),
         )
 
     def top(self, k: int = 3) -> tuple[ScoreTerms, ...]:
@@ -225,7 +234,7 @@ class ScoreResult:
 
 
 (_SCORES, _SCORER, _PROMPT_LEN, _MATCHED, _TIER, _QUEUE, _BELIEF, _ABLATION, _ELIGIBLE, _COMPLETE, _TOP, _ARRAYS,
- _CHOSEN_MATCHED, _CHOSEN_TIER) = range(14)
+ _CHOSEN_MATCHED, _CHOSEN_TIER, _COPIES) = range(15)
 _set_chosen, _set_worker, _set_lam, _set_state = (getattr(ScoreResult, name).__set__ for name in ScoreResult.__slots__)
 _new_result = object.__new__
 
@@ -241,7 +250,7 @@ def score_result_from_arrays(chosen: int, worker: str, lam: float, scorer: Joint
     _set_worker(result, worker)
     _set_lam(result, lam)
     _set_state(result, [None, scorer, prompt_len, None, None, None, belief, ablation, eligible, complete, None,
-                        arrays, chosen_matched, chosen_tier])
+                        arrays, chosen_matched, chosen_tier, None])
     return result
 
 
