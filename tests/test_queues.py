@@ -590,6 +590,20 @@ def test_the_wait_for_vram_room_depends_on_the_prompt_and_ages_from_the_reading(
         q.set_room("us-3", ((0.0, 9), (5.0, 3)), now=2.0)
 
 
+def test_the_pinned_share_is_the_vram_free_now_against_what_is_free_once_every_request_ends() -> None:
+    q = us_edge()
+    us3 = CFG.worker_ids().index("us-3")
+    assert q.pinned_share(us3, now=0.0) == 0.0  # nothing reported: nothing pinned
+    q.set_room("us-3", ((0.0, 8_000), (900.0, 40_000), (2_500.0, 80_000)), now=1.0)
+    assert q.pinned_share(us3, now=1.0) == pytest.approx(0.9)
+    assert q.pinned_share(us3, now=2.0) == pytest.approx(0.5)  # the first step is past
+    assert q.pinned_share(us3, now=9.0) == 0.0
+    q.set_room("us-3", ((0.0, 0),), now=9.0)  # a worker whose VRAM is all pinned, for good
+    assert q.pinned_share(us3, now=9.0) == 1.0
+    q.set_room("us-3", (), now=10.0)
+    assert q.pinned_share(us3, now=10.0) == 0.0
+
+
 def test_an_edge_broadcasts_its_regions_room_and_the_others_read_it_one_way_ago() -> None:
     us, eu = us_edge(), QueueEstimates(CFG, "eu", now=0.0)
     us3 = CFG.worker_ids().index("us-3")

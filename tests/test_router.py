@@ -22,8 +22,8 @@ from kvcompassd.core.router import SHORTFALL_DRAM, SHORTFALL_EVICTED, Router
 SHARDS = 2
 
 
-def _world(**score):
-    cfg = make_cluster({"us": 3, "eu": 2}, shards=SHARDS, one_way_ms=20.0, prefill_ms_per_token=0.1,
+def _world(regions=None, **score):
+    cfg = make_cluster(regions or {"us": 3, "eu": 2}, shards=SHARDS, one_way_ms=20.0, prefill_ms_per_token=0.1,
                        levels=4, same_region_min_tokens=32, **score)
     layout = IndexLayout.from_config(cfg)
     shards = [MaintenanceShard(layout, s, SHARDS, epoch=1, initial_capacity=64) for s in range(SHARDS)]
@@ -72,23 +72,36 @@ def test_loaded_holder_loses_to_an_idle_recompute_only_when_the_formula_says_so(
     assert d.worker in ("us-0", "us-2") and d.outcome == "recompute"
 
 
+# Room steps: 4,000 of a worker's 8,000 VRAM tokens free now, all once its requests finish:
+# half its VRAM pinned (a 2,000-token prompt still fits, so it waits for no room).
+HALF_PINNED = ((0.0, 4000), (50.0, 8000))
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_a_copy_weight_charges_a_non_holder_the_copy_it_would_evict_for(native):
-    # As above, the holder saves beta * 2000 = 200 ms at lambda = 0. With copy_weight 1 a
-    # non-holder is charged the copy once more (200 ms): the holder keeps the prompt until its
-    # queue passes 400 ms, and the charge is a term of the winner's score.
-    cfg, layout, shards, view = _world(copy_weight=1.0)
+    # One region (a remote worker's room comes from its edge's broadcasts), where the holder is
+    # credited `held` of the 2000 tokens, a saving of beta * held at lambda = 0: without a copy
+    # weight it keeps the prompt while its queue is under that. With copy_weight 2 and half of
+    # their VRAM pinned, the non-holders are charged the copy once more (2 x 0.5 x beta * held):
+    # the holder keeps the prompt until its queue passes twice the saving, and the charge is a
+    # term of the winner's score. Each decision comes from a fresh edge (no dispatch charged).
+    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0)
     _register(cfg, shards, view, "us-1", PROMPT, 2000)
-    router = Router(cfg, "us", view, now=0.0, native=native)
-    router.queues.set_local("us-1", 205.0, now=0.0)
-    assert router.decide(PROMPT, now=0.0).worker == "us-1"
-    router.queues.set_local("us-1", 395.0, now=0.0)
-    assert router.decide(PROMPT, now=0.0).worker == "us-1"
-    router.queues.set_local("us-1", 405.0, now=0.0)
-    d = router.decide(PROMPT, now=0.0)
+    held = LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-1]
+
+    def decide(holder_queue):
+        router = Router(cfg, "us", view, now=0.0, native=native)
+        for w in ("us-0", "us-2"):
+            router.queues.set_room(w, HALF_PINNED, now=0.0)
+        router.queues.set_local("us-1", holder_queue, now=0.0)
+        return router.decide(PROMPT, now=0.0)
+
+    assert decide(0.1 * held + 5.0).worker == "us-1"
+    assert decide(0.2 * held - 5.0).worker == "us-1"
+    d = decide(0.2 * held + 5.0)
     assert d.worker in ("us-0", "us-2") and d.outcome == "recompute"
     terms = {t.worker: t for t in d.candidates}
-    assert terms[d.worker].copy_ms == pytest.approx(0.1 * 2000) and terms["us-1"].copy_ms == 0.0
+    assert terms[d.worker].copy_ms == pytest.approx(0.1 * held) and terms["us-1"].copy_ms == 0.0
     for t in terms.values():
         assert t.total == pytest.approx(t.wan_ms + t.queue_ms + t.prefill_ms + t.reload_ms + t.copy_ms)
     assert d.score.copies is not None and d.score.total == pytest.approx(terms[d.worker].total)
@@ -96,16 +109,21 @@ def test_a_copy_weight_charges_a_non_holder_the_copy_it_would_evict_for(native):
 
 def test_the_copy_charge_is_what_the_best_holder_has_more_of_at_the_decisions_price():
     # us-1 holds all 2000 of the prompt's tokens, us-0 1024, us-2 none; the eu workers are idle,
-    # so lambda = 0 and a token costs beta = 0.1 ms, and at copy_weight 0.5 another 0.05 where
-    # the best holder has it and the worker does not. Without the charge us-0 would win (100 +
-    # 97.6 ms against us-1's 230); with it us-0 pays 48.8 ms more and us-1 keeps the prompt.
-    cfg, layout, shards, view = _world(copy_weight=0.5)
-    _register(cfg, shards, view, "us-1", PROMPT, 2000)
-    _register(cfg, shards, view, "us-0", PROMPT, 1024)
-    router = Router(cfg, "us", view, now=0.0)
-    for w in ("us-0", "us-2"):
-        router.queues.set_local(w, 100.0, now=0.0)
-    router.queues.set_local("us-1", 230.0, now=0.0)
+    # so lambda = 0 and a token costs beta = 0.1 ms, and at copy_weight 1 with half the VRAM
+    # pinned another 0.05 where the best holder has it and the worker does not. Without the
+    # charge us-0 would win (100 + 97.6 ms against us-1's 230); with it us-0 pays 48.8 ms more
+    # and us-1 keeps the prompt.
+    def world(weight):
+        cfg, layout, shards, view = _world(copy_weight=weight)
+        _register(cfg, shards, view, "us-1", PROMPT, 2000)
+        _register(cfg, shards, view, "us-0", PROMPT, 1024)
+        router = Router(cfg, "us", view, now=0.0)
+        for w, q in (("us-0", 100.0), ("us-2", 100.0), ("us-1", 230.0)):
+            router.queues.set_local(w, q, now=0.0)
+            router.queues.set_room(w, HALF_PINNED, now=0.0)
+        return layout, router
+
+    layout, router = world(1.0)
     d = router.decide(PROMPT, now=0.0)
     assert d.worker == "us-1" and d.score.lam == 0.0
     index = layout.worker_index
@@ -116,13 +134,18 @@ def test_the_copy_charge_is_what_the_best_holder_has_more_of_at_the_decisions_pr
     assert t.prefill_ms == pytest.approx(0.1 * 976) and t.copy_ms == pytest.approx(0.05 * 976)
     assert scores[index("us-0")] == t.total == pytest.approx(t.wan_ms + t.queue_ms + t.prefill_ms + t.copy_ms)
     # Without the weight the same world sends it to us-0.
-    cfg0, layout0, shards0, view0 = _world()
-    _register(cfg0, shards0, view0, "us-1", PROMPT, 2000)
-    _register(cfg0, shards0, view0, "us-0", PROMPT, 1024)
-    plain = Router(cfg0, "us", view0, now=0.0)
-    for w, q in (("us-0", 100.0), ("us-2", 100.0), ("us-1", 230.0)):
-        plain.queues.set_local(w, q, now=0.0)
-    assert plain.decide(PROMPT, now=0.0).worker == "us-0"
+    assert world(0.0)[1].decide(PROMPT, now=0.0).worker == "us-0"
+
+
+def test_a_worker_with_no_room_steps_is_not_charged_for_a_copy():
+    # Nothing pinned, or an engine whose load report has no room steps (a real SGLang's): the
+    # cache's oldest entries make room, and the copy costs nothing more than its prefill.
+    cfg, layout, shards, view = _world(copy_weight=2.0)
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    router = Router(cfg, "us", view, now=0.0)
+    router.queues.set_local("us-1", 205.0, now=0.0)
+    d = router.decide(PROMPT, now=0.0)
+    assert d.worker != "us-1" and d.score.copies is None and all(t.copy_ms == 0.0 for t in d.candidates)
 
 
 def test_without_a_copy_weight_nothing_is_charged():
@@ -130,6 +153,7 @@ def test_without_a_copy_weight_nothing_is_charged():
     assert cfg.score.copy_weight == 0.0
     _register(cfg, shards, view, "us-1", PROMPT, 2000)
     router = Router(cfg, "us", view, now=0.0)
+    router.queues.set_room("us-0", HALF_PINNED, now=0.0)
     router.queues.set_local("us-1", 205.0, now=0.0)
     d = router.decide(PROMPT, now=0.0)
     assert d.worker != "us-1" and d.score.copies is None and all(t.copy_ms == 0.0 for t in d.candidates)

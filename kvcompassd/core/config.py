@@ -464,12 +464,14 @@ class ScoreParams:
     urgent_broadcast_ms: float = 1000.0
     # A request sent to a worker holding less of its prompt than another does copies the
     # difference into that worker's cache, and a full cache makes room by evicting as much of
-    # what it held, which that worker's own groups then recompute. The score charges such a
-    # worker the copy once more at the prefill's price, times this weight (0 = off, the paper's
-    # score): weight x (1 + lambda) x beta x (best holder's effective match - its own). Under
-    # cache pressure it keeps each prefix group on its holder (4 emulated workers, 8,192 tokens
-    # of VRAM each, c = 64: reuse 0.99 against 0.95, README "A copy's price"); off by default
-    # until the simulator's evaluation is rerun with it.
+    # what it held, which that worker's own groups may then recompute. The score charges such a
+    # worker the copy once more at the prefill's price, times this weight and the share of its
+    # VRAM its requests pin (room steps; a worker that reports none is not charged): weight x
+    # pinned x (1 + lambda) x beta x (best holder's effective match - its own). 0 = off, the
+    # paper's score. Under cache pressure 2 kept each prefix group on its holder (4 emulated
+    # workers, 8,192 tokens of VRAM each, c = 64: 71.9 / 70.2 req/s and reuse 0.99 / 0.97
+    # against 64.5 / 65.2 and 0.94; README "A copy's price under cache pressure"); off by
+    # default until the simulator's evaluation is rerun with it.
     copy_weight: float = 0.0
 
     def __post_init__(self) -> None:

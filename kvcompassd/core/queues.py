@@ -508,6 +508,18 @@ class QueueEstimates:
             floor = self._room_floor = min(self._room_floor_of.values(), default=math.inf)
         return floor
 
+    def pinned_share(self, i: int, *, now: float) -> float:
+        """The share of worker ``i``'s VRAM its requests pin as of ``now``, from its room steps
+        (the free tokens now against those once every request it holds has finished); 0 when it
+        reported none (nothing pinned, or room enough for any prompt)."""
+        steps = self.room(i, now=now)
+        if not steps:
+            return 0.0
+        capacity = steps[-1][1]
+        if capacity <= 0:
+            return 1.0
+        return min(1.0, max(0.0, 1.0 - steps[0][1] / capacity))
+
     def room(self, i: int, *, now: float) -> tuple[tuple[float, int], ...] | None:
         """Worker ``i``'s room steps as of ``now`` (ms from ``now``, free tokens),
         those already past folded into the first; None when it has none (nothing pinned, or
