@@ -145,6 +145,19 @@ def test_sync_settings_reach_the_planes_config(tool):
             tool.parse_args(["--sync", bad])
 
 
+def test_score_settings_reach_the_planes_config(tool):
+    from kvcompassd.launcher import build_cluster
+
+    args = tool.parse_args(["--score", "copy_weight=2", "--score", "occupancy_ms_per_running=1"])
+    assert args.score == [("copy_weight", 2.0), ("occupancy_ms_per_running", 1.0)]
+    cfg = build_cluster(tool.deployment_spec(args, 8192))
+    assert cfg.score.copy_weight == 2.0 and cfg.score.occupancy_ms_per_running == 1.0
+    assert build_cluster(tool.deployment_spec(tool.parse_args([]), 8192)).score.copy_weight == 0.0
+    for bad in ("copy_weight", "=5", "copy_weight=heavy"):
+        with pytest.raises(SystemExit):
+            tool.parse_args(["--score", bad])
+
+
 def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     """The whole plane against direct with tiny windows: every request served and attributed,
     the edge's, agents' and maintenance unit's CPU measured, the plane gone during direct."""

@@ -299,12 +299,18 @@ async def closed_loop(session: aiohttp.ClientSession, urls: list[str], concurren
 # -- the run -----------------------------------------------------------------------------------
 
 
+def deployment_spec(args, vram_tokens: int) -> DeploymentSpec:
+    """The kvcompassd arm's fleet: one region of emulated workers, one shard, no WAN, with the
+    ``--sync`` and ``--score`` settings."""
+    return DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
+                          max_running=args.max_running, vram_kv_tokens=vram_tokens, dram_kv_tokens=0,
+                          sync=dict(args.sync), score=dict(args.score))
+
+
 class Bench:
     def __init__(self, args, session: aiohttp.ClientSession, mode: str, time_scale: float, vram_tokens: int):
         self.args, self.session, self.mode = args, session, mode
-        spec = DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
-                              max_running=args.max_running, vram_kv_tokens=vram_tokens, dram_kv_tokens=0,
-                              sync=dict(args.sync))
+        spec = deployment_spec(args, vram_tokens)
         self.workdir = Path(tempfile.mkdtemp(prefix="kvbench-gateway-"))
         self.seeds = {f"us-{i}": i + 1 for i in range(args.workers)}
         node_args = {f"emulate-worker:{w}": ("--seed", str(seed)) for w, seed in self.seeds.items()}
@@ -583,7 +589,8 @@ async def main_async(args) -> None:
     if "service" in args.modes:
         plans += [("service", 1.0, v) for v in args.service_vram_tokens]
     print(f"bench_gateway: arms {', '.join(args.routers)}; concurrency {args.concurrency}; {os.cpu_count()} cores; "
-          f"load average {load_average()}" + (f"; kvcompassd [sync] {dict(args.sync)}" if args.sync else ""), flush=True)
+          f"load average {load_average()}" + (f"; kvcompassd [sync] {dict(args.sync)}" if args.sync else "")
+          + (f"; kvcompassd [score] {dict(args.score)}" if args.score else ""), flush=True)
     out: list[str] = []
     everything: dict[str, dict] = {}
     connector = aiohttp.TCPConnector(limit=0)
@@ -605,16 +612,21 @@ async def main_async(args) -> None:
         Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
 
 
-def sync_setting(text: str) -> tuple[str, float]:
-    """``--sync NAME=NUMBER``: one numeric ``[sync]`` setting of the kvcompassd plane."""
-    name, sep, value = text.partition("=")
-    try:
-        number = float(value)
-    except ValueError:
-        number = None
-    if not sep or not name or number is None:
-        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (a [sync] setting), got {text!r}")
-    return name, number
+def _setting(table: str):
+    """``--TABLE NAME=NUMBER``: one numeric ``[TABLE]`` setting of the kvcompassd plane."""
+    def parse(text: str) -> tuple[str, float]:
+        name, sep, value = text.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or not name or number is None:
+            raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (a [{table}] setting), got {text!r}")
+        return name, number
+    return parse
+
+
+sync_setting, score_setting = _setting("sync"), _setting("score")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -651,6 +663,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --profile-edge: the agents and maintenance units too (DIR/<mode>-<role>-<id>.prof)")
     p.add_argument("--sync", type=sync_setting, action="append", default=[], metavar="NAME=NUMBER",
                    help="a [sync] setting of the kvcompassd plane (repeatable), e.g. report_delay_ms=50")
+    p.add_argument("--score", type=score_setting, action="append", default=[], metavar="NAME=NUMBER",
+                   help="a [score] setting of the kvcompassd plane (repeatable), e.g. copy_weight=2")
     p.add_argument("--json", help="also write the results here (mode -> arm -> figures)")
     p.add_argument("--quick", action="store_true", help="zero-delay only, 1 s windows (~2 minutes)")
     args = p.parse_args(argv)
