@@ -14,6 +14,11 @@ The per-worker constants (WAN, beta) are precomputed in config worker order. Whe
 have the dtypes the Router produces (int64 matches, uint8 tiers, float64 queue and belief, bool
 eligibility), one decision is one C loop (``lookup_plan.ScoreKernel``: the same operations in the
 same order, bit-identical); otherwise, or with ``native=False``, a dozen numpy operations.
+
+With ``score.copy_weight`` set, the Router adds a charge for the copy a non-holder would make
+to the decided scores, where the winner is not a top holder (``Router._charge_copy``;
+``ScoreResult.copies``, ``ScoreTerms.copy_ms``); with it at 0 (the default) the score is the
+paper's.
 """
 
 from __future__ import annotations
