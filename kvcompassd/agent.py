@@ -83,6 +83,7 @@ from kvcompassd.wire import (
     TokenizationRequested,
     WorkerLoadReported,
     WorkerRegistered,
+    WorkerPinnedReported,
     WorkerRoomReported,
     WorkerWithdrawn,
     encode,
@@ -414,12 +415,18 @@ class AgentNode:
                                                 resumed=resumed)
                     # When its VRAM frees up, where the engine says (a long prompt waits for room).
                     room = None if load.room_steps is None else WorkerRoomReported(self.worker.id, load.room_steps)
+                    # An engine that gives no room steps but its KV pool's use (a real SGLang):
+                    # the share its requests hold, which prices a copy there (score.copy_weight).
+                    pinned = (WorkerPinnedReported(self.worker.id, load.pinned_share)
+                              if room is None and load.pinned_share is not None else None)
                     for peer in self._edge_peers.values():
                         if peer.is_connected:
                             try:
                                 peer.send_datagram(report)
                                 if room is not None:
                                     peer.send_datagram(room)
+                                if pinned is not None:
+                                    peer.send_datagram(pinned)
                             except TransportError:
                                 pass
             await self._sleep_until_next_reading()

@@ -57,6 +57,7 @@ from kvcompassd.wire import (
     UpdateBatchPublished,
     ViewCopyRequested,
     WorkerLoadReported,
+    WorkerPinnedReported,
     WorkerRoomReported,
     encode,
 )
@@ -506,6 +507,12 @@ class EdgeNode:
             return
         self.router.queues.set_room(msg.worker, msg.steps, now=self.clock())
 
+    def _pinned(self, peer: Peer, msg: WorkerPinnedReported, channel: ChannelInfo) -> None:
+        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
+            self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's pinned share")
+            return
+        self.router.queues.set_pinned(msg.worker, msg.share)
+
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
         if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
             self._refuse(peer, msg, f"agent {peer.identity.node_id} may note only its own worker's piggybacks")
@@ -614,6 +621,7 @@ class EdgeNode:
         SnapshotChunkSent: _snapshot,
         WorkerLoadReported: _load,
         WorkerRoomReported: _room,
+        WorkerPinnedReported: _pinned,
         PiggybackSent: _piggyback_sent,
         QueueVectorBroadcast: _broadcast,
         RoomVectorBroadcast: _room_broadcast,

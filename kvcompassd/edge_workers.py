@@ -46,7 +46,7 @@ frames a process makes in one pass of its event loop go back to back in one data
 ``FrameBatch``):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
 ``["piggyback", to_region, now]``, ``["room", worker, [[ms, free tokens]...], now]``,
-``["room_vector", wire bytes, now]``, ``["withheld", [worker index...], checked]``,
+``["room_vector", wire bytes, now]``, ``["pinned", worker, share]``, ``["withheld", [worker index...], checked]``,
 ``["back", worker, reason]``, ``["decode_load", worker, running, waiting]`` (a decode worker's
 reading, for the decode chooser of a prefill-decode fleet), ``["metrics", asked, last, text bytes]``
 (one chunk of the edge's metrics); front door -> process 0: ``["ready", pid]``,
@@ -255,8 +255,12 @@ class _QueueFanout:
         self._queues.set_room(worker_id, steps, now=now)  # raises on bad steps: not copied
         self._fanout.send("room", worker_id, [[float(ms), int(free)] for ms, free in steps], now)
 
+    def set_pinned(self, worker_id: str, share: float) -> None:
+        self._queues.set_pinned(worker_id, share)  # raises on a bad share: not copied
+        self._fanout.send("pinned", worker_id, float(share))
 
-QUEUE_FRAMES = frozenset({"load", "vector", "piggyback", "room", "room_vector"})
+
+QUEUE_FRAMES = frozenset({"load", "vector", "piggyback", "room", "room_vector", "pinned"})
 CHARGE_FRAMES = frozenset({"charge", "first_token", "retired"})
 LEDGER_FRAMES = frozenset({"credit", "ready", "refute", "drop", "forget"})
 # Other processes' dispatches whose charge this process holds (one per request in flight at
@@ -453,6 +457,9 @@ def apply_queue_frame(queues: Any, frame: list, *, now: float) -> None:
         if not isinstance(msg, RoomVectorBroadcast):
             raise ValueError(f"not a room vector: {type(msg).__name__}")
         queues.on_room_broadcast(msg, now=min(frame[2], now))
+    elif kind == "pinned":
+        _, worker, share = frame
+        queues.set_pinned(worker, share)
     else:
         raise ValueError(f"not a queue frame: {kind!r}")
 

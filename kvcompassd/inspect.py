@@ -129,7 +129,10 @@ def _queues(edge, args) -> dict:
                          # when VRAM frees up, [ms from now, free KV tokens] (None: nothing pinned
                          # or not reported; own region: its agents, others: their edges' broadcasts)
                          "room": None if (room := q.room(i, now=now)) is None
-                         else [[round(ms, 3), free] for ms, free in room]}
+                         else [[round(ms, 3), free] for ms, free in room],
+                         # the share of its VRAM its requests pin (from room, else as its engine
+                         # said: a real SGLang's load report), which prices a copy there
+                         "pinned_share": round(q.pinned_share(i, now=now), 4)}
                         for i, w in enumerate(edge.layout.worker_ids)],
             # Per remote region, the selection correction queue_ms includes (QueueEstimates docstring).
             "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()},

@@ -67,6 +67,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     ViewCopyRequested,
     WireMessage,
     WorkerLoadReported,
+    WorkerPinnedReported,
     WorkerRegistered,
     WorkerRoomReported,
     WorkerWithdrawn,
@@ -437,6 +438,7 @@ Message = (
     | RequestRejected
     | WorkerLoadReported
     | WorkerRoomReported
+    | WorkerPinnedReported
     | PiggybackSent
     | ErrorReported
     | AdminQueried
@@ -500,6 +502,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(44, PiggybackSent, 1 * KiB),
         _spec(45, RequestRejected, 16 * KiB),
         _spec(46, WorkerRoomReported, 64 * KiB),  # added within version 2, as tag 17
+        _spec(47, WorkerPinnedReported, 1 * KiB),  # added within version 3
         _spec(50, ErrorReported, 16 * KiB),
         _spec(60, AdminQueried, 1 * MiB),
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
@@ -541,6 +544,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     RequestRejected: frozenset({Role.AGENT}),
     WorkerLoadReported: frozenset({Role.AGENT}),
     WorkerRoomReported: frozenset({Role.AGENT}),
+    WorkerPinnedReported: frozenset({Role.AGENT}),
     PiggybackSent: frozenset({Role.AGENT}),
     ErrorReported: frozenset(Role),
     AdminQueried: frozenset({Role.ADMIN}),

@@ -331,3 +331,58 @@ async def test_a_forwarded_request_goes_back_with_the_engines_own_time_for_it(cl
     done = stream.sent[-1]
     assert type(done) is ResponseCompleted and done.completion_tokens == 2
     assert 0.0 < done.worker_latency_s < GUARD_S
+
+
+class _RecordingEdge:
+    """An edge peer of the agent, as the datagrams sent to it."""
+
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.datagrams: list = []
+
+    def send_datagram(self, message) -> None:
+        self.datagrams.append(message)
+
+
+async def test_an_sglang_engines_kv_pool_use_goes_to_the_edges_with_its_load_report(cluster):
+    """SGLang's /v1/loads gives no room steps but the KV its requests hold (num_used_tokens over
+    max_total_num_tokens): the agent sends that share after its load report
+    (WorkerPinnedReported); an engine that gives room steps sends those instead."""
+    from kvcompassd.wire import WorkerLoadReported, WorkerPinnedReported, WorkerRoomReported
+
+    cfg, tls = cluster
+    worker_id = cfg.workers[0].id
+    entry = {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0,
+             "num_used_tokens": 3_000, "num_total_tokens": 3_000, "max_total_num_tokens": 12_000}
+    shapes = {"sglang": {"loads": [entry]},
+              "emulated": {"loads": [{**entry, "room_steps": [[0.0, 9_000], [40.0, 12_000]]}]}}
+    for shape, body in shapes.items():
+        async def loads(request, body=body):
+            return web.json_response(body)
+
+        runner, url = await serve({"/v1/loads": loads})
+        agent = AgentNode(cfg, cfg.workers[0], tls, load_interval=0.01)
+        edge = _RecordingEdge()
+        agent._edge_peers["edge-us"] = edge
+        try:
+            async with WorkerConnections() as http:
+                agent.engine = EngineClient(url, http)
+                task = asyncio.create_task(agent._load_loop())
+                try:
+                    async with asyncio.timeout(GUARD_S):
+                        while len(edge.datagrams) < 2:
+                            await asyncio.sleep(0.01)
+                finally:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+        finally:
+            await runner.cleanup()
+            await agent.node.close()
+        report, extra = edge.datagrams[:2]
+        assert report == WorkerLoadReported(worker_id, 0.0, 2, 0)
+        if shape == "sglang":
+            assert extra == WorkerPinnedReported(worker_id, 0.25)
+        else:
+            assert extra == WorkerRoomReported(worker_id, ((0.0, 9_000), (40.0, 12_000)))
+            assert not any(isinstance(m, WorkerPinnedReported) for m in edge.datagrams)

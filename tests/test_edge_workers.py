@@ -50,6 +50,9 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
     edge.note_piggyback_sent("eu", now=0.8)
     edge.set_room(us[2], ((0.0, 4_000), (700.0, 98_304)), now=0.85)
     edge.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.4, ((eu[1], ((0.0, 10), (300.0, 98_304))),)), now=0.86)
+    edge.set_pinned(us[1], 0.6)
+    with pytest.raises(ValueError):  # another region's worker: refused by the edge, not copied
+        edge.set_pinned(eu[0], 0.6)
     theirs.setblocking(False)
     with pytest.raises(BlockingIOError):  # made in this pass of the loop: sent at its end
         theirs.recv(65536)
@@ -62,7 +65,7 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
             break
     assert len(datagrams) == 1  # one datagram for the pass's frames
     frames = [frame for frame, _ in unpack_frames(datagrams[0])]
-    assert [f[0] for f in frames] == ["load", "vector", "piggyback", "room", "room_vector"]
+    assert [f[0] for f in frames] == ["load", "vector", "piggyback", "room", "room_vector", "pinned"]
     for frame in frames:
         apply_queue_frame(door, frame, now=0.9)
     for now in (0.9, 1.5, 4.0):
@@ -73,6 +76,8 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
         == pytest.approx(600.0)
     eu1 = TESTBED.worker_ids().index(eu[1])
     assert door.room_workers == edge.room_workers and door.room(eu1, now=0.9) == edge.room(eu1, now=0.9)
+    pinned_worker = TESTBED.worker_ids().index(us[1])
+    assert door.pinned_workers == edge.pinned_workers and door.pinned_share(pinned_worker, now=0.9) == 0.6
     with pytest.raises(ValueError):
         apply_queue_frame(door, ["withheld", [], True], now=1.0)
     theirs.close()

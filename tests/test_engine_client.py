@@ -395,3 +395,23 @@ async def test_sglangs_closing_chunk_gives_the_engines_own_time():
         async with asyncio.timeout(GUARD_S):
             items = [item async for item in engine.generate([1, 2, 3], {"max_new_tokens": 2}, stream=True)]
     assert items[-1].worker_latency_s == 0.04531502723693848 and items[-1].completion_tokens == 2
+
+
+def test_the_share_of_its_kv_pool_sglang_says_its_requests_hold_is_read_from_its_loads():
+    # SGLang's /v1/loads (entrypoints/v1_loads.py, io_struct.GetLoadsReqOutput): per data-parallel
+    # rank, num_used_tokens (the KV its requests hold, not the evictable cache) and
+    # max_total_num_tokens (the pool); summed over the ranks.
+    body = {"timestamp": "2026-12-06T12:00:00+00:00", "version": "0.5.6", "dp_rank_count": 2,
+            "loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 0, "num_used_tokens": 60_000,
+                       "num_total_tokens": 60_000, "max_total_num_tokens": 100_000, "token_usage": 0.6},
+                      {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 2, "num_used_tokens": 20_000,
+                       "num_total_tokens": 90_000, "max_total_num_tokens": 100_000, "token_usage": 0.2}],
+            "aggregate": {"total_running_reqs": 4}}
+    load = parse_loads(body, 0.1)
+    assert load.pinned_share == pytest.approx(0.4) and load.room_steps is None and load.running == 4
+    # A rank that does not say, or says something that is not a count: no share at all.
+    for bad in ({}, {"num_used_tokens": 5}, {"num_used_tokens": True, "max_total_num_tokens": 10},
+                {"num_used_tokens": -1, "max_total_num_tokens": 10}, {"num_used_tokens": 1.5, "max_total_num_tokens": 10}):
+        assert parse_loads({"loads": [body["loads"][0], {"num_running_reqs": 1, **bad}]}, 0.1).pinned_share is None
+    assert parse_loads({"num_used_tokens": 0, "max_total_num_tokens": 0}, 0.1).pinned_share is None
+    assert parse_loads({"num_used_tokens": 12, "max_total_num_tokens": 10}, 0.1).pinned_share == 1.0

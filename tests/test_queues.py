@@ -604,6 +604,23 @@ def test_the_pinned_share_is_the_vram_free_now_against_what_is_free_once_every_r
     assert q.pinned_share(us3, now=10.0) == 0.0
 
 
+def test_a_pinned_share_an_engine_reports_stands_where_it_gives_no_room_steps() -> None:
+    q = us_edge()
+    us2, us3 = CFG.worker_ids().index("us-2"), CFG.worker_ids().index("us-3")
+    q.set_pinned("us-2", 0.7)
+    assert q.pinned_share(us2, now=0.0) == 0.7 and q.pinned_workers == (us2,)
+    q.set_room("us-3", ((0.0, 8_000), (900.0, 80_000)), now=0.0)
+    assert q.pinned_workers == (us2, us3)
+    q.set_pinned("us-3", 0.2)  # room steps, where an engine gives them, win
+    assert q.pinned_share(us3, now=0.0) == pytest.approx(0.9)
+    q.set_pinned("us-2", 0.0)
+    assert q.pinned_share(us2, now=0.0) == 0.0 and q.pinned_workers == (us3,)
+    with pytest.raises(QueueEstimateError, match="region"):
+        q.set_pinned("eu-0", 0.5)
+    with pytest.raises(QueueEstimateError, match="within"):
+        q.set_pinned("us-2", 1.5)
+
+
 def test_an_edge_broadcasts_its_regions_room_and_the_others_read_it_one_way_ago() -> None:
     us, eu = us_edge(), QueueEstimates(CFG, "eu", now=0.0)
     us3 = CFG.worker_ids().index("us-3")

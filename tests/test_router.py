@@ -137,6 +137,22 @@ def test_the_copy_charge_is_what_the_best_holder_has_more_of_at_the_decisions_pr
     assert world(0.0)[1].decide(PROMPT, now=0.0).worker == "us-0"
 
 
+def test_a_pinned_share_an_sglang_worker_reports_prices_the_copy_as_room_steps_would():
+    # No room steps (a real SGLang's agent sends none), but half of each non-holder's KV pool
+    # held by its requests (WorkerPinnedReported): the same decisions as with half-pinned steps.
+    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0)
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    held = LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-1]
+    for holder_queue, kept in ((0.2 * held - 5.0, True), (0.2 * held + 5.0, False)):
+        router = Router(cfg, "us", view, now=0.0)
+        for w in ("us-0", "us-2"):
+            router.queues.set_pinned(w, 0.5)
+        router.queues.set_local("us-1", holder_queue, now=0.0)
+        d = router.decide(PROMPT, now=0.0)
+        assert (d.worker == "us-1") is kept
+    assert {t.worker: t.copy_ms for t in d.candidates}[d.worker] == pytest.approx(0.1 * held)
+
+
 def test_a_worker_with_no_room_steps_is_not_charged_for_a_copy():
     # Nothing pinned, or an engine whose load report has no room steps (a real SGLang's): the
     # cache's oldest entries make room, and the copy costs nothing more than its prefill.

@@ -50,6 +50,7 @@ from kvcompassd.wire import (
     SnapshotTransferStarted,
     UpdateBatchPublished,
     UpdatesSubscribed,
+    WorkerPinnedReported,
     WorkerRegistered,
     WorkerWithdrawn,
 )
@@ -527,6 +528,24 @@ async def test_an_edge_cannot_speak_for_another_regions_queues(dep):
                                                                                       "edge:edge-rogue"}
     queues = (await admin(dep, "edge-us", "queues"))["workers"]
     assert all(w["reported_ms"] < lie for w in queues)
+
+
+async def test_an_agent_may_report_only_its_own_workers_pinned_share(dep):
+    # us-0's agent claims that us-1's KV pool is all held (so that copies to us-1 look dear).
+    refused = await _refused(dep, "us", "WorkerPinnedReported")
+    agent = await probe(dep, "us-0", dep.cfg.edges_in("us")[0].quic)
+    try:
+        await agent.send(WorkerPinnedReported("us-1", 1.0))
+
+        async def refused_once():
+            return await _refused(dep, "us", "WorkerPinnedReported") == refused + 1
+
+        await eventually(refused_once, timeout=REPLY_TIMEOUT)
+        assert agent.peer.is_connected
+    finally:
+        await agent.close()
+    queues = {w["worker"]: w for w in (await admin(dep, "edge-us", "queues"))["workers"]}
+    assert queues["us-1"]["pinned_share"] < 1.0
 
 
 async def test_an_agent_takes_its_regions_queue_vector_only_from_its_regions_edges(dep):

@@ -422,6 +422,17 @@ def test_check_sender_enforces_roles():
         check_sender(role, ErrorReported("malformed", ""))
 
 
+def test_a_pinned_share_is_a_number_within_zero_and_one_that_only_an_agent_sends():
+    assert decode(encode(wire.WorkerPinnedReported("us-0", 0.25))).share == 0.25
+    for share in (-0.1, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(wire.MessageError):
+            wire.WorkerPinnedReported("us-0", share)
+    check_sender(Role.AGENT, wire.WorkerPinnedReported("us-0", 0.25))
+    for role in (Role.EDGE, Role.MAINTENANCE):
+        with pytest.raises(WireForbidden):
+            check_sender(role, wire.WorkerPinnedReported("us-0", 0.25))
+
+
 def test_room_steps_that_go_back_are_refused():
     assert decode(encode(wire.WorkerRoomReported("us-0", ((0.0, 10), (5.0, 90))))).steps == ((0.0, 10), (5.0, 90))
     for steps in (((0.0, 90), (5.0, 10)), ((5.0, 10), (1.0, 90))):

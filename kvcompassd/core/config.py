@@ -466,7 +466,8 @@ class ScoreParams:
     # difference into that worker's cache, and a full cache makes room by evicting as much of
     # what it held, which that worker's own groups may then recompute. The score charges such a
     # worker the copy once more at the prefill's price, times this weight and the share of its
-    # VRAM its requests pin (room steps; a worker that reports none is not charged): weight x
+    # VRAM its requests pin (room steps, else its engine's load report: SGLang's num_used_tokens
+    # over max_total_num_tokens): weight x
     # pinned x (1 + lambda) x beta x (best holder's effective match - its own). 0 = off, the
     # paper's score. Under cache pressure 2 kept each prefix group on its holder (4 emulated
     # workers, 8,192 tokens of VRAM each, c = 64: 71.9 / 70.2 req/s and reuse 0.99 / 0.97

@@ -30,7 +30,7 @@ __all__ = [
     "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "RoomVectorBroadcast", "check_room_steps", "ShardPositionAnnounced",
     "ShardSnapshotSent",
     "SnapshotChunkSent", "SnapshotResumeRequested", "SnapshotTransferStarted", "Text", "UpdateBatchPublished",
-    "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerRegistered", "WorkerRoomReported",
+    "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerPinnedReported", "WorkerRegistered", "WorkerRoomReported",
     "WorkerWithdrawn",
 ]
 
@@ -193,6 +193,7 @@ EPOCH = Int(0, U64_MAX)
 SEQ = Int(-1, I64_MAX)  # -1 = "nothing yet"
 COUNT = Int(0, U32_MAX)
 MILLIS = Float(0.0, 1e9)
+SHARE = Float(0.0, 1.0)
 TABLE_GROUP_MAX: Final = 65535  # a region group's number in a batch or snapshot
 TABLES = Pairs(Int(0, TABLE_GROUP_MAX), Blob(MAX_FRAME_BYTES), 4096)
 # A whole snapshot in memory (the simulator moves it as is; daemons stream it in chunks, and it
@@ -591,3 +592,16 @@ class WorkerRoomReported(WireMessage):
 
     def _check(self) -> None:
         check_room_steps(self.steps, "WorkerRoomReported.steps")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPinnedReported(WireMessage):
+    """agent -> edge, after a load report, for an engine that says how much of its KV pool its
+    requests hold but not when they end, so sends no room steps (a real SGLang: its
+    ``/v1/loads`` ``num_used_tokens`` over ``max_total_num_tokens``): that ``share``. The edge
+    prices a copy into the worker's cache by it (``score.copy_weight``). A new tag within
+    version 3: an edge without it answers "malformed" and carries on."""
+
+    worker: str
+    share: float
+    WIRE: ClassVar = {"worker": ID, "share": SHARE}

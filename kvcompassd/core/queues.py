@@ -196,6 +196,9 @@ class QueueEstimates:
         self._room_floor_of: dict[str, int] = {}  # region -> fewest free tokens of its listed workers
         self._room_floor: float | None = math.inf
         self._room_workers: tuple[int, ...] | None = ()
+        # Own-region workers whose engine gives no room steps but the share of its KV pool its
+        # requests hold (set_pinned: a real SGLang's load report); index -> share, > 0 only.
+        self._pinned: dict[int, float] = {}
         self._one_way_s = {r: cfg.one_way_ms(region, r) / 1000.0 for r in self._remote_regions}
         self._last_room_from = {r: -math.inf for r in self._remote_regions}  # sender's clock
         self._rooms_sent_to: dict[str, bool] = {r: False for r in self._remote_regions}  # the last one listed some
@@ -508,13 +511,35 @@ class QueueEstimates:
             floor = self._room_floor = min(self._room_floor_of.values(), default=math.inf)
         return floor
 
+    def set_pinned(self, worker_id: str, share: float) -> None:
+        """An own-region worker's engine holds ``share`` of its KV pool for its requests (an
+        engine that gives no room steps: a real SGLang's ``num_used_tokens`` over
+        ``max_total_num_tokens``)."""
+        i = self._worker_index(worker_id, QueueEstimateError)
+        if self._region_of[worker_id] != self.region:
+            raise QueueEstimateError(f"worker {worker_id!r} is not in this edge's region {self.region!r}")
+        if not (0.0 <= share <= 1.0):
+            raise QueueEstimateError(f"worker {worker_id!r}: a pinned share must be within [0, 1], got {share!r}")
+        if share > 0.0:
+            self._pinned[i] = float(share)
+        else:
+            self._pinned.pop(i, None)
+
+    @property
+    def pinned_workers(self) -> tuple[int, ...]:
+        """The workers whose VRAM something pins, by their room steps or a reported share."""
+        if not self._pinned:
+            return self.room_workers
+        return tuple(sorted(set(self.room_workers).union(self._pinned)))
+
     def pinned_share(self, i: int, *, now: float) -> float:
         """The share of worker ``i``'s VRAM its requests pin as of ``now``, from its room steps
-        (the free tokens now against those once every request it holds has finished); 0 when it
-        reported none (nothing pinned, or room enough for any prompt)."""
+        (the free tokens now against those once every request it holds has finished), else the
+        share its engine reported (``set_pinned``); 0 when it reported neither (nothing pinned,
+        or room enough for any prompt)."""
         steps = self.room(i, now=now)
         if not steps:
-            return 0.0
+            return self._pinned.get(i, 0.0)
         capacity = steps[-1][1]
         if capacity <= 0:
             return 1.0

@@ -325,8 +325,9 @@ class Router:
         stands for how likely the eviction is to hit a prefix still in use: with most of VRAM
         free the cache's oldest entries go first, and those are the cold ones (ungated, the
         charge concentrated groups on 16,384-token emulated workers at c = 16: P99 619 / 700 ms
-        against 506 / 531). A worker that reports no room steps (a real SGLang's load report
-        has none) is not charged. The scores are the decision's own plus the charges, so
+        against 506 / 531). A real SGLang reports no room steps but the KV its requests hold
+        (``WorkerPinnedReported``); a remote worker's share comes only from its room steps in
+        its edge's broadcasts, so a remote SGLang worker is not charged. The scores are the decision's own plus the charges, so
         lambda and every other term stay as scored."""
         if result.copies is not None:
             return None
@@ -336,7 +337,7 @@ class Router:
         if effective.item(chosen) >= effective.max():
             return None  # (most decisions: the winner holds the most; the scores are not read)
         queues = self.queues
-        listed = queues.room_workers
+        listed = queues.pinned_workers
         if not listed:
             return None
         scores = result.scores

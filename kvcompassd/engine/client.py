@@ -52,6 +52,10 @@ class EngineLoad:
     # When VRAM frees up, (ms from the reading, free KV tokens from then on), where the engine
     # says (the emulator's ``room_steps``); None where it does not (a real SGLang).
     room_steps: tuple[tuple[float, int], ...] | None = None
+    # The share of its KV pool the engine's requests hold, where it says so (SGLang's
+    # ``num_used_tokens`` over ``max_total_num_tokens``, summed over its data-parallel ranks);
+    # None where it does not.
+    pinned_share: float | None = None
 
 
 class EngineError(Exception):
@@ -278,14 +282,21 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     (``core/rates.py``), exact when that end freed the room, and otherwise may take the wait
     for prefill."""
     entries = data.get("loads") if isinstance(data, dict) and isinstance(data.get("loads"), list) else [data]
-    running = waiting = pending = 0
+    running = waiting = pending = used = pool = 0
     explicit = None
+    sized = True  # every entry says how much of its pool is in use
     for e in entries:
         if not isinstance(e, dict):
             raise EngineError("unexpected /v1/loads entry")
         running += int(e.get("num_running_reqs", 0) or 0)
         waiting += int(e.get("num_waiting_reqs", e.get("num_queue_reqs", 0)) or 0)
         pending += int(e.get("num_waiting_uncached_tokens", e.get("num_pending_tokens", 0)) or 0)
+        in_use, size = e.get("num_used_tokens"), e.get("max_total_num_tokens")
+        if _count(in_use) and _count(size):
+            used += in_use
+            pool += size
+        else:
+            sized = False
         if e.get("estimated_queue_ms") is not None:
             explicit = max(explicit or 0.0, float(e["estimated_queue_ms"]))
     queue_ms = explicit if explicit is not None else pending * prefill_ms_per_token
@@ -295,7 +306,14 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
             room = check_room_steps(entries[0]["room_steps"], "/v1/loads room_steps")
         except MessageError as exc:
             raise EngineError(f"unexpected {exc}") from None
-    return EngineLoad(running, waiting, pending, max(0.0, queue_ms), room)
+    share = min(1.0, used / pool) if sized and pool > 0 else None
+    return EngineLoad(running, waiting, pending, max(0.0, queue_ms), room, share)
+
+
+def _count(value) -> bool:
+    """A token count as an engine reports it: a non-negative int (not a bool), within a
+    sane bound."""
+    return type(value) is int and 0 <= value < 1 << 48
 
 
 def _raise_if_aborted(meta) -> None:
