@@ -310,6 +310,13 @@ class Router:
         return self._conclude(found.prompt_len, found.matched, found.tier, found.family_key, result,
                               self._rotate_ties(result), belief, now, None, keys, shown)
 
+    def _copy_may_move(self, chosen: int, now: float) -> bool:
+        """Whether a copy charge could move this decision: only one on the winner can (every
+        other score only rises), and a worker whose VRAM nothing pins is charged nothing. The
+        cheap test first, so that a decision nothing pins reads no arrays."""
+        queues = self.queues
+        return bool(queues.pinned_workers) and queues.pinned_share(chosen, now=now) > 0.0
+
     def _charge_copy(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, result: ScoreResult, chosen: int,
                      belief: np.ndarray, now: float) -> tuple[ScoreResult, int] | None:
         """The decision with the copy charge (``score.copy_weight``) added to every score, when
@@ -384,7 +391,7 @@ class Router:
         ``_KERNEL_KEYS``: the fused call's, not sliced yet) and
         ``shown`` the view's matches when the ledger raised some (None when it did not).
         """
-        if self._copy_weight:
+        if self._copy_weight and self._copy_may_move(chosen, now):
             charged = self._charge_copy(prompt_len, matched, tier, result, chosen, belief, now)
             if charged is not None:
                 result, chosen = charged
@@ -429,7 +436,7 @@ class Router:
         ``claimed`` match and tier ``code`` come from the C call, its queue from the output
         buffer, and the match and tier arrays are made only for the hot-prefix detector's
         observation. The same steps, in the same order, with the same values."""
-        if self._copy_weight:
+        if self._copy_weight and self._copy_may_move(chosen, now):
             matched, tier = arrays.matched(), arrays.tier()
             charged = self._charge_copy(prompt_len, matched, tier, result, chosen, belief, now)
             if charged is not None:
