@@ -76,6 +76,9 @@ def test_sighup_rotates_the_certificate_for_new_inbound_and_outbound_connections
     def peer_up_from_edge(node_id: str) -> list[dict]:
         return [r for r in log_events(procs[node_id][1], "peer_up") if r["peer"] == "edge:edge-us"]
 
+    def edge_peer_up(node_id: str) -> list[dict]:
+        return [r for r in log_events(procs["edge-us"][1], "peer_up") if r["peer"] == f"maintenance:{node_id}"]
+
     async def scenario() -> None:
         edge_address = split_address(cfg.edges[0].quic, "edge")
         admin = QuicNode(NodeIdentity(Role.ADMIN, "admin"), tls_files(tls, "admin"), on_message=lambda *a: None)
@@ -89,6 +92,10 @@ def test_sighup_rotates_the_certificate_for_new_inbound_and_outbound_connections
             assert (await admin_status(established))["mode"] == "edge"
             await eventually(lambda: _async(peer_up_from_edge("mnt-0")))
             assert peer_up_from_edge("mnt-0")[0]["certificate_serial"] == f"{old_serial:x}"
+            # ... and up at the edge's end too: the server side completes the handshake first, and
+            # a dial still in flight at the reload is redone with the new certificate (below), so
+            # a reload between the two ends would make a second connection to mnt-0.
+            await eventually(lambda: _async(edge_peer_up("mnt-0")))
 
             certs.issue(tls, tls, role=Role.EDGE, node_id="edge-us")  # rotation: same id, new key
             new_serial = certs.load_certificate(tls / "edge-us.pem").serial_number
