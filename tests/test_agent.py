@@ -348,15 +348,16 @@ class _RecordingEdge:
 async def test_an_sglang_engines_kv_pool_use_goes_to_the_edges_with_its_load_report(cluster):
     """SGLang's /v1/loads gives no room steps but the KV its requests hold (num_used_tokens over
     max_total_num_tokens): the agent sends that share after its load report
-    (WorkerPinnedReported); an engine that gives room steps sends those instead."""
+    (WorkerPinnedReported); an engine that gives room steps sends those instead. The SGLang
+    answer is what SGLang 0.5.23's own handler built (tests/data/engine_loads)."""
     from kvcompassd.wire import WorkerLoadReported, WorkerPinnedReported, WorkerRoomReported
 
     cfg, tls = cluster
     worker_id = cfg.workers[0].id
+    sglang = json.loads((Path(__file__).parent / "data" / "engine_loads" / "sglang-two-ranks.json").read_bytes())
     entry = {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0,
              "num_used_tokens": 3_000, "num_total_tokens": 3_000, "max_total_num_tokens": 12_000}
-    shapes = {"sglang": {"loads": [entry]},
-              "emulated": {"loads": [{**entry, "room_steps": [[0.0, 9_000], [40.0, 12_000]]}]}}
+    shapes = {"sglang": sglang, "emulated": {"loads": [{**entry, "room_steps": [[0.0, 9_000], [40.0, 12_000]]}]}}
     for shape, body in shapes.items():
         async def loads(request, body=body):
             return web.json_response(body)
@@ -380,9 +381,10 @@ async def test_an_sglang_engines_kv_pool_use_goes_to_the_edges_with_its_load_rep
             await runner.cleanup()
             await agent.node.close()
         report, extra = edge.datagrams[:2]
-        assert report == WorkerLoadReported(worker_id, 0.0, 2, 0)
-        if shape == "sglang":
-            assert extra == WorkerPinnedReported(worker_id, 0.25)
+        if shape == "sglang":  # two ranks: 4 running, 2 waiting with 9,000 uncached tokens; 80,000 of 200,000 held
+            assert report == WorkerLoadReported(worker_id, 9_000 * cfg.workers[0].prefill_ms_per_token, 4, 2)
+            assert extra == WorkerPinnedReported(worker_id, 0.4)
         else:
+            assert report == WorkerLoadReported(worker_id, 0.0, 2, 0)
             assert extra == WorkerRoomReported(worker_id, ((0.0, 9_000), (40.0, 12_000)))
             assert not any(isinstance(m, WorkerPinnedReported) for m in edge.datagrams)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -27,6 +28,7 @@ from kvcompassd.engine.client import (
 )
 
 GUARD_S = 30.0  # hang guard only
+ENGINE_LOADS = Path(__file__).parent / "data" / "engine_loads"  # SGLang's own /v1/loads answers
 
 
 def settings(**overrides) -> EmulatorSettings:
@@ -398,17 +400,14 @@ async def test_sglangs_closing_chunk_gives_the_engines_own_time():
 
 
 def test_the_share_of_its_kv_pool_sglang_says_its_requests_hold_is_read_from_its_loads():
-    # SGLang's /v1/loads (entrypoints/v1_loads.py, io_struct.GetLoadsReqOutput): per data-parallel
-    # rank, num_used_tokens (the KV its requests hold, not the evictable cache) and
+    # What SGLang 0.5.23's own /v1/loads handler answered (tests/data/engine_loads): per
+    # data-parallel rank, num_used_tokens (the KV its requests hold, not the evictable cache) and
     # max_total_num_tokens (the pool); summed over the ranks.
-    body = {"timestamp": "2026-12-06T12:00:00+00:00", "version": "0.5.6", "dp_rank_count": 2,
-            "loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 0, "num_used_tokens": 60_000,
-                       "num_total_tokens": 60_000, "max_total_num_tokens": 100_000, "token_usage": 0.6},
-                      {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 2, "num_used_tokens": 20_000,
-                       "num_total_tokens": 90_000, "max_total_num_tokens": 100_000, "token_usage": 0.2}],
-            "aggregate": {"total_running_reqs": 4}}
+    body = json.loads((ENGINE_LOADS / "sglang-two-ranks.json").read_bytes())
     load = parse_loads(body, 0.1)
     assert load.pinned_share == pytest.approx(0.4) and load.room_steps is None and load.running == 4
+    idle = parse_loads(json.loads((ENGINE_LOADS / "sglang-idle.json").read_bytes()), 0.1)
+    assert idle.pinned_share == 0.0 and idle.running == 0
     # A rank that does not say, or says something that is not a count: no share at all.
     for bad in ({}, {"num_used_tokens": 5}, {"num_used_tokens": True, "max_total_num_tokens": 10},
                 {"num_used_tokens": -1, "max_total_num_tokens": 10}, {"num_used_tokens": 1.5, "max_total_num_tokens": 10}):

@@ -40,7 +40,7 @@ import aiohttp  # noqa: E402
 import uvloop  # noqa: E402
 
 from bench_edge import Prompts, WhoServed, closed_loop, flush_caches  # noqa: E402
-from benchlib import Cluster, load_average, median, quiet_logs  # noqa: E402
+from benchlib import Cluster, load_average, median, quiet_logs, setting_parser  # noqa: E402
 
 from kvcompassd.core.config import dump_config  # noqa: E402
 from kvcompassd.launcher import DeploymentSpec  # noqa: E402
@@ -125,16 +125,6 @@ async def run(args) -> dict:
     return results
 
 
-def _score_field(text: str) -> tuple[str, float]:
-    field, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
-    try:
-        return field, float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{field}: not a number: {value!r}") from None
-
-
 def report(args, results: dict) -> None:
     print()
     print(f"prefix affinity through one edge: {args.workers} emulated workers at --time-scale {args.time_scale:g} "
@@ -176,7 +166,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--vram-tokens", type=int, default=65536)
     p.add_argument("--dram-tokens", type=int, default=0)
-    p.add_argument("--score", type=_score_field, nargs="*", default=[], metavar="FIELD=VALUE",
+    p.add_argument("--score", type=setting_parser("score"), nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override fields of the edge's [score] (e.g. learned_rate_bound=1 to keep the configured beta)")
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp  # noqa: E402
 import uvloop  # noqa: E402
 
-from benchlib import cpu_seconds, load_average, percentile, quiet_logs  # noqa: E402
+from benchlib import cpu_seconds, load_average, percentile, quiet_logs, setting_parser  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvcompassd.emulator.server import output_tokens  # noqa: E402
@@ -612,21 +612,7 @@ async def main_async(args) -> None:
         Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
 
 
-def _setting(table: str):
-    """``--TABLE NAME=NUMBER``: one numeric ``[TABLE]`` setting of the kvcompassd plane."""
-    def parse(text: str) -> tuple[str, float]:
-        name, sep, value = text.partition("=")
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if not sep or not name or number is None:
-            raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (a [{table}] setting), got {text!r}")
-        return name, number
-    return parse
-
-
-sync_setting, score_setting = _setting("sync"), _setting("score")
+sync_setting, score_setting = setting_parser("sync"), setting_parser("score")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

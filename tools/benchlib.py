@@ -4,6 +4,7 @@ instruction-counting tools. Not a library for the daemons."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -46,6 +47,21 @@ def callgrind_helper(directory: Path) -> ctypes.CDLL:
     helper = ctypes.CDLL(str(library))
     helper.kvc_bench_dump.argtypes = [ctypes.c_char_p]
     return helper
+
+
+def setting_parser(table: str):
+    """An argparse ``type`` for ``NAME=NUMBER``: one numeric setting of the plane's ``[table]``
+    (``--sync``, ``--score``)."""
+    def parse(text: str) -> tuple[str, float]:
+        name, sep, value = text.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or not name or number is None:
+            raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (a [{table}] setting), got {text!r}")
+        return name, number
+    return parse
 
 
 def quiet_logs() -> None:

@@ -467,9 +467,8 @@ class ScoreParams:
     # what it held, which that worker's own groups may then recompute. The score charges such a
     # worker the copy once more at the prefill's price, times this weight and the share of its
     # VRAM its requests pin (room steps, else its engine's load report: SGLang's num_used_tokens
-    # over max_total_num_tokens): weight x
-    # pinned x (1 + lambda) x beta x (best holder's effective match - its own). 0 = off, the
-    # paper's score. Under cache pressure 2 kept each prefix group on its holder (4 emulated
+    # over max_total_num_tokens): weight x pinned x (1 + lambda) x beta x (best holder's
+    # effective match - its own). 0 = off, the paper's score. Under cache pressure 2 kept each prefix group on its holder (4 emulated
     # workers, 8,192 tokens of VRAM each, c = 64: 71.9 / 70.2 req/s and reuse 0.99 / 0.97
     # against 64.5 / 65.2 and 0.94; README "A copy's price under cache pressure"); off by
     # default until the simulator's evaluation is rerun with it.

@@ -312,10 +312,9 @@ class Router:
 
     def _copy_may_move(self, chosen: int, now: float) -> bool:
         """Whether a copy charge could move this decision: only one on the winner can (every
-        other score only rises), and a worker whose VRAM nothing pins is charged nothing. The
-        cheap test first, so that a decision nothing pins reads no arrays."""
-        queues = self.queues
-        return bool(queues.pinned_workers) and queues.pinned_share(chosen, now=now) > 0.0
+        other score only rises), and a worker whose VRAM nothing pins is charged nothing: two
+        dictionary reads, so that a decision whose winner nothing pins reads no arrays."""
+        return self.queues.pinned_share(chosen, now=now) > 0.0
 
     def _charge_copy(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, result: ScoreResult, chosen: int,
                      belief: np.ndarray, now: float) -> tuple[ScoreResult, int] | None:
@@ -334,8 +333,9 @@ class Router:
         charge concentrated groups on 16,384-token emulated workers at c = 16: P99 619 / 700 ms
         against 506 / 531). A real SGLang reports no room steps but the KV its requests hold
         (``WorkerPinnedReported``); a remote worker's share comes only from its room steps in
-        its edge's broadcasts, so a remote SGLang worker is not charged. The scores are the decision's own plus the charges, so
-        lambda and every other term stay as scored."""
+        its edge's broadcasts, so a remote SGLang worker is not charged. The scores are the
+        decision's own plus the charges, so lambda and every other term stay as scored.
+        Called only where ``_copy_may_move``: the winner's VRAM is pinned."""
         if result.copies is not None:
             return None
         effective = np.minimum(belief * matched, float(prompt_len))
@@ -343,10 +343,6 @@ class Router:
             effective = np.where(self._local, effective, 0.0)
         if effective.item(chosen) >= effective.max():
             return None  # (most decisions: the winner holds the most; the scores are not read)
-        queues = self.queues
-        listed = queues.pinned_workers
-        if not listed:
-            return None
         scores = result.scores
         eligible = np.isfinite(scores)
         if not eligible.any():
@@ -354,8 +350,9 @@ class Router:
         short = float(effective[eligible].max()) - effective
         if short.item(chosen) <= 0.0:
             return None
+        queues = self.queues
         pinned = np.zeros(len(short))
-        for i in listed:
+        for i in queues.pinned_workers:
             pinned[i] = queues.pinned_share(i, now=now)
         copies = np.maximum(short, 0.0) * pinned * (self._copy_weight * (1.0 + result.lam)) * self.scorer.beta
         if not copies.any():

@@ -1,0 +1,109 @@
+"""Record what SGLang's own ``/v1/loads`` handler answers, for the agent's load-report tests.
+
+Loads ``load_snapshot.py`` (the per-rank ``LoadSnapshot`` and its ``to_dict``) and
+``v1_loads.py`` (the handler that builds the JSON body) straight out of SGLang's wheel; the
+modules they import for other work (device names, the parallel layout, shared memory, zmq) are
+replaced by the few names they use. The handler is called with a tokenizer manager that returns
+the snapshots below, as SGLang's scheduler publishes them, and its answer is written as the JSON
+bytes FastAPI would send (``fastapi.encoders.jsonable_encoder`` then ``json.dumps``):
+
+- ``sglang-two-ranks.json``: two data-parallel ranks under load (rank 0 holds 60,000 of its
+  100,000 KV tokens for 3 running requests, rank 1 20,000 for 1, with 2 waiting).
+- ``sglang-idle.json``: one idle rank (nothing held).
+
+    python -m venv /tmp/capvenv && /tmp/capvenv/bin/pip install msgspec fastapi
+    pip download --no-deps -d /tmp/wheels sglang==0.5.23
+    /tmp/capvenv/bin/python tools/capture_engine_loads.py --sglang-wheel /tmp/wheels/sglang-0.5.23-*.whl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "engine_loads"
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+    return module
+
+
+def _load(wheel: Path, inner: str, name: str, tmp: Path) -> types.ModuleType:
+    with zipfile.ZipFile(wheel) as z:
+        source = z.read(inner)
+    path = tmp / f"{name.replace('.', '_')}.py"
+    path.write_bytes(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_sglang(wheel: Path, tmp: Path) -> tuple[types.ModuleType, types.ModuleType, str]:
+    for package in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.managers", "sglang.srt.entrypoints"):
+        _module(package, __path__=[])
+    with zipfile.ZipFile(wheel) as z:
+        version = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")).split("-")[1].split(".dist")[0]
+    parallel = types.SimpleNamespace(tp_size=1, pp_size=1, attn_dp_enabled=False, num_dp_ranks=1)
+    _module("sglang.version", __version__=version)
+    _module("sglang.srt.environ", envs=types.SimpleNamespace())
+    _module("sglang.srt.runtime_context", get_parallel=lambda: parallel, get_serving=lambda: None)
+    _module("sglang.srt.utils", __path__=[], get_device_name=lambda: None)
+    _module("sglang.srt.utils.network", is_zmq_endpoint_ipv6=lambda *a: False, restrict_zmq_peers=lambda *a: None,
+            zmq_connect=lambda *a, **k: None)
+    snapshots = _load(wheel, "sglang/srt/managers/load_snapshot.py", "sglang.srt.managers.load_snapshot", tmp)
+    handler = _load(wheel, "sglang/srt/entrypoints/v1_loads.py", "sglang.srt.entrypoints.v1_loads", tmp)
+    return snapshots, handler, version
+
+
+def capture(snapshots: types.ModuleType, handler: types.ModuleType, loads: list[Any]) -> bytes:
+    from fastapi.encoders import jsonable_encoder
+
+    class TokenizerManager:  # what the handler asks of it: the scheduler's published snapshots
+        async def get_loads(self, include=None, dp_rank=None):
+            return loads
+
+    body = asyncio.run(handler.get_loads(dp_rank=None, include=None, format=None,
+                                         tokenizer_manager=TokenizerManager()))
+    return json.dumps(jsonable_encoder(body), indent=1).encode() + b"\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sglang-wheel", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        snapshots, handler, version = load_sglang(args.sglang_wheel, Path(tmp))
+        S = snapshots.LoadSnapshot
+        cases = {
+            "sglang-two-ranks.json": [
+                S(timestamp=1.0, dp_rank=0, num_running_reqs=3, num_waiting_reqs=0, num_used_tokens=60_000,
+                  num_total_tokens=60_000, num_active_tokens=60_000, max_total_num_tokens=100_000,
+                  max_running_requests=64, token_usage=0.6, utilization=3 / 64),
+                S(timestamp=1.0, dp_rank=1, num_running_reqs=1, num_waiting_reqs=2, num_waiting_uncached_tokens=9_000,
+                  num_used_tokens=20_000, num_total_tokens=29_000, num_active_tokens=29_000,
+                  max_total_num_tokens=100_000, max_running_requests=64, token_usage=0.2, utilization=1 / 64)],
+            "sglang-idle.json": [S(timestamp=1.0, dp_rank=0, max_total_num_tokens=100_000, max_running_requests=64)],
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name, loads in cases.items():
+            (args.out / name).write_bytes(capture(snapshots, handler, loads))
+            print(f"wrote {args.out / name} (SGLang {version})")
+
+
+if __name__ == "__main__":
+    main()
