@@ -34,18 +34,19 @@ A second capture with a buffer of 4 batches records a replay from 0 that cannot 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import socket
 import sys
 import tempfile
 import time
 import types
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wheel_modules import load_from_wheel, stub_module  # noqa: E402
 
 BLOCK = 16
 HASH_A, HASH_B, HASH_C = -8211977001010843013, 4_242_424_242_424_242, 17_000_000_000_000_000_001
@@ -57,38 +58,18 @@ def tokens(start_block: int, blocks: int = 1, size: int = BLOCK) -> list[int]:
     return list(range(100 + start_block * BLOCK, 100 + start_block * BLOCK + blocks * size))
 
 
-def _module(name: str, **attrs: Any) -> types.ModuleType:
-    module = types.ModuleType(name)
-    module.__dict__.update(attrs)
-    sys.modules[name] = module
-    return module
-
-
-def _load(wheel: Path, inner: str, name: str, tmp: Path) -> types.ModuleType:
-    with zipfile.ZipFile(wheel) as z:
-        source = z.read(inner)
-    path = tmp / f"{name.replace('.', '_')}.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_sglang(wheel: Path, tmp: Path) -> types.ModuleType:
     for package in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.disaggregation"):
-        _module(package, __path__=[])
-    _module("sglang.srt.runtime_context", get_parallel=lambda: None)
+        stub_module(package, __path__=[])
+    stub_module("sglang.srt.runtime_context", get_parallel=lambda: None)
 
     class NetworkAddress:  # only describe_local_source uses it; the capture does not
         @staticmethod
         def parse(text: str) -> Any:
             raise ValueError(text)
 
-    _module("sglang.srt.utils.network", NetworkAddress=NetworkAddress)
-    return _load(wheel, "sglang/srt/disaggregation/kv_events.py", "sglang.srt.disaggregation.kv_events", tmp)
+    stub_module("sglang.srt.utils.network", NetworkAddress=NetworkAddress)
+    return load_from_wheel(wheel, "sglang/srt/disaggregation/kv_events.py", "sglang.srt.disaggregation.kv_events", tmp)
 
 
 def load_vllm(wheel: Path, tmp: Path) -> types.ModuleType:
@@ -96,7 +77,7 @@ def load_vllm(wheel: Path, tmp: Path) -> types.ModuleType:
     from dataclasses import dataclass
 
     for package in ("vllm", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core", "vllm.distributed"):
-        _module(package, __path__=[])
+        stub_module(package, __path__=[])
 
     @dataclass
     class KVEventsConfig:  # vllm.config.kv_events, fields only (the publisher only stores it)
@@ -109,12 +90,12 @@ def load_vllm(wheel: Path, tmp: Path) -> types.ModuleType:
         max_queue_size: int = 100_000
         topic: str = ""
 
-    _module("vllm.config.kv_events", KVEventsConfig=KVEventsConfig)
-    _module("vllm.logger", init_logger=logging.getLogger)
-    _module("vllm.utils.network_utils", get_ip=lambda: "127.0.0.1", get_tcp_uri=lambda ip, port: f"tcp://{ip}:{port}",
+    stub_module("vllm.config.kv_events", KVEventsConfig=KVEventsConfig)
+    stub_module("vllm.logger", init_logger=logging.getLogger)
+    stub_module("vllm.utils.network_utils", get_ip=lambda: "127.0.0.1", get_tcp_uri=lambda ip, port: f"tcp://{ip}:{port}",
             is_valid_ipv6_address=lambda ip: False, split_zmq_path=lambda p: tuple(p.rsplit(":", 2)))
-    _module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
-    return _load(wheel, "vllm/distributed/kv_events.py", "vllm.distributed.kv_events", tmp)
+    stub_module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
+    return load_from_wheel(wheel, "vllm/distributed/kv_events.py", "vllm.distributed.kv_events", tmp)
 
 
 def script(engine: str, kv: types.ModuleType) -> list[list[Any]]:

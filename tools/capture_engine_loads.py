@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import sys
 import tempfile
@@ -29,43 +28,26 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wheel_modules import load_from_wheel, stub_module  # noqa: E402
+
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "engine_loads"
-
-
-def _module(name: str, **attrs: Any) -> types.ModuleType:
-    module = types.ModuleType(name)
-    module.__dict__.update(attrs)
-    sys.modules[name] = module
-    return module
-
-
-def _load(wheel: Path, inner: str, name: str, tmp: Path) -> types.ModuleType:
-    with zipfile.ZipFile(wheel) as z:
-        source = z.read(inner)
-    path = tmp / f"{name.replace('.', '_')}.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_sglang(wheel: Path, tmp: Path) -> tuple[types.ModuleType, types.ModuleType, str]:
     for package in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.managers", "sglang.srt.entrypoints"):
-        _module(package, __path__=[])
+        stub_module(package, __path__=[])
     with zipfile.ZipFile(wheel) as z:
         version = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")).split("-")[1].split(".dist")[0]
     parallel = types.SimpleNamespace(tp_size=1, pp_size=1, attn_dp_enabled=False, num_dp_ranks=1)
-    _module("sglang.version", __version__=version)
-    _module("sglang.srt.environ", envs=types.SimpleNamespace())
-    _module("sglang.srt.runtime_context", get_parallel=lambda: parallel, get_serving=lambda: None)
-    _module("sglang.srt.utils", __path__=[], get_device_name=lambda: None)
-    _module("sglang.srt.utils.network", is_zmq_endpoint_ipv6=lambda *a: False, restrict_zmq_peers=lambda *a: None,
+    stub_module("sglang.version", __version__=version)
+    stub_module("sglang.srt.environ", envs=types.SimpleNamespace())
+    stub_module("sglang.srt.runtime_context", get_parallel=lambda: parallel, get_serving=lambda: None)
+    stub_module("sglang.srt.utils", __path__=[], get_device_name=lambda: None)
+    stub_module("sglang.srt.utils.network", is_zmq_endpoint_ipv6=lambda *a: False, restrict_zmq_peers=lambda *a: None,
             zmq_connect=lambda *a, **k: None)
-    snapshots = _load(wheel, "sglang/srt/managers/load_snapshot.py", "sglang.srt.managers.load_snapshot", tmp)
-    handler = _load(wheel, "sglang/srt/entrypoints/v1_loads.py", "sglang.srt.entrypoints.v1_loads", tmp)
+    snapshots = load_from_wheel(wheel, "sglang/srt/managers/load_snapshot.py", "sglang.srt.managers.load_snapshot", tmp)
+    handler = load_from_wheel(wheel, "sglang/srt/entrypoints/v1_loads.py", "sglang.srt.entrypoints.v1_loads", tmp)
     return snapshots, handler, version
 
 
