@@ -36,6 +36,9 @@ affinity, with their ratios to ``direct`` and of each ledger to ``estimated``, a
 behind the tail of the last window of each edge variant.
 
     .venv/bin/python tools/bench_tail.py --vram-tokens 8192 --concurrency 64 --seconds 20 --runs 2
+
+``--score FIELD=VALUE ...`` sets fields of every edge variant's ``[score]`` on top of its own
+(``tools/bench_affinity.py``'s option), to read the causes under another setting.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ import uvloop  # noqa: E402
 
 from bench_affinity import start  # noqa: E402
 from bench_edge import Prompts, WhoServed, flush_caches  # noqa: E402
-from benchlib import median, percentile, quiet_logs  # noqa: E402
+from benchlib import median, percentile, quiet_logs, setting_parser  # noqa: E402
 
 VARIANTS: dict[str, dict | None] = {
     "direct": None,
@@ -166,6 +169,7 @@ def classify(records: list[dict], shared: int, readings: dict[str, list[tuple[fl
 def summarize(records: list[dict], elapsed: float, shared: int, tail_percent: float) -> dict:
     served = [r for r in records if not r.get("error")]
     latencies = sorted(r["latency_ms"] for r in served)
+    ttfts = sorted((r["first"] - r["sent"]) * 1000.0 for r in served)
     per_group: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in served:
         per_group[r["group"]][r["worker"]] += 1
@@ -174,6 +178,7 @@ def summarize(records: list[dict], elapsed: float, shared: int, tail_percent: fl
     out = {
         "requests": len(served), "errors": len(records) - len(served), "rps": len(served) / elapsed,
         "p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99),
+        "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
         "mean_ms": sum(latencies) / len(latencies) if latencies else float("nan"),
         "reuse": sum(r["cached"] >= shared for r in served) / max(1, len(served)),
         "affinity": top / max(1, len(served)),
@@ -186,6 +191,8 @@ def summarize(records: list[dict], elapsed: float, shared: int, tail_percent: fl
 
 async def measure(args, variant: str, run_no: int) -> dict:
     score = VARIANTS[variant]
+    if score is not None:
+        score = {**score, **dict(args.score)}
     cluster, url, seeds = await start(args, 1.0, score=score, workers_only=score is None)
     try:
         who = WhoServed(seeds, args.max_new_tokens)
@@ -214,6 +221,7 @@ async def measure(args, variant: str, run_no: int) -> dict:
 def _line(w: dict) -> str:
     return (f"  run {w['run'] + 1} {w['variant']:<18} {w['began']} UTC load {w['load'][0]:5.1f}->{w['load'][1]:5.1f}  "
             f"{w['rps']:6.1f} req/s  P50 {w['p50_ms']:6.0f}  P99 {w['p99_ms']:6.0f}  mean {w['mean_ms']:6.0f} ms  "
+            f"TTFT P50 {w['ttft_p50_ms']:5.0f}  P99 {w['ttft_p99_ms']:5.0f} ms  "
             f"reuse {w['reuse']:.2f}  affinity {w['affinity']:.2f}  stale view/ledger "
             f"{w['stale-view']:.2f}/{w['stale-ledger']:.2f}  errors {w['errors']}")
 
@@ -319,6 +327,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--poll-ms", type=float, default=50.0)
     p.add_argument("--tail", type=float, default=5.0, help="percent of slowest requests")
+    p.add_argument("--score", type=setting_parser("score"), nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="[score] settings of every edge variant, on top of its own")
     args = p.parse_args()
     quiet_logs()
     report(args, uvloop.run(run(args)))
