@@ -31,6 +31,22 @@ requests a second, so give it longer windows):
         python tools/bench_request_path.py --callgrind --seconds 20 --windows 2
     python tools/bench_request_path.py --callgrind-summary OUT.*
 
+``--stage`` serves the same client with less than the whole path, to tell how much of a
+request's CPU each part costs (``--stages`` runs several, each in its own process, in rounds
+whose order reverses every other round, and prints each one's median and what it adds to the
+one before):
+
+- ``relay``: the front door's HTTP server and the client toward workers alone: the request's
+  body read (within the guard's limits) and sent to the worker as it came, the worker's answer
+  returned as it came (no JSON, no decision): the floor of this HTTP layer;
+- ``parse``: ``relay`` plus the request's JSON parsed, its text tokenized and the worker's body
+  written with the ``input_ids`` (``generate_body``), as the front door does;
+- ``route``: ``parse`` plus the Router's decision and its bookkeeping of the response (first
+  token, end, cache belief), the worker's answer parsed and written again;
+- ``full``: the edge's whole path (the default).
+
+    python tools/bench_request_path.py --stages relay parse route full --rounds 2 --windows 3
+
 ``--metric-values`` chooses how the request path's counters and histograms keep their values:
 ``edge`` (the default, process 0's in-process values), ``front-door`` (a front door of ``edge
 --workers N``: in-process values published to files each second, ``BufferedMetricValues``) or
@@ -57,8 +73,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 import uvloop
 
 from benchlib import callgrind_helper
@@ -125,6 +143,50 @@ def callgrind_summary(paths: list[str]) -> None:
         print(f"  {path}: {ir:,} instructions over {n} requests: {ir / n:,.0f} per request")
     if per_request:
         print(f"median {statistics.median(per_request):,.0f} instructions per request over {len(per_request)} windows")
+
+
+STAGES = ("relay", "parse", "route", "full")
+
+
+def stage_handler(stage: str, guard: FrontDoorGuard, pool, router: Router):
+    """The front door's handler for one of ``STAGES`` short of ``full`` (see the module's
+    docstring): what the edge's own path does at that stage, in the same calls, without the rest."""
+    from kvcompassd.engine.client import generate_body
+    from kvcompassd.http_server import Response
+    from kvcompassd.httplimits import read_body
+
+    tokenizer = ByteTokenizer()
+    headers = b"Content-Type: application/json\r\n"
+
+    async def handle(request):
+        body, held = await read_body(request, guard)
+        try:
+            if stage == "relay":
+                out = bytes(body)
+            else:
+                fields = orjson.loads(body)
+                tokens = tokenizer.encode_array(fields["text"])
+                if stage == "route":
+                    decision = router.decide(tokens, now=time.monotonic())
+                out = generate_body(tokens, {"sampling_params": fields.get("sampling_params") or {}})
+        finally:
+            guard.budget.release(held)
+        async with pool.request(b"POST", b"/generate", out, headers) as response:
+            answer = await response.read(1 << 24)
+        if stage == "route":
+            now = time.monotonic()
+            reply = orjson.loads(answer)
+            meta = reply["meta_info"]
+            router.on_first_token(decision.dispatch, now=now)
+            router.on_finished(decision.dispatch, prompt_tokens=meta["prompt_tokens"],
+                               cached_tokens=meta["cached_tokens"], output_tokens=meta["completion_tokens"], now=now)
+            router.on_response(decision.worker, claimed_tokens=decision.claimed_tokens,
+                               reused_tokens=meta["cached_tokens"], now=now, tokens=tokens,
+                               claimed_tier=decision.tier)
+            answer = orjson.dumps(reply)
+        return Response(answer)
+
+    return handle
 
 
 def worker_client():
@@ -211,6 +273,9 @@ async def main_async(args) -> None:
         forwarder = Forwarder(cfg.edges[0].id, router, lambda w: None, session,
                               clock=time.monotonic, metrics=metrics)
         frontdoor = FrontDoor(forwarder, ByteTokenizer(), FrontDoorSettings(model=cfg.model), metrics, guard=guard)
+        if args.stage != "full":
+            address = urlsplit(worker.http)
+            frontdoor.handle = stage_handler(args.stage, guard, session.pool(address.hostname, address.port), router)
         listener = Listener(frontdoor, guard)
         url = await listener.open()
         profiler = cProfile.Profile(time.process_time) if args.profile else None
@@ -218,6 +283,8 @@ async def main_async(args) -> None:
         per_request: list[float] = []
         system_per_request: list[float] = []  # the kernel's part (socket calls on loopback, the epoll wait)
         p50_edge: list[float] = []
+        served_per_window: list[int] = []
+        errors_per_window: list[int] = []
         p50_direct: list[float] = []  # the same client straight to the worker, in the windows between
         ctx = multiprocessing.get_context("spawn")
 
@@ -246,6 +313,9 @@ async def main_async(args) -> None:
         for window in range(args.windows + 1):  # the first warms up, unmeasured
             measured = bool(window)
             served, errors, p50, cpu, system = await closed_loop(url)
+            if window:
+                served_per_window.append(served)
+                errors_per_window.append(errors)
             if window and served:
                 per_request.append(cpu / served * 1e6)
                 system_per_request.append(system / served * 1e6)
@@ -266,13 +336,14 @@ async def main_async(args) -> None:
         await listener.cleanup()
         await forwarder.close()
         await session.close()
-        result = {"concurrency": args.concurrency, "us_per_request": per_request,
+        result = {"concurrency": args.concurrency, "stage": args.stage, "us_per_request": per_request,
+                  "served": served_per_window, "errors": errors_per_window,
                   "median_us": statistics.median(per_request) if per_request else float("nan"),
                   "p50_ms": p50_edge, "direct_p50_ms": p50_direct,
                   "added_p50_ms": (statistics.median(p50_edge) - statistics.median(p50_direct)
                                    if p50_edge and p50_direct else None),
                   "load_average": os.getloadavg()}
-        print(f"edge request path, c = {args.concurrency}: median {result['median_us']:.0f} us of CPU per request over "
+        print(f"edge request path ({args.stage}), c = {args.concurrency}: median {result['median_us']:.0f} us of CPU per request over "
               f"{len(per_request)} windows of {args.seconds:g} s"
               + (f"; added P50 {result['added_p50_ms']:.2f} ms" if result["added_p50_ms"] is not None else "")
               + f"; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -348,16 +419,51 @@ def compare(args) -> None:
         Path(args.json).write_text(json.dumps(summary))
 
 
+def stages(args) -> None:
+    """Each of ``args.stages`` in its own run of this tool per round, the order reversed every
+    other round; each stage's median over all its windows and what it adds to the stage before."""
+    results: dict[tuple[int, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvbench-stages-") as tmp:
+        for concurrency in args.concurrency:
+            for round_ in range(args.rounds):
+                order = args.stages if round_ % 2 == 0 else args.stages[::-1]
+                for stage in order:
+                    out = Path(tmp) / f"{concurrency}-{round_}-{stage}.json"
+                    cmd = [sys.executable, __file__, "--stage", stage, "--concurrency", str(concurrency),
+                           "--seconds", str(args.seconds), "--windows", str(args.windows),
+                           "--prefix-chars", str(args.prefix_chars), "--suffix-chars", str(args.suffix_chars),
+                           "--log-level", args.log_level, "--json", str(out)]
+                    print(f"[{stage}, c = {concurrency}, round {round_ + 1}]", flush=True)
+                    subprocess.run(cmd, check=True)
+                    results.setdefault((concurrency, stage), []).extend(json.loads(out.read_text())["us_per_request"])
+    summary = []
+    for concurrency in args.concurrency:
+        before = None
+        for stage in args.stages:
+            median = statistics.median(results[(concurrency, stage)])
+            added = "" if before is None else f", {median - before:+.0f} us on the stage before"
+            print(f"c = {concurrency}, {stage}: {median:.0f} us of edge CPU per request (median of "
+                  f"{len(results[(concurrency, stage)])} windows){added}", flush=True)
+            summary.append({"concurrency": concurrency, "stage": stage, "median_us": median,
+                            "us_per_request": results[(concurrency, stage)]})
+            before = median
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[16],
                    help="one value; several with --against")
     p.add_argument("--against", metavar="CHECKOUT", help="ABBA against another checkout (its root directory)")
-    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds per concurrency with --against")
+    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds per concurrency with --against or --stages")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--direct", action="store_true",
                    help="after each measured window, one with the same client straight to the worker: added P50")
+    p.add_argument("--stage", choices=STAGES, default="full", help="serve with this much of the path (docstring)")
+    p.add_argument("--stages", choices=STAGES, nargs="+", help="several stages, each in its own process, in rounds")
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)
     p.add_argument("--profile", metavar="FILE", help="cProfile of the measured windows (CPU clock)")
@@ -376,8 +482,11 @@ def main() -> None:
     if args.against:
         compare(args)
         return
+    if args.stages:
+        stages(args)
+        return
     if len(args.concurrency) != 1:
-        p.error("several --concurrency values need --against")
+        p.error("several --concurrency values need --against or --stages")
     args.concurrency = args.concurrency[0]
     configure_logging(args.log_level, json=True, node="edge-bench")
     uvloop.run(main_async(args))
