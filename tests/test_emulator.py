@@ -296,6 +296,33 @@ def test_settings_validation_and_from_worker_config() -> None:
     assert s.kv_replay_endpoint == "tcp://127.0.0.1:5558" and s.time_scale == 0.0
 
 
+async def test_a_stream_interval_sends_the_first_token_at_once_then_every_that_many_then_the_end() -> None:
+    # SGLang 0.5.23's output streamer, per request: first token, then whenever that many are unsent
+    timing = WorkerTiming(prefill_ms_per_token=0.05, decode_ms_per_token=2.0, max_running=2)
+    worker = EmulatedWorker(settings(timing=timing, time_scale=1.0))
+    await worker.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            counts = {}
+            for interval in (None, 4):
+                params = {"max_new_tokens": 11, **({"stream_interval": interval} if interval else {})}
+                body = {"input_ids": list(range(8, 40)), "stream": True, "sampling_params": params}
+                async with session.post(f"{worker.http_url}/generate", json=body) as response:
+                    lines = [x for x in (await response.text()).split("\n\n") if x]
+                counts[interval] = [len(json.loads(x.removeprefix("data: "))["output_ids"]) for x in lines[:-1]]
+            # (how many pieces come depends on the host's pace: what each holds does not)
+            for interval, seen in counts.items():
+                assert seen[0] == 1 and seen[-1] == 11 and seen == sorted(set(seen))
+                assert all((n - 1) % (interval or 1) == 0 for n in seen[:-1])
+            assert all(b - a == 4 for a, b in zip(counts[4][:-1], counts[4][1:-1]))
+            for bad in (-1, 1.5, True):
+                body = {"input_ids": [1, 2, 3], "sampling_params": {"stream_interval": bad}}
+                async with session.post(f"{worker.http_url}/generate", json=body) as response:
+                    assert response.status == 400 and "stream_interval" in (await response.json())["error"]["message"]
+    finally:
+        await worker.stop()
+
+
 async def test_modelled_delays_stream_tokens_and_finish() -> None:
     # real time at 1/10 speed-up of a fast worker: a few tens of ms per request
     timing = WorkerTiming(prefill_ms_per_token=0.5, decode_ms_per_token=4.0, max_running=2)

@@ -103,8 +103,8 @@ def check_sampling_ranges(params: dict[str, Any]) -> None:
 
 def _generation(engine: EmulatedEngine, rid: str, prompt: list[int], max_new: int,
                 params: dict[str, Any]) -> Generation:
-    """A Generation with SGLang's stop conditions: ``stop`` (a string or strings),
-    ``stop_token_ids``, ``min_new_tokens`` and ``no_stop_trim``."""
+    """A Generation with SGLang's stop conditions (``stop``, a string or strings,
+    ``stop_token_ids``, ``min_new_tokens`` and ``no_stop_trim``) and its ``stream_interval``."""
     context = context_length(engine)
     # SGLang's TokenizerManager._validate_one_request (0.5.23), with its messages: a 400 the edge
     # cannot foresee, so it passes the engine's words to its client.
@@ -127,9 +127,12 @@ def _generation(engine: EmulatedEngine, rid: str, prompt: list[int], max_new: in
     min_new = params.get("min_new_tokens") or 0
     if isinstance(min_new, bool) or not isinstance(min_new, int) or not 0 <= min_new <= max_new:
         raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new!r}")
+    interval = params.get("stream_interval") or 1  # SGLang: None or 0 take the server's, 1 here
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise BadRequest(f"stream_interval must be a positive integer, got {interval!r}")
     return Generation(rid, prompt, max_new, stop=tuple(stop or ()), stop_token_ids=frozenset(ids or ()),
                       min_new_tokens=min_new, no_stop_trim=bool(params.get("no_stop_trim")),
-                      decode=engine.tokenizer.decode)
+                      decode=engine.tokenizer.decode, stream_interval=interval)
 
 
 def server_info(engine: EmulatedEngine) -> dict[str, Any]:

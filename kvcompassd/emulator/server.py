@@ -196,6 +196,9 @@ class Generation:
     e2e_latency: float = 0.0
     bootstrap: Bootstrap | None = None  # a disaggregated request's (prefill and decode roles)
     prefill_only: bool = False  # a prefill instance's: ends with the first token
+    # A stream's pieces: the first token at once, then whenever this many are unsent, then the
+    # end (SGLang's per-request ``stream_interval``, 0.5.23's output streamer).
+    stream_interval: int = 1
 
     def text(self) -> str:
         """The output as SGLang's detokenizer returns it: without the matched stop (unless
@@ -425,13 +428,16 @@ class EmulatedEngine:
             gen.output, gen.emitted = output[:1], min(1, len(output))
             if done is not None and stream and len(output) > 1:
                 yield gen
+                sent = gen.emitted
                 step = max(0.001, self.settings.timing.decode_step_ms(1) / 1000.0 * self.settings.time_scale)
                 while not done.done():
                     await asyncio.wait({done}, timeout=step)
                     if not done.done() and gen.emitted < len(output) - 1:
                         gen.emitted += 1
-                        gen.output = output[: gen.emitted]
-                        yield gen
+                        if gen.emitted - sent >= gen.stream_interval:
+                            gen.output = output[: gen.emitted]
+                            sent = gen.emitted
+                            yield gen
             if done is not None:
                 await done
             gen.output, gen.emitted, gen.finished = output, len(output), True
