@@ -321,6 +321,7 @@ class Forwarder:
         # a first-token deadline passing while its worker's count moves is a long queue, not a fault.
         self._output_seen = [0] * len(workers)
         self.inter_token_s = deadlines.inter_token_s if inter_token_s is None else inter_token_s
+        self.worker_stream_interval = deadlines.worker_stream_interval
         self.suspects = SuspectWorkers(deadlines.suspect_initial_s, deadlines.suspect_max_s)
         # (index, id) of the workers this edge reaches over QUIC (the others over local HTTP).
         self._quic_workers = tuple((i, w) for i, w in enumerate(workers) if not self._uses_http(w))
@@ -401,6 +402,9 @@ class Forwarder:
         return decision
 
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
+        if not req.stream and req.sampling_params.get("stream_interval") is None:
+            # Streamed toward the worker all the same, in pieces ([deadlines] worker_stream_interval).
+            req = replace(req, sampling_params={**req.sampling_params, "stream_interval": self.worker_stream_interval})
         excluded: set[int] = set()
         decode_failed: set[str] = set()  # decode workers that failed this request (disaggregated fleets)
         stay_home = False  # set once a remote attempt ran into the first-token deadline

@@ -75,6 +75,7 @@ class Agent:
     def __init__(self, pki, worker: str, behaviour: str):
         self.worker, self.behaviour = worker, behaviour
         self.received: list[str] = []
+        self.sampling: list[dict] = []  # each forwarded request's sampling params, as they came
         self.migrations: asyncio.Queue[MigrationRequested] = asyncio.Queue()
         self.aborted = asyncio.Event()
         self.node = QuicNode(NodeIdentity(Role.AGENT, worker), pki[worker], on_message=self._on_message,
@@ -86,6 +87,7 @@ class Agent:
         if not isinstance(message, RequestForwarded):
             return
         self.received.append(message.request_id)
+        self.sampling.append(dict(message.sampling_params))
         stream = channel.stream
         if self.behaviour == "stall":
             await stream.wait_aborted()
@@ -164,8 +166,9 @@ async def start_agents(pki, forwarder, behaviours: dict[str, str], *, connect: t
     return {a.worker: a for a in forwarder.agents}
 
 
-async def run(forwarder, request_id: str = "r1", tokens=np.arange(1, 40, dtype=np.uint32)):
-    request = ForwardRequest(request_id, tokens, {"max_new_tokens": 2}, True)
+async def run(forwarder, request_id: str = "r1", tokens=np.arange(1, 40, dtype=np.uint32), *, stream: bool = True,
+              sampling: dict | None = None):
+    request = ForwardRequest(request_id, tokens, {"max_new_tokens": 2} if sampling is None else sampling, stream)
     async with asyncio.timeout(GUARD_S):
         items = [item async for item in forwarder.generate(request)]
     return items[:-1], items[-1]
@@ -187,6 +190,17 @@ async def test_the_engines_own_time_for_a_request_comes_back_with_its_end(pki, e
     await start_agents(pki, edge, {"a-0": behaviour}, connect=("a-0",))
     _, done = await run(edge)
     assert done.worker == "a-0" and done.worker_latency_s == latency
+
+
+async def test_a_whole_answer_is_streamed_from_the_worker_in_pieces_and_a_clients_interval_is_kept(pki, edge):
+    agents = await start_agents(pki, edge, {"a-0": "serve"}, connect=("a-0",))
+    interval = edge.cfg.deadlines.worker_stream_interval
+    _, done = await run(edge, "whole", stream=False)
+    await run(edge, "streamed", stream=True)
+    await run(edge, "own", stream=False, sampling={"max_new_tokens": 2, "stream_interval": 3})
+    assert done.worker == "a-0" and agents["a-0"].received == ["whole", "streamed", "own"]
+    assert agents["a-0"].sampling == [{"max_new_tokens": 2, "stream_interval": interval}, {"max_new_tokens": 2},
+                                      {"max_new_tokens": 2, "stream_interval": 3}]
 
 
 async def test_a_worker_that_failed_is_avoided_by_the_next_requests_until_it_serves(pki, edge):

@@ -515,6 +515,15 @@ class DeadlineParams:
     ``suspect_max_s``, or until its agent or load reports say it is back.
     ``view_copy_timeout_s`` bounds a bootstrap from a peer edge's views.
 
+    The edge asks workers for a stream whatever the client asked (the first token times the
+    prefill and retires its charge; the deadlines watch what follows). For a client that asked
+    for its answer whole, the stream comes in pieces of ``worker_stream_interval`` tokens (SGLang's
+    per-request ``stream_interval``: the first token at once, then every that many, then the end),
+    not one event per token: each event costs the edge a parse and a pass through its generators,
+    and SGLang's stream without ``--incremental-streaming-output`` repeats every id so far in each,
+    so a long answer cost the edge CPU quadratic in its length. That many tokens must come within
+    ``inter_token_s`` (16 at 100 ms a token: 1.6 s). A client's own ``stream_interval`` is kept.
+
     The first-token deadline judges a worker, not a request: when it passes while the worker
     brought this edge output for other requests within the last deadline's length, the worker
     is alive and busy (its queue was longer than the score expected), and moving the request
@@ -530,17 +539,20 @@ class DeadlineParams:
     suspect_initial_s: float = 5.0
     suspect_max_s: float = 60.0
     view_copy_timeout_s: float = 10.0
+    worker_stream_interval: int = 16
 
     def __post_init__(self) -> None:
         for name in ("first_token_floor_s", "first_token_max_s", "inter_token_s", "suspect_initial_s",
                      "suspect_max_s", "view_copy_timeout_s"):
             _check_float(name, getattr(self, name), lo=0.0, lo_open=True)
+        _check_int("worker_stream_interval", self.worker_stream_interval, lo=1, hi=4096)
         _check_float("first_token_factor", self.first_token_factor, lo=0.0)
         if self.suspect_max_s < self.suspect_initial_s:
             _fail("suspect_max_s", f"must be at least suspect_initial_s ({self.suspect_initial_s}), "
                                    f"got {self.suspect_max_s}")
         for name in _field_names(DeadlineParams):
-            _as_float(self, name)
+            if name != "worker_stream_interval":
+                _as_float(self, name)
 
 
 # The longest coalescing window ``[sync] report_delay_ms`` / ``batch_delay_ms`` may set: beyond,
