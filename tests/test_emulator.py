@@ -5,6 +5,7 @@ replay, and a restart), loads and metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
@@ -299,26 +300,32 @@ def test_settings_validation_and_from_worker_config() -> None:
 async def test_a_stream_interval_sends_the_first_token_at_once_then_every_that_many_then_the_end() -> None:
     # SGLang 0.5.23's output streamer, per request: first token, then whenever that many are unsent
     timing = WorkerTiming(prefill_ms_per_token=0.05, decode_ms_per_token=2.0, max_running=2)
+    async with timed_worker(timing) as worker, aiohttp.ClientSession() as session:
+        counts = {}
+        for interval in (None, 4):
+            params = {"max_new_tokens": 11, **({"stream_interval": interval} if interval else {})}
+            body = {"input_ids": list(range(8, 40)), "stream": True, "sampling_params": params}
+            async with session.post(f"{worker.http_url}/generate", json=body) as response:
+                lines = [x for x in (await response.text()).split("\n\n") if x]
+            counts[interval] = [len(json.loads(x.removeprefix("data: "))["output_ids"]) for x in lines[:-1]]
+        # (how many pieces come depends on the host's pace: what each holds does not)
+        for interval, seen in counts.items():
+            assert seen[0] == 1 and seen[-1] == 11 and seen == sorted(set(seen))
+            assert all((n - 1) % (interval or 1) == 0 for n in seen[:-1])
+        assert all(b - a == 4 for a, b in zip(counts[4][:-1], counts[4][1:-1]))
+        for bad in (-1, 1.5, True):
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"stream_interval": bad}}
+            async with session.post(f"{worker.http_url}/generate", json=body) as response:
+                assert response.status == 400 and "stream_interval" in (await response.json())["error"]["message"]
+
+
+@contextlib.asynccontextmanager
+async def timed_worker(timing: WorkerTiming):
+    """An emulated worker running ``timing`` at real time (``time_scale`` 1), stopped after."""
     worker = EmulatedWorker(settings(timing=timing, time_scale=1.0))
     await worker.start()
     try:
-        async with aiohttp.ClientSession() as session:
-            counts = {}
-            for interval in (None, 4):
-                params = {"max_new_tokens": 11, **({"stream_interval": interval} if interval else {})}
-                body = {"input_ids": list(range(8, 40)), "stream": True, "sampling_params": params}
-                async with session.post(f"{worker.http_url}/generate", json=body) as response:
-                    lines = [x for x in (await response.text()).split("\n\n") if x]
-                counts[interval] = [len(json.loads(x.removeprefix("data: "))["output_ids"]) for x in lines[:-1]]
-            # (how many pieces come depends on the host's pace: what each holds does not)
-            for interval, seen in counts.items():
-                assert seen[0] == 1 and seen[-1] == 11 and seen == sorted(set(seen))
-                assert all((n - 1) % (interval or 1) == 0 for n in seen[:-1])
-            assert all(b - a == 4 for a, b in zip(counts[4][:-1], counts[4][1:-1]))
-            for bad in (-1, 1.5, True):
-                body = {"input_ids": [1, 2, 3], "sampling_params": {"stream_interval": bad}}
-                async with session.post(f"{worker.http_url}/generate", json=body) as response:
-                    assert response.status == 400 and "stream_interval" in (await response.json())["error"]["message"]
+        yield worker
     finally:
         await worker.stop()
 
@@ -326,9 +333,7 @@ async def test_a_stream_interval_sends_the_first_token_at_once_then_every_that_m
 async def test_modelled_delays_stream_tokens_and_finish() -> None:
     # real time at 1/10 speed-up of a fast worker: a few tens of ms per request
     timing = WorkerTiming(prefill_ms_per_token=0.5, decode_ms_per_token=4.0, max_running=2)
-    worker = EmulatedWorker(settings(timing=timing, time_scale=1.0))
-    await worker.start()
-    try:
+    async with timed_worker(timing) as worker:
         async with aiohttp.ClientSession() as session:
             body = {"input_ids": list(range(64)), "stream": True, "sampling_params": {"max_new_tokens": 6}}
             results = []
@@ -354,8 +359,6 @@ async def test_modelled_delays_stream_tokens_and_finish() -> None:
                 for i in range(5)])
             assert [len(r["output_ids"]) for r in concurrent] == [3] * 5
         assert worker.engine.model.running == 0 and worker.engine.model.completed == 8
-    finally:
-        await worker.stop()
 
 
 def test_stops_cut_the_output_where_sglang_would() -> None:
