@@ -127,7 +127,9 @@ def _generation(engine: EmulatedEngine, rid: str, prompt: list[int], max_new: in
     min_new = params.get("min_new_tokens") or 0
     if isinstance(min_new, bool) or not isinstance(min_new, int) or not 0 <= min_new <= max_new:
         raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new!r}")
-    interval = params.get("stream_interval") or 1  # SGLang: None or 0 take the server's, 1 here
+    # SGLang takes None or 0 as the server's interval (1 here) and checks no other value; the
+    # emulator refuses what is not a positive integer rather than stream oddly (the edge never sends one).
+    interval = params.get("stream_interval") or 1
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise BadRequest(f"stream_interval must be a positive integer, got {interval!r}")
     return Generation(rid, prompt, max_new, stop=tuple(stop or ()), stop_token_ids=frozenset(ids or ()),
