@@ -23,6 +23,7 @@ from kvcompassd.engine.client import (
     EngineError,
     EngineOutput,
     EngineRejected,
+    _StreamedGenerate,
     error_message,
     parse_loads,
 )
@@ -414,3 +415,59 @@ def test_the_share_of_its_kv_pool_sglang_says_its_requests_hold_is_read_from_its
         assert parse_loads({"loads": [body["loads"][0], {"num_running_reqs": 1, **bad}]}, 0.1).pinned_share is None
     assert parse_loads({"num_used_tokens": 0, "max_total_num_tokens": 0}, 0.1).pinned_share is None
     assert parse_loads({"num_used_tokens": 12, "max_total_num_tokens": 10}, 0.1).pinned_share == 1.0
+
+
+def _sse(output_ids, text, completion_tokens=None) -> bytes:
+    meta = {"prompt_tokens": 4, "cached_tokens": 0}
+    if completion_tokens is not None:
+        meta["completion_tokens"] = completion_tokens
+    return b"data: " + json.dumps({"text": text, "output_ids": output_ids, "meta_info": meta}).encode() + b"\n"
+
+
+def _deltas(lines: list[bytes]) -> list[tuple[tuple[int, ...], str]]:
+    streamed = _StreamedGenerate(4)
+    out = [streamed.line(raw) for raw in lines]
+    return [(o.token_ids, o.text) for o in out if o is not None]
+
+
+def test_a_cumulative_stream_gives_each_event_its_new_ids_and_text():
+    # SGLang's default stream: every event holds the whole output so far, its count beside it
+    lines = [_sse([5], "a", 1), _sse([5, 5, 6], "aab", 3), _sse([5, 5, 6, 7], "aabc", 4)]
+    assert _deltas(lines) == [((5,), "a"), ((5, 6), "ab"), ((7,), "c")]
+
+
+def test_an_incremental_piece_that_begins_with_what_was_sent_is_still_new():
+    # --incremental-streaming-output: each event only what is new. Its first ids equal all that
+    # was sent before ([5], "a"): the count (3 = 1 sent + 2 here) says it is new, not a repeat.
+    lines = [_sse([5], "a", 1), _sse([5, 6], "ab", 3), _sse([7], "c", 4)]
+    assert _deltas(lines) == [((5,), "a"), ((5, 6), "ab"), ((7,), "c")]
+    # the same token twice at the start (two newlines, say): the second is not dropped
+    assert _deltas([_sse([9], "\n", 1), _sse([9], "\n", 2)]) == [((9,), "\n"), ((9,), "\n")]
+
+
+def test_without_a_count_the_ids_themselves_tell_a_cumulative_stream_from_an_incremental_one():
+    assert _deltas([_sse([5], "a"), _sse([5, 6], "ab"), _sse([5, 6, 7], "abc")]) == [
+        ((5,), "a"), ((6,), "b"), ((7,), "c")]
+    assert _deltas([_sse([5], "a"), _sse([6], "b"), _sse([7, 8], "cd")]) == [((5,), "a"), ((6,), "b"), ((7, 8), "cd")]
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.lists(st.integers(1, 6), min_size=1, max_size=40),
+       st.booleans())
+def test_any_output_in_any_pieces_comes_out_whole_from_either_stream(ids, sizes, incremental):
+    # few distinct ids, so pieces often begin with what was sent before
+    pieces, at = [], 0
+    for size in sizes:
+        if at >= len(ids):
+            break
+        pieces.append(ids[at:at + size])
+        at += size
+    if at < len(ids):
+        pieces.append(ids[at:])
+    lines, done = [], 0
+    for piece in pieces:
+        done += len(piece)
+        text = "".join(map(str, piece)) if incremental else "".join(map(str, ids[:done]))
+        lines.append(_sse(piece if incremental else ids[:done], text, done))
+    deltas = _deltas(lines)
+    assert [t for d in deltas for t in d[0]] == ids
+    assert "".join(d[1] for d in deltas) == "".join(map(str, ids))

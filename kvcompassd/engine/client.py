@@ -370,19 +370,45 @@ class _StreamedGenerate:
             code = error.get("code") if isinstance(error, dict) else None
             status = code if isinstance(code, int) and not isinstance(code, bool) else 400
             raise _failure(status, json.dumps(chunk))
-        _raise_if_aborted(chunk.get("meta_info"))
+        meta = chunk.get("meta_info")
+        _raise_if_aborted(meta)
         text = str(chunk.get("text", ""))
-        ids = [int(t) for t in chunk.get("output_ids") or ()]
+        raw = chunk.get("output_ids") or ()
         text_sent, ids_sent = self.text_sent, self.ids_sent
-        if text.startswith(text_sent):
-            delta_text, self.text_sent = text[len(text_sent):], text
+        sent = len(ids_sent)
+        # Which stream this is, from the engine's count of its output so far (SGLang's
+        # completion_tokens): all of it in each event (the default), or only what is new
+        # (--incremental-streaming-output). Read off the ids alone, an incremental piece that
+        # begins with all that was sent (a second newline after the first) was taken for a
+        # repeat and dropped. Only the new ids of a cumulative event are converted.
+        total = meta.get("completion_tokens") if isinstance(meta, dict) else None
+        if type(total) is not int:
+            cumulative = None
+        elif total == len(raw):
+            cumulative = True  # (an incremental stream's first event too: the same reading)
+        elif total == sent + len(raw):
+            cumulative = False
         else:
+            cumulative = None  # a count that fits neither (a trimmed stop): the ids themselves say
+        if cumulative is False:
             delta_text, self.text_sent = text, text_sent + text
-        if len(ids) >= len(ids_sent) and ids[: len(ids_sent)] == ids_sent:
-            delta_ids, self.ids_sent = ids[len(ids_sent):], ids
+            delta_ids = [int(t) for t in raw]
+            ids_sent.extend(delta_ids)
         else:
-            delta_ids, self.ids_sent = ids, ids_sent + ids
-        self.meta = chunk.get("meta_info") or self.meta
+            if text.startswith(text_sent):
+                delta_text, self.text_sent = text[len(text_sent):], text
+            else:
+                delta_text, self.text_sent = text, text_sent + text
+            if cumulative:
+                delta_ids = [int(t) for t in raw[sent:]]
+                ids_sent.extend(delta_ids)
+            else:
+                ids = [int(t) for t in raw]
+                if len(ids) >= sent and ids[:sent] == ids_sent:
+                    delta_ids, self.ids_sent = ids[sent:], ids
+                else:
+                    delta_ids, self.ids_sent = ids, ids_sent + ids
+        self.meta = meta or self.meta
         if delta_ids or delta_text:
             return EngineOutput(tuple(delta_ids), delta_text)
         return None
