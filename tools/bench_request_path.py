@@ -4,11 +4,12 @@ This process runs the edge's request path as the edge daemon builds it (``FrontD
 under its ``FrontDoorGuard``, a ``Forwarder`` with a real ``Router`` on an empty index view, the
 client toward workers the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
 worker (``--worker-time-scale`` gives it modelled time, so that it decodes and streams token by
-token; ``--max-new-tokens`` sets each request's answer, which the client asks for whole) and a
-closed-loop client runs in a child process. Nothing else shares the edge's process (no QUIC, no
-index updates, no load polls), so its CPU time over a window divided by the requests served is
-what one request costs the edge's HTTP and forwarding path. ``--profile FILE`` writes a
-cProfile of the measured windows (CPU clock) for the shares.
+token; ``--max-new-tokens`` sets each request's answer, which the client asks for whole, or as
+a stream with ``--client-stream``) and a closed-loop client runs in a child process. Nothing
+else shares the edge's process (no QUIC, no index updates, no load polls), so its CPU time over
+a window divided by the requests served is what one request costs the edge's HTTP and
+forwarding path. ``--profile FILE`` writes a cProfile of the measured windows (CPU clock) for
+the shares.
 
     python tools/bench_request_path.py [--concurrency 16] [--seconds 5] [--windows 3] [--direct] [--profile out.prof]
 
@@ -97,7 +98,7 @@ from kvcompassd.tokenizer import ByteTokenizer
 
 
 def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int, suffix_chars: int,
-                   max_new_tokens: int, out: multiprocessing.Queue) -> None:
+                   max_new_tokens: int, stream: bool, out: multiprocessing.Queue) -> None:
     """Closed loop in its own process: ``concurrency`` clients for ``seconds``; puts (served,
     errors, median latency of the served requests in ms)."""
 
@@ -113,7 +114,7 @@ def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int
                 while time.monotonic() < stop_at:
                     n += 1
                     text = prefixes[(i + n) % 8] + f" {i}-{n} " + "x" * suffix_chars
-                    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}}
+                    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}, "stream": stream}
                     try:
                         started = time.perf_counter()
                         async with session.post(url + "/generate", json=body) as resp:
@@ -294,7 +295,7 @@ async def main_async(args) -> None:
             out = ctx.Queue()
             client = ctx.Process(target=client_process, args=(target, args.concurrency, args.seconds,
                                                               args.prefix_chars, args.suffix_chars,
-                                                              args.max_new_tokens, out))
+                                                              args.max_new_tokens, args.client_stream, out))
             client.start()
             await asyncio.sleep(0.5)  # the child's interpreter starting is not the edge's
             cpu0, system0 = time.process_time(), os.times().system
@@ -400,7 +401,8 @@ def compare(args) -> None:
                     cmd = [sys.executable, __file__, "--concurrency", str(concurrency), "--seconds", str(args.seconds),
                            "--windows", str(args.windows), "--prefix-chars", str(args.prefix_chars),
                            "--suffix-chars", str(args.suffix_chars), "--log-level", args.log_level, "--json", str(out),
-                           "--max-new-tokens", str(args.max_new_tokens), "--worker-time-scale", str(args.worker_time_scale)]
+                           "--max-new-tokens", str(args.max_new_tokens), "--worker-time-scale", str(args.worker_time_scale),
+                           *(["--client-stream"] if args.client_stream else [])]
                     print(f"[{label}: {path}, c = {concurrency}]", flush=True)
                     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": path})
                     run = json.loads(out.read_text())
@@ -437,7 +439,7 @@ def stages(args) -> None:
                            "--seconds", str(args.seconds), "--windows", str(args.windows),
                            "--prefix-chars", str(args.prefix_chars), "--suffix-chars", str(args.suffix_chars),
                            "--log-level", args.log_level, "--json", str(out), "--max-new-tokens", str(args.max_new_tokens),
-                           "--worker-time-scale", str(args.worker_time_scale)]
+                           "--worker-time-scale", str(args.worker_time_scale), *(["--client-stream"] if args.client_stream else [])]
                     print(f"[{stage}, c = {concurrency}, round {round_ + 1}]", flush=True)
                     subprocess.run(cmd, check=True)
                     results.setdefault((concurrency, stage), []).extend(json.loads(out.read_text())["us_per_request"])
@@ -469,7 +471,8 @@ def main() -> None:
                    help="after each measured window, one with the same client straight to the worker: added P50")
     p.add_argument("--stage", choices=STAGES, default="full", help="serve with this much of the path (docstring)")
     p.add_argument("--stages", choices=STAGES, nargs="+", help="several stages, each in its own process, in rounds")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="each request's (the client asks for it whole)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="each request's answer")
+    p.add_argument("--client-stream", action="store_true", help="the client asks for a stream (else the answer whole)")
     p.add_argument("--worker-time-scale", type=float, default=0.0,
                    help="the emulated worker's --time-scale (0: no modelled time; > 0: it decodes, and streams, token by token)")
     p.add_argument("--prefix-chars", type=int, default=1500)
