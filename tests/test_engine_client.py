@@ -445,6 +445,12 @@ def test_an_incremental_piece_that_begins_with_what_was_sent_is_still_new():
     assert _deltas([_sse([9], "\n", 1), _sse([9], "\n", 2)]) == [((9,), "\n"), ((9,), "\n")]
 
 
+def test_streamed_ids_that_are_not_a_list_are_the_engines_error():
+    for odd in (5, {"5": 1}, "56"):
+        with pytest.raises(EngineError, match="not a list"):
+            _StreamedGenerate(4).line(_sse(odd, "a", 1))
+
+
 def test_without_a_count_the_ids_themselves_tell_a_cumulative_stream_from_an_incremental_one():
     assert _deltas([_sse([5], "a"), _sse([5, 6], "ab"), _sse([5, 6, 7], "abc")]) == [
         ((5,), "a"), ((6,), "b"), ((7,), "c")]

@@ -374,6 +374,8 @@ class _StreamedGenerate:
         _raise_if_aborted(meta)
         text = str(chunk.get("text", ""))
         raw = chunk.get("output_ids") or ()
+        if not isinstance(raw, (list, tuple)):
+            raise EngineError("engine sent streamed output_ids that are not a list")
         text_sent, ids_sent = self.text_sent, self.ids_sent
         sent = len(ids_sent)
         # Which stream this is, from the engine's count of its output so far (SGLang's
