@@ -18,18 +18,16 @@ bytes FastAPI would send (``fastapi.encoders.jsonable_encoder`` then ``json.dump
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
 import tempfile
 import types
-import zipfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wheel_modules import load_from_wheel, stub_module  # noqa: E402
+from wheel_modules import load_from_wheel, sglang_capture_args, stub_module, wheel_version  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "engine_loads"
 
@@ -37,8 +35,7 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "engine_loads"
 def load_sglang(wheel: Path, tmp: Path) -> tuple[types.ModuleType, types.ModuleType, str]:
     for package in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.managers", "sglang.srt.entrypoints"):
         stub_module(package, __path__=[])
-    with zipfile.ZipFile(wheel) as z:
-        version = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")).split("-")[1].split(".dist")[0]
+    version = wheel_version(wheel)
     parallel = types.SimpleNamespace(tp_size=1, pp_size=1, attn_dp_enabled=False, num_dp_ranks=1)
     stub_module("sglang.version", __version__=version)
     stub_module("sglang.srt.environ", envs=types.SimpleNamespace())
@@ -64,10 +61,7 @@ def capture(snapshots: types.ModuleType, handler: types.ModuleType, loads: list[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sglang-wheel", type=Path, required=True)
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args()
+    args = sglang_capture_args(__doc__, OUT)
     with tempfile.TemporaryDirectory() as tmp:
         snapshots, handler, version = load_sglang(args.sglang_wheel, Path(tmp))
         S = snapshots.LoadSnapshot

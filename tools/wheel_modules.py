@@ -4,6 +4,7 @@ on a machine without torch, the modules it imports for other work replaced by st
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 import types
@@ -32,3 +33,17 @@ def load_from_wheel(wheel: Path, inner: str, name: str, tmp: Path) -> types.Modu
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def wheel_version(wheel: Path) -> str:
+    """The version a wheel's ``.dist-info`` names."""
+    with zipfile.ZipFile(wheel) as z:
+        return next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")).split("-")[1].split(".dist")[0]
+
+
+def sglang_capture_args(doc: str, out: Path) -> argparse.Namespace:
+    """A capture tool's command line: ``--sglang-wheel`` (required) and ``--out`` (``out``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sglang-wheel", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=out)
+    return p.parse_args()
