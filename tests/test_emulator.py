@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -25,6 +26,7 @@ from kvcompassd.emulator.server import (
     Generation,
     apply_stop,
     output_tokens,
+    piece_due,
 )
 from kvcompassd.engine.blocktree import BlockTree
 from kvcompassd.engine.client import parse_loads
@@ -317,6 +319,21 @@ async def test_a_stream_interval_sends_the_first_token_at_once_then_every_that_m
             body = {"input_ids": [1, 2, 3], "sampling_params": {"stream_interval": bad}}
             async with session.post(f"{worker.http_url}/generate", json=body) as response:
                 assert response.status == 400 and "stream_interval" in (await response.json())["error"]["message"]
+
+
+def test_a_streams_pieces_are_where_sglangs_own_streamer_sends_them():
+    # tests/data/engine_streams: SGLang 0.5.23's output streamer driven a token a step
+    # (tools/capture_engine_streams.py); the emulator's rule, a step at a time, sends the same
+    captured = json.loads((Path(__file__).parent / "data" / "engine_streams" / "sglang-stream-intervals.json").read_text())
+    assert captured["sglang"] == "0.5.23" and len(captured["cases"]) >= 8
+    for case in captured["cases"]:
+        interval, tokens = case["stream_interval"] or 1, case["tokens"]
+        pieces, sent = [1], 1  # the first token at once
+        for emitted in range(2, tokens):
+            if piece_due(emitted, sent, interval):
+                pieces.append(sent := emitted)
+        pieces.append(tokens)  # the end, always
+        assert pieces == case["sent_after_each_piece"], case
 
 
 @contextlib.asynccontextmanager

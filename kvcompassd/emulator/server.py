@@ -239,6 +239,14 @@ class Generation:
         return meta
 
 
+def piece_due(emitted: int, sent: int, interval: int) -> bool:
+    """Whether a stream that has sent its first ``sent`` tokens sends a piece now that
+    ``emitted`` are out: once ``interval`` are unsent (SGLang 0.5.23's output streamer, after the
+    first token, which goes at once, and before the end, which always goes;
+    ``tests/data/engine_streams`` holds what SGLang's own sends)."""
+    return emitted - sent >= interval
+
+
 @dataclass(slots=True)
 class _Queued:
     """A request in the model: what its cache side needs at its prefill's start, end and finish."""
@@ -434,7 +442,7 @@ class EmulatedEngine:
                     await asyncio.wait({done}, timeout=step)
                     if not done.done() and gen.emitted < len(output) - 1:
                         gen.emitted += 1
-                        if gen.emitted - sent >= gen.stream_interval:
+                        if piece_due(gen.emitted, sent, gen.stream_interval):
                             gen.output = output[: gen.emitted]
                             sent = gen.emitted
                             yield gen
