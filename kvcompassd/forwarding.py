@@ -405,6 +405,9 @@ class Forwarder:
         if not req.stream and req.sampling_params.get("stream_interval") is None:
             # Streamed toward the worker all the same, in pieces ([deadlines] worker_stream_interval).
             req = replace(req, sampling_params={**req.sampling_params, "stream_interval": self.worker_stream_interval})
+        # Pieces of several tokens come that much further apart: the gap allowed between two is
+        # inter_token_s plus the others' decode at the worker's rate (learned, else configured).
+        piece_tokens = req.sampling_params.get("stream_interval") or 1
         excluded: set[int] = set()
         decode_failed: set[str] = set()  # decode workers that failed this request (disaggregated fleets)
         stay_home = False  # set once a remote attempt ran into the first-token deadline
@@ -425,7 +428,7 @@ class Forwarder:
                 # aclosing: however this generator ends (the client went away and it is
                 # closed, a deadline), the attempt's cleanup aborts the request at the worker.
                 async with contextlib.aclosing(self._run(decision, req, decode_failed)) as items, \
-                        contextlib.aclosing(_within_deadlines(items, first_s, self.inter_token_s,
+                        contextlib.aclosing(_within_deadlines(items, first_s, self._piece_gap_s(index, piece_tokens),
                                                               progress=lambda seen=seen, i=index: seen[i],
                                                               first_max_s=self.first_token_max_s)) as paced:
                     async for item in paced:
@@ -485,6 +488,13 @@ class Forwarder:
                 # its charge goes (a no-op after a completion or failure retired it).
                 self.router.on_aborted(decision.dispatch, now=self.clock())
         raise ForwardError(503, "no worker could serve the request: " + "; ".join(reasons))
+
+    def _piece_gap_s(self, index: int, piece_tokens: int) -> float:
+        """The longest gap allowed between two pieces of output of ``piece_tokens`` tokens from
+        worker ``index``: ``inter_token_s`` plus the other tokens' decode at its rate."""
+        if piece_tokens <= 1:
+            return self.inter_token_s
+        return self.inter_token_s + (piece_tokens - 1) * self.router.rates.decode_ms_per_token(index) / 1000.0
 
     def _observe_decision(self, req: ForwardRequest, d: ForwardDecided, decision_us: float, attempt: int) -> None:
         metrics = self.metrics

@@ -96,6 +96,12 @@ class Agent:
             await stream.send(ResponseChunked(message.request_id, (7,), "7", False))
             await stream.wait_aborted()
             self.aborted.set()
+        elif self.behaviour == "slow_pieces":  # a piece, a long gap (a whole piece's decode), the rest
+            await stream.send(ResponseChunked(message.request_id, (7,), "7", False))
+            await asyncio.sleep(SLOW_PIECE_GAP_S)
+            await stream.send(ResponseChunked(message.request_id, (8,), "8", False))
+            await stream.send(ResponseCompleted(message.request_id, self.worker, 0, len(message.input_ids), 2,
+                                                "length", (), WORKER_LATENCY_S), end=True)
         elif self.behaviour == "reject":
             await stream.send(RequestRejected(message.request_id, self.worker, 400, REJECTION), end=True)
         elif self.behaviour == "vanish":
@@ -110,6 +116,7 @@ class Agent:
 
 
 REJECTION = "top_p must be in (0, 1], got 2.0."
+SLOW_PIECE_GAP_S = 1.0  # over the fixture's inter_token_s (0.5), under it plus 199 tokens at 10 ms
 WORKER_LATENCY_S = 0.003
 LONG_PROMPT = np.random.default_rng(8).integers(1, 30000, 2000, dtype=np.uint32)
 
@@ -337,6 +344,19 @@ async def test_a_stream_that_stalls_after_its_first_token_ends_with_a_504_and_th
     async with asyncio.timeout(GUARD_S):
         await agents["a-0"].aborted.wait()
     assert edge.suspects.current(now=0.0) == {edge.router.layout.worker_index("a-0")}
+
+
+async def test_pieces_of_many_tokens_may_come_that_much_further_apart(pki, edge):
+    # inter_token_s (0.5 s) is a gap between tokens; pieces of 200 tokens may be 199 decodes
+    # (10 ms each, the config's rate) further apart: a 1 s gap then is no stall
+    a0 = edge.router.layout.worker_index("a-0")
+    assert edge._piece_gap_s(a0, 200) == pytest.approx(0.5 + 199 * 0.010) and edge._piece_gap_s(a0, 1) == 0.5
+    await start_agents(pki, edge, {"a-0": "slow_pieces"}, connect=("a-0",))
+    tokens, done = await run(edge, "pieces", sampling={"max_new_tokens": 2, "stream_interval": 200})
+    assert [t.token_ids for t in tokens] == [(7,), (8,)] and done.worker == "a-0"
+    with pytest.raises(ForwardError) as failure:  # a token at a time, the same gap is a stall
+        await run(edge, "tokens")
+    assert failure.value.status == 504
 
 
 async def test_a_client_that_goes_away_aborts_the_request_at_the_agent(pki, edge):

@@ -521,8 +521,9 @@ class DeadlineParams:
     per-request ``stream_interval``: the first token at once, then every that many, then the end),
     not one event per token: each event costs the edge a parse and a pass through its generators,
     and SGLang's stream without ``--incremental-streaming-output`` repeats every id so far in each,
-    so a long answer cost the edge CPU quadratic in its length. That many tokens must come within
-    ``inter_token_s`` (16 at 100 ms a token: 1.6 s). A client's own ``stream_interval`` is kept.
+    so a long answer cost the edge CPU quadratic in its length. A client's own ``stream_interval``
+    is kept. Between two pieces of N tokens the edge allows ``inter_token_s`` plus N - 1 tokens'
+    decode at the worker's rate (learned, else configured).
 
     The first-token deadline judges a worker, not a request: when it passes while the worker
     brought this edge output for other requests within the last deadline's length, the worker
