@@ -407,7 +407,10 @@ class Forwarder:
             req = replace(req, sampling_params={**req.sampling_params, "stream_interval": self.worker_stream_interval})
         # Pieces of several tokens come that much further apart: the gap allowed between two is
         # inter_token_s plus the others' decode at the worker's rate (learned, else configured).
-        piece_tokens = req.sampling_params.get("stream_interval") or 1
+        # A piece holds at most the answer, so a client's huge interval cannot lift the deadline
+        # beyond the answer's decode (max_new_tokens is bounded by the front door's limit).
+        params = req.sampling_params
+        piece_tokens = min(params.get("stream_interval") or 1, params.get("max_new_tokens") or 1 << 30)
         excluded: set[int] = set()
         decode_failed: set[str] = set()  # decode workers that failed this request (disaggregated fleets)
         stay_home = False  # set once a remote attempt ran into the first-token deadline

@@ -41,3 +41,11 @@ def test_score_settings_reach_every_edge_variant_and_not_direct(tool, monkeypatc
             asyncio.run(tool.measure(args, variant, 0))
     assert seen[0] == (None, True)
     assert seen[1] == ({**tool.VARIANTS["refute"], "copy_weight": 2.0}, False)
+
+
+def test_repeated_score_settings_all_count(tool):
+    # (nargs="*" kept only the last --score: a run meant for two settings measured one)
+    want = [("copy_weight", 2.0), ("occupancy_ms_per_running", 2.0)]
+    assert tool.parse_args(["--score", "copy_weight=2", "--score", "occupancy_ms_per_running=2"]).score == want
+    assert tool.parse_args(["--score", "copy_weight=2", "occupancy_ms_per_running=2"]).score == want
+    assert tool.parse_args([]).score == []

@@ -352,10 +352,13 @@ async def test_pieces_of_many_tokens_may_come_that_much_further_apart(pki, edge)
     a0 = edge.router.layout.worker_index("a-0")
     assert edge._piece_gap_s(a0, 200) == pytest.approx(0.5 + 199 * 0.010) and edge._piece_gap_s(a0, 1) == 0.5
     await start_agents(pki, edge, {"a-0": "slow_pieces"}, connect=("a-0",))
-    tokens, done = await run(edge, "pieces", sampling={"max_new_tokens": 2, "stream_interval": 200})
+    tokens, done = await run(edge, "pieces", sampling={"max_new_tokens": 200, "stream_interval": 200})
     assert [t.token_ids for t in tokens] == [(7,), (8,)] and done.worker == "a-0"
     with pytest.raises(ForwardError) as failure:  # a token at a time, the same gap is a stall
         await run(edge, "tokens")
+    assert failure.value.status == 504
+    with pytest.raises(ForwardError) as failure:  # a piece holds at most the answer: 2 tokens, 0.51 s
+        await run(edge, "short", sampling={"max_new_tokens": 2, "stream_interval": 200})
     assert failure.value.status == 504
 
 

@@ -150,7 +150,7 @@ def report(args, results: dict) -> None:
                   f"{min(r['load'][0] for r in rs):>6.1f}-{max(r['load'][1] for r in rs):<5.1f}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--time-scale", type=float, default=0.0, help="the workers' (0: no delays, 1: A100 model)")
@@ -166,12 +166,17 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--vram-tokens", type=int, default=65536)
     p.add_argument("--dram-tokens", type=int, default=0)
-    p.add_argument("--score", type=setting_parser("score"), nargs="*", default=[], metavar="FIELD=VALUE",
+    p.add_argument("--score", type=setting_parser("score"), nargs="+", action="extend", default=[],
+                   metavar="FIELD=VALUE",
                    help="override fields of the edge's [score] (e.g. learned_rate_bound=1 to keep the configured beta)")
     p.add_argument("--prefix-chars", type=int, default=1500)
     p.add_argument("--suffix-chars", type=int, default=500)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     quiet_logs()
     report(args, uvloop.run(run(args)))
 

@@ -307,7 +307,7 @@ async def run(args) -> list[dict]:
     return windows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["direct", "refute", "estimated"])
     p.add_argument("--runs", type=int, default=1, help="each variant once per run, in ABBA order")
@@ -327,9 +327,14 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--poll-ms", type=float, default=50.0)
     p.add_argument("--tail", type=float, default=5.0, help="percent of slowest requests")
-    p.add_argument("--score", type=setting_parser("score"), nargs="*", default=[], metavar="FIELD=VALUE",
+    p.add_argument("--score", type=setting_parser("score"), nargs="+", action="extend", default=[],
+                   metavar="FIELD=VALUE",
                    help="[score] settings of every edge variant, on top of its own")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     quiet_logs()
     report(args, uvloop.run(run(args)))
 

@@ -522,8 +522,9 @@ class DeadlineParams:
     not one event per token: each event costs the edge a parse and a pass through its generators,
     and SGLang's stream without ``--incremental-streaming-output`` repeats every id so far in each,
     so a long answer cost the edge CPU quadratic in its length. A client's own ``stream_interval``
-    is kept. Between two pieces of N tokens the edge allows ``inter_token_s`` plus N - 1 tokens'
-    decode at the worker's rate (learned, else configured).
+    is kept. Between two pieces of N tokens (N at most the answer's ``max_new_tokens``) the edge
+    allows ``inter_token_s`` plus N - 1 tokens' decode at the worker's rate (learned, else
+    configured).
 
     The first-token deadline judges a worker, not a request: when it passes while the worker
     brought this edge output for other requests within the last deadline's length, the worker

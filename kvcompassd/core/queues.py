@@ -536,14 +536,16 @@ class QueueEstimates:
         """The share of worker ``i``'s VRAM its requests pin as of ``now``, from its room steps
         (the free tokens now against those once every request it holds has finished), else the
         share its engine reported (``set_pinned``); 0 when it reported neither (nothing pinned,
-        or room enough for any prompt)."""
-        steps = self.room(i, now=now)
-        if not steps:
+        or room enough for any prompt). Read per decision (``score.copy_weight``): the steps
+        are not built, only the step reached."""
+        room = self._room.get(i)
+        if room is None:
             return self._pinned.get(i, 0.0)
-        capacity = steps[-1][1]
+        _, k, free = self._step_reached(room, now)
+        capacity = free[-1]
         if capacity <= 0:
             return 1.0
-        return min(1.0, max(0.0, 1.0 - steps[0][1] / capacity))
+        return min(1.0, max(0.0, 1.0 - free[k] / capacity))
 
     def room(self, i: int, *, now: float) -> tuple[tuple[float, int], ...] | None:
         """Worker ``i``'s room steps as of ``now`` (ms from ``now``, free tokens),
@@ -552,10 +554,18 @@ class QueueEstimates:
         room = self._room.get(i)
         if room is None:
             return None
+        age, k, free = self._step_reached(room, now)
+        ms = room[1]
+        return ((0.0, free[k]),) + tuple((m - age, f) for m, f in zip(ms[k + 1:], free[k + 1:]))
+
+    @staticmethod
+    def _step_reached(room: tuple[float, tuple[float, ...], tuple[int, ...]], now: float
+                      ) -> tuple[float, int, tuple[int, ...]]:
+        """(ms since the reading, index of the last step already reached (or the first), free
+        tokens per step) of a worker's room reading as of ``now``."""
         read_at, ms, free = room
         age = 1000.0 * (now - read_at)
-        k = max(0, bisect_right(ms, age) - 1)  # the last step already reached (or the first)
-        return ((0.0, free[k]),) + tuple((m - age, f) for m, f in zip(ms[k + 1:], free[k + 1:]))
+        return age, max(0, bisect_right(ms, age) - 1), free
 
     def room_wait_ms(self, i: int, tokens: float, *, now: float) -> float:
         """How long a prompt needing ``tokens`` new KV tokens waits at worker ``i`` for VRAM

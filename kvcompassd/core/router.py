@@ -312,8 +312,9 @@ class Router:
 
     def _copy_may_move(self, chosen: int, now: float) -> bool:
         """Whether a copy charge could move this decision: only one on the winner can (every
-        other score only rises), and a worker whose VRAM nothing pins is charged nothing: two
-        dictionary reads, so that a decision whose winner nothing pins reads no arrays."""
+        other score only rises), and a worker whose VRAM nothing pins is charged nothing (its
+        pinned share, read without building its room steps), so that a decision whose winner
+        nothing pins reads no arrays."""
         return self.queues.pinned_share(chosen, now=now) > 0.0
 
     def _charge_copy(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, result: ScoreResult, chosen: int,

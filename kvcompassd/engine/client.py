@@ -382,34 +382,23 @@ class _StreamedGenerate:
         # completion_tokens): all of it in each event (the default), or only what is new
         # (--incremental-streaming-output). Read off the ids alone, an incremental piece that
         # begins with all that was sent (a second newline after the first) was taken for a
-        # repeat and dropped. Only the new ids of a cumulative event are converted.
+        # repeat and dropped; the ids decide only where the count fits neither (a trimmed stop).
+        # Only the new ids of a cumulative event are converted.
         total = meta.get("completion_tokens") if isinstance(meta, dict) else None
-        if type(total) is not int:
-            cumulative = None
-        elif total == len(raw):
-            cumulative = True  # (an incremental stream's first event too: the same reading)
-        elif total == sent + len(raw):
+        counted = type(total) is int
+        incremental = counted and total != len(raw) and total == sent + len(raw)
+        if incremental:
             cumulative = False
+        elif counted and total == len(raw):
+            cumulative = True  # (an incremental stream's first event too: the same reading)
         else:
-            cumulative = None  # a count that fits neither (a trimmed stop): the ids themselves say
-        if cumulative is False:
+            cumulative = len(raw) >= sent and [int(t) for t in raw[:sent]] == ids_sent
+        delta_ids = [int(t) for t in (raw[sent:] if cumulative else raw)]
+        ids_sent.extend(delta_ids)
+        if not incremental and text.startswith(text_sent):
+            delta_text, self.text_sent = text[len(text_sent):], text
+        else:
             delta_text, self.text_sent = text, text_sent + text
-            delta_ids = [int(t) for t in raw]
-            ids_sent.extend(delta_ids)
-        else:
-            if text.startswith(text_sent):
-                delta_text, self.text_sent = text[len(text_sent):], text
-            else:
-                delta_text, self.text_sent = text, text_sent + text
-            if cumulative:
-                delta_ids = [int(t) for t in raw[sent:]]
-                ids_sent.extend(delta_ids)
-            else:
-                ids = [int(t) for t in raw]
-                if len(ids) >= sent and ids[:sent] == ids_sent:
-                    delta_ids, self.ids_sent = ids[sent:], ids
-                else:
-                    delta_ids, self.ids_sent = ids, ids_sent + ids
         self.meta = meta or self.meta
         if delta_ids or delta_text:
             return EngineOutput(tuple(delta_ids), delta_text)
