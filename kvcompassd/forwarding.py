@@ -150,35 +150,26 @@ class SuspectWorkers:
         return len(self._avoided)
 
 
-async def _within_deadlines(items: AsyncIterator, first_s: float, inter_s: float, *,
-                            progress: Callable[[], int] | None = None, first_max_s: float = 0.0) -> AsyncIterator:
-    """``items``, each awaited for at most ``first_s`` until the first token, then ``inter_s``.
-    A late item ends ``items`` (its cleanup aborts the request at the worker) and raises
-    :class:`FirstTokenLate` or :class:`OutputStalled`. A deadline bounds the wait for an item,
-    not the consumer's work on one.
+class _Deadlines:
+    """The deadlines of one attempt's waits for its items, judged by one timer.
+
+    ``wait(items)`` awaits the next item for at most ``first_s`` until the first token, then
+    ``inter_s`` (a number, or a function giving it, called once if ever: the gap a worker's
+    pieces may leave reads its learned decode rate, a median taken when read). A late item raises
+    :class:`FirstTokenLate` or :class:`OutputStalled`; the caller closes ``items``, whose cleanup
+    aborts the request at the worker. A deadline bounds the wait for an item, not the consumer's
+    work on one. ``stop()`` when done.
 
     With ``progress`` (a count of the worker's output for any request, read when a deadline
     passes), a first-token deadline that passes while the count moved in the last ``first_s``
     is not a failure: the worker is serving, only its queue is longer than expected. The wait
-    is judged again every ``first_s`` up to ``first_max_s`` in all (at least ``first_s``).
+    is judged again every ``first_s`` up to ``max_s`` in all (at least ``first_s``).
 
-    One timer judges the whole attempt (``_Deadlines``), re-armed only when it fires: a
-    timeout per item (a ``Timeout`` and a timer each) cost 5 % of the request path's
-    instructions (callgrind, README), on responses that come whole long before any deadline."""
-    deadlines = _Deadlines(first_s, inter_s, progress, max(first_s, first_max_s))
-    try:
-        while True:
-            try:
-                item = await deadlines.wait(items)
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        deadlines.stop()
-
-
-class _Deadlines:
-    """The deadlines of one attempt's waits (``_within_deadlines``), judged by one timer.
+    One timer judges the whole attempt, re-armed only when it fires: a timeout per item (a
+    ``Timeout`` and a timer each) cost 5 % of the request path's instructions (callgrind,
+    README), on responses that come whole long before any deadline. The caller awaits ``wait``
+    itself rather than through a wrapping async generator: a layer of those costs every item of
+    a streamed answer a few microseconds.
 
     The timer is armed for the earliest moment a deadline could pass; when it fires it judges
     the wait in progress (if any) and arms itself again for the next such moment, or expires the
@@ -188,11 +179,13 @@ class _Deadlines:
     __slots__ = ("_loop", "_task", "_cancelling", "_first_s", "_inter_s", "_progress", "_max_s", "_start", "_mark",
                  "_produced", "_first_phase", "_waiting_since", "_timer", "_failure")
 
-    def __init__(self, first_s: float, inter_s: float, progress: Callable[[], int] | None, max_s: float) -> None:
+    def __init__(self, first_s: float, inter_s: float | Callable[[], float], progress: Callable[[], int] | None,
+                 max_s: float) -> None:
         self._loop = loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._cancelling = self._task.cancelling()
-        self._first_s, self._inter_s, self._progress, self._max_s = first_s, inter_s, progress, max_s
+        self._first_s, self._inter_s, self._progress = first_s, inter_s, progress
+        self._max_s = max(first_s, max_s)
         self._start = loop.time()
         self._mark = progress() if progress is not None else 0
         self._produced = False  # a token came: the inter-token deadline from now on
@@ -218,7 +211,12 @@ class _Deadlines:
 
     @property
     def _deadline(self) -> float:
-        return self._inter_s if self._produced else self._first_s
+        if not self._produced:
+            return self._first_s
+        inter_s = self._inter_s
+        if callable(inter_s):
+            inter_s = self._inter_s = inter_s()
+        return inter_s
 
     def _judge(self) -> None:
         loop = self._loop
@@ -430,21 +428,27 @@ class Forwarder:
             try:
                 # aclosing: however this generator ends (the client went away and it is
                 # closed, a deadline), the attempt's cleanup aborts the request at the worker.
-                async with contextlib.aclosing(self._run(decision, req, decode_failed)) as items, \
-                        contextlib.aclosing(_within_deadlines(items, first_s, self._piece_gap_s(index, piece_tokens),
-                                                              progress=lambda seen=seen, i=index: seen[i],
-                                                              first_max_s=self.first_token_max_s)) as paced:
-                    async for item in paced:
-                        seen[index] += 1
-                        if isinstance(item, TokensGenerated):
-                            if not produced:
-                                # Its prefill is done: the charge for it goes, the prompt is there.
-                                self.router.on_first_token(decision.dispatch, now=self.clock())
-                            produced = True
-                            yield item
-                        else:
-                            yield self._finished(req, decision, item, attempt, decision_us, produced)
-                            return
+                async with contextlib.aclosing(self._run(decision, req, decode_failed)) as items:
+                    deadlines = _Deadlines(first_s, lambda i=index: self._piece_gap_s(i, piece_tokens),
+                                           lambda seen=seen, i=index: seen[i], self.first_token_max_s)
+                    try:
+                        while True:
+                            try:
+                                item = await deadlines.wait(items)
+                            except StopAsyncIteration:
+                                break
+                            seen[index] += 1
+                            if isinstance(item, TokensGenerated):
+                                if not produced:
+                                    # Its prefill is done: the charge for it goes, the prompt is there.
+                                    self.router.on_first_token(decision.dispatch, now=self.clock())
+                                produced = True
+                                yield item
+                            else:
+                                yield self._finished(req, decision, item, attempt, decision_us, produced)
+                                return
+                    finally:
+                        deadlines.stop()
                 raise WorkerUnavailable("response ended without completion")
             except EngineRejected as exc:
                 # The request's own fault: every worker would refuse it the same way.

@@ -12,6 +12,7 @@ Deadlines here are parameters of the path under test, not assertions on time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 
@@ -39,7 +40,7 @@ from kvcompassd.forwarding import (
     OutputStalled,
     SuspectWorkers,
     TokensGenerated,
-    _within_deadlines,
+    _Deadlines,
 )
 from kvcompassd.metrics import EdgeMetrics
 from kvcompassd.transport import QuicNode, TransportOptions
@@ -433,6 +434,22 @@ async def _stalling(items: int, cleaned: list[bool], gate: asyncio.Event | None 
         cleaned.append(True)
 
 
+async def _within_deadlines(items, first_s, inter_s, *, progress=None, first_max_s=0.0):
+    """``items`` waited for as ``Forwarder.generate`` waits for an attempt's: ``_Deadlines.wait``
+    in a loop, ``items`` closed however it ends (its cleanup aborts the request at the worker)."""
+    async with contextlib.aclosing(items):
+        deadlines = _Deadlines(first_s, inter_s, progress, first_max_s)
+        try:
+            while True:
+                try:
+                    item = await deadlines.wait(items)
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            deadlines.stop()
+
+
 async def _drain(paced) -> list:
     out = []
     async for item in paced:
@@ -472,6 +489,26 @@ async def test_deadline_never_fires_while_the_consumer_holds_the_item():
         got.append(item.token_ids)
         await asyncio.sleep(0.1)  # five deadlines long: the armed timer fires in here
     assert got == [(0,), (1,), (2,), (3,)] and cleaned == [True]
+
+
+async def test_gap_allowed_between_pieces_is_read_once_and_only_when_a_deadline_is_judged():
+    """The inter-token deadline may be a function (the gap a worker's pieces may leave reads its
+    learned decode rate): called once, when a wait after the first token is judged, and never
+    for an answer that comes before any deadline passes."""
+    calls: list[int] = []
+
+    def gap_s() -> float:
+        calls.append(1)
+        return 0.02
+
+    gate = asyncio.Event()
+    gate.set()
+    got = await asyncio.wait_for(_drain(_within_deadlines(_stalling(3, [], gate), 10.0, gap_s)), GUARD_S)
+    assert len(got) == 3 and calls == []
+    cleaned: list[bool] = []
+    with pytest.raises(OutputStalled, match="0.0 s after the last"):
+        await asyncio.wait_for(_drain(_within_deadlines(_stalling(2, cleaned), 0.01, gap_s)), GUARD_S)
+    assert calls == [1] and cleaned == [True]
 
 
 class _Judged:
