@@ -683,3 +683,66 @@ def test_a_long_prompt_is_not_sent_abroad_to_a_worker_whose_pinned_vram_only_its
     assert router.queues.on_room_broadcast(RoomVectorBroadcast("eu", "us", 0.0, (("eu-0", pinned), ("eu-1", pinned))),
                                            now=0.02)
     assert router.decide(PROMPT, now=0.02).region == "us"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_decode_stall_weight_prices_the_decodes_a_prefill_would_pause(native):
+    # A prompt nobody holds, at beta 0.1: 200 ms of prefill anywhere. us-0 decodes 8 requests,
+    # us-1 one behind a 20 ms queue, us-2 two. Without the weight the idle queues win (us-0 or
+    # us-2, 200 ms); at 0.25 each prefill is priced at 1 + min(1, 0.25 x running): us-0 400 ms
+    # (capped at twice, not 1 + 0.25 x 8 = 3 times), us-2 300, us-1 20 + 250: us-1 wins.
+    def decide(**score):
+        cfg, layout, shards, view = _world({"us": 3}, **score)
+        router = Router(cfg, "us", view, now=0.0, native=native)
+        for worker, queue, running in (("us-0", 0.0, 8), ("us-1", 20.0, 1), ("us-2", 0.0, 2)):
+            router.queues.set_local(worker, queue, now=0.0, running=running)
+        before = router.queues.queue_ms(now=0.0).copy()
+        return router, before, router.decide(PROMPT, now=0.0)
+
+    _, _, plain = decide()
+    assert plain.worker in ("us-0", "us-2")
+    router, before, d = decide(decode_stall_weight=0.25)
+    assert d.worker == "us-1"
+    prefill = {t.worker: t.prefill_ms / (1.0 + d.lam) for t in d.candidates}  # (lambda: us-1's short queue)
+    assert prefill == pytest.approx({"us-0": 400.0, "us-1": 250.0, "us-2": 300.0})
+    # The queue charged for the dispatch is the prefill's own time, not its price.
+    charged = router.queues.queue_ms(now=0.0) - before
+    assert charged[1] == pytest.approx(200.0) and charged[0] == charged[2] == 0.0
+
+
+def test_a_remote_worker_is_priced_as_the_own_regions_least_busy_decoder():
+    cfg, layout, shards, view = _world({"us": 2, "eu": 1}, decode_stall_weight=0.25)
+    router = Router(cfg, "us", view, now=0.0)
+    router.queues.set_local("us-0", 0.0, now=0.0, running=4)
+    router.queues.set_local("us-1", 0.0, now=0.0, running=2)
+    d = router.decide(PROMPT, now=0.0)
+    prefill = {t.worker: t.prefill_ms / (1.0 + d.lam) for t in d.candidates}
+    # us-0 1 + min(1, 1) = 2, us-1 1.5; eu-0 reads no running count: the region's floor, 1.5.
+    assert prefill == pytest.approx({"us-0": 400.0, "us-1": 300.0, "eu-0": 300.0})
+    # A reading that changes a count reprices the next decision; one that does not leaves it.
+    router.queues.set_local("us-1", 0.0, now=0.0, running=0)
+    d = router.decide(PROMPT, now=0.0)
+    prefill = {t.worker: t.prefill_ms / (1.0 + d.lam) for t in d.candidates}
+    assert prefill["us-1"] == pytest.approx(200.0) and prefill["eu-0"] == pytest.approx(200.0)
+
+
+def test_a_learned_rate_is_priced_with_the_stalls_and_charged_without_them():
+    cfg, layout, shards, view = _world({"us": 2}, decode_stall_weight=0.5)
+    router = Router(cfg, "us", view, now=0.0)
+    router.queues.set_local("us-0", 0.0, now=0.0, running=1)
+    rng = np.random.default_rng(7)
+    # Prompts nobody holds, one at a time, each first token 400 ms after its dispatch: 2,000
+    # tokens at 0.2 ms, twice the configured rate, which the edge learns (the fleet's factor,
+    # so for both workers).
+    for n in range(8):
+        now = float(n)
+        d = router.decide(rng.integers(0, 30000, 2000, dtype=np.uint32), now=now)
+        if n == 0:
+            assert router.scorer.beta_list == pytest.approx((0.15, 0.1))  # the configured rates, us-0 priced
+        queued = router.queues.queue_ms(now=now).item(d.worker_index)
+        router.on_first_token(d.dispatch, now=now + 0.4)
+        router.on_finished(d.dispatch, prompt_tokens=2000, cached_tokens=0, output_tokens=1, now=now + 0.4)
+    assert router.rates.prefill_rates() == pytest.approx([0.2, 0.2], rel=0.01)
+    assert router.scorer.beta_list == pytest.approx((0.3, 0.2), rel=0.01)
+    # The last dispatch was charged its prefill at the rate learned then, without the price.
+    assert queued == pytest.approx(0.2 * 2000 + cfg.score.occupancy_ms_per_running * (d.worker == "us-0"), rel=0.01)

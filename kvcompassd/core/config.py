@@ -473,6 +473,15 @@ class ScoreParams:
     # against 64.5 / 65.2 and 0.94; README "A copy's price under cache pressure"); off by
     # default until the simulator's evaluation is rerun with it.
     copy_weight: float = 0.0
+    # A worker runs a prefill before its next decode step (SGLang without mixed chunks, the
+    # emulated worker, the simulator's model), so a prompt sent to a worker decoding r requests
+    # delays each of them by its prefill. The score prices the prefill at
+    # 1 + min(1, weight x r) times its own time: each paused request counted at this weight, and
+    # all of them together at most as much as the request's own prefill (uncapped, the term
+    # spread prefix groups over VRAM-bound workers). r is an own-region worker's latest reading;
+    # a remote worker counts as the own region's least busy one. 0 = off, the paper's score
+    # (README, "The decodes a prefill pauses").
+    decode_stall_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _check_float("lambda_max", self.lambda_max, lo=0.0)
@@ -494,9 +503,11 @@ class ScoreParams:
         _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
         _check_float("urgent_broadcast_ms", self.urgent_broadcast_ms, lo=0.0)
         _check_float("copy_weight", self.copy_weight, lo=0.0, hi=1e3)
+        _check_float("decode_stall_weight", self.decode_stall_weight, lo=0.0, hi=1e3)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",
-                     "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms", "copy_weight"):
+                     "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms", "copy_weight",
+                     "decode_stall_weight"):
             _as_float(self, name)
 
 

@@ -185,6 +185,10 @@ class QueueEstimates:
         self._trend_window_s = _TREND_PERIODS * self._period_s
         self._occupancy = np.zeros(n)  # ms the score adds per own-region worker for its running batch
         self._occupied = 0  # own-region workers whose occupancy is > 0 (none: nothing to add)
+        # The requests each own-region worker is running at its latest reading (0 for the
+        # others), and a count of the changes to them (the Router's decode-stall price reads both).
+        self.running = np.zeros(n)
+        self.running_version = 0
         # Workers short of VRAM room: index -> (read at, ms steps, free tokens per step); the
         # own region's from their readings (set_room), the others' from their edges' room
         # broadcasts (on_room_broadcast), read one way ago. Also kept per region (which of its
@@ -385,6 +389,9 @@ class QueueEstimates:
         if isinstance(running, bool) or not isinstance(running, (int, np.integer)) or running < 0:
             raise QueueEstimateError(f"worker {worker_id!r}: running must be an int >= 0, got {running!r}")
         queue = _check_ms(queue_ms, f"worker {worker_id!r}", QueueEstimateError)
+        if self.running.item(i) != running:
+            self.running[i] = running
+            self.running_version += 1
         occupancy = self._occupancy_ms_per_running * int(running)
         self._occupied += (occupancy > 0.0) - (self._occupancy.item(i) > 0.0)
         self._occupancy[i] = occupancy

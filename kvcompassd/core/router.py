@@ -141,7 +141,11 @@ class Router:
             first = self.plan.first_length_toward(region, r) if r != region and self.ablation.cross_region else None
             floors.append(never if first is None else max(1, first))
         self._miss_summary = MissSummary(self._local, np.array(floors, dtype=np.int64))
-        self._beta_list = self.scorer.beta_list
+        self._beta_list = self.scorer.beta_list  # the prefill rates themselves (charges, learning)
+        # score.decode_stall_weight: the scorer's rates are these raised by the decodes each
+        # worker's prefill would pause, remade when a reading changes a running count.
+        self._stall_weight = cfg.score.decode_stall_weight
+        self._stall_seen = -1  # the queue estimates' running_version the scorer's rates were made at
         self.rates = LearnedRates(cfg, region)
         self._gamma = self.scorer.gamma
         hold_ms = cfg.score.pending_hold_ms
@@ -177,6 +181,8 @@ class Router:
         """Pick the worker for a prompt; ``exclude`` holds worker indexes that already failed it."""
         if self._withheld:
             exclude = self._withheld.union(exclude)
+        if self._stall_weight and self.queues.running_version != self._stall_seen:
+            self._price_stalls()
         kernel = self._kernel
         if kernel is None:
             return self._decide_reference(tokens, now=now, exclude=exclude)
@@ -608,9 +614,33 @@ class Router:
                                    worker_latency_s=worker_latency_s):
             return None
         # (the fleet's factor may have moved too; a sample may also leave every median as it was)
-        if self.scorer.set_prefill_rates(self.rates.prefill_rates()):
+        rates = self.rates.prefill_rates()
+        if self._stall_weight:
+            learned = tuple(rates.tolist())
+            if learned == self._beta_list:
+                return None
+            self._beta_list = learned
+            self._price_stalls()
+            return worker
+        if self.scorer.set_prefill_rates(rates):
             self._beta_list = self.scorer.beta_list
         return worker
+
+    def _price_stalls(self) -> None:
+        """Score each worker's prefill at its rate times 1 + min(1, weight x the requests it is
+        decoding), which the prefill would pause (``score.decode_stall_weight``). The running
+        counts are own-region readings; a remote worker counts as the own region's least busy
+        worker (the region's floor, not a guess that would favour or shun the remote ones).
+        The charges and the rates learned stay the prefill's own time (``_beta_list``)."""
+        queues = self.queues
+        self._stall_seen = queues.running_version
+        running = queues.running
+        local = self._local
+        if not local.all():
+            floor = running[local].min() if local.any() else 0.0
+            running = np.where(local, running, floor)
+        stall = np.minimum(1.0, self._stall_weight * running)
+        self.scorer.set_prefill_rates(np.array(self._beta_list) * (1.0 + stall))
 
     def on_response(
         self,
