@@ -48,6 +48,18 @@ def test_holders_shows_the_view_and_apart_from_it_what_the_edge_just_sent_withou
         describe_edge(edge, "holders", {"tokens": packed[:-1]})
 
 
+def test_queues_shows_each_workers_running_count_and_the_price_its_prefill_was_scored_at():
+    cfg, layout, shards, view = _world({"us": 2, "eu": 1}, decode_stall_weight=0.25)
+    router = Router(cfg, "us", view, now=0.0)
+    edge = _edge(router, cfg, layout, [0.0])
+    router.queues.set_local("us-0", 0.0, now=0.0, running=6)
+    router.queues.set_local("us-1", 0.0, now=0.0, running=2)
+    router.decide(PROMPT, now=0.0)
+    workers = {w["worker"]: w for w in describe_edge(edge, "queues", {})["workers"]}
+    assert {w: (q["running"], q["prefill_price"]) for w, q in workers.items()} == {
+        "us-0": (6, 2.0), "us-1": (2, 1.5), "eu-0": (0, 1.5)}  # (eu-0: priced as us's least busy)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 400)), max_size=300))
 def test_a_view_counts_the_entries_its_table_holds_after_records_not_only_its_first_snapshot(ops):
