@@ -135,9 +135,9 @@ def _queues(edge, args) -> dict:
                          "pinned_share": round(q.pinned_share(i, now=now), 4),
                          # requests it was running at its latest reading (own region; 0 for the
                          # others), and the prefill's price for the decodes it pauses
-                         # (score.decode_stall_weight, as the latest decision scored it; 1 when off)
+                         # (as the latest decision scored it; 1 when off)
                          "running": int(q.running[i]),
-                         "prefill_price": round(edge.router.scorer.beta_list[i] / rates.prefill_ms_per_token(i), 4)}
+                         "prefill_price": round(edge.router.prefill_price(i), 4)}
                         for i, w in enumerate(edge.layout.worker_ids)],
             # Per remote region, the selection correction queue_ms includes (QueueEstimates docstring).
             "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()},

@@ -386,6 +386,16 @@ def install_metric_values(kind: str, directory: Path):
     return publish
 
 
+def _child_command(args, concurrency: int, out: Path) -> list[str]:
+    """This tool's command for one run at ``concurrency`` with ``args``' load and windows,
+    writing its figures to ``out`` (``--against`` and ``--stages`` run one per round)."""
+    return [sys.executable, __file__, "--concurrency", str(concurrency), "--seconds", str(args.seconds),
+            "--windows", str(args.windows), "--prefix-chars", str(args.prefix_chars),
+            "--suffix-chars", str(args.suffix_chars), "--log-level", args.log_level, "--json", str(out),
+            "--max-new-tokens", str(args.max_new_tokens), "--worker-time-scale", str(args.worker_time_scale),
+            *(["--client-stream"] if args.client_stream else [])]
+
+
 def compare(args) -> None:
     """ABBA runs of this tool under two checkouts' PYTHONPATHs; pooled medians and ratios."""
     here = str(Path(__file__).resolve().parents[1])
@@ -398,11 +408,7 @@ def compare(args) -> None:
                 for step, (label, path) in enumerate((("other", other), ("this", here), ("this", here),
                                                       ("other", other))):
                     out = Path(tmp) / f"{concurrency}-{round_}-{step}.json"
-                    cmd = [sys.executable, __file__, "--concurrency", str(concurrency), "--seconds", str(args.seconds),
-                           "--windows", str(args.windows), "--prefix-chars", str(args.prefix_chars),
-                           "--suffix-chars", str(args.suffix_chars), "--log-level", args.log_level, "--json", str(out),
-                           "--max-new-tokens", str(args.max_new_tokens), "--worker-time-scale", str(args.worker_time_scale),
-                           *(["--client-stream"] if args.client_stream else [])]
+                    cmd = _child_command(args, concurrency, out)
                     print(f"[{label}: {path}, c = {concurrency}]", flush=True)
                     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": path})
                     run = json.loads(out.read_text())
@@ -435,11 +441,7 @@ def stages(args) -> None:
                 order = args.stages if round_ % 2 == 0 else args.stages[::-1]
                 for stage in order:
                     out = Path(tmp) / f"{concurrency}-{round_}-{stage}.json"
-                    cmd = [sys.executable, __file__, "--stage", stage, "--concurrency", str(concurrency),
-                           "--seconds", str(args.seconds), "--windows", str(args.windows),
-                           "--prefix-chars", str(args.prefix_chars), "--suffix-chars", str(args.suffix_chars),
-                           "--log-level", args.log_level, "--json", str(out), "--max-new-tokens", str(args.max_new_tokens),
-                           "--worker-time-scale", str(args.worker_time_scale), *(["--client-stream"] if args.client_stream else [])]
+                    cmd = [*_child_command(args, concurrency, out), "--stage", stage]
                     print(f"[{stage}, c = {concurrency}, round {round_ + 1}]", flush=True)
                     subprocess.run(cmd, check=True)
                     results.setdefault((concurrency, stage), []).extend(json.loads(out.read_text())["us_per_request"])

@@ -614,15 +614,11 @@ class Router:
                                    worker_latency_s=worker_latency_s):
             return None
         # (the fleet's factor may have moved too; a sample may also leave every median as it was)
-        rates = self.rates.prefill_rates()
+        learned = self.rates.prefill_rates()
         if self._stall_weight:
-            learned = tuple(rates.tolist())
-            if learned == self._beta_list:
-                return None
-            self._beta_list = learned
-            self._price_stalls()
-            return worker
-        if self.scorer.set_prefill_rates(rates):
+            self._beta_list = tuple(learned.tolist())
+            self._price_stalls()  # (the scorer keeps its rates when the prices come out the same)
+        elif self.scorer.set_prefill_rates(learned):
             self._beta_list = self.scorer.beta_list
         return worker
 
@@ -641,6 +637,11 @@ class Router:
             running = np.where(local, running, floor)
         stall = np.minimum(1.0, self._stall_weight * running)
         self.scorer.set_prefill_rates(np.array(self._beta_list) * (1.0 + stall))
+
+    def prefill_price(self, worker: int) -> float:
+        """The multiple of worker ``worker``'s prefill rate the latest decision scored it at
+        (``score.decode_stall_weight``; 1 when off)."""
+        return self.scorer.beta_list[worker] / self._beta_list[worker]
 
     def on_response(
         self,
