@@ -3,12 +3,22 @@ module was checked against."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import ssl
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompassd.certs import init_ca, issue
 from kvcompassd.transport import aioquic_tweaks
+from kvcompassd.transport.aioquic_tweaks import nothing_to_send, set_ack_delay
 
 ROOT = Path(__file__).resolve().parents[1]
 # aioquic's private QuicConnection/stream/recovery attributes kvcompass has ever read (on
@@ -32,3 +42,170 @@ def test_no_module_but_aioquic_tweaks_reads_aioquic_private_fields():
                  for n, line in enumerate(path.read_text().splitlines(), 1) if PRIVATE.search(line)]
     assert offenders == []
     assert PRIVATE.search(tweaks.read_text())  # the pattern does see the accesses where they are
+
+
+# -- nothing_to_send: whenever it says a transmit would build nothing, aioquic agrees -------------
+
+SERVER_ADDR = ("127.0.0.1", 4433)
+CLIENT_ADDR = ("127.0.0.1", 1234)
+
+
+@pytest.fixture(scope="module")
+def server_tls(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quic-pair")
+    init_ca(root / "ca", cluster_name="test")
+    return issue(root / "ca", root / "nodes", role="maintenance", node_id="mnt-0")
+
+
+class Pair:
+    """A client and a server QuicConnection exchanging datagrams by hand on a virtual clock, the
+    way the transport drives them; after every datagram a side receives, ``nothing_to_send`` is
+    checked against what ``datagrams_to_send`` then really builds."""
+
+    def __init__(self, tls, *, max_stream_data: int = 64 * 1024, max_data: int = 256 * 1024) -> None:
+        self.now = 1000.0
+        limits = {"max_datagram_frame_size": 65536, "max_stream_data": max_stream_data, "max_data": max_data}
+        client_config = QuicConfiguration(is_client=True, alpn_protocols=["kvc-test"], verify_mode=ssl.CERT_NONE,
+                                          **limits)
+        server_config = QuicConfiguration(is_client=False, alpn_protocols=["kvc-test"], **limits)
+        server_config.load_cert_chain(tls.cert, tls.key)
+        self.client = QuicConnection(configuration=client_config)
+        self.server = QuicConnection(configuration=server_config,
+                                     original_destination_connection_id=self.client.original_destination_connection_id)
+        self.sides = {"client": self.client, "server": self.server}
+        self.streams: list[int] = []
+        self.closed: set[tuple[str, int]] = set()  # (side, stream) whose sending side ended or was reset
+        self.idle_claims = 0  # datagrams after which nothing_to_send said True (and was right)
+        self.client.connect(SERVER_ADDR, now=self.now)
+        for _ in range(10):
+            self.flush("client")
+            self.flush("server")
+            self.advance(0.001)
+        assert self.client._handshake_confirmed and self.server._handshake_confirmed
+        for side in (self.client, self.server):
+            set_ack_delay(side, 0.005)
+
+    def other(self, name: str) -> str:
+        return "server" if name == "client" else "client"
+
+    def flush(self, name: str, drop: int = 0) -> None:
+        """Send what ``name`` has to send; each datagram whose bit is set in ``drop`` is lost."""
+        sender, receiver = self.sides[name], self.sides[self.other(name)]
+        for i, (data, _) in enumerate(sender.datagrams_to_send(now=self.now)):
+            if drop >> (i % 16) & 1:
+                continue
+            receiver.receive_datagram(data, CLIENT_ADDR if name == "client" else SERVER_ADDR, now=self.now)
+            self._drain_events(receiver)
+            if nothing_to_send(receiver, self.now):
+                assert receiver.datagrams_to_send(now=self.now) == []
+                self.idle_claims += 1
+
+    def _drain_events(self, quic: QuicConnection) -> None:
+        while quic.next_event() is not None:
+            pass
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for quic in (self.client, self.server):
+            timer = quic.get_timer()
+            if timer is not None and timer <= self.now:
+                quic.handle_timer(now=self.now)
+                self._drain_events(quic)
+
+    def apply(self, op) -> None:
+        kind, side, n, size = op
+        quic = self.sides[side]
+        if kind == "open":
+            stream_id = self.client.get_next_available_stream_id()
+            self.client.send_stream_data(stream_id, b"o" * size)
+            self.streams.append(stream_id)
+        elif kind == "send" and self.streams:
+            stream_id = self.streams[n % len(self.streams)]
+            if (side, stream_id) not in self.closed and stream_id in quic._streams:
+                end = size % 7 == 0
+                try:
+                    quic.send_stream_data(stream_id, b"s" * size, end_stream=end)
+                except RuntimeError:  # the peer's STOP_SENDING reset it: aioquic refuses, rightly
+                    end = True
+                if end:
+                    self.closed.add((side, stream_id))
+        elif kind == "reset" and self.streams:
+            stream_id = self.streams[n % len(self.streams)]
+            if (side, stream_id) not in self.closed and stream_id in quic._streams:
+                with contextlib.suppress(RuntimeError):  # (already reset at the peer's STOP_SENDING)
+                    quic.reset_stream(stream_id, 1)
+                self.closed.add((side, stream_id))
+        elif kind == "stop" and self.streams:
+            stream_id = self.streams[n % len(self.streams)]
+            if stream_id in quic._streams:
+                quic.stop_stream(stream_id, 2)
+        elif kind == "datagram":
+            quic.send_datagram_frame(b"d" * min(size, 1000))
+        elif kind == "ping":
+            quic.send_ping(n)
+        elif kind == "flush":
+            self.flush(side, drop=n)
+        elif kind == "wait":
+            self.advance(size / 1000.0)
+
+
+OPS = st.tuples(st.sampled_from(["open", "send", "send", "reset", "stop", "datagram", "ping", "flush", "flush",
+                                 "flush", "wait", "wait"]),
+                st.sampled_from(["client", "server"]), st.integers(0, 1 << 16), st.integers(0, 40_000))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(ops=st.lists(OPS, max_size=60))
+def test_nothing_to_send_is_never_wrong(server_tls, ops):
+    pair = Pair(server_tls)
+    for op in ops:
+        pair.apply(op)
+    for _ in range(30):  # and as everything settles: acknowledgements, retransmissions, limits
+        pair.advance(0.01)
+        pair.flush("client")
+        pair.flush("server")
+
+
+def test_a_one_way_stream_leaves_the_receiver_nothing_to_send_until_its_acknowledgement_is_due(server_tls):
+    pair = Pair(server_tls)
+    stream_id = pair.client.get_next_available_stream_id()
+    for _ in range(20):
+        pair.client.send_stream_data(stream_id, b"report" * 50)
+        pair.flush("client")  # the server receives: only an ACK owed, not yet due
+        pair.advance(0.002)
+        pair.flush("server")  # (its ACK goes when due, as the timer sends it)
+        pair.flush("client")
+    assert pair.idle_claims >= 20
+    pair.client.send_stream_data(stream_id, b"report" * 50)
+    pair.flush("client")
+    pair.advance(0.006)
+    assert not nothing_to_send(pair.server, pair.now)  # the acknowledgement is due now
+    assert pair.server.datagrams_to_send(now=pair.now)
+
+
+def test_a_side_with_stream_data_queued_has_something_to_send(server_tls):
+    pair = Pair(server_tls)
+    stream_id = pair.client.get_next_available_stream_id()
+    pair.client.send_stream_data(stream_id, b"question")
+    pair.flush("client")
+    pair.server.send_stream_data(stream_id, b"answer")  # queued, not sent yet
+    pair.client.send_stream_data(stream_id, b"more")
+    pair.flush("client")  # the server receives with its answer still queued
+    assert not nothing_to_send(pair.server, pair.now)
+    assert pair.server.datagrams_to_send(now=pair.now)
+
+
+def test_a_connection_past_half_its_flow_control_window_has_a_limit_to_raise(server_tls):
+    pair = Pair(server_tls, max_stream_data=1 << 20, max_data=16 * 1024)
+    for _ in range(2):
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_stream_data(stream_id, b"x" * 5000)
+    window = pair.server._local_max_data
+    for _ in range(50):  # (the client's pacer lets a few packets go at a time)
+        pair.flush("client")
+        if window.used * 2 > window.value:
+            break
+        pair.advance(0.001)
+    # Over half of the server's 16 KiB window used: MAX_DATA is owed now.
+    assert window.used * 2 > window.value and not nothing_to_send(pair.server, pair.now)
+    assert pair.server.datagrams_to_send(now=pair.now)
