@@ -29,16 +29,6 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
    context; the transport then verifies the chain against the cluster CA itself
    (:func:`verify_peer_chain`) before it accepts a single frame from the peer.
 
-5. **No packet to build after a datagram.** aioquic's protocol transmits after every datagram it
-   receives, and a transmit builds a packet however little there is to send. A datagram of
-   stream data needs only an acknowledgement, which is not due for ``set_ack_delay``'s delay:
-   on the one-way update and report streams about half of all transmits built nothing (a
-   maintenance unit's profile: 4,319 transmits, 2,231 packets). :func:`nothing_to_send` says,
-   from every source ``QuicConnection._write_application`` writes frames from, that a transmit
-   now would send nothing; the transport then only re-arms the connection's timer
-   (:func:`rearm_timer`), which sends the acknowledgement when it is due. It errs towards
-   transmitting: anything it does not know to be idle counts as something to send.
-
 4. **Acknowledging ACK-only packets.** aioquic keeps every packet it sends, ACK-only ones
    included, in its packet space's ``sent_packets`` (with a delivery handler per ACK frame)
    until the peer acknowledges it. A peer only sends an ACK when it receives an ack-eliciting
@@ -51,6 +41,16 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
    ack-eliciting frame now and then. :func:`elicit_ack_for_ack_only_backlog` sends a PING once
    ``ACK_ONLY_BACKLOG`` unacknowledged packets have accumulated with nothing ack-eliciting in
    flight; the peer's ACK of it releases them all, so the backlog stays bounded.
+
+5. **No packet to build after a datagram.** aioquic's protocol transmits after every datagram it
+   receives, and a transmit builds a packet however little there is to send. A datagram of
+   stream data needs only an acknowledgement, which is not due for ``set_ack_delay``'s delay:
+   on the one-way update and report streams about half of all transmits built nothing (a
+   maintenance unit's profile: 4,319 transmits, 2,231 packets). :func:`nothing_to_send` says,
+   from every source ``QuicConnection._write_application`` writes frames from, that a transmit
+   now would send nothing; the transport then only re-arms the connection's timer
+   (:func:`rearm_timer`), which sends the acknowledgement when it is due. It errs towards
+   transmitting: anything it does not know to be idle counts as something to send.
 """
 
 from __future__ import annotations
