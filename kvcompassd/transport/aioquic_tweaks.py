@@ -45,12 +45,13 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
 5. **No packet to build after a datagram.** aioquic's protocol transmits after every datagram it
    receives, and a transmit builds a packet however little there is to send. A datagram of
    stream data needs only an acknowledgement, which is not due for ``set_ack_delay``'s delay:
-   on the one-way update and report streams about half of all transmits built nothing (a
-   maintenance unit's profile: 4,319 transmits, 2,231 packets). :func:`nothing_to_send` says,
+   on the one-way update and report streams about half of all transmits built nothing (over a
+   zero-delay gateway run, README "Coalescing windows": a maintenance unit 4,319 transmits for
+   2,231 packets, an edge 2,824 for 1,466, an agent 1,253 for 639). :func:`nothing_to_send` says,
    from every source ``QuicConnection._write_application`` writes frames from, that a transmit
-   now would send nothing; the transport then only re-arms the connection's timer
-   (:func:`rearm_timer`), which sends the acknowledgement when it is due. It errs towards
-   transmitting: anything it does not know to be idle counts as something to send.
+   now would send nothing; :func:`transmit_after_datagram` then only re-arms the connection's
+   timer, which sends the acknowledgement when it is due. It errs towards transmitting:
+   anything it does not know to be idle counts as something to send.
 """
 
 from __future__ import annotations
@@ -236,7 +237,17 @@ def nothing_to_send(quic: QuicConnection, now: float) -> bool:
     return True
 
 
-def rearm_timer(protocol: QuicConnectionProtocol) -> None:
+def transmit_after_datagram(protocol: QuicConnectionProtocol, now: float) -> None:
+    """What follows a datagram ``protocol`` received (and its events were handled): a transmit
+    soon (one per event-loop turn), unless none is pending and there is nothing to send (item 5),
+    when the connection's timer is only re-armed for the acknowledgement now owed."""
+    if protocol._transmit_task is None and nothing_to_send(protocol._quic, now):
+        _rearm_timer(protocol)
+    else:
+        protocol._transmit_soon()
+
+
+def _rearm_timer(protocol: QuicConnectionProtocol) -> None:
     """What ``QuicConnectionProtocol.transmit`` does after sending: arm the connection's timer
     for ``get_timer()`` (an acknowledgement now owed, loss detection), moving it if it changed."""
     timer_at = protocol._quic.get_timer()

@@ -27,13 +27,12 @@ from kvcompassd.transport.aioquic_tweaks import (
     elicit_ack_for_ack_only_backlog,
     install_pacer,
     last_ack_eliciting_sent,
-    nothing_to_send,
     peer_certificate,
-    rearm_timer,
     request_client_certificate,
     set_ack_delay,
     tracked_sent_packets,
     tracked_streams,
+    transmit_after_datagram,
     unacknowledged_stream_bytes,
     verify_peer_chain,
 )
@@ -151,12 +150,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         if acknowledgement_due(self._quic):
             self._heard_at = now  # an ack-eliciting packet: our ACK answers it, no PING needed
         self._process_events()
-        if self._transmit_task is None and nothing_to_send(self._quic, now):
-            # Only an acknowledgement is owed, and not yet: the timer sends it when it is due
-            # (aioquic_tweaks, item 5), rather than a transmit now that builds nothing.
-            rearm_timer(self)
-        else:
-            self._transmit_soon()
+        transmit_after_datagram(self, now)  # (none when nothing is to send: aioquic_tweaks, item 5)
         if self._drain_waiters:  # acknowledgements may have freed send buffer
             self._wake_drain_waiters()
 
