@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 
 from kvcompassd.certs import init_ca, issue
 from kvcompassd.transport import aioquic_tweaks
-from kvcompassd.transport.aioquic_tweaks import nothing_to_send, set_ack_delay
+from kvcompassd.transport.aioquic_tweaks import (
+    EarlyAcks,
+    advertise_max_ack_delay,
+    nothing_to_send,
+    peer_max_ack_delay,
+    set_ack_delay,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # aioquic's private QuicConnection/stream/recovery attributes kvcompass has ever read (on
@@ -60,9 +66,12 @@ def server_tls(tmp_path_factory):
 class Pair:
     """A client and a server QuicConnection exchanging datagrams by hand on a virtual clock, the
     way the transport drives them; after every datagram a side receives, ``nothing_to_send`` is
-    checked against what ``datagrams_to_send`` then really builds."""
+    checked against what ``datagrams_to_send`` then really builds. With ``max_ack_delay`` both
+    ends advertise it, and with ``early_after`` each side's ``EarlyAcks`` sees its datagrams and
+    transmits as the transport shows them."""
 
-    def __init__(self, tls, *, max_stream_data: int = 64 * 1024, max_data: int = 256 * 1024) -> None:
+    def __init__(self, tls, *, max_stream_data: int = 64 * 1024, max_data: int = 256 * 1024,
+                 ack_delay: float = 0.005, max_ack_delay: float | None = None, early_after: int | None = None) -> None:
         self.now = 1000.0
         limits = {"max_datagram_frame_size": 65536, "max_stream_data": max_stream_data, "max_data": max_data}
         client_config = QuicConfiguration(is_client=True, alpn_protocols=["kvc-test"], verify_mode=ssl.CERT_NONE,
@@ -73,6 +82,10 @@ class Pair:
         self.server = QuicConnection(configuration=server_config,
                                      original_destination_connection_id=self.client.original_destination_connection_id)
         self.sides = {"client": self.client, "server": self.server}
+        if max_ack_delay is not None:
+            for side in (self.client, self.server):
+                advertise_max_ack_delay(side, max_ack_delay)
+        self.early = {name: EarlyAcks(quic, early_after) for name, quic in self.sides.items()} if early_after else {}
         self.streams: list[int] = []
         self.closed: set[tuple[str, int]] = set()  # (side, stream) whose sending side ended or was reset
         self.idle_claims = 0  # datagrams after which nothing_to_send said True (and was right)
@@ -83,7 +96,7 @@ class Pair:
             self.advance(0.001)
         assert self.client._handshake_confirmed and self.server._handshake_confirmed
         for side in (self.client, self.server):
-            set_ack_delay(side, 0.005)
+            set_ack_delay(side, ack_delay)
 
     def other(self, name: str) -> str:
         return "server" if name == "client" else "client"
@@ -91,14 +104,25 @@ class Pair:
     def flush(self, name: str, drop: int = 0) -> None:
         """Send what ``name`` has to send; each datagram whose bit is set in ``drop`` is lost."""
         sender, receiver = self.sides[name], self.sides[self.other(name)]
-        for i, (data, _) in enumerate(sender.datagrams_to_send(now=self.now)):
+        early = self.early.get(self.other(name))
+        datagrams = sender.datagrams_to_send(now=self.now)
+        self.transmitted(name)
+        for i, (data, _) in enumerate(datagrams):
             if drop >> (i % 16) & 1:
                 continue
+            if early:
+                early.before_datagram()
             receiver.receive_datagram(data, CLIENT_ADDR if name == "client" else SERVER_ADDR, now=self.now)
             self._drain_events(receiver)
+            if early:
+                early.after_datagram(self.now)
             if nothing_to_send(receiver, self.now):
                 assert receiver.datagrams_to_send(now=self.now) == []
                 self.idle_claims += 1
+
+    def transmitted(self, name: str) -> None:
+        if name in self.early:
+            self.early[name].after_transmit()
 
     def _drain_events(self, quic: QuicConnection) -> None:
         while quic.next_event() is not None:
@@ -154,10 +178,15 @@ OPS = st.tuples(st.sampled_from(["open", "send", "send", "reset", "stop", "datag
                 st.sampled_from(["client", "server"]), st.integers(0, 1 << 16), st.integers(0, 40_000))
 
 
+# aioquic's own acknowledgement timing, and the daemons' (TransportOptions' defaults).
+ACK_TIMINGS = {"prompt": {}, "delayed": {"ack_delay": 0.08, "max_ack_delay": 0.1, "early_after": 8}}
+
+
+@pytest.mark.parametrize("timing", sorted(ACK_TIMINGS))
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(ops=st.lists(OPS, max_size=60))
-def test_nothing_to_send_is_never_wrong(server_tls, ops):
-    pair = Pair(server_tls)
+def test_nothing_to_send_is_never_wrong(server_tls, timing, ops):
+    pair = Pair(server_tls, **ACK_TIMINGS[timing])
     for op in ops:
         pair.apply(op)
     for _ in range(30):  # and as everything settles: acknowledgements, retransmissions, limits
@@ -209,3 +238,61 @@ def test_a_connection_past_half_its_flow_control_window_has_a_limit_to_raise(ser
     # Over half of the server's 16 KiB window used: MAX_DATA is owed now.
     assert window.used * 2 > window.value and not nothing_to_send(pair.server, pair.now)
     assert pair.server.datagrams_to_send(now=pair.now)
+
+
+# -- a long acknowledgement delay: advertised, and cut short by packets piling up or a gap --------
+
+def one_packet(pair: Pair, stream_id: int, *, drop: int = 0) -> None:
+    pair.client.send_stream_data(stream_id, b"report" * 50)
+    pair.flush("client", drop=drop)
+
+
+def test_each_end_allows_for_the_delay_the_other_advertised(server_tls):
+    pair = Pair(server_tls, ack_delay=0.08, max_ack_delay=0.1, early_after=8)
+    assert peer_max_ack_delay(pair.client) == peer_max_ack_delay(pair.server) == 0.1
+    assert peer_max_ack_delay(Pair(server_tls).client) == 0.025  # aioquic's own
+    with pytest.raises(ValueError):
+        set_ack_delay(pair.client, 0.1)  # not below what it advertised
+    with pytest.raises(ValueError):
+        advertise_max_ack_delay(pair.client, 16.384)
+
+
+def test_an_acknowledgement_waits_its_delay_unless_packets_pile_up(server_tls):
+    pair = Pair(server_tls, ack_delay=0.08, max_ack_delay=0.1, early_after=8)
+    stream_id = pair.client.get_next_available_stream_id()
+    one_packet(pair, stream_id)
+    pair.advance(0.079)
+    assert nothing_to_send(pair.server, pair.now)  # owed, not due
+    pair.advance(0.002)
+    assert not nothing_to_send(pair.server, pair.now)  # due after the delay
+    pair.flush("server")
+    for _ in range(7):
+        one_packet(pair, stream_id)
+        pair.advance(0.001)
+        assert nothing_to_send(pair.server, pair.now)
+    one_packet(pair, stream_id)  # the eighth since the acknowledgement became owed: at once
+    assert not nothing_to_send(pair.server, pair.now)
+    pair.flush("server")
+    one_packet(pair, stream_id)  # an acknowledgement sent starts the count again
+    assert nothing_to_send(pair.server, pair.now)
+
+
+def test_a_packet_after_a_gap_is_acknowledged_at_once(server_tls):
+    pair = Pair(server_tls, ack_delay=0.08, max_ack_delay=0.1, early_after=8)
+    stream_id = pair.client.get_next_available_stream_id()
+    one_packet(pair, stream_id)
+    one_packet(pair, stream_id, drop=1)  # lost
+    assert nothing_to_send(pair.server, pair.now)
+    one_packet(pair, stream_id)
+    assert not nothing_to_send(pair.server, pair.now)  # the sender hears of the loss now
+    pair.flush("server")
+    for _ in range(20):  # and the lost data is sent again and delivered
+        pair.advance(0.01)
+        pair.flush("client")
+        pair.flush("server")
+    assert pair.server._streams[stream_id].receiver.highest_offset == 3 * 300
+
+
+def test_early_acks_refuse_a_count_below_one(server_tls):
+    with pytest.raises(ValueError):
+        EarlyAcks(Pair(server_tls).client, 0)

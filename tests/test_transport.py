@@ -31,7 +31,7 @@ from kvcompassd.transport import (
     TransportOptions,
 )
 from kvcompassd.transport.base import LOOPBACK_DATAGRAM_SIZE, QUIC_MIN_DATAGRAM_SIZE
-from kvcompassd.transport.aioquic_tweaks import ACK_ONLY_BACKLOG, last_ack_eliciting_sent
+from kvcompassd.transport.aioquic_tweaks import ACK_ONLY_BACKLOG, last_ack_eliciting_sent, peer_max_ack_delay
 from kvcompassd.transport.framing import HEADER, Frame, FrameDecoder, FrameError, StreamCorrupt, encode_frame
 from kvcompassd.wanemu import WanRelay
 from kvcompassd.core.events import EventOp, IndexEventColumns
@@ -317,7 +317,8 @@ def test_datagrams_are_sized_by_path_and_sizes_may_differ_per_direction(run, pki
         batch = UpdateBatchPublished(0, 1, 1, ((0, blob),))
         for listen_host, server_size in (("127.0.0.1", LOOPBACK_DATAGRAM_SIZE), ("0.0.0.0", QUIC_MIN_DATAGRAM_SIZE)):
             inbox = Recorder()
-            async with node(pki, "edge-us", inbox) as edge, node(pki, "mnt-0", ack_delay=0.004) as mnt:
+            async with node(pki, "edge-us", inbox) as edge, \
+                    node(pki, "mnt-0", ack_delay=0.04, max_ack_delay=0.05) as mnt:
                 await edge.listen(listen_host, 0)
                 peer = await mnt.connect(("127.0.0.1", edge.address[1]))
                 await peer.send(batch)
@@ -325,7 +326,10 @@ def test_datagrams_are_sized_by_path_and_sizes_may_differ_per_direction(run, pki
                 assert message == batch
                 assert peer._connection._quic._max_datagram_size == LOOPBACK_DATAGRAM_SIZE
                 assert inbound._connection._quic._max_datagram_size == server_size
-                assert peer._connection._quic._ack_delay == 0.004
+                assert peer._connection._quic._ack_delay == 0.04
+                # Each end's loss timers allow for the delay the other advertised.
+                assert peer_max_ack_delay(inbound._connection._quic) == 0.05
+                assert peer_max_ack_delay(peer._connection._quic) == TransportOptions().max_ack_delay
         async with node(pki, "edge-us", listen=True) as edge, node(pki, "mnt-0", max_datagram_size=1200) as mnt:
             peer = await mnt.connect(edge.address)
             assert peer._connection._quic._max_datagram_size == 1200
@@ -355,7 +359,9 @@ def test_encoded_message_is_compressed_only_where_it_spans_several_datagrams(run
 
 
 def test_transport_options_refuse_sizes_and_delays_out_of_range():
-    for bad in ({"max_datagram_size": 1000}, {"max_datagram_size": 70000}, {"ack_delay": 0.0}, {"ack_delay": 0.03}):
+    for bad in ({"max_datagram_size": 1000}, {"max_datagram_size": 70000}, {"ack_delay": 0.0}, {"ack_delay": 0.1},
+                {"ack_delay": 0.03, "max_ack_delay": 0.02}, {"max_ack_delay": 1.5}, {"ack_after_packets": 0},
+                {"idle_timeout": 0.5}):  # (a keepalive interval of 62.5 ms, below max_ack_delay)
         with pytest.raises(ValueError):
             TransportOptions(**bad)
 
@@ -676,7 +682,8 @@ def test_reconnects_after_server_restart(run, pki):
 
 def test_silent_server_is_detected_by_idle_timeout(run, pki):
     async def scenario():
-        async with node(pki, "mnt-0", listen=True) as server, node(pki, "edge-us", idle_timeout=0.5) as edge:
+        async with node(pki, "mnt-0", listen=True) as server, \
+                node(pki, "edge-us", idle_timeout=0.5, ack_delay=0.04, max_ack_delay=0.05) as edge:
             relay = WanRelay(("127.0.0.1", 0), server.address, 0.0)
             address = await relay.start()
             for attempt in range(5):  # at load 40 a handshake can outlast the 0.5 s idle timeout

@@ -15,12 +15,19 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
    exactly as aioquic would. ``pacing="off"`` removes pacing altogether (for comparison).
 
 2. **Acknowledgement delay.** aioquic acknowledges every ack-eliciting packet within
-   ``K_GRANULARITY`` (1 ms), whatever ``max_ack_delay`` it advertises (25 ms). An update stream is
-   one-way, so each acknowledgement is a packet of its own that both ends must build, encrypt,
-   send, receive and process: at a few batches per millisecond that is about one extra packet
-   per data packet. :func:`set_ack_delay` raises the delay on an established connection (still
-   well inside the advertised 25 ms, so the peer's loss timers allow for it); acknowledgements
-   then cover several packets each.
+   ``K_GRANULARITY`` (1 ms), and advertises a ``max_ack_delay`` of 25 ms whatever it does. The
+   plane's streams are one-way (reports, update batches, load readings), so each acknowledgement
+   is a packet of its own that both ends must build, encrypt, send, receive and process, and the
+   streams' senders pace themselves (a report per ``report_delay_ms``, a batch per
+   ``batch_delay_ms``, a reading per load period): an acknowledgement shorter than that spacing
+   answers one packet. :func:`advertise_max_ack_delay` sets the transport parameter (the peer's
+   loss timers allow for it), :func:`set_ack_delay` the delay within it on an established
+   connection, and :class:`EarlyAcks` keeps what RFC 9000 section 13.2 asks of a receiver that
+   delays: an acknowledgement at once after a few packets (a bulk transfer's congestion window
+   grows on acknowledgements) and at once for a packet that arrives after a gap (the sender
+   learns of a loss without waiting for the delay). The price is the peer's probe timeout,
+   which adds the advertised delay: a lost last packet of a burst is sent again up to that
+   much later (100 ms at the daemons' defaults, against aioquic's 25 ms).
 
 3. **Client certificates.** aioquic's TLS server only sends a CertificateRequest when the
    private flag ``tls.Context._request_client_certificate`` is set ("for test purposes only"),
@@ -59,14 +66,17 @@ from __future__ import annotations
 from typing import Literal
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
+from aioquic.quic.packet import pull_quic_transport_parameters, push_quic_transport_parameters
 from aioquic.quic.recovery import QuicPacketPacer
 from aioquic.tls import Alert, Epoch, verify_certificate
 from cryptography import x509
 
 PacingMode = Literal["auto", "aioquic", "off"]
 DEFAULT_PACING_GRANULARITY_S = 0.001
-ADVERTISED_MAX_ACK_DELAY_S = 0.025  # aioquic's transport parameter max_ack_delay (fixed at 25 ms)
+AIOQUIC_MAX_ACK_DELAY_S = 0.025  # the transport parameter max_ack_delay aioquic advertises itself
+MAX_ACK_DELAY_LIMIT_S = 16.383  # the largest max_ack_delay RFC 9000 allows (2^14 ms, exclusive)
 # Unacknowledged ACK-only packets after which a PING asks the peer to acknowledge them (a few
 # milliseconds of a busy one-way connection; small next to a congestion window).
 ACK_ONLY_BACKLOG = 32
@@ -112,12 +122,85 @@ def install_pacer(quic: QuicConnection, mode: PacingMode) -> None:
         quic._loss._pacer = UnpacedPacer(max_datagram_size=quic._max_datagram_size)
 
 
+def advertise_max_ack_delay(quic: QuicConnection, seconds: float) -> None:
+    """Advertise ``seconds`` (whole milliseconds) as the connection's ``max_ack_delay`` transport
+    parameter instead of aioquic's fixed 25 ms (see module docs). Call before the handshake
+    starts: the parameters go out in the first flight."""
+    ms = round(seconds * 1000)
+    if not 0 < ms < 2 ** 14:
+        raise ValueError(f"max_ack_delay must be in (0, {MAX_ACK_DELAY_LIMIT_S * 1000:g}] ms, got {seconds!r} s")
+    serialize = quic._serialize_transport_parameters
+
+    def serialize_with_max_ack_delay() -> bytes:
+        data = serialize()
+        params = pull_quic_transport_parameters(Buffer(data=data))
+        params.max_ack_delay = ms
+        buf = Buffer(capacity=len(data) + 16)  # (the parameter grows by at most 7 bytes)
+        push_quic_transport_parameters(buf, params)
+        return buf.data
+
+    quic._serialize_transport_parameters = serialize_with_max_ack_delay  # type: ignore[method-assign]
+    quic.kvc_advertised_max_ack_delay = ms / 1000.0  # (what set_ack_delay checks against)
+
+
+def advertised_max_ack_delay(quic: QuicConnection) -> float:
+    """The ``max_ack_delay`` (s) this end advertises: ``advertise_max_ack_delay``'s, else aioquic's."""
+    return getattr(quic, "kvc_advertised_max_ack_delay", AIOQUIC_MAX_ACK_DELAY_S)
+
+
+def peer_max_ack_delay(quic: QuicConnection) -> float:
+    """The ``max_ack_delay`` (s) the peer advertised, as this end's loss timers allow for it."""
+    return quic._loss.max_ack_delay
+
+
 def set_ack_delay(quic: QuicConnection, seconds: float) -> None:
-    """Acknowledge received packets within ``seconds`` instead of aioquic's 1 ms (see module docs).
-    Call once the handshake is complete: handshake packets keep the prompt acknowledgements."""
-    if not 0 < seconds < ADVERTISED_MAX_ACK_DELAY_S:
-        raise ValueError(f"ack delay must be in (0, {ADVERTISED_MAX_ACK_DELAY_S * 1000:g} ms), got {seconds!r}")
+    """Acknowledge received packets within ``seconds`` instead of aioquic's 1 ms (see module docs),
+    which must be below what this end advertises. Call once the handshake is complete:
+    handshake packets keep the prompt acknowledgements."""
+    advertised = advertised_max_ack_delay(quic)
+    if not 0 < seconds < advertised:
+        raise ValueError(f"ack delay must be in (0, {advertised * 1000:g} ms), got {seconds!r}")
     quic._ack_delay = seconds
+
+
+class EarlyAcks:
+    """When a connection that delays its acknowledgements acknowledges at once (RFC 9000 sections
+    13.2.1-13.2.2; module docs, item 2): once ``after_packets`` packets have come since the
+    acknowledgement became owed, and for a packet that arrives after a gap in the packet
+    numbers. The transport calls :meth:`before_datagram` and :meth:`after_datagram` around
+    each received datagram, and :meth:`after_transmit` after each transmit."""
+
+    __slots__ = ("_quic", "after_packets", "_owed_from", "_largest_before")
+
+    def __init__(self, quic: QuicConnection, after_packets: int) -> None:
+        if after_packets < 1:
+            raise ValueError(f"after_packets must be >= 1, got {after_packets!r}")
+        self._quic = quic
+        self.after_packets = after_packets
+        self._owed_from: int | None = None  # the largest packet number when an ACK became owed
+        self._largest_before = -1
+
+    def before_datagram(self) -> None:
+        space = self._quic._spaces.get(Epoch.ONE_RTT)
+        self._largest_before = -1 if space is None else space.largest_received_packet
+
+    def after_datagram(self, now: float) -> None:
+        """Make the owed acknowledgement due now if the datagram crossed the count or a gap."""
+        space = self._quic._spaces.get(Epoch.ONE_RTT)
+        if space is None or space.ack_at is None:
+            return
+        largest = space.largest_received_packet
+        if self._owed_from is None:
+            self._owed_from = largest
+        gap = self._largest_before >= 0 and largest > self._largest_before + 1
+        if (gap or largest - self._owed_from + 1 >= self.after_packets) and space.ack_at > now:
+            space.ack_at = now
+
+    def after_transmit(self) -> None:
+        """An acknowledgement sent (nothing owed any more) starts the count again."""
+        space = self._quic._spaces.get(Epoch.ONE_RTT)
+        if space is None or space.ack_at is None:
+            self._owed_from = None
 
 
 def request_client_certificate(quic: QuicConnection) -> None:

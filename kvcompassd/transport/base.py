@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompassd.transport.aioquic_tweaks import ADVERTISED_MAX_ACK_DELAY_S, PacingMode
+from kvcompassd.transport.aioquic_tweaks import PacingMode
 
 ALPN = "kvcompass/1"
 # A DATAGRAM frame must fit in one QUIC packet (>= 1200 bytes on every path); keep headroom for
@@ -45,7 +45,13 @@ class TransportOptions:
     """Knobs of a QuicNode; the defaults suit production."""
 
     pacing: PacingMode = "auto"  # see aioquic_tweaks.CoarsePacer
-    ack_delay: float = 0.005  # acknowledge within this once connected (aioquic_tweaks.set_ack_delay)
+    # Acknowledgements (aioquic_tweaks, item 2): within ack_delay once connected, below the
+    # max_ack_delay this end advertises (the peer's loss timers wait that much longer for them),
+    # and at once after ack_after_packets packets or a gap. Longer than the plane's streams
+    # space their packets (20 ms reports, 10 ms batches), so one acknowledgement answers several.
+    ack_delay: float = 0.08
+    max_ack_delay: float = 0.1
+    ack_after_packets: int = 8
     # Largest UDP payload sent; None = by path: LOOPBACK_DATAGRAM_SIZE when the peer (dialing)
     # or the listening address is a loopback address, else QUIC_MIN_DATAGRAM_SIZE.
     max_datagram_size: int | None = None
@@ -90,8 +96,16 @@ class TransportOptions:
     def __post_init__(self) -> None:
         if self.pacing not in ("auto", "aioquic", "off"):
             raise ValueError(f"pacing must be 'auto', 'aioquic' or 'off', got {self.pacing!r}")
-        if not 0 < self.ack_delay < ADVERTISED_MAX_ACK_DELAY_S:
-            raise ValueError(f"ack_delay must be in (0, {ADVERTISED_MAX_ACK_DELAY_S}) s, got {self.ack_delay!r}")
+        if not 0.001 <= self.max_ack_delay <= 1.0:
+            raise ValueError(f"max_ack_delay must be in [0.001, 1] s, got {self.max_ack_delay!r}")
+        if not 0 < self.ack_delay < self.max_ack_delay:
+            raise ValueError(f"ack_delay must be in (0, max_ack_delay = {self.max_ack_delay}) s, got {self.ack_delay!r}")
+        if self.max_ack_delay >= self.keepalive_interval:
+            # (a keepalive check that cannot hear its PING's acknowledgement pings again)
+            raise ValueError(f"max_ack_delay ({self.max_ack_delay} s) must be below the keepalive interval "
+                             f"(idle_timeout / keepalives_per_idle_timeout = {self.keepalive_interval} s)")
+        if not 1 <= self.ack_after_packets <= 1000:
+            raise ValueError(f"ack_after_packets must be in [1, 1000], got {self.ack_after_packets!r}")
         if self.max_datagram_size is not None and not QUIC_MIN_DATAGRAM_SIZE <= self.max_datagram_size <= MAX_UDP_PAYLOAD:
             raise ValueError(f"max_datagram_size must be None or in [{QUIC_MIN_DATAGRAM_SIZE}, {MAX_UDP_PAYLOAD}], "
                              f"got {self.max_datagram_size!r}")

@@ -23,7 +23,9 @@ from aioquic.quic.connection import QuicConnection
 
 from kvcompassd.certs import CertError, peer_identity
 from kvcompassd.transport.aioquic_tweaks import (
+    EarlyAcks,
     acknowledgement_due,
+    advertise_max_ack_delay,
     elicit_ack_for_ack_only_backlog,
     install_pacer,
     last_ack_eliciting_sent,
@@ -82,6 +84,8 @@ class QuicConnectionTransport(QuicConnectionProtocol):
     ) -> None:
         super().__init__(quic)
         install_pacer(quic, node.options.pacing)
+        advertise_max_ack_delay(quic, node.options.max_ack_delay)
+        self._early_acks = EarlyAcks(quic, node.options.ack_after_packets)
         if not outbound:
             request_client_certificate(quic)
         self.node = node
@@ -145,10 +149,14 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         # per wake-up, so one transmit per loop turn answers them all (one packet with the
         # acknowledgements and any replies, where aioquic would build and send several).
         now = self._loop.time()
+        self._early_acks.before_datagram()
         self._quic.receive_datagram(data, addr, now=now)
         self._received_at = now
         if acknowledgement_due(self._quic):
-            self._heard_at = now  # an ack-eliciting packet: our ACK answers it, no PING needed
+            # An ack-eliciting packet: our ACK answers it, no PING needed. (Or a packet within
+            # the ack delay of one, while that ACK is still owed: at most ack_delay early.)
+            self._heard_at = now
+        self._early_acks.after_datagram(now)
         self._process_events()
         transmit_after_datagram(self, now)  # (none when nothing is to send: aioquic_tweaks, item 5)
         if self._drain_waiters:  # acknowledgements may have freed send buffer
@@ -156,6 +164,7 @@ class QuicConnectionTransport(QuicConnectionProtocol):
 
     def transmit(self) -> None:
         super().transmit()
+        self._early_acks.after_transmit()
         # A side that only receives sends only ACKs, which nothing acknowledges: ask for an
         # ACK before aioquic's record of them grows without bound (aioquic_tweaks, item 4).
         if not self.terminated and elicit_ack_for_ack_only_backlog(self._quic):
