@@ -153,8 +153,8 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         self._quic.receive_datagram(data, addr, now=now)
         self._received_at = now
         if acknowledgement_due(self._quic):
-            # An ack-eliciting packet: our ACK answers it, no PING needed. (Or a packet within
-            # the ack delay of one, while that ACK is still owed: at most ack_delay early.)
+            # An ack-eliciting packet: our ACK answers it, no PING needed. (Or any packet while
+            # that ACK is still owed: the mark is then at most ack_delay after the real one.)
             self._heard_at = now
         self._early_acks.after_datagram(now)
         self._process_events()
