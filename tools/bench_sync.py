@@ -301,13 +301,17 @@ async def verify_real_edge(admin_peer, work: Workload, shards: int) -> tuple[int
 
 
 async def one_run(args, run: int, mode: str, fraction: float | None, reference_rate: float | None) -> dict:
-    edge_ids = [f"edge-bench-{i}" for i in range(args.edges)]
-    spec = DeploymentSpec(workers={"us": 2}, one_way_ms={}, shards=args.shards, wan=False)
+    # The subscriber edges are in the config's [[edges]] (a maintenance unit serves no update
+    # stream to an edge that is not), after the kvcompassd edge (edges[0]), which runs only
+    # with --real-edge. They listen on no address, so no edge relays a region's live batches
+    # ([sync] relay = false): the unit sends every edge its own, the path this bench measures.
+    spec = DeploymentSpec(workers={"us": 2}, one_way_ms={}, shards=args.shards, wan=False,
+                          edges_per_region=1 + args.edges, sync={"relay": False})
     cluster = Cluster(spec, initial_capacity=args.initial_capacity,
-                      extra_certs=tuple((Role.EDGE, e) for e in edge_ids),
                       profile_dir=None if args.profile is None else Path(args.profile) / f"run{run}-{mode.replace(' ', '')}",
                       host=args.host, max_datagram_size=args.max_datagram_size)
     cfg = cluster.cfg
+    edge_ids = [e.id for e in cfg.edges[1:]]
     layout = IndexLayout.from_config(cfg)
     work = Workload(layout, cfg.shards, args.events, args.report_events, seed=run)
     batches = [(s, IndexEventColumns.from_events(events)) for s, _, events in work.reports]
