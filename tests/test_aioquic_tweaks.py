@@ -257,6 +257,15 @@ def test_each_end_allows_for_the_delay_the_other_advertised(server_tls):
         advertise_max_ack_delay(pair.client, 16.384)
 
 
+def test_the_advertised_delay_is_rounded_up_to_whole_milliseconds(server_tls):
+    quic = Pair(server_tls).client
+    advertise_max_ack_delay(quic, 0.1004)  # advertised as 101 ms, so a delay of 100.2 ms fits
+    set_ack_delay(quic, 0.1002)
+    advertise_max_ack_delay(quic, 0.1)
+    with pytest.raises(ValueError):
+        set_ack_delay(quic, 0.1)
+
+
 def test_an_acknowledgement_waits_its_delay_unless_packets_pile_up(server_tls):
     pair = Pair(server_tls, ack_delay=0.08, max_ack_delay=0.1, early_after=8)
     stream_id = pair.client.get_next_available_stream_id()

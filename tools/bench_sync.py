@@ -452,8 +452,8 @@ async def main_async(args) -> None:
             print(f"  run {run + 1} {mode:10}: {result['rate']:,.0f} ev/s (in-process columns {result['columns_rate']:,.0f}, "
                   f"as sent {result['sent_rate']:,.0f} in {result['reports_sent']} reports), "
                   f"P50 {result['p50']:.1f} ms, P99 {result['p99']:.1f} ms, CPU/event maintenance {result['mnt_us']:.1f} us "
-                  f"subscriber edge {result['edge_us']:.1f} us, real edge wrong {result['wrong']}/{result['checked']}",
-                  flush=True)
+                  f"subscriber edge {result['edge_us']:.1f} us, real edge wrong {result['wrong']}/{result['checked']}, "
+                  f"load average {load_average()}", flush=True)
     ref = median([r["ref_rate"] for rs in results.values() for r in rs])
     columns_ref = median([r["columns_rate"] for rs in results.values() for r in rs])
     print()

@@ -63,6 +63,7 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -76,7 +77,6 @@ from cryptography import x509
 PacingMode = Literal["auto", "aioquic", "off"]
 DEFAULT_PACING_GRANULARITY_S = 0.001
 AIOQUIC_MAX_ACK_DELAY_S = 0.025  # the transport parameter max_ack_delay aioquic advertises itself
-MAX_ACK_DELAY_LIMIT_S = 16.383  # the largest max_ack_delay RFC 9000 allows (2^14 ms, exclusive)
 # Unacknowledged ACK-only packets after which a PING asks the peer to acknowledge them (a few
 # milliseconds of a busy one-way connection; small next to a congestion window).
 ACK_ONLY_BACKLOG = 32
@@ -123,12 +123,13 @@ def install_pacer(quic: QuicConnection, mode: PacingMode) -> None:
 
 
 def advertise_max_ack_delay(quic: QuicConnection, seconds: float) -> None:
-    """Advertise ``seconds`` (whole milliseconds) as the connection's ``max_ack_delay`` transport
-    parameter instead of aioquic's fixed 25 ms (see module docs). Call before the handshake
-    starts: the parameters go out in the first flight."""
-    ms = round(seconds * 1000)
-    if not 0 < ms < 2 ** 14:
-        raise ValueError(f"max_ack_delay must be in (0, {MAX_ACK_DELAY_LIMIT_S * 1000:g}] ms, got {seconds!r} s")
+    """Advertise ``seconds`` as the connection's ``max_ack_delay`` transport parameter instead of
+    aioquic's fixed 25 ms (see module docs), in whole milliseconds rounded up: a delay below
+    ``seconds`` stays below what is advertised. Call before the handshake starts: the
+    parameters go out in the first flight."""
+    ms = math.ceil(round(seconds * 1000, 6))  # (round first: 0.1 s is 100 ms, not 101)
+    if not 0 < ms < 2 ** 14:  # (RFC 9000 section 18.2: values of 2^14 ms or more are invalid)
+        raise ValueError(f"max_ack_delay must be in (0, 16383] ms, got {seconds!r} s")
     serialize = quic._serialize_transport_parameters
 
     def serialize_with_max_ack_delay() -> bytes:
