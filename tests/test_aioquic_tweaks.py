@@ -7,19 +7,24 @@ import contextlib
 import re
 import ssl
 import tomllib
+from types import SimpleNamespace
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompassd.certs import init_ca, issue
-from kvcompassd.transport import aioquic_tweaks
+from kvcompassd.transport import TransportOptions, aioquic_tweaks
+from kvcompassd.transport.connection import QuicConnectionTransport
 from kvcompassd.transport.aioquic_tweaks import (
     EarlyAcks,
+    acknowledge_when_timer_fires,
+    acknowledgement_due,
     advertise_max_ack_delay,
     nothing_to_send,
     peer_max_ack_delay,
@@ -305,3 +310,66 @@ def test_a_packet_after_a_gap_is_acknowledged_at_once(server_tls):
 def test_early_acks_refuse_a_count_below_one(server_tls):
     with pytest.raises(ValueError):
         EarlyAcks(Pair(server_tls).client, 0)
+
+
+# -- an acknowledgement timer that fires early (item 6) -------------------------------------------
+
+
+def test_an_acknowledgement_whose_timer_fired_is_due_at_once(server_tls):
+    pair = Pair(server_tls, ack_delay=0.08, max_ack_delay=0.1, early_after=8)
+    one_packet(pair, pair.client.get_next_available_stream_id())
+    ack_at = pair.server.get_timer()
+    assert acknowledgement_due(pair.server) and ack_at == pytest.approx(pair.now + 0.08)
+    early = ack_at - 0.0004  # where uvloop's millisecond timer may run it
+    assert pair.server.datagrams_to_send(now=early) == []  # aioquic's own reading: not yet due
+    assert not acknowledge_when_timer_fires(pair.server, ack_at - 0.001, early)  # a timer for before it
+    assert acknowledge_when_timer_fires(pair.server, ack_at, early)
+    assert len(pair.server.datagrams_to_send(now=early)) == 1
+    assert not acknowledgement_due(pair.server)
+    assert not acknowledge_when_timer_fires(pair.server, ack_at, early)  # nothing owed any more
+
+
+class _Loop:
+    """What a connection's timer path asks of its event loop, on a clock set by hand."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.armed: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback):
+        self.armed.append(when)
+        return SimpleNamespace(cancel=lambda: None)
+
+
+class _Datagrams:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def sendto(self, data: bytes, addr) -> None:
+        self.sent.append(data)
+
+
+@pytest.mark.parametrize("transport_class", [QuicConnectionTransport, QuicConnectionProtocol])
+async def test_the_transport_sends_an_acknowledgement_when_its_timer_runs_early(server_tls, transport_class):
+    """The daemons' transport sends the acknowledgement its timer was armed for, however early
+    uvloop runs it; aioquic's own protocol sends nothing then and arms the timer for the same
+    moment again (which the loop runs at once, over and over, until its clock gets there)."""
+    pair = Pair(server_tls, ack_delay=0.08, max_ack_delay=0.1, early_after=8)
+    one_packet(pair, pair.client.get_next_available_stream_id())
+    ack_at = pair.server.get_timer()
+    node = SimpleNamespace(options=TransportOptions(), deliver=lambda *args: None)
+    if transport_class is QuicConnectionTransport:
+        protocol = QuicConnectionTransport(pair.server, node=node, outbound=True)
+    else:
+        protocol = transport_class(pair.server)
+    protocol._loop = loop = _Loop(ack_at - 0.0004)
+    protocol._transport = datagrams = _Datagrams()
+    protocol._timer_at = ack_at
+    protocol._handle_timer()
+    if transport_class is QuicConnectionTransport:
+        assert len(datagrams.sent) == 1 and not acknowledgement_due(pair.server)
+    else:
+        assert datagrams.sent == [] and loop.armed == [ack_at]

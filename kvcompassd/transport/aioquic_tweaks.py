@@ -59,6 +59,20 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
    now would send nothing; :func:`transmit_after_datagram` then only re-arms the connection's
    timer, which sends the acknowledgement when it is due. It errs towards transmitting:
    anything it does not know to be idle counts as something to send.
+
+6. **An acknowledgement timer that fires early.** uvloop times callbacks in whole milliseconds
+   of a clock it reads once per loop turn, so a timer armed for ``ack_at`` runs up to a
+   millisecond before ``loop.time()`` reaches it (90 of 200 in a scratch check, up to 0.4 ms
+   early). aioquic's ``_handle_timer`` then transmits at ``loop.time()``, finds the
+   acknowledgement not yet due, builds nothing and arms the timer for ``ack_at`` again, which
+   runs at once: the loop spins through whole transmits until its clock passes ``ack_at``.
+   Counted over a zero-delay gateway run at c = 1 (a scratch ``sitecustomize`` wrapping
+   ``_handle_timer``): a maintenance unit's timer ran 1,436 times for the 431 acknowledgements
+   it sent, an edge's 856 for 217, each agent's 212-292 for 93-94; all of the empty runs were
+   acknowledgement timers that came early. :func:`acknowledge_when_timer_fires` makes an
+   acknowledgement whose timer has fired due at once (``ack_at`` moved to ``now``, a fraction
+   of a millisecond early within a delay of tens of them); every packet is still stamped with
+   the loop's own time.
 """
 
 from __future__ import annotations
@@ -319,6 +333,18 @@ def nothing_to_send(quic: QuicConnection, now: float) -> bool:
                 or not stream.sender.buffer_is_empty):
             return False
     return True
+
+
+def acknowledge_when_timer_fires(quic: QuicConnection, timer_at: float, now: float) -> bool:
+    """Item 6: the connection's timer, armed for ``timer_at``, runs at ``now``; an
+    acknowledgement due by ``timer_at`` is made due now (``now`` may read up to a millisecond
+    earlier under uvloop). True when one was."""
+    moved = False
+    for space in quic._loss.spaces:
+        if space.ack_at is not None and now < space.ack_at <= timer_at:
+            space.ack_at = now
+            moved = True
+    return moved
 
 
 def transmit_after_datagram(protocol: QuicConnectionProtocol, now: float) -> None:

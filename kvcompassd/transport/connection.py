@@ -25,6 +25,7 @@ from kvcompassd.certs import CertError, peer_identity
 from kvcompassd.transport.aioquic_tweaks import (
     EarlyAcks,
     acknowledgement_due,
+    acknowledge_when_timer_fires,
     advertise_max_ack_delay,
     elicit_ack_for_ack_only_backlog,
     install_pacer,
@@ -161,6 +162,13 @@ class QuicConnectionTransport(QuicConnectionProtocol):
         transmit_after_datagram(self, now)  # (none when nothing is to send: aioquic_tweaks, item 5)
         if self._drain_waiters:  # acknowledgements may have freed send buffer
             self._wake_drain_waiters()
+
+    def _handle_timer(self) -> None:
+        # uvloop runs a timer up to a millisecond early: aioquic would find the acknowledgement
+        # it was armed for not yet due, send nothing and run again at once (aioquic_tweaks, item 6).
+        if self._timer_at is not None:
+            acknowledge_when_timer_fires(self._quic, self._timer_at, self._loop.time())
+        super()._handle_timer()
 
     def transmit(self) -> None:
         super().transmit()
