@@ -67,8 +67,8 @@ aioquic's private fields (tests/test_aioquic_tweaks.py checks both).
    acknowledgement not yet due, builds nothing and arms the timer for ``ack_at`` again, which
    runs at once: the loop spins through whole transmits until its clock passes ``ack_at``.
    Counted over a zero-delay gateway run at c = 1 (a scratch ``sitecustomize`` wrapping
-   ``_handle_timer``): a maintenance unit's timer ran 1,436 times for the 431 acknowledgements
-   it sent, an edge's 856 for 217, each agent's 212-292 for 93-94; all of the empty runs were
+   ``_handle_timer``): a maintenance unit's timer ran 1,436 times for the 431 datagrams
+   it sent from it, an edge's 856 for 217, each agent's 212-292 for 93-94; all of the empty runs were
    acknowledgement timers that came early. :func:`acknowledge_when_timer_fires` makes an
    acknowledgement whose timer has fired due at once (``ack_at`` moved to ``now``, a fraction
    of a millisecond early within a delay of tens of them); every packet is still stamped with
