@@ -18,7 +18,8 @@ first token and end, ``SharedCharges``; the ledger's credit of its prompt until 
 it, and what becomes of it, ``SharedLedger``) goes from the process that made it to all the
 others (a front door's through process 0, which applies it too and passes it on). So a decision
 anywhere sees every request of the edge, as a single-process edge's would, a control frame
-later (tens of microseconds). Partitioned, each process saw 1/N of the fresh charges and credits
+later: tens of microseconds for a charge or a credit, up to ``FRAME_LAG_S`` (5 ms) for news that
+only lowers a charge or settles a credit and for a copied reading (``FrameBatch``). Partitioned, each process saw 1/N of the fresh charges and credits
 between readings: a burst spread over the processes could herd onto a worker each saw idle, and
 a prompt one process had just sent was sent elsewhere by another.
 
@@ -41,9 +42,9 @@ the edge's (prometheus_client's multiprocess format), which process 0 merges wit
 scrape; a front door answers ``/metrics`` with process 0's merged text
 (``kvcompassd/metrics_front_doors.py``; a killed front door loses at most a second of counts).
 
-Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair; the
-frames a process makes in one pass of its event loop go back to back in one datagram,
-``FrameBatch``):
+Control frames (process 0 -> front door, msgpack lists over a SOCK_SEQPACKET socket pair; frames
+go back to back in one datagram at the end of the event loop's pass that made a charge or a
+credit, or ``FRAME_LAG_S`` after the first of the others, ``FrameBatch``):
 ``["load", worker, queue_ms, now, running]``, ``["vector", wire bytes, now]``,
 ``["piggyback", to_region, now]``, ``["room", worker, [[ms, free tokens]...], now]``,
 ``["room_vector", wire bytes, now]``, ``["pinned", worker, share]``, ``["withheld", [worker index...], checked]``,
@@ -143,36 +144,48 @@ def handle_frames(data: bytes, handle: Any, refused: str) -> None:
 
 
 class FrameBatch:
-    """The frames a process sends one control socket during a pass of its event loop, back to
-    back in one datagram sent at the end of the pass (or sooner, when the next frame would not
-    fit ``MAX_FRAME``). A request's charge, ledger credit, first token and end each woke the
-    other process and cost a send and a receive; now the frames a pass makes (every request it
-    advanced) cost one. ``send(data, frames)`` sends a datagram of ``frames`` frames."""
+    """The frames a process sends one control socket, back to back in one datagram. A frame that
+    keeps the other processes from sending a burst onto one worker (a charge, a ledger credit,
+    what is withheld) goes at the end of the event loop's pass that made it, with everything
+    queued before it; one that only brings later news (``LAGGING_FRAMES``: a charge retired, a
+    credit turned ready or refuted, a reading copied) waits up to ``lag`` seconds for one of
+    those, or goes alone then. A full datagram (``MAX_FRAME``) goes at once. Each datagram wakes
+    the other process and costs a send and a receive: one per frame was most of what sharing
+    cost (README, ``edge --workers N``), and one per pass still sent a request's charge, its
+    first token and its end apart. ``send(data, frames)`` sends a datagram of ``frames`` frames."""
 
-    __slots__ = ("_send", "_parts", "_size", "_scheduled")
+    __slots__ = ("_send", "_parts", "_size", "_scheduled", "_timer")
 
     def __init__(self, send: Any) -> None:
         self._send = send
         self._parts: list[bytes] = []
         self._size = 0
-        self._scheduled = False
+        self._scheduled = False  # a flush at the end of this pass
+        self._timer: asyncio.TimerHandle | None = None  # a flush when the lag is up
 
-    def add(self, packed: bytes) -> None:
+    def add(self, packed: bytes, *, lag: float = 0.0) -> None:
         if self._parts and self._size + len(packed) > MAX_FRAME:
             self.flush()
         self._parts.append(packed)
         self._size += len(packed)
-        if not self._scheduled:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # (outside the event loop: nothing to wait for)
-                self.flush()
-                return
+        if self._scheduled or (lag > 0.0 and self._timer is not None):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (outside the event loop: nothing to wait for)
+            self.flush()
+            return
+        if lag > 0.0:
+            self._timer = loop.call_later(lag, self.flush)
+        else:
             self._scheduled = True
             loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         parts = self._parts
         if not parts:
             return
@@ -190,16 +203,17 @@ class _Fanout:
         self.dropped = 0
 
     def send(self, *frame: Any, but: socket.socket | None = None) -> None:
-        self.send_packed(_pack(*frame), but=but)
+        self.send_packed(_pack(*frame), but=but, lag=frame_lag(frame[0]))
 
-    def send_packed(self, packed: bytes, *, but: socket.socket | None = None) -> None:
-        """A frame already packed (one relayed from a front door) to every front door but ``but``."""
+    def send_packed(self, packed: bytes, *, but: socket.socket | None = None, lag: float = 0.0) -> None:
+        """A frame already packed (one relayed from a front door) to every front door but
+        ``but``, within ``lag`` seconds (``FrameBatch``)."""
         for sock in self.sockets:
             if sock is not but:
                 batch = self._batches.get(sock)
                 if batch is None:
                     batch = self._batches[sock] = FrameBatch(lambda data, frames, sock=sock: self._write(sock, data, frames))
-                batch.add(packed)
+                batch.add(packed, lag=lag)
 
     def remove(self, sock: socket.socket) -> None:
         """A front door gone: nothing more to it (what its batch held is dropped)."""
@@ -263,6 +277,17 @@ class _QueueFanout:
 QUEUE_FRAMES = frozenset({"load", "vector", "piggyback", "room", "room_vector", "pinned"})
 CHARGE_FRAMES = frozenset({"charge", "first_token", "retired"})
 LEDGER_FRAMES = frozenset({"credit", "ready", "refute", "drop", "forget"})
+# Frames the other processes may hear of up to FRAME_LAG_S late (FrameBatch): a charge that goes
+# leaves them a queue a few milliseconds too long; a reading copied is a few milliseconds older
+# (the agents read every 20 ms at the fastest). A charge and a credit go at the end of the pass.
+LAGGING_FRAMES = frozenset({"first_token", "retired", "ready", "refute", "drop", "forget", "decode_load"}
+                           | QUEUE_FRAMES)
+FRAME_LAG_S = 0.005
+
+
+def frame_lag(kind: Any) -> float:
+    """How long a frame of ``kind`` may wait for others to share its datagram."""
+    return FRAME_LAG_S if kind in LAGGING_FRAMES else 0.0
 # Other processes' dispatches whose charge this process holds (one per request in flight at
 # them); beyond it the oldest are forgotten, as QueueEstimates forgets its own.
 MAX_SHARED_CHARGES = 1 << 14
@@ -632,10 +657,10 @@ class SyncEdgeNode(EdgeNode):
         elif kind in CHARGE_FRAMES:
             # A front door's charge: held here too, and passed on to the other front doors.
             self.router.queues.apply_frame(frame, now=self.clock())
-            self.fanout.send_packed(packed, but=sock)
+            self.fanout.send_packed(packed, but=sock, lag=frame_lag(kind))
         elif kind in LEDGER_FRAMES and self.router.pending is not None:
             self.router.pending.apply_frame(frame, now=self.clock())
-            self.fanout.send_packed(packed, but=sock)
+            self.fanout.send_packed(packed, but=sock, lag=frame_lag(kind))
         elif kind == "metrics?":
             task = asyncio.create_task(self._send_metrics(sock, int(frame[1])))
             self._metrics_sends.add(task)
@@ -834,7 +859,7 @@ class FrontDoorProcess:
                 self.metric_values.close()
 
     def _send_to_edge(self, frame: tuple) -> None:
-        self._to_edge.add(_pack(*frame))
+        self._to_edge.add(_pack(*frame), lag=frame_lag(frame[0]))
 
     def _write_to_edge(self, data: bytes, frames: int) -> None:
         try:

@@ -23,7 +23,7 @@ from e2e_helpers import admin, doc, eventually, generate, session_per_process
 from kvcompassd.core.config import load_config
 from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
-from kvcompassd.edge_workers import (MAX_FRAME, FrameBatch, SharedCharges, SharedLedger, _Fanout, _QueueFanout,
+from kvcompassd.edge_workers import (FRAME_LAG_S, MAX_FRAME, FrameBatch, frame_lag, SharedCharges, SharedLedger, _Fanout, _QueueFanout,
                                     apply_queue_frame, unpack_frames)
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
@@ -54,9 +54,12 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
     with pytest.raises(ValueError):  # another region's worker: refused by the edge, not copied
         edge.set_pinned(eu[0], 0.6)
     theirs.setblocking(False)
-    with pytest.raises(BlockingIOError):  # made in this pass of the loop: sent at its end
+    with pytest.raises(BlockingIOError):  # readings wait up to FRAME_LAG_S for company
         theirs.recv(65536)
     await asyncio.sleep(0)
+    with pytest.raises(BlockingIOError):
+        theirs.recv(65536)
+    await asyncio.sleep(2 * FRAME_LAG_S)  # (the lag's timer was armed first: it runs first)
     datagrams = []
     while True:
         try:
@@ -82,7 +85,7 @@ async def test_copied_readings_leave_a_front_doors_queue_estimates_equal_to_the_
         apply_queue_frame(door, ["withheld", [], True], now=1.0)
     theirs.close()
     edge.set_local(us[1], 1.0, now=1.0)  # a front door gone: dropped from the fan-out, no error
-    await asyncio.sleep(0)
+    await asyncio.sleep(2 * FRAME_LAG_S)
     assert fanout.sockets == []
     mine.close()
 
@@ -101,6 +104,31 @@ async def test_frames_made_in_one_pass_go_in_order_in_datagrams_that_fit_a_frame
     assert received == frames
     await asyncio.sleep(0)
     assert len(sent) == 3  # nothing more to send: no empty datagram
+
+
+async def test_news_waits_for_a_charge_or_its_lag_and_keeps_its_order():
+    sent: list[list] = []
+    batch = FrameBatch(lambda data, frames: sent.append([frame for frame, _ in unpack_frames(data)]))
+    retired = ["retired", 7, 1, 0.5]
+    ready = ["ready", 7, 1, 0.5]
+    charge = ["charge", 7, 2, "us-0", 3.0, 0.6]
+    assert frame_lag("retired") == frame_lag("ready") == frame_lag("load") == FRAME_LAG_S
+    assert frame_lag("charge") == frame_lag("credit") == frame_lag("withheld") == 0.0
+    for frame in (retired, ready):
+        batch.add(msgpack.packb(frame), lag=frame_lag(frame[0]))
+    await asyncio.sleep(0)
+    assert sent == []  # news alone waits
+    batch.add(msgpack.packb(charge), lag=frame_lag("charge"))
+    await asyncio.sleep(0)
+    assert sent == [[retired, ready, charge]]  # the charge takes it along, in the order made
+    await asyncio.sleep(2 * FRAME_LAG_S)
+    assert len(sent) == 1  # the lag's timer went with that datagram: nothing sent twice, nothing empty
+    batch.add(msgpack.packb(ready), lag=FRAME_LAG_S)
+    batch.add(msgpack.packb(retired), lag=FRAME_LAG_S)  # (the first one's timer serves both)
+    await asyncio.sleep(0)
+    assert len(sent) == 1
+    await asyncio.sleep(2 * FRAME_LAG_S)
+    assert sent[1:] == [[ready, retired]]  # news with no charge after it goes when its lag is up
 
 
 async def test_a_datagram_cut_inside_a_frame_gives_the_frames_before_it_then_an_error():
