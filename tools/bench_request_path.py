@@ -85,8 +85,11 @@ import uvloop
 from benchlib import callgrind_helper
 
 from kvcompassd.core.config import dump_config
+from kvcompassd.core.events import PrefixCached, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
+from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
+from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.router import Router
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
@@ -149,6 +152,22 @@ def callgrind_summary(paths: list[str]) -> None:
 
 
 STAGES = ("relay", "parse", "route", "full")
+
+
+def hold_prefixes(cfg, shard: MaintenanceShard, worker_id: str, prefix_chars: int) -> None:
+    """The view as the edge's plane shows it once the worker has served each group: the worker
+    holds the client's 8 shared prefixes (``client_process``), so a decision takes the fused
+    path, as nearly all of the edge's do under the gateway's load. Over an empty view the
+    pending ledger raised nearly every decision into its rescoring path, which the edge's own
+    plane takes for a few in a thousand (README, issue 30's entry under "Development")."""
+    plan = LevelPlan.from_config(cfg)
+    salt = namespace_salt(cfg.model)
+    tokenizer = ByteTokenizer()
+    for g in range(8):
+        tokens = tokenizer.encode_array(chr(97 + g) * prefix_chars)
+        keys = prefix_keys(tokens, plan.registration_lengths_upto(len(tokens)), salt)
+        shard.apply([PrefixCached(worker_id, int(k), Tier.VRAM) for k in keys])
+    shard.flush()  # (the batch an edge would get: the snapshot holds it)
 
 
 def stage_handler(stage: str, guard: FrontDoorGuard, pool, router: Router):
@@ -265,7 +284,10 @@ async def main_async(args) -> None:
         await wait_worker(worker.http, proc)
         layout = IndexLayout.from_config(cfg)
         view = EdgeIndexView(layout, 1, edge=cfg.edges[0].id)
-        view.install_snapshot(MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=64).snapshot())
+        shard = MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=cfg.index.initial_capacity)  # (as a unit sizes it)
+        if not args.empty_view:
+            hold_prefixes(cfg, shard, worker.id, args.prefix_chars)
+        view.install_snapshot(shard.snapshot())
         router = Router(cfg, worker.region, view, now=time.monotonic())  # the edge's clock
         publishing = install_metric_values(args.metric_values, workdir / "metrics")  # before the metrics
         metrics = EdgeMetrics()
@@ -393,7 +415,7 @@ def _child_command(args, concurrency: int, out: Path) -> list[str]:
             "--windows", str(args.windows), "--prefix-chars", str(args.prefix_chars),
             "--suffix-chars", str(args.suffix_chars), "--log-level", args.log_level, "--json", str(out),
             "--max-new-tokens", str(args.max_new_tokens), "--worker-time-scale", str(args.worker_time_scale),
-            *(["--client-stream"] if args.client_stream else [])]
+            *(["--client-stream"] if args.client_stream else []), *(["--empty-view"] if args.empty_view else [])]
 
 
 def compare(args) -> None:
@@ -486,6 +508,8 @@ def main() -> None:
     p.add_argument("--metric-values", choices=("edge", "front-door", "client-multiprocess"), default="edge",
                    help="how the metrics keep their values: the edge process's, a front door's of edge --workers N, "
                    "or prometheus_client's multiprocess values (see above)")
+    p.add_argument("--empty-view", action="store_true",
+                   help="decide over an empty view (before 2026-12-07: the pending ledger then raises nearly every decision)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--log-level", default="warning", help="the edge daemon's default is info: a line per request")
     args = p.parse_args()
