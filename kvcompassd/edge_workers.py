@@ -19,9 +19,10 @@ it, and what becomes of it, ``SharedLedger``) goes from the process that made it
 others (a front door's through process 0, which applies it too and passes it on). So a decision
 anywhere sees every request of the edge, as a single-process edge's would, a control frame
 later: tens of microseconds for a charge or a credit, up to ``FRAME_LAG_S`` (5 ms) for news that
-only lowers a charge or settles a credit and for a copied reading (``FrameBatch``). Partitioned, each process saw 1/N of the fresh charges and credits
-between readings: a burst spread over the processes could herd onto a worker each saw idle, and
-a prompt one process had just sent was sent elsewhere by another.
+only lowers a charge or settles a credit and for a copied reading (``FrameBatch``).
+Partitioned, each process saw 1/N of the fresh charges and credits between readings: a burst
+spread over the processes could herd onto a worker each saw idle, and a prompt one process had
+just sent was sent elsewhere by another.
 
 Learned rates and the belief stay per process: each learns from the responses it sees, which
 the kernel's spreading of connections makes a sample of the same traffic. With one front door
@@ -288,6 +289,8 @@ FRAME_LAG_S = 0.005
 def frame_lag(kind: Any) -> float:
     """How long a frame of ``kind`` may wait for others to share its datagram."""
     return FRAME_LAG_S if kind in LAGGING_FRAMES else 0.0
+
+
 # Other processes' dispatches whose charge this process holds (one per request in flight at
 # them); beyond it the oldest are forgotten, as QueueEstimates forgets its own.
 MAX_SHARED_CHARGES = 1 << 14

@@ -23,8 +23,8 @@ from e2e_helpers import admin, doc, eventually, generate, session_per_process
 from kvcompassd.core.config import load_config
 from kvcompassd.core.messages import RoomVectorBroadcast
 from kvcompassd.core.queues import QueueEstimates, QueueVectorBroadcast
-from kvcompassd.edge_workers import (FRAME_LAG_S, MAX_FRAME, FrameBatch, frame_lag, SharedCharges, SharedLedger, _Fanout, _QueueFanout,
-                                    apply_queue_frame, unpack_frames)
+from kvcompassd.edge_workers import (FRAME_LAG_S, MAX_FRAME, FrameBatch, SharedCharges, SharedLedger, _Fanout,
+                                     _QueueFanout, apply_queue_frame, frame_lag, unpack_frames)
 from kvcompassd.launcher import DeploymentSpec, LocalDeployment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

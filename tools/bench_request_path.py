@@ -1,8 +1,9 @@
 """The edge's request path alone: front door, decision and forward to a worker, CPU per request.
 
 This process runs the edge's request path as the edge daemon builds it (``FrontDoor`` serving
-under its ``FrontDoorGuard``, a ``Forwarder`` with a real ``Router`` on an empty index view, the
-client toward workers the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
+under its ``FrontDoorGuard``, a ``Forwarder`` with a real ``Router`` on an index view where the
+worker holds the client's 8 shared prefixes, as the plane's view shows them once served
+(``--empty-view``: nothing in it), the client toward workers the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
 worker (``--worker-time-scale`` gives it modelled time, so that it decodes and streams token by
 token; ``--max-new-tokens`` sets each request's answer, which the client asks for whole, or as
 a stream with ``--client-stream``) and a closed-loop client runs in a child process. Nothing
