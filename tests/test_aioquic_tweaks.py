@@ -7,9 +7,9 @@ import contextlib
 import re
 import ssl
 import tomllib
-from types import SimpleNamespace
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from aioquic.asyncio.protocol import QuicConnectionProtocol

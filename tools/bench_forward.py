@@ -63,14 +63,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchlib import hold_prompt  # noqa: E402  (this script's directory is on sys.path)
 from kvcompassd.core.ablation import Ablation  # noqa: E402
 from kvcompassd.core.config import ClusterConfig, load_config, parse_config  # noqa: E402
-from kvcompassd.core.events import PrefixCached, Tier  # noqa: E402
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard  # noqa: E402
 from kvcompassd.core.keys import namespace_salt, prefix_keys, prefix_keys_reference, sha256_backend  # noqa: E402
 from kvcompassd.core.layout import IndexLayout  # noqa: E402
 from kvcompassd.core.ludo import set_huge_page_views  # noqa: E402
-from kvcompassd.core.levels import LevelPlan  # noqa: E402
 from kvcompassd.core.router import Router  # noqa: E402
 from kvcompassd.core.score import ScoreResult  # noqa: E402
 from kvcompassd.sim.geo import DEPLOYMENTS, census_fleet, render_toml  # noqa: E402
@@ -172,13 +171,8 @@ def build_view(cfg: ClusterConfig, entries: int, prompt: np.ndarray, seed: int) 
                 table.insert_many(keys[start:start + FILL_CHUNK], values[start:start + FILL_CHUNK])
                 table.take_updates()  # the fill travels in the snapshot below, not as records
     # The prompt, held by the first worker of every region at every registration length.
-    plan = LevelPlan.from_config(cfg)
-    lengths = plan.registration_lengths_upto(len(prompt))
-    keys = prefix_keys(prompt, lengths, namespace_salt(cfg.model, cfg.tenant)).tolist()
     for region in cfg.region_names():
-        holder = cfg.workers_in(region)[0].id
-        for k in keys:
-            shards[k % n].apply([PrefixCached(holder, k, Tier.VRAM)])
+        hold_prompt(cfg, shards, cfg.workers_in(region)[0].id, prompt)
     view = EdgeIndexView(layout, n, edge="edge-bench")
     for shard in shards:
         shard.flush()

@@ -3,8 +3,8 @@
 This process runs the edge's request path as the edge daemon builds it (``FrontDoor`` serving
 under its ``FrontDoorGuard``, a ``Forwarder`` with a real ``Router`` on an index view where the
 worker holds the client's 8 shared prefixes, as the plane's view shows them once served
-(``--empty-view``: nothing in it), the client toward workers the edge opens); a ``kvcompassd emulate-worker --time-scale 0`` is the
-worker (``--worker-time-scale`` gives it modelled time, so that it decodes and streams token by
+(``--empty-view``: nothing in it), the client toward workers the edge opens); a ``kvcompassd
+emulate-worker --time-scale 0`` is the worker (``--worker-time-scale`` gives it modelled time, so that it decodes and streams token by
 token; ``--max-new-tokens`` sets each request's answer, which the client asks for whole, or as
 a stream with ``--client-stream``) and a closed-loop client runs in a child process. Nothing
 else shares the edge's process (no QUIC, no index updates, no load polls), so its CPU time over
@@ -83,14 +83,11 @@ import aiohttp
 import orjson
 import uvloop
 
-from benchlib import callgrind_helper
+from benchlib import callgrind_helper, hold_prompt
 
 from kvcompassd.core.config import dump_config
-from kvcompassd.core.events import PrefixCached, Tier
 from kvcompassd.core.index import EdgeIndexView, MaintenanceShard
-from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
-from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.router import Router
 from kvcompassd.forwarding import Forwarder
 from kvcompassd.frontdoor import FrontDoor, FrontDoorSettings
@@ -109,7 +106,7 @@ def client_process(url: str, concurrency: int, seconds: float, prefix_chars: int
     async def run() -> tuple[int, int, float]:
         served = errors = 0
         latencies: list[float] = []
-        prefixes = [chr(97 + g) * prefix_chars for g in range(8)]
+        prefixes = group_prefixes(prefix_chars)
         stop_at = time.monotonic() + seconds
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             async def one(i: int) -> None:
@@ -155,19 +152,20 @@ def callgrind_summary(paths: list[str]) -> None:
 STAGES = ("relay", "parse", "route", "full")
 
 
+def group_prefixes(prefix_chars: int) -> list[str]:
+    """The client's 8 prompt groups: each prompt is one of these plus a unique suffix."""
+    return [chr(97 + g) * prefix_chars for g in range(8)]
+
+
 def hold_prefixes(cfg, shard: MaintenanceShard, worker_id: str, prefix_chars: int) -> None:
     """The view as the edge's plane shows it once the worker has served each group: the worker
-    holds the client's 8 shared prefixes (``client_process``), so a decision takes the fused
-    path, as nearly all of the edge's do under the gateway's load. Over an empty view the
-    pending ledger raised nearly every decision into its rescoring path, which the edge's own
-    plane takes for a few in a thousand (README, issue 30's entry under "Development")."""
-    plan = LevelPlan.from_config(cfg)
-    salt = namespace_salt(cfg.model)
+    holds the client's shared prefixes (``group_prefixes``), so a decision takes the fused path,
+    as nearly all of the edge's do under the gateway's load. Over an empty view the pending
+    ledger raised nearly every decision into its rescoring path, which the edge's own plane
+    takes for a few in a thousand (README, issue 30's entry under "Development")."""
     tokenizer = ByteTokenizer()
-    for g in range(8):
-        tokens = tokenizer.encode_array(chr(97 + g) * prefix_chars)
-        keys = prefix_keys(tokens, plan.registration_lengths_upto(len(tokens)), salt)
-        shard.apply([PrefixCached(worker_id, int(k), Tier.VRAM) for k in keys])
+    for prefix in group_prefixes(prefix_chars):
+        hold_prompt(cfg, [shard], worker_id, tokenizer.encode_array(prefix))
     shard.flush()  # (the batch an edge would get: the snapshot holds it)
 
 
@@ -285,7 +283,8 @@ async def main_async(args) -> None:
         await wait_worker(worker.http, proc)
         layout = IndexLayout.from_config(cfg)
         view = EdgeIndexView(layout, 1, edge=cfg.edges[0].id)
-        shard = MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=cfg.index.initial_capacity)  # (as a unit sizes it)
+        # (sized as a unit sizes it: a 64-slot table answered false hits past the prefixes)
+        shard = MaintenanceShard(layout, 0, 1, epoch=1, initial_capacity=cfg.index.initial_capacity)
         if not args.empty_view:
             hold_prefixes(cfg, shard, worker.id, args.prefix_chars)
         view.install_snapshot(shard.snapshot())

@@ -92,6 +92,20 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def hold_prompt(cfg: ClusterConfig, shards: list, worker_id: str, tokens) -> None:
+    """Register ``tokens`` as held in VRAM by ``worker_id`` at every registration length up to
+    its length, each key in its shard (``key % len(shards)``), as the worker's agent would
+    report it, under the salt the edge's Router looks it up with."""
+    from kvcompassd.core.events import PrefixCached, Tier
+    from kvcompassd.core.keys import namespace_salt, prefix_keys
+    from kvcompassd.core.levels import LevelPlan
+
+    lengths = LevelPlan.from_config(cfg).registration_lengths_upto(len(tokens))
+    n = len(shards)
+    for key in prefix_keys(tokens, lengths, namespace_salt(cfg.model, cfg.tenant)).tolist():
+        shards[key % n].apply([PrefixCached(worker_id, key, Tier.VRAM)])
+
+
 class Cluster:
     """A loopback cluster: config file, certificates, and the daemon processes this bench starts.
 
