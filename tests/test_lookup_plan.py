@@ -16,7 +16,7 @@ from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.lookup import PrefixLookup
-from kvcompassd.core.lookup_plan import LookupPlan, LookupPlanError, QueueAging, ViewPointers, top_k
+from kvcompassd.core.lookup_plan import SMALL_FLEET, LookupPlan, LookupPlanError, QueueAging, ViewPointers, top_k
 from kvcompassd.core.score import JointScorer, NoEligibleWorkerError
 
 SHARDS = 3
@@ -425,6 +425,43 @@ def test_run_out_equals_run_aged_bit_for_bit(steps, region):
         assert arrays.scores()[written].tobytes() == scores[written].tobytes()
         for i in range(n):
             assert arrays.queue_at(i) == scored.item(i) and arrays.aged_at(i) == aged.item(i)
+
+
+@pytest.mark.parametrize("regions", [{"a": 2, "b": 2}, REGIONS], ids=["small fleet", "large fleet"])
+def test_the_pruned_call_takes_only_finite_beliefs_and_falls_back_for_the_rest(regions):
+    """``belief_finite`` lets the pruned call take finite beliefs only (checked in Python up to
+    ``SMALL_FLEET`` workers, in numpy past it): a NaN or an infinity takes the full call, and so
+    do finite values too large to sum in a small fleet; ``run_out`` then gives ``run_aged``'s
+    answers all the same. A belief array of the wrong length is never taken."""
+    from kvcompassd.core.router import Router
+
+    cfg = make_cluster(regions, shards=SHARDS, one_way_ms=2.0, levels=5, same_region_min_tokens=16)
+    layout = IndexLayout.from_config(cfg)
+    shard = MaintenanceShard(layout, 0, 1, epoch=1)
+    prompt = _prompt(77, 600)
+    salt = namespace_salt(cfg.model)
+    shard.apply([PrefixCached(layout.worker_ids[1], k, Tier.VRAM)
+                 for k in prefix_keys(prompt, LevelPlan.from_config(cfg).registration_lengths_upto(600), salt).tolist()])
+    shard.flush()
+    view = EdgeIndexView(layout, 1, edge="edge-a")
+    assert view.install_snapshot(shard.snapshot()).applied
+    router = Router(cfg, "a", view, now=0.0)
+    kernel, n = router._kernel, len(layout.worker_ids)
+    small = n <= SMALL_FLEET
+    assert small == (regions is not REGIONS)
+    ms = router.queues.queue_ms()
+    cases = {"ones": (np.ones(n), True), "nan": (np.r_[np.nan, np.ones(n - 1)], False),
+             "inf": (np.r_[np.ones(n - 1), np.inf], False), "-inf": (np.r_[-np.inf, np.ones(n - 1)], False),
+             "too large to sum": (np.full(n, 1e308), not small), "one short": (np.ones(n - 1), False)}
+    for name, (belief, finite) in cases.items():
+        assert kernel.belief_finite(belief) is finite, name
+        if len(belief) != n:
+            continue
+        want = kernel.run_aged(prompt, ms, 1.0, None, False, belief, None)
+        got = kernel.run_out(prompt, ms, 1.0, None, False, belief, None)
+        assert got[1:7] == want[3:9], name
+        assert got[0].matched().tobytes() == want[0].tobytes(), name
+        assert want[0].item(1) > 0, name  # (the holder is found whatever the beliefs)
 
 
 @settings(max_examples=20, deadline=None)

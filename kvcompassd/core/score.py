@@ -31,11 +31,8 @@ import numpy as np
 from .ablation import FULL, Ablation
 from .config import ClusterConfig
 from .events import Tier
-from .lookup_plan import SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, ScoreBlocks, ScoreKernel, top_k
-
-# Fleets of at most this many workers have their learned rates worked out and checked in Python
-# (an edge's region: numpy's per-call cost is most of the work there), larger ones in numpy.
-SMALL_FLEET = 16
+from .lookup_plan import (SCORE_CROSS_REGION, SCORE_LOAD_AWARE, SCORE_TIER_AWARE, SMALL_FLEET, ScoreBlocks,
+                          ScoreKernel, top_k)
 
 __all__ = ["JointScorer", "NoEligibleWorkerError", "ScoreInputError", "ScoreResult", "ScoreTerms",
            "score_result_from_arrays"]
