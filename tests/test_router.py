@@ -17,7 +17,7 @@ from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.messages import RoomVectorBroadcast
-from kvcompassd.core.router import SHORTFALL_DRAM, SHORTFALL_EVICTED, Router
+from kvcompassd.core.router import RESCORE_RATE_TOLERANCE, SHORTFALL_DRAM, SHORTFALL_EVICTED, Router
 
 SHARDS = 2
 
@@ -433,6 +433,40 @@ def test_decode_workers_of_a_disaggregated_fleet_are_never_routed_to():
     router.withhold(us0, False)
     assert router.withheld == {us0, us2}
     assert router.decide_from(router.lookup.lookup(PROMPT), now=0.0).worker not in ("us-0", "us-2")
+
+@pytest.mark.parametrize("regions", [{"us": 3, "eu": 2}, {"us": 20}], ids=["small fleet", "large fleet"])
+def test_learned_rates_reach_the_scorer_once_they_move_past_the_tolerance(regions):
+    """A learned prefill rate that moves by less than ``RESCORE_RATE_TOLERANCE`` of the one
+    scored with is not handed to the scorer (each hand-over re-derives its bounds), one that
+    moves further is, with every worker's rate as learned: the scorer's rates and the charges
+    never stray further than the tolerance from the learned ones."""
+    cfg, layout, shards, view = _world(regions)
+    router = Router(cfg, "us", view, now=0.0)
+    handed = []
+    set_rates = router.scorer.set_prefill_rates
+    router.scorer.set_prefill_rates = lambda rates: handed.append(rates.tolist()) or set_rates(rates)
+    rtt = cfg.rtt_ms("us", "us") / 1000.0
+    others = [j for j in range(len(layout.worker_ids)) if j != 0]
+    t, moved = 1.0, 0
+    # Prefills of 1,000 tokens that take 0.1 ms a token at first, then a per mille longer each.
+    for n in range(60):
+        d = router.decide(PROMPT[:1000] + n, now=t, exclude=others)
+        took = 1000 * 0.1 * 1.001 ** n / 1000.0
+        router.on_first_token(d.dispatch, now=t + rtt + took)
+        before = router.rates.prefill_rates().tolist()
+        router.on_finished(d.dispatch, prompt_tokens=1000, cached_tokens=0, output_tokens=1, now=t + rtt + took)
+        learned = router.rates.prefill_rates().tolist()
+        moved += learned != before
+        scored = list(router.scorer.beta_list)
+        assert all(abs(a - b) <= RESCORE_RATE_TOLERANCE * b for a, b in zip(learned, scored)), n
+        assert router._beta_list == router.scorer.beta_list  # the charges' rates are the scored ones
+        if handed and handed[-1] == learned:
+            assert scored == learned
+        t += 1.0
+    # The window's median moved on most samples, crossing the tolerance a few times.
+    assert moved > 40 and 1 <= len(handed) < moved / 4
+    assert router.rates.prefill_ms_per_token(0) > 0.1 * (1 + RESCORE_RATE_TOLERANCE)
+
 
 def test_a_first_token_retires_the_dispatch_charge_and_an_end_teaches_the_rate():
     cfg, layout, shards, view = _world()

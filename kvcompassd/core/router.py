@@ -32,13 +32,19 @@ from .keys import SHA256_BACKENDS, namespace_salt, token_buffer
 from .layout import IndexLayout
 from .levels import LevelPlan
 from .lookup import LookupResult, PrefixLookup, new_lookup_result
-from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, DecisionArrays, MissSummary,
-                          SparseForwardKernel, slot_constructor)
+from .lookup_plan import (MISS_LOCAL_HOLDER, MISS_LOST_TO_LOAD, MISS_REMOTE_WORTH, SMALL_FLEET, DecisionArrays,
+                          MissSummary, SparseForwardKernel, slot_constructor)
 from .migration import NO_IDLE_WORKER, NO_REMOTE_MATCH, DecisionObserved, HotPrefixDetector, MigrationPlanned
 from .pending import PendingHoldings
 from .queues import QueueEstimates
 from .rates import LearnedRates
 from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms, score_result_from_arrays
+
+# Learned prefill rates within this share of the ones scored with are not handed to the scorer.
+# A window's median moves by a fraction of a per cent on most responses (3 in 4 of an edge's at
+# zero delay), and each hand-over re-derives the score's pruning bounds: 29 us of a response's
+# handling in the edge's request path. A rate's samples spread far wider than this.
+RESCORE_RATE_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,9 +624,19 @@ class Router:
         if self._stall_weight:
             self._beta_list = tuple(learned.tolist())
             self._price_stalls()  # (the scorer keeps its rates when the prices come out the same)
-        elif self.scorer.set_prefill_rates(learned):
+        elif self._rates_moved(learned) and self.scorer.set_prefill_rates(learned):
             self._beta_list = self.scorer.beta_list
         return worker
+
+    def _rates_moved(self, learned: np.ndarray) -> bool:
+        """Whether a learned prefill rate is off the one scored with by more than
+        ``RESCORE_RATE_TOLERANCE`` of it (or the scorer's rates never were learned ones)."""
+        scored = self.scorer.beta_list
+        tolerance = RESCORE_RATE_TOLERANCE
+        if len(scored) <= SMALL_FLEET:
+            return any(abs(rate - was) > tolerance * was for rate, was in zip(learned.tolist(), scored))
+        was = self.scorer.beta
+        return bool((np.abs(learned - was) > tolerance * was).any())
 
     def _price_stalls(self) -> None:
         """Score each worker's prefill at its rate times 1 + min(1, weight x the requests it is
