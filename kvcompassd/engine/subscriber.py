@@ -67,6 +67,7 @@ _monitor_ids = itertools.count()
 # agent's samples at c = 1, where half the samples are the idle loop).
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +210,14 @@ class KvEventSubscriber:
 
     def _next_live(self) -> list[bytes] | None:
         """The next live message already received, or None."""
+        sub = self._sub
+        # EVENTS first: every message's loop ends in an empty read, and pyzmq raises zmq.Again
+        # for one (4.5 us against 1.5 us for the check, measured warm; 48 us a read in place).
+        if not sub.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[union-attr]
+            return None
         try:
-            return self._sub.recv_multipart(zmq.NOBLOCK)  # type: ignore[union-attr]
-        except zmq.Again:
+            return sub.recv_multipart(_NOBLOCK)  # type: ignore[union-attr]
+        except zmq.Again:  # (EVENTS said a message was there)
             return None
 
     async def _readable(self, timeout: float | None) -> bool:
