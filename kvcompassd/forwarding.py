@@ -402,7 +402,9 @@ class Forwarder:
     async def generate(self, req: ForwardRequest) -> AsyncIterator[TokensGenerated | GenerationFinished]:
         if not req.stream and req.sampling_params.get("stream_interval") is None:
             # Streamed toward the worker all the same, in pieces ([deadlines] worker_stream_interval).
-            req = replace(req, sampling_params={**req.sampling_params, "stream_interval": self.worker_stream_interval})
+            # (built directly: dataclasses.replace reads the fields anew each call, 11 us a request in place)
+            req = ForwardRequest(req.request_id, req.tokens, {**req.sampling_params,
+                                                              "stream_interval": self.worker_stream_interval}, req.stream)
         # Pieces of several tokens come that much further apart: the gap allowed between two is
         # inter_token_s plus the others' decode at the worker's rate (learned, else configured).
         # A piece holds at most the answer, so a client's huge interval cannot lift the deadline
