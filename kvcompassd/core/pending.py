@@ -230,6 +230,12 @@ class PendingHoldings:
         if record is not None:
             self._release(record)
 
+    def holds_any(self, keys: list[int], *, now: float) -> bool:
+        """Whether any of ``keys`` is held (expired ones purged first): ``overlay`` over them
+        changes nothing, and returns None, otherwise."""
+        self._purge(now)
+        return not self._by_key.keys().isdisjoint(keys)
+
     def overlay(self, keys: list[int], matched: np.ndarray, tier: np.ndarray, *, now: float,
                 read_only: bool = False) -> np.ndarray | None:
         """Raise ``matched``/``tier`` (in place) to the pending holdings among ``keys``.
