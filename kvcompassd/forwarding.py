@@ -509,7 +509,7 @@ class Forwarder:
         metrics = self.metrics
         metrics.count_decision(d.outcome)
         if d.pending:
-            metrics.pending_credits.inc()
+            metrics.pending_credit_counts.inc()
         metrics.decision_observations.observe(decision_us / 1e6)
         # The winner's terms alone: the runners-up need every worker scored (the sparse decision
         # skips the workers that cannot win), so they are logged only at debug level.
@@ -566,10 +566,11 @@ class Forwarder:
             tokens=req.tokens,  # a shortfall the index explains is not held against the worker
             claimed_tier=d.tier,
         )
-        self.metrics.claimed_tokens.inc(d.claimed_tokens)
-        self.metrics.reused_tokens.inc(done.cached_tokens)
+        metrics = self.metrics
+        metrics.claimed_token_counts.inc(d.claimed_tokens)
+        metrics.reused_token_counts.inc(done.cached_tokens)
         if done.cached_tokens < d.claimed_tokens:
-            self.metrics.false_lookups.inc()
+            metrics.false_lookup_counts.inc()
         return GenerationFinished(
             worker=d.worker,
             region=d.region,

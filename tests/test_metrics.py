@@ -1,4 +1,5 @@
-"""The edge's metrics: held observations (BatchedObservations) read exactly as observed ones."""
+"""The edge's metrics: held observations (BatchedObservations) and counts (BatchedCount) read exactly as
+observed and counted ones."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import threading
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvcompassd.metrics import BATCH_LIMIT, CHOSEN_SCORE_TERMS, BatchedObservations, EdgeMetrics
+from kvcompassd.metrics import BATCH_LIMIT, CHOSEN_SCORE_TERMS, BatchedCount, BatchedObservations, EdgeMetrics
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -97,3 +98,67 @@ def test_a_scrape_thread_folding_while_the_loop_observes_counts_each_observation
     batched.fold()
     assert histogram._buckets[2].get() == 50_000  # the 0.025 bucket: every one, none twice
     assert math.isclose(histogram._sum.get(), 0.02 * 50_000, rel_tol=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 10_000), st.floats(0.0, 1e6)), max_size=2 * BATCH_LIMIT + 3))
+def test_folded_counts_read_as_counted_ones(amounts):
+    direct = Counter("c", "c", registry=CollectorRegistry())
+    counter = Counter("c", "c", registry=CollectorRegistry())
+    batched = BatchedCount(counter)
+    for amount in amounts:
+        direct.inc(amount)
+        batched.inc(amount)
+    held = len(amounts) % BATCH_LIMIT if amounts else 0
+    assert math.isclose(counter._value.get(), sum(amounts[:len(amounts) - held]), rel_tol=1e-9, abs_tol=1e-9)
+    batched.fold()
+    assert math.isclose(counter._value.get(), direct._value.get(), rel_tol=1e-9, abs_tol=1e-9)
+    batched.fold()  # nothing twice
+    assert math.isclose(counter._value.get(), direct._value.get(), rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_a_scrape_of_the_edge_metrics_sees_every_count():
+    metrics = EdgeMetrics()
+    for status in (200, 200, 400):
+        metrics.count_request("/generate", status)
+    metrics.count_decision("local_hit")
+    metrics.count_decision("recompute")
+    metrics.count_decision("local_hit")
+    metrics.claimed_token_counts.inc(1500)
+    metrics.reused_token_counts.inc(1488)
+    metrics.false_lookup_counts.inc()
+    metrics.pending_credit_counts.inc()
+    got = _samples(metrics.registry)
+    assert got[("kvcompass_requests_total", (("route", "/generate"), ("status", "200")))] == 2
+    assert got[("kvcompass_requests_total", (("route", "/generate"), ("status", "400")))] == 1
+    assert got[("kvcompass_decisions_total", (("outcome", "local_hit"),))] == 2
+    assert got[("kvcompass_decisions_total", (("outcome", "recompute"),))] == 1
+    assert got[("kvcompass_claimed_tokens_total", ())] == 1500
+    assert got[("kvcompass_reused_tokens_total", ())] == 1488
+    assert got[("kvcompass_false_lookups_total", ())] == 1
+    assert got[("kvcompass_pending_credits_total", ())] == 1
+    assert _samples(metrics.registry)[("kvcompass_decisions_total", (("outcome", "local_hit"),))] == 2
+
+
+def test_a_scrape_thread_folding_while_the_loop_counts_counts_each_once():
+    counter = Counter("c", "c", registry=CollectorRegistry())
+    batched = BatchedCount(counter)
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            batched.fold()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        for _ in range(50_000):
+            batched.inc()
+    finally:
+        stop.set()
+        scraper.join()
+        sys.setswitchinterval(interval)
+    batched.fold()
+    assert counter._value.get() == 50_000

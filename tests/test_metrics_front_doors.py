@@ -159,6 +159,7 @@ def test_a_front_doors_counts_reach_process_0s_scrape_when_it_publishes(tmp_path
     got = _scrape(m)
     assert got[GENERATE] == 1  # counted in the front door's memory, not yet published
     assert got[("kvcompass_request_seconds_count", ())] == 1
+    door.fold()  # (what FrontDoorPublisher.publish does first: the request path's counts are held)
     assert values.publish() > 0
     got = _scrape(m)
     assert got[GENERATE] == 1 + 3
@@ -166,6 +167,7 @@ def test_a_front_doors_counts_reach_process_0s_scrape_when_it_publishes(tmp_path
     assert got[("kvcompass_request_seconds_bucket", (("le", "0.025"),))] == 1
     assert values.publish() == 0  # nothing changed: nothing written
     door.count_request("/generate", 200)
+    door.fold()
     values.close()  # a clean stop publishes what was counted since
     assert _scrape(m)[GENERATE] == 1 + 4
     directory.retire(4242)
@@ -195,8 +197,8 @@ def _one_requests_updates(m: EdgeMetrics) -> None:
     m.request_observations.observe(0.006)
     for _term, held in m.chosen_terms:
         held.observe(2.0)
-    m.claimed_tokens.inc(1500)
-    m.reused_tokens.inc(1500)
+    m.claimed_token_counts.inc(1500)  # (counts held too, added when folded: BatchedCount)
+    m.reused_token_counts.inc(1500)
 
 
 def test_a_front_doors_updates_call_no_getpid(tmp_path, monkeypatch):
@@ -217,6 +219,7 @@ def test_a_front_doors_updates_call_no_getpid(tmp_path, monkeypatch):
     for _ in range(100):
         _one_requests_updates(door)
     assert calls == 0
+    door.fold()  # (FrontDoorPublisher.publish folds first)
     values.publish()
     assert calls == 0
     assert _scrape(m)[GENERATE] == 1 + 101
@@ -229,4 +232,5 @@ def test_a_front_doors_updates_call_no_getpid(tmp_path, monkeypatch):
     _one_requests_updates(theirs)
     calls = 0
     _one_requests_updates(theirs)
-    assert calls >= 4  # the four counters' (the histograms' observations are held)
+    theirs.fold()
+    assert calls >= 4  # the four counters' (held, as the histograms' observations are, until folded) (the histograms' observations are held)
