@@ -74,10 +74,8 @@ def test_a_scrape_of_the_edge_metrics_sees_every_observation():
     assert _samples(metrics.registry)[("kvcompass_request_seconds_count", ())] == 2
 
 
-def test_a_scrape_thread_folding_while_the_loop_observes_counts_each_observation_once():
-    """prometheus_client's metrics server scrapes (and so folds) from its own thread."""
-    histogram = Histogram("h", "h", buckets=BUCKETS, registry=CollectorRegistry())
-    batched = BatchedObservations(histogram)
+def _update_while_a_thread_folds(batched, update, times: int) -> None:
+    """``update`` ``times`` times while another thread keeps folding ``batched``, then fold."""
     stop = threading.Event()
 
     def scrape() -> None:
@@ -89,13 +87,20 @@ def test_a_scrape_thread_folding_while_the_loop_observes_counts_each_observation
     scraper = threading.Thread(target=scrape)
     scraper.start()
     try:
-        for _ in range(50_000):
-            batched.observe(0.02)
+        for _ in range(times):
+            update()
     finally:
         stop.set()
         scraper.join()
         sys.setswitchinterval(interval)
     batched.fold()
+
+
+def test_a_scrape_thread_folding_while_the_loop_observes_counts_each_observation_once():
+    """prometheus_client's metrics server scrapes (and so folds) from its own thread."""
+    histogram = Histogram("h", "h", buckets=BUCKETS, registry=CollectorRegistry())
+    batched = BatchedObservations(histogram)
+    _update_while_a_thread_folds(batched, lambda: batched.observe(0.02), 50_000)
     assert histogram._buckets[2].get() == 50_000  # the 0.025 bucket: every one, none twice
     assert math.isclose(histogram._sum.get(), 0.02 * 50_000, rel_tol=1e-9)
 
@@ -143,22 +148,5 @@ def test_a_scrape_of_the_edge_metrics_sees_every_count():
 def test_a_scrape_thread_folding_while_the_loop_counts_counts_each_once():
     counter = Counter("c", "c", registry=CollectorRegistry())
     batched = BatchedCount(counter)
-    stop = threading.Event()
-
-    def scrape() -> None:
-        while not stop.is_set():
-            batched.fold()
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    scraper = threading.Thread(target=scrape)
-    scraper.start()
-    try:
-        for _ in range(50_000):
-            batched.inc()
-    finally:
-        stop.set()
-        scraper.join()
-        sys.setswitchinterval(interval)
-    batched.fold()
-    assert counter._value.get() == 50_000
+    _update_while_a_thread_folds(batched, batched.inc, 50_000)
+    assert counter._value.get() == 50_000  # every one, none twice
