@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvcompassd import sampling
 from kvcompassd.sampling import SGLANG_FIELDS, SamplingError, check_sampling
 from kvcompassd.wire import Params
 
@@ -100,3 +101,46 @@ def test_fuzzed_parameters_are_refused_cleanly_or_fit_the_wire(params):
         return
     assert Params().check(out, "sampling_params") == out
     assert 0 <= out["max_new_tokens"] <= 1024
+
+
+scalars = st.none() | st.booleans() | st.integers(-5, 2000) | st.floats() | st.text(max_size=8)
+
+
+@given(st.lists(st.dictionaries(st.sampled_from(sorted(SGLANG_FIELDS) + ["other"]), scalars, max_size=5),
+                min_size=1, max_size=6))
+def test_accepted_objects_remembered_answer_as_the_checks_do(objects):
+    """A parameter object of scalar values once accepted is answered from memory afterwards:
+    the same answer as the checks give, value for value (a -0.0 stays -0.0), and every refusal
+    still refused."""
+    sampling._ACCEPTED.clear()
+    for params in objects * 2:  # each twice: the second time from memory if accepted
+        for limit in (1024, 8):
+            try:
+                want = sampling._check_sampling(params, max_new_tokens_limit=limit, default_max_new_tokens=4,
+                                                vocab_size=None)
+            except SamplingError as exc:
+                with pytest.raises(SamplingError) as caught:
+                    check_sampling(params, max_new_tokens_limit=limit, default_max_new_tokens=4)
+                assert caught.value.param == exc.param
+                continue
+            got = check_sampling(params, max_new_tokens_limit=limit, default_max_new_tokens=4)
+            assert list(got.items()) == list(want.items())
+            assert [repr(v) for v in got.values()] == [repr(v) for v in want.values()]
+            assert got is not params
+
+
+def test_a_remembered_acceptance_is_for_those_types_limits_and_short_strings_only():
+    sampling._ACCEPTED.clear()
+    assert check({"ignore_eos": True}) == {"ignore_eos": True, "max_new_tokens": 16}
+    with pytest.raises(SamplingError):  # 1 == True, but only a boolean is one
+        check({"ignore_eos": 1})
+    assert check({"max_new_tokens": 1000})["max_new_tokens"] == 1000
+    with pytest.raises(SamplingError):  # accepted under a limit of 1,024, not under one of 999
+        check_sampling({"max_new_tokens": 1000}, max_new_tokens_limit=999, default_max_new_tokens=16)
+    assert len(sampling._ACCEPTED) == 2
+    check({"stop": "x" * (sampling.ACCEPTED_CHARS + 1)})
+    check({"stop": ["a"]})  # (a list: not a scalar)
+    assert len(sampling._ACCEPTED) == 2
+    for n in range(sampling.ACCEPTED_MAX + 5):  # bounded: full, it starts again
+        check({"max_new_tokens": n % 1000, "top_k": n + 1})
+        assert len(sampling._ACCEPTED) <= sampling.ACCEPTED_MAX
