@@ -425,7 +425,7 @@ class Forwarder:
             decision_us = (time.perf_counter() - t0) * 1e6
             self._observe_decision(req, decision, decision_us, attempt)
             first_s = self.first_token_timeout(self._expected_ms(decision, req))
-            produced = False
+            produced = ended = False
             seen, index = self._output_seen, decision.worker_index
             try:
                 # aclosing: however this generator ends (the client went away and it is
@@ -447,7 +447,9 @@ class Forwarder:
                                 produced = True
                                 yield item
                             else:
-                                yield self._finished(req, decision, item, attempt, decision_us, produced)
+                                finished = self._finished(req, decision, item, attempt, decision_us, produced)
+                                ended = True  # (its end retired the dispatch: nothing is left to abort)
+                                yield finished
                                 return
                     finally:
                         deadlines.stop()
@@ -494,8 +496,11 @@ class Forwarder:
                             worker=decision.worker, attempt=attempt, error=str(exc), avoided_s=avoided_s)
             finally:
                 # Whatever else ended the attempt (a mid-response failure, the client went away):
-                # its charge goes (a no-op after a completion or failure retired it).
-                self.router.on_aborted(decision.dispatch, now=self.clock())
+                # its charge goes (a no-op after a failure retired it). Not after its end: that
+                # was 7 us a request, and a front door of `edge --workers N` told the others to
+                # drop a dispatch their ledgers no longer held.
+                if not ended:
+                    self.router.on_aborted(decision.dispatch, now=self.clock())
         raise ForwardError(503, "no worker could serve the request: " + "; ".join(reasons))
 
     def _piece_gap_s(self, index: int, piece_tokens: int) -> float:

@@ -375,6 +375,27 @@ async def test_a_client_that_goes_away_aborts_the_request_at_the_agent(pki, edge
     assert len(edge.suspects) == 0  # the client left; the worker did nothing wrong
 
 
+async def test_an_attempt_is_aborted_in_the_router_unless_it_ended(pki, edge):
+    """A served request's end retires its dispatch (on_finished): nothing is aborted after it
+    (a front door of ``edge --workers N`` would tell the others to drop what they no longer
+    hold); an attempt that failed, and one the client left, are."""
+    aborted = []
+    on_aborted = edge.router.on_aborted
+    edge.router.on_aborted = lambda dispatch, *, now: aborted.append(dispatch) or on_aborted(dispatch, now=now)
+    agents = await start_agents(pki, edge, {"a-0": "stall_after_first", "a-1": "serve"})
+    edge.suspects.failed(0, now=0.0)  # a-1 first
+    _, done = await run(edge, "served")
+    assert done.worker == "a-1" and aborted == []
+    edge.suspects.served(0)
+    edge.suspects.failed(1, now=0.0)  # a-0 now, which stalls after its first token
+    stream = edge.generate(ForwardRequest("left", np.arange(1, 40, dtype=np.uint32), {"max_new_tokens": 2}, True))
+    async with asyncio.timeout(GUARD_S):
+        await anext(stream)
+        await stream.aclose()
+        await agents["a-0"].aborted.wait()
+    assert len(aborted) == 1  # the attempt the client left
+
+
 async def test_suspicion_ends_when_the_worker_is_back(pki, edge):
     await start_agents(pki, edge, {"a-0": "stall", "a-1": "serve"})
     await run(edge, "r1")
