@@ -10,6 +10,7 @@ import contextlib
 import json
 from pathlib import Path
 
+import orjson
 import pytest
 from aiohttp import web
 from hypothesis import given
@@ -390,6 +391,25 @@ def test_an_engine_time_that_is_not_a_duration_is_not_taken(value, expected):
         meta["e2e_latency"] = value
     assert finished_from_meta(meta, 5, 2).worker_latency_s == expected
     assert finished_from_meta({k: v for k, v in meta.items() if k != "e2e_latency"}, 5, 2).worker_latency_s is None
+
+
+@pytest.mark.parametrize("field,value", [("cached_tokens", -3), ("prompt_tokens", -1),
+                                         ("completion_tokens", 1 << 63), ("cached_tokens", "many"),
+                                         ("cached_tokens", [1])])
+async def test_an_engine_count_that_is_not_one_is_the_engines_malformed_answer(field, value):
+    """A closing count below 0 or past 64 bits fails the attempt as the engine's error (another
+    worker is tried) rather than reaching the belief and the counters."""
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 5,
+            "completion_tokens": 2, "cached_tokens": 0, field: value}
+    body = orjson.dumps({"text": "ab", "output_ids": [5, 6], "meta_info": meta})
+    runner, url = await serve_bytes(200, body, "application/json")
+    try:
+        async with WorkerConnections() as http:
+            with pytest.raises(EngineError, match=field) as failure:
+                await collect(EngineClient(url, http), {"max_new_tokens": 2}, stream=False)
+    finally:
+        await runner.cleanup()
+    assert not isinstance(failure.value, EngineRejected)
 
 
 async def test_sglangs_closing_chunk_gives_the_engines_own_time():

@@ -135,14 +135,28 @@ def generate_body(input_ids, fields: dict) -> bytes:
     return b'{"input_ids":' + encoded + (b"," + rest[1:] if len(rest) > 2 else b"}")
 
 
+def _meta_count(meta: dict, name: str, default: int) -> int:
+    """A token count of the engine's ``meta_info``: an integer in [0, 2^63) (a ValueError,
+    the engine's malformed answer, for anything else). A negative one reached the cache belief, which
+    refused it mid-request, and the reuse counters, which take no decrement."""
+    value = meta.get(name)
+    try:
+        count = int(value or default)
+    except (TypeError, ValueError):  # (a list's TypeError escaped the client's error handling)
+        count = -1
+    if not 0 <= count < 1 << 63:
+        raise ValueError(f"meta_info {name} is not a token count: {str(value)[:64]!r}")
+    return count
+
+
 def finished_from_meta(meta: dict, prompt_tokens: int, completion_tokens: int) -> EngineFinished:
     finish = meta.get("finish_reason")
     if isinstance(finish, dict):  # SGLang reports {"type": "length", "length": n}
         finish = finish.get("type", "")
     return EngineFinished(
-        cached_tokens=int(meta.get("cached_tokens") or 0),
-        prompt_tokens=int(meta.get("prompt_tokens") or prompt_tokens),
-        completion_tokens=int(meta.get("completion_tokens") or completion_tokens),
+        cached_tokens=_meta_count(meta, "cached_tokens", 0),
+        prompt_tokens=_meta_count(meta, "prompt_tokens", prompt_tokens),
+        completion_tokens=_meta_count(meta, "completion_tokens", completion_tokens),
         finish_reason=str(finish or ""),
         worker_latency_s=_seconds(meta.get("e2e_latency")),
     )
