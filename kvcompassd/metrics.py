@@ -96,6 +96,18 @@ CHOSEN_SCORE_TERMS = ("wan_ms", "queue_ms", "prefill_ms", "reload_ms")
 BATCH_LIMIT = 512
 
 
+def _take_held(held: collections.deque) -> list:
+    """What ``held`` holds, taken out of it (a fold in another thread may take part of it)."""
+    taken = []
+    pop = held.popleft
+    try:
+        for _ in range(len(held)):
+            taken.append(pop())
+    except IndexError:  # a fold in another thread took the rest
+        pass
+    return taken
+
+
 class BatchedObservations:
     """A histogram's observations held and folded into it in one pass: per bucket, one increment
     for all of them, instead of prometheus_client's lock, bucket search and two increments per
@@ -123,13 +135,7 @@ class BatchedObservations:
             self.fold()
 
     def fold(self) -> None:
-        held, taken = self._held, []
-        pop = held.popleft
-        try:
-            for _ in range(len(held)):
-                taken.append(pop())
-        except IndexError:  # a fold in another thread took the rest
-            pass
+        taken = _take_held(self._held)
         if not taken:
             return
         bounds, buckets = self._bounds, self._buckets
@@ -167,16 +173,9 @@ class BatchedCount:
             self.fold()
 
     def fold(self) -> None:
-        held, total, taken = self._held, 0.0, False
-        pop = held.popleft
-        try:
-            for _ in range(len(held)):
-                total += pop()
-                taken = True
-        except IndexError:  # a fold in another thread took the rest
-            pass
+        taken = _take_held(self._held)
         if taken:
-            self._counter.inc(total)
+            self._counter.inc(sum(taken))
 
 
 class _FoldBeforeRead:
