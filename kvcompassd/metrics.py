@@ -96,19 +96,37 @@ CHOSEN_SCORE_TERMS = ("wan_ms", "queue_ms", "prefill_ms", "reload_ms")
 BATCH_LIMIT = 512
 
 
-def _take_held(held: collections.deque) -> list:
-    """What ``held`` holds, taken out of it (a fold in another thread may take part of it)."""
-    taken = []
-    pop = held.popleft
-    try:
-        for _ in range(len(held)):
-            taken.append(pop())
-    except IndexError:  # a fold in another thread took the rest
-        pass
-    return taken
+class _HeldUpdates:
+    """Updates of one metric held in a deque and folded into it (``fold``) whenever
+    ``BATCH_LIMIT`` are held, and before every read."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: collections.deque[float] = collections.deque()
+
+    def _hold(self, amount: float = 1) -> None:
+        held = self._held
+        held.append(amount)
+        if len(held) >= BATCH_LIMIT:
+            self.fold()
+
+    def _take(self) -> list:
+        """What is held, taken out (a fold in another thread may take part of it)."""
+        held, taken = self._held, []
+        pop = held.popleft
+        try:
+            for _ in range(len(held)):
+                taken.append(pop())
+        except IndexError:  # a fold in another thread took the rest
+            pass
+        return taken
+
+    def fold(self) -> None:
+        raise NotImplementedError
 
 
-class BatchedObservations:
+class BatchedObservations(_HeldUpdates):
     """A histogram's observations held and folded into it in one pass: per bucket, one increment
     for all of them, instead of prometheus_client's lock, bucket search and two increments per
     observation (a request observes seven; py-spy of the zero-delay gateway run, c = 16, at d60e101
@@ -120,22 +138,18 @@ class BatchedObservations:
     server thread while the event loop observes: the observations are a deque, whose append and
     popleft are atomic, so each is folded exactly once by whichever fold takes it."""
 
-    __slots__ = ("_held", "_bounds", "_buckets", "_sum")
+    __slots__ = ("_bounds", "_buckets", "_sum")
 
     def __init__(self, histogram) -> None:
-        self._held: collections.deque[float] = collections.deque()
+        super().__init__()
         # prometheus_client's own fields of a Histogram (or a labelled child): its bounds (the
         # last +Inf) and a value per bucket and for the sum, incremented as its observe does.
         self._bounds, self._buckets, self._sum = histogram._upper_bounds, histogram._buckets, histogram._sum
 
-    def observe(self, amount: float) -> None:
-        held = self._held
-        held.append(amount)
-        if len(held) >= BATCH_LIMIT:
-            self.fold()
+    observe = _HeldUpdates._hold
 
     def fold(self) -> None:
-        taken = _take_held(self._held)
+        taken = self._take()
         if not taken:
             return
         bounds, buckets = self._bounds, self._buckets
@@ -153,27 +167,23 @@ class BatchedObservations:
                 buckets[i].inc(n)
 
 
-class BatchedCount:
+class BatchedCount(_HeldUpdates):
     """A counter's (or one labelled child's) increments held and added in one ``inc`` at each
     fold, as ``BatchedObservations`` holds a histogram's: prometheus_client's ``inc`` takes a lock
     per call, and a request made four or five of them (6 us each in the edge's request path,
     thread CPU timed in place at c = 1). Folded with the observations (``EdgeMetrics.fold``,
     before every read); the held increments are a deque for the same reason."""
 
-    __slots__ = ("_held", "_counter")
+    __slots__ = ("_counter",)
 
     def __init__(self, counter) -> None:
-        self._held: collections.deque[float] = collections.deque()
+        super().__init__()
         self._counter = counter
 
-    def inc(self, amount: float = 1) -> None:
-        held = self._held
-        held.append(amount)
-        if len(held) >= BATCH_LIMIT:
-            self.fold()
+    inc = _HeldUpdates._hold
 
     def fold(self) -> None:
-        taken = _take_held(self._held)
+        taken = self._take()
         if taken:
             self._counter.inc(sum(taken))
 
