@@ -59,7 +59,7 @@ from kvcompassd.engine.subscriber import (
     PublisherRestarted,
 )
 from kvcompassd.metrics import AgentMetrics
-from kvcompassd.pacing import LoadPollSchedule, LoadReports
+from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance
 from kvcompassd.reports import ReportCoalescer
 from kvcompassd.tokenizer_check import answer_for_agent
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
@@ -99,6 +99,14 @@ SLICE_BLOCKS = 2048  # engine blocks applied between two yields to the event loo
 # thousand blocks (tools/bench_event_stall.py: ~1.3 s stalls for a 150 k-block batch, ~0.3 s
 # with this). The agent makes few reference cycles; younger generations are collected as usual.
 GC_THRESHOLDS = (700, 10, 1000)
+
+
+def load_tolerance(cfg: ClusterConfig, worker: WorkerConfig) -> LoadTolerance:
+    """How far the worker's load may move before its edges are told (``[idle]``): the score's
+    terms from the config; a decode worker's counts exactly (the edges pick decode workers by them)."""
+    return LoadTolerance(queue_ms=cfg.idle.load_tolerance_ms, queue_share=cfg.idle.load_tolerance_share,
+                         occupancy_ms_per_running=cfg.score.occupancy_ms_per_running,
+                         stall_weight=cfg.score.decode_stall_weight, counts_exact=worker.role == "decode")
 
 
 def tune_gc_for_large_mirrors() -> None:
@@ -157,7 +165,8 @@ class AgentNode:
         self.load_schedule = LoadPollSchedule(
             busy_s=load_interval, idle_s=idle_s,
             done_spacing_s=min(idle_s, max(load_interval, cfg.score.broadcast_period_ms / 1000.0)))
-        self.load_reports = LoadReports(heartbeat_s=self._heartbeat_s, steady_repeats=STEADY_REPEATS)
+        self.load_reports = LoadReports(heartbeat_s=self._heartbeat_s, steady_repeats=STEADY_REPEATS,
+                                        tolerance=load_tolerance(cfg, worker))
         self._load_wake = asyncio.Event()
         self._wake_for_arrival = False  # the wake-up was work arriving, not only KV events (work done)
         self._reading_started = float("-inf")  # time.monotonic() of the latest load reading
@@ -406,8 +415,7 @@ class AgentNode:
                 self.metrics.queue_ms.set(load.queue_ms)
                 # Edges want a live value, not a stream of identical ones (LoadReports says
                 # which readings go, and marks the first after a freeze or failure).
-                changed, send, resumed = self.load_reports.reading(
-                    (load.queue_ms, load.running, load.waiting), started=started, now=time.monotonic())
+                changed, send, resumed = self.load_reports.reading(load, started=started, now=time.monotonic())
                 self.load_schedule.observed(changed=changed,
                                             busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0)
                 if send:

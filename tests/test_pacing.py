@@ -4,11 +4,19 @@ sign of work (and the fast period again only if that reading shows work)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompassd.pacing import LoadPollSchedule, LoadReports
+from kvcompassd.agent import load_tolerance
+from kvcompassd.core.config import load_config
+from kvcompassd.core.queues import QueueEstimates
+from kvcompassd.engine.client import EngineLoad
+from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance
+
+CFG = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
 
 
 def test_an_idle_unchanged_engine_is_read_ever_less_often_up_to_the_idle_period():
@@ -61,15 +69,22 @@ def test_the_delay_stays_between_the_two_periods(busy, factor, steps):
         assert schedule.delay_s == pytest.approx(min(busy * factor, busy * 2 ** idle_run))
 
 
-def _reports() -> LoadReports:
-    return LoadReports(heartbeat_s=1.0, steady_repeats=2, stall_s=0.3)
+def _reports(tolerance: LoadTolerance = LoadTolerance()) -> LoadReports:
+    return LoadReports(heartbeat_s=1.0, steady_repeats=2, stall_s=0.3, tolerance=tolerance)
+
+
+def _load(queue_ms: float = 0.0, running: int = 0, waiting: int = 0, room=None, pinned=None) -> EngineLoad:
+    return EngineLoad(running, waiting, 0, queue_ms, room, pinned)
+
+
+IDLE = _load()
 
 
 def test_an_unchanged_reading_goes_twice_more_then_once_per_heartbeat():
     reports, sent = _reports(), []
     for i in range(40):  # one reading every 0.1 s, always the same
         now = i * 0.1
-        changed, send, resumed = reports.reading((0.0, 0, 0), started=now - 0.001, now=now)
+        changed, send, resumed = reports.reading(IDLE, started=now - 0.001, now=now)
         assert changed == (i == 0) and not resumed
         if send:
             sent.append(round(now, 1))
@@ -79,8 +94,8 @@ def test_an_unchanged_reading_goes_twice_more_then_once_per_heartbeat():
 def test_a_changed_reading_goes_at_once():
     reports = _reports()
     for i in range(5):
-        reports.reading((0.0, 0, 0), started=i * 0.1, now=i * 0.1)
-    assert reports.reading((5.0, 1, 0), started=0.5, now=0.5) == (True, True, False)
+        reports.reading(IDLE, started=i * 0.1, now=i * 0.1)
+    assert reports.reading(_load(5.0, 1), started=0.5, now=0.5) == (True, True, False)
 
 
 def test_the_first_reading_after_a_stall_or_a_failure_goes_at_once_marked_resumed():
@@ -88,12 +103,12 @@ def test_the_first_reading_after_a_stall_or_a_failure_goes_at_once_marked_resume
     # silence the edge can see, so the agent says so.
     reports = _reports()
     for i in range(5):
-        reports.reading((0.0, 0, 0), started=i * 0.1, now=i * 0.1)
-    assert reports.reading((0.0, 0, 0), started=0.5, now=0.5 + 1.2) == (False, True, True)  # it hung 1.2 s
-    assert reports.reading((0.0, 0, 0), started=1.8, now=1.801)[2] is False  # answered promptly again
+        reports.reading(IDLE, started=i * 0.1, now=i * 0.1)
+    assert reports.reading(IDLE, started=0.5, now=0.5 + 1.2) == (False, True, True)  # it hung 1.2 s
+    assert reports.reading(IDLE, started=1.8, now=1.801)[2] is False  # answered promptly again
     reports.failed()
-    assert reports.reading((0.0, 0, 0), started=2.0, now=2.001) == (False, True, True)
-    assert reports.reading((0.0, 0, 0), started=2.1, now=2.101)[2] is False
+    assert reports.reading(IDLE, started=2.0, now=2.001) == (False, True, True)
+    assert reports.reading(IDLE, started=2.1, now=2.101)[2] is False
 
 
 def test_load_reports_refuse_nonsense_settings():
@@ -105,11 +120,11 @@ def test_load_reports_refuse_nonsense_settings():
 def test_the_first_reading_after_an_edge_joined_goes_even_unchanged():
     reports = _reports()
     for i in range(10):
-        reports.reading((0.0, 0, 0), started=i * 0.1, now=i * 0.1)
-    assert reports.reading((0.0, 0, 0), started=1.0, now=1.0)[1] is False  # steady, within the heartbeat
+        reports.reading(IDLE, started=i * 0.1, now=i * 0.1)
+    assert reports.reading(IDLE, started=1.0, now=1.0)[1] is False  # steady, within the heartbeat
     reports.listener_joined()
-    assert reports.reading((0.0, 0, 0), started=1.05, now=1.05) == (False, True, False)
-    assert reports.reading((0.0, 0, 0), started=1.1, now=1.1)[1] is False
+    assert reports.reading(IDLE, started=1.05, now=1.05) == (False, True, False)
+    assert reports.reading(IDLE, started=1.1, now=1.1)[1] is False
 
 
 def test_a_sign_of_work_done_brings_a_reading_its_spacing_after_the_previous_one_at_the_earliest():
@@ -124,3 +139,149 @@ def test_a_sign_of_work_done_brings_a_reading_its_spacing_after_the_previous_one
     for busy, done, idle in ((0.02, 0.01, 1.0), (0.02, 2.0, 1.0)):
         with pytest.raises(ValueError):
             LoadPollSchedule(busy_s=busy, idle_s=idle, done_spacing_s=done)
+
+
+# -- what a busy engine's readings are worth sending ------------------------------------------
+
+
+def test_a_draining_queue_is_not_sent_again_until_work_arrives_or_a_heartbeat_passes():
+    """Read every 20 ms, a queue that drains at one ms per ms (as the edges age it) tells them
+    nothing new: only the reading after an arrival goes, and one per heartbeat."""
+    reports, sent = _reports(), []
+    for i in range(120):
+        now = i * 0.02
+        arrived = 40.0 if i >= 30 else 0.0
+        queue = max(0.0, 2000.0 - 1000.0 * now + arrived + (0.5 if i % 2 else -0.5))  # half a ms of noise
+        if reports.reading(_load(queue, 17), started=now - 0.001, now=now)[1]:
+            sent.append(i)
+    assert sent == [0, 30, 80]  # the first, the arrival, a heartbeat after it
+
+
+def test_the_running_count_matters_as_much_as_the_score_charges_for_it():
+    occupancy = LoadTolerance(occupancy_ms_per_running=0.25)
+    sent = _load(0.0, 17)
+    assert not occupancy.material(sent, _load(0.0, 20), 20.0)  # 0.75 ms of occupancy
+    assert occupancy.material(sent, _load(0.0, 26), 20.0)  # 2.25 ms
+    stalls = LoadTolerance(occupancy_ms_per_running=0.25, stall_weight=0.25)
+    assert stalls.material(_load(0.0, 1), _load(0.0, 2), 20.0)  # the prefill's price: x1.25 -> x1.5
+    assert not stalls.material(_load(0.0, 10), _load(0.0, 11), 20.0)  # x2 either way
+    decode = LoadTolerance(occupancy_ms_per_running=0.25, counts_exact=True)  # edges compare the counts
+    assert decode.material(sent, _load(0.0, 18), 20.0) and decode.material(sent, _load(0.0, 17, 1), 20.0)
+    assert not decode.material(sent, _load(0.0, 17), 20.0)
+
+
+def test_room_steps_and_the_pinned_share_go_when_a_prompts_wait_for_room_moves():
+    tolerance = LoadTolerance()
+    sent = _load(10.0, 2, room=((0.0, 1000), (50.0, 4000)))
+
+    def moved(room, elapsed=20.0):
+        return tolerance.material(sent, _load(max(0.0, 10.0 - elapsed), 2, room=room), elapsed)
+
+    assert not moved(((0.0, 1000), (30.0, 4000)))  # aged as the edge ages it
+    assert not moved(((0.0, 1000), (31.0, 4000)))  # within 2 ms
+    assert moved(((0.0, 1000), (60.0, 4000)))  # the decode ahead slowed down
+    assert moved(((0.0, 900), (30.0, 4000)))  # an arrival pinned 100 tokens: they now wait 30 ms
+    assert moved(((0.0, 1000), (30.0, 4000), (80.0, 8000)))  # a larger prompt now waits 80 ms, not 30
+    assert moved(None) and moved(())  # the engine stopped telling, or nothing is pinned any more
+    assert moved(((0.0, 1000), (50.0, 4000)))  # unchanged for 20 ms: it did not drain
+    pinned = _load(0.0, 0, pinned=0.5)
+    assert not tolerance.material(pinned, _load(0.0, 0, pinned=0.51), 20.0)
+    assert tolerance.material(pinned, _load(0.0, 0, pinned=0.53), 20.0)
+    assert tolerance.material(pinned, _load(0.0, 0), 20.0)
+
+
+def test_load_tolerances_refuse_nonsense():
+    for bad in ({"queue_ms": -1.0}, {"queue_share": 1.0}, {"occupancy_ms_per_running": float("nan")},
+                {"stall_weight": float("inf")}, {"queue_ms": True}, {"queue_share": "0.1"}):
+        with pytest.raises(ValueError):
+            LoadTolerance(**bad)
+
+
+def _wait_for_room(room, need: float) -> float:
+    """What a prompt needing ``need`` tokens waits by room steps: the first with room, else the last."""
+    if not room or need <= room[0][1]:
+        return 0.0
+    return next((ms for ms, free in room if free >= need), room[-1][0])
+
+
+def _room_steps(draw, base=None, gap_ms=0.0):
+    """Room steps (first at 0 ms, both non-decreasing): fresh, or ``base`` aged ``gap_ms`` and nudged."""
+    if base is None or draw(st.booleans()):
+        k = draw(st.integers(0, 5))
+        ms = [0.0] + [draw(st.floats(0.0, 300.0)) for _ in range(k - 1)]
+        free = [draw(st.integers(0, 8000)) for _ in range(k)]
+    else:
+        ms = [max(0.0, m - gap_ms) + draw(st.floats(-3.0, 3.0)) for m, _ in base]
+        free = [f for _, f in base]
+        if ms:
+            ms[0] = 0.0
+    ms = [max(0.0, m) for m in ms]
+    for i in range(1, len(ms)):
+        ms[i] = max(ms[i], ms[i - 1])
+    return tuple(zip(ms, sorted(free)))
+
+
+@st.composite
+def _busy_readings(draw):
+    """Readings of a busy engine: mostly the last one drained (what the edges predict) with
+    noise, sometimes a jump."""
+    readings, queue, running, room = [], 0.0, 0, ()
+    for _ in range(draw(st.integers(1, 40))):
+        gap_ms = draw(st.floats(1.0, 60.0))
+        if draw(st.booleans()):
+            queue = max(0.0, queue - gap_ms + draw(st.floats(-4.0, 4.0)))
+            running = max(0, running + draw(st.integers(-3, 3)))
+            room = _room_steps(draw, room, gap_ms)
+        else:
+            queue, running, room = draw(st.floats(0.0, 3000.0)), draw(st.integers(0, 64)), _room_steps(draw)
+        readings.append((gap_ms, queue, running, room))
+    return readings
+
+
+@settings(max_examples=300, deadline=None)
+@given(_busy_readings())
+def test_what_an_edge_holds_of_a_reading_not_sent_is_within_the_tolerance(readings):
+    """The edge's own aging (``QueueEstimates``, as the daemons run it) of the last reading sent
+    stays within the tolerance of every reading the agent kept back: its queue (plus the score's
+    occupancy term) and a prompt's wait for room at every size."""
+    worker = next(w for w in CFG.workers if w.region == "us")
+    tolerance = load_tolerance(CFG, worker)
+    assert tolerance.occupancy_ms_per_running == CFG.score.occupancy_ms_per_running > 0
+    index = CFG.worker_ids().index(worker.id)
+    queues = QueueEstimates(CFG, "us", now=0.0)
+    reports = LoadReports(heartbeat_s=1.0, steady_repeats=2, tolerance=tolerance)
+    now, kept_back = 0.0, 0
+    for gap_ms, queue, running, room in readings:
+        now += gap_ms / 1000.0
+        if reports.reading(_load(queue, running, room=room), started=now, now=now)[1]:
+            queues.set_local(worker.id, queue, now=now, running=running)
+            queues.set_room(worker.id, room, now=now)
+            continue
+        kept_back += 1
+
+        def bound(a: float, b: float) -> float:
+            return max(tolerance.queue_ms, tolerance.queue_share * max(a, b)) + 1e-9
+
+        held = queues.queue_ms(now=now).item(index)
+        occupancy = tolerance.occupancy_ms_per_running
+        truth = queue + occupancy * running
+        assert abs(held - truth) <= bound(held - occupancy * queues.running.item(index), queue) + tolerance.queue_ms
+        for need in (1, 500, 1000, 2500, 4000, 8000, 10**6, *(free for _, free in room)):
+            edge_wait, wait = queues.room_wait_ms(index, need, now=now), _wait_for_room(room, need)
+            assert abs(edge_wait - wait) <= bound(edge_wait, wait)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 5.0]), st.integers(0, 2)), min_size=1, max_size=30))
+def test_without_tolerance_every_change_goes_as_before(steps):
+    """Both tolerances 0: a reading goes when it differs from the last one sent, an unchanged one
+    twice more, then once a heartbeat (the behaviour before tolerances)."""
+    reports, last, unchanged, last_sent, now = _reports(LoadTolerance(queue_ms=0.0, queue_share=0.0)), None, 0, -1e9, 0.0
+    for gap, queue, running in steps:
+        now += gap * 0.4
+        reading = (queue, running, 0)
+        changed = reading != last
+        unchanged = 0 if changed else unchanged + 1
+        expected = changed or unchanged <= 2 or now - last_sent >= 1.0
+        assert reports.reading(_load(queue, running), started=now, now=now)[1] == expected
+        if expected:
+            last, last_sent = reading, now

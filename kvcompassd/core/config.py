@@ -672,11 +672,21 @@ class IdleParams:
 
     heartbeat_ms: float = 1000.0
     engine_probe_max_ms: float = 8000.0
+    # A busy engine's reading goes to the edges only once it moved more than
+    # max(load_tolerance_ms, load_tolerance_share x the value) from what they hold: the last
+    # reading sent, aged at one ms per ms as they age it (kvcompassd.pacing.LoadTolerance);
+    # otherwise once per heartbeat. Both 0: every changed reading goes (the behaviour before).
+    load_tolerance_ms: float = 2.0
+    load_tolerance_share: float = 0.02
 
     def __post_init__(self) -> None:
         _check_float("heartbeat_ms", self.heartbeat_ms, lo=0.0, hi=10_000.0, lo_open=True)
         _check_float("engine_probe_max_ms", self.engine_probe_max_ms, lo=1000.0, hi=60_000.0)
-        for name in ("heartbeat_ms", "engine_probe_max_ms"):
+        # Past these an edge's view of its own workers would lag the reading it is sent to
+        # replace by more than a queue broadcast period's worth of a remote region's error.
+        _check_float("load_tolerance_ms", self.load_tolerance_ms, lo=0.0, hi=100.0)
+        _check_float("load_tolerance_share", self.load_tolerance_share, lo=0.0, hi=0.5)
+        for name in ("heartbeat_ms", "engine_probe_max_ms", "load_tolerance_ms", "load_tolerance_share"):
             _as_float(self, name)
 
 
