@@ -196,6 +196,13 @@ class LoadTolerance:
         # levels of either list: comparing both at every level, and past the last, covers all sizes.
         sent_free = [free for _, free in sent]
         free = [free for _, free in steps]
+        if sent_free == free and free:
+            # The usual reading (the same requests pin the same room): each size waits for the
+            # same step in both, the first of its free level, or the last past every level.
+            allows, last = self._allows, len(free) - 1
+            return not all(allows(max(0.0, was - elapsed_ms), ms)
+                           for k, ((was, _), (ms, _)) in enumerate(zip(sent, steps))
+                           if k == last or (k and free[k] > free[k - 1]))
         for need in (*sent_free, *free, math.inf):
             was = _wait(sent, sent_free, need) - elapsed_ms
             if not self._allows(max(0.0, was), _wait(steps, free, need)):

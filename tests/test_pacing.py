@@ -285,3 +285,27 @@ def test_without_tolerance_every_change_goes_as_before(steps):
         assert reports.reading(_load(queue, running), started=now, now=now)[1] == expected
         if expected:
             last, last_sent = reading, now
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_room_steps_of_the_same_levels_are_compared_as_at_every_size(data):
+    """Steps with the free levels of the ones sent (the usual reading) take a shortcut: it
+    answers as comparing the waits at every prompt size does."""
+    sent = data.draw(st.builds(lambda k: k, st.integers(1, 6)).flatmap(
+        lambda k: st.tuples(*[st.tuples(st.floats(0.0, 300.0), st.sampled_from([0, 1000, 2000]) | st.integers(0, 3000))] * k)))
+    sent = tuple(zip(sorted(ms for ms, _ in sent), sorted(free for _, free in sent)))
+    steps = tuple((max(0.0, ms + data.draw(st.floats(-10.0, 10.0))), free) for ms, free in sent)
+    steps = tuple((max(ms, max((m for m, _ in steps[:i]), default=0.0)), free) for i, (ms, free) in enumerate(steps))
+    elapsed = data.draw(st.floats(0.0, 50.0))
+    tolerance = LoadTolerance()
+
+    def moved_at_some_size() -> bool:
+        for need in (*(free for _, free in sent), 10**9):
+            was, now = _wait_for_room(sent, need), _wait_for_room(steps, need)
+            if abs(max(0.0, was - elapsed) - now) > max(tolerance.queue_ms,
+                                                        tolerance.queue_share * max(max(0.0, was - elapsed), now)):
+                return True
+        return False
+
+    assert tolerance._room_moved(sent, steps, elapsed) == moved_at_some_size()
