@@ -416,6 +416,7 @@ class AgentNode:
                 # Edges want a live value, not a stream of identical ones (LoadReports says
                 # which readings go, and marks the first after a freeze or failure).
                 changed, send, resumed = self.load_reports.reading(load, started=started, now=time.monotonic())
+                (self.metrics.load_readings_sent if send else self.metrics.load_readings_held).inc()
                 self.load_schedule.observed(changed=changed,
                                             busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0)
                 if send:

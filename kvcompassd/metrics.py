@@ -349,6 +349,10 @@ class AgentMetrics:
         self.migrations = Counter("kvcompass_migrations_executed", "Migrations executed, by mode", ["mode"], registry=r)
         self.refused_messages = Counter("kvcompass_refused_messages", "Messages refused because their sender has no "
                                         "authority for them, by message type", ["message"], registry=r)
+        readings = Counter("kvcompass_engine_load_readings", "Engine load readings, by whether they went to the edges "
+                           "(sent) or were within [idle] load_tolerance of what the edges hold (held)", ["outcome"],
+                           registry=r)
+        self.load_readings_sent, self.load_readings_held = readings.labels("sent"), readings.labels("held")
 
 
 def start_metrics_server(address: str | None, registry: CollectorRegistry) -> None:

@@ -388,3 +388,49 @@ async def test_an_sglang_engines_kv_pool_use_goes_to_the_edges_with_its_load_rep
             assert report == WorkerLoadReported(worker_id, 0.0, 2, 0)
             assert extra == WorkerRoomReported(worker_id, ((0.0, 9_000), (40.0, 12_000)))
             assert not any(isinstance(m, WorkerPinnedReported) for m in edge.datagrams)
+
+
+async def test_a_busy_engines_readings_go_to_the_edges_once_they_move_past_the_tolerance(cluster):
+    """An engine whose queue drains at one ms per ms, as the edges age it, is read every fast
+    period but reported once; work arriving (the queue jumps) is reported at once. Each reading
+    is counted as sent or held (``kvcompass_engine_load_readings_total``). The queue is long, so
+    its 2 % tolerance (2 s) dwarfs any delay of a reading on a loaded machine; the heartbeat is 10 s."""
+    from kvcompassd.wire import WorkerLoadReported
+
+    cfg, tls = cluster
+    cfg = dataclasses.replace(cfg, idle=dataclasses.replace(cfg.idle, heartbeat_ms=10_000.0))
+    started, arrived = time.monotonic(), []
+
+    async def loads(request):
+        queue = max(0.0, 100_000.0 - 1000.0 * (time.monotonic() - started)) + (50_000.0 if arrived else 0.0)
+        return web.json_response({"num_running_reqs": 3, "num_waiting_reqs": 0, "estimated_queue_ms": queue})
+
+    runner, url = await serve({"/v1/loads": loads})
+    agent = AgentNode(cfg, cfg.workers[0], tls, load_interval=0.01)
+    edge = _RecordingEdge()
+    agent._edge_peers["edge-us"] = edge
+
+    def readings(outcome: str) -> float:
+        return agent.metrics.registry.get_sample_value("kvcompass_engine_load_readings_total", {"outcome": outcome})
+
+    try:
+        async with WorkerConnections() as http:
+            agent.engine = EngineClient(url, http)
+            task = asyncio.create_task(agent._load_loop())
+            try:
+                async with asyncio.timeout(GUARD_S):
+                    while readings("held") < 10:
+                        await asyncio.sleep(0.01)
+                    arrived.append(True)
+                    while len(edge.datagrams) < 2:
+                        await asyncio.sleep(0.01)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await runner.cleanup()
+        await agent.node.close()
+    first, after_arrival = edge.datagrams[:2]
+    assert isinstance(first, WorkerLoadReported) and 90_000 < first.queue_ms <= 100_000
+    assert isinstance(after_arrival, WorkerLoadReported) and after_arrival.queue_ms > 140_000
+    assert readings("sent") == 2 and readings("held") >= 10
