@@ -531,3 +531,45 @@ def test_index_event_columns_refuse_exactly_the_unknown_ops_and_keys_past_2_63(e
             assert bad_keys and str(exc).startswith(f"event {bad_keys[0]}: prefix key"), exc
     else:
         assert not bad_ops and not bad_keys
+
+
+def _slow(pairs: wire.Pairs) -> wire.Pairs:
+    """The same field checked item by item (no one-pass test of the usual value)."""
+    from kvcompassd.core import messages
+
+    slow = messages.Pairs(pairs.first, pairs.second, pairs.max_items, unique_first=pairs.unique_first)
+    slow._exact = None
+    return slow
+
+
+
+def _pairs_fields():
+    from kvcompassd.core import messages
+
+    return (messages.QUEUE_VECTOR, messages.ROOM_STEPS, messages.Pairs(messages.Int(0, 65535), messages.Int(1, 9), 4,
+                                                                        unique_first=True),
+            messages.Pairs(messages.Float(), messages.Text(3, allow_empty=True), 5),
+            messages.Pairs(messages.Choice("a", "b"), messages.MILLIS, 5))
+
+
+_ATOMS = st.one_of(st.integers(-3, 70_000), st.sampled_from([2**63, -(2**63), 1e9, 1e9 + 1, True, False, None, "", "a",
+                                                               "b", "abcd", "x" * 300, b"x", 0.0, -0.0, 3.5]),
+                   st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4))
+_ITEMS = st.one_of(st.lists(_ATOMS, min_size=2, max_size=2), st.tuples(_ATOMS, _ATOMS), st.lists(_ATOMS, max_size=3), _ATOMS)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(range(5)), st.one_of(st.lists(_ITEMS, max_size=7), st.tuples(_ITEMS, _ITEMS), _ATOMS))
+def test_a_pairs_fields_one_pass_test_answers_as_the_item_by_item_check(which, value):
+    """Pairs take decoded values valid as they are in one pass: every answer (value, type of each
+    part, or the error's message) is the item-by-item check's."""
+    pairs = _pairs_fields()[which]
+
+    def answer(field):
+        try:
+            out = field.check(value, "f")
+        except wire.MessageError as exc:
+            return "error", str(exc)
+        return "ok", repr(out), [(type(a), type(b)) for a, b in out]
+
+    assert answer(pairs) == answer(_slow(pairs))

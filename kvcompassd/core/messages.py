@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final
+from typing import Any, Callable, ClassVar, Final
 
 from .events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 
@@ -152,14 +152,47 @@ class Blob(FieldType):
         return value
 
 
+def _exact_test(field: FieldType) -> Callable[[Any], bool] | None:
+    """For a number or text field: a test true only of values its ``check`` accepts and returns
+    unchanged (decoded msgpack is mostly such values, and the test is a fraction of a check)."""
+    kind = type(field)  # (the class itself: a subclass may check more, as Choice does)
+    if kind is Int:
+        lo, hi = field.lo, field.hi
+        return lambda v: type(v) is int and lo <= v <= hi
+    if kind is Float:
+        lo, hi = field.lo, field.hi
+        if math.isfinite(lo) and math.isfinite(hi):  # (NaN and the infinities fail the comparisons)
+            return lambda v: type(v) is float and lo <= v <= hi
+        return lambda v: type(v) is float and lo <= v <= hi and math.isfinite(v)
+    if kind is Text:
+        most, empty = field.max_chars, field.allow_empty
+        return lambda v: type(v) is str and len(v) <= most and (empty or v != "")
+    return None
+
+
+_SEQUENCES = (list, tuple)
+
+
 class Pairs(FieldType):
     """A tuple of 2-tuples, e.g. ``((group, blob), ...)`` or ``((worker, queue_ms), ...)``."""
 
     def __init__(self, first: FieldType, second: FieldType, max_items: int, *, unique_first: bool = False) -> None:
         self.first, self.second, self.max_items = first, second, max_items
         self.unique_first = unique_first  # no two pairs share their first element (a mapping)
+        exact = _exact_test(first), _exact_test(second)
+        self._exact = exact if None not in exact else None
 
     def check(self, value: Any, where: str) -> tuple[tuple[Any, Any], ...]:
+        exact = self._exact
+        if exact is not None and type(value) in _SEQUENCES and len(value) <= self.max_items:
+            # The usual value, every pair valid as it is, in one pass; anything else is checked
+            # item by item below, which names what is wrong.
+            first_ok, second_ok = exact
+            if all(type(item) in _SEQUENCES and len(item) == 2 and first_ok(item[0]) and second_ok(item[1])
+                   for item in value):
+                out = tuple(map(tuple, value))
+                if not self.unique_first or len({a for a, _ in out}) == len(out):
+                    return out
         if not isinstance(value, (tuple, list)):
             raise _fail(where, "a sequence of pairs", value)
         if len(value) > self.max_items:
