@@ -131,13 +131,13 @@ class LoadTolerance:
     charges itself) and the last room steps alike, so a busy engine read every 20 ms mostly says
     what the edge already computes: in a service-time gateway run at 8,192 tokens and c = 64,
     80 % of the readings were within 2 ms or 2 % of that (issue 30). Each report is a QUIC
-    packet at both ends (~0.5 ms of CPU together): at 50 readings a second per busy worker the
-    reports cost the plane more than the requests did.
+    packet at both ends (~0.5 ms of CPU together), and a busy worker is read 50 times a second.
 
     A reading is material, and goes at once, when any of these moves past the tolerance
     ``max(queue_ms, queue_share x the larger value)``: the queue figure against the last one
     sent, aged; the wait for VRAM room at any prompt size, against the last steps sent, aged;
     the score's occupancy term (``occupancy_ms_per_running`` per running request). Also when the
+    queue or the running count reaches zero (the edges tell an idle worker by its zeros), when the
     prefill price ``min(1, stall_weight x running)`` or the pinned share moves by more than
     ``queue_share``, and, at a decode worker (``counts_exact``: the edges pick decode workers by
     these counts), when its running or waiting count changes at all. Both tolerances 0: every
@@ -174,6 +174,10 @@ class LoadTolerance:
                 return (reading.queue_ms, reading.room_steps, reading.pinned_share) != (
                     sent.queue_ms, sent.room_steps, sent.pinned_share)
         if not self._allows(max(0.0, sent.queue_ms - elapsed_ms), reading.queue_ms):
+            return True
+        # Reaching zero goes whatever the tolerance: an edge tells an idle worker by the zeros it
+        # is sent (QueueEstimates.is_persistently_idle picks where hot prefixes migrate to).
+        if (reading.queue_ms == 0.0 < sent.queue_ms) or (reading.running == 0 < sent.running):
             return True
         if reading.running != sent.running:
             if not self._allows(0.0, self.occupancy_ms_per_running * abs(reading.running - sent.running)):

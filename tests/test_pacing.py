@@ -154,7 +154,17 @@ def test_a_draining_queue_is_not_sent_again_until_work_arrives_or_a_heartbeat_pa
         queue = max(0.0, 2000.0 - 1000.0 * now + arrived + (0.5 if i % 2 else -0.5))  # half a ms of noise
         if reports.reading(_load(queue, 17), started=now - 0.001, now=now)[1]:
             sent.append(i)
-    assert sent == [0, 30, 80]  # the first, the arrival, a heartbeat after it
+    # The first, the arrival, a heartbeat after it; the queue reaching zero, and twice more.
+    assert sent == [0, 30, 80, 102, 103, 104]
+
+
+def test_a_queue_or_a_running_count_reaching_zero_goes_at_once():
+    """An edge tells an idle worker by the zeros it is sent (persistent idleness picks where hot
+    prefixes migrate to), so reaching zero goes even where aging predicted it."""
+    tolerance = LoadTolerance(occupancy_ms_per_running=0.25)
+    assert tolerance.material(_load(30.0, 3), _load(0.0, 3), 40.0)  # aged to 0 too: still news
+    assert tolerance.material(_load(0.0, 1), _load(0.0, 0), 20.0)  # 0.25 ms of occupancy: still news
+    assert not tolerance.material(_load(0.0, 0), _load(1.0, 1), 20.0)  # leaving zero: by the tolerance
 
 
 def test_the_running_count_matters_as_much_as_the_score_charges_for_it():
@@ -172,10 +182,10 @@ def test_the_running_count_matters_as_much_as_the_score_charges_for_it():
 
 def test_room_steps_and_the_pinned_share_go_when_a_prompts_wait_for_room_moves():
     tolerance = LoadTolerance()
-    sent = _load(10.0, 2, room=((0.0, 1000), (50.0, 4000)))
+    sent = _load(100.0, 2, room=((0.0, 1000), (50.0, 4000)))
 
     def moved(room, elapsed=20.0):
-        return tolerance.material(sent, _load(max(0.0, 10.0 - elapsed), 2, room=room), elapsed)
+        return tolerance.material(sent, _load(100.0 - elapsed, 2, room=room), elapsed)
 
     assert not moved(((0.0, 1000), (30.0, 4000)))  # aged as the edge ages it
     assert not moved(((0.0, 1000), (31.0, 4000)))  # within 2 ms
