@@ -376,8 +376,8 @@ class CountsRunning(Fixed):
 
 def test_a_workers_last_request_ending_is_reported_at_once_with_nothing_running():
     # Two requests decode together on worker 0 and end 5 and 20 decode steps after their
-    # prefills; nothing waits, so no queue changes then. The daemon's agent sends a changed
-    # reading at once (pacing.LoadReports): each end is a reading with one request fewer,
+    # prefills; nothing waits, so no queue changes then. The daemon's agent sends a count reaching
+    # zero at once (pacing.LoadReports; a change within its tolerance waits): each end is a reading with one request fewer,
     # the last with none, at the instant it ended (the score's decode stall reads the count).
     topo = two_region_topology(1, 0)
     policy = CountsRunning(topo, worker=0)

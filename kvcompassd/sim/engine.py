@@ -454,9 +454,9 @@ class Simulation:
     def _process_worker(self, w: int, now: float, *, admitted: float | None = None) -> None:
         model = self.models[w]
         # The queue estimate changes with admissions and prefill completions, the running count
-        # with completions: the daemon's agent sends a changed reading at once (pacing.LoadReports),
-        # and a count left stale after a worker's last decode ends shows it busy to the score's
-        # occupancy term. Nothing else is reported.
+        # with completions: the daemon's agent sends a reading that moved past its tolerance, or
+        # reached zero, at once (pacing.LoadReports), and a count left stale after a worker's
+        # last decode ends shows it busy to the score's occupancy term. Nothing else is reported.
         changed = admitted is not None or model.waiting > 0 or model.head_blocked
         for ev in model.advance(now=now):
             rid = ev.request_id
