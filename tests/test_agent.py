@@ -345,6 +345,36 @@ class _RecordingEdge:
         self.datagrams.append(message)
 
 
+async def _load_loop_until(cfg, tls, loads, until) -> tuple[AgentNode, _RecordingEdge]:
+    """Run an agent's load loop against an engine stand-in answering ``/v1/loads`` with ``loads``
+    until ``until(agent, edge)`` returns; its edge records the datagrams it was sent."""
+    runner, url = await serve({"/v1/loads": loads})
+    agent = AgentNode(cfg, cfg.workers[0], tls, load_interval=0.01)
+    edge = _RecordingEdge()
+    agent._edge_peers["edge-us"] = edge
+    try:
+        async with WorkerConnections() as http:
+            agent.engine = EngineClient(url, http)
+            task = asyncio.create_task(agent._load_loop())
+            try:
+                async with asyncio.timeout(GUARD_S):
+                    await until(agent, edge)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await runner.cleanup()
+        await agent.node.close()
+    return agent, edge
+
+
+def _datagrams(count: int):
+    async def until(agent, edge) -> None:
+        while len(edge.datagrams) < count:
+            await asyncio.sleep(0.01)
+    return until
+
+
 async def test_an_sglang_engines_kv_pool_use_goes_to_the_edges_with_its_load_report(cluster):
     """SGLang's /v1/loads gives no room steps but the KV its requests hold (num_used_tokens over
     max_total_num_tokens): the agent sends that share after its load report
@@ -362,24 +392,7 @@ async def test_an_sglang_engines_kv_pool_use_goes_to_the_edges_with_its_load_rep
         async def loads(request, body=body):
             return web.json_response(body)
 
-        runner, url = await serve({"/v1/loads": loads})
-        agent = AgentNode(cfg, cfg.workers[0], tls, load_interval=0.01)
-        edge = _RecordingEdge()
-        agent._edge_peers["edge-us"] = edge
-        try:
-            async with WorkerConnections() as http:
-                agent.engine = EngineClient(url, http)
-                task = asyncio.create_task(agent._load_loop())
-                try:
-                    async with asyncio.timeout(GUARD_S):
-                        while len(edge.datagrams) < 2:
-                            await asyncio.sleep(0.01)
-                finally:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-        finally:
-            await runner.cleanup()
-            await agent.node.close()
+        _, edge = await _load_loop_until(cfg, tls, loads, _datagrams(2))
         report, extra = edge.datagrams[:2]
         if shape == "sglang":  # two ranks: 4 running, 2 waiting with 9,000 uncached tokens; 80,000 of 200,000 held
             assert report == WorkerLoadReported(worker_id, 9_000 * cfg.workers[0].prefill_ms_per_token, 4, 2)
@@ -405,32 +418,17 @@ async def test_a_busy_engines_readings_go_to_the_edges_once_they_move_past_the_t
         queue = max(0.0, 100_000.0 - 1000.0 * (time.monotonic() - started)) + (50_000.0 if arrived else 0.0)
         return web.json_response({"num_running_reqs": 3, "num_waiting_reqs": 0, "estimated_queue_ms": queue})
 
-    runner, url = await serve({"/v1/loads": loads})
-    agent = AgentNode(cfg, cfg.workers[0], tls, load_interval=0.01)
-    edge = _RecordingEdge()
-    agent._edge_peers["edge-us"] = edge
-
-    def readings(outcome: str) -> float:
+    def readings(agent: AgentNode, outcome: str) -> float:
         return agent.metrics.registry.get_sample_value("kvcompass_engine_load_readings_total", {"outcome": outcome})
 
-    try:
-        async with WorkerConnections() as http:
-            agent.engine = EngineClient(url, http)
-            task = asyncio.create_task(agent._load_loop())
-            try:
-                async with asyncio.timeout(GUARD_S):
-                    while readings("held") < 10:
-                        await asyncio.sleep(0.01)
-                    arrived.append(True)
-                    while len(edge.datagrams) < 2:
-                        await asyncio.sleep(0.01)
-            finally:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-    finally:
-        await runner.cleanup()
-        await agent.node.close()
+    async def held_ten_then_arrival(agent, edge):
+        while readings(agent, "held") < 10:
+            await asyncio.sleep(0.01)
+        arrived.append(True)
+        await _datagrams(2)(agent, edge)
+
+    agent, edge = await _load_loop_until(cfg, tls, loads, held_ten_then_arrival)
     first, after_arrival = edge.datagrams[:2]
     assert isinstance(first, WorkerLoadReported) and 90_000 < first.queue_ms <= 100_000
     assert isinstance(after_arrival, WorkerLoadReported) and after_arrival.queue_ms > 140_000
-    assert readings("sent") == 2 and readings("held") >= 10
+    assert readings(agent, "sent") == 2 and readings(agent, "held") >= 10
