@@ -432,3 +432,21 @@ async def test_a_busy_engines_readings_go_to_the_edges_once_they_move_past_the_t
     assert isinstance(first, WorkerLoadReported) and 90_000 < first.queue_ms <= 100_000
     assert isinstance(after_arrival, WorkerLoadReported) and after_arrival.queue_ms > 140_000
     assert readings(agent, "sent") == 2 and readings(agent, "held") >= 10
+
+
+async def test_a_load_answer_no_report_can_carry_is_a_failed_reading_and_the_loop_goes_on(cluster):
+    """An engine that answers /v1/loads with figures the load report cannot carry (a queue of
+    10^12 ms, a negative count, a string) fails those readings; the next sane one is reported,
+    marked resumed. Before, the report's own check raised in the agent's load loop and ended it:
+    no load report again while the agent looked healthy."""
+    from kvcompassd.wire import WorkerLoadReported
+
+    cfg, tls = cluster
+    answers = [{"estimated_queue_ms": 1e12}, {"num_running_reqs": -1}, {"num_running_reqs": "x"},
+               {"num_running_reqs": 2, "estimated_queue_ms": 5.0}]
+
+    async def loads(request):
+        return web.json_response(answers.pop(0) if len(answers) > 1 else answers[0])
+
+    _, edge = await _load_loop_until(cfg, tls, loads, _datagrams(1))
+    assert edge.datagrams[0] == WorkerLoadReported(cfg.workers[0].id, 5.0, 2, 0, resumed=True)

@@ -437,6 +437,30 @@ def test_the_share_of_its_kv_pool_sglang_says_its_requests_hold_is_read_from_its
     assert parse_loads({"num_used_tokens": 12, "max_total_num_tokens": 10}, 0.1).pinned_share == 1.0
 
 
+@pytest.mark.parametrize("bad", [
+    {"num_running_reqs": -1}, {"num_running_reqs": "3"}, {"num_running_reqs": True}, {"num_running_reqs": 2.5},
+    {"num_waiting_reqs": 1 << 32}, {"num_queue_reqs": [1]}, {"num_waiting_uncached_tokens": -5},
+    {"num_pending_tokens": {"a": 1}}, {"estimated_queue_ms": 2e9}, {"estimated_queue_ms": -1.0},
+    {"estimated_queue_ms": float("nan")}, {"estimated_queue_ms": float("inf")}, {"estimated_queue_ms": "5"},
+    {"estimated_queue_ms": False}])
+def test_a_load_figure_no_load_report_can_carry_is_the_engines_unusable_answer(bad):
+    """Every figure of /v1/loads either fits what the agent's load report carries (counts below
+    2^32, a queue of at most 1e9 ms) or is an EngineError: a reading that failed, never a report
+    the wire refuses, which used to end the agent's load loop for good."""
+    with pytest.raises(EngineError, match="unexpected /v1/loads"):
+        parse_loads({"loads": [{"num_running_reqs": 1}, bad]}, 0.1)
+    with pytest.raises(EngineError, match="unexpected /v1/loads"):
+        parse_loads({"loads": [{"num_running_reqs": (1 << 32) - 1}] * 2}, 0.1)  # fine alone, not summed
+
+
+def test_load_figures_within_what_a_report_carries_are_read_as_given():
+    load = parse_loads({"num_running_reqs": 3.0, "num_waiting_reqs": None, "num_queue_reqs": 7,
+                        "num_pending_tokens": (1 << 32) - 1}, 1.0)
+    assert (load.running, load.waiting, load.queue_ms) == (3, 0, 1e9)  # a backlog past the bound: the bound
+    load = parse_loads({"num_queue_reqs": 7, "estimated_queue_ms": 12}, 1.0)
+    assert (load.waiting, load.queue_ms) == (7, 12.0) and isinstance(load.queue_ms, float)
+
+
 def _sse(output_ids, text, completion_tokens=None) -> bytes:
     meta = {"prompt_tokens": 4, "cached_tokens": 0}
     if completion_tokens is not None:

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import orjson
 
-from kvcompassd.core.messages import MessageError, check_room_steps
+from kvcompassd.core.messages import U32_MAX, MessageError, check_room_steps
 from kvcompassd.engine.http1 import HttpClientError, Response, ResponseTooLarge, WorkerConnections
 
 
@@ -296,24 +296,33 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     (``core/rates.py``), exact when that end freed the room, and otherwise may take the wait
     for prefill."""
     entries = data.get("loads") if isinstance(data, dict) and isinstance(data.get("loads"), list) else [data]
+    if len(entries) > MAX_LOAD_ENTRIES:
+        raise EngineError(f"unexpected /v1/loads: {len(entries)} entries")
     running = waiting = pending = used = pool = 0
     explicit = None
     sized = True  # every entry says how much of its pool is in use
     for e in entries:
         if not isinstance(e, dict):
             raise EngineError("unexpected /v1/loads entry")
-        running += int(e.get("num_running_reqs", 0) or 0)
-        waiting += int(e.get("num_waiting_reqs", e.get("num_queue_reqs", 0)) or 0)
-        pending += int(e.get("num_waiting_uncached_tokens", e.get("num_pending_tokens", 0)) or 0)
+        running += _reported_count(e, "num_running_reqs")
+        waiting += _reported_count(e, "num_waiting_reqs", "num_queue_reqs")
+        pending += _reported_count(e, "num_waiting_uncached_tokens", "num_pending_tokens")
         in_use, size = e.get("num_used_tokens"), e.get("max_total_num_tokens")
         if _count(in_use) and _count(size):
             used += in_use
             pool += size
         else:
             sized = False
-        if e.get("estimated_queue_ms") is not None:
-            explicit = max(explicit or 0.0, float(e["estimated_queue_ms"]))
-    queue_ms = explicit if explicit is not None else pending * prefill_ms_per_token
+        ms = e.get("estimated_queue_ms")
+        if ms is not None:
+            if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0.0 <= ms <= MAX_QUEUE_MS:
+                raise EngineError(f"unexpected /v1/loads estimated_queue_ms {str(ms)[:40]!r}: "
+                                  f"not a number of ms in [0, {MAX_QUEUE_MS:g}]")
+            explicit = max(explicit or 0.0, float(ms))
+    if max(running, waiting) > MAX_REPORTED_COUNT:
+        raise EngineError(f"unexpected /v1/loads: {max(running, waiting)} requests")
+    # (a backlog past the bound is as good as endless; the wire carries at most that)
+    queue_ms = explicit if explicit is not None else min(MAX_QUEUE_MS, pending * prefill_ms_per_token)
     room = None
     if len(entries) == 1 and isinstance(entries[0].get("room_steps"), list):  # one rank's memory
         try:  # what the agent sends on (WorkerRoomReported): bounded and ordered, or not at all
@@ -322,6 +331,27 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
             raise EngineError(f"unexpected {exc}") from None
     share = min(1.0, used / pool) if sized and pool > 0 else None
     return EngineLoad(running, waiting, pending, max(0.0, queue_ms), room, share)
+
+
+# What a load report can carry (WorkerLoadReported: queue in MILLIS, counts in COUNT), and the
+# data-parallel ranks one /v1/loads may list.
+MAX_QUEUE_MS = 1e9
+MAX_REPORTED_COUNT = U32_MAX
+MAX_LOAD_ENTRIES = 4096
+
+
+def _reported_count(entry: dict, name: str, alias: str | None = None) -> int:
+    """A request or token count of a /v1/loads entry (absent or null: 0): an integer (an
+    integral float too) in [0, 2^32), else EngineError: the engine answered something unusable,
+    not something for the agent's load loop to trip over."""
+    value = entry.get(name, entry.get(alias) if alias else None)
+    if value is None:
+        return 0
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= MAX_REPORTED_COUNT:
+        raise EngineError(f"unexpected /v1/loads {name} {str(value)[:40]!r}: not a count in [0, 2^32)")
+    return value
 
 
 def _count(value) -> bool:
