@@ -464,13 +464,16 @@ class MessageSpec:
     cls: type
     fields: tuple[tuple[str, FieldType], ...]
     max_bytes: int
+    # Per field: its name, its type's from_wire and the name a failure gives it (formatted once).
+    decoders: tuple[tuple[str, Any, str], ...] = ()
 
 
 def _spec(tag: int, cls: type, max_bytes: int) -> MessageSpec:
     declared = tuple(f.name for f in fields(cls))
     if declared != tuple(cls.WIRE):
         raise AssertionError(f"{cls.__name__}: WIRE keys {tuple(cls.WIRE)} != fields {declared}")
-    return MessageSpec(tag, cls, tuple(cls.WIRE.items()), max_bytes)
+    decoders = tuple((name, field_type.from_wire, f"{cls.__name__}.{name}") for name, field_type in cls.WIRE.items())
+    return MessageSpec(tag, cls, tuple(cls.WIRE.items()), max_bytes, decoders)
 
 
 MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
@@ -647,9 +650,14 @@ def _decode(data: bytes | bytearray | memoryview, *, unwrap: bool) -> Message:
         expected = [n for n, _ in spec.fields]
         raise WireError(f"{name}: expected {len(expected)} fields {expected}, got {len(values)}")
     try:
-        kwargs = {field_name: field_type.from_wire(value, f"{name}.{field_name}")
-                  for (field_name, field_type), value in zip(spec.fields, values)}
-        return spec.cls(**kwargs)
+        # Each field's from_wire checks it and returns its canonical form, the one the class's
+        # own checks (its __post_init__) would return again: so the message is filled in as
+        # decoded and only its cross-field checks run (tests/test_wire.py holds the two equal).
+        message = object.__new__(spec.cls)
+        for (field_name, from_wire, where), value in zip(spec.decoders, values):
+            object.__setattr__(message, field_name, from_wire(value, where))
+        message._check()
+        return message
     except WireError:
         raise
     except (ValueError, TypeError) as exc:
