@@ -22,7 +22,7 @@ import enum
 import sys
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final
 
 import msgpack
@@ -464,16 +464,20 @@ class MessageSpec:
     cls: type
     fields: tuple[tuple[str, FieldType], ...]
     max_bytes: int
-    # Per field: its name, its type's from_wire and the name a failure gives it (formatted once).
-    decoders: tuple[tuple[str, Any, str], ...] = ()
+    # Per field: its name, its type's from_wire and the name a failure gives it (derived from
+    # cls and fields, formatted once).
+    decoders: tuple[tuple[str, Any, str], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decoders", tuple((name, field_type.from_wire, f"{self.cls.__name__}.{name}")
+                                                   for name, field_type in self.fields))
 
 
 def _spec(tag: int, cls: type, max_bytes: int) -> MessageSpec:
     declared = tuple(f.name for f in fields(cls))
     if declared != tuple(cls.WIRE):
         raise AssertionError(f"{cls.__name__}: WIRE keys {tuple(cls.WIRE)} != fields {declared}")
-    decoders = tuple((name, field_type.from_wire, f"{cls.__name__}.{name}") for name, field_type in cls.WIRE.items())
-    return MessageSpec(tag, cls, tuple(cls.WIRE.items()), max_bytes, decoders)
+    return MessageSpec(tag, cls, tuple(cls.WIRE.items()), max_bytes)
 
 
 MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import orjson
 
-from kvcompassd.core.messages import U32_MAX, MessageError, check_room_steps
+from kvcompassd.core.messages import COUNT, MILLIS, MessageError, check_room_steps
 from kvcompassd.engine.http1 import HttpClientError, Response, ResponseTooLarge, WorkerConnections
 
 
@@ -333,10 +333,10 @@ def parse_loads(data, prefill_ms_per_token: float) -> EngineLoad:
     return EngineLoad(running, waiting, pending, max(0.0, queue_ms), room, share)
 
 
-# What a load report can carry (WorkerLoadReported: queue in MILLIS, counts in COUNT), and the
-# data-parallel ranks one /v1/loads may list.
-MAX_QUEUE_MS = 1e9
-MAX_REPORTED_COUNT = U32_MAX
+# What a load report can carry (WorkerLoadReported's bounds), and the data-parallel ranks one
+# /v1/loads may list.
+MAX_QUEUE_MS = MILLIS.hi
+MAX_REPORTED_COUNT = COUNT.hi
 MAX_LOAD_ENTRIES = 4096
 
 
