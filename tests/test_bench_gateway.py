@@ -158,14 +158,30 @@ def test_score_settings_reach_the_planes_config(tool):
             tool.parse_args(["--score", bad])
 
 
+def test_idle_settings_edges_and_the_agents_poll_period_reach_the_plane(tool, tmp_path):
+    from kvcompassd.launcher import build_cluster
+
+    args = tool.parse_args(["--idle", "load_tolerance_ms=0", "--edges", "2", "--load-poll-ms", "40"])
+    assert args.idle == [("load_tolerance_ms", 0.0)] and args.edges == 2 and args.load_poll_ms == 40.0
+    cfg = build_cluster(tool.deployment_spec(args, 8192))
+    assert cfg.idle.load_tolerance_ms == 0.0 and len(cfg.edges_in("us")) == 2
+    defaults = tool.parse_args([])
+    assert defaults.edges == 1 and defaults.load_poll_ms is None
+    assert len(build_cluster(tool.deployment_spec(defaults, 8192)).edges_in("us")) == 1
+    for bad in (["--idle", "load_tolerance_ms"], ["--edges", "0"]):
+        with pytest.raises(SystemExit):
+            tool.parse_args(bad)
+
+
 def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     """The whole plane against direct with tiny windows: every request served and attributed,
-    the edge's, agents' and maintenance unit's CPU measured, the plane gone during direct."""
+    the edges', agents' and maintenance unit's CPU measured, the plane gone during direct; two
+    edges, the requests taken round robin over them."""
     out = tmp_path / "results.json"
     argv = [sys.executable, str(TOOL), "--routers", "kvcompassd", "--modes", "zero-delay", "--workers", "2",
             "--concurrency", "2", "--seconds", "0.5", "--warmup", "0.2", "--idle-seconds", "0.2",
             "--idle-settle", "0", "--quiet-limit", "3", "--settle", "0.1", "--groups", "2", "--prefix-chars", "64",
-            "--suffix-chars", "16", "--json", str(out)]
+            "--suffix-chars", "16", "--edges", "2", "--load-poll-ms", "30", "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -176,7 +192,10 @@ def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     assert x["rps"] > 0 and x["direct_rps"] > 0 and x["ratio"] > 0
     assert x["cpu_us.edge"] > 0 and x["cpu_us.agents"] > 0 and x["cpu_us.maintenance"] >= 0
     assert "cpu_net_us.edge" in x
-    assert x["retries"] >= 0  # read off the edge's metrics in each router window
+    assert x["retries"] >= 0  # read off the edges' metrics in each router window
+    assert arm["edges"] == 2  # and both served: each edge's own requests, summing to all of them
+    assert len(x["requests_per_url"]) == 2 and min(x["requests_per_url"]) > 0
+    assert sum(x["requests_per_url"]) == x["requests"]
     assert 0 <= x["affinity"] <= 1 and 0 <= x["reuse"] <= 1
     assert set(arm["idle"]) == {"edge", "agents", "maintenance", "workers"}
     assert 0 <= arm["idle_after_s"] <= 3 + 2  # the quiet wait is bounded (1 s slices)

@@ -18,6 +18,11 @@ prefixes (``--prefix-chars`` bytes) plus a unique suffix (``--suffix-chars``), `
 (the emulator's A100 timing model at ``--time-scale 1``, VRAM of 16,384 then 8,192 tokens per
 worker: what its routing buys).
 
+``--edges N`` runs N edges in the workers' region, the clients' requests taken round robin over
+them (their CPU summed as "edge"): each edge then sees the other's dispatches only through the
+agents' load readings, which one edge's own charges otherwise stand in for. ``--load-poll-ms``
+sets the agents' fast load-reading period, ``--idle`` an ``[idle]`` setting.
+
 Printed per mode, arm and concurrency: throughput ÷ direct, added P50/P99 and mean latency,
 the router's CPU per request from ``/proc/<pid>/stat`` (kvcompassd's edge, agents and maintenance
 unit separately), prefix affinity (share of a group's requests its top worker served) and
@@ -189,7 +194,9 @@ def compare(direct: list[dict], routed: list[dict], idle: dict[str, float] | Non
         "unattributed": sum(w["unattributed"] for w in direct + routed),
         "retries": sum(w.get("retries", 0) for w in routed),
     }
-    requests = sum(w["requests"] for w in routed)
+    requests = out["requests"] = sum(w["requests"] for w in routed)
+    if all("requests_per_url" in w for w in routed) and routed:
+        out["requests_per_url"] = [sum(counts) for counts in zip(*(w["requests_per_url"] for w in routed))]
     for key in {k for w in routed for k in w.get("cpu_s", {})}:
         cpu = sum(w["cpu_s"].get(key, 0.0) for w in routed)
         out[f"cpu_us.{key}"] = cpu / requests * 1e6 if requests else float("nan")
@@ -260,6 +267,7 @@ class Window:
     latencies: list[float] = field(default_factory=list)
     served: list[tuple[int, str, list[int]]] = field(default_factory=list)  # (group, text, output ids)
     cached: list[int] = field(default_factory=list)
+    per_url: dict[str, int] = field(default_factory=dict)  # requests served through each url
     errors: int = 0
     elapsed: float = 0.0
 
@@ -268,8 +276,8 @@ async def closed_loop(session: aiohttp.ClientSession, urls: list[str], concurren
                       prompts: Prompts, max_new_tokens: int) -> Window:
     """``concurrency`` clients, each sending its next request when its last one returned; a
     list of several ``urls`` is taken round robin (the direct arm)."""
-    window = Window()
-    rr = itertools.cycle([u + "/generate" for u in urls])
+    window = Window(per_url={u: 0 for u in urls})
+    rr = itertools.cycle(urls)
     stop_at = time.monotonic() + seconds
 
     async def client() -> None:
@@ -277,8 +285,9 @@ async def closed_loop(session: aiohttp.ClientSession, urls: list[str], concurren
             group, text = prompts.next()
             body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}}
             start = time.perf_counter()
+            url = next(rr)
             try:
-                async with session.post(next(rr), json=body) as resp:
+                async with session.post(url + "/generate", json=body) as resp:
                     data = await resp.json(content_type=None)
                     ok = resp.status == 200 and isinstance(data, dict)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -287,6 +296,7 @@ async def closed_loop(session: aiohttp.ClientSession, urls: list[str], concurren
                 window.errors += 1
                 continue
             window.latencies.append(time.perf_counter() - start)
+            window.per_url[url] += 1
             window.served.append((group, text, data.get("output_ids") or []))
             window.cached.append(int((data.get("meta_info") or {}).get("cached_tokens") or 0))
 
@@ -300,11 +310,12 @@ async def closed_loop(session: aiohttp.ClientSession, urls: list[str], concurren
 
 
 def deployment_spec(args, vram_tokens: int) -> DeploymentSpec:
-    """The kvcompassd arm's fleet: one region of emulated workers, one shard, no WAN, with the
-    ``--sync`` and ``--score`` settings."""
+    """The kvcompassd arm's fleet: one region of emulated workers and ``--edges`` edges, one
+    shard, no WAN, with the ``--sync``, ``--score`` and ``--idle`` settings."""
     return DeploymentSpec(workers={"us": args.workers}, one_way_ms={}, shards=1, wan=False,
                           max_running=args.max_running, vram_kv_tokens=vram_tokens, dram_kv_tokens=0,
-                          sync=dict(args.sync), score=dict(args.score))
+                          edges_per_region=args.edges, sync=dict(args.sync), score=dict(args.score),
+                          idle=dict(args.idle))
 
 
 class Bench:
@@ -317,6 +328,8 @@ class Bench:
         self.deployment = LocalDeployment(spec, self.workdir, time_scale=time_scale, node_args=node_args)
         for key in self._plane_keys():  # read when the nodes are spawned
             self.deployment.node_args[key] = ("--log-level", args.plane_log_level)
+            if key.startswith("agent:") and args.load_poll_ms is not None:
+                self.deployment.node_args[key] += ("--load-poll-ms", str(args.load_poll_ms))
         self.worker_urls = [w.http for w in self.deployment.cfg.workers]
         self.profile_dir = Path(args.profile_edge) if args.profile_edge else None
         self.profile_plane = bool(args.profile_plane)
@@ -384,32 +397,37 @@ class Bench:
                     raise RuntimeError(f"{url}/flush_cache answered {resp.status}")
         await asyncio.sleep(self.args.settle)  # the plane's withdrawals reach the edge's view
 
+    def edge_urls(self) -> list[str]:
+        return [f"http://{e.http}" for e in self.deployment.cfg.edges_in("us")]
+
     async def window(self, urls: list[str], concurrency: int, pids: dict[str, list[int]], seed: int,
-                     metrics_url: str | None = None) -> dict:
-        """One measured window; ``metrics_url`` (the edge's) also counts its retries in it."""
+                     metrics_urls: list[str] = ()) -> dict:
+        """One measured window; ``metrics_urls`` (the edges') also count their retries in it."""
         args = self.args
         prompts = Prompts(args.groups, args.prefix_chars, args.suffix_chars, seed=seed)
         await self.flush()
         await closed_loop(self.session, urls, concurrency, args.warmup, prompts, args.max_new_tokens)
-        retries0 = await self._retries(metrics_url)
+        retries0 = await self._retries(metrics_urls)
         cpu0 = {k: sum(tree_cpu_seconds(p) for p in v) for k, v in pids.items()}
         w = await closed_loop(self.session, urls, concurrency, self._seconds(), prompts, args.max_new_tokens)
         cpu = {k: sum(tree_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
-        retries = await self._retries(metrics_url) - retries0
+        retries = await self._retries(metrics_urls) - retries0
         # Attribution after the timed part: it costs the client's CPU.
         served = [(g, served_by(text, ids, self.seeds, args.max_new_tokens)) for g, text, ids in w.served]
         stats = window_stats(w.latencies, w.elapsed, served, w.cached, prompts.shared_tokens, w.errors)
         stats["cpu_s"] = cpu
+        stats["requests_per_url"] = list(w.per_url.values())
         stats["load"] = load_average()  # the machine's other load, at the end of this window
-        if metrics_url is not None:
+        if metrics_urls:
             stats["retries"] = retries
         return stats
 
-    async def _retries(self, metrics_url: str | None) -> float:
-        if metrics_url is None:
-            return 0.0
-        async with self.session.get(metrics_url) as resp:
-            return retries_in_metrics(await resp.text())
+    async def _retries(self, metrics_urls: list[str]) -> float:
+        total = 0.0
+        for url in metrics_urls:
+            async with self.session.get(url) as resp:
+                total += retries_in_metrics(await resp.text())
+        return total
 
     def _seconds(self) -> float:
         return self.args.seconds if self.mode == "zero-delay" else self.args.service_seconds
@@ -480,20 +498,20 @@ class Bench:
         await direct(cs)
         idle_direct = await self.idle({})
         proc = None
-        metrics_url = None
+        metrics_urls: list[str] = []
         if name == KVCOMPASSD:
             pids = await self.start_plane()
-            url = self.deployment.edge_url("us")
-            metrics_url = url + "/metrics"
+            urls = self.edge_urls()
+            metrics_urls = [url + "/metrics" for url in urls]
         else:
             proc, url = await self.start_router(name, binary)
-            pids = {"router": [proc.pid]}
+            urls, pids = [url], {"router": [proc.pid]}
         try:
             await asyncio.sleep(args.idle_settle)  # start-up work (connections, first health checks) done
             quiet_wait_s = await self.until_quiet(pids)
             idle = await self.idle(pids)
             for c in cs + cs[::-1]:
-                windows[("router", c)].append(await self.window([url], c, pids, seed=c, metrics_url=metrics_url))
+                windows[("router", c)].append(await self.window(urls, c, pids, seed=c, metrics_urls=metrics_urls))
                 _progress(self.label, name, name, c, windows[("router", c)][-1])
         finally:
             if proc is not None:
@@ -503,7 +521,7 @@ class Bench:
         await direct(cs[::-1])
         loads.append(load_average())
         return {"by_c": {c: compare(windows[("direct", c)], windows[("router", c)], idle) for c in cs},
-                "idle": idle, "idle_direct": idle_direct, "idle_after_s": args.idle_settle + quiet_wait_s,
+                "edges": len(urls) if name == KVCOMPASSD else 0, "idle": idle, "idle_direct": idle_direct, "idle_after_s": args.idle_settle + quiet_wait_s,
                 "loads": loads}
 
     async def run(self, binaries: dict[str, str]) -> dict:
@@ -590,7 +608,10 @@ async def main_async(args) -> None:
         plans += [("service", 1.0, v) for v in args.service_vram_tokens]
     print(f"bench_gateway: arms {', '.join(args.routers)}; concurrency {args.concurrency}; {os.cpu_count()} cores; "
           f"load average {load_average()}" + (f"; kvcompassd [sync] {dict(args.sync)}" if args.sync else "")
-          + (f"; kvcompassd [score] {dict(args.score)}" if args.score else ""), flush=True)
+          + (f"; kvcompassd [score] {dict(args.score)}" if args.score else "")
+          + (f"; kvcompassd [idle] {dict(args.idle)}" if args.idle else "")
+          + (f"; {args.edges} kvcompassd edges" if args.edges > 1 else "")
+          + (f"; agents' --load-poll-ms {args.load_poll_ms:g}" if args.load_poll_ms is not None else ""), flush=True)
     out: list[str] = []
     everything: dict[str, dict] = {}
     connector = aiohttp.TCPConnector(limit=0)
@@ -612,7 +633,7 @@ async def main_async(args) -> None:
         Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
 
 
-sync_setting, score_setting = setting_parser("sync"), setting_parser("score")
+sync_setting, score_setting, idle_setting = setting_parser("sync"), setting_parser("score"), setting_parser("idle")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -651,9 +672,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a [sync] setting of the kvcompassd plane (repeatable), e.g. report_delay_ms=50")
     p.add_argument("--score", type=score_setting, action="append", default=[], metavar="NAME=NUMBER",
                    help="a [score] setting of the kvcompassd plane (repeatable), e.g. copy_weight=2")
+    p.add_argument("--idle", type=idle_setting, action="append", default=[], metavar="NAME=NUMBER",
+                   help="an [idle] setting of the kvcompassd plane (repeatable), e.g. load_tolerance_ms=0")
+    p.add_argument("--edges", type=int, default=1,
+                   help="kvcompassd edges in the workers' region; requests are taken round robin over them")
+    p.add_argument("--load-poll-ms", type=float, default=None, metavar="MS",
+                   help="the kvcompassd agents' fast load-reading period (their default: 20)")
     p.add_argument("--json", help="also write the results here (mode -> arm -> figures)")
     p.add_argument("--quick", action="store_true", help="zero-delay only, 1 s windows (~2 minutes)")
     args = p.parse_args(argv)
+    if args.edges < 1:
+        p.error("--edges must be at least 1")
     if args.quick:
         args.modes = ["zero-delay"]
         args.seconds, args.warmup, args.idle_seconds, args.settle, args.idle_settle = 1.0, 0.3, 1.0, 0.2, 0.5
