@@ -59,7 +59,7 @@ from kvcompassd.engine.subscriber import (
     PublisherRestarted,
 )
 from kvcompassd.metrics import AgentMetrics
-from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance
+from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance, VectorInterest
 from kvcompassd.reports import ReportCoalescer
 from kvcompassd.tokenizer_check import answer_for_agent
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
@@ -71,6 +71,7 @@ from kvcompassd.wire import (
     MigrationRequested,
     NodeIdentity,
     PiggybackSent,
+    QueueVectorInterestReported,
     PrefillDecodeForwarded,
     PrefixEventsReported,
     QueueVectorBroadcast,
@@ -94,6 +95,9 @@ log = structlog.get_logger(__name__)
 ENGINE_DOWN_AFTER = 5  # consecutive failed load readings
 FOLLOW_RETRY_S = 1.0  # after the event follower failed on a bug
 SLICE_BLOCKS = 2048  # engine blocks applied between two yields to the event loop
+# The region's queue vector is wanted until this long after the last request from another
+# region ended (VectorInterest): a region that sends one every few seconds keeps it coming.
+VECTOR_LINGER_S = 10.0
 # CPython's full collection scans every tracked object; with a mirror of 10^5 blocks it takes
 # hundreds of ms, and while such a mirror grows the default (700, 10, 10) runs one every few
 # thousand blocks (tools/bench_event_stall.py: ~1.3 s stalls for a 150 k-block batch, ~0.3 s
@@ -167,6 +171,11 @@ class AgentNode:
             done_spacing_s=min(idle_s, max(load_interval, cfg.score.broadcast_period_ms / 1000.0)))
         self.load_reports = LoadReports(heartbeat_s=self._heartbeat_s, steady_repeats=STEADY_REPEATS,
                                         tolerance=load_tolerance(cfg, worker))
+        # The region's queue vector, wanted only while serving other regions (VectorInterest);
+        # an unchanged one comes every heartbeat, so one older than that and two periods is stale.
+        self.vector_interest = VectorInterest(
+            linger_s=VECTOR_LINGER_S, fresh_s=self._heartbeat_s + 2.0 * cfg.score.broadcast_period_ms / 1000.0)
+        self._piggybacked = {"region": 0, "own": 0}  # responses to other regions, by the vector carried
         self._load_wake = asyncio.Event()
         self._wake_for_arrival = False  # the wake-up was work arriving, not only KV events (work done)
         self._reading_started = float("-inf")  # time.monotonic() of the latest load reading
@@ -376,6 +385,8 @@ class AgentNode:
 
     def _on_peer_state(self, peer: Peer, connected: bool) -> None:
         if connected and peer.identity is not None and peer.identity.role == Role.EDGE:
+            if peer.outbound:  # (the connection on which the edge listens for what we want)
+                self._say_vector_interest(peer)
             # A new edge knows nothing of this worker's load: read and report it now, not at
             # the next idle heartbeat (an unknown worker is never taken for an idle one).
             self.load_reports.listener_joined()
@@ -438,7 +449,21 @@ class AgentNode:
                                     peer.send_datagram(pinned)
                             except TransportError:
                                 pass
+            if self.vector_interest.lapsed(now=time.monotonic()):
+                self._say_vector_interest()
             await self._sleep_until_next_reading()
+
+    def _say_vector_interest(self, only: Peer | None = None) -> None:
+        """Tell this region's edges (or ``only`` one) whether to send us the queue vector, on
+        the ordered control channel: a lost "not wanted" would leave the packets flowing, a lost
+        "wanted" stale piggybacks."""
+        body = encode(QueueVectorInterestReported(self.worker.id, self.vector_interest.wanted))
+        for peer in (only,) if only is not None else tuple(self._edge_peers.values()):
+            if peer.is_connected:
+                try:
+                    peer.send_encoded(body)
+                except TransportError:
+                    pass
 
     async def _sleep_until_next_reading(self) -> None:
         """The schedule's delay, cut short by a wake-up (work arriving, an edge connecting, KV
@@ -513,6 +538,7 @@ class AgentNode:
                 return None
             self.region_vector.update(dict(message.vector))
             self.region_vector[self.worker.id] = self.queue_ms
+            self.vector_interest.vector_received(now=time.monotonic())
             return None
         if isinstance(message, MigrationRequested):
             self._work_arriving()
@@ -558,11 +584,16 @@ class AgentNode:
                 log_.warning("message refused", peer=str(peer.identity), type="PrefillDecodeForwarded", detail=refusal)
                 await stream.send(ErrorReported("forbidden", refusal), end=True)
                 return
+        remote = msg.origin_region != self.worker.region
+        if remote and self.vector_interest.remote_started(now=time.monotonic()):
+            self._say_vector_interest()  # the edges send the vector at once: it is here before the response
         work = asyncio.ensure_future(self._run_forwarded(stream, msg, log_))
         abandoned = asyncio.ensure_future(stream.wait_aborted())
         try:
             await asyncio.wait({work, abandoned}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            if remote:
+                self.vector_interest.remote_ended(now=time.monotonic())
             abandoned.cancel()
             if not work.done():
                 work.cancel()
@@ -605,7 +636,7 @@ class AgentNode:
                         produced = True
                         await stream.send(ResponseChunked(msg.request_id, item.token_ids, item.text, False))
                     else:
-                        vector = tuple(self.region_vector.items())
+                        vector, piggyback = self._piggyback_for(msg.origin_region)
                         latency = item.worker_latency_s
                         await stream.send(ResponseCompleted(msg.request_id, self.worker.id, item.cached_tokens,
                                                             item.prompt_tokens, item.completion_tokens,
@@ -613,7 +644,7 @@ class AgentNode:
                                                             -1.0 if latency is None else min(latency, MAX_WORKER_LATENCY_S)),
                                           end=True)
                         self.metrics.requests.labels("ok").inc()
-                        if msg.origin_region != self.worker.region:
+                        if piggyback:
                             self._note_piggyback(msg.origin_region)
                         log_.info("served", cached=item.cached_tokens, claimed=msg.claimed_tokens,
                                   prompt=item.prompt_tokens, completion=item.completion_tokens)
@@ -633,6 +664,20 @@ class AgentNode:
                 await stream.send(RequestFailed(msg.request_id, blamed, str(exc)[:1000], not produced), end=True)
         except TransportError as exc:
             log_.warning("edge went away mid-response", error=str(exc))
+
+    def _piggyback_for(self, origin_region: str) -> tuple[tuple[tuple[str, float], ...], bool]:
+        """The queue vector a response to ``origin_region`` carries, and whether it is the
+        region's (so the edges may skip their next broadcast there): the region's if fresh,
+        else this worker's own reading alone; none to this region's own edge, which has it."""
+        if origin_region == self.worker.region:
+            return (), False
+        if self.vector_interest.fresh(now=time.monotonic()):
+            self._piggybacked["region"] += 1
+            self.metrics.piggybacked_region.inc()
+            return tuple(self.region_vector.items()), True
+        self._piggybacked["own"] += 1
+        self.metrics.piggybacked_own.inc()
+        return ((self.worker.id, self.queue_ms),), False
 
     def _note_piggyback(self, to_region: str) -> None:
         """Tell this region's edges that ``to_region`` just got our queue vector."""
@@ -683,5 +728,10 @@ class AgentNode:
             "engine_last_seq": getattr(getattr(getattr(self, "subscriber", None), "tracker", None), "last_applied", None),
             "blocks": len(self.tree),
             "region_vector": self.region_vector,
+            # whether it asks its edges for that vector (while serving other regions), and the
+            # age of the one it holds (None: none yet); a response piggybacks it while fresh
+            "vector_wanted": self.vector_interest.wanted,
+            "vector_age_s": self.vector_interest.age_s(now=time.monotonic()),
+            "piggybacked": dict(self._piggybacked),
             "migrations": self.migrations[-20:],
         }

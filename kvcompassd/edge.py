@@ -45,6 +45,7 @@ from kvcompassd.wire import (
     ErrorReported,
     NodeIdentity,
     PiggybackSent,
+    QueueVectorInterestReported,
     QueueVectorBroadcast,
     ResyncRequested,
     Role,
@@ -127,6 +128,9 @@ class EdgeNode:
         self._agent_peers: dict[str, Peer] = {}
         self._edge_peers: dict[str, Peer] = {}
         self._own_agents = frozenset(w.id for w in cfg.workers_in(me.region))
+        # Whether each own agent wants the region's queue vector (QueueVectorInterestReported);
+        # one not heard from gets it, as every agent did before agents said.
+        self._vector_wanted: dict[str, bool] = {}
         self._last_load_report: dict[str, float] = {}
         # An idle agent reports an unchanged load once per heartbeat: three missed ones are a silence.
         self._heartbeat_s = cfg.idle.heartbeat_ms / 1000.0
@@ -237,6 +241,10 @@ class EdgeNode:
         if not connected or peer.identity is None:
             return
         if peer.identity.role == Role.AGENT:
+            if not peer.outbound:
+                # The agent's own connection: it says again what it wants (an agent of a version
+                # before the message says nothing and gets the vector).
+                self._vector_wanted.pop(peer.identity.node_id, None)
             # Either connection (ours to the agent, or the agent's to us) says it is up again.
             forwarder = getattr(self, "forwarder", None)
             if forwarder is not None:
@@ -522,6 +530,23 @@ class EdgeNode:
         except ValueError as exc:
             log.warning("piggyback note refused", peer=str(peer.identity), error=str(exc))
 
+    def vector_wanted(self, worker: str) -> bool | None:
+        """Whether this edge sends ``worker``'s agent the region's queue vector (None: not an own worker)."""
+        return self._vector_wanted.get(worker, True) if worker in self._own_agents else None
+
+    def _vector_interest(self, peer: Peer, msg: QueueVectorInterestReported, channel: ChannelInfo) -> None:
+        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
+            self._refuse(peer, msg, f"agent {peer.identity.node_id} may say only what its own worker's agent wants")
+            return
+        was = self._vector_wanted.get(msg.worker, True)
+        self._vector_wanted[msg.worker] = msg.wanted
+        if msg.wanted and not was:
+            # At once, not at the next period: a response to another region is on its way.
+            vector = self.router.queues.local_vector(now=self.clock())
+            self._send_datagram(self._agent_peers.get(msg.worker),
+                                QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region,
+                                                     sent_at=self.clock(), vector=vector))
+
     def _broadcast(self, peer: Peer, msg: QueueVectorBroadcast, channel: ChannelInfo) -> None:
         self._from_its_regions_edge(peer, msg, "queue vector", self.router.queues.on_broadcast)
 
@@ -554,7 +579,8 @@ class EdgeNode:
                     self._send_datagram(self._edge_peers.get(e.id), msg)
             # Own-region agents piggyback this vector on their responses to other regions: a
             # new one each period while it changes, an unchanged one STEADY_REPEATS more periods
-            # (a datagram may be lost), then every heartbeat.
+            # (a datagram may be lost), then every heartbeat; only to the agents that want it
+            # (one serving no other region's requests costs a packet at both ends per period).
             vector = self.router.queues.local_vector(now=now)
             repeats = self._vector_to_agents_repeats + 1 if vector == self._vector_to_agents else 0
             if repeats <= STEADY_REPEATS or now - self._vector_to_agents_at >= self._heartbeat_s:
@@ -563,8 +589,10 @@ class EdgeNode:
                 sent = True
                 local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
                                              vector=vector)
+                wanted = self._vector_wanted
                 for w in self._own_agents:
-                    self._send_datagram(self._agent_peers.get(w), local)
+                    if wanted.get(w, True):
+                        self._send_datagram(self._agent_peers.get(w), local)
             # The gauges move only with the values (and fade slowly): idle, once per heartbeat.
             if sent or now - gauges_at >= self._heartbeat_s:
                 gauges_at = now
@@ -623,6 +651,7 @@ class EdgeNode:
         WorkerRoomReported: _room,
         WorkerPinnedReported: _pinned,
         PiggybackSent: _piggyback_sent,
+        QueueVectorInterestReported: _vector_interest,
         QueueVectorBroadcast: _broadcast,
         RoomVectorBroadcast: _room_broadcast,
         ViewCopyRequested: _view_copy,

@@ -137,7 +137,10 @@ def _queues(edge, args) -> dict:
                          # others), and the prefill's price for the decodes it pauses
                          # (as the latest decision scored it; 1 when off)
                          "running": int(q.running[i]),
-                         "prefill_price": round(edge.router.prefill_price(i), 4)}
+                         "prefill_price": round(edge.router.prefill_price(i), 4),
+                         # own region: whether its agent is sent the region's queue vector (it
+                         # wants it while serving other regions; None for the other regions')
+                         "vector_wanted": edge.vector_wanted(w)}
                         for i, w in enumerate(edge.layout.worker_ids)],
             # Per remote region, the selection correction queue_ms includes (QueueEstimates docstring).
             "correction_ms": {r: round(ms, 3) for r, ms in q.surprises(now=now).items()},

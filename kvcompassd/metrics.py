@@ -353,6 +353,10 @@ class AgentMetrics:
                            "(sent) or were within [idle] load_tolerance of what the edges hold (held)", ["outcome"],
                            registry=r)
         self.load_readings_sent, self.load_readings_held = readings.labels("sent"), readings.labels("held")
+        piggybacks = Counter("kvcompass_piggybacked_vectors", "Responses to other regions, by the queue vector they "
+                             "carried: the region's (fresh), or the worker's own reading alone (none fresh held)",
+                             ["vector"], registry=r)
+        self.piggybacked_region, self.piggybacked_own = piggybacks.labels("region"), piggybacks.labels("own")
 
 
 def start_metrics_server(address: str | None, registry: CollectorRegistry) -> None:

@@ -287,3 +287,58 @@ class LoadReports:
         if send:
             self._sent, self._sent_at = load, now
         return changed, send, resumed
+
+
+class VectorInterest:
+    """Whether an agent wants its region's queue vector, and whether the one it holds is fresh
+    enough to piggyback (sans-IO; the agent says ``QueueVectorInterestReported`` when
+    ``remote_started`` or ``lapsed`` tells it to).
+
+    An agent piggybacks the vector only on its responses to other regions (paper §3.4), yet
+    every edge sent it to every own agent each broadcast period while it changed: a packet at
+    both ends per agent and period for an agent that serves no other region (issue 30: most of
+    what a busy agent received in a one-region gateway run). So the agent wants it from the
+    start of a request from another region until ``linger_s`` after the last such request
+    ended, and piggybacks what it holds only if it arrived within ``fresh_s`` (a vector that
+    stops changing is sent again every heartbeat, so this is the heartbeat and some slack);
+    otherwise its own worker's reading alone, which is always current."""
+
+    def __init__(self, *, linger_s: float, fresh_s: float) -> None:
+        if not (0 < linger_s < math.inf and 0 < fresh_s < math.inf):
+            raise ValueError(f"need finite linger_s > 0 and fresh_s > 0, got {linger_s!r}, {fresh_s!r}")
+        self.linger_s, self.fresh_s = float(linger_s), float(fresh_s)
+        self.wanted = False  # what the agent last told its edges
+        self._in_flight = 0
+        self._last_remote = -math.inf
+        self._vector_at = -math.inf
+
+    def remote_started(self, *, now: float) -> bool:
+        """A request from another region arrived; True: say ``wanted`` now (it was not)."""
+        self._in_flight += 1
+        self._last_remote = max(self._last_remote, now)
+        if self.wanted:
+            return False
+        self.wanted = True
+        return True
+
+    def remote_ended(self, *, now: float) -> None:
+        self._in_flight = max(0, self._in_flight - 1)
+        self._last_remote = max(self._last_remote, now)
+
+    def lapsed(self, *, now: float) -> bool:
+        """True: say ``not wanted`` now (no request from another region for ``linger_s``)."""
+        if self.wanted and self._in_flight == 0 and now - self._last_remote >= self.linger_s:
+            self.wanted = False
+            return True
+        return False
+
+    def vector_received(self, *, now: float) -> None:
+        self._vector_at = max(self._vector_at, now)
+
+    def fresh(self, *, now: float) -> bool:
+        """Whether the vector held arrived within ``fresh_s``."""
+        return now - self._vector_at <= self.fresh_s
+
+    def age_s(self, *, now: float) -> float | None:
+        """Seconds since the vector held arrived (None: none yet)."""
+        return None if self._vector_at == -math.inf else round(now - self._vector_at, 3)

@@ -54,6 +54,7 @@ from kvcompassd.core.messages import (  # the core's messages and field types: t
     PiggybackSent,
     PrefixEventsReported,
     QueueVectorBroadcast,
+    QueueVectorInterestReported,
     ResyncRequested,
     RoomVectorBroadcast,
     ShardPositionAnnounced,
@@ -440,6 +441,7 @@ Message = (
     | WorkerRoomReported
     | WorkerPinnedReported
     | PiggybackSent
+    | QueueVectorInterestReported
     | ErrorReported
     | AdminQueried
     | AdminAnswered
@@ -510,6 +512,7 @@ MESSAGE_SPECS: Final[dict[int, MessageSpec]] = {
         _spec(45, RequestRejected, 16 * KiB),
         _spec(46, WorkerRoomReported, 64 * KiB),  # added within version 2, as tag 17
         _spec(47, WorkerPinnedReported, 1 * KiB),  # added within version 3
+        _spec(48, QueueVectorInterestReported, 1 * KiB),  # added within version 3
         _spec(50, ErrorReported, 16 * KiB),
         _spec(60, AdminQueried, 1 * MiB),
         _spec(61, AdminAnswered, MAX_FRAME_BYTES),
@@ -553,6 +556,7 @@ SENDER_ROLES: Final[Mapping[type, frozenset[Role]]] = {
     WorkerRoomReported: frozenset({Role.AGENT}),
     WorkerPinnedReported: frozenset({Role.AGENT}),
     PiggybackSent: frozenset({Role.AGENT}),
+    QueueVectorInterestReported: frozenset({Role.AGENT}),
     ErrorReported: frozenset(Role),
     AdminQueried: frozenset({Role.ADMIN}),
     AdminAnswered: _ANY_DAEMON,

@@ -17,7 +17,9 @@ from kvcompassd.inspect import current_entries, describe_edge, describe_edge_pac
 
 
 def _edge(router, cfg, layout, clock):
-    return SimpleNamespace(router=router, cfg=cfg, layout=layout, clock=lambda: clock[0])
+    # (an edge not told otherwise sends its own region's agents the queue vector)
+    return SimpleNamespace(router=router, cfg=cfg, layout=layout, clock=lambda: clock[0],
+                           vector_wanted=lambda w: True if cfg.worker(w).region == router.region else None)
 
 
 def test_holders_shows_the_view_and_apart_from_it_what_the_edge_just_sent_without_changing_either():

@@ -14,7 +14,7 @@ from kvcompassd.agent import load_tolerance
 from kvcompassd.core.config import load_config
 from kvcompassd.core.queues import QueueEstimates
 from kvcompassd.engine.client import EngineLoad
-from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance
+from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance, VectorInterest
 
 CFG = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
 
@@ -319,3 +319,33 @@ def test_room_steps_of_the_same_levels_are_compared_as_at_every_size(data):
         return False
 
     assert tolerance._room_moved(sent, steps, elapsed) == moved_at_some_size()
+
+
+def test_an_agent_wants_the_queue_vector_from_its_first_remote_request_until_they_have_lingered_out():
+    interest = VectorInterest(linger_s=10.0, fresh_s=1.2)
+    assert not interest.wanted and not interest.lapsed(now=0.0)
+    assert interest.remote_started(now=1.0)  # say "wanted", once
+    assert not interest.remote_started(now=2.0) and interest.wanted
+    interest.remote_ended(now=3.0)
+    assert not interest.lapsed(now=100.0)  # one still runs: however long, it still wants it
+    interest.remote_ended(now=104.0)
+    assert not interest.lapsed(now=113.9)
+    assert interest.lapsed(now=114.0) and not interest.wanted  # say "not wanted", once
+    assert not interest.lapsed(now=200.0)
+    assert interest.remote_started(now=201.0)
+    interest.remote_ended(now=201.5)
+    interest.remote_ended(now=201.6)  # (an extra end does not go below none in flight)
+    assert interest.remote_started(now=202.0) is False and interest.wanted
+
+
+def test_a_queue_vector_is_fresh_for_its_window_and_never_before_one_arrived():
+    interest = VectorInterest(linger_s=10.0, fresh_s=1.2)
+    assert not interest.fresh(now=0.0) and interest.age_s(now=0.0) is None
+    interest.vector_received(now=5.0)
+    assert interest.fresh(now=6.1) and not interest.fresh(now=6.3)
+    assert interest.age_s(now=6.0) == 1.0
+    interest.vector_received(now=4.0)  # (an older arrival time never moves it back)
+    assert interest.age_s(now=6.0) == 1.0
+    for bad in ({"linger_s": 0.0, "fresh_s": 1.0}, {"linger_s": 1.0, "fresh_s": float("inf")}):
+        with pytest.raises(ValueError):
+            VectorInterest(**bad)

@@ -51,6 +51,7 @@ from kvcompassd.wire import (
     UpdateBatchPublished,
     UpdatesSubscribed,
     WorkerPinnedReported,
+    QueueVectorInterestReported,
     WorkerRegistered,
     WorkerWithdrawn,
 )
@@ -546,6 +547,22 @@ async def test_an_agent_may_report_only_its_own_workers_pinned_share(dep):
         await agent.close()
     queues = {w["worker"]: w for w in (await admin(dep, "edge-us", "queues"))["workers"]}
     assert queues["us-1"]["pinned_share"] < 1.0
+
+
+async def test_an_agent_may_say_only_whether_its_own_worker_wants_the_queue_vector(dep):
+    # us-0's agent asks, in us-1's name, for the vector us-1's agent said it does not want.
+    refused = await _refused(dep, "us", "QueueVectorInterestReported")
+    agent = await probe(dep, "us-0", dep.cfg.edges_in("us")[0].quic)
+    try:
+        await agent.send(QueueVectorInterestReported("us-1", True))
+
+        async def refused_once():
+            return await _refused(dep, "us", "QueueVectorInterestReported") == refused + 1
+
+        await eventually(refused_once, timeout=REPLY_TIMEOUT)
+        assert agent.peer.is_connected
+    finally:
+        await agent.close()
 
 
 async def test_an_agent_takes_its_regions_queue_vector_only_from_its_regions_edges(dep):

@@ -27,7 +27,7 @@ from .events import IndexEventColumns, PrefixCached, PrefixEvicted, TierChanged
 __all__ = [
     "EPOCH", "ID", "MAX_FRAME_BYTES", "MAX_ID_CHARS", "MAX_SNAPSHOT_BYTES", "MAX_SNAPSHOT_CHUNK_BYTES", "REGION", "SEQ",
     "SHARD", "TABLES", "Blob", "Bool", "Choice", "EventColumns", "FieldType", "Float", "Int", "MessageError", "Pairs",
-    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "ResyncRequested", "RoomVectorBroadcast", "check_room_steps", "ShardPositionAnnounced",
+    "PiggybackSent", "PrefixEventsReported", "QueueVectorBroadcast", "QueueVectorInterestReported", "ResyncRequested", "RoomVectorBroadcast", "check_room_steps", "ShardPositionAnnounced",
     "ShardSnapshotSent",
     "SnapshotChunkSent", "SnapshotResumeRequested", "SnapshotTransferStarted", "Text", "UpdateBatchPublished",
     "UpdatesSubscribed", "ViewCopyRequested", "WireMessage", "WorkerLoadReported", "WorkerPinnedReported", "WorkerRegistered", "WorkerRoomReported",
@@ -596,6 +596,21 @@ class PiggybackSent(WireMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class QueueVectorInterestReported(WireMessage):
+    """agent -> edges of its region (datagram): whether ``worker``'s agent wants the region's
+    queue vector (``QueueVectorBroadcast``), which it only piggybacks on its responses to other
+    regions. ``wanted`` False: send none (an edge sends it to every agent it has not heard this
+    from, as before the message existed); True: send it, at once and every period while it
+    changes, until the agent has gone ``AGENT_VECTOR_INTEREST_S`` without a response to another
+    region (its ``PiggybackSent`` notes renew it). A new tag within version 3: an edge without it
+    answers "malformed" and carries on sending every agent the vector."""
+
+    worker: str
+    wanted: bool
+    WIRE: ClassVar = {"worker": ID, "wanted": Bool()}
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoadReported(WireMessage):
     """agent -> edge: a worker's current queueing delay and batch occupancy. ``resumed``: the
     engine answered this reading after failing or stalling the ones before (the edge stops
@@ -624,7 +639,8 @@ class WorkerRoomReported(WireMessage):
     WIRE: ClassVar = {"worker": ID, "steps": ROOM_STEPS}
 
     def _check(self) -> None:
-        check_room_steps(self.steps, "WorkerRoomReported.steps")
+        # (each pair's own check ran with the field's: constructed or decoded, only the order is left)
+        _check_non_decreasing(self.steps, "WorkerRoomReported.steps")
 
 
 @dataclass(frozen=True, slots=True)
