@@ -41,6 +41,7 @@ from kvcompassd.wire import (
     PROTOCOL_VERSION,
     ErrorReported,
     QueueVectorBroadcast,
+    QueueVectorInterestReported,
     NodeIdentity,
     PrefixEventsReported,
     ResyncRequested,
@@ -51,7 +52,6 @@ from kvcompassd.wire import (
     UpdateBatchPublished,
     UpdatesSubscribed,
     WorkerPinnedReported,
-    QueueVectorInterestReported,
     WorkerRegistered,
     WorkerWithdrawn,
 )

@@ -597,13 +597,14 @@ class PiggybackSent(WireMessage):
 
 @dataclass(frozen=True, slots=True)
 class QueueVectorInterestReported(WireMessage):
-    """agent -> edges of its region (datagram): whether ``worker``'s agent wants the region's
-    queue vector (``QueueVectorBroadcast``), which it only piggybacks on its responses to other
-    regions. ``wanted`` False: send none (an edge sends it to every agent it has not heard this
-    from, as before the message existed); True: send it, at once and every period while it
-    changes, until the agent has gone ``AGENT_VECTOR_INTEREST_S`` without a response to another
-    region (its ``PiggybackSent`` notes renew it). A new tag within version 3: an edge without it
-    answers "malformed" and carries on sending every agent the vector."""
+    """agent -> edges of its region (control channel: ordered, never lost): whether ``worker``'s
+    agent wants the region's queue vector (``QueueVectorBroadcast``), which it only piggybacks on
+    its responses to other regions. ``wanted`` False: send none; True: send it at once, then
+    each period while it changes, until told otherwise. The agent says it when it connects and
+    whenever it changes its mind (``kvcompassd.pacing.VectorInterest``: wanted from a request
+    from another region until 10 s after the last one ended); an edge sends the vector to an
+    agent it has not heard this from, as before the message existed. A new tag within version 3:
+    an edge without it answers "malformed" and carries on sending every agent the vector."""
 
     worker: str
     wanted: bool
