@@ -431,6 +431,24 @@ def _edge_log(dep, edge: str, event: str) -> list[dict]:
     return out
 
 
+async def _refused_from_us0_to_edge_us(dep, message) -> None:
+    """us-0's agent sends edge-us ``message``, which it has no authority for: refused (counted
+    once), and the connection carries on."""
+    name = type(message).__name__
+    refused = await _refused(dep, "us", name)
+    agent = await probe(dep, "us-0", dep.cfg.edges_in("us")[0].quic)
+    try:
+        await agent.send(message)
+
+        async def refused_once():
+            return await _refused(dep, "us", name) == refused + 1
+
+        await eventually(refused_once, timeout=REPLY_TIMEOUT)
+        assert agent.peer.is_connected
+    finally:
+        await agent.close()
+
+
 async def _refused(dep, region: str, message: str) -> float:
     import aiohttp
 
@@ -533,36 +551,14 @@ async def test_an_edge_cannot_speak_for_another_regions_queues(dep):
 
 async def test_an_agent_may_report_only_its_own_workers_pinned_share(dep):
     # us-0's agent claims that us-1's KV pool is all held (so that copies to us-1 look dear).
-    refused = await _refused(dep, "us", "WorkerPinnedReported")
-    agent = await probe(dep, "us-0", dep.cfg.edges_in("us")[0].quic)
-    try:
-        await agent.send(WorkerPinnedReported("us-1", 1.0))
-
-        async def refused_once():
-            return await _refused(dep, "us", "WorkerPinnedReported") == refused + 1
-
-        await eventually(refused_once, timeout=REPLY_TIMEOUT)
-        assert agent.peer.is_connected
-    finally:
-        await agent.close()
+    await _refused_from_us0_to_edge_us(dep, WorkerPinnedReported("us-1", 1.0))
     queues = {w["worker"]: w for w in (await admin(dep, "edge-us", "queues"))["workers"]}
     assert queues["us-1"]["pinned_share"] < 1.0
 
 
 async def test_an_agent_may_say_only_whether_its_own_worker_wants_the_queue_vector(dep):
     # us-0's agent asks, in us-1's name, for the vector us-1's agent said it does not want.
-    refused = await _refused(dep, "us", "QueueVectorInterestReported")
-    agent = await probe(dep, "us-0", dep.cfg.edges_in("us")[0].quic)
-    try:
-        await agent.send(QueueVectorInterestReported("us-1", True))
-
-        async def refused_once():
-            return await _refused(dep, "us", "QueueVectorInterestReported") == refused + 1
-
-        await eventually(refused_once, timeout=REPLY_TIMEOUT)
-        assert agent.peer.is_connected
-    finally:
-        await agent.close()
+    await _refused_from_us0_to_edge_us(dep, QueueVectorInterestReported("us-1", True))
 
 
 async def test_an_agent_takes_its_regions_queue_vector_only_from_its_regions_edges(dep):
