@@ -49,7 +49,8 @@ QUERIES: dict[Role, dict[str, str]] = {
         "views": "each shard view: region group, epoch/seq, slots, entries, memory, bits per entry",
         "levels": "the prefix lengths looked up toward each region, and the lengths registered",
         "queues": "each worker's queue estimate, trend and age, running requests and the price its "
-                  "prefill is scored at; per remote region the selection correction and herd factor",
+                  "prefill is scored at, whether its agent is sent the region's vector; per remote "
+                  "region the selection correction and herd factor",
         "beliefs": "each worker's cache belief b_r (share of claimed reuse it delivered)",
         "holders": "who holds a prompt's prefix, and the best candidates' scores "
                    "(--text or --tokens-file)",

@@ -143,6 +143,8 @@ class LoadTolerance:
     these counts), when its running or waiting count changes at all. Both tolerances 0: every
     reading that differs from the last one sent is material (the behaviour before)."""
 
+    # (the values measured; an agent takes its own from [idle], where both are 0 by default:
+    # with several edges in a region the readings held back cost routing, README)
     queue_ms: float = 2.0
     queue_share: float = 0.02
     occupancy_ms_per_running: float = 0.0

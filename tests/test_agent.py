@@ -411,7 +411,8 @@ async def test_a_busy_engines_readings_go_to_the_edges_once_they_move_past_the_t
     from kvcompassd.wire import WorkerLoadReported
 
     cfg, tls = cluster
-    cfg = dataclasses.replace(cfg, idle=dataclasses.replace(cfg.idle, heartbeat_ms=10_000.0))
+    cfg = dataclasses.replace(cfg, idle=dataclasses.replace(cfg.idle, heartbeat_ms=10_000.0, load_tolerance_ms=2.0,
+                                                            load_tolerance_share=0.02))
     started, arrived = time.monotonic(), []
 
     async def loads(request):

@@ -4,6 +4,7 @@ sign of work (and the fast period again only if that reading shows work)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -255,7 +256,8 @@ def test_what_an_edge_holds_of_a_reading_not_sent_is_within_the_tolerance(readin
     stays within the tolerance of every reading the agent kept back: its queue (plus the score's
     occupancy term) and a prompt's wait for room at every size."""
     worker = next(w for w in CFG.workers if w.region == "us")
-    tolerance = load_tolerance(CFG, worker)
+    cfg = dataclasses.replace(CFG, idle=dataclasses.replace(CFG.idle, load_tolerance_ms=2.0, load_tolerance_share=0.02))
+    tolerance = load_tolerance(cfg, worker)
     assert tolerance.occupancy_ms_per_running == CFG.score.occupancy_ms_per_running > 0
     index = CFG.worker_ids().index(worker.id)
     queues = QueueEstimates(CFG, "us", now=0.0)
