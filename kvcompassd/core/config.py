@@ -676,9 +676,9 @@ class IdleParams:
     # max(load_tolerance_ms, load_tolerance_share x the value) from what they hold: the last
     # reading sent, aged at one ms per ms as they age it (kvcompassd.pacing.LoadTolerance);
     # otherwise once per heartbeat. Both 0 (the default): every changed reading goes. With two
-    # edges in a region, 2 ms / 2 % cost 3 % of the throughput and 9 % on the P99 of a
-    # service-time gateway run for a fifth less of the plane's CPU; with one, routing held
-    # (README, "A busy engine's readings").
+    # edges in a region, 2 ms / 2 % served 1-3 % less in service-time gateway runs (the P99
+    # cost of one ABBA round did not repeat) for a fifth less of the plane's CPU; with one,
+    # routing held (README, "A busy engine's readings").
     load_tolerance_ms: float = 0.0
     load_tolerance_share: float = 0.0
 
