@@ -298,8 +298,8 @@ class VectorInterest:
 
     An agent piggybacks the vector only on its responses to other regions (paper §3.4), yet
     every edge sent it to every own agent each broadcast period while it changed: a packet at
-    both ends per agent and period for an agent that serves no other region (issue 30: most of
-    what a busy agent received in a one-region gateway run). So the agent wants it from the
+    both ends per agent and period for an agent that serves no other region (issue 30: about a
+    third of what busy agents received in a one-region gateway run, and most of their timer runs). So the agent wants it from the
     start of a request from another region until ``linger_s`` after the last such request
     ended, and piggybacks what it holds only if it arrived within ``fresh_s`` (a vector that
     stops changing is sent again every heartbeat, so this is the heartbeat and some slack);
