@@ -492,8 +492,7 @@ class EdgeNode:
     # -- queue estimates ----------------------------------------------------------------------
 
     def _load(self, peer: Peer, msg: WorkerLoadReported, channel: ChannelInfo) -> None:
-        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
-            self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's load")
+        if self._not_its_own(peer, msg, "report only its own worker's load"):
             return
         now = self.clock()
         # An agent reports at least every [idle] heartbeat while its engine answers; readings
@@ -510,20 +509,25 @@ class EdgeNode:
             forwarder.decode_chooser.load_reported(msg.worker, msg.running, msg.waiting)
 
     def _room(self, peer: Peer, msg: WorkerRoomReported, channel: ChannelInfo) -> None:
-        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
-            self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's room")
+        if self._not_its_own(peer, msg, "report only its own worker's room"):
             return
         self.router.queues.set_room(msg.worker, msg.steps, now=self.clock())
 
     def _pinned(self, peer: Peer, msg: WorkerPinnedReported, channel: ChannelInfo) -> None:
-        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
-            self._refuse(peer, msg, f"agent {peer.identity.node_id} may report only its own worker's pinned share")
+        if self._not_its_own(peer, msg, "report only its own worker's pinned share"):
             return
         self.router.queues.set_pinned(msg.worker, msg.share)
 
+    def _not_its_own(self, peer: Peer, msg: Any, may: str) -> bool:
+        """An agent speaks only for its own worker, one of this edge's region: otherwise the
+        message is refused (counted and logged) and this says so."""
+        if peer.identity.node_id == msg.worker and msg.worker in self._own_agents:
+            return False
+        self._refuse(peer, msg, f"agent {peer.identity.node_id} may {may}")
+        return True
+
     def _piggyback_sent(self, peer: Peer, msg: PiggybackSent, channel: ChannelInfo) -> None:
-        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
-            self._refuse(peer, msg, f"agent {peer.identity.node_id} may note only its own worker's piggybacks")
+        if self._not_its_own(peer, msg, "note only its own worker's piggybacks"):
             return
         try:
             self.router.queues.note_piggyback_sent(msg.to_region, now=self.clock())
@@ -535,17 +539,19 @@ class EdgeNode:
         return self._vector_wanted.get(worker, True) if worker in self._own_agents else None
 
     def _vector_interest(self, peer: Peer, msg: QueueVectorInterestReported, channel: ChannelInfo) -> None:
-        if peer.identity.node_id != msg.worker or msg.worker not in self._own_agents:
-            self._refuse(peer, msg, f"agent {peer.identity.node_id} may say only what its own worker's agent wants")
+        if self._not_its_own(peer, msg, "say only what its own worker's agent wants"):
             return
         was = self._vector_wanted.get(msg.worker, True)
         self._vector_wanted[msg.worker] = msg.wanted
         if msg.wanted and not was:
             # At once, not at the next period: a response to another region is on its way.
-            vector = self.router.queues.local_vector(now=self.clock())
+            now = self.clock()
             self._send_datagram(self._agent_peers.get(msg.worker),
-                                QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region,
-                                                     sent_at=self.clock(), vector=vector))
+                                self._vector_for_agents(self.router.queues.local_vector(now=now), now))
+
+    def _vector_for_agents(self, vector: tuple[tuple[str, float], ...], now: float) -> QueueVectorBroadcast:
+        """This region's vector as its own agents get it (to piggyback on responses elsewhere)."""
+        return QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now, vector=vector)
 
     def _broadcast(self, peer: Peer, msg: QueueVectorBroadcast, channel: ChannelInfo) -> None:
         self._from_its_regions_edge(peer, msg, "queue vector", self.router.queues.on_broadcast)
@@ -587,8 +593,7 @@ class EdgeNode:
                 self._vector_to_agents, self._vector_to_agents_at = vector, now
                 self._vector_to_agents_repeats = repeats
                 sent = True
-                local = QueueVectorBroadcast(from_region=self.me.region, to_region=self.me.region, sent_at=now,
-                                             vector=vector)
+                local = self._vector_for_agents(vector, now)
                 wanted = self._vector_wanted
                 for w in self._own_agents:
                     if wanted.get(w, True):

@@ -143,10 +143,10 @@ class LoadTolerance:
     these counts), when its running or waiting count changes at all. Both tolerances 0: every
     reading that differs from the last one sent is material (the behaviour before)."""
 
-    # (the values measured; an agent takes its own from [idle], where both are 0 by default:
-    # with several edges in a region the readings held back cost routing, README)
-    queue_ms: float = 2.0
-    queue_share: float = 0.02
+    # 0, as [idle]'s defaults (where an agent takes its own from): with several edges in a
+    # region the readings held back may cost routing (README); 2 ms and 2 % were measured.
+    queue_ms: float = 0.0
+    queue_share: float = 0.0
     occupancy_ms_per_running: float = 0.0
     stall_weight: float = 0.0
     counts_exact: bool = False

@@ -70,7 +70,12 @@ def test_the_delay_stays_between_the_two_periods(busy, factor, steps):
         assert schedule.delay_s == pytest.approx(min(busy * factor, busy * 2 ** idle_run))
 
 
-def _reports(tolerance: LoadTolerance = LoadTolerance()) -> LoadReports:
+def _measured(**others) -> LoadTolerance:
+    """The tolerance measured in issue 30's gateway runs (off by default): 2 ms or 2 %."""
+    return LoadTolerance(queue_ms=2.0, queue_share=0.02, **others)
+
+
+def _reports(tolerance: LoadTolerance = _measured()) -> LoadReports:
     return LoadReports(heartbeat_s=1.0, steady_repeats=2, stall_s=0.3, tolerance=tolerance)
 
 
@@ -162,27 +167,27 @@ def test_a_draining_queue_is_not_sent_again_until_work_arrives_or_a_heartbeat_pa
 def test_a_queue_or_a_running_count_reaching_zero_goes_at_once():
     """An edge tells an idle worker by the zeros it is sent (persistent idleness picks where hot
     prefixes migrate to), so reaching zero goes even where aging predicted it."""
-    tolerance = LoadTolerance(occupancy_ms_per_running=0.25)
+    tolerance = _measured(occupancy_ms_per_running=0.25)
     assert tolerance.material(_load(30.0, 3), _load(0.0, 3), 40.0)  # aged to 0 too: still news
     assert tolerance.material(_load(0.0, 1), _load(0.0, 0), 20.0)  # 0.25 ms of occupancy: still news
     assert not tolerance.material(_load(0.0, 0), _load(1.0, 1), 20.0)  # leaving zero: by the tolerance
 
 
 def test_the_running_count_matters_as_much_as_the_score_charges_for_it():
-    occupancy = LoadTolerance(occupancy_ms_per_running=0.25)
+    occupancy = _measured(occupancy_ms_per_running=0.25)
     sent = _load(0.0, 17)
     assert not occupancy.material(sent, _load(0.0, 20), 20.0)  # 0.75 ms of occupancy
     assert occupancy.material(sent, _load(0.0, 26), 20.0)  # 2.25 ms
-    stalls = LoadTolerance(occupancy_ms_per_running=0.25, stall_weight=0.25)
+    stalls = _measured(occupancy_ms_per_running=0.25, stall_weight=0.25)
     assert stalls.material(_load(0.0, 1), _load(0.0, 2), 20.0)  # the prefill's price: x1.25 -> x1.5
     assert not stalls.material(_load(0.0, 10), _load(0.0, 11), 20.0)  # x2 either way
-    decode = LoadTolerance(occupancy_ms_per_running=0.25, counts_exact=True)  # edges compare the counts
+    decode = _measured(occupancy_ms_per_running=0.25, counts_exact=True)  # edges compare the counts
     assert decode.material(sent, _load(0.0, 18), 20.0) and decode.material(sent, _load(0.0, 17, 1), 20.0)
     assert not decode.material(sent, _load(0.0, 17), 20.0)
 
 
 def test_room_steps_and_the_pinned_share_go_when_a_prompts_wait_for_room_moves():
-    tolerance = LoadTolerance()
+    tolerance = _measured()
     sent = _load(100.0, 2, room=((0.0, 1000), (50.0, 4000)))
 
     def moved(room, elapsed=20.0):
@@ -310,7 +315,7 @@ def test_room_steps_of_the_same_levels_are_compared_as_at_every_size(data):
     steps = tuple((max(0.0, ms + data.draw(st.floats(-10.0, 10.0))), free) for ms, free in sent)
     steps = tuple((max(ms, max((m for m, _ in steps[:i]), default=0.0)), free) for i, (ms, free) in enumerate(steps))
     elapsed = data.draw(st.floats(0.0, 50.0))
-    tolerance = LoadTolerance()
+    tolerance = _measured()
 
     def moved_at_some_size() -> bool:
         for need in (*(free for _, free in sent), 10**9):

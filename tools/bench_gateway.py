@@ -683,6 +683,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.edges < 1:
         p.error("--edges must be at least 1")
+    if args.load_poll_ms is not None and not 0 < args.load_poll_ms <= 10_000:
+        p.error("--load-poll-ms must be in (0, 10000], as the agents take it")
     if args.quick:
         args.modes = ["zero-delay"]
         args.seconds, args.warmup, args.idle_seconds, args.settle, args.idle_settle = 1.0, 0.3, 1.0, 0.2, 0.5
