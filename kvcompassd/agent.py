@@ -59,7 +59,7 @@ from kvcompassd.engine.subscriber import (
     PublisherRestarted,
 )
 from kvcompassd.metrics import AgentMetrics
-from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance, VectorInterest
+from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance, ReadingCadence, VectorInterest
 from kvcompassd.reports import ReportCoalescer
 from kvcompassd.tokenizer_check import answer_for_agent
 from kvcompassd.transport import ChannelInfo, Peer, QuicNode, TransportError
@@ -169,6 +169,11 @@ class AgentNode:
         self.load_schedule = LoadPollSchedule(
             busy_s=load_interval, idle_s=idle_s,
             done_spacing_s=min(idle_s, max(load_interval, cfg.score.broadcast_period_ms / 1000.0)))
+        # One edge sending all the work: its own charges carry the queue, readings can be slower.
+        sole_s = cfg.idle.sole_edge_poll_ms / 1000.0
+        self.reading_cadence = ReadingCadence(fast_s=load_interval,
+                                              sole_s=min(idle_s, max(load_interval, sole_s)))
+        self.reading_period = (load_interval, "starting")  # the busy period and why, as of the last reading
         self.load_reports = LoadReports(heartbeat_s=self._heartbeat_s, steady_repeats=STEADY_REPEATS,
                                         tolerance=load_tolerance(cfg, worker))
         # The region's queue vector, wanted only while serving other regions (VectorInterest);
@@ -428,8 +433,13 @@ class AgentNode:
                 # which readings go, and marks the first after a freeze or failure).
                 changed, send, resumed = self.load_reports.reading(load, started=started, now=time.monotonic())
                 (self.metrics.load_readings_sent if send else self.metrics.load_readings_held).inc()
+                self.reading_period = self.reading_cadence.period(
+                    edges=sum(p.is_connected for p in self._edge_peers.values()),
+                    remote=self.vector_interest.wanted, pool_share=load.pinned_share,
+                    decode=self.worker.role == "decode")
                 self.load_schedule.observed(changed=changed,
-                                            busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0)
+                                            busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0,
+                                            period_s=self.reading_period[0])
                 if send:
                     report = WorkerLoadReported(self.worker.id, load.queue_ms, load.running, load.waiting,
                                                 resumed=resumed)
@@ -730,6 +740,8 @@ class AgentNode:
             "region_vector": self.region_vector,
             # whether it asks its edges for that vector (while serving other regions), and the
             # age of the one it holds (None: none yet); a response piggybacks it while fresh
+            "reading_period_ms": round(self.reading_period[0] * 1000.0, 3),
+            "reading_period_why": self.reading_period[1],
             "vector_wanted": self.vector_interest.wanted,
             "vector_age_s": self.vector_interest.age_s(now=time.monotonic()),
             "piggybacked": dict(self._piggybacked),

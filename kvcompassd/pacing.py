@@ -98,9 +98,12 @@ class LoadPollSchedule:
         self.done_spacing_s = done_spacing_s
         self.delay_s = busy_s
 
-    def observed(self, *, changed: bool, busy: bool) -> None:
-        """A reading came back: ``changed`` from the previous one, ``busy`` if work is queued or running."""
-        self.delay_s = self.busy_s if changed or busy else min(self.idle_s, 2.0 * self.delay_s)
+    def observed(self, *, changed: bool, busy: bool, period_s: float | None = None) -> None:
+        """A reading came back: ``changed`` from the previous one, ``busy`` if work is queued or
+        running; ``period_s`` (from ``busy_s`` to ``idle_s``) replaces ``busy_s`` as the period
+        while so (``ReadingCadence``)."""
+        period = self.busy_s if period_s is None else min(self.idle_s, max(self.busy_s, period_s))
+        self.delay_s = period if changed or busy else min(self.idle_s, 2.0 * self.delay_s)
 
     def failed(self) -> None:
         """A reading failed: retry at the fast period (the down detector counts consecutive failures)."""
@@ -116,6 +119,59 @@ class LoadPollSchedule:
         reading started ``since_last_s`` ago: how long to wait before reading (none if a fast
         period, or for ``done`` the ``done_spacing_s``, has passed since)."""
         return max(0.0, (self.done_spacing_s if done else self.busy_s) - since_last_s)
+
+
+# An engine whose requests hold at least this share of its KV pool is memory-bound: when its
+# queue drains hangs on when running requests end and free room, which only its readings say.
+TIGHT_POOL_SHARE = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class ReadingCadence:
+    """How often an agent reads its busy engine (sans-IO): ``fast_s`` while the readings carry
+    what the edges cannot work out themselves, else ``sole_s``.
+
+    An edge charges each request it sends a worker with its modelled prefill, ages the charge
+    as the queue drains and retires it at the request's first token and end, which it sees
+    (``QueueEstimates``): when one edge is all that sends the worker work, it knows the queue
+    the readings would tell it. The readings are then the plane's largest cost in a service-time
+    gateway run (each a packet and a wake-up at both ends, every 20 ms per busy engine), and at
+    100 ms instead of 20 the edge routed no worse (README, "A busy engine's readings"). They
+    stay at ``fast_s`` while another source of work is possible or the edge's model is not
+    enough:
+
+    - more than one of the region's edges is connected (each sees the others' dispatches only
+      through the readings: at 100 ms two edges served 3-5 % less);
+    - the agent serves requests from other regions (their edges read this worker off the own
+      edge's queue vector, built from the readings; ``VectorInterest.wanted``);
+    - the engine is memory-bound (``TIGHT_POOL_SHARE``) or does not say how full it is: a
+      prompt then waits for room the running requests free, which no edge models (at 8,192
+      tokens of VRAM and c = 64, 100 ms served ~4 % less);
+    - it is a decode worker (edges pick decode workers by their readings alone)."""
+
+    fast_s: float
+    sole_s: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.fast_s <= self.sole_s < math.inf):
+            raise ValueError(f"need 0 < fast_s <= sole_s, got {self.fast_s!r}, {self.sole_s!r}")
+
+    def period(self, *, edges: int, remote: bool, pool_share: float | None,
+               decode: bool = False) -> tuple[float, str]:
+        """The busy period and why: ``edges`` of the region connected, ``remote`` while serving
+        other regions, ``pool_share`` the share of the KV pool the engine's requests hold (None:
+        not reported)."""
+        if decode:
+            return self.fast_s, "decode worker"
+        if edges > 1:
+            return self.fast_s, "several edges"
+        if remote:
+            return self.fast_s, "other regions"
+        if pool_share is None:
+            return self.fast_s, "pool unreported"
+        if pool_share >= TIGHT_POOL_SHARE:
+            return self.fast_s, "memory-bound"
+        return self.sole_s, "one edge"
 
 
 # A load reading that takes longer than this came from an engine that stopped answering for a

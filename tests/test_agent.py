@@ -451,3 +451,65 @@ async def test_a_load_answer_no_report_can_carry_is_a_failed_reading_and_the_loo
 
     _, edge = await _load_loop_until(cfg, tls, loads, _datagrams(1))
     assert edge.datagrams[0] == WorkerLoadReported(cfg.workers[0].id, 5.0, 2, 0, resumed=True)
+
+
+async def test_a_busy_engine_only_one_edge_sends_work_to_is_read_at_the_sole_edge_period(cluster):
+    """Busy, its KV pool under three quarters held, one edge connected and no other region's
+    requests: the engine is read every ``[idle] sole_edge_poll_ms``. A second edge connecting,
+    a request from another region, a pool three quarters held, or an answer without the pool's
+    size each bring the fast period back at the next reading (``ReadingCadence``'s reasons)."""
+    cfg, tls = cluster
+    sole_s = cfg.idle.sole_edge_poll_ms / 1000.0
+    answer = {"num_running_reqs": 4, "num_waiting_reqs": 1, "num_waiting_uncached_tokens": 500,
+              "num_used_tokens": 4_000, "max_total_num_tokens": 16_000}
+    served = []
+
+    async def loads(request):
+        served.append(1)
+        return web.json_response(answer)
+
+    async def next_reading(agent) -> tuple[float, str]:
+        before = len(served)
+        while len(served) < before + 2:  # (the reading in flight may predate the change)
+            await asyncio.sleep(0.005)
+        return agent.reading_period
+
+    async def cases(agent, edge):
+        fast = agent.reading_cadence.fast_s
+        assert await next_reading(agent) == (sole_s, "one edge")
+        assert agent.load_schedule.delay_s == sole_s
+        assert agent.describe()["reading_period_why"] == "one edge"
+        second = _RecordingEdge()
+        agent._edge_peers["edge-us-2"] = second
+        assert await next_reading(agent) == (fast, "several edges")
+        assert agent.load_schedule.delay_s == fast
+        del agent._edge_peers["edge-us-2"]
+        assert await next_reading(agent) == (sole_s, "one edge")
+        agent.vector_interest.remote_started(now=time.monotonic())
+        assert await next_reading(agent) == (fast, "other regions")
+        agent.vector_interest.remote_ended(now=time.monotonic())
+        assert agent.vector_interest.lapsed(now=time.monotonic() + 3600.0)  # (as the loop finds after the linger)
+        assert await next_reading(agent) == (sole_s, "one edge")
+        answer["num_used_tokens"] = 12_000
+        assert await next_reading(agent) == (fast, "memory-bound")
+        del answer["max_total_num_tokens"]
+        assert await next_reading(agent) == (fast, "pool unreported")
+
+    await _load_loop_until(cfg, tls, loads, cases)
+    assert sole_s > 0.02  # the default is slower than the fast period this test runs at (10 ms)
+
+
+async def test_sole_edge_poll_ms_0_reads_every_busy_engine_at_the_fast_period(cluster):
+    cfg, tls = cluster
+    cfg = dataclasses.replace(cfg, idle=dataclasses.replace(cfg.idle, sole_edge_poll_ms=0.0))
+    answer = {"num_running_reqs": 4, "num_used_tokens": 1_000, "max_total_num_tokens": 16_000}
+
+    async def loads(request):
+        return web.json_response(answer)
+
+    async def after_readings(agent, edge):
+        while agent.reading_period[1] != "one edge":
+            await asyncio.sleep(0.005)
+
+    agent, _ = await _load_loop_until(cfg, tls, loads, after_readings)
+    assert agent.reading_period[0] == agent.reading_cadence.fast_s == agent.load_schedule.delay_s == 0.01

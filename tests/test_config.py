@@ -617,12 +617,15 @@ def test_idle_heartbeat_defaults_parses_validates_and_round_trips() -> None:
 
     assert parse_config(minimal()).idle == IdleParams() and IdleParams().heartbeat_ms == 1000.0
     data = minimal()
-    data["idle"] = {"heartbeat_ms": 2500, "engine_probe_max_ms": 4000, "load_tolerance_ms": 0, "load_tolerance_share": 0.1}
+    data["idle"] = {"heartbeat_ms": 2500, "engine_probe_max_ms": 4000, "load_tolerance_ms": 0, "load_tolerance_share": 0.1,
+                    "sole_edge_poll_ms": 50}
     cfg = parse_config(data)
     assert cfg.idle.heartbeat_ms == 2500.0 and isinstance(cfg.idle.heartbeat_ms, float)
     assert cfg.idle.engine_probe_max_ms == 4000.0
     assert cfg.idle.load_tolerance_ms == 0.0 and isinstance(cfg.idle.load_tolerance_ms, float)
     assert cfg.idle.load_tolerance_share == 0.1
+    assert cfg.idle.sole_edge_poll_ms == 50.0 and isinstance(cfg.idle.sole_edge_poll_ms, float)
+    assert IdleParams().sole_edge_poll_ms == 100.0
     assert parse_config(tomllib.loads(dump_config(cfg))) == cfg
     for bad, expected in [({"heartbeat_ms": 0}, "[idle] field 'heartbeat_ms': must be > 0"),
                           ({"heartbeat_ms": 20_000}, "[idle] field 'heartbeat_ms': must be <= 10000"),
@@ -632,7 +635,10 @@ def test_idle_heartbeat_defaults_parses_validates_and_round_trips() -> None:
                           ({"engine_probe_max_ms": 120_000}, "[idle] field 'engine_probe_max_ms': must be <= 60000"),
                           ({"load_tolerance_ms": -1}, "[idle] field 'load_tolerance_ms': must be >= 0"),
                           ({"load_tolerance_ms": 500}, "[idle] field 'load_tolerance_ms': must be <= 100"),
-                          ({"load_tolerance_share": 0.9}, "[idle] field 'load_tolerance_share': must be <= 0.5")]:
+                          ({"load_tolerance_share": 0.9}, "[idle] field 'load_tolerance_share': must be <= 0.5"),
+                          ({"sole_edge_poll_ms": -5}, "[idle] field 'sole_edge_poll_ms': must be >= 0"),
+                          ({"sole_edge_poll_ms": 5000}, "[idle] field 'sole_edge_poll_ms': must be <= 1000"),
+                          ({"sole_edge_poll_ms": True}, "[idle] field 'sole_edge_poll_ms': expected a number")]:
         data["idle"] = bad
         assert expected in error_of(data)
     # Slower than the broadcast period would make a changing value wait for a heartbeat.

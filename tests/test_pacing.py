@@ -5,6 +5,7 @@ sign of work (and the fast period again only if that reading shows work)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from kvcompassd.agent import load_tolerance
 from kvcompassd.core.config import load_config
 from kvcompassd.core.queues import QueueEstimates
 from kvcompassd.engine.client import EngineLoad
-from kvcompassd.pacing import LoadPollSchedule, LoadReports, LoadTolerance, VectorInterest
+from kvcompassd.pacing import (TIGHT_POOL_SHARE, LoadPollSchedule, LoadReports, LoadTolerance, ReadingCadence,
+                               VectorInterest)
 
 CFG = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
 
@@ -47,6 +49,49 @@ def test_a_sign_of_work_brings_a_reading_a_fast_period_after_the_previous_one_at
     assert schedule.wake_delay(0.5) == 0.0  # long since the last reading: at once
     assert schedule.wake_delay(0.02) == 0.0
     assert schedule.wake_delay(0.005) == pytest.approx(0.015)  # right after one: a fast period after it
+
+
+def test_a_busy_engine_is_read_at_the_period_its_reading_asks_for_within_the_two_periods():
+    schedule = LoadPollSchedule(busy_s=0.02, idle_s=1.0)
+    schedule.observed(changed=True, busy=True, period_s=0.1)
+    assert schedule.delay_s == 0.1 and schedule.backed_off  # (a sign of work still brings a reading sooner)
+    schedule.observed(changed=False, busy=True, period_s=5.0)
+    assert schedule.delay_s == 1.0
+    schedule.observed(changed=False, busy=True, period_s=0.0)
+    assert schedule.delay_s == 0.02
+    schedule.observed(changed=False, busy=False, period_s=0.1)  # idle: the doubling, whatever the period
+    assert schedule.delay_s == 0.04
+
+
+@pytest.mark.parametrize(("edges", "remote", "share", "decode", "why"), [
+    (1, False, 0.2, False, "one edge"),
+    (0, False, 0.2, False, "one edge"),  # (no edge connected: nobody reads the reports anyway)
+    (2, False, 0.2, False, "several edges"),
+    (1, True, 0.2, False, "other regions"),
+    (1, False, None, False, "pool unreported"),
+    (1, False, TIGHT_POOL_SHARE, False, "memory-bound"),
+    (1, False, 0.2, True, "decode worker"),
+])
+def test_readings_are_slow_only_while_one_edge_sends_all_the_work_and_its_model_is_enough(
+        edges, remote, share, decode, why):
+    cadence = ReadingCadence(fast_s=0.02, sole_s=0.1)
+    period, reason = cadence.period(edges=edges, remote=remote, pool_share=share, decode=decode)
+    assert reason == why
+    assert period == (0.1 if why == "one edge" else 0.02)
+
+
+@given(st.integers(0, 5), st.booleans(), st.one_of(st.none(), st.floats(0.0, 1.0)), st.booleans())
+def test_the_sole_period_needs_every_condition(edges, remote, share, decode):
+    period, _ = ReadingCadence(fast_s=0.02, sole_s=0.1).period(edges=edges, remote=remote, pool_share=share,
+                                                               decode=decode)
+    sole = edges <= 1 and not remote and share is not None and share < TIGHT_POOL_SHARE and not decode
+    assert period == (0.1 if sole else 0.02)
+
+
+def test_a_cadence_slower_when_fast_is_refused():
+    for fast, sole in ((0.0, 0.1), (0.1, 0.02), (0.02, math.inf)):
+        with pytest.raises(ValueError):
+            ReadingCadence(fast_s=fast, sole_s=sole)
 
 
 def test_nonsense_periods_are_refused():

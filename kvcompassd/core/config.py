@@ -681,6 +681,12 @@ class IdleParams:
     # routing held (README, "A busy engine's readings").
     load_tolerance_ms: float = 0.0
     load_tolerance_share: float = 0.0
+    # An agent whose worker only one edge sends work to (one of the region's edges connected,
+    # no requests from other regions, its KV pool under three quarters held) reads its busy
+    # engine this often instead of every --load-poll-ms: that edge's own charges, retired at
+    # each request's first token and end, carry its queue (kvcompassd.pacing.ReadingCadence).
+    # 0: every busy engine at --load-poll-ms, as before.
+    sole_edge_poll_ms: float = 100.0
 
     def __post_init__(self) -> None:
         _check_float("heartbeat_ms", self.heartbeat_ms, lo=0.0, hi=10_000.0, lo_open=True)
@@ -689,7 +695,10 @@ class IdleParams:
         # replace by more than a queue broadcast period's worth of a remote region's error.
         _check_float("load_tolerance_ms", self.load_tolerance_ms, lo=0.0, hi=100.0)
         _check_float("load_tolerance_share", self.load_tolerance_share, lo=0.0, hi=0.5)
-        for name in ("heartbeat_ms", "engine_probe_max_ms", "load_tolerance_ms", "load_tolerance_share"):
+        # (an agent reads no less often than once per heartbeat, whatever this says)
+        _check_float("sole_edge_poll_ms", self.sole_edge_poll_ms, lo=0.0, hi=1000.0)
+        for name in ("heartbeat_ms", "engine_probe_max_ms", "load_tolerance_ms", "load_tolerance_share",
+                     "sole_edge_poll_ms"):
             _as_float(self, name)
 
 
