@@ -738,10 +738,11 @@ class AgentNode:
             "engine_last_seq": getattr(getattr(getattr(self, "subscriber", None), "tracker", None), "last_applied", None),
             "blocks": len(self.tree),
             "region_vector": self.region_vector,
-            # whether it asks its edges for that vector (while serving other regions), and the
-            # age of the one it holds (None: none yet); a response piggybacks it while fresh
+            # how often its busy engine is read, and why (ReadingCadence)
             "reading_period_ms": round(self.reading_period[0] * 1000.0, 3),
             "reading_period_why": self.reading_period[1],
+            # whether it asks its edges for that vector (while serving other regions), and the
+            # age of the one it holds (None: none yet); a response piggybacks it while fresh
             "vector_wanted": self.vector_interest.wanted,
             "vector_age_s": self.vector_interest.age_s(now=time.monotonic()),
             "piggybacked": dict(self._piggybacked),

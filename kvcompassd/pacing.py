@@ -145,8 +145,8 @@ class ReadingCadence:
     - the agent serves requests from other regions (their edges read this worker off the own
       edge's queue vector, built from the readings; ``VectorInterest.wanted``);
     - the engine is memory-bound (``TIGHT_POOL_SHARE``) or does not say how full it is: a
-      prompt then waits for room the running requests free, which no edge models (at 8,192
-      tokens of VRAM and c = 64, 100 ms served ~4 % less);
+      prompt then waits for room the running requests free, which only the readings tell the
+      edge (at 8,192 tokens of VRAM and c = 64, 100 ms served ~4 % less);
     - it is a decode worker (edges pick decode workers by their readings alone)."""
 
     fast_s: float
