@@ -502,7 +502,7 @@ class AgentNode:
         """A forwarded request, or KV events (``done``: work the engine did): its load is about
         to move or moved, read it soon (the schedule's ``wake_delay``; the reading, not this
         sign, decides whether the fast period comes back)."""
-        if self.load_schedule.backed_off:
+        if self.load_schedule.hastens(done=done):
             if not done:
                 self._wake_for_arrival = True
             self._load_wake.set()

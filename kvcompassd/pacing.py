@@ -114,6 +114,14 @@ class LoadPollSchedule:
         """Whether readings are slower than the fast period (a sign of work should bring one)."""
         return self.delay_s > self.busy_s
 
+    def hastens(self, *, done: bool = False) -> bool:
+        """Whether a sign of work (``done``: work done) can bring the next reading sooner than
+        ``delay_s``: one of work arriving while readings are slower than the fast period, one of
+        work done while slower than ``done_spacing_s``. (At a period no longer than that, such
+        as the sole-edge period, a KV batch, about one a request, woke the reader only for it
+        to sleep again.)"""
+        return self.delay_s > (self.done_spacing_s if done else self.busy_s)
+
     def wake_delay(self, since_last_s: float, *, done: bool = False) -> float:
         """Work is arriving (``done``: work was done, the engine's KV events) and the previous
         reading started ``since_last_s`` ago: how long to wait before reading (none if a fast

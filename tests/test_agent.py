@@ -479,6 +479,8 @@ async def test_a_busy_engine_only_one_edge_sends_work_to_is_read_at_the_sole_edg
         assert await next_reading(agent) == (sole_s, "one edge")
         assert agent.load_schedule.delay_s == sole_s
         assert agent.describe()["reading_period_why"] == "one edge"
+        agent._work_arriving(done=True)  # a KV batch: the reading is due within that anyway
+        assert not agent._load_wake.is_set()
         second = _RecordingEdge()
         agent._edge_peers["edge-us-2"] = second
         assert await next_reading(agent) == (fast, "several edges")

@@ -63,6 +63,17 @@ def test_a_busy_engine_is_read_at_the_period_its_reading_asks_for_within_the_two
     assert schedule.delay_s == 0.04
 
 
+def test_a_sign_of_work_done_wakes_the_reader_only_if_it_can_bring_the_reading_sooner():
+    schedule = LoadPollSchedule(busy_s=0.02, idle_s=1.0, done_spacing_s=0.1)
+    schedule.observed(changed=True, busy=True)
+    assert not schedule.hastens() and not schedule.hastens(done=True)  # fast: the next reading is due anyway
+    schedule.observed(changed=True, busy=True, period_s=0.1)  # the sole-edge period
+    assert schedule.hastens() and not schedule.hastens(done=True)
+    for _ in range(3):
+        schedule.observed(changed=False, busy=False)
+    assert schedule.delay_s == 0.8 and schedule.hastens() and schedule.hastens(done=True)
+
+
 @pytest.mark.parametrize(("edges", "remote", "share", "decode", "why"), [
     (1, False, 0.2, False, "one edge"),
     (0, False, 0.2, False, "one edge"),  # (no edge connected: nobody reads the reports anyway)
