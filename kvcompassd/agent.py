@@ -437,6 +437,7 @@ class AgentNode:
                     edges=sum(p.is_connected for p in self._edge_peers.values()),
                     remote=self.vector_interest.wanted, pool_share=load.pinned_share,
                     decode=self.worker.role == "decode")
+                self.metrics.reading_periods[self.reading_period[1]].inc()
                 self.load_schedule.observed(changed=changed,
                                             busy=load.queue_ms > 0 or load.running > 0 or load.waiting > 0,
                                             period_s=self.reading_period[0])

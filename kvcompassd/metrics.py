@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvcompassd.pacing import READING_PERIOD_REASONS
+
 # Decisions take tens of microseconds; requests take milliseconds to seconds.
 _DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -353,6 +355,9 @@ class AgentMetrics:
                            "(sent) or were within [idle] load_tolerance of what the edges hold (held)", ["outcome"],
                            registry=r)
         self.load_readings_sent, self.load_readings_held = readings.labels("sent"), readings.labels("held")
+        periods = Counter("kvcompass_engine_load_reading_periods", "Engine load readings, by why the next one is at "
+                          "the fast period or at [idle] sole_edge_poll_ms (one_edge)", ["why"], registry=r)
+        self.reading_periods = {why: periods.labels(why) for why in READING_PERIOD_REASONS}
         piggybacks = Counter("kvcompass_piggybacked_vectors", "Responses to other regions, by the queue vector they "
                              "carried: the region's (fresh), or the worker's own reading alone (none fresh held)",
                              ["vector"], registry=r)

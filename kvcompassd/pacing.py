@@ -132,6 +132,9 @@ class LoadPollSchedule:
 # An engine whose requests hold at least this share of its KV pool is memory-bound: when its
 # queue drains hangs on when running requests end and free room, which only its readings say.
 TIGHT_POOL_SHARE = 0.75
+# Why a reading set the period it did (ReadingCadence.period; a label of the agents' metric).
+READING_PERIOD_REASONS = ("one_edge", "several_edges", "other_regions", "pool_unreported", "memory_bound",
+                          "decode_worker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,16 +173,16 @@ class ReadingCadence:
         other regions, ``pool_share`` the share of the KV pool the engine's requests hold (None:
         not reported)."""
         if decode:
-            return self.fast_s, "decode worker"
+            return self.fast_s, "decode_worker"
         if edges > 1:
-            return self.fast_s, "several edges"
+            return self.fast_s, "several_edges"
         if remote:
-            return self.fast_s, "other regions"
+            return self.fast_s, "other_regions"
         if pool_share is None:
-            return self.fast_s, "pool unreported"
+            return self.fast_s, "pool_unreported"
         if pool_share >= TIGHT_POOL_SHARE:
-            return self.fast_s, "memory-bound"
-        return self.sole_s, "one edge"
+            return self.fast_s, "memory_bound"
+        return self.sole_s, "one_edge"
 
 
 # A load reading that takes longer than this came from an engine that stopped answering for a

@@ -476,28 +476,32 @@ async def test_a_busy_engine_only_one_edge_sends_work_to_is_read_at_the_sole_edg
 
     async def cases(agent, edge):
         fast = agent.reading_cadence.fast_s
-        assert await next_reading(agent) == (sole_s, "one edge")
+        assert await next_reading(agent) == (sole_s, "one_edge")
         assert agent.load_schedule.delay_s == sole_s
-        assert agent.describe()["reading_period_why"] == "one edge"
+        assert agent.describe()["reading_period_why"] == "one_edge"
         agent._work_arriving(done=True)  # a KV batch: the reading is due within that anyway
         assert not agent._load_wake.is_set()
         second = _RecordingEdge()
         agent._edge_peers["edge-us-2"] = second
-        assert await next_reading(agent) == (fast, "several edges")
+        assert await next_reading(agent) == (fast, "several_edges")
         assert agent.load_schedule.delay_s == fast
         del agent._edge_peers["edge-us-2"]
-        assert await next_reading(agent) == (sole_s, "one edge")
+        assert await next_reading(agent) == (sole_s, "one_edge")
         agent.vector_interest.remote_started(now=time.monotonic())
-        assert await next_reading(agent) == (fast, "other regions")
+        assert await next_reading(agent) == (fast, "other_regions")
         agent.vector_interest.remote_ended(now=time.monotonic())
         assert agent.vector_interest.lapsed(now=time.monotonic() + 3600.0)  # (as the loop finds after the linger)
-        assert await next_reading(agent) == (sole_s, "one edge")
+        assert await next_reading(agent) == (sole_s, "one_edge")
         answer["num_used_tokens"] = 12_000
-        assert await next_reading(agent) == (fast, "memory-bound")
+        assert await next_reading(agent) == (fast, "memory_bound")
         del answer["max_total_num_tokens"]
-        assert await next_reading(agent) == (fast, "pool unreported")
+        assert await next_reading(agent) == (fast, "pool_unreported")
 
-    await _load_loop_until(cfg, tls, loads, cases)
+    agent, _ = await _load_loop_until(cfg, tls, loads, cases)
+    for why in ("one_edge", "several_edges", "other_regions", "memory_bound", "pool_unreported"):
+        assert agent.metrics.registry.get_sample_value("kvcompass_engine_load_reading_periods_total", {"why": why}) >= 1
+    assert agent.metrics.registry.get_sample_value("kvcompass_engine_load_reading_periods_total",
+                                                   {"why": "decode_worker"}) == 0
     assert sole_s > 0.02  # the default is slower than the fast period this test runs at (10 ms)
 
 
@@ -510,7 +514,7 @@ async def test_sole_edge_poll_ms_0_reads_every_busy_engine_at_the_fast_period(cl
         return web.json_response(answer)
 
     async def after_readings(agent, edge):
-        while agent.reading_period[1] != "one edge":
+        while agent.reading_period[1] != "one_edge":
             await asyncio.sleep(0.005)
 
     agent, _ = await _load_loop_until(cfg, tls, loads, after_readings)

@@ -16,8 +16,8 @@ from kvcompassd.agent import load_tolerance
 from kvcompassd.core.config import load_config
 from kvcompassd.core.queues import QueueEstimates
 from kvcompassd.engine.client import EngineLoad
-from kvcompassd.pacing import (TIGHT_POOL_SHARE, LoadPollSchedule, LoadReports, LoadTolerance, ReadingCadence,
-                               VectorInterest)
+from kvcompassd.pacing import (READING_PERIOD_REASONS, TIGHT_POOL_SHARE, LoadPollSchedule, LoadReports,
+                               LoadTolerance, ReadingCadence, VectorInterest)
 
 CFG = load_config(Path(__file__).resolve().parent.parent / "config" / "testbed-3continent.toml")
 
@@ -75,26 +75,27 @@ def test_a_sign_of_work_done_wakes_the_reader_only_if_it_can_bring_the_reading_s
 
 
 @pytest.mark.parametrize(("edges", "remote", "share", "decode", "why"), [
-    (1, False, 0.2, False, "one edge"),
-    (0, False, 0.2, False, "one edge"),  # (no edge connected: nobody reads the reports anyway)
-    (2, False, 0.2, False, "several edges"),
-    (1, True, 0.2, False, "other regions"),
-    (1, False, None, False, "pool unreported"),
-    (1, False, TIGHT_POOL_SHARE, False, "memory-bound"),
-    (1, False, 0.2, True, "decode worker"),
+    (1, False, 0.2, False, "one_edge"),
+    (0, False, 0.2, False, "one_edge"),  # (no edge connected: nobody reads the reports anyway)
+    (2, False, 0.2, False, "several_edges"),
+    (1, True, 0.2, False, "other_regions"),
+    (1, False, None, False, "pool_unreported"),
+    (1, False, TIGHT_POOL_SHARE, False, "memory_bound"),
+    (1, False, 0.2, True, "decode_worker"),
 ])
 def test_readings_are_slow_only_while_one_edge_sends_all_the_work_and_its_model_is_enough(
         edges, remote, share, decode, why):
     cadence = ReadingCadence(fast_s=0.02, sole_s=0.1)
     period, reason = cadence.period(edges=edges, remote=remote, pool_share=share, decode=decode)
     assert reason == why
-    assert period == (0.1 if why == "one edge" else 0.02)
+    assert period == (0.1 if why == "one_edge" else 0.02)
 
 
 @given(st.integers(0, 5), st.booleans(), st.one_of(st.none(), st.floats(0.0, 1.0)), st.booleans())
 def test_the_sole_period_needs_every_condition(edges, remote, share, decode):
-    period, _ = ReadingCadence(fast_s=0.02, sole_s=0.1).period(edges=edges, remote=remote, pool_share=share,
-                                                               decode=decode)
+    period, why = ReadingCadence(fast_s=0.02, sole_s=0.1).period(edges=edges, remote=remote, pool_share=share,
+                                                                 decode=decode)
+    assert why in READING_PERIOD_REASONS  # (the agent's metric has a child for each, made at start)
     sole = edges <= 1 and not remote and share is not None and share < TIGHT_POOL_SHARE and not decode
     assert period == (0.1 if sole else 0.02)
 
