@@ -10,6 +10,8 @@ bytes FastAPI would send (``fastapi.encoders.jsonable_encoder`` then ``json.dump
 - ``sglang-two-ranks.json``: two data-parallel ranks under load (rank 0 holds 60,000 of its
   100,000 KV tokens for 3 running requests, rank 1 20,000 for 1, with 2 waiting).
 - ``sglang-idle.json``: one idle rank (nothing held).
+- ``sglang-memory-bound.json``: one rank whose 30 running requests hold 90,000 of its 100,000
+  KV tokens, 3 prompts (12,000 tokens) waiting for room.
 
     python -m venv /tmp/capvenv && /tmp/capvenv/bin/pip install msgspec fastapi
     pip download --no-deps -d /tmp/wheels sglang==0.5.23
@@ -74,6 +76,11 @@ def main() -> None:
                   num_used_tokens=20_000, num_total_tokens=29_000, num_active_tokens=29_000,
                   max_total_num_tokens=100_000, max_running_requests=64, token_usage=0.2, utilization=1 / 64)],
             "sglang-idle.json": [S(timestamp=1.0, dp_rank=0, max_total_num_tokens=100_000, max_running_requests=64)],
+            # the running requests hold 90 % of the pool; the 3 waiting prompts do not fit
+            "sglang-memory-bound.json": [
+                S(timestamp=1.0, dp_rank=0, num_running_reqs=30, num_waiting_reqs=3, num_waiting_uncached_tokens=12_000,
+                  num_used_tokens=90_000, num_total_tokens=102_000, num_active_tokens=102_000,
+                  max_total_num_tokens=100_000, max_running_requests=64, token_usage=0.9, utilization=30 / 64)],
         }
         args.out.mkdir(parents=True, exist_ok=True)
         for name, loads in cases.items():
