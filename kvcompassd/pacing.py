@@ -109,11 +109,6 @@ class LoadPollSchedule:
         """A reading failed: retry at the fast period (the down detector counts consecutive failures)."""
         self.delay_s = self.busy_s
 
-    @property
-    def backed_off(self) -> bool:
-        """Whether readings are slower than the fast period (a sign of work should bring one)."""
-        return self.delay_s > self.busy_s
-
     def hastens(self, *, done: bool = False) -> bool:
         """Whether a sign of work (``done``: work done) can bring the next reading sooner than
         ``delay_s``: one of work arriving while readings are slower than the fast period, one of

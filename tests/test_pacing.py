@@ -5,6 +5,7 @@ sign of work (and the fast period again only if that reading shows work)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from kvcompassd.agent import load_tolerance
 from kvcompassd.core.config import load_config
 from kvcompassd.core.queues import QueueEstimates
-from kvcompassd.engine.client import EngineLoad
+from kvcompassd.engine.client import EngineLoad, parse_loads
 from kvcompassd.pacing import (READING_PERIOD_REASONS, TIGHT_POOL_SHARE, LoadPollSchedule, LoadReports,
                                LoadTolerance, ReadingCadence, VectorInterest)
 
@@ -36,12 +37,12 @@ def test_a_reading_that_shows_work_or_trouble_brings_the_fast_period_back(event)
     schedule = LoadPollSchedule(busy_s=0.02, idle_s=0.1)
     for _ in range(4):
         schedule.observed(changed=False, busy=False)
-    assert schedule.delay_s == 0.1 and schedule.backed_off
+    assert schedule.delay_s == 0.1 and schedule.hastens()
     if event == "failed":
         schedule.failed()
     else:
         schedule.observed(changed=event == "changed", busy=event == "busy")
-    assert schedule.delay_s == 0.02 and not schedule.backed_off
+    assert schedule.delay_s == 0.02 and not schedule.hastens()
 
 
 def test_a_sign_of_work_brings_a_reading_a_fast_period_after_the_previous_one_at_the_earliest():
@@ -54,7 +55,7 @@ def test_a_sign_of_work_brings_a_reading_a_fast_period_after_the_previous_one_at
 def test_a_busy_engine_is_read_at_the_period_its_reading_asks_for_within_the_two_periods():
     schedule = LoadPollSchedule(busy_s=0.02, idle_s=1.0)
     schedule.observed(changed=True, busy=True, period_s=0.1)
-    assert schedule.delay_s == 0.1 and schedule.backed_off  # (a sign of work still brings a reading sooner)
+    assert schedule.delay_s == 0.1 and schedule.hastens()  # (a sign of work still brings a reading sooner)
     schedule.observed(changed=False, busy=True, period_s=5.0)
     assert schedule.delay_s == 1.0
     schedule.observed(changed=False, busy=True, period_s=0.0)
@@ -91,6 +92,17 @@ def test_readings_are_slow_only_while_one_edge_sends_all_the_work_and_its_model_
     assert period == (0.1 if why == "one_edge" else 0.02)
 
 
+@pytest.mark.parametrize(("answer", "why"), [("sglang-two-ranks.json", "one_edge"),
+                                             ("sglang-memory-bound.json", "memory_bound")])
+def test_what_sglangs_own_load_answers_say_of_its_pool_sets_the_period(answer, why):
+    """The pool's share as SGLang's /v1/loads handler gives it (tests/data/engine_loads: 80,000
+    of 200,000 tokens held over two ranks; 90,000 of 100,000 on one), through the agent's parser."""
+    data = json.loads((Path(__file__).parent / "data" / "engine_loads" / answer).read_bytes())
+    load = parse_loads(data, prefill_ms_per_token=0.085)
+    assert load.running > 0  # (busy: the period applies)
+    assert ReadingCadence(fast_s=0.02, sole_s=0.1).period(edges=1, remote=False, pool_share=load.pinned_share)[1] == why
+
+
 @given(st.integers(0, 5), st.booleans(), st.one_of(st.none(), st.floats(0.0, 1.0)), st.booleans())
 def test_the_sole_period_needs_every_condition(edges, remote, share, decode):
     period, why = ReadingCadence(fast_s=0.02, sole_s=0.1).period(edges=edges, remote=remote, pool_share=share,
@@ -100,7 +112,7 @@ def test_the_sole_period_needs_every_condition(edges, remote, share, decode):
     assert period == (0.1 if sole else 0.02)
 
 
-def test_a_cadence_slower_when_fast_is_refused():
+def test_a_cadence_whose_sole_period_is_below_the_fast_one_or_endless_is_refused():
     for fast, sole in ((0.0, 0.1), (0.1, 0.02), (0.02, math.inf)):
         with pytest.raises(ValueError):
             ReadingCadence(fast_s=fast, sole_s=sole)
