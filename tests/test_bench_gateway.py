@@ -197,6 +197,9 @@ def test_kvcompassd_arm_runs_on_real_daemons(tmp_path):
     assert len(x["requests_per_url"]) == 2 and min(x["requests_per_url"]) > 0
     assert sum(x["requests_per_url"]) == x["requests"]
     assert 0 <= x["affinity"] <= 1 and 0 <= x["reuse"] <= 1
+    # the machine's load at the end of every window: two direct (before and after), two routed
+    assert {k: len(v) for k, v in x["window_loads"].items()} == {"direct": 2, "router": 2}
+    assert all(len(load.split()) == 3 for v in x["window_loads"].values() for load in v)
     assert set(arm["idle"]) == {"edge", "agents", "maintenance", "workers"}
     assert 0 <= arm["idle_after_s"] <= 3 + 2  # the quiet wait is bounded (1 s slices)
     assert "kvcompassd" in run.stdout and "÷direct" in run.stdout

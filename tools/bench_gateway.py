@@ -520,7 +520,10 @@ class Bench:
                 self.stop_plane()
         await direct(cs[::-1])
         loads.append(load_average())
-        return {"by_c": {c: compare(windows[("direct", c)], windows[("router", c)], idle) for c in cs},
+        by_c = {c: compare(windows[("direct", c)], windows[("router", c)], idle) for c in cs}
+        for c in cs:  # the machine's load average at the end of each window, in the order they ran
+            by_c[c]["window_loads"] = {kind: [w["load"] for w in windows[(kind, c)]] for kind in ("direct", "router")}
+        return {"by_c": by_c,
                 "edges": len(urls) if name == KVCOMPASSD else 0, "idle": idle, "idle_direct": idle_direct, "idle_after_s": args.idle_settle + quiet_wait_s,
                 "loads": loads}
 
