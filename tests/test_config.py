@@ -140,6 +140,8 @@ def test_unknown_region_names_file_table_and_field(tmp_path: Path) -> None:
         (lambda d: d.__setitem__("score", {"pending_hold_ms": -1.0}), "[score] field 'pending_hold_ms'"),
         (lambda d: d.__setitem__("score", {"decode_stall_weight": -0.25}), "[score] field 'decode_stall_weight': must be >= 0"),
         (lambda d: d.__setitem__("score", {"decode_stall_weight": math.inf}), "[score] field 'decode_stall_weight'"),
+        (lambda d: d.__setitem__("score", {"copy_pinned_floor": 1.0}), "[score] field 'copy_pinned_floor': must be < 1"),
+        (lambda d: d.__setitem__("score", {"copy_pinned_floor": -0.1}), "[score] field 'copy_pinned_floor': must be >= 0"),
         (lambda d: d.__setitem__("deadlines", {"worker_stream_interval": 0}), "[deadlines] field 'worker_stream_interval'"),
         (lambda d: d.__setitem__("deadlines", {"worker_stream_interval": 4097}), "field 'worker_stream_interval': must be <="),
         (lambda d: d.__setitem__("deadlines", {"worker_stream_interval": 16.0}),

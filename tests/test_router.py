@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from clusters import make_cluster
 from kvcompassd.core.ablation import Ablation
@@ -17,7 +19,7 @@ from kvcompassd.core.keys import namespace_salt, prefix_keys
 from kvcompassd.core.layout import IndexLayout
 from kvcompassd.core.levels import LevelPlan
 from kvcompassd.core.messages import RoomVectorBroadcast
-from kvcompassd.core.router import RESCORE_RATE_TOLERANCE, SHORTFALL_DRAM, SHORTFALL_EVICTED, Router
+from kvcompassd.core.router import RESCORE_RATE_TOLERANCE, SHORTFALL_DRAM, SHORTFALL_EVICTED, Router, copy_pressure
 
 SHARDS = 2
 
@@ -85,7 +87,7 @@ def test_a_copy_weight_charges_a_non_holder_the_copy_it_would_evict_for(native):
     # their VRAM pinned, the non-holders are charged the copy once more (2 x 0.5 x beta * held):
     # the holder keeps the prompt until its queue passes twice the saving, and the charge is a
     # term of the winner's score. Each decision comes from a fresh edge (no dispatch charged).
-    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0)
+    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0, copy_pinned_floor=0.0)
     _register(cfg, shards, view, "us-1", PROMPT, 2000)
     held = LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-1]
 
@@ -114,7 +116,7 @@ def test_the_copy_charge_is_what_the_best_holder_has_more_of_at_the_decisions_pr
     # charge us-0 would win (100 + 97.6 ms against us-1's 230); with it us-0 pays 48.8 ms more
     # and us-1 keeps the prompt.
     def world(weight):
-        cfg, layout, shards, view = _world(copy_weight=weight)
+        cfg, layout, shards, view = _world(copy_weight=weight, copy_pinned_floor=0.0)
         _register(cfg, shards, view, "us-1", PROMPT, 2000)
         _register(cfg, shards, view, "us-0", PROMPT, 1024)
         router = Router(cfg, "us", view, now=0.0)
@@ -140,7 +142,7 @@ def test_the_copy_charge_is_what_the_best_holder_has_more_of_at_the_decisions_pr
 def test_a_pinned_share_an_sglang_worker_reports_prices_the_copy_as_room_steps_would():
     # No room steps (a real SGLang's agent sends none), but half of each non-holder's KV pool
     # held by its requests (WorkerPinnedReported): the same decisions as with half-pinned steps.
-    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0)
+    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0, copy_pinned_floor=0.0)
     _register(cfg, shards, view, "us-1", PROMPT, 2000)
     held = LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-1]
     for holder_queue, kept in ((0.2 * held - 5.0, True), (0.2 * held + 5.0, False)):
@@ -151,6 +153,66 @@ def test_a_pinned_share_an_sglang_worker_reports_prices_the_copy_as_room_steps_w
         d = router.decide(PROMPT, now=0.0)
         assert (d.worker == "us-1") is kept
     assert {t.worker: t.copy_ms for t in d.candidates}[d.worker] == pytest.approx(0.1 * held)
+
+
+# Room steps with 3/4 of a worker's 16,000 VRAM tokens pinned (4,000 free now, room enough for
+# the 2,000-token prompt; all once its requests finish): at the default floor of 1/2, half the
+# copy charge.
+THREE_QUARTERS_PINNED = ((0.0, 4000), (50.0, 16000))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_copy_is_charged_only_past_the_pinned_floor(native):
+    # At the default copy_pinned_floor (0.5) a non-holder with half its VRAM pinned is charged
+    # nothing: the holder loses the prompt where it would with no copy weight at all (its queue
+    # past the saving, beta * held). With 3/4 pinned the charge is (3/4 - 1/2) / (1/2) = half
+    # of it, 2 x 0.5 x beta * held: the holder keeps the prompt until its queue passes twice the
+    # saving, as the proportional charge kept it at half pinned.
+    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0)
+    assert cfg.score.copy_pinned_floor == 0.5
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    held = LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-1]
+
+    def decide(holder_queue, steps):
+        router = Router(cfg, "us", view, now=0.0, native=native)
+        for w in ("us-0", "us-2"):
+            router.queues.set_room(w, steps, now=0.0)
+        router.queues.set_local("us-1", holder_queue, now=0.0)
+        return router.decide(PROMPT, now=0.0)
+
+    d = decide(0.1 * held + 5.0, HALF_PINNED)
+    assert d.worker in ("us-0", "us-2") and d.score.copies is None
+    assert all(t.copy_ms == 0.0 for t in d.candidates)
+    assert decide(0.1 * held + 5.0, THREE_QUARTERS_PINNED).worker == "us-1"
+    assert decide(0.2 * held - 5.0, THREE_QUARTERS_PINNED).worker == "us-1"
+    d = decide(0.2 * held + 5.0, THREE_QUARTERS_PINNED)
+    assert d.worker in ("us-0", "us-2")
+    assert {t.worker: t.copy_ms for t in d.candidates}[d.worker] == pytest.approx(0.1 * held)
+
+
+def test_a_pinned_share_an_sglang_worker_reports_is_charged_only_past_the_floor():
+    # SGLang's share (WorkerPinnedReported) goes through the same floor: half held is no charge,
+    # 3/4 half of it.
+    cfg, layout, shards, view = _world({"us": 3}, copy_weight=2.0)
+    _register(cfg, shards, view, "us-1", PROMPT, 2000)
+    held = LevelPlan.from_config(cfg).lengths_toward_upto("us", "us", len(PROMPT))[-1]
+    for share, kept in ((0.5, False), (0.75, True)):
+        router = Router(cfg, "us", view, now=0.0)
+        for w in ("us-0", "us-2"):
+            router.queues.set_pinned(w, share)
+        router.queues.set_local("us-1", 0.2 * held - 5.0, now=0.0)
+        assert (router.decide(PROMPT, now=0.0).worker == "us-1") is kept
+
+
+@given(share=st.floats(0.0, 1.0), other=st.floats(0.0, 1.0), floor=st.floats(0.0, 0.999))
+def test_copy_pressure_is_zero_to_the_floor_then_rises_to_one(share, other, floor):
+    p = copy_pressure(share, floor)
+    assert 0.0 <= p <= 1.0
+    assert (p == 0.0) == (share <= floor)
+    assert copy_pressure(1.0, floor) == 1.0
+    if share <= other:
+        assert p <= copy_pressure(other, floor)
+    assert copy_pressure(share, 0.0) == pytest.approx(share)
 
 
 def test_a_worker_with_no_room_steps_is_not_charged_for_a_copy():

@@ -111,7 +111,8 @@ def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None =
 
 
 def _check_float(
-    name: str, value: Any, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+    name: str, value: Any, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+    hi_open: bool = False,
 ) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         _fail(name, f"expected a number, got {type(value).__name__} {value!r}")
@@ -119,8 +120,8 @@ def _check_float(
         _fail(name, f"must be finite, got {value!r}")
     if lo is not None and (value <= lo if lo_open else value < lo):
         _fail(name, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
-    if hi is not None and value > hi:
-        _fail(name, f"must be <= {hi}, got {value}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        _fail(name, f"must be {'<' if hi_open else '<='} {hi}, got {value}")
 
 
 def _check_optional_address(name: str, value: Any, schemes: tuple[str, ...] | None) -> None:
@@ -473,6 +474,12 @@ class ScoreParams:
     # against 64.5 / 65.2 and 0.94; README "A copy's price under cache pressure"); off by
     # default until the simulator's evaluation is rerun with it.
     copy_weight: float = 0.0
+    # The copy is charged only where the worker's requests pin more than this share of its VRAM,
+    # in full with all of it pinned (linearly between): with room to spare a copy evicts a cold
+    # prefix. 0 = in proportion to the pinned share. At 16,384 tokens and c = 16 the emulated
+    # workers' shares stayed at 0-0.7 and at 0.5 no charge moved a decision, where in proportion
+    # they cost 2 % of throughput; at 8,192 and c = 64 they were mostly 1 (README, same section).
+    copy_pinned_floor: float = 0.5
     # A worker runs a prefill before its next decode step (SGLang without mixed chunks, the
     # emulated worker, the simulator's model), so a prompt sent to a worker decoding r requests
     # delays each of them by its prefill. The score prices the prefill at
@@ -503,11 +510,12 @@ class ScoreParams:
         _check_float("learned_rate_bound", self.learned_rate_bound, lo=1.0, hi=1e6)
         _check_float("urgent_broadcast_ms", self.urgent_broadcast_ms, lo=0.0)
         _check_float("copy_weight", self.copy_weight, lo=0.0, hi=1e3)
+        _check_float("copy_pinned_floor", self.copy_pinned_floor, lo=0.0, hi=1.0, hi_open=True)
         _check_float("decode_stall_weight", self.decode_stall_weight, lo=0.0, hi=1e3)
         for name in ("lambda_max", "tau_ms", "gamma_ms_per_token", "belief_weight", "queue_ewma_weight",
                      "broadcast_period_ms", "hot_prefix_window_ms", "idle_period_ms", "occupancy_ms_per_running",
                      "pending_hold_ms", "learned_rate_bound", "urgent_broadcast_ms", "copy_weight",
-                     "decode_stall_weight"):
+                     "copy_pinned_floor", "decode_stall_weight"):
             _as_float(self, name)
 
 

@@ -47,6 +47,16 @@ from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms, 
 RESCORE_RATE_TOLERANCE = 0.01
 
 
+def copy_pressure(pinned_share: float, floor: float) -> float:
+    """How much of the copy charge (``score.copy_weight``) a worker whose requests pin
+    ``pinned_share`` of its VRAM pays: none up to ``floor`` (``score.copy_pinned_floor``), rising
+    linearly to all of it with the pool wholly pinned. Below the floor the cache's unpinned part
+    holds the prefixes its groups use and more, so a copy evicts a cold one."""
+    if pinned_share <= floor:
+        return 0.0
+    return min(1.0, (pinned_share - floor) / (1.0 - floor))
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardDecided:
     """Where one request goes, and why (score terms of the best candidates, for logs)."""
@@ -124,6 +134,7 @@ class Router:
         self._worker_ids = self.layout.worker_ids
         self._migration = self.ablation.migration
         self._copy_weight = cfg.score.copy_weight
+        self._copy_floor = cfg.score.copy_pinned_floor
         self._local = np.array([r == region for r in self.worker_regions], dtype=bool)
         self._local_list = tuple(self._local.tolist())
         self._local_indexes = tuple(np.flatnonzero(self._local).tolist())
@@ -330,10 +341,10 @@ class Router:
 
     def _copy_may_move(self, chosen: int, now: float) -> bool:
         """Whether a copy charge could move this decision: only one on the winner can (every
-        other score only rises), and a worker whose VRAM nothing pins is charged nothing (its
-        pinned share, read without building its room steps), so that a decision whose winner
-        nothing pins reads no arrays."""
-        return self.queues.pinned_share(chosen, now=now) > 0.0
+        other score only rises), and a worker whose requests pin no more of its VRAM than
+        ``score.copy_pinned_floor`` is charged nothing (its pinned share, read without building
+        its room steps), so that a decision whose winner has VRAM to spare reads no arrays."""
+        return self.queues.pinned_share(chosen, now=now) > self._copy_floor
 
     def _charge_copy(self, prompt_len: int, matched: np.ndarray, tier: np.ndarray, result: ScoreResult, chosen: int,
                      belief: np.ndarray, now: float) -> tuple[ScoreResult, int] | None:
@@ -343,18 +354,20 @@ class Router:
 
         A worker holding less of a prompt than the best holder copies the difference into its
         cache, and a full cache makes room by evicting as much, which its own groups recompute
-        later: ``weight x pinned_r x (1 + lambda) x beta_r x (most - effective_r)``, with the
+        later: ``weight x pressure_r x (1 + lambda) x beta_r x (most - effective_r)``, with the
         decision's lambda and effective matches as the score takes them (belief x match, within
-        the prompt; remote ones only with cross-region reuse). ``pinned_r``, the share of the
-        worker's VRAM its requests pin (``QueueEstimates.pinned_share``, from its room steps),
-        stands for how likely the eviction is to hit a prefix still in use: with most of VRAM
-        free the cache's oldest entries go first, and those are the cold ones (ungated, the
-        charge concentrated groups on 16,384-token emulated workers at c = 16: P99 619 / 700 ms
-        against 506 / 531). A real SGLang reports no room steps but the KV its requests hold
+        the prompt; remote ones only with cross-region reuse). ``pressure_r`` (``copy_pressure``)
+        stands for how likely the eviction is to hit a prefix still in use: 0 while the share
+        of the worker's VRAM its requests pin (``QueueEstimates.pinned_share``, from its room
+        steps) is at most ``score.copy_pinned_floor``, then rising to 1 with the pool wholly
+        pinned. With VRAM to spare the cache's oldest entries go first, and those are the cold
+        ones (ungated, the charge concentrated groups on 16,384-token emulated workers at c = 16:
+        P99 619 / 700 ms against 506 / 531; in proportion to the pinned share, whose values
+        there were 0-0.7, it cost 2 % of their throughput). A real SGLang reports no room steps but the KV its requests hold
         (``WorkerPinnedReported``); a remote worker's share comes only from its room steps in
         its edge's broadcasts, so a remote SGLang worker is not charged. The scores are the
         decision's own plus the charges, so lambda and every other term stay as scored.
-        Called only where ``_copy_may_move``: the winner's VRAM is pinned."""
+        Called only where ``_copy_may_move``: the winner's VRAM is pinned past the floor."""
         if result.copies is not None:
             return None
         effective = np.minimum(belief * matched, float(prompt_len))
@@ -370,10 +383,10 @@ class Router:
         if short.item(chosen) <= 0.0:
             return None
         queues = self.queues
-        pinned = np.zeros(len(short))
+        pressure = np.zeros(len(short))
         for i in queues.pinned_workers:
-            pinned[i] = queues.pinned_share(i, now=now)
-        copies = np.maximum(short, 0.0) * pinned * (self._copy_weight * (1.0 + result.lam)) * self.scorer.beta
+            pressure[i] = copy_pressure(queues.pinned_share(i, now=now), self._copy_floor)
+        copies = np.maximum(short, 0.0) * pressure * (self._copy_weight * (1.0 + result.lam)) * self.scorer.beta
         if not copies.any():
             return None
         charged = scores + copies
