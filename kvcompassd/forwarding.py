@@ -338,6 +338,8 @@ class Forwarder:
         self._engines: dict[str, EngineClient] = {}  # own-region workers' HTTP clients, by base URL
         if router.pending is not None:
             metrics.pending_refuted.set_function(lambda: router.pending.refuted)
+        for outcome in router.copy_charges:
+            metrics.copy_charged.labels(outcome).set_function(lambda o=outcome: router.copy_charges[o])
         # Migration requests being sent (kept: the loop holds tasks weakly; cancelled by close()).
         self._sending: set[asyncio.Task[None]] = set()
 

@@ -217,6 +217,9 @@ class EdgeMetrics:
         self.pending_refuted = Gauge("kvcompass_pending_refuted", "Pending-ledger credits ended by a response that "
                                      "reused fewer tokens than its worker was credited with (a count, read when scraped)",
                                      registry=r, multiprocess_mode="livesum")
+        self.copy_charged = Gauge("kvcompass_copy_charged_decisions", "Decisions the copy price (score.copy_weight) "
+                                  "was added to, by whether it moved them to another worker (a count, read when "
+                                  "scraped)", ["outcome"], registry=r, multiprocess_mode="livesum")
         self.decision_seconds = Histogram("kvcompass_decision_seconds", "Lookup + score time per decision", buckets=_DECISION_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kvcompass_ttft_seconds", "Time to first token seen at the edge", buckets=_REQUEST_BUCKETS, registry=r)
         self.request_seconds = Histogram("kvcompass_request_seconds", "End-to-end request time at the edge", buckets=_REQUEST_BUCKETS, registry=r)

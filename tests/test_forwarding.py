@@ -274,6 +274,13 @@ async def test_a_response_that_reused_less_than_the_ledger_credited_ends_that_cr
     assert edge.metrics.registry.get_sample_value("kvcompass_pending_refuted") == edge.router.pending.refuted
 
 
+async def test_the_copy_price_metric_reads_the_routers_counts_when_scraped(edge):
+    sample = edge.metrics.registry.get_sample_value
+    assert [sample("kvcompass_copy_charged_decisions", {"outcome": o}) for o in ("moved", "kept")] == [0.0, 0.0]
+    edge.router.copy_charges.update(moved=3, kept=5)
+    assert [sample("kvcompass_copy_charged_decisions", {"outcome": o}) for o in ("moved", "kept")] == [3.0, 5.0]
+
+
 def test_suspicion_doubles_with_each_failure_expires_and_is_cleared_by_a_served_request():
     suspects = SuspectWorkers(initial_s=5.0, max_s=12.0)
     assert suspects.failed(3, now=100.0) == 5.0 and suspects.current(now=104.9) == {3}

@@ -178,15 +178,17 @@ def test_a_copy_is_charged_only_past_the_pinned_floor(native):
         for w in ("us-0", "us-2"):
             router.queues.set_room(w, steps, now=0.0)
         router.queues.set_local("us-1", holder_queue, now=0.0)
-        return router.decide(PROMPT, now=0.0)
+        return router.decide(PROMPT, now=0.0), router.copy_charges
 
-    d = decide(0.1 * held + 5.0, HALF_PINNED)
+    d, counts = decide(0.1 * held + 5.0, HALF_PINNED)
     assert d.worker in ("us-0", "us-2") and d.score.copies is None
-    assert all(t.copy_ms == 0.0 for t in d.candidates)
-    assert decide(0.1 * held + 5.0, THREE_QUARTERS_PINNED).worker == "us-1"
-    assert decide(0.2 * held - 5.0, THREE_QUARTERS_PINNED).worker == "us-1"
-    d = decide(0.2 * held + 5.0, THREE_QUARTERS_PINNED)
-    assert d.worker in ("us-0", "us-2")
+    assert all(t.copy_ms == 0.0 for t in d.candidates) and counts == {"moved": 0, "kept": 0}
+    # Without the charge a non-holder would win these two; it moved the first back to the holder.
+    d, counts = decide(0.1 * held + 5.0, THREE_QUARTERS_PINNED)
+    assert d.worker == "us-1" and counts == {"moved": 1, "kept": 0}
+    assert decide(0.2 * held - 5.0, THREE_QUARTERS_PINNED)[0].worker == "us-1"
+    d, counts = decide(0.2 * held + 5.0, THREE_QUARTERS_PINNED)
+    assert d.worker in ("us-0", "us-2") and counts == {"moved": 0, "kept": 1}
     assert {t.worker: t.copy_ms for t in d.candidates}[d.worker] == pytest.approx(0.1 * held)
 
 

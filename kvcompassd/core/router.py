@@ -45,6 +45,8 @@ from .score import JointScorer, NoEligibleWorkerError, ScoreResult, ScoreTerms, 
 # zero delay), and each hand-over re-derives the score's pruning bounds: 29 us of a response's
 # handling in the edge's request path. A rate's samples spread far wider than this.
 RESCORE_RATE_TOLERANCE = 0.01
+# Router.copy_charges' keys: a decision the copy price went to another worker, or left alone.
+COPY_MOVED, COPY_KEPT = "moved", "kept"
 
 
 def copy_pressure(pinned_share: float, floor: float) -> float:
@@ -148,6 +150,9 @@ class Router:
         self._withheld: frozenset[int] = self._unroutable
         self._last_sent = np.zeros(len(self.layout.worker_ids), dtype=np.int64)  # dispatch counter per worker
         self._sent_count = 0
+        # Decisions the copy price (score.copy_weight) was added to, by whether it moved the
+        # winner (a count for the metrics, read when scraped).
+        self.copy_charges = {COPY_MOVED: 0, COPY_KEPT: 0}
         # Responses short of their claim that the index explained, by cause (on_response).
         self.explained_shortfalls = dict.fromkeys((SHORTFALL_EVICTED, SHORTFALL_DRAM), 0)
         # A miss without local holders can only plan a migration when a remote match reaches its
@@ -393,7 +398,9 @@ class Router:
         best = int(charged.argmin())
         result = ScoreResult(best, self._worker_ids[best], result.lam, charged, self.scorer, prompt_len, matched, tier,
                              result.queue_ms, belief, self.ablation, None, True, copies)
-        return result, self._rotate_ties(result)
+        winner = self._rotate_ties(result)
+        self.copy_charges[COPY_MOVED if winner != chosen else COPY_KEPT] += 1
+        return result, winner
 
     def _rotate_ties(self, result: ScoreResult) -> int:
         chosen = result.chosen
