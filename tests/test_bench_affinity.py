@@ -1,8 +1,12 @@
-"""tools/bench_affinity.py: its command line keeps every ``--score`` setting."""
+"""tools/bench_affinity.py: its command line keeps every ``--score`` setting, and it reads the
+copy price's counts off what an edge's metrics registry really prints."""
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
 from tool_loader import load_tool
+
+from kvcompassd.metrics import EdgeMetrics
 
 
 def test_repeated_score_settings_all_count():
@@ -12,3 +16,16 @@ def test_repeated_score_settings_all_count():
     assert tool.parse_args(["--score", "copy_weight=2", "--score", "occupancy_ms_per_running=2"]).score == want
     assert tool.parse_args(["--score", "copy_weight=2", "occupancy_ms_per_running=2"]).score == want
     assert tool.parse_args([]).score == []
+
+
+def test_the_copy_counts_are_read_off_an_edges_metrics_text():
+    tool = load_tool("bench_affinity")
+    metrics = EdgeMetrics()
+    assert tool.copy_counts(generate_latest(metrics.registry).decode()) == {"moved": 0, "kept": 0, "decisions": 0}
+    counts = {"moved": 4, "kept": 7}
+    for outcome in counts:
+        metrics.copy_charged.labels(outcome).set_function(lambda o=outcome: counts[o])
+    metrics.decisions.labels("local_hit").inc(30)
+    metrics.decisions.labels("recompute").inc(12)
+    text = generate_latest(metrics.registry).decode()
+    assert tool.copy_counts(text) == {"moved": 4, "kept": 7, "decisions": 42}

@@ -13,8 +13,10 @@ Load: a closed loop POSTing ``/generate`` with one of ``--groups`` shared prefix
 not measured (the edge learns its rates in it); every worker's cache flushed before each point.
 Per factor and concurrency: req/s, latency P50/P99, prefix affinity (the share of a group's
 requests served by the group's top worker, request-weighted; 1/workers = spread evenly) and
-reuse (the share of requests whose group prefix the serving worker had cached), and the
-prefill rates the edge learned (its ``kvcompass_learned_prefill_ms_per_token`` gauge).
+reuse (the share of requests whose group prefix the serving worker had cached), the
+prefill rates the edge learned (its ``kvcompass_learned_prefill_ms_per_token`` gauge), and how
+many of the measured window's decisions the copy price (``--score copy_weight=...``) was added
+to and moved (``kvcompass_copy_charged_decisions``; 0 with the weight off, or on older code).
 
 Run it against other code (e.g. an older commit's tree) with ``PYTHONPATH`` pointing there: the
 daemons it starts inherit it.
@@ -46,6 +48,8 @@ from kvcompassd.core.config import dump_config  # noqa: E402
 from kvcompassd.launcher import DeploymentSpec  # noqa: E402
 
 _LEARNED = re.compile(r'^kvcompass_learned_prefill_ms_per_token\{worker="([^"]+)"\} (\S+)$', re.M)
+_COPY_CHARGED = re.compile(r'^kvcompass_copy_charged_decisions\{outcome="([^"]+)"\} (\S+)$', re.M)
+_DECISIONS = re.compile(r'^kvcompass_decisions_total\{outcome="[^"]+"\} (\S+)$', re.M)
 
 
 async def start(args, beta_error: float, *, score: dict | None = None,
@@ -87,10 +91,21 @@ async def start(args, beta_error: float, *, score: dict | None = None,
     return cluster, url, seeds
 
 
-async def learned_rates(url: str) -> dict[str, float]:
+async def edge_metrics(url: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return {worker: float(value) for worker, value in _LEARNED.findall(text)}
+        return await resp.text()
+
+
+def learned_rates(metrics: str) -> dict[str, float]:
+    return {worker: float(value) for worker, value in _LEARNED.findall(metrics)}
+
+
+def copy_counts(metrics: str) -> dict[str, int]:
+    """The edge's decisions so far, and those the copy price (score.copy_weight) was added to,
+    by whether it moved them: {"decisions", "moved", "kept"}."""
+    counts = {"moved": 0, "kept": 0, **{o: int(float(v)) for o, v in _COPY_CHARGED.findall(metrics)}}
+    counts["decisions"] = int(sum(float(v) for v in _DECISIONS.findall(metrics)))
+    return counts
 
 
 async def run(args) -> dict:
@@ -108,9 +123,12 @@ async def run(args) -> dict:
                     await flush_caches(worker_urls)
                     await closed_loop([url], concurrency, args.warmup, prompts, args.max_new_tokens, who)
                     load_before = os.getloadavg()[0]
+                    before = copy_counts(await edge_metrics(url))
                     r = await closed_loop([url], concurrency, args.seconds, prompts, args.max_new_tokens, who)
                     r["load"] = (load_before, os.getloadavg()[0])
-                    rates = await learned_rates(url)
+                    metrics = await edge_metrics(url)
+                    r["copy"] = {k: n - before[k] for k, n in copy_counts(metrics).items()}  # the window's own
+                    rates = learned_rates(metrics)
                     r["learned"] = median(list(rates.values())) if rates else float("nan")
                     r["learned_range"] = (min(rates.values()), max(rates.values())) if rates else (float("nan"),) * 2
                     results[(beta_error, concurrency)].append(r)
@@ -118,7 +136,9 @@ async def run(args) -> dict:
                           f"P50 {r['p50_ms']:8.2f} ms  P99 {r['p99_ms']:8.2f} ms  affinity {r['affinity']:.2f}  "
                           f"reuse {r['reuse']:.2f}  learned beta {r['learned']:.4f} "
                           f"({r['learned_range'][0]:.4f}-{r['learned_range'][1]:.4f})  errors {r['errors']}  "
-                          f"attribution mismatches {r['mismatched']}  load {r['load'][0]:.1f}->{r['load'][1]:.1f}",
+                          f"attribution mismatches {r['mismatched']}  copy price moved {r['copy']['moved']} "
+                          f"kept {r['copy']['kept']} of {r['copy']['decisions']} decisions  "
+                          f"load {r['load'][0]:.1f}->{r['load'][1]:.1f}",
                           flush=True)
             finally:
                 cluster.stop()
