@@ -368,11 +368,11 @@ class Router:
         pinned. With VRAM to spare the cache's oldest entries go first, and those are the cold
         ones (ungated, the charge concentrated groups on 16,384-token emulated workers at c = 16:
         P99 619 / 700 ms against 506 / 531; in proportion to the pinned share, whose values
-        there were 0-0.7, it cost 2 % of their throughput). A real SGLang reports no room steps but the KV its requests hold
-        (``WorkerPinnedReported``); a remote worker's share comes only from its room steps in
-        its edge's broadcasts, so a remote SGLang worker is not charged. The scores are the
-        decision's own plus the charges, so lambda and every other term stay as scored.
-        Called only where ``_copy_may_move``: the winner's VRAM is pinned past the floor."""
+        there were 0-0.7, it cost 2 % of their throughput). A real SGLang reports no room steps
+        but the KV its requests hold (``WorkerPinnedReported``); a remote worker's share comes
+        only from its room steps in its edge's broadcasts, so a remote SGLang worker is not
+        charged. The scores are the decision's own plus the charges, so lambda and every other
+        term stay as scored. Called only where ``_copy_may_move``: the winner's VRAM is pinned past the floor."""
         if result.copies is not None:
             return None
         effective = np.minimum(belief * matched, float(prompt_len))
