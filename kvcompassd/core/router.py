@@ -56,7 +56,7 @@ def copy_pressure(pinned_share: float, floor: float) -> float:
     holds the prefixes its groups use and more, so a copy evicts a cold one."""
     if pinned_share <= floor:
         return 0.0
-    return min(1.0, (pinned_share - floor) / (1.0 - floor))
+    return (pinned_share - floor) / (1.0 - floor)  # (a share is at most 1: QueueEstimates bounds it)
 
 
 @dataclass(frozen=True, slots=True)
