@@ -29,3 +29,19 @@ def test_the_copy_counts_are_read_off_an_edges_metrics_text():
     metrics.decisions.labels("recompute").inc(12)
     text = generate_latest(metrics.registry).decode()
     assert tool.copy_counts(text) == {"moved": 4, "kept": 7, "decisions": 42}
+
+
+def test_worker_balance_reads_shares_and_group_homes_busiest_first():
+    import collections
+
+    tool = load_tool("bench_edge")
+    per_group = {
+        0: collections.Counter({"w1": 6, "w2": 2}),
+        1: collections.Counter({"w1": 4, None: 3}),  # unattributed requests count for no worker
+        2: collections.Counter({"w3": 8}),
+        3: collections.Counter({None: 2}),  # a group never attributed is home to no worker
+    }
+    shares, homes = tool.worker_balance(per_group)
+    assert shares == [0.5, 0.4, 0.1]
+    assert homes == [2, 1, 0]
+    assert tool.worker_balance({}) == ([], [])

@@ -16,7 +16,9 @@ requests served by the group's top worker, request-weighted; 1/workers = spread 
 reuse (the share of requests whose group prefix the serving worker had cached), the
 prefill rates the edge learned (its ``kvcompass_learned_prefill_ms_per_token`` gauge), and how
 many of the measured window's decisions the copy price (``--score copy_weight=...``) was added
-to and moved (``kvcompass_copy_charged_decisions``; 0 with the weight off, or on older code).
+to and moved (``kvcompass_copy_charged_decisions``; 0 with the weight off, or on older code),
+and the workers' balance: each one's share of the requests and how many groups it was the top
+worker of, busiest first (``bench_edge.worker_balance``).
 
 Run it against other code (e.g. an older commit's tree) with ``PYTHONPATH`` pointing there: the
 daemons it starts inherit it.
@@ -138,6 +140,8 @@ async def run(args) -> dict:
                           f"({r['learned_range'][0]:.4f}-{r['learned_range'][1]:.4f})  errors {r['errors']}  "
                           f"attribution mismatches {r['mismatched']}  copy price moved {r['copy']['moved']} "
                           f"kept {r['copy']['kept']} of {r['copy']['decisions']} decisions  "
+                          f"worker shares {'/'.join(f'{x:.2f}' for x in r['worker_shares'])} "
+                          f"(groups {'/'.join(map(str, r['groups_per_worker']))})  "
                           f"load {r['load'][0]:.1f}->{r['load'][1]:.1f}",
                           flush=True)
             finally:

@@ -166,6 +166,7 @@ async def closed_loop(urls: list[str], concurrency: int, seconds: float, prompts
             mismatched += 1
         per_group[group][worker] += 1
     top = sum(c.most_common(1)[0][1] for c in per_group.values())
+    shares, homes = worker_balance(per_group)
     return {
         "requests": len(latencies),
         "rps": len(latencies) / elapsed,
@@ -175,7 +176,26 @@ async def closed_loop(urls: list[str], concurrency: int, seconds: float, prompts
         "reuse": sum(c >= prompts.shared_tokens for c in cached) / max(1, len(cached)),
         "errors": errors,
         "mismatched": mismatched,
+        "worker_shares": shares,
+        "groups_per_worker": homes,
     }
+
+
+def worker_balance(per_group: dict[int, collections.Counter]) -> tuple[list[float], list[int]]:
+    """How the load fell on the workers, busiest first: each worker's share of the requests, and
+    how many groups had it as their top worker (under cache pressure a worker that is home to
+    more groups than its share keeps more prefixes pinned and spreads them). Unattributed
+    requests (worker None) count in no worker's share; a group's ties go to the worker seen first."""
+    served: collections.Counter = collections.Counter()
+    homes: collections.Counter = collections.Counter()
+    for counts in per_group.values():
+        attributed = {w: n for w, n in counts.items() if w is not None}
+        served.update(attributed)
+        if attributed:
+            homes[max(attributed, key=attributed.__getitem__)] += 1
+    total = sum(served.values())
+    shares = sorted((n / total for n in served.values()), reverse=True) if total else []
+    return shares, sorted((homes[w] for w in served), reverse=True)
 
 
 async def flush_caches(worker_urls: list[str]) -> None:
