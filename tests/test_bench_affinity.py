@@ -3,6 +3,8 @@ copy price's counts off what an edge's metrics registry really prints."""
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import generate_latest
 from tool_loader import load_tool
 
@@ -32,8 +34,6 @@ def test_the_copy_counts_are_read_off_an_edges_metrics_text():
 
 
 def test_worker_balance_reads_shares_and_group_homes_busiest_first():
-    import collections
-
     tool = load_tool("bench_edge")
     per_group = {
         0: collections.Counter({"w1": 6, "w2": 2}),

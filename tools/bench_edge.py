@@ -185,7 +185,8 @@ def worker_balance(per_group: dict[int, collections.Counter]) -> tuple[list[floa
     """How the load fell on the workers, busiest first: each worker's share of the requests, and
     how many groups had it as their top worker (under cache pressure a worker that is home to
     more groups than its share keeps more prefixes pinned and spreads them). Unattributed
-    requests (worker None) count in no worker's share; a group's ties go to the worker seen first."""
+    requests (worker None) count in no worker's share, a worker that served none is not listed, and
+    a group's ties go to the worker seen first."""
     served: collections.Counter = collections.Counter()
     homes: collections.Counter = collections.Counter()
     for counts in per_group.values():
