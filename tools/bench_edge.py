@@ -183,10 +183,10 @@ async def closed_loop(urls: list[str], concurrency: int, seconds: float, prompts
 
 def worker_balance(per_group: dict[int, collections.Counter]) -> tuple[list[float], list[int]]:
     """How the load fell on the workers, busiest first: each worker's share of the requests, and
-    how many groups had it as their top worker (under cache pressure a worker that is home to
-    more groups than its share keeps more prefixes pinned and spreads them). Unattributed
-    requests (worker None) count in no worker's share, a worker that served none is not listed, and
-    a group's ties go to the worker seen first."""
+    how many groups had it as their top worker (to tell groups placed unevenly from groups
+    spread over several workers). Unattributed requests (worker None) count in no worker's
+    share, a worker that served none is not listed, and a group's ties go to the worker seen
+    first."""
     served: collections.Counter = collections.Counter()
     homes: collections.Counter = collections.Counter()
     for counts in per_group.values():
